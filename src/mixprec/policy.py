@@ -1,0 +1,290 @@
+"""Precision policies: which dtype holds the parameters, which one computes, and how updates land.
+
+A :class:`Policy` is a frozen dataclass. Build one from a preset name or a ``key=value`` text
+with :meth:`Policy.parse`; ``str(policy)`` gives canonical text that parses back to an equal
+policy. The design follows jmp's ``Policy`` (param / compute / output dtypes, string constructor)
+and adds the fields mixed-precision training needs: master weights, rounding of updates,
+optimizer-state dtype, loss scaling, modules kept in fp32 and an fp8 recipe.
+
+Presets (bytes per parameter of training state with AdamW: params + grads + masters + the two
+moments + any compensation buffer):
+
+==============  ======  =======  ======  ==========  ==========  ===========
+preset          params  compute  master  rounding    loss scale  bytes/param
+==============  ======  =======  ======  ==========  ==========  ===========
+``fp32``        fp32    fp32     --      nearest     none        16
+``bf16-mixed``  fp32    bf16     --      nearest     none        16
+``fp16-mixed``  fp32    fp16     --      nearest     dynamic     16
+``bf16-pure``   bf16    bf16     fp32    nearest     none        18 (2 + 4 grad_fp32 + 4 + 8)
+``fp16-pure``   fp16    fp16     fp32    nearest     dynamic     18
+``bf16-kahan``  bf16    bf16     --      kahan       none        14 (2 + 2 + 8 + 2 compensation)
+``bf16-sr``     bf16    bf16     --      stochastic  none        12 (2 + 2 + 8)
+``fp8-mixed``   fp32    bf16 + fp8 linears  --  nearest  none      16
+``auto``        resolved per device by :func:`mixprec.resolve_policy`
+==============  ======  =======  ======  ==========  ==========  ===========
+
+Text form: a preset name, optionally followed by overrides, e.g. ``"bf16-kahan,state=bf16"``,
+or only keys: ``"params=bf16,compute=bf16,master=fp32"`` (unspecified keys take the ``fp32``
+preset's values). Keys: ``params``, ``compute``, ``output``, ``master``, ``rounding``,
+``state``, ``loss_scale``, ``keep_fp32`` (glob patterns joined by ``|``), ``fp8`` (recipe name,
+alias ``recipe``).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+from dataclasses import dataclass
+from typing import Any, Union
+
+import torch
+
+from mixprec.formats import get_format
+
+__all__ = ["Policy", "PRESETS", "ROUNDINGS", "FP8_RECIPES"]
+
+ROUNDINGS = ("nearest", "kahan", "stochastic")
+FP8_RECIPES = ("tensorwise", "rowwise", "delayed")
+_COMPUTE_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
+_HALF_DTYPES = (torch.bfloat16, torch.float16)
+
+LossScaleSpec = Union[str, float]
+
+
+def _dtype_name(dtype: torch.dtype | None) -> str:
+    return "none" if dtype is None else get_format(dtype).name
+
+
+def _parse_dtype(key: str, text: str, allowed: tuple[torch.dtype, ...], allow_none: bool = False):
+    names = [_dtype_name(d) for d in allowed] + (["none"] if allow_none else [])
+    if allow_none and text.strip().lower() in ("none", "-", ""):
+        return None
+    try:
+        dtype = get_format(text).dtype
+    except ValueError:
+        dtype = None
+    if dtype not in allowed:
+        raise ValueError(f"policy key {key}={text!r} is not allowed; choose one of {names}")
+    return dtype
+
+
+def _loss_scale_text(value: LossScaleSpec) -> str:
+    return value if isinstance(value, str) else repr(float(value))
+
+
+@dataclass(frozen=True)
+class Policy:
+    """A mixed-precision policy (frozen; use :meth:`replace` to derive a new one).
+
+    Attributes:
+        param_dtype: dtype the model's parameters are stored in (fp32, bf16, fp16).
+        compute_dtype: dtype autocast computes matmuls/convs in (fp32 = autocast off).
+        output_dtype: dtype the model's floating outputs are returned in.
+        master_dtype: ``torch.float32`` to keep an fp32 master copy of 16-bit params
+            (Apex O2 style), or ``None``.
+        rounding: how an fp32 update is written into 16-bit params without a master copy:
+            ``"nearest"``, ``"kahan"`` (compensated summation) or ``"stochastic"`` (bf16 only).
+        state_dtype: dtype of optimizer state (moments, momentum); fp32 by default.
+        loss_scale: ``"dynamic"``, ``"none"`` or a positive number (static scale).
+        keep_fp32: glob patterns of module qualified names that keep fp32 params and run
+            with autocast disabled.
+        fp8: ``None`` or an fp8 recipe name (``"tensorwise"``, ``"rowwise"``, ``"delayed"``)
+            for linears.
+
+    Raises:
+        ValueError: an inconsistent combination, naming the field, the value and the fix.
+    """
+
+    param_dtype: torch.dtype = torch.float32
+    compute_dtype: torch.dtype = torch.float32
+    output_dtype: torch.dtype = torch.float32
+    master_dtype: torch.dtype | None = None
+    rounding: str = "nearest"
+    state_dtype: torch.dtype = torch.float32
+    loss_scale: LossScaleSpec = "none"
+    keep_fp32: tuple[str, ...] = ()
+    fp8: str | None = None
+
+    def __post_init__(self) -> None:
+        for name in ("param_dtype", "compute_dtype", "output_dtype", "state_dtype"):
+            value = getattr(self, name)
+            if value not in _COMPUTE_DTYPES:
+                raise ValueError(f"Policy {name}={value!r} is not allowed; "
+                                 f"choose one of {[_dtype_name(d) for d in _COMPUTE_DTYPES]}")
+        if self.master_dtype not in (None, torch.float32):
+            raise ValueError(f"Policy master_dtype={self.master_dtype!r} is not allowed; "
+                             "use torch.float32 (fp32 master weights) or None")
+        if self.master_dtype is not None and self.param_dtype == torch.float32:
+            raise ValueError("Policy master_dtype=fp32 with param_dtype=fp32 is redundant: "
+                             "fp32 params are their own masters; set master=none")
+        if self.rounding not in ROUNDINGS:
+            raise ValueError(f"Policy rounding={self.rounding!r} is not allowed; choose one of {ROUNDINGS}")
+        if self.rounding != "nearest":
+            if self.param_dtype not in _HALF_DTYPES:
+                raise ValueError(f"Policy rounding={self.rounding!r} needs 16-bit params, got "
+                                 f"params={_dtype_name(self.param_dtype)}; use rounding=nearest")
+            if self.master_dtype is not None:
+                raise ValueError(f"Policy rounding={self.rounding!r} replaces master weights; "
+                                 "set master=none or rounding=nearest")
+        if self.rounding == "stochastic" and self.param_dtype != torch.bfloat16:
+            raise ValueError("Policy rounding='stochastic' is implemented for bf16 params only; "
+                             f"got params={_dtype_name(self.param_dtype)}; use rounding=kahan")
+        if isinstance(self.loss_scale, bool) or not isinstance(self.loss_scale, (str, int, float)):
+            raise TypeError(f"Policy loss_scale={self.loss_scale!r} must be 'dynamic', 'none' or a number")
+        if isinstance(self.loss_scale, str) and self.loss_scale not in ("dynamic", "none"):
+            raise ValueError(f"Policy loss_scale={self.loss_scale!r} is not allowed; "
+                             "use 'dynamic', 'none' or a positive number")
+        if not isinstance(self.loss_scale, str):
+            if not (math.isfinite(self.loss_scale) and self.loss_scale > 0):
+                raise ValueError(f"Policy loss_scale={self.loss_scale!r} must be a finite number > 0")
+        if not isinstance(self.keep_fp32, tuple) or not all(isinstance(p, str) and p for p in self.keep_fp32):
+            raise TypeError(f"Policy keep_fp32={self.keep_fp32!r} must be a tuple of non-empty "
+                            "glob strings, e.g. ('head', 'blocks.*.ln*')")
+        for pattern in self.keep_fp32:
+            if any(c in pattern for c in ",=| "):
+                raise ValueError(f"Policy keep_fp32 pattern {pattern!r} may not contain ',', '=', '|' or spaces")
+        if self.fp8 is not None and self.fp8 not in FP8_RECIPES:
+            raise ValueError(f"Policy fp8={self.fp8!r} is not allowed; choose None or one of {FP8_RECIPES}")
+
+    # ------------------------------------------------------------------ derived facts
+    @property
+    def is_mixed(self) -> bool:
+        """True when the compute dtype differs from fp32 (autocast is on)."""
+        return self.compute_dtype != torch.float32
+
+    @property
+    def has_masters(self) -> bool:
+        return self.master_dtype is not None and self.param_dtype != torch.float32
+
+    def bytes_per_param(self, optimizer_states: int = 2) -> int:
+        """Training-state bytes per (trainable) parameter, from the policy alone.
+
+        ``optimizer_states`` is the number of state tensors per parameter (AdamW: 2, SGD with
+        momentum: 1, plain SGD: 0). Gradients live in fp32 whenever masters exist (they are
+        accumulated there); compensation buffers add one param-dtype tensor under Kahan.
+        """
+        p = self.param_dtype.itemsize
+        if self.has_masters:
+            total = p + 4 + self.master_dtype.itemsize
+        else:
+            total = p + p  # params + grads in param dtype
+        total += optimizer_states * self.state_dtype.itemsize
+        if self.rounding == "kahan":
+            total += p
+        return total
+
+    def replace(self, **changes: Any) -> "Policy":
+        """A copy with ``changes`` applied (validated like the constructor)."""
+        return dataclasses.replace(self, **changes)
+
+    # ------------------------------------------------------------------ text form
+    @classmethod
+    def parse(cls, text: "str | Policy") -> "Policy":
+        """Parse a preset name and/or ``key=value`` overrides (see the module docstring).
+
+        Raises:
+            ValueError: unknown preset or key, bad value; the message lists what is allowed.
+            TypeError: ``text`` is neither a string nor a Policy.
+        """
+        if isinstance(text, Policy):
+            return text
+        if not isinstance(text, str):
+            raise TypeError(f"policy must be a preset name, 'key=value,...' text or a Policy; got {text!r}")
+        parts = [p.strip() for p in text.split(",") if p.strip()]
+        if not parts:
+            raise ValueError(f"policy {text!r} is empty; choose a preset from {sorted(PRESETS)} or 'key=value,...'")
+        base = PRESETS["fp32"]
+        if "=" not in parts[0]:
+            name = parts.pop(0).lower()
+            if name == "auto":
+                raise ValueError("policy 'auto' depends on the device; resolve it with "
+                                 "mixprec.resolve_policy('auto', device)")
+            if name not in PRESETS:
+                raise ValueError(f"policy preset {name!r} is not known; choose one of "
+                                 f"{sorted(PRESETS) + ['auto']} or give 'key=value,...'")
+            base = PRESETS[name]
+        changes: dict[str, Any] = {}
+        for part in parts:
+            if "=" not in part:
+                raise ValueError(f"policy part {part!r} in {text!r} is not 'key=value'; a preset name "
+                                 f"may only come first; keys: {sorted(_KEYS)}")
+            key, _, value = part.partition("=")
+            key, value = key.strip().lower(), value.strip()
+            if key not in _KEYS:
+                raise ValueError(f"policy key {key!r} in {text!r} is not known; choose from {sorted(_KEYS)}")
+            field, parse_value = _KEYS[key]
+            changes[field] = parse_value(key, value)
+        return dataclasses.replace(base, **changes)
+
+    def __str__(self) -> str:
+        for name, preset in PRESETS.items():
+            if preset == self:
+                return name
+        items = [
+            ("params", _dtype_name(self.param_dtype)),
+            ("compute", _dtype_name(self.compute_dtype)),
+            ("output", _dtype_name(self.output_dtype)),
+            ("master", _dtype_name(self.master_dtype)),
+            ("rounding", self.rounding),
+            ("state", _dtype_name(self.state_dtype)),
+            ("loss_scale", _loss_scale_text(self.loss_scale)),
+            ("keep_fp32", "|".join(self.keep_fp32)),
+            ("fp8", self.fp8 or "none"),
+        ]
+        return ",".join(f"{k}={v}" for k, v in items)
+
+
+def _parse_loss_scale(key: str, text: str) -> LossScaleSpec:
+    low = text.lower()
+    if low in ("dynamic", "none"):
+        return low
+    try:
+        value = float(text)
+    except ValueError:
+        raise ValueError(f"policy key {key}={text!r} is not allowed; use 'dynamic', 'none' or a number") from None
+    return value
+
+
+def _parse_rounding(key: str, text: str) -> str:
+    if text.lower() not in ROUNDINGS:
+        raise ValueError(f"policy key {key}={text!r} is not allowed; choose one of {ROUNDINGS}")
+    return text.lower()
+
+
+def _parse_keep(key: str, text: str) -> tuple[str, ...]:
+    return tuple(p for p in text.split("|") if p)
+
+
+def _parse_fp8(key: str, text: str) -> str | None:
+    low = text.lower()
+    if low in ("none", ""):
+        return None
+    if low not in FP8_RECIPES:
+        raise ValueError(f"policy key {key}={text!r} is not allowed; choose one of {FP8_RECIPES} or none")
+    return low
+
+
+_KEYS = {
+    "params": ("param_dtype", lambda k, v: _parse_dtype(k, v, _COMPUTE_DTYPES)),
+    "compute": ("compute_dtype", lambda k, v: _parse_dtype(k, v, _COMPUTE_DTYPES)),
+    "output": ("output_dtype", lambda k, v: _parse_dtype(k, v, _COMPUTE_DTYPES)),
+    "master": ("master_dtype", lambda k, v: _parse_dtype(k, v, (torch.float32,), allow_none=True)),
+    "rounding": ("rounding", _parse_rounding),
+    "state": ("state_dtype", lambda k, v: _parse_dtype(k, v, _COMPUTE_DTYPES)),
+    "loss_scale": ("loss_scale", _parse_loss_scale),
+    "keep_fp32": ("keep_fp32", _parse_keep),
+    "fp8": ("fp8", _parse_fp8),
+    "recipe": ("fp8", _parse_fp8),
+}
+
+_bf16, _fp16, _fp32 = torch.bfloat16, torch.float16, torch.float32
+PRESETS: dict[str, Policy] = {
+    "fp32": Policy(),
+    "bf16-mixed": Policy(compute_dtype=_bf16),
+    "fp16-mixed": Policy(compute_dtype=_fp16, loss_scale="dynamic"),
+    "bf16-pure": Policy(param_dtype=_bf16, compute_dtype=_bf16, master_dtype=_fp32),
+    "fp16-pure": Policy(param_dtype=_fp16, compute_dtype=_fp16, master_dtype=_fp32, loss_scale="dynamic"),
+    "bf16-kahan": Policy(param_dtype=_bf16, compute_dtype=_bf16, rounding="kahan"),
+    "bf16-sr": Policy(param_dtype=_bf16, compute_dtype=_bf16, rounding="stochastic"),
+    "fp8-mixed": Policy(compute_dtype=_bf16, fp8="tensorwise"),
+}
