@@ -1,0 +1,471 @@
+"""The training-step engine: ``MixedPrecision`` and ``StepResult``.
+
+One object owns the whole mixed-precision step lifecycle so that no call can come twice or
+be forgotten (the classic ``unscale_``/``update`` misuse of torch.amp.GradScaler)::
+
+    mp = mixprec.MixedPrecision(model, optimizer, policy="auto")
+    for batch in loader:
+        batch = mp.cast_inputs(batch)
+        with mp.autocast():
+            loss = loss_fn(mp.model(batch), batch)
+        mp.backward(loss)
+        result = mp.step()          # None between accumulation boundaries
+
+``step()`` at an accumulation boundary: unscale once → global grad norm in fp32 on unscaled
+grads → clip → finite check (on device) → optimizer step or skip → loss-scale update →
+scheduler stepped only on applied steps → grads zeroed → masters rounded into params.
+Host syncs: exactly one per boundary (reading the found-inf flag to decide whether the
+optimizer and scheduler step, as torch.amp.GradScaler.step does), plus one more on a skipped
+step (to tell an overflow from a non-finite loss). ``StepResult.loss_scale`` and
+``.grad_norm`` are device tensors read lazily: reading them syncs.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import fnmatch
+import logging
+import warnings
+from collections.abc import Iterator
+from contextlib import contextmanager
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+from torch import nn
+
+from mixprec.devices import Resolution, resolve
+from mixprec.loss_scale import from_spec as loss_scale_from_spec
+from mixprec.masters import MasterWeights
+from mixprec.policy import Policy
+
+__all__ = ["MixedPrecision", "StepResult", "DivergenceError", "cast_floating"]
+
+log = logging.getLogger("mixprec")
+
+
+class DivergenceError(RuntimeError):
+    """Training cannot continue: non-finite values that loss scaling cannot fix, or a guard gave up."""
+
+
+@dataclass(frozen=True)
+class StepResult:
+    """What one optimizer-step boundary did.
+
+    ``applied`` is a host bool (already synced by ``step()``). ``loss_scale`` and ``grad_norm``
+    (fp32, of the unscaled gradients, before clipping) are read from device tensors on access:
+    **reading them syncs the host with the device**.
+    """
+
+    applied: bool
+    skipped_reason: str | None      # None, "overflow" (loss scaling backs off) or "nonfinite"
+    step: int                       # applied optimizer steps so far
+    skipped_total: int
+    loss_scale_t: torch.Tensor = field(repr=False)
+    grad_norm_t: torch.Tensor = field(repr=False)
+    rolled_back: bool = False
+    escalated: bool = False
+
+    @property
+    def loss_scale(self) -> float:
+        return float(self.loss_scale_t)
+
+    @property
+    def grad_norm(self) -> float:
+        return float(self.grad_norm_t)
+
+
+def cast_floating(tree: Any, dtype: torch.dtype | None, device: torch.device | None = None) -> Any:
+    """Cast floating tensors in ``tree`` to ``dtype`` (and move every tensor to ``device``).
+
+    Integer and bool tensors keep their dtype (token ids stay exact). Walks dicts (incl. their
+    subclasses such as transformers' ``ModelOutput``), lists, tuples, namedtuples and
+    dataclass instances; anything else is returned unchanged. No host sync.
+    """
+    if isinstance(tree, torch.Tensor):
+        if tree.is_floating_point() and dtype is not None and tree.dtype != dtype:
+            return tree.to(device=device, dtype=dtype)
+        return tree.to(device) if device is not None else tree
+    if isinstance(tree, dict):
+        items = {k: cast_floating(v, dtype, device) for k, v in tree.items()}
+        try:
+            return type(tree)(**items) if type(tree) is not dict else items
+        except TypeError:
+            return items
+    if isinstance(tree, tuple) and hasattr(tree, "_fields"):
+        return type(tree)(*(cast_floating(v, dtype, device) for v in tree))
+    if isinstance(tree, (list, tuple)):
+        return type(tree)(cast_floating(v, dtype, device) for v in tree)
+    if dataclasses.is_dataclass(tree) and not isinstance(tree, type):
+        return dataclasses.replace(tree, **{f.name: cast_floating(getattr(tree, f.name), dtype, device)
+                                            for f in dataclasses.fields(tree) if f.init})
+    return tree
+
+
+class _Fp32Region:
+    """Forward pre/post hooks that run one module with autocast off and fp32 inputs.
+
+    A picklable object (no closures), so a prepared model still pickles and deep-copies.
+    """
+
+    def __init__(self, device_type: str, out_dtype: torch.dtype | None) -> None:
+        self.device_type = device_type
+        self.out_dtype = out_dtype
+        self._stack: list[torch.autocast] = []
+
+    def __getstate__(self):
+        return {"device_type": self.device_type, "out_dtype": self.out_dtype, "_stack": []}
+
+    def pre(self, module: nn.Module, args: tuple, kwargs: dict):
+        ctx = torch.autocast(self.device_type, enabled=False)
+        ctx.__enter__()
+        self._stack.append(ctx)
+        return cast_floating(args, torch.float32), cast_floating(kwargs, torch.float32)
+
+    def post(self, module: nn.Module, args: tuple, kwargs: dict, output: Any):
+        self._stack.pop().__exit__(None, None, None)
+        return cast_floating(output, self.out_dtype) if self.out_dtype is not None else output
+
+
+class _OutputCast:
+    """Forward hook on the root module casting floating outputs to the policy's output dtype."""
+
+    def __init__(self, dtype: torch.dtype) -> None:
+        self.dtype = dtype
+
+    def __call__(self, module: nn.Module, args: tuple, output: Any):
+        return cast_floating(output, self.dtype)
+
+
+class MixedPrecision:
+    """Train ``model`` with ``optimizer`` under a precision policy on a device.
+
+    Args:
+        model: any ``nn.Module`` with fp32 parameters (moved to ``device``; 16-bit policies cast
+            its parameters in place — the same ``Parameter`` objects, so the optimizer stays valid).
+        optimizer: built on ``model.parameters()`` before any step. Under policies with fp32
+            masters it is rebound to the masters. Under ``kahan``/``stochastic`` rounding it must
+            be a :mod:`mixprec.optim` optimizer.
+        policy: ``"auto"``, a preset name, ``key=value`` text or a :class:`~mixprec.Policy`.
+        device: ``"cpu"``, ``"cuda"``, ``"cuda:1"``, ``"mps"``, a ``torch.device`` or None (best).
+        scheduler: an LR scheduler stepped once per *applied* optimizer step.
+        max_grad_norm: clip the global gradient norm (computed in fp32 on unscaled grads).
+        accumulation_steps: micro-batches per optimizer step; the loss is divided by it.
+        loss_scale: override the policy's loss scaling: ``"dynamic"``, ``"none"``, a number or a
+            loss-scale object from :mod:`mixprec.loss_scale`.
+        allow_fallback: let an unrunnable policy fall back (recorded in ``decision``).
+        max_stuck_skips: consecutive skipped steps with the loss scale at its floor (or, without
+            dynamic scaling, consecutive non-finite steps) after which ``step()`` raises
+            :class:`DivergenceError` explaining whether grads held inf or NaN and whether the
+            loss itself was non-finite.
+        guard: an object with ``after_step(mp, result) -> StepResult`` (see :class:`mixprec.Guard`).
+
+    Attributes:
+        model, optimizer, scheduler, policy, device, decision (one line: how the policy was chosen).
+
+    Raises:
+        ValueError / TypeError: bad arguments; a parameter in an unexpected dtype (named);
+            an optimizer that would keep 16-bit state.
+        RuntimeError: the optimizer already stepped.
+    """
+
+    def __init__(self, model: nn.Module, optimizer: torch.optim.Optimizer, policy: str | Policy = "auto",
+                 device: str | torch.device | None = None, scheduler: Any = None,
+                 max_grad_norm: float | None = None, accumulation_steps: int = 1,
+                 loss_scale: Any = None, *, allow_fallback: bool = False, max_stuck_skips: int = 20,
+                 guard: Any = None) -> None:
+        if not isinstance(model, nn.Module):
+            raise TypeError(f"model must be a torch.nn.Module, got {type(model).__name__}")
+        if not isinstance(optimizer, torch.optim.Optimizer):
+            raise TypeError(f"optimizer must be a torch.optim.Optimizer, got {type(optimizer).__name__}")
+        if isinstance(accumulation_steps, bool) or not isinstance(accumulation_steps, int) or accumulation_steps < 1:
+            raise ValueError(f"accumulation_steps={accumulation_steps!r} must be an int >= 1")
+        if max_grad_norm is not None and not (float(max_grad_norm) > 0):
+            raise ValueError(f"max_grad_norm={max_grad_norm!r} must be > 0 or None (no clipping)")
+        if not isinstance(max_stuck_skips, int) or max_stuck_skips < 1:
+            raise ValueError(f"max_stuck_skips={max_stuck_skips!r} must be an int >= 1")
+        resolution: Resolution = resolve(policy, device, allow_fallback=allow_fallback)
+        self.policy: Policy = resolution.policy
+        self.device: torch.device = resolution.device
+        self.decision: str = resolution.decision
+        if self.policy.fp8 is not None:
+            raise ValueError(f"policy {self.policy} asks for fp8 linears (fp8={self.policy.fp8!r}), which this "
+                             "version of mixprec does not implement yet; use bf16-mixed")
+        self.model = model
+        self.optimizer = optimizer
+        self.scheduler = scheduler
+        self.max_grad_norm = None if max_grad_norm is None else float(max_grad_norm)
+        self.accumulation_steps = accumulation_steps
+        self.max_stuck_skips = max_stuck_skips
+        self.guard = guard
+        self.events: list[dict] = []
+        self._hooks: list[Any] = []
+
+        self.loss_scale = self._make_loss_scale(loss_scale)
+        self._check_param_dtypes()
+        model.to(self.device)
+        keep = self._keep_fp32_modules()
+        keep_params = {id(p) for m in keep.values() for p in m.parameters()}
+        params = list(model.parameters())
+        half = {id(p) for p in params
+                if self.policy.param_dtype != torch.float32 and id(p) not in keep_params and p.is_floating_point()}
+        self.masters = MasterWeights(params, half if self.policy.has_masters else set())
+        with torch.no_grad():
+            for p in params:
+                if id(p) in half:
+                    p.data = p.data.to(self.policy.param_dtype)
+        if self.policy.has_masters:
+            self.masters.rebind(optimizer)
+        self._configure_optimizer()
+        self._install_hooks(keep)
+
+        self.micro_step = 0          # backward() calls since the last boundary
+        self.applied_steps = 0
+        self.skipped_total = 0
+        self.boundaries = 0          # step() boundaries reached (applied + skipped)
+        self._last_loss: torch.Tensor | None = None
+        log.info("mixprec: %s", self.decision)
+
+    # ------------------------------------------------------------------ setup
+    def _make_loss_scale(self, override: Any):
+        spec = self.policy.loss_scale if override is None else override
+        ls = spec if hasattr(spec, "unscale_") else loss_scale_from_spec(spec)
+        if ls.enabled and self.policy.compute_dtype == torch.bfloat16 and self.policy.param_dtype != torch.float16:
+            warnings.warn(f"loss scaling is on ({type(ls).__name__}) under a bf16 policy ({self.policy}): bf16 has "
+                          "fp32's exponent range, so scaling does nothing useful; drop loss_scale=...",
+                          stacklevel=3)
+        return ls.to(self.device)
+
+    def _check_param_dtypes(self) -> None:
+        allowed = {torch.float32, self.policy.param_dtype}
+        wrong = [(n, p.dtype) for n, p in self.model.named_parameters()
+                 if p.is_floating_point() and p.dtype not in allowed]
+        if wrong:
+            names = ", ".join(f"{n} ({str(d).replace('torch.', '')})" for n, d in wrong[:5])
+            more = f" and {len(wrong) - 5} more" if len(wrong) > 5 else ""
+            raise ValueError(f"policy {self.policy} keeps parameters in {str(self.policy.param_dtype).replace('torch.', '')}"
+                             f" and casts them itself, but the model already holds {names}{more} (case: a stray "
+                             "half-precision layer). Fix: call model.float() before building MixedPrecision; the "
+                             "policy decides what is stored in 16 bits (use a '-pure' policy for 16-bit params "
+                             "with fp32 masters)")
+
+    def _keep_fp32_modules(self) -> dict[str, nn.Module]:
+        if not self.policy.keep_fp32:
+            return {}
+        found = {name: m for name, m in self.model.named_modules()
+                 if name and any(fnmatch.fnmatchcase(name, pat) for pat in self.policy.keep_fp32)}
+        unmatched = [pat for pat in self.policy.keep_fp32
+                     if not any(fnmatch.fnmatchcase(n, pat) for n in found)]
+        if unmatched:
+            raise ValueError(f"policy keep_fp32 patterns {unmatched} match no module of the model; module names "
+                             f"look like {[n for n, _ in self.model.named_modules() if n][:8]}")
+        # drop modules nested in another kept module: the outer region already covers them
+        return {n: m for n, m in found.items() if not any(n.startswith(o + ".") for o in found if o != n)}
+
+    def _configure_optimizer(self) -> None:
+        policy, opt = self.policy, self.optimizer
+        if hasattr(opt, "set_precision"):      # a mixprec.optim optimizer
+            if getattr(opt, "precision_explicit", False):
+                if opt.rounding != policy.rounding or opt.state_dtype != policy.state_dtype:
+                    raise ValueError(f"optimizer was built with rounding={opt.rounding!r}, state_dtype={opt.state_dtype} "
+                                     f"but the policy {policy} says rounding={policy.rounding!r}, state_dtype="
+                                     f"{policy.state_dtype}; drop the optimizer's explicit arguments or change the policy")
+            else:
+                opt.set_precision(rounding=policy.rounding, state_dtype=policy.state_dtype)
+            return
+        # a stock torch optimizer keeps state in its params' dtype and rounds to nearest
+        if policy.rounding != "nearest":
+            raise ValueError(f"policy {policy} writes updates with rounding={policy.rounding!r}, which "
+                             f"{type(opt).__name__} cannot do; use mixprec.optim.AdamW / mixprec.optim.SGD")
+        stepped_dtypes = {p.dtype for g in opt.param_groups for p in g["params"]}
+        if stepped_dtypes - {torch.float32}:
+            raise ValueError(f"{type(opt).__name__} would keep its state in {sorted(map(str, stepped_dtypes))} "
+                             f"under policy {policy} (16-bit params, no master weights): small moments round away. "
+                             "Fix: use mixprec.optim.AdamW (fp32 state and math), or master=fp32 (e.g. bf16-pure)")
+        if policy.state_dtype != torch.float32:
+            raise ValueError(f"policy {policy} asks for state={policy.state_dtype}, which "
+                             f"{type(opt).__name__} cannot do; use mixprec.optim.AdamW / SGD")
+
+    def _install_hooks(self, keep: dict[str, nn.Module]) -> None:
+        region_out = self.policy.param_dtype if self.policy.param_dtype != torch.float32 else None
+        for module in keep.values():
+            region = _Fp32Region(self.device.type, region_out)
+            self._hooks.append(module.register_forward_pre_hook(region.pre, with_kwargs=True))
+            self._hooks.append(module.register_forward_hook(region.post, with_kwargs=True, always_call=True))
+        if self.policy.is_mixed or self.policy.param_dtype != torch.float32:
+            self._hooks.append(self.model.register_forward_hook(_OutputCast(self.policy.output_dtype)))
+
+    def unwrap(self) -> nn.Module:
+        """Remove every hook the engine installed and return the user's model (params as stored)."""
+        for handle in self._hooks:
+            handle.remove()
+        self._hooks.clear()
+        return self.model
+
+    # ------------------------------------------------------------------ the step
+    @contextmanager
+    def autocast(self) -> Iterator[None]:
+        """``torch.autocast`` for this device type and the policy's compute dtype (off for fp32)."""
+        with torch.autocast(self.device.type, dtype=self.policy.compute_dtype, enabled=self.policy.is_mixed):
+            yield
+
+    def cast_inputs(self, batch: Any) -> Any:
+        """Move ``batch`` to the device; cast its floating tensors to the param dtype.
+
+        Integer/bool tensors are unchanged; nested dicts, lists, tuples and dataclasses are walked.
+        """
+        return cast_floating(batch, self.policy.param_dtype, self.device)
+
+    def backward(self, loss: torch.Tensor) -> None:
+        """Scale ``loss``, divide by ``accumulation_steps`` and backpropagate; no host sync.
+
+        Raises:
+            RuntimeError: more ``backward()`` calls than ``accumulation_steps`` without ``step()``.
+            ValueError: ``loss`` is not a scalar floating tensor that requires grad.
+        """
+        if not isinstance(loss, torch.Tensor) or loss.numel() != 1 or not loss.is_floating_point():
+            raise ValueError(f"loss must be a scalar floating tensor, got {type(loss).__name__} "
+                             f"{getattr(loss, 'shape', '')}")
+        if self.micro_step >= self.accumulation_steps:
+            raise RuntimeError(f"backward() called {self.micro_step + 1} times since the last step() with "
+                               f"accumulation_steps={self.accumulation_steps}; call mp.step() after each backward() "
+                               "(it returns None until the accumulation boundary)")
+        self._last_loss = loss.detach()
+        if self.accumulation_steps > 1:
+            loss = loss / self.accumulation_steps
+        self.loss_scale.scale_loss(loss).backward()
+        self.micro_step += 1
+        self.masters.accumulate_grads()
+
+    def _grads(self) -> list[torch.Tensor]:
+        return [p.grad for group in self.optimizer.param_groups for p in group["params"] if p.grad is not None]
+
+    def step(self) -> StepResult | None:
+        """Finish a micro-batch; at an accumulation boundary, update (or skip) and return a result.
+
+        Host syncs: one per boundary (found-inf flag), one more on a skipped step.
+
+        Raises:
+            RuntimeError: no ``backward()`` since the last step.
+            DivergenceError: ``max_stuck_skips`` consecutive skips at the loss-scale floor.
+        """
+        if self.micro_step == 0:
+            raise RuntimeError("step() called without backward() since the last step; call mp.backward(loss) first")
+        if self.micro_step < self.accumulation_steps:
+            return None
+        grads = self._grads()
+        found_inf = self.loss_scale.unscale_(grads)
+        grad_norm = _global_norm_fp32(grads)
+        if self.max_grad_norm is not None:
+            _clip_(grads, grad_norm, self.max_grad_norm)
+        scale_before = self.loss_scale.scale.detach().clone()
+        applied = not bool(found_inf.item())  # the one host sync of the step
+        reason = None
+        if applied:
+            self.optimizer.step()
+            self.applied_steps += 1
+            if self.scheduler is not None:
+                self.scheduler.step()
+        else:
+            self.skipped_total += 1
+            loss_finite = self._last_loss is None or bool(torch.isfinite(self._last_loss).all())
+            reason = "overflow" if (self.loss_scale.enabled and loss_finite) else "nonfinite"
+            self._check_stuck(grads, loss_finite)
+        self.loss_scale.update(found_inf)
+        self.optimizer.zero_grad(set_to_none=True)
+        self.model.zero_grad(set_to_none=True)
+        if applied:
+            self.masters.copy_to_params()
+        self.micro_step = 0
+        self.boundaries += 1
+        result = StepResult(applied=applied, skipped_reason=reason, step=self.applied_steps,
+                            skipped_total=self.skipped_total, loss_scale_t=scale_before, grad_norm_t=grad_norm)
+        if self.guard is not None:
+            result = self.guard.after_step(self, result)
+        return result
+
+    def _check_stuck(self, grads: list[torch.Tensor], loss_finite: bool) -> None:
+        ls = self.loss_scale
+        stuck_t = ls.floor_skips if ls.dynamic else ls.consecutive_skips
+        stuck = int(stuck_t) + (1 if (not ls.dynamic or bool(ls.at_floor())) else 0)  # counts this skip too
+        if stuck < self.max_stuck_skips or self.guard is not None:
+            return
+        has_nan = any(bool(torch.isnan(g).any()) for g in grads)
+        has_inf = any(bool(torch.isinf(g).any()) for g in grads)
+        kinds = " and ".join(k for k, v in (("NaN", has_nan), ("inf", has_inf)) if v) or "no non-finite values"
+        where = ("at its floor " + f"{float(ls.scale):g}") if ls.dynamic else f"fixed at {float(ls.scale):g}"
+        cause = ("the loss itself is non-finite, so the fault is in the data or the forward pass, not fp16 "
+                 "overflow: check the batch and the model (mixprec.locate_nonfinite names the first bad module)"
+                 if not loss_finite else
+                 "the loss is finite but gradients overflow even at the smallest scale: some layer's gradients "
+                 "exceed the format's range; keep it in fp32 (policy keep_fp32=...), lower min_scale, or use bf16")
+        raise DivergenceError(f"{stuck} consecutive skipped steps with the loss scale {where} (after "
+                              f"{self.applied_steps} applied steps): gradients hold {kinds}; {cause}")
+
+    # ------------------------------------------------------------------ views and state
+    def master_parameters(self) -> Iterator[torch.Tensor]:
+        """fp32 masters in ``model.parameters()`` order (the params themselves where no master exists)."""
+        yield from self.masters.masters
+
+    def state_dict(self) -> dict[str, Any]:
+        """Everything needed to continue bit-exactly: policy text, model params, masters, optimizer,
+        scheduler, loss-scale state (every field) and counters. Tensors are references, not copies."""
+        return {
+            "policy": str(self.policy),
+            "model": self.model.state_dict(),
+            "masters": [m.detach() for _, m in self.masters.pairs],
+            "optimizer": self.optimizer.state_dict(),
+            "scheduler": None if self.scheduler is None else self.scheduler.state_dict(),
+            "loss_scale": self.loss_scale.state_dict(),
+            "counters": {"micro_step": self.micro_step, "applied_steps": self.applied_steps,
+                         "skipped_total": self.skipped_total, "boundaries": self.boundaries},
+        }
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        """Restore a :meth:`state_dict` of the same policy; continuing equals an uninterrupted run.
+
+        Raises:
+            ValueError: the state was saved under another policy (convert with
+                :func:`mixprec.load_checkpoint`), or its master count differs.
+        """
+        if state["policy"] != str(self.policy):
+            raise ValueError(f"state was saved under policy {state['policy']!r}, this engine runs {self.policy}; "
+                             "load it through mixprec.load_checkpoint(..., convert=True) to convert")
+        if len(state["masters"]) != len(self.masters.pairs):
+            raise ValueError(f"state holds {len(state['masters'])} master tensors, this model needs "
+                             f"{len(self.masters.pairs)}")
+        self.model.load_state_dict(state["model"])
+        with torch.no_grad():
+            for (_, m), saved in zip(self.masters.pairs, state["masters"]):
+                m.copy_(saved)
+        self.optimizer.load_state_dict(state["optimizer"])
+        if self.scheduler is not None and state["scheduler"] is not None:
+            self.scheduler.load_state_dict(state["scheduler"])
+        self.loss_scale.load_state_dict(state["loss_scale"])
+        counters = state["counters"]
+        self.micro_step = counters["micro_step"]
+        self.applied_steps = counters["applied_steps"]
+        self.skipped_total = counters["skipped_total"]
+        self.boundaries = counters["boundaries"]
+
+
+def _global_norm_fp32(grads: list[torch.Tensor]) -> torch.Tensor:
+    """Global L2 norm of ``grads`` as an fp32 device tensor (torch's clip_grad_norm_ op order)."""
+    if not grads:
+        return torch.zeros((), dtype=torch.float32)
+    norms: list[torch.Tensor] = []
+    fp32 = [g for g in grads if g.dtype == torch.float32]
+    if fp32:
+        norms.extend(torch._foreach_norm(fp32, 2.0))
+    norms.extend(torch.linalg.vector_norm(g, 2.0, dtype=torch.float32) for g in grads if g.dtype != torch.float32)
+    return torch.linalg.vector_norm(torch.stack([n.to(grads[0].device) for n in norms]), 2.0)
+
+
+def _clip_(grads: list[torch.Tensor], total_norm: torch.Tensor, max_norm: float) -> None:
+    """Scale ``grads`` in place by ``min(1, max_norm / (total_norm + 1e-6))`` (as torch's clip_grad_norm_)."""
+    clip_coef = torch.clamp(max_norm / (total_norm + 1e-6), max=1.0)
+    by_dtype: dict[torch.dtype, list[torch.Tensor]] = {}
+    for g in grads:
+        by_dtype.setdefault(g.dtype, []).append(g)
+    for dtype, group in by_dtype.items():
+        torch._foreach_mul_(group, clip_coef.to(device=group[0].device, dtype=dtype))

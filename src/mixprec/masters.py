@@ -1,0 +1,76 @@
+"""fp32 master copies of 16-bit parameters, owned by the engine (Apex O2 style).
+
+The model keeps its parameters in the 16-bit ``param_dtype`` (what forward and backward
+use); the optimizer sees fp32 masters instead. The user's optimizer, built on
+``model.parameters()`` before any step, is rebound in place: every 16-bit parameter in its
+``param_groups`` is replaced by its master. After backward, 16-bit gradients are added into
+fp32 master gradients (accumulation happens in fp32); after an applied optimizer step the
+masters are rounded to nearest into the 16-bit parameters.
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+__all__ = ["MasterWeights"]
+
+
+class MasterWeights:
+    """fp32 masters for the 16-bit parameters of ``model`` (shapes as the params, dtype fp32).
+
+    Args:
+        params: the model's parameters in ``model.parameters()`` order, still in fp32 (the
+            masters are exact copies made before the model is cast).
+        half_params: which of ``params`` will be stored in 16 bits (others are their own masters).
+
+    No host syncs.
+    """
+
+    def __init__(self, params: list[nn.Parameter], half_params: set[int]) -> None:
+        self.params = params
+        self.masters: list[torch.Tensor] = []
+        self.pairs: list[tuple[nn.Parameter, nn.Parameter]] = []  # (param_16, master_fp32)
+        for p in params:
+            if id(p) in half_params:
+                master = nn.Parameter(p.detach().to(torch.float32, copy=True), requires_grad=p.requires_grad)
+                self.pairs.append((p, master))
+                self.masters.append(master)
+            else:
+                self.masters.append(p)
+
+    def rebind(self, optimizer: torch.optim.Optimizer) -> None:
+        """Point ``optimizer`` at the masters instead of the 16-bit params.
+
+        Raises:
+            RuntimeError: the optimizer already holds state (it stepped before the engine was built).
+        """
+        if len(optimizer.state) > 0:
+            raise RuntimeError("the optimizer already has state: build MixedPrecision(model, optimizer, ...) "
+                               "before the first optimizer.step(), so masters can replace the params")
+        swap = {id(p): m for p, m in self.pairs}
+        for group in optimizer.param_groups:
+            group["params"] = [swap.get(id(p), p) for p in group["params"]]
+
+    def accumulate_grads(self) -> None:
+        """Add each 16-bit gradient into its master's fp32 gradient and free the 16-bit one."""
+        for p, m in self.pairs:
+            if p.grad is None:
+                continue
+            if m.grad is None:
+                m.grad = p.grad.to(torch.float32)
+            else:
+                m.grad.add_(p.grad)
+            p.grad = None
+
+    @torch.no_grad()
+    def copy_to_params(self) -> None:
+        """Round each master to nearest into its 16-bit parameter."""
+        if self.pairs:
+            torch._foreach_copy_([p for p, _ in self.pairs], [m for _, m in self.pairs])
+
+    @torch.no_grad()
+    def load_from_params(self) -> None:
+        """Rebuild masters from the (possibly 16-bit) params: used when converting a run."""
+        for p, m in self.pairs:
+            m.copy_(p)

@@ -1,0 +1,112 @@
+"""AdamW with fp32 math for any param dtype: a plain update function and a thin Optimizer shell."""
+
+from __future__ import annotations
+
+import torch
+
+from mixprec.optim.rounding import PrecisionOptimizer, _as_fp32, check_number
+
+__all__ = ["AdamW", "adamw_update_"]
+
+
+def adamw_update_(param: torch.Tensor, grad: torch.Tensor, exp_avg: torch.Tensor, exp_avg_sq: torch.Tensor,
+                  *, step: float, lr: float, beta1: float, beta2: float, eps: float,
+                  weight_decay: float) -> None:
+    """One AdamW step on fp32 tensors, in place on ``param``, ``exp_avg`` and ``exp_avg_sq``.
+
+    Same op order as ``torch.optim.adam._single_tensor_adam`` (decoupled weight decay,
+    non-capturable path), so fp32 results are bit-identical to ``torch.optim.AdamW(foreach=False)``.
+    ``grad`` is read, never written. All tensors fp32 and of one shape; ``step`` is the step
+    count after incrementing (1 on the first step). No host sync.
+    """
+    if weight_decay != 0:
+        param.mul_(1 - lr * weight_decay)
+    exp_avg.lerp_(grad, 1 - beta1)
+    exp_avg_sq.mul_(beta2).addcmul_(grad, grad, value=1 - beta2)
+    bias_correction1 = 1 - beta1**step  # Python floats (fp64), as torch
+    bias_correction2 = 1 - beta2**step
+    step_size = lr / bias_correction1
+    bias_correction2_sqrt = bias_correction2**0.5
+    denom = (exp_avg_sq.sqrt() / bias_correction2_sqrt).add_(eps)  # eps added in fp32: never 0
+    param.addcdiv_(exp_avg, denom, value=-step_size)
+
+
+class AdamW(PrecisionOptimizer):
+    """AdamW (Loshchilov & Hutter 2019) computed in fp32 for fp32, bf16 and fp16 params.
+
+    Update rule, per param with gradient ``g`` at step ``t`` (all in fp32)::
+
+        θ ← θ · (1 − lr·λ)                                   (skipped when λ = 0)
+        m ← m + (1 − β1)·(g − m)                             (lerp)
+        v ← β2·v + (1 − β2)·g²
+        θ ← θ − lr/(1 − β1^t) · m / (√v / √(1 − β2^t) + ε)
+
+    then θ is written into the param with ``rounding`` (see :mod:`mixprec.optim.rounding`).
+    Defaults and op order follow ``torch.optim.AdamW``: with fp32 params, ``rounding='nearest'``
+    and fp32 state the result equals ``torch.optim.AdamW(foreach=False)`` bit for bit. Kahan
+    compensation follows optimi; stochastic rounding follows Gupta et al. 2015.
+
+    Args:
+        params: iterable of params or param-group dicts (fp32, bf16 or fp16 params).
+        lr: learning rate >= 0; schedulers may change ``param_groups[i]["lr"]``.
+        betas: ``(β1, β2)``, each in ``[0, 1)``.
+        eps: term added to the denominator, >= 0; applied in fp32, so 1e-8 is not lost on fp16.
+        weight_decay: decoupled weight decay λ >= 0.
+        rounding: ``"nearest"`` (default when None), ``"kahan"`` or ``"stochastic"`` (bf16 only).
+        state_dtype: dtype of ``exp_avg`` / ``exp_avg_sq``: fp32 (default when None), bf16, fp16.
+
+    State: ``step`` (float32 scalar, CPU), ``exp_avg`` and ``exp_avg_sq`` in ``state_dtype``
+    (upcast to fp32 for the math, stored back rounded to nearest), ``kahan_comp`` in the param
+    dtype for 16-bit params under ``'kahan'``.
+
+    Host syncs: none, except once on the first step for 16-bit params under ``'nearest'``,
+    which counts updates smaller than half an ulp and warns if they are over 50%.
+
+    Raises:
+        ValueError: an invalid hyperparameter, ``rounding`` or ``state_dtype``, a param dtype
+            outside fp32/bf16/fp16, or ``'stochastic'`` with fp16 params.
+    """
+
+    def __init__(self, params, lr: float = 1e-3, betas: tuple[float, float] = (0.9, 0.999),
+                 eps: float = 1e-8, weight_decay: float = 1e-2, *, rounding: str | None = None,
+                 state_dtype: torch.dtype | None = None) -> None:
+        check_number("AdamW", "lr", lr, low=0.0, example="1e-3")
+        check_number("AdamW", "eps", eps, low=0.0, example="1e-8")
+        check_number("AdamW", "weight_decay", weight_decay, low=0.0, example="1e-2")
+        if not (isinstance(betas, (tuple, list)) and len(betas) == 2):
+            raise ValueError(f"AdamW betas={betas!r} is not allowed; pass two numbers in [0, 1), "
+                             "e.g. betas=(0.9, 0.999)")
+        for name, beta in zip(("betas[0]", "betas[1]"), betas):
+            check_number("AdamW", name, beta, low=0.0, high=1.0, high_open=True, example="0.9")
+        defaults = dict(lr=lr, betas=tuple(betas), eps=eps, weight_decay=weight_decay)
+        super().__init__(params, defaults, rounding=rounding, state_dtype=state_dtype)
+
+    @torch.no_grad()
+    def step(self, closure=None):
+        """One AdamW step for every param with a ``.grad``; returns ``closure()`` if given."""
+        loss = None
+        if closure is not None:
+            with torch.enable_grad():
+                loss = closure()
+        lost_counts: list = []
+        for group in self.param_groups:
+            beta1, beta2 = group["betas"]
+            for p in group["params"]:
+                if p.grad is None:
+                    continue
+                if p.grad.is_sparse:
+                    raise RuntimeError("AdamW does not support sparse gradients; use torch.optim.SparseAdam")
+                state = self._state(p, zeros=("exp_avg", "exp_avg_sq"))
+                state["step"] += 1
+                param_fp32 = _as_fp32(p)
+                exp_avg_fp32 = self._load(state, "exp_avg")
+                exp_avg_sq_fp32 = self._load(state, "exp_avg_sq")
+                adamw_update_(param_fp32, p.grad.float(), exp_avg_fp32, exp_avg_sq_fp32,
+                              step=float(state["step"]),  # CPU scalar: no device sync
+                              lr=group["lr"], beta1=beta1, beta2=beta2, eps=group["eps"],
+                              weight_decay=group["weight_decay"])
+                self._store(state, "exp_avg", exp_avg_fp32)
+                self._store(state, "exp_avg_sq", exp_avg_sq_fp32)
+                self._write_back(p, param_fp32, state, lost_counts)
+        self._warn_if_updates_lost(lost_counts)
+        return loss

@@ -1,0 +1,118 @@
+"""SGD with momentum, fp32 math for any param dtype: a plain update function and a thin shell."""
+
+from __future__ import annotations
+
+import torch
+
+from mixprec.optim.rounding import PrecisionOptimizer, _as_fp32, check_number
+
+__all__ = ["SGD", "sgd_update_"]
+
+
+def sgd_update_(param: torch.Tensor, grad: torch.Tensor, momentum_buffer: torch.Tensor | None, *,
+                lr: float, momentum: float, dampening: float, weight_decay: float,
+                nesterov: bool) -> torch.Tensor | None:
+    """One SGD step on fp32 tensors, in place on ``param`` and ``momentum_buffer``.
+
+    Same op order as ``torch.optim.sgd._single_tensor_sgd``, so fp32 results are bit-identical
+    to ``torch.optim.SGD(foreach=False)``. ``grad`` is read, never written. Pass
+    ``momentum_buffer=None`` on the first step: the buffer starts as a copy of the (decayed)
+    gradient, as in torch. Returns the buffer (new on the first step), or None when
+    ``momentum == 0``. All tensors fp32 and of one shape. No host sync.
+    """
+    if weight_decay != 0:
+        grad = grad.add(param, alpha=weight_decay)
+    if momentum != 0:
+        if momentum_buffer is None:
+            momentum_buffer = grad.detach().clone()
+        else:
+            momentum_buffer.mul_(momentum).add_(grad, alpha=1 - dampening)
+        grad = grad.add(momentum_buffer, alpha=momentum) if nesterov else momentum_buffer
+    param.add_(grad, alpha=-lr)
+    return momentum_buffer
+
+
+class SGD(PrecisionOptimizer):
+    """SGD with momentum, dampening and Nesterov, computed in fp32 for fp32, bf16 and fp16 params.
+
+    Update rule, per param with gradient ``g`` (all in fp32)::
+
+        g ← g + λ·θ                                          (skipped when λ = 0)
+        b ← g on the first step, else μ·b + (1 − τ)·g        (skipped when μ = 0)
+        g ← g + μ·b if nesterov else b                       (skipped when μ = 0)
+        θ ← θ − lr·g
+
+    then θ is written into the param with ``rounding`` (see :mod:`mixprec.optim.rounding`).
+    Defaults and op order follow ``torch.optim.SGD`` (except ``lr=1e-3`` by default): with fp32
+    params, ``rounding='nearest'`` and fp32 state the result equals
+    ``torch.optim.SGD(foreach=False)`` bit for bit. Kahan compensation follows optimi;
+    stochastic rounding follows Gupta et al. 2015.
+
+    Args:
+        params: iterable of params or param-group dicts (fp32, bf16 or fp16 params).
+        lr: learning rate >= 0; schedulers may change ``param_groups[i]["lr"]``.
+        momentum: μ >= 0.
+        dampening: τ >= 0 (must be 0 with Nesterov).
+        weight_decay: L2 penalty λ >= 0, added to the gradient.
+        nesterov: Nesterov momentum (needs ``momentum > 0`` and ``dampening == 0``).
+        rounding: ``"nearest"`` (default when None), ``"kahan"`` or ``"stochastic"`` (bf16 only).
+        state_dtype: dtype of ``momentum_buffer``: fp32 (default when None), bf16, fp16.
+
+    State: ``step`` (float32 scalar, CPU; counts steps for the first-step check),
+    ``momentum_buffer`` in ``state_dtype`` when ``momentum != 0`` (upcast to fp32 for the
+    math, stored back rounded to nearest), ``kahan_comp`` in the param dtype for 16-bit params
+    under ``'kahan'``.
+
+    Host syncs: none, except once on the first step for 16-bit params under ``'nearest'``,
+    which counts updates smaller than half an ulp and warns if they are over 50%.
+
+    Raises:
+        ValueError: an invalid hyperparameter, ``rounding`` or ``state_dtype``, a param dtype
+            outside fp32/bf16/fp16, or ``'stochastic'`` with fp16 params.
+    """
+
+    def __init__(self, params, lr: float = 1e-3, momentum: float = 0.0, dampening: float = 0.0,
+                 weight_decay: float = 0.0, nesterov: bool = False, *, rounding: str | None = None,
+                 state_dtype: torch.dtype | None = None) -> None:
+        check_number("SGD", "lr", lr, low=0.0, example="1e-3")
+        check_number("SGD", "momentum", momentum, low=0.0, example="0.9")
+        check_number("SGD", "dampening", dampening, low=0.0, example="0.0")
+        check_number("SGD", "weight_decay", weight_decay, low=0.0, example="1e-4")
+        if nesterov and (momentum <= 0 or dampening != 0):
+            raise ValueError(f"SGD nesterov=True needs momentum > 0 and dampening == 0, got "
+                             f"{momentum=}, {dampening=}; set momentum (e.g. 0.9) and dampening=0, "
+                             "or nesterov=False")
+        defaults = dict(lr=lr, momentum=momentum, dampening=dampening, weight_decay=weight_decay,
+                        nesterov=nesterov)
+        super().__init__(params, defaults, rounding=rounding, state_dtype=state_dtype)
+
+    @torch.no_grad()
+    def step(self, closure=None):
+        """One SGD step for every param with a ``.grad``; returns ``closure()`` if given."""
+        loss = None
+        if closure is not None:
+            with torch.enable_grad():
+                loss = closure()
+        lost_counts: list = []
+        for group in self.param_groups:
+            for p in group["params"]:
+                if p.grad is None:
+                    continue
+                if p.grad.is_sparse:
+                    raise RuntimeError("mixprec.optim.SGD does not support sparse gradients; "
+                                       "use torch.optim.SGD")
+                state = self._state(p)
+                state["step"] += 1
+                param_fp32 = _as_fp32(p)
+                buffer_fp32 = self._load(state, "momentum_buffer") if "momentum_buffer" in state else None
+                new_buffer_fp32 = sgd_update_(param_fp32, p.grad.float(), buffer_fp32, lr=group["lr"],
+                                              momentum=group["momentum"], dampening=group["dampening"],
+                                              weight_decay=group["weight_decay"],
+                                              nesterov=group["nesterov"])
+                if buffer_fp32 is not None:
+                    self._store(state, "momentum_buffer", buffer_fp32)
+                elif new_buffer_fp32 is not None:
+                    state["momentum_buffer"] = new_buffer_fp32.to(self.state_dtype)
+                self._write_back(p, param_fp32, state, lost_counts)
+        self._warn_if_updates_lost(lost_counts)
+        return loss

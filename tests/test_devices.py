@@ -1,0 +1,64 @@
+import pytest
+import torch
+
+from mixprec.devices import Capability, probe, resolve, resolve_policy
+from mixprec.policy import PRESETS
+
+
+def cap(device, bf16=True, bf16_fast=True, fp16_native=True, fp16=True, detail="test"):
+    return Capability(device=device, bf16=bf16, fp16=fp16, bf16_fast=bf16_fast, fp16_native=fp16_native,
+                      detail=detail)
+
+
+@pytest.mark.parametrize("device,capability,expected", [
+    ("cuda:1", cap("cuda:1", bf16_fast=True, detail="A100, compute capability 8.0"), "bf16-mixed"),
+    ("cuda", cap("cuda", bf16_fast=False, detail="T4, compute capability 7.5"), "fp16-mixed"),
+    ("mps", cap("mps", bf16=True), "bf16-mixed"),
+    ("mps:0", cap("mps", bf16=False, bf16_fast=False, detail="macOS 13"), "fp16-mixed"),
+    ("cpu", cap("cpu", bf16_fast=True), "bf16-mixed"),
+    ("cpu", cap("cpu", bf16_fast=False, fp16_native=False), "fp32"),
+    ("cpu", cap("cpu", bf16_fast=False, fp16_native=True), "fp32"),  # never fp16 on a CPU
+])
+def test_auto_per_device(device, capability, expected):
+    res = resolve("auto", device, capability=capability)
+    assert res.policy == PRESETS[expected]
+    assert res.device.type == torch.device(device).type
+    assert expected in res.decision
+    # the scaler is on exactly where fp16 computes
+    assert (res.policy.loss_scale == "dynamic") == (expected == "fp16-mixed")
+
+
+def test_explicit_unrunnable_policy_raises_or_falls_back_explicitly():
+    old_mac = cap("mps", bf16=False, bf16_fast=False, detail="macOS 13")
+    with pytest.raises(ValueError, match=r"cannot run on mps.*Policies this device can run: .*fp16-mixed.*allow_fallback"):
+        resolve("bf16-pure", "mps", capability=old_mac)
+    res = resolve("bf16-pure", "mps", capability=old_mac, allow_fallback=True)
+    assert res.fell_back and res.policy == PRESETS["fp16-mixed"]
+    assert res.decision.startswith("FALLBACK: asked bf16-pure on mps")
+
+
+def test_cpu_probe_is_measured_and_cached():
+    c = probe("cpu")
+    assert c.bf16_speed_ratio is not None and c.bf16_speed_ratio > 0
+    assert c.fp16_speed_ratio is not None and c.fp16_speed_ratio > 0
+    assert c.bf16_fast == (c.bf16_speed_ratio >= 1.1)
+    assert probe("cpu") is c
+    auto = resolve_policy("auto", "cpu")
+    assert auto == (PRESETS["bf16-mixed"] if c.bf16_fast else PRESETS["fp32"])
+
+
+def test_fp16_on_cpu_runs_as_asked_with_a_note_when_not_native():
+    slow = cap("cpu", fp16_native=False, detail="fp16 0.002x")
+    res = resolve("fp16-mixed", "cpu", capability=slow)
+    assert res.policy == PRESETS["fp16-mixed"] and not res.fell_back
+    assert "emulated, not native" in res.decision
+
+
+@pytest.mark.parametrize("device,match", [
+    ("tpu", "is not a device"), ("cuda:7", "CUDA is not available"), ("banana", "is not a device"),
+])
+def test_bad_devices(device, match):
+    if torch.cuda.is_available() and device.startswith("cuda"):
+        pytest.skip("CUDA present")
+    with pytest.raises(ValueError, match=match):
+        resolve("fp32", device)

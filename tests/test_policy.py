@@ -1,0 +1,90 @@
+import pytest
+import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from mixprec.policy import FP8_RECIPES, PRESETS, Policy
+
+DTYPES = [torch.float32, torch.bfloat16, torch.float16]
+
+
+def test_presets_table():
+    bf16, fp16, fp32 = torch.bfloat16, torch.float16, torch.float32
+    expected = {  # name: (params, compute, master, rounding, loss_scale, AdamW bytes/param)
+        "fp32": (fp32, fp32, None, "nearest", "none", 16),
+        "bf16-mixed": (fp32, bf16, None, "nearest", "none", 16),
+        "fp16-mixed": (fp32, fp16, None, "nearest", "dynamic", 16),
+        "bf16-pure": (bf16, bf16, fp32, "nearest", "none", 18),
+        "fp16-pure": (fp16, fp16, fp32, "nearest", "dynamic", 18),
+        "bf16-kahan": (bf16, bf16, None, "kahan", "none", 14),
+        "bf16-sr": (bf16, bf16, None, "stochastic", "none", 12),
+    }
+    for name, (params, compute, master, rounding, scale, nbytes) in expected.items():
+        p = PRESETS[name]
+        assert (p.param_dtype, p.compute_dtype, p.master_dtype, p.rounding, p.loss_scale) == \
+               (params, compute, master, rounding, scale), name
+        assert p.state_dtype == fp32 and p.output_dtype == fp32
+        assert p.bytes_per_param() == nbytes, name
+
+
+def test_parse_preset_with_overrides():
+    p = Policy.parse("bf16-kahan,state=bf16")
+    assert p.rounding == "kahan" and p.state_dtype == torch.bfloat16 and p.param_dtype == torch.bfloat16
+    assert p.bytes_per_param() == 10
+    assert Policy.parse("params=bf16,compute=bf16,master=fp32") == PRESETS["bf16-pure"]
+    assert str(Policy.parse("params=bf16,compute=bf16,master=fp32")) == "bf16-pure"
+    assert Policy.parse("fp8-mixed,recipe=delayed").fp8 == "delayed"
+    assert Policy.parse("bf16-mixed,keep_fp32=head|blocks.*.ln*").keep_fp32 == ("head", "blocks.*.ln*")
+    assert Policy.parse("fp16-mixed,loss_scale=1024").loss_scale == 1024.0
+
+
+@pytest.mark.parametrize("text,match", [
+    ("bf17-mixed", r"preset 'bf17-mixed' is not known; choose one of .*bf16-mixed"),
+    ("bf16-mixed,colour=red", r"key 'colour' .* is not known; choose from .*compute"),
+    ("params=int8", r"params='int8' is not allowed; choose one of \['fp32', 'bf16', 'fp16'\]"),
+    ("rounding=up", r"rounding='up' is not allowed"),
+    ("fp16-pure,rounding=stochastic", r"replaces master weights"),
+    ("params=fp16,compute=fp16,rounding=stochastic", r"bf16 params only"),
+    ("fp32,master=fp32", r"redundant"),
+    ("fp16-mixed,loss_scale=-4", r"finite number > 0"),
+    ("fp16-mixed,loss_scale=lots", r"'dynamic', 'none' or a number"),
+    ("bf16-mixed,fp8=blockwise", r"fp8='blockwise' is not allowed"),
+    ("auto", r"resolve it with mixprec.resolve_policy"),
+    ("", r"is empty"),
+    ("bf16-mixed,fp32", r"preset name may only come first"),
+])
+def test_parse_errors_name_the_bad_part(text, match):
+    with pytest.raises(ValueError, match=match):
+        Policy.parse(text)
+
+
+def test_frozen_and_replace():
+    p = PRESETS["bf16-mixed"]
+    with pytest.raises(AttributeError):
+        p.compute_dtype = torch.float16
+    q = p.replace(keep_fp32=("head",))
+    assert q.keep_fp32 == ("head",) and p.keep_fp32 == ()
+    with pytest.raises(TypeError, match="tuple of non-empty"):
+        p.replace(keep_fp32="head")
+
+
+@st.composite
+def policies(draw):
+    params = draw(st.sampled_from(DTYPES))
+    half = params != torch.float32
+    rounding = draw(st.sampled_from(["nearest", "kahan"] + (["stochastic"] if params == torch.bfloat16 else []))) \
+        if half else "nearest"
+    master = draw(st.sampled_from([None, torch.float32])) if half and rounding == "nearest" else None
+    scale = draw(st.one_of(st.sampled_from(["dynamic", "none"]),
+                           st.floats(min_value=1e-3, max_value=1e9, allow_nan=False)))
+    keep = tuple(draw(st.lists(st.from_regex(r"[a-z][a-z0-9_.*]{0,8}", fullmatch=True), max_size=3)))
+    return Policy(param_dtype=params, compute_dtype=draw(st.sampled_from(DTYPES)),
+                  output_dtype=draw(st.sampled_from(DTYPES)), master_dtype=master, rounding=rounding,
+                  state_dtype=draw(st.sampled_from(DTYPES)), loss_scale=scale, keep_fp32=keep,
+                  fp8=draw(st.sampled_from((None,) + FP8_RECIPES)))
+
+
+@settings(max_examples=300, deadline=None)
+@given(policies())
+def test_text_round_trip(policy):
+    assert Policy.parse(str(policy)) == policy
