@@ -101,6 +101,7 @@ def _constant_grad_run(rounding, dtype, n):
         for _ in range(STEPS):
             p.grad = torch.full_like(p, 0.5)
             opt.step()
+    assert all(w.filename == __file__ for w in caught)  # stacklevel points at the caller
     return p.detach(), opt, [str(w.message) for w in caught]
 
 
@@ -219,6 +220,7 @@ def test_sr_negative_symmetric():
 
 
 # ------------------------------------------------------------------ state dtypes
+@pytest.mark.filterwarnings("ignore:.*rounded away")
 @pytest.mark.parametrize("param_dtype", [torch.bfloat16, torch.float16])
 def test_state_dtype_default_fp32_on_16_bit_params(param_dtype):
     for opt_cls, kwargs, keys in [(mo.AdamW, {}, ("exp_avg", "exp_avg_sq")),

@@ -1,1 +1,25 @@
-"""mixprec: mixed-precision training for PyTorch."""
+"""mixprec: mixed-precision training for PyTorch — policies, loss scaling, master weights,
+low-precision optimizers, and the evidence to trust them."""
+
+from mixprec.devices import probe, resolve_policy
+from mixprec.engine import DivergenceError, MixedPrecision, StepResult
+from mixprec.formats import Format, get_format
+from mixprec.loss_scale import DynamicLossScale, NoLossScale, StaticLossScale
+from mixprec.policy import PRESETS, Policy
+
+__version__ = "0.1.0"
+
+__all__ = [
+    "DivergenceError",
+    "DynamicLossScale",
+    "Format",
+    "MixedPrecision",
+    "NoLossScale",
+    "PRESETS",
+    "Policy",
+    "StaticLossScale",
+    "StepResult",
+    "get_format",
+    "probe",
+    "resolve_policy",
+]

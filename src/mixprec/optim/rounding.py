@@ -266,7 +266,7 @@ class PrecisionOptimizer(torch.optim.Optimizer):
                 "16-bit params are smaller than half an ulp of the param and were rounded away "
                 "(rounding='nearest'), so those weights do not train. Fix: keep fp32 master weights "
                 "(policy 'bf16-pure'), or use rounding='kahan' or rounding='stochastic'.",
-                UserWarning, stacklevel=3)
+                UserWarning, stacklevel=5)  # here < step < no_grad < torch's step hooks < caller
 
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
         """As ``torch.optim.Optimizer.load_state_dict``, but keep this optimizer's state dtypes.

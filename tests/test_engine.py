@@ -1,0 +1,434 @@
+"""The training-step engine, through the public API, with the cases of shared/cases/cases.md in our words."""
+
+import copy
+import math
+import pickle
+import warnings
+from dataclasses import dataclass
+
+import pytest
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+import mixprec
+from mixprec import DivergenceError, MixedPrecision
+from mixprec.loss_scale import DynamicLossScale
+
+
+def tiny_lm(seed=0):
+    torch.manual_seed(seed)
+    return nn.Sequential(nn.Embedding(16, 8), nn.Linear(8, 32), nn.GELU(), nn.LayerNorm(32), nn.Linear(32, 16))
+
+
+def token_batches(n, seed=1):
+    g = torch.Generator().manual_seed(seed)
+    return [torch.randint(0, 16, (4, 6), generator=g) for _ in range(n)]
+
+
+def lm_loss(logits, x):
+    return F.cross_entropy(logits.flatten(0, 1), x.flatten())
+
+
+def train(mp, batches):
+    results = []
+    for x in batches:
+        x = mp.cast_inputs(x)
+        with mp.autocast():
+            loss = lm_loss(mp.model(x), x)
+        mp.backward(loss)
+        results.append(mp.step())
+    return results
+
+
+# ---------------------------------------------------------------- parity with hand-written torch.amp
+@pytest.mark.parametrize("policy,dtype", [("bf16-mixed", torch.bfloat16), ("fp16-mixed", torch.float16)])
+def test_bitwise_parity_with_hand_written_autocast_and_gradscaler(policy, dtype):
+    ref = tiny_lm()
+    opt = torch.optim.AdamW(ref.parameters(), lr=1e-2)
+    sched = torch.optim.lr_scheduler.LambdaLR(opt, lambda s: 1 / (1 + s))
+    scaler = torch.amp.GradScaler("cpu", enabled=dtype == torch.float16)
+    for x in token_batches(20):
+        with torch.autocast("cpu", dtype=dtype):
+            loss = lm_loss(ref(x), x)
+        scaler.scale(loss).backward()
+        scaler.unscale_(opt)
+        torch.nn.utils.clip_grad_norm_(ref.parameters(), 1.0)
+        scaler.step(opt)
+        scaler.update()
+        sched.step()
+        opt.zero_grad(set_to_none=True)
+
+    model = tiny_lm()
+    opt2 = torch.optim.AdamW(model.parameters(), lr=1e-2)
+    sched2 = torch.optim.lr_scheduler.LambdaLR(opt2, lambda s: 1 / (1 + s))
+    mp = MixedPrecision(model, opt2, policy=policy, device="cpu", scheduler=sched2, max_grad_norm=1.0)
+    results = train(mp, token_batches(20))
+    for a, b in zip(ref.parameters(), model.parameters()):
+        assert torch.equal(a, b)
+    assert results[-1].step == 20 and results[-1].skipped_total == 0
+    assert results[-1].loss_scale == (scaler.get_scale() if dtype == torch.float16 else 1.0)
+    assert sched2.last_epoch == sched.last_epoch == 20
+
+
+# ---------------------------------------------------------------- case 1 and 2: NaN that scaling cannot fix
+def test_case1_nan_every_step_never_drives_scale_to_zero_and_raises_with_cause():
+    model = nn.Linear(4, 3)
+    mp = MixedPrecision(model, torch.optim.SGD(model.parameters(), lr=0.1), policy="fp16-mixed", device="cpu",
+                        max_stuck_skips=10)
+    x = torch.randn(2, 4)
+    with pytest.raises(DivergenceError) as err:
+        for _ in range(200):
+            with mp.autocast():
+                loss = model(x).float().sum() * float("nan")
+            mp.backward(loss)
+            mp.step()
+    msg = str(err.value)
+    assert "10 consecutive skipped steps with the loss scale at its floor 1" in msg
+    assert "NaN" in msg and "loss itself is non-finite" in msg
+    assert mp.loss_scale.scale.item() == 1.0          # the floor, never 0 or denormal
+    assert mp.skipped_total == 16 + 10                 # 2**16 halves to 1 in 16 skips, then 10 at the floor
+    # the contrast: torch's GradScaler on the same stream reaches exactly 0
+    scaler = torch.amp.GradScaler("cpu")
+    m2, g = nn.Linear(4, 3), None
+    opt2 = torch.optim.SGD(m2.parameters(), lr=0.1)
+    for _ in range(200):
+        with torch.autocast("cpu", dtype=torch.float16):
+            loss = m2(x).float().sum() * float("nan")
+        scaler.scale(loss).backward()
+        scaler.step(opt2)
+        scaler.update()
+        opt2.zero_grad()
+    assert scaler.get_scale() == 0.0
+
+
+def test_case2_grads_overflow_at_the_floor_reports_overflow_not_data():
+    torch.manual_seed(0)
+    model = nn.Linear(4, 3)
+    mp = MixedPrecision(model, torch.optim.SGD(model.parameters(), lr=0.1), device="cpu", max_stuck_skips=5,
+                        policy="fp16-mixed", loss_scale=DynamicLossScale(init_scale=4.0, min_scale=1.0))
+    x = torch.randn(2, 4)
+    reasons = []
+    with pytest.raises(DivergenceError, match=r"loss is finite but gradients overflow even at the smallest scale"):
+        for _ in range(50):
+            with mp.autocast():
+                loss = 1e5 * model(x).sum()  # d loss / d out = 1e5 > fp16 max at any scale >= 1
+            mp.backward(loss)
+            reasons.append(mp.step().skipped_reason)
+    assert reasons and set(reasons) == {"overflow"}
+    assert mp.applied_steps == 0
+
+
+def test_bf16_nan_step_is_skipped_and_reported_nonfinite():
+    model = tiny_lm()
+    mp = MixedPrecision(model, torch.optim.AdamW(model.parameters()), policy="bf16-mixed", device="cpu")
+    before = [p.detach().clone() for p in model.parameters()]
+    x = token_batches(1)[0]
+    with mp.autocast():
+        loss = lm_loss(mp.model(x), x) * float("nan")
+    mp.backward(loss)
+    res = mp.step()
+    assert (res.applied, res.skipped_reason, res.step, res.skipped_total) == (False, "nonfinite", 0, 1)
+    assert all(torch.equal(a, b) for a, b in zip(before, model.parameters()))
+
+
+# ---------------------------------------------------------------- case 3: clipping on unscaled grads
+def test_case3_clipping_sees_unscaled_gradients():
+    torch.manual_seed(0)
+    w0 = torch.randn(1, 4) * 0.1
+    x = torch.randn(8, 4) * 0.3
+
+    def run(policy):
+        model = nn.Linear(4, 1, bias=False)
+        with torch.no_grad():
+            model.weight.copy_(w0)
+        mp = MixedPrecision(model, torch.optim.SGD(model.parameters(), lr=0.1), policy=policy, device="cpu",
+                            max_grad_norm=1.0)
+        with mp.autocast():
+            loss = model(x).float().pow(2).mean()
+        mp.backward(loss)
+        res = mp.step()
+        return model.weight.detach().float(), res
+
+    w32, r32 = run("fp32")
+    w16, r16 = run("fp16-mixed")
+    assert r32.grad_norm < 1.0                       # true norm is below the threshold: no clipping
+    assert r16.loss_scale == 2.0 ** 16
+    assert math.isclose(r16.grad_norm, r32.grad_norm, rel_tol=2e-3)   # reported norm is the unscaled one
+    torch.testing.assert_close(w16, w32, rtol=1e-3, atol=1e-5)       # same update as fp32, whatever the scale
+
+
+# ---------------------------------------------------------------- case 4: the engine owns the lifecycle
+def test_case4_accumulation_unscales_once_and_misuse_names_the_call():
+    model = tiny_lm()
+    mp = MixedPrecision(model, torch.optim.SGD(model.parameters(), lr=0.1), policy="fp16-mixed", device="cpu",
+                        accumulation_steps=4, max_grad_norm=1.0)
+    out = train(mp, token_batches(8))
+    assert [r is None for r in out] == [True, True, True, False] * 2
+    assert out[3].step == 1 and out[7].step == 2
+
+    mp1 = MixedPrecision(tiny_lm(), torch.optim.SGD(tiny_lm().parameters(), lr=0.1), device="cpu", policy="fp32")
+    x = token_batches(1)[0]
+    mp1.backward(lm_loss(mp1.model(x), x))
+    with pytest.raises(RuntimeError, match=r"backward\(\) called 2 times since the last step\(\)"):
+        mp1.backward(lm_loss(mp1.model(x), x))
+    mp1.step()
+    with pytest.raises(RuntimeError, match=r"step\(\) called without backward\(\)"):
+        mp1.step()
+
+
+def test_accumulation_equals_big_batch_in_fp32():
+    def run(accum):
+        model = tiny_lm()
+        mp = MixedPrecision(model, torch.optim.SGD(model.parameters(), lr=0.5), policy="fp32", device="cpu",
+                            accumulation_steps=accum)
+        data = torch.cat(token_batches(4))
+        for chunk in data.chunk(accum):
+            mp.backward(lm_loss(mp.model(chunk), chunk))
+            mp.step()
+        return [p.detach() for p in model.parameters()]
+    for a, b in zip(run(1), run(4)):
+        torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-6)
+
+
+# ---------------------------------------------------------------- case 6: skipped steps and the scheduler
+def test_case6_scheduler_steps_only_on_applied_steps():
+    model = nn.Linear(4, 1)
+    opt = torch.optim.SGD(model.parameters(), lr=1.0)
+    sched = torch.optim.lr_scheduler.StepLR(opt, step_size=1, gamma=0.5)
+    with torch.no_grad():
+        model.bias.fill_(0.5)
+    mp = MixedPrecision(model, opt, policy="fp16-mixed", device="cpu", scheduler=sched)
+    x = torch.randn(1, 4) * 0.01  # one row, small: grads * 2**15 fit fp16
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")  # no "lr_scheduler.step() before optimizer.step()" warning
+        with mp.autocast():
+            loss = model(x).float().sum() * 1e35  # overflows fp16 at scale 2**16
+        mp.backward(loss)
+        skipped = mp.step()
+        with mp.autocast():
+            loss = model(x).float().sum()
+        mp.backward(loss)
+        applied = mp.step()
+    assert (skipped.applied, skipped.skipped_reason, skipped.loss_scale) == (False, "overflow", 2.0 ** 16)
+    assert applied.applied and applied.step == 1 and applied.skipped_total == 1
+    assert applied.loss_scale == 2.0 ** 15
+    assert sched.last_epoch == 1 and opt.param_groups[0]["lr"] == 0.5
+
+
+# ---------------------------------------------------------------- case 7: stray half-precision parameter
+def test_case7_stray_fp16_parameter_is_named_before_the_first_step():
+    model = nn.Sequential(nn.Linear(4, 4), nn.Linear(4, 1))
+    model[1].half()
+    with pytest.raises(ValueError, match=r"1\.weight \(float16\), 1\.bias \(float16\).*model\.float\(\)"):
+        MixedPrecision(model, torch.optim.SGD(model.parameters(), lr=0.1), policy="fp16-mixed", device="cpu")
+
+
+# ---------------------------------------------------------------- case 8: loss scaling forced under bf16
+def test_case8_scaling_forced_with_bf16_warns_and_still_trains():
+    model = tiny_lm()
+    with pytest.warns(UserWarning, match="bf16 has fp32's exponent range"):
+        mp = MixedPrecision(model, torch.optim.AdamW(model.parameters()), policy="bf16-mixed", device="cpu",
+                            loss_scale="dynamic")
+    res = train(mp, token_batches(3))[-1]
+    assert res.applied and res.loss_scale == 2.0 ** 16
+    plain = MixedPrecision(tiny_lm(), torch.optim.AdamW(tiny_lm().parameters()), policy="bf16-mixed", device="cpu")
+    assert not plain.loss_scale.enabled
+
+
+# ---------------------------------------------------------------- master weights (cases 16, 17)
+def test_master_weights_bf16_pure_keep_small_updates():
+    torch.manual_seed(0)
+    model = nn.Linear(16, 1, bias=False)
+    with torch.no_grad():
+        model.weight.fill_(1.0)
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-4, weight_decay=0.0)
+    mp = MixedPrecision(model, opt, policy="bf16-pure", device="cpu")
+    x = torch.ones(2, 16)
+    for _ in range(100):
+        x_in = mp.cast_inputs(x)
+        with mp.autocast():
+            loss = model(x_in).float().sum() * 0.25   # grad 0.5 per weight
+        mp.backward(loss)
+        mp.step()
+    (master,) = list(mp.master_parameters())
+    assert master.dtype == torch.float32 and model.weight.dtype == torch.bfloat16
+    torch.testing.assert_close(master, torch.full_like(master, 1.0 - 100 * 1e-4), rtol=0, atol=2e-6)
+    assert torch.equal(model.weight, master.to(torch.bfloat16))          # params are the rounded masters
+    state = opt.state[master]
+    assert state["exp_avg"].dtype == state["exp_avg_sq"].dtype == torch.float32   # case 17
+
+
+def test_stock_optimizer_on_16bit_params_without_masters_is_refused_with_fix():
+    model = tiny_lm()
+    with pytest.raises(ValueError, match=r"would keep its state in .*bfloat16.*mixprec\.optim\.AdamW"):
+        MixedPrecision(model, torch.optim.AdamW(model.parameters()), policy="params=bf16,compute=bf16",
+                       device="cpu")
+    with pytest.raises(ValueError, match=r"rounding='kahan'.*mixprec\.optim"):
+        MixedPrecision(tiny_lm(), torch.optim.AdamW(tiny_lm().parameters()), policy="bf16-kahan", device="cpu")
+
+
+def test_optimizer_that_already_stepped_is_refused():
+    model = tiny_lm()
+    opt = torch.optim.AdamW(model.parameters())
+    x = token_batches(1)[0]
+    lm_loss(model(x), x).backward()
+    opt.step()
+    with pytest.raises(RuntimeError, match="before the first optimizer.step"):
+        MixedPrecision(model, opt, policy="bf16-pure", device="cpu")
+
+
+# ---------------------------------------------------------------- autocast, inputs, outputs, keep_fp32
+def test_cast_inputs_casts_floats_only_through_nested_structures():
+    @dataclass
+    class Batch:
+        x: torch.Tensor
+        ids: torch.Tensor
+
+    mp = MixedPrecision(tiny_lm(), torch.optim.AdamW(tiny_lm().parameters()), policy="bf16-pure", device="cpu")
+    ids = torch.tensor([3, 2 ** 40])
+    batch = {"a": [torch.ones(2), (torch.ones(1, dtype=torch.float16), ids)], "b": Batch(torch.ones(3), ids),
+             "mask": torch.tensor([True]), "name": "x"}
+    out = mp.cast_inputs(batch)
+    assert out["a"][0].dtype == torch.bfloat16 and out["a"][1][0].dtype == torch.bfloat16
+    assert out["a"][1][1].dtype == torch.int64 and torch.equal(out["a"][1][1], ids)   # token ids stay exact
+    assert out["b"].x.dtype == torch.bfloat16 and out["b"].ids.dtype == torch.int64
+    assert out["mask"].dtype == torch.bool and out["name"] == "x"
+
+
+def test_output_dtype_and_fp32_policy_adds_nothing():
+    x = token_batches(1)[0]
+    mp = MixedPrecision(tiny_lm(), torch.optim.AdamW(tiny_lm().parameters()), policy="bf16-mixed", device="cpu")
+    with mp.autocast():
+        assert mp.model(x).dtype == torch.float32
+    mp16 = MixedPrecision(tiny_lm(), torch.optim.AdamW(tiny_lm().parameters()), device="cpu",
+                          policy="bf16-mixed,output=bf16")
+    with mp16.autocast():
+        assert mp16.model(x).dtype == torch.bfloat16
+    model = tiny_lm()
+    MixedPrecision(model, torch.optim.AdamW(model.parameters()), policy="fp32", device="cpu")
+    assert not model._forward_hooks and not model._forward_pre_hooks
+
+
+class Overflowing(nn.Module):
+    """A block whose middle linear produces 76800 (> fp16 max 65504): case 11."""
+
+    def __init__(self):
+        super().__init__()
+        self.inp = nn.Linear(64, 64)
+        self.big = nn.Linear(64, 8, bias=False)
+        self.out = nn.Linear(8, 1)
+        with torch.no_grad():
+            self.inp.weight.copy_(torch.eye(64))
+            self.inp.bias.zero_()
+            self.big.weight.fill_(30.0)
+
+    def forward(self, x):
+        return self.out(self.big(self.inp(x)) / 1e5)
+
+
+def test_case11_keep_fp32_module_stays_finite_where_fp16_overflows():
+    x = torch.full((1, 64), 40.0)
+    plain = MixedPrecision(Overflowing(), torch.optim.SGD(Overflowing().parameters(), lr=0.1), policy="fp16-mixed",
+                           device="cpu")
+    with plain.autocast():
+        assert torch.isinf(plain.model.big(x)).all()
+    model = Overflowing()
+    kept = MixedPrecision(model, torch.optim.SGD(model.parameters(), lr=0.1), policy="fp16-mixed,keep_fp32=big",
+                          device="cpu")
+    seen = {}
+    model.big.register_forward_hook(lambda m, a, o: seen.update(inp=a[0].dtype, out=o.dtype, amax=o.abs().max()))
+    with kept.autocast():
+        y = kept.model(x)
+        assert torch.is_autocast_enabled("cpu")        # restored after the fp32 region
+    assert seen["inp"] == torch.float32 and seen["out"] == torch.float32 and seen["amax"].item() == 76800.0
+    assert torch.isfinite(y).all()
+    # under bf16 the same block stays finite without any help
+    mp_bf16 = MixedPrecision(Overflowing(), torch.optim.SGD(Overflowing().parameters(), lr=0.1),
+                             policy="bf16-mixed", device="cpu")
+    with mp_bf16.autocast():
+        assert torch.isfinite(mp_bf16.model(x)).all()
+
+
+def test_keep_fp32_under_pure_policy_keeps_those_params_fp32():
+    model = tiny_lm()
+    mp = MixedPrecision(model, torch.optim.AdamW(model.parameters()), policy="bf16-pure,keep_fp32=3", device="cpu")
+    assert model[3].weight.dtype == torch.float32 and model[1].weight.dtype == torch.bfloat16
+    res = train(mp, token_batches(3))[-1]
+    assert res.applied
+    with pytest.raises(ValueError, match=r"match no module.*module names look like"):
+        MixedPrecision(tiny_lm(), torch.optim.AdamW(tiny_lm().parameters()), policy="bf16-mixed,keep_fp32=nope",
+                       device="cpu")
+
+
+def test_prepared_model_pickles_deepcopies_and_unwraps():
+    model = tiny_lm()
+    mp = MixedPrecision(model, torch.optim.AdamW(model.parameters()), policy="bf16-pure,keep_fp32=3", device="cpu")
+    x = token_batches(1)[0]
+    with mp.autocast():
+        y = mp.model(x)
+    for clone in (pickle.loads(pickle.dumps(mp.model)), copy.deepcopy(mp.model)):
+        with mp.autocast():
+            assert torch.equal(clone(x), y)
+    assert type(mp.model) is nn.Sequential                      # never wrapped or patched
+    assert mp.unwrap() is model and not model._forward_hooks and not model[3]._forward_pre_hooks
+
+
+# ---------------------------------------------------------------- state_dict: continue == uninterrupted
+@pytest.mark.parametrize("policy", ["fp32", "bf16-mixed", "fp16-mixed", "bf16-pure"])
+def test_state_dict_resume_is_bit_exact(policy):
+    data = token_batches(10)
+
+    def build():
+        model = tiny_lm()
+        opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
+        sched = torch.optim.lr_scheduler.LambdaLR(opt, lambda s: 1 / (1 + s))
+        return MixedPrecision(model, opt, policy=policy, device="cpu", scheduler=sched, max_grad_norm=1.0,
+                              loss_scale=DynamicLossScale(growth_interval=3) if "fp16" in policy else None)
+
+    straight = build()
+    train(straight, data)
+    first = build()
+    train(first, data[:5])
+    saved = copy.deepcopy(first.state_dict())
+    resumed = build()
+    resumed.load_state_dict(saved)
+    train(resumed, data[5:])
+    for a, b in zip(straight.model.parameters(), resumed.model.parameters()):
+        assert torch.equal(a, b)
+    for a, b in zip(straight.master_parameters(), resumed.master_parameters()):
+        assert torch.equal(a, b)
+    assert straight.loss_scale.scale.item() == resumed.loss_scale.scale.item()
+    assert (straight.applied_steps, straight.skipped_total) == (resumed.applied_steps, resumed.skipped_total)
+    assert straight.scheduler.last_epoch == resumed.scheduler.last_epoch
+
+
+def test_load_state_dict_from_another_policy_is_refused():
+    a = MixedPrecision(tiny_lm(), torch.optim.AdamW(tiny_lm().parameters()), policy="bf16-pure", device="cpu")
+    b = MixedPrecision(tiny_lm(), torch.optim.AdamW(tiny_lm().parameters()), policy="bf16-mixed", device="cpu")
+    with pytest.raises(ValueError, match=r"saved under policy 'bf16-pure', this engine runs bf16-mixed"):
+        b.load_state_dict(a.state_dict())
+
+
+# ---------------------------------------------------------------- construction errors and decisions
+def test_bad_arguments_are_named():
+    m = tiny_lm()
+    opt = torch.optim.AdamW(m.parameters())
+    with pytest.raises(ValueError, match=r"accumulation_steps=0 must be an int >= 1"):
+        MixedPrecision(m, opt, policy="fp32", device="cpu", accumulation_steps=0)
+    with pytest.raises(ValueError, match=r"max_grad_norm=-1"):
+        MixedPrecision(m, opt, policy="fp32", device="cpu", max_grad_norm=-1)
+    with pytest.raises(TypeError, match=r"optimizer must be a torch.optim.Optimizer"):
+        MixedPrecision(m, "adam", policy="fp32", device="cpu")
+    with pytest.raises(ValueError, match=r"preset 'bf16' is not known"):
+        MixedPrecision(m, opt, policy="bf16", device="cpu")
+
+
+def test_case25_no_silent_fp32_run_decision_names_effective_policy():
+    mp = MixedPrecision(tiny_lm(), torch.optim.AdamW(tiny_lm().parameters()), policy="auto", device="cpu")
+    cap = mixprec.probe("cpu")
+    assert str(mp.policy) in mp.decision and mp.decision.startswith("auto → ")
+    assert mp.policy.compute_dtype == (torch.bfloat16 if cap.bf16_fast else torch.float32)
+    with mp.autocast():   # the effective compute dtype is what autocast really runs
+        y = nn.Linear(4, 4)(torch.randn(2, 4))
+    assert y.dtype == mp.policy.compute_dtype
