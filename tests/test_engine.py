@@ -375,24 +375,27 @@ def test_prepared_model_pickles_deepcopies_and_unwraps():
 
 
 # ---------------------------------------------------------------- state_dict: continue == uninterrupted
-@pytest.mark.parametrize("policy", ["fp32", "bf16-mixed", "fp16-mixed", "bf16-pure"])
+@pytest.mark.parametrize("policy", ["fp32", "bf16-mixed", "fp16-mixed", "bf16-pure", "bf16-kahan", "bf16-sr"])
 def test_state_dict_resume_is_bit_exact(policy):
     data = token_batches(10)
 
     def build():
         model = tiny_lm()
-        opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
+        opt = mixprec.optim.AdamW(model.parameters(), lr=1e-2)
         sched = torch.optim.lr_scheduler.LambdaLR(opt, lambda s: 1 / (1 + s))
         return MixedPrecision(model, opt, policy=policy, device="cpu", scheduler=sched, max_grad_norm=1.0,
                               loss_scale=DynamicLossScale(growth_interval=3) if "fp16" in policy else None)
 
     straight = build()
+    torch.manual_seed(5)   # stochastic rounding draws from torch's RNG: restore it as a checkpoint does
     train(straight, data)
     first = build()
+    torch.manual_seed(5)
     train(first, data[:5])
-    saved = copy.deepcopy(first.state_dict())
+    saved, rng = copy.deepcopy(first.state_dict()), torch.get_rng_state()
     resumed = build()
     resumed.load_state_dict(saved)
+    torch.set_rng_state(rng)
     train(resumed, data[5:])
     for a, b in zip(straight.model.parameters(), resumed.model.parameters()):
         assert torch.equal(a, b)
@@ -432,3 +435,41 @@ def test_case25_no_silent_fp32_run_decision_names_effective_policy():
     with mp.autocast():   # the effective compute dtype is what autocast really runs
         y = nn.Linear(4, 4)(torch.randn(2, 4))
     assert y.dtype == mp.policy.compute_dtype
+
+
+# ---------------------------------------------------------------- low-precision optimizers through the engine
+@pytest.mark.parametrize("policy,state_dtype,has_comp", [("bf16-kahan", torch.float32, True),
+                                                          ("bf16-sr", torch.float32, False),
+                                                          ("bf16-kahan,state=bf16", torch.bfloat16, True)])
+def test_kahan_and_sr_policies_adopt_policy_precision_and_keep_small_updates(policy, state_dtype, has_comp):
+    model = nn.Linear(256, 1, bias=False)
+    with torch.no_grad():
+        model.weight.fill_(1.0)
+    opt = mixprec.optim.AdamW(model.parameters(), lr=1e-4, weight_decay=0.0)
+    mp = MixedPrecision(model, opt, policy=policy, device="cpu")
+    assert opt.rounding == mp.policy.rounding and opt.state_dtype == state_dtype
+    x = torch.ones(1, 256)
+    for _ in range(100):
+        with mp.autocast():
+            loss = model(mp.cast_inputs(x)).float().sum()
+        mp.backward(loss)
+        mp.step()
+    w = model.weight.detach().float()
+    state = opt.state[model.weight]
+    assert model.weight.dtype == torch.bfloat16
+    # an fp32 run moves every weight by 100 * lr = 1e-2 to 0.99; plain bf16 rounding would leave 1.0 exactly.
+    # The bf16 weight is within half a bf16 ulp at 0.99 (2**-9) of it, plus the rounding noise of the
+    # compensation buffer / the sampling noise of stochastic rounding (averaged over 256 weights).
+    half_ulp = mixprec.get_format("bf16").ulp(torch.tensor(0.99)).item() / 2
+    assert abs(w.mean().item() - 0.99) <= half_ulp + 2e-4
+    if has_comp:  # weight + compensation carries what bf16 could not store
+        assert abs((w + state["kahan_comp"].float()).mean().item() - 0.99) < 2e-4
+    assert state["exp_avg"].dtype == state["exp_avg_sq"].dtype == state_dtype
+    assert ("kahan_comp" in state) == has_comp
+
+
+def test_explicit_optimizer_precision_that_contradicts_the_policy_is_refused():
+    model = tiny_lm()
+    opt = mixprec.optim.AdamW(model.parameters(), rounding="stochastic")
+    with pytest.raises(ValueError, match=r"rounding='stochastic'.*policy bf16-kahan says rounding='kahan'"):
+        MixedPrecision(model, opt, policy="bf16-kahan", device="cpu")

@@ -1,6 +1,7 @@
 """mixprec: mixed-precision training for PyTorch — policies, loss scaling, master weights,
 low-precision optimizers, and the evidence to trust them."""
 
+from mixprec import optim
 from mixprec.devices import probe, resolve_policy
 from mixprec.engine import DivergenceError, MixedPrecision, StepResult
 from mixprec.formats import Format, get_format
@@ -20,6 +21,7 @@ __all__ = [
     "StaticLossScale",
     "StepResult",
     "get_format",
+    "optim",
     "probe",
     "resolve_policy",
 ]

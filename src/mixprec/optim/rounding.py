@@ -175,9 +175,9 @@ class PrecisionOptimizer(torch.optim.Optimizer):
     Subclasses implement ``step`` with :meth:`_state`, :meth:`_load`, :meth:`_store`,
     :meth:`_write_back` and :meth:`_warn_if_updates_lost`.
 
-    State per param: ``step`` (float32 scalar on the CPU, as torch.optim), every other moment
-    (``exp_avg``, ``momentum_buffer``...) in ``state_dtype``, and ``kahan_comp`` in the param dtype for 16-bit params under
-    ``rounding='kahan'``.
+    State per param: ``step`` (float32 scalar on the CPU, as torch.optim), every moment
+    (``exp_avg``, ``momentum_buffer``...) in ``state_dtype``, and ``kahan_comp`` in the param
+    dtype for 16-bit params under ``rounding='kahan'``.
     """
 
     def __init__(self, params, defaults: dict[str, Any], *, rounding: str | None,
