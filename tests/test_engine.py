@@ -473,3 +473,16 @@ def test_explicit_optimizer_precision_that_contradicts_the_policy_is_refused():
     opt = mixprec.optim.AdamW(model.parameters(), rounding="stochastic")
     with pytest.raises(ValueError, match=r"rounding='stochastic'.*policy bf16-kahan says rounding='kahan'"):
         MixedPrecision(model, opt, policy="bf16-kahan", device="cpu")
+
+
+def test_nonfinite_loss_in_an_early_micro_batch_is_reported_as_nonfinite():
+    model = nn.Linear(4, 1)
+    mp = MixedPrecision(model, torch.optim.SGD(model.parameters(), lr=0.1), policy="fp16-mixed", device="cpu",
+                        accumulation_steps=2)
+    x = torch.randn(1, 4) * 0.01
+    for factor in (float("nan"), 1.0):   # NaN first, a clean loss last
+        with mp.autocast():
+            loss = model(x).float().sum() * factor
+        mp.backward(loss)
+        res = mp.step()
+    assert (res.applied, res.skipped_reason) == (False, "nonfinite")

@@ -46,6 +46,7 @@ def test_parse_preset_with_overrides():
     ("fp16-pure,rounding=stochastic", r"replaces master weights"),
     ("params=fp16,compute=fp16,rounding=stochastic", r"bf16 params only"),
     ("fp32,master=fp32", r"redundant"),
+    ("params=bf16,compute=fp16", r"16-bit params must compute in their own dtype"),
     ("fp16-mixed,loss_scale=-4", r"finite number > 0"),
     ("fp16-mixed,loss_scale=lots", r"'dynamic', 'none' or a number"),
     ("bf16-mixed,fp8=blockwise", r"fp8='blockwise' is not allowed"),
@@ -78,7 +79,8 @@ def policies(draw):
     scale = draw(st.one_of(st.sampled_from(["dynamic", "none"]),
                            st.floats(min_value=1e-3, max_value=1e9, allow_nan=False)))
     keep = tuple(draw(st.lists(st.from_regex(r"[a-z][a-z0-9_.*]{0,8}", fullmatch=True), max_size=3)))
-    return Policy(param_dtype=params, compute_dtype=draw(st.sampled_from(DTYPES)),
+    compute = params if half else draw(st.sampled_from(DTYPES))
+    return Policy(param_dtype=params, compute_dtype=compute,
                   output_dtype=draw(st.sampled_from(DTYPES)), master_dtype=master, rounding=rounding,
                   state_dtype=draw(st.sampled_from(DTYPES)), loss_scale=scale, keep_fp32=keep,
                   fp8=draw(st.sampled_from((None,) + FP8_RECIPES)))

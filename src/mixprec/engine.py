@@ -22,6 +22,7 @@ step (to tell an overflow from a non-finite loss). ``StepResult.loss_scale`` and
 
 from __future__ import annotations
 
+import copy
 import dataclasses
 import fnmatch
 import logging
@@ -88,10 +89,12 @@ def cast_floating(tree: Any, dtype: torch.dtype | None, device: torch.device | N
         return tree.to(device) if device is not None else tree
     if isinstance(tree, dict):
         items = {k: cast_floating(v, dtype, device) for k, v in tree.items()}
-        try:
-            return type(tree)(**items) if type(tree) is not dict else items
-        except TypeError:
+        if type(tree) is dict:
             return items
+        out = copy.copy(tree)  # keeps the subclass (ModelOutput, defaultdict, ...) and its extras
+        for k, v in items.items():
+            out[k] = v
+        return out
     if isinstance(tree, tuple) and hasattr(tree, "_fields"):
         return type(tree)(*(cast_floating(v, dtype, device) for v in tree))
     if isinstance(tree, (list, tuple)):
@@ -224,6 +227,7 @@ class MixedPrecision:
         self.skipped_total = 0
         self.boundaries = 0          # step() boundaries reached (applied + skipped)
         self._last_loss: torch.Tensor | None = None
+        self._loss_finite = torch.ones((), dtype=torch.bool)  # over this boundary's micro-batches (device)
         log.info("mixprec: %s", self.decision)
 
     # ------------------------------------------------------------------ setup
@@ -305,7 +309,12 @@ class MixedPrecision:
     # ------------------------------------------------------------------ the step
     @contextmanager
     def autocast(self) -> Iterator[None]:
-        """``torch.autocast`` for this device type and the policy's compute dtype (off for fp32)."""
+        """``torch.autocast`` for this device type and the policy's compute dtype (off for fp32).
+
+        Calling the prepared model (``mp.model(x)``) also casts its floating outputs to the
+        policy's ``output_dtype`` (fp32 in every preset), so losses see fp32 logits; submodules
+        called directly return what autocast produced.
+        """
         with torch.autocast(self.device.type, dtype=self.policy.compute_dtype, enabled=self.policy.is_mixed):
             yield
 
@@ -331,6 +340,8 @@ class MixedPrecision:
                                f"accumulation_steps={self.accumulation_steps}; call mp.step() after each backward() "
                                "(it returns None until the accumulation boundary)")
         self._last_loss = loss.detach()
+        finite = torch.isfinite(self._last_loss).all()
+        self._loss_finite = finite if self.micro_step == 0 else self._loss_finite & finite
         if self.accumulation_steps > 1:
             loss = loss / self.accumulation_steps
         self.loss_scale.scale_loss(loss).backward()
@@ -355,7 +366,7 @@ class MixedPrecision:
             return None
         grads = self._grads()
         found_inf = self.loss_scale.unscale_(grads)
-        grad_norm = _global_norm_fp32(grads)
+        grad_norm = _global_norm_fp32(grads, self.device)
         if self.max_grad_norm is not None:
             _clip_(grads, grad_norm, self.max_grad_norm)
         scale_before = self.loss_scale.scale.detach().clone()
@@ -368,7 +379,7 @@ class MixedPrecision:
                 self.scheduler.step()
         else:
             self.skipped_total += 1
-            loss_finite = self._last_loss is None or bool(torch.isfinite(self._last_loss).all())
+            loss_finite = bool(self._loss_finite)  # second sync, on skipped steps only
             reason = "overflow" if (self.loss_scale.enabled and loss_finite) else "nonfinite"
             self._check_stuck(grads, loss_finite)
         self.loss_scale.update(found_inf)
@@ -449,10 +460,10 @@ class MixedPrecision:
         self.boundaries = counters["boundaries"]
 
 
-def _global_norm_fp32(grads: list[torch.Tensor]) -> torch.Tensor:
+def _global_norm_fp32(grads: list[torch.Tensor], device: torch.device) -> torch.Tensor:
     """Global L2 norm of ``grads`` as an fp32 device tensor (torch's clip_grad_norm_ op order)."""
     if not grads:
-        return torch.zeros((), dtype=torch.float32)
+        return torch.zeros((), dtype=torch.float32, device=device)
     norms: list[torch.Tensor] = []
     fp32 = [g for g in grads if g.dtype == torch.float32]
     if fp32:

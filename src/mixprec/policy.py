@@ -111,6 +111,11 @@ class Policy:
             if value not in _COMPUTE_DTYPES:
                 raise ValueError(f"Policy {name}={value!r} is not allowed; "
                                  f"choose one of {[_dtype_name(d) for d in _COMPUTE_DTYPES]}")
+        if self.param_dtype in _HALF_DTYPES and self.compute_dtype != self.param_dtype:
+            raise ValueError(f"Policy params={_dtype_name(self.param_dtype)} with compute="
+                             f"{_dtype_name(self.compute_dtype)}: 16-bit params must compute in their own dtype "
+                             f"(mixing bf16 and fp16 tensors breaks autocast's promotion); set compute="
+                             f"{_dtype_name(self.param_dtype)}")
         if self.master_dtype not in (None, torch.float32):
             raise ValueError(f"Policy master_dtype={self.master_dtype!r} is not allowed; "
                              "use torch.float32 (fp32 master weights) or None")

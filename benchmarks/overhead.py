@@ -1,0 +1,105 @@
+"""Engine overhead: MixedPrecision's step time against a hand-written torch.autocast loop.
+
+Both loops train the same GPT workload from the same seed on the same batches: forward under
+autocast, backward, global-norm clipping, AdamW, LR scheduler, zero_grad (plus a GradScaler in
+the hand loop for fp16). The two run interleaved in blocks so that machine drift hits both.
+Reports the median step time of each (ms, after warm-up) and their ratio from this one run.
+
+    python benchmarks/overhead.py --config mid --policy bf16-mixed --steps 40
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import time
+
+import torch
+
+from mixprec import MixedPrecision
+from mixprec.workloads import get_workload
+
+
+def _hand_loop(workload, dtype, device):
+    torch.manual_seed(0)
+    model = workload.build_model().to(device)
+    opt = workload.make_optimizer(model)
+    sched = workload.make_scheduler(opt, 10_000)
+    scaler = torch.amp.GradScaler(device.type, enabled=dtype == torch.float16)
+    batches = workload.batches("train", seed=0)
+
+    def step():
+        batch = {k: v.to(device) for k, v in next(batches).items()}
+        with torch.autocast(device.type, dtype=dtype, enabled=dtype != torch.float32):
+            loss = workload.loss(model, batch)
+        scaler.scale(loss).backward()
+        scaler.unscale_(opt)
+        torch.nn.utils.clip_grad_norm_(model.parameters(), workload.max_grad_norm)
+        scaler.step(opt)
+        scaler.update()
+        sched.step()
+        opt.zero_grad(set_to_none=True)
+    return step
+
+
+def _engine_loop(workload, policy, device):
+    torch.manual_seed(0)
+    model = workload.build_model()
+    opt = workload.make_optimizer(model)
+    mp = MixedPrecision(model, opt, policy=policy, device=device, scheduler=workload.make_scheduler(opt, 10_000),
+                        max_grad_norm=workload.max_grad_norm)
+    batches = workload.batches("train", seed=0)
+
+    def step():
+        batch = mp.cast_inputs(next(batches))
+        with mp.autocast():
+            loss = workload.loss(mp.model, batch)
+        mp.backward(loss)
+        mp.step()
+    return step, mp
+
+
+def _time(step, device, n):
+    times = []
+    for _ in range(n):
+        if device.type == "cuda":
+            torch.cuda.synchronize(device)
+        start = time.perf_counter()
+        step()
+        if device.type == "cuda":
+            torch.cuda.synchronize(device)
+        times.append((time.perf_counter() - start) * 1e3)
+    return times
+
+
+def main(argv=None) -> dict:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--config", default="mid")
+    parser.add_argument("--policy", default="bf16-mixed", choices=["fp32", "bf16-mixed", "fp16-mixed"])
+    parser.add_argument("--steps", type=int, default=40, help="timed steps per loop (after warm-up)")
+    parser.add_argument("--warmup", type=int, default=5)
+    parser.add_argument("--block", type=int, default=5, help="steps per interleaved block")
+    parser.add_argument("--device", default="cpu")
+    args = parser.parse_args(argv)
+    device = torch.device(args.device)
+    workload = get_workload("gpt", config=args.config)
+    step_engine, mp = _engine_loop(workload, args.policy, device)
+    dtype = mp.policy.compute_dtype
+    step_hand = _hand_loop(workload, dtype, device)
+    _time(step_hand, device, args.warmup)
+    _time(step_engine, device, args.warmup)
+    hand, engine = [], []
+    for _ in range(max(1, args.steps // args.block)):
+        hand += _time(step_hand, device, args.block)
+        engine += _time(step_engine, device, args.block)
+    hand_ms, engine_ms = statistics.median(hand), statistics.median(engine)
+    result = {"config": args.config, "policy": str(mp.policy), "device": str(device),
+              "torch_autocast_step_ms_median": round(hand_ms, 2), "mixprec_step_ms_median": round(engine_ms, 2),
+              "ratio_mixprec_over_torch": round(engine_ms / hand_ms, 4), "timed_steps_each": len(hand)}
+    print(json.dumps(result, indent=2))
+    return result
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,264 @@
+"""``mixprec bench``: every policy side by side with fp32, one subprocess each, then verdicts.
+
+Plan: fp32 always runs, first, as the reference. Each other policy is resolved for the device
+with the measured capability (:func:`mixprec.devices.resolve`); a policy the device refuses,
+and fp16 on a CPU whose probe says fp16 is not native, is SKIPPED with the measured reason
+unless ``force=True``. Nothing is run in another precision than asked: each worker records
+the engine's ``policy`` and ``decision`` and the report shows them.
+
+Each runnable policy then trains in ``python -m mixprec.bench.worker`` (its own process: peak
+memory is honest and runs cannot disturb each other) from the same seed and batch order. The
+runner reads each worker's measurements, computes the deltas against fp32 (speedup, memory
+ratio, relative eval-loss delta), judges them (:mod:`mixprec.bench.verdict`) and writes the
+outputs (:mod:`mixprec.bench.report`).
+
+**Default step count** (:data:`DEFAULT_STEPS` = 300 on ``gpt``/``mid``): the budget is 10
+minutes for the whole default run on 2 CPU cores. Measured there with the engine (median
+ms/step): fp32 ~300, bf16-mixed ~220, bf16-pure ~205, bf16-kahan ~235, bf16-sr ~230, i.e.
+~1.2 s for one step of all five policies, plus ~15 s per worker for start-up, the fp32 model
+build and the final evaluation. 300 steps take ~6-7 minutes, leaving headroom for a slower or
+busier machine. Why not fewer: the verdict compares final validation losses, and at 300 steps
+the loss is past the fast initial drop (warm-up is 10 % of the steps, then cosine decay to
+1e-4, so the last steps run at low learning rate and the final loss is stable): the five runs
+differ by well under 1 % at 300 steps, while the 2 % gate is about 10x the step-to-step
+wobble of the smoothed training loss at that point. Fewer than ~150 steps leaves the runs on
+the steep part of the curve, where rounding differences shift the loss by more than they
+do at convergence and the delta measures timing of the drop, not precision.
+
+Testing hook, read ONLY here: the environment variable ``MIXPREC_BENCH_CAPABILITY`` holds a
+JSON object of :class:`mixprec.devices.Capability` fields that replaces the measured probe when
+planning (e.g. ``{"device": "cpu", "bf16": true, "fp16": true, "bf16_fast": true,
+"fp16_native": false, "detail": "..."}`` makes fp16 SKIPPED on any CPU). The workers still
+run with the real device.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+import platform
+import subprocess
+import sys
+import time
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+from typing import Any
+
+import torch
+from tqdm import tqdm
+
+from mixprec.bench.report import POLICY_KEYS, write_outputs
+from mixprec.bench.verdict import Targets, judge
+from mixprec.bench.worker import RunSpec
+from mixprec.devices import Capability, normalize_device, probe, resolve
+from mixprec.doctor import cached_peaks, cpu_flags, cpu_name
+from mixprec.workloads import get_workload
+
+__all__ = ["BenchConfig", "DEFAULT_POLICIES", "DEFAULT_STEPS", "DEFAULT_GPT_CONFIG", "CAPABILITY_ENV",
+           "run_bench", "plan_policy", "warmup_steps_for"]
+
+DEFAULT_POLICIES = ("fp32", "bf16-mixed", "bf16-pure", "bf16-kahan", "bf16-sr")
+DEFAULT_STEPS = 300
+DEFAULT_GPT_CONFIG = "mid"
+REFERENCE = "fp32"
+CAPABILITY_ENV = "MIXPREC_BENCH_CAPABILITY"
+
+
+@dataclass(frozen=True)
+class BenchConfig:
+    """Everything one bench run needs (the CLI builds it from its flags).
+
+    ``config=None`` means ``mid`` for the ``gpt`` workload and the workload's own default
+    otherwise. ``command`` is the exact command line, recorded in the outputs.
+    """
+
+    out: Path
+    workload: str = "gpt"
+    config: str | None = None
+    policies: tuple[str, ...] = DEFAULT_POLICIES
+    steps: int = DEFAULT_STEPS
+    seed: int = 0
+    data: str | None = None
+    device: str | None = None
+    force: bool = False
+    targets: Targets = field(default_factory=Targets)
+    command: str = ""
+
+    def __post_init__(self) -> None:
+        if not isinstance(self.steps, int) or self.steps < 5:
+            raise ValueError(f"bench steps={self.steps!r} must be an int >= 5 (warm-up steps are not timed)")
+        if not self.policies or not all(isinstance(p, str) and p.strip() for p in self.policies):
+            raise ValueError(f"bench policies={self.policies!r} must be non-empty policy names, "
+                             f"e.g. {','.join(DEFAULT_POLICIES)}")
+
+    @property
+    def config_name(self) -> str | None:
+        return DEFAULT_GPT_CONFIG if self.config is None and self.workload == "gpt" else self.config
+
+
+def warmup_steps_for(steps: int) -> int:
+    """Untimed warm-up steps: 10 % of the run, at least 2, at most 20."""
+    return min(20, max(2, steps // 10))
+
+
+def _capability(device: torch.device, capability: Capability | None) -> Capability:
+    if capability is not None:
+        return capability
+    text = os.environ.get(CAPABILITY_ENV)
+    if text:
+        try:
+            return Capability(**json.loads(text))
+        except (ValueError, TypeError) as err:
+            raise ValueError(f"{CAPABILITY_ENV}={text!r} is not a JSON object of Capability fields "
+                             f"({list(Capability.__dataclass_fields__)}): {err}") from None
+    return probe(device)
+
+
+def plan_policy(spec: str, device: torch.device, capability: Capability, *, force: bool) -> str | None:
+    """Why ``spec`` is SKIPPED on ``device`` (None: it runs). ``force`` runs non-native fp16."""
+    try:
+        policy = resolve(spec, device, capability=capability).policy
+    except ValueError as err:
+        return str(err)
+    fp16 = torch.float16 in (policy.param_dtype, policy.compute_dtype)
+    if fp16 and device.type == "cpu" and not capability.fp16_native and not force:
+        return (f"fp16 is not native on this CPU (measured: {capability.detail or 'fp16 matmul far slower than fp32'}); "
+                "it would run emulated and slowly: pass --force to run it anyway")
+    return None
+
+
+def _worker_env() -> dict[str, str]:
+    """The parent's environment with the working directory on PYTHONPATH (user workloads)."""
+    env = dict(os.environ)
+    paths = [os.getcwd()] + [p for p in env.get("PYTHONPATH", "").split(os.pathsep) if p]
+    env["PYTHONPATH"] = os.pathsep.join(dict.fromkeys(paths))
+    return env
+
+
+def _run_worker(spec: RunSpec, workdir: Path, name: str, bar: tqdm) -> dict[str, Any]:
+    """Run one policy in its own process; the worker's results, or an error entry."""
+    spec_path, out_path, log_path = (workdir / f"{name}{suffix}" for suffix in (".spec.json", ".json", ".log"))
+    spec_path.write_text(json.dumps(asdict(spec), indent=1))
+    out_path.unlink(missing_ok=True)
+    done = 0
+    with open(log_path, "w", encoding="utf-8") as log:
+        proc = subprocess.Popen([sys.executable, "-m", "mixprec.bench.worker", str(spec_path), str(out_path)],
+                                stdout=subprocess.PIPE, stderr=log, text=True, env=_worker_env())
+        for line in proc.stdout or ():
+            if line.startswith("step ") and line[5:].strip().isdigit():
+                step = int(line[5:])
+                bar.update(step - done)
+                done = step
+        status = proc.wait()
+    bar.update(spec.steps - done)
+    try:
+        return json.loads(out_path.read_text())
+    except (OSError, ValueError):
+        tail = log_path.read_text(errors="replace").strip().splitlines()[-3:]
+        return {"error": f"worker exited with status {status} and no results; log {log_path}: {' | '.join(tail)}",
+                "stage": "train"}
+
+
+def _environment(device: torch.device, capability: Capability, peaks: dict[str, Any], command: str) -> dict:
+    env = {
+        "torch": torch.__version__,
+        "python": sys.version.split()[0],
+        "platform": platform.platform(),
+        "device": str(device),
+        "torch_threads": torch.get_num_threads(),
+        "capability": asdict(capability),
+        "peaks_gflops_per_s": {name: peak.gflops_per_s for name, peak in peaks.items()},
+        "peaks_matmul_n": {name: peak.n for name, peak in peaks.items()},
+        "command": command,
+    }
+    if device.type == "cuda":
+        env["gpu_name"] = torch.cuda.get_device_name(device)
+    else:
+        env.update(cpu_name=cpu_name(), cpu_flags=cpu_flags(), cpu_count=os.cpu_count())
+    return env
+
+
+def _skipped_entry(spec: str, reason: str) -> dict[str, Any]:
+    return {**dict.fromkeys(POLICY_KEYS), "requested": spec, "skipped_reason": reason}
+
+
+def _judge_all(entries: dict[str, dict], targets: Targets) -> None:
+    """Add the deltas vs fp32 and a verdict to every entry (in place)."""
+    ref = entries[REFERENCE]
+    if "error" not in ref and ref.get("final_eval_loss") is None:
+        ref["error"] = "the fp32 eval loss is not finite: the reference diverged"
+    ref_error = ref.get("error")
+    for name, e in entries.items():
+        if e.get("step_time_ms_median") is not None and ref_error is None:
+            loss, ref_loss = e["final_eval_loss"], ref["final_eval_loss"]
+            e["speedup_vs_fp32"] = ref["step_time_ms_median"] / e["step_time_ms_median"]
+            e["memory_ratio_vs_fp32"] = e["peak_memory_mb"] / ref["peak_memory_mb"]
+            e["eval_loss_delta_vs_fp32"] = None if loss is None else (loss - ref_loss) / ref_loss
+        skipped, error = e.get("skipped_reason"), e.get("error")
+        if e.get("stage") == "setup":
+            skipped, error = f"the engine refused it: {error}", None
+        elif name != REFERENCE and ref_error is not None and error is None and skipped is None:
+            error = f"no fp32 reference to compare with ({ref_error})"
+        diverged = e.get("step_time_ms_median") is not None and e.get("final_eval_loss") is None
+        verdict = judge(targets=targets, loss_delta=math.nan if diverged else e.get("eval_loss_delta_vs_fp32"),
+                        speedup=e.get("speedup_vs_fp32"), memory_ratio=e.get("memory_ratio_vs_fp32"),
+                        reference=name == REFERENCE, skipped_reason=skipped, error=error)
+        e["verdict"], e["reason"] = verdict.verdict, verdict.reason
+
+
+def run_bench(config: BenchConfig, *, capability: Capability | None = None, progress: bool = True) -> dict[str, Any]:
+    """Run the bench described by ``config``, write its outputs to ``config.out`` and return
+    the results (the content of ``results.json``).
+
+    ``capability`` replaces the device probe when planning which policies run (tests).
+
+    Raises:
+        ValueError / ImportError: a bad workload, config, data path or device (before any run).
+    """
+    start = time.perf_counter()
+    device = normalize_device(config.device)
+    cap = _capability(device, capability)
+    workload = get_workload(config.workload, config=config.config_name, data=config.data)
+    description = workload.describe()
+    del workload
+    peaks = cached_peaks(device)
+    names = list(dict.fromkeys([REFERENCE, *(p.strip() for p in config.policies)]))
+    skip = {name: plan_policy(name, device, cap, force=config.force) for name in names}
+    if skip[REFERENCE] is not None:
+        raise ValueError(f"the fp32 reference cannot run on {device}: {skip[REFERENCE]}")
+    runnable = [n for n in names if skip[n] is None]
+    out = Path(config.out)
+    workdir = out / "workers"
+    workdir.mkdir(parents=True, exist_ok=True)
+    warmup = warmup_steps_for(config.steps)
+    peaks_gflops = {name: peak.gflops_per_s for name, peak in peaks.items()}
+    entries: dict[str, dict] = {}
+    with tqdm(total=config.steps * len(runnable), unit="step", disable=not progress, dynamic_ncols=True) as bar:
+        for index, name in enumerate(names):
+            if skip[name] is not None:
+                entries[name] = _skipped_entry(name, skip[name])
+                continue
+            bar.set_description(name)
+            spec = RunSpec(workload=config.workload, policy=name, steps=config.steps, seed=config.seed,
+                           config=config.config_name, data=config.data, device=str(device),
+                           warmup_steps=warmup, peaks_gflops=peaks_gflops)
+            result = _run_worker(spec, workdir, f"{index}-{''.join(c if c.isalnum() or c in '-_' else '_' for c in name)}", bar)
+            entries[name] = {**dict.fromkeys(POLICY_KEYS), "requested": name, **result}
+    _judge_all(entries, config.targets)
+    results = {
+        "mixprec_bench": 1,
+        "created": time.strftime("%Y-%m-%dT%H:%M:%S%z"),
+        "command": config.command,
+        "settings": {"workload": config.workload, "config": config.config_name, "policies": names,
+                     "steps": config.steps, "warmup_steps": warmup, "seed": config.seed, "data": config.data,
+                     "device": str(device), "force": config.force, "targets": asdict(config.targets)},
+        "workload": description,
+        "environment": _environment(device, cap, peaks, config.command),
+        "reference": REFERENCE,
+        "policies": entries,
+        "parent_pid": os.getpid(),
+        "wall_s": time.perf_counter() - start,
+    }
+    write_outputs(results, out)
+    return results
