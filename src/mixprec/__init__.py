@@ -5,7 +5,9 @@ from mixprec import optim
 from mixprec.devices import probe, resolve_policy
 from mixprec.engine import DivergenceError, MixedPrecision, StepResult
 from mixprec.formats import Format, get_format
+from mixprec.guard import Guard
 from mixprec.loss_scale import DynamicLossScale, NoLossScale, StaticLossScale
+from mixprec.numerics import locate_nonfinite
 from mixprec.policy import PRESETS, Policy
 
 __version__ = "0.1.0"
@@ -14,6 +16,7 @@ __all__ = [
     "DivergenceError",
     "DynamicLossScale",
     "Format",
+    "Guard",
     "MixedPrecision",
     "NoLossScale",
     "PRESETS",
@@ -21,6 +24,7 @@ __all__ = [
     "StaticLossScale",
     "StepResult",
     "get_format",
+    "locate_nonfinite",
     "optim",
     "probe",
     "resolve_policy",

@@ -27,6 +27,7 @@ import dataclasses
 import fnmatch
 import logging
 import warnings
+from collections import defaultdict, deque
 from collections.abc import Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass, field
@@ -164,7 +165,9 @@ class MixedPrecision:
         guard: an object with ``after_step(mp, result) -> StepResult`` (see :class:`mixprec.Guard`).
 
     Attributes:
-        model, optimizer, scheduler, policy, device, decision (one line: how the policy was chosen).
+        model, optimizer, scheduler, policy, device, decision (one line: how the policy was chosen),
+        events (dicts with at least ``step``, ``kind``, ``cause``, ``module``, ``detail``: what a
+        guard or :meth:`set_policy` did; ``step`` is the boundary count when it happened).
 
     Raises:
         ValueError / TypeError: bad arguments; a parameter in an unexpected dtype (named);
@@ -203,6 +206,8 @@ class MixedPrecision:
         self.guard = guard
         self.events: list[dict] = []
         self._hooks: list[Any] = []
+        # this boundary's micro-batches, kept (references) only when a guard may need to localise them
+        self._step_batches: deque = deque(maxlen=accumulation_steps)
 
         self.loss_scale = self._make_loss_scale(loss_scale)
         self._check_param_dtypes()
@@ -253,12 +258,13 @@ class MixedPrecision:
                              "policy decides what is stored in 16 bits (use a '-pure' policy for 16-bit params "
                              "with fp32 masters)")
 
-    def _keep_fp32_modules(self) -> dict[str, nn.Module]:
-        if not self.policy.keep_fp32:
+    def _keep_fp32_modules(self, policy: Policy | None = None) -> dict[str, nn.Module]:
+        policy = self.policy if policy is None else policy
+        if not policy.keep_fp32:
             return {}
         found = {name: m for name, m in self.model.named_modules()
-                 if name and any(fnmatch.fnmatchcase(name, pat) for pat in self.policy.keep_fp32)}
-        unmatched = [pat for pat in self.policy.keep_fp32
+                 if name and any(fnmatch.fnmatchcase(name, pat) for pat in policy.keep_fp32)}
+        unmatched = [pat for pat in policy.keep_fp32
                      if not any(fnmatch.fnmatchcase(n, pat) for n in found)]
         if unmatched:
             raise ValueError(f"policy keep_fp32 patterns {unmatched} match no module of the model; module names "
@@ -267,21 +273,25 @@ class MixedPrecision:
         return {n: m for n, m in found.items() if not any(n.startswith(o + ".") for o in found if o != n)}
 
     def _configure_optimizer(self) -> None:
-        policy, opt = self.policy, self.optimizer
+        opt = self.optimizer
+        self._check_optimizer(self.policy, {p.dtype for g in opt.param_groups for p in g["params"]})
+        if hasattr(opt, "set_precision") and not getattr(opt, "precision_explicit", False):
+            opt.set_precision(rounding=self.policy.rounding, state_dtype=self.policy.state_dtype)
+
+    def _check_optimizer(self, policy: Policy, stepped_dtypes: set[torch.dtype]) -> None:
+        """Raise ValueError if the optimizer cannot run ``policy`` stepping tensors of ``stepped_dtypes``."""
+        opt = self.optimizer
         if hasattr(opt, "set_precision"):      # a mixprec.optim optimizer
             if getattr(opt, "precision_explicit", False):
                 if opt.rounding != policy.rounding or opt.state_dtype != policy.state_dtype:
                     raise ValueError(f"optimizer was built with rounding={opt.rounding!r}, state_dtype={opt.state_dtype} "
                                      f"but the policy {policy} says rounding={policy.rounding!r}, state_dtype="
                                      f"{policy.state_dtype}; drop the optimizer's explicit arguments or change the policy")
-            else:
-                opt.set_precision(rounding=policy.rounding, state_dtype=policy.state_dtype)
             return
         # a stock torch optimizer keeps state in its params' dtype and rounds to nearest
         if policy.rounding != "nearest":
             raise ValueError(f"policy {policy} writes updates with rounding={policy.rounding!r}, which "
                              f"{type(opt).__name__} cannot do; use mixprec.optim.AdamW / mixprec.optim.SGD")
-        stepped_dtypes = {p.dtype for g in opt.param_groups for p in g["params"]}
         if stepped_dtypes - {torch.float32}:
             raise ValueError(f"{type(opt).__name__} would keep its state in {sorted(map(str, stepped_dtypes))} "
                              f"under policy {policy} (16-bit params, no master weights): small moments round away. "
@@ -322,8 +332,13 @@ class MixedPrecision:
         """Move ``batch`` to the device; cast its floating tensors to the param dtype.
 
         Integer/bool tensors are unchanged; nested dicts, lists, tuples and dataclasses are walked.
+        With a guard attached, the engine keeps a reference to each cast micro-batch until the
+        boundary (:attr:`step_batches`), so the guard can re-run a bad one to localise it.
         """
-        return cast_floating(batch, self.policy.param_dtype, self.device)
+        batch = cast_floating(batch, self.policy.param_dtype, self.device)
+        if self.guard is not None:
+            self._step_batches.append(batch)
+        return batch
 
     def backward(self, loss: torch.Tensor) -> None:
         """Scale ``loss``, divide by ``accumulation_steps`` and backpropagate; no host sync.
@@ -393,6 +408,7 @@ class MixedPrecision:
                             skipped_total=self.skipped_total, loss_scale_t=scale_before, grad_norm_t=grad_norm)
         if self.guard is not None:
             result = self.guard.after_step(self, result)
+            self._step_batches.clear()
         return result
 
     def _check_stuck(self, grads: list[torch.Tensor], loss_finite: bool) -> None:
@@ -413,7 +429,124 @@ class MixedPrecision:
         raise DivergenceError(f"{stuck} consecutive skipped steps with the loss scale {where} (after "
                               f"{self.applied_steps} applied steps): gradients hold {kinds}; {cause}")
 
+    # ------------------------------------------------------------------ changing the policy mid-run
+    def set_policy(self, policy: str | Policy, *, cause: str = "requested", module: str | None = None) -> dict:
+        """Re-prepare the model under ``policy`` between steps, keeping the training state; record it.
+
+        :class:`mixprec.Guard` calls it to escalate precision (keep one module in fp32, or
+        fp16 → bf16 → fp32); it can be called directly. What carries over, per parameter:
+
+        * value: its fp32 value (the master where one exists, else the param; under Kahan the
+          16-bit param plus its compensation) becomes the param, cast to the new param dtype, and
+          the new master (where the new policy has masters) is that fp32 value: moving up to a
+          wider format loses nothing, moving down rounds once to nearest;
+        * optimizer state: each entry moves, values unchanged, from the tensor the optimizer
+          stepped (master or param) to the one it steps now; ``param_groups`` keep their order and
+          hyperparameters, so the scheduler is unaffected. A torch optimizer holds fp32 state
+          under every policy the engine accepts; a :mod:`mixprec.optim` optimizer gets its moments
+          cast to the new ``state_dtype`` and its Kahan compensation folded into the params (it
+          restarts at zero where the new policy still uses Kahan);
+        * loss scale: kept, state included, when the new policy names the same loss scaling; else
+          built from the new policy's ``loss_scale``;
+        * counters, scheduler, events: unchanged. keep_fp32 hooks are reinstalled.
+
+        Returns the event appended to :attr:`events`: ``{"step", "kind": "escalate", "cause",
+        "module", "detail", "from", "to"}``. No host sync.
+
+        Raises:
+            RuntimeError: called between ``backward()`` and the accumulation boundary.
+            ValueError: the device cannot run ``policy``, it asks for fp8, its keep_fp32 patterns
+                match no module, or the optimizer cannot run it; nothing has changed then.
+        """
+        if self.micro_step != 0:
+            raise RuntimeError(f"set_policy() called after {self.micro_step} backward() call(s) without step(); "
+                               "change the policy at an accumulation boundary (after mp.step() returns a result)")
+        new = resolve(policy, self.device).policy
+        if new.fp8 is not None:
+            raise ValueError(f"set_policy: policy {new} asks for fp8 linears (fp8={new.fp8!r}), which this version "
+                             "of mixprec does not implement yet; choose a policy with fp8=none")
+        keep = self._keep_fp32_modules(new)
+        keep_params = {id(p) for m in keep.values() for p in m.parameters()}
+        params = self.masters.params
+        half = {id(p) for p in params
+                if new.param_dtype != torch.float32 and id(p) not in keep_params and p.is_floating_point()}
+        old_stepped = list(self.masters.masters)   # per param: the tensor the optimizer steps now
+        index = {id(t): i for i, t in enumerate(old_stepped)}
+        opt = self.optimizer
+        stepped = [t for g in opt.param_groups for t in g["params"]]
+        self._check_optimizer(new, {t.dtype if id(t) not in index  # not a model param: left as it is
+                                    else new.param_dtype if (id(params[index[id(t)]]) in half and not new.has_masters)
+                                    else torch.float32 for t in stepped})
+
+        mixprec_opt = hasattr(opt, "set_precision")
+        with torch.no_grad():
+            values_fp32 = []
+            for p, t in zip(params, old_stepped):
+                value_fp32 = t.detach().to(torch.float32, copy=True)
+                comp = opt.state[t].get("kahan_comp") if (t is p and t in opt.state) else None
+                if comp is not None:
+                    value_fp32 += comp.float()
+                values_fp32.append(value_fp32)
+        states = [opt.state.pop(t) if t in opt.state else None for t in old_stepped]
+        self.unwrap()
+        with torch.no_grad():
+            for p, value_fp32 in zip(params, values_fp32):
+                p.data = value_fp32
+            masters = MasterWeights(params, half if new.has_masters else set())
+            for p in params:
+                if id(p) in half:
+                    p.data = p.data.to(new.param_dtype)
+        for group in opt.param_groups:
+            group["params"] = [masters.masters[index[id(t)]] if id(t) in index else t for t in group["params"]]
+        for t_new, state in zip(masters.masters, states):
+            if not state:
+                continue
+            if mixprec_opt:
+                state.pop("kahan_comp", None)
+                state = {k: v.to(new.state_dtype) if (k != "step" and torch.is_tensor(v) and v.is_floating_point()
+                                                      and v.shape == t_new.shape) else v
+                         for k, v in state.items()}
+            opt.state[t_new] = state
+        if mixprec_opt and not getattr(opt, "precision_explicit", False):
+            # set_precision refuses once state exists, because it cannot convert it; the state
+            # was converted above, so adopt the new settings with the state set aside
+            state_by_param, opt.state = opt.state, defaultdict(dict)
+            try:
+                opt.set_precision(rounding=new.rounding, state_dtype=new.state_dtype)
+            finally:
+                opt.state = state_by_param
+        old = self.policy
+        self.policy = new
+        self.masters = masters
+        scale_note = "loss scale kept"
+        if new.loss_scale != old.loss_scale:
+            self.loss_scale = self._make_loss_scale(None)
+            scale_note = f"loss scale now {type(self.loss_scale).__name__}"
+        self._install_hooks(keep)
+        self.model.zero_grad(set_to_none=True)
+        self.decision = f"{new} on {self.device} (set_policy at boundary {self.boundaries}: {cause}; was {old})"
+        carried = sum(1 for s in states if s)
+        event = {"step": self.boundaries, "kind": "escalate", "cause": cause, "module": module,
+                 "detail": f"{old} → {new}: params re-cast from their fp32 values, optimizer state of "
+                           f"{carried} tensor(s) carried over, {scale_note}",
+                 "from": str(old), "to": str(new)}
+        self.events.append(event)
+        log.warning("mixprec: policy %s → %s at boundary %d (%s)", old, new, self.boundaries, cause)
+        return event
+
     # ------------------------------------------------------------------ views and state
+    @property
+    def last_loss(self) -> torch.Tensor | None:
+        """The loss of the last ``backward()`` (detached, unscaled, on the device; None before
+        the first). Reading its value (``float(mp.last_loss)``) syncs the host with the device."""
+        return self._last_loss
+
+    @property
+    def step_batches(self) -> tuple:
+        """The micro-batches cast by :meth:`cast_inputs` since the last boundary, kept only when
+        a guard is attached (else empty)."""
+        return tuple(self._step_batches)
+
     def master_parameters(self) -> Iterator[torch.Tensor]:
         """fp32 masters in ``model.parameters()`` order (the params themselves where no master exists)."""
         yield from self.masters.masters

@@ -53,10 +53,11 @@ from mixprec.bench.verdict import Targets, judge
 from mixprec.bench.worker import RunSpec
 from mixprec.devices import Capability, normalize_device, probe, resolve
 from mixprec.doctor import cached_peaks, cpu_flags, cpu_name
+from mixprec.policy import Policy
 from mixprec.workloads import get_workload
 
 __all__ = ["BenchConfig", "DEFAULT_POLICIES", "DEFAULT_STEPS", "DEFAULT_GPT_CONFIG", "CAPABILITY_ENV",
-           "run_bench", "plan_policy", "warmup_steps_for"]
+           "run_bench", "plan_policy", "judge_policies", "warmup_steps_for"]
 
 DEFAULT_POLICIES = ("fp32", "bf16-mixed", "bf16-pure", "bf16-kahan", "bf16-sr")
 DEFAULT_STEPS = 300
@@ -183,12 +184,12 @@ def _skipped_entry(spec: str, reason: str) -> dict[str, Any]:
     return {**dict.fromkeys(POLICY_KEYS), "requested": spec, "skipped_reason": reason}
 
 
-def _judge_all(entries: dict[str, dict], targets: Targets) -> None:
+def judge_policies(entries: dict[str, dict], targets: Targets) -> None:
     """Add the deltas vs fp32 and a verdict to every entry (in place)."""
     ref = entries[REFERENCE]
-    if "error" not in ref and ref.get("final_eval_loss") is None:
+    if ref.get("error") is None and ref.get("skipped_reason") is None and ref.get("final_eval_loss") is None:
         ref["error"] = "the fp32 eval loss is not finite: the reference diverged"
-    ref_error = ref.get("error")
+    ref_error = ref.get("error") or (ref.get("skipped_reason") and f"fp32 did not run: {ref['skipped_reason']}")
     for name, e in entries.items():
         if e.get("step_time_ms_median") is not None and ref_error is None:
             loss, ref_loss = e["final_eval_loss"], ref["final_eval_loss"]
@@ -196,9 +197,7 @@ def _judge_all(entries: dict[str, dict], targets: Targets) -> None:
             e["memory_ratio_vs_fp32"] = e["peak_memory_mb"] / ref["peak_memory_mb"]
             e["eval_loss_delta_vs_fp32"] = None if loss is None else (loss - ref_loss) / ref_loss
         skipped, error = e.get("skipped_reason"), e.get("error")
-        if e.get("stage") == "setup":
-            skipped, error = f"the engine refused it: {error}", None
-        elif name != REFERENCE and ref_error is not None and error is None and skipped is None:
+        if name != REFERENCE and ref_error is not None and error is None and skipped is None:
             error = f"no fp32 reference to compare with ({ref_error})"
         diverged = e.get("step_time_ms_median") is not None and e.get("final_eval_loss") is None
         verdict = judge(targets=targets, loss_delta=math.nan if diverged else e.get("eval_loss_delta_vs_fp32"),
@@ -214,7 +213,8 @@ def run_bench(config: BenchConfig, *, capability: Capability | None = None, prog
     ``capability`` replaces the device probe when planning which policies run (tests).
 
     Raises:
-        ValueError / ImportError: a bad workload, config, data path or device (before any run).
+        ValueError / ImportError: a bad policy name, workload, config, data path or device
+            (before any run).
     """
     start = time.perf_counter()
     device = normalize_device(config.device)
@@ -224,6 +224,9 @@ def run_bench(config: BenchConfig, *, capability: Capability | None = None, prog
     del workload
     peaks = cached_peaks(device)
     names = list(dict.fromkeys([REFERENCE, *(p.strip() for p in config.policies)]))
+    for name in names:  # a typo is an error, not a SKIPPED policy: only the device may refuse
+        if name.lower() != "auto":
+            Policy.parse(name)
     skip = {name: plan_policy(name, device, cap, force=config.force) for name in names}
     if skip[REFERENCE] is not None:
         raise ValueError(f"the fp32 reference cannot run on {device}: {skip[REFERENCE]}")
@@ -244,8 +247,11 @@ def run_bench(config: BenchConfig, *, capability: Capability | None = None, prog
                            config=config.config_name, data=config.data, device=str(device),
                            warmup_steps=warmup, peaks_gflops=peaks_gflops)
             result = _run_worker(spec, workdir, f"{index}-{''.join(c if c.isalnum() or c in '-_' else '_' for c in name)}", bar)
-            entries[name] = {**dict.fromkeys(POLICY_KEYS), "requested": name, **result}
-    _judge_all(entries, config.targets)
+            if result.get("stage") == "setup":  # the engine refused the policy: it did not run
+                entries[name] = _skipped_entry(name, f"the engine refused it: {result['error']}")
+            else:
+                entries[name] = {**dict.fromkeys(POLICY_KEYS), "requested": name, **result}
+    judge_policies(entries, config.targets)
     results = {
         "mixprec_bench": 1,
         "created": time.strftime("%Y-%m-%dT%H:%M:%S%z"),

@@ -9,7 +9,8 @@ model (identical initial weights) and draws training batches from the same seede
 The worker prints ``step N`` to stdout after every step (the runner's progress bar reads it),
 logs to stderr, and writes its measurements to ``OUT_JSON``; a failure writes
 ``{"error": ..., "stage": "setup" | "train"}`` there and exits with status 1 (``setup``: the
-engine refused the policy, e.g. a device that cannot run it).
+engine refused the policy, e.g. a device that cannot run it; the runner reports it SKIPPED.
+Anything else is ``train`` and a FAIL).
 
 :func:`build_engine` and :func:`train_step` are shared with ``mixprec train``.
 """
@@ -136,13 +137,17 @@ def _finite_or_none(x: float) -> float | None:
 
 
 def run_policy(spec: RunSpec, progress: Callable[[int], None] | None = None) -> dict[str, Any]:
-    """Train ``spec.steps`` steps of one policy and return its measurements (see the runner's
-    results schema). Host syncs: one per step for timing, plus the engine's own."""
+    """Train ``spec.steps`` steps of one policy and return its measurements (the per-policy
+    keys of :mod:`mixprec.bench.report`). Host syncs: one per step for timing, plus the engine's.
+
+    Raises:
+        SetupError: the engine (or the optimizer) refused the policy for this device or model.
+    """
     start_wall = time.perf_counter()
+    workload = get_workload(spec.workload, config=spec.config, data=spec.data)
     try:
-        workload = get_workload(spec.workload, config=spec.config, data=spec.data)
         mp = build_engine(workload, spec.policy, steps=spec.steps, seed=spec.seed, device=spec.device)
-    except (ValueError, TypeError, ImportError, RuntimeError) as err:
+    except (ValueError, TypeError) as err:
         raise SetupError(f"{type(err).__name__}: {err}") from err
     memory = MemoryMeter(mp.device)
     train_batches = workload.batches("train", spec.seed)

@@ -1,0 +1,223 @@
+"""Bench outputs: ``results.json``, ``report.md``, ``loss_curves.png``, ``speed_memory.png``.
+
+``results.json`` (strict JSON: non-finite numbers are written as null)::
+
+    {"mixprec_bench": 1, "created": ISO time, "command": "mixprec bench ...",
+     "settings": {workload, config, policies, steps, warmup_steps, seed, data, device, force,
+                  targets: {max_loss_delta, min_speedup, max_memory_ratio}},
+     "workload": Workload.describe() (model, optimizer, data source and split, vocabulary),
+     "environment": {torch, python, platform, device, torch_threads, capability,
+                     peaks_gflops_per_s: {fp32, bf16, fp16, fp8}, peaks_matmul_n, command,
+                     cpu_name + cpu_flags + cpu_count (CPU) | gpu_name (CUDA)},
+     "reference": "fp32",
+     "policies": {requested name: {POLICY_KEYS...}, ...},   # fp32 first
+     "parent_pid": int, "wall_s": float}
+
+Per policy (:data:`POLICY_KEYS`; a SKIPPED policy has null measurements): units are in the
+names (``_ms``, ``_mb`` = MiB, ``_per_s``); ``speedup_vs_fp32`` = fp32 median step time / this
+one; ``memory_ratio_vs_fp32`` = peak memory / fp32's; ``eval_loss_delta_vs_fp32`` = relative
+final validation-loss change, ``(loss - loss_fp32) / loss_fp32``; ``state_bytes_per_param`` is
+measured from the tensors (:func:`mixprec.bench.measure.state_bytes`); ``decision`` is how the
+engine resolved the policy; ``pid`` is the worker process.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+from pathlib import Path
+from typing import Any
+
+__all__ = ["POLICY_KEYS", "write_outputs", "format_table", "report_markdown", "plot_loss_curves",
+           "plot_speed_memory"]
+
+POLICY_KEYS = (
+    "requested", "policy", "decision", "compute_dtype", "device", "pid", "optimizer", "steps",
+    "step_time_ms_median", "tokens_per_s", "items_per_s", "item_unit", "speedup_vs_fp32",
+    "gflops_per_s", "peak_gflops_per_s", "mfu", "peak_memory_mb", "memory_ratio_vs_fp32", "memory_source",
+    "state_bytes_per_param", "state_bytes", "final_eval", "final_eval_loss", "eval_loss_delta_vs_fp32",
+    "skipped_steps", "skipped_by_reason", "loss_per_step", "loss_scale_history", "grad_norm_per_step",
+    "lr_per_step", "step_time_ms_per_step", "events", "verdict", "reason", "skipped_reason", "error",
+)
+_HOW_TO_READ = """\
+## How to read a verdict
+
+Every policy trains the same model from the same seed on the same batches as fp32 (the
+REFERENCE), each in its own process. Its final validation loss (on fixed validation batches,
+under the policy's own autocast) is compared with fp32's as a relative delta: +1.00 % means
+1 % higher (worse) loss. A policy PASSES when that delta is at most `--max-loss-delta`
+and, where given, its speedup (fp32 median step time / its own) is at least `--min-speedup`
+and its peak-memory ratio to fp32 is at most `--max-memory-ratio`. FAIL lists every target
+missed (or the crash); SKIPPED gives the measured reason the device cannot run the policy
+natively (`--force` runs it anyway). *bytes/param* is the training state read from the
+actual tensors (params, grads, fp32 masters, optimizer state, compensation buffers). On a
+CPU, peak memory is the process's peak RSS, which includes a few hundred MiB of interpreter
+and torch libraries, so its ratio understates state savings; bytes/param shows them.
+"""
+
+
+def _fmt(value: Any, spec: str, suffix: str = "") -> str:
+    if value is None or (isinstance(value, float) and not math.isfinite(value)):
+        return "-"
+    return f"{value:{spec}}{suffix}"
+
+
+def _rows(results: dict) -> list[list[str]]:
+    rows = []
+    for name, e in results["policies"].items():
+        rows.append([
+            name, e["verdict"], _fmt(e.get("step_time_ms_median"), ".1f"), _fmt(e.get("speedup_vs_fp32"), ".2f", "x"),
+            _fmt(e.get("items_per_s"), ",.0f"), _fmt(e.get("gflops_per_s"), ".1f"), _fmt(e.get("mfu"), ".1%"),
+            _fmt(e.get("peak_memory_mb"), ",.0f"), _fmt(e.get("memory_ratio_vs_fp32"), ".2f", "x"),
+            _fmt(e.get("state_bytes_per_param"), ".2f"), _fmt(e.get("final_eval_loss"), ".4f"),
+            _fmt(e.get("eval_loss_delta_vs_fp32"), "+.2%"), _fmt(e.get("skipped_steps"), "d"),
+        ])
+    return rows
+
+
+def _headers(results: dict) -> list[str]:
+    unit = next((e["item_unit"] for e in results["policies"].values() if e.get("item_unit")), "items")
+    return ["policy", "verdict", "step ms", "speedup", f"{unit}/s", "GFLOP/s", "MFU", "peak MiB",
+            "mem ratio", "bytes/param", "eval loss", "loss delta", "skipped steps"]
+
+
+def format_table(results: dict) -> str:
+    """The compact plain-text table printed at the end of a bench run."""
+    headers = ["policy", "verdict", "step ms", "speedup", "peak MiB", "B/param", "eval loss", "delta", "skips"]
+    keep = [0, 1, 2, 3, 7, 9, 10, 11, 12]
+    rows = [[row[i] for i in keep] for row in _rows(results)]
+    widths = [max(len(h), *(len(r[i]) for r in rows)) for i, h in enumerate(headers)]
+    line = lambda cells: "  ".join(c.ljust(w) if i < 2 else c.rjust(w) for i, (c, w) in enumerate(zip(cells, widths)))
+    return "\n".join([line(headers), line(["-" * w for w in widths]), *map(line, rows)])
+
+
+def report_markdown(results: dict) -> str:
+    """``report.md``: the table, each verdict with its reason, how each policy ran, the command."""
+    s, env, w = results["settings"], results["environment"], results["workload"]
+    t = s["targets"]
+    targets = [f"max loss delta +{t['max_loss_delta']:.2%}"]
+    targets += [f"min speedup {t['min_speedup']}x"] if t["min_speedup"] else []
+    targets += [f"max memory ratio {t['max_memory_ratio']}x"] if t["max_memory_ratio"] else []
+    hardware = env.get("gpu_name") or f"{env.get('cpu_name')}, {env['torch_threads']} threads, flags: " \
+                                        f"{' '.join(env.get('cpu_flags') or []) or 'n/a'}"
+    peaks = ", ".join(f"{k} {_fmt(v, '.1f')}" for k, v in env["peaks_gflops_per_s"].items())
+    headers = _headers(results)
+    lines = [
+        f"# mixprec bench: {s['workload']}/{s['config'] or 'default'}, {s['steps']} steps, seed {s['seed']}, "
+        f"{s['device']}",
+        "",
+        "Command:",
+        "",
+        f"```\n{results['command']}\n```",
+        "",
+        f"Targets: {', '.join(targets)}. Device: {s['device']} ({hardware}); torch {env['torch']}, "
+        f"python {env['python']}. Matmul peaks (GFLOP/s, `mixprec doctor`): {peaks}.",
+        f"Workload: {w.get('workload', s['workload'])}, {json.dumps(w.get('model', {}))}; "
+        f"{w.get('items_per_batch', '?')} {w.get('item_unit', 'items')} per step; data: "
+        f"{(w.get('data') or {}).get('source', 'workload-defined')}. Step time is the median after "
+        f"{s['warmup_steps']} warm-up steps.",
+        "",
+        "| " + " | ".join(headers) + " |",
+        "|" + "|".join("---" if i < 2 else "---:" for i in range(len(headers))) + "|",
+        *("| " + " | ".join(row) + " |" for row in _rows(results)),
+        "",
+        "## Verdicts",
+        "",
+        *(f"- **{name}: {e['verdict']}**: {e['reason']}" for name, e in results["policies"].items()),
+        "",
+        "## How each policy ran",
+        "",
+        *(f"- {name}: `{e.get('policy') or '-'}` ({e.get('decision') or e.get('skipped_reason') or e.get('error')}); "
+          f"optimizer {e.get('optimizer') or '-'}; worker pid {e.get('pid') or '-'}"
+          for name, e in results["policies"].items()),
+        "",
+        "![training loss](loss_curves.png)",
+        "",
+        "![speed and memory](speed_memory.png)",
+        "",
+        _HOW_TO_READ,
+    ]
+    return "\n".join(lines)
+
+
+def _ran(results: dict) -> dict[str, dict]:
+    return {n: e for n, e in results["policies"].items() if e.get("loss_per_step")}
+
+
+def plot_loss_curves(results: dict, path: Path) -> None:
+    """Training loss per step for every policy that ran: raw (faint) and a moving average."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, ax = plt.subplots(figsize=(8, 5))
+    for name, e in _ran(results).items():
+        losses = [math.nan if v is None else v for v in e["loss_per_step"]]
+        steps = range(1, len(losses) + 1)
+        window = max(1, len(losses) // 20)
+        smooth = [sum(losses[max(0, i - window + 1):i + 1]) / len(losses[max(0, i - window + 1):i + 1])
+                  for i in range(len(losses))]
+        (line,) = ax.plot(steps, smooth, lw=1.6, label=f"{name} (eval {_fmt(e.get('final_eval_loss'), '.4f')})")
+        ax.plot(steps, losses, lw=0.6, alpha=0.25, color=line.get_color())
+    s = results["settings"]
+    window = max(1, s["steps"] // 20)
+    smoothing = f"; lines: moving average over {window} steps" if window > 1 else ""
+    ax.set(xlabel="step", ylabel="training loss",
+           title=f"{s['workload']}/{s['config'] or 'default'}: training loss ({s['device']}, seed {s['seed']}{smoothing})")
+    ax.legend()
+    ax.grid(alpha=0.3)
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+
+
+def plot_speed_memory(results: dict, path: Path) -> None:
+    """Bars per policy: median step time (with speedup), peak memory, training-state bytes/param."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    ran = _ran(results)
+    names = list(ran)
+    panels = [("step_time_ms_median", "median step time (ms)", "speedup_vs_fp32"),
+              ("peak_memory_mb", "peak memory (MiB)", "memory_ratio_vs_fp32"),
+              ("state_bytes_per_param", "training state (bytes/param)", None)]
+    fig, axes = plt.subplots(1, 3, figsize=(13, 4.2))
+    for ax, (key, title, ratio_key) in zip(axes, panels):
+        values = [ran[n].get(key) or 0.0 for n in names]
+        bars = ax.bar(names, values, color=[f"C{i}" for i in range(len(names))])
+        for bar, n in zip(bars, names):
+            label = _fmt(ran[n].get(ratio_key), ".2f", "x") if ratio_key else _fmt(ran[n].get(key), ".1f")
+            ax.annotate(label, (bar.get_x() + bar.get_width() / 2, bar.get_height()), ha="center", va="bottom",
+                        fontsize=8)
+        ax.set_title(title, fontsize=10)
+        ax.tick_params(axis="x", rotation=30, labelsize=8)
+        ax.grid(axis="y", alpha=0.3)
+    fig.suptitle("speed and memory vs fp32 (labels: ratio to fp32)", fontsize=10)
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+
+
+def _json_safe(value: Any) -> Any:
+    if isinstance(value, float) and not math.isfinite(value):
+        return None
+    if isinstance(value, dict):
+        return {k: _json_safe(v) for k, v in value.items()}
+    if isinstance(value, (list, tuple)):
+        return [_json_safe(v) for v in value]
+    return value
+
+
+def write_outputs(results: dict, out: Path) -> dict[str, Path]:
+    """Write the four outputs into ``out``; returns their paths by name."""
+    out = Path(out)
+    out.mkdir(parents=True, exist_ok=True)
+    paths = {name: out / name for name in ("results.json", "report.md", "loss_curves.png", "speed_memory.png")}
+    paths["results.json"].write_text(json.dumps(_json_safe(results), indent=1, allow_nan=False, default=str))
+    paths["report.md"].write_text(report_markdown(results))
+    plot_loss_curves(results, paths["loss_curves.png"])
+    plot_speed_memory(results, paths["speed_memory.png"])
+    return paths

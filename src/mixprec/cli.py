@@ -1,0 +1,250 @@
+"""The ``mixprec`` command line (also ``python -m mixprec``): bench, train, sample, doctor.
+
+``main(argv)`` returns the exit status: 0 on success; 1 when ``bench`` judged a policy FAIL
+(so CI can gate on the evidence); 2 for bad arguments or inputs (the message says which).
+A user workload ``--workload package.module:function`` is imported with the working directory
+on ``sys.path`` (and on the bench workers' ``PYTHONPATH``).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import os
+import shlex
+import sys
+import time
+from pathlib import Path
+
+__all__ = ["main", "build_parser"]
+
+_BENCH_EPILOG = """\
+Each policy trains in its own process from the same seed and batch order as the fp32
+reference (always run first). Verdicts: PASS / FAIL / SKIPPED / REFERENCE, against the
+targets; exit status 1 when any policy FAILs. Outputs in --out: results.json, report.md,
+loss_curves.png, speed_memory.png. Defaults (no flags) take under 10 minutes on 2 CPU cores.
+"""
+
+
+def _timestamp() -> str:
+    return time.strftime("%Y%m%d-%H%M%S")
+
+
+def _split_policies(text: str) -> tuple[str, ...]:
+    """``"fp32,bf16-kahan,state=bf16"`` → ``("fp32", "bf16-kahan,state=bf16")``: a ``key=value``
+    part belongs to the policy before it (a preset name can only start a policy)."""
+    policies: list[str] = []
+    for part in (p.strip() for p in text.split(",")):
+        if not part:
+            continue
+        if "=" in part and policies:
+            policies[-1] += f",{part}"
+        else:
+            policies.append(part)
+    return tuple(policies)
+
+
+def _positive_int(text: str) -> int:
+    value = int(text)
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"{value} is not a positive integer")
+    return value
+
+
+def build_parser() -> argparse.ArgumentParser:
+    from mixprec.bench.runner import DEFAULT_GPT_CONFIG, DEFAULT_POLICIES, DEFAULT_STEPS
+
+    parser = argparse.ArgumentParser(prog="mixprec", description="Mixed-precision training for PyTorch, "
+                                     "with the evidence: speed, memory and quality against fp32.")
+    sub = parser.add_subparsers(dest="command", required=True, metavar="{bench,train,sample,doctor}")
+
+    def workload_args(p: argparse.ArgumentParser, config_help: str) -> None:
+        p.add_argument("--workload", default="gpt", help="built-in workload (gpt, digits) or "
+                       "package.module:function returning a mixprec.workloads.Workload (default: gpt)")
+        p.add_argument("--config", default=None, help=config_help)
+        p.add_argument("--data", default=None, help="UTF-8 text file for gpt (default: the embedded pydoc corpus)")
+        p.add_argument("--seed", type=int, default=0, help="seed for weights and batch order (default: 0)")
+        p.add_argument("--device", default=None, help="cpu, cuda, cuda:N or mps (default: the best available)")
+
+    bench = sub.add_parser("bench", help="compare policies with fp32 on a workload and judge them",
+                           description="Compare precision policies with fp32 on one workload.", epilog=_BENCH_EPILOG,
+                           formatter_class=argparse.RawDescriptionHelpFormatter)
+    workload_args(bench, f"workload config: gpt has tiny, baby, mid, small (default: {DEFAULT_GPT_CONFIG} for gpt)")
+    bench.add_argument("--policies", default=",".join(DEFAULT_POLICIES), type=_split_policies,
+                       help=f"comma-separated policies; fp32 is always added first (default: {','.join(DEFAULT_POLICIES)})")
+    bench.add_argument("--steps", type=_positive_int, default=DEFAULT_STEPS,
+                       help=f"optimizer steps per policy, >= 5 (default: {DEFAULT_STEPS})")
+    bench.add_argument("--out", default=None, help="output directory (default: runs/bench-<timestamp>)")
+    bench.add_argument("--max-loss-delta", type=float, default=0.02,
+                       help="largest allowed relative increase of the final eval loss vs fp32 (default: 0.02)")
+    bench.add_argument("--min-speedup", type=float, default=None, help="smallest allowed speedup vs fp32 (default: none)")
+    bench.add_argument("--max-memory-ratio", type=float, default=None,
+                       help="largest allowed peak-memory ratio to fp32 (default: none)")
+    bench.add_argument("--force", action="store_true",
+                       help="run policies the device cannot run natively (e.g. fp16 on a CPU) instead of SKIPPING")
+
+    train = sub.add_parser("train", help="train one policy; log metrics; save a checkpoint")
+    workload_args(train, "workload config (default: the workload's own, baby for gpt)")
+    train.add_argument("--policy", default="auto", help="policy preset or key=value text (default: auto)")
+    train.add_argument("--steps", type=_positive_int, default=200, help="optimizer steps (default: 200)")
+    train.add_argument("--eval-every", type=int, default=0, help="evaluate every K steps (default: 0 = at the end only)")
+    train.add_argument("--out", default=None, help="output directory (default: runs/train-<timestamp>)")
+
+    sample = sub.add_parser("sample", help="generate text from a gpt checkpoint written by mixprec train")
+    sample.add_argument("dir", help="the train --out directory (or its checkpoint/ directory)")
+    sample.add_argument("--prompt", default="\n", help="text to continue (characters of the training vocabulary)")
+    sample.add_argument("--tokens", type=_positive_int, default=200, help="characters to generate (default: 200)")
+    sample.add_argument("--temperature", type=float, default=0.8, help="sampling temperature, 0 = greedy (default: 0.8)")
+    sample.add_argument("--seed", type=int, default=0, help="sampling seed (default: 0)")
+    sample.add_argument("--policy", default="fp32", help="policy the model runs under while sampling (default: fp32; "
+                        "16-bit weights load exactly, saved fp32 masters are used where present)")
+    sample.add_argument("--device", default=None, help="cpu, cuda, cuda:N or mps (default: the best available)")
+
+    doctor = sub.add_parser("doctor", help="devices, dtype support, measured matmul peaks, what auto picks")
+    doctor.add_argument("--json", action="store_true", help="print the report as JSON")
+    return parser
+
+
+def _cmd_bench(args: argparse.Namespace, command: str) -> int:
+    from mixprec.bench.report import format_table
+    from mixprec.bench.runner import BenchConfig, run_bench
+    from mixprec.bench.verdict import Targets
+
+    targets = Targets(max_loss_delta=args.max_loss_delta, min_speedup=args.min_speedup,
+                      max_memory_ratio=args.max_memory_ratio)
+    out = Path(args.out or Path("runs") / f"bench-{_timestamp()}")
+    config = BenchConfig(out=out, workload=args.workload, config=args.config, policies=args.policies,
+                         steps=args.steps, seed=args.seed, data=args.data, device=args.device, force=args.force,
+                         targets=targets, command=command)
+    results = run_bench(config)
+    print(format_table(results))
+    for name, entry in results["policies"].items():
+        if entry["verdict"] in ("FAIL", "SKIPPED"):
+            print(f"{name}: {entry['verdict']}: {entry['reason']}")
+    print(f"wrote {out}/results.json, report.md, loss_curves.png, speed_memory.png ({results['wall_s']:.0f} s)")
+    return 1 if any(e["verdict"] == "FAIL" for e in results["policies"].values()) else 0
+
+
+def _finite(x: float) -> float | None:
+    return x if math.isfinite(x) else None
+
+
+def _tensorboard(out: Path):
+    """A TensorBoard SummaryWriter in ``out/tensorboard``, or None when tensorboard is not installed."""
+    try:
+        from torch.utils.tensorboard import SummaryWriter
+    except ImportError:
+        return None
+    return SummaryWriter(str(out / "tensorboard"))
+
+
+def _add_scalars(writer, prefix: str, values: dict, step: int) -> None:
+    if writer is None:
+        return
+    for key, value in values.items():
+        if isinstance(value, (int, float)) and not isinstance(value, bool) and math.isfinite(value):
+            writer.add_scalar(f"{prefix}/{key}", value, step)
+
+
+def _cmd_train(args: argparse.Namespace, command: str) -> int:
+    from tqdm import tqdm
+
+    from mixprec.bench.measure import synchronize
+    from mixprec.bench.worker import build_engine, evaluate, train_step
+    from mixprec.checkpoint import save_checkpoint
+    from mixprec.workloads import get_workload
+
+    workload = get_workload(args.workload, config=args.config, data=args.data)
+    mp = build_engine(workload, args.policy, steps=args.steps, seed=args.seed, device=args.device)
+    out = Path(args.out or Path("runs") / f"train-{_timestamp()}")
+    out.mkdir(parents=True, exist_ok=True)
+    print(f"mixprec train: {workload.name}/{workload.config_name}, policy {mp.policy} ({mp.decision}), "
+          f"{args.steps} steps -> {out}", file=sys.stderr)
+    writer = _tensorboard(out)
+    batches = workload.batches("train", args.seed)
+    eval_metrics: dict[str, float] = {}
+    with open(out / "metrics.jsonl", "w", encoding="utf-8") as log, tqdm(total=args.steps, unit="step") as bar:
+        for step in range(1, args.steps + 1):
+            batch, lr = next(batches), mp.optimizer.param_groups[0]["lr"]
+            synchronize(mp.device)
+            t0 = time.perf_counter()
+            loss, result = train_step(mp, workload, batch)
+            synchronize(mp.device)
+            record = {"kind": "train", "step": step, "loss": _finite(float(loss)), "applied": result.applied,
+                      "skipped_reason": result.skipped_reason, "loss_scale": result.loss_scale,
+                      "grad_norm": _finite(result.grad_norm), "lr": lr,
+                      "step_time_ms": (time.perf_counter() - t0) * 1e3}
+            log.write(json.dumps(record) + "\n")
+            _add_scalars(writer, "train", record, step)
+            if step == args.steps or (args.eval_every > 0 and step % args.eval_every == 0):
+                eval_metrics = evaluate(mp, workload)
+                log.write(json.dumps({"kind": "eval", "step": step,
+                                      **{f"eval_{k}": _finite(v) for k, v in eval_metrics.items()}}) + "\n")
+                _add_scalars(writer, "eval", eval_metrics, step)
+                bar.set_postfix(eval_loss=f"{eval_metrics['loss']:.4f}")
+            bar.update(1)
+    if writer is not None:
+        writer.close()
+    extra = {"workload": workload.describe(), "workload_spec": args.workload, "seed": args.seed,
+             "command": command, "decision": mp.decision, "final_eval": eval_metrics}
+    path = save_checkpoint(out / "checkpoint", mp, extra=extra)
+    print(f"final eval loss {eval_metrics['loss']:.4f}; wrote {out / 'metrics.jsonl'} and {path}")
+    return 0
+
+
+def _cmd_sample(args: argparse.Namespace) -> int:
+    import torch
+
+    from mixprec.checkpoint import MANIFEST, load_checkpoint, read_manifest
+    from mixprec.engine import MixedPrecision
+    from mixprec.optim import SGD
+    from mixprec.workloads import GPT, Corpus, GPTConfig, generate
+
+    path = Path(args.dir)
+    if not (path / MANIFEST).is_file() and (path / "checkpoint" / MANIFEST).is_file():
+        path = path / "checkpoint"
+    description = read_manifest(path)["extra"].get("workload", {})
+    if description.get("workload") != "gpt":
+        raise ValueError(f"sample: {str(path)!r} holds a {description.get('workload')!r} checkpoint; sample needs "
+                         "one from `mixprec train --workload gpt`")
+    model_desc, vocab = description["model"], description["data"]["vocab"]
+    fields = set(GPTConfig.__dataclass_fields__) - {"optim"}
+    model = GPT(GPTConfig(**{k: v for k, v in model_desc.items() if k in fields}), len(vocab))
+    mp = MixedPrecision(model, SGD(model.parameters(), lr=0.0), policy=args.policy, device=args.device)
+    load_checkpoint(path, mp)
+    corpus = Corpus.from_text(vocab, source=str(path))
+    idx = torch.tensor([corpus.encode(args.prompt)], dtype=torch.int64, device=mp.device)  # (1, T0)
+    generator = torch.Generator(device=mp.device).manual_seed(args.seed)
+    with mp.autocast():
+        ids = generate(mp.model, idx, args.tokens, temperature=args.temperature, generator=generator)
+    print(corpus.decode(ids[0].tolist()))
+    return 0
+
+
+def _cmd_doctor(args: argparse.Namespace) -> int:
+    from mixprec.doctor import format_doctor, run_doctor
+
+    report = run_doctor()
+    print(json.dumps(report, indent=1) if args.json else format_doctor(report))
+    return 0
+
+
+def main(argv: list[str] | None = None) -> int:
+    """Run the ``mixprec`` command line with ``argv`` (default: ``sys.argv[1:]``); returns the exit status."""
+    argv = sys.argv[1:] if argv is None else list(argv)
+    args = build_parser().parse_args(argv)
+    command = "mixprec " + shlex.join(argv)
+    if ":" in getattr(args, "workload", "") and os.getcwd() not in sys.path:
+        sys.path.insert(0, os.getcwd())
+    try:
+        if args.command == "bench":
+            return _cmd_bench(args, command)
+        if args.command == "train":
+            return _cmd_train(args, command)
+        if args.command == "sample":
+            return _cmd_sample(args)
+        return _cmd_doctor(args)
+    except (ValueError, TypeError, ImportError, FileNotFoundError) as err:
+        print(f"mixprec {args.command}: error: {err}", file=sys.stderr)
+        return 2

@@ -1,0 +1,405 @@
+"""The numerics report: plain data measured by :func:`mixprec.numerics.inspect`, and its views.
+
+A :class:`NumericsReport` holds, per leaf module (:class:`ModuleStats`) and per trainable
+parameter (:class:`ParamStats`), how each recorded tensor fits each candidate format
+(:class:`RangeStats`), the error of running the module in each format (:class:`ModuleError`)
+and the lost-update counts of each parameter. Everything is a Python number: no tensors, no
+device. The views are :meth:`NumericsReport.flagged`, :meth:`~NumericsReport.recommend`
+(both delegate to the pure rules in :mod:`mixprec.numerics.advice`),
+:meth:`~NumericsReport.to_markdown`, :meth:`~NumericsReport.to_json` /
+:meth:`~NumericsReport.from_json` (derived from the dataclass fields, so a new field
+round-trips without extra code) and :meth:`~NumericsReport.heatmap`.
+
+Conventions (the one place they are stated):
+
+* **scale**: a stored value is ``x * scale``. Gradient statistics are given at each loss scale
+  in :attr:`NumericsReport.loss_scales`; activations and weights at scale 1 ("raw"); fp8
+  statistics also at the *best per-tensor scale* ``scale = fmt.max / amax`` (current, i.e.
+  just-in-time, tensorwise scaling: each step's counts use that step's amax; the reported
+  ``scale`` uses the amax over all steps).
+* **overflow**: share of *all* elements with ``|x * scale| > fmt.max`` (non-finite values count
+  as overflow).
+* **subnormal**: share of *non-zero* elements with ``|x * scale| < fmt.smallest_normal``; it
+  includes the flushed ones.
+* **flushed**: share of *non-zero* elements with ``|x * scale| < fmt.smallest_subnormal / 2``:
+  they round to zero.
+* **subnormal_energy** / **flushed_energy**: the share of ``sum(x**2)`` those elements carry
+  (near 0 when they are fp32 rounding noise around an exact zero).
+* **lost update**: share of a parameter's elements with an intended update (a non-zero fp32
+  step delta or a non-zero gradient) whose fp32 step delta is smaller than half an ulp
+  (:meth:`mixprec.formats.Format.ulp`) of the weight in that format: what storing the weight
+  in that format without fp32 master weights would silently drop. The ``fp32`` entry counts
+  updates the fp32 step itself dropped (non-zero gradient, zero delta): the master-weight case.
+* **error**: SQNR ``10 log10(sum ref**2 / sum (ref - out)**2)`` in dB and relative error
+  ``||ref - out|| / ||ref||`` of the module's output in a format against fp32 (see
+  :mod:`mixprec.numerics.inspect` for how a module is run in a format).
+
+JSON: non-finite floats are written as the strings ``"inf"``, ``"-inf"`` and ``"nan"`` (strict
+JSON has no infinities) and the policy as its text form; :meth:`NumericsReport.from_json`
+reads both back.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import math
+import types
+import typing
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, Union
+
+from mixprec.formats import get_format
+from mixprec.numerics import advice
+from mixprec.numerics.advice import _count, _num, _pct, _pow2
+from mixprec.policy import Policy
+
+__all__ = ["RangeStats", "ModuleError", "ModuleStats", "ParamStats", "NumericsReport"]
+
+
+@dataclass(frozen=True)
+class RangeStats:
+    """How one tensor role fits one format at one scale (fractions in [0, 1]; module docstring).
+
+    ``amax`` is the largest ``|x|`` before scaling, over every recorded step. ``subnormal_energy``
+    and ``flushed_energy`` are the shares of the squared L2 norm (sum of ``x**2``) that the
+    subnormal and the flushed elements carry.
+    """
+
+    scale: float
+    amax: float
+    overflow: float
+    subnormal: float
+    flushed: float
+    subnormal_energy: float
+    flushed_energy: float
+
+
+@dataclass(frozen=True)
+class ModuleError:
+    """Error of a module's output in a format against fp32: SQNR in dB (``inf``: exact;
+    ``-inf``: non-finite output) and relative L2 error."""
+
+    sqnr_db: float
+    rel_error: float
+
+
+@dataclass(frozen=True)
+class ModuleStats:
+    """Statistics of one leaf module, keyed by canonical format name (``"e4m3fn"``, not ``"e4m3"``).
+
+    ``activation``: forward outputs at scale 1; ``activation_scaled``: fp8 formats only, at the
+    best per-tensor scale. ``grad_output``: gradients of the outputs (fp32 reference, loss scale 1)
+    evaluated at each of the report's ``loss_scales`` (same order); ``grad_output_scaled``: fp8
+    formats at the best per-tensor scale. ``error``: measured on the last step. ``params``: the
+    qualified names of the module's trainable parameters (a tied parameter is named once, by its
+    first owner, as ``named_parameters()`` does).
+    """
+
+    name: str
+    kind: str
+    calls: int
+    numel: int
+    activation: dict[str, RangeStats]
+    activation_scaled: dict[str, RangeStats]
+    grad_output: dict[str, tuple[RangeStats, ...]]
+    grad_output_scaled: dict[str, RangeStats]
+    error: dict[str, ModuleError]
+    params: tuple[str, ...]
+
+
+@dataclass(frozen=True)
+class ParamStats:
+    """Statistics of one trainable parameter (same conventions as :class:`ModuleStats`).
+
+    ``weight``: the values entering each step's forward, at scale 1. ``lost``: per storage format
+    (the 16- and 32-bit formats), the number of lost updates summed over steps; ``updated``: the
+    number of intended updates (the denominator).
+    """
+
+    name: str
+    module: str
+    shape: tuple[int, ...]
+    weight: dict[str, RangeStats]
+    weight_scaled: dict[str, RangeStats]
+    grad: dict[str, tuple[RangeStats, ...]]
+    grad_scaled: dict[str, RangeStats]
+    lost: dict[str, int]
+    updated: int
+
+    def lost_update(self, fmt: str) -> float:
+        """Lost-update fraction in ``fmt`` (0.0 when nothing was to be updated)."""
+        key = _key(fmt, self.lost, "lost-update counts")
+        return self.lost[key] / self.updated if self.updated else 0.0
+
+
+def _key(fmt: str, table: dict[str, Any], what: str) -> str:
+    name = get_format(fmt).name
+    if name not in table:
+        raise ValueError(f"format {fmt!r} has no {what} in this report; it holds {sorted(table)} "
+                         "(pass it in inspect(..., formats=...))")
+    return name
+
+
+@dataclass(frozen=True)
+class NumericsReport:
+    """What :func:`mixprec.numerics.inspect` measured (plain data; module docstring for conventions).
+
+    Attributes:
+        formats: canonical names of the inspected formats.
+        storage_formats: formats with lost-update counts (the 16/32-bit ones, always ``fp32``).
+        policy: the policy under study (the advice starts from it; ``fp32`` = no preference).
+        steps, optimizer, lr: the reference run (``lr`` of the first parameter group).
+        losses: the fp32 reference loss of each step.
+        loss_scales: the loss scales gradient statistics are given at (ascending; always 1.0, the
+            policy's scale, the dynamic default initial scale and the recommended scale).
+        policy_loss_scale: the loss scale the policy would start with (1.0 without loss scaling).
+        grad_amax: the largest ``|gradient|`` (module outputs and parameters) at scale 1.
+        loss_scale_margin: the headroom factor of ``max_safe_loss_scale``.
+        max_safe_loss_scale: largest power of two ``s`` with ``grad_amax * s * margin <= fp16 max``.
+        recommended_loss_scale: ``max_safe_loss_scale`` clamped to the dynamic loss scale's
+            ``[min_scale, max_scale]``.
+        module_names: every module name of the model (``named_modules``), to check glob patterns.
+        modules, params: per leaf module and per trainable parameter, in model order.
+    """
+
+    formats: tuple[str, ...]
+    storage_formats: tuple[str, ...]
+    policy: Policy
+    steps: int
+    optimizer: str
+    lr: float | None
+    losses: tuple[float, ...]
+    loss_scales: tuple[float, ...]
+    policy_loss_scale: float
+    grad_amax: float
+    loss_scale_margin: float
+    max_safe_loss_scale: float
+    recommended_loss_scale: float
+    module_names: tuple[str, ...]
+    modules: dict[str, ModuleStats]
+    params: dict[str, ParamStats]
+
+    # ------------------------------------------------------------------ queries
+    def scale_index(self, loss_scale: float) -> int:
+        """Position of ``loss_scale`` in :attr:`loss_scales`.
+
+        Raises:
+            ValueError: the report has no statistics at that scale (the message lists them).
+        """
+        for i, s in enumerate(self.loss_scales):
+            if s == loss_scale:
+                return i
+        raise ValueError(f"loss_scale={loss_scale!r} was not evaluated; this report has gradient statistics "
+                         f"at {list(self.loss_scales)}")
+
+    def lost_update(self, fmt: str) -> float:
+        """Lost-update fraction in ``fmt`` over all parameters (weighted by intended updates)."""
+        updated = sum(p.updated for p in self.params.values())
+        lost = sum(p.lost[_key(fmt, p.lost, "lost-update counts")] for p in self.params.values())
+        return lost / updated if updated else 0.0
+
+    def flagged(self, fmt: str, *, loss_scale: float | None = None) -> list[advice.Flag]:
+        """Modules unsafe in ``fmt``, each with the reason (rules in :mod:`mixprec.numerics.advice`).
+
+        ``loss_scale``: judge gradients as multiplied by it (one of :attr:`loss_scales`); ``None``
+        takes the scale the advice would use: :attr:`recommended_loss_scale` for fp16, 1.0 else.
+        """
+        return advice.flags(self, fmt, loss_scale=loss_scale)
+
+    def recommend(self) -> advice.Recommendation:
+        """The advised policy, initial loss scale and reasons (:func:`mixprec.numerics.advice.recommend`)."""
+        return advice.recommend(self)
+
+    # ------------------------------------------------------------------ serialisation
+    def to_json(self, indent: int | None = 1) -> str:
+        """The whole report as JSON (module docstring: non-finite floats, policy text)."""
+        return json.dumps(_encode(self), indent=indent, allow_nan=False)
+
+    @classmethod
+    def from_json(cls, text: str) -> "NumericsReport":
+        """Read :meth:`to_json` output back into an equal report."""
+        return _decode(cls, json.loads(text))
+
+    # ------------------------------------------------------------------ markdown
+    def to_markdown(self) -> str:
+        """A human report: recommendation, flags per format, loss scale, then the tables."""
+        rec = self.recommend()
+        loss_text = " → ".join(_num(x) for x in (self.losses[0], self.losses[-1])) if self.losses else "-"
+        lines = [
+            "# mixprec numerics report",
+            "",
+            f"Reference: {self.steps} fp32 training steps ({self.optimizer}, lr {_num(self.lr)}), loss {loss_text}. "
+            f"Policy under study: `{self.policy}`. Formats: {', '.join(self.formats)}.",
+            "",
+            "## Recommendation",
+            "",
+            f"Policy: `{rec.policy}`" + (f"; initial loss scale {_pow2(rec.initial_loss_scale)}"
+                                         if rec.initial_loss_scale is not None else ""),
+            "",
+            *(f"- {r}" for r in rec.reasons),
+            "",
+            "## Flags",
+            "",
+        ]
+        for fmt in self.formats:
+            flags = self.flagged(fmt)
+            scale = self.recommended_loss_scale if fmt == "fp16" else 1.0
+            lines.append(f"### {fmt} ({_count(len({f.module for f in flags}), 'module')} flagged; gradients at "
+                         f"loss scale {_pow2(scale)})")
+            lines.append("")
+            if flags:
+                lines += ["| module | kind | value | reason |", "|---|---|---|---|"]
+                lines += [f"| {f.module} | {f.kind} | {_num(f.value)} | {f.reason} |" for f in flags]
+            else:
+                lines.append("No module flagged.")
+            lines.append("")
+        lines += self._loss_scale_section() + self._activation_table() + self._error_table()
+        lines += self._gradient_table() + self._lost_update_table()
+        return "\n".join(lines) + "\n"
+
+    def _loss_scale_section(self) -> list[str]:
+        lines = ["## Loss scale (fp16 gradients)", "",
+                 f"Largest |gradient| {_num(self.grad_amax)}. Largest power-of-two loss scale with |gradient| x scale x "
+                 f"{_num(self.loss_scale_margin)} (margin) <= fp16 max: {_pow2(self.max_safe_loss_scale)}; recommended "
+                 f"initial scale {_pow2(self.recommended_loss_scale)}.", ""]
+        if "fp16" not in self.formats:
+            return lines
+        lines += ["| loss scale | modules flagged for flushed gradients | largest flushed share among them "
+                  "| modules with overflowing gradients |", "|---|---|---|---|"]
+        for scale in self.loss_scales:
+            found = self.flagged("fp16", loss_scale=scale)
+            flushed = [f for f in found if f.kind == "grad underflow"]
+            worst = max((f.value for f in flushed), default=0.0)
+            over = {f.module for f in found if f.kind == "grad overflow"}
+            lines.append(f"| {_pow2(scale)} | {len({f.module for f in flushed})} | {_pct(worst)} | {len(over)} |")
+        return lines + [""]
+
+    def _activation_table(self) -> list[str]:
+        head = ["module", "type", "amax"]
+        for fmt in self.formats:
+            head += [f"{fmt} ovf", f"{fmt} sub", f"{fmt} flush"] if fmt not in _fp8(self) else [
+                f"{fmt} ovf raw", f"{fmt} flush @best"]
+        rows = []
+        for m in self.modules.values():
+            row = [m.name, m.kind, _num(next(iter(m.activation.values())).amax)]
+            for fmt in self.formats:
+                a = m.activation[fmt]
+                row += [_pct(a.overflow), _pct(a.subnormal), _pct(a.flushed)] if fmt not in _fp8(self) else [
+                    _pct(a.overflow), _pct(m.activation_scaled[fmt].flushed)]
+            rows.append(row)
+        return ["## Activations (forward outputs)", "", *_table(head, rows), ""]
+
+    def _error_table(self) -> list[str]:
+        head = ["module", *(f"{fmt} SQNR dB" for fmt in self.formats), *(f"{fmt} rel err" for fmt in self.formats)]
+        rows = [[m.name, *(_db(m.error[f].sqnr_db) for f in self.formats),
+                 *(_num(m.error[f].rel_error) for f in self.formats)] for m in self.modules.values()]
+        return ["## Module error against fp32 (last step)", "", *_table(head, rows), ""]
+
+    def _gradient_table(self) -> list[str]:
+        if "fp16" not in self.formats:
+            return []
+        head = ["module", "grad amax", *(f"fp16 flush @{_pow2(s)}" for s in self.loss_scales),
+                *(f"fp16 ovf @{_pow2(s)}" for s in self.loss_scales)]
+        rows = [[m.name, _num(m.grad_output["fp16"][0].amax), *(_pct(s.flushed) for s in m.grad_output["fp16"]),
+                 *(_pct(s.overflow) for s in m.grad_output["fp16"])] for m in self.modules.values()]
+        rows += [[p.name, _num(p.grad["fp16"][0].amax), *(_pct(s.flushed) for s in p.grad["fp16"]),
+                  *(_pct(s.overflow) for s in p.grad["fp16"])] for p in self.params.values()]
+        return ["## Gradients of module outputs and parameters (fp32 reference)", "", *_table(head, rows), ""]
+
+    def _lost_update_table(self) -> list[str]:
+        head = ["parameter", "shape", *(f"{fmt} lost" for fmt in self.storage_formats)]
+        rows = [["all", "", *(_pct(self.lost_update(f)) for f in self.storage_formats)]]
+        rows += [[p.name, "x".join(map(str, p.shape)), *(_pct(p.lost_update(f)) for f in self.storage_formats)]
+                 for p in self.params.values()]
+        return ["## Lost updates (weights stored in the format without fp32 master weights)", "",
+                *_table(head, rows), ""]
+
+    # ------------------------------------------------------------------ heatmap
+    def heatmap(self, path: str | Path) -> Path:
+        """Write a PNG: leaf modules (rows) x formats (columns), colour = worst risk.
+
+        Risk per cell (:func:`mixprec.numerics.advice.risk`): 0 fine, 1 marginal, 2 flagged; the
+        cell text names the worst flag kind or the SQNR. fp16 gradients are judged at the
+        recommended loss scale, and in an extra column at loss scale 1. Uses matplotlib's Agg
+        canvas directly (no pyplot, no global backend change). Returns the path.
+        """
+        from matplotlib.backends.backend_agg import FigureCanvasAgg
+        from matplotlib.colors import ListedColormap
+        from matplotlib.figure import Figure
+
+        names = list(self.modules)
+        columns = [(fmt, fmt, None) for fmt in self.formats]
+        if "fp16" in self.formats and self.recommended_loss_scale != 1.0:
+            columns.insert(self.formats.index("fp16") + 1, ("fp16\nloss scale 1", "fp16", 1.0))
+        cells = [[advice.risk(self, name, fmt, loss_scale=scale) for _, fmt, scale in columns] for name in names]
+        values = [[level for level, _ in row] for row in cells]
+        fig = Figure(figsize=(2.0 + 1.3 * len(columns), 1.2 + 0.28 * max(1, len(names))))
+        FigureCanvasAgg(fig)
+        ax = fig.add_subplot()
+        cmap = ListedColormap(["#9ed9a0", "#f5d36b", "#e0675f"])
+        ax.imshow(values or [[0] * len(columns)], cmap=cmap, vmin=0, vmax=2, aspect="auto")
+        ax.set_xticks(range(len(columns)), labels=[label for label, _, _ in columns])
+        ax.set_yticks(range(len(names)), labels=names, fontsize=7)
+        ax.xaxis.tick_top()
+        for i, row in enumerate(cells):
+            for j, (_, text) in enumerate(row):
+                ax.text(j, i, text, ha="center", va="center", fontsize=6)
+        ax.set_title(f"worst risk per module and format (green fine, yellow marginal, red flagged); fp16 "
+                     f"gradients at the recommended loss scale {_pow2(self.recommended_loss_scale)} unless noted",
+                     fontsize=8, pad=18)
+        fig.tight_layout()
+        out = Path(path)
+        fig.savefig(out, dpi=110)
+        return out
+
+
+# ---------------------------------------------------------------------- helpers
+def _fp8(report: NumericsReport) -> set[str]:
+    return {f for f in report.formats if get_format(f).bits == 8}
+
+
+def _db(x: float) -> str:
+    return f"{x:.1f}" if math.isfinite(x) else str(x)
+
+
+def _table(head: list[str], rows: list[list[str]]) -> list[str]:
+    return ["| " + " | ".join(head) + " |", "|" + "---|" * len(head), *("| " + " | ".join(r) + " |" for r in rows)]
+
+
+def _encode(value: Any) -> Any:
+    if isinstance(value, Policy):
+        return str(value)
+    if dataclasses.is_dataclass(value) and not isinstance(value, type):
+        return {f.name: _encode(getattr(value, f.name)) for f in dataclasses.fields(value)}
+    if isinstance(value, float) and not math.isfinite(value):
+        return str(value)  # "inf", "-inf", "nan"
+    if isinstance(value, dict):
+        return {str(k): _encode(v) for k, v in value.items()}
+    if isinstance(value, (list, tuple)):
+        return [_encode(v) for v in value]
+    return value
+
+
+def _decode(tp: Any, value: Any) -> Any:
+    """Rebuild a value of type ``tp`` (a dataclass, Policy, float, dict/tuple/Optional of them)."""
+    origin, args = typing.get_origin(tp), typing.get_args(tp)
+    if origin in (Union, types.UnionType):
+        if value is None:
+            return None
+        return _decode(next(a for a in args if a is not type(None)), value)
+    if tp is Policy:
+        return Policy.parse(value)
+    if dataclasses.is_dataclass(tp):
+        hints = typing.get_type_hints(tp)
+        return tp(**{f.name: _decode(hints[f.name], value[f.name]) for f in dataclasses.fields(tp)})
+    if tp is float:
+        return float(value)
+    if origin is dict:
+        return {k: _decode(args[1], v) for k, v in value.items()}
+    if origin is tuple:
+        if len(args) == 2 and args[1] is Ellipsis:
+            return tuple(_decode(args[0], v) for v in value)
+        return tuple(_decode(a, v) for a, v in zip(args, value))
+    return value

@@ -1,0 +1,287 @@
+"""Tests for mixprec.bench: verdicts, measurements, planning and a tiny bench end to end."""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+import textwrap
+from dataclasses import asdict
+
+import pytest
+import torch
+
+from mixprec.bench import Targets, judge
+from mixprec.bench.measure import median_step_ms, state_bytes
+from mixprec.bench.report import POLICY_KEYS
+from mixprec.bench.runner import CAPABILITY_ENV, BenchConfig, judge_policies, plan_policy, warmup_steps_for
+from mixprec.bench.worker import build_engine, precision_optimizer, train_step
+from mixprec.cli import main
+from mixprec.devices import Capability
+from mixprec.optim import AdamW
+from mixprec.policy import Policy
+from mixprec.workloads import get_workload
+
+NO_FP16_CPU = Capability(device="cpu", bf16=True, fp16=True, bf16_fast=True, fp16_native=False,
+                         bf16_speed_ratio=2.0, fp16_speed_ratio=0.002,
+                         detail="planted: fp16 matmul 0.002x fp32")
+
+# --- verdicts on planted numbers ----------------------------------------------------------
+
+VERDICT_CASES = [
+    # (kwargs, verdict, words in the reason)
+    (dict(loss_delta=0.004, speedup=1.4, memory_ratio=0.9), "PASS", ["+0.40%", "1.40x"]),
+    (dict(loss_delta=-0.01, speedup=1.1, memory_ratio=1.0), "PASS", ["-1.00%"]),
+    (dict(loss_delta=0.031, speedup=1.4, memory_ratio=0.9), "FAIL", ["+3.10%", "limit +2.00%"]),
+    (dict(loss_delta=0.004, speedup=1.1, memory_ratio=0.9, min_speedup=1.3), "FAIL", ["speedup 1.10x", "min 1.30x"]),
+    (dict(loss_delta=0.004, speedup=1.4, memory_ratio=1.2, max_memory_ratio=1.0), "FAIL", ["memory 1.20x"]),
+    (dict(loss_delta=0.004, speedup=1.4, memory_ratio=0.9, min_speedup=1.3, max_memory_ratio=1.0), "PASS", []),
+    (dict(loss_delta=math.nan, speedup=1.4), "FAIL", ["not finite"]),
+    (dict(loss_delta=None), "FAIL", ["no fp32 reference"]),
+    (dict(skipped_reason="fp16 is not native on this CPU"), "SKIPPED", ["not native"]),
+    (dict(error="worker crashed"), "FAIL", ["worker crashed"]),
+    (dict(reference=True), "REFERENCE", ["fp32 reference"]),
+]
+
+
+@pytest.mark.parametrize("kwargs, expected, words", VERDICT_CASES)
+def test_verdict_on_planted_numbers(kwargs, expected, words):
+    target_keys = {"min_speedup", "max_memory_ratio"}
+    targets = Targets(**{k: kwargs.pop(k) for k in list(kwargs) if k in target_keys})
+    verdict = judge(targets=targets, **kwargs)
+    assert verdict.verdict == expected
+    for word in words:
+        assert word in verdict.reason
+
+
+def test_speed_and_loss_failures_are_both_listed():
+    verdict = judge(targets=Targets(min_speedup=1.5), loss_delta=0.05, speedup=1.2)
+    assert verdict.verdict == "FAIL"
+    assert "+5.00%" in verdict.reason and "speedup 1.20x" in verdict.reason
+
+
+@pytest.mark.parametrize("field, value", [("max_loss_delta", 0.0), ("min_speedup", -1.0), ("max_memory_ratio", math.inf)])
+def test_targets_reject_bad_values(field, value):
+    with pytest.raises(ValueError, match=field):
+        Targets(**{field: value})
+
+
+def _entry(**measured):
+    return {**dict.fromkeys(POLICY_KEYS), **measured}
+
+
+def test_judge_policies_computes_deltas_against_fp32():
+    entries = {"fp32": _entry(step_time_ms_median=300.0, peak_memory_mb=500.0, final_eval_loss=2.0),
+               "bf16-mixed": _entry(step_time_ms_median=200.0, peak_memory_mb=450.0, final_eval_loss=2.01),
+               "bf16-sr": _entry(step_time_ms_median=250.0, peak_memory_mb=440.0, final_eval_loss=None)}
+    judge_policies(entries, Targets(min_speedup=1.3))
+    bf16 = entries["bf16-mixed"]
+    assert bf16["speedup_vs_fp32"] == 1.5 and bf16["memory_ratio_vs_fp32"] == 0.9
+    assert bf16["eval_loss_delta_vs_fp32"] == pytest.approx(0.005)
+    assert [e["verdict"] for e in entries.values()] == ["REFERENCE", "PASS", "FAIL"]
+    assert "not finite" in entries["bf16-sr"]["reason"]
+
+
+def test_without_a_finished_fp32_run_nothing_passes():
+    entries = {"fp32": _entry(error="RuntimeError: boom", stage="train"),
+               "bf16-mixed": _entry(step_time_ms_median=200.0, peak_memory_mb=450.0, final_eval_loss=2.01)}
+    judge_policies(entries, Targets())
+    assert entries["fp32"]["verdict"] == "FAIL"
+    assert entries["bf16-mixed"]["verdict"] == "FAIL" and "no fp32 reference" in entries["bf16-mixed"]["reason"]
+
+
+# --- measurements ---------------------------------------------------------------------------
+
+@pytest.mark.parametrize("policy, expected", [("fp32", 16.0), ("bf16-mixed", 16.0), ("bf16-pure", 18.0),
+                                              ("bf16-kahan", 14.0), ("bf16-sr", 12.0)])
+def test_state_bytes_per_param_from_real_tensors(policy, expected):
+    workload = get_workload("gpt", config="tiny")
+    mp = build_engine(workload, policy, steps=10, seed=0, device="cpu")
+    batches = workload.batches("train", 0)
+    train_step(mp, workload, next(batches))  # creates the optimizer state
+    measured = {}
+    train_step(mp, workload, next(batches),
+               after_backward=lambda: measured.update(s=state_bytes(mp.model, mp.optimizer)))
+    state = measured["s"]
+    assert state.per_param == expected  # exact: read from tensors, not from the policy table
+    assert state.n_params == workload.num_params()  # the tied head counted once
+    assert state.scalars > 0  # step counters are reported, outside per_param
+
+
+def test_precision_optimizer_only_where_the_policy_needs_one():
+    model = torch.nn.Linear(4, 4)
+    groups = [{"params": [model.weight], "weight_decay": 0.1}, {"params": [model.bias], "weight_decay": 0.0}]
+    adamw = torch.optim.AdamW(groups, lr=3e-3, betas=(0.9, 0.99))
+    assert precision_optimizer(adamw, Policy.parse("bf16-mixed")) is adamw
+    twin = precision_optimizer(adamw, Policy.parse("bf16-kahan"))
+    assert isinstance(twin, AdamW)
+    assert [(g["lr"], g["betas"], g["weight_decay"]) for g in twin.param_groups] == \
+        [(3e-3, (0.9, 0.99), 0.1), (3e-3, (0.9, 0.99), 0.0)]
+    with pytest.raises(ValueError, match="rounding='stochastic'.*mixprec.optim"):
+        precision_optimizer(torch.optim.Adam(model.parameters()), Policy.parse("bf16-sr"))
+
+
+def test_median_step_ms_drops_warmup():
+    assert median_step_ms([100.0, 50.0, 10.0, 11.0, 12.0], warmup_steps=2) == 11.0
+    assert warmup_steps_for(10) == 2 and warmup_steps_for(300) == 20
+    with pytest.raises(ValueError, match="no step times"):
+        median_step_ms([], warmup_steps=0)
+
+
+# --- planning -------------------------------------------------------------------------------
+
+def test_fp16_on_cpu_without_native_fp16_is_skipped_unless_forced():
+    cpu = torch.device("cpu")
+    reason = plan_policy("fp16-mixed", cpu, NO_FP16_CPU, force=False)
+    assert "not native" in reason and "planted" in reason and "--force" in reason
+    assert plan_policy("fp16-mixed", cpu, NO_FP16_CPU, force=True) is None
+    assert plan_policy("bf16-mixed", cpu, NO_FP16_CPU, force=False) is None
+
+
+def test_policy_the_device_refuses_is_skipped_with_its_reason():
+    no_bf16 = Capability(device="cpu", bf16=False, fp16=True, bf16_fast=False, fp16_native=True, detail="no bf16")
+    reason = plan_policy("bf16-mixed", torch.device("cpu"), no_bf16, force=True)
+    assert "cannot run bf16" in reason
+
+
+def test_bench_config_validates_steps():
+    with pytest.raises(ValueError, match="steps=3"):
+        BenchConfig(out="x", steps=3)
+
+
+# --- end to end through the CLI ---------------------------------------------------------------
+
+@pytest.fixture(scope="module")
+def tiny_bench(tmp_path_factory):
+    """One tiny bench, 3 policies, 10 steps; fp16-mixed SKIPPED by a planted capability."""
+    out = tmp_path_factory.mktemp("bench") / "out"
+    argv = ["bench", "--config", "tiny", "--policies", "bf16-mixed,fp16-mixed", "--steps", "10",
+            "--out", str(out), "--device", "cpu"]
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setenv(CAPABILITY_ENV, json.dumps(asdict(NO_FP16_CPU)))
+        status = main(argv)
+    return status, out, json.loads((out / "results.json").read_text())
+
+
+def test_tiny_bench_results_schema(tiny_bench):
+    status, _, results = tiny_bench
+    assert status == 0
+    assert list(results["policies"]) == ["fp32", "bf16-mixed", "fp16-mixed"]  # fp32 added, first
+    for entry in results["policies"].values():
+        assert set(POLICY_KEYS) <= set(entry)
+    env = results["environment"]
+    for key in ("torch", "python", "device", "cpu_flags", "peaks_gflops_per_s", "command"):
+        assert key in env
+    assert env["command"].startswith("mixprec bench --config tiny")
+    fp32, bf16 = results["policies"]["fp32"], results["policies"]["bf16-mixed"]
+    assert fp32["verdict"] == "REFERENCE" and fp32["state_bytes_per_param"] == 16.0
+    assert bf16["verdict"] == "PASS", bf16["reason"]
+    assert bf16["policy"] == "bf16-mixed" and "as asked" in bf16["decision"]
+    assert len(bf16["loss_per_step"]) == 10 and len(bf16["loss_scale_history"]) == 10
+    for key in ("step_time_ms_median", "tokens_per_s", "speedup_vs_fp32", "peak_memory_mb", "gflops_per_s",
+                "mfu", "final_eval_loss", "eval_loss_delta_vs_fp32"):
+        assert isinstance(bf16[key], float) and bf16[key] > -1, key
+    assert bf16["skipped_steps"] == 0
+
+
+def test_tiny_bench_skips_non_native_fp16(tiny_bench):
+    _, _, results = tiny_bench
+    fp16 = results["policies"]["fp16-mixed"]
+    assert fp16["verdict"] == "SKIPPED"
+    assert "not native" in fp16["reason"] and "--force" in fp16["reason"]
+    assert fp16["step_time_ms_median"] is None and fp16["pid"] is None  # it never ran
+
+
+def test_each_policy_runs_in_its_own_process(tiny_bench):
+    _, _, results = tiny_bench
+    pids = [e["pid"] for e in results["policies"].values() if e["pid"] is not None]
+    assert len(pids) == 2 and len(set(pids)) == 2
+    assert os.getpid() not in pids and results["parent_pid"] == os.getpid()
+
+
+def test_same_seed_same_batches_same_start(tiny_bench):
+    _, _, results = tiny_bench
+    fp32, bf16 = results["policies"]["fp32"]["loss_per_step"], results["policies"]["bf16-mixed"]["loss_per_step"]
+    assert fp32[0] == pytest.approx(bf16[0], rel=1e-2)  # same weights and first batch; bf16 rounding only
+
+
+def test_tiny_bench_writes_report_and_plots(tiny_bench):
+    _, out, results = tiny_bench
+    for name in ("loss_curves.png", "speed_memory.png"):
+        data = (out / name).read_bytes()
+        assert data[:8] == b"\x89PNG\r\n\x1a\n" and len(data) > 10_000
+    report = (out / "report.md").read_text()
+    assert "| policy | verdict | step ms | speedup |" in report
+    assert results["command"] in report
+    assert "**fp16-mixed: SKIPPED**" in report and "**bf16-mixed: PASS**" in report
+
+
+USER_WORKLOAD = textwrap.dedent('''
+    import torch
+    from torch import nn
+    from mixprec.workloads import Workload
+
+    class Regression(Workload):
+        """Linear targets from 16 features; a 2-layer MLP; samples per batch = 32."""
+        name = "regression"
+        item_unit = "samples"
+        items_per_batch = 32
+
+        def __init__(self, config):
+            self.config_name = config
+            self.w_true = torch.linspace(-1, 1, 16)[:, None]  # (16, 1)
+
+        def build_model(self):
+            return nn.Sequential(nn.Linear(16, 64), nn.GELU(), nn.Linear(64, 1))
+
+        def _batch(self, gen):
+            x = torch.randn(32, 16, generator=gen)
+            return {"x": x, "y": x @ self.w_true}
+
+        def batches(self, split, seed=0):
+            if split == "val":
+                gen = torch.Generator().manual_seed(1234)
+                return iter([self._batch(gen) for _ in range(4)])
+            gen = torch.Generator().manual_seed(seed)
+            return (self._batch(gen) for _ in iter(int, 1))
+
+        def loss(self, model, batch):
+            return nn.functional.mse_loss(model(batch["x"]).float(), batch["y"].float())
+
+        def flops_per_step(self):
+            return 6.0 * 32 * (16 * 64 + 64)
+
+        def describe(self):
+            return {"workload": self.name, "config": self.config_name}
+
+    def make_workload(config="small"):
+        return Regression(config)
+''')
+
+
+def test_user_workload_module_function(tmp_path, monkeypatch):
+    (tmp_path / "my_user_workload.py").write_text(USER_WORKLOAD)
+    monkeypatch.syspath_prepend(str(tmp_path))
+    monkeypatch.setenv("PYTHONPATH", os.pathsep.join(filter(None, [str(tmp_path), os.environ.get("PYTHONPATH")])))
+    out = tmp_path / "out"
+    status = main(["bench", "--workload", "my_user_workload:make_workload", "--config", "wide",
+                   "--policies", "bf16-mixed", "--steps", "6", "--out", str(out), "--device", "cpu"])
+    results = json.loads((out / "results.json").read_text())
+    assert status == 0
+    assert results["workload"] == {"workload": "regression", "config": "wide"}
+    bf16 = results["policies"]["bf16-mixed"]
+    assert bf16["verdict"] == "PASS", bf16["reason"]
+    assert bf16["item_unit"] == "samples" and bf16["tokens_per_s"] is None and bf16["items_per_s"] > 0
+    assert "| samples/s |" in (out / "report.md").read_text()
+
+
+def test_unknown_policy_is_an_error_not_a_skip(tmp_path, capsys):
+    status = main(["bench", "--config", "tiny", "--policies", "bf16-mixd", "--steps", "5", "--out", str(tmp_path)])
+    assert status == 2
+    assert "'bf16-mixd' is not known" in capsys.readouterr().err
+
+
+def test_bad_workload_is_a_clean_error(tmp_path, capsys):
+    status = main(["bench", "--workload", "no_such_module_xyz:make", "--steps", "5", "--out", str(tmp_path)])
+    assert status == 2
+    assert "no_such_module_xyz" in capsys.readouterr().err

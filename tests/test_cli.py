@@ -1,0 +1,113 @@
+"""Tests for the mixprec command line (train, sample, doctor, bench flags), checkpoints and doctor."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+
+import pytest
+import torch
+
+from mixprec.bench.runner import DEFAULT_POLICIES, DEFAULT_STEPS
+from mixprec.bench.worker import build_engine, train_step
+from mixprec.checkpoint import load_checkpoint, read_manifest, save_checkpoint
+from mixprec.cli import build_parser, main
+from mixprec.doctor import measure_matmul
+from mixprec.workloads import get_workload
+
+
+def test_python_dash_m_mixprec_help():
+    done = subprocess.run([sys.executable, "-m", "mixprec", "--help"], capture_output=True, text=True, timeout=60)
+    assert done.returncode == 0
+    for command in ("bench", "train", "sample", "doctor"):
+        assert command in done.stdout
+
+
+def test_bench_defaults_and_policy_list_parsing():
+    args = build_parser().parse_args(["bench"])
+    assert (args.workload, args.config, args.steps) == ("gpt", None, DEFAULT_STEPS)
+    assert args.policies == DEFAULT_POLICIES and args.max_loss_delta == 0.02
+    assert args.min_speedup is None and args.max_memory_ratio is None and not args.force
+    args = build_parser().parse_args(["bench", "--policies", "fp32,bf16-kahan,state=bf16,bf16-sr"])
+    assert args.policies == ("fp32", "bf16-kahan,state=bf16", "bf16-sr")
+
+
+def test_bench_rejects_too_few_steps(tmp_path, capsys):
+    assert main(["bench", "--config", "tiny", "--steps", "3", "--out", str(tmp_path)]) == 2
+    assert "steps=3" in capsys.readouterr().err
+
+
+def test_train_then_sample(tmp_path, capsys):
+    out = tmp_path / "run"
+    assert main(["train", "--workload", "gpt", "--config", "tiny", "--policy", "bf16-pure", "--steps", "12",
+                 "--eval-every", "5", "--out", str(out), "--device", "cpu"]) == 0
+    records = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
+    train = [r for r in records if r["kind"] == "train"]
+    evals = [r for r in records if r["kind"] == "eval"]
+    assert [r["step"] for r in train] == list(range(1, 13))
+    assert {"step", "loss", "applied", "skipped_reason", "loss_scale", "grad_norm", "lr", "step_time_ms"} <= set(train[0])
+    assert [r["step"] for r in evals] == [5, 10, 12] and evals[-1]["eval_loss"] > 0
+    manifest = read_manifest(out / "checkpoint")
+    assert manifest["policy"] == "bf16-pure" and manifest["steps"] == 12
+    assert set(manifest["files"]) == {"model.safetensors", "masters.safetensors"}
+    assert manifest["aliases"] == {"lm_head.weight": "wte.weight"}
+    assert manifest["extra"]["workload"]["data"]["vocab"]  # the vocabulary travels with the weights
+    capsys.readouterr()
+    assert main(["sample", str(out), "--prompt", "The ", "--tokens", "40", "--seed", "1"]) == 0
+    text = capsys.readouterr().out
+    assert text.startswith("The ") and len(text.rstrip("\n")) >= 40
+
+
+def test_checkpoint_round_trip_keeps_fp32_masters(tmp_path):
+    workload = get_workload("gpt", config="tiny")
+    mp = build_engine(workload, "bf16-pure", steps=5, seed=0, device="cpu")
+    batches = workload.batches("train", 0)
+    for _ in range(3):
+        train_step(mp, workload, next(batches))
+    save_checkpoint(tmp_path / "ck", mp, extra={"note": "x"})
+    save_checkpoint(tmp_path / "ck", mp, extra={"note": "y"})  # replacing an existing checkpoint
+    fresh = build_engine(workload, "bf16-pure", steps=5, seed=1, device="cpu")
+    assert load_checkpoint(tmp_path / "ck", fresh) == {"note": "y"}
+    for (_, m_saved), (_, m_loaded) in zip(mp.masters.pairs, fresh.masters.pairs):
+        assert torch.equal(m_saved, m_loaded)
+    for p_saved, p_loaded in zip(mp.model.parameters(), fresh.model.parameters()):
+        assert p_loaded.dtype == torch.bfloat16 and torch.equal(p_saved, p_loaded)
+    fp32 = build_engine(workload, "fp32", steps=5, seed=1, device="cpu")
+    load_checkpoint(tmp_path / "ck", fp32)  # an fp32 model takes the fp32 masters, not the bf16 rounding
+    masters = dict(zip((id(p) for p, _ in mp.masters.pairs), (m for _, m in mp.masters.pairs)))
+    for p_saved, p_fp32 in zip(mp.model.parameters(), fp32.model.parameters()):
+        assert torch.equal(masters[id(p_saved)], p_fp32)
+    assert not list(tmp_path.glob(".ck.*"))  # no temporary directories left behind
+
+
+def test_corrupt_checkpoint_is_refused(tmp_path):
+    workload = get_workload("gpt", config="tiny")
+    mp = build_engine(workload, "fp32", steps=5, seed=0, device="cpu")
+    save_checkpoint(tmp_path / "ck", mp)
+    with open(tmp_path / "ck" / "model.safetensors", "r+b") as f:
+        f.seek(-4, 2)
+        f.write(b"\x00\x01\x02\x03")
+    with pytest.raises(ValueError, match="sha256"):
+        load_checkpoint(tmp_path / "ck", mp)
+    with pytest.raises(FileNotFoundError, match="manifest.json"):
+        read_manifest(tmp_path)
+
+
+def test_doctor_json(capsys):
+    assert main(["doctor", "--json"]) == 0
+    report = json.loads(capsys.readouterr().out)
+    assert {"torch", "python", "platform", "devices"} <= set(report)
+    cpu = report["devices"][0]
+    assert cpu["device"] == "cpu" and "cpu_flags" in cpu
+    assert set(cpu["dtypes"]) == set(cpu["matmul"]) == {"fp32", "bf16", "fp16", "fp8"}
+    assert cpu["dtypes"]["bf16"] == {"autocast": True, "matmul": True}
+    assert cpu["matmul"]["fp32"]["gflops_per_s"] > 0
+    assert cpu["auto_policy"] in ("fp32", "bf16-mixed") and cpu["auto_reason"].startswith("auto")
+
+
+def test_measure_matmul_stays_small_when_slow():
+    peak = measure_matmul("fp32", "cpu", budget_s=0.01, max_n=4096)
+    assert 128 <= peak.n <= 1024 and peak.gflops_per_s > 0  # a 10 ms budget stops the doubling early
+    with pytest.raises(ValueError, match="dtype_name"):
+        measure_matmul("int8", "cpu")
