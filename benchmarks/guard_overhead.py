@@ -10,6 +10,9 @@ run triggers nothing else. Reports, from this one run:
   loss read; the median leaves out the rare snapshot steps, and the stalls of a shared machine);
 * ``ratio_paired_median``: the median, over blocks, of guarded block time / the plain block run
   just before it (robust to load that drifts during the run);
+* ``after_step_ms_median``: the time spent inside ``guard.after_step`` per step (its own work and
+  the loss read; on CUDA the read also waits for the queued kernels, so there the ratios are
+  the figure to trust);
 * ``snapshot_ms_median``: the time of one snapshot, measured alone (median of 11);
 * ``ratio_amortised``: ``(guarded median + snapshot_ms_median / snapshot_every) / plain median``,
   the whole cost of a healthy run. (A ratio of means would include the snapshots directly but,
@@ -75,12 +78,24 @@ def main(argv=None) -> dict:
     parser.add_argument("--snapshot-every", type=int, default=50)
     parser.add_argument("--check-every", type=int, default=1)
     parser.add_argument("--device", default="cpu")
+    parser.add_argument("--threads", type=int, default=None, help="torch CPU threads (default: torch's)")
     args = parser.parse_args(argv)
     device = torch.device(args.device)
+    if args.threads is not None:
+        torch.set_num_threads(args.threads)
     workload = get_workload("gpt", config=args.config)
     guard = Guard(snapshot_every=args.snapshot_every, check_every=args.check_every, loss_fn=workload.loss)
     step_plain, mp_plain = _engine_loop(workload, args.policy, device, None)
     step_guarded, mp_guarded = _engine_loop(workload, args.policy, device, guard)
+    after_step_ms = []
+    judge = guard.after_step
+
+    def timed_after_step(mp, result):
+        start = time.perf_counter()
+        result = judge(mp, result)
+        after_step_ms.append((time.perf_counter() - start) * 1e3)
+        return result
+    guard.after_step = timed_after_step
     _time(step_plain, device, args.warmup)
     _time(step_guarded, device, args.warmup)
     plain_ms, guarded_ms, paired = [], [], []
@@ -103,11 +118,13 @@ def main(argv=None) -> dict:
     snapshot_med = statistics.median(snapshot_ms)
     result = {
         "config": args.config, "policy": str(mp_guarded.policy), "device": str(device),
+        "cpu_threads": torch.get_num_threads(),
         "snapshot_every": args.snapshot_every, "check_every": args.check_every,
         "timed_steps_each": len(plain_ms),
         "plain_step_ms_median": round(plain_med, 3), "guarded_step_ms_median": round(guarded_med, 3),
         "ratio_median": round(guarded_med / plain_med, 4),
         "ratio_paired_median": round(statistics.median(paired), 4),
+        "after_step_ms_median": round(statistics.median(after_step_ms), 4),
         "snapshot_ms_median": round(snapshot_med, 3),
         "ratio_amortised": round((guarded_med + snapshot_med / args.snapshot_every) / plain_med, 4),
         "snapshots_taken_in_run": 1 + mp_guarded.applied_steps // args.snapshot_every,

@@ -1,13 +1,13 @@
 """mixprec: mixed-precision training for PyTorch — policies, loss scaling, master weights,
 low-precision optimizers, and the evidence to trust them."""
 
-from mixprec import optim
+from mixprec import ops, optim
 from mixprec.devices import probe, resolve_policy
 from mixprec.engine import DivergenceError, MixedPrecision, StepResult
 from mixprec.formats import Format, get_format
 from mixprec.guard import Guard
 from mixprec.loss_scale import DynamicLossScale, NoLossScale, StaticLossScale
-from mixprec.numerics import locate_nonfinite
+from mixprec.numerics import NumericsReport, Recommendation, inspect, locate_nonfinite
 from mixprec.policy import PRESETS, Policy
 
 __version__ = "0.1.0"
@@ -20,11 +20,15 @@ __all__ = [
     "MixedPrecision",
     "NoLossScale",
     "PRESETS",
+    "NumericsReport",
     "Policy",
+    "Recommendation",
     "StaticLossScale",
     "StepResult",
     "get_format",
+    "inspect",
     "locate_nonfinite",
+    "ops",
     "optim",
     "probe",
     "resolve_policy",

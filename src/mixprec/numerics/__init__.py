@@ -1,16 +1,14 @@
-"""Numerics diagnostics: where values leave a format's range.
+"""Numerics diagnostics: where values leave a format's range, and what policy follows.
 
 :func:`locate_nonfinite` names the first module whose output went non-finite (the one place
-that does; :class:`mixprec.Guard` calls it).
+that does; :class:`mixprec.Guard` and the inspector call it). :func:`inspect` measures every
+module and parameter against each format and :meth:`NumericsReport.recommend` turns the
+measurements into a :class:`Recommendation`.
 """
 
+from mixprec.numerics.advice import Flag, Recommendation
+from mixprec.numerics.inspect import inspect
 from mixprec.numerics.localise import NonFiniteReport, locate_nonfinite
+from mixprec.numerics.report import NumericsReport
 
-__all__ = ["NonFiniteReport", "locate_nonfinite"]
-
-# The inspector and precision advisor: per-layer numerics in each format, and a policy from them.
-from mixprec.numerics.advice import Flag, Recommendation  # noqa: E402
-from mixprec.numerics.inspect import inspect  # noqa: E402
-from mixprec.numerics.report import NumericsReport  # noqa: E402
-
-__all__ += ["Flag", "NumericsReport", "Recommendation", "inspect"]
+__all__ = ["Flag", "NonFiniteReport", "NumericsReport", "Recommendation", "inspect", "locate_nonfinite"]
