@@ -486,3 +486,26 @@ def test_nonfinite_loss_in_an_early_micro_batch_is_reported_as_nonfinite():
         mp.backward(loss)
         res = mp.step()
     assert (res.applied, res.skipped_reason) == (False, "nonfinite")
+
+
+def test_fp8_mixed_policy_converts_linears_keeps_fp32_state_and_trains():
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(32, 64), nn.GELU(), nn.Linear(64, 64), nn.GELU(), nn.Linear(64, 32))
+    opt = mixprec.optim.AdamW(model.parameters(), lr=1e-2)
+    mp = MixedPrecision(model, opt, policy="fp8-mixed,recipe=delayed", device="cpu")
+    assert type(model[2]).__name__ == "Float8Linear" and type(model[0]) is nn.Linear   # first/last kept
+    assert list(mp.fp8_report.converted) == ["2"] and "fp8 linears (delayed, hybrid)" in mp.decision
+    x = torch.randn(16, 32)
+    target = torch.randn(16, 32)
+    losses = []
+    for _ in range(30):
+        with mp.autocast():
+            loss = F.mse_loss(mp.model(mp.cast_inputs(x)), target)
+        mp.backward(loss)
+        assert mp.step().applied
+        losses.append(loss.item())
+    assert losses[-1] < 0.7 * losses[0]
+    state = opt.state[model[2].weight]
+    assert state["exp_avg"].dtype == torch.float32 and model[2].weight.dtype == torch.float32   # case 17
+    with pytest.raises(ValueError, match="changes the fp8 linears"):
+        mp.set_policy("bf16-mixed")

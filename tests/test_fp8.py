@@ -56,6 +56,7 @@ def test_finite_values_beyond_max_saturate_to_max_never_nan_or_inf(name):
     x = torch.cat([x, -x])
     x_fp8 = to_fp8(x, torch.ones(()), fmt)
     assert torch.equal(x_fp8.float(), torch.tensor([top] * 6 + [-top] * 6))
+    assert torch.isfinite(x_fp8.float()).all()
     # a stale scale (delayed scaling) can push x * scale past fp32's range: still saturates
     huge_scale = scale_from_amax(torch.zeros(()), fmt)
     assert torch.equal(to_fp8(torch.tensor([1e30, -1e30]), huge_scale, fmt).float(), torch.tensor([top, -top]))
@@ -71,14 +72,23 @@ def test_without_saturation_torch_turns_overflow_into_nan_and_limits_differ_per_
 
 
 @pytest.mark.parametrize("name", FP8)
-def test_non_finite_inputs_become_nan(name):
+def test_to_fp8_saturates_infinities_and_keeps_nan(name):
+    fmt = get_format(name)
     x = torch.tensor([float("inf"), -float("inf"), float("nan"), 1.0])
-    x_back = from_fp8(to_fp8(x, torch.ones(()), name), torch.ones(()))
-    assert torch.isnan(x_back[:3]).all()  # torch alone maps inf to 448 in e4m3fn
-    assert x_back[3].item() == 1.0
-    # and a current-scaling amax of inf gives NaN, not a silently rescaled tensor
-    scale = scale_from_amax(amax(x[:2]), name)
-    assert torch.isnan(from_fp8(to_fp8(torch.tensor([float("inf"), 1.0]), scale, name), scale)[0])
+    x_back = from_fp8(to_fp8(x, torch.ones(()), fmt), torch.ones(()))
+    assert x_back[:2].tolist() == [fmt.max, -fmt.max]
+    assert torch.isnan(x_back[2]) and x_back[3].item() == 1.0
+
+
+@pytest.mark.parametrize("recipe", RECIPES)
+def test_an_overflow_upstream_shows_as_nan_with_every_recipe(recipe):
+    # saturation must not hide an inf produced upstream: it is in the amax, and the scale turns it into NaN
+    scaling = Float8Recipe(name=recipe).make_scaling()
+    scaling.cast(torch.ones(2, 4), role="input", axis=-1)  # delayed: now initialised with a finite scale
+    x = torch.ones(2, 4)
+    x[0, 1] = float("inf")
+    x_back = scaling.cast(x, role="input", axis=-1).dequantize()
+    assert torch.isnan(x_back[0]).any()
 
 
 # --------------------------------------------------------------------------- case 30: zero and tiny amax

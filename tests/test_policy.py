@@ -3,7 +3,7 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from mixprec.policy import FP8_RECIPES, PRESETS, Policy
+from mixprec.policy import FP8_FORMATS, FP8_RECIPES, PRESETS, Policy
 
 DTYPES = [torch.float32, torch.bfloat16, torch.float16]
 
@@ -34,6 +34,7 @@ def test_parse_preset_with_overrides():
     assert Policy.parse("params=bf16,compute=bf16,master=fp32") == PRESETS["bf16-pure"]
     assert str(Policy.parse("params=bf16,compute=bf16,master=fp32")) == "bf16-pure"
     assert Policy.parse("fp8-mixed,recipe=delayed").fp8 == "delayed"
+    assert Policy.parse("fp8-mixed,fp8_format=e4m3").fp8_format == "e4m3"
     assert Policy.parse("bf16-mixed,keep_fp32=head|blocks.*.ln*").keep_fp32 == ("head", "blocks.*.ln*")
     assert Policy.parse("fp16-mixed,loss_scale=1024").loss_scale == 1024.0
 
@@ -50,6 +51,9 @@ def test_parse_preset_with_overrides():
     ("fp16-mixed,loss_scale=-4", r"finite number > 0"),
     ("fp16-mixed,loss_scale=lots", r"'dynamic', 'none' or a number"),
     ("bf16-mixed,fp8=blockwise", r"fp8='blockwise' is not allowed"),
+    ("bf16-mixed,fp8_format=e4m3", r"needs fp8 linears"),
+    ("fp8-mixed,fp8_format=e3m4", r"fp8_format='e3m4' is not allowed"),
+    ("fp32,fp8=tensorwise", r"compute=fp32"),
     ("auto", r"resolve it with mixprec.resolve_policy"),
     ("", r"is empty"),
     ("bf16-mixed,fp32", r"preset name may only come first"),
@@ -80,10 +84,12 @@ def policies(draw):
                            st.floats(min_value=1e-3, max_value=1e9, allow_nan=False)))
     keep = tuple(draw(st.lists(st.from_regex(r"[a-z][a-z0-9_.*]{0,8}", fullmatch=True), max_size=3)))
     compute = params if half else draw(st.sampled_from(DTYPES))
+    fp8 = draw(st.sampled_from((None,) + FP8_RECIPES)) if compute != torch.float32 else None
+    fp8_format = draw(st.sampled_from(FP8_FORMATS)) if fp8 else "hybrid"
     return Policy(param_dtype=params, compute_dtype=compute,
                   output_dtype=draw(st.sampled_from(DTYPES)), master_dtype=master, rounding=rounding,
                   state_dtype=draw(st.sampled_from(DTYPES)), loss_scale=scale, keep_fp32=keep,
-                  fp8=draw(st.sampled_from((None,) + FP8_RECIPES)))
+                  fp8=fp8, fp8_format=fp8_format)
 
 
 @settings(max_examples=300, deadline=None)

@@ -1,19 +1,67 @@
-"""Minimal checkpoints: model tensors in safetensors plus a JSON manifest, written atomically.
+"""Crash-safe, verified, portable checkpoints of a :class:`mixprec.MixedPrecision` run.
 
-A checkpoint is a directory::
+A run's checkpoint **root** directory holds one directory per checkpoint and a ``latest``
+pointer::
 
-    model.safetensors    the model's state_dict as stored (16-bit params stay 16-bit), contiguous
-                         CPU tensors; a tensor that shares storage with an earlier one (a tied
-                         head) is stored once and listed in the manifest's "aliases"
-    masters.safetensors  fp32 master copies keyed by parameter name (policies with masters only)
-    manifest.json        {"format": 1, "policy": text, "steps": applied optimizer steps,
-                          "versions": {mixprec, torch, safetensors, python},
-                          "files": {name: sha256 hex}, "aliases": {name: stored name},
-                          "extra": caller's JSON (workload, config, vocabulary, ...)}
+    ROOT/
+      latest                  "step-120\\n": the newest complete checkpoint (replaced atomically)
+      step-100/  step-120/    complete checkpoints, N = mp.boundaries (step boundaries reached);
+                              a second save at the same N is named step-N.1, step-N.2, ...
+      .tmp-step-140-PID-XXXX  a save in progress (or one killed mid-way: never loaded, removed
+                              by the next save once process PID is gone)
 
-Everything is written to a temporary sibling directory first and moved into place with
-``os.replace``, so a crash never leaves a half-written checkpoint under ``path``.
-Loading checks every file's sha256 first.
+Each ``step-N/`` directory::
+
+    model.safetensors    model.state_dict() as stored (16-bit params stay 16-bit; buffers too); a
+                         tensor sharing storage with an earlier one (a tied head) is stored once
+                         and listed in manifest["model"]["aliases"]
+    masters.safetensors  fp32 masters keyed by parameter name (policies with masters only)
+    state.safetensors    every other tensor with more than one element: optimizer state
+                         ("optimizer/state/<i>/<key>"), scheduler tensors, torch / CUDA / MPS RNG
+                         states ("rng/torch", "rng/cuda/<d>", "rng/mps", uint8), the numpy MT19937
+                         key and python ``random`` state ("rng/numpy", "rng/python", int64)
+    manifest.json        everything else, as JSON (no pickle anywhere)
+
+``manifest.json`` keys::
+
+    format, version       "mixprec-checkpoint", 2
+    name, step            "step-120", mp.boundaries
+    policy                str(mp.policy): the text parses back to the policy
+    world_size, device    1, where it was saved (informative: loading maps to mp.device)
+    versions              mixprec, torch, safetensors, python
+    counters              micro_step (always 0), applied_steps, skipped_total, boundaries
+    loss_scale            LossScale.state_dict(): type, config, state (0-dim tensors inline)
+    optimizer, scheduler  {"class": module.qualname, "state": encoded state_dict()} (scheduler null if none)
+    guard                 Guard.state_dict() (config and counts; the in-memory snapshot is not saved) or null
+    events                mp.events (the run's event log)
+    rng                   torch / cuda / mps, numpy {bit_generator, key, pos, has_gauss, cached_gaussian},
+                          python {version, state, gauss_next} (long states as tensor references)
+    data_position         {"boundaries": mp.boundaries, ...what the caller passed}: e.g. mixprec
+                          train stores {"split", "seed", "batches"} (batches drawn from the stream)
+    model                 {"aliases": {name: stored name}, "masters": [param names]}
+    tensors               {file: {tensor name: {"dtype", "shape"}}} for every safetensors file
+    files                 {file: {"bytes", "sha256"}}
+    extra                 the caller's JSON (mixprec train: workload, vocabulary, command, ...)
+    checksum              sha256 of the canonical JSON (sorted keys, compact) of all other keys
+
+Encoded state trees are JSON with tagged leaves: ``{"$tensor": name}`` (in state.safetensors),
+``{"$scalar": value, "dtype": name}`` (0-dim tensor, exact: a Python float holds any fp32, bf16 or
+fp16 value), ``{"$tuple": [...]}``, ``{"$items": [[key, value], ...]}`` (a dict with non-string keys,
+e.g. optimizer state keyed by param index) and ``{"$dtype": name}``.
+
+**Crash safety.** :func:`save_checkpoint` writes every file into ``.tmp-...``, fsyncs each file and
+the directory, renames it to ``step-N`` (atomic), fsyncs the root, and only then replaces
+``latest`` (written to a temporary name, fsynced, ``os.replace``'d, root fsynced). Old checkpoints
+beyond ``keep`` are renamed to ``.trash-...`` (atomic) before being deleted. A process killed at any
+moment therefore leaves ``latest`` naming a complete checkpoint: the previous one, or the new one.
+One writer per root.
+
+**Verification.** :func:`load_checkpoint` (and :func:`read_manifest`) check the manifest's
+checksum, then every file's byte size and sha256, parse each safetensors file from the bytes that
+were hashed, and compare every tensor's dtype and shape with the manifest, then with ``mp`` (model
+keys and shapes, masters, optimizer class, param groups and state shapes, scheduler, loss-scale
+type), all **before anything in ``mp`` changes**. A failure raises :class:`CheckpointError` (a
+``ValueError``) naming the file.
 """
 
 from __future__ import annotations
@@ -21,28 +69,305 @@ from __future__ import annotations
 import hashlib
 import json
 import os
+import random
+import re
+import secrets
 import shutil
 import sys
+from dataclasses import dataclass
 from importlib import metadata
 from pathlib import Path
 from typing import Any
 
 import safetensors
+import safetensors.torch
 import torch
-from safetensors.torch import load_file, save_file
 
-__all__ = ["save_checkpoint", "load_checkpoint", "read_manifest", "MANIFEST"]
+__all__ = ["CheckpointError", "save_checkpoint", "load_checkpoint", "read_manifest", "resolve_checkpoint",
+           "MANIFEST", "LATEST"]
 
 MANIFEST = "manifest.json"
-FORMAT = 1
+LATEST = "latest"
+FORMAT = "mixprec-checkpoint"
+VERSION = 2
+MODEL_FILE, MASTERS_FILE, STATE_FILE = "model.safetensors", "masters.safetensors", "state.safetensors"
+_STEP_RE = re.compile(r"^step-(\d+)(?:\.(\d+))?$")
+_WORK_RE = re.compile(r"^\.(?:tmp|trash|latest)-.*?-(\d+)-[0-9a-f]{8}$")  # .<kind>-<what>-<pid>-<token>
 
 
-def _sha256(path: Path) -> str:
-    digest = hashlib.sha256()
-    with open(path, "rb") as f:
-        for chunk in iter(lambda: f.read(1 << 20), b""):
-            digest.update(chunk)
-    return digest.hexdigest()
+class CheckpointError(ValueError):
+    """A checkpoint is damaged, incomplete or does not fit the engine; the message names the file."""
+
+
+# ---------------------------------------------------------------------------------------------- JSON trees
+def _dtype_name(dtype: torch.dtype) -> str:
+    return str(dtype).removeprefix("torch.")
+
+
+def _dtype_from(name: str, where: str) -> torch.dtype:
+    dtype = getattr(torch, str(name), None)
+    if not isinstance(dtype, torch.dtype):
+        raise CheckpointError(f"{where}: unknown dtype {name!r}")
+    return dtype
+
+
+def _encode(obj: Any, path: str, tensors: dict[str, torch.Tensor]) -> Any:
+    """``obj`` as JSON; tensors with more than 0 dims go to ``tensors`` under ``path``."""
+    if isinstance(obj, torch.Tensor):
+        if obj.dim() == 0:
+            return {"$scalar": obj.item(), "dtype": _dtype_name(obj.dtype)}
+        tensors[path] = obj.detach().to("cpu", copy=True).contiguous()
+        return {"$tensor": path}
+    if obj is None or isinstance(obj, (bool, int, float, str)):
+        return obj
+    if isinstance(obj, torch.dtype):
+        return {"$dtype": _dtype_name(obj)}
+    if isinstance(obj, tuple):
+        return {"$tuple": [_encode(v, f"{path}/{i}", tensors) for i, v in enumerate(obj)]}
+    if isinstance(obj, list):
+        return [_encode(v, f"{path}/{i}", tensors) for i, v in enumerate(obj)]
+    if isinstance(obj, dict):
+        if all(isinstance(k, str) and not k.startswith("$") for k in obj):
+            return {k: _encode(v, f"{path}/{k}", tensors) for k, v in obj.items()}
+        return {"$items": [[_encode(k, f"{path}/key", {}), _encode(v, f"{path}/{k}", tensors)]
+                           for k, v in obj.items()]}
+    raise TypeError(f"save_checkpoint: {path} holds a {type(obj).__name__}, which cannot be stored without "
+                    "pickle; checkpoints hold tensors, numbers, strings, None, lists, tuples, dicts and dtypes")
+
+
+def _decode(obj: Any, tensors: dict[str, torch.Tensor], where: str) -> Any:
+    if isinstance(obj, list):
+        return [_decode(v, tensors, where) for v in obj]
+    if not isinstance(obj, dict):
+        return obj
+    if "$tensor" in obj:
+        if obj["$tensor"] not in tensors:
+            raise CheckpointError(f"{where}: tensor {obj['$tensor']!r} is missing from {STATE_FILE}")
+        return tensors[obj["$tensor"]]
+    if "$scalar" in obj:
+        return torch.tensor(obj["$scalar"], dtype=_dtype_from(obj["dtype"], where))
+    if "$dtype" in obj:
+        return _dtype_from(obj["$dtype"], where)
+    if "$tuple" in obj:
+        return tuple(_decode(v, tensors, where) for v in obj["$tuple"])
+    if "$items" in obj:
+        return {_decode(k, tensors, where): _decode(v, tensors, where) for k, v in obj["$items"]}
+    return {k: _decode(v, tensors, where) for k, v in obj.items()}
+
+
+def _canonical(manifest: dict) -> bytes:
+    body = {k: v for k, v in manifest.items() if k != "checksum"}
+    return json.dumps(body, sort_keys=True, separators=(",", ":"), allow_nan=True).encode()
+
+
+# ---------------------------------------------------------------------------------------------- files
+def _fsync_dir(path: Path) -> None:
+    try:
+        fd = os.open(path, os.O_RDONLY)
+    except OSError:  # platforms that cannot open a directory (Windows): rename is still atomic
+        return
+    try:
+        os.fsync(fd)
+    except OSError:
+        pass
+    finally:
+        os.close(fd)
+
+
+def _write_durable(path: Path, data: bytes) -> dict[str, Any]:
+    """Write ``data`` to ``path``, flush and fsync it; return its ``{"bytes", "sha256"}``."""
+    with open(path, "wb") as f:
+        f.write(data)
+        f.flush()
+        os.fsync(f.fileno())
+    return {"bytes": len(data), "sha256": hashlib.sha256(data).hexdigest()}
+
+
+def _pid_alive(pid: int) -> bool:
+    if pid == os.getpid():
+        return True
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except OSError:  # PermissionError: someone else's live process
+        return True
+    return True
+
+
+def _work_name(kind: str, what: str) -> str:
+    return f".{kind}-{what}-{os.getpid()}-{secrets.token_hex(4)}"
+
+
+def _remove_stale(root: Path) -> None:
+    """Delete leftovers (temporary and trash directories, pointer temp files) of dead processes."""
+    for entry in root.iterdir():
+        match = _WORK_RE.match(entry.name)
+        if match and not _pid_alive(int(match.group(1))):
+            if entry.is_dir():
+                shutil.rmtree(entry, ignore_errors=True)
+            else:
+                entry.unlink(missing_ok=True)
+
+
+def _step_dirs(root: Path) -> list[Path]:
+    """Complete checkpoint directories under ``root``, oldest first (by N, then by suffix)."""
+    found = []
+    for entry in root.iterdir():
+        match = _STEP_RE.match(entry.name)
+        if match and entry.is_dir():
+            found.append(((int(match.group(1)), int(match.group(2) or 0)), entry))
+    return [entry for _, entry in sorted(found)]
+
+
+def _read_latest(root: Path) -> str:
+    pointer = root / LATEST
+    text = pointer.read_text(encoding="utf-8", errors="replace").strip()
+    if not _STEP_RE.match(text):
+        raise CheckpointError(f"checkpoint root {str(root)!r}: {LATEST} holds {text[:60]!r}, not a step-N name; "
+                              f"point it at one of {[d.name for d in _step_dirs(root)]} or load that directory")
+    return text
+
+
+def resolve_checkpoint(path: str | Path) -> Path:
+    """The checkpoint directory ``path`` stands for: a root (follows ``latest``) or a ``step-N`` dir.
+
+    Raises:
+        FileNotFoundError: no checkpoint there (no ``latest`` pointer and no manifest), or
+            ``latest`` names a directory that does not exist.
+        CheckpointError: ``latest`` is garbled, or ``path`` looks like a checkpoint directory
+            whose manifest is missing (half-written or damaged).
+    """
+    path = Path(path)
+    if not path.is_dir():
+        raise FileNotFoundError(f"no checkpoint at {str(path)!r}: not a directory; pass a checkpoint root "
+                                "(mixprec train writes OUT/checkpoints) or one of its step-N directories")
+    if (path / LATEST).is_file():
+        target = path / _read_latest(path)
+        if not target.is_dir():
+            raise FileNotFoundError(f"checkpoint root {str(path)!r}: {LATEST} names {target.name}, which does not "
+                                    f"exist; complete checkpoints here: {[d.name for d in _step_dirs(path)]}")
+        return target
+    if (path / MANIFEST).is_file():
+        return path
+    if _STEP_RE.match(path.name) or _WORK_RE.match(path.name) or any(path.glob("*.safetensors")):
+        raise CheckpointError(f"checkpoint {str(path)!r}: {MANIFEST} is missing (a half-written or damaged "
+                              "checkpoint); load another checkpoint of the run")
+    steps = [d.name for d in _step_dirs(path)]
+    hint = f"; it holds {steps} but no {LATEST} pointer: load one of them" if steps else ""
+    raise FileNotFoundError(f"no checkpoint at {str(path)!r}: no {LATEST} pointer and no {MANIFEST}{hint}")
+
+
+# ---------------------------------------------------------------------------------------------- reading
+@dataclass(frozen=True)
+class _Checkpoint:
+    """A verified checkpoint in memory: its directory, manifest and tensors per file."""
+
+    path: Path
+    manifest: dict
+    files: dict[str, dict[str, torch.Tensor]]
+
+
+def _read(path: str | Path) -> _Checkpoint:
+    directory = resolve_checkpoint(path)
+    where = f"checkpoint {str(directory)!r}"
+    try:
+        manifest = json.loads((directory / MANIFEST).read_bytes())
+    except (OSError, ValueError) as err:
+        raise CheckpointError(f"{where}: {MANIFEST} cannot be read as JSON ({err}); it is truncated or corrupt") from None
+    if not isinstance(manifest, dict) or manifest.get("format") != FORMAT:
+        raise CheckpointError(f"{where}: {MANIFEST} is not a mixprec checkpoint manifest (format="
+                              f"{manifest.get('format') if isinstance(manifest, dict) else None!r}, want {FORMAT!r})")
+    if manifest.get("version") != VERSION:
+        raise CheckpointError(f"{where}: {MANIFEST} has version {manifest.get('version')!r}; this mixprec reads "
+                              f"version {VERSION} (re-save the run with this version)")
+    if manifest.get("checksum") != hashlib.sha256(_canonical(manifest)).hexdigest():
+        raise CheckpointError(f"{where}: {MANIFEST} does not match its own checksum: it was edited or corrupted "
+                              "after saving; load another checkpoint of the run")
+    files: dict[str, dict[str, torch.Tensor]] = {}
+    for name, expect in manifest["files"].items():
+        file = directory / name
+        if not file.is_file():
+            raise CheckpointError(f"{where}: {name} is missing (listed in {MANIFEST}); the checkpoint is incomplete")
+        data = file.read_bytes()
+        if len(data) != expect["bytes"]:
+            raise CheckpointError(f"{where}: {name} has {len(data)} bytes, the manifest says {expect['bytes']} "
+                                  "(truncated or partly copied)")
+        if hashlib.sha256(data).hexdigest() != expect["sha256"]:
+            raise CheckpointError(f"{where}: {name} does not match its sha256 in {MANIFEST} (corrupt); "
+                                  "load another checkpoint of the run")
+        try:
+            tensors = safetensors.torch.load(data)
+        except Exception as err:  # safetensors raises its own SafetensorError
+            raise CheckpointError(f"{where}: {name} is not a readable safetensors file: {err}") from None
+        index = manifest["tensors"].get(name, {})
+        if set(index) != set(tensors):
+            raise CheckpointError(f"{where}: {name} holds tensors {sorted(set(tensors) ^ set(index))[:5]} that "
+                                  f"differ from {MANIFEST}'s index")
+        for key, info in index.items():
+            t = tensors[key]
+            if _dtype_name(t.dtype) != info["dtype"] or list(t.shape) != info["shape"]:
+                raise CheckpointError(f"{where}: {name} tensor {key!r} is {_dtype_name(t.dtype)} {list(t.shape)}, the "
+                                      f"manifest says {info['dtype']} {info['shape']}")
+        files[name] = tensors
+    for required in (MODEL_FILE, STATE_FILE):
+        if required not in files:
+            raise CheckpointError(f"{where}: {MANIFEST} lists no {required}")
+    return _Checkpoint(directory, manifest, files)
+
+
+def read_manifest(path: str | Path) -> dict:
+    """The verified manifest of the checkpoint at ``path`` (a root or a ``step-N`` directory).
+
+    Every file is checked (sizes, sha256, tensor dtypes and shapes), as by :func:`load_checkpoint`.
+
+    Raises:
+        FileNotFoundError: no checkpoint at ``path``.
+        CheckpointError: a damaged or incomplete checkpoint (the message names the file).
+    """
+    return _read(path).manifest
+
+
+# ---------------------------------------------------------------------------------------------- saving
+def _rng_state(device: torch.device, tensors: dict[str, torch.Tensor]) -> dict[str, Any]:
+    rng: dict[str, Any] = {"torch": _encode(torch.get_rng_state(), "rng/torch", tensors)}
+    if torch.cuda.is_available() and torch.cuda.is_initialized():
+        rng["cuda"] = [_encode(s, f"rng/cuda/{i}", tensors) for i, s in enumerate(torch.cuda.get_rng_state_all())]
+    if device.type == "mps":
+        rng["mps"] = _encode(torch.mps.get_rng_state(), "rng/mps", tensors)
+    try:
+        import numpy as np
+    except ImportError:
+        pass
+    else:
+        kind, key, pos, has_gauss, gauss = np.random.get_state(legacy=True)
+        rng["numpy"] = {"bit_generator": kind, "key": _encode(torch.tensor(key.astype("int64")), "rng/numpy", tensors),
+                        "pos": int(pos), "has_gauss": int(has_gauss), "cached_gaussian": float(gauss)}
+    version, internal, gauss_next = random.getstate()
+    rng["python"] = {"version": version, "state": _encode(torch.tensor(internal, dtype=torch.int64), "rng/python",
+                                                          tensors), "gauss_next": gauss_next}
+    return rng
+
+
+def _set_rng_state(rng: dict[str, Any], tensors: dict[str, torch.Tensor]) -> None:
+    torch.set_rng_state(_decode(rng["torch"], tensors, "rng"))
+    if "cuda" in rng and torch.cuda.is_available():  # a CUDA checkpoint loaded on CPU/MPS: nothing to restore
+        states = [_decode(s, tensors, "rng") for s in rng["cuda"]]
+        for index, state in enumerate(states[:torch.cuda.device_count()]):
+            torch.cuda.set_rng_state(state, index)
+    if "mps" in rng and torch.backends.mps.is_available():
+        torch.mps.set_rng_state(_decode(rng["mps"], tensors, "rng"))
+    if "numpy" in rng:
+        try:
+            import numpy as np
+        except ImportError:
+            pass
+        else:
+            n = rng["numpy"]
+            key = _decode(n["key"], tensors, "rng").numpy().astype(np.uint32)
+            np.random.set_state((n["bit_generator"], key, n["pos"], n["has_gauss"], n["cached_gaussian"]))
+    py = rng["python"]
+    random.setstate((py["version"], tuple(_decode(py["state"], tensors, "rng").tolist()), py["gauss_next"]))
 
 
 def _unique_tensors(state: dict[str, torch.Tensor]) -> tuple[dict[str, torch.Tensor], dict[str, str]]:
@@ -57,92 +382,314 @@ def _unique_tensors(state: dict[str, torch.Tensor]) -> tuple[dict[str, torch.Ten
             aliases[name] = seen[key]
             continue
         seen[key] = name
-        stored[name] = tensor.detach().to("cpu").contiguous()
+        stored[name] = tensor.detach().to("cpu", copy=True).contiguous()
     return stored, aliases
 
 
-def save_checkpoint(path: str | Path, mp: Any, extra: dict | None = None) -> Path:
-    """Save ``mp``'s model (and fp32 masters) to the directory ``path``; returns ``path``.
+def _qualname(obj: Any) -> str:
+    return f"{type(obj).__module__}.{type(obj).__qualname__}"
 
-    ``mp`` is a :class:`mixprec.MixedPrecision`; ``extra`` is any JSON-serialisable dict stored
-    in the manifest (``mixprec train`` puts the workload description and vocabulary there).
-    An existing checkpoint at ``path`` is replaced. Host syncs: copies every tensor to the CPU.
+
+def _param_names(mp: Any) -> dict[int, str]:
+    return {id(p): n for n, p in mp.model.named_parameters()}
+
+
+def _versions() -> dict[str, str]:
+    try:
+        version = metadata.version("mixprec")
+    except metadata.PackageNotFoundError:
+        version = "unknown"
+    return {"mixprec": version, "torch": torch.__version__, "safetensors": safetensors.__version__,
+            "python": sys.version.split()[0]}
+
+
+def _next_name(root: Path, step: int) -> str:
+    name, k = f"step-{step}", 0
+    while (root / name).exists():
+        k += 1
+        name = f"step-{step}.{k}"
+    return name
+
+
+def save_checkpoint(path: str | Path, mp: Any, extra: dict | None = None, *, guard: Any = None,
+                    keep: int | None = None, data_position: dict | None = None) -> Path:
+    """Save everything needed to continue ``mp`` bit-exactly as ``path/step-N``; returns that directory.
+
+    Args:
+        path: the run's checkpoint root (created if needed). See the module docstring for the layout.
+        mp: a :class:`mixprec.MixedPrecision` at a step boundary.
+        extra: JSON-serialisable dict stored in the manifest and returned by :func:`load_checkpoint`.
+        guard: a :class:`mixprec.Guard` whose counts to save (default: ``mp.guard``, if any).
+        keep: keep only the newest ``keep`` checkpoints (None: keep all). The one ``latest`` names is
+            never deleted.
+        data_position: JSON dict saying where the data stream is (e.g. ``{"batches": 1200}``); stored
+            in the manifest's ``data_position`` next to ``boundaries``.
+
+    Crash-safe (see the module docstring): a process killed at any moment leaves ``latest`` naming a
+    complete checkpoint. Host syncs: copies every tensor to the CPU.
+
+    Raises:
+        RuntimeError: called between ``backward()`` and the accumulation boundary.
+        ValueError: ``keep`` is not a positive int.
+        TypeError: ``extra`` / ``data_position`` are not JSON, or some state cannot be stored without pickle.
     """
-    path = Path(path)
-    tmp = path.parent / f".{path.name}.tmp-{os.getpid()}"
-    shutil.rmtree(tmp, ignore_errors=True)
-    tmp.mkdir(parents=True)
+    if mp.micro_step != 0:
+        raise RuntimeError(f"save_checkpoint() called after {mp.micro_step} backward() call(s) without step(); "
+                           "save at an accumulation boundary (after mp.step() returns a result)")
+    if keep is not None and (isinstance(keep, bool) or not isinstance(keep, int) or keep < 1):
+        raise ValueError(f"save_checkpoint keep={keep!r} is not allowed; pass an int >= 1 or None (keep all)")
+    for label, value in (("extra", extra), ("data_position", data_position)):
+        if value is not None and not isinstance(value, dict):
+            raise TypeError(f"save_checkpoint {label} must be a dict or None, got {type(value).__name__}")
+        try:
+            json.dumps(value, allow_nan=True)
+        except (TypeError, ValueError) as err:
+            raise TypeError(f"save_checkpoint {label} must be JSON-serialisable: {err}") from None
+    guard = getattr(mp, "guard", None) if guard is None else guard
+    root = Path(path)
+    root.mkdir(parents=True, exist_ok=True)
+    _remove_stale(root)
+
     model_tensors, aliases = _unique_tensors(mp.model.state_dict())
-    save_file(model_tensors, str(tmp / "model.safetensors"))
-    names = {id(p): n for n, p in mp.model.named_parameters()}
-    masters = {names[id(p)]: m.detach().to("cpu").contiguous() for p, m in mp.masters.pairs}
-    if masters:
-        save_file(masters, str(tmp / "masters.safetensors"))
-    manifest = {
+    names = _param_names(mp)
+    masters = {names[id(p)]: m.detach().to("cpu", copy=True).contiguous() for p, m in mp.masters.pairs}
+    state: dict[str, torch.Tensor] = {}
+    sd = mp.state_dict()
+    manifest: dict[str, Any] = {
         "format": FORMAT,
+        "version": VERSION,
+        "name": None,
+        "step": mp.boundaries,
         "policy": str(mp.policy),
-        "steps": mp.applied_steps,
-        "versions": {"mixprec": metadata.version("mixprec"), "torch": torch.__version__,
-                     "safetensors": safetensors.__version__, "python": sys.version.split()[0]},
-        "files": {f.name: _sha256(f) for f in sorted(tmp.iterdir())},
-        "aliases": aliases,
+        "world_size": 1,
+        "device": str(mp.device),
+        "versions": _versions(),
+        "counters": sd["counters"],
+        "loss_scale": _encode(sd["loss_scale"], "loss_scale", state),
+        "optimizer": {"class": _qualname(mp.optimizer), "state": _encode(sd["optimizer"], "optimizer", state)},
+        "scheduler": None if mp.scheduler is None else
+        {"class": _qualname(mp.scheduler), "state": _encode(sd["scheduler"], "scheduler", state)},
+        "guard": None if guard is None else _encode(guard.state_dict(), "guard", state),
+        "events": json.loads(json.dumps(list(mp.events), default=str)),
+        "rng": _rng_state(mp.device, state),
+        "data_position": {"boundaries": mp.boundaries, **(data_position or {})},
+        "model": {"aliases": aliases, "masters": list(masters)},
+        "tensors": {},
+        "files": {},
         "extra": extra or {},
     }
-    (tmp / MANIFEST).write_text(json.dumps(manifest, indent=1))
-    old = path.parent / f".{path.name}.old-{os.getpid()}"
-    if path.exists():
-        os.replace(path, old)
-    os.replace(tmp, path)
-    shutil.rmtree(old, ignore_errors=True)
-    return path
+    payload = {MODEL_FILE: model_tensors, STATE_FILE: state}
+    if masters:
+        payload[MASTERS_FILE] = masters
+
+    name = _next_name(root, mp.boundaries)
+    manifest["name"] = name
+    tmp = root / _work_name("tmp", name)
+    tmp.mkdir()
+    try:
+        for file, tensors in payload.items():
+            manifest["tensors"][file] = {k: {"dtype": _dtype_name(t.dtype), "shape": list(t.shape)}
+                                         for k, t in tensors.items()}
+            manifest["files"][file] = _write_durable(tmp / file, safetensors.torch.save(tensors))
+        manifest["checksum"] = hashlib.sha256(_canonical(manifest)).hexdigest()
+        _write_durable(tmp / MANIFEST, json.dumps(manifest, indent=1, allow_nan=True).encode())
+        _fsync_dir(tmp)
+        os.rename(tmp, root / name)   # atomic: step-N is complete or absent
+        _fsync_dir(root)
+    except BaseException:
+        shutil.rmtree(tmp, ignore_errors=True)
+        raise
+    pointer = root / _work_name("latest", name)
+    _write_durable(pointer, f"{name}\n".encode())
+    os.replace(pointer, root / LATEST)  # atomic: latest names the old or the new complete checkpoint
+    _fsync_dir(root)
+    if keep is not None:
+        for old in _step_dirs(root)[:-keep]:
+            if old.name != name:
+                trash = root / _work_name("trash", old.name)
+                os.rename(old, trash)     # atomic: never a half-deleted step-N
+                shutil.rmtree(trash, ignore_errors=True)
+    return root / name
 
 
-def read_manifest(path: str | Path) -> dict:
-    """The manifest of the checkpoint directory ``path``, with every file's sha256 verified.
+# ---------------------------------------------------------------------------------------------- loading
+def _loss_scale_from_state(state: dict) -> Any:
+    from mixprec.loss_scale import DynamicLossScale, NoLossScale, StaticLossScale
 
-    Raises:
-        FileNotFoundError: ``path`` holds no manifest.json.
-        ValueError: a listed file is missing or its sha256 differs (a corrupt checkpoint).
-    """
-    path = Path(path)
-    if not (path / MANIFEST).is_file():
-        raise FileNotFoundError(f"checkpoint {str(path)!r} has no {MANIFEST}; pass the directory that "
-                                "save_checkpoint wrote (mixprec train writes OUT/checkpoint)")
-    manifest = json.loads((path / MANIFEST).read_text())
-    for name, expected in manifest["files"].items():
-        file = path / name
-        if not file.is_file() or _sha256(file) != expected:
-            raise ValueError(f"checkpoint {str(path)!r}: {name} is missing or its sha256 does not match the "
-                             "manifest (corrupt or partly copied); restore it or save the checkpoint again")
-    return manifest
+    kinds = {"NoLossScale": NoLossScale, "StaticLossScale": StaticLossScale, "DynamicLossScale": DynamicLossScale}
+    if state.get("type") not in kinds:
+        raise CheckpointError(f"{MANIFEST}: loss_scale type {state.get('type')!r} is unknown; expected one of {sorted(kinds)}")
+    kind = kinds[state["type"]]
+    ls = kind() if kind is not StaticLossScale else StaticLossScale(float(state["config"].get("scale", 1.0)))
+    ls.load_state_dict(state)
+    return ls
 
 
-def load_checkpoint(path: str | Path, mp: Any) -> dict:
-    """Load a checkpoint into ``mp`` (a :class:`mixprec.MixedPrecision`); returns the manifest's ``extra``.
+def _check_fits(ck: _Checkpoint, mp: Any, *, weights_only: bool) -> None:
+    """Raise CheckpointError unless ``ck`` can be loaded into ``mp``: model keys and shapes, masters,
+    optimizer class / groups / state shapes, scheduler and loss-scale presence. Touches nothing."""
+    m = ck.manifest
+    where = f"checkpoint {str(ck.path)!r}"
+    model_saved = ck.files[MODEL_FILE]
+    aliases = m["model"]["aliases"]
+    own = mp.model.state_dict()
+    saved_keys = set(model_saved) | set(aliases)
+    if saved_keys != set(own):
+        missing, unexpected = sorted(set(own) - saved_keys), sorted(saved_keys - set(own))
+        raise CheckpointError(f"{where}: {MODEL_FILE} does not fit the model: missing {missing[:5]}, unexpected "
+                              f"{unexpected[:5]}; build the same model (workload and config) before loading")
+    for key, tensor in own.items():
+        saved = model_saved[aliases.get(key, key)]
+        if saved.shape != tensor.shape:
+            raise CheckpointError(f"{where}: {MODEL_FILE} tensor {key!r} has shape {list(saved.shape)}, the model's "
+                                  f"is {list(tensor.shape)}; build the same model before loading")
+    params = dict(mp.model.named_parameters())
+    for key in m["model"]["masters"]:
+        if key not in params or ck.files[MASTERS_FILE][key].shape != params[key].shape:
+            raise CheckpointError(f"{where}: {MASTERS_FILE} tensor {key!r} matches no parameter of the model")
+    if weights_only:
+        return
+    opt = m["optimizer"]
+    if opt["class"] != _qualname(mp.optimizer):
+        raise CheckpointError(f"{where}: the optimizer state is from {opt['class']}, the engine's optimizer is "
+                              f"{_qualname(mp.optimizer)}; build the run's optimizer (or pass weights_only=True)")
+    opt_state = _decode(opt["state"], ck.files[STATE_FILE], where)
+    groups = [len(g["params"]) for g in opt_state["param_groups"]]
+    if groups != [len(g["params"]) for g in mp.optimizer.param_groups]:
+        raise CheckpointError(f"{where}: the optimizer state has param groups of sizes {groups}, the engine's "
+                              f"optimizer {[len(g['params']) for g in mp.optimizer.param_groups]}")
+    stepped = [t for g in mp.optimizer.param_groups for t in g["params"]]
+    index = [i for g in opt_state["param_groups"] for i in g["params"]]
+    shape_of = {i: stepped[n].shape for n, i in enumerate(index)}
+    for i, entry in opt_state["state"].items():
+        for key, value in entry.items():
+            if torch.is_tensor(value) and value.dim() > 0 and value.shape != shape_of.get(i):
+                raise CheckpointError(f"{where}: optimizer state {key!r} of param {i} has shape {list(value.shape)}, "
+                                      f"the engine's param has {list(shape_of.get(i, ()))}")
+    if (m["scheduler"] is None) != (mp.scheduler is None):
+        have = "has" if m["scheduler"] is not None else "has no"
+        raise CheckpointError(f"{where}: the checkpoint {have} scheduler state but the engine "
+                              f"{'has none' if mp.scheduler is None else 'has one'}; build the engine as the run did "
+                              "(or pass weights_only=True)")
+    if m["scheduler"] is not None and m["scheduler"]["class"] != _qualname(mp.scheduler):
+        raise CheckpointError(f"{where}: the scheduler state is from {m['scheduler']['class']}, the engine's "
+                              f"scheduler is {_qualname(mp.scheduler)}")
 
-    Params are copied into the model in its own dtypes (a bf16 checkpoint loads exactly into an
-    fp32 model). Saved fp32 masters go into ``mp``'s masters, or straight into fp32 params when
-    ``mp`` keeps none; without saved masters, ``mp``'s masters are rebuilt from the params.
 
-    Raises:
-        FileNotFoundError / ValueError: see :func:`read_manifest`; a model whose tensor names or
-            shapes differ from the checkpoint's (from ``load_state_dict``, as RuntimeError).
-    """
-    path = Path(path)
-    manifest = read_manifest(path)
-    state = load_file(str(path / "model.safetensors"))
-    for name, target in manifest["aliases"].items():
-        state[name] = state[target]
-    mp.model.load_state_dict(state)
-    saved_masters = load_file(str(path / "masters.safetensors")) if "masters.safetensors" in manifest["files"] else {}
-    master_of = {id(p): m for p, m in mp.masters.pairs}
+def _load_weights(ck: _Checkpoint, mp: Any) -> None:
+    """Model tensors and masters only; fp32 values (saved master, else saved param) feed any policy."""
+    model_state = dict(ck.files[MODEL_FILE])
+    for key, target in ck.manifest["model"]["aliases"].items():
+        model_state[key] = model_state[target]
+    saved_masters = ck.files.get(MASTERS_FILE, {})
+    names = _param_names(mp)
+    mp.model.load_state_dict(model_state)  # copies, casting to each tensor's own dtype
+    master_of = {id(p): master for p, master in mp.masters.pairs}
     with torch.no_grad():
-        for name, param in mp.model.named_parameters():
-            master = master_of.get(id(param))
-            if name in saved_masters and master is not None:
-                master.copy_(saved_masters[name])
-            elif name in saved_masters and param.dtype == torch.float32:
-                param.copy_(saved_masters[name])  # fp32 masters beat the rounded 16-bit copy
-            elif master is not None:
-                master.copy_(param)  # no saved master: rebuild it from the param
-    return manifest["extra"]
+        for p in mp.masters.params:
+            value_fp32 = saved_masters.get(names.get(id(p)))
+            master = master_of.get(id(p))
+            if master is not None:
+                master.copy_(value_fp32 if value_fp32 is not None else p)
+                p.copy_(master)   # the param is the master rounded, as after a step
+            elif value_fp32 is not None:
+                p.copy_(value_fp32)  # fp32 masters beat the rounded 16-bit copy
+
+
+def load_checkpoint(path: str | Path, mp: Any, *, guard: Any = None, convert: bool = False,
+                    adopt_policy: bool = False, weights_only: bool = False, restore_rng: bool = True) -> dict:
+    """Verify the checkpoint at ``path`` and load it into ``mp``; returns the manifest's ``extra``.
+
+    ``path`` is a checkpoint root (follows ``latest``) or a ``step-N`` directory. Everything is checked
+    (module docstring) before ``mp`` changes. Then the model, masters, optimizer, scheduler,
+    loss scale, counters and event log are restored, ``guard`` (default ``mp.guard``) gets its saved
+    counts (its in-memory snapshot starts empty), and the torch / CUDA / MPS / numpy / python RNG states
+    are restored (``restore_rng=False`` leaves them). Tensors land on ``mp.device`` whatever device
+    they were saved from (CUDA RNG states are skipped where there is no CUDA). Same device and
+    policy: continuing is bit-exact with the uninterrupted run.
+
+    **Policy.** A checkpoint saved under another policy than ``mp.policy`` is refused unless:
+
+    * ``convert=True``: convert to ``mp``'s policy. The engine is switched to the saved policy
+      (:meth:`MixedPrecision.set_policy`), the state is loaded exactly, then ``set_policy`` goes back to
+      ``mp``'s policy, whose rules apply: each param's fp32 value (the master where one exists, else
+      the param plus any Kahan compensation) becomes the new param (cast) and the new master. So a
+      bf16-mixed run resumed as bf16-pure builds its masters from the fp32 params; a bf16-pure run
+      resumed as fp32 takes the masters as params; optimizer state moves with its tensor (moments
+      cast to the new ``state_dtype``); the loss scale is kept when both policies name the same loss
+      scaling, else built fresh. A ``"convert"`` event is appended to ``mp.events``.
+    * ``adopt_policy=True``: switch ``mp`` to the saved policy and stay there (a run whose guard
+      escalated precision, resumed with the engine built under the run's original policy). Bit-exact.
+
+    ``weights_only=True`` loads the model and masters only (inference, fine-tuning): the optimizer,
+    scheduler, loss scale, counters, RNG and guard of ``mp`` are left alone; with ``convert=True`` each
+    param takes the fp32 value (saved master, else saved param), cast to ``mp``'s dtypes.
+
+    Raises:
+        FileNotFoundError: no checkpoint at ``path``.
+        CheckpointError (a ValueError): a damaged, incomplete or ill-fitting checkpoint (naming the
+            file), or a policy mismatch without ``convert``/``adopt_policy`` (naming the fix).
+        ValueError: ``convert`` and ``adopt_policy`` together; ``mp``'s device cannot run the saved
+            policy (conversion); ``mp`` changes nothing then.
+    """
+    if convert and adopt_policy:
+        raise ValueError("load_checkpoint: pass convert=True (to mp's policy) or adopt_policy=True (to the saved "
+                         "policy), not both")
+    ck = _read(path)
+    m = ck.manifest
+    saved_policy, target = m["policy"], str(mp.policy)
+    if saved_policy != target and not (convert or adopt_policy):
+        raise CheckpointError(f"checkpoint {str(ck.path)!r} was saved under policy {saved_policy!r}, the engine "
+                              f"runs {target!r}; build the engine with policy={saved_policy!r}, or pass convert=True "
+                              f"to convert the state to {target!r} (adopt_policy=True to switch the engine to "
+                              f"{saved_policy!r})")
+    _check_fits(ck, mp, weights_only=weights_only)
+    if weights_only:
+        _load_weights(ck, mp)
+        return m["extra"]
+    where = f"checkpoint {str(ck.path)!r}"
+    tensors = ck.files[STATE_FILE]
+    loss_scale_state = _decode(m["loss_scale"], tensors, where)
+    loss_scale = _loss_scale_from_state(loss_scale_state)   # validates before anything changes
+    if saved_policy == target and type(loss_scale) is not type(mp.loss_scale):
+        raise CheckpointError(f"{where}: the run used {type(loss_scale).__name__}, the engine has "
+                              f"{type(mp.loss_scale).__name__}; build the engine with the run's loss_scale")
+    masters_saved = ck.files.get(MASTERS_FILE, {})
+    state = {
+        "policy": saved_policy,
+        "optimizer": _decode(m["optimizer"]["state"], tensors, where),
+        "scheduler": None if m["scheduler"] is None else _decode(m["scheduler"]["state"], tensors, where),
+        "loss_scale": loss_scale_state,
+        "counters": m["counters"],
+    }
+    model_state = dict(ck.files[MODEL_FILE])
+    for key, alias_of in m["model"]["aliases"].items():
+        model_state[key] = model_state[alias_of]
+    state["model"] = model_state
+    guard = getattr(mp, "guard", None) if guard is None else guard
+
+    names = _param_names(mp)
+    events_before = len(mp.events)
+    if saved_policy != target:
+        mp.set_policy(saved_policy, cause="load_checkpoint")  # raises (changing nothing) if it cannot run
+        del mp.events[events_before:]
+    needed = [names[id(p)] for p, _ in mp.masters.pairs]
+    if set(needed) != set(masters_saved):
+        if saved_policy != target:  # undo the switch: mp is left as it was given
+            mp.set_policy(target, cause="load_checkpoint refused")
+            del mp.events[events_before:]
+        raise CheckpointError(f"{where}: {MASTERS_FILE} holds masters {sorted(masters_saved)[:5]}, policy "
+                              f"{saved_policy} needs {sorted(needed)[:5]}")
+    if saved_policy != target:
+        mp.loss_scale = loss_scale.to(mp.device)
+    state["masters"] = [masters_saved[n] for n in needed]
+    mp.load_state_dict(state)
+    mp.events[:] = m["events"]
+    if guard is not None and m["guard"] is not None:
+        guard.load_state_dict(_decode(m["guard"], tensors, where))
+    if restore_rng:
+        _set_rng_state(m["rng"], tensors)
+    if saved_policy != target and convert:
+        event = mp.set_policy(target, cause=f"load_checkpoint(convert=True) from {saved_policy}")
+        event["kind"] = "convert"
+    return m["extra"]

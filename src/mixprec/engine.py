@@ -194,9 +194,6 @@ class MixedPrecision:
         self.policy: Policy = resolution.policy
         self.device: torch.device = resolution.device
         self.decision: str = resolution.decision
-        if self.policy.fp8 is not None:
-            raise ValueError(f"policy {self.policy} asks for fp8 linears (fp8={self.policy.fp8!r}), which this "
-                             "version of mixprec does not implement yet; use bf16-mixed")
         self.model = model
         self.optimizer = optimizer
         self.scheduler = scheduler
@@ -213,6 +210,7 @@ class MixedPrecision:
         self._check_param_dtypes()
         model.to(self.device)
         keep = self._keep_fp32_modules()
+        self.fp8_report = self._convert_fp8(keep)
         keep_params = {id(p) for m in keep.values() for p in m.parameters()}
         params = list(model.parameters())
         half = {id(p) for p in params
@@ -271,6 +269,22 @@ class MixedPrecision:
                              f"look like {[n for n, _ in self.model.named_modules() if n][:8]}")
         # drop modules nested in another kept module: the outer region already covers them
         return {n: m for n, m in found.items() if not any(n.startswith(o + ".") for o in found if o != n)}
+
+    def _convert_fp8(self, keep: dict[str, nn.Module]):
+        """Swap eligible linears for :class:`mixprec.fp8.Float8Linear` (same Parameter objects, so the
+        optimizer stays valid); modules kept in fp32 are never converted. Records the outcome."""
+        if self.policy.fp8 is None:
+            return None
+        from mixprec.fp8 import convert_to_float8, fp8_available
+
+        report = convert_to_float8(
+            self.model, recipe=self.policy.fp8, fp8_format=self.policy.fp8_format,
+            module_filter=lambda module, name: not any(name == k or name.startswith(k + ".") for k in keep))
+        fast, why = fp8_available(self.device)
+        self.decision += (f"; fp8 linears ({self.policy.fp8}, {self.policy.fp8_format}): {len(report.converted)} "
+                          f"converted, {len(report.skipped)} kept in {str(self.policy.compute_dtype)[6:]}; "
+                          + ("torch._scaled_mm" if fast else "emulated: " + why))
+        return report
 
     def _configure_optimizer(self) -> None:
         opt = self.optimizer
@@ -455,16 +469,17 @@ class MixedPrecision:
 
         Raises:
             RuntimeError: called between ``backward()`` and the accumulation boundary.
-            ValueError: the device cannot run ``policy``, it asks for fp8, its keep_fp32 patterns
+            ValueError: the device cannot run ``policy``, it changes the fp8 linears, its keep_fp32 patterns
                 match no module, or the optimizer cannot run it; nothing has changed then.
         """
         if self.micro_step != 0:
             raise RuntimeError(f"set_policy() called after {self.micro_step} backward() call(s) without step(); "
                                "change the policy at an accumulation boundary (after mp.step() returns a result)")
         new = resolve(policy, self.device).policy
-        if new.fp8 is not None:
-            raise ValueError(f"set_policy: policy {new} asks for fp8 linears (fp8={new.fp8!r}), which this version "
-                             "of mixprec does not implement yet; choose a policy with fp8=none")
+        if (new.fp8, new.fp8_format) != (self.policy.fp8, self.policy.fp8_format):
+            raise ValueError(f"set_policy: {self.policy} → {new} changes the fp8 linears (fp8={new.fp8!r}), which "
+                             "cannot be swapped mid-run; keep fp8/fp8_format as they are, or build a new "
+                             "MixedPrecision from a checkpoint")
         keep = self._keep_fp32_modules(new)
         keep_params = {id(p) for m in keep.values() for p in m.parameters()}
         params = self.masters.params

@@ -27,7 +27,7 @@ Text form: a preset name, optionally followed by overrides, e.g. ``"bf16-kahan,s
 or only keys: ``"params=bf16,compute=bf16,master=fp32"`` (unspecified keys take the ``fp32``
 preset's values). Keys: ``params``, ``compute``, ``output``, ``master``, ``rounding``,
 ``state``, ``loss_scale``, ``keep_fp32`` (glob patterns joined by ``|``), ``fp8`` (recipe name,
-alias ``recipe``).
+alias ``recipe``), ``fp8_format`` (``hybrid`` or ``e4m3``).
 """
 
 from __future__ import annotations
@@ -41,10 +41,11 @@ import torch
 
 from mixprec.formats import get_format
 
-__all__ = ["Policy", "PRESETS", "ROUNDINGS", "FP8_RECIPES"]
+__all__ = ["Policy", "PRESETS", "ROUNDINGS", "FP8_RECIPES", "FP8_FORMATS"]
 
 ROUNDINGS = ("nearest", "kahan", "stochastic")
 FP8_RECIPES = ("tensorwise", "rowwise", "delayed")
+FP8_FORMATS = ("hybrid", "e4m3")
 _COMPUTE_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
 _HALF_DTYPES = (torch.bfloat16, torch.float16)
 
@@ -89,7 +90,9 @@ class Policy:
         keep_fp32: glob patterns of module qualified names that keep fp32 params and run
             with autocast disabled.
         fp8: ``None`` or an fp8 recipe name (``"tensorwise"``, ``"rowwise"``, ``"delayed"``)
-            for linears.
+            for linears (see :mod:`mixprec.fp8`).
+        fp8_format: ``"hybrid"`` (E4M3 forward, E5M2 gradients; Transformer Engine's HYBRID) or
+            ``"e4m3"`` (E4M3 everywhere); only meaningful with ``fp8`` set.
 
     Raises:
         ValueError: an inconsistent combination, naming the field, the value and the fix.
@@ -104,6 +107,7 @@ class Policy:
     loss_scale: LossScaleSpec = "none"
     keep_fp32: tuple[str, ...] = ()
     fp8: str | None = None
+    fp8_format: str = "hybrid"
 
     def __post_init__(self) -> None:
         for name in ("param_dtype", "compute_dtype", "output_dtype", "state_dtype"):
@@ -150,6 +154,14 @@ class Policy:
                 raise ValueError(f"Policy keep_fp32 pattern {pattern!r} may not contain ',', '=', '|' or spaces")
         if self.fp8 is not None and self.fp8 not in FP8_RECIPES:
             raise ValueError(f"Policy fp8={self.fp8!r} is not allowed; choose None or one of {FP8_RECIPES}")
+        if self.fp8_format not in FP8_FORMATS:
+            raise ValueError(f"Policy fp8_format={self.fp8_format!r} is not allowed; choose one of {FP8_FORMATS}")
+        if self.fp8 is None and self.fp8_format != "hybrid":
+            raise ValueError(f"Policy fp8_format={self.fp8_format!r} needs fp8 linears; set fp8=tensorwise "
+                             "(or use the fp8-mixed preset)")
+        if self.fp8 is not None and self.compute_dtype == torch.float32:
+            raise ValueError(f"Policy fp8={self.fp8!r} with compute=fp32: fp8 linears output in the 16-bit compute "
+                             "dtype; set compute=bf16 (or use the fp8-mixed preset)")
 
     # ------------------------------------------------------------------ derived facts
     @property
@@ -236,6 +248,8 @@ class Policy:
             ("keep_fp32", "|".join(self.keep_fp32)),
             ("fp8", self.fp8 or "none"),
         ]
+        if self.fp8 is not None:
+            items.append(("fp8_format", self.fp8_format))
         return ",".join(f"{k}={v}" for k, v in items)
 
 
@@ -260,6 +274,12 @@ def _parse_keep(key: str, text: str) -> tuple[str, ...]:
     return tuple(p for p in text.split("|") if p)
 
 
+def _parse_fp8_format(key: str, text: str) -> str:
+    if text.lower() not in FP8_FORMATS:
+        raise ValueError(f"policy key {key}={text!r} is not allowed; choose one of {FP8_FORMATS}")
+    return text.lower()
+
+
 def _parse_fp8(key: str, text: str) -> str | None:
     low = text.lower()
     if low in ("none", ""):
@@ -280,6 +300,7 @@ _KEYS = {
     "keep_fp32": ("keep_fp32", _parse_keep),
     "fp8": ("fp8", _parse_fp8),
     "recipe": ("fp8", _parse_fp8),
+    "fp8_format": ("fp8_format", _parse_fp8_format),
 }
 
 _bf16, _fp16, _fp32 = torch.bfloat16, torch.float16, torch.float32

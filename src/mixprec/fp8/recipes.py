@@ -150,14 +150,17 @@ class AmaxHistory(nn.Module):
 
     @torch.no_grad()
     def scale_for_cast(self, amax_now: torch.Tensor) -> torch.Tensor:
-        """The stored (delayed) scale, or the current one before the first record. No host sync."""
-        return torch.where(self.initialized, self.scale, scale_from_amax(amax_now, self.fmt, self.margin))
+        """The stored (delayed) scale, or the current one before the first record; NaN when this
+        tensor's amax is not finite, so an overflow upstream yields NaN (as with current scaling)
+        instead of saturating quietly. No host sync."""
+        scale = torch.where(self.initialized, self.scale, scale_from_amax(amax_now, self.fmt, self.margin))
+        return torch.where(torch.isfinite(amax_now), scale, torch.nan)
 
     @torch.no_grad()
     def record(self, amax_now: torch.Tensor) -> None:
         """Push ``amax_now`` into the history (newest at index 0) and recompute ``scale``.
 
-        A non-finite amax (an overflow this step; the cast already produced NaN/inf, so the engine
+        A non-finite amax (an overflow this step; the cast already produced NaN, so the engine
         skips the step) is not recorded -- the newest finite amax is repeated instead -- so one bad
         step does not poison the next ``history_len`` scales. Zeros are recorded; the amax floor
         keeps their scales finite. No host sync.

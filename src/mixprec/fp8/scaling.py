@@ -33,7 +33,7 @@ class ScaledFloat8:
 
         data  = saturate(x_hp * scale)            # stored in an fp8 dtype
         x_hp ~= data / scale                      # from_fp8(data, scale)
-        scale = fmt.max / max(amax, AMAX_FLOOR) / 2**margin      # fp32, always finite, > 0
+        scale = fmt.max / max(amax, AMAX_FLOOR) / 2**margin      # fp32; finite and > 0 for finite amax
 
     so the largest ``|x_hp|`` lands on ``fmt.max / 2**margin``. ``data`` is 2-D ``(R, C)``;
     ``scale`` is an fp32 tensor that broadcasts against it:
@@ -70,11 +70,11 @@ def amax(x: torch.Tensor, dim: int | None = None) -> torch.Tensor:
     """Largest ``|x|`` in fp32: shape ``()`` for ``dim=None``, else reduced along ``dim`` with
     ``keepdim`` (``(M, 1)`` for ``dim=-1`` of an ``(M, K)`` tensor). NaN in, NaN out.
 
-    Exact: the max of a 16/32-bit tensor is one of its values, representable in fp32.
+    Exact: the max of a 16/32-bit tensor is one of its values, representable in fp32. One pass
+    (``aminmax``) instead of ``abs`` then ``amax``.
     """
-    x_abs = x.detach().abs()
-    x_amax = x_abs.amax() if dim is None else x_abs.amax(dim=dim, keepdim=True)
-    return x_amax.to(torch.float32)
+    x_min, x_max = torch.aminmax(x.detach()) if dim is None else torch.aminmax(x.detach(), dim=dim, keepdim=True)
+    return torch.maximum(x_min.neg(), x_max).to(torch.float32)
 
 
 @torch.no_grad()
@@ -99,17 +99,17 @@ def scale_from_amax(amax: torch.Tensor, fmt: Format | torch.dtype | str, margin:
 def to_fp8(x: torch.Tensor, scale: torch.Tensor, fmt: Format | torch.dtype | str) -> torch.Tensor:
     """Saturating cast of ``x * scale`` to ``fmt`` (see :class:`ScaledFloat8` for the convention).
 
-    Finite values beyond ``±fmt.max`` (a stale delayed scale, or rounding at the top) clamp to
-    ``±fmt.max`` in every format, never NaN or inf. torch's own cast is not uniform (torch 2.13
-    CPU: e4m3fnuz overflows to NaN, e5m2 to inf, e4m3fn saturates and even maps inf to 448), so
-    the clamp is explicit. Non-finite inputs (inf, NaN) become NaN in every format, so an
-    overflow upstream is never disguised as a large finite value.
+    Every value beyond ``±fmt.max`` (a stale delayed scale, rounding at the top, ``±inf``)
+    clamps to ``±fmt.max`` in every format; NaN stays NaN. torch's own cast is not uniform
+    (torch 2.13 CPU: e4m3fnuz overflows to NaN, e5m2 to inf, e4m3fn saturates), so the clamp
+    is explicit. An overflow upstream is still not disguised: it is in the amax, and an
+    infinite amax makes the scale 0 (:func:`scale_from_amax`; ``inf * 0 = NaN``) or, in delayed
+    scaling, NaN -- checked once per tensor on the scale, not per element here.
     """
     fmt = get_format(fmt)
     x_fp32 = x.detach().to(torch.float32)
     x_clamped = (x_fp32 * scale).clamp(min=-fmt.max, max=fmt.max)
-    x_saturated = torch.where(torch.isfinite(x_fp32), x_clamped, torch.nan)
-    return x_saturated.to(fmt.dtype)
+    return x_clamped.to(fmt.dtype)
 
 
 @torch.no_grad()
