@@ -3,9 +3,9 @@
 import mixprec
 
 REVIEWED = [
-    "DivergenceError", "DynamicLossScale", "Format", "Guard", "MixedPrecision", "NoLossScale", "NumericsReport",
-    "PRESETS", "Policy", "Recommendation", "StaticLossScale", "StepResult", "get_format", "inspect",
-    "locate_nonfinite", "ops", "optim", "probe", "resolve_policy",
+    "CheckpointError", "DivergenceError", "DynamicLossScale", "Format", "Guard", "MixedPrecision", "NoLossScale", "NumericsReport",
+    "PRESETS", "Policy", "Recommendation", "StaticLossScale", "StepResult", "fp8", "get_format", "inspect",
+    "load_checkpoint", "locate_nonfinite", "ops", "optim", "probe", "resolve_policy", "save_checkpoint",
 ]
 
 

@@ -48,10 +48,10 @@ def test_train_then_sample(tmp_path, capsys):
     assert [r["step"] for r in train] == list(range(1, 13))
     assert {"step", "loss", "applied", "skipped_reason", "loss_scale", "grad_norm", "lr", "step_time_ms"} <= set(train[0])
     assert [r["step"] for r in evals] == [5, 10, 12] and evals[-1]["eval_loss"] > 0
-    manifest = read_manifest(out / "checkpoint")
-    assert manifest["policy"] == "bf16-pure" and manifest["steps"] == 12
-    assert set(manifest["files"]) == {"model.safetensors", "masters.safetensors"}
-    assert manifest["aliases"] == {"lm_head.weight": "wte.weight"}
+    manifest = read_manifest(out / "checkpoints")
+    assert manifest["policy"] == "bf16-pure" and manifest["counters"]["applied_steps"] == 12
+    assert set(manifest["files"]) == {"model.safetensors", "masters.safetensors", "state.safetensors"}
+    assert manifest["model"]["aliases"] == {"lm_head.weight": "wte.weight"}
     assert manifest["extra"]["workload"]["data"]["vocab"]  # the vocabulary travels with the weights
     capsys.readouterr()
     assert main(["sample", str(out), "--prompt", "The ", "--tokens", "40", "--seed", "1"]) == 0
@@ -66,7 +66,7 @@ def test_checkpoint_round_trip_keeps_fp32_masters(tmp_path):
     for _ in range(3):
         train_step(mp, workload, next(batches))
     save_checkpoint(tmp_path / "ck", mp, extra={"note": "x"})
-    save_checkpoint(tmp_path / "ck", mp, extra={"note": "y"})  # replacing an existing checkpoint
+    save_checkpoint(tmp_path / "ck", mp, extra={"note": "y"})  # a second save at the same step: latest moves
     fresh = build_engine(workload, "bf16-pure", steps=5, seed=1, device="cpu")
     assert load_checkpoint(tmp_path / "ck", fresh) == {"note": "y"}
     for (_, m_saved), (_, m_loaded) in zip(mp.masters.pairs, fresh.masters.pairs):
@@ -74,18 +74,18 @@ def test_checkpoint_round_trip_keeps_fp32_masters(tmp_path):
     for p_saved, p_loaded in zip(mp.model.parameters(), fresh.model.parameters()):
         assert p_loaded.dtype == torch.bfloat16 and torch.equal(p_saved, p_loaded)
     fp32 = build_engine(workload, "fp32", steps=5, seed=1, device="cpu")
-    load_checkpoint(tmp_path / "ck", fp32)  # an fp32 model takes the fp32 masters, not the bf16 rounding
+    load_checkpoint(tmp_path / "ck", fp32, convert=True)  # an fp32 model takes the fp32 masters, not the bf16 rounding
     masters = dict(zip((id(p) for p, _ in mp.masters.pairs), (m for _, m in mp.masters.pairs)))
     for p_saved, p_fp32 in zip(mp.model.parameters(), fp32.model.parameters()):
         assert torch.equal(masters[id(p_saved)], p_fp32)
-    assert not list(tmp_path.glob(".ck.*"))  # no temporary directories left behind
+    assert not [p for p in (tmp_path / "ck").iterdir() if p.name.startswith(".")]  # no temporary files left
 
 
 def test_corrupt_checkpoint_is_refused(tmp_path):
     workload = get_workload("gpt", config="tiny")
     mp = build_engine(workload, "fp32", steps=5, seed=0, device="cpu")
     save_checkpoint(tmp_path / "ck", mp)
-    with open(tmp_path / "ck" / "model.safetensors", "r+b") as f:
+    with open(tmp_path / "ck" / "step-0" / "model.safetensors", "r+b") as f:
         f.seek(-4, 2)
         f.write(b"\x00\x01\x02\x03")
     with pytest.raises(ValueError, match="sha256"):

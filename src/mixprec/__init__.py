@@ -1,7 +1,8 @@
 """mixprec: mixed-precision training for PyTorch — policies, loss scaling, master weights,
 low-precision optimizers, and the evidence to trust them."""
 
-from mixprec import ops, optim
+from mixprec import fp8, ops, optim
+from mixprec.checkpoint import CheckpointError, load_checkpoint, save_checkpoint
 from mixprec.devices import probe, resolve_policy
 from mixprec.engine import DivergenceError, MixedPrecision, StepResult
 from mixprec.formats import Format, get_format
@@ -13,6 +14,7 @@ from mixprec.policy import PRESETS, Policy
 __version__ = "0.1.0"
 
 __all__ = [
+    "CheckpointError",
     "DivergenceError",
     "DynamicLossScale",
     "Format",
@@ -25,11 +27,14 @@ __all__ = [
     "Recommendation",
     "StaticLossScale",
     "StepResult",
+    "fp8",
     "get_format",
     "inspect",
+    "load_checkpoint",
     "locate_nonfinite",
     "ops",
     "optim",
     "probe",
     "resolve_policy",
+    "save_checkpoint",
 ]

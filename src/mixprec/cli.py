@@ -1,7 +1,9 @@
 """The ``mixprec`` command line (also ``python -m mixprec``): bench, train, sample, doctor.
 
 ``main(argv)`` returns the exit status: 0 on success; 1 when ``bench`` judged a policy FAIL
-(so CI can gate on the evidence); 2 for bad arguments or inputs (the message says which).
+(so CI can gate on the evidence); 2 for bad arguments or inputs (the message says which);
+130 / 143 when ``train`` was stopped by SIGINT / SIGTERM after saving a checkpoint (continue it
+with ``--resume``; see :mod:`mixprec.training`).
 A user workload ``--workload package.module:function`` is imported with the working directory
 on ``sys.path`` (and on the bench workers' ``PYTHONPATH``).
 """
@@ -10,7 +12,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import math
 import os
 import shlex
 import sys
@@ -83,6 +84,9 @@ def build_parser() -> argparse.ArgumentParser:
                        help="largest allowed peak-memory ratio to fp32 (default: none)")
     bench.add_argument("--force", action="store_true",
                        help="run policies the device cannot run natively (e.g. fp16 on a CPU) instead of SKIPPING")
+    bench.add_argument("--strategy", choices=("ddp", "fsdp2"), default=None,
+                       help="run each policy on several processes (needs --out): `torchrun --nproc-per-node N -m "
+                       "mixprec bench --strategy ddp --out DIR`; throughput is summed over the ranks")
 
     train = sub.add_parser("train", help="train one policy; log metrics; save a checkpoint")
     workload_args(train, "workload config (default: the workload's own, baby for gpt)")
@@ -90,9 +94,23 @@ def build_parser() -> argparse.ArgumentParser:
     train.add_argument("--steps", type=_positive_int, default=200, help="optimizer steps (default: 200)")
     train.add_argument("--eval-every", type=int, default=0, help="evaluate every K steps (default: 0 = at the end only)")
     train.add_argument("--out", default=None, help="output directory (default: runs/train-<timestamp>)")
+    train.add_argument("--checkpoint-every", type=int, default=0, metavar="N",
+                       help="save a checkpoint to OUT/checkpoints every N steps (default: 0 = at the end and on "
+                       "SIGTERM/SIGINT only)")
+    train.add_argument("--keep", type=_positive_int, default=None, metavar="K",
+                       help="keep the newest K checkpoints (default: all)")
+    train.add_argument("--resume", action="store_true",
+                       help="continue from OUT/checkpoints/latest (needs --out): weights, optimizer, RNG and the "
+                       "data position; the result equals an uninterrupted run")
+    train.add_argument("--guard", action="store_true",
+                       help="attach mixprec.Guard (rollback / escalation) and write OUT/events.jsonl")
+    train.add_argument("--strategy", choices=("ddp", "fsdp2"), default=None,
+                       help="train on several processes (needs --out): launch with `torchrun --nproc-per-node N "
+                       "-m mixprec train --strategy ddp --out DIR ...`; each rank takes every N-th batch, so the "
+                       "global batch is N x the workload's (default: one process)")
 
     sample = sub.add_parser("sample", help="generate text from a gpt checkpoint written by mixprec train")
-    sample.add_argument("dir", help="the train --out directory (or its checkpoint/ directory)")
+    sample.add_argument("dir", help="the train --out directory, its checkpoints/ directory or one step-N directory")
     sample.add_argument("--prompt", default="\n", help="text to continue (characters of the training vocabulary)")
     sample.add_argument("--tokens", type=_positive_int, default=200, help="characters to generate (default: 200)")
     sample.add_argument("--temperature", type=float, default=0.8, help="sampling temperature, 0 = greedy (default: 0.8)")
@@ -113,11 +131,15 @@ def _cmd_bench(args: argparse.Namespace, command: str) -> int:
 
     targets = Targets(max_loss_delta=args.max_loss_delta, min_speedup=args.min_speedup,
                       max_memory_ratio=args.max_memory_ratio)
+    if args.strategy and args.out is None:
+        raise ValueError("--strategy needs --out: every rank writes into the same directory")
     out = Path(args.out or Path("runs") / f"bench-{_timestamp()}")
     config = BenchConfig(out=out, workload=args.workload, config=args.config, policies=args.policies,
                          steps=args.steps, seed=args.seed, data=args.data, device=args.device, force=args.force,
-                         targets=targets, command=command)
+                         targets=targets, command=command, strategy=args.strategy)
     results = run_bench(config)
+    if config.strategy is not None and results["settings"]["world_size"] > 1 and not _main_process():
+        return 1 if any(e["verdict"] == "FAIL" for e in results["policies"].values()) else 0  # rank 0 reports
     print(format_table(results))
     for name, entry in results["policies"].items():
         if entry["verdict"] in ("FAIL", "SKIPPED"):
@@ -126,84 +148,41 @@ def _cmd_bench(args: argparse.Namespace, command: str) -> int:
     return 1 if any(e["verdict"] == "FAIL" for e in results["policies"].values()) else 0
 
 
-def _finite(x: float) -> float | None:
-    return x if math.isfinite(x) else None
+def _main_process() -> bool:
+    from mixprec.distributed import is_main_process
 
-
-def _tensorboard(out: Path):
-    """A TensorBoard SummaryWriter in ``out/tensorboard``, or None when tensorboard is not installed."""
-    try:
-        from torch.utils.tensorboard import SummaryWriter
-    except ImportError:
-        return None
-    return SummaryWriter(str(out / "tensorboard"))
-
-
-def _add_scalars(writer, prefix: str, values: dict, step: int) -> None:
-    if writer is None:
-        return
-    for key, value in values.items():
-        if isinstance(value, (int, float)) and not isinstance(value, bool) and math.isfinite(value):
-            writer.add_scalar(f"{prefix}/{key}", value, step)
+    return is_main_process()
 
 
 def _cmd_train(args: argparse.Namespace, command: str) -> int:
-    from tqdm import tqdm
-
-    from mixprec.bench.measure import synchronize
-    from mixprec.bench.worker import build_engine, evaluate, train_step
-    from mixprec.checkpoint import save_checkpoint
+    from mixprec.training import run_training
     from mixprec.workloads import get_workload
 
+    if args.resume and args.out is None:
+        raise ValueError("--resume needs --out: the directory of the run to continue")
+    if args.strategy and args.out is None:
+        raise ValueError("--strategy needs --out: every rank writes into the same directory")
     workload = get_workload(args.workload, config=args.config, data=args.data)
-    mp = build_engine(workload, args.policy, steps=args.steps, seed=args.seed, device=args.device)
     out = Path(args.out or Path("runs") / f"train-{_timestamp()}")
-    out.mkdir(parents=True, exist_ok=True)
-    print(f"mixprec train: {workload.name}/{workload.config_name}, policy {mp.policy} ({mp.decision}), "
-          f"{args.steps} steps -> {out}", file=sys.stderr)
-    writer = _tensorboard(out)
-    batches = workload.batches("train", args.seed)
-    eval_metrics: dict[str, float] = {}
-    with open(out / "metrics.jsonl", "w", encoding="utf-8") as log, tqdm(total=args.steps, unit="step") as bar:
-        for step in range(1, args.steps + 1):
-            batch, lr = next(batches), mp.optimizer.param_groups[0]["lr"]
-            synchronize(mp.device)
-            t0 = time.perf_counter()
-            loss, result = train_step(mp, workload, batch)
-            synchronize(mp.device)
-            record = {"kind": "train", "step": step, "loss": _finite(float(loss)), "applied": result.applied,
-                      "skipped_reason": result.skipped_reason, "loss_scale": result.loss_scale,
-                      "grad_norm": _finite(result.grad_norm), "lr": lr,
-                      "step_time_ms": (time.perf_counter() - t0) * 1e3}
-            log.write(json.dumps(record) + "\n")
-            _add_scalars(writer, "train", record, step)
-            if step == args.steps or (args.eval_every > 0 and step % args.eval_every == 0):
-                eval_metrics = evaluate(mp, workload)
-                log.write(json.dumps({"kind": "eval", "step": step,
-                                      **{f"eval_{k}": _finite(v) for k, v in eval_metrics.items()}}) + "\n")
-                _add_scalars(writer, "eval", eval_metrics, step)
-                bar.set_postfix(eval_loss=f"{eval_metrics['loss']:.4f}")
-            bar.update(1)
-    if writer is not None:
-        writer.close()
-    extra = {"workload": workload.describe(), "workload_spec": args.workload, "seed": args.seed,
-             "command": command, "decision": mp.decision, "final_eval": eval_metrics}
-    path = save_checkpoint(out / "checkpoint", mp, extra=extra)
-    print(f"final eval loss {eval_metrics['loss']:.4f}; wrote {out / 'metrics.jsonl'} and {path}")
-    return 0
+    outcome = run_training(workload, policy=args.policy, steps=args.steps, out=out, seed=args.seed,
+                           eval_every=args.eval_every, checkpoint_every=args.checkpoint_every, keep=args.keep,
+                           resume=args.resume, device=args.device, guard=args.guard, command=command,
+                           workload_spec=args.workload, strategy=args.strategy)
+    return outcome.status
 
 
 def _cmd_sample(args: argparse.Namespace) -> int:
     import torch
 
-    from mixprec.checkpoint import MANIFEST, load_checkpoint, read_manifest
+    from mixprec.checkpoint import load_checkpoint, read_manifest, resolve_checkpoint
     from mixprec.engine import MixedPrecision
     from mixprec.optim import SGD
     from mixprec.workloads import GPT, Corpus, GPTConfig, generate
 
     path = Path(args.dir)
-    if not (path / MANIFEST).is_file() and (path / "checkpoint" / MANIFEST).is_file():
-        path = path / "checkpoint"
+    if (path / "checkpoints").is_dir():
+        path = path / "checkpoints"
+    path = resolve_checkpoint(path)
     description = read_manifest(path)["extra"].get("workload", {})
     if description.get("workload") != "gpt":
         raise ValueError(f"sample: {str(path)!r} holds a {description.get('workload')!r} checkpoint; sample needs "
@@ -212,7 +191,7 @@ def _cmd_sample(args: argparse.Namespace) -> int:
     fields = set(GPTConfig.__dataclass_fields__) - {"optim"}
     model = GPT(GPTConfig(**{k: v for k, v in model_desc.items() if k in fields}), len(vocab))
     mp = MixedPrecision(model, SGD(model.parameters(), lr=0.0), policy=args.policy, device=args.device)
-    load_checkpoint(path, mp)
+    load_checkpoint(path, mp, weights_only=True, convert=True)  # fp32 values (masters where saved), cast to --policy
     corpus = Corpus.from_text(vocab, source=str(path))
     idx = torch.tensor([corpus.encode(args.prompt)], dtype=torch.int64, device=mp.device)  # (1, T0)
     generator = torch.Generator(device=mp.device).manual_seed(args.seed)

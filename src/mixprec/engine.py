@@ -36,6 +36,7 @@ from typing import Any
 import torch
 from torch import nn
 
+from mixprec import distributed
 from mixprec.devices import Resolution, resolve
 from mixprec.loss_scale import from_spec as loss_scale_from_spec
 from mixprec.masters import MasterWeights
@@ -163,9 +164,18 @@ class MixedPrecision:
             :class:`DivergenceError` explaining whether grads held inf or NaN and whether the
             loss itself was non-finite.
         guard: an object with ``after_step(mp, result) -> StepResult`` (see :class:`mixprec.Guard`).
+        strategy: None (one process), ``"ddp"`` or ``"fsdp2"``: join the torchrun process group
+            (device ``cuda:LOCAL_RANK`` or the CPU), start every rank from rank 0's weights and
+            wrap the prepared model (:func:`mixprec.distributed.wrap_model`: DDP, or FSDP2
+            ``fully_shard`` with params stored sharded in fp32 and cast by FSDP). Gradients are
+            reduced in fp32 on every path; the found-inf and non-finite-loss flags are ORed across
+            ranks before the step's one host sync (one all-reduce per boundary, on every rank; under
+            FSDP2 one more for the global grad norm over the shards), so all ranks skip or step
+            together. Each rank feeds its own batches (:func:`mixprec.distributed.shard_batches`).
 
     Attributes:
-        model, optimizer, scheduler, policy, device, decision (one line: how the policy was chosen),
+        model (what to call: the DDP wrapper under ``"ddp"``), module (the user's model, unwrapped),
+        optimizer, scheduler, policy, device, strategy, decision (one line: how the policy was chosen),
         events (dicts with at least ``step``, ``kind``, ``cause``, ``module``, ``detail``: what a
         guard or :meth:`set_policy` did; ``step`` is the boundary count when it happened).
 
@@ -179,7 +189,7 @@ class MixedPrecision:
                  device: str | torch.device | None = None, scheduler: Any = None,
                  max_grad_norm: float | None = None, accumulation_steps: int = 1,
                  loss_scale: Any = None, *, allow_fallback: bool = False, max_stuck_skips: int = 20,
-                 guard: Any = None) -> None:
+                 guard: Any = None, strategy: str | None = None) -> None:
         if not isinstance(model, nn.Module):
             raise TypeError(f"model must be a torch.nn.Module, got {type(model).__name__}")
         if not isinstance(optimizer, torch.optim.Optimizer):
@@ -190,11 +200,21 @@ class MixedPrecision:
             raise ValueError(f"max_grad_norm={max_grad_norm!r} must be > 0 or None (no clipping)")
         if not isinstance(max_stuck_skips, int) or max_stuck_skips < 1:
             raise ValueError(f"max_stuck_skips={max_stuck_skips!r} must be an int >= 1")
+        distributed.check_strategy(strategy)
+        if strategy is not None:
+            device = distributed.init_process_group_from_env(device)
         resolution: Resolution = resolve(policy, device, allow_fallback=allow_fallback)
+        if strategy is not None:  # every rank runs rank 0's policy ("auto" may measure differently)
+            chosen = distributed.from_main_process(str(resolution.policy))
+            if chosen != str(resolution.policy):
+                resolution = resolve(chosen, device)
+                resolution = dataclasses.replace(resolution, decision=f"{resolution.decision} (rank 0's choice)")
         self.policy: Policy = resolution.policy
         self.device: torch.device = resolution.device
         self.decision: str = resolution.decision
         self.model = model
+        self.module = model
+        self.strategy = strategy
         self.optimizer = optimizer
         self.scheduler = scheduler
         self.max_grad_norm = None if max_grad_norm is None else float(max_grad_norm)
@@ -211,10 +231,16 @@ class MixedPrecision:
         model.to(self.device)
         keep = self._keep_fp32_modules()
         self.fp8_report = self._convert_fp8(keep)
+        if strategy is not None:
+            distributed.sync_module_states(model)
+        if strategy == "fsdp2":  # params stay fp32, sharded: they are the masters; FSDP casts them
+            distributed.wrap_model(model, self.policy, strategy, self.device, keep_fp32=tuple(keep),
+                                   optimizer=optimizer, sharded_found_inf=True)
         keep_params = {id(p) for m in keep.values() for p in m.parameters()}
         params = list(model.parameters())
         half = {id(p) for p in params
-                if self.policy.param_dtype != torch.float32 and id(p) not in keep_params and p.is_floating_point()}
+                if self.policy.param_dtype != torch.float32 and id(p) not in keep_params and p.is_floating_point()
+                and strategy != "fsdp2"}
         self.masters = MasterWeights(params, half if self.policy.has_masters else set())
         with torch.no_grad():
             for p in params:
@@ -224,6 +250,8 @@ class MixedPrecision:
             self.masters.rebind(optimizer)
         self._configure_optimizer()
         self._install_hooks(keep)
+        if strategy == "ddp":  # after the casts: DDP builds its buckets from the params' dtypes
+            self.model = distributed.wrap_model(model, self.policy, strategy, self.device)
 
         self.micro_step = 0          # backward() calls since the last boundary
         self.applied_steps = 0
@@ -231,6 +259,7 @@ class MixedPrecision:
         self.boundaries = 0          # step() boundaries reached (applied + skipped)
         self._last_loss: torch.Tensor | None = None
         self._loss_finite = torch.ones((), dtype=torch.bool)  # over this boundary's micro-batches (device)
+        self._set_gradient_sync()
         log.info("mixprec: %s", self.decision)
 
     # ------------------------------------------------------------------ setup
@@ -245,7 +274,7 @@ class MixedPrecision:
 
     def _check_param_dtypes(self) -> None:
         allowed = {torch.float32, self.policy.param_dtype}
-        wrong = [(n, p.dtype) for n, p in self.model.named_parameters()
+        wrong = [(n, p.dtype) for n, p in self.module.named_parameters()
                  if p.is_floating_point() and p.dtype not in allowed]
         if wrong:
             names = ", ".join(f"{n} ({str(d).replace('torch.', '')})" for n, d in wrong[:5])
@@ -260,13 +289,13 @@ class MixedPrecision:
         policy = self.policy if policy is None else policy
         if not policy.keep_fp32:
             return {}
-        found = {name: m for name, m in self.model.named_modules()
+        found = {name: m for name, m in self.module.named_modules()
                  if name and any(fnmatch.fnmatchcase(name, pat) for pat in policy.keep_fp32)}
         unmatched = [pat for pat in policy.keep_fp32
                      if not any(fnmatch.fnmatchcase(n, pat) for n in found)]
         if unmatched:
             raise ValueError(f"policy keep_fp32 patterns {unmatched} match no module of the model; module names "
-                             f"look like {[n for n, _ in self.model.named_modules() if n][:8]}")
+                             f"look like {[n for n, _ in self.module.named_modules() if n][:8]}")
         # drop modules nested in another kept module: the outer region already covers them
         return {n: m for n, m in found.items() if not any(n.startswith(o + ".") for o in found if o != n)}
 
@@ -321,14 +350,40 @@ class MixedPrecision:
             self._hooks.append(module.register_forward_pre_hook(region.pre, with_kwargs=True))
             self._hooks.append(module.register_forward_hook(region.post, with_kwargs=True, always_call=True))
         if self.policy.is_mixed or self.policy.param_dtype != torch.float32:
-            self._hooks.append(self.model.register_forward_hook(_OutputCast(self.policy.output_dtype)))
+            self._hooks.append(self.module.register_forward_hook(_OutputCast(self.policy.output_dtype)))
 
     def unwrap(self) -> nn.Module:
-        """Remove every hook the engine installed and return the user's model (params as stored)."""
+        """Remove every hook the engine installed and return the user's model (params as stored;
+        under a strategy: without the DDP wrapper, or still sharded by FSDP2)."""
         for handle in self._hooks:
             handle.remove()
         self._hooks.clear()
-        return self.model
+        return self.module
+
+    def _set_gradient_sync(self) -> None:
+        """Before the next micro-batch: reduce its gradients across ranks only at the boundary, and
+        on every micro-batch under DDP with masters (their fp32 grads accumulate outside DDP)."""
+        if self.strategy is not None:
+            last = self.micro_step == self.accumulation_steps - 1
+            every = self.strategy == "ddp" and bool(self.masters.pairs)
+            distributed.set_gradient_sync(self.model, self.strategy, last or every)
+
+    def agree_on(self, choice: str | None, choices: tuple[str, ...]) -> str | None:
+        """The decision every rank takes: the first of ``choices`` that any rank chose (None when
+        no rank chose one). With ``strategy=None``: ``choice`` itself, no collective. Else one
+        all-reduce, which every rank must call at the same point, and one host sync to read it.
+        :class:`mixprec.Guard` calls it at every boundary, so rollbacks happen on all ranks or none.
+
+        Raises:
+            ValueError: ``choice`` is not None and not in ``choices``.
+        """
+        if choice is not None and choice not in choices:
+            raise ValueError(f"agree_on: choice={choice!r} is not one of {choices}")
+        if self.strategy is None:
+            return choice
+        flags = torch.tensor([c == choice for c in choices], dtype=torch.float32, device=self.device)
+        agreed = distributed.any_across_ranks(flags).tolist()  # syncs
+        return next((c for c, flag in zip(choices, agreed) if flag), None)
 
     # ------------------------------------------------------------------ the step
     @contextmanager
@@ -376,6 +431,7 @@ class MixedPrecision:
         self.loss_scale.scale_loss(loss).backward()
         self.micro_step += 1
         self.masters.accumulate_grads()
+        self._set_gradient_sync()
 
     def _grads(self) -> list[torch.Tensor]:
         return [p.grad for group in self.optimizer.param_groups for p in group["params"] if p.grad is not None]
@@ -394,10 +450,18 @@ class MixedPrecision:
         if self.micro_step < self.accumulation_steps:
             return None
         grads = self._grads()
+        if self.strategy == "fsdp2":
+            grads = distributed.local_tensors(grads)  # this rank's shards; checks and norms combined below
         found_inf = self.loss_scale.unscale_(grads)
         grad_norm = _global_norm_fp32(grads, self.device)
+        if self.strategy == "fsdp2":  # the norm over every shard: sqrt of the summed squares
+            grad_norm = distributed.sum_across_ranks(grad_norm.square()).sqrt()
         if self.max_grad_norm is not None:
             _clip_(grads, grad_norm, self.max_grad_norm)
+        if self.strategy is not None:  # every rank takes the same branch (case 28): OR both flags
+            flags = torch.stack([found_inf, (~self._loss_finite).to(found_inf.device, torch.float32)])
+            found_inf, loss_nonfinite = distributed.any_across_ranks(flags).unbind()
+            self._loss_finite = loss_nonfinite == 0
         scale_before = self.loss_scale.scale.detach().clone()
         applied = not bool(found_inf.item())  # the one host sync of the step
         reason = None
@@ -418,6 +482,7 @@ class MixedPrecision:
             self.masters.copy_to_params()
         self.micro_step = 0
         self.boundaries += 1
+        self._set_gradient_sync()
         result = StepResult(applied=applied, skipped_reason=reason, step=self.applied_steps,
                             skipped_total=self.skipped_total, loss_scale_t=scale_before, grad_norm_t=grad_norm)
         if self.guard is not None:
@@ -480,11 +545,18 @@ class MixedPrecision:
             raise ValueError(f"set_policy: {self.policy} → {new} changes the fp8 linears (fp8={new.fp8!r}), which "
                              "cannot be swapped mid-run; keep fp8/fp8_format as they are, or build a new "
                              "MixedPrecision from a checkpoint")
+        if self.strategy == "fsdp2":
+            raise ValueError(f"set_policy: under strategy='fsdp2' the MixedPrecisionPolicy of each sharded module "
+                             f"is fixed by fully_shard; to run {new}, save a checkpoint and resume under it")
         keep = self._keep_fp32_modules(new)
         keep_params = {id(p) for m in keep.values() for p in m.parameters()}
         params = self.masters.params
         half = {id(p) for p in params
                 if new.param_dtype != torch.float32 and id(p) not in keep_params and p.is_floating_point()}
+        if self.strategy == "ddp" and any((new.param_dtype if id(p) in half else torch.float32) != p.dtype
+                                          for p in params if p.is_floating_point()):
+            raise ValueError(f"set_policy: {new} stores parameters in other dtypes than {self.policy}, but DDP built "
+                             "its gradient buckets for the current ones; save a checkpoint and resume under it")
         old_stepped = list(self.masters.masters)   # per param: the tensor the optimizer steps now
         index = {id(t): i for i, t in enumerate(old_stepped)}
         opt = self.optimizer
@@ -571,7 +643,7 @@ class MixedPrecision:
         scheduler, loss-scale state (every field) and counters. Tensors are references, not copies."""
         return {
             "policy": str(self.policy),
-            "model": self.model.state_dict(),
+            "model": self.module.state_dict(),
             "masters": [m.detach() for _, m in self.masters.pairs],
             "optimizer": self.optimizer.state_dict(),
             "scheduler": None if self.scheduler is None else self.scheduler.state_dict(),
@@ -593,7 +665,7 @@ class MixedPrecision:
         if len(state["masters"]) != len(self.masters.pairs):
             raise ValueError(f"state holds {len(state['masters'])} master tensors, this model needs "
                              f"{len(self.masters.pairs)}")
-        self.model.load_state_dict(state["model"])
+        self.module.load_state_dict(state["model"])
         with torch.no_grad():
             for (_, m), saved in zip(self.masters.pairs, state["masters"]):
                 m.copy_(saved)
@@ -606,6 +678,7 @@ class MixedPrecision:
         self.applied_steps = counters["applied_steps"]
         self.skipped_total = counters["skipped_total"]
         self.boundaries = counters["boundaries"]
+        self._set_gradient_sync()
 
 
 def _global_norm_fp32(grads: list[torch.Tensor], device: torch.device) -> torch.Tensor:

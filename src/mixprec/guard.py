@@ -217,6 +217,12 @@ class Guard:
         max_rollbacks: rollbacks allowed at one place before raising.
         loss_fn: ``loss_fn(model, batch) -> loss``, as used in training, for localisation.
 
+    Several processes (``MixedPrecision(..., strategy="ddp" | "fsdp2")``): each rank judges its
+    own step, then the engine's ``agree_on`` makes every rank act on the first cause any rank
+    found (one all-reduce per boundary), so all ranks roll back, escalate or give up together
+    (case 28). The bad batch is not localised there (re-running it on one rank would run
+    collectives on that rank only), so escalation skips the keep-a-module rung.
+
     Host syncs: skipped steps are known from ``StepResult.applied`` (already synced by the
     engine); reading the loss costs one sync every ``check_every`` boundaries; a skipped step
     under loss scaling costs one more (the scale before/after and the floor flag, read together);
@@ -264,6 +270,13 @@ class Guard:
             raise RuntimeError("this Guard already watches another MixedPrecision engine; give each engine its own "
                                "Guard (it holds that engine's snapshot)")
         cause, detail, loss = self._detect(mp, result)
+        agree_on = getattr(mp, "agree_on", None)
+        if agree_on is not None:  # a distributed engine: the first cause any rank saw, on every rank
+            agreed = agree_on(cause, CAUSES)
+            if agreed != cause:
+                if cause is None and loss is not None:
+                    self.state.losses.pop()  # judged healthy here, but the step failed elsewhere
+                cause, detail, loss = agreed, f"{agreed} detected on another rank", None
         if cause is not None:
             return self._fail(mp, result, cause, detail)
         if loss is not None and self._snapshot_due(mp):
@@ -329,7 +342,9 @@ class Guard:
         c, s = self.config, self.state
         s.counts[cause] += 1
         s.failures_here += 1
-        report = self._localise(mp, result) if cause != "spike" else None
+        # a re-run of one rank's batch would run collectives (FSDP all-gathers) on that rank only
+        local = getattr(mp, "strategy", None) is None
+        report = self._localise(mp, result) if cause != "spike" and local else None
         self.last_report = report
         module = None if report is None else report.module
         if s.failures_here > c.max_rollbacks:

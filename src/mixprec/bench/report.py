@@ -144,29 +144,44 @@ def _ran(results: dict) -> dict[str, dict]:
     return {n: e for n, e in results["policies"].items() if e.get("loss_per_step")}
 
 
+def _moving_average(values: list[float], window: int) -> list[float]:
+    return [sum(values[max(0, i - window + 1):i + 1]) / len(values[max(0, i - window + 1):i + 1])
+            for i in range(len(values))]
+
+
 def plot_loss_curves(results: dict, path: Path) -> None:
-    """Training loss per step for every policy that ran: raw (faint) and a moving average."""
+    """Top: training loss per step for every policy that ran, raw (faint) and a trailing moving
+    average. Bottom: each policy's moving average relative to fp32's, in percent."""
     import matplotlib
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    fig, ax = plt.subplots(figsize=(8, 5))
+    s = results["settings"]
+    window = max(1, s["steps"] // 20)
+    fig, (ax, ax_delta) = plt.subplots(2, 1, figsize=(8, 6.5), sharex=True, gridspec_kw={"height_ratios": [2, 1]})
+    smooth: dict[str, list[float]] = {}
     for name, e in _ran(results).items():
         losses = [math.nan if v is None else v for v in e["loss_per_step"]]
         steps = range(1, len(losses) + 1)
-        window = max(1, len(losses) // 20)
-        smooth = [sum(losses[max(0, i - window + 1):i + 1]) / len(losses[max(0, i - window + 1):i + 1])
-                  for i in range(len(losses))]
-        (line,) = ax.plot(steps, smooth, lw=1.6, label=f"{name} (eval {_fmt(e.get('final_eval_loss'), '.4f')})")
+        smooth[name] = _moving_average(losses, window)
+        (line,) = ax.plot(steps, smooth[name], lw=1.6, label=f"{name} (eval {_fmt(e.get('final_eval_loss'), '.4f')})")
         ax.plot(steps, losses, lw=0.6, alpha=0.25, color=line.get_color())
-    s = results["settings"]
-    window = max(1, s["steps"] // 20)
-    smoothing = f"; lines: moving average over {window} steps" if window > 1 else ""
-    ax.set(xlabel="step", ylabel="training loss",
+        reference = smooth.get(results["reference"])
+        if reference is not None and name != results["reference"]:
+            delta_pct = [100 * (a - b) / b for a, b in zip(smooth[name], reference)]
+            ax_delta.plot(steps, delta_pct, lw=1.2, color=line.get_color(), label=name)
+    smoothing = f"; lines: trailing mean over {window} steps" if window > 1 else ""
+    ax.set(ylabel="training loss",
            title=f"{s['workload']}/{s['config'] or 'default'}: training loss ({s['device']}, seed {s['seed']}{smoothing})")
     ax.legend()
     ax.grid(alpha=0.3)
+    limit_pct = 100 * s["targets"]["max_loss_delta"]
+    ax_delta.axhline(0, color="black", lw=0.8)
+    ax_delta.axhline(limit_pct, color="gray", lw=0.8, ls="--", label=f"--max-loss-delta (+{limit_pct:g}%, eval)")
+    ax_delta.set(xlabel="step", ylabel="vs fp32 (%)")
+    ax_delta.legend(fontsize=7, ncol=3)
+    ax_delta.grid(alpha=0.3)
     fig.tight_layout()
     fig.savefig(path, dpi=110)
     plt.close(fig)

@@ -38,6 +38,7 @@ import json
 import math
 import os
 import platform
+import socket
 import subprocess
 import sys
 import time
@@ -52,6 +53,7 @@ from mixprec.bench.report import POLICY_KEYS, write_outputs
 from mixprec.bench.verdict import Targets, judge
 from mixprec.bench.worker import RunSpec
 from mixprec.devices import Capability, normalize_device, probe, resolve
+from mixprec.distributed import from_main_process, init_process_group_from_env, is_main_process, rank, world_size
 from mixprec.doctor import cached_peaks, cpu_flags, cpu_name
 from mixprec.policy import Policy
 from mixprec.workloads import get_workload
@@ -71,7 +73,8 @@ class BenchConfig:
     """Everything one bench run needs (the CLI builds it from its flags).
 
     ``config=None`` means ``mid`` for the ``gpt`` workload and the workload's own default
-    otherwise. ``command`` is the exact command line, recorded in the outputs.
+    otherwise. ``command`` is the exact command line, recorded in the outputs. ``strategy``
+    (``"ddp"``, ``"fsdp2"``): run under torchrun, one runner per rank (see :func:`run_bench`).
     """
 
     out: Path
@@ -85,6 +88,7 @@ class BenchConfig:
     force: bool = False
     targets: Targets = field(default_factory=Targets)
     command: str = ""
+    strategy: str | None = None
 
     def __post_init__(self) -> None:
         if not isinstance(self.steps, int) or self.steps < 5:
@@ -129,6 +133,13 @@ def plan_policy(spec: str, device: torch.device, capability: Capability, *, forc
     return None
 
 
+def _free_port() -> int:
+    """A TCP port free on this host now (for the worker ranks' rendezvous)."""
+    with socket.socket() as s:
+        s.bind(("", 0))
+        return s.getsockname()[1]
+
+
 def _worker_env() -> dict[str, str]:
     """The parent's environment with the working directory on PYTHONPATH (user workloads)."""
     env = dict(os.environ)
@@ -137,15 +148,20 @@ def _worker_env() -> dict[str, str]:
     return env
 
 
-def _run_worker(spec: RunSpec, workdir: Path, name: str, bar: tqdm) -> dict[str, Any]:
+def _run_worker(spec: RunSpec, workdir: Path, name: str, bar: tqdm,
+                env_update: dict[str, str] | None = None) -> dict[str, Any]:
     """Run one policy in its own process; the worker's results, or an error entry."""
     spec_path, out_path, log_path = (workdir / f"{name}{suffix}" for suffix in (".spec.json", ".json", ".log"))
     spec_path.write_text(json.dumps(asdict(spec), indent=1))
     out_path.unlink(missing_ok=True)
     done = 0
+    env = _worker_env()
+    if env_update is not None:  # the worker ranks of one policy meet on their own store, not torchrun's
+        env.pop("TORCHELASTIC_USE_AGENT_STORE", None)
+        env.update(env_update)
     with open(log_path, "w", encoding="utf-8") as log:
         proc = subprocess.Popen([sys.executable, "-m", "mixprec.bench.worker", str(spec_path), str(out_path)],
-                                stdout=subprocess.PIPE, stderr=log, text=True, env=_worker_env())
+                                stdout=subprocess.PIPE, stderr=log, text=True, env=env)
         for line in proc.stdout or ():
             if line.startswith("step ") and line[5:].strip().isdigit():
                 step = int(line[5:])
@@ -212,6 +228,12 @@ def run_bench(config: BenchConfig, *, capability: Capability | None = None, prog
 
     ``capability`` replaces the device probe when planning which policies run (tests).
 
+    With ``config.strategy``, every torchrun rank calls this: the runners join a gloo group
+    (coordination only), follow rank 0's plan, and for each policy start one worker per rank,
+    which meet on a fresh port rank 0 picks (``MASTER_PORT``) and train as one run; only rank 0
+    writes ``config.out`` (its workers' files; other ranks' under ``workers/rank-<r>``), with
+    throughput summed over the ranks. All ranks return the results.
+
     Raises:
         ValueError / ImportError: a bad policy name, workload, config, data path or device
             (before any run).
@@ -228,25 +250,33 @@ def run_bench(config: BenchConfig, *, capability: Capability | None = None, prog
         if name.lower() != "auto":
             Policy.parse(name)
     skip = {name: plan_policy(name, device, cap, force=config.force) for name in names}
+    if config.strategy is not None:
+        init_process_group_from_env("cpu")   # the runners' own group: plans and ports, never tensors
+        skip = from_main_process(skip)       # every rank runs the same policies in the same order
     if skip[REFERENCE] is not None:
         raise ValueError(f"the fp32 reference cannot run on {device}: {skip[REFERENCE]}")
     runnable = [n for n in names if skip[n] is None]
     out = Path(config.out)
-    workdir = out / "workers"
+    workdir = out / "workers" if is_main_process() else out / "workers" / f"rank-{rank()}"
     workdir.mkdir(parents=True, exist_ok=True)
     warmup = warmup_steps_for(config.steps)
     peaks_gflops = {name: peak.gflops_per_s for name, peak in peaks.items()}
     entries: dict[str, dict] = {}
-    with tqdm(total=config.steps * len(runnable), unit="step", disable=not progress, dynamic_ncols=True) as bar:
+    with tqdm(total=config.steps * len(runnable), unit="step", disable=not progress or not is_main_process(),
+              dynamic_ncols=True) as bar:
         for index, name in enumerate(names):
             if skip[name] is not None:
                 entries[name] = _skipped_entry(name, skip[name])
                 continue
             bar.set_description(name)
             spec = RunSpec(workload=config.workload, policy=name, steps=config.steps, seed=config.seed,
-                           config=config.config_name, data=config.data, device=str(device),
-                           warmup_steps=warmup, peaks_gflops=peaks_gflops)
-            result = _run_worker(spec, workdir, f"{index}-{''.join(c if c.isalnum() or c in '-_' else '_' for c in name)}", bar)
+                           config=config.config_name, data=config.data,
+                           device="cuda" if config.strategy and device.type == "cuda" else str(device),  # LOCAL_RANK's
+                           warmup_steps=warmup, peaks_gflops=peaks_gflops, strategy=config.strategy)
+            env_update = None if config.strategy is None else {
+                "MASTER_PORT": str(from_main_process(_free_port() if is_main_process() else None))}
+            result = _run_worker(spec, workdir, f"{index}-{''.join(c if c.isalnum() or c in '-_' else '_' for c in name)}", bar,
+                                 env_update)
             if result.get("stage") == "setup":  # the engine refused the policy: it did not run
                 entries[name] = _skipped_entry(name, f"the engine refused it: {result['error']}")
             else:
@@ -258,7 +288,8 @@ def run_bench(config: BenchConfig, *, capability: Capability | None = None, prog
         "command": config.command,
         "settings": {"workload": config.workload, "config": config.config_name, "policies": names,
                      "steps": config.steps, "warmup_steps": warmup, "seed": config.seed, "data": config.data,
-                     "device": str(device), "force": config.force, "targets": asdict(config.targets)},
+                     "device": str(device), "force": config.force, "targets": asdict(config.targets),
+                     "strategy": config.strategy, "world_size": world_size()},
         "workload": description,
         "environment": _environment(device, cap, peaks, config.command),
         "reference": REFERENCE,
@@ -266,5 +297,6 @@ def run_bench(config: BenchConfig, *, capability: Capability | None = None, prog
         "parent_pid": os.getpid(),
         "wall_s": time.perf_counter() - start,
     }
-    write_outputs(results, out)
+    if is_main_process():
+        write_outputs(results, out)
     return results

@@ -26,12 +26,14 @@ import traceback
 from collections import Counter
 from collections.abc import Callable
 from dataclasses import asdict, dataclass, field
+from datetime import timedelta
 from typing import Any
 
 import torch
 
 from mixprec.bench.measure import MemoryMeter, median_step_ms, state_bytes, synchronize
 from mixprec.devices import resolve_policy
+from mixprec.distributed import init_process_group_from_env, shard_batches, sum_across_ranks, world_size
 from mixprec.engine import MixedPrecision, StepResult
 from mixprec.optim import SGD, AdamW
 from mixprec.policy import Policy
@@ -52,7 +54,10 @@ class RunSpec:
 
     ``peaks_gflops`` maps ``fp32``/``bf16``/``fp16`` to the doctor's measured matmul peak
     (GFLOP/s) for MFU; ``measure_state_at`` is the 0-based step after whose backward the
-    training-state bytes are read (>= 1, so optimizer state exists).
+    training-state bytes are read (>= 1, so optimizer state exists). ``strategy`` (``"ddp"``,
+    ``"fsdp2"``): this worker is one rank of a torch.distributed run (environment as torchrun
+    sets it); it trains on its share of the batches, and ``items_per_s``, ``tokens_per_s`` and
+    ``gflops_per_s`` are summed over the ranks (``mfu`` against ``world_size`` × the peak).
     """
 
     workload: str
@@ -65,6 +70,7 @@ class RunSpec:
     warmup_steps: int = 2
     measure_state_at: int = 1
     peaks_gflops: dict[str, float | None] = field(default_factory=dict)
+    strategy: str | None = None
 
     def __post_init__(self) -> None:
         if not (isinstance(self.steps, int) and self.steps > self.warmup_steps >= self.measure_state_at >= 1):
@@ -97,18 +103,19 @@ def precision_optimizer(optimizer: torch.optim.Optimizer, policy: Policy) -> tor
 
 
 def build_engine(workload: Workload, policy: str, *, steps: int, seed: int,
-                 device: str | None = None) -> MixedPrecision:
+                 device: str | None = None, strategy: str | None = None) -> MixedPrecision:
     """Seed torch, build the workload's model, optimizer and schedule, and wrap them in the engine.
 
     ``policy`` is passed to :class:`~mixprec.MixedPrecision` as given (``"auto"`` keeps its
     reason in ``mp.decision``); nothing falls back: a policy the device cannot run raises.
+    ``strategy`` (None, ``"ddp"``, ``"fsdp2"``) too; every rank seeds alike.
     """
     torch.manual_seed(seed)
     model = workload.build_model()
     optimizer = precision_optimizer(workload.make_optimizer(model), resolve_policy(policy, device))
     scheduler = workload.make_scheduler(optimizer, steps)
     return MixedPrecision(model, optimizer, policy=policy, device=device, scheduler=scheduler,
-                          max_grad_norm=workload.max_grad_norm)
+                          max_grad_norm=workload.max_grad_norm, strategy=strategy)
 
 
 def train_step(mp: MixedPrecision, workload: Workload, batch: dict,
@@ -145,12 +152,15 @@ def run_policy(spec: RunSpec, progress: Callable[[int], None] | None = None) -> 
     """
     start_wall = time.perf_counter()
     workload = get_workload(spec.workload, config=spec.config, data=spec.data)
+    if spec.strategy is not None:  # a collective timeout instead of a hang if another rank fails
+        init_process_group_from_env(spec.device, timeout=timedelta(minutes=5))
     try:
-        mp = build_engine(workload, spec.policy, steps=spec.steps, seed=spec.seed, device=spec.device)
+        mp = build_engine(workload, spec.policy, steps=spec.steps, seed=spec.seed, device=spec.device,
+                          strategy=spec.strategy)
     except (ValueError, TypeError) as err:
         raise SetupError(f"{type(err).__name__}: {err}") from err
     memory = MemoryMeter(mp.device)
-    train_batches = workload.batches("train", spec.seed)
+    train_batches = shard_batches(workload.batches("train", spec.seed))  # one process: every batch
     measured: dict[str, Any] = {}
     history: dict[str, list] = {k: [] for k in ("loss", "loss_scale", "grad_norm", "lr", "step_time_ms")}
     skipped: Counter[str] = Counter()
@@ -179,7 +189,11 @@ def run_policy(spec: RunSpec, progress: Callable[[int], None] | None = None) -> 
     flops = float(workload.flops_per_step())
     compute = _DTYPE_NAMES[mp.policy.compute_dtype]
     peak = spec.peaks_gflops.get(compute)
-    gflops = flops / step_s / 1e9
+    items_per_s, gflops = workload.items_per_batch / step_s, flops / step_s / 1e9
+    ranks = world_size() if spec.strategy is not None else 1
+    if ranks > 1:  # every rank trained on its own batches: the run's throughput is the sum
+        summed = sum_across_ranks(torch.tensor([items_per_s, gflops], dtype=torch.float64, device=mp.device))
+        items_per_s, gflops = summed.tolist()
     state = measured["state"]
     return {
         "requested": spec.policy,
@@ -195,12 +209,14 @@ def run_policy(spec: RunSpec, progress: Callable[[int], None] | None = None) -> 
         "step_time_ms_median": step_ms,
         "items_per_batch": workload.items_per_batch,
         "item_unit": workload.item_unit,
-        "items_per_s": workload.items_per_batch / step_s,
-        "tokens_per_s": workload.items_per_batch / step_s if workload.item_unit == "tokens" else None,
+        "items_per_s": items_per_s,
+        "tokens_per_s": items_per_s if workload.item_unit == "tokens" else None,
         "flops_per_step": flops,
         "gflops_per_s": gflops,
         "peak_gflops_per_s": peak,
-        "mfu": gflops / peak if peak else None,
+        "mfu": gflops / (peak * ranks) if peak else None,
+        "strategy": spec.strategy,
+        "world_size": ranks,
         "peak_memory_mb": memory.peak_mb(),
         "memory_source": memory.source,
         "state_bytes_per_param": state.per_param,
