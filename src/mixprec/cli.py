@@ -1,4 +1,4 @@
-"""The ``mixprec`` command line (also ``python -m mixprec``): bench, train, sample, doctor.
+"""The ``mixprec`` command line (also ``python -m mixprec``): bench, train, sample, doctor, inspect.
 
 ``main(argv)`` returns the exit status: 0 on success; 1 when ``bench`` judged a policy FAIL
 (so CI can gate on the evidence); 2 for bad arguments or inputs (the message says which);
@@ -58,7 +58,7 @@ def build_parser() -> argparse.ArgumentParser:
 
     parser = argparse.ArgumentParser(prog="mixprec", description="Mixed-precision training for PyTorch, "
                                      "with the evidence: speed, memory and quality against fp32.")
-    sub = parser.add_subparsers(dest="command", required=True, metavar="{bench,train,sample,doctor}")
+    sub = parser.add_subparsers(dest="command", required=True, metavar="{bench,train,sample,doctor,inspect}")
 
     def workload_args(p: argparse.ArgumentParser, config_help: str) -> None:
         p.add_argument("--workload", default="gpt", help="built-in workload (gpt, digits) or "
@@ -119,6 +119,9 @@ def build_parser() -> argparse.ArgumentParser:
                         "16-bit weights load exactly, saved fp32 masters are used where present)")
     sample.add_argument("--device", default=None, help="cpu, cuda, cuda:N or mps (default: the best available)")
 
+    from mixprec.numerics.command import add_inspect_parser
+
+    add_inspect_parser(sub)
     doctor = sub.add_parser("doctor", help="devices, dtype support, measured matmul peaks, what auto picks")
     doctor.add_argument("--json", action="store_true", help="print the report as JSON")
     return parser
@@ -223,6 +226,10 @@ def main(argv: list[str] | None = None) -> int:
             return _cmd_train(args, command)
         if args.command == "sample":
             return _cmd_sample(args)
+        if args.command == "inspect":
+            from mixprec.numerics.command import run_inspect
+
+            return run_inspect(args)
         return _cmd_doctor(args)
     except (ValueError, TypeError, ImportError, FileNotFoundError) as err:
         print(f"mixprec {args.command}: error: {err}", file=sys.stderr)

@@ -45,7 +45,7 @@ the concatenated global batch (up to the order of floating-point sums).
   ``fp16-mixed`` / ``-pure``    fp16               needs the engine's sharded overflow
                                                    check (``sharded_found_inf=True``)
   ``bf16-kahan`` / ``bf16-sr``  refused            16-bit storage without masters; use
-                                                   ``bf16-pure``
+                                                   ``bf16-pure`` (``state=bf16``: refused too)
   keep_fp32 modules             None (fp32)        their own ``fully_shard`` group
   ============================  =================  ======================================
 
@@ -64,10 +64,20 @@ the concatenated global batch (up to the order of floating-point sums).
 accumulation boundary, whatever they saw, so none can wait for another that took another
 branch (case 28).
 
+Cost per accumulation boundary, besides the gradient reductions: one all-reduce of two flags
+(engine), one more of the guard's causes when a guard is attached, and under FSDP2 one of the
+squared gradient norm (the global norm over all shards, for clipping and ``StepResult``).
+
 **Checkpoints.** :func:`save_distributed_checkpoint` writes ``root/step-N`` and ``root/latest``
 as :mod:`mixprec.checkpoint` does: FSDP2 with ``torch.distributed.checkpoint`` (every rank
 writes its shards; any number of ranks loads it, :func:`load_distributed_checkpoint`); DDP
 once, from rank 0, in the one-process format. Both record the strategy and world size.
+
+**Limits.** ``set_policy`` (and so the guard's escalation) is refused under FSDP2, and under
+DDP when it would change a parameter's stored dtype (DDP's buckets are built for them): the
+guard then notes the refusal and keeps rolling back. The guard does not localise a bad batch
+under a strategy. fp8 policies are not tested under a strategy. Only 1-D data parallelism
+(no tensor/pipeline parallel meshes).
 """
 
 from __future__ import annotations

@@ -1,0 +1,513 @@
+"""Multi-process training (issue 7; cases 28 and 29): DDP and FSDP2 on CPU with gloo.
+
+Each multi-process test starts 2 processes itself (``torch.multiprocessing`` spawn, a free
+port, torchrun's environment variables, 60 s collective timeout) and kills them if they have
+not finished within the test's time limit, so a hang fails the test instead of stalling the
+suite. Each rank writes what it saw to ``rank<r>.pt``; the test compares ranks with each other
+and with a one-process run in the pytest process.
+
+Tolerances, on the training's whole update: ``|Δ_a − Δ_b| / |Δ_b|`` where ``Δ`` is the change
+of all parameters (one vector) over the run, with SGD (Adam's normalised steps would turn bf16
+noise in near-zero gradients into full-size differences). Measured on 2 shared CPU cores, torch
+2.13, and stated once here:
+
+* DDP (2 ranks) vs one process on the same global batch (MLP, 4 steps): fp32 ``1e-5``
+  (measured 2e-7: only the order of the fp32 sums differs); bf16-mixed and bf16-pure, with
+  and without accumulation, ``2e-2`` (measured 2.5e-3 to 3e-3: bf16 matmuls over half a batch
+  round differently from those over the whole batch).
+* FSDP2 vs DDP, bf16-mixed, gpt/tiny, 3 steps of 2 micro-batches: ``2e-2`` (measured 2.7e-3;
+  FSDP2 computes with bf16 params, so norms and residual adds round to bf16 too); losses
+  within 1 % (measured 1e-4).
+* FSDP2 checkpoint resumed in one process vs the 2-rank run continuing: the same ``2e-2``.
+"""
+
+from __future__ import annotations
+
+import os
+import socket
+import time
+import traceback
+from datetime import timedelta
+from pathlib import Path
+
+import pytest
+import torch
+import torch.distributed as dist
+import torch.multiprocessing as torch_mp
+import torch.nn.functional as F
+from torch import nn
+
+from mixprec import Guard, MixedPrecision, Policy
+from mixprec import distributed as mpd
+from mixprec.loss_scale import DynamicLossScale
+
+WORLD = 2
+
+
+# ---------------------------------------------------------------------- the 2-process harness
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _entry(rank: int, port: int, out: str, fn, args: tuple) -> None:
+    os.environ.update(RANK=str(rank), WORLD_SIZE=str(WORLD), LOCAL_RANK=str(rank), MASTER_ADDR="127.0.0.1",
+                      MASTER_PORT=str(port))
+    torch.set_num_threads(1)
+    mpd.init_process_group_from_env("cpu", timeout=timedelta(seconds=60))
+    try:
+        result = fn(rank, Path(out), *args)
+        torch.save(result, Path(out) / f"rank{rank}.pt")
+    except BaseException:
+        (Path(out) / f"rank{rank}.err").write_text(traceback.format_exc())
+        raise
+    finally:
+        dist.destroy_process_group()
+
+
+def _run_ranks(fn, tmp_path: Path, *args, timeout_s: float = 100) -> list:
+    """Run ``fn(rank, tmp_path, *args)`` on 2 gloo ranks; return each rank's result."""
+    ctx = torch_mp.start_processes(_entry, args=(_free_port(), str(tmp_path), fn, args), nprocs=WORLD,
+                                   join=False, start_method="spawn")
+    deadline = time.monotonic() + timeout_s
+    try:
+        while not ctx.join(timeout=1.0):
+            if time.monotonic() > deadline:
+                pytest.fail(f"ranks still running after {timeout_s} s: a collective hangs")
+    except torch_mp.ProcessRaisedException:
+        errors = "\n".join(p.read_text() for p in sorted(tmp_path.glob("rank*.err")))
+        pytest.fail(f"a rank raised:\n{errors}")
+    finally:
+        for proc in ctx.processes:  # only the processes this test started
+            if proc.is_alive():
+                proc.kill()
+    return [torch.load(tmp_path / f"rank{r}.pt", weights_only=False) for r in range(WORLD)]
+
+
+# ---------------------------------------------------------------------- models and data
+def _mlp() -> nn.Module:
+    torch.manual_seed(0)
+    return nn.Sequential(nn.Linear(16, 32), nn.GELU(), nn.LayerNorm(32), nn.Linear(32, 4))
+
+
+def _stream(n: int):
+    """The deterministic per-rank batch stream (4 samples each); every rank iterates all of it."""
+    g = torch.Generator().manual_seed(1)
+    for _ in range(n):
+        yield {"x": torch.randn(4, 16, generator=g), "y": torch.randn(4, 4, generator=g)}
+
+
+def _cat(batches: list[dict]) -> dict:
+    return {k: torch.cat([b[k] for b in batches]) for k in batches[0]}
+
+
+def _mse_step(mp: MixedPrecision, batch: dict, *, after_backward=None, loss_hook=None):
+    batch = mp.cast_inputs(batch)
+    with mp.autocast():
+        loss = F.mse_loss(mp.model(batch["x"]).float(), batch["y"].float())
+    if loss_hook is not None:
+        loss = loss_hook(loss)
+    mp.backward(loss)
+    if after_backward is not None:
+        after_backward()
+    return loss.detach(), mp.step()
+
+
+def _full(t: torch.Tensor) -> torch.Tensor:
+    full = t.full_tensor() if hasattr(t, "full_tensor") else t
+    return full.detach().float().clone()
+
+
+def _params(mp: MixedPrecision) -> dict[str, torch.Tensor]:
+    """fp32 values by name: masters where they exist, whole tensors under FSDP2."""
+    names = [n for n, _ in mp.module.named_parameters()]
+    return {n: _full(m) for n, m in zip(names, mp.master_parameters())}
+
+
+def _rel_update_diff(got: dict, ref: dict, init: dict) -> float:
+    """|Δ_got − Δ_ref| / |Δ_ref| over all parameters together (Δ: change from ``init``)."""
+    num = sum(((got[n] - ref[n]) ** 2).sum() for n in ref) ** 0.5
+    den = sum(((ref[n] - init[n]) ** 2).sum() for n in ref) ** 0.5
+    return float(num / den)
+
+
+def _mlp_engine(policy: str, accumulation: int = 1, strategy: str | None = None) -> MixedPrecision:
+    model = _mlp()
+    return MixedPrecision(model, torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9), policy, device="cpu",
+                          accumulation_steps=accumulation, max_grad_norm=1.0, strategy=strategy)
+
+
+def _train_mlp(policy: str, accumulation: int, strategy: str | None, batches, save_to: Path | None = None) -> dict:
+    mp = _mlp_engine(policy, accumulation, strategy)
+    for batch in batches:
+        _mse_step(mp, batch)
+    saved = None if save_to is None else mpd.save_distributed_checkpoint(save_to, mp)
+    return {"params": _params(mp), "reduce_dtypes": mpd.gradient_reduce_dtypes(mp.model),
+            "applied": mp.applied_steps, "saved": saved,
+            "momentum": [mp.optimizer.state[t]["momentum_buffer"].clone() for t in mp.master_parameters()]}
+
+
+# ---------------------------------------------------------------------- DDP == one process
+DDP_CASES = (("fp32", 1, 1e-5), ("bf16-mixed", 1, 2e-2), ("bf16-mixed", 2, 2e-2), ("bf16-pure", 2, 2e-2))
+STEPS = 4
+
+
+def _ddp_worker(rank: int, out: Path) -> dict:
+    return {(policy, acc): _train_mlp(policy, acc, "ddp", mpd.shard_batches(_stream(STEPS * acc * WORLD)),
+                                      save_to=out / "ck" if policy == "bf16-pure" else None)
+            for policy, acc, _ in DDP_CASES}
+
+
+@pytest.mark.timeout(120)
+def test_ddp_two_ranks_equal_one_process_on_the_global_batch(tmp_path):
+    ranks = _run_ranks(_ddp_worker, tmp_path)
+    init = {n: p.detach().float() for n, p in _mlp().named_parameters()}
+    for policy, acc, tolerance in DDP_CASES:
+        stream = list(_stream(STEPS * acc * WORLD))
+        global_batches = [_cat(stream[i:i + acc * WORLD]) for i in range(0, len(stream), acc * WORLD)]
+        ref = _train_mlp(policy, 1, None, global_batches)
+        for r, result in enumerate(ranks):
+            got = result[(policy, acc)]
+            assert got["applied"] == STEPS
+            assert got["reduce_dtypes"] == {torch.float32}, (policy, acc)  # also bf16 buckets (bf16-pure)
+            assert _rel_update_diff(got["params"], ref["params"], init) <= tolerance, (policy, acc, r)
+        for name in ref["params"]:  # replicas are bitwise identical
+            assert torch.equal(ranks[0][(policy, acc)]["params"][name], ranks[1][(policy, acc)]["params"][name])
+    # rank 0 alone saved the bf16-pure run in the one-process format; it loads into a one-process engine
+    saved = ranks[0][("bf16-pure", 2)]
+    assert saved["saved"] == ranks[1][("bf16-pure", 2)]["saved"] == tmp_path / "ck" / f"step-{STEPS}"
+    manifest = mpd.read_distributed_manifest(tmp_path / "ck")
+    assert manifest["extra"]["distributed"] == {"strategy": "ddp", "world_size": 2}
+    mp = _mlp_engine("bf16-pure", 2)
+    mpd.load_distributed_checkpoint(tmp_path / "ck", mp)
+    assert mp.applied_steps == STEPS
+    for name, value in _params(mp).items():  # no "module." prefix: the names are the model's own
+        assert torch.equal(value, saved["params"][name]), name
+    for got, want in zip((mp.optimizer.state[t]["momentum_buffer"] for t in mp.master_parameters()),
+                         saved["momentum"]):
+        assert torch.equal(got, want)
+
+
+# ---------------------------------------------------------------------- case 28: one rank sees inf / NaN
+def _inf_worker(rank: int, out: Path) -> dict:
+    results = {}
+    # (a) DDP: an inf written into rank 1's gradient after DDP's all-reduce (a rank-local fault)
+    # (b) FSDP2 fp16: an inf in rank 1's shard only; the local check of rank 0 sees nothing
+    for strategy, policy in (("ddp", "fp32"), ("fsdp2", "fp16-mixed")):
+        model = _mlp()
+        mp = MixedPrecision(model, torch.optim.SGD(model.parameters(), lr=0.1), policy, device="cpu",
+                            loss_scale=DynamicLossScale(init_scale=4.0), strategy=strategy)
+        batches = mpd.shard_batches(_stream(3 * WORLD))
+        _mse_step(mp, next(batches))
+        before = _params(mp)
+        local_finite = []
+
+        def inject():
+            grad = next(mp.module.parameters()).grad
+            grad_local = grad.to_local() if hasattr(grad, "to_local") else grad
+            if rank == 1:
+                grad_local[0, 0] = float("inf")
+            local_finite.append(all(bool(torch.isfinite(g.to_local() if hasattr(g, "to_local") else g).all())
+                                    for g in (p.grad for p in mp.module.parameters())))
+
+        _, result = _mse_step(mp, next(batches), after_backward=inject)
+        after_skip = _params(mp)
+        _, result_next = _mse_step(mp, next(batches))
+        results[strategy] = {"local_finite": local_finite[0], "applied": result.applied,
+                             "reason": result.skipped_reason, "scale": float(mp.loss_scale.scale),
+                             "scale_at_skip": result.loss_scale, "unchanged": all(
+                                 torch.equal(before[n], after_skip[n]) for n in before),
+                             "next_applied": result_next.applied, "params": _params(mp),
+                             "counters": mp.state_dict()["counters"],
+                             "loss_scale_state": {k: v.item() for k, v in mp.loss_scale.state_dict()["state"].items()}}
+    # (c) DDP + Guard: rank 1's *loss value* is NaN (its gradients are finite), then a spike on rank 1 only
+    model = _mlp()
+    mp = MixedPrecision(model, torch.optim.SGD(model.parameters(), lr=0.05), "bf16-mixed", device="cpu",
+                        guard=Guard(snapshot_every=1, spike_warmup=2, spike_window=4), strategy="ddp")
+    faults = {3: float("nan"), 6: 100.0}  # step -> what rank 1's loss value becomes
+    outcomes = []
+    for step, batch in enumerate(mpd.shard_batches(_stream(8 * WORLD))):
+        fault = faults.get(step) if rank == 1 else None
+        hook = None if fault is None else (
+            (lambda loss: loss + float("nan")) if fault != fault else (lambda loss: loss + 99.0 * loss.detach()))
+        _, result = _mse_step(mp, batch, loss_hook=hook)
+        outcomes.append((result.applied, result.rolled_back, result.skipped_reason))
+    results["guard"] = {"outcomes": outcomes, "counts": dict(mp.guard.counts), "params": _params(mp),
+                        "counters": mp.state_dict()["counters"], "events": [e["kind"] for e in mp.events]}
+    # (d) FSDP2 + Guard: the rollback restores every rank's shards (DTensor state) from its snapshot
+    model = _mlp()
+    mp = MixedPrecision(model, torch.optim.AdamW(model.parameters(), lr=1e-2), "bf16-mixed", device="cpu",
+                        guard=Guard(snapshot_every=1), strategy="fsdp2")
+    batches = mpd.shard_batches(_stream(3 * WORLD))
+    _mse_step(mp, next(batches))
+    before = _params(mp)
+    nan_on_rank_1 = (lambda loss: loss + float("nan")) if rank == 1 else None
+    _, result = _mse_step(mp, next(batches), loss_hook=nan_on_rank_1)
+    restored = _params(mp)
+    _, result_next = _mse_step(mp, next(batches))
+    results["fsdp2_guard"] = {"rolled_back": result.rolled_back, "restored": all(
+        torch.equal(before[n], restored[n]) for n in before), "next_applied": result_next.applied,
+        "counters": mp.state_dict()["counters"], "counts": dict(mp.guard.counts)}
+    return results
+
+
+@pytest.mark.timeout(120)
+def test_inf_or_nan_on_one_rank_makes_every_rank_skip_or_roll_back(tmp_path):
+    r0, r1 = _run_ranks(_inf_worker, tmp_path)
+    for strategy in ("ddp", "fsdp2"):
+        a, b = r0[strategy], r1[strategy]
+        assert a["local_finite"] and not b["local_finite"], strategy  # only rank 1 saw the inf locally
+        for r in (a, b):
+            assert not r["applied"] and r["reason"] == "overflow", strategy
+            assert r["unchanged"], strategy  # the skipped step left the params alone
+            assert (r["scale_at_skip"], r["scale"]) == (4.0, 2.0), strategy  # both backed off: 4 -> 2
+            assert r["next_applied"], strategy
+        assert a["counters"] == b["counters"], strategy
+        assert a["loss_scale_state"] == b["loss_scale_state"], strategy
+        for name in a["params"]:
+            assert torch.equal(a["params"][name], b["params"][name]), (strategy, name)
+    g0, g1 = r0["guard"], r1["guard"]
+    assert g0["outcomes"] == g1["outcomes"]
+    assert g0["outcomes"][3] == (False, True, "nonfinite")  # rank 0's loss was fine: it rolled back too
+    assert g0["outcomes"][6][:2] == (False, True)           # a spike on rank 1 only: both rolled back
+    assert g0["counts"] == g1["counts"] and g0["counts"]["nonfinite"] == 1 and g0["counts"]["spike"] == 1
+    assert g0["counts"]["rollback"] == 2
+    assert g0["counters"] == g1["counters"] and g0["events"] == g1["events"]
+    for name in g0["params"]:
+        assert torch.equal(g0["params"][name], g1["params"][name]), name
+    f0, f1 = r0["fsdp2_guard"], r1["fsdp2_guard"]
+    assert f0["rolled_back"] and f1["rolled_back"] and f0["restored"] and f1["restored"]
+    assert f0["next_applied"] and f1["next_applied"]
+    assert f0["counters"] == f1["counters"] and f0["counts"] == f1["counts"]
+
+
+# ---------------------------------------------------------------------- FSDP2 == DDP; fp32 reductions
+def _gpt_engine(strategy: str | None, policy: str, accumulation: int = 1, *, seed: int = 0, sgd: bool = False):
+    from mixprec.workloads import get_workload
+
+    workload = get_workload("gpt", config="tiny")
+    torch.manual_seed(seed)
+    model = workload.build_model()
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.5, momentum=0.9) if sgd else workload.make_optimizer(model)
+    mp = MixedPrecision(model, optimizer, policy, device="cpu", scheduler=workload.make_scheduler(optimizer, 10),
+                        max_grad_norm=workload.max_grad_norm, accumulation_steps=accumulation, strategy=strategy)
+    return workload, mp
+
+
+def _gpt_step(mp: MixedPrecision, workload, batch: dict):
+    batch = mp.cast_inputs(batch)
+    with mp.autocast():
+        loss = workload.loss(mp.model, batch)
+    mp.backward(loss)
+    return float(loss.detach()), mp.step()
+
+
+def _fsdp_worker(rank: int, out: Path) -> dict:
+    seen: list[torch.dtype] = []  # what the gradient collectives were handed, observed outside mixprec
+    reduce_scatter = dist.reduce_scatter_single
+
+    def observe(output, input, *args, **kwargs):
+        seen.append(input.dtype)
+        return reduce_scatter(output, input, *args, **kwargs)
+
+    dist.reduce_scatter_single = observe
+    results = {}
+    for strategy, accumulation in (("ddp", 2), ("fsdp2", 2), ("fsdp2", 1)):
+        seen.clear()
+        workload, mp = _gpt_engine(strategy, "bf16-mixed", accumulation, sgd=True)
+        init = _params(mp)
+        batches = mpd.shard_batches(workload.batches("train", 0))
+        losses = [_gpt_step(mp, workload, next(batches))[0] for _ in range(3 * accumulation)]
+        results[(strategy, accumulation)] = {
+            "losses": losses, "init": init, "params": _params(mp), "applied": mp.applied_steps, "observed": list(seen),
+            "reduce_dtypes": mpd.gradient_reduce_dtypes(mp.model),
+            "sharded": sum(hasattr(p, "full_tensor") for p in mp.module.parameters()),
+            "fsdp_modules": sorted(n for n, m in mp.module.named_modules() if hasattr(m, "set_custom_reduce_scatter"))}
+    # keep_fp32 under FSDP2: the kept module is sharded on its own and gathered in fp32
+    workload, mp = _gpt_engine("fsdp2", "bf16-mixed,keep_fp32=ln_f", sgd=True)
+    ran_in: dict[str, tuple] = {}
+    for name in ("ln_f", "blocks.0.ln_1"):
+        mp.module.get_submodule(name).register_forward_hook(
+            lambda m, args, out, name=name: ran_in.setdefault(name, (m.weight.dtype, out.dtype)) and None)
+    _gpt_step(mp, workload, next(mpd.shard_batches(workload.batches("train", 0))))
+    results["keep_fp32"] = {"ran_in": ran_in, "fsdp_modules": sorted(
+        n for n, m in mp.module.named_modules() if hasattr(m, "set_custom_reduce_scatter"))}
+    return results
+
+
+@pytest.mark.timeout(120)
+def test_fsdp2_bf16_matches_ddp_and_reduces_gradients_in_fp32(tmp_path):
+    ranks = _run_ranks(_fsdp_worker, tmp_path)
+    for r, res in enumerate(ranks):
+        ddp = res[("ddp", 2)]
+        for acc in (2, 1):
+            fsdp = res[("fsdp2", acc)]
+            assert fsdp["fsdp_modules"] == ["", "blocks.0", "blocks.1"]  # per block, then the root
+            assert fsdp["sharded"] == len(fsdp["params"])
+            # every reduce-scatter ran in fp32, on the accumulation path (no-sync micro-batches) and without
+            assert fsdp["observed"] and set(fsdp["observed"]) == {torch.float32}, (acc, fsdp["observed"])
+            assert fsdp["reduce_dtypes"] == {torch.float32}
+            assert len(fsdp["observed"]) == 3 * 3  # 3 boundaries x 3 FSDP groups: no reduction mid-accumulation
+            assert fsdp["applied"] == 3
+        fsdp = res[("fsdp2", 2)]
+        assert ddp["reduce_dtypes"] == {torch.float32}
+        torch.testing.assert_close(torch.tensor(fsdp["losses"]), torch.tensor(ddp["losses"]), rtol=1e-2, atol=0)
+        assert _rel_update_diff(fsdp["params"], ddp["params"], ddp["init"]) <= 2e-2, r
+        keep = res["keep_fp32"]
+        assert keep["fsdp_modules"] == ["", "blocks.0", "blocks.1", "ln_f"]
+        assert keep["ran_in"] == {"ln_f": (torch.float32, torch.float32), "blocks.0.ln_1": (torch.bfloat16, torch.bfloat16)}
+    for key in (k for k in ranks[0] if k != "keep_fp32"):  # the whole model is the same on both ranks
+        for name in ranks[0][key]["params"]:
+            assert torch.equal(ranks[0][key]["params"][name], ranks[1][key]["params"][name]), (key, name)
+
+
+# ---------------------------------------------------------------------- DCP: 2 FSDP2 ranks -> 1 process
+SAVE_AT, CONTINUE = 3, 2
+
+
+def _checkpoint_worker(rank: int, out: Path) -> dict:
+    workload, mp = _gpt_engine("fsdp2", "bf16-mixed", sgd=True)
+    batches = mpd.shard_batches(workload.batches("train", 0))
+    for _ in range(SAVE_AT):
+        _gpt_step(mp, workload, next(batches))
+    saved = mpd.save_distributed_checkpoint(out / "ck", mp, extra={"note": "two ranks"})
+    at_save = {"params": _params(mp), "momentum": {n: _full(mp.optimizer.state[p]["momentum_buffer"])
+                                                   for n, p in mp.module.named_parameters()},
+               "lr": mp.optimizer.param_groups[0]["lr"], "counters": mp.state_dict()["counters"]}
+    losses = [_gpt_step(mp, workload, next(batches))[0] for _ in range(CONTINUE)]
+    return {"saved": str(saved), "at_save": at_save, "losses": losses, "params": _params(mp)}
+
+
+@pytest.mark.timeout(120)
+def test_fsdp2_checkpoint_from_two_ranks_resumes_in_one_process(tmp_path):
+    r0, r1 = _run_ranks(_checkpoint_worker, tmp_path)
+    workload, mp = _gpt_engine(None, "bf16-mixed", seed=123, sgd=True)  # other weights: all must come from the file
+    assert r0["saved"] == r1["saved"] == str(tmp_path / "ck" / f"step-{SAVE_AT}")
+    extra = mpd.load_distributed_checkpoint(tmp_path / "ck", mp)  # the root: follows `latest`
+    assert extra == {"note": "two ranks"}
+    manifest = mpd.read_distributed_manifest(tmp_path / "ck")
+    assert (manifest["strategy"], manifest["world_size"], manifest["policy"]) == ("fsdp2", 2, "bf16-mixed")
+    assert manifest["data_position"] == {"boundaries": SAVE_AT, "world_size": 2}
+    at_save = r0["at_save"]
+    assert mp.state_dict()["counters"] == at_save["counters"]
+    assert mp.optimizer.param_groups[0]["lr"] == at_save["lr"]  # the scheduler resumed too
+    for name, p in mp.module.named_parameters():
+        assert torch.equal(p.detach(), at_save["params"][name]), name
+        assert torch.equal(mp.optimizer.state[p]["momentum_buffer"], at_save["momentum"][name]), name
+    # continue on the same global batches the two ranks saw: batches 2k and 2k+1 of the stream, together
+    stream = workload.batches("train", 0)
+    for _ in range(SAVE_AT * WORLD):
+        next(stream)
+    losses = []
+    for _ in range(CONTINUE):
+        loss, result = _gpt_step(mp, workload, _cat([next(stream) for _ in range(WORLD)]))
+        assert result.applied
+        losses.append(loss)
+    two_rank_mean = [(a + b) / 2 for a, b in zip(r0["losses"], r1["losses"])]
+    torch.testing.assert_close(torch.tensor(losses), torch.tensor(two_rank_mean), rtol=1e-2, atol=0)
+    assert _rel_update_diff(_params(mp), r0["params"], at_save["params"]) <= 2e-2
+
+
+# ---------------------------------------------------------------------- one process: no collectives, clear refusals
+def test_strategy_none_runs_no_collective(monkeypatch):
+    def forbidden(*args, **kwargs):
+        raise AssertionError("a collective ran with strategy=None")
+
+    for name in ("all_reduce", "broadcast", "barrier", "all_gather", "reduce_scatter_single"):
+        monkeypatch.setattr(dist, name, forbidden)
+    model = _mlp()
+    mp = MixedPrecision(model, torch.optim.SGD(model.parameters(), lr=0.1), "bf16-mixed", device="cpu",
+                        guard=Guard(snapshot_every=1))
+    for batch in _stream(3):
+        _, result = _mse_step(mp, batch)
+        assert result.applied
+    assert mp.model is mp.module is model and mp.strategy is None
+
+
+def test_unknown_strategy_is_refused_naming_the_choices():
+    model = _mlp()
+    with pytest.raises(ValueError, match=r"strategy='zero3' is not allowed; choose None .* \('ddp', 'fsdp2'\)"):
+        MixedPrecision(model, torch.optim.SGD(model.parameters(), lr=0.1), "fp32", device="cpu", strategy="zero3")
+
+
+@pytest.mark.parametrize("policy, match", [
+    ("fp16-mixed", "computes in fp16 under FSDP2.*ORs the found-inf flag"),   # case 29: never silently underflow
+    ("bf16-kahan", "rounding='kahan' and no masters; use bf16-pure"),
+])
+def test_fsdp2_refuses_what_it_cannot_run_safely(policy, match):
+    with pytest.raises(ValueError, match=match):  # refused before any collective: no process group needed
+        mpd.wrap_model(_mlp(), Policy.parse(policy), "fsdp2", torch.device("cpu"))
+
+
+def test_shard_batches_gives_rank_r_every_world_size_th_batch():
+    assert list(mpd.shard_batches(range(7), rank=1, world_size=2)) == [1, 3, 5]
+    assert list(mpd.shard_batches(range(7))) == list(range(7))  # no process group: one rank takes all
+    with pytest.raises(ValueError, match=r"rank=2 must lie in \[0, world_size=2\)"):
+        mpd.shard_batches(range(3), rank=2, world_size=2)
+
+
+def test_any_across_ranks_without_a_group_is_the_flag_itself():
+    flag = torch.tensor([0.0, 1.0])
+    assert mpd.any_across_ranks(flag) is flag
+    assert mpd.is_main_process() and mpd.world_size() == 1 and mpd.rank() == 0
+
+
+# ---------------------------------------------------------------------- the command line under torchrun
+@pytest.mark.slow
+@pytest.mark.timeout(120)
+def test_train_under_torchrun_with_fsdp2_then_resume_in_one_process(tmp_path):
+    import json
+    import subprocess
+    import sys
+
+    out = tmp_path / "run"
+    common = ["-m", "mixprec", "train", "--workload", "gpt", "--config", "tiny", "--policy", "bf16-mixed",
+              "--strategy", "fsdp2", "--out", str(out)]
+    env = {**os.environ, "OMP_NUM_THREADS": "1"}
+    launch = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2", "--master-addr", "127.0.0.1",
+              "--master-port", str(_free_port())]
+    done = subprocess.run([*launch, *common, "--steps", "2"], env=env, capture_output=True, text=True, timeout=100)
+    assert done.returncode == 0, done.stderr[-3000:]
+    manifest = mpd.read_distributed_manifest(out / "checkpoints")
+    assert (manifest["format"], manifest["strategy"], manifest["world_size"]) == ("mixprec-dcp", "fsdp2", 2)
+    assert manifest["data_position"]["batches"] == 2 and manifest["data_position"]["world_size"] == 2
+    for log in (out / "metrics.jsonl", out / "rank-1" / "metrics.jsonl"):  # rank 0 at the top, rank 1 apart
+        assert [r["step"] for r in map(json.loads, log.read_text().splitlines()) if r["kind"] == "train"] == [1, 2]
+    # the 2-rank FSDP2 run continues in one plain process (a group of one): DCP reshards the checkpoint
+    done = subprocess.run([sys.executable, *common, "--steps", "3", "--resume"], env=env, capture_output=True,
+                          text=True, timeout=100)
+    assert done.returncode == 0, done.stderr[-3000:]
+    assert "resuming from" in done.stderr and "step-2" in done.stderr
+    records = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
+    assert [r["step"] for r in records if r["kind"] == "train"] == [1, 2, 3]
+    assert mpd.read_distributed_manifest(out / "checkpoints")["world_size"] == 1
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(120)
+def test_bench_under_torchrun_writes_the_report_with_throughput_summed_over_ranks(tmp_path):
+    import json
+    import subprocess
+    import sys
+
+    from mixprec.bench.report import POLICY_KEYS
+
+    out = tmp_path / "bench"
+    done = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2", "--master-addr",
+                           "127.0.0.1", "--master-port", str(_free_port()), "-m", "mixprec", "bench", "--workload",
+                           "gpt", "--config", "tiny", "--policies", "fp32", "--steps", "5", "--strategy", "ddp",
+                           "--out", str(out)], env={**os.environ, "OMP_NUM_THREADS": "1"}, capture_output=True,
+                          text=True, timeout=110)
+    assert done.returncode == 0, done.stderr[-3000:]
+    assert done.stdout.count("REFERENCE") == 1  # rank 0 alone prints the table
+    results = json.loads((out / "results.json").read_text())
+    assert (results["settings"]["strategy"], results["settings"]["world_size"]) == ("ddp", 2)
+    assert (out / "report.md").is_file()
+    entry = results["policies"]["fp32"]
+    assert set(POLICY_KEYS) <= set(entry) and entry["verdict"] == "REFERENCE"
+    ranks = [json.loads((out / "workers" / sub / "0-fp32.json").read_text()) for sub in ("", "rank-1")]
+    assert ranks[0]["pid"] != ranks[1]["pid"]
+    per_rank = [r["items_per_batch"] / r["step_time_ms_median"] * 1e3 for r in ranks]  # each rank's own speed
+    assert entry["items_per_s"] == pytest.approx(sum(per_rank), rel=1e-9)
+    assert entry["tokens_per_s"] == entry["items_per_s"]
