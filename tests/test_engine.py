@@ -509,3 +509,13 @@ def test_fp8_mixed_policy_converts_linears_keeps_fp32_state_and_trains():
     assert state["exp_avg"].dtype == torch.float32 and model[2].weight.dtype == torch.float32   # case 17
     with pytest.raises(ValueError, match="changes the fp8 linears"):
         mp.set_policy("bf16-mixed")
+
+
+def test_cast_inputs_keep_leaves_named_float_tensors_exact():
+    mp = MixedPrecision(tiny_lm(), torch.optim.AdamW(tiny_lm().parameters()), policy="bf16-pure", device="cpu")
+    target = torch.tensor([1.0 + 2 ** -12])          # not representable in bf16
+    out = mp.cast_inputs({"x": torch.ones(2), "target": target}, keep=("target",))
+    assert out["x"].dtype == torch.bfloat16
+    assert out["target"].dtype == torch.float32 and torch.equal(out["target"], target)
+    with pytest.raises(ValueError, match=r"\['y'\] not found; batch keys are \['target', 'x'\]"):
+        mp.cast_inputs({"x": torch.ones(2), "target": target}, keep=("y",))

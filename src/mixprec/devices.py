@@ -22,7 +22,6 @@ import json
 import logging
 import os
 import platform
-import statistics
 import time
 from dataclasses import asdict, dataclass
 from pathlib import Path
@@ -92,7 +91,7 @@ def normalize_device(device: str | torch.device | None) -> torch.device:
     return dev
 
 
-def _median_matmul_s(dtype: torch.dtype, n: int, device: torch.device, reps: int = 3) -> float:
+def _best_matmul_s(dtype: torch.dtype, n: int, device: torch.device, reps: int = 5) -> float:
     a = torch.randn(n, n, device=device).to(dtype)
     b = torch.randn(n, n, device=device).to(dtype)
     for _ in range(2):  # warm-up: the first calls initialise kernels and are much slower
@@ -102,13 +101,14 @@ def _median_matmul_s(dtype: torch.dtype, n: int, device: torch.device, reps: int
         start = time.perf_counter()
         a @ b
         times.append(time.perf_counter() - start)
-    return statistics.median(times)
+    return min(times)  # the fastest run: other load on the machine only ever slows a run down
 
 
 def _cache_path() -> Path:
     root = os.environ.get("MIXPREC_CACHE_DIR") or os.path.join(
         os.environ.get("XDG_CACHE_HOME", os.path.expanduser("~/.cache")), "mixprec")
-    key = f"{platform.machine()}-{platform.processor() or 'cpu'}-torch{torch.__version__}".replace("/", "_")
+    key = (f"{platform.machine()}-{platform.processor() or 'cpu'}-torch{torch.__version__}"
+           f"-threads{torch.get_num_threads()}").replace("/", "_")
     return Path(root) / f"cpu-probe-{key}.json"
 
 
@@ -119,11 +119,11 @@ def _probe_cpu() -> Capability:
     except (OSError, ValueError, TypeError):
         pass
     # bf16: big enough that the matmul, not the call, dominates (~10 ms in fp32 on 2 cores).
-    t32 = _median_matmul_s(torch.float32, 512, torch.device("cpu"))
-    t_bf16 = _median_matmul_s(torch.bfloat16, 512, torch.device("cpu"))
+    t32 = _best_matmul_s(torch.float32, 512, torch.device("cpu"))
+    t_bf16 = _best_matmul_s(torch.bfloat16, 512, torch.device("cpu"))
     # fp16: small, because without native kernels it can be ~500x slower than fp32.
-    t32_small = _median_matmul_s(torch.float32, 256, torch.device("cpu"))
-    t_fp16 = _median_matmul_s(torch.float16, 256, torch.device("cpu"))
+    t32_small = _best_matmul_s(torch.float32, 256, torch.device("cpu"))
+    t_fp16 = _best_matmul_s(torch.float16, 256, torch.device("cpu"))
     bf16_ratio, fp16_ratio = t32 / t_bf16, t32_small / t_fp16
     cap = Capability(
         device="cpu", bf16=True, fp16=True,

@@ -397,14 +397,33 @@ class MixedPrecision:
         with torch.autocast(self.device.type, dtype=self.policy.compute_dtype, enabled=self.policy.is_mixed):
             yield
 
-    def cast_inputs(self, batch: Any) -> Any:
+    def cast_inputs(self, batch: Any, *, keep: tuple[str, ...] = ()) -> Any:
         """Move ``batch`` to the device; cast its floating tensors to the param dtype.
 
         Integer/bool tensors are unchanged; nested dicts, lists, tuples and dataclasses are walked.
+        ``keep`` names top-level dict keys (or dataclass fields) whose floating tensors are moved
+        but not cast, e.g. ``keep=("target",)`` so a regression target keeps full precision under
+        a 16-bit-param policy (the loss is computed in fp32 anyway).
         With a guard attached, the engine keeps a reference to each cast micro-batch until the
         boundary (:attr:`step_batches`), so the guard can re-run a bad one to localise it.
+
+        Raises:
+            ValueError: a ``keep`` name that is not a key of ``batch``.
         """
-        batch = cast_floating(batch, self.policy.param_dtype, self.device)
+        if keep:
+            names = set(batch) if isinstance(batch, dict) else (
+                {f.name for f in dataclasses.fields(batch)} if dataclasses.is_dataclass(batch) else set())
+            missing = [k for k in keep if k not in names]
+            if missing:
+                raise ValueError(f"cast_inputs(keep={keep!r}): {missing} not found; batch keys are {sorted(names)}")
+            kept = {k: cast_floating(batch[k] if isinstance(batch, dict) else getattr(batch, k), None, self.device)
+                    for k in keep}
+            rest = {k: v for k, v in batch.items() if k not in kept} if isinstance(batch, dict) else \
+                dataclasses.replace(batch, **{k: None for k in kept})
+            cast = cast_floating(rest, self.policy.param_dtype, self.device)
+            batch = {**cast, **kept} if isinstance(batch, dict) else dataclasses.replace(cast, **kept)
+        else:
+            batch = cast_floating(batch, self.policy.param_dtype, self.device)
         if self.guard is not None:
             self._step_batches.append(batch)
         return batch
