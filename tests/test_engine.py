@@ -21,6 +21,11 @@ def tiny_lm(seed=0):
     return nn.Sequential(nn.Embedding(16, 8), nn.Linear(8, 32), nn.GELU(), nn.LayerNorm(32), nn.Linear(32, 16))
 
 
+def with_opt(model, opt_cls, **kw):
+    """(model, optimizer built on that model's parameters)."""
+    return model, opt_cls(model.parameters(), **kw)
+
+
 def token_batches(n, seed=1):
     g = torch.Generator().manual_seed(seed)
     return [torch.randint(0, 16, (4, 6), generator=g) for _ in range(n)]
@@ -84,10 +89,11 @@ def test_case1_nan_every_step_never_drives_scale_to_zero_and_raises_with_cause()
             mp.backward(loss)
             mp.step()
     msg = str(err.value)
-    assert "10 consecutive skipped steps with the loss scale at its floor 1" in msg
-    assert "NaN" in msg and "loss itself is non-finite" in msg
-    assert mp.loss_scale.scale.item() == 1.0          # the floor, never 0 or denormal
-    assert mp.skipped_total == 16 + 10                 # 2**16 halves to 1 in 16 skips, then 10 at the floor
+    assert "10 consecutive steps with a non-finite loss" in msg
+    assert "gradients hold NaN" in msg and "loss scaling cannot fix" in msg and "locate_nonfinite" in msg
+    # a non-finite *loss* is not an overflow: the scale is not halved for it (never 0 or denormal)
+    assert mp.loss_scale.scale.item() == 2.0 ** 16
+    assert mp.skipped_total == 10
     # the contrast: torch's GradScaler on the same stream reaches exactly 0
     scaler = torch.amp.GradScaler("cpu")
     m2, g = nn.Linear(4, 3), None
@@ -167,7 +173,7 @@ def test_case4_accumulation_unscales_once_and_misuse_names_the_call():
     assert [r is None for r in out] == [True, True, True, False] * 2
     assert out[3].step == 1 and out[7].step == 2
 
-    mp1 = MixedPrecision(tiny_lm(), torch.optim.SGD(tiny_lm().parameters(), lr=0.1), device="cpu", policy="fp32")
+    mp1 = MixedPrecision(*with_opt(tiny_lm(), torch.optim.SGD, lr=0.1), device="cpu", policy="fp32")
     x = token_batches(1)[0]
     mp1.backward(lm_loss(mp1.model(x), x))
     with pytest.raises(RuntimeError, match=r"backward\(\) called 2 times since the last step\(\)"):
@@ -232,7 +238,7 @@ def test_case8_scaling_forced_with_bf16_warns_and_still_trains():
                             loss_scale="dynamic")
     res = train(mp, token_batches(3))[-1]
     assert res.applied and res.loss_scale == 2.0 ** 16
-    plain = MixedPrecision(tiny_lm(), torch.optim.AdamW(tiny_lm().parameters()), policy="bf16-mixed", device="cpu")
+    plain = MixedPrecision(*with_opt(tiny_lm(), torch.optim.AdamW), policy="bf16-mixed", device="cpu")
     assert not plain.loss_scale.enabled
 
 
@@ -265,7 +271,7 @@ def test_stock_optimizer_on_16bit_params_without_masters_is_refused_with_fix():
         MixedPrecision(model, torch.optim.AdamW(model.parameters()), policy="params=bf16,compute=bf16",
                        device="cpu")
     with pytest.raises(ValueError, match=r"rounding='kahan'.*mixprec\.optim"):
-        MixedPrecision(tiny_lm(), torch.optim.AdamW(tiny_lm().parameters()), policy="bf16-kahan", device="cpu")
+        MixedPrecision(*with_opt(tiny_lm(), torch.optim.AdamW), policy="bf16-kahan", device="cpu")
 
 
 def test_optimizer_that_already_stepped_is_refused():
@@ -285,7 +291,7 @@ def test_cast_inputs_casts_floats_only_through_nested_structures():
         x: torch.Tensor
         ids: torch.Tensor
 
-    mp = MixedPrecision(tiny_lm(), torch.optim.AdamW(tiny_lm().parameters()), policy="bf16-pure", device="cpu")
+    mp = MixedPrecision(*with_opt(tiny_lm(), torch.optim.AdamW), policy="bf16-pure", device="cpu")
     ids = torch.tensor([3, 2 ** 40])
     batch = {"a": [torch.ones(2), (torch.ones(1, dtype=torch.float16), ids)], "b": Batch(torch.ones(3), ids),
              "mask": torch.tensor([True]), "name": "x"}
@@ -298,10 +304,10 @@ def test_cast_inputs_casts_floats_only_through_nested_structures():
 
 def test_output_dtype_and_fp32_policy_adds_nothing():
     x = token_batches(1)[0]
-    mp = MixedPrecision(tiny_lm(), torch.optim.AdamW(tiny_lm().parameters()), policy="bf16-mixed", device="cpu")
+    mp = MixedPrecision(*with_opt(tiny_lm(), torch.optim.AdamW), policy="bf16-mixed", device="cpu")
     with mp.autocast():
         assert mp.model(x).dtype == torch.float32
-    mp16 = MixedPrecision(tiny_lm(), torch.optim.AdamW(tiny_lm().parameters()), device="cpu",
+    mp16 = MixedPrecision(*with_opt(tiny_lm(), torch.optim.AdamW), device="cpu",
                           policy="bf16-mixed,output=bf16")
     with mp16.autocast():
         assert mp16.model(x).dtype == torch.bfloat16
@@ -329,7 +335,7 @@ class Overflowing(nn.Module):
 
 def test_case11_keep_fp32_module_stays_finite_where_fp16_overflows():
     x = torch.full((1, 64), 40.0)
-    plain = MixedPrecision(Overflowing(), torch.optim.SGD(Overflowing().parameters(), lr=0.1), policy="fp16-mixed",
+    plain = MixedPrecision(*with_opt(Overflowing(), torch.optim.SGD, lr=0.1), policy="fp16-mixed",
                            device="cpu")
     with plain.autocast():
         assert torch.isinf(plain.model.big(x)).all()
@@ -344,7 +350,7 @@ def test_case11_keep_fp32_module_stays_finite_where_fp16_overflows():
     assert seen["inp"] == torch.float32 and seen["out"] == torch.float32 and seen["amax"].item() == 76800.0
     assert torch.isfinite(y).all()
     # under bf16 the same block stays finite without any help
-    mp_bf16 = MixedPrecision(Overflowing(), torch.optim.SGD(Overflowing().parameters(), lr=0.1),
+    mp_bf16 = MixedPrecision(*with_opt(Overflowing(), torch.optim.SGD, lr=0.1),
                              policy="bf16-mixed", device="cpu")
     with mp_bf16.autocast():
         assert torch.isfinite(mp_bf16.model(x)).all()
@@ -357,7 +363,7 @@ def test_keep_fp32_under_pure_policy_keeps_those_params_fp32():
     res = train(mp, token_batches(3))[-1]
     assert res.applied
     with pytest.raises(ValueError, match=r"match no module.*module names look like"):
-        MixedPrecision(tiny_lm(), torch.optim.AdamW(tiny_lm().parameters()), policy="bf16-mixed,keep_fp32=nope",
+        MixedPrecision(*with_opt(tiny_lm(), torch.optim.AdamW), policy="bf16-mixed,keep_fp32=nope",
                        device="cpu")
 
 
@@ -407,8 +413,8 @@ def test_state_dict_resume_is_bit_exact(policy):
 
 
 def test_load_state_dict_from_another_policy_is_refused():
-    a = MixedPrecision(tiny_lm(), torch.optim.AdamW(tiny_lm().parameters()), policy="bf16-pure", device="cpu")
-    b = MixedPrecision(tiny_lm(), torch.optim.AdamW(tiny_lm().parameters()), policy="bf16-mixed", device="cpu")
+    a = MixedPrecision(*with_opt(tiny_lm(), torch.optim.AdamW), policy="bf16-pure", device="cpu")
+    b = MixedPrecision(*with_opt(tiny_lm(), torch.optim.AdamW), policy="bf16-mixed", device="cpu")
     with pytest.raises(ValueError, match=r"saved under policy 'bf16-pure', this engine runs bf16-mixed"):
         b.load_state_dict(a.state_dict())
 
@@ -428,7 +434,7 @@ def test_bad_arguments_are_named():
 
 
 def test_case25_no_silent_fp32_run_decision_names_effective_policy():
-    mp = MixedPrecision(tiny_lm(), torch.optim.AdamW(tiny_lm().parameters()), policy="auto", device="cpu")
+    mp = MixedPrecision(*with_opt(tiny_lm(), torch.optim.AdamW), policy="auto", device="cpu")
     cap = mixprec.probe("cpu")
     assert str(mp.policy) in mp.decision and mp.decision.startswith("auto → ")
     assert mp.policy.compute_dtype == (torch.bfloat16 if cap.bf16_fast else torch.float32)
@@ -512,7 +518,7 @@ def test_fp8_mixed_policy_converts_linears_keeps_fp32_state_and_trains():
 
 
 def test_cast_inputs_keep_leaves_named_float_tensors_exact():
-    mp = MixedPrecision(tiny_lm(), torch.optim.AdamW(tiny_lm().parameters()), policy="bf16-pure", device="cpu")
+    mp = MixedPrecision(*with_opt(tiny_lm(), torch.optim.AdamW), policy="bf16-pure", device="cpu")
     target = torch.tensor([1.0 + 2 ** -12])          # not representable in bf16
     out = mp.cast_inputs({"x": torch.ones(2), "target": target}, keep=("target",))
     assert out["x"].dtype == torch.bfloat16

@@ -203,6 +203,14 @@ class MixedPrecision:
         distributed.check_strategy(strategy)
         if strategy is not None:
             device = distributed.init_process_group_from_env(device)
+        if isinstance(scheduler, torch.optim.lr_scheduler.ReduceLROnPlateau):
+            raise TypeError("scheduler=ReduceLROnPlateau needs a metric at each step, which the engine does not "
+                            "have; pass scheduler=None and call it yourself: `if result and result.applied: "
+                            "plateau.step(val_loss)`")
+        model_params = {id(p) for p in model.parameters()}
+        if model_params and not any(id(p) in model_params for g in optimizer.param_groups for p in g["params"]):
+            raise ValueError("optimizer holds none of the model's parameters; build it on model.parameters() "
+                             "(before MixedPrecision) so the engine can step and, where needed, rebind it")
         resolution: Resolution = resolve(policy, device, allow_fallback=allow_fallback)
         if strategy is not None:  # every rank runs rank 0's policy ("auto" may measure differently)
             chosen = distributed.from_main_process(str(resolution.policy))
@@ -249,6 +257,10 @@ class MixedPrecision:
         if self.policy.has_masters:
             self.masters.rebind(optimizer)
         self._configure_optimizer()
+        if self.policy.state_dtype == torch.float16:
+            warnings.warn(f"policy {self.policy} keeps optimizer state in fp16: Adam's second moment (grad**2) "
+                          "underflows fp16 below 6e-8, i.e. for gradients under ~2e-4, and the update then "
+                          "blows up; prefer state=bf16 (fp32's range) or fp32", stacklevel=2)
         self._install_hooks(keep)
         if strategy == "ddp":  # after the casts: DDP builds its buckets from the params' dtypes
             self.model = distributed.wrap_model(model, self.policy, strategy, self.device)
@@ -258,6 +270,8 @@ class MixedPrecision:
         self.skipped_total = 0
         self.boundaries = 0          # step() boundaries reached (applied + skipped)
         self._last_loss: torch.Tensor | None = None
+        self._step_pending = False   # a backward() awaits its step()
+        self._nonfinite_streak = 0   # consecutive boundaries whose loss itself was non-finite
         self._loss_finite = torch.ones((), dtype=torch.bool)  # over this boundary's micro-batches (device)
         self._set_gradient_sync()
         log.info("mixprec: %s", self.decision)
@@ -286,9 +300,11 @@ class MixedPrecision:
                              "with fp32 masters)")
 
     def _keep_fp32_modules(self, policy: Policy | None = None) -> dict[str, nn.Module]:
+        """Modules that run in fp32 with autocast off: the policy's ``keep_fp32`` matches, plus every
+        BatchNorm when params are 16-bit (its running statistics stay fp32, as Apex O2's
+        keep_batchnorm_fp32). A matched container that is never called (ModuleList/ModuleDict)
+        stands for its children."""
         policy = self.policy if policy is None else policy
-        if not policy.keep_fp32:
-            return {}
         found = {name: m for name, m in self.module.named_modules()
                  if name and any(fnmatch.fnmatchcase(name, pat) for pat in policy.keep_fp32)}
         unmatched = [pat for pat in policy.keep_fp32
@@ -296,6 +312,14 @@ class MixedPrecision:
         if unmatched:
             raise ValueError(f"policy keep_fp32 patterns {unmatched} match no module of the model; module names "
                              f"look like {[n for n, _ in self.module.named_modules() if n][:8]}")
+        if policy.param_dtype != torch.float32:
+            found.update({name: m for name, m in self.module.named_modules()
+                          if isinstance(m, nn.modules.batchnorm._BatchNorm)})
+        containers = (nn.ModuleList, nn.ModuleDict)
+        while any(isinstance(m, containers) for m in found.values()):
+            for name in [n for n, m in found.items() if isinstance(m, containers)]:
+                container = found.pop(name)
+                found.update({f"{name}.{child}": m for child, m in container.named_children()})
         # drop modules nested in another kept module: the outer region already covers them
         return {n: m for n, m in found.items() if not any(n.startswith(o + ".") for o in found if o != n)}
 
@@ -438,6 +462,9 @@ class MixedPrecision:
         if not isinstance(loss, torch.Tensor) or loss.numel() != 1 or not loss.is_floating_point():
             raise ValueError(f"loss must be a scalar floating tensor, got {type(loss).__name__} "
                              f"{getattr(loss, 'shape', '')}")
+        if not loss.requires_grad:
+            raise ValueError("loss does not require grad (computed under torch.no_grad(), or from detached "
+                             "tensors); compute it from mp.model's output with autograd enabled")
         if self.micro_step >= self.accumulation_steps:
             raise RuntimeError(f"backward() called {self.micro_step + 1} times since the last step() with "
                                f"accumulation_steps={self.accumulation_steps}; call mp.step() after each backward() "
@@ -449,6 +476,7 @@ class MixedPrecision:
             loss = loss / self.accumulation_steps
         self.loss_scale.scale_loss(loss).backward()
         self.micro_step += 1
+        self._step_pending = True
         self.masters.accumulate_grads()
         self._set_gradient_sync()
 
@@ -464,8 +492,9 @@ class MixedPrecision:
             RuntimeError: no ``backward()`` since the last step.
             DivergenceError: ``max_stuck_skips`` consecutive skips at the loss-scale floor.
         """
-        if self.micro_step == 0:
+        if not self._step_pending:
             raise RuntimeError("step() called without backward() since the last step; call mp.backward(loss) first")
+        self._step_pending = False
         if self.micro_step < self.accumulation_steps:
             return None
         grads = self._grads()
@@ -489,16 +518,23 @@ class MixedPrecision:
             self.applied_steps += 1
             if self.scheduler is not None:
                 self.scheduler.step()
-        else:
+        loss_finite = True
+        if not applied:
             self.skipped_total += 1
             loss_finite = bool(self._loss_finite)  # second sync, on skipped steps only
             reason = "overflow" if (self.loss_scale.enabled and loss_finite) else "nonfinite"
+        self._nonfinite_streak = 0 if loss_finite else self._nonfinite_streak + 1
+        if not applied:
             self._check_stuck(grads, loss_finite)
-        self.loss_scale.update(found_inf)
+        if loss_finite:  # a non-finite *loss* is a data/forward fault: the scale is not to blame (case 1)
+            self.loss_scale.update(found_inf)
         self.optimizer.zero_grad(set_to_none=True)
         self.model.zero_grad(set_to_none=True)
         if applied:
             self.masters.copy_to_params()
+            # autocast caches 16-bit casts of the fp32 weights for the whole region: drop them, or a
+            # forward later in the same `with mp.autocast():` would use the pre-update weights
+            torch.clear_autocast_cache()
         self.micro_step = 0
         self.boundaries += 1
         self._set_gradient_sync()
@@ -511,21 +547,34 @@ class MixedPrecision:
 
     def _check_stuck(self, grads: list[torch.Tensor], loss_finite: bool) -> None:
         ls = self.loss_scale
-        stuck_t = ls.floor_skips if ls.dynamic else ls.consecutive_skips
-        stuck = int(stuck_t) + (1 if (not ls.dynamic or bool(ls.at_floor())) else 0)  # counts this skip too
+        if not loss_finite:
+            stuck = self._nonfinite_streak
+        else:
+            stuck_t = ls.floor_skips if ls.dynamic else ls.consecutive_skips
+            stuck = int(stuck_t) + (1 if (not ls.dynamic or bool(ls.at_floor())) else 0)  # counts this skip too
         if stuck < self.max_stuck_skips or self.guard is not None:
             return
         has_nan = any(bool(torch.isnan(g).any()) for g in grads)
         has_inf = any(bool(torch.isinf(g).any()) for g in grads)
         kinds = " and ".join(k for k, v in (("NaN", has_nan), ("inf", has_inf)) if v) or "no non-finite values"
-        where = ("at its floor " + f"{float(ls.scale):g}") if ls.dynamic else f"fixed at {float(ls.scale):g}"
-        cause = ("the loss itself is non-finite, so the fault is in the data or the forward pass, not fp16 "
-                 "overflow: check the batch and the model (mixprec.locate_nonfinite names the first bad module)"
-                 if not loss_finite else
-                 "the loss is finite but gradients overflow even at the smallest scale: some layer's gradients "
-                 "exceed the format's range; keep it in fp32 (policy keep_fp32=...), lower min_scale, or use bf16")
-        raise DivergenceError(f"{stuck} consecutive skipped steps with the loss scale {where} (after "
-                              f"{self.applied_steps} applied steps): gradients hold {kinds}; {cause}")
+        if not loss_finite:
+            raise DivergenceError(
+                f"{stuck} consecutive steps with a non-finite loss (after {self.applied_steps} applied steps; "
+                f"gradients hold {kinds}; the loss scale was left at {float(ls.scale):g}, since scaling cannot "
+                "fix this): the fault is in the data or the forward pass (bad input values, or an activation "
+                "beyond the compute format's range, which loss scaling cannot fix). Check the batch and the model (mixprec.locate_nonfinite names the first bad module), or attach mixprec.Guard "
+                "to roll back and skip bad batches")
+        if ls.enabled:
+            where = ("at its floor " + f"{float(ls.scale):g}") if ls.dynamic else f"fixed at {float(ls.scale):g}"
+            cause = ("the loss is finite but gradients overflow even at the smallest scale: some layer's gradients "
+                     "exceed the format's range; keep it in fp32 (policy keep_fp32=...), lower min_scale, or use bf16")
+            head = f"{stuck} consecutive skipped steps with the loss scale {where}"
+        else:
+            cause = ("the loss is finite but the backward pass produced non-finite gradients (e.g. sqrt or log of "
+                     "0, a division by 0, or an op overflowing even fp32/bf16 range): mixprec.locate_nonfinite "
+                     "names where the backward first went non-finite")
+            head = f"{stuck} consecutive skipped steps without loss scaling"
+        raise DivergenceError(f"{head} (after {self.applied_steps} applied steps): gradients hold {kinds}; {cause}")
 
     # ------------------------------------------------------------------ changing the policy mid-run
     def set_policy(self, policy: str | Policy, *, cause: str = "requested", module: str | None = None) -> dict:
@@ -659,7 +708,15 @@ class MixedPrecision:
 
     def state_dict(self) -> dict[str, Any]:
         """Everything needed to continue bit-exactly: policy text, model params, masters, optimizer,
-        scheduler, loss-scale state (every field) and counters. Tensors are references, not copies."""
+        scheduler, loss-scale state (every field) and counters. Tensors are references, not copies.
+
+        Raises:
+            RuntimeError: called between ``backward()`` and the accumulation boundary (the
+                accumulated gradients are not part of the state).
+        """
+        if self.micro_step != 0:
+            raise RuntimeError(f"state_dict() called after {self.micro_step} backward() call(s) without step(); "
+                               "take it at an accumulation boundary (after mp.step() returns a result)")
         return {
             "policy": str(self.policy),
             "model": self.module.state_dict(),
@@ -684,6 +741,10 @@ class MixedPrecision:
         if len(state["masters"]) != len(self.masters.pairs):
             raise ValueError(f"state holds {len(state['masters'])} master tensors, this model needs "
                              f"{len(self.masters.pairs)}")
+        # gradients of an unfinished accumulation belong to the run being replaced: drop them
+        self.optimizer.zero_grad(set_to_none=True)
+        self.module.zero_grad(set_to_none=True)
+        self._step_pending = False
         self.module.load_state_dict(state["model"])
         with torch.no_grad():
             for (_, m), saved in zip(self.masters.pairs, state["masters"]):
