@@ -525,3 +525,72 @@ def test_cast_inputs_keep_leaves_named_float_tensors_exact():
     assert out["target"].dtype == torch.float32 and torch.equal(out["target"], target)
     with pytest.raises(ValueError, match=r"\['y'\] not found; batch keys are \['target', 'x'\]"):
         mp.cast_inputs({"x": torch.ones(2), "target": target}, keep=("y",))
+
+
+# ---------------------------------------------------------------- regressions from the break-it pass
+def test_steps_inside_one_autocast_region_use_the_updated_weights():
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(4, 16), nn.ReLU(), nn.Linear(16, 1))
+    x = torch.randn(32, 4)
+    y = x.sum(1, keepdim=True)
+    mp = MixedPrecision(model, torch.optim.SGD(model.parameters(), lr=0.05), policy="bf16-mixed", device="cpu")
+    losses = []
+    with mp.autocast():   # autocast's weight-cast cache must not outlive an optimizer step
+        for _ in range(30):
+            loss = F.mse_loss(mp.model(x), y)
+            mp.backward(loss)
+            mp.step()
+            losses.append(loss.item())
+    assert losses[-1] < 0.5 * losses[0]
+
+
+@pytest.mark.parametrize("policy", ["bf16-pure", "bf16-kahan"])
+def test_batchnorm_is_kept_fp32_under_16bit_params(policy):
+    model = nn.Sequential(nn.Linear(4, 8), nn.BatchNorm1d(8), nn.Linear(8, 1))
+    mp = MixedPrecision(model, mixprec.optim.AdamW(model.parameters()), policy=policy, device="cpu")
+    assert model[1].weight.dtype == torch.float32 and model[0].weight.dtype == torch.bfloat16
+    with mp.autocast():
+        loss = mp.model(mp.cast_inputs(torch.randn(6, 4))).float().sum()
+    mp.backward(loss)
+    assert mp.step().applied and model[1].running_mean.dtype == torch.float32
+
+
+def test_keep_fp32_on_a_module_list_covers_its_children():
+    class Stack(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.blocks = nn.ModuleList([Overflowing()])
+
+        def forward(self, x):
+            return self.blocks[0](x)
+
+    model = Stack()
+    mp = MixedPrecision(model, torch.optim.SGD(model.parameters(), lr=0.1), policy="fp16-mixed,keep_fp32=blocks",
+                        device="cpu")
+    with mp.autocast():
+        assert torch.isfinite(mp.model(torch.full((1, 64), 40.0))).all()
+
+
+def test_lifecycle_misuse_is_named():
+    model = tiny_lm()
+    mp = MixedPrecision(model, torch.optim.SGD(model.parameters(), lr=0.1), policy="fp32", device="cpu",
+                        accumulation_steps=2)
+    x = token_batches(1)[0]
+    with pytest.raises(ValueError, match="loss does not require grad"):
+        with torch.no_grad():
+            mp.backward(lm_loss(mp.model(x), x))
+    mp.backward(lm_loss(mp.model(x), x))
+    assert mp.step() is None
+    with pytest.raises(RuntimeError, match=r"step\(\) called without backward\(\)"):
+        mp.step()
+    with pytest.raises(RuntimeError, match="take it at an accumulation boundary"):
+        mp.state_dict()
+    with pytest.raises(TypeError, match="ReduceLROnPlateau needs a metric"):
+        m = tiny_lm()
+        o = torch.optim.SGD(m.parameters(), lr=0.1)
+        MixedPrecision(m, o, policy="fp32", device="cpu", scheduler=torch.optim.lr_scheduler.ReduceLROnPlateau(o))
+    with pytest.raises(ValueError, match="optimizer holds none of the model's parameters"):
+        MixedPrecision(tiny_lm(), torch.optim.SGD(tiny_lm().parameters(), lr=0.1), policy="fp32", device="cpu")
+    with pytest.warns(UserWarning, match="underflows fp16"):
+        m = tiny_lm()
+        MixedPrecision(m, mixprec.optim.AdamW(m.parameters()), policy="fp16-pure,state=fp16", device="cpu")
