@@ -50,6 +50,8 @@ def test_parse_preset_with_overrides():
     ("params=bf16,compute=fp16", r"16-bit params must compute in their own dtype"),
     ("fp16-mixed,loss_scale=-4", r"finite number > 0"),
     ("fp16-mixed,loss_scale=lots", r"'dynamic', 'none' or a number"),
+    ("fp16-mixed,loss_scale=1e-50", r"normal fp32 value"),
+    ("bf16-mixed,state=bf16,state=fp32", r"sets state_dtype twice"),
     ("bf16-mixed,fp8=blockwise", r"fp8='blockwise' is not allowed"),
     ("bf16-mixed,fp8_format=e4m3", r"needs fp8 linears"),
     ("fp8-mixed,fp8_format=e3m4", r"fp8_format='e3m4' is not allowed"),

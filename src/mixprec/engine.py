@@ -290,12 +290,14 @@ class MixedPrecision:
         allowed = {torch.float32, self.policy.param_dtype}
         wrong = [(n, p.dtype) for n, p in self.module.named_parameters()
                  if p.is_floating_point() and p.dtype not in allowed]
+        wrong += [(n, b.dtype) for n, b in self.module.named_buffers()   # e.g. an fp16 mask under bf16
+                  if b.is_floating_point() and b.dtype in (torch.float16, torch.bfloat16) and b.dtype not in allowed]
         if wrong:
             names = ", ".join(f"{n} ({str(d).replace('torch.', '')})" for n, d in wrong[:5])
             more = f" and {len(wrong) - 5} more" if len(wrong) > 5 else ""
             raise ValueError(f"policy {self.policy} keeps parameters in {str(self.policy.param_dtype).replace('torch.', '')}"
-                             f" and casts them itself, but the model already holds {names}{more} (case: a stray "
-                             "half-precision layer). Fix: call model.float() before building MixedPrecision; the "
+                             f" and casts them itself, but the model already holds {names}{more} (a stray tensor "
+                             "in another dtype). Fix: call model.float() before building MixedPrecision; the "
                              "policy decides what is stored in 16 bits (use a '-pure' policy for 16-bit params "
                              "with fp32 masters)")
 

@@ -144,8 +144,10 @@ class Policy:
             raise ValueError(f"Policy loss_scale={self.loss_scale!r} is not allowed; "
                              "use 'dynamic', 'none' or a positive number")
         if not isinstance(self.loss_scale, str):
-            if not (math.isfinite(self.loss_scale) and self.loss_scale > 0):
-                raise ValueError(f"Policy loss_scale={self.loss_scale!r} must be a finite number > 0")
+            fp32 = torch.finfo(torch.float32)
+            if not (math.isfinite(self.loss_scale) and fp32.smallest_normal <= self.loss_scale <= fp32.max):
+                raise ValueError(f"Policy loss_scale={self.loss_scale!r} must be a finite number > 0 and a normal "
+                                 f"fp32 value ({fp32.smallest_normal:g} .. {fp32.max:g}), e.g. 1024")
         if not isinstance(self.keep_fp32, tuple) or not all(isinstance(p, str) and p for p in self.keep_fp32):
             raise TypeError(f"Policy keep_fp32={self.keep_fp32!r} must be a tuple of non-empty "
                             "glob strings, e.g. ('head', 'blocks.*.ln*')")
@@ -221,6 +223,7 @@ class Policy:
                                  f"{sorted(PRESETS) + ['auto']} or give 'key=value,...'")
             base = PRESETS[name]
         changes: dict[str, Any] = {}
+        seen: set[str] = set()
         for part in parts:
             if "=" not in part:
                 raise ValueError(f"policy part {part!r} in {text!r} is not 'key=value'; a preset name "
@@ -230,6 +233,9 @@ class Policy:
             if key not in _KEYS:
                 raise ValueError(f"policy key {key!r} in {text!r} is not known; choose from {sorted(_KEYS)}")
             field, parse_value = _KEYS[key]
+            if field in seen:
+                raise ValueError(f"policy {text!r} sets {field} twice (key {key!r}); give each key once")
+            seen.add(field)
             changes[field] = parse_value(key, value)
         return dataclasses.replace(base, **changes)
 
