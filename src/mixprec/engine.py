@@ -22,7 +22,6 @@ step (to tell an overflow from a non-finite loss). ``StepResult.loss_scale`` and
 
 from __future__ import annotations
 
-import copy
 import dataclasses
 import fnmatch
 import logging
@@ -40,7 +39,7 @@ from mixprec import distributed
 from mixprec.devices import Resolution, resolve
 from mixprec.loss_scale import from_spec as loss_scale_from_spec
 from mixprec.masters import MasterWeights
-from mixprec.policy import Policy
+from mixprec.policy import Policy, cast_floating
 
 __all__ = ["MixedPrecision", "StepResult", "DivergenceError", "cast_floating"]
 
@@ -76,35 +75,6 @@ class StepResult:
     @property
     def grad_norm(self) -> float:
         return float(self.grad_norm_t)
-
-
-def cast_floating(tree: Any, dtype: torch.dtype | None, device: torch.device | None = None) -> Any:
-    """Cast floating tensors in ``tree`` to ``dtype`` (and move every tensor to ``device``).
-
-    Integer and bool tensors keep their dtype (token ids stay exact). Walks dicts (incl. their
-    subclasses such as transformers' ``ModelOutput``), lists, tuples, namedtuples and
-    dataclass instances; anything else is returned unchanged. No host sync.
-    """
-    if isinstance(tree, torch.Tensor):
-        if tree.is_floating_point() and dtype is not None and tree.dtype != dtype:
-            return tree.to(device=device, dtype=dtype)
-        return tree.to(device) if device is not None else tree
-    if isinstance(tree, dict):
-        items = {k: cast_floating(v, dtype, device) for k, v in tree.items()}
-        if type(tree) is dict:
-            return items
-        out = copy.copy(tree)  # keeps the subclass (ModelOutput, defaultdict, ...) and its extras
-        for k, v in items.items():
-            out[k] = v
-        return out
-    if isinstance(tree, tuple) and hasattr(tree, "_fields"):
-        return type(tree)(*(cast_floating(v, dtype, device) for v in tree))
-    if isinstance(tree, (list, tuple)):
-        return type(tree)(cast_floating(v, dtype, device) for v in tree)
-    if dataclasses.is_dataclass(tree) and not isinstance(tree, type):
-        return dataclasses.replace(tree, **{f.name: cast_floating(getattr(tree, f.name), dtype, device)
-                                            for f in dataclasses.fields(tree) if f.init})
-    return tree
 
 
 class _Fp32Region:

@@ -32,6 +32,7 @@ alias ``recipe``), ``fp8_format`` (``hybrid`` or ``e4m3``).
 
 from __future__ import annotations
 
+import copy
 import dataclasses
 import math
 from dataclasses import dataclass
@@ -41,7 +42,7 @@ import torch
 
 from mixprec.formats import get_format
 
-__all__ = ["Policy", "PRESETS", "ROUNDINGS", "FP8_RECIPES", "FP8_FORMATS"]
+__all__ = ["Policy", "PRESETS", "ROUNDINGS", "FP8_RECIPES", "FP8_FORMATS", "cast_floating"]
 
 ROUNDINGS = ("nearest", "kahan", "stochastic")
 FP8_RECIPES = ("tensorwise", "rowwise", "delayed")
@@ -50,6 +51,35 @@ _COMPUTE_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
 _HALF_DTYPES = (torch.bfloat16, torch.float16)
 
 LossScaleSpec = Union[str, float]
+
+
+def cast_floating(tree: Any, dtype: torch.dtype | None, device: torch.device | None = None) -> Any:
+    """Cast floating tensors in ``tree`` to ``dtype`` (and move every tensor to ``device``).
+
+    Integer and bool tensors keep their dtype (token ids stay exact). Walks dicts (incl. their
+    subclasses such as transformers' ``ModelOutput``), lists, tuples, namedtuples and
+    dataclass instances; anything else is returned unchanged. No host sync.
+    """
+    if isinstance(tree, torch.Tensor):
+        if tree.is_floating_point() and dtype is not None and tree.dtype != dtype:
+            return tree.to(device=device, dtype=dtype)
+        return tree.to(device) if device is not None else tree
+    if isinstance(tree, dict):
+        items = {k: cast_floating(v, dtype, device) for k, v in tree.items()}
+        if type(tree) is dict:
+            return items
+        out = copy.copy(tree)  # keeps the subclass (ModelOutput, defaultdict, ...) and its extras
+        for k, v in items.items():
+            out[k] = v
+        return out
+    if isinstance(tree, tuple) and hasattr(tree, "_fields"):
+        return type(tree)(*(cast_floating(v, dtype, device) for v in tree))
+    if isinstance(tree, (list, tuple)):
+        return type(tree)(cast_floating(v, dtype, device) for v in tree)
+    if dataclasses.is_dataclass(tree) and not isinstance(tree, type):
+        return dataclasses.replace(tree, **{f.name: cast_floating(getattr(tree, f.name), dtype, device)
+                                            for f in dataclasses.fields(tree) if f.init})
+    return tree
 
 
 def _dtype_name(dtype: torch.dtype | None) -> str:

@@ -27,7 +27,6 @@ CPU/CUDA RNG state is forked, so training continues as if it had not happened.
 
 from __future__ import annotations
 
-import copy
 import dataclasses
 import math
 from dataclasses import dataclass, field
@@ -37,7 +36,7 @@ import torch
 from torch import nn
 
 from mixprec.formats import get_format
-from mixprec.policy import Policy
+from mixprec.policy import Policy, cast_floating
 
 __all__ = ["NonFiniteReport", "locate_nonfinite"]
 
@@ -127,27 +126,6 @@ def _floats(tree: Any) -> list[torch.Tensor]:
     if isinstance(tree, (list, tuple)):
         return [t for item in tree for t in _floats(item)]
     return []
-
-
-def _cast(tree: Any, dtype: torch.dtype, device: torch.device | None = None) -> Any:
-    """Floating tensors to ``dtype``, every tensor to ``device``; walks dicts (keeping their class),
-    lists, tuples, namedtuples and dataclasses as ``engine.cast_floating`` does (kept here so that
-    numerics does not depend on the engine)."""
-    if isinstance(tree, torch.Tensor):
-        return tree.to(device=device, dtype=dtype if tree.is_floating_point() else tree.dtype)
-    if isinstance(tree, dict):
-        out = {} if type(tree) is dict else copy.copy(tree)
-        for k, v in tree.items():
-            out[k] = _cast(v, dtype, device)
-        return out
-    if isinstance(tree, tuple) and hasattr(tree, "_fields"):
-        return type(tree)(*(_cast(v, dtype, device) for v in tree))
-    if isinstance(tree, (list, tuple)):
-        return type(tree)(_cast(v, dtype, device) for v in tree)
-    if dataclasses.is_dataclass(tree) and not isinstance(tree, type):
-        return dataclasses.replace(tree, **{f.name: _cast(getattr(tree, f.name), dtype, device)
-                                            for f in dataclasses.fields(tree) if f.init})
-    return tree
 
 
 def _stats(tensors: list[torch.Tensor]) -> tuple[bool, float | None, torch.dtype | None]:
@@ -241,8 +219,8 @@ class _Recorder:
             tensors = {n: t.float() for n, t in module.named_parameters()}
             tensors.update({n: b.float() if b.is_floating_point() else b.clone() for n, b in module.named_buffers()})
             with torch.no_grad(), torch.autocast(self.device_type, enabled=False):
-                out = torch.func.functional_call(module, tensors, _cast(args, torch.float32),
-                                                 _cast(kwargs, torch.float32))
+                out = torch.func.functional_call(module, tensors, cast_floating(args, torch.float32),
+                                                 cast_floating(kwargs, torch.float32))
             _, amax, _ = _stats(_floats(out))
             return amax
         except (RuntimeError, TypeError, ValueError):  # a module that cannot run in fp32 here: no figure
@@ -291,7 +269,7 @@ def locate_nonfinite(model: nn.Module, batch: Any, loss_fn: Callable[[nn.Module,
         raise ValueError(f"locate_nonfinite loss_scale={loss_scale!r} is not allowed; it must be a finite number "
                          "> 0, e.g. the engine's current scale float(mp.loss_scale.scale), or 1.0")
     device = _model_device(model) if device is None else torch.device(device)
-    batch = _cast(batch, policy.param_dtype, device)
+    batch = cast_floating(batch, policy.param_dtype, device)
     batch_finite, _, _ = _stats(_floats(batch))
     recorder = _Recorder(model, device.type)
     buffers = [(b, b.detach().clone()) for b in model.buffers()]
