@@ -56,6 +56,16 @@ and torch libraries, so its ratio understates state savings; bytes/param shows t
 """
 
 
+def _event_lines(policies: dict) -> list[str]:
+    """One line per engine/guard event per policy, or a line saying there were none."""
+    lines = [f"- {name}, step {ev.get('step')}: {ev.get('kind')} — {ev.get('cause')}"
+             + (f" (module `{ev['module']}`)" if ev.get("module") else "") + f": {ev.get('detail', '')}"
+             for name, e in policies.items() for ev in (e.get("events") or [])]
+    skipped = [f"- {name}: {e['skipped_steps']} skipped step(s) {e.get('skipped_by_reason') or ''}"
+               for name, e in policies.items() if e.get("skipped_steps")]
+    return lines + skipped or ["- none: every step of every policy applied"]
+
+
 def _fmt(value: Any, spec: str, suffix: str = "") -> str:
     if value is None or (isinstance(value, float) and not math.isfinite(value)):
         return "-"
@@ -130,6 +140,10 @@ def report_markdown(results: dict) -> str:
         *(f"- {name}: `{e.get('policy') or '-'}` ({e.get('decision') or e.get('skipped_reason') or e.get('error')}); "
           f"optimizer {e.get('optimizer') or '-'}; worker pid {e.get('pid') or '-'}"
           for name, e in results["policies"].items()),
+        "",
+        "## Events (skips, rollbacks, escalations)",
+        "",
+        *(_event_lines(results["policies"])),
         "",
         "![training loss](loss_curves.png)",
         "",
