@@ -33,7 +33,7 @@ __all__ = ["POLICY_KEYS", "write_outputs", "format_table", "report_markdown", "p
 
 POLICY_KEYS = (
     "requested", "policy", "decision", "compute_dtype", "device", "pid", "optimizer", "steps",
-    "step_time_ms_median", "tokens_per_s", "items_per_s", "item_unit", "speedup_vs_fp32",
+    "step_time_ms_median", "step_time_ms_p10", "step_time_ms_p90", "tokens_per_s", "items_per_s", "item_unit", "speedup_vs_fp32",
     "gflops_per_s", "peak_gflops_per_s", "mfu", "peak_memory_mb", "memory_ratio_vs_fp32", "memory_source",
     "state_bytes_per_param", "state_bytes", "final_eval", "final_eval_loss", "eval_loss_delta_vs_fp32",
     "skipped_steps", "skipped_by_reason", "loss_per_step", "loss_scale_history", "grad_norm_per_step",
@@ -54,6 +54,19 @@ actual tensors (params, grads, fp32 masters, optimizer state, compensation buffe
 CPU, peak memory is the process's peak RSS, which includes a few hundred MiB of interpreter
 and torch libraries, so its ratio understates state savings; bytes/param shows them.
 """
+
+
+def _noise_line(policies: dict) -> str:
+    """Step-time spread per policy (p90 / p10) and a warning when it makes speedups unreliable."""
+    spread = {name: e["step_time_ms_p90"] / e["step_time_ms_p10"] for name, e in policies.items()
+              if e.get("step_time_ms_p10") and e.get("step_time_ms_p90")}
+    if not spread:
+        return "Step-time spread: not measured."
+    text = "Step-time spread (p90/p10): " + ", ".join(f"{n} {r:.2f}" for n, r in spread.items()) + "."
+    if max(spread.values()) > 1.5:
+        text += (" **Warning: timings are noisy** (another process sharing the CPU?): the speedups are "
+                 "unreliable; rerun on a quiet machine. Quality verdicts are unaffected.")
+    return text
 
 
 def _event_lines(policies: dict) -> list[str]:
@@ -126,6 +139,8 @@ def report_markdown(results: dict) -> str:
         f"{w.get('items_per_batch', '?')} {w.get('item_unit', 'items')} per step; data: "
         f"{(w.get('data') or {}).get('source', 'workload-defined')}. Step time is the median after "
         f"{s['warmup_steps']} warm-up steps.",
+        "",
+        _noise_line(results["policies"]),
         "",
         "| " + " | ".join(headers) + " |",
         "|" + "|".join("---" if i < 2 else "---:" for i in range(len(headers))) + "|",

@@ -143,6 +143,15 @@ def _finite_or_none(x: float) -> float | None:
     return x if math.isfinite(x) else None
 
 
+def _spread_ms(times_ms: list[float]) -> dict[str, float | None]:
+    """10th and 90th percentile of the timed steps (ms): how noisy the median is."""
+    if not times_ms:
+        return {"step_time_ms_p10": None, "step_time_ms_p90": None}
+    ordered = sorted(times_ms)
+    pick = lambda q: ordered[min(len(ordered) - 1, int(q * len(ordered)))]  # noqa: E731
+    return {"step_time_ms_p10": pick(0.1), "step_time_ms_p90": pick(0.9)}
+
+
 def run_policy(spec: RunSpec, progress: Callable[[int], None] | None = None) -> dict[str, Any]:
     """Train ``spec.steps`` steps of one policy and return its measurements (the per-policy
     keys of :mod:`mixprec.bench.report`). Host syncs: one per step for timing, plus the engine's.
@@ -207,6 +216,7 @@ def run_policy(spec: RunSpec, progress: Callable[[int], None] | None = None) -> 
         "steps": spec.steps,
         "warmup_steps": spec.warmup_steps,
         "step_time_ms_median": step_ms,
+        **_spread_ms(history["step_time_ms"][spec.warmup_steps:]),
         "items_per_batch": workload.items_per_batch,
         "item_unit": workload.item_unit,
         "items_per_s": items_per_s,
