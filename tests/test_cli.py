@@ -111,3 +111,14 @@ def test_measure_matmul_stays_small_when_slow():
     assert 128 <= peak.n <= 1024 and peak.gflops_per_s > 0  # a 10 ms budget stops the doubling early
     with pytest.raises(ValueError, match="dtype_name"):
         measure_matmul("int8", "cpu")
+
+
+def test_resume_under_another_policy_names_the_cli_fix(tmp_path, capsys):
+    from mixprec.cli import main as cli_main
+
+    out = tmp_path / "run"
+    common = ["train", "--workload", "gpt", "--config", "tiny", "--steps", "2", "--checkpoint-every", "1",
+              "--out", str(out)]
+    assert cli_main([*common, "--policy", "fp32"]) == 0
+    assert cli_main([*common, "--policy", "bf16-mixed", "--resume"]) == 2
+    assert "resume with --policy 'fp32'" in capsys.readouterr().err

@@ -199,6 +199,10 @@ def run_training(workload: Any, *, policy: str = "auto", steps: int, out: str | 
         saved_policy = manifest["policy"]
         # a run whose guard escalated precision continues under the escalated policy
         adopt = saved_policy != policy_requested and manifest["extra"].get("policy_requested") == policy_requested
+        if saved_policy != policy_requested and not adopt:
+            raise ValueError(f"--resume: {checkpoint} was saved under policy {saved_policy!r} but this run asks for "
+                             f"{policy_requested!r}; resume with --policy '{saved_policy}' (converting a run to "
+                             "another policy is done in Python: mixprec.load_checkpoint(..., convert=True))")
         (load_distributed_checkpoint if strategy else load_checkpoint)(checkpoint, mp, adopt_policy=adopt)
         start = manifest["data_position"]["batches"]
         saved_world = manifest["data_position"].get("world_size", 1)
