@@ -30,25 +30,9 @@ import time
 
 import torch
 
-from mixprec import Guard, MixedPrecision
+from mixprec import Guard
+from overhead import _engine_loop  # the same engine loop, with a guard (benchmarks/ is on sys.path)
 from mixprec.workloads import get_workload
-
-
-def _engine_loop(workload, policy, device, guard):
-    torch.manual_seed(0)
-    model = workload.build_model()
-    opt = workload.make_optimizer(model)
-    mp = MixedPrecision(model, opt, policy=policy, device=device, scheduler=workload.make_scheduler(opt, 10_000),
-                        max_grad_norm=workload.max_grad_norm, guard=guard)
-    batches = workload.batches("train", seed=0)
-
-    def step():
-        batch = mp.cast_inputs(next(batches))
-        with mp.autocast():
-            loss = workload.loss(mp.model, batch)
-        mp.backward(loss)
-        mp.step()
-    return step, mp
 
 
 def _sync(device):

@@ -43,12 +43,12 @@ def _hand_loop(workload, dtype, device):
     return step
 
 
-def _engine_loop(workload, policy, device):
+def _engine_loop(workload, policy, device, guard=None):
     torch.manual_seed(0)
     model = workload.build_model()
     opt = workload.make_optimizer(model)
     mp = MixedPrecision(model, opt, policy=policy, device=device, scheduler=workload.make_scheduler(opt, 10_000),
-                        max_grad_norm=workload.max_grad_norm)
+                        max_grad_norm=workload.max_grad_norm, guard=guard)
     batches = workload.batches("train", seed=0)
 
     def step():
