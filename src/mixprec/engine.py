@@ -214,16 +214,16 @@ class MixedPrecision:
         if strategy == "fsdp2":  # params stay fp32, sharded: they are the masters; FSDP casts them
             distributed.wrap_model(model, self.policy, strategy, self.device, keep_fp32=tuple(keep),
                                    optimizer=optimizer, sharded_found_inf=True)
-        keep_params = {id(p) for m in keep.values() for p in m.parameters()}
         params = list(model.parameters())
-        half = {id(p) for p in params
-                if self.policy.param_dtype != torch.float32 and id(p) not in keep_params and p.is_floating_point()
-                and strategy != "fsdp2"}
+        half, frozen = self._storage_plan(self.policy, params, keep)
         self.masters = MasterWeights(params, half if self.policy.has_masters else set())
+        self._frozen = [p for p in params if id(p) in frozen]
         with torch.no_grad():
             for p in params:
                 if id(p) in half:
                     p.data = p.data.to(self.policy.param_dtype)
+                elif id(p) in frozen:
+                    p.data = p.data.to(self.policy.compute_dtype)
         if self.policy.has_masters:
             self.masters.rebind(optimizer)
         self._configure_optimizer()
@@ -258,8 +258,9 @@ class MixedPrecision:
 
     def _check_param_dtypes(self) -> None:
         allowed = {torch.float32, self.policy.param_dtype}
+        frozen_ok = allowed | {self.policy.compute_dtype}   # a frozen param may come in the compute dtype
         wrong = [(n, p.dtype) for n, p in self.module.named_parameters()
-                 if p.is_floating_point() and p.dtype not in allowed]
+                 if p.is_floating_point() and p.dtype not in (allowed if p.requires_grad else frozen_ok)]
         wrong += [(n, b.dtype) for n, b in self.module.named_buffers()   # e.g. an fp16 mask under bf16
                   if b.is_floating_point() and b.dtype in (torch.float16, torch.bfloat16) and b.dtype not in allowed]
         if wrong:
@@ -270,6 +271,34 @@ class MixedPrecision:
                              "in another dtype). Fix: call model.float() before building MixedPrecision; the "
                              "policy decides what is stored in 16 bits (use a '-pure' policy for 16-bit params "
                              "with fp32 masters)")
+
+    def _storage_plan(self, policy: Policy, params: list[nn.Parameter],
+                      keep: dict[str, nn.Module]) -> tuple[set[int], set[int]]:
+        """Which params (ids) are stored in the policy's 16-bit ``param_dtype`` (trainable ones) and which
+        are *frozen*: ``requires_grad=False`` floating params, stored in the compute dtype (bf16 under
+        bf16 policies: 2 bytes/param, no master, no gradient, no optimizer state). Params of keep_fp32
+        modules stay fp32; under FSDP2 every param stays fp32 (sharded, cast by FSDP)."""
+        if self.strategy == "fsdp2":
+            return set(), set()
+        keep_params = {id(p) for m in keep.values() for p in m.parameters()}
+        free = [p for p in params if id(p) not in keep_params and p.is_floating_point()]
+        half = {id(p) for p in free if p.requires_grad and policy.param_dtype != torch.float32}
+        frozen = {id(p) for p in free if not p.requires_grad and policy.compute_dtype != torch.float32}
+        return half, frozen
+
+    def _check_frozen(self) -> None:
+        """Raise if a param stored frozen (16-bit, no master) was unfrozen behind the engine's back."""
+        thawed = [p for p in self._frozen if p.requires_grad]
+        if thawed:
+            names = {id(p): n for n, p in self.module.named_parameters()}
+            listed = ", ".join(names.get(id(p), "?") for p in thawed[:5])
+            dtype = str(thawed[0].dtype).replace("torch.", "")
+            raise RuntimeError(
+                f"parameter(s) {listed}{' and more' if len(thawed) > 5 else ''} had requires_grad=False when "
+                f"MixedPrecision was built, so they are stored in {dtype} with no fp32 master, gradient or optimizer "
+                "state, but they now require grad; training them as they are would step a 16-bit tensor. Fix: "
+                "mp.unfreeze('<name pattern>') (sets requires_grad, builds the fp32 masters from the stored values "
+                "and adds them to the optimizer), or set requires_grad before building MixedPrecision")
 
     def _keep_fp32_modules(self, policy: Policy | None = None) -> dict[str, nn.Module]:
         """Modules that run in fp32 with autocast off: the policy's ``keep_fp32`` matches, plus every
@@ -313,7 +342,9 @@ class MixedPrecision:
 
     def _configure_optimizer(self) -> None:
         opt = self.optimizer
-        self._check_optimizer(self.policy, {p.dtype for g in opt.param_groups for p in g["params"]})
+        frozen = {id(p) for p in self._frozen}   # never get a gradient, so the optimizer never steps them
+        self._check_optimizer(self.policy, {p.dtype for g in opt.param_groups for p in g["params"]
+                                            if id(p) not in frozen})
         if hasattr(opt, "set_precision") and not getattr(opt, "precision_explicit", False):
             opt.set_precision(rounding=self.policy.rounding, state_dtype=self.policy.state_dtype)
 
@@ -437,6 +468,7 @@ class MixedPrecision:
         if not loss.requires_grad:
             raise ValueError("loss does not require grad (computed under torch.no_grad(), or from detached "
                              "tensors); compute it from mp.model's output with autograd enabled")
+        self._check_frozen()
         if self.micro_step >= self.accumulation_steps:
             raise RuntimeError(f"backward() called {self.micro_step + 1} times since the last step() with "
                                f"accumulation_steps={self.accumulation_steps}; call mp.step() after each backward() "
@@ -589,21 +621,29 @@ class MixedPrecision:
             raise ValueError(f"set_policy: under strategy='fsdp2' the MixedPrecisionPolicy of each sharded module "
                              f"is fixed by fully_shard; to run {new}, save a checkpoint and resume under it")
         keep = self._keep_fp32_modules(new)
-        keep_params = {id(p) for m in keep.values() for p in m.parameters()}
         params = self.masters.params
-        half = {id(p) for p in params
-                if new.param_dtype != torch.float32 and id(p) not in keep_params and p.is_floating_point()}
-        if self.strategy == "ddp" and any((new.param_dtype if id(p) in half else torch.float32) != p.dtype
-                                          for p in params if p.is_floating_point()):
+        half, frozen = self._storage_plan(new, params, keep)
+        stored = lambda p: (new.param_dtype if id(p) in half  # noqa: E731
+                            else new.compute_dtype if id(p) in frozen else torch.float32)
+        if self.strategy == "ddp" and any(stored(p) != p.dtype for p in params if p.is_floating_point()):
             raise ValueError(f"set_policy: {new} stores parameters in other dtypes than {self.policy}, but DDP built "
                              "its gradient buckets for the current ones; save a checkpoint and resume under it")
         old_stepped = list(self.masters.masters)   # per param: the tensor the optimizer steps now
         index = {id(t): i for i, t in enumerate(old_stepped)}
         opt = self.optimizer
         stepped = [t for g in opt.param_groups for t in g["params"]]
+        was_frozen = {id(p) for p in self._frozen}
+        stepped_ids = {id(t) for t in stepped}
+        orphans = [n for n, p in self.module.named_parameters()
+                   if id(p) in was_frozen and p.requires_grad and id(old_stepped[index[id(p)]]) not in stepped_ids]
+        if orphans:
+            raise ValueError(f"set_policy: parameter(s) {orphans[:5]} were unfrozen but the optimizer does not hold "
+                             "them, so they would never train; add them first (optimizer.add_param_group"
+                             "({'params': [...]})) or use mp.unfreeze(pattern), which does both")
         self._check_optimizer(new, {t.dtype if id(t) not in index  # not a model param: left as it is
                                     else new.param_dtype if (id(params[index[id(t)]]) in half and not new.has_masters)
-                                    else torch.float32 for t in stepped})
+                                    else torch.float32 for t in stepped
+                                    if id(t) not in index or id(params[index[id(t)]]) not in frozen})
 
         mixprec_opt = hasattr(opt, "set_precision")
         with torch.no_grad():
@@ -621,12 +661,12 @@ class MixedPrecision:
                 p.data = value_fp32
             masters = MasterWeights(params, half if new.has_masters else set())
             for p in params:
-                if id(p) in half:
-                    p.data = p.data.to(new.param_dtype)
+                if id(p) in half or id(p) in frozen:
+                    p.data = p.data.to(stored(p))
         for group in opt.param_groups:
             group["params"] = [masters.masters[index[id(t)]] if id(t) in index else t for t in group["params"]]
-        for t_new, state in zip(masters.masters, states):
-            if not state:
+        for p, t_new, state in zip(params, masters.masters, states):
+            if not state or id(p) in frozen:   # a frozen param keeps no optimizer state
                 continue
             if mixprec_opt:
                 state.pop("kahan_comp", None)
@@ -645,6 +685,7 @@ class MixedPrecision:
         old = self.policy
         self.policy = new
         self.masters = masters
+        self._frozen = [p for p in params if id(p) in frozen]
         scale_note = "loss scale kept"
         if new.loss_scale != old.loss_scale:
             self.loss_scale = self._make_loss_scale(None)
@@ -652,13 +693,63 @@ class MixedPrecision:
         self._install_hooks(keep)
         self.model.zero_grad(set_to_none=True)
         self.decision = f"{new} on {self.device} (set_policy at boundary {self.boundaries}: {cause}; was {old})"
-        carried = sum(1 for s in states if s)
+        carried = sum(1 for p, st in zip(params, states) if st and id(p) not in frozen)
         event = {"step": self.boundaries, "kind": "escalate", "cause": cause, "module": module,
                  "detail": f"{old} → {new}: params re-cast from their fp32 values, optimizer state of "
                            f"{carried} tensor(s) carried over, {scale_note}",
                  "from": str(old), "to": str(new)}
         self.events.append(event)
         log.warning("mixprec: policy %s → %s at boundary %d (%s)", old, new, self.boundaries, cause)
+        return event
+
+    def unfreeze(self, *patterns: str, **group_options: Any) -> dict:
+        """Start training frozen parameters mid-run (gradual unfreezing), at an accumulation boundary.
+
+        Frozen params (``requires_grad=False`` when the engine was built, or frozen at a later
+        :meth:`set_policy`) are stored in the compute dtype with no master, gradient or optimizer state.
+        Setting ``requires_grad`` on one by hand makes the next :meth:`backward` raise, naming it; this
+        method is the supported route: every parameter whose name matches a pattern (``fnmatch``, e.g.
+        ``"bert.encoder.layer.5.*"``) gets ``requires_grad=True``; those the optimizer does not hold are
+        added as one new param group (``group_options`` such as ``lr=1e-5``; the optimizer's defaults
+        otherwise); then the model is re-prepared under the same policy (:meth:`set_policy`), which
+        stores them as the policy stores trainable params and builds their fp32 masters **from the
+        stored 16-bit values** (the precision dropped when they were frozen does not come back).
+        A scheduler built before sees the new group's lr only if it handles added groups (``LambdaLR``
+        does not: the new group keeps its lr; a warning says so).
+
+        Returns the event appended to :attr:`events` (``kind="unfreeze"``). No host sync.
+
+        Raises:
+            ValueError: a pattern matches no frozen parameter (the frozen names are listed).
+            RuntimeError: called between ``backward()`` and the accumulation boundary.
+        """
+        if not patterns:
+            raise ValueError("unfreeze() needs at least one parameter-name pattern, e.g. mp.unfreeze('encoder.layer.5.*')")
+        if self.micro_step != 0:
+            raise RuntimeError(f"unfreeze() called after {self.micro_step} backward() call(s) without step(); "
+                               "unfreeze at an accumulation boundary (after mp.step() returns a result)")
+        frozen = {id(p) for p in self._frozen}
+        named = [(n, p) for n, p in self.module.named_parameters() if id(p) in frozen or not p.requires_grad]
+        chosen = [(n, p) for n, p in named if any(fnmatch.fnmatchcase(n, pat) for pat in patterns)]
+        unmatched = [pat for pat in patterns if not any(fnmatch.fnmatchcase(n, pat) for n, _ in named)]
+        if unmatched:
+            raise ValueError(f"unfreeze: patterns {unmatched} match no frozen parameter; frozen parameters look "
+                             f"like {[n for n, _ in named][:8]}")
+        held = {id(t) for g in self.optimizer.param_groups for t in g["params"]}
+        new_params = [p for _, p in chosen if id(p) not in held]
+        for _, p in chosen:
+            p.requires_grad_(True)
+        if new_params:
+            self.optimizer.add_param_group({"params": new_params, **group_options})
+            if self.scheduler is not None:
+                warnings.warn(f"unfreeze added a param group to the optimizer; the scheduler "
+                              f"{type(self.scheduler).__name__} was built before it and may not drive its lr "
+                              f"(it stays {self.optimizer.param_groups[-1]['lr']})", stacklevel=2)
+        event = self.set_policy(self.policy, cause=f"unfreeze {', '.join(patterns)}")
+        event["kind"] = "unfreeze"
+        event["detail"] = (f"{len(chosen)} parameter(s) unfrozen ({sum(p.numel() for _, p in chosen)} elements), "
+                           f"stored as {str(self.policy.param_dtype).replace('torch.', '')}"
+                           f"{' with fp32 masters' if self.policy.has_masters else ''}; " + event["detail"])
         return event
 
     # ------------------------------------------------------------------ views and state

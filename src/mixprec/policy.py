@@ -32,6 +32,7 @@ alias ``recipe``), ``fp8_format`` (``hybrid`` or ``e4m3``).
 
 from __future__ import annotations
 
+import collections
 import copy
 import dataclasses
 import math
@@ -57,7 +58,8 @@ def cast_floating(tree: Any, dtype: torch.dtype | None, device: torch.device | N
     """Cast floating tensors in ``tree`` to ``dtype`` (and move every tensor to ``device``).
 
     Integer and bool tensors keep their dtype (token ids stay exact). Walks dicts (incl. their
-    subclasses such as transformers' ``ModelOutput``), lists, tuples, namedtuples and
+    subclasses such as transformers' ``ModelOutput``), ``UserDict`` (transformers' ``BatchEncoding``),
+    lists, tuples, namedtuples and
     dataclass instances; anything else is returned unchanged. No host sync.
     """
     if isinstance(tree, torch.Tensor):
@@ -71,6 +73,11 @@ def cast_floating(tree: Any, dtype: torch.dtype | None, device: torch.device | N
         out = copy.copy(tree)  # keeps the subclass (ModelOutput, defaultdict, ...) and its extras
         for k, v in items.items():
             out[k] = v
+        return out
+    if isinstance(tree, collections.UserDict):  # e.g. transformers' BatchEncoding (a tokenizer's output)
+        out = copy.copy(tree)
+        for k, v in tree.items():
+            out[k] = cast_floating(v, dtype, device)
         return out
     if isinstance(tree, tuple) and hasattr(tree, "_fields"):
         return type(tree)(*(cast_floating(v, dtype, device) for v in tree))

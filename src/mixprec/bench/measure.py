@@ -34,7 +34,9 @@ class StateBytes:
     ``grads`` holds every gradient (the params' and the masters'); ``optimizer_state`` every
     per-element tensor in ``optimizer.state`` except ``compensation`` (Kahan ``kahan_comp``);
     ``scalars`` the 0-dim tensors there (``step`` counters: a few bytes per tensor, not per
-    parameter, so outside :attr:`per_param`). ``n_params`` counts model parameters once.
+    parameter, so outside :attr:`per_param`). ``n_params`` counts model parameters once, of which
+    ``n_frozen`` are frozen (``requires_grad=False``: e.g. a LoRA base); ``frozen_bytes`` is what
+    their storage takes (part of ``params``). Everything else is the trainable part's state.
     """
 
     params: int
@@ -44,6 +46,8 @@ class StateBytes:
     compensation: int
     scalars: int
     n_params: int
+    n_frozen: int = 0
+    frozen_bytes: int = 0
 
     @property
     def total(self) -> int:
@@ -55,8 +59,24 @@ class StateBytes:
         """``total / n_params``: 16.0 for fp32 AdamW (4 param + 4 grad + 4 + 4 moments)."""
         return self.total / self.n_params if self.n_params else 0.0
 
+    @property
+    def n_trainable(self) -> int:
+        return self.n_params - self.n_frozen
+
+    @property
+    def per_trainable_param(self) -> float:
+        """Bytes per trainable parameter: its storage, gradient, master and optimizer state."""
+        return (self.total - self.frozen_bytes) / self.n_trainable if self.n_trainable else 0.0
+
+    @property
+    def per_frozen_param(self) -> float | None:
+        """Bytes per frozen parameter (2.0 when stored in bf16); None without frozen params."""
+        return self.frozen_bytes / self.n_frozen if self.n_frozen else None
+
     def as_dict(self) -> dict:
-        return {**asdict(self), "total": self.total, "per_param": self.per_param}
+        return {**asdict(self), "total": self.total, "per_param": self.per_param,
+                "n_trainable": self.n_trainable, "per_trainable_param": self.per_trainable_param,
+                "per_frozen_param": self.per_frozen_param}
 
 
 class _Counter:
@@ -85,7 +105,9 @@ def state_bytes(model: nn.Module, optimizer: torch.optim.Optimizer) -> StateByte
     """
     counter = _Counter()
     model_params = list(model.parameters())  # unique: tied weights appear once
-    params = sum(counter.add(p) for p in model_params)
+    frozen = [p for p in model_params if not p.requires_grad]
+    frozen_bytes = sum(counter.add(p) for p in frozen)
+    params = frozen_bytes + sum(counter.add(p) for p in model_params if p.requires_grad)
     grads = sum(counter.add(p.grad) for p in model_params)
     opt_params = [p for group in optimizer.param_groups for p in group["params"]]
     masters = sum(counter.add(p) for p in opt_params)
@@ -104,7 +126,8 @@ def state_bytes(model: nn.Module, optimizer: torch.optim.Optimizer) -> StateByte
                 optimizer_state += size
     return StateBytes(params=params, grads=grads, masters=masters, optimizer_state=optimizer_state,
                       compensation=compensation, scalars=scalars,
-                      n_params=sum(p.numel() for p in model_params))
+                      n_params=sum(p.numel() for p in model_params),
+                      n_frozen=sum(p.numel() for p in frozen), frozen_bytes=frozen_bytes)
 
 
 def median_step_ms(step_times_ms: list[float], warmup_steps: int) -> float:

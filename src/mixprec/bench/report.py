@@ -79,6 +79,27 @@ def _event_lines(policies: dict) -> list[str]:
     return lines + skipped or ["- none: every step of every policy applied"]
 
 
+def _state_lines(policies: dict) -> list[str]:
+    """Per policy: trainable and frozen parameter counts with the training-state bytes of each part
+    (frozen params: storage only, no grad/master/state), and any eval metric besides the loss."""
+    lines = []
+    for name, e in policies.items():
+        sb = e.get("state_bytes") or {}
+        if not sb.get("n_params"):
+            continue
+        n, frozen = sb["n_params"], sb.get("n_frozen", 0)
+        text = (f"- {name}: {n - frozen:,} trainable ({(n - frozen) / n:.2%}) at "
+                f"{_fmt(sb.get('per_trainable_param'), '.2f')} B/param")
+        if frozen:
+            text += f", {frozen:,} frozen at {_fmt(sb.get('per_frozen_param'), '.2f')} B/param"
+        text += f"; whole model {_fmt(sb.get('per_param'), '.2f')} B/param ({sb.get('total', 0) / 2**20:,.1f} MiB)"
+        extra = {k: v for k, v in (e.get("final_eval") or {}).items() if k != "loss"}
+        if extra:
+            text += "; final eval " + ", ".join(f"{k} {_fmt(v, '.4f')}" for k, v in extra.items())
+        lines.append(text)
+    return lines or ["- not measured"]
+
+
 def _fmt(value: Any, spec: str, suffix: str = "") -> str:
     if value is None or (isinstance(value, float) and not math.isfinite(value)):
         return "-"
@@ -145,6 +166,10 @@ def report_markdown(results: dict) -> str:
         "| " + " | ".join(headers) + " |",
         "|" + "|".join("---" if i < 2 else "---:" for i in range(len(headers))) + "|",
         *("| " + " | ".join(row) + " |" for row in _rows(results)),
+        "",
+        "## Parameters and training state",
+        "",
+        *(_state_lines(results["policies"])),
         "",
         "## Verdicts",
         "",

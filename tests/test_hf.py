@@ -1,0 +1,302 @@
+"""The engine on Hugging Face transformers models (built from configs: random weights, no download),
+frozen-parameter storage, mp.unfreeze, and LoRA through the peft library."""
+
+from __future__ import annotations
+
+import copy
+import os
+
+import pytest
+import torch
+
+os.environ.setdefault("HF_HUB_OFFLINE", "1")
+transformers = pytest.importorskip("transformers")
+peft = pytest.importorskip("peft")
+
+import mixprec  # noqa: E402
+from mixprec.bench.measure import state_bytes  # noqa: E402
+
+VOCAB = 96
+
+
+def _bert():
+    cfg = transformers.BertConfig(vocab_size=VOCAB, hidden_size=32, num_hidden_layers=2, num_attention_heads=2,
+                                  intermediate_size=64, max_position_embeddings=32, hidden_dropout_prob=0.0,
+                                  attention_probs_dropout_prob=0.0)
+    return transformers.BertForMaskedLM(cfg)
+
+
+def _gpt2():
+    cfg = transformers.GPT2Config(vocab_size=VOCAB, n_embd=32, n_layer=2, n_head=2, n_positions=32, resid_pdrop=0.0,
+                                  embd_pdrop=0.0, attn_pdrop=0.0, bos_token_id=1, eos_token_id=2)
+    return transformers.GPT2LMHeadModel(cfg)
+
+
+def _llama():
+    cfg = transformers.LlamaConfig(vocab_size=VOCAB, hidden_size=32, num_hidden_layers=2, num_attention_heads=2,
+                                   num_key_value_heads=1, intermediate_size=64, max_position_embeddings=32,
+                                   bos_token_id=1, eos_token_id=2, pad_token_id=0)
+    return transformers.LlamaForCausalLM(cfg)
+
+
+MODELS = {"bert": _bert, "gpt2": _gpt2, "llama": _llama}
+
+
+def _batch(seed: int = 0) -> dict[str, torch.Tensor]:
+    g = torch.Generator().manual_seed(seed)
+    ids = torch.randint(3, VOCAB, (4, 16), generator=g)
+    return {"input_ids": ids, "attention_mask": torch.ones_like(ids), "labels": ids.clone()}
+
+
+def _build(make, seed: int = 0):
+    torch.manual_seed(seed)
+    return make()
+
+
+@pytest.mark.parametrize("name", sorted(MODELS))
+def test_bf16_mixed_equals_hand_written_autocast_loop(name):
+    """The engine adds nothing to an HF model's step: bit-identical to torch.autocast + AdamW."""
+    make = MODELS[name]
+    model_ref = _build(make)
+    opt_ref = torch.optim.AdamW(model_ref.parameters(), lr=1e-3)
+    model = _build(make)
+    mp = mixprec.MixedPrecision(model, torch.optim.AdamW(model.parameters(), lr=1e-3), policy="bf16-mixed",
+                                device="cpu")
+    for step in range(3):
+        batch = _batch(step)
+        with torch.autocast("cpu", dtype=torch.bfloat16):
+            out_ref = model_ref(**batch)
+        out_ref.loss.backward()
+        opt_ref.step()
+        opt_ref.zero_grad(set_to_none=True)
+
+        cast = mp.cast_inputs(batch)
+        with mp.autocast():
+            out = mp.model(**cast)
+        mp.backward(out.loss)
+        assert mp.step().applied
+        assert type(out) is type(out_ref)          # the ModelOutput class survives the output cast
+        assert out.logits.dtype == torch.float32    # cast to output_dtype inside the structure
+        assert torch.equal(out.loss, out_ref.loss)
+    for (n, p), p_ref in zip(model.named_parameters(), model_ref.parameters()):
+        assert torch.equal(p, p_ref), n
+
+
+@pytest.mark.parametrize("name", sorted(MODELS))
+def test_fp32_and_pure_policies_train_hf_models(name):
+    """fp32 equals a plain loop bit for bit; bf16-pure tracks it (bf16 params, fp32 masters)."""
+    make = MODELS[name]
+    model_ref = _build(make)
+    opt_ref = torch.optim.AdamW(model_ref.parameters(), lr=1e-3)
+    runs = {}
+    for policy in ("fp32", "bf16-pure"):
+        model = _build(make)
+        mp = mixprec.MixedPrecision(model, torch.optim.AdamW(model.parameters(), lr=1e-3), policy=policy, device="cpu")
+        runs[policy] = (mp, [])
+    losses_ref = []
+    batch = _batch(0)   # one batch, so the loss must fall
+    for step in range(4):
+        out_ref = model_ref(**batch)
+        out_ref.loss.backward()
+        opt_ref.step()
+        opt_ref.zero_grad(set_to_none=True)
+        losses_ref.append(float(out_ref.loss.detach()))
+        for mp, losses in runs.values():
+            with mp.autocast():
+                out = mp.model(**mp.cast_inputs(batch))
+            mp.backward(out.loss)
+            mp.step()
+            losses.append(float(out.loss.detach()))
+    assert runs["fp32"][1] == losses_ref
+    pure, losses = runs["bf16-pure"]
+    assert all(p.dtype == torch.bfloat16 for p in pure.module.parameters())
+    assert all(m.dtype == torch.float32 for m in pure.master_parameters())
+    assert losses[-1] < losses[0]
+    assert max(abs(a - b) / b for a, b in zip(losses, losses_ref)) < 0.01
+
+
+def test_cast_inputs_passes_ids_and_masks_through_and_walks_batch_encoding():
+    model = _build(_bert)
+    mp = mixprec.MixedPrecision(model, torch.optim.AdamW(model.parameters(), lr=1e-3), policy="bf16-pure", device="cpu")
+    batch = _batch()
+    encoding = transformers.BatchEncoding({**batch, "inputs_embeds_scale": torch.full((4,), 0.1)})
+    cast = mp.cast_inputs(encoding)
+    assert isinstance(cast, transformers.BatchEncoding)
+    for key in ("input_ids", "attention_mask", "labels"):
+        assert cast[key].dtype == torch.int64 and torch.equal(cast[key], batch[key])
+    assert cast["inputs_embeds_scale"].dtype == torch.bfloat16      # floating tensors follow the policy
+    assert encoding["inputs_embeds_scale"].dtype == torch.float32   # the caller's batch is not modified
+    with mp.autocast():
+        out = mp.model(**{k: v for k, v in cast.items() if k != "inputs_embeds_scale"})
+    assert out.logits.dtype == torch.float32 and torch.isfinite(out.loss)
+
+
+def _freeze_embeddings(model) -> dict[str, torch.Tensor]:
+    frozen = {}
+    for n, p in model.named_parameters():
+        if n.startswith("bert.embeddings."):
+            p.requires_grad_(False)
+            frozen[n] = p.detach().clone()
+    return frozen
+
+
+@pytest.mark.parametrize("policy", ["bf16-mixed", "bf16-pure", "fp32"])
+def test_frozen_params_are_stored_in_compute_dtype_without_grad_master_or_state(policy):
+    model = _build(_bert)
+    frozen_fp32 = _freeze_embeddings(model)
+    trainable_before = {n: p.detach().clone() for n, p in model.named_parameters() if p.requires_grad}
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-3)   # frozen params included, as users often do
+    mp = mixprec.MixedPrecision(model, opt, policy=policy, device="cpu")
+    compute = mp.policy.compute_dtype
+    params = dict(model.named_parameters())
+    for n, value_fp32 in frozen_fp32.items():
+        # stored in the compute dtype, rounded to nearest once
+        assert params[n].dtype == compute and torch.equal(params[n], value_fp32.to(compute)), n
+    for step in range(2):
+        with mp.autocast():
+            out = mp.model(**mp.cast_inputs(_batch(step)))
+        mp.backward(out.loss)
+        if step == 1:
+            sb = state_bytes(mp.module, mp.optimizer)
+        assert mp.step().applied
+    master_ids = {id(p) for p, _ in mp.masters.pairs}
+    n_frozen = sum(v.numel() for v in frozen_fp32.values())
+    for n, value_fp32 in frozen_fp32.items():
+        p = params[n]
+        assert p.grad is None and id(p) not in master_ids and not mp.optimizer.state.get(p), n
+        assert torch.equal(p, value_fp32.to(compute)), n          # never updated
+    for n, before in trainable_before.items():
+        assert params[n].dtype == mp.policy.param_dtype
+        assert not torch.equal(params[n].float(), before), n     # trained
+    assert sb.n_frozen == n_frozen
+    assert sb.per_frozen_param == (2.0 if compute == torch.bfloat16 else 4.0)
+    # trainable: param + grad + 2 Adam moments (+ fp32 master under -pure), in bytes
+    expected = {"bf16-mixed": 16.0, "fp32": 16.0, "bf16-pure": 2 + 4 + 4 + 8}[policy]
+    assert sb.per_trainable_param == pytest.approx(expected)
+
+
+def test_frozen_bf16_storage_keeps_the_loss_of_fp32_frozen_weights():
+    """Rounding frozen weights once to bf16 changes the bf16-mixed loss by no more than autocast does."""
+    losses = {}
+    for policy in ("fp32", "bf16-mixed"):
+        model = _build(_bert)
+        _freeze_embeddings(model)
+        mp = mixprec.MixedPrecision(model, torch.optim.AdamW(model.parameters(), lr=1e-3), policy=policy, device="cpu")
+        losses[policy] = []
+        for step in range(5):
+            with mp.autocast():
+                out = mp.model(**mp.cast_inputs(_batch(step)))
+            mp.backward(out.loss)
+            mp.step()
+            losses[policy].append(float(out.loss.detach()))
+    rel = [abs(a - b) / b for a, b in zip(losses["bf16-mixed"], losses["fp32"])]
+    assert max(rel) < 5e-3, rel
+
+
+def test_unfreezing_by_hand_raises_naming_the_param_and_unfreeze_builds_masters():
+    model = _build(_bert)
+    _freeze_embeddings(model)
+    mp = mixprec.MixedPrecision(model, mixprec.optim.AdamW([p for p in model.parameters() if p.requires_grad], lr=1e-3),
+                                policy="bf16-pure", device="cpu")
+    word = model.bert.embeddings.word_embeddings.weight
+    assert word.dtype == torch.bfloat16
+    word.requires_grad_(True)
+    with mp.autocast():
+        out = mp.model(**mp.cast_inputs(_batch()))
+    with pytest.raises(RuntimeError, match=r"bert\.embeddings\.word_embeddings\.weight.*mp\.unfreeze"):
+        mp.backward(out.loss)
+    assert mp.micro_step == 0 and word.grad is None   # nothing happened
+    word.requires_grad_(False)
+
+    stored_bf16 = word.detach().clone()
+    n_groups = len(mp.optimizer.param_groups)
+    event = mp.unfreeze("bert.embeddings.word_embeddings.*", lr=5e-4)
+    assert event["kind"] == "unfreeze" and mp.events[-1] is event
+    assert word.requires_grad and word.dtype == torch.bfloat16
+    master = dict((id(p), m) for p, m in mp.masters.pairs)[id(word)]
+    assert master.dtype == torch.float32 and torch.equal(master, stored_bf16.float())  # built from the stored value
+    assert len(mp.optimizer.param_groups) == n_groups + 1
+    assert mp.optimizer.param_groups[-1]["params"] == [master] and mp.optimizer.param_groups[-1]["lr"] == 5e-4
+    with mp.autocast():
+        out = mp.model(**mp.cast_inputs(_batch()))
+    mp.backward(out.loss)
+    assert mp.step().applied
+    assert not torch.equal(word, stored_bf16)        # it trains now
+    assert mp.optimizer.state[master]["exp_avg"].dtype == torch.float32
+    with pytest.raises(ValueError, match="match no frozen parameter"):
+        mp.unfreeze("no.such.*")
+
+
+def test_frozen_run_resumes_bit_exactly_from_a_checkpoint(tmp_path):
+    def build():
+        model = _build(_bert)
+        _freeze_embeddings(model)
+        return mixprec.MixedPrecision(model, torch.optim.AdamW(model.parameters(), lr=1e-3), policy="bf16-pure",
+                                      device="cpu")
+
+    def train(mp, steps):
+        for step in steps:
+            with mp.autocast():
+                out = mp.model(**mp.cast_inputs(_batch(step)))
+            mp.backward(out.loss)
+            mp.step()
+
+    straight = build()
+    train(straight, range(4))
+    first = build()
+    train(first, range(2))
+    mixprec.save_checkpoint(tmp_path / "ck", first)
+    resumed = build()
+    mixprec.load_checkpoint(tmp_path / "ck", resumed)
+    train(resumed, range(2, 4))
+    for (n, p), q in zip(straight.module.named_parameters(), resumed.module.parameters()):
+        assert p.dtype == q.dtype and torch.equal(p, q), n
+
+
+def _lora_bert():
+    model = _build(_bert)
+    config = peft.LoraConfig(r=4, lora_alpha=8, target_modules=["query", "value"], lora_dropout=0.0)
+    return peft.get_peft_model(model, config)
+
+
+@pytest.mark.parametrize("policy", ["bf16-mixed", "bf16-pure"])
+def test_peft_lora_adapters_train_in_master_precision_with_a_bf16_base(policy):
+    model = _lora_bert()
+    lora = {n: p for n, p in model.named_parameters() if "lora_" in n}
+    assert lora and all(p.requires_grad for p in lora.values())
+    base = {n: p for n, p in model.named_parameters() if not p.requires_grad}
+    lora_b_before = {n: p.detach().clone() for n, p in lora.items() if "lora_B" in n}
+    mp = mixprec.MixedPrecision(model, torch.optim.AdamW([p for p in model.parameters() if p.requires_grad], lr=1e-2),
+                                policy=policy, device="cpu")
+    assert all(p.dtype == torch.bfloat16 for p in base.values())
+    assert all(p.dtype == mp.policy.param_dtype for p in lora.values())
+    steppers = [t for g in mp.optimizer.param_groups for t in g["params"]]
+    assert all(t.dtype == torch.float32 for t in steppers)    # updates in the master precision
+    losses = []
+    for step in range(6):
+        with mp.autocast():
+            out = mp.model(**mp.cast_inputs(_batch(0)))
+        mp.backward(out.loss)
+        if step == 1:
+            sb = state_bytes(mp.module, mp.optimizer)
+        mp.step()
+        losses.append(float(out.loss.detach()))
+    assert losses[-1] < losses[0]
+    assert any(not torch.equal(p.float(), lora_b_before[n].float()) for n, p in lora.items() if "lora_B" in n)
+    assert sb.n_trainable == sum(p.numel() for p in lora.values())
+    assert sb.per_frozen_param == 2.0
+    full = 16.0 if policy == "bf16-mixed" else 18.0   # per param of full fine-tuning under the same policy
+    assert sb.per_param < full / 3
+
+
+def test_frozen_params_under_fp16_mixed_are_fp16():
+    model = _build(_bert)
+    _freeze_embeddings(model)
+    mp = mixprec.MixedPrecision(model, torch.optim.AdamW(model.parameters(), lr=1e-3), policy="fp16-mixed",
+                                device="cpu")
+    assert model.bert.embeddings.word_embeddings.weight.dtype == torch.float16
+    assert model.bert.encoder.layer[0].attention.self.query.weight.dtype == torch.float32
+    with mp.autocast():
+        out = mp.model(**mp.cast_inputs(_batch()))
+    mp.backward(out.loss)
+    assert mp.step().applied and torch.isfinite(out.loss)
