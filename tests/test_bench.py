@@ -226,6 +226,7 @@ USER_WORKLOAD = textwrap.dedent('''
         name = "regression"
         item_unit = "samples"
         items_per_batch = 32
+        default_steps = 7   # what bench runs without --steps
 
         def __init__(self, config):
             self.config_name = config
@@ -265,9 +266,10 @@ def test_user_workload_module_function(tmp_path, monkeypatch):
     monkeypatch.setenv("PYTHONPATH", os.pathsep.join(filter(None, [str(tmp_path), os.environ.get("PYTHONPATH")])))
     out = tmp_path / "out"
     status = main(["bench", "--workload", "my_user_workload:make_workload", "--config", "wide",
-                   "--policies", "bf16-mixed", "--steps", "6", "--out", str(out), "--device", "cpu"])
+                   "--policies", "bf16-mixed", "--out", str(out), "--device", "cpu"])
     results = json.loads((out / "results.json").read_text())
     assert status == 0
+    assert results["settings"]["steps"] == 7 and len(results["policies"]["fp32"]["loss_per_step"]) == 7
     assert results["workload"] == {"workload": "regression", "config": "wide"}
     bf16 = results["policies"]["bf16-mixed"]
     assert bf16["verdict"] == "PASS", bf16["reason"]

@@ -10,6 +10,7 @@ import pytest
 import torch
 
 from mixprec.bench.runner import DEFAULT_POLICIES, DEFAULT_STEPS
+from mixprec.workloads import GPTWorkload
 from mixprec.bench.worker import build_engine, train_step
 from mixprec.checkpoint import load_checkpoint, read_manifest, save_checkpoint
 from mixprec.cli import build_parser, main
@@ -26,7 +27,8 @@ def test_python_dash_m_mixprec_help():
 
 def test_bench_defaults_and_policy_list_parsing():
     args = build_parser().parse_args(["bench"])
-    assert (args.workload, args.config, args.steps) == ("gpt", None, DEFAULT_STEPS)
+    assert (args.workload, args.config, args.steps, args.lora) == ("gpt", None, None, None)  # steps: the workload's
+    assert GPTWorkload.default_steps == DEFAULT_STEPS
     assert args.policies == DEFAULT_POLICIES and args.max_loss_delta == 0.02
     assert args.min_speedup is None and args.max_memory_ratio is None and not args.force
     args = build_parser().parse_args(["bench", "--policies", "fp32,bf16-kahan,state=bf16,bf16-sr"])

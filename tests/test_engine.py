@@ -517,6 +517,20 @@ def test_fp8_mixed_policy_converts_linears_keeps_fp32_state_and_trains():
         mp.set_policy("bf16-mixed")
 
 
+def test_fp8_ends_policy_key_converts_the_first_and_last_linears_too():
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(32, 64), nn.GELU(), nn.Linear(64, 64), nn.GELU(), nn.Linear(64, 32))
+    mp = MixedPrecision(model, torch.optim.AdamW(model.parameters(), lr=1e-3), policy="fp8-mixed,fp8_ends=fp8",
+                        device="cpu")
+    assert sorted(mp.fp8_report.converted) == ["0", "2", "4"] and not mp.fp8_report.skipped
+    with mp.autocast():
+        loss = mp.model(mp.cast_inputs(torch.randn(8, 32))).square().mean()
+    mp.backward(loss)
+    assert mp.step().applied
+    with pytest.raises(ValueError, match="changes the fp8 linears"):
+        mp.set_policy("fp8-mixed")   # keep_ends differs: the linears cannot be swapped back mid-run
+
+
 def test_cast_inputs_keep_leaves_named_float_tensors_exact():
     mp = MixedPrecision(*with_opt(tiny_lm(), torch.optim.AdamW), policy="bf16-pure", device="cpu")
     target = torch.tensor([1.0 + 2 ** -12])          # not representable in bf16

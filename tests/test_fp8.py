@@ -33,7 +33,7 @@ def _sqnr_db(reference, approx):
 # --------------------------------------------------------------------------- public surface
 def test_public_names_are_the_reviewed_list():
     assert sorted(fp8.__all__) == sorted([
-        "AMAX_FLOOR", "ConversionReport", "Float8Linear", "Float8Recipe", "ScaledFloat8", "amax",
+        "AMAX_FLOOR", "ConversionReport", "Float8Linear", "Float8Recipe", "ScaledFloat8", "amax", "clamped_scales",
         "convert_to_float8", "fp8_available", "from_fp8", "scale_from_amax", "to_fp8"])
 
 
@@ -475,3 +475,29 @@ def test_converted_model_deep_copies_and_pickles():
     for clone in (copy.deepcopy(model), pickle.loads(pickle.dumps(model))):
         assert isinstance(clone[1], Float8Linear)
         assert all(torch.equal(a, b) for a, b in zip(clone.state_dict().values(), model.state_dict().values()))
+
+
+@pytest.mark.parametrize("recipe", ["tensorwise", "rowwise", "delayed"])
+def test_clamped_scales_count_zero_operands_per_role(recipe):
+    """Case 30 (d): the diagnostics count the scales the amax floor clamped, per linear and role."""
+    from mixprec.fp8 import clamped_scales
+
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(32, 16), torch.nn.Linear(16, 16))
+    with torch.no_grad():
+        model[1].weight.zero_()          # e.g. a zero-initialised LoRA B
+    convert_to_float8(model, recipe=recipe, keep_first_last=False)
+    assert clamped_scales(model) == {}
+    x = torch.randn(4, 32)
+    x[1].zero_()                         # one all-zero row (padding)
+    model(x).sum().backward()
+    counts = clamped_scales(model)
+    rows_weight = 16 if recipe == "rowwise" else 1      # every row of the zero weight is clamped
+    assert counts["1"]["weight"] >= rows_weight
+    if recipe == "rowwise":
+        assert counts["0"]["input"] >= 1                # the zero row of x
+    else:
+        assert "0" not in counts or counts["0"]["input"] == 0
+    assert all(torch.isfinite(p.grad).all() for p in model.parameters())
+    model[1].scaling.reset_clamped()
+    assert "1" not in clamped_scales(model) or clamped_scales(model)["1"]["weight"] == 0

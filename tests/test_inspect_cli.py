@@ -22,3 +22,17 @@ def test_bench_runs_the_advised_policy_next_to_fp32(tmp_path):
     assert advised in results["policies"] and results["advice"]["reasons"]
     assert results["policies"][advised]["verdict"] in ("PASS", "FAIL")
     assert status in (0, 1)
+
+
+def test_bench_report_says_when_the_advised_policy_equals_a_named_one(tmp_path):
+    """`--policies advised,<same policy>` runs it once, and report.md says so instead of a silent dedupe."""
+    from mixprec.numerics.command import advised_policy
+
+    advised, _ = advised_policy("gpt", config="tiny", device="cpu")  # what bench asks (same defaults)
+    out = tmp_path / "bench"
+    main(["bench", "--workload", "gpt", "--config", "tiny", "--policies", f"advised,{advised}", "--steps", "6",
+          "--out", str(out), "--max-loss-delta", "1.0", "--device", "cpu"])
+    results = json.loads((out / "results.json").read_text())
+    assert list(results["policies"]).count(str(advised)) == 1
+    report = (out / "report.md").read_text()
+    assert f"Advised policy (`mixprec inspect`): `{advised}`; its row is `{advised}` (also asked for by name" in report

@@ -35,6 +35,8 @@ def test_parse_preset_with_overrides():
     assert str(Policy.parse("params=bf16,compute=bf16,master=fp32")) == "bf16-pure"
     assert Policy.parse("fp8-mixed,recipe=delayed").fp8 == "delayed"
     assert Policy.parse("fp8-mixed,fp8_format=e4m3").fp8_format == "e4m3"
+    assert Policy.parse("fp8-mixed,fp8_ends=fp8").fp8_keep_ends is False
+    assert str(Policy.parse("fp8-mixed,fp8_ends=keep")) == "fp8-mixed"
     assert Policy.parse("bf16-mixed,keep_fp32=head|blocks.*.ln*").keep_fp32 == ("head", "blocks.*.ln*")
     assert Policy.parse("fp16-mixed,loss_scale=1024").loss_scale == 1024.0
 
@@ -54,6 +56,8 @@ def test_parse_preset_with_overrides():
     ("bf16-mixed,state=bf16,state=fp32", r"sets state_dtype twice"),
     ("bf16-mixed,fp8=blockwise", r"fp8='blockwise' is not allowed"),
     ("bf16-mixed,fp8_format=e4m3", r"needs fp8 linears"),
+    ("bf16-mixed,fp8_ends=fp8", r"needs fp8 linears"),
+    ("fp8-mixed,fp8_ends=maybe", r"fp8_ends='maybe' is not allowed"),
     ("fp8-mixed,fp8_format=e3m4", r"fp8_format='e3m4' is not allowed"),
     ("fp32,fp8=tensorwise", r"compute=fp32"),
     ("auto", r"resolve it with mixprec.resolve_policy"),
@@ -88,10 +92,11 @@ def policies(draw):
     compute = params if half else draw(st.sampled_from(DTYPES))
     fp8 = draw(st.sampled_from((None,) + FP8_RECIPES)) if compute != torch.float32 else None
     fp8_format = draw(st.sampled_from(FP8_FORMATS)) if fp8 else "hybrid"
+    keep_ends = draw(st.booleans()) if fp8 else True
     return Policy(param_dtype=params, compute_dtype=compute,
                   output_dtype=draw(st.sampled_from(DTYPES)), master_dtype=master, rounding=rounding,
                   state_dtype=draw(st.sampled_from(DTYPES)), loss_scale=scale, keep_fp32=keep,
-                  fp8=fp8, fp8_format=fp8_format)
+                  fp8=fp8, fp8_format=fp8_format, fp8_keep_ends=keep_ends)
 
 
 @settings(max_examples=300, deadline=None)

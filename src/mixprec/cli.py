@@ -61,10 +61,15 @@ def build_parser() -> argparse.ArgumentParser:
     sub = parser.add_subparsers(dest="command", required=True, metavar="{bench,train,sample,doctor,inspect}")
 
     def workload_args(p: argparse.ArgumentParser, config_help: str) -> None:
-        p.add_argument("--workload", default="gpt", help="built-in workload (gpt, digits) or "
+        p.add_argument("--workload", default="gpt", help="built-in workload (gpt, digits, minilm) or "
                        "package.module:function returning a mixprec.workloads.Workload (default: gpt)")
         p.add_argument("--config", default=None, help=config_help)
-        p.add_argument("--data", default=None, help="UTF-8 text file for gpt (default: the embedded pydoc corpus)")
+        p.add_argument("--data", default=None, help="UTF-8 text file for gpt or minilm (default: the embedded pydoc "
+                       "corpus)")
+        p.add_argument("--lora", default=None, metavar="SPEC",
+                       help="fine-tune LoRA adapters (the peft library) instead of every weight, e.g. "
+                       "r=8,alpha=16,targets=query,value; the frozen base is stored in the compute dtype "
+                       "(minilm workload; needs mixprec[hf])")
         p.add_argument("--seed", type=int, default=0, help="seed for weights and batch order (default: 0)")
         p.add_argument("--device", default=None, help="cpu, cuda, cuda:N or mps (default: the best available)")
 
@@ -74,8 +79,8 @@ def build_parser() -> argparse.ArgumentParser:
     workload_args(bench, f"workload config: gpt has tiny, baby, mid, small (default: {DEFAULT_GPT_CONFIG} for gpt)")
     bench.add_argument("--policies", default=",".join(DEFAULT_POLICIES), type=_split_policies,
                        help=f"comma-separated policies; fp32 is always added first (default: {','.join(DEFAULT_POLICIES)})")
-    bench.add_argument("--steps", type=_positive_int, default=DEFAULT_STEPS,
-                       help=f"optimizer steps per policy, >= 5 (default: {DEFAULT_STEPS})")
+    bench.add_argument("--steps", type=_positive_int, default=None,
+                       help=f"optimizer steps per policy, >= 5 (default: the workload's: {DEFAULT_STEPS} for gpt)")
     bench.add_argument("--out", default=None, help="output directory (default: runs/bench-<timestamp>)")
     bench.add_argument("--max-loss-delta", type=float, default=0.02,
                        help="largest allowed relative increase of the final eval loss vs fp32 (default: 0.02)")
@@ -139,7 +144,7 @@ def _cmd_bench(args: argparse.Namespace, command: str) -> int:
     out = Path(args.out or Path("runs") / f"bench-{_timestamp()}")
     config = BenchConfig(out=out, workload=args.workload, config=args.config, policies=args.policies,
                          steps=args.steps, seed=args.seed, data=args.data, device=args.device, force=args.force,
-                         targets=targets, command=command, strategy=args.strategy)
+                         targets=targets, command=command, strategy=args.strategy, lora=args.lora)
     results = run_bench(config)
     if config.strategy is not None and results["settings"]["world_size"] > 1 and not _main_process():
         return 1 if any(e["verdict"] == "FAIL" for e in results["policies"].values()) else 0  # rank 0 reports
@@ -165,7 +170,7 @@ def _cmd_train(args: argparse.Namespace, command: str) -> int:
         raise ValueError("--resume needs --out: the directory of the run to continue")
     if args.strategy and args.out is None:
         raise ValueError("--strategy needs --out: every rank writes into the same directory")
-    workload = get_workload(args.workload, config=args.config, data=args.data)
+    workload = get_workload(args.workload, config=args.config, data=args.data, lora=args.lora)
     out = Path(args.out or Path("runs") / f"train-{_timestamp()}")
     outcome = run_training(workload, policy=args.policy, steps=args.steps, out=out, seed=args.seed,
                            eval_every=args.eval_every, checkpoint_every=args.checkpoint_every, keep=args.keep,

@@ -143,6 +143,15 @@ class MixedPrecision:
             FSDP2 one more for the global grad norm over the shards), so all ranks skip or step
             together. Each rank feeds its own batches (:func:`mixprec.distributed.shard_batches`).
 
+    Frozen parameters (``requires_grad=False`` when the engine is built: a pretrained base, a LoRA
+    base) get no master, gradient or optimizer state; under 16-bit policies they are stored in the
+    policy's *compute* dtype (bf16 under bf16 and fp8 policies: 2 bytes/param, rounded to nearest once),
+    while trainable parameters follow the policy. Exceptions: params of keep_fp32 modules (and
+    BatchNorm) stay fp32, and under ``strategy="fsdp2"`` every param stays fp32 (sharded). A frozen
+    param may also arrive already in the compute dtype (e.g. a model loaded in bf16). Setting
+    ``requires_grad`` on one afterwards makes :meth:`backward` raise naming it;
+    :meth:`unfreeze` is the supported route (builds its fp32 master on the spot).
+
     Attributes:
         model (what to call: the DDP wrapper under ``"ddp"``), module (the user's model, unwrapped),
         optimizer, scheduler, policy, device, strategy, decision (one line: how the policy was chosen),
@@ -333,6 +342,7 @@ class MixedPrecision:
 
         report = convert_to_float8(
             self.model, recipe=self.policy.fp8, fp8_format=self.policy.fp8_format,
+            keep_first_last=self.policy.fp8_keep_ends,
             module_filter=lambda module, name: not any(name == k or name.startswith(k + ".") for k in keep))
         fast, why = fp8_available(self.device)
         self.decision += (f"; fp8 linears ({self.policy.fp8}, {self.policy.fp8_format}): {len(report.converted)} "
@@ -613,7 +623,8 @@ class MixedPrecision:
             raise RuntimeError(f"set_policy() called after {self.micro_step} backward() call(s) without step(); "
                                "change the policy at an accumulation boundary (after mp.step() returns a result)")
         new = resolve(policy, self.device).policy
-        if (new.fp8, new.fp8_format) != (self.policy.fp8, self.policy.fp8_format):
+        if (new.fp8, new.fp8_format, new.fp8_keep_ends) != (self.policy.fp8, self.policy.fp8_format,
+                                                             self.policy.fp8_keep_ends):
             raise ValueError(f"set_policy: {self.policy} → {new} changes the fp8 linears (fp8={new.fp8!r}), which "
                              "cannot be swapped mid-run; keep fp8/fp8_format as they are, or build a new "
                              "MixedPrecision from a checkpoint")

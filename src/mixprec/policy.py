@@ -27,7 +27,8 @@ Text form: a preset name, optionally followed by overrides, e.g. ``"bf16-kahan,s
 or only keys: ``"params=bf16,compute=bf16,master=fp32"`` (unspecified keys take the ``fp32``
 preset's values). Keys: ``params``, ``compute``, ``output``, ``master``, ``rounding``,
 ``state``, ``loss_scale``, ``keep_fp32`` (glob patterns joined by ``|``), ``fp8`` (recipe name,
-alias ``recipe``), ``fp8_format`` (``hybrid`` or ``e4m3``).
+alias ``recipe``), ``fp8_format`` (``hybrid`` or ``e4m3``), ``fp8_ends`` (``keep``: the network's
+first and last linears stay in the compute dtype, the default; ``fp8``: convert them too).
 """
 
 from __future__ import annotations
@@ -130,6 +131,9 @@ class Policy:
             for linears (see :mod:`mixprec.fp8`).
         fp8_format: ``"hybrid"`` (E4M3 forward, E5M2 gradients; Transformer Engine's HYBRID) or
             ``"e4m3"`` (E4M3 everywhere); only meaningful with ``fp8`` set.
+        fp8_keep_ends: keep the first and the last linear (registration order: usually the input
+            projection and the LM head, the most quantisation-sensitive GEMMs) out of fp8, as
+            torchao's float8 guidance advises (default True; text key ``fp8_ends=keep|fp8``).
 
     Raises:
         ValueError: an inconsistent combination, naming the field, the value and the fix.
@@ -145,6 +149,7 @@ class Policy:
     keep_fp32: tuple[str, ...] = ()
     fp8: str | None = None
     fp8_format: str = "hybrid"
+    fp8_keep_ends: bool = True
 
     def __post_init__(self) -> None:
         for name in ("param_dtype", "compute_dtype", "output_dtype", "state_dtype"):
@@ -195,6 +200,11 @@ class Policy:
             raise ValueError(f"Policy fp8={self.fp8!r} is not allowed; choose None or one of {FP8_RECIPES}")
         if self.fp8_format not in FP8_FORMATS:
             raise ValueError(f"Policy fp8_format={self.fp8_format!r} is not allowed; choose one of {FP8_FORMATS}")
+        if not isinstance(self.fp8_keep_ends, bool):
+            raise TypeError(f"Policy fp8_keep_ends={self.fp8_keep_ends!r} must be a bool")
+        if self.fp8 is None and not self.fp8_keep_ends:
+            raise ValueError("Policy fp8_ends=fp8 (fp8_keep_ends=False) needs fp8 linears; set fp8=tensorwise "
+                             "(or use the fp8-mixed preset)")
         if self.fp8 is None and self.fp8_format != "hybrid":
             raise ValueError(f"Policy fp8_format={self.fp8_format!r} needs fp8 linears; set fp8=tensorwise "
                              "(or use the fp8-mixed preset)")
@@ -293,6 +303,7 @@ class Policy:
         ]
         if self.fp8 is not None:
             items.append(("fp8_format", self.fp8_format))
+            items.append(("fp8_ends", "keep" if self.fp8_keep_ends else "fp8"))
         return ",".join(f"{k}={v}" for k, v in items)
 
 
@@ -323,6 +334,14 @@ def _parse_fp8_format(key: str, text: str) -> str:
     return text.lower()
 
 
+def _parse_fp8_ends(key: str, text: str) -> bool:
+    low = text.lower()
+    if low not in ("keep", "fp8"):
+        raise ValueError(f"policy key {key}={text!r} is not allowed; choose 'keep' (first and last linears stay in "
+                         "the compute dtype) or 'fp8' (convert them too)")
+    return low == "keep"
+
+
 def _parse_fp8(key: str, text: str) -> str | None:
     low = text.lower()
     if low in ("none", ""):
@@ -344,6 +363,7 @@ _KEYS = {
     "fp8": ("fp8", _parse_fp8),
     "recipe": ("fp8", _parse_fp8),
     "fp8_format": ("fp8_format", _parse_fp8_format),
+    "fp8_ends": ("fp8_keep_ends", _parse_fp8_ends),
 }
 
 _bf16, _fp16, _fp32 = torch.bfloat16, torch.float16, torch.float32

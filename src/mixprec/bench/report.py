@@ -79,6 +79,19 @@ def _event_lines(policies: dict) -> list[str]:
     return lines + skipped or ["- none: every step of every policy applied"]
 
 
+def _advice_lines(results: dict) -> list[str]:
+    """``--policies advised``: what the numerics advisor chose and why, and which row it is (when it
+    equals a policy also asked for by name, that policy runs once)."""
+    advice = results.get("advice")
+    if not advice:
+        return []
+    chosen = advice["policy"]
+    row = f"its row is `{chosen}`" if chosen in results["policies"] else "it did not run"
+    if chosen in results["settings"].get("requested_policies", ()):
+        row += " (also asked for by name: it ran once)"
+    return [f"Advised policy (`mixprec inspect`): `{chosen}`; {row}. Why: " + "; ".join(advice["reasons"]), ""]
+
+
 def _state_lines(policies: dict) -> list[str]:
     """Per policy: trainable and frozen parameter counts with the training-state bytes of each part
     (frozen params: storage only, no grad/master/state), and any eval metric besides the loss."""
@@ -163,6 +176,7 @@ def report_markdown(results: dict) -> str:
         "",
         _noise_line(results["policies"]),
         "",
+        *_advice_lines(results),
         "| " + " | ".join(headers) + " |",
         "|" + "|".join("---" if i < 2 else "---:" for i in range(len(headers))) + "|",
         *("| " + " | ".join(row) + " |" for row in _rows(results)),
@@ -215,11 +229,13 @@ def plot_loss_curves(results: dict, path: Path) -> None:
     window = max(1, s["steps"] // 20)
     fig, (ax, ax_delta) = plt.subplots(2, 1, figsize=(8, 6.5), sharex=True, gridspec_kw={"height_ratios": [2, 1]})
     smooth: dict[str, list[float]] = {}
-    for name, e in _ran(results).items():
+    styles = ("-", "--", "-.", ":")   # policies that track fp32 overlap: dashes keep each visible
+    for index, (name, e) in enumerate(_ran(results).items()):
         losses = [math.nan if v is None else v for v in e["loss_per_step"]]
         steps = range(1, len(losses) + 1)
         smooth[name] = _moving_average(losses, window)
-        (line,) = ax.plot(steps, smooth[name], lw=1.6, label=f"{name} (eval {_fmt(e.get('final_eval_loss'), '.4f')})")
+        (line,) = ax.plot(steps, smooth[name], lw=1.6, ls=styles[index % len(styles)],
+                          label=f"{name} (eval {_fmt(e.get('final_eval_loss'), '.4f')})")
         ax.plot(steps, losses, lw=0.6, alpha=0.25, color=line.get_color())
         reference = smooth.get(results["reference"])
         if reference is not None and name != results["reference"]:

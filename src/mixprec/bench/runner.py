@@ -6,7 +6,7 @@ and fp16 on a CPU whose probe says fp16 is not native, is SKIPPED with the measu
 unless ``force=True``. Nothing is run in another precision than asked: each worker records
 the engine's ``policy`` and ``decision`` and the report shows them.
 
-Each runnable policy then trains in ``python -m mixprec.bench.worker`` (its own process: peak
+Each runnable policy then trains in ``python -m mixprec.bench`` (the worker) (its own process: peak
 memory is honest and runs cannot disturb each other) from the same seed and batch order. The
 runner reads each worker's measurements, computes the deltas against fp32 (speedup, memory
 ratio, relative eval-loss delta), judges them (:mod:`mixprec.bench.verdict`) and writes the
@@ -37,6 +37,8 @@ run with the real device.
 """
 
 from __future__ import annotations
+
+import dataclasses
 
 import json
 import math
@@ -77,7 +79,8 @@ class BenchConfig:
     """Everything one bench run needs (the CLI builds it from its flags).
 
     ``config=None`` means ``mid`` for the ``gpt`` workload and the workload's own default
-    otherwise. ``command`` is the exact command line, recorded in the outputs. ``strategy``
+    otherwise; ``steps=None`` the workload's ``default_steps`` (300 for gpt). ``lora`` (e.g.
+    ``"r=8,alpha=16,targets=query,value"``) fine-tunes LoRA adapters on a transformers workload. ``command`` is the exact command line, recorded in the outputs. ``strategy``
     (``"ddp"``, ``"fsdp2"``): run under torchrun, one runner per rank (see :func:`run_bench`).
     """
 
@@ -85,7 +88,7 @@ class BenchConfig:
     workload: str = "gpt"
     config: str | None = None
     policies: tuple[str, ...] = DEFAULT_POLICIES
-    steps: int = DEFAULT_STEPS
+    steps: int | None = None
     seed: int = 0
     data: str | None = None
     device: str | None = None
@@ -93,9 +96,10 @@ class BenchConfig:
     targets: Targets = field(default_factory=Targets)
     command: str = ""
     strategy: str | None = None
+    lora: str | None = None
 
     def __post_init__(self) -> None:
-        if not isinstance(self.steps, int) or self.steps < 5:
+        if self.steps is not None and (not isinstance(self.steps, int) or self.steps < 5):
             raise ValueError(f"bench steps={self.steps!r} must be an int >= 5 (warm-up steps are not timed)")
         if not self.policies or not all(isinstance(p, str) and p.strip() for p in self.policies):
             raise ValueError(f"bench policies={self.policies!r} must be non-empty policy names, "
@@ -164,7 +168,7 @@ def _run_worker(spec: RunSpec, workdir: Path, name: str, bar: tqdm,
         env.pop("TORCHELASTIC_USE_AGENT_STORE", None)
         env.update(env_update)
     with open(log_path, "w", encoding="utf-8") as log:
-        proc = subprocess.Popen([sys.executable, "-m", "mixprec.bench.worker", str(spec_path), str(out_path)],
+        proc = subprocess.Popen([sys.executable, "-m", "mixprec.bench", str(spec_path), str(out_path)],
                                 stdout=subprocess.PIPE, stderr=log, text=True, env=env)
         for line in proc.stdout or ():
             if line.startswith("step ") and line[5:].strip().isdigit():
@@ -248,8 +252,10 @@ def run_bench(config: BenchConfig, *, capability: Capability | None = None, prog
     start = time.perf_counter()
     device = normalize_device(config.device)
     cap = _capability(device, capability)
-    workload = get_workload(config.workload, config=config.config_name, data=config.data)
+    workload = get_workload(config.workload, config=config.config_name, data=config.data, lora=config.lora)
     description = workload.describe()
+    if config.steps is None:
+        config = dataclasses.replace(config, steps=int(getattr(workload, "default_steps", DEFAULT_STEPS)))
     del workload
     peaks = cached_peaks(device)
     names = list(dict.fromkeys([REFERENCE, *(p.strip() for p in config.policies)]))
@@ -258,7 +264,7 @@ def run_bench(config: BenchConfig, *, capability: Capability | None = None, prog
         from mixprec.numerics.command import advised_policy
 
         advised, advice = advised_policy(config.workload, config=config.config_name, data=config.data,
-                                         device=device)
+                                         device=device, lora=config.lora)
         names = list(dict.fromkeys(str(advised) if n == ADVISED else n for n in names))
         if progress and is_main_process():
             print(f"advised policy: {advised}\n  " + "\n  ".join(advice.reasons), file=sys.stderr)
@@ -286,7 +292,7 @@ def run_bench(config: BenchConfig, *, capability: Capability | None = None, prog
                 continue
             bar.set_description(name)
             spec = RunSpec(workload=config.workload, policy=name, steps=config.steps, seed=config.seed,
-                           config=config.config_name, data=config.data,
+                           config=config.config_name, data=config.data, lora=config.lora,
                            device="cuda" if config.strategy and device.type == "cuda" else str(device),  # LOCAL_RANK's
                            warmup_steps=warmup, peaks_gflops=peaks_gflops, strategy=config.strategy)
             env_update = None if config.strategy is None else {
@@ -303,7 +309,9 @@ def run_bench(config: BenchConfig, *, capability: Capability | None = None, prog
         "created": time.strftime("%Y-%m-%dT%H:%M:%S%z"),
         "command": config.command,
         "settings": {"workload": config.workload, "config": config.config_name, "policies": names,
+                     "requested_policies": [p.strip() for p in config.policies],
                      "steps": config.steps, "warmup_steps": warmup, "seed": config.seed, "data": config.data,
+                     "lora": config.lora,
                      "device": str(device), "force": config.force, "targets": asdict(config.targets),
                      "strategy": config.strategy, "world_size": world_size()},
         "workload": description,

@@ -1,6 +1,6 @@
 """One policy, one process: train a workload under the engine and measure it.
 
-The bench runner starts ``python -m mixprec.bench.worker SPEC_JSON OUT_JSON`` once per policy,
+The bench runner starts ``python -m mixprec.bench SPEC_JSON OUT_JSON`` once per policy,
 so each run has its own process (honest peak memory, no allocator or autocast-cache state
 shared between policies). Every worker seeds torch with the same seed before building the
 model (identical initial weights) and draws training batches from the same seeded stream
@@ -71,6 +71,7 @@ class RunSpec:
     measure_state_at: int = 1
     peaks_gflops: dict[str, float | None] = field(default_factory=dict)
     strategy: str | None = None
+    lora: str | None = None
 
     def __post_init__(self) -> None:
         if not (isinstance(self.steps, int) and self.steps > self.warmup_steps >= self.measure_state_at >= 1):
@@ -160,7 +161,7 @@ def run_policy(spec: RunSpec, progress: Callable[[int], None] | None = None) -> 
         SetupError: the engine (or the optimizer) refused the policy for this device or model.
     """
     start_wall = time.perf_counter()
-    workload = get_workload(spec.workload, config=spec.config, data=spec.data)
+    workload = get_workload(spec.workload, config=spec.config, data=spec.data, lora=spec.lora)
     if spec.strategy is not None:  # a collective timeout instead of a hang if another rank fails
         init_process_group_from_env(spec.device, timeout=timedelta(minutes=5))
     try:
@@ -246,10 +247,10 @@ def run_policy(spec: RunSpec, progress: Callable[[int], None] | None = None) -> 
 
 
 def main(argv: list[str] | None = None) -> int:
-    """``python -m mixprec.bench.worker SPEC_JSON OUT_JSON``; returns the exit status."""
+    """``python -m mixprec.bench SPEC_JSON OUT_JSON``; returns the exit status."""
     args = sys.argv[1:] if argv is None else argv
     if len(args) != 2:
-        print("usage: python -m mixprec.bench.worker SPEC_JSON OUT_JSON", file=sys.stderr)
+        print("usage: python -m mixprec.bench SPEC_JSON OUT_JSON", file=sys.stderr)
         return 2
     spec_path, out_path = args
     try:

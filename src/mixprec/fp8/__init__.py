@@ -9,7 +9,7 @@ emulation elsewhere; :func:`convert_to_float8` swaps a model's eligible linears 
 """
 
 from mixprec.fp8.convert import ConversionReport, convert_to_float8
-from mixprec.fp8.linear import Float8Linear, fp8_available
+from mixprec.fp8.linear import Float8Linear, clamped_scales, fp8_available
 from mixprec.fp8.recipes import Float8Recipe
 from mixprec.fp8.scaling import AMAX_FLOOR, ScaledFloat8, amax, from_fp8, scale_from_amax, to_fp8
 
@@ -20,6 +20,7 @@ __all__ = [
     "Float8Recipe",
     "ScaledFloat8",
     "amax",
+    "clamped_scales",
     "convert_to_float8",
     "fp8_available",
     "from_fp8",

@@ -53,7 +53,8 @@ def _first_last_reasons(linear_names: list[str]) -> dict[str, str]:
     """Reasons for keeping the first and the last ``nn.Linear`` of the network."""
     if not linear_names:
         return {}
-    hint = "kept in high precision; pass keep_first_last=False to convert it"
+    hint = ("kept in high precision; convert it with policy key fp8_ends=fp8 "
+            "(convert_to_float8(..., keep_first_last=False))")
     reasons = {linear_names[0]: f"first Linear of the network ({hint})"}
     reasons.setdefault(linear_names[-1], f"last Linear of the network ({hint})")
     return reasons

@@ -33,7 +33,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from mixprec.fp8.recipes import CurrentScaling, DelayedScaling, Float8Recipe
+from mixprec.fp8.recipes import ROLES, CurrentScaling, DelayedScaling, Float8Recipe
 from mixprec.fp8.scaling import ScaledFloat8
 
 __all__ = ["Float8Linear", "fp8_available"]
@@ -271,3 +271,17 @@ class Float8Linear(nn.Linear):
 
     def extra_repr(self) -> str:
         return f"{super().extra_repr()}, recipe={self.recipe}, use_scaled_mm={self.use_scaled_mm}"
+
+
+def clamped_scales(model: nn.Module) -> dict[str, dict[str, int]]:
+    """Per fp8 linear of ``model`` (module name), per operand role: how many scales the amax floor
+    clamped since the model was converted (case 30: an all-zero or subnormal tensor, or rows of
+    one under rowwise, e.g. a zero-initialised LoRA ``B``, padding, dead experts). Such casts give
+    exact zeros instead of NaN; a count that keeps growing flags a layer that feeds fp8 nothing.
+    Only linears with a nonzero count are listed. **Syncs** the host with the device once.
+    """
+    named = [(name, m.scaling.clamped) for name, m in model.named_modules() if isinstance(m, Float8Linear)]
+    if not named:
+        return {}
+    counts = torch.stack([c for _, c in named]).tolist()
+    return {name: dict(zip(ROLES, row)) for (name, _), row in zip(named, counts) if any(row)}

@@ -25,7 +25,7 @@ import torch
 from torch import nn
 
 from mixprec.formats import Format, get_format
-from mixprec.fp8.scaling import ScaledFloat8, amax, scale_from_amax, to_fp8
+from mixprec.fp8.scaling import AMAX_FLOOR, ScaledFloat8, amax, scale_from_amax, to_fp8
 
 __all__ = ["Float8Recipe", "CurrentScaling", "DelayedScaling", "RECIPES", "FP8_FORMATS", "ROLES"]
 
@@ -98,22 +98,41 @@ class Float8Recipe:
         """The scaling object for one linear (delayed: fresh, empty amax histories on ``device``)."""
         if self.name == "delayed":
             return DelayedScaling(self, device=device)
-        return CurrentScaling(self)
+        return CurrentScaling(self, device=device)
 
     def __str__(self) -> str:
         extra = f",history_len={self.history_len},amax_compute={self.amax_compute}" if self.name == "delayed" else ""
         return f"{self.name}(format={self.fp8_format},margin={self.margin}{extra})"
 
 
-class CurrentScaling(nn.Module):
+class _ClampCounter(nn.Module):
+    """Diagnostics shared by the scaling classes: ``clamped``, an int64 ``(3,)`` buffer (one entry
+    per role of :data:`ROLES`) counting the scales that the amax floor clamped -- casts of an
+    all-zero or subnormal tensor (per row under rowwise) since the counter was built or
+    :meth:`reset_clamped`. Not persistent (never in ``state_dict``); updated on device, no sync."""
+
+    def _init_counter(self, device: torch.device | str | None) -> None:
+        self.register_buffer("clamped", torch.zeros(len(ROLES), dtype=torch.int64, device=device), persistent=False)
+
+    @torch.no_grad()
+    def _count(self, role: str, t_amax: torch.Tensor) -> None:
+        self.clamped[ROLES.index(role)] += (t_amax < AMAX_FLOOR).sum()
+
+    def reset_clamped(self) -> None:
+        self.clamped.zero_()
+
+
+class CurrentScaling(_ClampCounter):
     """``tensorwise``/``rowwise`` current scaling: the scale comes from the tensor being cast.
 
-    Stateless (nothing in ``state_dict``). No host sync.
+    Stateless (nothing in ``state_dict``; the ``clamped`` diagnostics counter is not persistent).
+    No host sync.
     """
 
-    def __init__(self, recipe: Float8Recipe) -> None:
+    def __init__(self, recipe: Float8Recipe, device: torch.device | str | None = None) -> None:
         super().__init__()
         self.recipe = recipe
+        self._init_counter(device)
 
     def cast(self, t_hp: torch.Tensor, *, role: str, axis: int) -> ScaledFloat8:
         """Cast the 2-D ``t_hp`` for a GEMM that contracts along ``axis`` (0 or -1).
@@ -123,6 +142,7 @@ class CurrentScaling(nn.Module):
         """
         fmt = self.recipe.format_for(role)
         t_amax = amax(t_hp, dim=axis if self.recipe.name == "rowwise" else None)
+        self._count(role, t_amax)
         scale = scale_from_amax(t_amax, fmt, self.recipe.margin)
         return ScaledFloat8(to_fp8(t_hp, scale, fmt), scale)
 
@@ -175,7 +195,7 @@ class AmaxHistory(nn.Module):
         return f"fmt={self.fmt}, history_len={self.amax_history.numel()}, amax_compute={self.amax_compute}"
 
 
-class DelayedScaling(nn.Module):
+class DelayedScaling(_ClampCounter):
     """Delayed scaling: one :class:`AmaxHistory` per role (submodules ``input``, ``weight``,
     ``grad_output``). Each cast uses the scale from earlier steps and then records this
     tensor's amax -- in training mode only, so evaluation does not move the scales.
@@ -191,11 +211,13 @@ class DelayedScaling(nn.Module):
         self.input = AmaxHistory(recipe.format_for("input"), recipe, device)
         self.weight = AmaxHistory(recipe.format_for("weight"), recipe, device)
         self.grad_output = AmaxHistory(recipe.format_for("grad_output"), recipe, device)
+        self._init_counter(device)
 
     def cast(self, t_hp: torch.Tensor, *, role: str, axis: int) -> ScaledFloat8:
         """Cast ``t_hp`` with the delayed scale of ``role`` (shape ``()``; ``axis`` is unused)."""
         history: AmaxHistory = getattr(self, role)
         amax_now = amax(t_hp)
+        self._count(role, amax_now)
         scale = history.scale_for_cast(amax_now)
         t_fp8 = ScaledFloat8(to_fp8(t_hp, scale, history.fmt), scale)
         if self.training:

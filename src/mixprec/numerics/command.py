@@ -50,10 +50,12 @@ def add_inspect_parser(subparsers: argparse._SubParsersAction) -> argparse.Argum
     p = subparsers.add_parser("inspect", help="per-layer numerics in fp16/bf16/fp8 and an advised policy",
                               description="Which layer is unsafe in which format, and what to do about it.",
                               epilog=_EPILOG, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--workload", default="gpt", help="built-in workload (gpt, digits) or package.module:function "
-                   "returning a mixprec.workloads.Workload (default: gpt)")
+    p.add_argument("--workload", default="gpt", help="built-in workload (gpt, digits, minilm) or "
+                   "package.module:function returning a mixprec.workloads.Workload (default: gpt)")
     p.add_argument("--config", default=None, help="workload config (default: the workload's own, baby for gpt)")
-    p.add_argument("--data", default=None, help="UTF-8 text file for gpt (default: the embedded pydoc corpus)")
+    p.add_argument("--data", default=None, help="UTF-8 text file for gpt or minilm (default: the embedded pydoc corpus)")
+    p.add_argument("--lora", default=None, metavar="SPEC", help="LoRA adapters on a transformers workload, "
+                   "e.g. r=8,alpha=16,targets=query,value (needs mixprec[hf])")
     p.add_argument("--seed", type=int, default=0, help="seed for weights and batch order (default: 0)")
     p.add_argument("--device", default=None, help="cpu, cuda, cuda:N or mps (default: the best available)")
     p.add_argument("--steps", type=_positive_int, default=DEFAULT_STEPS,
@@ -67,14 +69,15 @@ def add_inspect_parser(subparsers: argparse._SubParsersAction) -> argparse.Argum
     return p
 
 
-def _workload(workload: Workload | str, config: str | None = None, data: str | None = None) -> Workload:
+def _workload(workload: Workload | str, config: str | None = None, data: str | None = None,
+              lora: str | None = None) -> Workload:
     if isinstance(workload, Workload):
-        if config is not None or data is not None:
-            raise ValueError("advised_policy/inspect_workload: config= and data= apply to a workload spec string, "
+        if config is not None or data is not None or lora is not None:
+            raise ValueError("advised_policy/inspect_workload: config=, data= and lora= apply to a workload spec string, "
                              f"not to a built Workload ({type(workload).__name__}); drop them")
         return workload
     if isinstance(workload, str):
-        return get_workload(workload, config=config, data=data)
+        return get_workload(workload, config=config, data=data, lora=lora)
     raise TypeError(f"workload={workload!r} must be a mixprec.workloads.Workload or a spec such as 'gpt' or "
                     "'package.module:function'")
 
@@ -82,13 +85,13 @@ def _workload(workload: Workload | str, config: str | None = None, data: str | N
 def inspect_workload(workload: Workload | str, *, config: str | None = None, data: str | None = None,
                      steps: int = DEFAULT_STEPS, seed: int = 0, device: str | torch.device | None = None,
                      policy: str | Policy = "fp32", formats: tuple[str, ...] = DEFAULT_FORMATS,
-                     lr: float | None = None) -> NumericsReport:
+                     lr: float | None = None, lora: str | None = None) -> NumericsReport:
     """:func:`mixprec.numerics.inspect` on a workload: its model built after ``torch.manual_seed(seed)``,
     its ``"train"`` batches for ``seed``, its loss and its optimizer recipe (``make_optimizer``).
 
     ``device``: ``None`` inspects on the best available device (as the other commands run).
     """
-    wl = _workload(workload, config, data)
+    wl = _workload(workload, config, data, lora)
     dev = normalize_device(device)
     torch.manual_seed(seed)
     model = wl.build_model()
@@ -98,14 +101,15 @@ def inspect_workload(workload: Workload | str, *, config: str | None = None, dat
 
 def advised_policy(workload: Workload | str, *, steps: int = DEFAULT_STEPS, seed: int = 0,
                    device: str | torch.device | None = None, policy: str | Policy = "fp32",
-                   config: str | None = None, data: str | None = None) -> tuple[Policy, Recommendation]:
+                   config: str | None = None, data: str | None = None,
+                   lora: str | None = None) -> tuple[Policy, Recommendation]:
     """Inspect ``workload`` and return ``(recommended policy, recommendation)`` — what
     ``mixprec bench --policies advised`` runs. ``str(policy)`` is its text form; for an fp16
     policy start the dynamic loss scale at ``recommendation.initial_loss_scale``, which the
     policy text does not carry.
     """
     report = inspect_workload(workload, config=config, data=data, steps=steps, seed=seed, device=device,
-                              policy=policy)
+                              policy=policy, lora=lora)
     recommendation = report.recommend()
     return recommendation.policy, recommendation
 
@@ -129,7 +133,8 @@ def run_inspect(args: argparse.Namespace) -> int:
     formats = tuple(f.strip() for f in args.formats.split(",") if f.strip())
     start = time.perf_counter()
     report = inspect_workload(args.workload, config=args.config, data=args.data, steps=args.steps, seed=args.seed,
-                              device=args.device, policy=args.policy, formats=formats, lr=args.lr)
+                              device=args.device, policy=args.policy, formats=formats, lr=args.lr,
+                              lora=getattr(args, "lora", None))
     paths = write_report(report, args.out or Path("runs") / f"inspect-{time.strftime('%Y%m%d-%H%M%S')}")
     rec = report.recommend()
     print(f"advised policy: {rec.policy}" + (f" (initial loss scale {rec.initial_loss_scale:g})"

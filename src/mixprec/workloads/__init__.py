@@ -14,6 +14,8 @@ from mixprec.workloads.base import OptimizerConfig, Workload, move_batch
 from mixprec.workloads.corpus import Corpus, load_corpus
 from mixprec.workloads.digits import DigitsConfig, DigitsWorkload
 from mixprec.workloads.gpt import GPT, GPTConfig, GPTWorkload, generate
+from mixprec.workloads.lora import LoraSpec, apply_lora
+from mixprec.workloads.minilm import MiniLMConfig, MiniLMWorkload
 
 __all__ = [
     "BUILTIN_WORKLOADS",
@@ -23,19 +25,31 @@ __all__ = [
     "GPT",
     "GPTConfig",
     "GPTWorkload",
+    "LoraSpec",
+    "MiniLMConfig",
+    "MiniLMWorkload",
     "OptimizerConfig",
     "Workload",
+    "apply_lora",
     "generate",
     "get_workload",
     "load_corpus",
     "move_batch",
 ]
 
-BUILTIN_WORKLOADS = ("gpt", "digits")
+BUILTIN_WORKLOADS = ("gpt", "digits", "minilm")
+LORA_WORKLOADS = ("minilm",)  # built-ins that take lora=
 _SPEC_RE = re.compile(r"^[A-Za-z_][\w]*(\.[A-Za-z_]\w*)*:[A-Za-z_]\w*$")
 
 
-def _builtin(name: str, config: str | None, data: str | None) -> Workload:
+def _builtin(name: str, config: str | None, data: str | None, lora: LoraSpec | str | None) -> Workload:
+    if lora is not None and name not in LORA_WORKLOADS:
+        raise ValueError(
+            f"--lora {str(lora)!r} needs a transformers workload ({', '.join(LORA_WORKLOADS)}); the {name} "
+            "workload trains its own model from scratch. Drop --lora or use --workload minilm."
+        )
+    if name == "minilm":
+        return MiniLMWorkload(config=config or "default", data=data, lora=lora)
     if name == "gpt":
         return GPTWorkload(config=config or "baby", data=data)
     if data is not None:
@@ -46,15 +60,18 @@ def _builtin(name: str, config: str | None, data: str | None) -> Workload:
     return DigitsWorkload(config=config or "default")
 
 
-def get_workload(spec: str, config: str | None = None, data: str | None = None) -> Workload:
-    """Build the workload named by ``spec`` with an optional config name and data path.
+def get_workload(spec: str, config: str | None = None, data: str | None = None,
+                 lora: LoraSpec | str | None = None) -> Workload:
+    """Build the workload named by ``spec`` with an optional config name, data path and LoRA spec.
 
-    ``spec`` is a built-in name (``"gpt"``, ``"digits"``) or ``"package.module:function"``.
-    A factory is called with the keywords ``config=`` and ``data=`` that were given (not
-    ``None``); passing one its signature does not accept raises ``ValueError``.
+    ``spec`` is a built-in name (``"gpt"``, ``"digits"``, ``"minilm"``) or
+    ``"package.module:function"``. A factory is called with the keywords ``config=``, ``data=``
+    and ``lora=`` that were given (not ``None``); passing one its signature does not accept
+    raises ``ValueError``. ``lora`` (a :class:`LoraSpec` or its text) is accepted by the
+    ``minilm`` built-in only; for ``gpt``/``digits`` it raises ``ValueError`` naming ``--lora``.
     """
     if spec in BUILTIN_WORKLOADS:
-        return _builtin(spec, config, data)
+        return _builtin(spec, config, data, lora)
     if ":" not in spec:
         raise ValueError(
             f"get_workload: {spec=} is not a built-in workload {BUILTIN_WORKLOADS} and not of "
@@ -80,7 +97,7 @@ def get_workload(spec: str, config: str | None = None, data: str | None = None) 
             f"get_workload: module {module_name!r} has no callable {func_name!r}; expected "
             "'package.module:function' naming a function that returns a Workload."
         )
-    kwargs = {k: v for k, v in (("config", config), ("data", data)) if v is not None}
+    kwargs = {k: v for k, v in (("config", config), ("data", data), ("lora", lora)) if v is not None}
     params = inspect.signature(factory).parameters
     takes_any = any(p.kind is inspect.Parameter.VAR_KEYWORD for p in params.values())
     for key in kwargs:

@@ -117,7 +117,9 @@ class Workload(abc.ABC):
     - ``config_name``: the named configuration (``"baby"``, ``"tiny"``, ...);
     - ``items_per_batch`` / ``item_unit``: throughput unit per training batch, e.g.
       ``B * T`` ``"tokens"`` or ``B`` ``"samples"``;
-    - ``optim``: the :class:`OptimizerConfig` used by the default recipe hooks.
+    - ``optim``: the :class:`OptimizerConfig` used by the default recipe hooks;
+    - ``default_steps`` (optional, default 300): optimizer steps ``mixprec bench`` runs per
+      policy when ``--steps`` is not given.
 
     Contract: ``build_model`` returns an fp32 module whose initial weights depend only on
     ``torch``'s global seed, set by the caller; ``batches("train", seed)`` is an endless,
@@ -130,6 +132,7 @@ class Workload(abc.ABC):
     items_per_batch: int
     item_unit: str
     optim: OptimizerConfig = OptimizerConfig()
+    default_steps: int = 300
 
     @property
     def max_grad_norm(self) -> float | None:
