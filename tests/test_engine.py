@@ -608,3 +608,33 @@ def test_lifecycle_misuse_is_named():
     with pytest.warns(UserWarning, match="underflows fp16"):
         m = tiny_lm()
         MixedPrecision(m, mixprec.optim.AdamW(m.parameters()), policy="fp16-pure,state=fp16", device="cpu")
+
+
+def test_pure_policy_masters_adopt_params_loaded_after_the_engine_was_built():
+    """Weights loaded into the model after MixedPrecision (a common order) must not be silently
+    overwritten by the stale fp32 masters at the next step."""
+    import warnings
+
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(8, 8), nn.ReLU(), nn.Linear(8, 1))
+    pretrained = {k: torch.randn_like(v) for k, v in model.state_dict().items()}
+    mp = MixedPrecision(model, torch.optim.SGD(model.parameters(), lr=0.0), policy="bf16-pure", device="cpu")
+    x = torch.randn(4, 8)
+
+    def step():
+        with mp.autocast():
+            loss = mp.model(mp.cast_inputs(x)).float().square().mean()
+        mp.backward(loss)
+        return mp.step()
+
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")       # ordinary steps never look like an outside edit
+        step()
+        step()
+    model.load_state_dict(pretrained)        # after the engine: params change, masters do not
+    with pytest.warns(UserWarning, match=r"4 parameter\(s\) \(0.weight, 0.bias, 2.weight, 2.bias\).*written "
+                                         r"outside the engine"):
+        step()
+    for name, p in model.named_parameters():   # lr=0: the step keeps what was loaded
+        assert torch.equal(p, pretrained[name].to(torch.bfloat16)), name
+    assert mp.events[-1]["kind"] == "adopt"

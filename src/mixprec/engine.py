@@ -233,6 +233,7 @@ class MixedPrecision:
                     p.data = p.data.to(self.policy.param_dtype)
                 elif id(p) in frozen:
                     p.data = p.data.to(self.policy.compute_dtype)
+        self.masters.record_versions()
         if self.policy.has_masters:
             self.masters.rebind(optimizer)
         self._configure_optimizer()
@@ -243,6 +244,7 @@ class MixedPrecision:
         self._install_hooks(keep)
         if strategy == "ddp":  # after the casts: DDP builds its buckets from the params' dtypes
             self.model = distributed.wrap_model(model, self.policy, strategy, self.device)
+            self.masters.record_versions()  # DDP's broadcast of rank 0's params is not a user edit
 
         self.micro_step = 0          # backward() calls since the last boundary
         self.applied_steps = 0
@@ -294,6 +296,23 @@ class MixedPrecision:
         half = {id(p) for p in free if p.requires_grad and policy.param_dtype != torch.float32}
         frozen = {id(p) for p in free if not p.requires_grad and policy.compute_dtype != torch.float32}
         return half, frozen
+
+    def _adopt_edited_params(self) -> None:
+        """Params written outside the engine (16-bit ones with fp32 masters) keep the edit: their masters
+        adopt the new value, with one warning naming them, instead of overwriting it after the step."""
+        edited = self.masters.adopt_edited_params()
+        if not edited:
+            return
+        names = {id(p): n for n, p in self.module.named_parameters()}
+        listed = [names.get(id(self.masters.pairs[i][0]), "?") for i in edited]
+        dtype = str(self.policy.param_dtype).replace("torch.", "")
+        detail = (f"{len(listed)} parameter(s) ({', '.join(listed[:5])}{', ...' if len(listed) > 5 else ''}) were "
+                  f"written outside the engine (e.g. model.load_state_dict after MixedPrecision was built); their "
+                  f"fp32 masters now take those values, as stored in {dtype}")
+        self.events.append({"step": self.boundaries, "kind": "adopt", "cause": "params edited outside the optimizer",
+                            "module": None, "detail": detail})
+        warnings.warn(f"{detail}. To keep full fp32 precision, load weights before building MixedPrecision, "
+                      "or with mixprec.load_checkpoint / mp.load_state_dict", stacklevel=3)
 
     def _check_frozen(self) -> None:
         """Raise if a param stored frozen (16-bit, no master) was unfrozen behind the engine's back."""
@@ -511,6 +530,7 @@ class MixedPrecision:
         self._step_pending = False
         if self.micro_step < self.accumulation_steps:
             return None
+        self._adopt_edited_params()
         grads = self._grads()
         if self.strategy == "fsdp2":
             grads = distributed.local_tensors(grads)  # this rank's shards; checks and norms combined below
@@ -696,6 +716,7 @@ class MixedPrecision:
         old = self.policy
         self.policy = new
         self.masters = masters
+        self.masters.record_versions()
         self._frozen = [p for p in params if id(p) in frozen]
         scale_note = "loss scale kept"
         if new.loss_scale != old.loss_scale:
@@ -791,6 +812,7 @@ class MixedPrecision:
         if self.micro_step != 0:
             raise RuntimeError(f"state_dict() called after {self.micro_step} backward() call(s) without step(); "
                                "take it at an accumulation boundary (after mp.step() returns a result)")
+        self._adopt_edited_params()
         return {
             "policy": str(self.policy),
             "model": self.module.state_dict(),
@@ -823,6 +845,7 @@ class MixedPrecision:
         with torch.no_grad():
             for (_, m), saved in zip(self.masters.pairs, state["masters"]):
                 m.copy_(saved)
+        self.masters.record_versions()
         self.optimizer.load_state_dict(state["optimizer"])
         if self.scheduler is not None and state["scheduler"] is not None:
             self.scheduler.load_state_dict(state["scheduler"])

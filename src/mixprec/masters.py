@@ -68,6 +68,32 @@ class MasterWeights:
         """Round each master to nearest into its 16-bit parameter."""
         if self.pairs:
             torch._foreach_copy_([p for p, _ in self.pairs], [m for _, m in self.pairs])
+        self.record_versions()
+
+    def record_versions(self) -> None:
+        """Remember each pair's tensor version counters (bumped by every in-place write), after the
+        engine itself wrote params or masters, so :meth:`adopt_edited_params` can tell a user's edit."""
+        self._versions = [(p._version, m._version) for p, m in self.pairs]
+
+    @torch.no_grad()
+    def adopt_edited_params(self) -> list[int]:
+        """Masters take the value of params written in place outside the engine since the last
+        :meth:`record_versions` (e.g. ``model.load_state_dict(...)`` or ``p.copy_(...)`` under
+        ``no_grad`` after the engine was built), whose masters were not written: without this the
+        next step would copy the stale masters back over the edit. Returns the indices adopted
+        (into :attr:`pairs`). Writes made through ``p.data`` bypass version counters and are not seen.
+        """
+        versions = getattr(self, "_versions", None)
+        if versions is None or len(versions) != len(self.pairs):
+            return []
+        edited = [i for i, ((p, m), (v_p, v_m)) in enumerate(zip(self.pairs, versions))
+                  if p._version != v_p and m._version == v_m]
+        for i in edited:
+            p, m = self.pairs[i]
+            m.copy_(p)
+        if edited:
+            self.record_versions()
+        return edited
 
     @torch.no_grad()
     def load_from_params(self) -> None:
