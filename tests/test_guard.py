@@ -250,6 +250,23 @@ def test_a_loss_spike_is_rolled_back_counted_and_the_run_continues():
     assert math.isfinite(val_loss(mp))
 
 
+def test_a_spike_in_the_first_micro_batch_of_an_accumulated_step_is_seen():
+    """The guard judges the step's loss (mean over its micro-batches), not the last micro-batch's."""
+    guard = Guard(snapshot_every=10, spike_warmup=10)
+    mp = build(guard=guard, accumulation_steps=2)
+    data = batches(60)
+    for i in range(30):
+        for j, batch in enumerate(data[2 * i:2 * i + 2]):
+            with mp.autocast():
+                loss = loss_fn(mp.model, mp.cast_inputs(batch))
+            if (i, j) == (20, 0):
+                loss = loss * 50.0          # only the first micro-batch of boundary 21 spikes
+            mp.backward(loss)
+            mp.step()
+    assert [(e["step"], e["cause"]) for e in mp.events] == [(21, "spike")]
+    assert float(mp.boundary_loss) < 0.5
+
+
 def test_zscore_spike_rule():
     guard = Guard(snapshot_every=10, spike_window=10, spike_warmup=10, spike_factor=None, spike_zscore=4.0)
     mp = build(guard=guard)

@@ -251,6 +251,8 @@ class MixedPrecision:
         self.skipped_total = 0
         self.boundaries = 0          # step() boundaries reached (applied + skipped)
         self._last_loss: torch.Tensor | None = None
+        self._loss_sum: torch.Tensor | None = None       # over this boundary's micro-batches (device)
+        self._boundary_loss: torch.Tensor | None = None
         self._step_pending = False   # a backward() awaits its step()
         self._nonfinite_streak = 0   # consecutive boundaries whose loss itself was non-finite
         self._loss_finite = torch.ones((), dtype=torch.bool)  # over this boundary's micro-batches (device)
@@ -503,6 +505,7 @@ class MixedPrecision:
                                f"accumulation_steps={self.accumulation_steps}; call mp.step() after each backward() "
                                "(it returns None until the accumulation boundary)")
         self._last_loss = loss.detach()
+        self._loss_sum = self._last_loss.float() if self.micro_step == 0 else self._loss_sum + self._last_loss.float()
         finite = torch.isfinite(self._last_loss).all()
         self._loss_finite = finite if self.micro_step == 0 else self._loss_finite & finite
         if self.accumulation_steps > 1:
@@ -531,6 +534,7 @@ class MixedPrecision:
         if self.micro_step < self.accumulation_steps:
             return None
         self._adopt_edited_params()
+        self._boundary_loss = self._loss_sum / self.accumulation_steps
         grads = self._grads()
         if self.strategy == "fsdp2":
             grads = distributed.local_tensors(grads)  # this rank's shards; checks and norms combined below
@@ -785,6 +789,13 @@ class MixedPrecision:
         return event
 
     # ------------------------------------------------------------------ views and state
+    @property
+    def boundary_loss(self) -> torch.Tensor | None:
+        """Mean fp32 loss over the micro-batches of the last accumulation boundary (the loss of the
+        optimizer step; equals :attr:`last_loss` without accumulation); a device tensor, None before
+        the first boundary. Non-finite if any micro-batch loss was. Reading its value syncs."""
+        return self._boundary_loss
+
     @property
     def last_loss(self) -> torch.Tensor | None:
         """The loss of the last ``backward()`` (detached, unscaled, on the device; None before

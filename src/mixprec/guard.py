@@ -10,7 +10,7 @@ names the cause, the step, the module and what was tried.
 The engine never imports this module: ``MixedPrecision(..., guard=Guard(...))`` hands the guard
 each :class:`~mixprec.engine.StepResult` through ``guard.after_step(mp, result)``, and the
 guard acts through the engine's public surface (``state_dict``/``load_state_dict``,
-``set_policy``, ``last_loss``, ``step_batches``, ``events``).
+``set_policy``, ``boundary_loss``, ``step_batches``, ``events``).
 """
 
 from __future__ import annotations
@@ -175,8 +175,8 @@ class Guard:
     * ``"spike"``: on a check step after ``spike_warmup`` healthy applied steps, the loss is above
       ``spike_factor`` × the mean of the last ``spike_window`` healthy losses (assumes positive
       losses; 3 is about Lightning's default ``rtol=2``), or more than ``spike_zscore`` standard
-      deviations above that mean (with gradient accumulation the loss read is ``mp.last_loss``,
-      the last micro-batch's);
+      deviations above that mean (the loss read is ``mp.boundary_loss``: with gradient
+      accumulation, the mean over the step's micro-batches);
     * ``"skips"``: ``max_consecutive_skips`` skipped steps in a row, for any reason.
 
     Acts by a ladder; a failure is counted against the current snapshot (the "place"):
@@ -314,7 +314,7 @@ class Guard:
         s.skip_streak = s.backoff_streak = 0
         if mp.boundaries % c.check_every != 0 and not self._snapshot_due(mp):
             return None, "", None
-        loss = float(mp.last_loss)  # the guard's one sync per check
+        loss = float(mp.boundary_loss)  # the guard's one sync per check
         if not math.isfinite(loss):
             return "nonfinite", f"the loss is {loss} although the gradients were finite", None
         spike = self._spike(loss)
