@@ -112,6 +112,24 @@ def test_bf16_nearest_loses_updates_and_warns_once():
     assert "100.0%" in messages[0] and "rounding='kahan'" in messages[0] and "bf16-pure" in messages[0]
 
 
+def test_updates_lost_only_after_the_lr_decays_are_caught_at_a_later_check_step():
+    """Adam moves each weight by ~lr: at lr 1e-2 bf16 weights at 1.0 train (ulp 2**-7 / 2 ~ 3.9e-3),
+    after the lr drops to 1e-4 they stop. The check runs at steps 1, 10, 100: step 100 sees it."""
+    p = torch.nn.Parameter(torch.ones(16, dtype=torch.bfloat16))
+    opt = mo.AdamW([p], lr=1e-2, weight_decay=0.0, rounding="nearest")
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        for step in range(1, 121):
+            if step == 50:
+                opt.param_groups[0]["lr"] = 1e-4
+            p.grad = torch.full_like(p, 0.5)
+            opt.step()
+            if step == 99:
+                assert caught == []                 # steps 1 and 10 trained fine
+    messages = [str(w.message) for w in caught]
+    assert len(messages) == 1 and "of step 100's nonzero updates" in messages[0]
+
+
 def test_fp32_and_kahan_do_not_warn():
     _, _, messages = _constant_grad_run(None, torch.float32, 16)
     assert messages == []

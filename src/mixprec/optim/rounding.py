@@ -16,7 +16,7 @@ parameter that *is* the parameter (updated in place, bit-identical to ``torch.op
 :class:`PrecisionOptimizer` is the ``torch.optim.Optimizer`` base of :class:`mixprec.optim.AdamW`
 and :class:`mixprec.optim.SGD`: it validates ``rounding`` / ``state_dtype``, creates the common
 state (``step``, ``kahan_comp``), moves state between its storage dtype and fp32, and runs the
-first-step lost-update check.
+lost-update check (steps 1, 10, 100, ...).
 """
 
 from __future__ import annotations
@@ -169,6 +169,13 @@ def _as_fp32(t: torch.Tensor) -> torch.Tensor:
     return t if t.dtype == torch.float32 else t.float()
 
 
+def _is_check_step(step: int) -> bool:
+    """1, 10, 100, 1000, ...: where the lost-update check runs (one host sync per decade of steps)."""
+    while step >= 10 and step % 10 == 0:
+        step //= 10
+    return step == 1
+
+
 class PrecisionOptimizer(torch.optim.Optimizer):
     """Shared shell: precision settings, state creation and storage, write-back, warnings.
 
@@ -250,19 +257,24 @@ class PrecisionOptimizer(torch.optim.Optimizer):
                     lost_counts: list) -> None:
         if param_fp32 is p:
             return  # fp32 param, updated in place
-        if self.rounding == "nearest" and float(state["step"]) == 1.0:  # CPU scalar: no device sync
+        step = int(state["step"])  # CPU scalar: no device sync
+        if self.rounding == "nearest" and _is_check_step(step) and not getattr(self, "_lost_warned", False):
             lost_counts.append(lost_update_counts(p, param_fp32))
+            self._lost_step = step
         write_back_(p, param_fp32, rounding=self.rounding, kahan_comp=state.get("kahan_comp"))
 
     def _warn_if_updates_lost(self, lost_counts: list) -> None:
-        """Warn when > 50% of first-step 16-bit updates were rounded away. One host sync, first step only."""
+        """Warn (once) when > 50% of a check step's 16-bit updates were rounded away. Check steps are
+        1, 10, 100, ... (one per decade: updates shrink as the learning rate decays, so a run that
+        starts fine can stop training later); one host sync on each."""
         if not lost_counts:
             return
         device = lost_counts[0][0].device
         lost, changed = torch.stack([torch.stack(c).to(device) for c in lost_counts]).sum(0).tolist()
         if changed and lost / changed > 0.5:
+            self._lost_warned = True
             warnings.warn(
-                f"{type(self).__name__}: {lost / changed:.1%} of the first step's nonzero updates to "
+                f"{type(self).__name__}: {lost / changed:.1%} of step {self._lost_step}'s nonzero updates to "
                 "16-bit params are smaller than half an ulp of the param and were rounded away "
                 "(rounding='nearest'), so those weights do not train. Fix: keep fp32 master weights "
                 "(policy 'bf16-pure'), or use rounding='kahan' or rounding='stochastic'.",
