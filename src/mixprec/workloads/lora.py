@@ -73,14 +73,18 @@ class LoraSpec:
         if isinstance(text, LoraSpec):
             return text
         if not isinstance(text, str) or not text.strip():
-            raise ValueError(f"--lora {text!r} is empty; give 'key=value,...' with keys {LORA_KEYS}, e.g. {_EXAMPLE!r}.")
+            raise ValueError(
+                f"--lora {text!r} is empty; give 'key=value,...' with keys {LORA_KEYS}, e.g. {_EXAMPLE!r}."
+            )
         values: dict[str, list[str]] = {}
         key = None
         for token in (t.strip() for t in text.split(",")):
             if "=" in token:
                 key, _, value = (s.strip() for s in token.partition("="))
                 if key not in LORA_KEYS:
-                    raise ValueError(f"--lora {text!r}: unknown key {key!r}; allowed keys are {LORA_KEYS}, e.g. {_EXAMPLE!r}.")
+                    raise ValueError(
+                        f"--lora {text!r}: unknown key {key!r}; allowed keys are {LORA_KEYS}, e.g. {_EXAMPLE!r}."
+                    )
                 if key in values:
                     raise ValueError(f"--lora {text!r}: key {key!r} is given twice; give each key once.")
                 values[key] = [value]
@@ -146,7 +150,8 @@ def apply_lora(model: nn.Module, spec: LoraSpec | str, trainable: Iterable[str] 
     module_names = [name for name, _ in model.named_modules() if name]
     unmatched = [t for t in spec.targets if not any(_matches(name, t) for name in module_names)]
     if unmatched:
-        leaves = sorted({name.rsplit(".", 1)[-1] for name, m in model.named_modules() if name and not list(m.children())})
+        leaves = sorted({name.rsplit(".", 1)[-1] for name, m in model.named_modules()
+                         if name and not list(m.children())})
         raise ValueError(
             f"--lora targets {unmatched} match no module of {type(model).__name__}; a target names a module "
             f"(or the last parts of its dotted name). Leaf module names here: {leaves[:20]}."

