@@ -38,7 +38,7 @@ Each ``step-N/`` directory::
                           python {version, state, gauss_next} (long states as tensor references)
     data_position         {"boundaries": mp.boundaries, ...what the caller passed}: e.g. mixprec
                           train stores {"split", "seed", "batches"} (batches drawn from the stream)
-    model                 {"aliases": {name: stored name}, "masters": [param names]}
+    model                 {"aliases": {name: stored name}, "masters": [param names], "frozen": [param names]}
     tensors               {file: {tensor name: {"dtype", "shape"}}} for every safetensors file
     files                 {file: {"bytes", "sha256"}}
     extra                 the caller's JSON (mixprec train: workload, vocabulary, command, ...)
@@ -450,11 +450,11 @@ def save_checkpoint(path: str | Path, mp: Any, extra: dict | None = None, *, gua
     root.mkdir(parents=True, exist_ok=True)
     _remove_stale(root)
 
+    sd = mp.state_dict()   # first: it raises mid-accumulation, and masters adopt params edited outside
     model_tensors, aliases = _unique_tensors(mp.model.state_dict())
     names = _param_names(mp)
     masters = {names[id(p)]: m.detach().to("cpu", copy=True).contiguous() for p, m in mp.masters.pairs}
     state: dict[str, torch.Tensor] = {}
-    sd = mp.state_dict()
     manifest: dict[str, Any] = {
         "format": FORMAT,
         "version": VERSION,
@@ -473,7 +473,7 @@ def save_checkpoint(path: str | Path, mp: Any, extra: dict | None = None, *, gua
         "events": json.loads(json.dumps(list(mp.events), default=str)),
         "rng": _rng_state(mp.device, state),
         "data_position": {"boundaries": mp.boundaries, **(data_position or {})},
-        "model": {"aliases": aliases, "masters": list(masters)},
+        "model": {"aliases": aliases, "masters": list(masters), "frozen": sd.get("frozen")},
         "tensors": {},
         "files": {},
         "extra": extra or {},
@@ -643,6 +643,11 @@ def load_checkpoint(path: str | Path, mp: Any, *, guard: Any = None, convert: bo
                               f"runs {target!r}; build the engine with policy={saved_policy!r}, or pass convert=True "
                               f"to convert the state to {target!r} (adopt_policy=True to switch the engine to "
                               f"{saved_policy!r})")
+    if not weights_only and m["model"].get("frozen") is not None:
+        try:   # params the run unfroze (mp.unfreeze) are unfrozen here too, before the optimizer is checked
+            mp.match_frozen(m["model"]["frozen"])
+        except ValueError as err:
+            raise CheckpointError(f"checkpoint {str(ck.path)!r}: {err}") from None
     _check_fits(ck, mp, weights_only=weights_only)
     if weights_only:
         _load_weights(ck, mp)

@@ -22,9 +22,11 @@ step (to tell an overflow from a non-finite loss). ``StepResult.loss_scale`` and
 
 from __future__ import annotations
 
+import collections
 import dataclasses
 import fnmatch
 import logging
+import re
 import warnings
 from collections import defaultdict, deque
 from collections.abc import Iterator
@@ -75,6 +77,16 @@ class StepResult:
     @property
     def grad_norm(self) -> float:
         return float(self.grad_norm_t)
+
+
+_AUTOCAST_MODULES = (nn.Linear, nn.modules.conv._ConvNd, nn.Embedding, nn.EmbeddingBag)
+
+
+def _autocast_casts(module: nn.Module) -> bool:
+    """Autocast casts this module's parameters to the compute dtype itself (a matmul/conv weight or an
+    embedding table), so storing a frozen one there changes nothing but memory. transformers' GPT-2
+    ``Conv1D`` is an ``addmm``. (Bilinear is not on CPU autocast's list: not included.)"""
+    return isinstance(module, _AUTOCAST_MODULES) or type(module).__name__ == "Conv1D"
 
 
 class _Fp32Region:
@@ -146,11 +158,15 @@ class MixedPrecision:
     Frozen parameters (``requires_grad=False`` when the engine is built: a pretrained base, a LoRA
     base) get no master, gradient or optimizer state; under 16-bit policies they are stored in the
     policy's *compute* dtype (bf16 under bf16 and fp8 policies: 2 bytes/param, rounded to nearest once),
-    while trainable parameters follow the policy. Exceptions: params of keep_fp32 modules (and
-    BatchNorm) stay fp32, and under ``strategy="fsdp2"`` every param stays fp32 (sharded). A frozen
-    param may also arrive already in the compute dtype (e.g. a model loaded in bf16). Setting
-    ``requires_grad`` on one afterwards makes :meth:`backward` raise naming it;
-    :meth:`unfreeze` is the supported route (builds its fp32 master on the spot).
+    while trainable parameters follow the policy. Exceptions (fp32 kept; rules in
+    :meth:`_storage_plan`): params of keep_fp32 modules (and BatchNorm); under ``-mixed`` policies
+    frozen params autocast does not cast itself (norm gains: only Linear/Conv/Embedding weights go
+    16-bit); under fp16, values that do not fit fp16 (recorded in :attr:`decision`); under
+    ``strategy="fsdp2"`` every param. A frozen param may also arrive already in the compute dtype
+    (e.g. a model loaded in bf16). Setting ``requires_grad`` on one afterwards makes :meth:`backward`
+    raise naming it; :meth:`unfreeze` is the supported route (builds its fp32 master on the spot).
+    Frozen params are no params of ``set_policy``'s optimizer checks; :meth:`state_dict` records which
+    are frozen, and loading a state unfreezes what its run had unfrozen (:meth:`match_frozen`).
 
     Attributes:
         model (what to call: the DDP wrapper under ``"ddp"``), module (the user's model, unwrapped),
@@ -225,6 +241,10 @@ class MixedPrecision:
                                    optimizer=optimizer, sharded_found_inf=True)
         params = list(model.parameters())
         half, frozen = self._storage_plan(self.policy, params, keep)
+        if self._unfit_frozen:
+            self.decision += (f"; {len(self._unfit_frozen)} frozen param(s) kept in fp32, their values do not fit "
+                              f"{_dtype_text(self.policy.compute_dtype)} ({', '.join(self._unfit_frozen[:3])}"
+                              f"{', ...' if len(self._unfit_frozen) > 3 else ''})")
         self.masters = MasterWeights(params, half if self.policy.has_masters else set())
         self._frozen = [p for p in params if id(p) in frozen]
         with torch.no_grad():
@@ -275,7 +295,7 @@ class MixedPrecision:
         wrong = [(n, p.dtype) for n, p in self.module.named_parameters()
                  if p.is_floating_point() and p.dtype not in (allowed if p.requires_grad else frozen_ok)]
         wrong += [(n, b.dtype) for n, b in self.module.named_buffers()   # e.g. an fp16 mask under bf16
-                  if b.is_floating_point() and b.dtype in (torch.float16, torch.bfloat16) and b.dtype not in allowed]
+                  if b.is_floating_point() and b.dtype in (torch.float16, torch.bfloat16) and b.dtype not in frozen_ok]
         if wrong:
             names = ", ".join(f"{n} ({str(d).replace('torch.', '')})" for n, d in wrong[:5])
             more = f" and {len(wrong) - 5} more" if len(wrong) > 5 else ""
@@ -285,19 +305,60 @@ class MixedPrecision:
                              "policy decides what is stored in 16 bits (use a '-pure' policy for 16-bit params "
                              "with fp32 masters)")
 
-    def _storage_plan(self, policy: Policy, params: list[nn.Parameter],
-                      keep: dict[str, nn.Module]) -> tuple[set[int], set[int]]:
+    def _storage_plan(self, policy: Policy, params: list[nn.Parameter], keep: dict[str, nn.Module],
+                      frozen_now: set[int] | None = None) -> tuple[set[int], set[int]]:
         """Which params (ids) are stored in the policy's 16-bit ``param_dtype`` (trainable ones) and which
-        are *frozen*: ``requires_grad=False`` floating params, stored in the compute dtype (bf16 under
-        bf16 policies: 2 bytes/param, no master, no gradient, no optimizer state). Params of keep_fp32
-        modules stay fp32; under FSDP2 every param stays fp32 (sharded, cast by FSDP)."""
+        are *frozen*, stored in the compute dtype (bf16 under bf16 policies: 2 bytes/param, no master, no
+        gradient, no optimizer state).
+
+        Frozen: ``requires_grad=False`` at build (``frozen_now=None``), later the engine's own frozen set
+        (``frozen_now``: a param frozen by hand after the build keeps its trainable storage and state).
+        A frozen param stays fp32 when: it belongs to a keep_fp32 module (or BatchNorm under 16-bit
+        params); under a *mixed* policy (fp32 params, autocast), it is not owned only by modules whose
+        ops autocast casts (Linear, Conv, Embedding, transformers' Conv1D; a LayerNorm/BatchNorm weight
+        in bf16 meeting fp32 activations is an error on CPU); or its values do not fit the compute
+        format (fp16: a value beyond 65504, or over 1 % of its nonzero values flushed to zero) — a
+        logged decision. Under FSDP2 every param stays fp32 (sharded, cast by FSDP)."""
+        self._unfit_frozen: list[str] = []
         if self.strategy == "fsdp2":
             return set(), set()
         keep_params = {id(p) for m in keep.values() for p in m.parameters()}
         free = [p for p in params if id(p) not in keep_params and p.is_floating_point()]
-        half = {id(p) for p in free if p.requires_grad and policy.param_dtype != torch.float32}
-        frozen = {id(p) for p in free if not p.requires_grad and policy.compute_dtype != torch.float32}
+        if frozen_now is None:
+            frozen_now = {id(p) for p in free if not p.requires_grad}
+        half = {id(p) for p in free if id(p) not in frozen_now and policy.param_dtype != torch.float32}
+        candidates = [p for p in free if id(p) in frozen_now and policy.compute_dtype != torch.float32]
+        if policy.param_dtype == torch.float32:   # mixed: only where autocast casts the op's operands
+            owners: dict[int, list[nn.Module]] = defaultdict(list)
+            for m in self.module.modules():
+                for q in m.parameters(recurse=False):
+                    owners[id(q)].append(m)
+            candidates = [p for p in candidates if owners[id(p)] and all(_autocast_casts(m) for m in owners[id(p)])]
+        frozen, unfit = set(), []
+        for p in candidates:
+            if self._fits(p, policy.compute_dtype):
+                frozen.add(id(p))
+            else:
+                unfit.append(p)
+        if unfit:
+            names = {id(q): n for n, q in self.module.named_parameters()}
+            self._unfit_frozen = [names.get(id(q), "?") for q in unfit]
+            log.warning("mixprec: frozen parameter(s) %s kept in fp32: their values do not fit %s",
+                        ", ".join(self._unfit_frozen[:5]), policy.compute_dtype)
         return half, frozen
+
+    @staticmethod
+    @torch.no_grad()
+    def _fits(p: torch.Tensor, dtype: torch.dtype) -> bool:
+        """``p`` survives rounding to ``dtype``: nothing finite overflows, and at most 1 % of its nonzero
+        values flush to zero (one host sync per param, at build or re-preparation only)."""
+        if dtype != torch.float16 or p.dtype == dtype:
+            return True
+        rounded = p.detach().to(dtype)
+        overflow = (torch.isinf(rounded) & torch.isfinite(p)).any()
+        nonzero = p.ne(0)
+        flushed = (rounded.eq(0) & nonzero).sum()
+        return not bool(overflow) and int(flushed) <= 0.01 * max(1, int(nonzero.sum()))
 
     def _adopt_edited_params(self) -> None:
         """Params written outside the engine (16-bit ones with fp32 masters) keep the edit: their masters
@@ -469,17 +530,20 @@ class MixedPrecision:
             ValueError: a ``keep`` name that is not a key of ``batch``.
         """
         if keep:
-            names = set(batch) if isinstance(batch, dict) else (
+            mapping = isinstance(batch, (dict, collections.UserDict))   # UserDict: a tokenizer's BatchEncoding
+            names = set(batch) if mapping else (
                 {f.name for f in dataclasses.fields(batch)} if dataclasses.is_dataclass(batch) else set())
             missing = [k for k in keep if k not in names]
             if missing:
                 raise ValueError(f"cast_inputs(keep={keep!r}): {missing} not found; batch keys are {sorted(names)}")
-            kept = {k: cast_floating(batch[k] if isinstance(batch, dict) else getattr(batch, k), None, self.device)
-                    for k in keep}
-            rest = {k: v for k, v in batch.items() if k not in kept} if isinstance(batch, dict) else \
-                dataclasses.replace(batch, **{k: None for k in kept})
-            cast = cast_floating(rest, self.policy.param_dtype, self.device)
-            batch = {**cast, **kept} if isinstance(batch, dict) else dataclasses.replace(cast, **kept)
+            kept = {k: cast_floating(batch[k] if mapping else getattr(batch, k), None, self.device) for k in keep}
+            cast = cast_floating(batch, self.policy.param_dtype, self.device)   # a copy: batch is not modified
+            for k, v in kept.items():
+                if mapping:
+                    cast[k] = v
+                else:
+                    object.__setattr__(cast, k, v)   # works on frozen dataclasses too
+            batch = cast
         else:
             batch = cast_floating(batch, self.policy.param_dtype, self.device)
         if self.guard is not None:
@@ -657,7 +721,8 @@ class MixedPrecision:
                              f"is fixed by fully_shard; to run {new}, save a checkpoint and resume under it")
         keep = self._keep_fp32_modules(new)
         params = self.masters.params
-        half, frozen = self._storage_plan(new, params, keep)
+        half, frozen = self._storage_plan(new, params, keep,
+                                          frozen_now={id(p) for p in self._frozen if not p.requires_grad})
         stored = lambda p: (new.param_dtype if id(p) in half  # noqa: E731
                             else new.compute_dtype if id(p) in frozen else torch.float32)
         if self.strategy == "ddp" and any(stored(p) != p.dtype for p in params if p.is_floating_point()):
@@ -741,22 +806,29 @@ class MixedPrecision:
     def unfreeze(self, *patterns: str, **group_options: Any) -> dict:
         """Start training frozen parameters mid-run (gradual unfreezing), at an accumulation boundary.
 
-        Frozen params (``requires_grad=False`` when the engine was built, or frozen at a later
-        :meth:`set_policy`) are stored in the compute dtype with no master, gradient or optimizer state.
-        Setting ``requires_grad`` on one by hand makes the next :meth:`backward` raise, naming it; this
-        method is the supported route: every parameter whose name matches a pattern (``fnmatch``, e.g.
-        ``"bert.encoder.layer.5.*"``) gets ``requires_grad=True``; those the optimizer does not hold are
-        added as one new param group (``group_options`` such as ``lr=1e-5``; the optimizer's defaults
-        otherwise); then the model is re-prepared under the same policy (:meth:`set_policy`), which
-        stores them as the policy stores trainable params and builds their fp32 masters **from the
-        stored 16-bit values** (the precision dropped when they were frozen does not come back).
-        A scheduler built before sees the new group's lr only if it handles added groups (``LambdaLR``
-        does not: the new group keeps its lr; a warning says so).
+        Frozen params (``requires_grad=False`` when the engine was built) are stored in the compute
+        dtype with no master, gradient or optimizer state. Setting ``requires_grad`` on one by hand makes
+        the next :meth:`backward` raise, naming it; this method is the supported route: every frozen
+        parameter whose name matches a pattern (``fnmatch``, e.g. ``"bert.encoder.layer.5.*"``) gets
+        ``requires_grad=True`` and is re-prepared under the same policy (:meth:`set_policy`): stored as
+        the policy stores trainable params, with fp32 masters built **from the stored 16-bit values**
+        (the precision dropped when they were frozen does not come back).
 
-        Returns the event appended to :attr:`events` (``kind="unfreeze"``). No host sync.
+        The optimizer: if it already holds them (built on ``model.parameters()``, frozen ones
+        included: they cost nothing while frozen), they train in their group; pass no
+        ``group_options`` then. Otherwise they are added as one new param group with
+        ``group_options`` (e.g. ``lr=1e-5``; the optimizer's defaults otherwise) — refused when a
+        scheduler is attached, since schedulers size their per-group state when built (``LambdaLR``
+        would crash at its next step). An attached guard takes a fresh snapshot (its older one holds
+        the frozen layout). Under ``bf16-kahan`` the compensation buffers are folded into the params.
+
+        Returns the event appended to :attr:`events` (``kind="unfreeze"``). Host syncs: those of a
+        guard snapshot, if a guard is attached.
 
         Raises:
-            ValueError: a pattern matches no frozen parameter (the frozen names are listed).
+            ValueError: a pattern matches no frozen parameter (the frozen names are listed);
+                ``group_options`` for params the optimizer already holds; params it does not hold while
+                a scheduler is attached. Nothing has changed then.
             RuntimeError: called between ``backward()`` and the accumulation boundary.
         """
         if not patterns:
@@ -764,28 +836,39 @@ class MixedPrecision:
         if self.micro_step != 0:
             raise RuntimeError(f"unfreeze() called after {self.micro_step} backward() call(s) without step(); "
                                "unfreeze at an accumulation boundary (after mp.step() returns a result)")
-        frozen = {id(p) for p in self._frozen}
-        named = [(n, p) for n, p in self.module.named_parameters() if id(p) in frozen or not p.requires_grad]
+        named = [(n, p) for n, p in self.module.named_parameters() if not p.requires_grad]
         chosen = [(n, p) for n, p in named if any(fnmatch.fnmatchcase(n, pat) for pat in patterns)]
         unmatched = [pat for pat in patterns if not any(fnmatch.fnmatchcase(n, pat) for n, _ in named)]
         if unmatched:
             raise ValueError(f"unfreeze: patterns {unmatched} match no frozen parameter; frozen parameters look "
                              f"like {[n for n, _ in named][:8]}")
+        stepped_of = {id(p): t for p, t in zip(self.masters.params, self.masters.masters)}
         held = {id(t) for g in self.optimizer.param_groups for t in g["params"]}
-        new_params = [p for _, p in chosen if id(p) not in held]
+        held_names = [n for n, p in chosen if id(stepped_of.get(id(p), p)) in held]
+        new_params = [p for _, p in chosen if id(stepped_of.get(id(p), p)) not in held]
+        if held_names and group_options:
+            raise ValueError(f"unfreeze(..., {', '.join(f'{k}={v!r}' for k, v in group_options.items())}): the "
+                             f"optimizer already holds {held_names[:3]}, so they train with their group's settings; "
+                             "drop the options, or build the optimizer on the trainable params only so unfreeze adds "
+                             "them as a new group with these options")
+        if new_params and self.scheduler is not None:
+            new_ids = {id(p) for p in new_params}
+            raise ValueError(f"unfreeze: the optimizer does not hold {[n for n, p in chosen if id(p) in new_ids][:3]}, "
+                             f"and adding a param group under the attached scheduler {type(self.scheduler).__name__} "
+                             "breaks it (its per-group state was sized when it was built). Build the optimizer on "
+                             "model.parameters() (frozen params included: they get no state while frozen) before "
+                             "MixedPrecision")
         for _, p in chosen:
             p.requires_grad_(True)
         if new_params:
             self.optimizer.add_param_group({"params": new_params, **group_options})
-            if self.scheduler is not None:
-                warnings.warn(f"unfreeze added a param group to the optimizer; the scheduler "
-                              f"{type(self.scheduler).__name__} was built before it and may not drive its lr "
-                              f"(it stays {self.optimizer.param_groups[-1]['lr']})", stacklevel=2)
         event = self.set_policy(self.policy, cause=f"unfreeze {', '.join(patterns)}")
         event["kind"] = "unfreeze"
         event["detail"] = (f"{len(chosen)} parameter(s) unfrozen ({sum(p.numel() for _, p in chosen)} elements), "
-                           f"stored as {str(self.policy.param_dtype).replace('torch.', '')}"
+                           f"stored as {_dtype_text(self.policy.param_dtype)}"
                            f"{' with fp32 masters' if self.policy.has_masters else ''}; " + event["detail"])
+        if self.guard is not None and hasattr(self.guard, "take_snapshot"):
+            self.guard.take_snapshot(self)   # the old snapshot holds the frozen layout: no rollback into it
         return event
 
     # ------------------------------------------------------------------ views and state
@@ -808,6 +891,34 @@ class MixedPrecision:
         a guard is attached (else empty)."""
         return tuple(self._step_batches)
 
+    def frozen_names(self) -> list[str]:
+        """Names of the parameters stored frozen now (no master, grad or state), in model order."""
+        frozen = {id(p) for p in self._frozen if not p.requires_grad}
+        return [n for n, p in self.module.named_parameters() if id(p) in frozen]
+
+    def match_frozen(self, saved: list[str]) -> None:
+        """Make this engine's frozen set equal ``saved`` (a run's :meth:`frozen_names`) before its state is
+        loaded: parameters that run had unfrozen (:meth:`unfreeze`) are unfrozen here too, so a resume
+        neither re-freezes them silently nor mismatches the optimizer's groups. Called by
+        :meth:`load_state_dict` and :func:`mixprec.load_checkpoint`.
+
+        Raises:
+            ValueError: ``saved`` keeps frozen a parameter this engine trains (freeze it with
+                ``requires_grad_(False)`` before building the engine), or names an unknown one.
+        """
+        current = self.frozen_names()
+        known = {n for n, _ in self.module.named_parameters()}
+        unknown = [n for n in saved if n not in known]
+        to_freeze = [n for n in saved if n not in current and n in known]
+        if unknown or to_freeze:
+            what = (f"unknown parameter(s) {unknown[:3]}" if unknown else
+                    f"{to_freeze[:3]} frozen, which this engine trains; call requires_grad_(False) on them before "
+                    "building MixedPrecision")
+            raise ValueError(f"the saved run kept {what}")
+        to_unfreeze = [n for n in current if n not in set(saved)]
+        if to_unfreeze:
+            self.unfreeze(*(re.sub(r"([\[\]*?])", r"[\1]", n) for n in to_unfreeze))
+
     def master_parameters(self) -> Iterator[torch.Tensor]:
         """fp32 masters in ``model.parameters()`` order (the params themselves where no master exists)."""
         yield from self.masters.masters
@@ -826,6 +937,7 @@ class MixedPrecision:
         self._adopt_edited_params()
         return {
             "policy": str(self.policy),
+            "frozen": self.frozen_names(),
             "model": self.module.state_dict(),
             "masters": [m.detach() for _, m in self.masters.pairs],
             "optimizer": self.optimizer.state_dict(),
@@ -845,6 +957,8 @@ class MixedPrecision:
         if state["policy"] != str(self.policy):
             raise ValueError(f"state was saved under policy {state['policy']!r}, this engine runs {self.policy}; "
                              "load it through mixprec.load_checkpoint(..., convert=True) to convert")
+        if state.get("frozen") is not None:
+            self.match_frozen(state["frozen"])
         if len(state["masters"]) != len(self.masters.pairs):
             raise ValueError(f"state holds {len(state['masters'])} master tensors, this model needs "
                              f"{len(self.masters.pairs)}")
@@ -867,6 +981,10 @@ class MixedPrecision:
         self.skipped_total = counters["skipped_total"]
         self.boundaries = counters["boundaries"]
         self._set_gradient_sync()
+
+
+def _dtype_text(dtype: torch.dtype) -> str:
+    return str(dtype).replace("torch.", "")
 
 
 def _global_norm_fp32(grads: list[torch.Tensor], device: torch.device) -> torch.Tensor:

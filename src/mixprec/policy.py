@@ -85,8 +85,10 @@ def cast_floating(tree: Any, dtype: torch.dtype | None, device: torch.device | N
     if isinstance(tree, (list, tuple)):
         return type(tree)(cast_floating(v, dtype, device) for v in tree)
     if dataclasses.is_dataclass(tree) and not isinstance(tree, type):
-        return dataclasses.replace(tree, **{f.name: cast_floating(getattr(tree, f.name), dtype, device)
-                                            for f in dataclasses.fields(tree) if f.init})
+        out = copy.copy(tree)   # every field, init=False ones included, keeps its value
+        for f in dataclasses.fields(tree):
+            object.__setattr__(out, f.name, cast_floating(getattr(tree, f.name), dtype, device))
+        return out
     return tree
 
 

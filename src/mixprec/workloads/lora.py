@@ -133,7 +133,7 @@ def apply_lora(model: nn.Module, spec: LoraSpec | str, trainable: Iterable[str] 
     """Inject LoRA adapters into ``model`` in place (``peft``) and set what trains; returns it.
 
     After the call every parameter of ``model`` has ``requires_grad=False`` except the
-    adapters' ``lora_A``/``lora_B`` weights and the parameters named in ``trainable``: a name
+    adapters' weights (``lora_A``/``lora_B``; ``lora_embedding_A``/``_B`` on an Embedding) and the parameters named in ``trainable``: a name
     selects the parameter of that qualified name (as in ``model.named_parameters()``) or every
     parameter under a module of that name. A parameter shared by two modules (a tied weight)
     is one tensor: it trains or not under its first name. The adapters start with ``B = 0``
@@ -174,6 +174,8 @@ def apply_lora(model: nn.Module, spec: LoraSpec | str, trainable: Iterable[str] 
     )
     model = peft.inject_adapter_in_model(config, model)
     for name, param in model.named_parameters():  # names chosen before peft renamed targets
-        is_adapter = ".lora_A." in name or ".lora_B." in name
+        # peft's adapter tensors: lora_A/lora_B (Linear, Conv), lora_embedding_A/B (Embedding),
+        # lora_magnitude_vector (DoRA)
+        is_adapter = any(part.startswith("lora_") for part in name.split("."))
         param.requires_grad_(is_adapter or id(param) in extra_ids)
     return model
