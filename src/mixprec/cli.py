@@ -76,7 +76,8 @@ def build_parser() -> argparse.ArgumentParser:
     bench = sub.add_parser("bench", help="compare policies with fp32 on a workload and judge them",
                            description="Compare precision policies with fp32 on one workload.", epilog=_BENCH_EPILOG,
                            formatter_class=argparse.RawDescriptionHelpFormatter)
-    workload_args(bench, f"workload config: gpt has tiny, baby, mid, small (default: {DEFAULT_GPT_CONFIG} for gpt)")
+    workload_args(bench, f"workload config: gpt has tiny, baby, mid, small (default: {DEFAULT_GPT_CONFIG}); "
+                  "minilm has tiny, default; digits has default")
     bench.add_argument("--policies", default=",".join(DEFAULT_POLICIES), type=_split_policies,
                        help=f"comma-separated policies; fp32 is always added first (default: {','.join(DEFAULT_POLICIES)})")
     bench.add_argument("--steps", type=_positive_int, default=None,

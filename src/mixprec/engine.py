@@ -796,7 +796,8 @@ class MixedPrecision:
         self.decision = f"{new} on {self.device} (set_policy at boundary {self.boundaries}: {cause}; was {old})"
         carried = sum(1 for p, st in zip(params, states) if st and id(p) not in frozen)
         event = {"step": self.boundaries, "kind": "escalate", "cause": cause, "module": module,
-                 "detail": f"{old} → {new}: params re-cast from their fp32 values, optimizer state of "
+                 "detail": f"{old} → {new}: params re-cast from their fp32 values (frozen and just-unfrozen ones from "
+                           f"their stored values), optimizer state of "
                            f"{carried} tensor(s) carried over, {scale_note}",
                  "from": str(old), "to": str(new)}
         self.events.append(event)

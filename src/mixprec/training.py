@@ -30,6 +30,7 @@ import signal
 import sys
 import threading
 import time
+import warnings
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -119,14 +120,24 @@ class _StopSignals:
         self._previous.clear()
 
 
-def _check_same_run(manifest: dict, workload: Any, seed: int, where: Path) -> None:
+def _check_same_run(manifest: dict, workload: Any, seed: int, where: Path, steps: int) -> None:
     extra = manifest.get("extra", {})
     saved, now = extra.get("workload", {}), workload.describe()
+    lora = lambda d: d.get("lora", (d.get("model") or {}).get("lora"))  # noqa: E731  (minilm: under "model")
+    if lora(saved) != lora(now):
+        raise ValueError(f"--resume: the checkpoint {str(where)!r} was trained with --lora {lora(saved)}, this "
+                         f"run has --lora {lora(now)}; pass the run's --lora (or another --out)")
     for key in ("workload", "config", "model"):
         if saved.get(key) != now.get(key):
             raise ValueError(f"--resume: the checkpoint {str(where)!r} is from workload {saved.get('workload')!r} "
                              f"config {saved.get('config')!r}, this run is {now.get('workload')!r} config "
                              f"{now.get('config')!r} ({key} differs); pass the run's --workload/--config or another --out")
+    saved_steps = extra.get("steps")
+    if saved_steps is not None and saved_steps != steps:
+        warnings.warn(f"--resume with --steps {steps}, but the run's learning-rate schedule was built for "
+                      f"{saved_steps} steps and resumes as it was (the scheduler's state is restored): steps past "
+                      f"{saved_steps} run at the schedule's final rate. For a schedule over {steps} steps, start a "
+                      "new run", stacklevel=3)
     position = manifest.get("data_position", {})
     if position.get("seed") != seed or "batches" not in position:
         raise ValueError(f"--resume: the checkpoint {str(where)!r} was trained with --seed {position.get('seed')}, "
@@ -195,7 +206,7 @@ def run_training(workload: Any, *, policy: str = "auto", steps: int, out: str | 
     if resume and (root / LATEST).is_file():
         checkpoint = resolve_checkpoint(root)
         manifest = (read_distributed_manifest if strategy else read_manifest)(checkpoint)
-        _check_same_run(manifest, workload, seed, checkpoint)
+        _check_same_run(manifest, workload, seed, checkpoint, steps)
         saved_policy = manifest["policy"]
         # a run whose guard escalated precision continues under the escalated policy
         adopt = saved_policy != policy_requested and manifest["extra"].get("policy_requested") == policy_requested

@@ -172,7 +172,11 @@ def apply_lora(model: nn.Module, spec: LoraSpec | str, trainable: Iterable[str] 
     config = peft.LoraConfig(
         r=spec.r, lora_alpha=spec.alpha, target_modules=list(spec.targets), lora_dropout=spec.dropout, bias="none",
     )
-    model = peft.inject_adapter_in_model(config, model)
+    try:
+        model = peft.inject_adapter_in_model(config, model)
+    except ValueError as err:   # e.g. a target module type peft cannot adapt (LayerNorm)
+        raise ValueError(f"--lora {spec}: peft cannot adapt a target: {err} Target Linear, Conv or Embedding "
+                         "modules (e.g. targets=query,value)") from None
     for name, param in model.named_parameters():  # names chosen before peft renamed targets
         # peft's adapter tensors: lora_A/lora_B (Linear, Conv), lora_embedding_A/B (Embedding),
         # lora_magnitude_vector (DoRA)
