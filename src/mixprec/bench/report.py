@@ -52,7 +52,10 @@ missed (or the crash); SKIPPED gives the measured reason the device cannot run t
 natively (`--force` runs it anyway). *bytes/param* is the training state read from the
 actual tensors (params, grads, fp32 masters, optimizer state, compensation buffers). On a
 CPU, peak memory is the process's peak RSS, which includes a few hundred MiB of interpreter
-and torch libraries, so its ratio understates state savings; bytes/param shows them.
+and torch libraries, so its ratio understates state savings; bytes/param shows them. It also
+includes glibc heap fragmentation, which grows with varying tensor sizes (e.g. a masked-LM's
+varying number of masked tokens) and can make a 16-bit policy's peak RSS *exceed* fp32's;
+`MALLOC_MMAP_THRESHOLD_=131072` in the environment removes most of it.
 """
 
 
@@ -266,8 +269,8 @@ def plot_speed_memory(results: dict, path: Path) -> None:
 
     ran = _ran(results)
     names = list(ran)
-    panels = [("step_time_ms_median", "median step time (ms)", "speedup_vs_fp32"),
-              ("peak_memory_mb", "peak memory (MiB)", "memory_ratio_vs_fp32"),
+    panels = [("step_time_ms_median", "median step time (ms); label: speedup vs fp32", "speedup_vs_fp32"),
+              ("peak_memory_mb", "peak memory (MiB); label: ratio to fp32", "memory_ratio_vs_fp32"),
               ("state_bytes_per_param", "training state (bytes/param)", None)]
     fig, axes = plt.subplots(1, 3, figsize=(13, 4.2))
     for ax, (key, title, ratio_key) in zip(axes, panels):
@@ -280,7 +283,7 @@ def plot_speed_memory(results: dict, path: Path) -> None:
         ax.set_title(title, fontsize=10)
         ax.tick_params(axis="x", rotation=30, labelsize=8)
         ax.grid(axis="y", alpha=0.3)
-    fig.suptitle("speed and memory vs fp32 (labels: ratio to fp32)", fontsize=10)
+    fig.suptitle(f"speed and memory vs fp32 ({results['settings']['device']})", fontsize=10)
     fig.tight_layout()
     fig.savefig(path, dpi=110)
     plt.close(fig)
