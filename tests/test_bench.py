@@ -287,3 +287,18 @@ def test_bad_workload_is_a_clean_error(tmp_path, capsys):
     status = main(["bench", "--workload", "no_such_module_xyz:make", "--steps", "5", "--out", str(tmp_path)])
     assert status == 2
     assert "no_such_module_xyz" in capsys.readouterr().err
+
+
+def test_printed_table_splits_bytes_per_param_when_params_are_frozen():
+    from mixprec.bench.report import format_table
+
+    def entry(per_param, frozen):
+        state = {"n_params": 100, "n_frozen": frozen, "per_trainable_param": 16.0,
+                 "per_frozen_param": 2.0 if frozen else None}
+        return {"verdict": "PASS", "state_bytes_per_param": per_param, "state_bytes": state}
+
+    lora = format_table({"policies": {"fp32": entry(4.12, 99), "bf16-mixed": entry(2.14, 99)}})
+    assert "train/frozen B/param" in lora.splitlines()[0]
+    assert "16.00 / 2.00" in lora.splitlines()[3]
+    full = format_table({"policies": {"fp32": entry(16.0, 0)}})
+    assert "frozen" not in full

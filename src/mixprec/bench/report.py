@@ -146,6 +146,11 @@ def format_table(results: dict) -> str:
     headers = ["policy", "verdict", "step ms", "speedup", "peak MiB", "B/param", "eval loss", "delta", "skips"]
     keep = [0, 1, 2, 3, 7, 9, 10, 11, 12]
     rows = [[row[i] for i in keep] for row in _rows(results)]
+    states = [e.get("state_bytes") or {} for e in results["policies"].values()]
+    if any(sb.get("n_frozen") for sb in states):   # LoRA / frozen layers: the two parts' bytes/param
+        headers.insert(6, "train/frozen B/param")
+        for row, sb in zip(rows, states):
+            row.insert(6, f"{_fmt(sb.get('per_trainable_param'), '.2f')} / {_fmt(sb.get('per_frozen_param'), '.2f')}")
     widths = [max(len(h), *(len(r[i]) for r in rows)) for i, h in enumerate(headers)]
     line = lambda cells: "  ".join(c.ljust(w) if i < 2 else c.rjust(w) for i, (c, w) in enumerate(zip(cells, widths)))
     return "\n".join([line(headers), line(["-" * w for w in widths]), *map(line, rows)])
