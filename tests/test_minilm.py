@@ -6,6 +6,7 @@ from __future__ import annotations
 import dataclasses
 import json
 import math
+import re
 import subprocess
 import sys
 
@@ -309,3 +310,18 @@ def test_bf16_mixed_matches_fp32_after_a_short_run(tiny):
             losses[policy] = tiny.evaluate(mp.model)["loss"]
     assert losses["fp32"] < LN_VOCAB - 3
     assert losses["bf16-mixed"] == pytest.approx(losses["fp32"], rel=0.02)
+
+
+def test_sample_fills_masks_from_a_trained_minilm_checkpoint(tmp_path, capsys):
+    from mixprec.cli import main
+
+    out = str(tmp_path / "run")
+    assert main(["train", "--workload", "minilm", "--config", "tiny", "--policy", "bf16-mixed", "--steps", "2",
+                 "--lora", "r=4,alpha=8,targets=query,value", "--out", out, "--device", "cpu"]) == 0
+    capsys.readouterr()
+    assert main(["sample", out, "--prompt", "the [MASK] statement returns [MASK] value", "--device", "cpu"]) == 0
+    lines = capsys.readouterr().out.strip().splitlines()
+    assert [line.split(":")[0] for line in lines] == ["[MASK] at token 2", "[MASK] at token 5"]
+    probs = [float(x) for x in re.findall(r"\((\d\.\d\d)\)", lines[0])]
+    assert len(probs) == 5 and probs == sorted(probs, reverse=True) and 0 < sum(probs) <= 1.0 + 1e-6
+    assert main(["sample", out, "--prompt", "no mask here", "--device", "cpu"]) == 2

@@ -115,9 +115,11 @@ def build_parser() -> argparse.ArgumentParser:
                        "-m mixprec train --strategy ddp --out DIR ...`; each rank takes every N-th batch, so the "
                        "global batch is N x the workload's (default: one process)")
 
-    sample = sub.add_parser("sample", help="generate text from a gpt checkpoint written by mixprec train")
+    sample = sub.add_parser("sample", help="generate text from a gpt checkpoint (fill [MASK] for minilm) written by "
+                            "mixprec train")
     sample.add_argument("dir", help="the train --out directory, its checkpoints/ directory or one step-N directory")
-    sample.add_argument("--prompt", default="\n", help="text to continue (characters of the training vocabulary)")
+    sample.add_argument("--prompt", default="\n", help="text to continue (characters of the training vocabulary); "
+                        "minilm: text with one or more [MASK] tokens to fill")
     sample.add_argument("--tokens", type=_positive_int, default=200, help="characters to generate (default: 200)")
     sample.add_argument("--temperature", type=float, default=0.8, help="sampling temperature, 0 = greedy (default: 0.8)")
     sample.add_argument("--seed", type=int, default=0, help="sampling seed (default: 0)")
@@ -193,9 +195,11 @@ def _cmd_sample(args: argparse.Namespace) -> int:
         path = path / "checkpoints"
     path = resolve_checkpoint(path)
     description = read_manifest(path)["extra"].get("workload", {})
+    if description.get("workload") == "minilm":
+        return _sample_minilm(path, description, args)
     if description.get("workload") != "gpt":
         raise ValueError(f"sample: {str(path)!r} holds a {description.get('workload')!r} checkpoint; sample needs "
-                         "one from `mixprec train --workload gpt`")
+                         "one from `mixprec train --workload gpt` (or minilm)")
     model_desc, vocab = description["model"], description["data"]["vocab"]
     fields = set(GPTConfig.__dataclass_fields__) - {"optim"}
     model = GPT(GPTConfig(**{k: v for k, v in model_desc.items() if k in fields}), len(vocab))
@@ -207,6 +211,37 @@ def _cmd_sample(args: argparse.Namespace) -> int:
     with mp.autocast():
         ids = generate(mp.model, idx, args.tokens, temperature=args.temperature, generator=generator)
     print(corpus.decode(ids[0].tolist()))
+    return 0
+
+
+def _sample_minilm(path: Path, description: dict, args: argparse.Namespace) -> int:
+    """Fill each ``[MASK]`` of ``--prompt`` with the trained MiniLM's five most likely tokens."""
+    import torch
+
+    from mixprec.checkpoint import load_checkpoint
+    from mixprec.engine import MixedPrecision
+    from mixprec.optim import SGD
+    from mixprec.workloads import get_workload
+
+    lora = (description.get("model") or {}).get("lora")
+    workload = get_workload("minilm", config=description.get("config"), lora=lora)
+    torch.manual_seed(args.seed)
+    model = workload.build_model()
+    mp = MixedPrecision(model, SGD(model.parameters(), lr=0.0), policy=args.policy, device=args.device)
+    load_checkpoint(path, mp, weights_only=True, convert=True)
+    ids = [workload.cls_id, *workload.encode(args.prompt), workload.sep_id]
+    if workload.mask_id not in ids:
+        raise ValueError(f"sample --prompt {args.prompt!r}: a minilm checkpoint fills [MASK] tokens; put at least one "
+                         "in the prompt, e.g. --prompt 'the [MASK] statement returns from a function'")
+    input_ids = torch.tensor([ids], dtype=torch.int64, device=mp.device)  # (1, T)
+    mp.module.eval()
+    with torch.no_grad(), mp.autocast():
+        logits = mp.model(input_ids=input_ids, attention_mask=torch.ones_like(input_ids)).logits[0]  # (T, V)
+    for position in [i for i, t in enumerate(ids) if t == workload.mask_id]:
+        probs = logits[position].float().softmax(-1)
+        top = probs.topk(5)
+        words = ", ".join(f"{workload.decode([int(i)]).strip()} ({float(p):.2f})" for p, i in zip(top.values, top.indices))
+        print(f"[MASK] at token {position}: {words}")
     return 0
 
 
