@@ -479,3 +479,150 @@ def test_cast_inputs_keep_works_on_batch_encodings_and_dataclass_init_false_fiel
     item.n = 5
     cast = mp.cast_inputs(item)
     assert cast.n == 5 and cast.x.dtype == torch.bfloat16 and item.x.dtype == torch.float32
+
+
+# ---------------------------------------------------------------- break-it round 2
+def _emb_model():
+    torch.manual_seed(0)
+
+    class Tiny(torch.nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.emb = torch.nn.Embedding(32, 16)
+            self.ln = torch.nn.LayerNorm(16)
+            self.fc1 = torch.nn.Linear(16, 16)
+            self.fc2 = torch.nn.Linear(16, 4)
+
+        def forward(self, ids):
+            return self.fc2(torch.relu(self.fc1(self.ln(self.emb(ids)))))
+
+    model = Tiny()
+    for module in (model.emb, model.ln, model.fc1):
+        module.requires_grad_(False)
+    return model
+
+
+def _ids(step):
+    return torch.randint(0, 32, (4, 6), generator=torch.Generator().manual_seed(step))
+
+
+def _train_ids(mp, steps):
+    for step in steps:
+        with mp.autocast():
+            loss = mp.model(mp.cast_inputs(_ids(step))).float().square().mean()
+        mp.backward(loss)
+        mp.step()
+
+
+@pytest.mark.parametrize("policy", ["fp32", "bf16-mixed", "bf16-pure"])
+def test_frozen_set_is_requires_grad_at_build_whatever_the_storage_and_resume_after_unfreeze_is_exact(
+        policy, tmp_path):
+    def build():
+        model = _emb_model()
+        return mixprec.MixedPrecision(model, torch.optim.AdamW(model.parameters(), lr=1e-2), policy=policy,
+                                      device="cpu")
+
+    assert build().frozen_names() == ["emb.weight", "ln.weight", "ln.bias", "fc1.weight", "fc1.bias"]
+    straight = build()
+    straight.unfreeze("ln.*")
+    _train_ids(straight, range(4))
+    first = build()
+    first.unfreeze("ln.*")
+    _train_ids(first, range(2))
+    mixprec.save_checkpoint(tmp_path / "ck", first)
+    resumed = build()
+    mixprec.load_checkpoint(tmp_path / "ck", resumed)
+    assert resumed.frozen_names() == ["emb.weight", "fc1.weight", "fc1.bias"]
+    _train_ids(resumed, range(2, 4))
+    for (n, p), q in zip(straight.module.named_parameters(), resumed.module.parameters()):
+        assert torch.equal(p, q), n
+
+
+def test_convert_between_policies_keeps_the_frozen_set(tmp_path):
+    model = _emb_model()
+    mp = mixprec.MixedPrecision(model, torch.optim.AdamW(model.parameters(), lr=1e-2), policy="fp32", device="cpu")
+    _train_ids(mp, range(2))
+    mixprec.save_checkpoint(tmp_path / "ck", mp)
+    for policy in ("bf16-mixed", "bf16-pure", "fp16-mixed"):
+        other = _emb_model()
+        mp2 = mixprec.MixedPrecision(other, torch.optim.AdamW(other.parameters(), lr=1e-2), policy=policy, device="cpu")
+        mixprec.load_checkpoint(tmp_path / "ck", mp2, convert=True)
+        assert mp2.frozen_names() == ["emb.weight", "ln.weight", "ln.bias", "fc1.weight", "fc1.bias"], policy
+        assert not any(e["kind"] == "unfreeze" for e in mp2.events)
+
+
+def test_a_load_that_would_need_a_new_param_group_is_refused_before_anything_changes(tmp_path):
+    def build():
+        model = _emb_model()
+        opt = torch.optim.AdamW([p for p in model.parameters() if p.requires_grad], lr=1e-2)
+        return mixprec.MixedPrecision(model, opt, policy="bf16-mixed", device="cpu")
+
+    mp = build()
+    mp.unfreeze("ln.*", lr=1e-3)
+    _train_ids(mp, range(1))
+    mixprec.save_checkpoint(tmp_path / "ck", mp)
+    fresh = build()
+    with pytest.raises(mixprec.CheckpointError, match=r"param groups of sizes \[2, 2\]"):
+        mixprec.load_checkpoint(tmp_path / "ck", fresh)
+    assert len(fresh.optimizer.param_groups) == 1 and "ln.weight" in fresh.frozen_names()   # unchanged
+    fresh.unfreeze("ln.*", lr=1e-3)                     # as the run did: then it loads
+    mixprec.load_checkpoint(tmp_path / "ck", fresh)
+
+
+def test_fp16_pure_refuses_frozen_values_it_cannot_store_and_mixed_keeps_them_fp32():
+    def build(policy):
+        model = _emb_model()
+        with torch.no_grad():
+            model.emb.weight[0, 0] = 1e5
+        return model, mixprec.MixedPrecision(model, torch.optim.AdamW(model.parameters(), lr=1e-2), policy=policy,
+                                             device="cpu")
+
+    with pytest.raises(ValueError, match=r"frozen parameter\(s\) \['emb.weight'\] hold values that do not fit"):
+        build("fp16-pure")
+    model, mp = build("fp16-mixed")
+    mp.unfreeze("ln.*")                                 # a re-plan keeps the unfit one fp32 and frozen
+    assert model.emb.weight.dtype == torch.float32 and float(model.emb.weight[0, 0]) == 1e5
+    assert "emb.weight" in mp.frozen_names()
+
+
+def test_frozen_embedding_lookups_stay_fp32_under_mixed_policies():
+    """The residual stream of a frozen-embedding model stays fp32 under bf16-mixed, as in an autocast loop:
+    the table is stored in bf16, its lookups are returned in fp32."""
+    model = _emb_model()
+    reference = copy.deepcopy(model)
+    mp = mixprec.MixedPrecision(model, torch.optim.AdamW(model.parameters(), lr=1e-2), policy="bf16-mixed",
+                                device="cpu")
+    assert model.emb.weight.dtype == torch.bfloat16
+    with mp.autocast():
+        looked_up = model.emb(_ids(0))
+    assert looked_up.dtype == torch.float32
+    with torch.no_grad():
+        reference.emb.weight.copy_(reference.emb.weight.to(torch.bfloat16))   # the same rounded table
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        expected = reference(_ids(0))
+    with mp.autocast():
+        assert torch.equal(mp.model(_ids(0)), expected.float())
+
+
+def test_reloading_the_same_values_keeps_the_fp32_masters():
+    model = _two_layer(freeze_first=False)
+    mp = mixprec.MixedPrecision(model, torch.optim.AdamW(model.parameters(), lr=1e-2), policy="bf16-pure",
+                                device="cpu")
+    _run(mp, 2)
+    masters = [m.detach().clone() for _, m in mp.masters.pairs]
+    model.load_state_dict(model.state_dict())          # same 16-bit values: nothing to adopt
+    import warnings
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        mp.state_dict()
+    assert all(torch.equal(a, m) for a, (_, m) in zip(masters, mp.masters.pairs))
+
+
+def test_cast_inputs_keep_names_a_namedtuple_field():
+    from collections import namedtuple
+
+    Batch = namedtuple("Batch", ["x", "target"])
+    model = _two_layer(freeze_first=False)
+    mp = mixprec.MixedPrecision(model, torch.optim.AdamW(model.parameters(), lr=1e-2), policy="bf16-pure", device="cpu")
+    out = mp.cast_inputs(Batch(torch.ones(2), torch.tensor([1.0 + 2 ** -12])), keep=("target",))
+    assert type(out) is Batch and out.x.dtype == torch.bfloat16 and out.target.dtype == torch.float32

@@ -643,12 +643,12 @@ def load_checkpoint(path: str | Path, mp: Any, *, guard: Any = None, convert: bo
                               f"runs {target!r}; build the engine with policy={saved_policy!r}, or pass convert=True "
                               f"to convert the state to {target!r} (adopt_policy=True to switch the engine to "
                               f"{saved_policy!r})")
+    _check_fits(ck, mp, weights_only=weights_only)
     if not weights_only and m["model"].get("frozen") is not None:
-        try:   # params the run unfroze (mp.unfreeze) are unfrozen here too, before the optimizer is checked
+        try:   # params the run unfroze (mp.unfreeze, no new param group) are unfrozen here too
             mp.match_frozen(m["model"]["frozen"])
         except ValueError as err:
             raise CheckpointError(f"checkpoint {str(ck.path)!r}: {err}") from None
-    _check_fits(ck, mp, weights_only=weights_only)
     if weights_only:
         _load_weights(ck, mp)
         return m["extra"]

@@ -83,9 +83,10 @@ _AUTOCAST_MODULES = (nn.Linear, nn.modules.conv._ConvNd, nn.Embedding, nn.Embedd
 
 
 def _autocast_casts(module: nn.Module) -> bool:
-    """Autocast casts this module's parameters to the compute dtype itself (a matmul/conv weight or an
-    embedding table), so storing a frozen one there changes nothing but memory. transformers' GPT-2
-    ``Conv1D`` is an ``addmm``. (Bilinear is not on CPU autocast's list: not included.)"""
+    """Storing this module's frozen parameters in the compute dtype changes only their rounding: autocast
+    casts a matmul/conv weight to it anyway (transformers' GPT-2 ``Conv1D`` is an ``addmm``), and an
+    embedding table's lookups are returned in fp32 by an engine hook. (Bilinear is not on CPU
+    autocast's list: not included.)"""
     return isinstance(module, _AUTOCAST_MODULES) or type(module).__name__ == "Conv1D"
 
 
@@ -240,13 +241,15 @@ class MixedPrecision:
             distributed.wrap_model(model, self.policy, strategy, self.device, keep_fp32=tuple(keep),
                                    optimizer=optimizer, sharded_found_inf=True)
         params = list(model.parameters())
-        half, frozen = self._storage_plan(self.policy, params, keep)
+        # frozen: requires_grad=False at build, whatever their storage; unfreeze() removes from it
+        self._frozen_all = [p for p in params if p.is_floating_point() and not p.requires_grad]
+        half, frozen = self._storage_plan(self.policy, params, keep, {id(p) for p in self._frozen_all})
         if self._unfit_frozen:
             self.decision += (f"; {len(self._unfit_frozen)} frozen param(s) kept in fp32, their values do not fit "
                               f"{_dtype_text(self.policy.compute_dtype)} ({', '.join(self._unfit_frozen[:3])}"
                               f"{', ...' if len(self._unfit_frozen) > 3 else ''})")
         self.masters = MasterWeights(params, half if self.policy.has_masters else set())
-        self._frozen = [p for p in params if id(p) in frozen]
+        self._frozen = [p for p in params if id(p) in frozen]   # the frozen ones stored in 16 bits
         with torch.no_grad():
             for p in params:
                 if id(p) in half:
@@ -306,26 +309,30 @@ class MixedPrecision:
                              "with fp32 masters)")
 
     def _storage_plan(self, policy: Policy, params: list[nn.Parameter], keep: dict[str, nn.Module],
-                      frozen_now: set[int] | None = None) -> tuple[set[int], set[int]]:
+                      frozen_now: set[int]) -> tuple[set[int], set[int]]:
         """Which params (ids) are stored in the policy's 16-bit ``param_dtype`` (trainable ones) and which
         are *frozen*, stored in the compute dtype (bf16 under bf16 policies: 2 bytes/param, no master, no
         gradient, no optimizer state).
 
-        Frozen: ``requires_grad=False`` at build (``frozen_now=None``), later the engine's own frozen set
-        (``frozen_now``: a param frozen by hand after the build keeps its trainable storage and state).
+        ``frozen_now``: the engine's frozen set (``requires_grad=False`` at build, less what
+        :meth:`unfreeze` thawed; a param frozen by hand after the build keeps its trainable storage).
         A frozen param stays fp32 when: it belongs to a keep_fp32 module (or BatchNorm under 16-bit
         params); under a *mixed* policy (fp32 params, autocast), it is not owned only by modules whose
-        ops autocast casts (Linear, Conv, Embedding, transformers' Conv1D; a LayerNorm/BatchNorm weight
-        in bf16 meeting fp32 activations is an error on CPU); or its values do not fit the compute
-        format (fp16: a value beyond 65504, or over 1 % of its nonzero values flushed to zero) — a
-        logged decision. Under FSDP2 every param stays fp32 (sharded, cast by FSDP)."""
+        ops autocast casts or whose output the engine returns in fp32 (Linear, Conv, transformers'
+        Conv1D; Embedding, whose lookups a hook returns in fp32; a LayerNorm/BatchNorm weight in bf16
+        meeting fp32 activations is an error on CPU); or, under a mixed policy, its values do not fit
+        the compute format (fp16: a value beyond 65504, or over 1 % of its nonzero values flushed to
+        zero) — a logged decision. Under FSDP2 every param stays fp32 (sharded, cast by FSDP).
+
+        Raises:
+            ValueError: under a *pure* fp16 policy, a frozen param whose values do not fit fp16 (fp32
+                storage would break the pure dtype flow): name it, suggest bf16 or keep_fp32.
+        """
         self._unfit_frozen: list[str] = []
         if self.strategy == "fsdp2":
             return set(), set()
         keep_params = {id(p) for m in keep.values() for p in m.parameters()}
         free = [p for p in params if id(p) not in keep_params and p.is_floating_point()]
-        if frozen_now is None:
-            frozen_now = {id(p) for p in free if not p.requires_grad}
         half = {id(p) for p in free if id(p) not in frozen_now and policy.param_dtype != torch.float32}
         candidates = [p for p in free if id(p) in frozen_now and policy.compute_dtype != torch.float32]
         if policy.param_dtype == torch.float32:   # mixed: only where autocast casts the op's operands
@@ -343,6 +350,11 @@ class MixedPrecision:
         if unfit:
             names = {id(q): n for n, q in self.module.named_parameters()}
             self._unfit_frozen = [names.get(id(q), "?") for q in unfit]
+            if policy.param_dtype != torch.float32:
+                raise ValueError(f"policy {policy} stores every param in {_dtype_text(policy.param_dtype)}, but frozen "
+                                 f"parameter(s) {self._unfit_frozen[:3]} hold values that do not fit it (beyond its "
+                                 "range, or mostly flushed to zero); use a bf16 policy, or keep their modules in "
+                                 "fp32 (policy keep_fp32=<module>)")
             log.warning("mixprec: frozen parameter(s) %s kept in fp32: their values do not fit %s",
                         ", ".join(self._unfit_frozen[:5]), policy.compute_dtype)
         return half, frozen
@@ -470,6 +482,13 @@ class MixedPrecision:
             self._hooks.append(module.register_forward_hook(region.post, with_kwargs=True, always_call=True))
         if self.policy.is_mixed or self.policy.param_dtype != torch.float32:
             self._hooks.append(self.module.register_forward_hook(_OutputCast(self.policy.output_dtype)))
+        if self.policy.param_dtype == torch.float32:
+            # a frozen embedding table stored in 16 bits: autocast leaves lookups alone, so return them in
+            # fp32 as an fp32 table would (only the table's values are rounded, as autocast rounds weights)
+            frozen = {id(p) for p in self._frozen}
+            for module in self.module.modules():
+                if isinstance(module, (nn.Embedding, nn.EmbeddingBag)) and id(module.weight) in frozen:
+                    self._hooks.append(module.register_forward_hook(_OutputCast(torch.float32)))
 
     def unwrap(self) -> nn.Module:
         """Remove every hook the engine installed and return the user's model (params as stored;
@@ -520,7 +539,7 @@ class MixedPrecision:
         """Move ``batch`` to the device; cast its floating tensors to the param dtype.
 
         Integer/bool tensors are unchanged; nested dicts, lists, tuples and dataclasses are walked.
-        ``keep`` names top-level dict keys (or dataclass fields) whose floating tensors are moved
+        ``keep`` names top-level dict keys (or dataclass / namedtuple fields) whose floating tensors are moved
         but not cast, e.g. ``keep=("target",)`` so a regression target keeps full precision under
         a 16-bit-param policy (the loss is computed in fp32 anyway).
         With a guard attached, the engine keeps a reference to each cast micro-batch until the
@@ -531,14 +550,17 @@ class MixedPrecision:
         """
         if keep:
             mapping = isinstance(batch, (dict, collections.UserDict))   # UserDict: a tokenizer's BatchEncoding
-            names = set(batch) if mapping else (
+            named_tuple = isinstance(batch, tuple) and hasattr(batch, "_fields")
+            names = set(batch) if mapping else set(batch._fields) if named_tuple else (
                 {f.name for f in dataclasses.fields(batch)} if dataclasses.is_dataclass(batch) else set())
             missing = [k for k in keep if k not in names]
             if missing:
                 raise ValueError(f"cast_inputs(keep={keep!r}): {missing} not found; batch keys are {sorted(names)}")
             kept = {k: cast_floating(batch[k] if mapping else getattr(batch, k), None, self.device) for k in keep}
             cast = cast_floating(batch, self.policy.param_dtype, self.device)   # a copy: batch is not modified
-            for k, v in kept.items():
+            if named_tuple:
+                cast = cast._replace(**kept)
+            for k, v in (() if named_tuple else kept.items()):
                 if mapping:
                     cast[k] = v
                 else:
@@ -722,7 +744,7 @@ class MixedPrecision:
         keep = self._keep_fp32_modules(new)
         params = self.masters.params
         half, frozen = self._storage_plan(new, params, keep,
-                                          frozen_now={id(p) for p in self._frozen if not p.requires_grad})
+                                          {id(p) for p in self._frozen_all if not p.requires_grad})
         stored = lambda p: (new.param_dtype if id(p) in half  # noqa: E731
                             else new.compute_dtype if id(p) in frozen else torch.float32)
         if self.strategy == "ddp" and any(stored(p) != p.dtype for p in params if p.is_floating_point()):
@@ -732,7 +754,7 @@ class MixedPrecision:
         index = {id(t): i for i, t in enumerate(old_stepped)}
         opt = self.optimizer
         stepped = [t for g in opt.param_groups for t in g["params"]]
-        was_frozen = {id(p) for p in self._frozen}
+        was_frozen = {id(p) for p in self._frozen_all}
         stepped_ids = {id(t) for t in stepped}
         orphans = [n for n, p in self.module.named_parameters()
                    if id(p) in was_frozen and p.requires_grad and id(old_stepped[index[id(p)]]) not in stepped_ids]
@@ -861,6 +883,8 @@ class MixedPrecision:
                              "MixedPrecision")
         for _, p in chosen:
             p.requires_grad_(True)
+        chosen_ids = {id(p) for _, p in chosen}
+        self._frozen_all = [p for p in self._frozen_all if id(p) not in chosen_ids]
         if new_params:
             self.optimizer.add_param_group({"params": new_params, **group_options})
         event = self.set_policy(self.policy, cause=f"unfreeze {', '.join(patterns)}")
@@ -893,8 +917,9 @@ class MixedPrecision:
         return tuple(self._step_batches)
 
     def frozen_names(self) -> list[str]:
-        """Names of the parameters stored frozen now (no master, grad or state), in model order."""
-        frozen = {id(p) for p in self._frozen if not p.requires_grad}
+        """Names of the frozen parameters (``requires_grad=False`` when the engine was built and not
+        unfrozen since; no master, grad or optimizer state, whatever their storage), in model order."""
+        frozen = {id(p) for p in self._frozen_all if not p.requires_grad}
         return [n for n, p in self.module.named_parameters() if id(p) in frozen]
 
     def match_frozen(self, saved: list[str]) -> None:
@@ -917,8 +942,17 @@ class MixedPrecision:
                     "building MixedPrecision")
             raise ValueError(f"the saved run kept {what}")
         to_unfreeze = [n for n in current if n not in set(saved)]
-        if to_unfreeze:
-            self.unfreeze(*(re.sub(r"([\[\]*?])", r"[\1]", n) for n in to_unfreeze))
+        if not to_unfreeze:
+            return
+        named = dict(self.module.named_parameters())
+        stepped_of = {id(p): t for p, t in zip(self.masters.params, self.masters.masters)}
+        held = {id(t) for g in self.optimizer.param_groups for t in g["params"]}
+        missing = [n for n in to_unfreeze if id(stepped_of.get(id(named[n]), named[n])) not in held]
+        if missing:
+            raise ValueError(f"the saved run unfroze {missing[:3]} into a param group this optimizer lacks; call "
+                             f"mp.unfreeze(...) with the run's group options (e.g. lr=) before loading, as the run did, "
+                             "or build the optimizer on model.parameters() (frozen params included)")
+        self.unfreeze(*(re.sub(r"([\[\]*?])", r"[\1]", n) for n in to_unfreeze))
 
     def master_parameters(self) -> Iterator[torch.Tensor]:
         """fp32 masters in ``model.parameters()`` order (the params themselves where no master exists)."""

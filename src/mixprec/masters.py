@@ -80,20 +80,25 @@ class MasterWeights:
         """Masters take the value of params written in place outside the engine since the last
         :meth:`record_versions` (e.g. ``model.load_state_dict(...)`` or ``p.copy_(...)`` under
         ``no_grad`` after the engine was built), whose masters were not written: without this the
-        next step would copy the stale masters back over the edit. Returns the indices adopted
-        (into :attr:`pairs`). Writes made through ``p.data`` bypass version counters and are not seen.
+        next step would copy the stale masters back over the edit. Only the elements whose 16-bit
+        value changed are adopted (a reload of the same values keeps the fp32 masters). Returns the
+        indices of the pairs adopted (into :attr:`pairs`). Writes made through ``p.data`` bypass version counters and are not seen.
         """
         versions = getattr(self, "_versions", None)
         if versions is None or len(versions) != len(self.pairs):
             return []
         edited = [i for i, ((p, m), (v_p, v_m)) in enumerate(zip(self.pairs, versions))
                   if p._version != v_p and m._version == v_m]
+        adopted = []
         for i in edited:
             p, m = self.pairs[i]
-            m.copy_(p)
+            changed = p.ne(m.to(p.dtype))           # elements the edit changed (a reload of the same values
+            if bool(changed.any()):                 # changes none); one host sync per edited tensor
+                m.copy_(torch.where(changed, p.to(m.dtype), m))
+                adopted.append(i)
         if edited:
             self.record_versions()
-        return edited
+        return adopted
 
     @torch.no_grad()
     def load_from_params(self) -> None:

@@ -132,7 +132,7 @@ def _check_same_run(manifest: dict, workload: Any, seed: int, where: Path, steps
             raise ValueError(f"--resume: the checkpoint {str(where)!r} is from workload {saved.get('workload')!r} "
                              f"config {saved.get('config')!r}, this run is {now.get('workload')!r} config "
                              f"{now.get('config')!r} ({key} differs); pass the run's --workload/--config or another --out")
-    saved_steps = extra.get("steps")
+    saved_steps = extra.get("schedule_steps", extra.get("steps"))   # what the LR schedule was built for
     if saved_steps is not None and saved_steps != steps:
         warnings.warn(f"--resume with --steps {steps}, but the run's learning-rate schedule was built for "
                       f"{saved_steps} steps and resumes as it was (the scheduler's state is restored): steps past "
@@ -202,10 +202,11 @@ def run_training(workload: Any, *, policy: str = "auto", steps: int, out: str | 
     if guard:
         mp.guard = Guard(loss_fn=workload.loss)
 
-    start, saved_world = 0, 1
+    start, saved_world, schedule_steps = 0, 1, steps
     if resume and (root / LATEST).is_file():
         checkpoint = resolve_checkpoint(root)
         manifest = (read_distributed_manifest if strategy else read_manifest)(checkpoint)
+        schedule_steps = manifest.get("extra", {}).get("schedule_steps", manifest.get("extra", {}).get("steps", steps))
         _check_same_run(manifest, workload, seed, checkpoint, steps)
         saved_policy = manifest["policy"]
         # a run whose guard escalated precision continues under the escalated policy
@@ -242,7 +243,7 @@ def run_training(workload: Any, *, policy: str = "auto", steps: int, out: str | 
 
     def extra(eval_metrics: dict) -> dict:
         return {"workload": workload.describe(), "workload_spec": workload_spec or workload.name, "seed": seed,
-                "steps": steps, "command": command, "decision": mp.decision,
+                "steps": steps, "schedule_steps": schedule_steps, "command": command, "decision": mp.decision,
                 "policy_requested": policy_requested, "final_eval": eval_metrics}
 
     def save(step: int, eval_metrics: dict) -> Path:
