@@ -562,7 +562,8 @@ def test_a_load_that_would_need_a_new_param_group_is_refused_before_anything_cha
     _train_ids(mp, range(1))
     mixprec.save_checkpoint(tmp_path / "ck", mp)
     fresh = build()
-    with pytest.raises(mixprec.CheckpointError, match=r"param groups of sizes \[2, 2\]"):
+    with pytest.raises(mixprec.CheckpointError, match=r"unfroze \['ln.weight', 'ln.bias'\] into a param group "
+                                                      r"this optimizer lacks; call mp.unfreeze"):
         mixprec.load_checkpoint(tmp_path / "ck", fresh)
     assert len(fresh.optimizer.param_groups) == 1 and "ln.weight" in fresh.frozen_names()   # unchanged
     fresh.unfreeze("ln.*", lr=1e-3)                     # as the run did: then it loads
@@ -626,3 +627,42 @@ def test_cast_inputs_keep_names_a_namedtuple_field():
     mp = mixprec.MixedPrecision(model, torch.optim.AdamW(model.parameters(), lr=1e-2), policy="bf16-pure", device="cpu")
     out = mp.cast_inputs(Batch(torch.ones(2), torch.tensor([1.0 + 2 ** -12])), keep=("target",))
     assert type(out) is Batch and out.x.dtype == torch.bfloat16 and out.target.dtype == torch.float32
+
+
+def test_loading_frozen_values_that_do_not_fit_fp16_storage_is_refused(tmp_path):
+    """The fp16 storage of a frozen param was chosen from its values at build; a checkpoint whose values
+    do not fit must not become inf/zeros silently (e.g. a config-built model restored from a run)."""
+    def build(policy, big=False):
+        model = _emb_model()
+        if big:
+            with torch.no_grad():
+                model.emb.weight[0, 0] = 1e5
+        return mixprec.MixedPrecision(model, torch.optim.AdamW(model.parameters(), lr=1e-2), policy=policy,
+                                      device="cpu")
+
+    saved = build("fp16-mixed", big=True)                 # emb kept fp32 there
+    mixprec.save_checkpoint(tmp_path / "ck", saved)
+    target = build("fp16-mixed")                          # emb fits: stored fp16
+    before = target.module.emb.weight.detach().clone()
+    for kwargs in ({}, {"weights_only": True}):
+        with pytest.raises(mixprec.CheckpointError, match=r"frozen parameter\(s\) \['emb.weight'\] do not fit fp16"):
+            mixprec.load_checkpoint(tmp_path / "ck", target, **kwargs)
+    assert torch.equal(target.module.emb.weight, before) and target.applied_steps == 0
+    with pytest.raises(ValueError, match=r"do not fit fp16"):
+        target.load_state_dict(saved.state_dict())
+    pure = build("fp16-pure")
+    with pytest.raises(mixprec.CheckpointError, match=r"do not fit fp16"):
+        mixprec.load_checkpoint(tmp_path / "ck", pure, convert=True)
+    assert str(pure.policy) == "fp16-pure"               # unchanged
+
+
+def test_a_frozen_embedding_bag_stays_fp32_under_mixed():
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.EmbeddingBag(16, 8, mode="sum"), torch.nn.Linear(8, 2))
+    model[0].requires_grad_(False)
+    mp = mixprec.MixedPrecision(model, torch.optim.AdamW(model.parameters(), lr=1e-2), policy="bf16-mixed",
+                                device="cpu")
+    assert model[0].weight.dtype == torch.float32
+    with mp.autocast():
+        out = mp.model(torch.tensor([[1, 2, 3]]))
+    assert out.dtype == torch.float32

@@ -643,6 +643,16 @@ def load_checkpoint(path: str | Path, mp: Any, *, guard: Any = None, convert: bo
                               f"runs {target!r}; build the engine with policy={saved_policy!r}, or pass convert=True "
                               f"to convert the state to {target!r} (adopt_policy=True to switch the engine to "
                               f"{saved_policy!r})")
+    try:   # checks that change nothing: a run that unfroze into a new param group; frozen values vs fp16
+        if not weights_only and m["model"].get("frozen") is not None:
+            mp.match_frozen(m["model"]["frozen"], check_only=True)
+        saved_model = ck.files[MODEL_FILE]
+        incoming = {key: saved_model[m["model"]["aliases"].get(key, key)] for key, _ in mp.module.named_parameters()
+                    if m["model"]["aliases"].get(key, key) in saved_model}
+        incoming.update(ck.files.get(MASTERS_FILE, {}))   # fp32 masters beat the rounded copies
+        mp.check_frozen_values(incoming)
+    except ValueError as err:
+        raise CheckpointError(f"checkpoint {str(ck.path)!r}: {err}") from None
     _check_fits(ck, mp, weights_only=weights_only)
     if not weights_only and m["model"].get("frozen") is not None:
         try:   # params the run unfroze (mp.unfreeze, no new param group) are unfrozen here too

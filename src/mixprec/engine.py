@@ -79,7 +79,7 @@ class StepResult:
         return float(self.grad_norm_t)
 
 
-_AUTOCAST_MODULES = (nn.Linear, nn.modules.conv._ConvNd, nn.Embedding, nn.EmbeddingBag)
+_AUTOCAST_MODULES = (nn.Linear, nn.modules.conv._ConvNd, nn.Embedding)   # not EmbeddingBag: it reduces in its dtype
 
 
 def _autocast_casts(module: nn.Module) -> bool:
@@ -487,7 +487,7 @@ class MixedPrecision:
             # fp32 as an fp32 table would (only the table's values are rounded, as autocast rounds weights)
             frozen = {id(p) for p in self._frozen}
             for module in self.module.modules():
-                if isinstance(module, (nn.Embedding, nn.EmbeddingBag)) and id(module.weight) in frozen:
+                if isinstance(module, nn.Embedding) and id(module.weight) in frozen:
                     self._hooks.append(module.register_forward_hook(_OutputCast(torch.float32)))
 
     def unwrap(self) -> nn.Module:
@@ -922,7 +922,22 @@ class MixedPrecision:
         frozen = {id(p) for p in self._frozen_all if not p.requires_grad}
         return [n for n, p in self.module.named_parameters() if id(p) in frozen]
 
-    def match_frozen(self, saved: list[str]) -> None:
+    def check_frozen_values(self, values: dict[str, torch.Tensor]) -> None:
+        """Raise ValueError if a value about to be loaded into a frozen param stored in fp16 does not fit
+        fp16 (the storage was chosen from the values at build; loading must not turn them into inf or
+        zeros). ``values``: parameter name → incoming tensor (others are ignored). One sync per checked
+        tensor; nothing to check unless the compute dtype is fp16."""
+        stored = {id(p) for p in self._frozen if p.dtype == torch.float16}
+        if not stored:
+            return
+        names = {n: p for n, p in self.module.named_parameters() if id(p) in stored}
+        unfit = [n for n, v in values.items() if n in names and not self._fits(v.float(), torch.float16)]
+        if unfit:
+            raise ValueError(f"values for frozen parameter(s) {unfit[:3]} do not fit fp16, where this engine stores "
+                             "them (chosen from the values it was built with); load these weights into the model "
+                             "before building MixedPrecision (they then stay fp32), or use a bf16 policy")
+
+    def match_frozen(self, saved: list[str], *, check_only: bool = False) -> None:
         """Make this engine's frozen set equal ``saved`` (a run's :meth:`frozen_names`) before its state is
         loaded: parameters that run had unfrozen (:meth:`unfreeze`) are unfrozen here too, so a resume
         neither re-freezes them silently nor mismatches the optimizer's groups. Called by
@@ -930,7 +945,8 @@ class MixedPrecision:
 
         Raises:
             ValueError: ``saved`` keeps frozen a parameter this engine trains (freeze it with
-                ``requires_grad_(False)`` before building the engine), or names an unknown one.
+                ``requires_grad_(False)`` before building the engine), names an unknown one, or unfroze
+                one into a param group this optimizer lacks. ``check_only``: raise, change nothing.
         """
         current = self.frozen_names()
         known = {n for n, _ in self.module.named_parameters()}
@@ -952,6 +968,8 @@ class MixedPrecision:
             raise ValueError(f"the saved run unfroze {missing[:3]} into a param group this optimizer lacks; call "
                              f"mp.unfreeze(...) with the run's group options (e.g. lr=) before loading, as the run did, "
                              "or build the optimizer on model.parameters() (frozen params included)")
+        if check_only:
+            return
         self.unfreeze(*(re.sub(r"([\[\]*?])", r"[\1]", n) for n in to_unfreeze))
 
     def master_parameters(self) -> Iterator[torch.Tensor]:
@@ -992,6 +1010,9 @@ class MixedPrecision:
         if state["policy"] != str(self.policy):
             raise ValueError(f"state was saved under policy {state['policy']!r}, this engine runs {self.policy}; "
                              "load it through mixprec.load_checkpoint(..., convert=True) to convert")
+        if state.get("frozen") is not None:
+            self.match_frozen(state["frozen"], check_only=True)
+        self.check_frozen_values(dict(state["model"]))
         if state.get("frozen") is not None:
             self.match_frozen(state["frozen"])
         if len(state["masters"]) != len(self.masters.pairs):
