@@ -378,6 +378,9 @@ def test_prepared_model_pickles_deepcopies_and_unwraps():
             assert torch.equal(clone(x), y)
     assert type(mp.model) is nn.Sequential                      # never wrapped or patched
     assert mp.unwrap() is model and not model._forward_hooks and not model[3]._forward_pre_hooks
+    with pytest.raises(RuntimeError, match=r"mp.autocast\(\) after mp.unwrap\(\).*build a new MixedPrecision"):
+        with mp.autocast():
+            pass
 
 
 # ---------------------------------------------------------------- state_dict: continue == uninterrupted

@@ -94,7 +94,9 @@ def build_parser() -> argparse.ArgumentParser:
                        help="run each policy on several processes (needs --out): `torchrun --nproc-per-node N -m "
                        "mixprec bench --strategy ddp --out DIR`; throughput is summed over the ranks")
 
-    train = sub.add_parser("train", help="train one policy; log metrics; save a checkpoint")
+    train = sub.add_parser("train", help="train one policy; log metrics; save a checkpoint",
+                           description="Train a workload under one policy, with metrics, checkpoints, resume and "
+                           "an optional divergence guard.")
     workload_args(train, "workload config (default: the workload's own, baby for gpt)")
     train.add_argument("--policy", default="auto", help="policy preset or key=value text (default: auto)")
     train.add_argument("--steps", type=_positive_int, default=200, help="optimizer steps (default: 200)")
@@ -237,11 +239,11 @@ def _sample_minilm(path: Path, description: dict, args: argparse.Namespace) -> i
     mp.module.eval()
     with torch.no_grad(), mp.autocast():
         logits = mp.model(input_ids=input_ids, attention_mask=torch.ones_like(input_ids)).logits[0]  # (T, V)
-    for position in [i for i, t in enumerate(ids) if t == workload.mask_id]:
+    for k, position in enumerate([i for i, t in enumerate(ids) if t == workload.mask_id], start=1):
         probs = logits[position].float().softmax(-1)
         top = probs.topk(5)
         words = ", ".join(f"{workload.decode([int(i)]).strip()} ({float(p):.2f})" for p, i in zip(top.values, top.indices))
-        print(f"[MASK] at token {position}: {words}")
+        print(f"[MASK] {k}: {words}")
     return 0
 
 

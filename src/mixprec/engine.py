@@ -491,12 +491,24 @@ class MixedPrecision:
                     self._hooks.append(module.register_forward_hook(_OutputCast(torch.float32)))
 
     def unwrap(self) -> nn.Module:
-        """Remove every hook the engine installed and return the user's model (params as stored;
-        under a strategy: without the DDP wrapper, or still sharded by FSDP2)."""
+        """Remove every hook the engine installed and return the user's model (params as stored: 16-bit
+        ones stay 16-bit, so call ``model.float()`` for fp32 inference; under a strategy: without the DDP
+        wrapper, or still sharded by FSDP2). The engine is finished afterwards: :meth:`autocast`,
+        :meth:`backward` and :meth:`step` raise RuntimeError (build a new MixedPrecision to train on)."""
+        self._remove_hooks()
+        self._unwrapped = True
+        return self.module
+
+    def _remove_hooks(self) -> None:
         for handle in self._hooks:
             handle.remove()
         self._hooks.clear()
-        return self.module
+
+    def _check_wrapped(self, call: str) -> None:
+        if getattr(self, "_unwrapped", False):
+            raise RuntimeError(f"{call} after mp.unwrap(): the engine's hooks (output cast, keep_fp32 regions, fp32 "
+                               "embedding lookups) are gone, so it would train with other numerics; build a new "
+                               "MixedPrecision on the model to go on")
 
     def _set_gradient_sync(self) -> None:
         """Before the next micro-batch: reduce its gradients across ranks only at the boundary, and
@@ -532,6 +544,7 @@ class MixedPrecision:
         policy's ``output_dtype`` (fp32 in every preset), so losses see fp32 logits; submodules
         called directly return what autocast produced.
         """
+        self._check_wrapped("mp.autocast()")
         with torch.autocast(self.device.type, dtype=self.policy.compute_dtype, enabled=self.policy.is_mixed):
             yield
 
@@ -585,6 +598,7 @@ class MixedPrecision:
         if not loss.requires_grad:
             raise ValueError("loss does not require grad (computed under torch.no_grad(), or from detached "
                              "tensors); compute it from mp.model's output with autograd enabled")
+        self._check_wrapped("mp.backward()")
         self._check_frozen()
         if self.micro_step >= self.accumulation_steps:
             raise RuntimeError(f"backward() called {self.micro_step + 1} times since the last step() with "
@@ -777,7 +791,7 @@ class MixedPrecision:
                     value_fp32 += comp.float()
                 values_fp32.append(value_fp32)
         states = [opt.state.pop(t) if t in opt.state else None for t in old_stepped]
-        self.unwrap()
+        self._remove_hooks()
         with torch.no_grad():
             for p, value_fp32 in zip(params, values_fp32):
                 p.data = value_fp32
