@@ -641,3 +641,23 @@ def test_pure_policy_masters_adopt_params_loaded_after_the_engine_was_built():
     for name, p in model.named_parameters():   # lr=0: the step keeps what was loaded
         assert torch.equal(p, pretrained[name].to(torch.bfloat16)), name
     assert mp.events[-1]["kind"] == "adopt"
+
+
+def test_unwrap_to_fp32_returns_the_masters_at_full_precision():
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(8, 16), nn.GELU(), nn.Linear(16, 1))
+    mp = MixedPrecision(model, torch.optim.AdamW(model.parameters(), lr=1e-3), policy="bf16-pure", device="cpu")
+    x = torch.randn(4, 8)
+    for _ in range(3):
+        with mp.autocast():
+            loss = mp.model(mp.cast_inputs(x)).float().square().mean()
+        mp.backward(loss)
+        mp.step()
+    masters = [m.detach().clone() for m in mp.master_parameters()]
+    assert any(not torch.equal(m, m.to(torch.bfloat16).float()) for m in masters)   # more than bf16 precision
+    params = list(model.parameters())
+    assert mp.unwrap(to_fp32=True) is model
+    assert [p is q for p, q in zip(params, model.parameters())] == [True] * len(params)
+    for p, m in zip(model.parameters(), masters):
+        assert p.dtype == torch.float32 and torch.equal(p, m)
+    assert model(x).dtype == torch.float32          # plain fp32 inference, no autocast

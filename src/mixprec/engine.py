@@ -490,11 +490,32 @@ class MixedPrecision:
                 if isinstance(module, nn.Embedding) and id(module.weight) in frozen:
                     self._hooks.append(module.register_forward_hook(_OutputCast(torch.float32)))
 
-    def unwrap(self) -> nn.Module:
-        """Remove every hook the engine installed and return the user's model (params as stored: 16-bit
-        ones stay 16-bit, so call ``model.float()`` for fp32 inference; under a strategy: without the DDP
-        wrapper, or still sharded by FSDP2). The engine is finished afterwards: :meth:`autocast`,
-        :meth:`backward` and :meth:`step` raise RuntimeError (build a new MixedPrecision to train on)."""
+    def unwrap(self, *, to_fp32: bool = False) -> nn.Module:
+        """Remove every hook the engine installed and return the user's model (under a strategy: without
+        the DDP wrapper, or still sharded by FSDP2). The engine is finished afterwards: :meth:`autocast`,
+        :meth:`backward` and :meth:`step` raise RuntimeError (build a new MixedPrecision to train on).
+
+        ``to_fp32=False``: params as stored (16-bit ones stay 16-bit). ``to_fp32=True``: every floating
+        param becomes fp32 in place (same Parameter objects) holding its best value: the fp32 master
+        where one exists (full precision, not the rounded 16-bit copy), else the param upcast (exact) --
+        ready for fp32 inference or export. No host sync.
+
+        Raises:
+            ValueError: ``to_fp32=True`` under a strategy (sharded or wrapped params).
+            RuntimeError: called between ``backward()`` and the accumulation boundary with ``to_fp32``.
+        """
+        if to_fp32:
+            if self.strategy is not None:
+                raise ValueError(f"unwrap(to_fp32=True) under strategy={self.strategy!r}: the params are wrapped or "
+                                 "sharded; save a checkpoint and load it into a plain model instead")
+            if self.micro_step != 0:
+                raise RuntimeError("unwrap(to_fp32=True) mid-accumulation; call it after mp.step() returns a result")
+            self._adopt_edited_params()
+            master_of = {id(p): m for p, m in self.masters.pairs}
+            with torch.no_grad():
+                for p in self.masters.params:
+                    if p.is_floating_point():
+                        p.data = master_of[id(p)].detach().clone() if id(p) in master_of else p.data.float()
         self._remove_hooks()
         self._unwrapped = True
         return self.module
