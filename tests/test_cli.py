@@ -124,3 +124,26 @@ def test_resume_under_another_policy_names_the_cli_fix(tmp_path, capsys):
     assert cli_main([*common, "--policy", "fp32"]) == 0
     assert cli_main([*common, "--policy", "bf16-mixed", "--resume"]) == 2
     assert "resume with --policy 'fp32'" in capsys.readouterr().err
+
+
+def test_sample_reads_a_dcp_checkpoint_like_a_one_process_one(tmp_path, capsys):
+    """`mixprec sample` on a torch.distributed.checkpoint (FSDP2 format) run: the weights are gathered into
+    a plain model; the text equals sampling the same weights from a one-process checkpoint."""
+    from mixprec.distributed import save_distributed_checkpoint
+
+    workload = get_workload("gpt", config="tiny")
+    mp = build_engine(workload, "fp32", steps=5, seed=0, device="cpu")   # no masters: DCP-saveable
+    batches = workload.batches("train", 0)
+    for _ in range(3):
+        train_step(mp, workload, next(batches))
+    extra = {"workload": workload.describe()}
+    save_distributed_checkpoint(tmp_path / "dcp_run", mp, extra=extra)
+    save_checkpoint(tmp_path / "plain_run", mp, extra=extra)
+    assert (next((tmp_path / "dcp_run").glob("step-*")) / "dcp").is_dir()
+    texts = []
+    for run in ("dcp_run", "plain_run"):
+        capsys.readouterr()
+        assert main(["sample", str(tmp_path / run), "--prompt", "The ", "--tokens", "30", "--seed", "3",
+                     "--device", "cpu"]) == 0
+        texts.append(capsys.readouterr().out)
+    assert texts[0] == texts[1] and texts[0].startswith("The ")

@@ -187,7 +187,8 @@ def _cmd_train(args: argparse.Namespace, command: str) -> int:
 def _cmd_sample(args: argparse.Namespace) -> int:
     import torch
 
-    from mixprec.checkpoint import load_checkpoint, read_manifest, resolve_checkpoint
+    from mixprec.checkpoint import resolve_checkpoint
+    from mixprec.distributed import load_model_weights, read_distributed_manifest
     from mixprec.engine import MixedPrecision
     from mixprec.optim import SGD
     from mixprec.workloads import GPT, Corpus, GPTConfig, generate
@@ -196,7 +197,7 @@ def _cmd_sample(args: argparse.Namespace) -> int:
     if (path / "checkpoints").is_dir():
         path = path / "checkpoints"
     path = resolve_checkpoint(path)
-    description = read_manifest(path)["extra"].get("workload", {})
+    description = read_distributed_manifest(path)["extra"].get("workload", {})   # one-process or DCP format
     if description.get("workload") == "minilm":
         return _sample_minilm(path, description, args)
     if description.get("workload") != "gpt":
@@ -205,8 +206,8 @@ def _cmd_sample(args: argparse.Namespace) -> int:
     model_desc, vocab = description["model"], description["data"]["vocab"]
     fields = set(GPTConfig.__dataclass_fields__) - {"optim"}
     model = GPT(GPTConfig(**{k: v for k, v in model_desc.items() if k in fields}), len(vocab))
+    load_model_weights(path, model)   # fp32 values (masters where saved; DCP shards gathered), then --policy
     mp = MixedPrecision(model, SGD(model.parameters(), lr=0.0), policy=args.policy, device=args.device)
-    load_checkpoint(path, mp, weights_only=True, convert=True)  # fp32 values (masters where saved), cast to --policy
     corpus = Corpus.from_text(vocab, source=str(path))
     idx = torch.tensor([corpus.encode(args.prompt)], dtype=torch.int64, device=mp.device)  # (1, T0)
     generator = torch.Generator(device=mp.device).manual_seed(args.seed)
@@ -220,7 +221,7 @@ def _sample_minilm(path: Path, description: dict, args: argparse.Namespace) -> i
     """Fill each ``[MASK]`` of ``--prompt`` with the trained MiniLM's five most likely tokens."""
     import torch
 
-    from mixprec.checkpoint import load_checkpoint
+    from mixprec.distributed import load_model_weights
     from mixprec.engine import MixedPrecision
     from mixprec.optim import SGD
     from mixprec.workloads import get_workload
@@ -229,8 +230,8 @@ def _sample_minilm(path: Path, description: dict, args: argparse.Namespace) -> i
     workload = get_workload("minilm", config=description.get("config"), lora=lora)
     torch.manual_seed(args.seed)
     model = workload.build_model()
+    load_model_weights(path, model)
     mp = MixedPrecision(model, SGD(model.parameters(), lr=0.0), policy=args.policy, device=args.device)
-    load_checkpoint(path, mp, weights_only=True, convert=True)
     ids = [workload.cls_id, *workload.encode(args.prompt), workload.sep_id]
     if workload.mask_id not in ids:
         raise ValueError(f"sample --prompt {args.prompt!r}: a minilm checkpoint fills [MASK] tokens; put at least one "

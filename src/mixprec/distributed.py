@@ -108,7 +108,7 @@ __all__ = ["STRATEGIES", "check_strategy", "init_process_group_from_env", "is_ma
            "any_across_ranks", "sum_across_ranks", "from_main_process", "shard_batches", "sync_module_states", "wrap_model",
            "set_gradient_sync", "local_tensors", "gradient_reduce_dtypes",
            "save_distributed_checkpoint", "load_distributed_checkpoint", "read_distributed_manifest",
-           "DCP_MANIFEST"]
+           "load_model_weights", "DCP_MANIFEST"]
 
 log = logging.getLogger("mixprec")
 
@@ -557,6 +557,38 @@ def read_distributed_manifest(path: str | Path) -> dict:
         from mixprec.checkpoint import read_manifest
 
         return read_manifest(directory)
+    return manifest
+
+
+def load_model_weights(path: str | Path, model: nn.Module) -> dict:
+    """Load only the model weights of the checkpoint at ``path`` (root or ``step-N``) into a plain,
+    unwrapped ``model`` in one process, in place (values cast to each tensor's dtype); returns the
+    manifest. For inference (``mixprec sample``): a DCP checkpoint (FSDP2, any number of ranks) is
+    resharded into the full tensors (its params are the fp32 values the optimizer stepped); a
+    one-process-format checkpoint takes the fp32 masters where saved, else the params.
+
+    Raises:
+        FileNotFoundError / CheckpointError: no (complete) checkpoint at ``path``.
+        RuntimeError: the model's keys or shapes do not match the saved ones (torch's message).
+    """
+    directory, manifest = _read_dcp_manifest(path)
+    if manifest.get("format") != _DCP_FORMAT:
+        from mixprec.checkpoint import MASTERS_FILE, MODEL_FILE, read_manifest
+        from safetensors.torch import load_file
+
+        manifest = read_manifest(directory)
+        state = load_file(str(directory / MODEL_FILE))
+        for key, target in manifest["model"]["aliases"].items():
+            state[key] = state[target]
+        if (directory / MASTERS_FILE).is_file():
+            state.update(load_file(str(directory / MASTERS_FILE)))
+        model.load_state_dict(state)
+        return manifest
+    import torch.distributed.checkpoint as dcp
+
+    state = model.state_dict()
+    dcp.load({"model": state}, checkpoint_id=str(directory / "dcp"), no_dist=not dist.is_initialized())
+    model.load_state_dict(state)
     return manifest
 
 
