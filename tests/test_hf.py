@@ -666,3 +666,26 @@ def test_a_frozen_embedding_bag_stays_fp32_under_mixed():
     with mp.autocast():
         out = mp.model(torch.tensor([[1, 2, 3]]))
     assert out.dtype == torch.float32
+
+
+def test_review_fixes_16bit_frozen_planned_fp32_step_after_unwrap_and_kahan_unwrap():
+    # a frozen 16-bit param planned fp32 (keep_fp32 module) is cast back to fp32 at build
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(4, 4).to(torch.bfloat16), torch.nn.Linear(4, 1))
+    model[0].requires_grad_(False)
+    mp = mixprec.MixedPrecision(model, torch.optim.AdamW(model.parameters(), lr=1e-2),
+                                policy="bf16-mixed,keep_fp32=0", device="cpu")
+    assert model[0].weight.dtype == torch.float32
+    with mp.autocast():
+        mp.model(torch.randn(2, 4))
+    # unwrap(to_fp32=True) under Kahan rounding: the param plus its compensation
+    model = _two_layer()
+    mp = mixprec.MixedPrecision(model, mixprec.optim.AdamW(model.parameters(), lr=1e-2), policy="bf16-kahan",
+                                device="cpu")
+    _run(mp, 3)
+    comp = mp.optimizer.state[model[2].weight]["kahan_comp"]
+    expected = model[2].weight.float() + comp.float()
+    mp.unwrap(to_fp32=True)
+    assert torch.equal(model[2].weight, expected)
+    with pytest.raises(RuntimeError, match=r"mp.step\(\) after mp.unwrap\(\)"):
+        mp.step()

@@ -22,13 +22,13 @@ step (to tell an overflow from a non-finite loss). ``StepResult.loss_scale`` and
 
 from __future__ import annotations
 
-import collections
+import copy
 import dataclasses
 import fnmatch
 import logging
 import re
 import warnings
-from collections import defaultdict, deque
+from collections import UserDict, defaultdict, deque
 from collections.abc import Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass, field
@@ -166,8 +166,8 @@ class MixedPrecision:
     ``strategy="fsdp2"`` every param. A frozen param may also arrive already in the compute dtype
     (e.g. a model loaded in bf16). Setting ``requires_grad`` on one afterwards makes :meth:`backward`
     raise naming it; :meth:`unfreeze` is the supported route (builds its fp32 master on the spot).
-    Frozen params are no params of ``set_policy``'s optimizer checks; :meth:`state_dict` records which
-    are frozen, and loading a state unfreezes what its run had unfrozen (:meth:`match_frozen`).
+    The optimizer checks ignore frozen params (they never get a gradient); :meth:`state_dict` records
+    which are frozen, and loading a state unfreezes what its run had unfrozen (:meth:`match_frozen`).
 
     Attributes:
         model (what to call: the DDP wrapper under ``"ddp"``), module (the user's model, unwrapped),
@@ -256,6 +256,8 @@ class MixedPrecision:
                     p.data = p.data.to(self.policy.param_dtype)
                 elif id(p) in frozen:
                     p.data = p.data.to(self.policy.compute_dtype)
+                elif p.is_floating_point() and p.dtype != torch.float32:   # arrived 16-bit, planned fp32
+                    p.data = p.data.float()
         self.masters.record_versions()
         if self.policy.has_masters:
             self.masters.rebind(optimizer)
@@ -367,10 +369,10 @@ class MixedPrecision:
         if dtype != torch.float16 or p.dtype == dtype:
             return True
         rounded = p.detach().to(dtype)
-        overflow = (torch.isinf(rounded) & torch.isfinite(p)).any()
         nonzero = p.ne(0)
-        flushed = (rounded.eq(0) & nonzero).sum()
-        return not bool(overflow) and int(flushed) <= 0.01 * max(1, int(nonzero.sum()))
+        overflow, flushed, n_nonzero = torch.stack([(torch.isinf(rounded) & torch.isfinite(p)).sum(),
+                                                    (rounded.eq(0) & nonzero).sum(), nonzero.sum()]).tolist()
+        return overflow == 0 and flushed <= 0.01 * max(1, n_nonzero)
 
     def _adopt_edited_params(self) -> None:
         """Params written outside the engine (16-bit ones with fp32 masters) keep the edit: their masters
@@ -497,8 +499,10 @@ class MixedPrecision:
 
         ``to_fp32=False``: params as stored (16-bit ones stay 16-bit). ``to_fp32=True``: every floating
         param becomes fp32 in place (same Parameter objects) holding its best value: the fp32 master
-        where one exists (full precision, not the rounded 16-bit copy), else the param upcast (exact) --
-        ready for fp32 inference or export. No host sync.
+        where one exists (full precision, not the rounded 16-bit copy), under Kahan rounding the param
+        plus its compensation, else the param upcast (exact) -- ready for fp32 inference or export.
+        Host syncs: none, but one per param written outside the engine since the last step (those are
+        adopted first, see :meth:`step`).
 
         Raises:
             ValueError: ``to_fp32=True`` under a strategy (sharded or wrapped params).
@@ -514,8 +518,13 @@ class MixedPrecision:
             master_of = {id(p): m for p, m in self.masters.pairs}
             with torch.no_grad():
                 for p in self.masters.params:
-                    if p.is_floating_point():
-                        p.data = master_of[id(p)].detach().clone() if id(p) in master_of else p.data.float()
+                    if not p.is_floating_point():
+                        continue
+                    if id(p) in master_of:
+                        p.data = master_of[id(p)].detach().clone()
+                        continue
+                    comp = self.optimizer.state[p].get("kahan_comp") if p in self.optimizer.state else None
+                    p.data = p.data.float() + comp.float() if comp is not None else p.data.float()
         self._remove_hooks()
         self._unwrapped = True
         return self.module
@@ -583,23 +592,28 @@ class MixedPrecision:
             ValueError: a ``keep`` name that is not a key of ``batch``.
         """
         if keep:
-            mapping = isinstance(batch, (dict, collections.UserDict))   # UserDict: a tokenizer's BatchEncoding
+            mapping = isinstance(batch, (dict, UserDict))   # UserDict: a tokenizer's BatchEncoding
             named_tuple = isinstance(batch, tuple) and hasattr(batch, "_fields")
             names = set(batch) if mapping else set(batch._fields) if named_tuple else (
                 {f.name for f in dataclasses.fields(batch)} if dataclasses.is_dataclass(batch) else set())
             missing = [k for k in keep if k not in names]
             if missing:
                 raise ValueError(f"cast_inputs(keep={keep!r}): {missing} not found; batch keys are {sorted(names)}")
-            kept = {k: cast_floating(batch[k] if mapping else getattr(batch, k), None, self.device) for k in keep}
-            cast = cast_floating(batch, self.policy.param_dtype, self.device)   # a copy: batch is not modified
+            fields = list(batch) if mapping else list(batch._fields) if named_tuple else \
+                [f.name for f in dataclasses.fields(batch)]
+            get = (lambda k: batch[k]) if mapping else (lambda k: getattr(batch, k))  # noqa: E731
+            values = {k: cast_floating(get(k), None if k in keep else self.policy.param_dtype, self.device)
+                      for k in fields}   # kept ones moved, not cast
             if named_tuple:
-                cast = cast._replace(**kept)
-            for k, v in (() if named_tuple else kept.items()):
-                if mapping:
-                    cast[k] = v
-                else:
-                    object.__setattr__(cast, k, v)   # works on frozen dataclasses too
-            batch = cast
+                batch = batch._replace(**values)
+            else:
+                cast = copy.copy(batch)   # the caller's batch is not modified
+                for k, v in values.items():
+                    if mapping:
+                        cast[k] = v
+                    else:
+                        object.__setattr__(cast, k, v)   # works on frozen dataclasses too
+                batch = cast
         else:
             batch = cast_floating(batch, self.policy.param_dtype, self.device)
         if self.guard is not None:
@@ -649,6 +663,7 @@ class MixedPrecision:
             RuntimeError: no ``backward()`` since the last step.
             DivergenceError: ``max_stuck_skips`` consecutive skips at the loss-scale floor.
         """
+        self._check_wrapped("mp.step()")
         if not self._step_pending:
             raise RuntimeError("step() called without backward() since the last step; call mp.backward(loss) first")
         self._step_pending = False
@@ -770,8 +785,9 @@ class MixedPrecision:
         new = resolve(policy, self.device).policy
         if (new.fp8, new.fp8_format, new.fp8_keep_ends) != (self.policy.fp8, self.policy.fp8_format,
                                                              self.policy.fp8_keep_ends):
-            raise ValueError(f"set_policy: {self.policy} → {new} changes the fp8 linears (fp8={new.fp8!r}), which "
-                             "cannot be swapped mid-run; keep fp8/fp8_format as they are, or build a new "
+            raise ValueError(f"set_policy: {self.policy} → {new} changes the fp8 linears (fp8={new.fp8!r}, fp8_format="
+                             f"{new.fp8_format!r}, fp8_ends={'keep' if new.fp8_keep_ends else 'fp8'!r}), which cannot "
+                             "be swapped mid-run; keep fp8/fp8_format/fp8_ends as they are, or build a new "
                              "MixedPrecision from a checkpoint")
         if self.strategy == "fsdp2":
             raise ValueError(f"set_policy: under strategy='fsdp2' the MixedPrecisionPolicy of each sharded module "
@@ -894,7 +910,12 @@ class MixedPrecision:
         if self.micro_step != 0:
             raise RuntimeError(f"unfreeze() called after {self.micro_step} backward() call(s) without step(); "
                                "unfreeze at an accumulation boundary (after mp.step() returns a result)")
-        named = [(n, p) for n, p in self.module.named_parameters() if not p.requires_grad]
+        if self.strategy is not None:
+            raise ValueError(f"unfreeze under strategy={self.strategy!r}: the {self.strategy.upper()} wrapper was built "
+                             "for the trainable params it saw (it would not reduce the new ones' gradients); save a "
+                             "checkpoint, set requires_grad before building MixedPrecision, and resume")
+        frozen_ids = {id(p) for p in self._frozen_all}
+        named = [(n, p) for n, p in self.module.named_parameters() if id(p) in frozen_ids and not p.requires_grad]
         chosen = [(n, p) for n, p in named if any(fnmatch.fnmatchcase(n, pat) for pat in patterns)]
         unmatched = [pat for pat in patterns if not any(fnmatch.fnmatchcase(n, pat) for n, _ in named)]
         if unmatched:
@@ -916,13 +937,21 @@ class MixedPrecision:
                              "breaks it (its per-group state was sized when it was built). Build the optimizer on "
                              "model.parameters() (frozen params included: they get no state while frozen) before "
                              "MixedPrecision")
+        chosen_ids = {id(p) for _, p in chosen}
+        frozen_before, groups_before = list(self._frozen_all), len(self.optimizer.param_groups)
         for _, p in chosen:
             p.requires_grad_(True)
-        chosen_ids = {id(p) for _, p in chosen}
         self._frozen_all = [p for p in self._frozen_all if id(p) not in chosen_ids]
-        if new_params:
-            self.optimizer.add_param_group({"params": new_params, **group_options})
-        event = self.set_policy(self.policy, cause=f"unfreeze {', '.join(patterns)}")
+        try:
+            if new_params:
+                self.optimizer.add_param_group({"params": new_params, **group_options})
+            event = self.set_policy(self.policy, cause=f"unfreeze {', '.join(patterns)}")
+        except (ValueError, TypeError):   # set_policy refused before changing anything: undo ours too
+            for _, p in chosen:
+                p.requires_grad_(False)
+            self._frozen_all = frozen_before
+            del self.optimizer.param_groups[groups_before:]
+            raise
         event["kind"] = "unfreeze"
         event["detail"] = (f"{len(chosen)} parameter(s) unfrozen ({sum(p.numel() for _, p in chosen)} elements), "
                            f"stored as {_dtype_text(self.policy.param_dtype)}"

@@ -6,7 +6,7 @@ and fp16 on a CPU whose probe says fp16 is not native, is SKIPPED with the measu
 unless ``force=True``. Nothing is run in another precision than asked: each worker records
 the engine's ``policy`` and ``decision`` and the report shows them.
 
-Each runnable policy then trains in ``python -m mixprec.bench`` (the worker) (its own process: peak
+Each runnable policy then trains in ``python -m mixprec.bench``, the worker (its own process: peak
 memory is honest and runs cannot disturb each other) from the same seed and batch order. The
 runner reads each worker's measurements, computes the deltas against fp32 (speedup, memory
 ratio, relative eval-loss delta), judges them (:mod:`mixprec.bench.verdict`) and writes the
@@ -38,7 +38,6 @@ run with the real device.
 
 from __future__ import annotations
 
-import dataclasses
 
 import json
 import math
@@ -48,7 +47,7 @@ import socket
 import subprocess
 import sys
 import time
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, dataclass, field, replace
 from pathlib import Path
 from typing import Any
 
@@ -255,7 +254,7 @@ def run_bench(config: BenchConfig, *, capability: Capability | None = None, prog
     workload = get_workload(config.workload, config=config.config_name, data=config.data, lora=config.lora)
     description = workload.describe()
     if config.steps is None:
-        config = dataclasses.replace(config, steps=int(getattr(workload, "default_steps", DEFAULT_STEPS)))
+        config = replace(config, steps=int(getattr(workload, "default_steps", DEFAULT_STEPS)))
     del workload
     peaks = cached_peaks(device)
     names = list(dict.fromkeys([REFERENCE, *(p.strip() for p in config.policies)]))

@@ -36,7 +36,7 @@ from torch import nn
 from mixprec.fp8.recipes import ROLES, CurrentScaling, DelayedScaling, Float8Recipe
 from mixprec.fp8.scaling import ScaledFloat8
 
-__all__ = ["Float8Linear", "fp8_available"]
+__all__ = ["Float8Linear", "clamped_scales", "fp8_available"]
 
 _SCALED_MM_MULTIPLE = 16  # cuBLASLt fp8: the contraction dim and mat2's dims must be multiples of 16
 _MIN_CUDA_CAPABILITY = (8, 9)  # Ada / Hopper and newer have fp8 tensor cores
