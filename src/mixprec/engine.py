@@ -902,7 +902,9 @@ class MixedPrecision:
         Raises:
             ValueError: a pattern matches no frozen parameter (the frozen names are listed);
                 ``group_options`` for params the optimizer already holds; params it does not hold while
-                a scheduler is attached. Nothing has changed then.
+                a scheduler is attached; a strategy (DDP/FSDP2 wrappers are built for the trainable
+                params they saw); :meth:`set_policy` refusing the re-preparation (e.g. the optimizer
+                cannot run it). Nothing has changed then (a set_policy refusal is undone).
             RuntimeError: called between ``backward()`` and the accumulation boundary.
         """
         if not patterns:
@@ -1069,7 +1071,9 @@ class MixedPrecision:
 
         Raises:
             ValueError: the state was saved under another policy (convert with
-                :func:`mixprec.load_checkpoint`), or its master count differs.
+                :func:`mixprec.load_checkpoint`), or its master count differs; its frozen set cannot be
+                matched (:meth:`match_frozen`); its frozen values do not fit an fp16 storage
+                (:meth:`check_frozen_values`). The frozen-set and value checks run before anything changes.
         """
         if state["policy"] != str(self.policy):
             raise ValueError(f"state was saved under policy {state['policy']!r}, this engine runs {self.policy}; "

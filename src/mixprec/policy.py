@@ -203,7 +203,8 @@ class Policy:
         if self.fp8_format not in FP8_FORMATS:
             raise ValueError(f"Policy fp8_format={self.fp8_format!r} is not allowed; choose one of {FP8_FORMATS}")
         if not isinstance(self.fp8_keep_ends, bool):
-            raise TypeError(f"Policy fp8_keep_ends={self.fp8_keep_ends!r} must be a bool")
+            raise TypeError(f"Policy fp8_keep_ends={self.fp8_keep_ends!r} must be a bool: True keeps the first and "
+                            "last linears out of fp8 (text key fp8_ends=keep), False converts them (fp8_ends=fp8)")
         if self.fp8 is None and not self.fp8_keep_ends:
             raise ValueError("Policy fp8_ends=fp8 (fp8_keep_ends=False) needs fp8 linears; set fp8=tensorwise "
                              "(or use the fp8-mixed preset)")

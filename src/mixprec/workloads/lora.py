@@ -33,7 +33,14 @@ _HF_EXTRA = "pip install 'mixprec[hf]'"
 @dataclass(frozen=True)
 class LoraSpec:
     """Rank ``r``, scale ``alpha`` (update multiplied by ``alpha / r``), ``targets`` (module
-    names) and input ``dropout`` probability of LoRA adapters. See the module docstring."""
+    names) and input ``dropout`` probability of LoRA adapters (Hu et al. 2021, "LoRA"; peft's
+    ``LoraConfig`` fields ``r``, ``lora_alpha``, ``target_modules``, ``lora_dropout``). See the
+    module docstring for the text form.
+
+    Raises:
+        ValueError: ``r`` not an int >= 1, ``alpha`` not a finite number > 0, ``targets`` empty or
+            holding an empty name, ``dropout`` outside [0, 1).
+    """
 
     r: int
     alpha: float
