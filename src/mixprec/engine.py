@@ -874,7 +874,8 @@ class MixedPrecision:
                            f"{carried} tensor(s) carried over, {scale_note}",
                  "from": str(old), "to": str(new)}
         self.events.append(event)
-        log.warning("mixprec: policy %s → %s at boundary %d (%s)", old, new, self.boundaries, cause)
+        (log.warning if new != old else log.info)("mixprec: policy %s → %s at boundary %d (%s)", old, new,
+                                                   self.boundaries, cause)
         return event
 
     def unfreeze(self, *patterns: str, **group_options: Any) -> dict:
