@@ -325,3 +325,27 @@ def test_sample_fills_masks_from_a_trained_minilm_checkpoint(tmp_path, capsys):
     probs = [float(x) for x in re.findall(r"\((\d\.\d\d)\)", lines[0])]
     assert len(probs) == 5 and probs == sorted(probs, reverse=True) and 0 < sum(probs) <= 1.0 + 1e-6
     assert main(["sample", out, "--prompt", "no mask here", "--device", "cpu"]) == 2
+
+
+def test_a_lora_train_run_also_writes_its_trainable_params_alone(tmp_path):
+    from safetensors.torch import load_file
+
+    from mixprec.cli import main
+    from mixprec.workloads import get_workload
+
+    out = tmp_path / "run"
+    spec = "r=4,alpha=8,targets=query,value"
+    assert main(["train", "--workload", "minilm", "--config", "tiny", "--policy", "bf16-pure", "--steps", "2",
+                 "--lora", spec, "--out", str(out), "--device", "cpu"]) == 0
+    state = load_file(str(out / "trainable.safetensors"))
+    workload = get_workload("minilm", config="tiny", lora=spec)
+    torch.manual_seed(0)
+    model = workload.build_model()
+    trainable = {n for n, p in model.named_parameters() if p.requires_grad}
+    assert set(state) == trainable and all(v.dtype == torch.float32 for v in state.values())
+    assert (out / "trainable.safetensors").stat().st_size < 2 * 2**20          # vs ~46 MB for the checkpoint
+    masters = load_file(str(next((out / "checkpoints").glob("step-*")) / "masters.safetensors"))
+    for name, value in state.items():
+        assert torch.equal(value, masters[name]), name   # the fp32 masters, not the bf16 params
+    missing, unexpected = model.load_state_dict(state, strict=False)
+    assert not unexpected and set(missing).isdisjoint(trainable)

@@ -983,6 +983,26 @@ class MixedPrecision:
         a guard is attached (else empty)."""
         return tuple(self._step_batches)
 
+    def trainable_state_dict(self) -> dict[str, torch.Tensor]:
+        """The trainable parameters only, by name, as fp32 CPU copies of their best values: the fp32
+        master where one exists, under Kahan rounding the param plus its compensation, else the param
+        upcast. For a LoRA or partly frozen run this is the small file to keep (the frozen base comes
+        from the pretrained weights): ``model.load_state_dict(state, strict=False)`` restores it.
+        Device→host copies: syncs. Does not change the engine."""
+        master_of = {id(p): m for p, m in self.masters.pairs}
+        state = {}
+        with torch.no_grad():
+            for name, p in self.module.named_parameters():
+                if not p.requires_grad:
+                    continue
+                if id(p) in master_of:
+                    value = master_of[id(p)].detach().float()
+                else:
+                    comp = self.optimizer.state[p].get("kahan_comp") if p in self.optimizer.state else None
+                    value = p.detach().float() + comp.float() if comp is not None else p.detach().float()
+                state[name] = value.to("cpu", copy=True).contiguous()
+        return state
+
     def frozen_names(self) -> list[str]:
         """Names of the frozen parameters (``requires_grad=False`` when the engine was built and not
         unfrozen since; no master, grad or optimizer state, whatever their storage), in model order."""

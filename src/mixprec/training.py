@@ -6,6 +6,8 @@
     events.jsonl         with guard=True: mp.events (rollbacks, escalations, ...), one per line
     tensorboard/         when tensorboard is installed
     checkpoints/         a checkpoint root (mixprec.checkpoint): step-N/ directories and `latest`
+    trainable.safetensors  when params are frozen (LoRA): the trainable ones only, fp32, at the end
+                         (MixedPrecision.trainable_state_dict; load with load_state_dict(strict=False))
 
 Checkpoints are saved every ``checkpoint_every`` steps, at the end, and when the process gets
 SIGTERM or SIGINT: the signal is noted, the current step finishes, a checkpoint is saved at that
@@ -45,6 +47,7 @@ from mixprec.distributed import (any_across_ranks, is_main_process, load_distrib
 __all__ = ["TrainOutcome", "run_training", "CHECKPOINTS"]
 
 CHECKPOINTS = "checkpoints"
+TRAINABLE_FILE = "trainable.safetensors"
 _STOP_SIGNALS = (signal.SIGTERM, signal.SIGINT)
 
 
@@ -309,4 +312,12 @@ def run_training(workload: Any, *, policy: str = "auto", steps: int, out: str | 
         print(f"mixprec train: the run in {out} is complete already (step {step} of {steps})", file=sys.stderr)
     else:
         print(f"final eval loss {eval_metrics['loss']:.4f}; wrote {metrics_path} and {path}")
+        if strategy is None and mp.frozen_names():   # LoRA / partly frozen: the trained params alone, small
+            from safetensors.torch import save_file
+
+            trainable_path = out / TRAINABLE_FILE
+            save_file(mp.trainable_state_dict(), str(trainable_path), metadata={"policy": str(mp.policy),
+                                                                                 "step": str(step)})
+            print(f"wrote {trainable_path} (the trainable parameters only, fp32: "
+                  f"{trainable_path.stat().st_size / 2**20:.1f} MiB)")
     return TrainOutcome(0, step, eval_metrics, path, None)
