@@ -689,3 +689,22 @@ def test_review_fixes_16bit_frozen_planned_fp32_step_after_unwrap_and_kahan_unwr
     assert torch.equal(model[2].weight, expected)
     with pytest.raises(RuntimeError, match=r"mp.step\(\) after mp.unwrap\(\)"):
         mp.step()
+
+
+def test_a_load_refused_after_matching_the_frozen_set_leaves_the_engine_frozen_as_given(tmp_path):
+    def build(policy):
+        model = _emb_model()
+        return mixprec.MixedPrecision(model, torch.optim.AdamW(model.parameters(), lr=1e-2), policy=policy,
+                                      device="cpu")
+
+    saved = build("fp8-mixed")
+    saved.unfreeze("ln.*")
+    _train_ids(saved, range(1))
+    mixprec.save_checkpoint(tmp_path / "ck", saved)
+    target = build("bf16-mixed")
+    frozen, values = target.frozen_names(), [p.detach().clone() for p in target.module.parameters()]
+    with pytest.raises(ValueError, match="changes the fp8 linears"):    # fp8 cannot be converted mid-run
+        mixprec.load_checkpoint(tmp_path / "ck", target, convert=True)
+    assert target.frozen_names() == frozen and not target.module.ln.weight.requires_grad
+    assert all(torch.equal(a, b) for a, b in zip(values, target.module.parameters()))
+    assert not target.events

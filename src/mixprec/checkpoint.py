@@ -654,11 +654,26 @@ def load_checkpoint(path: str | Path, mp: Any, *, guard: Any = None, convert: bo
     except ValueError as err:
         raise CheckpointError(f"checkpoint {str(ck.path)!r}: {err}") from None
     _check_fits(ck, mp, weights_only=weights_only)
+    frozen_before = mp.frozen_names()
     if not weights_only and m["model"].get("frozen") is not None:
         try:   # params the run unfroze (mp.unfreeze, no new param group) are unfrozen here too
             mp.match_frozen(m["model"]["frozen"])
         except ValueError as err:
             raise CheckpointError(f"checkpoint {str(ck.path)!r}: {err}") from None
+    thawed = [n for n in frozen_before if n not in set(mp.frozen_names())]
+    try:
+        return _load_state(ck, mp, guard=guard, convert=convert, weights_only=weights_only,
+                           restore_rng=restore_rng)
+    except (CheckpointError, ValueError):
+        mp._refreeze(thawed)   # a refused load leaves the engine as it was given
+        raise
+
+
+def _load_state(ck: _Checkpoint, mp: Any, *, guard: Any, convert: bool, weights_only: bool,
+                restore_rng: bool) -> dict:
+    """The mutating part of :func:`load_checkpoint`, after its checks."""
+    m = ck.manifest
+    saved_policy, target = m["policy"], str(mp.policy)
     if weights_only:
         _load_weights(ck, mp)
         return m["extra"]

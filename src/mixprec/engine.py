@@ -983,6 +983,22 @@ class MixedPrecision:
         a guard is attached (else empty)."""
         return tuple(self._step_batches)
 
+    def _refreeze(self, names: list[str]) -> None:
+        """Undo an :meth:`unfreeze` of ``names`` that added no param group (a refused load): freeze them
+        again and re-prepare, dropping the masters built from their stored values (an exact round trip
+        when no step ran in between); the two events are removed."""
+        if not names:
+            return
+        named = dict(self.module.named_parameters())
+        events_before = len(self.events)
+        for n in names:
+            named[n].requires_grad_(False)
+            self._frozen_all.append(named[n])
+        self.set_policy(self.policy, cause="refreeze after a refused load")
+        del self.events[events_before:]
+        if self.events and self.events[-1].get("kind") == "unfreeze":
+            self.events.pop()
+
     def trainable_state_dict(self) -> dict[str, torch.Tensor]:
         """The trainable parameters only, by name, as fp32 CPU copies of their best values: the fp32
         master where one exists, under Kahan rounding the param plus its compensation, else the param
