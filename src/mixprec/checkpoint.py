@@ -576,11 +576,22 @@ def _check_fits(ck: _Checkpoint, mp: Any, *, weights_only: bool) -> None:
                               f"scheduler is {_qualname(mp.scheduler)}")
 
 
+def _model_state(ck: _Checkpoint) -> dict[str, torch.Tensor]:
+    """The saved model state dict, tied weights (stored once) filled in under every name."""
+    state = dict(ck.files[MODEL_FILE])
+    for key, target in ck.manifest["model"]["aliases"].items():
+        state[key] = state[target]
+    return state
+
+
+def _best_weights(ck: _Checkpoint) -> dict[str, torch.Tensor]:
+    """:func:`_model_state` with the fp32 masters in place of their rounded 16-bit params."""
+    return {**_model_state(ck), **ck.files.get(MASTERS_FILE, {})}
+
+
 def _load_weights(ck: _Checkpoint, mp: Any) -> None:
     """Model tensors and masters only; fp32 values (saved master, else saved param) feed any policy."""
-    model_state = dict(ck.files[MODEL_FILE])
-    for key, target in ck.manifest["model"]["aliases"].items():
-        model_state[key] = model_state[target]
+    model_state = _model_state(ck)
     saved_masters = ck.files.get(MASTERS_FILE, {})
     names = _param_names(mp)
     mp.model.load_state_dict(model_state)  # copies, casting to each tensor's own dtype
@@ -646,11 +657,7 @@ def load_checkpoint(path: str | Path, mp: Any, *, guard: Any = None, convert: bo
     try:   # checks that change nothing: a run that unfroze into a new param group; frozen values vs fp16
         if not weights_only and m["model"].get("frozen") is not None:
             mp.match_frozen(m["model"]["frozen"], check_only=True)
-        saved_model = ck.files[MODEL_FILE]
-        incoming = {key: saved_model[m["model"]["aliases"].get(key, key)] for key, _ in mp.module.named_parameters()
-                    if m["model"]["aliases"].get(key, key) in saved_model}
-        incoming.update(ck.files.get(MASTERS_FILE, {}))   # fp32 masters beat the rounded copies
-        mp.check_frozen_values(incoming)
+        mp.check_frozen_values(_best_weights(ck))
     except ValueError as err:
         raise CheckpointError(f"checkpoint {str(ck.path)!r}: {err}") from None
     _check_fits(ck, mp, weights_only=weights_only)
@@ -692,10 +699,7 @@ def _load_state(ck: _Checkpoint, mp: Any, *, guard: Any, convert: bool, weights_
         "loss_scale": loss_scale_state,
         "counters": m["counters"],
     }
-    model_state = dict(ck.files[MODEL_FILE])
-    for key, alias_of in m["model"]["aliases"].items():
-        model_state[key] = model_state[alias_of]
-    state["model"] = model_state
+    state["model"] = _model_state(ck)
     guard = getattr(mp, "guard", None) if guard is None else guard
 
     names = _param_names(mp)

@@ -573,17 +573,11 @@ def load_model_weights(path: str | Path, model: nn.Module) -> dict:
     """
     directory, manifest = _read_dcp_manifest(path)
     if manifest.get("format") != _DCP_FORMAT:
-        from mixprec.checkpoint import MASTERS_FILE, MODEL_FILE, read_manifest
-        from safetensors.torch import load_file
+        from mixprec.checkpoint import _read, _best_weights
 
-        manifest = read_manifest(directory)
-        state = load_file(str(directory / MODEL_FILE))
-        for key, target in manifest["model"]["aliases"].items():
-            state[key] = state[target]
-        if (directory / MASTERS_FILE).is_file():
-            state.update(load_file(str(directory / MASTERS_FILE)))
-        model.load_state_dict(state)
-        return manifest
+        ck = _read(directory)   # verified (hashes, shapes), read once
+        model.load_state_dict(_best_weights(ck))
+        return ck.manifest
     import torch.distributed.checkpoint as dcp
 
     state = model.state_dict()
