@@ -126,7 +126,9 @@ def test_case02_stuck_at_floor_is_counted_and_raises_at_the_threshold():
     # scale 2 (skip, back off to 1), then two skips at the floor; the third raises
     assert [(r.applied, r.skipped_reason, r.loss_scale, r.skipped_total) for r in seen] == [
         (False, "overflow", 2.0, 1), (False, "overflow", 1.0, 2), (False, "overflow", 1.0, 3)]
-    assert int(mp.loss_scale.floor_skips) == 2 and int(mp.loss_scale.consecutive_skips) == 3
+    # the raising (4th) step is a finished boundary: counted as skipped, loss scale updated
+    assert (mp.boundaries, mp.skipped_total, mp.applied_steps, mp.micro_step) == (4, 4, 0, 0)
+    assert int(mp.loss_scale.floor_skips) == 3 and int(mp.loss_scale.consecutive_skips) == 4
 
 
 # ---------------------------------------------------------------- case 3: clipping sees unscaled grads

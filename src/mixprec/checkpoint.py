@@ -672,7 +672,7 @@ def load_checkpoint(path: str | Path, mp: Any, *, guard: Any = None, convert: bo
         return _load_state(ck, mp, guard=guard, convert=convert, weights_only=weights_only,
                            restore_rng=restore_rng)
     except (CheckpointError, ValueError):
-        mp._refreeze(thawed)   # a refused load leaves the engine as it was given
+        mp.refreeze(thawed)   # a refused load leaves the engine as it was given
         raise
 
 

@@ -10,6 +10,8 @@ masters are rounded to nearest into the 16-bit parameters.
 
 from __future__ import annotations
 
+from collections.abc import Callable
+
 import torch
 from torch import nn
 
@@ -101,7 +103,24 @@ class MasterWeights:
         return adopted
 
     @torch.no_grad()
-    def load_from_params(self) -> None:
-        """Rebuild masters from the (possibly 16-bit) params: used when converting a run."""
-        for p, m in self.pairs:
-            m.copy_(p)
+    def fp32_values(self, compensation: Callable[[torch.Tensor], torch.Tensor | None] = lambda p: None
+                    ) -> list[torch.Tensor]:
+        """Each param's best fp32 value, as a new fp32 tensor, in :attr:`params` order: its master where
+        one exists (full precision), else the param plus ``compensation(param)`` (Kahan rounding's
+        carried remainder, or None), else the param upcast (exact). Non-floating params are cloned.
+        No host sync."""
+        values = []
+        for p, t in zip(self.params, self.masters):
+            if not p.is_floating_point():
+                values.append(p.detach().clone())
+                continue
+            value_fp32 = t.detach().to(torch.float32, copy=True)
+            comp = compensation(p) if t is p else None
+            if comp is not None:
+                value_fp32 += comp.float()
+            values.append(value_fp32)
+        return values
+
+    def adopt_edits(self, names: dict[int, str]) -> list[str]:
+        """:meth:`adopt_edited_params`, returning the adopted params' names (``names``: id → name)."""
+        return [names.get(id(self.pairs[i][0]), "?") for i in self.adopt_edited_params()]

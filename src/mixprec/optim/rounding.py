@@ -231,6 +231,39 @@ class PrecisionOptimizer(torch.optim.Optimizer):
         self.state_dtype = _check_state_dtype(owner, state_dtype)
         self.rounding = rounding
 
+    # ---------------------------------------------------------------- the engine's contract
+    def compensation(self, p: torch.Tensor) -> torch.Tensor | None:
+        """The Kahan compensation buffer of ``p`` (param dtype, shape of ``p``), or None. No sync."""
+        return self.state[p].get("kahan_comp") if p in self.state else None
+
+    def move_state(self, moves: list[tuple[torch.Tensor, torch.Tensor | None]], *, rounding: str,
+                   state_dtype: torch.dtype) -> None:
+        """Re-key state after the engine swapped the tensors this optimizer steps, and adopt a new precision.
+
+        ``moves``: ``(old, new)`` per tensor; ``new=None`` drops ``old``'s state. Moments keep their
+        values, cast to ``state_dtype``; Kahan compensation is dropped (the engine folded it into the
+        params first) and restarts at zero where ``rounding`` is still ``'kahan'``; ``step`` is kept.
+        ``rounding``/``state_dtype`` are adopted unless they were passed to the constructor. No sync.
+
+        Raises:
+            ValueError: invalid ``rounding`` / ``state_dtype``, or ``'stochastic'`` with fp16 params.
+        """
+        owner = type(self).__name__
+        if not self.precision_explicit:
+            rounding = _check_rounding(owner, rounding)
+            self._check_param_dtypes(chain.from_iterable(g["params"] for g in self.param_groups), rounding)
+            state_dtype = _check_state_dtype(owner, state_dtype)
+        states = [(new, self.state.pop(old, None)) for old, new in moves]   # all out first: old and new may alias
+        for new, state in states:
+            if not state or new is None:
+                continue
+            state.pop("kahan_comp", None)
+            self.state[new] = {k: v.to(state_dtype) if (k != "step" and torch.is_tensor(v) and v.is_floating_point()
+                                                        and v.shape == new.shape) else v
+                               for k, v in state.items()}
+        if not self.precision_explicit:
+            self.rounding, self.state_dtype = rounding, state_dtype
+
     # ---------------------------------------------------------------- state helpers
     def _state(self, p: torch.Tensor, *, zeros: tuple[str, ...] = ()) -> dict[str, Any]:
         """``self.state[p]`` with ``step``, the ``zeros`` moments and (if needed) ``kahan_comp``."""

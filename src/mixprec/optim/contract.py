@@ -1,0 +1,89 @@
+"""The optimizer-precision contract: what the engine asks of an optimizer, stated once.
+
+Two kinds of optimizer run under :class:`mixprec.MixedPrecision`:
+
+* a :class:`PrecisionAware` one (:class:`mixprec.optim.AdamW`, :class:`mixprec.optim.SGD`): fp32 math
+  for any param dtype; it takes the policy's ``rounding`` and ``state_dtype`` (unless it was built
+  with explicit ones, which must then agree with the policy), holds Kahan compensation per param,
+  and re-keys its state when the engine swaps the tensors it steps;
+* a stock ``torch.optim`` optimizer: state in its params' dtype, round-to-nearest writes. It is
+  accepted only where that is exact enough: fp32 stepped tensors (fp32 params or fp32 masters),
+  ``rounding='nearest'``, fp32 state.
+
+The engine calls only the functions below. None syncs the host with the device.
+"""
+
+from __future__ import annotations
+
+from typing import Protocol, runtime_checkable
+
+import torch
+
+from mixprec.policy import Policy
+
+__all__ = ["PrecisionAware", "check", "configure", "compensation", "move_state"]
+
+
+@runtime_checkable
+class PrecisionAware(Protocol):
+    """An optimizer that does its own precision (see :class:`mixprec.optim.rounding.PrecisionOptimizer`)."""
+
+    rounding: str
+    state_dtype: torch.dtype
+
+    @property
+    def precision_explicit(self) -> bool: ...
+
+    def set_precision(self, *, rounding: str, state_dtype: torch.dtype) -> None: ...
+
+    def compensation(self, p: torch.Tensor) -> torch.Tensor | None: ...
+
+    def move_state(self, moves: list[tuple[torch.Tensor, torch.Tensor | None]], *, rounding: str,
+                   state_dtype: torch.dtype) -> None: ...
+
+
+def check(opt: torch.optim.Optimizer, policy: Policy, stepped_dtypes: set[torch.dtype]) -> None:
+    """Raise ValueError (naming the fix) if ``opt`` cannot run ``policy`` stepping ``stepped_dtypes``."""
+    if isinstance(opt, PrecisionAware):
+        if opt.precision_explicit and (opt.rounding != policy.rounding or opt.state_dtype != policy.state_dtype):
+            raise ValueError(f"optimizer was built with rounding={opt.rounding!r}, state_dtype={opt.state_dtype} "
+                             f"but the policy {policy} says rounding={policy.rounding!r}, state_dtype="
+                             f"{policy.state_dtype}; drop the optimizer's explicit arguments or change the policy")
+        return
+    name = type(opt).__name__
+    if policy.rounding != "nearest":
+        raise ValueError(f"policy {policy} writes updates with rounding={policy.rounding!r}, which "
+                         f"{name} cannot do; use mixprec.optim.AdamW / mixprec.optim.SGD")
+    if stepped_dtypes - {torch.float32}:
+        raise ValueError(f"{name} would keep its state in {sorted(map(str, stepped_dtypes))} "
+                         f"under policy {policy} (16-bit params, no master weights): small moments round away. "
+                         "Fix: use mixprec.optim.AdamW (fp32 state and math), or master=fp32 (e.g. bf16-pure)")
+    if policy.state_dtype != torch.float32:
+        raise ValueError(f"policy {policy} asks for state={policy.state_dtype}, which "
+                         f"{name} cannot do; use mixprec.optim.AdamW / SGD")
+
+
+def configure(opt: torch.optim.Optimizer, policy: Policy) -> None:
+    """Give a :class:`PrecisionAware` optimizer without explicit settings the policy's rounding and
+    state dtype (before its first step); a stock optimizer has nothing to configure."""
+    if isinstance(opt, PrecisionAware) and not opt.precision_explicit:
+        opt.set_precision(rounding=policy.rounding, state_dtype=policy.state_dtype)
+
+
+def compensation(opt: torch.optim.Optimizer, p: torch.Tensor) -> torch.Tensor | None:
+    """What Kahan rounding owes ``p`` (``p``'s dtype and shape), or None."""
+    return opt.compensation(p) if isinstance(opt, PrecisionAware) else None
+
+
+def move_state(opt: torch.optim.Optimizer, moves: list[tuple[torch.Tensor, torch.Tensor | None]],
+               policy: Policy) -> None:
+    """Re-key ``opt``'s state after the engine swapped the tensors it steps (``(old, new)`` pairs;
+    ``new=None`` drops the state) and adopt ``policy``'s precision. A stock optimizer's state moves
+    as it is (fp32 under every policy :func:`check` accepts)."""
+    if isinstance(opt, PrecisionAware):
+        opt.move_state(moves, rounding=policy.rounding, state_dtype=policy.state_dtype)
+        return
+    states = [(new, opt.state.pop(old, None)) for old, new in moves]
+    for new, state in states:
+        if state and new is not None:
+            opt.state[new] = state

@@ -1,0 +1,107 @@
+"""fp32 regions and the output cast: the forward hooks a policy installs on a model.
+
+A *region* runs one module with autocast off and its floating inputs cast to fp32 (the policy's
+``keep_fp32`` patterns, and every BatchNorm under 16-bit params, as Apex O2's
+``keep_batchnorm_fp32``); its output goes back to the 16-bit param dtype under pure policies. The
+root module's floating outputs are cast to the policy's ``output_dtype`` (fp32 logits for the loss),
+and a frozen embedding table stored in 16 bits returns its lookups in fp32, as an fp32 table would.
+The hooks are picklable objects (no closures), so a prepared model still pickles and deep-copies.
+"""
+
+from __future__ import annotations
+
+import fnmatch
+from typing import Any
+
+import torch
+from torch import nn
+
+from mixprec.policy import Policy, cast_floating
+
+__all__ = ["Fp32Region", "OutputCast", "Regions", "keep_fp32_modules"]
+
+
+class Fp32Region:
+    """Forward pre/post hooks that run one module with autocast off and fp32 inputs."""
+
+    def __init__(self, device_type: str, out_dtype: torch.dtype | None) -> None:
+        self.device_type = device_type
+        self.out_dtype = out_dtype
+        self._stack: list[torch.autocast] = []
+
+    def __getstate__(self):
+        return {"device_type": self.device_type, "out_dtype": self.out_dtype, "_stack": []}
+
+    def pre(self, module: nn.Module, args: tuple, kwargs: dict):
+        ctx = torch.autocast(self.device_type, enabled=False)
+        ctx.__enter__()
+        self._stack.append(ctx)
+        return cast_floating(args, torch.float32), cast_floating(kwargs, torch.float32)
+
+    def post(self, module: nn.Module, args: tuple, kwargs: dict, output: Any):
+        self._stack.pop().__exit__(None, None, None)
+        return cast_floating(output, self.out_dtype) if self.out_dtype is not None else output
+
+
+class OutputCast:
+    """Forward hook casting a module's floating outputs to ``dtype``."""
+
+    def __init__(self, dtype: torch.dtype) -> None:
+        self.dtype = dtype
+
+    def __call__(self, module: nn.Module, args: tuple, output: Any):
+        return cast_floating(output, self.dtype)
+
+
+def keep_fp32_modules(model: nn.Module, policy: Policy) -> dict[str, nn.Module]:
+    """The modules ``policy`` runs in fp32, by name: its ``keep_fp32`` matches (``fnmatch`` on
+    ``model.named_modules()`` names), plus every BatchNorm when params are 16-bit (its running
+    statistics stay fp32). A matched container that is never called (ModuleList/ModuleDict) stands
+    for its children; modules nested in another kept module are covered by the outer one.
+
+    Raises:
+        ValueError: a pattern matches no module (the names are listed).
+    """
+    found = {name: m for name, m in model.named_modules()
+             if name and any(fnmatch.fnmatchcase(name, pat) for pat in policy.keep_fp32)}
+    unmatched = [pat for pat in policy.keep_fp32 if not any(fnmatch.fnmatchcase(n, pat) for n in found)]
+    if unmatched:
+        raise ValueError(f"policy keep_fp32 patterns {unmatched} match no module of the model; module names "
+                         f"look like {[n for n, _ in model.named_modules() if n][:8]}")
+    if policy.param_dtype != torch.float32:
+        found.update({name: m for name, m in model.named_modules() if isinstance(m, nn.modules.batchnorm._BatchNorm)})
+    containers = (nn.ModuleList, nn.ModuleDict)
+    while any(isinstance(m, containers) for m in found.values()):
+        for name in [n for n, m in found.items() if isinstance(m, containers)]:
+            container = found.pop(name)
+            found.update({f"{name}.{child}": m for child, m in container.named_children()})
+    return {n: m for n, m in found.items() if not any(n.startswith(o + ".") for o in found if o != n)}
+
+
+class Regions:
+    """The hooks of one policy on one model: :meth:`install`, then :meth:`remove` (before a new policy)."""
+
+    def __init__(self) -> None:
+        self._handles: list[Any] = []
+
+    def install(self, model: nn.Module, policy: Policy, device_type: str, keep: dict[str, nn.Module],
+                frozen16: set[int]) -> None:
+        """Hook ``keep``'s modules as fp32 regions, the root's output cast, and (under fp32 params) the
+        fp32 lookups of frozen embedding tables whose weight id is in ``frozen16``."""
+        region_out = policy.param_dtype if policy.param_dtype != torch.float32 else None
+        for module in keep.values():
+            region = Fp32Region(device_type, region_out)
+            self._handles.append(module.register_forward_pre_hook(region.pre, with_kwargs=True))
+            self._handles.append(module.register_forward_hook(region.post, with_kwargs=True, always_call=True))
+        if policy.is_mixed or policy.param_dtype != torch.float32:
+            self._handles.append(model.register_forward_hook(OutputCast(policy.output_dtype)))
+        if policy.param_dtype == torch.float32:
+            # autocast leaves embedding lookups alone: only the table's values are rounded, as autocast rounds weights
+            for module in model.modules():
+                if isinstance(module, nn.Embedding) and id(module.weight) in frozen16:
+                    self._handles.append(module.register_forward_hook(OutputCast(torch.float32)))
+
+    def remove(self) -> None:
+        for handle in self._handles:
+            handle.remove()
+        self._handles.clear()

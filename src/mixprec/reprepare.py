@@ -1,0 +1,100 @@
+"""Re-preparing a model under a new policy mid-run, keeping the training state.
+
+What carries over, per parameter (:meth:`mixprec.MixedPrecision.set_policy` documents it for users):
+its best fp32 value (:meth:`mixprec.masters.MasterWeights.fp32_values`) becomes the param, stored as
+the new plan says, and the new master where the new policy has masters (moving to a wider format
+loses nothing, moving down rounds once to nearest); optimizer state moves from the tensor the
+optimizer stepped to the one it steps now (:func:`mixprec.optim.contract.move_state`), and frozen
+params keep none. Every check runs before anything changes.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+from torch import nn
+
+from mixprec.masters import MasterWeights
+from mixprec.optim import contract
+from mixprec.policy import Policy
+from mixprec.regions import keep_fp32_modules
+from mixprec.storage import FrozenSet, StoragePlan, plan_storage
+
+__all__ = ["Prepared", "check_fp8_unchanged", "reprepare"]
+
+
+@dataclass(frozen=True)
+class Prepared:
+    """The outcome of :func:`reprepare`: the new plan, masters and fp32 regions, and how many
+    optimizer-state entries were carried over."""
+
+    plan: StoragePlan
+    masters: MasterWeights
+    keep: dict[str, nn.Module]
+    carried: int
+
+
+def check_fp8_unchanged(old: Policy, new: Policy) -> None:
+    """Raise ValueError if ``new`` changes the fp8 linears (they cannot be swapped mid-run)."""
+    if (new.fp8, new.fp8_format, new.fp8_keep_ends) != (old.fp8, old.fp8_format, old.fp8_keep_ends):
+        raise ValueError(f"set_policy: {old} → {new} changes the fp8 linears (fp8={new.fp8!r}, fp8_format="
+                         f"{new.fp8_format!r}, fp8_ends={'keep' if new.fp8_keep_ends else 'fp8'!r}), which cannot "
+                         "be swapped mid-run; keep fp8/fp8_format/fp8_ends as they are, or build a new "
+                         "MixedPrecision from a checkpoint")
+
+
+def reprepare(model: nn.Module, optimizer: torch.optim.Optimizer, masters: MasterWeights, frozen: FrozenSet,
+              new: Policy, strategy: Any) -> Prepared:
+    """Move ``model``'s params, ``masters`` and ``optimizer`` state to ``new``'s storage (module docstring).
+
+    ``masters``: the current ones (their ``params`` are the model's, in order). The caller removes
+    its hooks before and installs the new regions after. No host sync (one per frozen param checked
+    against fp16).
+
+    Raises:
+        ValueError: ``new``'s keep_fp32 patterns match no module; a frozen value does not fit a pure
+            fp16 policy; the strategy cannot re-cast; unfrozen params the optimizer does not hold;
+            the optimizer cannot run ``new``. Nothing has changed then.
+    """
+    keep = keep_fp32_modules(model, new)
+    params = masters.params
+    plan = plan_storage(model, new, params, keep, frozen.ids(), sharded=strategy.shards_params)
+    strategy.check_restore({id(p): p.dtype for p in params if p.is_floating_point()},
+                           {id(p): plan.dtype_of(p) for p in params if p.is_floating_point()}, new)
+    old_stepped = list(masters.masters)   # per param: the tensor the optimizer steps now
+    index = {id(t): i for i, t in enumerate(old_stepped)}
+    stepped = [t for g in optimizer.param_groups for t in g["params"]]
+    stepped_ids = {id(t) for t in stepped}
+    was_frozen = {id(p) for p in frozen.members}
+    orphans = [n for n, p in model.named_parameters()
+               if id(p) in was_frozen and p.requires_grad and id(old_stepped[index[id(p)]]) not in stepped_ids]
+    if orphans:
+        raise ValueError(f"set_policy: parameter(s) {orphans[:5]} were unfrozen but the optimizer does not hold "
+                         "them, so they would never train; add them first (optimizer.add_param_group"
+                         "({'params': [...]})) or use mp.unfreeze(pattern), which does both")
+
+    def stepped_dtype(t: torch.Tensor) -> torch.dtype:
+        if id(t) not in index:          # not a model param: left as it is
+            return t.dtype
+        half = id(params[index[id(t)]]) in plan.half
+        return new.param_dtype if half and not new.has_masters else torch.float32
+    contract.check(optimizer, new, {stepped_dtype(t) for t in stepped
+                                    if id(t) not in index or id(params[index[id(t)]]) not in plan.frozen16})
+
+    values_fp32 = masters.fp32_values(lambda p: contract.compensation(optimizer, p))
+    with torch.no_grad():
+        for p, value_fp32 in zip(params, values_fp32):
+            if p.is_floating_point():
+                p.data = value_fp32
+        new_masters = MasterWeights(params, set(plan.half) if new.has_masters else set())
+        plan.apply(params)
+    for group in optimizer.param_groups:
+        group["params"] = [new_masters.masters[index[id(t)]] if id(t) in index else t for t in group["params"]]
+    moves = [(t_old, None if id(p) in plan.frozen16 else t_new)   # a frozen param keeps no optimizer state
+             for p, t_old, t_new in zip(params, old_stepped, new_masters.masters)]
+    carried = sum(1 for (t_old, t_new) in moves if t_new is not None and optimizer.state.get(t_old))
+    contract.move_state(optimizer, moves, new)
+    new_masters.record_versions()
+    return Prepared(plan=plan, masters=new_masters, keep=keep, carried=carried)

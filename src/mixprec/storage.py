@@ -1,0 +1,208 @@
+"""Where each parameter lives: the storage plan of a policy, and the frozen set.
+
+Trainable parameters follow the policy (16-bit ``param_dtype`` under pure policies, fp32 otherwise).
+*Frozen* parameters (``requires_grad=False`` when the engine is built: a pretrained base, a LoRA base)
+get no master, gradient or optimizer state and are stored in the policy's *compute* dtype, rounded to
+nearest once, where that changes only their rounding:
+
+* never for params of fp32 regions (``keep_fp32``, BatchNorm under 16-bit params), nor under FSDP2
+  (sharded fp32, cast by FSDP);
+* under ``-mixed`` policies only where autocast casts the op's operands anyway: Linear / Conv weights
+  (and transformers' ``Conv1D``) and Embedding tables (whose lookups are returned in fp32, see
+  :mod:`mixprec.regions`); a norm gain meeting fp32 activations stays fp32;
+* under fp16, only values that fit: nothing finite overflows and at most 1 % of the nonzeros flush to
+  zero (else fp32 under ``-mixed``, recorded in the engine's decision; refused under ``-pure``).
+"""
+
+from __future__ import annotations
+
+import fnmatch
+from collections import defaultdict
+from dataclasses import dataclass
+
+import torch
+from torch import nn
+
+from mixprec.policy import Policy
+
+__all__ = ["StoragePlan", "FrozenSet", "plan_storage", "fits", "dtype_text"]
+
+_AUTOCAST_MODULES = (nn.Linear, nn.modules.conv._ConvNd, nn.Embedding)   # not EmbeddingBag: it reduces in its dtype
+
+
+def dtype_text(dtype: torch.dtype) -> str:
+    """``"bfloat16"`` for ``torch.bfloat16``."""
+    return str(dtype).replace("torch.", "")
+
+
+def _autocast_casts(module: nn.Module) -> bool:
+    """Autocast casts this module's weights to the compute dtype anyway (GPT-2's ``Conv1D`` is an addmm)."""
+    return isinstance(module, _AUTOCAST_MODULES) or type(module).__name__ == "Conv1D"
+
+
+@torch.no_grad()
+def fits(p: torch.Tensor, dtype: torch.dtype) -> bool:
+    """``p`` survives rounding to ``dtype``: nothing finite overflows, and at most 1 % of its nonzero
+    values flush to zero. Only fp16 can fail. One host sync per call (fp16 only)."""
+    if dtype != torch.float16 or p.dtype == dtype:
+        return True
+    rounded = p.detach().to(dtype)
+    nonzero = p.ne(0)
+    overflow, flushed, n_nonzero = torch.stack([(torch.isinf(rounded) & torch.isfinite(p)).sum(),
+                                                (rounded.eq(0) & nonzero).sum(), nonzero.sum()]).tolist()
+    return overflow == 0 and flushed <= 0.01 * max(1, n_nonzero)
+
+
+@dataclass(frozen=True)
+class StoragePlan:
+    """Parameter ids stored in the 16-bit ``param_dtype`` (``half``: trainable) and in the compute
+    dtype (``frozen16``: frozen); every other floating param is fp32. ``unfit``: names of frozen
+    params kept in fp32 because their values do not fit fp16."""
+
+    policy: Policy
+    half: frozenset[int]
+    frozen16: frozenset[int]
+    unfit: tuple[str, ...] = ()
+
+    def dtype_of(self, p: torch.Tensor) -> torch.dtype:
+        """The dtype ``p`` is stored in under this plan (its own dtype when not floating)."""
+        if not p.is_floating_point():
+            return p.dtype
+        return (self.policy.param_dtype if id(p) in self.half else
+                self.policy.compute_dtype if id(p) in self.frozen16 else torch.float32)
+
+    @torch.no_grad()
+    def apply(self, params: list[nn.Parameter]) -> None:
+        """Cast ``params`` in place (the same Parameter objects: optimizers stay valid)."""
+        for p in params:
+            if p.is_floating_point() and p.dtype != self.dtype_of(p):
+                p.data = p.data.to(self.dtype_of(p))
+
+
+def plan_storage(model: nn.Module, policy: Policy, params: list[nn.Parameter], keep: dict[str, nn.Module],
+                 frozen_now: set[int], *, sharded: bool = False) -> StoragePlan:
+    """The :class:`StoragePlan` of ``policy`` for ``model`` (rules in the module docstring).
+
+    ``frozen_now``: ids of the frozen params; ``keep``: the fp32 regions; ``sharded``: FSDP2 (all fp32).
+    Host syncs: one per frozen param checked against fp16.
+
+    Raises:
+        ValueError: under a *pure* fp16 policy, a frozen param whose values do not fit fp16 (named,
+            with the fix: a bf16 policy or keep_fp32 for its module).
+    """
+    if sharded:
+        return StoragePlan(policy, frozenset(), frozenset())
+    keep_params = {id(p) for m in keep.values() for p in m.parameters()}
+    free = [p for p in params if id(p) not in keep_params and p.is_floating_point()]
+    half = {id(p) for p in free if id(p) not in frozen_now and policy.param_dtype != torch.float32}
+    candidates = [p for p in free if id(p) in frozen_now and policy.compute_dtype != torch.float32]
+    if policy.param_dtype == torch.float32:   # mixed: only where autocast casts the op's operands
+        owners: dict[int, list[nn.Module]] = defaultdict(list)
+        for m in model.modules():
+            for q in m.parameters(recurse=False):
+                owners[id(q)].append(m)
+        candidates = [p for p in candidates if owners[id(p)] and all(_autocast_casts(m) for m in owners[id(p)])]
+    frozen16 = {id(p) for p in candidates if fits(p, policy.compute_dtype)}
+    names = {id(q): n for n, q in model.named_parameters()}
+    unfit = tuple(names.get(id(p), "?") for p in candidates if id(p) not in frozen16)
+    if unfit and policy.param_dtype != torch.float32:
+        raise ValueError(f"policy {policy} stores every param in {dtype_text(policy.param_dtype)}, but frozen "
+                         f"parameter(s) {list(unfit[:3])} hold values that do not fit it (beyond its range, or "
+                         "mostly flushed to zero); use a bf16 policy, or keep their modules in fp32 (policy "
+                         "keep_fp32=<module>)")
+    return StoragePlan(policy, frozenset(half), frozenset(frozen16), unfit)
+
+
+class FrozenSet:
+    """The parameters frozen when the engine was built (``requires_grad=False``), less those unfrozen
+    since through the engine, and which of them are stored in 16 bits (no fp32 master)."""
+
+    def __init__(self, model: nn.Module) -> None:
+        self.model = model
+        self.members = [p for p in model.parameters() if p.is_floating_point() and not p.requires_grad]
+        self.stored16: list[nn.Parameter] = []
+
+    def ids(self) -> set[int]:
+        """Ids of the members still frozen (a member made trainable by hand is not)."""
+        return {id(p) for p in self.members if not p.requires_grad}
+
+    def names(self) -> list[str]:
+        """Names of the frozen parameters, in model order."""
+        frozen = self.ids()
+        return [n for n, p in self.model.named_parameters() if id(p) in frozen]
+
+    def store(self, plan: StoragePlan) -> None:
+        """Record which members ``plan`` stores in 16 bits."""
+        self.stored16 = [p for p in self.model.parameters() if id(p) in plan.frozen16]
+
+    def check_not_thawed(self) -> None:
+        """Raise RuntimeError if a param stored frozen (16-bit, no master) was unfrozen by hand."""
+        thawed = [p for p in self.stored16 if p.requires_grad]
+        if thawed:
+            names = {id(p): n for n, p in self.model.named_parameters()}
+            listed = ", ".join(names.get(id(p), "?") for p in thawed[:5])
+            raise RuntimeError(
+                f"parameter(s) {listed}{' and more' if len(thawed) > 5 else ''} had requires_grad=False when "
+                f"MixedPrecision was built, so they are stored in {dtype_text(thawed[0].dtype)} with no fp32 "
+                "master, gradient or optimizer state, but they now require grad; training them as they are would "
+                "step a 16-bit tensor. Fix: mp.unfreeze('<name pattern>') (sets requires_grad, builds the fp32 "
+                "masters from the stored values and adds them to the optimizer), or set requires_grad before "
+                "building MixedPrecision")
+
+    def check_values(self, values: dict[str, torch.Tensor]) -> None:
+        """Raise ValueError if a value for a frozen param stored in fp16 does not fit fp16. One sync per
+        checked tensor; nothing to check unless something is stored in fp16."""
+        stored = {id(p) for p in self.stored16 if p.dtype == torch.float16}
+        if not stored:
+            return
+        names = {n for n, p in self.model.named_parameters() if id(p) in stored}
+        unfit = [n for n, v in values.items() if n in names and not fits(v.float(), torch.float16)]
+        if unfit:
+            raise ValueError(f"values for frozen parameter(s) {unfit[:3]} do not fit fp16, where this engine stores "
+                             "them (chosen from the values it was built with); load these weights into the model "
+                             "before building MixedPrecision (they then stay fp32), or use a bf16 policy")
+
+    def select(self, patterns: tuple[str, ...]) -> list[tuple[str, nn.Parameter]]:
+        """The frozen ``(name, param)`` pairs matching any ``fnmatch`` pattern.
+
+        Raises:
+            ValueError: a pattern matches no frozen parameter (the frozen names are listed).
+        """
+        frozen = self.ids()
+        named = [(n, p) for n, p in self.model.named_parameters() if id(p) in frozen]
+        unmatched = [pat for pat in patterns if not any(fnmatch.fnmatchcase(n, pat) for n, _ in named)]
+        if unmatched:
+            raise ValueError(f"unfreeze: patterns {unmatched} match no frozen parameter; frozen parameters look "
+                             f"like {[n for n, _ in named][:8]}")
+        return [(n, p) for n, p in named if any(fnmatch.fnmatchcase(n, pat) for pat in patterns)]
+
+    def thaw(self, params: list[nn.Parameter]) -> None:
+        """Make ``params`` trainable members no more (``requires_grad=True``)."""
+        ids = {id(p) for p in params}
+        for p in params:
+            p.requires_grad_(True)
+        self.members = [p for p in self.members if id(p) not in ids]
+
+    def refreeze(self, params: list[nn.Parameter]) -> None:
+        """Undo :meth:`thaw` of ``params``."""
+        for p in params:
+            p.requires_grad_(False)
+            if all(p is not q for q in self.members):
+                self.members.append(p)
+
+    def to_unfreeze(self, saved: list[str]) -> list[str]:
+        """The names a run that saved the frozen set ``saved`` had unfrozen, which are frozen here.
+
+        Raises:
+            ValueError: ``saved`` names an unknown param, or keeps frozen one this engine trains.
+        """
+        current = self.names()
+        known = {n for n, _ in self.model.named_parameters()}
+        unknown = [n for n in saved if n not in known]
+        to_freeze = [n for n in saved if n not in current and n in known]
+        if unknown or to_freeze:
+            what = (f"unknown parameter(s) {unknown[:3]}" if unknown else
+                    f"{to_freeze[:3]} frozen, which this engine trains; call requires_grad_(False) on them before "
+                    "building MixedPrecision")
+            raise ValueError(f"the saved run kept {what}")
+        return [n for n in current if n not in set(saved)]
