@@ -1,22 +1,22 @@
 """Autocast-safe ops: small functions that make the known autocast traps behave the same everywhere.
 
-Each function names the case (``/work/shared/cases/cases.md``) it fixes. None of them syncs the
-host with the device: they only enqueue tensor ops and read Python-side autocast state.
+Each function's docstring names the trap it removes. None of them syncs the host with the
+device: they only enqueue tensor ops and read Python-side autocast state.
 
-================================  =======================================================  ====
-function                          trap it removes                                          case
-================================  =======================================================  ====
-:func:`mask_value`,               ``-1e10`` / ``-inf`` masks overflow fp16 or NaN softmax    10
+================================  =======================================================
+function                          trap it removes
+================================  =======================================================
+:func:`mask_value`,               ``-1e10`` / ``-inf`` masks overflow fp16 or NaN softmax
 :func:`masked_fill_min`
-:func:`rms_norm`,                 squares overflow and tiny eps underflows in 16-bit norms   12
+:func:`rms_norm`,                 squares overflow and tiny eps underflows in 16-bit norms
 :func:`layer_norm_stats`
-:func:`binary_cross_entropy`      probability BCE refused by CUDA autocast, allowed on CPU   14
-:func:`checkpoint`                recompute under a different autocast state than forward    21
-:func:`custom_fwd`,               custom autograd Functions: mixed input dtypes, backward    22
+:func:`binary_cross_entropy`      probability BCE refused by CUDA autocast, allowed on CPU
+:func:`checkpoint`                recompute under a different autocast state than forward
+:func:`custom_fwd`,               custom autograd Functions: mixed input dtypes, backward
 :func:`custom_bwd`                in another dtype than forward
-:func:`autocast_dtype`,           fp32 buffers receiving autocast outputs (``index_put``)    23
+:func:`autocast_dtype`,           fp32 buffers receiving autocast outputs (``index_put``)
 :func:`zeros_like_output`
-================================  =======================================================  ====
+================================  =======================================================
 """
 
 from __future__ import annotations
@@ -63,14 +63,14 @@ def _check_floating(name: str, dtype: Any) -> None:
                         "torch.float16, ...)")
 
 
-# ---------------------------------------------------------------------------- case 10: masks
+# ---------------------------------------------------------------------------- masks
 def mask_value(dtype: torch.dtype) -> float:
     """The most negative finite value of ``dtype`` (``torch.finfo(dtype).min``), for attention masks.
 
     fp16: -65504.0; bf16: about -3.39e38; fp32: about -3.40e38. Unlike ``-1e10`` (overflows fp16:
     ``masked_fill`` raises, and the additive form ``mask * -1e10`` gives ``0 * -inf = NaN``) and
     ``-inf`` (a fully masked row softmaxes to NaN), it is representable in ``dtype``, so a fully
-    masked row softmaxes to a uniform row. Case 10. No host sync (pure Python).
+    masked row softmaxes to a uniform row. No host sync (pure Python).
 
     Raises:
         TypeError: ``dtype`` is not a floating dtype.
@@ -90,8 +90,8 @@ def masked_fill_min(scores: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
     A partly masked row then softmaxes to exactly 0 at the masked entries. A **fully masked
     row softmaxes to a uniform row** (``1 / row_length`` everywhere): finite, not NaN — the
     caller decides whether to zero such rows. Prefer this over adding ``mask * big_negative``:
-    adding to a finite minimum can still overflow to ``-inf`` in fp16. Case 10. Out of place;
-    no host sync.
+    adding to a finite minimum can still overflow to ``-inf`` in fp16. Out of place; no host
+    sync.
 
     Raises:
         TypeError: ``scores`` is not floating, or ``mask`` is not a bool tensor.
@@ -104,7 +104,7 @@ def masked_fill_min(scores: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
     return scores.masked_fill(mask, mask_value(scores.dtype))
 
 
-# ---------------------------------------------------------------------------- case 12: norms
+# ---------------------------------------------------------------------------- norms
 def _check_eps(eps: float) -> float:
     if isinstance(eps, bool) or not isinstance(eps, (int, float)) or not (0.0 <= float(eps) < float("inf")):
         raise ValueError(f"eps={eps!r} must be a finite number >= 0, e.g. 1e-6")
@@ -122,8 +122,8 @@ def rms_norm(x: torch.Tensor, weight: torch.Tensor | None = None, eps: float = 1
 
     Returns:
         ``(..., D)`` in ``x.dtype``. The square, mean, eps and rsqrt are computed in fp32 whatever
-        the input dtype, so fp16 values above ~256 (whose squares overflow fp16) are fine. Case 12:
-        a hand-written fp16 RMSNorm of a ``(1, 1280)`` tensor of 300s returns zeros
+        the input dtype, so fp16 values above ~256 (whose squares overflow fp16) are fine. For
+        example, a hand-written fp16 RMSNorm of a ``(1, 1280)`` tensor of 300s returns zeros
         (``rsqrt(inf) = 0``); this returns ones. Elementwise ops only, so autocast does not change
         them. No host sync.
 
@@ -151,7 +151,7 @@ def layer_norm_stats(x: torch.Tensor, dim: int | Sequence[int] = -1) -> tuple[to
     Returns:
         ``(mean, var)``, each fp32 with ``x``'s shape and ``dim`` reduced to 1. They stay fp32 on
         purpose: the variance of fp16 data can exceed fp16's max (values of ±300 give 90000 >
-        65504), so casting it back would re-create case 12. Normalise with
+        65504), so casting it back would re-create the overflow :func:`rms_norm` avoids. Normalise with
         ``((x.float() - mean) * torch.rsqrt(var + eps)).to(x.dtype)``: eps is then added in fp32.
         No host sync.
 
@@ -164,7 +164,7 @@ def layer_norm_stats(x: torch.Tensor, dim: int | Sequence[int] = -1) -> tuple[to
     return mean_fp32, var_fp32
 
 
-# ---------------------------------------------------------------------------- case 14: BCE
+# ---------------------------------------------------------------------------- BCE
 def binary_cross_entropy(probs: torch.Tensor, target: torch.Tensor, weight: torch.Tensor | None = None, *,
                          reduction: str = "mean") -> torch.Tensor:
     """Probability-space binary cross-entropy, always in fp32 with autocast disabled.
@@ -184,7 +184,7 @@ def binary_cross_entropy(probs: torch.Tensor, target: torch.Tensor, weight: torc
         fp32 loss: a scalar, or ``probs``' shape for ``reduction="none"``. Gradients flow back to
         ``probs`` in its own dtype.
 
-    Case 14: CUDA autocast raises "binary_cross_entropy ... unsafe to autocast" while CPU autocast
+    CUDA autocast raises "binary_cross_entropy ... unsafe to autocast" while CPU autocast
     silently runs it; here autocast is disabled for ``probs``' device type and inputs are upcast,
     so every device computes the same fp32 loss and never raises. ``log`` is clamped at -100 as in
     torch. No host sync.
@@ -201,7 +201,7 @@ def binary_cross_entropy(probs: torch.Tensor, target: torch.Tensor, weight: torc
                                       weight=None if weight is None else weight.float(), reduction=reduction)
 
 
-# ---------------------------------------------------------------------------- case 21: checkpoint
+# ---------------------------------------------------------------------------- checkpoint
 _AutocastState = tuple[str, bool, torch.dtype, bool]  # (device_type, enabled, dtype, cache_enabled)
 
 
@@ -260,8 +260,8 @@ def checkpoint(fn: Callable[..., Any], *args: Any, preserve_rng_state: bool = Tr
     innermost during recompute, verifying that they took effect (``RuntimeError`` if not).
 
     So a recompute in a backward that runs outside the autocast region, under a different
-    dtype, or after nested regions were left, computes in the forward's dtypes. Case 21: a naive
-    recompute outside autocast ran bf16 layers in fp32 (dtype-mismatch error or metadata
+    dtype, or after nested regions were left, computes in the forward's dtypes. Without it, a
+    naive recompute outside autocast ran bf16 layers in fp32 (dtype-mismatch error or metadata
     mismatch), and fairscale re-entered autocast with the default fp16 instead of bf16.
 
     Args:
@@ -281,13 +281,14 @@ def checkpoint(fn: Callable[..., Any], *args: Any, preserve_rng_state: bool = Tr
                                              context_fn=context_fn, **kwargs)
 
 
-# ---------------------------------------------------------------------------- case 22: custom Functions
+# ---------------------------------------------------------------------------- custom Functions
 def custom_fwd(fwd: Callable | None = None, *, device_type: str | torch.device,
                cast_inputs: torch.dtype | None = None) -> Callable:
     """Decorate ``forward`` of a ``torch.autograd.Function`` to declare its autocast behaviour.
 
-    A checked pass-through to ``torch.amp.custom_fwd`` (torch >= 2.4), which already does what
-    case 22 needs; use it together with :func:`custom_bwd` on ``backward``.
+    A checked pass-through to ``torch.amp.custom_fwd`` (torch >= 2.4), which already handles mixed
+    input dtypes and runs ``backward`` in the forward's dtype; use it together with
+    :func:`custom_bwd` on ``backward``.
 
     * ``cast_inputs=None``: ``forward`` runs under the current autocast state, which is recorded
       on ``ctx``; ``backward`` (with :func:`custom_bwd`) re-enters that same state — same enabled
@@ -330,7 +331,7 @@ def custom_bwd(bwd: Callable | None = None, *, device_type: str | torch.device) 
     return torch.amp.custom_bwd(bwd, device_type=_device_type(device_type))
 
 
-# ---------------------------------------------------------------------------- case 23: buffers
+# ---------------------------------------------------------------------------- buffers
 def autocast_dtype(device_type: str | torch.device = "cpu", *,
                    reference_dtype: torch.dtype = torch.float32) -> torch.dtype:
     """The dtype a matmul/linear on ``reference_dtype`` inputs produces right now on ``device_type``.
@@ -339,7 +340,7 @@ def autocast_dtype(device_type: str | torch.device = "cpu", *,
     inputs, which autocast leaves alone. Outside (or with autocast disabled, e.g. in a module the
     policy keeps in fp32): ``reference_dtype`` itself (fp32 by default; pass the param dtype for
     pure-16-bit policies). Use it to allocate buffers that receive autocast outputs in place or by
-    index (case 23): embeddings, by contrast, are not autocast and stay fp32. Reads Python-side
+    index: embeddings, by contrast, are not autocast and stay fp32. Reads Python-side
     autocast state only; no host sync.
 
     Raises:
@@ -358,7 +359,7 @@ def zeros_like_output(shape: Sequence[int] | torch.Size, *, device: str | torch.
 
     ``buf[mask] = linear(x[mask])`` inside a bf16 autocast region fails on an fp32 buffer with
     "Index put requires the source and destination dtypes match, got Float for the destination
-    and BFloat16 for the source" (case 23); a buffer from this helper is bf16 there and fp32
+    and BFloat16 for the source"; a buffer from this helper is bf16 there and fp32
     outside autocast. ``reference_dtype`` defaults to fp32 (see :func:`autocast_dtype`).
     No host sync.
     """

@@ -153,8 +153,8 @@ Operand = torch.Tensor | ScaledFloat8
 def _maybe_cast(t: Operand, scaling: Scaling, *, role: str, axis: int) -> ScaledFloat8:
     """The one place a GEMM operand becomes fp8, for a GEMM contracting along ``axis``.
 
-    An operand already in fp8 (kept from an earlier GEMM by :func:`_keep`) has a per-tensor
-    scale, which is valid along any axis, and is reused as is; a high-precision tensor is cast
+    An operand already in fp8 (an earlier GEMM keeps its fp8 cast only when the scale is per
+    tensor) has a scale valid along any axis and is reused as is; a high-precision tensor is cast
     by the recipe's ``scaling``.
     """
     if isinstance(t, ScaledFloat8):
@@ -275,8 +275,8 @@ class Float8Linear(nn.Linear):
 
 def clamped_scales(model: nn.Module) -> dict[str, dict[str, int]]:
     """Per fp8 linear of ``model`` (module name), per operand role: how many scales the amax floor
-    clamped since the model was converted (case 30: an all-zero or subnormal tensor, or rows of
-    one under rowwise, e.g. a zero-initialised LoRA ``B``, padding, dead experts). Such casts give
+    clamped since the model was converted (an all-zero or subnormal tensor, or rows of one under
+    rowwise, e.g. a zero-initialised LoRA ``B``, padding, dead experts). Such casts give
     exact zeros instead of NaN; a count that keeps growing flags a layer that feeds fp8 nothing.
     Only linears with a nonzero count are listed. **Syncs** the host with the device once.
     """

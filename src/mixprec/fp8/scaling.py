@@ -17,7 +17,7 @@ from mixprec.formats import Format, get_format
 __all__ = ["AMAX_FLOOR", "ScaledFloat8", "amax", "scale_from_amax", "to_fp8", "from_fp8"]
 
 # amax is clamped to at least this before dividing, so a block of zeros (padding, dead rows) or
-# of fp32 subnormals (1e-40) gets a finite scale instead of fmt.max / 0 = inf (case 30). With
+# of fp32 subnormals (1e-40) gets a finite scale instead of fmt.max / 0 = inf. With
 # it the largest possible scale is 57344 / 1e-12 ~ 6e16, far inside fp32; inputs that small
 # quantise to exact zeros. Same value as torchao's float8 EPS.
 AMAX_FLOOR = 1e-12

@@ -1,5 +1,6 @@
 """Precision advice: small pure functions from a :class:`~mixprec.numerics.NumericsReport` to flags
-and a :class:`Recommendation`.
+and a :class:`Recommendation`. They read only its statistics
+(:class:`~mixprec.numerics.stats.NumericsStats`), never its views.
 
 Rules (thresholds are the module constants below; formats come from :mod:`mixprec.formats`):
 
@@ -36,15 +37,13 @@ from __future__ import annotations
 import fnmatch
 import math
 from dataclasses import dataclass
-from typing import TYPE_CHECKING
 
 import torch
 
 from mixprec.formats import Format, get_format
+from mixprec.numerics.figures import count, num, pct, pow2
+from mixprec.numerics.stats import ModuleStats, NumericsStats, RangeStats
 from mixprec.policy import PRESETS, Policy
-
-if TYPE_CHECKING:
-    from mixprec.numerics.report import ModuleStats, NumericsReport, RangeStats
 
 __all__ = ["Flag", "Recommendation", "FLUSH_LIMIT", "FLUSH_ENERGY_LIMIT", "LOST_UPDATE_LIMIT",
            "PARAM_LOST_UPDATE_LIMIT", "LOSS_SCALE_MARGIN", "SQNR_SLACK_DB",
@@ -85,7 +84,7 @@ class Recommendation:
     reasons: tuple[str, ...]
 
     def __str__(self) -> str:
-        scale = "" if self.initial_loss_scale is None else f" (initial loss scale {_pow2(self.initial_loss_scale)})"
+        scale = "" if self.initial_loss_scale is None else f" (initial loss scale {pow2(self.initial_loss_scale)})"
         return f"{self.policy}{scale}\n" + "\n".join(f"- {r}" for r in self.reasons)
 
 
@@ -121,7 +120,7 @@ def safe_loss_scale(grad_amax: float, fmt: Format | str = "fp16", margin: float 
 
 
 # ---------------------------------------------------------------------- flags
-def _grad_stats(report: NumericsReport, m: ModuleStats, fmt: Format, i: int) -> list[tuple[str, RangeStats]]:
+def _grad_stats(report: NumericsStats, m: ModuleStats, fmt: Format, i: int) -> list[tuple[str, RangeStats]]:
     """(what, stats) for the module's output gradients and its parameters' gradients."""
     eight = fmt.bits == 8
     out = [("output gradients", m.grad_output_scaled[fmt.name] if eight else m.grad_output[fmt.name][i])]
@@ -135,41 +134,41 @@ def _flushes(stats: RangeStats) -> bool:
     return stats.flushed > FLUSH_LIMIT and stats.flushed_energy > FLUSH_ENERGY_LIMIT
 
 
-def module_flags(report: NumericsReport, m: ModuleStats, fmt: Format, loss_scale: float) -> list[Flag]:
+def module_flags(report: NumericsStats, m: ModuleStats, fmt: Format, loss_scale: float) -> list[Flag]:
     """The flags of one module in one format, gradients judged at ``loss_scale`` (module docstring)."""
     found: list[Flag] = []
     eight = fmt.bits == 8
-    where = "at the best per-tensor scale" if eight else f"at loss scale {_pow2(loss_scale)}"
+    where = "at the best per-tensor scale" if eight else f"at loss scale {pow2(loss_scale)}"
     act = m.activation_scaled[fmt.name] if eight else m.activation[fmt.name]
     if not eight and act.overflow > 0:
-        found.append(Flag(m.name, f"activations reach {_num(act.amax)} > {fmt} max {fmt.max:.6g} "
-                                  f"({_pct(act.overflow)} of elements)", act.amax, "overflow", fmt.name))
+        found.append(Flag(m.name, f"activations reach {num(act.amax)} > {fmt} max {fmt.max:.6g} "
+                                  f"({pct(act.overflow)} of elements)", act.amax, "overflow", fmt.name))
     if _flushes(act):
-        found.append(Flag(m.name, f"{_pct(act.flushed)} of non-zero activations round to zero in {fmt}"
+        found.append(Flag(m.name, f"{pct(act.flushed)} of non-zero activations round to zero in {fmt}"
                                   + (" at the best per-tensor scale" if eight else ""), act.flushed, "underflow",
                           fmt.name))
     i = report.scale_index(loss_scale)
     for what, g in _grad_stats(report, m, fmt, i):
         if g.overflow > 0:
-            found.append(Flag(m.name, f"{what} reach {_num(g.amax * g.scale)} {where} > {fmt} max {fmt.max:.6g}",
+            found.append(Flag(m.name, f"{what} reach {num(g.amax * g.scale)} {where} > {fmt} max {fmt.max:.6g}",
                               g.amax * g.scale, "grad overflow", fmt.name))
         if _flushes(g):
-            found.append(Flag(m.name, f"{_pct(g.flushed)} of non-zero {what} flush to zero in {fmt} {where}",
+            found.append(Flag(m.name, f"{pct(g.flushed)} of non-zero {what} flush to zero in {fmt} {where}",
                               g.flushed, "grad underflow", fmt.name))
     err = m.error.get(fmt.name)
     limit = sqnr_limit_db(fmt)
     if err is not None and not err.sqnr_db >= limit:  # also catches NaN
         text = ("non-finite output" if not math.isfinite(err.rel_error) else
-                f"output SQNR {_num(err.sqnr_db, 3)} dB < {limit:.0f} dB (relative error {_pct(err.rel_error)})")
+                f"output SQNR {num(err.sqnr_db, 3)} dB < {limit:.0f} dB (relative error {pct(err.rel_error)})")
         found.append(Flag(m.name, f"{text} when run in {fmt}", err.sqnr_db, "error", fmt.name))
     return found
 
 
-def _default_scale(report: NumericsReport, fmt: Format) -> float:
+def _default_scale(report: NumericsStats, fmt: Format) -> float:
     return report.recommended_loss_scale if fmt.dtype == torch.float16 else 1.0
 
 
-def flags(report: NumericsReport, fmt: str | Format, *, loss_scale: float | None = None) -> list[Flag]:
+def flags(report: NumericsStats, fmt: str | Format, *, loss_scale: float | None = None) -> list[Flag]:
     """Every flag of every leaf module in ``fmt`` (model order). ``loss_scale=None``: the scale the
     advice uses (the recommended one for fp16, 1.0 otherwise).
 
@@ -183,7 +182,7 @@ def flags(report: NumericsReport, fmt: str | Format, *, loss_scale: float | None
     return [f for m in report.modules.values() for f in module_flags(report, m, fmt, scale)]
 
 
-def risk(report: NumericsReport, module: str, fmt: str, *, loss_scale: float | None = None) -> tuple[int, str]:
+def risk(report: NumericsStats, module: str, fmt: str, *, loss_scale: float | None = None) -> tuple[int, str]:
     """(level, short text) for one heatmap cell: 2 flagged (text: the first flag's kind), 1 marginal
     (more than :data:`SUBNORMAL_MARGINAL` subnormal or more than a tenth of :data:`FLUSH_LIMIT`
     flushed, carrying more than :data:`FLUSH_ENERGY_LIMIT` of the squared norm; or an SQNR within
@@ -201,9 +200,9 @@ def risk(report: NumericsReport, module: str, fmt: str, *, loss_scale: float | N
     stats = [("act", act)] + [("grad", s) for _, s in _grad_stats(report, m, f, report.scale_index(scale))]
     for what, s in stats:
         if s.subnormal > SUBNORMAL_MARGINAL and s.subnormal_energy > FLUSH_ENERGY_LIMIT:
-            return 1, f"{what} sub {_pct(s.subnormal)}"
+            return 1, f"{what} sub {pct(s.subnormal)}"
         if _flushes(s) or s.flushed > FLUSH_LIMIT / 10 and s.flushed_energy > FLUSH_ENERGY_LIMIT:
-            return 1, f"{what} flush {_pct(s.flushed)}"
+            return 1, f"{what} flush {pct(s.flushed)}"
     if err is not None and err.sqnr_db < sqnr_limit_db(f) + MARGINAL_DB:
         return 1, sqnr
     return 0, sqnr
@@ -234,7 +233,7 @@ def keep_fp32_patterns(flagged: list[str], module_names: tuple[str, ...]) -> tup
     return tuple(patterns)
 
 
-def _choose_base(report: NumericsReport) -> tuple[Policy, str]:
+def _choose_base(report: NumericsStats) -> tuple[Policy, str]:
     policy = report.policy
     if policy.is_mixed or policy.param_dtype != torch.float32:
         return policy, f"starting from the policy under study, {policy}"
@@ -261,10 +260,10 @@ def _summarise(found: list[Flag], fmt: str, limit: int = 3) -> str:
         by_module.setdefault(f.module, f)
     items = [f"{name} ({flag.reason})" for name, flag in list(by_module.items())[:limit]]
     more = f" and {len(by_module) - limit} more" if len(by_module) > limit else ""
-    return f"{_count(len(by_module), 'module')} unsafe in {fmt}: " + "; ".join(items) + more
+    return f"{count(len(by_module), 'module')} unsafe in {fmt}: " + "; ".join(items) + more
 
 
-def _compare_fp16(report: NumericsReport) -> str | None:
+def _compare_fp16(report: NumericsStats) -> str | None:
     """One sentence on what fp16 would do at loss scale 1, for a bf16 recommendation."""
     if "fp16" not in report.formats:
         return None
@@ -274,14 +273,14 @@ def _compare_fp16(report: NumericsReport) -> str | None:
     parts = []
     if over:
         worst = max(over, key=lambda f: f.value)
-        parts.append(f"{_count(len({f.module for f in over}), 'module')} overflow fp16 "
-                     f"({worst.module} reaches {_num(worst.value)})")
+        parts.append(f"{count(len({f.module for f in over}), 'module')} overflow fp16 "
+                     f"({worst.module} reaches {num(worst.value)})")
     if under:
-        parts.append(f"the gradients of {_count(len(under), 'module')} flush to zero in fp16 without loss scaling")
+        parts.append(f"the gradients of {count(len(under), 'module')} flush to zero in fp16 without loss scaling")
     return "; ".join(parts) if parts else None
 
 
-def _loss_scale_advice(report: NumericsReport, policy: Policy) -> tuple[Policy, float | None, list[str]]:
+def _loss_scale_advice(report: NumericsStats, policy: Policy) -> tuple[Policy, float | None, list[str]]:
     fp16 = policy.compute_dtype == torch.float16 or policy.param_dtype == torch.float16
     if not fp16:
         if policy.loss_scale != "none":
@@ -290,23 +289,23 @@ def _loss_scale_advice(report: NumericsReport, policy: Policy) -> tuple[Policy, 
         return policy, None, []
     scale = report.recommended_loss_scale
     at_one = {f.module for f in flags(report, "fp16", loss_scale=1.0) if f.kind == "grad underflow"}
-    text = (f"fp16 gradients: largest |gradient| {_num(report.grad_amax)}; loss scale {_pow2(scale)} keeps every "
-            f"gradient <= fp16 max / {_num(report.loss_scale_margin)} (largest safe power of two: "
-            f"{_pow2(report.max_safe_loss_scale)})")
+    text = (f"fp16 gradients: largest |gradient| {num(report.grad_amax)}; loss scale {pow2(scale)} keeps every "
+            f"gradient <= fp16 max / {num(report.loss_scale_margin)} (largest safe power of two: "
+            f"{pow2(report.max_safe_loss_scale)})")
     if at_one:
-        text += (f"; at loss scale 1 the gradients of {_count(len(at_one), 'module')} flush to zero "
+        text += (f"; at loss scale 1 the gradients of {count(len(at_one), 'module')} flush to zero "
                  f"({', '.join(sorted(at_one)[:3])}{', ...' if len(at_one) > 3 else ''})")
     if report.max_safe_loss_scale < 1:
-        text += (f"; even at loss scale 1 the largest gradient is within the {_num(report.loss_scale_margin)}x margin "
+        text += (f"; even at loss scale 1 the largest gradient is within the {num(report.loss_scale_margin)}x margin "
                  "of fp16 max (modules whose gradients overflow fp16 are kept fp32)")
     if isinstance(policy.loss_scale, str):
-        text += f" → dynamic loss scaling starting at {_pow2(scale)} (DynamicLossScale(init_scale={scale:g}))"
+        text += f" → dynamic loss scaling starting at {pow2(scale)} (DynamicLossScale(init_scale={scale:g}))"
         return policy.replace(loss_scale="dynamic"), scale, [text]
-    text += f" → static loss scale {_pow2(scale)} (was {policy.loss_scale:g})"
+    text += f" → static loss scale {pow2(scale)} (was {policy.loss_scale:g})"
     return policy.replace(loss_scale=scale), scale, [text]
 
 
-def _storage_advice(report: NumericsReport, policy: Policy) -> tuple[Policy, list[str]]:
+def _storage_advice(report: NumericsStats, policy: Policy) -> tuple[Policy, list[str]]:
     half = policy.param_dtype if policy.param_dtype != torch.float32 else (
         policy.compute_dtype if policy.is_mixed else None)
     if half is None:
@@ -317,9 +316,9 @@ def _storage_advice(report: NumericsReport, policy: Policy) -> tuple[Policy, lis
     lost = report.lost_update(fmt)
     worst = max(report.params.values(), key=lambda p: p.lost_update(fmt), default=None)
     worst_lost = worst.lost_update(fmt) if worst is not None else 0.0
-    detail = f"lost-update fraction in {fmt} without master weights {_pct(lost)}"
+    detail = f"lost-update fraction in {fmt} without master weights {pct(lost)}"
     if worst is not None and lost > 0:
-        detail += f" ({worst.name} {_pct(worst_lost)})"
+        detail += f" ({worst.name} {pct(worst_lost)})"
     alternatives = "or use Kahan / stochastic rounding (rounding=kahan, or bf16-sr for bf16)"
     harmless = lost <= LOST_UPDATE_LIMIT and worst_lost <= PARAM_LOST_UPDATE_LIMIT
     if policy.param_dtype == torch.float32:
@@ -336,7 +335,7 @@ def _storage_advice(report: NumericsReport, policy: Policy) -> tuple[Policy, lis
     return policy.replace(master_dtype=torch.float32), [f"{detail} → keep master weights (master=fp32), {alternatives}"]
 
 
-def recommend(report: NumericsReport) -> Recommendation:
+def recommend(report: NumericsStats) -> Recommendation:
     """The advised policy for ``report`` (module docstring for the rules)."""
     policy, why = _choose_base(report)
     reasons = [why]
@@ -372,24 +371,3 @@ def recommend(report: NumericsReport) -> Recommendation:
             reasons.append(f"cannot name {bad} in keep_fp32 (',', '=', '|' or spaces); rename them or train in fp32")
     policy, storage_reasons = _storage_advice(report, policy)
     return Recommendation(policy, scale, tuple(reasons + loss_reasons + storage_reasons))
-
-
-# ---------------------------------------------------------------------- text helpers
-def _num(x: float | None, digits: int = 3) -> str:
-    if x is None:
-        return "-"
-    return str(x) if not math.isfinite(x) else f"{x:.{digits}g}"
-
-
-def _count(n: int, noun: str) -> str:
-    return f"{n} {noun}{'s' * (n != 1)}"
-
-
-def _pct(x: float) -> str:
-    return "0" if x == 0 else f"{100 * x:.3g}%"
-
-
-def _pow2(x: float | None) -> str:
-    if x is not None and x > 0 and math.isfinite(x) and math.log2(x) == int(math.log2(x)):
-        return f"2^{int(math.log2(x))}"
-    return _num(x)

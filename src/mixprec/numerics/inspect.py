@@ -9,11 +9,11 @@ values are recorded, and the optimizer step's fp32 delta gives the lost updates.
 removed before ``inspect`` returns, whatever happens.
 
 How a tensor is measured (conventions in :mod:`mixprec.numerics.report`): its magnitudes are
-compared with every format's limits at every scale of interest in one pass
-(:class:`_RangeCounter`: ``torch.bucketize`` against the sorted thresholds
-``{fmt.max, fmt.smallest_normal, fmt.smallest_subnormal / 2} / scale``), so gradient statistics
-are exact at every power-of-two loss scale from the dynamic loss scale's ``min_scale`` to its
-``max_scale``; fp8 formats are also measured at the best per-tensor scale ``fmt.max / amax``.
+compared with every format's limits at every scale of interest in one pass (``torch.bucketize``
+against the sorted thresholds ``{fmt.max, fmt.smallest_normal, fmt.smallest_subnormal / 2} /
+scale``), so gradient statistics are exact at every power-of-two loss scale from the dynamic loss
+scale's ``min_scale`` to its ``max_scale``; fp8 formats are also measured at the best per-tensor
+scale ``fmt.max / amax``.
 
 How a module is run "in a format" (the error measurement, on the last step, inside the module's
 forward hook, on the exact inputs it just received): its floating inputs and parameters are
@@ -46,7 +46,8 @@ from mixprec.formats import Format, get_format
 from mixprec.loss_scale import DynamicConfig
 from mixprec.numerics.advice import LOSS_SCALE_MARGIN, safe_loss_scale
 from mixprec.numerics.localise import locate_nonfinite
-from mixprec.numerics.report import ModuleError, ModuleStats, NumericsReport, ParamStats, RangeStats
+from mixprec.numerics.report import NumericsReport
+from mixprec.numerics.stats import ModuleError, ModuleStats, ParamStats, RangeStats
 from mixprec.policy import Policy
 
 __all__ = ["inspect", "DEFAULT_FORMATS", "DEFAULT_LR"]
@@ -225,7 +226,7 @@ class _RangeCounter:
         self.calls += 1
 
     def to_host(self) -> list["_HostCounts"]:
-        """Read the counts, one :class:`_HostCounts` per segment (a host sync)."""
+        """Read the counts as Python numbers, one set per segment (a host sync)."""
         if self.below is None:
             return [_HostCounts(self.thresholds, self.fp8, 0, 0, 0.0, [], [], 0.0, [], [])] * self.segments
         amax, below, below_sq, sq = self.amax.tolist(), self.below.tolist(), self.below_sq.tolist(), self.sq.tolist()

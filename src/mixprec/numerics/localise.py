@@ -3,7 +3,7 @@
 :func:`locate_nonfinite` re-runs one batch under a policy's autocast with a forward pre-hook and
 a forward hook on every module (removed before it returns, whatever happens) and names the
 first module, in execution order, whose output holds inf/NaN while its inputs were finite
-(case 11: a feed-forward activation above fp16's 65504). A parent whose own code (not a child
+(for example a feed-forward activation above fp16's 65504). A parent whose own code (not a child
 module) produced the value is named, since it is the innermost module that ran the op.
 
 Order of the checks, first hit wins:
@@ -40,12 +40,10 @@ from mixprec.policy import Policy, cast_floating
 
 __all__ = ["NonFiniteReport", "locate_nonfinite"]
 
-WHERE = ("input", "forward", "loss", "backward")
-
 
 @dataclass(frozen=True)
 class NonFiniteReport:
-    """Where a batch first went non-finite (see the module docstring for the four cases).
+    """Where a batch first went non-finite (see the module docstring for the four checks).
 
     Attributes:
         where: ``"input"``, ``"forward"``, ``"loss"`` or ``"backward"``.
@@ -310,7 +308,7 @@ def locate_nonfinite(model: nn.Module, batch: Any, loss_fn: Callable[[nn.Module,
 
 def _locate_backward(model: nn.Module, loss: torch.Tensor, calls: list[_Call],
                      loss_scale: float) -> NonFiniteReport | None:
-    """One backward pass over the recorded graph; see case 4 of the module docstring."""
+    """One backward pass over the recorded graph: check 4, ``"backward"``, of the module docstring."""
     own_params = {id(c): [p for p in c.module.parameters(recurse=False) if p.requires_grad] for c in calls}
     unique: dict[int, torch.Tensor] = {}
     for c in calls:

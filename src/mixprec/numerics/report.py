@@ -4,8 +4,9 @@ A :class:`NumericsReport` holds, per leaf module (:class:`ModuleStats`) and per 
 parameter (:class:`ParamStats`), how each recorded tensor fits each candidate format
 (:class:`RangeStats`), the error of running the module in each format (:class:`ModuleError`)
 and the lost-update counts of each parameter. Everything is a Python number: no tensors, no
-device. The views are :meth:`NumericsReport.flagged`, :meth:`~NumericsReport.recommend`
-(both delegate to the pure rules in :mod:`mixprec.numerics.advice`),
+device. The data classes live in :mod:`mixprec.numerics.stats` (re-exported here), so the
+advice reads them without depending on the views. The views are :meth:`NumericsReport.flagged`,
+:meth:`~NumericsReport.recommend` (both delegate to the pure rules in :mod:`mixprec.numerics.advice`),
 :meth:`~NumericsReport.to_markdown`, :meth:`~NumericsReport.to_json` /
 :meth:`~NumericsReport.from_json` (derived from the dataclass fields, so a new field
 round-trips without extra code) and :meth:`~NumericsReport.heatmap`.
@@ -52,99 +53,18 @@ from typing import Any, Union
 
 from mixprec.formats import get_format
 from mixprec.numerics import advice
-from mixprec.numerics.advice import _count, _num, _pct, _pow2
+from mixprec.numerics.figures import count, num, pct, pow2
+from mixprec.numerics.stats import ModuleError, ModuleStats, NumericsStats, ParamStats, RangeStats
 from mixprec.policy import Policy
 
 __all__ = ["RangeStats", "ModuleError", "ModuleStats", "ParamStats", "NumericsReport"]
 
 
 @dataclass(frozen=True)
-class RangeStats:
-    """How one tensor role fits one format at one scale (fractions in [0, 1]; module docstring).
-
-    ``amax`` is the largest ``|x|`` before scaling, over every recorded step. ``subnormal_energy``
-    and ``flushed_energy`` are the shares of the squared L2 norm (sum of ``x**2``) that the
-    subnormal and the flushed elements carry.
-    """
-
-    scale: float
-    amax: float
-    overflow: float
-    subnormal: float
-    flushed: float
-    subnormal_energy: float
-    flushed_energy: float
-
-
-@dataclass(frozen=True)
-class ModuleError:
-    """Error of a module's output in a format against fp32: SQNR in dB (``inf``: exact;
-    ``-inf``: non-finite output) and relative L2 error."""
-
-    sqnr_db: float
-    rel_error: float
-
-
-@dataclass(frozen=True)
-class ModuleStats:
-    """Statistics of one leaf module, keyed by canonical format name (``"e4m3fn"``, not ``"e4m3"``).
-
-    ``activation``: forward outputs at scale 1; ``activation_scaled``: fp8 formats only, at the
-    best per-tensor scale. ``grad_output``: gradients of the outputs (fp32 reference, loss scale 1)
-    evaluated at each of the report's ``loss_scales`` (same order); ``grad_output_scaled``: fp8
-    formats at the best per-tensor scale. ``error``: measured on the last step. ``params``: the
-    qualified names of the module's trainable parameters (a tied parameter is named once, by its
-    first owner, as ``named_parameters()`` does).
-    """
-
-    name: str
-    kind: str
-    calls: int
-    numel: int
-    activation: dict[str, RangeStats]
-    activation_scaled: dict[str, RangeStats]
-    grad_output: dict[str, tuple[RangeStats, ...]]
-    grad_output_scaled: dict[str, RangeStats]
-    error: dict[str, ModuleError]
-    params: tuple[str, ...]
-
-
-@dataclass(frozen=True)
-class ParamStats:
-    """Statistics of one trainable parameter (same conventions as :class:`ModuleStats`).
-
-    ``weight``: the values entering each step's forward, at scale 1. ``lost``: per storage format
-    (the 16- and 32-bit formats), the number of lost updates summed over steps; ``updated``: the
-    number of intended updates (the denominator).
-    """
-
-    name: str
-    module: str
-    shape: tuple[int, ...]
-    weight: dict[str, RangeStats]
-    weight_scaled: dict[str, RangeStats]
-    grad: dict[str, tuple[RangeStats, ...]]
-    grad_scaled: dict[str, RangeStats]
-    lost: dict[str, int]
-    updated: int
-
-    def lost_update(self, fmt: str) -> float:
-        """Lost-update fraction in ``fmt`` (0.0 when nothing was to be updated)."""
-        key = _key(fmt, self.lost, "lost-update counts")
-        return self.lost[key] / self.updated if self.updated else 0.0
-
-
-def _key(fmt: str, table: dict[str, Any], what: str) -> str:
-    name = get_format(fmt).name
-    if name not in table:
-        raise ValueError(f"format {fmt!r} has no {what} in this report; it holds {sorted(table)} "
-                         "(pass it in inspect(..., formats=...))")
-    return name
-
-
-@dataclass(frozen=True)
-class NumericsReport:
-    """What :func:`mixprec.numerics.inspect` measured (plain data; module docstring for conventions).
+class NumericsReport(NumericsStats):
+    """What :func:`mixprec.numerics.inspect` measured (plain data; module docstring for conventions)
+    and its views. The fields and the queries :meth:`scale_index` and :meth:`lost_update` come from
+    :class:`~mixprec.numerics.stats.NumericsStats`.
 
     Attributes:
         formats: canonical names of the inspected formats.
@@ -164,42 +84,7 @@ class NumericsReport:
         modules, params: per leaf module and per trainable parameter, in model order.
     """
 
-    formats: tuple[str, ...]
-    storage_formats: tuple[str, ...]
-    policy: Policy
-    steps: int
-    optimizer: str
-    lr: float | None
-    losses: tuple[float, ...]
-    loss_scales: tuple[float, ...]
-    policy_loss_scale: float
-    grad_amax: float
-    loss_scale_margin: float
-    max_safe_loss_scale: float
-    recommended_loss_scale: float
-    module_names: tuple[str, ...]
-    modules: dict[str, ModuleStats]
-    params: dict[str, ParamStats]
-
-    # ------------------------------------------------------------------ queries
-    def scale_index(self, loss_scale: float) -> int:
-        """Position of ``loss_scale`` in :attr:`loss_scales`.
-
-        Raises:
-            ValueError: the report has no statistics at that scale (the message lists them).
-        """
-        for i, s in enumerate(self.loss_scales):
-            if s == loss_scale:
-                return i
-        raise ValueError(f"loss_scale={loss_scale!r} was not evaluated; this report has gradient statistics "
-                         f"at {list(self.loss_scales)}")
-
-    def lost_update(self, fmt: str) -> float:
-        """Lost-update fraction in ``fmt`` over all parameters (weighted by intended updates)."""
-        updated = sum(p.updated for p in self.params.values())
-        lost = sum(p.lost[_key(fmt, p.lost, "lost-update counts")] for p in self.params.values())
-        return lost / updated if updated else 0.0
-
+    # ------------------------------------------------------------------ advice
     def flagged(self, fmt: str, *, loss_scale: float | None = None) -> list[advice.Flag]:
         """Modules unsafe in ``fmt``, each with the reason (rules in :mod:`mixprec.numerics.advice`).
 
@@ -226,16 +111,16 @@ class NumericsReport:
     def to_markdown(self) -> str:
         """A human report: recommendation, flags per format, loss scale, then the tables."""
         rec = self.recommend()
-        loss_text = " → ".join(_num(x) for x in (self.losses[0], self.losses[-1])) if self.losses else "-"
+        loss_text = " → ".join(num(x) for x in (self.losses[0], self.losses[-1])) if self.losses else "-"
         lines = [
             "# mixprec numerics report",
             "",
-            f"Reference: {self.steps} fp32 training steps ({self.optimizer}, lr {_num(self.lr)}), loss {loss_text}. "
+            f"Reference: {self.steps} fp32 training steps ({self.optimizer}, lr {num(self.lr)}), loss {loss_text}. "
             f"Policy under study: `{self.policy}`. Formats: {', '.join(self.formats)}.",
             "",
             "## Recommendation",
             "",
-            f"Policy: `{rec.policy}`" + (f"; initial loss scale {_pow2(rec.initial_loss_scale)}"
+            f"Policy: `{rec.policy}`" + (f"; initial loss scale {pow2(rec.initial_loss_scale)}"
                                          if rec.initial_loss_scale is not None else ""),
             "",
             *(f"- {r}" for r in rec.reasons),
@@ -246,12 +131,12 @@ class NumericsReport:
         for fmt in self.formats:
             flags = self.flagged(fmt)
             scale = self.recommended_loss_scale if fmt == "fp16" else 1.0
-            lines.append(f"### {fmt} ({_count(len({f.module for f in flags}), 'module')} flagged; gradients at "
-                         f"loss scale {_pow2(scale)})")
+            lines.append(f"### {fmt} ({count(len({f.module for f in flags}), 'module')} flagged; gradients at "
+                         f"loss scale {pow2(scale)})")
             lines.append("")
             if flags:
                 lines += ["| module | kind | value | reason |", "|---|---|---|---|"]
-                lines += [f"| {f.module} | {f.kind} | {_num(f.value)} | {f.reason} |" for f in flags]
+                lines += [f"| {f.module} | {f.kind} | {num(f.value)} | {f.reason} |" for f in flags]
             else:
                 lines.append("No module flagged.")
             lines.append("")
@@ -261,9 +146,9 @@ class NumericsReport:
 
     def _loss_scale_section(self) -> list[str]:
         lines = ["## Loss scale (fp16 gradients)", "",
-                 f"Largest |gradient| {_num(self.grad_amax)}. Largest power-of-two loss scale with |gradient| x scale x "
-                 f"{_num(self.loss_scale_margin)} (margin) <= fp16 max: {_pow2(self.max_safe_loss_scale)}; recommended "
-                 f"initial scale {_pow2(self.recommended_loss_scale)}.", ""]
+                 f"Largest |gradient| {num(self.grad_amax)}. Largest power-of-two loss scale with |gradient| x scale x "
+                 f"{num(self.loss_scale_margin)} (margin) <= fp16 max: {pow2(self.max_safe_loss_scale)}; recommended "
+                 f"initial scale {pow2(self.recommended_loss_scale)}.", ""]
         if "fp16" not in self.formats:
             return lines
         lines += ["| loss scale | modules flagged for flushed gradients | largest flushed share among them "
@@ -273,7 +158,7 @@ class NumericsReport:
             flushed = [f for f in found if f.kind == "grad underflow"]
             worst = max((f.value for f in flushed), default=0.0)
             over = {f.module for f in found if f.kind == "grad overflow"}
-            lines.append(f"| {_pow2(scale)} | {len({f.module for f in flushed})} | {_pct(worst)} | {len(over)} |")
+            lines.append(f"| {pow2(scale)} | {len({f.module for f in flushed})} | {pct(worst)} | {len(over)} |")
         return lines + [""]
 
     def _activation_table(self) -> list[str]:
@@ -283,35 +168,35 @@ class NumericsReport:
                 f"{fmt} ovf raw", f"{fmt} flush @best"]
         rows = []
         for m in self.modules.values():
-            row = [m.name, m.kind, _num(next(iter(m.activation.values())).amax)]
+            row = [m.name, m.kind, num(next(iter(m.activation.values())).amax)]
             for fmt in self.formats:
                 a = m.activation[fmt]
-                row += [_pct(a.overflow), _pct(a.subnormal), _pct(a.flushed)] if fmt not in _fp8(self) else [
-                    _pct(a.overflow), _pct(m.activation_scaled[fmt].flushed)]
+                row += [pct(a.overflow), pct(a.subnormal), pct(a.flushed)] if fmt not in _fp8(self) else [
+                    pct(a.overflow), pct(m.activation_scaled[fmt].flushed)]
             rows.append(row)
         return ["## Activations (forward outputs)", "", *_table(head, rows), ""]
 
     def _error_table(self) -> list[str]:
         head = ["module", *(f"{fmt} SQNR dB" for fmt in self.formats), *(f"{fmt} rel err" for fmt in self.formats)]
         rows = [[m.name, *(_db(m.error[f].sqnr_db) for f in self.formats),
-                 *(_num(m.error[f].rel_error) for f in self.formats)] for m in self.modules.values()]
+                 *(num(m.error[f].rel_error) for f in self.formats)] for m in self.modules.values()]
         return ["## Module error against fp32 (last step)", "", *_table(head, rows), ""]
 
     def _gradient_table(self) -> list[str]:
         if "fp16" not in self.formats:
             return []
-        head = ["module", "grad amax", *(f"fp16 flush @{_pow2(s)}" for s in self.loss_scales),
-                *(f"fp16 ovf @{_pow2(s)}" for s in self.loss_scales)]
-        rows = [[m.name, _num(m.grad_output["fp16"][0].amax), *(_pct(s.flushed) for s in m.grad_output["fp16"]),
-                 *(_pct(s.overflow) for s in m.grad_output["fp16"])] for m in self.modules.values()]
-        rows += [[p.name, _num(p.grad["fp16"][0].amax), *(_pct(s.flushed) for s in p.grad["fp16"]),
-                  *(_pct(s.overflow) for s in p.grad["fp16"])] for p in self.params.values()]
+        head = ["module", "grad amax", *(f"fp16 flush @{pow2(s)}" for s in self.loss_scales),
+                *(f"fp16 ovf @{pow2(s)}" for s in self.loss_scales)]
+        rows = [[m.name, num(m.grad_output["fp16"][0].amax), *(pct(s.flushed) for s in m.grad_output["fp16"]),
+                 *(pct(s.overflow) for s in m.grad_output["fp16"])] for m in self.modules.values()]
+        rows += [[p.name, num(p.grad["fp16"][0].amax), *(pct(s.flushed) for s in p.grad["fp16"]),
+                  *(pct(s.overflow) for s in p.grad["fp16"])] for p in self.params.values()]
         return ["## Gradients of module outputs and parameters (fp32 reference)", "", *_table(head, rows), ""]
 
     def _lost_update_table(self) -> list[str]:
         head = ["parameter", "shape", *(f"{fmt} lost" for fmt in self.storage_formats)]
-        rows = [["all", "", *(_pct(self.lost_update(f)) for f in self.storage_formats)]]
-        rows += [[p.name, "x".join(map(str, p.shape)), *(_pct(p.lost_update(f)) for f in self.storage_formats)]
+        rows = [["all", "", *(pct(self.lost_update(f)) for f in self.storage_formats)]]
+        rows += [[p.name, "x".join(map(str, p.shape)), *(pct(p.lost_update(f)) for f in self.storage_formats)]
                  for p in self.params.values()]
         return ["## Lost updates (weights stored in the format without fp32 master weights)", "",
                 *_table(head, rows), ""]
@@ -347,7 +232,7 @@ class NumericsReport:
             for j, (_, text) in enumerate(row):
                 ax.text(j, i, text, ha="center", va="center", fontsize=6)
         ax.set_title(f"worst risk per module and format (green fine, yellow marginal, red flagged); fp16 "
-                     f"gradients at the recommended loss scale {_pow2(self.recommended_loss_scale)} unless noted",
+                     f"gradients at the recommended loss scale {pow2(self.recommended_loss_scale)} unless noted",
                      fontsize=8, pad=18)
         fig.tight_layout()
         out = Path(path)

@@ -26,7 +26,6 @@ __all__ = ["Batch", "OptimizerConfig", "WarmupCosine", "Workload", "check_split"
 
 Batch = dict[str, torch.Tensor]
 SPLITS = ("train", "val")
-ITEM_UNITS = ("tokens", "samples")
 
 
 @dataclass(frozen=True)

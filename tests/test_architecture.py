@@ -1,0 +1,311 @@
+"""The shape of the package, read from its source with :mod:`ast` (nothing is imported).
+
+* No import cycle between modules. Every import counts: module-level, inside a function and under
+  ``if TYPE_CHECKING:``. ``from mixprec.a import b`` is an import of the module ``mixprec.a.b`` when
+  that module exists, else of the package ``mixprec.a`` (its ``__init__``); ``import mixprec.a.b``
+  is an import of ``mixprec.a.b`` alone (the parents it runs first are not edges, so a package
+  ``__init__`` that imports its submodules is no cycle with them).
+* No private name (``_name``) used outside the unit that defines it: a subpackage
+  (``mixprec.numerics``, with everything under it) or a top-level module (``mixprec.checkpoint``
+  is one file). Both ``from mixprec.x import _name`` and ``x._name`` on an imported mixprec module
+  count.
+* The engine's step stays readable: ``MixedPrecision`` at most 450 lines, its ``step`` at most 45.
+
+The checks that fail only because of modules under redesign (:data:`IN_REDESIGN`) are separate
+tests marked ``xfail``: every private name across units, and the engine's size. Their companion
+(private names outside those modules) must pass today.
+"""
+
+from __future__ import annotations
+
+import ast
+import functools
+from pathlib import Path
+
+import pytest
+
+SRC = Path(__file__).resolve().parent.parent / "src"
+PACKAGE = "mixprec"
+
+# Modules being redesigned in parallel; their private imports and the engine's size are fixed then.
+IN_REDESIGN = frozenset({
+    "mixprec.engine", "mixprec.masters", "mixprec.checkpoint", "mixprec.distributed", "mixprec.guard",
+    "mixprec.optim", "mixprec.optim.adamw", "mixprec.optim.rounding", "mixprec.optim.sgd",
+})
+redesign_xfail = pytest.mark.xfail(strict=False, reason="engine redesign in progress")
+
+CLASS_LINES_LIMIT = 450
+STEP_LINES_LIMIT = 45
+
+
+# ---------------------------------------------------------------------- reading the source
+@functools.cache
+def _modules() -> dict[str, Path]:
+    """Module name -> file, for every ``.py`` under ``src/mixprec`` (``__init__`` names the package)."""
+    out = {}
+    for path in sorted((SRC / PACKAGE).rglob("*.py")):
+        parts = list(path.relative_to(SRC).with_suffix("").parts)
+        if parts[-1] == "__init__":
+            parts.pop()
+        out[".".join(parts)] = path
+    return out
+
+
+@functools.cache
+def _tree(module: str) -> ast.Module:
+    path = _modules()[module]
+    return ast.parse(path.read_text(encoding="utf-8"), filename=str(path))
+
+
+def _is_package(module: str) -> bool:
+    return _modules()[module].name == "__init__.py"
+
+
+def _absolute(module: str, node: ast.ImportFrom) -> str:
+    """The absolute module name a ``from ... import`` reads from (relative imports resolved)."""
+    if not node.level:
+        return node.module or ""
+    base = module.split(".")
+    if not _is_package(module):
+        base.pop()
+    base = base[: len(base) - (node.level - 1)]
+    return ".".join(base + ([node.module] if node.module else []))
+
+
+def _imports(module: str) -> list[tuple[str, str | None, int]]:
+    """(target module, imported name or None, line) for each mixprec import anywhere in ``module``.
+
+    ``name`` is the attribute taken from the target (``from target import name``), None when the
+    target module itself is what is imported.
+    """
+    known = _modules()
+    out: list[tuple[str, str | None, int]] = []
+    for node in ast.walk(_tree(module)):
+        if isinstance(node, ast.Import):
+            for alias in node.names:
+                if alias.name == PACKAGE or alias.name.startswith(PACKAGE + "."):
+                    out.append((alias.name, None, node.lineno))
+        elif isinstance(node, ast.ImportFrom):
+            source = _absolute(module, node)
+            if source != PACKAGE and not source.startswith(PACKAGE + "."):
+                continue
+            for alias in node.names:
+                sub = f"{source}.{alias.name}"
+                if sub in known:
+                    out.append((sub, None, node.lineno))
+                else:
+                    out.append((source, alias.name, node.lineno))
+    return out
+
+
+# ---------------------------------------------------------------------- (a) import cycles
+def import_graph() -> dict[str, dict[str, int]]:
+    """Module -> {imported module: first line of such an import}."""
+    known = _modules()
+    graph: dict[str, dict[str, int]] = {m: {} for m in known}
+    for module in known:
+        for target, _, line in _imports(module):
+            if target in known and target != module:
+                graph[module].setdefault(target, line)
+    return graph
+
+
+def _components(graph: dict[str, dict[str, int]]) -> list[list[str]]:
+    """Strongly connected components with more than one module (Tarjan, iterative)."""
+    index: dict[str, int] = {}
+    low: dict[str, int] = {}
+    stack: list[str] = []
+    on_stack: set[str] = set()
+    found: list[list[str]] = []
+    for root in graph:
+        if root in index:
+            continue
+        work = [(root, iter(graph[root]))]
+        index[root] = low[root] = len(index)
+        stack.append(root)
+        on_stack.add(root)
+        while work:
+            node, children = work[-1]
+            child = next(children, None)
+            if child is not None:
+                if child not in index:
+                    index[child] = low[child] = len(index)
+                    stack.append(child)
+                    on_stack.add(child)
+                    work.append((child, iter(graph[child])))
+                elif child in on_stack:
+                    low[node] = min(low[node], index[child])
+                continue
+            work.pop()
+            if work:
+                low[work[-1][0]] = min(low[work[-1][0]], low[node])
+            if low[node] == index[node]:
+                component = []
+                while True:
+                    top = stack.pop()
+                    on_stack.discard(top)
+                    component.append(top)
+                    if top == node:
+                        break
+                if len(component) > 1:
+                    found.append(sorted(component))
+    return found
+
+
+def _cycle_in(graph: dict[str, dict[str, int]], component: list[str]) -> list[str]:
+    """One concrete cycle through the component's first module (breadth-first, so a shortest one)."""
+    members = set(component)
+    start = component[0]
+    paths = {start: [start]}
+    queue = [start]
+    while queue:
+        node = queue.pop(0)
+        for child in graph[node]:
+            if child == start:
+                return paths[node] + [start]
+            if child in members and child not in paths:
+                paths[child] = paths[node] + [child]
+                queue.append(child)
+    raise AssertionError(f"no cycle through {start} in {component}")  # pragma: no cover
+
+
+def _describe(graph: dict[str, dict[str, int]], cycle: list[str]) -> str:
+    steps = [f"{a} (line {graph[a][b]})" for a, b in zip(cycle, cycle[1:])]
+    return " -> ".join(steps + [cycle[-1]])
+
+
+def test_no_import_cycles():
+    graph = import_graph()
+    cycles = [f"{_describe(graph, _cycle_in(graph, c))}   [all of {c}]" for c in _components(graph)]
+    assert not cycles, "import cycles:\n" + "\n".join(cycles)
+
+
+# ---------------------------------------------------------------------- (b) private names
+def _unit(module: str) -> str:
+    """The unit whose privates ``module`` may use: its first-level subpackage, or itself."""
+    parts = module.split(".")
+    if len(parts) <= 2 and not (len(parts) == 2 and _is_package(module)):
+        return module
+    return ".".join(parts[:2])
+
+
+def _private(name: str) -> bool:
+    return name.startswith("_") and not (name.startswith("__") and name.endswith("__"))
+
+
+def _module_aliases(module: str) -> dict[str, str]:
+    """Local name -> mixprec module, for ``import mixprec.x as y`` / ``from mixprec import x``."""
+    known = _modules()
+    out: dict[str, str] = {}
+    for node in ast.walk(_tree(module)):
+        if isinstance(node, ast.Import):
+            for alias in node.names:
+                if alias.asname and alias.name in known:
+                    out[alias.asname] = alias.name
+                elif alias.name == PACKAGE or alias.name.startswith(PACKAGE + "."):
+                    out[alias.name.split(".")[0]] = PACKAGE
+        elif isinstance(node, ast.ImportFrom):
+            source = _absolute(module, node)
+            for alias in node.names:
+                if f"{source}.{alias.name}" in known:
+                    out[alias.asname or alias.name] = f"{source}.{alias.name}"
+    return out
+
+
+def _dotted(node: ast.expr) -> list[str] | None:
+    """``a.b.c`` as ["a", "b", "c"]; None for anything but names and attributes."""
+    parts = []
+    while isinstance(node, ast.Attribute):
+        parts.append(node.attr)
+        node = node.value
+    if not isinstance(node, ast.Name):
+        return None
+    return [node.id, *reversed(parts)]
+
+
+def _private_uses(touching_redesign: bool | None) -> list[str]:
+    """Each use of another unit's private name as text; ``touching_redesign``: only those where the
+    using or the defining module is in :data:`IN_REDESIGN` (True), only the others (False), or all
+    (None)."""
+    known = _modules()
+    found = []
+    for module in known:
+        uses: list[tuple[str, str, int]] = []
+        for target, name, line in _imports(module):
+            if name is not None and _private(name):
+                uses.append((target, name, line))
+            elif name is None and any(_private(p) for p in target.split(".")):
+                parent, _, leaf = target.rpartition(".")
+                uses.append((parent, leaf, line))
+        aliases = _module_aliases(module)
+        for node in ast.walk(_tree(module)):
+            parts = _dotted(node) if isinstance(node, ast.Attribute) else None
+            if not parts or parts[0] not in aliases:
+                continue
+            target = aliases[parts[0]]
+            for attr in parts[1:]:  # mixprec.numerics.advice._num: walk down the submodules
+                if f"{target}.{attr}" in known and not _private(attr):
+                    target = f"{target}.{attr}"
+                    continue
+                if _private(attr):
+                    uses.append((target, attr, node.lineno))
+                break
+        for target, name, line in sorted(set(uses), key=lambda u: u[2]):
+            if target not in known or _unit(target) == _unit(module):
+                continue
+            touches = module in IN_REDESIGN or target in IN_REDESIGN
+            if touching_redesign is None or touches == touching_redesign:
+                found.append(f"{module} (line {line}) uses {target}.{name}")
+    return sorted(set(found))
+
+
+def test_no_private_names_across_units_outside_the_engine_redesign():
+    uses = _private_uses(touching_redesign=False)
+    assert not uses, "private names used outside the subpackage or module defining them:\n" + "\n".join(uses)
+
+
+@redesign_xfail
+def test_no_private_names_across_units():
+    uses = _private_uses(touching_redesign=None)
+    assert not uses, "private names used outside the subpackage or module defining them:\n" + "\n".join(uses)
+
+
+# ---------------------------------------------------------------------- (c) engine size
+def _lines(node: ast.AST) -> int:
+    first = min([node.lineno, *(d.lineno for d in getattr(node, "decorator_list", []))])
+    return node.end_lineno - first + 1
+
+
+def _mixed_precision() -> ast.ClassDef:
+    for node in _tree("mixprec.engine").body:
+        if isinstance(node, ast.ClassDef) and node.name == "MixedPrecision":
+            return node
+    raise AssertionError("src/mixprec/engine.py defines no class MixedPrecision")
+
+
+@redesign_xfail
+def test_mixed_precision_class_is_short():
+    cls = _mixed_precision()
+    assert _lines(cls) <= CLASS_LINES_LIMIT, (
+        f"MixedPrecision spans {_lines(cls)} lines (engine.py:{cls.lineno}-{cls.end_lineno}), "
+        f"more than {CLASS_LINES_LIMIT}: move what it needs into collaborators")
+
+
+@redesign_xfail
+def test_mixed_precision_step_is_short():
+    cls = _mixed_precision()
+    step = next((n for n in cls.body if isinstance(n, ast.FunctionDef) and n.name == "step"), None)
+    assert step is not None, "MixedPrecision has no step method"
+    assert _lines(step) <= STEP_LINES_LIMIT, (
+        f"MixedPrecision.step spans {_lines(step)} lines (engine.py:{step.lineno}-{step.end_lineno}), "
+        f"more than {STEP_LINES_LIMIT}: let it read as its documented sequence of calls")
+
+
+# ---------------------------------------------------------------------- the checker itself
+def test_the_graph_sees_every_kind_of_import():
+    """Guards the checks above against reading nothing: known edges of each kind are found."""
+    graph = import_graph()
+    assert "mixprec.numerics" in graph["mixprec"]                        # from mixprec.numerics import X
+    assert "mixprec.numerics.inspect" in graph["mixprec.numerics"]       # a package importing its module
+    assert "mixprec.numerics.command" in graph["mixprec.cli"]            # inside a function
+    assert len(graph) == len(_modules()) > 30
