@@ -11,12 +11,10 @@ guard). The README's "Architecture" section draws the map.
 
 from __future__ import annotations
 
-import copy
-import dataclasses
 import logging
 import re
 import warnings
-from collections import UserDict, deque
+from collections import deque
 from collections.abc import Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass, field
@@ -33,8 +31,9 @@ from mixprec.optim import contract
 from mixprec.policy import Policy, cast_floating
 from mixprec.regions import Regions, keep_fp32_modules
 from mixprec.reprepare import check_fp8_unchanged, reprepare
-from mixprec.storage import FrozenSet, dtype_text, plan_storage
+from mixprec.storage import FrozenSet, check_held, check_new_group, dtype_text, held_by, plan_storage
 from mixprec.strategy import make_strategy
+from mixprec.tree import field_names, map_fields
 
 __all__ = ["MixedPrecision", "StepResult", "DivergenceError", "cast_floating"]
 
@@ -110,6 +109,15 @@ def _check_param_dtypes(model: nn.Module, policy: Policy) -> None:
                          "in 16 bits (use a '-pure' policy for 16-bit params with fp32 masters)")
 
 
+def _check_loss(loss: Any) -> None:
+    if not isinstance(loss, torch.Tensor) or loss.numel() != 1 or not loss.is_floating_point():
+        raise ValueError(f"loss must be a scalar floating tensor, got {type(loss).__name__} "
+                         f"{getattr(loss, 'shape', '')}")
+    if not loss.requires_grad:
+        raise ValueError("loss does not require grad (computed under torch.no_grad(), or from detached "
+                         "tensors); compute it from mp.model's output with autograd enabled")
+
+
 def _make_loss_scale(policy: Policy, override: Any, device: torch.device) -> Any:
     spec = policy.loss_scale if override is None else override
     ls = spec if hasattr(spec, "unscale_") else loss_scale_from_spec(spec)
@@ -136,30 +144,18 @@ def _convert_fp8(model: nn.Module, policy: Policy, device: torch.device, keep: d
 
 
 class MixedPrecision:
-    """Train ``model`` with ``optimizer`` under a precision policy on a device: one object that owns
-    autocast, loss scaling, fp32 masters, the optimizer-precision contract and the step lifecycle.
-
-    ``model``: any ``nn.Module`` with fp32 parameters, moved to ``device`` and cast in place (the same
-    ``Parameter`` objects); ``optimizer``: built on ``model.parameters()`` before any step, rebound to
-    fp32 masters under ``-pure`` policies; ``policy``: ``"auto"``, a preset, ``key=value`` text or a
-    :class:`~mixprec.Policy`; ``scheduler`` is stepped once per *applied* step; ``max_grad_norm`` clips
-    the fp32 global norm of the unscaled grads; ``loss_scale`` overrides the policy's; ``guard``: an
-    object with ``after_step(mp, result) -> StepResult`` (:class:`mixprec.Guard`; by default a
-    :class:`~mixprec.divergence.StopWhenStuck` raising after ``max_stuck_skips`` stuck skips);
-    ``strategy``: None, ``"ddp"`` or ``"fsdp2"`` (:mod:`mixprec.strategy`). Frozen parameters
-    (``requires_grad=False`` at build) are stored as :mod:`mixprec.storage` says. The README explains
-    policies, frozen params, checkpoints and the guard in depth.
-
-    Attributes: ``model`` (what to call: the DDP wrapper under ``"ddp"``), ``module`` (the user's
-    model), ``optimizer``, ``scheduler``, ``policy``, ``device``, ``strategy`` (its name),
-    ``decision`` (how the policy was chosen, in words), ``events`` (dicts with ``step``, ``kind``,
-    ``cause``, ``module``, ``detail``), ``masters``, ``loss_scale``, and the counters
-    ``applied_steps``, ``skipped_total``, ``boundaries``, ``micro_step``.
-
-    Raises:
-        ValueError / TypeError: bad arguments; a parameter in an unexpected dtype (named); an
-            optimizer that cannot run the policy.
-        RuntimeError: the optimizer already stepped (under masters).
+    """Train ``model`` with ``optimizer`` under a precision policy: one object owns autocast, loss
+    scaling, fp32 masters, the optimizer-precision contract and the step lifecycle. ``model`` (fp32
+    params, cast in place) and ``optimizer`` (built on ``model.parameters()``, rebound to fp32 masters
+    under ``-pure`` policies) are prepared once; ``policy`` is ``"auto"``, a preset, ``key=value`` text
+    or a :class:`~mixprec.Policy`; ``scheduler`` steps once per *applied* step; ``max_grad_norm`` clips
+    the fp32 norm of the unscaled grads; ``guard`` has ``after_step(mp, result)`` (:class:`mixprec.Guard`;
+    default :class:`~mixprec.divergence.StopWhenStuck`); ``strategy``: None, ``"ddp"``, ``"fsdp2"``.
+    Public attributes: ``model`` (what to call), ``module`` (the user's model), ``optimizer``,
+    ``scheduler``, ``policy``, ``device``, ``strategy``, ``decision``, ``events``, ``masters``,
+    ``loss_scale``, ``applied_steps``, ``skipped_total``, ``boundaries``, ``micro_step``. The README
+    explains policies, frozen params, checkpoints and the guard; errors are ValueError/TypeError for bad
+    arguments (named, with the fix) and RuntimeError for an optimizer that already stepped.
     """
 
     def __init__(self, model: nn.Module, optimizer: torch.optim.Optimizer, policy: str | Policy = "auto", *,
@@ -198,12 +194,7 @@ class MixedPrecision:
         self._frozen = FrozenSet(model)
         plan = plan_storage(model, self.policy, params, keep, self._frozen.ids(),
                             sharded=self._strategy.shards_params)
-        if plan.unfit:
-            log.warning("mixprec: frozen parameter(s) %s kept in fp32: their values do not fit %s",
-                        ", ".join(plan.unfit[:5]), self.policy.compute_dtype)
-            self.decision += (f"; {len(plan.unfit)} frozen param(s) kept in fp32, their values do not fit "
-                              f"{dtype_text(self.policy.compute_dtype)} ({', '.join(plan.unfit[:3])}"
-                              f"{', ...' if len(plan.unfit) > 3 else ''})")
+        self.decision += plan.note()
         self.masters = MasterWeights(params, set(plan.half) if self.policy.has_masters else set())
         self._frozen.store(plan)
         plan.apply(params)
@@ -213,10 +204,6 @@ class MixedPrecision:
         contract.check(optimizer, self.policy, {p.dtype for g in optimizer.param_groups for p in g["params"]
                                                 if id(p) not in plan.frozen16})
         contract.configure(optimizer, self.policy)
-        if self.policy.state_dtype == torch.float16:
-            warnings.warn(f"policy {self.policy} keeps optimizer state in fp16: Adam's second moment (grad**2) "
-                          "underflows fp16 below 6e-8, i.e. for gradients under ~2e-4, and the update then "
-                          "blows up; prefer state=bf16 (fp32's range) or fp32", stacklevel=2)
         self._regions.install(model, self.policy, self.device.type, keep, set(plan.frozen16))
         self.model = self._strategy.after_casts(model, self.policy, self.device)
         self.masters.record_versions()   # DDP's broadcast of rank 0's params is not a user edit
@@ -246,31 +233,16 @@ class MixedPrecision:
 
     def cast_inputs(self, batch: Any, *, keep: tuple[str, ...] = ()) -> Any:
         """Move ``batch`` to the device and cast its floating tensors to the param dtype (ints and bools
-        unchanged; dicts, ``UserDict``/``BatchEncoding``, lists, tuples, namedtuples and dataclasses
-        walked; the caller's batch is not modified). ``keep`` names top-level keys or fields whose
-        tensors are moved but not cast (e.g. a float regression target). With a guard attached the cast
-        micro-batches are kept until the boundary (:attr:`step_batches`). No host sync.
-
-        Raises:
-            ValueError: a ``keep`` name that is not a key or field of ``batch``.
-        """
+        unchanged; containers as :mod:`mixprec.tree`; the caller's batch is not modified). ``keep``: top-level
+        keys or fields moved but not cast (e.g. a float target; ValueError if absent). With a guard the cast
+        micro-batches are kept until the boundary (:attr:`step_batches`). No host sync."""
         dtype = self.policy.param_dtype
         if keep:
-            mapping = isinstance(batch, (dict, UserDict))
-            named_tuple = isinstance(batch, tuple) and hasattr(batch, "_fields")
-            fields = (list(batch) if mapping else list(batch._fields) if named_tuple else
-                      [f.name for f in dataclasses.fields(batch)] if dataclasses.is_dataclass(batch) else [])
-            missing = [k for k in keep if k not in fields]
+            names = field_names(batch) or []
+            missing = [k for k in keep if k not in names]
             if missing:
-                raise ValueError(f"cast_inputs(keep={keep!r}): {missing} not found; batch keys are {sorted(fields)}")
-            get = batch.__getitem__ if mapping else lambda k: getattr(batch, k)
-            values = {k: cast_floating(get(k), None if k in keep else dtype, self.device) for k in fields}
-            if named_tuple:
-                batch = batch._replace(**values)
-            else:
-                batch = copy.copy(batch)
-                for k, v in values.items():
-                    batch.__setitem__(k, v) if mapping else object.__setattr__(batch, k, v)
+                raise ValueError(f"cast_inputs(keep={keep!r}): {missing} not found; batch keys are {sorted(names)}")
+            batch = map_fields(batch, lambda k, v: cast_floating(v, None if k in keep else dtype, self.device))
         else:
             batch = cast_floating(batch, dtype, self.device)
         if self.guard is not None:
@@ -278,20 +250,12 @@ class MixedPrecision:
         return batch
 
     def backward(self, loss: torch.Tensor) -> None:
-        """Scale ``loss``, divide by ``accumulation_steps`` and backpropagate; no host sync. Under
-        ``-pure`` policies the 16-bit grads are added into the fp32 masters' grads.
-
-        Raises:
-            RuntimeError: more ``backward()`` calls than ``accumulation_steps`` without ``step()``;
-                a frozen param made trainable by hand (use :meth:`unfreeze`).
-            ValueError: ``loss`` is not a scalar floating tensor that requires grad.
+        """Scale ``loss``, divide by ``accumulation_steps`` and backpropagate; no host sync. Under ``-pure``
+        policies the 16-bit grads are added into the fp32 masters' grads. Raises ValueError for a loss that
+        is not a scalar floating tensor requiring grad; RuntimeError for more ``backward()`` calls than
+        ``accumulation_steps`` without ``step()``, or a frozen param made trainable by hand (use :meth:`unfreeze`).
         """
-        if not isinstance(loss, torch.Tensor) or loss.numel() != 1 or not loss.is_floating_point():
-            raise ValueError(f"loss must be a scalar floating tensor, got {type(loss).__name__} "
-                             f"{getattr(loss, 'shape', '')}")
-        if not loss.requires_grad:
-            raise ValueError("loss does not require grad (computed under torch.no_grad(), or from detached "
-                             "tensors); compute it from mp.model's output with autograd enabled")
+        _check_loss(loss)
         self._check_usable("mp.backward()")
         self._frozen.check_not_thawed()
         if self.micro_step >= self.accumulation_steps:
@@ -313,16 +277,10 @@ class MixedPrecision:
 
     def step(self) -> StepResult | None:
         """Finish a micro-batch; at an accumulation boundary: unscale → fp32 global norm → clip → agree
-        across ranks → one host read → optimizer and scheduler step (or skip) → loss-scale update →
-        masters rounded into the params → guard → grads zeroed. Returns None between boundaries.
-
-        Host syncs: one per boundary (the found-inf and non-finite-loss flags and the stuck count, read
-        together), plus one per param written outside the engine since the last step (adopted first).
-
-        Raises:
-            RuntimeError: no ``backward()`` since the last step.
-            DivergenceError: from the guard (default: ``max_stuck_skips`` stuck skips in a row).
-        """
+        across ranks → one host read → optimizer and scheduler step, or skip → loss-scale update → masters
+        into the params → grads zeroed → guard. None between boundaries. Host syncs: one per boundary (the
+        flags and stuck count, read together), one per param written outside the engine (adopted first).
+        Raises RuntimeError without a ``backward()``; the guard may raise :class:`DivergenceError`."""
         self._check_usable("mp.step()")
         if not self._step_pending:
             raise RuntimeError("step() called without backward() since the last step; call mp.backward(loss) first")
@@ -341,17 +299,10 @@ class MixedPrecision:
         skipped, loss_nonfinite, stuck = torch.cat([flags, self._stuck_if_skipped(flags)]).tolist()  # the host read
         applied, loss_finite = not skipped, not (skipped and loss_nonfinite)
         if applied:
-            self.optimizer.step()
-            self.applied_steps += 1
-            if self.scheduler is not None:
-                self.scheduler.step()
-        else:
-            self.skipped_total += 1
+            self._apply_update()
+        self.skipped_total += not applied
         if loss_finite:  # a non-finite *loss* is a data/forward fault: the scale is not to blame
             self.loss_scale.update(flags[0])
-        if applied:
-            self.masters.copy_to_params()
-            torch.clear_autocast_cache()   # else a later forward in the same autocast region uses stale casts
         self.micro_step, self.boundaries = 0, self.boundaries + 1
         self._set_gradient_sync()
         reason = None if applied else "overflow" if (self.loss_scale.enabled and loss_finite) else "nonfinite"
@@ -365,6 +316,14 @@ class MixedPrecision:
         finally:
             self._step_batches.clear()
             self._step_grads = []
+
+    def _apply_update(self) -> None:
+        self.optimizer.step()
+        self.applied_steps += 1
+        if self.scheduler is not None:
+            self.scheduler.step()
+        self.masters.copy_to_params()
+        torch.clear_autocast_cache()   # else a later forward in the same autocast region uses stale casts
 
     def _stuck_if_skipped(self, flags: torch.Tensor) -> torch.Tensor:
         """The stuck-skip count this step makes if skipped, as a (1,) fp32 device tensor (no sync)."""
@@ -390,13 +349,9 @@ class MixedPrecision:
         return tuple(self._step_grads)
 
     def agree_on(self, choice: str | None, choices: tuple[str, ...]) -> str | None:
-        """The decision every rank takes: the first of ``choices`` that any rank chose (None when no rank
-        chose one). One process: ``choice`` itself, no collective. Else one all-reduce that every rank must
-        call at the same point, and one host sync. :class:`mixprec.Guard` calls it at every boundary.
-
-        Raises:
-            ValueError: ``choice`` is not None and not in ``choices``.
-        """
+        """The decision every rank takes: the first of ``choices`` any rank chose (None if none; ValueError
+        for a ``choice`` not in ``choices``). One process: ``choice``, no collective; else one all-reduce
+        every rank must call at the same point, and one sync. :class:`mixprec.Guard` calls it each boundary."""
         if choice is not None and choice not in choices:
             raise ValueError(f"agree_on: choice={choice!r} is not one of {choices}")
         if self.strategy is None:
@@ -407,21 +362,11 @@ class MixedPrecision:
 
     # ------------------------------------------------------------------ changing the policy or the frozen set
     def set_policy(self, policy: str | Policy, *, cause: str = "requested", module: str | None = None) -> dict:
-        """Re-prepare the model under ``policy`` at an accumulation boundary, keeping the training state
-        (:mod:`mixprec.reprepare`): each param's fp32 value (master, else param plus Kahan compensation)
-        is re-cast and becomes the new master where the policy has masters; optimizer state moves to the
-        tensor now stepped (moments cast to the new ``state_dtype``; Kahan compensation folded in); the
-        loss scale is kept when both policies name the same loss scaling; counters, scheduler and events
-        are unchanged; fp32 regions are reinstalled. :class:`mixprec.Guard` calls it to escalate.
-
-        Returns the event appended to :attr:`events` (``kind="escalate"``, ``cause``, ``module``,
-        ``detail``, ``from``, ``to``). No host sync.
-
-        Raises:
-            RuntimeError: called between ``backward()`` and the accumulation boundary.
-            ValueError: the device or the optimizer cannot run ``policy``, it changes the fp8 linears, its
-                keep_fp32 patterns match no module, or the strategy cannot re-cast; nothing changed then.
-        """
+        """Re-prepare the model under ``policy`` at a boundary, keeping the training state (what carries
+        over: :mod:`mixprec.reprepare`; the loss scale is kept when both policies name the same scaling).
+        :class:`mixprec.Guard` calls it to escalate. Returns the ``"escalate"`` event appended to
+        :attr:`events`. No host sync. Raises RuntimeError mid-accumulation; ValueError (nothing changed)
+        when the device, optimizer or strategy cannot run ``policy`` or it changes the fp8 linears."""
         self._check_boundary("set_policy()", "change the policy")
         new = resolve(policy, self.device).policy
         check_fp8_unchanged(self.policy, new)
@@ -447,39 +392,18 @@ class MixedPrecision:
         return event
 
     def unfreeze(self, *patterns: str, **group_options: Any) -> dict:
-        """Start training the frozen parameters whose names match a pattern (``fnmatch``), at a boundary:
-        ``requires_grad=True``, stored as the policy stores trainable params, with fp32 masters built
-        **from the stored 16-bit values** (:meth:`set_policy` under the same policy). If the optimizer
-        holds them they train in their group (pass no ``group_options``); else they are added as a new
-        param group with ``group_options`` (e.g. ``lr=1e-5``) — refused under an attached scheduler (it
-        sized its per-group state when built). An attached guard takes a fresh snapshot.
-
-        Returns the event appended to :attr:`events` (``kind="unfreeze"``). Host syncs: a guard snapshot's.
-
-        Raises:
-            ValueError: no pattern, or one matching no frozen param; ``group_options`` for params the
-                optimizer holds; a new group under a scheduler; a strategy; :meth:`set_policy` refusing.
-                Nothing has changed then.
-            RuntimeError: called between ``backward()`` and the accumulation boundary.
-        """
+        """Train the frozen params whose names match a pattern (``fnmatch``) from this boundary on, stored
+        as the policy stores trainable ones, masters built **from the stored 16-bit values**. Params the
+        optimizer holds train in their group; others get a new group with ``group_options`` (e.g.
+        ``lr=1e-5``; refused under a scheduler). A guard re-snapshots. Returns the ``"unfreeze"`` event.
+        Raises ValueError (nothing changed: see :mod:`mixprec.storage`), RuntimeError mid-accumulation."""
         if not patterns:
             raise ValueError("unfreeze() needs at least one parameter-name pattern, e.g. mp.unfreeze('encoder.layer.5.*')")
         self._check_boundary("unfreeze()", "unfreeze")
         self._strategy.refuse("unfreeze")
         chosen = self._frozen.select(patterns)
-        held, new_params = self._held_by_optimizer([p for _, p in chosen])
-        held_names = [n for n, p in chosen if held[id(p)]]
-        if held_names and group_options:
-            raise ValueError(f"unfreeze(..., {', '.join(f'{k}={v!r}' for k, v in group_options.items())}): the "
-                             f"optimizer already holds {held_names[:3]}, so they train with their group's settings; "
-                             "drop the options, or build the optimizer on the trainable params only so unfreeze adds "
-                             "them as a new group with these options")
-        if new_params and self.scheduler is not None:
-            raise ValueError(f"unfreeze: the optimizer does not hold {[n for n, p in chosen if not held[id(p)]][:3]}, "
-                             f"and adding a param group under the attached scheduler {type(self.scheduler).__name__} "
-                             "breaks it (its per-group state was sized when it was built). Build the optimizer on "
-                             "model.parameters() (frozen params included: they get no state while frozen) before "
-                             "MixedPrecision")
+        new_params = check_new_group(chosen, held_by(self.optimizer, self.masters, [p for _, p in chosen]),
+                                     group_options, self.scheduler)
         groups_before = len(self.optimizer.param_groups)
         self._frozen.thaw([p for _, p in chosen])
         try:
@@ -514,30 +438,16 @@ class MixedPrecision:
 
     def match_frozen(self, saved: list[str], *, check_only: bool = False) -> None:
         """Make this engine's frozen set equal ``saved`` (a run's :meth:`frozen_names`) before its state is
-        loaded: what that run unfroze is unfrozen here too (:meth:`unfreeze`).
-
-        Raises:
-            ValueError: ``saved`` keeps frozen a param this engine trains, names an unknown one, or unfroze
-                one into a param group this optimizer lacks. ``check_only``: raise, change nothing.
-        """
+        loaded: what that run unfroze is unfrozen here too (:meth:`unfreeze`). Raises ValueError when
+        ``saved`` keeps frozen a param trained here, names an unknown one, or unfroze one into a param
+        group this optimizer lacks; ``check_only``: raise, change nothing."""
         to_unfreeze = self._frozen.to_unfreeze(saved)
         if not to_unfreeze:
             return
         named = dict(self.module.named_parameters())
-        held, _ = self._held_by_optimizer([named[n] for n in to_unfreeze])
-        missing = [n for n in to_unfreeze if not held[id(named[n])]]
-        if missing:
-            raise ValueError(f"the saved run unfroze {missing[:3]} into a param group this optimizer lacks; call "
-                             f"mp.unfreeze(...) with the run's group options (e.g. lr=) before loading, as the run did, "
-                             "or build the optimizer on model.parameters() (frozen params included)")
+        check_held(to_unfreeze, held_by(self.optimizer, self.masters, [named[n] for n in to_unfreeze]), named)
         if not check_only:
             self.unfreeze(*(re.sub(r"([\[\]*?])", r"[\1]", n) for n in to_unfreeze))
-
-    def _held_by_optimizer(self, params: list[nn.Parameter]) -> tuple[dict[int, bool], list[nn.Parameter]]:
-        stepped_of = {id(p): t for p, t in zip(self.masters.params, self.masters.masters)}
-        held_ids = {id(t) for g in self.optimizer.param_groups for t in g["params"]}
-        held = {id(p): id(stepped_of.get(id(p), p)) in held_ids for p in params}
-        return held, [p for p in params if not held[id(p)]]
 
     def frozen_names(self) -> list[str]:
         """Names of the frozen parameters (``requires_grad=False`` at build and not unfrozen since), in order."""
@@ -549,15 +459,10 @@ class MixedPrecision:
         self._frozen.check_values(values)
 
     def unwrap(self, *, to_fp32: bool = False) -> nn.Module:
-        """Remove every hook the engine installed and return the user's model; the engine is finished
-        (:meth:`autocast`, :meth:`backward`, :meth:`step` raise RuntimeError afterwards).
-        ``to_fp32=True``: every floating param becomes fp32 in place holding its best value (master, else
-        param plus Kahan compensation, else upcast), for fp32 inference or export. Host syncs: those of
-        adopting params written outside the engine.
-
-        Raises:
-            ValueError: ``to_fp32=True`` under a strategy. RuntimeError: ``to_fp32`` mid-accumulation.
-        """
+        """Remove the engine's hooks and return the user's model; the engine is finished (autocast,
+        backward and step raise RuntimeError). ``to_fp32=True``: every floating param becomes fp32 in
+        place with its best value (master, else param plus Kahan compensation), for inference or export;
+        ValueError under a strategy, RuntimeError mid-accumulation. No host sync but adoptions'."""
         if to_fp32:
             self._strategy.refuse("to_fp32")
             if self.micro_step != 0:
@@ -602,11 +507,8 @@ class MixedPrecision:
 
     def state_dict(self) -> dict[str, Any]:
         """Everything needed to continue bit-exactly: policy text, frozen set, model params, masters,
-        optimizer, scheduler, loss-scale state (every field) and counters. Tensors are references.
-
-        Raises:
-            RuntimeError: called between ``backward()`` and the accumulation boundary.
-        """
+        optimizer, scheduler, loss-scale state (every field) and counters; tensors are references.
+        RuntimeError mid-accumulation (the accumulated gradients are not part of the state)."""
         self._check_boundary("state_dict()", "take it")
         self._adopt_edited_params()
         return {
@@ -622,14 +524,10 @@ class MixedPrecision:
         }
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
-        """Restore a :meth:`state_dict` of the same policy; continuing equals an uninterrupted run. A
-        state with an ``"events"`` list also replaces :attr:`events` (checkpoints carry one).
-
-        Raises:
-            ValueError: another policy (convert with :func:`mixprec.load_checkpoint`), another master
-                count, a frozen set that cannot be matched (:meth:`match_frozen`), frozen values that do
-                not fit an fp16 storage. The frozen-set and value checks run before anything changes.
-        """
+        """Restore a :meth:`state_dict` of the same policy; continuing equals an uninterrupted run (an
+        ``"events"`` list, as checkpoints carry, replaces :attr:`events`). Raises ValueError, before anything
+        changes, for another policy (convert with :func:`mixprec.load_checkpoint`), another master count, a
+        frozen set that cannot be matched (:meth:`match_frozen`) or frozen values unfit for fp16 storage."""
         if state["policy"] != str(self.policy):
             raise ValueError(f"state was saved under policy {state['policy']!r}, this engine runs {self.policy}; "
                              "load it through mixprec.load_checkpoint(..., convert=True) to convert")
@@ -671,12 +569,9 @@ class MixedPrecision:
     def _adopt_edited_params(self) -> None:
         """Params written outside the engine (16-bit ones with fp32 masters) keep the edit: their masters
         adopt the new value, with one warning and an ``adopt`` event, instead of being overwritten."""
-        listed = self.masters.adopt_edits({id(p): n for n, p in self.module.named_parameters()})
-        if not listed:
+        detail = self.masters.adopt_edits({id(p): n for n, p in self.module.named_parameters()})
+        if not detail:
             return
-        detail = (f"{len(listed)} parameter(s) ({', '.join(listed[:5])}{', ...' if len(listed) > 5 else ''}) were "
-                  f"written outside the engine (e.g. model.load_state_dict after MixedPrecision was built); their "
-                  f"fp32 masters now take those values, as stored in {dtype_text(self.policy.param_dtype)}")
         self.events.append({"step": self.boundaries, "kind": "adopt", "cause": "params edited outside the optimizer",
                             "module": None, "detail": detail})
         warnings.warn(f"{detail}. To keep full fp32 precision, load weights before building MixedPrecision, "

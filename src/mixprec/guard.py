@@ -21,16 +21,17 @@ import fnmatch
 import logging
 import math
 import statistics
-from collections import OrderedDict
 from dataclasses import dataclass, field
 from typing import Any, Callable
 
 import torch
 
 from mixprec.devices import probe
-from mixprec.engine import DivergenceError, StepResult
+from mixprec.divergence import DivergenceError
+from mixprec.engine import StepResult
 from mixprec.numerics.localise import NonFiniteReport, locate_nonfinite
 from mixprec.policy import PRESETS, Policy
+from mixprec.tree import map_tensors
 
 __all__ = ["Guard", "GuardConfig", "GuardState", "next_policy"]
 
@@ -119,20 +120,7 @@ class _Snapshot:
 
 def _copy_to_cpu(tree: Any) -> Any:
     """Deep copy with every tensor cloned to the CPU (containers rebuilt, other leaves deep-copied)."""
-    if isinstance(tree, torch.Tensor):
-        return tree.detach().to("cpu", copy=True)
-    if isinstance(tree, dict):
-        if type(tree) is OrderedDict:  # nn.Module.state_dict: keep its _metadata (module versions)
-            out: dict = OrderedDict((k, _copy_to_cpu(v)) for k, v in tree.items())
-            if hasattr(tree, "_metadata"):
-                out._metadata = copy.deepcopy(tree._metadata)  # type: ignore[attr-defined]
-            return out
-        return {k: _copy_to_cpu(v) for k, v in tree.items()}
-    if isinstance(tree, list):
-        return [_copy_to_cpu(v) for v in tree]
-    if isinstance(tree, tuple) and not hasattr(tree, "_fields"):
-        return tuple(_copy_to_cpu(v) for v in tree)
-    return copy.deepcopy(tree)
+    return map_tensors(tree, lambda t: t.detach().to("cpu", copy=True), leaf=copy.deepcopy)
 
 
 def next_policy(policy: Policy, module: str | None, *, bf16_ok: bool) -> tuple[Policy | None, str]:

@@ -33,8 +33,6 @@ first and last linears stay in the compute dtype, the default; ``fp8``: convert 
 
 from __future__ import annotations
 
-import collections
-import copy
 import dataclasses
 import math
 from dataclasses import dataclass
@@ -43,6 +41,7 @@ from typing import Any, Union
 import torch
 
 from mixprec.formats import get_format
+from mixprec.tree import map_tensors
 
 __all__ = ["Policy", "PRESETS", "ROUNDINGS", "FP8_RECIPES", "FP8_FORMATS", "cast_floating"]
 
@@ -58,38 +57,16 @@ LossScaleSpec = Union[str, float]
 def cast_floating(tree: Any, dtype: torch.dtype | None, device: torch.device | None = None) -> Any:
     """Cast floating tensors in ``tree`` to ``dtype`` (and move every tensor to ``device``).
 
-    Integer and bool tensors keep their dtype (token ids stay exact). Walks dicts (incl. their
-    subclasses such as transformers' ``ModelOutput``), ``UserDict`` (transformers' ``BatchEncoding``),
-    lists, tuples, namedtuples and
-    dataclass instances; anything else is returned unchanged. No host sync.
+    Integer and bool tensors keep their dtype (token ids stay exact). Walks the containers of
+    :mod:`mixprec.tree` (dicts and their subclasses such as transformers' ``ModelOutput``,
+    ``BatchEncoding``, lists, tuples, namedtuples, dataclasses); other leaves are returned unchanged.
+    No host sync.
     """
-    if isinstance(tree, torch.Tensor):
-        if tree.is_floating_point() and dtype is not None and tree.dtype != dtype:
-            return tree.to(device=device, dtype=dtype)
-        return tree.to(device) if device is not None else tree
-    if isinstance(tree, dict):
-        items = {k: cast_floating(v, dtype, device) for k, v in tree.items()}
-        if type(tree) is dict:
-            return items
-        out = copy.copy(tree)  # keeps the subclass (ModelOutput, defaultdict, ...) and its extras
-        for k, v in items.items():
-            out[k] = v
-        return out
-    if isinstance(tree, collections.UserDict):  # e.g. transformers' BatchEncoding (a tokenizer's output)
-        out = copy.copy(tree)
-        for k, v in tree.items():
-            out[k] = cast_floating(v, dtype, device)
-        return out
-    if isinstance(tree, tuple) and hasattr(tree, "_fields"):
-        return type(tree)(*(cast_floating(v, dtype, device) for v in tree))
-    if isinstance(tree, (list, tuple)):
-        return type(tree)(cast_floating(v, dtype, device) for v in tree)
-    if dataclasses.is_dataclass(tree) and not isinstance(tree, type):
-        out = copy.copy(tree)   # every field, init=False ones included, keeps its value
-        for f in dataclasses.fields(tree):
-            object.__setattr__(out, f.name, cast_floating(getattr(tree, f.name), dtype, device))
-        return out
-    return tree
+    def cast(t: torch.Tensor) -> torch.Tensor:
+        if t.is_floating_point() and dtype is not None and t.dtype != dtype:
+            return t.to(device=device, dtype=dtype)
+        return t.to(device) if device is not None else t
+    return map_tensors(tree, cast)
 
 
 def _dtype_name(dtype: torch.dtype | None) -> str:

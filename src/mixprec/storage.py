@@ -17,15 +17,19 @@ nearest once, where that changes only their rounding:
 from __future__ import annotations
 
 import fnmatch
+import logging
 from collections import defaultdict
 from dataclasses import dataclass
+from typing import Any
 
 import torch
 from torch import nn
 
 from mixprec.policy import Policy
 
-__all__ = ["StoragePlan", "FrozenSet", "plan_storage", "fits", "dtype_text"]
+__all__ = ["StoragePlan", "FrozenSet", "plan_storage", "fits", "dtype_text", "held_by", "check_new_group", "check_held"]
+
+log = logging.getLogger("mixprec")
 
 _AUTOCAST_MODULES = (nn.Linear, nn.modules.conv._ConvNd, nn.Embedding)   # not EmbeddingBag: it reduces in its dtype
 
@@ -63,6 +67,16 @@ class StoragePlan:
     half: frozenset[int]
     frozen16: frozenset[int]
     unfit: tuple[str, ...] = ()
+
+    def note(self) -> str:
+        """The decision's note on frozen params kept in fp32 ("" when none); logs a warning then."""
+        if not self.unfit:
+            return ""
+        log.warning("mixprec: frozen parameter(s) %s kept in fp32: their values do not fit %s",
+                    ", ".join(self.unfit[:5]), self.policy.compute_dtype)
+        return (f"; {len(self.unfit)} frozen param(s) kept in fp32, their values do not fit "
+                f"{dtype_text(self.policy.compute_dtype)} ({', '.join(self.unfit[:3])}"
+                f"{', ...' if len(self.unfit) > 3 else ''})")
 
     def dtype_of(self, p: torch.Tensor) -> torch.dtype:
         """The dtype ``p`` is stored in under this plan (its own dtype when not floating)."""
@@ -206,3 +220,39 @@ class FrozenSet:
                     "building MixedPrecision")
             raise ValueError(f"the saved run kept {what}")
         return [n for n in current if n not in set(saved)]
+
+
+def held_by(optimizer: torch.optim.Optimizer, masters: Any, params: list[nn.Parameter]) -> dict[int, bool]:
+    """Per param id: does ``optimizer`` hold it (or its fp32 master, ``masters``: MasterWeights)?"""
+    stepped_of = {id(p): t for p, t in zip(masters.params, masters.masters)}
+    held_ids = {id(t) for g in optimizer.param_groups for t in g["params"]}
+    return {id(p): id(stepped_of.get(id(p), p)) in held_ids for p in params}
+
+
+def check_new_group(chosen: list[tuple[str, nn.Parameter]], held: dict[int, bool], group_options: dict,
+                    scheduler: Any) -> list[nn.Parameter]:
+    """The params of ``chosen`` (to unfreeze) that need a new param group; ValueError when options are
+    given for params the optimizer holds, or a new group would be added under a scheduler."""
+    held_names = [n for n, p in chosen if held[id(p)]]
+    if held_names and group_options:
+        raise ValueError(f"unfreeze(..., {', '.join(f'{k}={v!r}' for k, v in group_options.items())}): the "
+                         f"optimizer already holds {held_names[:3]}, so they train with their group's settings; "
+                         "drop the options, or build the optimizer on the trainable params only so unfreeze adds "
+                         "them as a new group with these options")
+    new_params = [p for _, p in chosen if not held[id(p)]]
+    if new_params and scheduler is not None:
+        raise ValueError(f"unfreeze: the optimizer does not hold {[n for n, p in chosen if not held[id(p)]][:3]}, "
+                         f"and adding a param group under the attached scheduler {type(scheduler).__name__} "
+                         "breaks it (its per-group state was sized when it was built). Build the optimizer on "
+                         "model.parameters() (frozen params included: they get no state while frozen) before "
+                         "MixedPrecision")
+    return new_params
+
+
+def check_held(names: list[str], held: dict[int, bool], named: dict[str, nn.Parameter]) -> None:
+    """Raise ValueError if a run unfroze ``names`` into a param group this optimizer lacks."""
+    missing = [n for n in names if not held[id(named[n])]]
+    if missing:
+        raise ValueError(f"the saved run unfroze {missing[:3]} into a param group this optimizer lacks; call "
+                         f"mp.unfreeze(...) with the run's group options (e.g. lr=) before loading, as the run did, "
+                         "or build the optimizer on model.parameters() (frozen params included)")

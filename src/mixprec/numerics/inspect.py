@@ -49,6 +49,7 @@ from mixprec.numerics.localise import locate_nonfinite
 from mixprec.numerics.report import NumericsReport
 from mixprec.numerics.stats import ModuleError, ModuleStats, ParamStats, RangeStats
 from mixprec.policy import Policy
+from mixprec.tree import map_tensors, tensors
 
 __all__ = ["inspect", "DEFAULT_FORMATS", "DEFAULT_LR"]
 
@@ -84,26 +85,12 @@ def fake_quantise_fp8(x: torch.Tensor, fmt: Format) -> torch.Tensor:
 
 
 def _floating(tree: Any) -> list[torch.Tensor]:
-    if isinstance(tree, torch.Tensor):
-        return [tree] if tree.is_floating_point() else []
-    if isinstance(tree, dict):
-        return [t for v in tree.values() for t in _floating(v)]
-    if isinstance(tree, (list, tuple)):
-        return [t for v in tree for t in _floating(v)]
-    return []
+    return [t for t in tensors(tree) if t.is_floating_point()]
 
 
 def _map_floating(tree: Any, fn: Callable[[torch.Tensor], torch.Tensor], *, floating_only: bool = True) -> Any:
-    """``fn`` applied to the (floating) tensors of dicts, lists, tuples and namedtuples."""
-    if isinstance(tree, torch.Tensor):
-        return fn(tree) if tree.is_floating_point() or not floating_only else tree
-    if isinstance(tree, dict):
-        return {k: _map_floating(v, fn, floating_only=floating_only) for k, v in tree.items()}
-    if isinstance(tree, tuple) and hasattr(tree, "_fields"):
-        return type(tree)(*(_map_floating(v, fn, floating_only=floating_only) for v in tree))
-    if isinstance(tree, (list, tuple)):
-        return type(tree)(_map_floating(v, fn, floating_only=floating_only) for v in tree)
-    return tree
+    """``fn`` applied to the (floating) tensors of ``tree`` (containers as :mod:`mixprec.tree`)."""
+    return map_tensors(tree, lambda t: fn(t) if t.is_floating_point() or not floating_only else t)
 
 
 class _Thresholds:

@@ -27,7 +27,6 @@ CPU/CUDA RNG state is forked, so training continues as if it had not happened.
 
 from __future__ import annotations
 
-import dataclasses
 import math
 from dataclasses import dataclass, field
 from typing import Any, Callable
@@ -37,6 +36,7 @@ from torch import nn
 
 from mixprec.formats import get_format
 from mixprec.policy import Policy, cast_floating
+from mixprec.tree import tensors
 
 __all__ = ["NonFiniteReport", "locate_nonfinite"]
 
@@ -114,16 +114,8 @@ def _num(x: float | None) -> str:
 
 
 def _floats(tree: Any) -> list[torch.Tensor]:
-    """The floating tensors in a (nested) tree of dicts, lists, tuples and dataclasses."""
-    if isinstance(tree, torch.Tensor):
-        return [tree] if tree.is_floating_point() else []
-    if isinstance(tree, dict):
-        tree = list(tree.values())
-    elif dataclasses.is_dataclass(tree) and not isinstance(tree, type):
-        tree = [getattr(tree, f.name) for f in dataclasses.fields(tree)]
-    if isinstance(tree, (list, tuple)):
-        return [t for item in tree for t in _floats(item)]
-    return []
+    """The floating tensors in a (nested) tree (containers as :mod:`mixprec.tree`)."""
+    return [t for t in tensors(tree) if t.is_floating_point()]
 
 
 def _stats(tensors: list[torch.Tensor]) -> tuple[bool, float | None, torch.dtype | None]:

@@ -15,6 +15,7 @@ The engine calls only the functions below. None syncs the host with the device.
 
 from __future__ import annotations
 
+import warnings
 from typing import Protocol, runtime_checkable
 
 import torch
@@ -68,6 +69,10 @@ def configure(opt: torch.optim.Optimizer, policy: Policy) -> None:
     state dtype (before its first step); a stock optimizer has nothing to configure."""
     if isinstance(opt, PrecisionAware) and not opt.precision_explicit:
         opt.set_precision(rounding=policy.rounding, state_dtype=policy.state_dtype)
+    if policy.state_dtype == torch.float16:
+        warnings.warn(f"policy {policy} keeps optimizer state in fp16: Adam's second moment (grad**2) "
+                      "underflows fp16 below 6e-8, i.e. for gradients under ~2e-4, and the update then "
+                      "blows up; prefer state=bf16 (fp32's range) or fp32", stacklevel=3)
 
 
 def compensation(opt: torch.optim.Optimizer, p: torch.Tensor) -> torch.Tensor | None:
