@@ -461,8 +461,13 @@ def _model_state(ck: _Checkpoint) -> dict[str, torch.Tensor]:
 
 
 def _best_weights(ck: _Checkpoint) -> dict[str, torch.Tensor]:
-    """:func:`_model_state` with the fp32 masters in place of their rounded 16-bit params."""
-    return {**_model_state(ck), **ck.files.get(MASTERS_FILE, {})}
+    """:func:`_model_state` with the fp32 masters in place of their rounded 16-bit params, under
+    every name of a tied weight (masters are keyed by one of its names)."""
+    masters = ck.files.get(MASTERS_FILE, {})
+    state = {**_model_state(ck), **masters}
+    for key, target in ck.manifest["model"]["aliases"].items():
+        state[key] = state[target] = masters.get(target, masters.get(key, state[target]))
+    return state
 
 
 def _load_weights(ck: _Checkpoint, mp: Any) -> None:
