@@ -241,6 +241,23 @@ def test_damaged_checkpoints_are_refused_naming_the_file_before_touching_the_eng
         load_checkpoint(tmp_path / "nothing", target)
 
 
+def test_read_weights_prefers_masters_fills_tied_names_and_verifies(tmp_path):
+    from mixprec.checkpoint import read_weights
+
+    mp = build("bf16-pure")
+    train(mp, 0, 2)
+    saved = save_checkpoint(tmp_path / "ck", mp)
+    weights = read_weights(tmp_path / "ck")   # the root: follows latest
+    assert set(weights) == set(mp.module.state_dict())   # head.weight (tied, stored once) is there too
+    masters = dict(zip((n for n, _ in mp.module.named_parameters()), mp.master_parameters()))
+    for name, master in masters.items():     # the fp32 masters, not the rounded bf16 params
+        assert weights[name].dtype == torch.float32 and torch.equal(weights[name], master), name
+    assert torch.equal(weights["head.weight"], weights["emb.weight"])
+    _flip_byte(saved)
+    with pytest.raises(CheckpointError, match=r"model\.safetensors"):
+        read_weights(saved)
+
+
 # ---------------------------------------------------------------- conversion between policies
 def _exp_avgs(mp) -> list[torch.Tensor]:
     return [mp.optimizer.state[t]["exp_avg"].float() for t in mp.master_parameters()]

@@ -453,6 +453,135 @@ def test_any_across_ranks_without_a_group_is_the_flag_itself():
     assert mpd.is_main_process() and mpd.world_size() == 1 and mpd.rank() == 0
 
 
+# ---------------------------------------------------------------------- one checkpoint writer for both formats
+def _dcp_run(steps: int) -> MixedPrecision:
+    """A one-process engine on the DCP path (strategy=None, fp32: the optimizer steps the params)."""
+    mp = _mlp_engine("fp32")
+    for batch in _stream(steps):
+        _mse_step(mp, batch)
+    return mp
+
+
+def _fd_path(fd: int) -> str:
+    return os.readlink(f"/proc/self/fd/{fd}")
+
+
+@pytest.mark.skipif(not Path("/proc/self/fd").is_dir(), reason="needs /proc to name the fsynced files")
+def test_dcp_save_fsyncs_every_file_and_directory_before_the_rename_then_latest(tmp_path, monkeypatch):
+    from mixprec import checkpoint_dir
+
+    log: list[tuple] = []
+    real_fsync, real_rename, real_replace = os.fsync, os.rename, os.replace
+    monkeypatch.setattr(os, "fsync", lambda fd: (log.append(("fsync", _fd_path(fd))), real_fsync(fd))[1])
+    monkeypatch.setattr(os, "rename", lambda a, b: (log.append(("rename", str(a), str(b))), real_rename(a, b))[1])
+    monkeypatch.setattr(os, "replace", lambda a, b: (log.append(("replace", str(a), str(b))), real_replace(a, b))[1])
+    root = tmp_path / "ck"
+    saved = mpd.save_distributed_checkpoint(root, _dcp_run(2))
+    monkeypatch.undo()
+
+    assert saved == root / "step-2" and checkpoint_dir.resolve_checkpoint(root) == saved
+    (_, tmp, final), = [e for e in log if e[0] == "rename" and e[2] == str(saved)]
+    at_rename = log.index(("rename", tmp, final))
+    synced_before = {e[1] for e in log[:at_rename] if e[0] == "fsync"}
+    written = [p for p in saved.rglob("*")] + [saved]
+    assert any(p.suffix == ".distcp" for p in written) and (saved / "manifest.json").is_file()
+    for path in written:   # every file DCP and rank 0 wrote, every directory, under the temporary name
+        assert str(path).replace(str(saved), tmp) in synced_before, path.relative_to(root)
+    (_, pointer, latest), = [e for e in log if e[0] == "replace"]
+    assert latest == str(root / "latest") and log.index(("replace", pointer, latest)) > at_rename
+    assert ("fsync", pointer) in log[at_rename:log.index(("replace", pointer, latest))]
+    assert ("fsync", str(root)) in log[at_rename:]                      # the rename and the pointer, durable
+    assert (root / "latest").read_text() == "step-2\n"
+
+
+# A kill -9 at each point of the commit, in a fresh process (forking pytest could deadlock in OpenMP).
+_KILLED_SAVE = """
+import os, signal, sys
+sys.path.insert(0, {tests!r})
+import test_distributed as T
+point = {point!r}
+def die(*args, **kwargs):
+    os.kill(os.getpid(), signal.SIGKILL)
+if point == "commit":   # the temporary directory is written (shards and manifest), nothing committed yet
+    T.mpd.commit_checkpoint = die
+else:                   # os.rename of .tmp to step-N, or os.replace of .latest-... to latest
+    real = getattr(os, point)
+    def die_at_commit(src, dst, *args, **kwargs):
+        if os.path.basename(dst) in ("step-5", "latest"):   # not DCP's own rename of its .metadata
+            die()
+        return real(src, dst, *args, **kwargs)
+    setattr(os, point, die_at_commit)
+T.mpd.save_distributed_checkpoint({root!r}, T._dcp_run(5), keep=1)
+os._exit(3)
+"""
+
+
+@pytest.mark.parametrize("point", ["commit", "rename", "replace"])
+def test_dcp_save_killed_mid_way_leaves_latest_naming_the_previous_loadable_checkpoint(tmp_path, point):
+    import subprocess
+    import sys
+
+    root = tmp_path / "ck"
+    before = _dcp_run(2)
+    mpd.save_distributed_checkpoint(root, before, keep=1)
+    code = _KILLED_SAVE.format(tests=str(Path(__file__).parent), root=str(root), point=point)
+    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
+    assert done.returncode == -9, done.stderr[-2000:]
+    left = sorted(p.name for p in root.iterdir())
+    assert any(name.startswith(".tmp-step-5-") for name in left) == (point != "replace"), left
+    assert ("step-5" in left) == (point == "replace"), left   # renamed: complete, but latest not yet moved
+    assert (root / "latest").read_text() == "step-2\n"
+    fresh = _mlp_engine("fp32")
+    mpd.load_distributed_checkpoint(root, fresh)
+    assert fresh.boundaries == 2
+    for (name, p), q in zip(fresh.module.named_parameters(), before.module.parameters()):
+        assert torch.equal(p, q), name
+    mpd.save_distributed_checkpoint(root, fresh, keep=1)   # the next save clears what the killed one left
+    assert sorted(p.name for p in root.iterdir()) == ["latest", "step-2.1"]
+
+
+def test_dcp_save_that_raises_after_writing_removes_its_temporary_directory(tmp_path, monkeypatch):
+    from mixprec import checkpoint_dir
+
+    root = tmp_path / "ck"
+    mpd.save_distributed_checkpoint(root, _dcp_run(2))
+
+    real_rename = os.rename
+
+    def fail_at_commit(src, dst):   # DCP's own rename of its .metadata goes through
+        if Path(dst).name.startswith("step-"):
+            raise OSError("disk full (simulated)")
+        real_rename(src, dst)
+
+    monkeypatch.setattr(checkpoint_dir.os, "rename", fail_at_commit)
+    with pytest.raises(OSError, match="simulated"):
+        mpd.save_distributed_checkpoint(root, _dcp_run(3))
+    monkeypatch.undo()
+    assert sorted(p.name for p in root.iterdir()) == ["latest", "step-2"]
+    assert mpd.read_distributed_manifest(root)["step"] == 2
+
+
+@pytest.mark.parametrize("save", ["save_checkpoint", "save_distributed_checkpoint"])
+def test_both_formats_keep_exactly_k_checkpoints_the_new_one_and_the_newest_others(tmp_path, save):
+    from mixprec import checkpoint
+    from mixprec.checkpoint_dir import step_dirs
+
+    save_fn = {"save_checkpoint": checkpoint.save_checkpoint, "save_distributed_checkpoint":
+               mpd.save_distributed_checkpoint}[save]
+    root = tmp_path / "ck"
+    mp = _mlp_engine("fp32")
+    for batch in _stream(4):
+        _mse_step(mp, batch)
+        save_fn(root, mp, keep=2)
+    assert [d.name for d in step_dirs(root)] == ["step-3", "step-4"]
+    save_fn(root, _mlp_engine("fp32"), keep=2)   # an older step (a run restarted from scratch): still 2
+    assert [d.name for d in step_dirs(root)] == ["step-0", "step-4"]
+    assert (root / "latest").read_text() == "step-0\n"
+    assert [p.name for p in root.iterdir() if p.name.startswith(".")] == []
+    with pytest.raises(ValueError, match=f"{save} keep=0 is not allowed"):
+        save_fn(root, mp, keep=0)
+
+
 # ---------------------------------------------------------------------- the command line under torchrun
 @pytest.mark.slow
 @pytest.mark.timeout(120)

@@ -49,12 +49,13 @@ Encoded state trees are JSON with tagged leaves: ``{"$tensor": name}`` (in state
 fp16 value), ``{"$tuple": [...]}``, ``{"$items": [[key, value], ...]}`` (a dict with non-string keys,
 e.g. optimizer state keyed by param index) and ``{"$dtype": name}``.
 
-**Crash safety.** :func:`save_checkpoint` writes every file into ``.tmp-...``, fsyncs each file and
-the directory, renames it to ``step-N`` (atomic), fsyncs the root, and only then replaces
-``latest`` (written to a temporary name, fsynced, ``os.replace``'d, root fsynced). Old checkpoints
-beyond ``keep`` are renamed to ``.trash-...`` (atomic) before being deleted. A process killed at any
-moment therefore leaves ``latest`` naming a complete checkpoint: the previous one, or the new one.
-One writer per root.
+**Crash safety.** :func:`save_checkpoint` writes through :mod:`mixprec.checkpoint_dir` (which also
+names the step directories, resolves ``latest`` and prunes): every file goes into ``.tmp-...``;
+each file and the directory are fsynced, it is renamed to ``step-N`` (atomic), the root is
+fsynced, and only then is ``latest`` replaced (written to a temporary name, fsynced,
+``os.replace``'d, root fsynced). Old checkpoints beyond ``keep`` are renamed to ``.trash-...``
+(atomic) before being deleted. A process killed at any moment therefore leaves ``latest`` naming
+a complete checkpoint: the previous one, or the new one. One writer per root.
 
 **Verification.** :func:`load_checkpoint` (and :func:`read_manifest`) check the manifest's
 checksum, then every file's byte size and sha256, parse each safetensors file from the bytes that
@@ -68,11 +69,7 @@ from __future__ import annotations
 
 import hashlib
 import json
-import os
 import random
-import re
-import secrets
-import shutil
 import sys
 from dataclasses import dataclass
 from importlib import metadata
@@ -83,20 +80,15 @@ import safetensors
 import safetensors.torch
 import torch
 
-__all__ = ["CheckpointError", "save_checkpoint", "load_checkpoint", "read_manifest", "resolve_checkpoint",
-           "MANIFEST", "LATEST"]
+from mixprec.checkpoint_dir import (LATEST, MANIFEST, CheckpointError, new_checkpoint, read_manifest_json,
+                                    resolve_checkpoint)
 
-MANIFEST = "manifest.json"
-LATEST = "latest"
+__all__ = ["CheckpointError", "save_checkpoint", "load_checkpoint", "read_manifest", "read_weights",
+           "resolve_checkpoint", "MANIFEST", "LATEST"]
+
 FORMAT = "mixprec-checkpoint"
 VERSION = 2
 MODEL_FILE, MASTERS_FILE, STATE_FILE = "model.safetensors", "masters.safetensors", "state.safetensors"
-_STEP_RE = re.compile(r"^step-(\d+)(?:\.(\d+))?$")
-_WORK_RE = re.compile(r"^\.(?:tmp|trash|latest)-.*?-(\d+)-[0-9a-f]{8}$")  # .<kind>-<what>-<pid>-<token>
-
-
-class CheckpointError(ValueError):
-    """A checkpoint is damaged, incomplete or does not fit the engine; the message names the file."""
 
 
 # ---------------------------------------------------------------------------------------------- JSON trees
@@ -160,102 +152,10 @@ def _canonical(manifest: dict) -> bytes:
     return json.dumps(body, sort_keys=True, separators=(",", ":"), allow_nan=True).encode()
 
 
-# ---------------------------------------------------------------------------------------------- files
-def _fsync_dir(path: Path) -> None:
-    try:
-        fd = os.open(path, os.O_RDONLY)
-    except OSError:  # platforms that cannot open a directory (Windows): rename is still atomic
-        return
-    try:
-        os.fsync(fd)
-    except OSError:
-        pass
-    finally:
-        os.close(fd)
-
-
-def _write_durable(path: Path, data: bytes) -> dict[str, Any]:
-    """Write ``data`` to ``path``, flush and fsync it; return its ``{"bytes", "sha256"}``."""
-    with open(path, "wb") as f:
-        f.write(data)
-        f.flush()
-        os.fsync(f.fileno())
+def _write(path: Path, data: bytes) -> dict[str, Any]:
+    """Write ``data`` to ``path`` (the writer fsyncs it on commit); return its ``{"bytes", "sha256"}``."""
+    path.write_bytes(data)
     return {"bytes": len(data), "sha256": hashlib.sha256(data).hexdigest()}
-
-
-def _pid_alive(pid: int) -> bool:
-    if pid == os.getpid():
-        return True
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    except OSError:  # PermissionError: someone else's live process
-        return True
-    return True
-
-
-def _work_name(kind: str, what: str) -> str:
-    return f".{kind}-{what}-{os.getpid()}-{secrets.token_hex(4)}"
-
-
-def _remove_stale(root: Path) -> None:
-    """Delete leftovers (temporary and trash directories, pointer temp files) of dead processes."""
-    for entry in root.iterdir():
-        match = _WORK_RE.match(entry.name)
-        if match and not _pid_alive(int(match.group(1))):
-            if entry.is_dir():
-                shutil.rmtree(entry, ignore_errors=True)
-            else:
-                entry.unlink(missing_ok=True)
-
-
-def _step_dirs(root: Path) -> list[Path]:
-    """Complete checkpoint directories under ``root``, oldest first (by N, then by suffix)."""
-    found = []
-    for entry in root.iterdir():
-        match = _STEP_RE.match(entry.name)
-        if match and entry.is_dir():
-            found.append(((int(match.group(1)), int(match.group(2) or 0)), entry))
-    return [entry for _, entry in sorted(found)]
-
-
-def _read_latest(root: Path) -> str:
-    pointer = root / LATEST
-    text = pointer.read_text(encoding="utf-8", errors="replace").strip()
-    if not _STEP_RE.match(text):
-        raise CheckpointError(f"checkpoint root {str(root)!r}: {LATEST} holds {text[:60]!r}, not a step-N name; "
-                              f"point it at one of {[d.name for d in _step_dirs(root)]} or load that directory")
-    return text
-
-
-def resolve_checkpoint(path: str | Path) -> Path:
-    """The checkpoint directory ``path`` stands for: a root (follows ``latest``) or a ``step-N`` dir.
-
-    Raises:
-        FileNotFoundError: no checkpoint there (no ``latest`` pointer and no manifest), or
-            ``latest`` names a directory that does not exist.
-        CheckpointError: ``latest`` is garbled, or ``path`` looks like a checkpoint directory
-            whose manifest is missing (half-written or damaged).
-    """
-    path = Path(path)
-    if not path.is_dir():
-        raise FileNotFoundError(f"no checkpoint at {str(path)!r}: not a directory; pass a checkpoint root "
-                                "(mixprec train writes OUT/checkpoints) or one of its step-N directories")
-    if (path / LATEST).is_file():
-        target = path / _read_latest(path)
-        if not target.is_dir():
-            raise FileNotFoundError(f"checkpoint root {str(path)!r}: {LATEST} names {target.name}, which does not "
-                                    f"exist; complete checkpoints here: {[d.name for d in _step_dirs(path)]}")
-        return target
-    if (path / MANIFEST).is_file():
-        return path
-    if _STEP_RE.match(path.name) or _WORK_RE.match(path.name) or any(path.glob("*.safetensors")):
-        raise CheckpointError(f"checkpoint {str(path)!r}: {MANIFEST} is missing (a half-written or damaged "
-                              "checkpoint); load another checkpoint of the run")
-    steps = [d.name for d in _step_dirs(path)]
-    hint = f"; it holds {steps} but no {LATEST} pointer: load one of them" if steps else ""
-    raise FileNotFoundError(f"no checkpoint at {str(path)!r}: no {LATEST} pointer and no {MANIFEST}{hint}")
 
 
 # ---------------------------------------------------------------------------------------------- reading
@@ -269,12 +169,8 @@ class _Checkpoint:
 
 
 def _read(path: str | Path) -> _Checkpoint:
-    directory = resolve_checkpoint(path)
+    directory, manifest = read_manifest_json(path)
     where = f"checkpoint {str(directory)!r}"
-    try:
-        manifest = json.loads((directory / MANIFEST).read_bytes())
-    except (OSError, ValueError) as err:
-        raise CheckpointError(f"{where}: {MANIFEST} cannot be read as JSON ({err}); it is truncated or corrupt") from None
     if not isinstance(manifest, dict) or manifest.get("format") != FORMAT:
         raise CheckpointError(f"{where}: {MANIFEST} is not a mixprec checkpoint manifest (format="
                               f"{manifest.get('format') if isinstance(manifest, dict) else None!r}, want {FORMAT!r})")
@@ -326,6 +222,18 @@ def read_manifest(path: str | Path) -> dict:
         CheckpointError: a damaged or incomplete checkpoint (the message names the file).
     """
     return _read(path).manifest
+
+
+def read_weights(path: str | Path) -> dict[str, torch.Tensor]:
+    """The saved model weights of the checkpoint at ``path`` (a root or a ``step-N`` directory), by
+    state-dict name: the fp32 masters where saved, else the stored params and buffers, tied names
+    (stored once) filled in. Verified as by :func:`read_manifest`; the tensors are on the CPU.
+
+    Raises:
+        FileNotFoundError: no checkpoint at ``path``.
+        CheckpointError: a damaged or incomplete checkpoint (the message names the file).
+    """
+    return _best_weights(_read(path))
 
 
 # ---------------------------------------------------------------------------------------------- saving
@@ -391,7 +299,7 @@ def _qualname(obj: Any) -> str:
 
 
 def _param_names(mp: Any) -> dict[int, str]:
-    return {id(p): n for n, p in mp.model.named_parameters()}
+    return {id(p): n for n, p in mp.module.named_parameters()}
 
 
 def _versions() -> dict[str, str]:
@@ -403,14 +311,6 @@ def _versions() -> dict[str, str]:
             "python": sys.version.split()[0]}
 
 
-def _next_name(root: Path, step: int) -> str:
-    name, k = f"step-{step}", 0
-    while (root / name).exists():
-        k += 1
-        name = f"step-{step}.{k}"
-    return name
-
-
 def save_checkpoint(path: str | Path, mp: Any, extra: dict | None = None, *, guard: Any = None,
                     keep: int | None = None, data_position: dict | None = None) -> Path:
     """Save everything needed to continue ``mp`` bit-exactly as ``path/step-N``; returns that directory.
@@ -420,8 +320,8 @@ def save_checkpoint(path: str | Path, mp: Any, extra: dict | None = None, *, gua
         mp: a :class:`mixprec.MixedPrecision` at a step boundary.
         extra: JSON-serialisable dict stored in the manifest and returned by :func:`load_checkpoint`.
         guard: a :class:`mixprec.Guard` whose counts to save (default: ``mp.guard``, if any).
-        keep: keep only the newest ``keep`` checkpoints (None: keep all). The one ``latest`` names is
-            never deleted.
+        keep: keep exactly ``keep`` checkpoints: the new one (which ``latest`` names) and the newest
+            ``keep - 1`` others (None: keep all).
         data_position: JSON dict saying where the data stream is (e.g. ``{"batches": 1200}``); stored
             in the manifest's ``data_position`` next to ``boundaries``.
 
@@ -436,8 +336,6 @@ def save_checkpoint(path: str | Path, mp: Any, extra: dict | None = None, *, gua
     if mp.micro_step != 0:
         raise RuntimeError(f"save_checkpoint() called after {mp.micro_step} backward() call(s) without step(); "
                            "save at an accumulation boundary (after mp.step() returns a result)")
-    if keep is not None and (isinstance(keep, bool) or not isinstance(keep, int) or keep < 1):
-        raise ValueError(f"save_checkpoint keep={keep!r} is not allowed; pass an int >= 1 or None (keep all)")
     for label, value in (("extra", extra), ("data_position", data_position)):
         if value is not None and not isinstance(value, dict):
             raise TypeError(f"save_checkpoint {label} must be a dict or None, got {type(value).__name__}")
@@ -446,12 +344,9 @@ def save_checkpoint(path: str | Path, mp: Any, extra: dict | None = None, *, gua
         except (TypeError, ValueError) as err:
             raise TypeError(f"save_checkpoint {label} must be JSON-serialisable: {err}") from None
     guard = getattr(mp, "guard", None) if guard is None else guard
-    root = Path(path)
-    root.mkdir(parents=True, exist_ok=True)
-    _remove_stale(root)
 
     sd = mp.state_dict()   # first: it raises mid-accumulation, and masters adopt params edited outside
-    model_tensors, aliases = _unique_tensors(mp.model.state_dict())
+    model_tensors, aliases = _unique_tensors(mp.module.state_dict())
     names = _param_names(mp)
     masters = {names[id(p)]: m.detach().to("cpu", copy=True).contiguous() for p, m in mp.masters.pairs}
     state: dict[str, torch.Tensor] = {}
@@ -482,34 +377,15 @@ def save_checkpoint(path: str | Path, mp: Any, extra: dict | None = None, *, gua
     if masters:
         payload[MASTERS_FILE] = masters
 
-    name = _next_name(root, mp.boundaries)
-    manifest["name"] = name
-    tmp = root / _work_name("tmp", name)
-    tmp.mkdir()
-    try:
+    with new_checkpoint(path, mp.boundaries, keep=keep) as pending:   # files, fsyncs, rename, latest, keep
+        manifest["name"] = pending.name
         for file, tensors in payload.items():
             manifest["tensors"][file] = {k: {"dtype": _dtype_name(t.dtype), "shape": list(t.shape)}
                                          for k, t in tensors.items()}
-            manifest["files"][file] = _write_durable(tmp / file, safetensors.torch.save(tensors))
+            manifest["files"][file] = _write(pending.tmp / file, safetensors.torch.save(tensors))
         manifest["checksum"] = hashlib.sha256(_canonical(manifest)).hexdigest()
-        _write_durable(tmp / MANIFEST, json.dumps(manifest, indent=1, allow_nan=True).encode())
-        _fsync_dir(tmp)
-        os.rename(tmp, root / name)   # atomic: step-N is complete or absent
-        _fsync_dir(root)
-    except BaseException:
-        shutil.rmtree(tmp, ignore_errors=True)
-        raise
-    pointer = root / _work_name("latest", name)
-    _write_durable(pointer, f"{name}\n".encode())
-    os.replace(pointer, root / LATEST)  # atomic: latest names the old or the new complete checkpoint
-    _fsync_dir(root)
-    if keep is not None:
-        for old in _step_dirs(root)[:-keep]:
-            if old.name != name:
-                trash = root / _work_name("trash", old.name)
-                os.rename(old, trash)     # atomic: never a half-deleted step-N
-                shutil.rmtree(trash, ignore_errors=True)
-    return root / name
+        _write(pending.tmp / MANIFEST, json.dumps(manifest, indent=1, allow_nan=True).encode())
+    return pending.path
 
 
 # ---------------------------------------------------------------------------------------------- loading
@@ -532,7 +408,7 @@ def _check_fits(ck: _Checkpoint, mp: Any, *, weights_only: bool) -> None:
     where = f"checkpoint {str(ck.path)!r}"
     model_saved = ck.files[MODEL_FILE]
     aliases = m["model"]["aliases"]
-    own = mp.model.state_dict()
+    own = mp.module.state_dict()
     saved_keys = set(model_saved) | set(aliases)
     if saved_keys != set(own):
         missing, unexpected = sorted(set(own) - saved_keys), sorted(saved_keys - set(own))
@@ -543,7 +419,7 @@ def _check_fits(ck: _Checkpoint, mp: Any, *, weights_only: bool) -> None:
         if saved.shape != tensor.shape:
             raise CheckpointError(f"{where}: {MODEL_FILE} tensor {key!r} has shape {list(saved.shape)}, the model's "
                                   f"is {list(tensor.shape)}; build the same model before loading")
-    params = dict(mp.model.named_parameters())
+    params = dict(mp.module.named_parameters())
     for key in m["model"]["masters"]:
         if key not in params or ck.files[MASTERS_FILE][key].shape != params[key].shape:
             raise CheckpointError(f"{where}: {MASTERS_FILE} tensor {key!r} matches no parameter of the model")
@@ -585,8 +461,13 @@ def _model_state(ck: _Checkpoint) -> dict[str, torch.Tensor]:
 
 
 def _best_weights(ck: _Checkpoint) -> dict[str, torch.Tensor]:
-    """:func:`_model_state` with the fp32 masters in place of their rounded 16-bit params."""
-    return {**_model_state(ck), **ck.files.get(MASTERS_FILE, {})}
+    """:func:`_model_state` with the fp32 masters in place of their rounded 16-bit params, under
+    every name of a tied weight (masters are keyed by one of its names)."""
+    masters = ck.files.get(MASTERS_FILE, {})
+    state = {**_model_state(ck), **masters}
+    for key, target in ck.manifest["model"]["aliases"].items():
+        state[key] = state[target] = masters.get(target, masters.get(key, state[target]))
+    return state
 
 
 def _load_weights(ck: _Checkpoint, mp: Any) -> None:
@@ -594,7 +475,7 @@ def _load_weights(ck: _Checkpoint, mp: Any) -> None:
     model_state = _model_state(ck)
     saved_masters = ck.files.get(MASTERS_FILE, {})
     names = _param_names(mp)
-    mp.model.load_state_dict(model_state)  # copies, casting to each tensor's own dtype
+    mp.module.load_state_dict(model_state)  # copies, casting to each tensor's own dtype
     master_of = {id(p): master for p, master in mp.masters.pairs}
     with torch.no_grad():
         for p in mp.masters.params:

@@ -69,9 +69,11 @@ Cost per accumulation boundary, besides the gradient reductions: one all-reduce 
 squared gradient norm (the global norm over all shards, for clipping and ``StepResult``).
 
 **Checkpoints.** :func:`save_distributed_checkpoint` writes ``root/step-N`` and ``root/latest``
-as :mod:`mixprec.checkpoint` does: FSDP2 with ``torch.distributed.checkpoint`` (every rank
-writes its shards; any number of ranks loads it, :func:`load_distributed_checkpoint`); DDP
-once, from rank 0, in the one-process format. Both record the strategy and world size.
+through :mod:`mixprec.checkpoint_dir`, as :mod:`mixprec.checkpoint` does (same names, fsyncs,
+atomic renames, ``latest`` pointer and pruning): FSDP2 with ``torch.distributed.checkpoint``
+(every rank writes its shards into rank 0's temporary directory, rank 0 commits it; any number
+of ranks loads it, :func:`load_distributed_checkpoint`); DDP once, from rank 0, in the
+one-process format. Both record the strategy and world size.
 
 **Limits.** ``set_policy`` (and so the guard's escalation) is refused under FSDP2, and under
 DDP when it would change a parameter's stored dtype (DDP's buckets are built for them): the
@@ -87,7 +89,6 @@ import itertools
 import json
 import logging
 import os
-import shutil
 import sys
 import warnings
 import weakref
@@ -102,6 +103,9 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
+from mixprec.checkpoint import load_checkpoint, read_manifest, read_weights, save_checkpoint
+from mixprec.checkpoint_dir import (MANIFEST, PendingCheckpoint, abort_checkpoint, begin_checkpoint, commit_checkpoint,
+                                    read_manifest_json)
 from mixprec.policy import Policy
 
 __all__ = ["STRATEGIES", "check_strategy", "init_process_group_from_env", "is_main_process", "rank", "world_size",
@@ -113,7 +117,7 @@ __all__ = ["STRATEGIES", "check_strategy", "init_process_group_from_env", "is_ma
 log = logging.getLogger("mixprec")
 
 STRATEGIES = ("ddp", "fsdp2")
-DCP_MANIFEST = "manifest.json"
+DCP_MANIFEST = MANIFEST
 _DCP_FORMAT = "mixprec-dcp"
 _REDUCE_DTYPE = torch.float32   # every gradient collective, every policy (none asks otherwise)
 
@@ -457,20 +461,42 @@ def _barrier() -> None:
         dist.barrier()
 
 
+def _on_main_process(fn: Callable[[], Any], what: str) -> Any:
+    """``fn()`` run on rank 0, its result on every rank (a broadcast). When it raises, rank 0
+    re-raises and every other rank raises RuntimeError naming the error, instead of waiting in
+    the next collective."""
+    result, error, failure = None, None, None
+    if is_main_process():
+        try:
+            result = fn()
+        except Exception as err:
+            failure, error = err, f"{type(err).__name__}: {err}"
+    result, error = from_main_process((result, error))
+    if failure is not None:
+        raise failure
+    if error is not None:
+        raise RuntimeError(f"{what} failed on rank 0: {error}")
+    return result
+
+
 def save_distributed_checkpoint(root: str | Path, mp: Any, extra: dict | None = None, *, keep: int | None = None,
                                 data_position: dict | None = None) -> Path:
     """Save ``mp`` (a :class:`mixprec.MixedPrecision`) as ``root/step-N``; call it on every rank.
 
-    The layout follows :mod:`mixprec.checkpoint`: ``root/step-N`` directories (N = ``mp.boundaries``)
-    and a ``root/latest`` pointer, replaced only once the new checkpoint is complete; ``keep``
-    prunes older ones. ``root`` must be on a filesystem every rank sees.
+    The layout and crash safety are :mod:`mixprec.checkpoint_dir`'s, as for
+    :func:`mixprec.checkpoint.save_checkpoint`: ``root/step-N`` directories (N = ``mp.boundaries``)
+    and a ``root/latest`` pointer, replaced only once the new checkpoint is complete and fsynced;
+    ``keep`` keeps exactly that many (the new one and the newest ``keep - 1`` others). ``root``
+    must be on a filesystem every rank sees.
 
     * ``strategy="ddp"``: replicas are identical, so rank 0 alone saves the unwrapped model with
       :func:`mixprec.checkpoint.save_checkpoint` (the one-process format: every state, bit-exact
       resume, RNG of rank 0), adding ``{"distributed": {"strategy", "world_size"}}`` to ``extra``.
     * ``strategy="fsdp2"`` (or one process whose optimizer steps the model's own parameters):
-      every rank writes its shards with ``torch.distributed.checkpoint`` into ``step-N/dcp``
-      (model, optimizer, loss-scale state, scheduler); rank 0 writes ``step-N/manifest.json``::
+      rank 0 starts the checkpoint's temporary directory, every rank writes its shards into it
+      with ``torch.distributed.checkpoint`` (``dcp/``: model, optimizer, loss-scale state,
+      scheduler), and after a barrier rank 0 writes ``manifest.json``, fsyncs every file and
+      directory, renames it to ``step-N``, replaces ``latest`` and prunes::
 
         format, version    "mixprec-dcp", 1
         name, step         "step-N", mp.boundaries
@@ -482,44 +508,42 @@ def save_distributed_checkpoint(root: str | Path, mp: Any, extra: dict | None = 
       Any number of ranks can load it (:func:`load_distributed_checkpoint`). RNG states are not
       saved (each rank has its own).
 
-    Collective (barriers, a broadcast); copies tensors to the host (syncs). Returns ``root/step-N``.
+    Collective (barriers, broadcasts); copies tensors to the host (syncs). Returns ``root/step-N``.
 
     Raises:
-        RuntimeError: called between ``backward()`` and the accumulation boundary.
-        ValueError: (DCP) an engine that steps separate fp32 masters.
+        RuntimeError: called between ``backward()`` and the accumulation boundary; on ranks other
+            than 0, when rank 0 failed to start or finish the checkpoint (rank 0 raises its error).
+        ValueError: ``keep`` is not a positive int or None; (DCP) an engine that steps separate
+            fp32 masters.
     """
     if mp.micro_step != 0:
         raise RuntimeError(f"save_distributed_checkpoint called after {mp.micro_step} backward() call(s) without "
                            "step(); save at an accumulation boundary (after mp.step() returns a result)")
-    root = Path(root)
     info = {"strategy": mp.strategy, "world_size": world_size()}
     position = {"world_size": world_size(), **(data_position or {})}
     if mp.strategy == "ddp":
-        saved = None
-        if is_main_process():
-            from mixprec.checkpoint import save_checkpoint  # lazy: the checkpoint module builds on this one
-
-            saved = str(save_checkpoint(root, _Unwrapped(mp), extra={**(extra or {}), "distributed": info},
-                                        keep=keep, data_position=position))
-        return Path(from_main_process(saved))
+        saved = _on_main_process(lambda: str(save_checkpoint(root, mp, extra={**(extra or {}), "distributed": info},
+                                                             keep=keep, data_position=position)),
+                                 "save_distributed_checkpoint")
+        return Path(saved)
     import torch.distributed.checkpoint as dcp
 
     parts = _dcp_state(mp)
-    name = None
-    if is_main_process():
-        root.mkdir(parents=True, exist_ok=True)
-        name, k = f"step-{mp.boundaries}", 0
-        while (root / name).exists():
-            k += 1
-            name = f"step-{mp.boundaries}.{k}"
-        shutil.rmtree(root / f".tmp-dcp-{name}", ignore_errors=True)
-    name = from_main_process(name)
-    tmp = root / f".tmp-dcp-{name}"
-    with _one_process_ok():
-        dcp.save(parts, checkpoint_id=str(tmp / "dcp"), no_dist=not dist.is_initialized())
-    if is_main_process():  # DCP's save returns on rank 0 once every rank's files are written
+    pending: PendingCheckpoint = _on_main_process(
+        lambda: begin_checkpoint(root, mp.boundaries, keep=keep, caller="save_distributed_checkpoint"),
+        "save_distributed_checkpoint")
+    try:
+        with _one_process_ok():
+            dcp.save(parts, checkpoint_id=str(pending.tmp / "dcp"), no_dist=not dist.is_initialized())
+    except BaseException:
+        if is_main_process():
+            abort_checkpoint(pending)
+        raise
+    _barrier()   # every rank's shards are written before rank 0 fsyncs and renames them
+
+    def finish() -> Path:
         guard = getattr(mp, "guard", None)
-        manifest = {"format": _DCP_FORMAT, "version": 1, "name": name, "step": mp.boundaries, **info,
+        manifest = {"format": _DCP_FORMAT, "version": 1, "name": pending.name, "step": mp.boundaries, **info,
                     "policy": str(mp.policy), "device": str(mp.device),
                     "versions": {"mixprec": metadata.version("mixprec"), "torch": torch.__version__,
                                  "python": sys.version.split()[0]},
@@ -528,36 +552,26 @@ def save_distributed_checkpoint(root: str | Path, mp: Any, extra: dict | None = 
                     "events": json.loads(json.dumps(list(mp.events), default=str)),
                     "data_position": {"boundaries": mp.boundaries, **position},
                     "extra": extra or {}}
-        (tmp / DCP_MANIFEST).write_text(json.dumps(manifest, indent=1, allow_nan=True))
-        os.rename(tmp, root / name)  # atomic: step-N is complete or absent
-        pointer = root / f".latest-dcp-{name}"
-        pointer.write_text(f"{name}\n")
-        os.replace(pointer, root / "latest")  # the name mixprec.checkpoint.LATEST reads
-        if keep is not None:
-            steps = sorted((d for d in root.glob("step-*") if d.is_dir() and d.name != name),
-                           key=lambda d: tuple(int(x) for x in d.name[5:].split(".")))
-            for old in steps[:max(0, len(steps) + 1 - keep)]:
-                shutil.rmtree(old, ignore_errors=True)
-    _barrier()
-    return root / name
+        try:
+            (pending.tmp / DCP_MANIFEST).write_text(json.dumps(manifest, indent=1, allow_nan=True))
+        except BaseException:
+            abort_checkpoint(pending)
+            raise
+        return commit_checkpoint(pending)   # fsyncs, rename, latest, keep
+
+    return _on_main_process(finish, "save_distributed_checkpoint")
 
 
-def _read_dcp_manifest(path: str | Path) -> tuple[Path, dict]:
-    from mixprec.checkpoint import resolve_checkpoint  # lazy: the checkpoint module builds on this one
-
-    directory = resolve_checkpoint(path)
-    return directory, json.loads((directory / DCP_MANIFEST).read_text())
+def _is_dcp(manifest: Any) -> bool:
+    """Whether a parsed manifest is a DCP one (else it is for :mod:`mixprec.checkpoint` to verify)."""
+    return isinstance(manifest, dict) and manifest.get("format") == _DCP_FORMAT
 
 
 def read_distributed_manifest(path: str | Path) -> dict:
     """The manifest of the checkpoint at ``path`` (a root: follows ``latest``; or a ``step-N``
     directory), DCP or one-process format (the latter verified by :func:`mixprec.checkpoint.read_manifest`)."""
-    directory, manifest = _read_dcp_manifest(path)
-    if manifest.get("format") != _DCP_FORMAT:
-        from mixprec.checkpoint import read_manifest
-
-        return read_manifest(directory)
-    return manifest
+    directory, manifest = read_manifest_json(path)
+    return manifest if _is_dcp(manifest) else read_manifest(directory)
 
 
 def load_model_weights(path: str | Path, model: nn.Module) -> dict:
@@ -571,13 +585,10 @@ def load_model_weights(path: str | Path, model: nn.Module) -> dict:
         FileNotFoundError / CheckpointError: no (complete) checkpoint at ``path``.
         RuntimeError: the model's keys or shapes do not match the saved ones (torch's message).
     """
-    directory, manifest = _read_dcp_manifest(path)
-    if manifest.get("format") != _DCP_FORMAT:
-        from mixprec.checkpoint import _read, _best_weights
-
-        ck = _read(directory)   # verified (hashes, shapes), read once
-        model.load_state_dict(_best_weights(ck))
-        return ck.manifest
+    directory, manifest = read_manifest_json(path)
+    if not _is_dcp(manifest):
+        model.load_state_dict(read_weights(directory))   # verifies this manifest, the hashes and shapes
+        return manifest
     import torch.distributed.checkpoint as dcp
 
     state = model.state_dict()
@@ -604,11 +615,9 @@ def load_distributed_checkpoint(path: str | Path, mp: Any, *, adopt_policy: bool
     if mp.micro_step != 0:
         raise RuntimeError(f"load_distributed_checkpoint called after {mp.micro_step} backward() call(s) without "
                            "step(); load at an accumulation boundary")
-    directory, manifest = _read_dcp_manifest(path)
-    if manifest.get("format") != _DCP_FORMAT:
-        from mixprec.checkpoint import load_checkpoint
-
-        return load_checkpoint(directory, _Unwrapped(mp), adopt_policy=adopt_policy)
+    directory, manifest = read_manifest_json(path)
+    if not _is_dcp(manifest):
+        return load_checkpoint(directory, mp, adopt_policy=adopt_policy)
     if manifest["policy"] != str(mp.policy):
         raise ValueError(f"checkpoint {str(directory)!r} was saved under policy {manifest['policy']!r}, this engine "
                          f"runs {mp.policy}; build the engine with policy={manifest['policy']!r} (a sharded run "
@@ -632,18 +641,3 @@ def load_distributed_checkpoint(path: str | Path, mp: Any, *, adopt_policy: bool
     if guard is not None and manifest["guard"] is not None:
         guard.load_state_dict(manifest["guard"])
     return manifest["extra"]
-
-
-class _Unwrapped:
-    """``mp`` seen with its unwrapped model (no ``module.`` prefix from DDP), for the one-process
-    checkpoint functions; every other attribute (read or written) is ``mp``'s."""
-
-    def __init__(self, mp: Any) -> None:
-        object.__setattr__(self, "_mp", mp)
-        object.__setattr__(self, "model", mp.module)
-
-    def __getattr__(self, name: str) -> Any:
-        return getattr(self._mp, name)
-
-    def __setattr__(self, name: str, value: Any) -> None:
-        setattr(self._mp, name, value)
