@@ -298,10 +298,6 @@ def _qualname(obj: Any) -> str:
     return f"{type(obj).__module__}.{type(obj).__qualname__}"
 
 
-def _param_names(mp: Any) -> dict[int, str]:
-    return {id(p): n for n, p in mp.module.named_parameters()}
-
-
 def _versions() -> dict[str, str]:
     try:
         version = metadata.version("mixprec")
@@ -347,8 +343,7 @@ def save_checkpoint(path: str | Path, mp: Any, extra: dict | None = None, *, gua
 
     sd = mp.state_dict()   # first: it raises mid-accumulation, and masters adopt params edited outside
     model_tensors, aliases = _unique_tensors(mp.module.state_dict())
-    names = _param_names(mp)
-    masters = {names[id(p)]: m.detach().to("cpu", copy=True).contiguous() for p, m in mp.masters.pairs}
+    masters = {name: m.to("cpu", copy=True).contiguous() for name, m in sd["masters"].items()}
     state: dict[str, torch.Tensor] = {}
     manifest: dict[str, Any] = {
         "format": FORMAT,
@@ -389,18 +384,6 @@ def save_checkpoint(path: str | Path, mp: Any, extra: dict | None = None, *, gua
 
 
 # ---------------------------------------------------------------------------------------------- loading
-def _loss_scale_from_state(state: dict) -> Any:
-    from mixprec.loss_scale import DynamicLossScale, NoLossScale, StaticLossScale
-
-    kinds = {"NoLossScale": NoLossScale, "StaticLossScale": StaticLossScale, "DynamicLossScale": DynamicLossScale}
-    if state.get("type") not in kinds:
-        raise CheckpointError(f"{MANIFEST}: loss_scale type {state.get('type')!r} is unknown; expected one of {sorted(kinds)}")
-    kind = kinds[state["type"]]
-    ls = kind() if kind is not StaticLossScale else StaticLossScale(float(state["config"].get("scale", 1.0)))
-    ls.load_state_dict(state)
-    return ls
-
-
 def _check_fits(ck: _Checkpoint, mp: Any, *, weights_only: bool) -> None:
     """Raise CheckpointError unless ``ck`` can be loaded into ``mp``: model keys and shapes, masters,
     optimizer class / groups / state shapes, scheduler and loss-scale presence. Touches nothing."""
@@ -472,20 +455,7 @@ def _best_weights(ck: _Checkpoint) -> dict[str, torch.Tensor]:
 
 def _load_weights(ck: _Checkpoint, mp: Any) -> None:
     """Model tensors and masters only; fp32 values (saved master, else saved param) feed any policy."""
-    model_state = _model_state(ck)
-    saved_masters = ck.files.get(MASTERS_FILE, {})
-    names = _param_names(mp)
-    mp.module.load_state_dict(model_state)  # copies, casting to each tensor's own dtype
-    master_of = {id(p): master for p, master in mp.masters.pairs}
-    with torch.no_grad():
-        for p in mp.masters.params:
-            value_fp32 = saved_masters.get(names.get(id(p)))
-            master = master_of.get(id(p))
-            if master is not None:
-                master.copy_(value_fp32 if value_fp32 is not None else p)
-                p.copy_(master)   # the param is the master rounded, as after a step
-            elif value_fp32 is not None:
-                p.copy_(value_fp32)  # fp32 masters beat the rounded 16-bit copy
+    mp.masters.load_weights(mp.module, _model_state(ck), ck.files.get(MASTERS_FILE, {}))
 
 
 def load_checkpoint(path: str | Path, mp: Any, *, guard: Any = None, convert: bool = False,
@@ -550,61 +520,42 @@ def load_checkpoint(path: str | Path, mp: Any, *, guard: Any = None, convert: bo
             raise CheckpointError(f"checkpoint {str(ck.path)!r}: {err}") from None
     thawed = [n for n in frozen_before if n not in set(mp.frozen_names())]
     try:
-        return _load_state(ck, mp, guard=guard, convert=convert, weights_only=weights_only,
-                           restore_rng=restore_rng)
+        return _load_state(ck, mp, guard=guard, convert=convert, adopt_policy=adopt_policy,
+                           weights_only=weights_only, restore_rng=restore_rng)
     except (CheckpointError, ValueError):
         mp.refreeze(thawed)   # a refused load leaves the engine as it was given
         raise
 
 
-def _load_state(ck: _Checkpoint, mp: Any, *, guard: Any, convert: bool, weights_only: bool,
+def _load_state(ck: _Checkpoint, mp: Any, *, guard: Any, convert: bool, adopt_policy: bool, weights_only: bool,
                 restore_rng: bool) -> dict:
-    """The mutating part of :func:`load_checkpoint`, after its checks."""
+    """The mutating part of :func:`load_checkpoint`, after its checks: the engine's own
+    ``load_state_dict`` (which converts or adopts the policy), then the guard and the RNG states."""
     m = ck.manifest
-    saved_policy, target = m["policy"], str(mp.policy)
     if weights_only:
         _load_weights(ck, mp)
         return m["extra"]
     where = f"checkpoint {str(ck.path)!r}"
     tensors = ck.files[STATE_FILE]
-    loss_scale_state = _decode(m["loss_scale"], tensors, where)
-    loss_scale = _loss_scale_from_state(loss_scale_state)   # validates before anything changes
-    if saved_policy == target and type(loss_scale) is not type(mp.loss_scale):
-        raise CheckpointError(f"{where}: the run used {type(loss_scale).__name__}, the engine has "
-                              f"{type(mp.loss_scale).__name__}; build the engine with the run's loss_scale")
-    masters_saved = ck.files.get(MASTERS_FILE, {})
     state = {
-        "policy": saved_policy,
+        "policy": m["policy"],
+        "frozen": None,   # matched by load_checkpoint before
+        "model": _model_state(ck),
+        "masters": ck.files.get(MASTERS_FILE, {}),
         "optimizer": _decode(m["optimizer"]["state"], tensors, where),
         "scheduler": None if m["scheduler"] is None else _decode(m["scheduler"]["state"], tensors, where),
-        "loss_scale": loss_scale_state,
+        "loss_scale": _decode(m["loss_scale"], tensors, where),
         "counters": m["counters"],
+        "events": m["events"],
     }
-    state["model"] = _model_state(ck)
-    guard = getattr(mp, "guard", None) if guard is None else guard
-
-    names = _param_names(mp)
-    events_before = len(mp.events)
-    if saved_policy != target:
-        mp.set_policy(saved_policy, cause="load_checkpoint")  # raises (changing nothing) if it cannot run
-        del mp.events[events_before:]
-    needed = [names[id(p)] for p, _ in mp.masters.pairs]
-    if set(needed) != set(masters_saved):
-        if saved_policy != target:  # undo the switch: mp is left as it was given
-            mp.set_policy(target, cause="load_checkpoint refused")
-            del mp.events[events_before:]
-        raise CheckpointError(f"{where}: {MASTERS_FILE} holds masters {sorted(masters_saved)[:5]}, policy "
-                              f"{saved_policy} needs {sorted(needed)[:5]}")
-    if saved_policy != target:
-        mp.loss_scale = loss_scale.to(mp.device)
-    state["masters"] = [masters_saved[n] for n in needed]
-    mp.load_state_dict(state)
-    mp.events[:] = m["events"]
+    try:
+        mp.load_state_dict(state, convert=convert and m["policy"] != str(mp.policy),
+                           adopt_policy=adopt_policy and m["policy"] != str(mp.policy))
+    except ValueError as err:
+        raise CheckpointError(f"{where}: {err}") from None
+    guard = mp.guard if guard is None else guard
     if guard is not None and m["guard"] is not None:
         guard.load_state_dict(_decode(m["guard"], tensors, where))
     if restore_rng:
         _set_rng_state(m["rng"], tensors)
-    if saved_policy != target and convert:
-        event = mp.set_policy(target, cause=f"load_checkpoint(convert=True) from {saved_policy}")
-        event["kind"] = "convert"
     return m["extra"]

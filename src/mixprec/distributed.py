@@ -632,11 +632,7 @@ def load_distributed_checkpoint(path: str | Path, mp: Any, *, adopt_policy: bool
     mp.loss_scale.load_state_dict({**mp.loss_scale.state_dict(), "state": parts["engine"]["loss_scale"]})
     if mp.scheduler is not None:
         mp.scheduler.load_state_dict(parts["engine"]["scheduler"])
-    counters = manifest["counters"]  # saved at a boundary: micro_step is 0, as here
-    mp.applied_steps = counters["applied_steps"]
-    mp.skipped_total = counters["skipped_total"]
-    mp.boundaries = counters["boundaries"]
-    mp.events[:] = manifest["events"]
+    mp.restore_progress(manifest["counters"], manifest["events"])  # saved at a boundary, as here
     guard = getattr(mp, "guard", None)
     if guard is not None and manifest["guard"] is not None:
         guard.load_state_dict(manifest["guard"])

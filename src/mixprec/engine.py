@@ -30,7 +30,7 @@ from mixprec.masters import MasterWeights
 from mixprec.optim import contract
 from mixprec.policy import Policy, cast_floating
 from mixprec.regions import Regions, keep_fp32_modules
-from mixprec.reprepare import check_fp8_unchanged, reprepare
+from mixprec.reprepare import check_fp8_unchanged, load_across_policies, reprepare
 from mixprec.storage import FrozenSet, check_held, check_new_group, dtype_text, held_by, plan_storage
 from mixprec.strategy import make_strategy
 from mixprec.tree import field_names, map_fields
@@ -361,12 +361,14 @@ class MixedPrecision:
         return next((c for c, flag in zip(choices, agreed) if flag), None)
 
     # ------------------------------------------------------------------ changing the policy or the frozen set
-    def set_policy(self, policy: str | Policy, *, cause: str = "requested", module: str | None = None) -> dict:
+    def set_policy(self, policy: str | Policy, *, cause: str = "requested", module: str | None = None,
+                   loss_scale: Any = None, record: bool = True) -> dict:
         """Re-prepare the model under ``policy`` at a boundary, keeping the training state (what carries
-        over: :mod:`mixprec.reprepare`; the loss scale is kept when both policies name the same scaling).
-        :class:`mixprec.Guard` calls it to escalate. Returns the ``"escalate"`` event appended to
-        :attr:`events`. No host sync. Raises RuntimeError mid-accumulation; ValueError (nothing changed)
-        when the device, optimizer or strategy cannot run ``policy`` or it changes the fp8 linears."""
+        over: :mod:`mixprec.reprepare`; the loss scale is ``loss_scale`` if given, else kept when both
+        policies name the same scaling). :class:`mixprec.Guard` calls it to escalate. Returns the
+        ``"escalate"`` event, appended to :attr:`events` when ``record``. No host sync. Raises RuntimeError
+        mid-accumulation; ValueError (nothing changed) when the device, optimizer or strategy cannot run
+        ``policy`` or it changes the fp8 linears."""
         self._check_boundary("set_policy()", "change the policy")
         new = resolve(policy, self.device).policy
         check_fp8_unchanged(self.policy, new)
@@ -376,8 +378,8 @@ class MixedPrecision:
         old, self.policy, self.masters = self.policy, new, prepared.masters
         self._frozen.store(prepared.plan)
         scale_note = "loss scale kept"
-        if new.loss_scale != old.loss_scale:
-            self.loss_scale = _make_loss_scale(new, None, self.device)
+        if loss_scale is not None or new.loss_scale != old.loss_scale:
+            self.loss_scale = _make_loss_scale(new, loss_scale, self.device)
             scale_note = f"loss scale now {type(self.loss_scale).__name__}"
         self._regions.install(self.module, new, self.device.type, prepared.keep, set(prepared.plan.frozen16))
         self.model.zero_grad(set_to_none=True)
@@ -386,7 +388,7 @@ class MixedPrecision:
                  "detail": f"{old} → {new}: params re-cast from their fp32 values (frozen and just-unfrozen ones from "
                            f"their stored values), optimizer state of {prepared.carried} tensor(s) carried over, "
                            f"{scale_note}", "from": str(old), "to": str(new)}
-        self.events.append(event)
+        self.events.extend([event] if record else [])
         (log.warning if new != old else log.info)("mixprec: policy %s → %s at boundary %d (%s)", old, new,
                                                    self.boundaries, cause)
         return event
@@ -515,7 +517,7 @@ class MixedPrecision:
             "policy": str(self.policy),
             "frozen": self.frozen_names(),
             "model": self.module.state_dict(),
-            "masters": [m.detach() for _, m in self.masters.pairs],
+            "masters": self.masters.named(self.module.named_parameters()),
             "optimizer": self.optimizer.state_dict(),
             "scheduler": None if self.scheduler is None else self.scheduler.state_dict(),
             "loss_scale": self.loss_scale.state_dict(),
@@ -523,28 +525,29 @@ class MixedPrecision:
                          "skipped_total": self.skipped_total, "boundaries": self.boundaries},
         }
 
-    def load_state_dict(self, state: dict[str, Any]) -> None:
-        """Restore a :meth:`state_dict` of the same policy; continuing equals an uninterrupted run (an
-        ``"events"`` list, as checkpoints carry, replaces :attr:`events`). Raises ValueError, before anything
-        changes, for another policy (convert with :func:`mixprec.load_checkpoint`), another master count, a
-        frozen set that cannot be matched (:meth:`match_frozen`) or frozen values unfit for fp16 storage."""
+    def load_state_dict(self, state: dict[str, Any], *, convert: bool = False, adopt_policy: bool = False) -> None:
+        """Restore a :meth:`state_dict`; continuing equals an uninterrupted run (an ``"events"`` list, as
+        checkpoints carry, replaces :attr:`events`). A state of another policy needs ``convert=True`` (to
+        this policy, a ``"convert"`` event) or ``adopt_policy=True`` (switch to it): :func:`mixprec.reprepare.
+        load_across_policies`. Raises ValueError, before anything changes, for another policy without
+        either, other masters or loss-scale type, a frozen set that cannot be matched or unfit fp16 values."""
         if state["policy"] != str(self.policy):
-            raise ValueError(f"state was saved under policy {state['policy']!r}, this engine runs {self.policy}; "
-                             "load it through mixprec.load_checkpoint(..., convert=True) to convert")
+            return load_across_policies(self, state, convert=convert, adopt_policy=adopt_policy)
+        if state["loss_scale"].get("type") != type(self.loss_scale).__name__:
+            raise ValueError(f"the run used {state['loss_scale'].get('type')}, the engine has "
+                             f"{type(self.loss_scale).__name__}; build the engine with the run's loss_scale")
+        masters = self.masters.by_name(state["masters"], dict(self.module.named_parameters()))
         if state.get("frozen") is not None:
             self.match_frozen(state["frozen"], check_only=True)
         self.check_frozen_values(dict(state["model"]))
         if state.get("frozen") is not None:
             self.match_frozen(state["frozen"])
-        if len(state["masters"]) != len(self.masters.pairs):
-            raise ValueError(f"state holds {len(state['masters'])} master tensors, this model needs "
-                             f"{len(self.masters.pairs)}")
         self.optimizer.zero_grad(set_to_none=True)   # an unfinished accumulation belongs to the replaced run
         self.module.zero_grad(set_to_none=True)
         self._step_pending = False
         self.module.load_state_dict(state["model"])
         with torch.no_grad():
-            for (_, m), saved in zip(self.masters.pairs, state["masters"]):
+            for (_, m), saved in zip(self.masters.pairs, masters):
                 m.copy_(saved)
         self.masters.record_versions()
         self.optimizer.load_state_dict(state["optimizer"])
@@ -557,6 +560,13 @@ class MixedPrecision:
         if state.get("events") is not None:
             self.events[:] = state["events"]
         self._set_gradient_sync()
+
+    def restore_progress(self, counters: dict[str, int], events: list[dict]) -> None:
+        """Set the counters and event log of a saved run, for loaders that restore the model, optimizer,
+        scheduler and loss scale themselves (:func:`mixprec.distributed.load_distributed_checkpoint`)."""
+        self._check_boundary("restore_progress()", "restore")
+        self.applied_steps, self.skipped_total = counters["applied_steps"], counters["skipped_total"]
+        self.boundaries, self.events[:] = counters["boundaries"], list(events)
 
     # ------------------------------------------------------------------ internals
     def _fp32_values(self) -> list[torch.Tensor]:

@@ -31,7 +31,7 @@ from typing import Any, ClassVar
 
 import torch
 
-__all__ = ["LossScale", "NoLossScale", "StaticLossScale", "DynamicLossScale", "from_spec"]
+__all__ = ["LossScale", "NoLossScale", "StaticLossScale", "DynamicLossScale", "from_spec", "from_state_dict"]
 
 _FP32 = torch.finfo(torch.float32)
 
@@ -360,3 +360,19 @@ def from_spec(spec: str | float, **overrides: Any) -> LossScale:
     if _is_number(spec):
         return StaticLossScale(float(spec))
     raise ValueError(f"loss scale spec={spec!r} is not allowed; use 'dynamic', 'none' or a positive number")
+
+
+def from_state_dict(state: dict[str, Any]) -> LossScale:
+    """A new loss scale of the type a :meth:`LossScale.state_dict` names, holding that state exactly.
+
+    Raises:
+        ValueError: an unknown ``type``, or a state the type refuses.
+    """
+    kinds = {cls.__name__: cls for cls in (NoLossScale, StaticLossScale, DynamicLossScale)}
+    if not isinstance(state, dict) or state.get("type") not in kinds:
+        raise ValueError(f"loss_scale state type {state.get('type') if isinstance(state, dict) else state!r} is "
+                         f"unknown; expected one of {sorted(kinds)}")
+    kind = kinds[state["type"]]
+    ls = kind() if kind is not StaticLossScale else StaticLossScale(float(state["config"].get("scale", 1.0)))
+    ls.load_state_dict(state)
+    return ls

@@ -11,6 +11,7 @@ masters are rounded to nearest into the 16-bit parameters.
 from __future__ import annotations
 
 from collections.abc import Callable
+from typing import Any
 
 import torch
 from torch import nn
@@ -131,3 +132,39 @@ class MasterWeights:
         return (f"{len(listed)} parameter(s) ({', '.join(listed[:5])}{', ...' if len(listed) > 5 else ''}) were "
                 f"written outside the engine (e.g. model.load_state_dict after MixedPrecision was built); their "
                 f"fp32 masters now take those values, as stored in {dtype}")
+
+    def named(self, named_parameters: Any) -> dict[str, torch.Tensor]:
+        """The masters by their param's name (``model.named_parameters()``), detached references."""
+        names = {id(p): n for n, p in named_parameters}
+        return {names[id(p)]: m.detach() for p, m in self.pairs}
+
+    def by_name(self, saved: Any, named: dict[str, nn.Parameter]) -> list[torch.Tensor]:
+        """``saved`` masters (a :meth:`named` dict, or a list in :attr:`pairs` order) as a list in
+        :attr:`pairs` order. Raises ValueError unless they are exactly the masters this policy needs."""
+        names = {id(p): n for n, p in named.items()}
+        needed = [names[id(p)] for p, _ in self.pairs]
+        if isinstance(saved, dict) and set(saved) == set(needed):
+            return [saved[n] for n in needed]
+        if not isinstance(saved, dict) and len(saved) == len(needed):
+            return list(saved)
+        have = sorted(saved)[:5] if isinstance(saved, dict) else f"{len(saved)} tensors"
+        raise ValueError(f"the state holds masters {have}, this policy needs {sorted(needed)[:5]}")
+
+    @torch.no_grad()
+    def load_weights(self, model: nn.Module, model_state: dict[str, torch.Tensor],
+                     masters_fp32: dict[str, torch.Tensor]) -> None:
+        """Load ``model_state`` into ``model`` (cast to each tensor's dtype), then give every param its
+        best saved value: a saved fp32 master (by param name) beats the rounded 16-bit copy; a param with
+        a master here gets the master, rounded. No host sync."""
+        names = {id(p): n for n, p in model.named_parameters()}
+        model.load_state_dict(model_state)
+        master_of = {id(p): master for p, master in self.pairs}
+        for p in self.params:
+            value_fp32 = masters_fp32.get(names.get(id(p)))
+            master = master_of.get(id(p))
+            if master is not None:
+                master.copy_(value_fp32 if value_fp32 is not None else p)
+                p.copy_(master)   # the param is the master rounded, as after a step
+            elif value_fp32 is not None:
+                p.copy_(value_fp32)
+        self.record_versions()

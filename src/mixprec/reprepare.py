@@ -16,13 +16,14 @@ from typing import Any
 import torch
 from torch import nn
 
+from mixprec.loss_scale import from_state_dict as loss_scale_from_state
 from mixprec.masters import MasterWeights
 from mixprec.optim import contract
 from mixprec.policy import Policy
 from mixprec.regions import keep_fp32_modules
 from mixprec.storage import FrozenSet, StoragePlan, plan_storage
 
-__all__ = ["Prepared", "check_fp8_unchanged", "reprepare"]
+__all__ = ["Prepared", "check_fp8_unchanged", "reprepare", "load_across_policies"]
 
 
 @dataclass(frozen=True)
@@ -98,3 +99,28 @@ def reprepare(model: nn.Module, optimizer: torch.optim.Optimizer, masters: Maste
     contract.move_state(optimizer, moves, new)
     new_masters.record_versions()
     return Prepared(plan=plan, masters=new_masters, keep=keep, carried=carried)
+
+
+def load_across_policies(mp: Any, state: dict[str, Any], *, convert: bool, adopt_policy: bool) -> None:
+    """Load ``state``, saved under another policy, into the engine ``mp`` through its public methods: switch
+    to the saved policy (with the saved loss scale), load exactly, and with ``convert`` switch back to
+    ``mp``'s policy, whose rules then apply (a ``"convert"`` event). A refused load switches back and
+    re-raises: ``mp`` is left as given (its loss scale object included).
+
+    Raises:
+        ValueError: neither ``convert`` nor ``adopt_policy``, or both; whatever the loads refuse.
+    """
+    saved, target, target_scale = state["policy"], str(mp.policy), mp.loss_scale
+    if convert == adopt_policy:
+        raise ValueError(f"state was saved under policy {saved!r}, this engine runs {target}; pass "
+                         f"convert=True (to {target!r}) or adopt_policy=True (to {saved!r}), one of them")
+    loss_scale = loss_scale_from_state(state["loss_scale"])   # validates before anything changes
+    mp.set_policy(saved, cause="load_state_dict", loss_scale=loss_scale, record=False)
+    try:
+        mp.load_state_dict(state)
+    except (ValueError, TypeError):
+        mp.set_policy(target, cause="load_state_dict refused", loss_scale=target_scale, record=False)
+        raise
+    if convert:
+        event = mp.set_policy(target, cause=f"load_checkpoint(convert=True) from {saved}")
+        event["kind"] = "convert"   # the event the engine recorded
