@@ -188,13 +188,12 @@ class MixedPrecision:
         model.to(self.device)
         keep = keep_fp32_modules(model, self.policy)
         self.fp8_report, note = _convert_fp8(model, self.policy, self.device, keep)
-        self.decision += note
         self._strategy.before_casts(model, self.policy, self.device, keep, optimizer)
         params = list(model.parameters())
         self._frozen = FrozenSet(model)
         plan = plan_storage(model, self.policy, params, keep, self._frozen.ids(),
                             sharded=self._strategy.shards_params)
-        self.decision += plan.note()
+        self.decision += note + plan.note()
         self.masters = MasterWeights(params, set(plan.half) if self.policy.has_masters else set())
         self._frozen.store(plan)
         plan.apply(params)
@@ -425,9 +424,8 @@ class MixedPrecision:
         return event
 
     def refreeze(self, names: list[str]) -> None:
-        """Undo an :meth:`unfreeze` of ``names`` that added no param group (e.g. a refused load): freeze
-        them again and re-prepare, dropping the masters built from their stored values (exact when no
-        step ran in between); the events of both are removed."""
+        """Undo an :meth:`unfreeze` of ``names`` that added no param group (a refused load), exactly when
+        no step ran in between; the events of both are removed."""
         if not names:
             return
         named = dict(self.module.named_parameters())
@@ -500,9 +498,8 @@ class MixedPrecision:
         yield from self.masters.masters
 
     def trainable_state_dict(self) -> dict[str, torch.Tensor]:
-        """The trainable parameters only, by name, as fp32 CPU copies of their best values (master, else
-        param plus Kahan compensation, else upcast): the small file of a LoRA run, restored with
-        ``model.load_state_dict(state, strict=False)``. Device→host copies: syncs."""
+        """The trainable params by name as fp32 CPU copies of their best values (master, else param plus
+        Kahan compensation): a LoRA run's small file, for ``model.load_state_dict(state, strict=False)``. Syncs."""
         values = dict(zip(map(id, self.masters.params), self._fp32_values()))
         return {name: values[id(p)].to("cpu", copy=True).contiguous()
                 for name, p in self.module.named_parameters() if p.requires_grad}
