@@ -4,6 +4,7 @@ Everything runs on CPU. ``torch._scaled_mm`` runs on CPU only through a referenc
 (~0.1 GFLOP/s), so the tests that use it keep their GEMMs tiny.
 """
 
+import contextlib
 import dataclasses
 import math
 
@@ -301,16 +302,56 @@ def test_no_input_gradient_is_computed_when_not_needed():
 
 
 # --------------------------------------------------------------------------- _scaled_mm vs emulation
+# On CPU torch._scaled_mm has two kernels, picked by the CPU: oneDNN's fp8 matmul where the CPU has
+# AMX, else ATen's fallback (dequantise, fp32 matmul, cast). The tests pin the kernel so that a run
+# checks the same thing on every machine: "aten" everywhere, "onednn" where AMX runs it.
+def _cpu_has_amx():
+    try:
+        with open("/proc/cpuinfo") as f:
+            return "amx_int8" in f.read()
+    except OSError:
+        return False
+
+
+@contextlib.contextmanager
+def _mkldnn_enabled(enabled):
+    previous = torch.backends.mkldnn.enabled
+    torch.backends.mkldnn.enabled = enabled
+    try:
+        yield
+    finally:
+        torch.backends.mkldnn.enabled = previous
+
+
+@contextlib.contextmanager
+def _scaled_mm_kernel(kernel):
+    if kernel == "onednn" and not _cpu_has_amx():
+        pytest.skip("torch._scaled_mm runs oneDNN's fp8 matmul only on CPUs with AMX")
+    with _mkldnn_enabled(kernel == "onednn"):
+        try:
+            yield
+        except RuntimeError as error:
+            if kernel == "onednn" and "could not create a primitive descriptor" in str(error):
+                pytest.skip("oneDNN has no fp8 matmul at this ISA (ONEDNN_MAX_CPU_ISA below AMX?)")
+            raise
+
+
+KERNELS = ["aten", "onednn"]
+
+
 def _fp32_gemm_bound(a, b):
-    """|fl(a @ b) - fl'(a @ b)| for two fp32 evaluations that differ in summation order and in where
-    the scales are applied: each is within (K + 2) u sum_k |a_ik b_kj| of the exact value
-    (Higham's gamma_K for the sum, one rounding for each dequantisation or output scale), u = 2**-24."""
+    """|fl(q(a) @ q(b)) - fl'(q(a) @ q(b))| for two fp32 evaluations of the product of the fp8
+    operands q(a), q(b) that differ in summation order and in where the scales are applied. Each is
+    within (K + 2) u sum_k |q(a)_ik q(b)_kj| of the exact value (Higham's gamma_K for the sum, one
+    rounding for each dequantisation or output scale), u = 2**-24; round-to-nearest at most doubles
+    a magnitude (it gives 0 below half the smallest step), so sum |q(a)||q(b)| <= 4 sum |a||b|."""
     k = a.shape[-1]
-    return 2 * (k + 2) * 2.0 ** -24 * (a.abs() @ b.abs())
+    return 2 * (k + 2) * 2.0 ** -24 * 4 * (a.abs() @ b.abs())
 
 
+@pytest.mark.parametrize("kernel", KERNELS)
 @pytest.mark.parametrize("recipe", RECIPES)
-def test_scaled_mm_path_agrees_with_emulation(recipe):
+def test_scaled_mm_path_agrees_with_emulation(recipe, kernel):
     # M = 40 (not a multiple of 16) exercises the zero padding of grad_weight's contraction
     x = torch.randn(40, 64)
     grad_y = torch.randn(40, 32) * 1e-3
@@ -318,14 +359,21 @@ def test_scaled_mm_path_agrees_with_emulation(recipe):
     for use_scaled_mm in (True, False):
         torch.manual_seed(1)
         layer = Float8Linear(64, 32, recipe=recipe, use_scaled_mm=use_scaled_mm)
-        results[use_scaled_mm] = _forward_backward(layer, x, grad_y)
+        with _scaled_mm_kernel(kernel):
+            results[use_scaled_mm] = _forward_backward(layer, x, grad_y)
     weight = layer.weight.detach()
     bounds = (_fp32_gemm_bound(x, weight.t()), _fp32_gemm_bound(grad_y, weight), _fp32_gemm_bound(grad_y.t(), x))
     for scaled, emulated, bound in zip(results[True], results[False], bounds):
         assert (scaled - emulated).abs().le(bound).all()
 
 
-def test_scaled_mm_path_agrees_with_emulation_in_bf16_to_one_rounding():
+@pytest.mark.parametrize("kernel", [
+    pytest.param("aten", marks=pytest.mark.xfail(strict=True, raises=AssertionError, reason=(
+        "product bug: Float8Linear calls torch._scaled_mm inside the caller's autocast, and ATen's CPU "
+        "fallback kernel (every CPU without AMX) then runs its fp32 matmul as a bf16 autocast matmul"))),
+    "onednn",
+])
+def test_scaled_mm_path_agrees_with_emulation_in_bf16_to_one_rounding(kernel):
     # tensorwise only: on CPU the rowwise bf16-output _scaled_mm kernel does not round once from an
     # fp32 accumulator (an exactly-zero output came back as 6e-4), one more reason auto never
     # uses _scaled_mm on CPU; benchmarks/gpu_fp8.py checks every recipe on CUDA
@@ -334,11 +382,15 @@ def test_scaled_mm_path_agrees_with_emulation_in_bf16_to_one_rounding():
     for use_scaled_mm in (True, False):
         torch.manual_seed(1)
         layer = Float8Linear(64, 32, bias=False, use_scaled_mm=use_scaled_mm)
-        with torch.autocast("cpu", dtype=torch.bfloat16):
+        with _scaled_mm_kernel(kernel), torch.autocast("cpu", dtype=torch.bfloat16):
             outputs.append(layer(x).float())
-    # the fp32 results agree to the bound above; each is then rounded once to bf16, so they may
-    # straddle a rounding boundary and differ by one bf16 ulp (at most 2**-7 relative)
-    assert torch.allclose(outputs[0], outputs[1], rtol=2.0 ** -7, atol=1e-5)
+    # Both paths accumulate the same fp8 products in fp32, z and z', with |z - z'| <= the fp32 bound
+    # above, then round once to bf16: |y - z| <= ulp(z) / 2 <= ulp(y) / 2, so
+    # |y - y'| <= bound + (ulp(y) + ulp(y')) / 2 <= bound + 1 bf16 ulp at max(|y|, |y'|).
+    y, y_other = outputs
+    ulp = get_format(torch.bfloat16).ulp(torch.maximum(y.abs(), y_other.abs()))
+    bound = _fp32_gemm_bound(x, layer.weight.detach().t()) + ulp
+    assert (y - y_other).abs().le(bound).all()
 
 
 def test_fp8_available_on_cpu_says_emulate_and_why():
