@@ -43,6 +43,7 @@ from mixprec import distributed as mpd
 from mixprec.loss_scale import DynamicLossScale
 
 WORLD = 2
+FP32 = torch.float32
 FP32_EPS, BF16_EPS = get_format("fp32").eps, get_format("bf16").eps
 FP32_TOL = 4 * 40 * FP32_EPS   # see the module docstring
 BF16_TOL = 4 * BF16_EPS
@@ -516,3 +517,76 @@ def test_bench_under_torchrun_writes_the_report_with_throughput_summed_over_rank
     per_rank = [r["items_per_batch"] / r["step_time_ms_median"] * 1e3 for r in ranks]  # each rank's own speed
     assert entry["items_per_s"] == pytest.approx(sum(per_rank), rel=1e-9)
     assert entry["tokens_per_s"] == entry["items_per_s"]
+
+
+# ================================================================ cases 28 and 29 in a one-process gloo group
+
+
+def _one_step(mp, x, loss_of=lambda out: out.float().sum()):
+    """One micro-batch through the engine: autocast forward, backward, step (None off a boundary)."""
+    with mp.autocast():
+        loss = loss_of(mp.model(mp.cast_inputs(x)))
+    mp.backward(loss)
+    return mp.step()
+
+
+# ---------------------------------------------------------------- cases 28 and 29: one-process gloo group
+@pytest.fixture
+def gloo_world_of_one(monkeypatch):
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    for key, value in dict(RANK="0", WORLD_SIZE="1", LOCAL_RANK="0", MASTER_ADDR="127.0.0.1",
+                           MASTER_PORT=str(port)).items():
+        monkeypatch.setenv(key, value)
+    yield
+    if dist.is_available() and dist.is_initialized():
+        dist.destroy_process_group()
+
+
+def _small_mlp():
+    torch.manual_seed(0)
+    return nn.Sequential(nn.Linear(8, 16), nn.GELU(), nn.Linear(16, 4))
+
+
+def test_case28_flags_of_every_micro_batch_go_through_the_agreement(gloo_world_of_one):
+    model = _small_mlp()
+    mp = MixedPrecision(model, torch.optim.SGD(model.parameters(), lr=0.1), "bf16-pure", device="cpu",
+                        strategy="ddp", accumulation_steps=2)
+    calls = []
+    real = mpd.any_across_ranks
+
+    def counting(flags):
+        calls.append(flags.detach().clone())
+        return real(flags)
+
+    mpd.any_across_ranks = counting
+    try:
+        x = torch.randn(2, 8) * 0.1
+        assert _one_step(mp, x, lambda out: out.float().mean() * float("nan")) is None   # NaN in micro-batch 1
+        skipped = _one_step(mp, x, lambda out: out.float().mean())
+        applied = [_one_step(mp, x, lambda out: out.float().mean()) for _ in range(2)][-1]
+    finally:
+        mpd.any_across_ranks = real
+    assert (skipped.applied, skipped.skipped_reason) == (False, "nonfinite")
+    assert applied.applied and (mp.applied_steps, mp.skipped_total, mp.boundaries) == (1, 1, 2)
+    assert len(calls) == 2 and calls[0].tolist() == [1.0, 1.0] and calls[1].tolist() == [0.0, 0.0]
+    assert mp.agree_on("spike", ("nonfinite", "spike")) == "spike"
+    with pytest.raises(ValueError, match=r"choice='oops' is not one of"):
+        mp.agree_on("oops", ("nonfinite", "spike"))
+
+
+@pytest.mark.parametrize("accumulation", [1, 2])
+def test_case29_gradient_collectives_run_in_fp32_with_and_without_accumulation(gloo_world_of_one, accumulation):
+    model = _small_mlp()
+    mp = MixedPrecision(model, torch.optim.SGD(model.parameters(), lr=0.1), "bf16-pure", device="cpu",
+                        strategy="ddp", accumulation_steps=accumulation)
+    assert mpd.gradient_reduce_dtypes(mp.model) == frozenset()     # nothing reduced yet
+    for _ in range(2 * accumulation):
+        _one_step(mp, torch.randn(4, 8) * 0.1, lambda out: out.float().pow(2).mean())
+    assert mp.applied_steps == 2
+    assert mpd.gradient_reduce_dtypes(mp.model) == {FP32}
+    fp16 = _small_mlp()   # fp16 under FSDP2: the engine wires its sharded found-inf check and a dynamic scale
+    mp16 = MixedPrecision(fp16, torch.optim.SGD(fp16.parameters(), lr=0.1), "fp16-mixed", device="cpu",
+                          strategy="fsdp2")
+    assert mp16.loss_scale.dynamic and float(mp16.loss_scale.scale) == 2.0 ** 16

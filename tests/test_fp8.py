@@ -13,6 +13,7 @@ import torch
 from torch import nn
 
 import mixprec.fp8 as fp8
+from mixprec import MixedPrecision
 from mixprec.formats import get_format
 from mixprec.fp8 import (AMAX_FLOOR, Float8Linear, Float8Recipe, ScaledFloat8, amax, convert_to_float8,
                          fp8_available, from_fp8, scale_from_amax, to_fp8)
@@ -553,3 +554,40 @@ def test_clamped_scales_count_zero_operands_per_role(recipe):
     assert all(torch.isfinite(p.grad).all() for p in model.parameters())
     model[1].scaling.reset_clamped()
     assert "1" not in clamped_scales(model) or clamped_scales(model)["1"]["weight"] == 0
+
+
+# ================================================================ case 30 through the engine
+
+
+def _linear(n_in=4, n_out=1, seed=0):
+    torch.manual_seed(seed)
+    return nn.Linear(n_in, n_out)
+
+
+def _one_step(mp, x, loss_of=lambda out: out.float().sum()):
+    """One micro-batch through the engine: autocast forward, backward, step (None off a boundary)."""
+    with mp.autocast():
+        loss = loss_of(mp.model(mp.cast_inputs(x)))
+    mp.backward(loss)
+    return mp.step()
+
+
+# ---------------------------------------------------------------- case 30: fp8 with zero and tiny amax
+@pytest.mark.parametrize("recipe", ["tensorwise", "rowwise", "delayed"])
+def test_case30_fp8_linears_train_through_all_zero_inputs_and_weights(recipe):
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(16, 32), nn.Linear(32, 32), nn.Linear(32, 16))
+    with torch.no_grad():
+        model[1].weight.zero_()
+        model[1].weight[3].fill_(1e-40)        # an fp32 subnormal row next to zero rows
+    mp = MixedPrecision(model, torch.optim.SGD(model.parameters(), lr=0.1), policy=f"fp8-mixed,recipe={recipe}",
+                        device="cpu")
+    assert list(mp.fp8_report.converted) == ["1"]
+    with mp.autocast():
+        zero_out = model[1](torch.zeros(4, 32))
+    assert torch.equal(zero_out.float(), model[1].bias.detach().to(zero_out.dtype).float().expand(4, 32))
+    for x in (torch.zeros(4, 16), torch.randn(4, 16), torch.randn(4, 16)):
+        result = _one_step(mp, x, lambda out: out.float().pow(2).mean())
+        assert result.applied and math.isfinite(result.grad_norm)
+    assert all(torch.isfinite(p).all() for p in model.parameters())
+    assert all(torch.isfinite(b).all() for b in model.buffers())   # delayed: amax history and scales
