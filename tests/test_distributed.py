@@ -460,7 +460,6 @@ def test_any_across_ranks_without_a_group_is_the_flag_itself():
 
 
 # ---------------------------------------------------------------------- the command line under torchrun
-@pytest.mark.slow
 @pytest.mark.timeout(120)
 def test_train_under_torchrun_with_fsdp2_then_resume_in_one_process(tmp_path):
     import json
@@ -490,7 +489,6 @@ def test_train_under_torchrun_with_fsdp2_then_resume_in_one_process(tmp_path):
     assert mpd.read_distributed_manifest(out / "checkpoints")["world_size"] == 1
 
 
-@pytest.mark.slow
 @pytest.mark.timeout(120)
 def test_bench_under_torchrun_writes_the_report_with_throughput_summed_over_ranks(tmp_path):
     import json
