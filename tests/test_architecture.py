@@ -11,9 +11,6 @@
   count.
 * The engine's step stays readable: ``MixedPrecision`` at most 450 lines, its ``step`` at most 45.
 
-The checks that fail only because of modules under redesign (:data:`IN_REDESIGN`) are separate
-tests marked ``xfail``: every private name across units, and the engine's size. Their companion
-(private names outside those modules) must pass today.
 """
 
 from __future__ import annotations
@@ -26,13 +23,6 @@ import pytest
 
 SRC = Path(__file__).resolve().parent.parent / "src"
 PACKAGE = "mixprec"
-
-# Modules being redesigned in parallel; their private imports and the engine's size are fixed then.
-IN_REDESIGN = frozenset({
-    "mixprec.engine", "mixprec.masters", "mixprec.checkpoint", "mixprec.distributed", "mixprec.guard",
-    "mixprec.optim", "mixprec.optim.adamw", "mixprec.optim.rounding", "mixprec.optim.sgd",
-})
-redesign_xfail = pytest.mark.xfail(strict=False, reason="engine redesign in progress")
 
 CLASS_LINES_LIMIT = 450
 STEP_LINES_LIMIT = 45
@@ -223,10 +213,8 @@ def _dotted(node: ast.expr) -> list[str] | None:
     return [node.id, *reversed(parts)]
 
 
-def _private_uses(touching_redesign: bool | None) -> list[str]:
-    """Each use of another unit's private name as text; ``touching_redesign``: only those where the
-    using or the defining module is in :data:`IN_REDESIGN` (True), only the others (False), or all
-    (None)."""
+def _private_uses() -> list[str]:
+    """Each use of another unit's private name, as text."""
     known = _modules()
     found = []
     for module in known:
@@ -253,20 +241,12 @@ def _private_uses(touching_redesign: bool | None) -> list[str]:
         for target, name, line in sorted(set(uses), key=lambda u: u[2]):
             if target not in known or _unit(target) == _unit(module):
                 continue
-            touches = module in IN_REDESIGN or target in IN_REDESIGN
-            if touching_redesign is None or touches == touching_redesign:
-                found.append(f"{module} (line {line}) uses {target}.{name}")
+            found.append(f"{module} (line {line}) uses {target}.{name}")
     return sorted(set(found))
 
 
-def test_no_private_names_across_units_outside_the_engine_redesign():
-    uses = _private_uses(touching_redesign=False)
-    assert not uses, "private names used outside the subpackage or module defining them:\n" + "\n".join(uses)
-
-
-@redesign_xfail
 def test_no_private_names_across_units():
-    uses = _private_uses(touching_redesign=None)
+    uses = _private_uses()
     assert not uses, "private names used outside the subpackage or module defining them:\n" + "\n".join(uses)
 
 
@@ -283,7 +263,6 @@ def _mixed_precision() -> ast.ClassDef:
     raise AssertionError("src/mixprec/engine.py defines no class MixedPrecision")
 
 
-@redesign_xfail
 def test_mixed_precision_class_is_short():
     cls = _mixed_precision()
     assert _lines(cls) <= CLASS_LINES_LIMIT, (
@@ -291,7 +270,6 @@ def test_mixed_precision_class_is_short():
         f"more than {CLASS_LINES_LIMIT}: move what it needs into collaborators")
 
 
-@redesign_xfail
 def test_mixed_precision_step_is_short():
     cls = _mixed_precision()
     step = next((n for n in cls.body if isinstance(n, ast.FunctionDef) and n.name == "step"), None)

@@ -1,8 +1,14 @@
 import pytest
 import torch
+from torch import nn
+from torch.overrides import TorchFunctionMode
 
+from mixprec import MixedPrecision
 from mixprec.devices import Capability, probe, resolve, resolve_policy
 from mixprec.policy import PRESETS
+
+
+FP32 = torch.float32
 
 
 def cap(device, bf16=True, bf16_fast=True, fp16_native=True, fp16=True, detail="test"):
@@ -62,3 +68,52 @@ def test_bad_devices(device, match):
         pytest.skip("CUDA present")
     with pytest.raises(ValueError, match=match):
         resolve("fp32", device)
+
+
+# ================================================================ case 27 through the engine
+
+
+def _linear(n_in=4, n_out=1, seed=0):
+    torch.manual_seed(seed)
+    return nn.Linear(n_in, n_out)
+
+
+def _one_step(mp, x, loss_of=lambda out: out.float().sum()):
+    """One micro-batch through the engine: autocast forward, backward, step (None off a boundary)."""
+    with mp.autocast():
+        loss = loss_of(mp.model(mp.cast_inputs(x)))
+    mp.backward(loss)
+    return mp.step()
+
+
+# ---------------------------------------------------------------- case 27: device portability
+def test_case27_engine_step_uses_no_float64_and_mps_is_refused_or_planned_clearly():
+    class DtypeSpy(TorchFunctionMode):
+        def __init__(self):
+            super().__init__()
+            self.dtypes = set()
+
+        def __torch_function__(self, func, types, args=(), kwargs=None):
+            out = func(*args, **(kwargs or {}))
+            for t in out if isinstance(out, (tuple, list)) else (out,):
+                if isinstance(t, torch.Tensor):
+                    self.dtypes.add(t.dtype)
+            return out
+
+    model = _linear(4, 2)
+    mp = MixedPrecision(model, torch.optim.SGD(model.parameters(), lr=0.1), policy="fp16-mixed", device="cpu",
+                        max_grad_norm=1.0)
+    spy = DtypeSpy()
+    with spy:
+        for k in (1e30, 1.0):               # one skip (back-off) and one applied step
+            _one_step(mp, torch.randn(2, 4) * 0.01, lambda out, k=k: out.float().mean() * k)
+    assert torch.float64 not in spy.dtypes and FP32 in spy.dtypes
+    assert mp.applied_steps == 1 and mp.skipped_total == 1
+    if not torch.backends.mps.is_available():
+        with pytest.raises(ValueError, match=r"device='mps': MPS is not available here; use device='cpu'"):
+            mps_model = _linear()
+            MixedPrecision(mps_model, torch.optim.SGD(mps_model.parameters(), lr=0.1), policy="auto", device="mps")
+    old_mac = Capability(device="mps", bf16=False, fp16=True, bf16_fast=False, fp16_native=True, detail="macOS 13")
+    fallback = resolve("bf16-pure", "mps:0", capability=old_mac, allow_fallback=True)
+    assert fallback.fell_back and str(fallback.policy) == "fp16-mixed" and fallback.policy.loss_scale == "dynamic"
+    assert fallback.device == torch.device("mps", 0) and "cannot run bf16 (macOS 13)" in fallback.decision

@@ -1,4 +1,8 @@
-"""The training-step engine, through the public API, with the cases of shared/cases/cases.md in our words."""
+"""The training-step engine, through the public API.
+
+The cases of shared/cases/cases.md that the engine answers are named ``test_caseNN_...``
+(cases 1-4, 6-8, 11, 16, 17 and 25); the other cases live with the module they test.
+"""
 
 import copy
 import math
@@ -13,7 +17,9 @@ from torch import nn
 
 import mixprec
 from mixprec import DivergenceError, MixedPrecision
-from mixprec.loss_scale import DynamicLossScale
+from mixprec.loss_scale import DynamicLossScale, StaticLossScale
+
+BF16, FP16, FP32 = torch.bfloat16, torch.float16, torch.float32
 
 
 def tiny_lm(seed=0):
@@ -76,96 +82,8 @@ def test_bitwise_parity_with_hand_written_autocast_and_gradscaler(policy, dtype)
     assert sched2.last_epoch == sched.last_epoch == 20
 
 
-# ---------------------------------------------------------------- case 1 and 2: NaN that scaling cannot fix
-def test_case1_nan_every_step_never_drives_scale_to_zero_and_raises_with_cause():
-    model = nn.Linear(4, 3)
-    mp = MixedPrecision(model, torch.optim.SGD(model.parameters(), lr=0.1), policy="fp16-mixed", device="cpu",
-                        max_stuck_skips=10)
-    x = torch.randn(2, 4)
-    with pytest.raises(DivergenceError) as err:
-        for _ in range(200):
-            with mp.autocast():
-                loss = model(x).float().sum() * float("nan")
-            mp.backward(loss)
-            mp.step()
-    msg = str(err.value)
-    assert "10 consecutive steps with a non-finite loss" in msg
-    assert "gradients hold NaN" in msg and "loss scaling cannot fix" in msg and "locate_nonfinite" in msg
-    # a non-finite *loss* is not an overflow: the scale is not halved for it (never 0 or denormal)
-    assert mp.loss_scale.scale.item() == 2.0 ** 16
-    assert mp.skipped_total == 10
-    # the contrast: torch's GradScaler on the same stream reaches exactly 0
-    scaler = torch.amp.GradScaler("cpu")
-    m2, g = nn.Linear(4, 3), None
-    opt2 = torch.optim.SGD(m2.parameters(), lr=0.1)
-    for _ in range(200):
-        with torch.autocast("cpu", dtype=torch.float16):
-            loss = m2(x).float().sum() * float("nan")
-        scaler.scale(loss).backward()
-        scaler.step(opt2)
-        scaler.update()
-        opt2.zero_grad()
-    assert scaler.get_scale() == 0.0
-
-
-def test_case2_grads_overflow_at_the_floor_reports_overflow_not_data():
-    torch.manual_seed(0)
-    model = nn.Linear(4, 3)
-    mp = MixedPrecision(model, torch.optim.SGD(model.parameters(), lr=0.1), device="cpu", max_stuck_skips=5,
-                        policy="fp16-mixed", loss_scale=DynamicLossScale(init_scale=4.0, min_scale=1.0))
-    x = torch.randn(2, 4)
-    reasons = []
-    with pytest.raises(DivergenceError, match=r"loss is finite but gradients overflow even at the smallest scale"):
-        for _ in range(50):
-            with mp.autocast():
-                loss = 1e5 * model(x).sum()  # d loss / d out = 1e5 > fp16 max at any scale >= 1
-            mp.backward(loss)
-            reasons.append(mp.step().skipped_reason)
-    assert reasons and set(reasons) == {"overflow"}
-    assert mp.applied_steps == 0
-
-
-def test_bf16_nan_step_is_skipped_and_reported_nonfinite():
-    model = tiny_lm()
-    mp = MixedPrecision(model, torch.optim.AdamW(model.parameters()), policy="bf16-mixed", device="cpu")
-    before = [p.detach().clone() for p in model.parameters()]
-    x = token_batches(1)[0]
-    with mp.autocast():
-        loss = lm_loss(mp.model(x), x) * float("nan")
-    mp.backward(loss)
-    res = mp.step()
-    assert (res.applied, res.skipped_reason, res.step, res.skipped_total) == (False, "nonfinite", 0, 1)
-    assert all(torch.equal(a, b) for a, b in zip(before, model.parameters()))
-
-
-# ---------------------------------------------------------------- case 3: clipping on unscaled grads
-def test_case3_clipping_sees_unscaled_gradients():
-    torch.manual_seed(0)
-    w0 = torch.randn(1, 4) * 0.1
-    x = torch.randn(8, 4) * 0.3
-
-    def run(policy):
-        model = nn.Linear(4, 1, bias=False)
-        with torch.no_grad():
-            model.weight.copy_(w0)
-        mp = MixedPrecision(model, torch.optim.SGD(model.parameters(), lr=0.1), policy=policy, device="cpu",
-                            max_grad_norm=1.0)
-        with mp.autocast():
-            loss = model(x).float().pow(2).mean()
-        mp.backward(loss)
-        res = mp.step()
-        return model.weight.detach().float(), res
-
-    w32, r32 = run("fp32")
-    w16, r16 = run("fp16-mixed")
-    assert r32.grad_norm < 1.0                       # true norm is below the threshold: no clipping
-    assert r16.loss_scale == 2.0 ** 16
-    assert math.isclose(r16.grad_norm, r32.grad_norm, rel_tol=2e-3)   # reported norm is the unscaled one
-    torch.testing.assert_close(w16, w32, rtol=1e-3, atol=1e-5)       # same update as fp32, whatever the scale
-
-
 # ---------------------------------------------------------------- case 4: the engine owns the lifecycle
-def test_case4_accumulation_unscales_once_and_misuse_names_the_call():
+def test_case04_accumulation_unscales_once_and_misuse_names_the_call():
     model = tiny_lm()
     mp = MixedPrecision(model, torch.optim.SGD(model.parameters(), lr=0.1), policy="fp16-mixed", device="cpu",
                         accumulation_steps=4, max_grad_norm=1.0)
@@ -198,7 +116,7 @@ def test_accumulation_equals_big_batch_in_fp32():
 
 
 # ---------------------------------------------------------------- case 6: skipped steps and the scheduler
-def test_case6_scheduler_steps_only_on_applied_steps():
+def test_case06_step_lr_decays_only_on_the_applied_step():
     model = nn.Linear(4, 1)
     opt = torch.optim.SGD(model.parameters(), lr=1.0)
     sched = torch.optim.lr_scheduler.StepLR(opt, step_size=1, gamma=0.5)
@@ -222,28 +140,8 @@ def test_case6_scheduler_steps_only_on_applied_steps():
     assert sched.last_epoch == 1 and opt.param_groups[0]["lr"] == 0.5
 
 
-# ---------------------------------------------------------------- case 7: stray half-precision parameter
-def test_case7_stray_fp16_parameter_is_named_before_the_first_step():
-    model = nn.Sequential(nn.Linear(4, 4), nn.Linear(4, 1))
-    model[1].half()
-    with pytest.raises(ValueError, match=r"1\.weight \(float16\), 1\.bias \(float16\).*model\.float\(\)"):
-        MixedPrecision(model, torch.optim.SGD(model.parameters(), lr=0.1), policy="fp16-mixed", device="cpu")
-
-
-# ---------------------------------------------------------------- case 8: loss scaling forced under bf16
-def test_case8_scaling_forced_with_bf16_warns_and_still_trains():
-    model = tiny_lm()
-    with pytest.warns(UserWarning, match="bf16 has fp32's exponent range"):
-        mp = MixedPrecision(model, torch.optim.AdamW(model.parameters()), policy="bf16-mixed", device="cpu",
-                            loss_scale="dynamic")
-    res = train(mp, token_batches(3))[-1]
-    assert res.applied and res.loss_scale == 2.0 ** 16
-    plain = MixedPrecision(*with_opt(tiny_lm(), torch.optim.AdamW), policy="bf16-mixed", device="cpu")
-    assert not plain.loss_scale.enabled
-
-
 # ---------------------------------------------------------------- master weights (cases 16, 17)
-def test_master_weights_bf16_pure_keep_small_updates():
+def test_case16_bf16_pure_masters_keep_small_updates_of_torch_adamw_with_fp32_state():
     torch.manual_seed(0)
     model = nn.Linear(16, 1, bias=False)
     with torch.no_grad():
@@ -661,3 +559,326 @@ def test_unwrap_to_fp32_returns_the_masters_at_full_precision():
     for p, m in zip(model.parameters(), masters):
         assert p.dtype == torch.float32 and torch.equal(p, m)
     assert model(x).dtype == torch.float32          # plain fp32 inference, no autocast
+
+
+# ================================================================ cases of shared/cases/cases.md on the engine
+
+
+def _linear(n_in=4, n_out=1, seed=0):
+    torch.manual_seed(seed)
+    return nn.Linear(n_in, n_out)
+
+
+def _one_step(mp, x, loss_of=lambda out: out.float().sum()):
+    """One micro-batch through the engine: autocast forward, backward, step (None off a boundary)."""
+    with mp.autocast():
+        loss = loss_of(mp.model(mp.cast_inputs(x)))
+    mp.backward(loss)
+    return mp.step()
+
+
+# ---------------------------------------------------------------- case 1: NaN every step
+@pytest.mark.parametrize("policy, scale, where", [
+    ("bf16-mixed", 1.0, "data"),          # no loss scaling; NaN in the input batch itself
+    ("fp16-mixed", 2.0 ** 16, "loss"),    # a non-finite *loss* never halves the scale: scaling cannot fix it
+    ("fp16-pure", 2.0 ** 16, "data"),
+])
+def test_case01_nan_every_step_keeps_the_scale_and_raises_blaming_the_data(policy, scale, where):
+    model = _linear(4, 3)
+    mp = MixedPrecision(model, torch.optim.SGD(model.parameters(), lr=0.1), policy=policy, device="cpu",
+                        max_stuck_skips=6)
+    x = torch.randn(2, 4)
+    if where == "data":
+        x[0, 0] = float("nan")
+    factor = float("nan") if where == "loss" else 1.0
+    scales = []
+    with pytest.raises(DivergenceError) as err:
+        for _ in range(200):
+            result = _one_step(mp, x, lambda out: out.float().sum() * factor)
+            assert not result.applied and result.skipped_reason == "nonfinite"
+            scales.append(result.loss_scale)
+    assert set(scales) == {scale} and float(mp.loss_scale.scale) == scale     # never 0, never denormal
+    msg = str(err.value)
+    assert "6 consecutive steps with a non-finite loss" in msg and "gradients hold NaN" in msg
+    assert "the fault is in the data or the forward pass" in msg and "loss scaling cannot fix" in msg
+    assert "locate_nonfinite" in msg
+    assert mp.applied_steps == 0 and mp.skipped_total == 6
+
+
+# ---------------------------------------------------------------- case 2: stuck at the floor
+def test_case02_stuck_at_floor_is_counted_and_raises_at_the_threshold_naming_overflow():
+    model = _linear(4, 3)
+    mp = MixedPrecision(model, torch.optim.SGD(model.parameters(), lr=0.1), policy="fp16-mixed", device="cpu",
+                        loss_scale=DynamicLossScale(init_scale=2.0, min_scale=1.0), max_stuck_skips=3)
+    x = torch.randn(2, 4)
+    seen = []
+    with pytest.raises(DivergenceError, match=r"3 consecutive skipped steps .* floor 1 .*loss is finite") as err:
+        for _ in range(50):   # d loss / d out = 1e5 > fp16 max at any scale >= 1
+            seen.append(_one_step(mp, x, lambda out: 1e5 * out.sum()))
+    assert "loss is finite but gradients overflow even at the smallest scale" in str(err.value)
+    # scale 2 (skip, back off to 1), then two skips at the floor; the third raises
+    assert [(r.applied, r.skipped_reason, r.loss_scale, r.skipped_total) for r in seen] == [
+        (False, "overflow", 2.0, 1), (False, "overflow", 1.0, 2), (False, "overflow", 1.0, 3)]
+    # the raising (4th) step is a finished boundary: counted as skipped, loss scale updated
+    assert (mp.boundaries, mp.skipped_total, mp.applied_steps, mp.micro_step) == (4, 4, 0, 0)
+    assert int(mp.loss_scale.floor_skips) == 3 and int(mp.loss_scale.consecutive_skips) == 4
+    assert mp.applied_steps == 0
+
+
+# ---------------------------------------------------------------- case 3: clipping sees unscaled grads
+@pytest.mark.parametrize("policy, loss_scale, max_norm", [
+    ("fp16-mixed", None, 1.0),                      # dynamic 2**16; the true norm is below max_norm: no clip
+    ("fp16-mixed", StaticLossScale(2.0 ** -8), 0.01),   # a scale below one
+    ("fp16-mixed", StaticLossScale(256.0), 0.01),
+    ("fp16-pure", None, 0.01),                      # dynamic 2**16 on fp16 params with fp32 masters
+])
+def test_case03_clipping_and_reported_norm_match_fp32_whatever_the_scale(policy, loss_scale, max_norm):
+    torch.manual_seed(0)
+    w0 = torch.randn(1, 4) * 0.1
+    x = torch.randn(8, 4) * 0.3
+
+    def run(policy, loss_scale=None, accumulation=2):
+        model = nn.Linear(4, 1, bias=False)
+        with torch.no_grad():
+            model.weight.copy_(w0)
+        mp = MixedPrecision(model, torch.optim.SGD(model.parameters(), lr=0.1), policy=policy, device="cpu",
+                            max_grad_norm=max_norm, loss_scale=loss_scale, accumulation_steps=accumulation)
+        for chunk in x.chunk(accumulation):
+            result = _one_step(mp, chunk, lambda out: 5.0 * out.float().pow(2).mean())
+        return next(mp.master_parameters()).detach().clone(), result
+
+    w32, r32 = run("fp32")
+    w16, r16 = run(policy, loss_scale)
+    assert (r32.grad_norm > max_norm) == (max_norm < 1.0)          # the clip is active where meant to be
+    assert r16.loss_scale == (loss_scale.scale.item() if loss_scale else 2.0 ** 16)
+    # each gradient is fp32's to a few fp16 roundings (the fp16 output, its gradient, the cast input,
+    # the fp16 weight-gradient GEMM output: <= 4 u = 2 fp16 eps relative); the scales are powers of two
+    fp16_eps = mixprec.get_format("fp16").eps
+    assert r16.applied and math.isclose(r16.grad_norm, r32.grad_norm, rel_tol=2 * fp16_eps)
+    # the update lr * g carries that error; |lr * g| < |w|, so 1 fp16 eps of |w| bounds it
+    torch.testing.assert_close(w16, w32, rtol=fp16_eps, atol=0)    # the (clipped) update is fp32's
+    assert not torch.equal(w16, w0)
+
+
+def test_case03_inf_gradients_stay_visible_to_the_skip_when_clipping():
+    model = nn.Linear(4, 1)
+    mp = MixedPrecision(model, torch.optim.SGD(model.parameters(), lr=0.1), policy="bf16-mixed", device="cpu",
+                        max_grad_norm=1.0)
+    before = [p.detach().clone() for p in model.parameters()]
+    result = _one_step(mp, torch.randn(2, 4), lambda out: out.float().sum() * float("inf"))
+    assert not result.applied and result.skipped_reason == "nonfinite"
+    assert not math.isfinite(result.grad_norm)                       # the reported norm is not disguised
+    assert all(torch.equal(a, b) for a, b in zip(before, model.parameters()))
+
+
+# ---------------------------------------------------------------- case 4: the lifecycle belongs to the engine
+def test_case04_skip_then_apply_and_refused_misuse_leave_the_engine_usable():
+    model = _linear(4, 1)
+    mp = MixedPrecision(model, torch.optim.SGD(model.parameters(), lr=0.1), policy="fp16-pure", device="cpu",
+                        max_grad_norm=1.0, accumulation_steps=2)
+    x = torch.randn(2, 4) * 0.01
+    small = lambda out: out.float().mean()           # noqa: E731
+    huge = lambda out: out.float().mean() * 1e30     # noqa: E731
+    assert _one_step(mp, x, huge) is None            # first micro-batch: no boundary yet
+    skipped = _one_step(mp, x, small)                # the boundary: overflow anywhere in it skips
+    assert (skipped.applied, skipped.skipped_reason) == (False, "overflow")
+    assert all(m.grad is None for m in mp.master_parameters())
+    assert all(p.grad is None for p in model.parameters())
+    assert _one_step(mp, x, small) is None
+    applied = _one_step(mp, x, small)                # no "unscale_() has already been called"
+    assert applied.applied and applied.step == 1 and applied.loss_scale == 2.0 ** 15
+    with mp.autocast():
+        loss = mp.model(mp.cast_inputs(x)).float().mean()
+    mp.backward(loss)
+    mp.step()
+    mp.backward(mp.model(mp.cast_inputs(x)).float().mean())
+    with pytest.raises(RuntimeError, match=r"backward\(\) called 3 times since the last step\(\) with "
+                                           r"accumulation_steps=2"):
+        mp.backward(mp.model(mp.cast_inputs(x)).float().mean())
+    result = mp.step()                               # the refused call changed nothing
+    assert result.applied and result.step == 2
+    with pytest.raises(RuntimeError, match=r"step\(\) called without backward\(\)"):
+        mp.step()
+
+
+# ---------------------------------------------------------------- case 6: schedulers follow applied steps
+SCHEDULERS = {
+    "OneCycleLR": lambda opt: torch.optim.lr_scheduler.OneCycleLR(opt, max_lr=1.0, total_steps=3),
+    "CosineAnnealingLR": lambda opt: torch.optim.lr_scheduler.CosineAnnealingLR(opt, T_max=10),
+    "SequentialLR": lambda opt: torch.optim.lr_scheduler.SequentialLR(
+        opt, [torch.optim.lr_scheduler.LinearLR(opt, 0.1, 1.0, 2), torch.optim.lr_scheduler.ConstantLR(opt, 1.0, 1)],
+        milestones=[2]),
+}
+
+
+@pytest.mark.parametrize("name", sorted(SCHEDULERS))
+def test_case06_any_epoch_scheduler_steps_only_on_applied_steps_without_warnings(name):
+    model = _linear(4, 1)
+    opt = torch.optim.SGD(model.parameters(), lr=1.0)
+    x = torch.randn(1, 4) * 0.01
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")       # no "lr_scheduler.step() before optimizer.step()"
+        scheduler = SCHEDULERS[name](opt)
+        mp = MixedPrecision(model, opt, policy="fp16-mixed", device="cpu", scheduler=scheduler)
+        results = [_one_step(mp, x, lambda out, k=k: out.float().sum() * k) for k in (1e35, 1.0, 1e35, 1.0)]
+    assert [r.applied for r in results] == [False, True, False, True]
+    assert [r.step for r in results] == [0, 1, 1, 2] and [r.skipped_total for r in results] == [1, 1, 2, 2]
+    assert (mp.applied_steps, mp.skipped_total, mp.boundaries) == (2, 2, 4)
+    assert scheduler.last_epoch == 2
+
+
+# ---------------------------------------------------------------- case 7: 16-bit parameters and scaling
+def test_case07_half_models_are_refused_or_get_fp32_masters():
+    whole = nn.Linear(4, 1).half()
+    with pytest.raises(ValueError, match=r"already holds weight \(float16\), bias \(float16\).*model\.float\(\)"):
+        MixedPrecision(whole, torch.optim.SGD(whole.parameters(), lr=0.1), policy="fp16-mixed", device="cpu")
+    stray = nn.Sequential(nn.Linear(4, 4), nn.Linear(4, 1))
+    stray[1].to(BF16)
+    with pytest.raises(ValueError, match=r"1\.weight \(bfloat16\), 1\.bias \(bfloat16\)"):
+        MixedPrecision(stray, torch.optim.SGD(stray.parameters(), lr=0.1), policy="fp16-pure", device="cpu")
+    # the fp16 policy with fp32 masters: the 16-bit copy computes, the fp32 copy is stepped, scaling works
+    model = nn.Linear(4, 1).half()
+    mp = MixedPrecision(model, torch.optim.SGD(model.parameters(), lr=0.1), policy="fp16-pure", device="cpu")
+    result = _one_step(mp, torch.randn(2, 4) * 0.01, lambda out: out.float().mean() * 0.1)
+    (master_w, master_b) = list(mp.master_parameters())
+    assert result.applied and result.loss_scale == 2.0 ** 16
+    assert model.weight.dtype == FP16 and master_w.dtype == FP32 and master_w.grad is None
+    assert torch.equal(model.weight, master_w.to(FP16)) and torch.equal(model.bias, master_b.to(FP16))
+    stray_fp16 = nn.Sequential(nn.Linear(4, 4), nn.Linear(4, 1))
+    stray_fp16[1].half()
+    with pytest.raises(ValueError, match=r"1\.weight \(float16\), 1\.bias \(float16\).*model\.float\(\)"):
+        MixedPrecision(stray_fp16, torch.optim.SGD(stray_fp16.parameters(), lr=0.1), policy="fp16-mixed",
+                       device="cpu")
+
+
+# ---------------------------------------------------------------- case 8: no scaling under bf16
+@pytest.mark.parametrize("policy", ["bf16-mixed", "bf16-pure", "bf16-kahan", "bf16-sr", "fp8-mixed"])
+def test_case08_bf16_policies_scale_nothing_warn_nothing_and_still_skip_nan(policy):
+    model = nn.Sequential(_linear(16, 32), nn.Linear(32, 32), nn.Linear(32, 1))
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        mp = MixedPrecision(model, mixprec.optim.AdamW(model.parameters()), policy=policy, device="cpu")
+    assert not mp.loss_scale.enabled and float(mp.loss_scale.scale) == 1.0
+    before = [p.detach().clone() for p in model.parameters()]
+    result = _one_step(mp, torch.randn(2, 16), lambda out: out.float().sum() * float("nan"))
+    assert (result.applied, result.skipped_reason, result.loss_scale) == (False, "nonfinite", 1.0)
+    assert (result.step, result.skipped_total) == (0, 1)
+    assert all(torch.equal(a, b) for a, b in zip(before, model.parameters()))
+
+
+@pytest.mark.parametrize("policy, override, scale", [
+    ("bf16-mixed", "dynamic", 2.0 ** 16), ("bf16-pure,loss_scale=dynamic", None, 2.0 ** 16),
+    ("bf16-pure", 128.0, 128.0), ("bf16-sr", DynamicLossScale(), 2.0 ** 16)])
+def test_case08_forcing_a_scale_under_bf16_warns_and_trains_at_that_scale(policy, override, scale):
+    model = _linear(4, 1)
+    with pytest.warns(UserWarning, match="bf16 has fp32's exponent range"):
+        mp = MixedPrecision(model, mixprec.optim.AdamW(model.parameters()), policy=policy, device="cpu",
+                            loss_scale=override)
+    results = [_one_step(mp, torch.randn(2, 4)) for _ in range(3)]
+    assert all(r.applied and r.loss_scale == scale for r in results)
+
+
+# ---------------------------------------------------------------- case 11: an FFN activation above 65504
+class _FFN(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.up = nn.Linear(64, 8, bias=False)
+        self.ln = nn.LayerNorm(8)
+        self.down = nn.Linear(8, 1)
+        with torch.no_grad():
+            self.up.weight.fill_(30.0)   # 40 * 30 * 64 = 76800 > 65504
+
+    def forward(self, x):
+        return self.down(self.ln(self.up(x)))
+
+
+class _Stack(nn.Module):
+    def __init__(self):
+        super().__init__()
+        torch.manual_seed(0)
+        self.blocks = nn.Sequential(_FFN(), _FFN())
+
+    def forward(self, x):
+        return self.blocks[0](x) + self.blocks[1](x)
+
+
+def test_case11_nested_overflow_is_named_and_a_glob_keeps_every_match_in_fp32():
+    x = torch.full((1, 64), 40.0)
+    loss_fn = lambda model, batch: model(batch).float().sum()   # noqa: E731
+    report = mixprec.locate_nonfinite(_Stack(), x, loss_fn, "fp16-mixed", "cpu")
+    assert (report.where, report.module, report.dtype, report.kind) == ("forward", "blocks.0.up", FP16, "inf")
+    assert report.output_amax_fp32 == 76800.0 and "an overflow" in str(report)
+    assert mixprec.locate_nonfinite(_Stack(), x, loss_fn, "bf16-mixed", "cpu") is None   # bf16 stays finite
+
+    model = _Stack()
+    mp = MixedPrecision(model, torch.optim.SGD(model.parameters(), lr=1e-4), policy="fp16-mixed,keep_fp32=blocks.*.up",
+                        device="cpu")
+    ran_in = {}
+    for name in ("blocks.0.up", "blocks.1.up", "blocks.0.down"):
+        model.get_submodule(name).register_forward_hook(lambda m, a, o, name=name: ran_in.update({name: o.dtype}))
+    with mp.autocast():
+        y = mp.model(x)
+    assert ran_in == {"blocks.0.up": FP32, "blocks.1.up": FP32, "blocks.0.down": FP16}
+    assert torch.isfinite(y).all()
+    mp.backward(y.float().mean())
+    assert mp.step() is not None
+
+
+# ---------------------------------------------------------------- case 16: bf16 weights and small updates
+def test_case16_master_weights_with_mixprec_adamw_and_opt_in_pure_bf16_warns():
+    def run(policy):
+        model = nn.Linear(16, 1, bias=False)
+        with torch.no_grad():
+            model.weight.fill_(1.0)
+        opt = mixprec.optim.AdamW(model.parameters(), lr=1e-4, weight_decay=0.0)
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always")
+            mp = MixedPrecision(model, opt, policy=policy, device="cpu")
+            for _ in range(100):
+                _one_step(mp, torch.ones(2, 16), lambda out: out.float().sum() * 0.25)   # grad 0.5
+        return model, mp, [str(w.message) for w in caught]
+
+    model, mp, caught = run("bf16-pure")
+    (master,) = list(mp.master_parameters())
+    torch.testing.assert_close(master, torch.full_like(master, 1.0 - 100 * 1e-4), rtol=0, atol=2e-6)
+    assert torch.equal(model.weight, master.to(BF16)) and not model.weight.eq(1.0).any()
+    assert not [m for m in caught if "rounded away" in m]
+    model, mp, caught = run("params=bf16,compute=bf16")      # pure bf16 without masters: opt-in, and warned
+    assert torch.equal(model.weight, torch.ones_like(model.weight))
+    assert len([m for m in caught if "rounded away" in m and "bf16-pure" in m]) == 1
+
+
+# ---------------------------------------------------------------- case 17: optimizer state dtype
+@pytest.mark.parametrize("policy, make_opt", [
+    ("fp16-mixed", lambda ps: torch.optim.AdamW(ps)),
+    ("fp16-pure", lambda ps: torch.optim.AdamW(ps)),
+    ("fp16-pure", lambda ps: mixprec.optim.SGD(ps, lr=1e-3, momentum=0.9)),
+    ("bf16-sr", lambda ps: mixprec.optim.AdamW(ps)),
+    ("fp8-mixed,recipe=rowwise", lambda ps: torch.optim.AdamW(ps)),
+])
+def test_case17_optimizer_state_is_fp32_after_one_step(policy, make_opt):
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(16, 32), nn.Linear(32, 32), nn.Linear(32, 16))
+    opt = make_opt(model.parameters())
+    mp = MixedPrecision(model, opt, policy=policy, device="cpu")
+    assert _one_step(mp, torch.randn(4, 16) * 0.1, lambda out: out.float().pow(2).mean()).applied
+    moments = {k: v.dtype for s in opt.state.values() for k, v in s.items() if torch.is_tensor(v) and v.dim() > 0}
+    assert moments and set(moments.values()) == {FP32}
+    assert len(opt.state) == 6
+
+
+# ---------------------------------------------------------------- case 25: the effective compute dtype
+@pytest.mark.parametrize("policy", ["bf16-mixed", "fp16-mixed", "bf16-pure", "fp16-pure", "bf16-kahan"])
+def test_case25_autocast_really_computes_in_the_policy_dtype_and_fp16_batches_are_normalised(policy):
+    model = nn.Sequential(nn.Linear(4, 4))
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        mp = MixedPrecision(model, mixprec.optim.AdamW(model.parameters()), policy=policy, device="cpu")
+        batch = mp.cast_inputs({"a": torch.randn(2, 4).half(), "b": torch.randn(2, 4).half()})
+        with mp.autocast():
+            joined = torch.cat([batch["a"], batch["b"]])       # no at::autocast::prioritize error
+            y = model[0](joined)
+    assert not [w for w in caught if "Disabling autocast" in str(w.message)]
+    assert y.dtype == mp.policy.compute_dtype != FP32
+    assert joined.dtype == mp.policy.param_dtype
+    assert mp.decision.startswith(f"{mp.policy} on cpu as asked")

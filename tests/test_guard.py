@@ -405,3 +405,33 @@ def test_set_policy_refuses_mid_accumulation_and_bad_policies_without_changing_a
         mp.set_policy("params=bf16,compute=bf16")    # a torch optimizer on 16-bit params, no masters
     assert str(mp.policy) == "fp16-mixed" and mp.events == []
     assert all(torch.equal(a, b) for a, b in zip(before, mp.model.parameters()))
+
+
+# ================================================================ case 1 with the guard
+
+
+def _linear(n_in=4, n_out=1, seed=0):
+    torch.manual_seed(seed)
+    return nn.Linear(n_in, n_out)
+
+
+def _one_step(mp, x, loss_of=lambda out: out.float().sum()):
+    """One micro-batch through the engine: autocast forward, backward, step (None off a boundary)."""
+    with mp.autocast():
+        loss = loss_of(mp.model(mp.cast_inputs(x)))
+    mp.backward(loss)
+    return mp.step()
+
+
+def test_case01_guard_names_the_bad_batch_and_does_not_escalate_for_it():
+    loss_fn = lambda model, batch: model(batch).float().sum()   # noqa: E731
+    model = _linear(4, 3)
+    mp = MixedPrecision(model, torch.optim.SGD(model.parameters(), lr=0.1), policy="fp16-mixed", device="cpu",
+                        guard=Guard(loss_fn=loss_fn, max_rollbacks=2))
+    x = torch.randn(2, 4)
+    x[1, 2] = float("nan")
+    with pytest.raises(DivergenceError, match=r"first non-finite: the batch itself holds nan"):
+        for _ in range(50):
+            _one_step(mp, x)
+    assert [e["kind"] for e in mp.events] == ["skip", "skip", "diverged"]
+    assert mp.guard.state.escalations[-1] == "none: the batch itself holds non-finite values"

@@ -2,8 +2,10 @@ import dataclasses
 
 import pytest
 import torch
+from torch import nn
 from torch.utils._python_dispatch import TorchDispatchMode
 
+from mixprec import DivergenceError, MixedPrecision
 from mixprec.loss_scale import DynamicLossScale, NoLossScale, StaticLossScale, from_spec
 
 INF, NAN = float("inf"), float("nan")
@@ -255,3 +257,57 @@ def test_from_spec():
         from_spec(8.0, growth_interval=5)
     with pytest.raises(ValueError, match="spec='static'"):
         from_spec("static")
+
+
+# ================================================================ scales below one, through the engine (cases 1 and 2)
+
+
+def _linear(n_in=4, n_out=1, seed=0):
+    torch.manual_seed(seed)
+    return nn.Linear(n_in, n_out)
+
+
+def _one_step(mp, x, loss_of=lambda out: out.float().sum()):
+    """One micro-batch through the engine: autocast forward, backward, step (None off a boundary)."""
+    with mp.autocast():
+        loss = loss_of(mp.model(mp.cast_inputs(x)))
+    mp.backward(loss)
+    return mp.step()
+
+
+def test_case01_a_floor_below_one_is_kept_when_gradients_overflow():
+    model = _linear(4, 3)
+    mp = MixedPrecision(model, torch.optim.SGD(model.parameters(), lr=0.1), policy="fp16-mixed", device="cpu",
+                        max_stuck_skips=4, loss_scale=DynamicLossScale(init_scale=1.0, min_scale=2.0 ** -3))
+    with pytest.raises(DivergenceError, match=r"at its floor 0\.125"):
+        for _ in range(50):   # gradients overflow (finite loss): the scale backs off below 1, to its floor
+            _one_step(mp, torch.randn(2, 4), lambda out: 1e6 * out.float().sum())   # 1e6 * 0.125 > 65504
+    assert float(mp.loss_scale.scale) == 0.125
+
+
+# ---------------------------------------------------------------- case 2: stuck at the floor
+def test_case02_min_scale_below_one_lets_an_overflowing_step_apply_like_fp32():
+    x = torch.randn(2, 4)
+
+    def run(policy, loss_scale=None):
+        model = _linear(4, 3)
+        mp = MixedPrecision(model, torch.optim.SGD(model.parameters(), lr=1e-9), policy=policy, device="cpu",
+                            loss_scale=loss_scale, max_stuck_skips=5)
+        results = [_one_step(mp, x, lambda out: 1e5 * out.float().sum()) for _ in range(8)]
+        return model, mp, results
+
+    model, mp, results = run("fp16-mixed", DynamicLossScale(init_scale=4.0, min_scale=2.0 ** -4))
+    applied = [r.applied for r in results]
+    assert applied[0] is False and any(applied)               # overflow at 4, applies once the scale is < 1
+    first = applied.index(True)
+    assert [r.skipped_reason for r in results[:first]] == ["overflow"] * first
+    assert results[first].loss_scale < 1.0 and results[-1].skipped_total == first
+    assert mp.applied_steps == 8 - first and int(mp.loss_scale.floor_skips) == 0
+    # the applied updates are fp32's, to fp16's rounding of the output gradient
+    ref_model = _linear(4, 3)
+    opt = torch.optim.SGD(ref_model.parameters(), lr=1e-9)
+    for _ in range(8 - first):
+        opt.zero_grad()
+        (1e5 * ref_model(x).sum()).backward()
+        opt.step()
+    torch.testing.assert_close(model.weight, ref_model.weight, rtol=0, atol=1e-6)

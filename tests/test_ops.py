@@ -10,8 +10,9 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+import mixprec
 from mixprec import ops
-from mixprec.engine import MixedPrecision
+from mixprec import MixedPrecision
 
 BF16, FP16, FP32 = torch.bfloat16, torch.float16, torch.float32
 POLICIES = [("bf16-mixed", BF16), ("fp16-mixed", FP16)]
@@ -435,3 +436,214 @@ def test_fp16_inputs_concatenate_after_engine_cast_inputs():
         joined = torch.cat([batch["a"], batch["b"]])
     assert joined.dtype == FP32
     assert joined.tolist() == [[1.0, 2.5], [-3.0, 0.125]]
+
+
+# ================================================================ the ops inside a trained model (cases.md)
+
+
+def _linear(n_in=4, n_out=1, seed=0):
+    torch.manual_seed(seed)
+    return nn.Linear(n_in, n_out)
+
+
+def _one_step(mp, x, loss_of=lambda out: out.float().sum()):
+    """One micro-batch through the engine: autocast forward, backward, step (None off a boundary)."""
+    with mp.autocast():
+        loss = loss_of(mp.model(mp.cast_inputs(x)))
+    mp.backward(loss)
+    return mp.step()
+
+
+# ---------------------------------------------------------------- case 10: masks
+def test_case10_masked_scores_under_the_engine_fp16_region_softmax_finitely():
+    model = nn.Sequential(_linear(4, 4))
+    mp = MixedPrecision(model, torch.optim.SGD(model.parameters(), lr=0.1), policy="fp16-mixed", device="cpu")
+    mask = torch.tensor([[False, True, False, True], [True, True, True, True]])
+    with mp.autocast():
+        scores = model[0](torch.randn(2, 4))          # a submodule: the compute dtype, fp16
+        probs = ops.masked_fill_min(scores, mask).softmax(-1)
+    assert scores.dtype == FP16
+    assert torch.isfinite(probs).all()
+    assert (probs[0][mask[0]] == 0).all() and torch.allclose(probs[0].float().sum(), torch.tensor(1.0), atol=1e-3)
+    assert torch.equal(probs[1].float(), torch.full((4,), 0.25))   # a fully masked row is uniform
+
+    class BigNegativeMask(nn.Module):                 # the trap: an additive -1e10 mask in fp16
+        def __init__(self):
+            super().__init__()
+            self.q = nn.Linear(4, 4)
+
+        def forward(self, x):
+            s = self.q(x)
+            return (s + mask.to(s.dtype) * -1e10).softmax(-1)
+
+    report = mixprec.locate_nonfinite(BigNegativeMask(), torch.randn(2, 4), lambda m, b: m(b).float().sum(),
+                                      "fp16-mixed", "cpu")
+    assert report is not None and report.where == "forward" and report.module == ""   # the model's own op
+    assert report.module_type == "BigNegativeMask" and report.dtype == FP16 and "nan" in report.kind
+
+
+# ---------------------------------------------------------------- case 12: norm statistics in fp32
+def test_case12_rms_norm_in_a_model_stays_finite_where_the_hand_written_norm_goes_silent():
+    class Norm(nn.Module):
+        def __init__(self, naive):
+            super().__init__()
+            self.naive = naive
+            self.weight = nn.Parameter(torch.ones(1280))
+
+        def forward(self, x):
+            if self.naive:   # what case 12's users wrote: square and eps in the input dtype
+                return x * torch.rsqrt((x * x).mean(-1, keepdim=True) + 1e-12) * self.weight.to(x.dtype)
+            return ops.rms_norm(x, self.weight, eps=1e-12)
+
+    x = torch.full((2, 1280), 300.0)
+    for naive, expect in ((True, 0.0), (False, 1.0)):
+        model = nn.Sequential(Norm(naive))
+        mp = MixedPrecision(model, torch.optim.SGD(model.parameters(), lr=0.0), policy="fp16-pure", device="cpu")
+        with mp.autocast():
+            out = model[0](mp.cast_inputs(x))
+        assert out.dtype == FP16 and torch.equal(out.float(), torch.full((2, 1280), expect))
+    # a constant-zero row with eps 1e-12 gives zeros, not 0 * rsqrt(0) = NaN; 300s have a finite fp16 backward
+    zeros = ops.rms_norm(torch.zeros(1, 16, dtype=FP16), eps=1e-12)
+    assert torch.equal(zeros, torch.zeros(1, 16, dtype=FP16))
+    xg = torch.full((1, 16), 300.0, dtype=FP16, requires_grad=True)
+    w = torch.ones(16, dtype=FP16, requires_grad=True)
+    out = ops.rms_norm(xg, w, eps=1e-12)
+    (out.float() * torch.arange(16.0)).sum().backward()
+    assert torch.equal(out, torch.ones_like(out))
+    assert torch.isfinite(xg.grad).all() and torch.isfinite(w.grad).all() and xg.grad.dtype == FP16
+    assert w.grad.tolist() == list(range(16))
+
+
+# ---------------------------------------------------------------- case 14: probability BCE
+@pytest.mark.parametrize("policy", ["fp16-mixed", "bf16-mixed", "bf16-pure", "fp16-pure", "fp32"])
+def test_case14_probability_bce_is_an_fp32_loss_that_trains_under_every_policy(policy):
+    model = nn.Sequential(_linear(4, 1), nn.Sigmoid())
+    mp = MixedPrecision(model, torch.optim.SGD(model.parameters(), lr=0.1), policy=policy, device="cpu")
+    with mp.autocast():
+        probs = model[1](model[0](mp.cast_inputs(torch.randn(3, 4))))
+        loss = ops.binary_cross_entropy(probs, torch.ones(3, 1))
+    assert probs.dtype == mp.policy.compute_dtype
+    assert loss.dtype == FP32 and torch.isfinite(loss)
+    mp.backward(loss)
+    assert mp.step().applied
+    with torch.autocast("cpu", dtype=BF16):   # saturated probabilities: log clamped at -100, as torch
+        clamped = ops.binary_cross_entropy(torch.tensor([0.0, 1.0], dtype=BF16), torch.tensor([1.0, 0.0]))
+    assert clamped.item() == 100.0
+
+
+# ---------------------------------------------------------------- case 20: autocast cast cache and no_grad
+@pytest.mark.parametrize("policy", ["bf16-pure", "fp16-pure", "fp8-mixed"])
+def test_case20_no_grad_forward_then_grad_forward_trains_every_parameter(policy):
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(16, 16), nn.Linear(16, 16), nn.Linear(16, 16))
+    mp = MixedPrecision(model, torch.optim.SGD(model.parameters(), lr=0.1), policy=policy, device="cpu")
+    x = mp.cast_inputs(torch.randn(2, 16) * 0.1)
+    with mp.autocast():
+        with torch.no_grad():
+            y0 = mp.model(x)
+        y = mp.model(x)
+    assert y0.grad_fn is None and y.grad_fn is not None and torch.equal(y, y0)
+    mp.backward(y.float().pow(2).mean())
+    assert all(m.grad is not None and m.grad.abs().sum() > 0 for m in mp.master_parameters())
+    assert mp.step().applied
+
+
+# ---------------------------------------------------------------- case 21: checkpoint recompute
+def test_case21_checkpointed_block_in_a_pure_policy_recomputes_in_the_forward_dtypes():
+    ran = []
+
+    class Block(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.a = nn.Linear(8, 8)
+            self.b = nn.Linear(8, 8)
+            self.head = nn.Linear(8, 1)
+
+        def forward(self, x):
+            def inner(t):   # two linears 8 -> 8, as in the case; the GELU output is recomputed
+                out = self.b(F.gelu(self.a(t)))
+                ran.append((out.dtype, torch.is_autocast_enabled("cpu")))
+                return out
+            return self.head(ops.checkpoint(inner, x))
+
+    torch.manual_seed(0)
+    model = Block()
+    mp = MixedPrecision(model, torch.optim.SGD(model.parameters(), lr=0.1), policy="bf16-pure,keep_fp32=head",
+                        device="cpu")
+    with mp.autocast(), torch.utils.checkpoint.set_checkpoint_early_stop(False):   # recompute all of it
+        loss = mp.model(mp.cast_inputs(torch.randn(2, 8))).float().sum()
+    with torch.autocast("cpu", dtype=FP16):       # backward under another autocast state
+        mp.backward(loss)
+    assert ran == [(BF16, True), (BF16, True)]    # forward, then recompute: the same state
+    assert mp.step().applied and model.head.weight.dtype == FP32 and model.a.weight.dtype == BF16
+
+
+# ---------------------------------------------------------------- case 22: custom autograd Functions
+class _StrictMatmul(torch.autograd.Function):
+    """A stand-in for a custom kernel: a matmul that wants both operands in one dtype."""
+
+    log: list = []
+
+    @staticmethod
+    @ops.custom_fwd(device_type="cpu", cast_inputs=torch.float32)
+    def forward(ctx, a, b):
+        _StrictMatmul.log.append(("fwd", a.dtype, b.dtype, torch.is_autocast_enabled("cpu")))
+        ctx.save_for_backward(a, b)
+        return a.mm(b)
+
+    @staticmethod
+    @ops.custom_bwd(device_type="cpu")
+    def backward(ctx, grad):
+        a, b = ctx.saved_tensors
+        _StrictMatmul.log.append(("bwd", grad.dtype, torch.is_autocast_enabled("cpu")))
+        return grad.mm(b.t()), a.t().mm(grad)
+
+
+@pytest.mark.parametrize("policy, dtype", [("fp16-mixed", FP16), ("bf16-pure", BF16), ("fp16-pure", FP16)])
+def test_case22_custom_function_inside_a_trained_model(policy, dtype):
+    class Net(nn.Module):
+        def __init__(self):
+            super().__init__()
+            torch.manual_seed(0)
+            self.proj = nn.Linear(4, 4)
+            self.w = nn.Parameter(torch.randn(4, 3) * 0.1)
+
+        def forward(self, x):
+            h = self.proj(x)
+            self.h_dtype = h.dtype
+            return _StrictMatmul.apply(h, self.w)
+
+    _StrictMatmul.log = []
+    model = Net()
+    mp = MixedPrecision(model, torch.optim.SGD(model.parameters(), lr=0.1), policy=policy, device="cpu")
+    result = _one_step(mp, torch.randn(2, 4) * 0.1, lambda out: out.float().mean())
+    assert model.h_dtype == dtype
+    assert _StrictMatmul.log == [("fwd", FP32, FP32, False), ("bwd", FP32, False)]
+    assert result.applied and all(torch.isfinite(m).all() for m in mp.master_parameters())
+
+
+# ---------------------------------------------------------------- case 23: buffers for autocast outputs
+@pytest.mark.parametrize("policy", ["bf16-mixed", "fp16-mixed", "bf16-pure"])
+def test_case23_scatter_into_a_policy_buffer_inside_a_trained_model(policy):
+    class Scatter(nn.Module):
+        def __init__(self):
+            super().__init__()
+            torch.manual_seed(0)
+            self.lin = nn.Linear(16, 32)
+            self.head = nn.Linear(32, 1)
+
+        def forward(self, x, rows):
+            ref = self.head.weight.dtype if mp.policy.param_dtype != FP32 else None
+            buf = ops.zeros_like_output((x.shape[0], 32), device=x.device, reference_dtype=ref)
+            buf[rows] = self.lin(x[rows])
+            self.buf_dtype = buf.dtype
+            return self.head(buf)
+
+    model = Scatter()
+    mp = MixedPrecision(model, torch.optim.SGD(model.parameters(), lr=0.1), policy=policy, device="cpu")
+    rows = torch.tensor([True, False, True])
+    with mp.autocast():
+        out = mp.model(mp.cast_inputs(torch.randn(3, 16) * 0.1), rows)
+        assert model.buf_dtype == mp.policy.compute_dtype
+    mp.backward(out.float().mean() * 0.1)
+    assert mp.step().applied

@@ -8,11 +8,15 @@ import warnings
 
 import pytest
 import torch
+from torch import nn
 
+import mixprec
 import mixprec.optim as mo
+from mixprec import MixedPrecision
 from mixprec.formats import get_format
 from mixprec.optim.rounding import stochastic_round_to_bf16, write_back_
 
+BF16, FP16, FP32 = torch.bfloat16, torch.float16, torch.float32
 BF16_EPS = get_format(torch.bfloat16).eps  # 2**-7: spacing of bf16 in [1, 2)
 
 
@@ -376,3 +380,42 @@ def test_state_dict_round_trip(opt_cls, kwargs, dtype):
                            p_resumed.view(torch.int8) if dtype != torch.float32 else p_resumed)
         for key, value in opt_straight.state[p_straight].items():
             assert torch.equal(value, opt_resumed.state[p_resumed][key]), key
+
+
+# ================================================================ case 15 through the engine
+
+
+def _linear(n_in=4, n_out=1, seed=0):
+    torch.manual_seed(seed)
+    return nn.Linear(n_in, n_out)
+
+
+def _one_step(mp, x, loss_of=lambda out: out.float().sum()):
+    """One micro-batch through the engine: autocast forward, backward, step (None off a boundary)."""
+    with mp.autocast():
+        loss = loss_of(mp.model(mp.cast_inputs(x)))
+    mp.backward(loss)
+    return mp.step()
+
+
+# ---------------------------------------------------------------- case 15: zero gradients and Adam's eps
+def test_case15_unused_rows_keep_their_weights_under_fp16_pure_with_stock_adam():
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Embedding(8, 4), nn.Linear(4, 2))
+    opt = torch.optim.Adam(model.parameters(), lr=1e-3)     # default eps 1e-8 (0 in fp16)
+    mp = MixedPrecision(model, opt, policy="fp16-pure", device="cpu")
+    unused = model[0].weight[5:].detach().clone()
+    ids = torch.tensor([[0, 1, 2]])
+    for _ in range(3):
+        assert _one_step(mp, ids, lambda out: out.float().pow(2).mean()).applied
+    assert torch.equal(model[0].weight[5:], unused)           # zero-gradient rows: unchanged, not NaN
+    assert all(torch.isfinite(p).all() for p in model.parameters())
+    state = opt.state[next(mp.master_parameters())]
+    assert state["exp_avg_sq"].dtype == FP32 and state["exp_avg_sq"][5:].eq(0).all()
+    # low-precision state by choice: the denominator still gets eps in fp32
+    for state_dtype in (FP16, BF16):
+        p = nn.Parameter(torch.tensor([1.0, -2.0, 0.5], dtype=FP16))
+        adam = mixprec.optim.AdamW([p], lr=1e-3, weight_decay=0.0, state_dtype=state_dtype)
+        p.grad = torch.zeros_like(p)
+        adam.step()
+        assert p.tolist() == [1.0, -2.0, 0.5] and adam.state[p]["exp_avg_sq"].dtype == state_dtype

@@ -133,15 +133,17 @@ def _mm(a: ScaledFloat8, b: ScaledFloat8, *, out_dtype: torch.dtype, use_scaled_
 
     ``a.scale`` is ``()`` or ``(M, 1)``, ``b.scale`` ``()`` or ``(1, N)``: constant along K.
     """
-    if _use_scaled_mm(use_scaled_mm, a, b, out_dtype):
-        a_fp8 = a.data.contiguous()                  # (M, K) row-major
-        b_fp8 = b.data.t().contiguous().t()          # (K, N) column-major
-        a_fp8, b_fp8 = _pad_contraction(a_fp8, b_fp8)
-        return torch._scaled_mm(a_fp8, b_fp8,
-                                scale_a=a.scale.reciprocal().contiguous(),  # _scaled_mm multiplies back
-                                scale_b=b.scale.reciprocal().contiguous(),
-                                out_dtype=out_dtype)
-    with torch.autocast(a.data.device.type, enabled=False):  # an fp32 matmul, whatever the caller's autocast
+    # autocast off on both paths: torch's CPU fallback for _scaled_mm (no oneDNN fp8) dequantises and calls
+    # matmul, which the caller's autocast would run in bf16; the emulation is an fp32 matmul by definition
+    with torch.autocast(a.data.device.type, enabled=False):
+        if _use_scaled_mm(use_scaled_mm, a, b, out_dtype):
+            a_fp8 = a.data.contiguous()                  # (M, K) row-major
+            b_fp8 = b.data.t().contiguous().t()          # (K, N) column-major
+            a_fp8, b_fp8 = _pad_contraction(a_fp8, b_fp8)
+            return torch._scaled_mm(a_fp8, b_fp8,
+                                    scale_a=a.scale.reciprocal().contiguous(),  # _scaled_mm multiplies back
+                                    scale_b=b.scale.reciprocal().contiguous(),
+                                    out_dtype=out_dtype)
         return (a.dequantize() @ b.dequantize()).to(out_dtype)  # (M, N)
 
 
