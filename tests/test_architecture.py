@@ -19,7 +19,6 @@ import ast
 import functools
 from pathlib import Path
 
-import pytest
 
 SRC = Path(__file__).resolve().parent.parent / "src"
 PACKAGE = "mixprec"
