@@ -444,7 +444,7 @@ def _model_state(ck: _Checkpoint) -> dict[str, torch.Tensor]:
 
 
 def _best_weights(ck: _Checkpoint) -> dict[str, torch.Tensor]:
-    """:func:`_model_state` with the fp32 masters in place of their rounded 16-bit params, under
+    """The saved model state (tied names filled in) with the fp32 masters in place of their rounded 16-bit params, under
     every name of a tied weight (masters are keyed by one of its names)."""
     masters = ck.files.get(MASTERS_FILE, {})
     state = {**_model_state(ck), **masters}

@@ -62,7 +62,7 @@ the concatenated global batch (up to the order of floating-point sums).
 (computed on the local shard under FSDP2) and non-finite-loss flag, and the guard's cause
 (:meth:`mixprec.MixedPrecision.agree_on`). All ranks call the same collectives at every
 accumulation boundary, whatever they saw, so none can wait for another that took another
-branch (case 28).
+branch (a rank that skipped while another stepped would deadlock the next collective).
 
 Cost per accumulation boundary, besides the gradient reductions: one all-reduce of two flags
 (engine), one more of the guard's causes when a guard is attached, and under FSDP2 one of the
@@ -250,7 +250,7 @@ class _ReduceRecord:
         self.seen.add(dtype)
         if dtype != self.expected:
             raise RuntimeError(f"mixprec: a gradient {where} ran in {dtype}, not {self.expected}: the reduction "
-                               "precision differs from the one set at wrap time (case 29); report this with "
+                               "precision differs from the one set at wrap time; report this with "
                                "the model and policy")
 
 
@@ -315,7 +315,7 @@ def _fsdp_param_dtype(policy: Policy, *, sharded_found_inf: bool) -> torch.dtype
     if half == torch.float16 and not sharded_found_inf:
         raise ValueError(f"policy {policy} computes in fp16 under FSDP2: each rank only sees its shard of the "
                          "gradients, so a local overflow check lets other ranks step on inf/NaN or underflow "
-                         "silently (case 29). Use MixedPrecision(..., strategy='fsdp2'), which ORs the found-inf "
+                         "silently. Use MixedPrecision(..., strategy='fsdp2'), which ORs the found-inf "
                          "flag across ranks, or pass sharded_found_inf=True if your loop does that itself")
     return half
 

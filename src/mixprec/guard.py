@@ -4,7 +4,7 @@ Lightning's ``SpikeDetection`` (a running mean of the loss over a window, a rela
 then ``TrainingSpikeException``) and Keras' ``TerminateOnNaN`` stop the run; DeepSpeed exits
 when the loss scale is at its minimum; torch's GradScaler halves the scale towards zero. The
 guard rolls back to an in-memory snapshot and keeps training, changes precision when the same
-place keeps failing, and gives up only with a :class:`~mixprec.engine.DivergenceError` that
+place keeps failing, and gives up only with a :class:`~mixprec.divergence.DivergenceError` that
 names the cause, the step, the module and what was tried.
 
 The engine never imports this module: ``MixedPrecision(..., guard=Guard(...))`` hands the guard
@@ -184,7 +184,7 @@ class Guard:
        ``"escalate"`` event; a fresh snapshot follows under the new policy. A batch that holds
        non-finite values itself is not escalated (precision cannot fix data).
     3. **give up** at failure ``max_rollbacks + 1`` at the same place: record a ``"diverged"``
-       event and raise :class:`~mixprec.engine.DivergenceError` naming the cause, the step, the
+       event and raise :class:`~mixprec.divergence.DivergenceError` naming the cause, the step, the
        first non-finite module and what was tried.
 
     The failure count at a place resets when a new regular snapshot is taken. Each action is
@@ -207,8 +207,8 @@ class Guard:
 
     Several processes (``MixedPrecision(..., strategy="ddp" | "fsdp2")``): each rank judges its
     own step, then the engine's ``agree_on`` makes every rank act on the first cause any rank
-    found (one all-reduce per boundary), so all ranks roll back, escalate or give up together
-    (case 28). The bad batch is not localised there (re-running it on one rank would run
+    found (one all-reduce per boundary), so all ranks roll back, escalate or give up together.
+    The bad batch is not localised there (re-running it on one rank would run
     collectives on that rank only), so escalation skips the keep-a-module rung.
 
     Host syncs: skipped steps are known from ``StepResult.applied`` (already synced by the
