@@ -1,11 +1,11 @@
 import pytest
 import torch
-from torch import nn
 from torch.overrides import TorchFunctionMode
 
 from mixprec import MixedPrecision
 from mixprec.devices import Capability, probe, resolve, resolve_policy
 from mixprec.policy import PRESETS
+from engine_loops import _linear, _one_step
 
 
 FP32 = torch.float32
@@ -71,19 +71,6 @@ def test_bad_devices(device, match):
 
 
 # ================================================================ case 27 through the engine
-
-
-def _linear(n_in=4, n_out=1, seed=0):
-    torch.manual_seed(seed)
-    return nn.Linear(n_in, n_out)
-
-
-def _one_step(mp, x, loss_of=lambda out: out.float().sum()):
-    """One micro-batch through the engine: autocast forward, backward, step (None off a boundary)."""
-    with mp.autocast():
-        loss = loss_of(mp.model(mp.cast_inputs(x)))
-    mp.backward(loss)
-    return mp.step()
 
 
 # ---------------------------------------------------------------- case 27: device portability

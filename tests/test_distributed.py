@@ -41,6 +41,7 @@ from torch import nn
 from mixprec import Guard, MixedPrecision, Policy, get_format
 from mixprec import distributed as mpd
 from mixprec.loss_scale import DynamicLossScale
+from engine_loops import _one_step
 
 WORLD = 2
 FP32 = torch.float32
@@ -647,14 +648,6 @@ def test_bench_under_torchrun_writes_the_report_with_throughput_summed_over_rank
 
 
 # ================================================================ cases 28 and 29 in a one-process gloo group
-
-
-def _one_step(mp, x, loss_of=lambda out: out.float().sum()):
-    """One micro-batch through the engine: autocast forward, backward, step (None off a boundary)."""
-    with mp.autocast():
-        loss = loss_of(mp.model(mp.cast_inputs(x)))
-    mp.backward(loss)
-    return mp.step()
 
 
 # ---------------------------------------------------------------- cases 28 and 29: one-process gloo group

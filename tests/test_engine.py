@@ -18,6 +18,7 @@ from torch import nn
 import mixprec
 from mixprec import DivergenceError, MixedPrecision
 from mixprec.loss_scale import DynamicLossScale, StaticLossScale
+from engine_loops import _linear, _one_step
 
 BF16, FP16, FP32 = torch.bfloat16, torch.float16, torch.float32
 
@@ -562,19 +563,6 @@ def test_unwrap_to_fp32_returns_the_masters_at_full_precision():
 
 
 # ================================================================ cases of shared/cases/cases.md on the engine
-
-
-def _linear(n_in=4, n_out=1, seed=0):
-    torch.manual_seed(seed)
-    return nn.Linear(n_in, n_out)
-
-
-def _one_step(mp, x, loss_of=lambda out: out.float().sum()):
-    """One micro-batch through the engine: autocast forward, backward, step (None off a boundary)."""
-    with mp.autocast():
-        loss = loss_of(mp.model(mp.cast_inputs(x)))
-    mp.backward(loss)
-    return mp.step()
 
 
 # ---------------------------------------------------------------- case 1: NaN every step

@@ -17,6 +17,7 @@ from mixprec import MixedPrecision
 from mixprec.formats import get_format
 from mixprec.fp8 import (AMAX_FLOOR, Float8Linear, Float8Recipe, ScaledFloat8, amax, convert_to_float8,
                          fp8_available, from_fp8, scale_from_amax, to_fp8)
+from engine_loops import _one_step
 
 FP8 = ["e4m3fn", "e4m3fnuz", "e5m2", "e5m2fnuz"]
 RECIPES = ["tensorwise", "rowwise", "delayed"]
@@ -553,19 +554,6 @@ def test_clamped_scales_count_zero_operands_per_role(recipe):
 
 
 # ================================================================ case 30 through the engine
-
-
-def _linear(n_in=4, n_out=1, seed=0):
-    torch.manual_seed(seed)
-    return nn.Linear(n_in, n_out)
-
-
-def _one_step(mp, x, loss_of=lambda out: out.float().sum()):
-    """One micro-batch through the engine: autocast forward, backward, step (None off a boundary)."""
-    with mp.autocast():
-        loss = loss_of(mp.model(mp.cast_inputs(x)))
-    mp.backward(loss)
-    return mp.step()
 
 
 # ---------------------------------------------------------------- case 30: fp8 with zero and tiny amax

@@ -15,6 +15,7 @@ import mixprec
 from mixprec import DivergenceError, Guard, MixedPrecision
 from mixprec.guard import next_policy
 from mixprec.loss_scale import DynamicLossScale
+from engine_loops import _linear, _one_step
 
 
 @pytest.fixture(autouse=True)
@@ -408,19 +409,6 @@ def test_set_policy_refuses_mid_accumulation_and_bad_policies_without_changing_a
 
 
 # ================================================================ case 1 with the guard
-
-
-def _linear(n_in=4, n_out=1, seed=0):
-    torch.manual_seed(seed)
-    return nn.Linear(n_in, n_out)
-
-
-def _one_step(mp, x, loss_of=lambda out: out.float().sum()):
-    """One micro-batch through the engine: autocast forward, backward, step (None off a boundary)."""
-    with mp.autocast():
-        loss = loss_of(mp.model(mp.cast_inputs(x)))
-    mp.backward(loss)
-    return mp.step()
 
 
 def test_case01_guard_names_the_bad_batch_and_does_not_escalate_for_it():

@@ -2,11 +2,11 @@ import dataclasses
 
 import pytest
 import torch
-from torch import nn
 from torch.utils._python_dispatch import TorchDispatchMode
 
 from mixprec import DivergenceError, MixedPrecision
 from mixprec.loss_scale import DynamicLossScale, NoLossScale, StaticLossScale, from_spec
+from engine_loops import _linear, _one_step
 
 INF, NAN = float("inf"), float("nan")
 FUSED = "_amp_foreach_non_finite_check_and_unscale_"
@@ -260,19 +260,6 @@ def test_from_spec():
 
 
 # ================================================================ scales below one, through the engine (cases 1 and 2)
-
-
-def _linear(n_in=4, n_out=1, seed=0):
-    torch.manual_seed(seed)
-    return nn.Linear(n_in, n_out)
-
-
-def _one_step(mp, x, loss_of=lambda out: out.float().sum()):
-    """One micro-batch through the engine: autocast forward, backward, step (None off a boundary)."""
-    with mp.autocast():
-        loss = loss_of(mp.model(mp.cast_inputs(x)))
-    mp.backward(loss)
-    return mp.step()
 
 
 def test_case01_a_floor_below_one_is_kept_when_gradients_overflow():

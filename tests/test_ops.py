@@ -13,6 +13,7 @@ from torch import nn
 import mixprec
 from mixprec import ops
 from mixprec import MixedPrecision
+from engine_loops import _linear, _one_step
 
 BF16, FP16, FP32 = torch.bfloat16, torch.float16, torch.float32
 POLICIES = [("bf16-mixed", BF16), ("fp16-mixed", FP16)]
@@ -439,19 +440,6 @@ def test_fp16_inputs_concatenate_after_engine_cast_inputs():
 
 
 # ================================================================ the ops inside a trained model (cases.md)
-
-
-def _linear(n_in=4, n_out=1, seed=0):
-    torch.manual_seed(seed)
-    return nn.Linear(n_in, n_out)
-
-
-def _one_step(mp, x, loss_of=lambda out: out.float().sum()):
-    """One micro-batch through the engine: autocast forward, backward, step (None off a boundary)."""
-    with mp.autocast():
-        loss = loss_of(mp.model(mp.cast_inputs(x)))
-    mp.backward(loss)
-    return mp.step()
 
 
 # ---------------------------------------------------------------- case 10: masks

@@ -15,6 +15,7 @@ import mixprec.optim as mo
 from mixprec import MixedPrecision
 from mixprec.formats import get_format
 from mixprec.optim.rounding import stochastic_round_to_bf16, write_back_
+from engine_loops import _one_step
 
 BF16, FP16, FP32 = torch.bfloat16, torch.float16, torch.float32
 BF16_EPS = get_format(torch.bfloat16).eps  # 2**-7: spacing of bf16 in [1, 2)
@@ -383,19 +384,6 @@ def test_state_dict_round_trip(opt_cls, kwargs, dtype):
 
 
 # ================================================================ case 15 through the engine
-
-
-def _linear(n_in=4, n_out=1, seed=0):
-    torch.manual_seed(seed)
-    return nn.Linear(n_in, n_out)
-
-
-def _one_step(mp, x, loss_of=lambda out: out.float().sum()):
-    """One micro-batch through the engine: autocast forward, backward, step (None off a boundary)."""
-    with mp.autocast():
-        loss = loss_of(mp.model(mp.cast_inputs(x)))
-    mp.backward(loss)
-    return mp.step()
 
 
 # ---------------------------------------------------------------- case 15: zero gradients and Adam's eps
