@@ -870,3 +870,41 @@ def test_case25_autocast_really_computes_in_the_policy_dtype_and_fp16_batches_ar
     assert y.dtype == mp.policy.compute_dtype != FP32
     assert joined.dtype == mp.policy.param_dtype
     assert mp.decision.startswith(f"{mp.policy} on cpu as asked")
+
+
+# ---------------------------------------------------------------- regressions found reviewing the engine redesign
+def test_a_guard_assigned_after_build_judges_the_steps():
+    # `mixprec train --guard` attaches its Guard as `mp.guard = Guard(...)` after building the engine
+    from mixprec import Guard
+    from mixprec.loss_scale import DynamicLossScale
+    model = _linear(4, 1)
+    mp = MixedPrecision(model, torch.optim.SGD(model.parameters(), lr=0.01), "fp16-mixed", device="cpu",
+                        loss_scale=DynamicLossScale(init_scale=2.0**10, min_scale=2.0**6))
+    mp.guard = Guard(snapshot_every=1, overflow_backoffs=2)
+    x = torch.randn(2, 4)
+    results = [_one_step(mp, x) for _ in range(3)] + [_one_step(mp, x, lambda out: 1e9 * out.float().sum())
+                                                      for _ in range(2)]
+    assert [r.applied for r in results] == [True, True, True, False, False]
+    assert results[-1].rolled_back and mp.guard.counts["overflow"] == 1
+    assert [e["kind"] for e in mp.events] == ["rollback"]
+
+
+def test_load_state_dict_of_a_run_that_unfroze_params_under_masters_is_exact():
+    def build():
+        torch.manual_seed(0)
+        model = nn.Sequential(nn.Linear(4, 8), nn.GELU(), nn.Linear(8, 1))
+        model[0].requires_grad_(False)
+        return MixedPrecision(model, mixprec.optim.AdamW(model.parameters(), lr=1e-2), "bf16-pure", device="cpu")
+
+    x = torch.randn(3, 4)
+    mp = build()
+    _one_step(mp, x)
+    mp.unfreeze("0.*")
+    _one_step(mp, x)
+    state = mp.state_dict()
+    resumed = build()
+    resumed.load_state_dict(state)
+    assert resumed.frozen_names() == [] and set(state["masters"]) == {"0.weight", "0.bias", "2.weight", "2.bias"}
+    _one_step(mp, x), _one_step(resumed, x)
+    for (_, a), (_, b) in zip(mp.masters.pairs, resumed.masters.pairs):
+        assert torch.equal(a, b)

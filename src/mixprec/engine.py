@@ -123,7 +123,7 @@ def _make_loss_scale(policy: Policy, override: Any, device: torch.device) -> Any
     ls = spec if hasattr(spec, "unscale_") else loss_scale_from_spec(spec)
     if ls.enabled and policy.compute_dtype == torch.bfloat16 and policy.param_dtype != torch.float16:
         warnings.warn(f"loss scaling is on ({type(ls).__name__}) under a bf16 policy ({policy}): bf16 has "
-                      "fp32's exponent range, so scaling does nothing useful; drop loss_scale=...", stacklevel=4)
+                      "fp32's exponent range, so scaling does nothing useful; drop loss_scale=...", stacklevel=3)
     return ls.to(device)
 
 
@@ -176,7 +176,7 @@ class MixedPrecision:
         self.strategy, self.optimizer, self.scheduler, self.guard = strategy, optimizer, scheduler, guard
         self.max_grad_norm = None if max_grad_norm is None else float(max_grad_norm)
         self.accumulation_steps, self.max_stuck_skips = accumulation_steps, max_stuck_skips
-        self._guard = guard if guard is not None else stop_when_stuck
+        self._stop_when_stuck = stop_when_stuck   # the guard while ``guard`` is None (it may be set later)
         self.events: list[dict] = []
         self._step_batches: deque = deque(maxlen=accumulation_steps)   # kept only for a guard
         self._step_grads: list[torch.Tensor] = []
@@ -237,7 +237,7 @@ class MixedPrecision:
         micro-batches are kept until the boundary (:attr:`step_batches`). No host sync."""
         dtype = self.policy.param_dtype
         if keep:
-            names = field_names(batch) or []
+            names = [] if isinstance(batch, list) or type(batch) is tuple else field_names(batch) or []
             missing = [k for k in keep if k not in names]
             if missing:
                 raise ValueError(f"cast_inputs(keep={keep!r}): {missing} not found; batch keys are {sorted(names)}")
@@ -311,7 +311,7 @@ class MixedPrecision:
         self._step_grads = grads
         self._zero_grads()
         try:
-            return self._guard.after_step(self, result)
+            return (self.guard if self.guard is not None else self._stop_when_stuck).after_step(self, result)
         finally:
             self._step_batches.clear()
             self._step_grads = []
@@ -533,12 +533,12 @@ class MixedPrecision:
         if state["loss_scale"].get("type") != type(self.loss_scale).__name__:
             raise ValueError(f"the run used {state['loss_scale'].get('type')}, the engine has "
                              f"{type(self.loss_scale).__name__}; build the engine with the run's loss_scale")
-        masters = self.masters.by_name(state["masters"], dict(self.module.named_parameters()))
         if state.get("frozen") is not None:
             self.match_frozen(state["frozen"], check_only=True)
         self.check_frozen_values(dict(state["model"]))
         if state.get("frozen") is not None:
             self.match_frozen(state["frozen"])
+        masters = self.masters.by_name(state["masters"], dict(self.module.named_parameters()))
         self.optimizer.zero_grad(set_to_none=True)   # an unfinished accumulation belongs to the replaced run
         self.module.zero_grad(set_to_none=True)
         self._step_pending = False

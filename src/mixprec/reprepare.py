@@ -115,11 +115,11 @@ def load_across_policies(mp: Any, state: dict[str, Any], *, convert: bool, adopt
         raise ValueError(f"state was saved under policy {saved!r}, this engine runs {target}; pass "
                          f"convert=True (to {target!r}) or adopt_policy=True (to {saved!r}), one of them")
     loss_scale = loss_scale_from_state(state["loss_scale"])   # validates before anything changes
-    mp.set_policy(saved, cause="load_state_dict", loss_scale=loss_scale, record=False)
+    mp.set_policy(saved, cause="load_checkpoint", loss_scale=loss_scale, record=False)
     try:
         mp.load_state_dict(state)
     except (ValueError, TypeError):
-        mp.set_policy(target, cause="load_state_dict refused", loss_scale=target_scale, record=False)
+        mp.set_policy(target, cause="load_checkpoint refused", loss_scale=target_scale, record=False)
         raise
     if convert:
         event = mp.set_policy(target, cause=f"load_checkpoint(convert=True) from {saved}")
