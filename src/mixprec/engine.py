@@ -576,7 +576,7 @@ class MixedPrecision:
     def _adopt_edited_params(self) -> None:
         """Params written outside the engine (16-bit ones with fp32 masters) keep the edit: their masters
         adopt the new value, with one warning and an ``adopt`` event, instead of being overwritten."""
-        detail = self.masters.adopt_edits({id(p): n for n, p in self.module.named_parameters()})
+        detail = self.masters.adopt_edits(lambda: {id(p): n for n, p in self.module.named_parameters()})
         if not detail:
             return
         self.events.append({"step": self.boundaries, "kind": "adopt", "cause": "params edited outside the optimizer",

@@ -122,12 +122,15 @@ class MasterWeights:
             values.append(value_fp32)
         return values
 
-    def adopt_edits(self, names: dict[int, str]) -> str:
+    def adopt_edits(self, names: Callable[[], dict[int, str]]) -> str:
         """:meth:`adopt_edited_params`; returns what was adopted in words ("" when nothing was), naming
-        the params (``names``: id → name). Host syncs: one per edited tensor."""
-        listed = [names.get(id(self.pairs[i][0]), "?") for i in self.adopt_edited_params()]
-        if not listed:
+        the params (``names()``: id → name, called only when something was adopted). Host syncs: one per
+        edited tensor."""
+        adopted = self.adopt_edited_params()
+        if not adopted:
             return ""
+        name_of = names()
+        listed = [name_of.get(id(self.pairs[i][0]), "?") for i in adopted]
         dtype = str(self.pairs[0][0].dtype).replace("torch.", "")
         return (f"{len(listed)} parameter(s) ({', '.join(listed[:5])}{', ...' if len(listed) > 5 else ''}) were "
                 f"written outside the engine (e.g. model.load_state_dict after MixedPrecision was built); their "
