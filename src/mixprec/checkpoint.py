@@ -330,8 +330,8 @@ def save_checkpoint(path: str | Path, mp: Any, extra: dict | None = None, *, gua
         TypeError: ``extra`` / ``data_position`` are not JSON, or some state cannot be stored without pickle.
     """
     if mp.micro_step != 0:
-        raise RuntimeError(f"save_checkpoint() called after {mp.micro_step} backward() call(s) without step(); "
-                           "save at an accumulation boundary (after mp.step() returns a result)")
+        raise RuntimeError(f"save_checkpoint() called after {mp.micro_step} micro-batch(es) of backward() without "
+                           "reaching the step boundary; save at an accumulation boundary (after mp.step() returns a result)")
     for label, value in (("extra", extra), ("data_position", data_position)):
         if value is not None and not isinstance(value, dict):
             raise TypeError(f"save_checkpoint {label} must be a dict or None, got {type(value).__name__}")

@@ -517,8 +517,8 @@ def save_distributed_checkpoint(root: str | Path, mp: Any, extra: dict | None = 
             fp32 masters.
     """
     if mp.micro_step != 0:
-        raise RuntimeError(f"save_distributed_checkpoint called after {mp.micro_step} backward() call(s) without "
-                           "step(); save at an accumulation boundary (after mp.step() returns a result)")
+        raise RuntimeError(f"save_distributed_checkpoint called after {mp.micro_step} micro-batch(es) of "
+                           "backward() without reaching the step boundary; save at an accumulation boundary (after mp.step() returns a result)")
     info = {"strategy": mp.strategy, "world_size": world_size()}
     position = {"world_size": world_size(), **(data_position or {})}
     if mp.strategy == "ddp":
@@ -613,8 +613,8 @@ def load_distributed_checkpoint(path: str | Path, mp: Any, *, adopt_policy: bool
         RuntimeError: called between ``backward()`` and the accumulation boundary.
     """
     if mp.micro_step != 0:
-        raise RuntimeError(f"load_distributed_checkpoint called after {mp.micro_step} backward() call(s) without "
-                           "step(); load at an accumulation boundary")
+        raise RuntimeError(f"load_distributed_checkpoint called after {mp.micro_step} micro-batch(es) of "
+                           "backward() without reaching the step boundary; load at an accumulation boundary")
     directory, manifest = read_manifest_json(path)
     if not _is_dcp(manifest):
         return load_checkpoint(directory, mp, adopt_policy=adopt_policy)

@@ -12,7 +12,6 @@ guard). The README's "Architecture" section draws the map.
 from __future__ import annotations
 
 import logging
-import re
 import warnings
 from collections import deque
 from collections.abc import Iterator
@@ -25,22 +24,25 @@ from torch import nn
 
 from mixprec.devices import resolve
 from mixprec.divergence import DivergenceError, StopWhenStuck
+from mixprec.edits import ModelLayout, adopt_model_edits
+from mixprec.loop_checks import LoopChecks
 from mixprec.loss_scale import from_spec as loss_scale_from_spec
 from mixprec.masters import MasterWeights
 from mixprec.optim import contract
 from mixprec.policy import Policy, cast_floating
 from mixprec.regions import Regions, keep_fp32_modules
-from mixprec.reprepare import check_fp8_unchanged, load_across_policies, reprepare
-from mixprec.storage import FrozenSet, check_held, check_new_group, dtype_text, held_by, plan_storage
+from mixprec.reprepare import (check_fp8_unchanged, load_across_policies, load_state, match_frozen, reprepare,
+                               unfreeze_params)
+from mixprec.storage import FrozenSet, dtype_text, plan_storage
 from mixprec.strategy import make_strategy
-from mixprec.tree import field_names, map_fields
+from mixprec.tree import field_names, map_fields, map_tensors
 
 __all__ = ["MixedPrecision", "StepResult", "DivergenceError", "cast_floating"]
 
 log = logging.getLogger("mixprec")
 
-_MID_ACCUMULATION = ("{call} called after {n} backward() call(s) without step(); {what} at an accumulation "
-                     "boundary (after mp.step() returns a result)")
+_MID_ACCUMULATION = ("{call} called after {n} micro-batch(es) of backward() without reaching the step boundary; "
+                     "{what} at an accumulation boundary (after mp.step() returns a result)")
 
 
 @dataclass(frozen=True)
@@ -114,8 +116,19 @@ def _check_loss(loss: Any) -> None:
         raise ValueError(f"loss must be a scalar floating tensor, got {type(loss).__name__} "
                          f"{getattr(loss, 'shape', '')}")
     if not loss.requires_grad:
-        raise ValueError("loss does not require grad (computed under torch.no_grad(), or from detached "
-                         "tensors); compute it from mp.model's output with autograd enabled")
+        raise ValueError("loss does not require grad, so nothing can be trained from it. Likely causes: it was "
+                         "computed under torch.no_grad() or torch.inference_mode(); from detached tensors "
+                         "(.detach(), .item(), .data, numpy); every parameter it depends on is frozen "
+                         "(requires_grad=False); or reentrant activation checkpointing (use_reentrant=True) "
+                         "whose inputs do not require grad cut the graph (pass use_reentrant=False). Compute it "
+                         "from mp.model's output with autograd enabled")
+
+
+def _from_numpy(leaf: Any) -> Any:
+    """A numpy array or scalar as a tensor (``torch.as_tensor``); any other leaf unchanged."""
+    if type(leaf).__module__ == "numpy" and hasattr(leaf, "dtype") and hasattr(leaf, "shape"):
+        return torch.as_tensor(leaf)
+    return leaf
 
 
 def _make_loss_scale(policy: Policy, override: Any, device: torch.device) -> Any:
@@ -215,6 +228,10 @@ class MixedPrecision:
         self._boundary_loss: torch.Tensor | None = None
         self._loss_finite = torch.ones((), dtype=torch.bool)
         self._step_pending = False   # a backward() awaits its step()
+        self._extra_inf: torch.Tensor | None = None   # non-finite gradients met by unscale() this boundary
+        self._layout = None if self._strategy.shards_params else ModelLayout(model)   # FSDP2 swaps params itself
+        self._checks = LoopChecks(self, self._adopt_model_edits)
+        self._checks.install()
         self._set_gradient_sync()
         log.info("mixprec: %s", self.decision)
 
@@ -232,12 +249,16 @@ class MixedPrecision:
 
     def cast_inputs(self, batch: Any, *, keep: tuple[str, ...] = ()) -> Any:
         """Move ``batch`` to the device and cast its floating tensors to the param dtype (ints and bools
-        unchanged; containers as :mod:`mixprec.tree`; the caller's batch is not modified). ``keep``: top-level
-        keys or fields moved but not cast (e.g. a float target; ValueError if absent). With a guard the cast
-        micro-batches are kept until the boundary (:attr:`step_batches`). No host sync."""
+        unchanged; numpy arrays become tensors; containers as :mod:`mixprec.tree`; the caller's batch is not
+        modified). ``keep``: top-level keys, fields or (tuples, lists) indices moved but not cast (e.g. a float
+        target; ValueError if absent); a float field that looks like a target, rounded to 16 bits, is warned
+        about once. With a guard the cast micro-batches are kept until the boundary (:attr:`step_batches`).
+        No host sync."""
         dtype = self.policy.param_dtype
+        batch = map_tensors(batch, lambda t: t, leaf=_from_numpy)
+        self._checks.check_cast(batch, dtype, keep)
         if keep:
-            names = [] if isinstance(batch, list) or type(batch) is tuple else field_names(batch) or []
+            names = field_names(batch) or []
             missing = [k for k in keep if k not in names]
             if missing:
                 raise ValueError(f"cast_inputs(keep={keep!r}): {missing} not found; batch keys are {sorted(names)}")
@@ -248,31 +269,54 @@ class MixedPrecision:
             self._step_batches.append(batch)
         return batch
 
-    def backward(self, loss: torch.Tensor) -> None:
-        """Scale ``loss``, divide by ``accumulation_steps`` and backpropagate; no host sync. Under ``-pure``
-        policies the 16-bit grads are added into the fp32 masters' grads. Raises ValueError for a loss that
-        is not a scalar floating tensor requiring grad; RuntimeError for more ``backward()`` calls than
-        ``accumulation_steps`` without ``step()``, or a frozen param made trainable by hand (use :meth:`unfreeze`).
+    def backward(self, loss: torch.Tensor, *, retain_graph: bool = False, inputs: Any = None) -> None:
+        """Scale ``loss``, divide by ``accumulation_steps`` and backpropagate (``retain_graph``, ``inputs`` as
+        ``Tensor.backward``); no host sync. Several calls before one ``step()`` belong to one micro-batch and
+        add up (two losses through one graph: ``retain_graph=True`` on the first). Under ``-pure`` policies the
+        16-bit grads are added into the fp32 masters' grads. At a boundary's first call, gradients this engine
+        did not produce are discarded (:mod:`mixprec.loop_checks`) and a model edited since the last step is
+        adopted (:mod:`mixprec.edits`). Raises ValueError for a loss that is not a scalar floating tensor
+        requiring grad; RuntimeError for a frozen param made trainable by hand (use :meth:`unfreeze`).
         """
         _check_loss(loss)
         self._check_usable("mp.backward()")
         self._frozen.check_not_thawed()
-        if self.micro_step >= self.accumulation_steps:
-            raise RuntimeError(f"backward() called {self.micro_step + 1} times since the last step() with "
-                               f"accumulation_steps={self.accumulation_steps}; call mp.step() after each backward() "
-                               "(it returns None until the accumulation boundary)")
+        new_micro_batch = not self._step_pending
+        if new_micro_batch and self.micro_step == 0:
+            self._adopt_model_edits()
+            self._checks.before_first_backward()
+        self.micro_step += new_micro_batch
         self._last_loss = loss.detach()
-        first = self.micro_step == 0
+        first = new_micro_batch and self.micro_step == 1
         self._loss_sum = self._last_loss.float() if first else self._loss_sum + self._last_loss.float()
         finite = torch.isfinite(self._last_loss).all()
         self._loss_finite = finite if first else self._loss_finite & finite
         if self.accumulation_steps > 1:
             loss = loss / self.accumulation_steps
-        self.loss_scale.scale_loss(loss).backward()
-        self.micro_step += 1
+        self.loss_scale.scale_loss(loss).backward(retain_graph=retain_graph, inputs=inputs)
         self._step_pending = True
         self.masters.accumulate_grads()
-        self._set_gradient_sync()
+        self._checks.after_backward(len(self.gradients()))
+
+    def scale_loss(self, loss: torch.Tensor) -> torch.Tensor:
+        """``loss`` times the current loss scale (differentiable; ``loss`` itself when scaling is off), for
+        ``torch.autograd.grad`` on a loss the engine does not backpropagate — a gradient penalty. Pair it
+        with :meth:`unscale`; recipe in the README ("Gradient penalties"). No host sync."""
+        return self.loss_scale.scale_loss(loss)
+
+    def unscale(self, grads: Any) -> list[torch.Tensor | None]:
+        """The true gradients of ``grads`` (``torch.autograd.grad`` of :meth:`scale_loss`), as fp32 tensors
+        ``g.float() * (1/scale)``: differentiable, so with ``create_graph=True`` a penalty built from them
+        trains. A non-finite value counts as an overflow at this step's boundary (the step is skipped, the
+        scale backs off), as for the parameters' gradients. None entries stay None. No host sync. Source:
+        torch.amp's gradient-penalty recipe (``scaler.scale(loss)``, then ``grads / scaler.get_scale()``)."""
+        inv_scale = self.loss_scale.scale.detach().reciprocal()
+        out = [None if g is None else g.float() * inv_scale.to(g.device) for g in grads]
+        checked = [torch.isfinite(g).all().to(inv_scale.device) for g in out if g is not None]
+        if checked:
+            found = (~torch.stack(checked).all()).float()
+            self._extra_inf = found if self._extra_inf is None else torch.maximum(self._extra_inf, found)
+        return out
 
     def step(self) -> StepResult | None:
         """Finish a micro-batch; at an accumulation boundary: unscale → fp32 global norm → clip → agree
@@ -285,11 +329,12 @@ class MixedPrecision:
             raise RuntimeError("step() called without backward() since the last step; call mp.backward(loss) first")
         self._step_pending = False
         if self.micro_step < self.accumulation_steps:
+            self._set_gradient_sync()
             return None
         self._adopt_edited_params()
         self._boundary_loss = self._loss_sum / self.accumulation_steps
-        grads = self._strategy.local(self.gradients())
-        found_inf = self.loss_scale.unscale_(grads)
+        grads = self._strategy.local(self._checks.at_boundary(self.gradients()))
+        found_inf = self._unscale_(grads)
         grad_norm = self._strategy.global_norm(_global_norm_fp32(grads, self.device))
         if self.max_grad_norm is not None:
             _clip_(grads, grad_norm, self.max_grad_norm)
@@ -316,8 +361,17 @@ class MixedPrecision:
             self._step_batches.clear()
             self._step_grads = []
 
+    def _unscale_(self, grads: list[torch.Tensor]) -> torch.Tensor:
+        found_inf = self.loss_scale.unscale_(grads)
+        extra, self._extra_inf = self._extra_inf, None
+        return found_inf if extra is None else torch.maximum(found_inf, extra.to(found_inf.device))
+
     def _apply_update(self) -> None:
-        self.optimizer.step()
+        self._checks.applying = True
+        try:
+            self.optimizer.step()
+        finally:
+            self._checks.applying = False
         self.applied_steps += 1
         if self.scheduler is not None:
             self.scheduler.step()
@@ -351,13 +405,7 @@ class MixedPrecision:
         """The decision every rank takes: the first of ``choices`` any rank chose (None if none; ValueError
         for a ``choice`` not in ``choices``). One process: ``choice``, no collective; else one all-reduce
         every rank must call at the same point, and one sync. :class:`mixprec.Guard` calls it each boundary."""
-        if choice is not None and choice not in choices:
-            raise ValueError(f"agree_on: choice={choice!r} is not one of {choices}")
-        if self.strategy is None:
-            return choice
-        flags = torch.tensor([c == choice for c in choices], dtype=torch.float32, device=self.device)
-        agreed = self._strategy.agree_flags(flags).tolist()  # syncs
-        return next((c for c, flag in zip(choices, agreed) if flag), None)
+        return self._strategy.agree_on(choice, choices, self.device)
 
     # ------------------------------------------------------------------ changing the policy or the frozen set
     def set_policy(self, policy: str | Policy, *, cause: str = "requested", module: str | None = None,
@@ -402,26 +450,7 @@ class MixedPrecision:
             raise ValueError("unfreeze() needs at least one parameter-name pattern, e.g. mp.unfreeze('encoder.layer.5.*')")
         self._check_boundary("unfreeze()", "unfreeze")
         self._strategy.refuse("unfreeze")
-        chosen = self._frozen.select(patterns)
-        new_params = check_new_group(chosen, held_by(self.optimizer, self.masters, [p for _, p in chosen]),
-                                     group_options, self.scheduler)
-        groups_before = len(self.optimizer.param_groups)
-        self._frozen.thaw([p for _, p in chosen])
-        try:
-            if new_params:
-                self.optimizer.add_param_group({"params": new_params, **group_options})
-            event = self.set_policy(self.policy, cause=f"unfreeze {', '.join(patterns)}")
-        except (ValueError, TypeError):   # refused before anything changed: undo ours too
-            self._frozen.refreeze([p for _, p in chosen])
-            del self.optimizer.param_groups[groups_before:]
-            raise
-        event["kind"] = "unfreeze"
-        event["detail"] = (f"{len(chosen)} parameter(s) unfrozen ({sum(p.numel() for _, p in chosen)} elements), "
-                           f"stored as {dtype_text(self.policy.param_dtype)}"
-                           f"{' with fp32 masters' if self.policy.has_masters else ''}; " + event["detail"])
-        if self.guard is not None and hasattr(self.guard, "take_snapshot"):
-            self.guard.take_snapshot(self)   # the old snapshot holds the frozen layout: no rollback into it
-        return event
+        return unfreeze_params(self, self._frozen, patterns, group_options)
 
     def refreeze(self, names: list[str]) -> None:
         """Undo an :meth:`unfreeze` of ``names`` that added no param group (a refused load), exactly when
@@ -441,13 +470,7 @@ class MixedPrecision:
         loaded: what that run unfroze is unfrozen here too (:meth:`unfreeze`). Raises ValueError when
         ``saved`` keeps frozen a param trained here, names an unknown one, or unfroze one into a param
         group this optimizer lacks; ``check_only``: raise, change nothing."""
-        to_unfreeze = self._frozen.to_unfreeze(saved)
-        if not to_unfreeze:
-            return
-        named = dict(self.module.named_parameters())
-        check_held(to_unfreeze, held_by(self.optimizer, self.masters, [named[n] for n in to_unfreeze]), named)
-        if not check_only:
-            self.unfreeze(*(re.sub(r"([\[\]*?])", r"[\1]", n) for n in to_unfreeze))
+        match_frozen(self, self._frozen, saved, check_only=check_only)
 
     def frozen_names(self) -> list[str]:
         """Names of the frozen parameters (``requires_grad=False`` at build and not unfrozen since), in order."""
@@ -473,6 +496,7 @@ class MixedPrecision:
                 if p.is_floating_point() and (p.dtype != torch.float32 or id(p) in has_master):
                     p.data = value_fp32
         self._regions.remove()
+        self._checks.remove()
         self._unwrapped = True
         return self.module
 
@@ -530,40 +554,25 @@ class MixedPrecision:
         either, other masters or loss-scale type, a frozen set that cannot be matched or unfit fp16 values."""
         if state["policy"] != str(self.policy):
             return load_across_policies(self, state, convert=convert, adopt_policy=adopt_policy)
-        if state["loss_scale"].get("type") != type(self.loss_scale).__name__:
-            raise ValueError(f"the run used {state['loss_scale'].get('type')}, the engine has "
-                             f"{type(self.loss_scale).__name__}; build the engine with the run's loss_scale")
-        if state.get("frozen") is not None:
-            self.match_frozen(state["frozen"], check_only=True)
-        self.check_frozen_values(dict(state["model"]))
-        if state.get("frozen") is not None:
-            self.match_frozen(state["frozen"])
-        masters = self.masters.by_name(state["masters"], dict(self.module.named_parameters()))
-        self.optimizer.zero_grad(set_to_none=True)   # an unfinished accumulation belongs to the replaced run
+        load_state(self, state)
+
+    def discard_gradients(self) -> None:
+        """Drop an unfinished accumulation: every gradient (params and masters) and the pending micro-batches;
+        the next ``backward()`` starts a boundary. No host sync."""
+        self.optimizer.zero_grad(set_to_none=True)
         self.module.zero_grad(set_to_none=True)
-        self._step_pending = False
-        self.module.load_state_dict(state["model"])
-        with torch.no_grad():
-            for (_, m), saved in zip(self.masters.pairs, masters):
-                m.copy_(saved)
-        self.masters.record_versions()
-        self.optimizer.load_state_dict(state["optimizer"])
-        if self.scheduler is not None and state["scheduler"] is not None:
-            self.scheduler.load_state_dict(state["scheduler"])
-        self.loss_scale.load_state_dict(state["loss_scale"])
-        counters = state["counters"]
-        self.micro_step, self.applied_steps = counters["micro_step"], counters["applied_steps"]
-        self.skipped_total, self.boundaries = counters["skipped_total"], counters["boundaries"]
-        if state.get("events") is not None:
-            self.events[:] = state["events"]
+        self._step_pending, self.micro_step, self._extra_inf = False, 0, None
         self._set_gradient_sync()
 
-    def restore_progress(self, counters: dict[str, int], events: list[dict]) -> None:
-        """Set the counters and event log of a saved run, for loaders that restore the model, optimizer,
-        scheduler and loss scale themselves (:func:`mixprec.distributed.load_distributed_checkpoint`)."""
+    def restore_progress(self, counters: dict[str, int], events: list[dict] | None) -> None:
+        """Set the counters and event log (None: keep it) of a saved run, for loaders that restore the model,
+        optimizer, scheduler and loss scale themselves (:func:`mixprec.reprepare.load_state`,
+        :func:`mixprec.distributed.load_distributed_checkpoint`)."""
         self._check_boundary("restore_progress()", "restore")
         self.applied_steps, self.skipped_total = counters["applied_steps"], counters["skipped_total"]
-        self.boundaries, self.events[:] = counters["boundaries"], list(events)
+        self.boundaries = counters["boundaries"]
+        if events is not None:
+            self.events[:] = list(events)
 
     # ------------------------------------------------------------------ internals
     def _fp32_values(self) -> list[torch.Tensor]:
@@ -583,6 +592,9 @@ class MixedPrecision:
                             "module": None, "detail": detail})
         warnings.warn(f"{detail}. To keep full fp32 precision, load weights before building MixedPrecision, "
                       "or with mixprec.load_checkpoint / mp.load_state_dict", stacklevel=3)
+
+    def _adopt_model_edits(self) -> None:
+        adopt_model_edits(self, self._layout, self._frozen)
 
     def _check_boundary(self, call: str, what: str) -> None:
         if self.micro_step != 0:

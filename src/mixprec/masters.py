@@ -171,3 +171,15 @@ class MasterWeights:
             elif value_fp32 is not None:
                 p.copy_(value_fp32)
         self.record_versions()
+
+    def with_params(self, params: list[nn.Parameter], keep: set[int]) -> MasterWeights:
+        """Masters for a new parameter list (a model edited after build): the pairs whose param id is in
+        ``keep`` keep their fp32 master (the same object, so an optimizer holding it stays valid); every
+        other param is its own master until the engine re-prepares. No host sync."""
+        out = MasterWeights([], set())
+        master_of = {id(p): m for p, m in self.pairs if id(p) in keep}
+        out.params = list(params)
+        out.masters = [master_of.get(id(p), p) for p in params]
+        out.pairs = [(p, master_of[id(p)]) for p in params if id(p) in master_of]
+        out.record_versions()
+        return out

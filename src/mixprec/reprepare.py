@@ -10,6 +10,7 @@ params keep none. Every check runs before anything changes.
 
 from __future__ import annotations
 
+import re
 from dataclasses import dataclass
 from typing import Any
 
@@ -21,9 +22,9 @@ from mixprec.masters import MasterWeights
 from mixprec.optim import contract
 from mixprec.policy import Policy
 from mixprec.regions import keep_fp32_modules
-from mixprec.storage import FrozenSet, StoragePlan, plan_storage
+from mixprec.storage import FrozenSet, StoragePlan, check_held, check_new_group, dtype_text, held_by, plan_storage
 
-__all__ = ["Prepared", "check_fp8_unchanged", "reprepare", "load_across_policies"]
+__all__ = ["Prepared", "check_fp8_unchanged", "reprepare", "load_across_policies", "load_state", "match_frozen", "unfreeze_params"]
 
 
 @dataclass(frozen=True)
@@ -124,3 +125,70 @@ def load_across_policies(mp: Any, state: dict[str, Any], *, convert: bool, adopt
     if convert:
         event = mp.set_policy(target, cause=f"load_checkpoint(convert=True) from {saved}")
         event["kind"] = "convert"   # the event the engine recorded
+
+
+def load_state(mp: Any, state: dict[str, Any]) -> None:
+    """Load ``state`` (a :meth:`mixprec.MixedPrecision.state_dict` of ``mp``'s policy) into ``mp`` exactly,
+    through its public methods; an unfinished accumulation is discarded. Every check runs first.
+
+    Raises:
+        ValueError: another loss-scale type, a frozen set that cannot be matched, unfit fp16 values,
+            masters other than this policy's. Nothing has changed then.
+    """
+    if state["loss_scale"].get("type") != type(mp.loss_scale).__name__:
+        raise ValueError(f"the run used {state['loss_scale'].get('type')}, the engine has "
+                         f"{type(mp.loss_scale).__name__}; build the engine with the run's loss_scale")
+    if state.get("frozen") is not None:
+        mp.match_frozen(state["frozen"], check_only=True)
+    mp.check_frozen_values(dict(state["model"]))
+    if state.get("frozen") is not None:
+        mp.match_frozen(state["frozen"])
+    masters = mp.masters.by_name(state["masters"], dict(mp.module.named_parameters()))
+    mp.discard_gradients()   # an unfinished accumulation belongs to the replaced run
+    mp.module.load_state_dict(state["model"])
+    with torch.no_grad():
+        for (_, m), saved in zip(mp.masters.pairs, masters):
+            m.copy_(saved)
+    mp.masters.record_versions()
+    mp.optimizer.load_state_dict(state["optimizer"])
+    if mp.scheduler is not None and state["scheduler"] is not None:
+        mp.scheduler.load_state_dict(state["scheduler"])
+    mp.loss_scale.load_state_dict(state["loss_scale"])
+    mp.restore_progress(state["counters"], state.get("events"))
+
+
+def unfreeze_params(mp: Any, frozen: FrozenSet, patterns: tuple[str, ...], group_options: dict) -> dict:
+    """:meth:`mixprec.MixedPrecision.unfreeze` after its boundary checks: thaw the matching members of
+    ``frozen`` (the engine's), add a param group for those the optimizer lacks, re-prepare under the same
+    policy; a refusal undoes all of it. Returns the ``"unfreeze"`` event."""
+    chosen = frozen.select(patterns)
+    new_params = check_new_group(chosen, held_by(mp.optimizer, mp.masters, [p for _, p in chosen]),
+                                 group_options, mp.scheduler)
+    groups_before = len(mp.optimizer.param_groups)
+    frozen.thaw([p for _, p in chosen])
+    try:
+        if new_params:
+            mp.optimizer.add_param_group({"params": new_params, **group_options})
+        event = mp.set_policy(mp.policy, cause=f"unfreeze {', '.join(patterns)}")
+    except (ValueError, TypeError):   # refused before anything changed: undo ours too
+        frozen.refreeze([p for _, p in chosen])
+        del mp.optimizer.param_groups[groups_before:]
+        raise
+    event["kind"] = "unfreeze"
+    event["detail"] = (f"{len(chosen)} parameter(s) unfrozen ({sum(p.numel() for _, p in chosen)} elements), "
+                       f"stored as {dtype_text(mp.policy.param_dtype)}"
+                       f"{' with fp32 masters' if mp.policy.has_masters else ''}; " + event["detail"])
+    if mp.guard is not None and hasattr(mp.guard, "take_snapshot"):
+        mp.guard.take_snapshot(mp)   # the old snapshot holds the frozen layout: no rollback into it
+    return event
+
+
+def match_frozen(mp: Any, frozen: FrozenSet, saved: list[str], *, check_only: bool) -> None:
+    """:meth:`mixprec.MixedPrecision.match_frozen`: unfreeze in ``mp`` what the saved run had unfrozen."""
+    to_unfreeze = frozen.to_unfreeze(saved)
+    if not to_unfreeze:
+        return
+    named = dict(mp.module.named_parameters())
+    check_held(to_unfreeze, held_by(mp.optimizer, mp.masters, [named[n] for n in to_unfreeze]), named)
+    if not check_only:
+        mp.unfreeze(*(re.sub(r"([\[\]*?])", r"[\1]", n) for n in to_unfreeze))

@@ -149,6 +149,13 @@ class FrozenSet:
         """Record which members ``plan`` stores in 16 bits."""
         self.stored16 = [p for p in self.model.parameters() if id(p) in plan.frozen16]
 
+    def follow(self, added: list[nn.Parameter]) -> None:
+        """After a model edit: drop the members no longer in the model, and take ``added`` params that
+        are frozen as members."""
+        now = {id(p) for p in self.model.parameters()}
+        self.members = [p for p in self.members if id(p) in now] + [
+            p for p in added if p.is_floating_point() and not p.requires_grad and all(p is not q for q in self.members)]
+
     def check_not_thawed(self) -> None:
         """Raise RuntimeError if a param stored frozen (16-bit, no master) was unfrozen by hand."""
         thawed = [p for p in self.stored16 if p.requires_grad]

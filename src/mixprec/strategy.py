@@ -56,6 +56,16 @@ class SingleProcess:
         """The norm over every rank's part, from this rank's ``norm_fp32``."""
         return norm_fp32
 
+    def agree_on(self, choice: str | None, choices: tuple[str, ...], device: torch.device) -> str | None:
+        """The first of ``choices`` any rank chose (:meth:`mixprec.MixedPrecision.agree_on`)."""
+        if choice is not None and choice not in choices:
+            raise ValueError(f"agree_on: choice={choice!r} is not one of {choices}")
+        if self.name is None:   # one process: no collective
+            return choice
+        flags = torch.tensor([c == choice for c in choices], dtype=torch.float32, device=device)
+        agreed = self.agree_flags(flags).tolist()  # syncs
+        return next((c for c, flag in zip(choices, agreed) if flag), None)
+
     def agree_flags(self, flags: torch.Tensor) -> torch.Tensor:
         """Elementwise OR of 0/1 fp32 device ``flags`` over ranks (one all-reduce, no sync)."""
         return flags
