@@ -96,6 +96,14 @@ def _check_args(model: Any, optimizer: Any, scheduler: Any, max_grad_norm: Any, 
 
 
 def _check_param_dtypes(model: nn.Module, policy: Policy) -> None:
+    """Raise ValueError for a param or buffer in a dtype the policy does not store (named, with the fix).
+    Complex params are kept as they are (complex64 is two fp32 numbers: :mod:`mixprec.storage`), except
+    16-bit complex32, which has no fp32 master and no 16-bit-aware optimizer."""
+    chalf = [n for n, p in model.named_parameters() if p.dtype == torch.complex32]
+    if chalf:
+        raise ValueError(f"parameter(s) {chalf[:5]} are complex32 (16-bit complex), which no policy can train (no "
+                         "fp32 master, optimizer state in 16 bits); make them complex64 (p.data = p.data.to("
+                         "torch.complex64)) before building MixedPrecision: complex64 params are kept as they are")
     allowed = {torch.float32, policy.param_dtype}
     frozen_ok = allowed | {policy.compute_dtype}   # a frozen param may come in the compute dtype
     wrong = [(n, p.dtype) for n, p in model.named_parameters()
