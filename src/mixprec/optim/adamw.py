@@ -57,8 +57,8 @@ class AdamW(PrecisionOptimizer):
         rounding: ``"nearest"`` (default when None), ``"kahan"`` or ``"stochastic"`` (bf16 only).
         state_dtype: dtype of ``exp_avg`` / ``exp_avg_sq``: fp32 (default when None), bf16, fp16.
 
-    State: ``step`` (float32 scalar, CPU), ``exp_avg`` and ``exp_avg_sq`` in ``state_dtype`` (for a
-    complex64 param: of its real view's shape, ``(*shape, 2)``)
+    State: ``step`` (float32 scalar, CPU), ``exp_avg`` and ``exp_avg_sq`` in ``state_dtype`` (complex64
+    for a complex64 param, as torch.optim)
     (upcast to fp32 for the math, stored back rounded to nearest), ``kahan_comp`` in the param
     dtype for 16-bit params under ``'kahan'``.
 

@@ -174,11 +174,6 @@ def _as_fp32(t: torch.Tensor) -> torch.Tensor:
     return t if t.dtype == torch.float32 else t.float()
 
 
-def _state_shape(t: torch.Tensor) -> torch.Size:
-    """The shape of ``t``'s moments: ``t``'s, with a trailing 2 for a complex ``t`` (its real view)."""
-    return t.shape + (2,) if t.is_complex() else t.shape
-
-
 def grad_fp32(p: torch.Tensor) -> torch.Tensor:
     """``p.grad`` as a dense fp32 tensor of :func:`_as_fp32`'s shape, for the update math (read, never
     written). A sparse COO gradient (``nn.Embedding(sparse=True)``) is upcast to fp32 *then* densified,
@@ -282,7 +277,7 @@ class PrecisionOptimizer(torch.optim.Optimizer):
                 continue
             state.pop("kahan_comp", None)
             self.state[new] = {k: v.to(state_dtype) if (k != "step" and torch.is_tensor(v) and v.is_floating_point()
-                                                        and v.shape == _state_shape(new)) else v
+                                                        and v.shape == new.shape) else v
                                for k, v in state.items()}
         if not self.precision_explicit:
             self.rounding, self.state_dtype = rounding, state_dtype
@@ -293,10 +288,10 @@ class PrecisionOptimizer(torch.optim.Optimizer):
         state = self.state[p]
         if "step" not in state:
             state["step"] = torch.tensor(0.0, dtype=torch.float32)
-        for key in zeros:   # a complex param's moments are kept as its real view: (..., 2) in state_dtype
+        for key in zeros:   # a complex64 param's moments are complex64, as torch.optim's (state_dtype is for reals)
             if key not in state:
-                like = torch.view_as_real(p) if p.is_complex() else p
-                state[key] = torch.zeros_like(like, dtype=self.state_dtype, memory_format=torch.preserve_format)
+                dtype = p.dtype if p.is_complex() else self.state_dtype
+                state[key] = torch.zeros_like(p, dtype=dtype, memory_format=torch.preserve_format)
         if self.rounding == "kahan" and p.dtype in _HALF_DTYPES and "kahan_comp" not in state:
             state["kahan_comp"] = torch.zeros_like(p, memory_format=torch.preserve_format)
         return state
@@ -307,8 +302,14 @@ class PrecisionOptimizer(torch.optim.Optimizer):
 
     @staticmethod
     def _store(state: dict[str, Any], key: str, value_fp32: torch.Tensor) -> None:
-        if state[key] is not value_fp32:
+        if state[key] is not value_fp32 and not state[key].is_complex():   # complex: updated through its real view
             state[key].copy_(value_fp32)  # round to nearest into the storage dtype
+
+    @staticmethod
+    def _new_state(p: torch.Tensor, value_fp32: torch.Tensor, state_dtype: torch.dtype) -> torch.Tensor:
+        """A state tensor first computed as ``value_fp32`` (of :func:`_as_fp32`'s shape), in ``p``'s storage:
+        complex64 for a complex ``p``, else ``state_dtype``."""
+        return torch.view_as_complex(value_fp32.contiguous()) if p.is_complex() else value_fp32.to(state_dtype)
 
     def _write_back(self, p: torch.Tensor, param_fp32: torch.Tensor, state: dict[str, Any],
                     lost_counts: list) -> None:
@@ -354,5 +355,5 @@ class PrecisionOptimizer(torch.optim.Optimizer):
                 if key == "step":
                     self.state[p][key] = value.clone()
                 else:
-                    dtype = p.dtype if key == "kahan_comp" else self.state_dtype
+                    dtype = p.dtype if key == "kahan_comp" or p.is_complex() else self.state_dtype
                     self.state[p][key] = value.to(device=p.device, dtype=dtype, copy=True)

@@ -61,8 +61,8 @@ class SGD(PrecisionOptimizer):
         state_dtype: dtype of ``momentum_buffer``: fp32 (default when None), bf16, fp16.
 
     State: ``step`` (float32 scalar, CPU; counts steps for the first-step check),
-    ``momentum_buffer`` in ``state_dtype`` when ``momentum != 0`` (a complex64 param's of its real
-    view's shape, ``(*shape, 2)``; upcast to fp32 for the
+    ``momentum_buffer`` in ``state_dtype`` when ``momentum != 0`` (complex64 for a complex64 param,
+    as torch.optim; upcast to fp32 for the
     math, stored back rounded to nearest), ``kahan_comp`` in the param dtype for 16-bit params
     under ``'kahan'``.
 
@@ -117,7 +117,7 @@ class SGD(PrecisionOptimizer):
                 if buffer_fp32 is not None:
                     self._store(state, "momentum_buffer", buffer_fp32)
                 elif new_buffer_fp32 is not None:
-                    state["momentum_buffer"] = new_buffer_fp32.to(self.state_dtype)
+                    state["momentum_buffer"] = self._new_state(p, new_buffer_fp32, self.state_dtype)
                 self._write_back(p, param_fp32, state, lost_counts)
         self._warn_if_updates_lost(lost_counts)
         return loss
