@@ -22,6 +22,8 @@ from typing import Any
 import torch
 from torch import nn
 
+from mixprec.clipping import clip_ as _clip_
+from mixprec.clipping import global_norm_fp32 as _global_norm_fp32
 from mixprec.devices import resolve
 from mixprec.divergence import DivergenceError, StopWhenStuck
 from mixprec.edits import ModelLayout, adopt_model_edits
@@ -96,6 +98,14 @@ def _check_args(model: Any, optimizer: Any, scheduler: Any, max_grad_norm: Any, 
 
 
 def _check_param_dtypes(model: nn.Module, policy: Policy) -> None:
+    """Raise ValueError for a param or buffer in a dtype the policy does not store (named, with the fix).
+    Complex params are kept as they are (complex64 is two fp32 numbers: :mod:`mixprec.storage`), except
+    16-bit complex32, which has no fp32 master and no 16-bit-aware optimizer."""
+    chalf = [n for n, p in model.named_parameters() if p.dtype == torch.complex32]
+    if chalf:
+        raise ValueError(f"parameter(s) {chalf[:5]} are complex32 (16-bit complex), which no policy can train (no "
+                         "fp32 master, optimizer state in 16 bits); make them complex64 (p.data = p.data.to("
+                         "torch.complex64)) before building MixedPrecision: complex64 params are kept as they are")
     allowed = {torch.float32, policy.param_dtype}
     frozen_ok = allowed | {policy.compute_dtype}   # a frozen param may come in the compute dtype
     wrong = [(n, p.dtype) for n, p in model.named_parameters()
@@ -605,25 +615,3 @@ class MixedPrecision:
             raise RuntimeError(f"{call} after mp.unwrap(): the engine's hooks (output cast, keep_fp32 regions, fp32 "
                                "embedding lookups) are gone, so it would train with other numerics; build a new "
                                "MixedPrecision on the model to go on")
-
-
-def _global_norm_fp32(grads: list[torch.Tensor], device: torch.device) -> torch.Tensor:
-    """Global L2 norm of ``grads`` as an fp32 device tensor (torch's clip_grad_norm_ op order)."""
-    if not grads:
-        return torch.zeros((), dtype=torch.float32, device=device)
-    norms: list[torch.Tensor] = []
-    fp32 = [g for g in grads if g.dtype == torch.float32]
-    if fp32:
-        norms.extend(torch._foreach_norm(fp32, 2.0))
-    norms.extend(torch.linalg.vector_norm(g, 2.0, dtype=torch.float32) for g in grads if g.dtype != torch.float32)
-    return torch.linalg.vector_norm(torch.stack([n.to(grads[0].device) for n in norms]), 2.0)
-
-
-def _clip_(grads: list[torch.Tensor], total_norm: torch.Tensor, max_norm: float) -> None:
-    """Scale ``grads`` in place by ``min(1, max_norm / (total_norm + 1e-6))`` (as torch's clip_grad_norm_)."""
-    clip_coef = torch.clamp(max_norm / (total_norm + 1e-6), max=1.0)
-    by_dtype: dict[torch.dtype, list[torch.Tensor]] = {}
-    for g in grads:
-        by_dtype.setdefault(g.dtype, []).append(g)
-    for dtype, group in by_dtype.items():
-        torch._foreach_mul_(group, clip_coef.to(device=group[0].device, dtype=dtype))

@@ -31,6 +31,8 @@ from typing import Any, ClassVar
 
 import torch
 
+from mixprec.gradients import summed_values, value_views
+
 __all__ = ["LossScale", "NoLossScale", "StaticLossScale", "DynamicLossScale", "from_spec", "from_state_dict"]
 
 _FP32 = torch.finfo(torch.float32)
@@ -162,13 +164,20 @@ class LossScale:
         torch's fused ``_amp_foreach_non_finite_check_and_unscale_`` (a plain foreach fallback
         runs where it is missing). The fused op checks *before* multiplying, so when the scale
         can go below 1 each group is checked again after unscaling. No host sync.
+
+        Sparse COO grads are unscaled through their values and complex ones through their real
+        view (:mod:`mixprec.gradients`; the fused op takes neither). An fp16 sparse grad is also
+        checked after coalescing, as ``torch.amp.GradScaler`` does: duplicate indices summed in fp16
+        can overflow where each value fits. Unlike GradScaler the grad is not replaced by its
+        coalesced copy: the (unscaled) values are summed later by the optimizer.
         """
         found_inf = torch.zeros((), dtype=torch.float32, device=self.state.scale.device)
         inv_scale = self.state.scale.reciprocal()  # fp32: exact for powers of two
         groups: dict[tuple[torch.device, torch.dtype], list[torch.Tensor]] = defaultdict(list)
         for g in grads:
             if g is not None:
-                groups[(g.device, g.dtype)].append(g)
+                values = value_views(g)
+                groups[(values.device, values.dtype)].append(values)
         recheck = self._lowest_scale() < 1.0
         for (device, _), group in groups.items():
             found_dev = torch.zeros((), dtype=torch.float32, device=device)
@@ -177,6 +186,10 @@ class LossScale:
             if recheck:  # values may have overflowed while being multiplied by 1/scale > 1
                 _check_and_unscale_(group, found_dev, torch.ones_like(inv_dev))
             found_inf = torch.maximum(found_inf, found_dev.to(found_inf.device))
+        sums = [summed_values(g) for g in grads if g is not None and g.is_sparse and g.dtype == torch.float16]
+        if sums:   # the unscaled fp16 sums the optimizer will add: overflow there is an overflow too
+            finite = torch.stack([v.isfinite().all().to(found_inf.device) for v in sums]).all()
+            found_inf = torch.where(finite, found_inf, 1.0)
         return found_inf
 
     def update(self, found_inf: torch.Tensor) -> None:

@@ -45,25 +45,46 @@ class MasterWeights:
     def rebind(self, optimizer: torch.optim.Optimizer) -> None:
         """Point ``optimizer`` at the masters instead of the 16-bit params.
 
+        State an optimizer creates in its constructor (``torch.optim.Adagrad``'s ``sum``, at step 0) moves
+        to the masters, cast to fp32: it was built from the fp32 params, which the masters copy exactly.
+
         Raises:
-            RuntimeError: the optimizer already holds state (it stepped before the engine was built).
+            RuntimeError: the optimizer already stepped (a state with a nonzero ``step``) before the
+                engine was built.
         """
-        if len(optimizer.state) > 0:
+        stepped = [s for s in optimizer.state.values()
+                   if not (isinstance(s, dict) and torch.is_tensor(s.get("step", 0)) and float(s.get("step", 0)) == 0)]
+        if stepped:
             raise RuntimeError("the optimizer already has state: build MixedPrecision(model, optimizer, ...) "
                                "before the first optimizer.step(), so masters can replace the params")
         swap = {id(p): m for p, m in self.pairs}
         for group in optimizer.param_groups:
             group["params"] = [swap.get(id(p), p) for p in group["params"]]
+        for p, m in self.pairs:
+            if p in optimizer.state:
+                optimizer.state[m] = {k: v.to(torch.float32) if torch.is_tensor(v) and v.is_floating_point()
+                                      and v.shape == m.shape else v for k, v in optimizer.state.pop(p).items()}
 
     def accumulate_grads(self) -> None:
-        """Add each 16-bit gradient into its master's fp32 gradient and free the 16-bit one."""
+        """Add each 16-bit gradient into its master's fp32 gradient and free the 16-bit one.
+
+        Each 16-bit gradient is converted to fp32 *before* anything is summed, so accumulation is in
+        fp32. A sparse COO gradient (``nn.Embedding(sparse=True)``) stays sparse: its master gets a
+        sparse fp32 gradient (uncoalesced, its values the fp32 upcasts of the 16-bit ones, duplicate
+        indices summed in fp32 by whoever coalesces it), exactly what autograd gives an fp32 table, so
+        the optimizers that take sparse gradients (``torch.optim.SGD``, ``Adagrad``, ``SparseAdam``)
+        step it, and memory stays proportional to the rows looked up. A dense and a sparse gradient
+        for one master (a table also used densely) add up to a dense one. No host sync."""
         for p, m in self.pairs:
             if p.grad is None:
                 continue
+            grad_fp32 = p.grad.to(torch.float32)
             if m.grad is None:
-                m.grad = p.grad.to(torch.float32)
+                m.grad = grad_fp32
+            elif m.grad.is_sparse:
+                m.grad = grad_fp32.add_(m.grad) if not grad_fp32.is_sparse else m.grad + grad_fp32
             else:
-                m.grad.add_(p.grad)
+                m.grad.add_(grad_fp32)
             p.grad = None
 
     @torch.no_grad()

@@ -12,6 +12,28 @@ nearest once, where that changes only their rounding:
   :mod:`mixprec.regions`); a norm gain meeting fp32 activations stays fp32;
 * under fp16, only values that fit: nothing finite overflows and at most 1 % of the nonzeros flush to
   zero (else fp32 under ``-mixed``, recorded in the engine's decision; refused under ``-pure``).
+
+Parameters that are not plain dense real tensors, under every policy (each recorded in the decision):
+
+* **complex** params (complex64/complex128) are kept as they are, with no master: complex64 is two
+  fp32 numbers, already full precision, and autocast leaves complex ops alone. Their gradients are
+  unscaled, checked, measured and clipped through their real view (:mod:`mixprec.gradients`).
+* **parametrized** tensors (``torch.nn.utils.parametrize``: ``spectral_norm``, ``orthogonal``,
+  ``weight_norm``...): the originals (``parametrizations.<name>.original*``) and any parameter of the
+  parametrization itself stay fp32, their own fp32 masters (no 16-bit copy: the parametrization would
+  only upcast it), and the parametrization's buffers (spectral_norm's ``_u``/``_v``, orthogonal's
+  ``base``) stay fp32 as every buffer does. So the parametrization computes the weight from fp32
+  values — power iteration, normalisation or matrix exponential in fp32, where 16-bit rounding makes
+  ``spectral_norm`` fail on mixed dtypes and ``orthogonal`` lose orthogonality and diverge — and the
+  layer's matmul/conv casts that fp32 weight to the compute dtype under autocast, as it does every
+  weight under ``-mixed``. Ops *inside* the parametrization follow autocast like any op (on CPU its
+  matmuls, e.g. ``orthogonal``'s ``base @ Q``, run in the compute dtype). A layer whose op autocast
+  does not cast (a hand-written ``x * self.weight``) then sees an fp32 weight and promotes to fp32.
+  Memory: 4 bytes per original element instead of 2 + 4 with a master.
+* **sparse gradients** (``nn.Embedding(sparse=True)``, ``nn.EmbeddingBag(sparse=True)``): the table is
+  stored as any param; its fp32 master (``-pure``) gets sparse fp32 gradients
+  (:meth:`mixprec.masters.MasterWeights.accumulate_grads`), and the optimizer must take sparse
+  gradients (``torch.optim.SGD``, ``Adagrad``, ``SparseAdam``, or :mod:`mixprec.optim`, which densifies).
 """
 
 from __future__ import annotations
@@ -24,10 +46,12 @@ from typing import Any
 
 import torch
 from torch import nn
+from torch.nn.utils import parametrize
 
 from mixprec.policy import Policy
 
-__all__ = ["StoragePlan", "FrozenSet", "plan_storage", "fits", "dtype_text", "held_by", "check_new_group", "check_held"]
+__all__ = ["StoragePlan", "FrozenSet", "plan_storage", "fits", "dtype_text", "held_by", "check_new_group", "check_held",
+           "parametrized_ids", "sparse_grad_ids"]
 
 log = logging.getLogger("mixprec")
 
@@ -67,16 +91,18 @@ class StoragePlan:
     half: frozenset[int]
     frozen16: frozenset[int]
     unfit: tuple[str, ...] = ()
+    special: tuple[str, ...] = ()   # the decision's notes on complex, parametrized and sparse-gradient params
 
     def note(self) -> str:
-        """The decision's note on frozen params kept in fp32 ("" when none); logs a warning then."""
+        """The decision's notes: frozen params kept in fp32 (logs a warning then) and params that are not
+        plain dense tensors (complex, parametrized, sparse gradients); "" when there are none."""
+        notes = "".join(f"; {n}" for n in self.special)
         if not self.unfit:
-            return ""
+            return notes
         log.warning("mixprec: frozen parameter(s) %s kept in fp32: their values do not fit %s",
                     ", ".join(self.unfit[:5]), self.policy.compute_dtype)
         return (f"; {len(self.unfit)} frozen param(s) kept in fp32, their values do not fit "
-                f"{dtype_text(self.policy.compute_dtype)} ({', '.join(self.unfit[:3])}"
-                f"{', ...' if len(self.unfit) > 3 else ''})")
+                f"{dtype_text(self.policy.compute_dtype)} ({_listed(list(self.unfit))})" + notes)
 
     def dtype_of(self, p: torch.Tensor) -> torch.dtype:
         """The dtype ``p`` is stored in under this plan (its own dtype when not floating)."""
@@ -93,6 +119,44 @@ class StoragePlan:
                 p.data = p.data.to(self.dtype_of(p))
 
 
+def _listed(names: list[str]) -> str:
+    return ", ".join(names[:3]) + (f" and {len(names) - 3} more" if len(names) > 3 else "")
+
+
+def parametrized_ids(model: nn.Module) -> set[int]:
+    """Ids of the params under ``model``'s parametrizations (``<module>.parametrizations.*``: the
+    ``original*`` tensors and any parameter of a parametrization module), which every policy keeps fp32."""
+    return {id(q) for m in model.modules() if parametrize.is_parametrized(m) for q in m.parametrizations.parameters()}
+
+
+def sparse_grad_ids(model: nn.Module) -> set[int]:
+    """Ids of the weights that get sparse COO gradients (``Embedding`` / ``EmbeddingBag`` with ``sparse=True``)."""
+    return {id(m.weight) for m in model.modules()
+            if isinstance(m, (nn.Embedding, nn.EmbeddingBag)) and m.sparse and isinstance(m.weight, nn.Parameter)}
+
+
+def _special_notes(model: nn.Module, policy: Policy, parametrized: set[int]) -> tuple[str, ...]:
+    """What the decision says about params that are not plain dense real tensors (module docstring)."""
+    named = list(model.named_parameters())
+    complex_ = [n for n, p in named if p.is_complex()]
+    kept = [n for n, p in named if id(p) in parametrized]
+    sparse_ids = sparse_grad_ids(model)
+    sparse = [n for n, p in named if id(p) in sparse_ids and p.requires_grad]
+    notes = []
+    if complex_:
+        notes.append(f"complex param(s) {_listed(complex_)} kept as they are (complex64 is full precision: no "
+                     "master, autocast leaves complex ops alone)")
+    if kept:
+        notes.append(f"parametrization param(s) {_listed(kept)} kept fp32 (their own masters): the "
+                     "parametrization computes the weight from fp32 values and fp32 buffers"
+                     + (", the layer casts it under autocast" if policy.is_mixed else ""))
+    if sparse:
+        grads = "their fp32 masters get sparse fp32 gradients" if policy.has_masters else "gradients stay sparse"
+        notes.append(f"sparse gradients for {_listed(sparse)} ({grads}; unscaled, checked and clipped through "
+                     "their values; the optimizer must take sparse gradients)")
+    return tuple(notes)
+
+
 def plan_storage(model: nn.Module, policy: Policy, params: list[nn.Parameter], keep: dict[str, nn.Module],
                  frozen_now: set[int], *, sharded: bool = False) -> StoragePlan:
     """The :class:`StoragePlan` of ``policy`` for ``model`` (rules in the module docstring).
@@ -104,9 +168,11 @@ def plan_storage(model: nn.Module, policy: Policy, params: list[nn.Parameter], k
         ValueError: under a *pure* fp16 policy, a frozen param whose values do not fit fp16 (named,
             with the fix: a bf16 policy or keep_fp32 for its module).
     """
+    parametrized = parametrized_ids(model)
+    special = _special_notes(model, policy, parametrized)
     if sharded:
-        return StoragePlan(policy, frozenset(), frozenset())
-    keep_params = {id(p) for m in keep.values() for p in m.parameters()}
+        return StoragePlan(policy, frozenset(), frozenset(), special=special)
+    keep_params = {id(p) for m in keep.values() for p in m.parameters()} | parametrized
     free = [p for p in params if id(p) not in keep_params and p.is_floating_point()]
     half = {id(p) for p in free if id(p) not in frozen_now and policy.param_dtype != torch.float32}
     candidates = [p for p in free if id(p) in frozen_now and policy.compute_dtype != torch.float32]
@@ -124,7 +190,7 @@ def plan_storage(model: nn.Module, policy: Policy, params: list[nn.Parameter], k
                          f"parameter(s) {list(unfit[:3])} hold values that do not fit it (beyond its range, or "
                          "mostly flushed to zero); use a bf16 policy, or keep their modules in fp32 (policy "
                          "keep_fp32=<module>)")
-    return StoragePlan(policy, frozenset(half), frozenset(frozen16), unfit)
+    return StoragePlan(policy, frozenset(half), frozenset(frozen16), unfit, special)
 
 
 class FrozenSet:

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import torch
 
-from mixprec.optim.rounding import PrecisionOptimizer, _as_fp32, check_number
+from mixprec.optim.rounding import PrecisionOptimizer, _as_fp32, check_number, grad_fp32
 
 __all__ = ["AdamW", "adamw_update_"]
 
@@ -47,7 +47,9 @@ class AdamW(PrecisionOptimizer):
     compensation follows optimi; stochastic rounding follows Gupta et al. 2015.
 
     Args:
-        params: iterable of params or param-group dicts (fp32, bf16 or fp16 params).
+        params: iterable of params or param-group dicts (fp32, bf16, fp16 or complex64 params). A
+            complex64 param is stepped in place on its fp32 ``view_as_real``, as ``torch.optim`` does
+            (bit-identical to it; no rounding or compensation: it is full precision).
         lr: learning rate >= 0; schedulers may change ``param_groups[i]["lr"]``.
         betas: ``(β1, β2)``, each in ``[0, 1)``.
         eps: term added to the denominator, >= 0; applied in fp32, so 1e-8 is not lost on fp16.
@@ -55,16 +57,23 @@ class AdamW(PrecisionOptimizer):
         rounding: ``"nearest"`` (default when None), ``"kahan"`` or ``"stochastic"`` (bf16 only).
         state_dtype: dtype of ``exp_avg`` / ``exp_avg_sq``: fp32 (default when None), bf16, fp16.
 
-    State: ``step`` (float32 scalar, CPU), ``exp_avg`` and ``exp_avg_sq`` in ``state_dtype``
+    State: ``step`` (float32 scalar, CPU), ``exp_avg`` and ``exp_avg_sq`` in ``state_dtype`` (complex64
+    for a complex64 param, as torch.optim)
     (upcast to fp32 for the math, stored back rounded to nearest), ``kahan_comp`` in the param
     dtype for 16-bit params under ``'kahan'``.
 
     Host syncs: none, except once on the first step for 16-bit params under ``'nearest'``,
     which counts updates smaller than half an ulp and warns if they are over 50%.
 
+    Sparse COO gradients (``nn.Embedding(sparse=True)``) are upcast to fp32, then densified (duplicate
+    rows summed in fp32): the step equals the step on the equivalent dense gradient (AdamW's moments then decay on every
+    row, as for a dense table; ``torch.optim.SparseAdam`` updates only the rows looked up), at the cost
+    of one dense fp32 temporary per sparse param and step.
+
     Raises:
         ValueError: an invalid hyperparameter, ``rounding`` or ``state_dtype``, a param dtype
-            outside fp32/bf16/fp16, or ``'stochastic'`` with fp16 params.
+            outside fp32/bf16/fp16/complex64 (named with its shape and the fix), or ``'stochastic'``
+            with fp16 params.
     """
 
     def __init__(self, params, lr: float = 1e-3, betas: tuple[float, float] = (0.9, 0.999),
@@ -94,14 +103,12 @@ class AdamW(PrecisionOptimizer):
             for p in group["params"]:
                 if p.grad is None:
                     continue
-                if p.grad.is_sparse:
-                    raise RuntimeError("AdamW does not support sparse gradients; use torch.optim.SparseAdam")
                 state = self._state(p, zeros=("exp_avg", "exp_avg_sq"))
                 state["step"] += 1
                 param_fp32 = _as_fp32(p)
                 exp_avg_fp32 = self._load(state, "exp_avg")
                 exp_avg_sq_fp32 = self._load(state, "exp_avg_sq")
-                adamw_update_(param_fp32, p.grad.float(), exp_avg_fp32, exp_avg_sq_fp32,
+                adamw_update_(param_fp32, grad_fp32(p), exp_avg_fp32, exp_avg_sq_fp32,
                               step=float(state["step"]),  # CPU scalar: no device sync
                               lr=group["lr"], beta1=beta1, beta2=beta2, eps=group["eps"],
                               weight_decay=group["weight_decay"])

@@ -7,8 +7,8 @@ Two kinds of optimizer run under :class:`mixprec.MixedPrecision`:
   with explicit ones, which must then agree with the policy), holds Kahan compensation per param,
   and re-keys its state when the engine swaps the tensors it steps;
 * a stock ``torch.optim`` optimizer: state in its params' dtype, round-to-nearest writes. It is
-  accepted only where that is exact enough: fp32 stepped tensors (fp32 params or fp32 masters),
-  ``rounding='nearest'``, fp32 state.
+  accepted only where that is exact enough: fp32 stepped tensors (fp32 params or fp32 masters; complex64
+  params, two fp32 numbers each, which every policy keeps as they are), ``rounding='nearest'``, fp32 state.
 
 The engine calls only the functions below. None syncs the host with the device.
 """
@@ -23,6 +23,10 @@ import torch
 from mixprec.policy import Policy
 
 __all__ = ["PrecisionAware", "check", "configure", "compensation", "move_state"]
+
+# stepped tensors a stock optimizer handles as it would in an fp32 run: complex64 is two fp32 numbers
+# (torch.optim steps it on its fp32 real view), complex128 more; complex32 is 16-bit and is not here
+_FULL_PRECISION = {torch.float32, torch.complex64, torch.complex128}
 
 
 @runtime_checkable
@@ -55,10 +59,11 @@ def check(opt: torch.optim.Optimizer, policy: Policy, stepped_dtypes: set[torch.
     if policy.rounding != "nearest":
         raise ValueError(f"policy {policy} writes updates with rounding={policy.rounding!r}, which "
                          f"{name} cannot do; use mixprec.optim.AdamW / mixprec.optim.SGD")
-    if stepped_dtypes - {torch.float32}:
-        raise ValueError(f"{name} would keep its state in {sorted(map(str, stepped_dtypes))} "
-                         f"under policy {policy} (16-bit params, no master weights): small moments round away. "
-                         "Fix: use mixprec.optim.AdamW (fp32 state and math), or master=fp32 (e.g. bf16-pure)")
+    half = sorted(str(d).replace("torch.", "") for d in stepped_dtypes - _FULL_PRECISION)
+    if half:
+        raise ValueError(f"{name} would keep its state in {half} under policy {policy} (16-bit params, no master "
+                         "weights): small moments round away. Fix: use mixprec.optim.AdamW (fp32 state and math), "
+                         "or master=fp32 (e.g. bf16-pure)")
     if policy.state_dtype != torch.float32:
         raise ValueError(f"policy {policy} asks for state={policy.state_dtype}, which "
                          f"{name} cannot do; use mixprec.optim.AdamW / SGD")

@@ -31,11 +31,12 @@ import torch
 from mixprec.formats import get_format
 from mixprec.policy import ROUNDINGS
 
-__all__ = ["ROUNDINGS", "STATE_DTYPES", "stochastic_round_to_bf16", "write_back_",
+__all__ = ["ROUNDINGS", "STATE_DTYPES", "stochastic_round_to_bf16", "write_back_", "grad_fp32",
            "lost_update_counts", "PrecisionOptimizer"]
 
 STATE_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
-_PARAM_DTYPES = STATE_DTYPES
+_PARAM_DTYPES = STATE_DTYPES + (torch.complex64,)   # complex64: two fp32 values, stepped on its real view
+_HALF_DTYPES = (torch.bfloat16, torch.float16)
 _LOW_16_BITS = 0xFFFF  # bf16 is the top half of an fp32 bit pattern
 
 
@@ -165,8 +166,24 @@ def check_number(owner: str, name: str, value: Any, *, low: float, high: float =
 
 
 def _as_fp32(t: torch.Tensor) -> torch.Tensor:
-    """``t`` itself when fp32 (so in-place math hits the stored tensor), else an fp32 copy."""
+    """``t`` itself when fp32 (so in-place math hits the stored tensor), its ``view_as_real`` when
+    complex64 (an fp32 alias: in-place math hits the stored tensor too, as ``torch.optim`` steps complex
+    params), else an fp32 copy."""
+    if t.is_complex():
+        return torch.view_as_real(t)
     return t if t.dtype == torch.float32 else t.float()
+
+
+def grad_fp32(p: torch.Tensor) -> torch.Tensor:
+    """``p.grad`` as a dense fp32 tensor of :func:`_as_fp32`'s shape, for the update math (read, never
+    written). A sparse COO gradient (``nn.Embedding(sparse=True)``) is upcast to fp32 *then* densified,
+    so duplicate rows are summed in fp32; the step then equals the step on the dense gradient (AdamW's
+    moments decay on every row, as with a dense table: not ``torch.optim.SparseAdam``'s lazy update).
+    Costs one dense fp32 temporary of the param's size. No host sync."""
+    grad = p.grad
+    if grad.is_sparse:
+        grad = grad.to(torch.complex64 if grad.is_complex() else torch.float32).to_dense()
+    return _as_fp32(grad)
 
 
 def _is_check_step(step: int) -> bool:
@@ -208,9 +225,10 @@ class PrecisionOptimizer(torch.optim.Optimizer):
         owner = type(self).__name__
         for p in params:
             if p.dtype not in _PARAM_DTYPES:
-                raise ValueError(f"{owner} got a param of dtype {p.dtype}; allowed param dtypes are "
-                                 f"{list(_PARAM_DTYPES)}; use torch.optim for other dtypes")
-            if rounding == "stochastic" and p.dtype not in (torch.float32, torch.bfloat16):
+                raise ValueError(f"{owner} got a param of dtype {p.dtype} (shape {tuple(p.shape)}); allowed param "
+                                 f"dtypes are {[str(d).replace('torch.', '') for d in _PARAM_DTYPES]}; cast it to one "
+                                 "of them (e.g. a complex128 or complex32 param to complex64), or use torch.optim")
+            if rounding == "stochastic" and p.dtype in _HALF_DTYPES and p.dtype != torch.bfloat16:
                 raise ValueError(f"{owner} rounding='stochastic' needs bf16 params, got param dtype "
                                  f"{p.dtype}; use rounding='kahan' (or cast the params to bf16)")
 
@@ -270,10 +288,11 @@ class PrecisionOptimizer(torch.optim.Optimizer):
         state = self.state[p]
         if "step" not in state:
             state["step"] = torch.tensor(0.0, dtype=torch.float32)
-        for key in zeros:
+        for key in zeros:   # a complex64 param's moments are complex64, as torch.optim's (state_dtype is for reals)
             if key not in state:
-                state[key] = torch.zeros_like(p, dtype=self.state_dtype, memory_format=torch.preserve_format)
-        if self.rounding == "kahan" and p.dtype != torch.float32 and "kahan_comp" not in state:
+                dtype = p.dtype if p.is_complex() else self.state_dtype
+                state[key] = torch.zeros_like(p, dtype=dtype, memory_format=torch.preserve_format)
+        if self.rounding == "kahan" and p.dtype in _HALF_DTYPES and "kahan_comp" not in state:
             state["kahan_comp"] = torch.zeros_like(p, memory_format=torch.preserve_format)
         return state
 
@@ -283,13 +302,19 @@ class PrecisionOptimizer(torch.optim.Optimizer):
 
     @staticmethod
     def _store(state: dict[str, Any], key: str, value_fp32: torch.Tensor) -> None:
-        if state[key] is not value_fp32:
+        if state[key] is not value_fp32 and not state[key].is_complex():   # complex: updated through its real view
             state[key].copy_(value_fp32)  # round to nearest into the storage dtype
+
+    @staticmethod
+    def _new_state(p: torch.Tensor, value_fp32: torch.Tensor, state_dtype: torch.dtype) -> torch.Tensor:
+        """A state tensor first computed as ``value_fp32`` (of :func:`_as_fp32`'s shape), in ``p``'s storage:
+        complex64 for a complex ``p``, else ``state_dtype``."""
+        return torch.view_as_complex(value_fp32.contiguous()) if p.is_complex() else value_fp32.to(state_dtype)
 
     def _write_back(self, p: torch.Tensor, param_fp32: torch.Tensor, state: dict[str, Any],
                     lost_counts: list) -> None:
-        if param_fp32 is p:
-            return  # fp32 param, updated in place
+        if param_fp32 is p or p.is_complex():
+            return  # fp32 param (or complex64 through its real view), updated in place
         step = int(state["step"])  # CPU scalar: no device sync
         if self.rounding == "nearest" and _is_check_step(step) and not getattr(self, "_lost_warned", False):
             lost_counts.append(lost_update_counts(p, param_fp32))
@@ -330,5 +355,5 @@ class PrecisionOptimizer(torch.optim.Optimizer):
                 if key == "step":
                     self.state[p][key] = value.clone()
                 else:
-                    dtype = p.dtype if key == "kahan_comp" else self.state_dtype
+                    dtype = p.dtype if key == "kahan_comp" or p.is_complex() else self.state_dtype
                     self.state[p][key] = value.to(device=p.device, dtype=dtype, copy=True)

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import torch
 
-from mixprec.optim.rounding import PrecisionOptimizer, _as_fp32, check_number
+from mixprec.optim.rounding import PrecisionOptimizer, _as_fp32, check_number, grad_fp32
 
 __all__ = ["SGD", "sgd_update_"]
 
@@ -49,7 +49,9 @@ class SGD(PrecisionOptimizer):
     stochastic rounding follows Gupta et al. 2015.
 
     Args:
-        params: iterable of params or param-group dicts (fp32, bf16 or fp16 params).
+        params: iterable of params or param-group dicts (fp32, bf16, fp16 or complex64 params). A
+            complex64 param is stepped in place on its fp32 ``view_as_real``, as ``torch.optim`` does
+            (bit-identical to it; no rounding or compensation: it is full precision).
         lr: learning rate >= 0; schedulers may change ``param_groups[i]["lr"]``.
         momentum: μ >= 0.
         dampening: τ >= 0 (must be 0 with Nesterov).
@@ -59,16 +61,22 @@ class SGD(PrecisionOptimizer):
         state_dtype: dtype of ``momentum_buffer``: fp32 (default when None), bf16, fp16.
 
     State: ``step`` (float32 scalar, CPU; counts steps for the first-step check),
-    ``momentum_buffer`` in ``state_dtype`` when ``momentum != 0`` (upcast to fp32 for the
+    ``momentum_buffer`` in ``state_dtype`` when ``momentum != 0`` (complex64 for a complex64 param,
+    as torch.optim; upcast to fp32 for the
     math, stored back rounded to nearest), ``kahan_comp`` in the param dtype for 16-bit params
     under ``'kahan'``.
 
     Host syncs: none, except once on the first step for 16-bit params under ``'nearest'``,
     which counts updates smaller than half an ulp and warns if they are over 50%.
 
+    Sparse COO gradients (``nn.Embedding(sparse=True)``) are upcast to fp32, then densified (duplicate
+    rows summed in fp32): the step equals the step on the equivalent dense gradient, at the cost
+    of one dense fp32 temporary per sparse param and step.
+
     Raises:
         ValueError: an invalid hyperparameter, ``rounding`` or ``state_dtype``, a param dtype
-            outside fp32/bf16/fp16, or ``'stochastic'`` with fp16 params.
+            outside fp32/bf16/fp16/complex64 (named with its shape and the fix), or ``'stochastic'``
+            with fp16 params.
     """
 
     def __init__(self, params, lr: float = 1e-3, momentum: float = 0.0, dampening: float = 0.0,
@@ -98,21 +106,18 @@ class SGD(PrecisionOptimizer):
             for p in group["params"]:
                 if p.grad is None:
                     continue
-                if p.grad.is_sparse:
-                    raise RuntimeError("mixprec.optim.SGD does not support sparse gradients; "
-                                       "use torch.optim.SGD")
                 state = self._state(p)
                 state["step"] += 1
                 param_fp32 = _as_fp32(p)
                 buffer_fp32 = self._load(state, "momentum_buffer") if "momentum_buffer" in state else None
-                new_buffer_fp32 = sgd_update_(param_fp32, p.grad.float(), buffer_fp32, lr=group["lr"],
+                new_buffer_fp32 = sgd_update_(param_fp32, grad_fp32(p), buffer_fp32, lr=group["lr"],
                                               momentum=group["momentum"], dampening=group["dampening"],
                                               weight_decay=group["weight_decay"],
                                               nesterov=group["nesterov"])
                 if buffer_fp32 is not None:
                     self._store(state, "momentum_buffer", buffer_fp32)
                 elif new_buffer_fp32 is not None:
-                    state["momentum_buffer"] = new_buffer_fp32.to(self.state_dtype)
+                    state["momentum_buffer"] = self._new_state(p, new_buffer_fp32, self.state_dtype)
                 self._write_back(p, param_fp32, state, lost_counts)
         self._warn_if_updates_lost(lost_counts)
         return loss
