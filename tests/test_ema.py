@@ -270,3 +270,45 @@ def test_load_checkpoint_refuses_a_missing_or_foreign_ema_state_before_touching_
     assert same_bits(params_by_name(fresh), before) and fresh.applied_steps == 0
     load_checkpoint(tmp_path / "with", fresh)   # without ema=: the EMA state is simply not read
     assert same_bits(params_by_name(fresh), params_by_name(mp))
+
+
+# ---------------------------------------------------------------- mixprec train --ema
+def test_train_with_ema_evaluates_both_and_resumes_bit_exactly(tmp_path, capsys):
+    import json
+
+    from mixprec.checkpoint import read_manifest, resolve_checkpoint
+    from mixprec.cli import main
+
+    common = ["train", "--workload", "gpt", "--config", "tiny", "--policy", "bf16-pure", "--eval-every", "2",
+              "--checkpoint-every", "2", "--device", "cpu", "--ema", "0.9"]
+    assert main([*common, "--steps", "4", "--out", str(tmp_path / "straight")]) == 0
+    assert "(EMA " in capsys.readouterr().out
+    records = [json.loads(line) for line in (tmp_path / "straight" / "metrics.jsonl").read_text().splitlines()]
+    evals = [r for r in records if r["kind"] == "eval"]
+    assert [r["step"] for r in evals] == [2, 4]
+    for r in evals:   # both evaluations, and they differ: the averaged weights are not the raw ones
+        assert r["eval_loss"] > 0 and r["eval_ema_loss"] > 0 and r["eval_loss"] != r["eval_ema_loss"]
+    manifest = read_manifest(tmp_path / "straight" / "checkpoints")
+    assert manifest["ema"]["decay"] == 0.9 and manifest["ema"]["updates"] == 4
+    assert manifest["extra"]["final_eval"]["ema_loss"] == evals[-1]["eval_ema_loss"]
+
+    # resume from the straight run's step-2 checkpoint (same --steps: the LR schedule is the same)
+    import shutil
+
+    resumed = tmp_path / "resumed"
+    shutil.copytree(tmp_path / "straight" / "checkpoints" / "step-2", resumed / "checkpoints" / "step-2")
+    (resumed / "checkpoints" / "latest").write_text("step-2\n")
+    capsys.readouterr()
+    assert main([*common[:-2], "--steps", "4", "--out", str(resumed), "--resume"]) != 0
+    assert "trained with --ema 0.9, this run has --ema None" in capsys.readouterr().err
+    assert main([*common, "--steps", "4", "--out", str(resumed), "--resume"]) == 0
+    a = resolve_checkpoint(tmp_path / "straight" / "checkpoints")
+    b = resolve_checkpoint(resumed / "checkpoints")
+    from safetensors.torch import load_file
+
+    for file in ("model.safetensors", "masters.safetensors", "state.safetensors"):
+        ta, tb = load_file(a / file), load_file(b / file)
+        assert any(k.startswith("ema/shadow/") for k in ta) == (file == "state.safetensors")
+        assert same_bits(ta, tb), file
+    records_b = [json.loads(line) for line in (resumed / "metrics.jsonl").read_text().splitlines()]
+    assert [r for r in records_b if r["kind"] == "eval"][-1] == evals[-1]
