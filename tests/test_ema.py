@@ -218,6 +218,7 @@ def test_a_guard_style_rollback_warns_once_that_the_shadow_is_not_rewound():
     with warnings.catch_warnings():
         warnings.simplefilter("error")
         step(mp, 4)
+    assert (ema.steps_seen, ema.updates, ema.engine_step) == (5, 5, 3)   # the undone steps stay averaged in
 
 
 # ---------------------------------------------------------------- checkpoints
