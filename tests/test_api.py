@@ -8,7 +8,7 @@ import pytest
 import mixprec
 
 REVIEWED = [
-    "CheckpointError", "DivergenceError", "DynamicLossScale", "Format", "Guard", "MixedPrecision", "NoLossScale",
+    "CheckpointError", "DivergenceError", "DynamicLossScale", "EMA", "Format", "Guard", "MixedPrecision", "NoLossScale",
     "NumericsReport", "PRESETS", "Policy", "Recommendation", "StaticLossScale", "StepResult", "fp8", "get_format",
     "inspect", "load_checkpoint", "locate_nonfinite", "ops", "optim", "probe", "resolve_policy", "save_checkpoint",
 ]

@@ -4,6 +4,7 @@ low-precision optimizers, and the evidence to trust them."""
 from mixprec import fp8, ops, optim
 from mixprec.checkpoint import CheckpointError, load_checkpoint, save_checkpoint
 from mixprec.devices import probe, resolve_policy
+from mixprec.ema import EMA
 from mixprec.engine import DivergenceError, MixedPrecision, StepResult
 from mixprec.formats import Format, get_format
 from mixprec.guard import Guard
@@ -17,6 +18,7 @@ __all__ = [
     "CheckpointError",
     "DivergenceError",
     "DynamicLossScale",
+    "EMA",
     "Format",
     "Guard",
     "MixedPrecision",

@@ -17,7 +17,8 @@ Each ``step-N/`` directory::
                          and listed in manifest["model"]["aliases"]
     masters.safetensors  fp32 masters keyed by parameter name (policies with masters only)
     state.safetensors    every other tensor with more than one element: optimizer state
-                         ("optimizer/state/<i>/<key>"), scheduler tensors, torch / CUDA / MPS RNG
+                         ("optimizer/state/<i>/<key>"), scheduler tensors, an EMA's fp32 shadow
+                         ("ema/shadow/<param name>"), torch / CUDA / MPS RNG
                          states ("rng/torch", "rng/cuda/<d>", "rng/mps", uint8), the numpy MT19937
                          key and python ``random`` state ("rng/numpy", "rng/python", int64)
     manifest.json        everything else, as JSON (no pickle anywhere)
@@ -33,6 +34,7 @@ Each ``step-N/`` directory::
     loss_scale            LossScale.state_dict(): type, config, state (0-dim tensors inline)
     optimizer, scheduler  {"class": module.qualname, "state": encoded state_dict()} (scheduler null if none)
     guard                 Guard.state_dict() (config and counts; the in-memory snapshot is not saved) or null
+    ema                   EMA.state_dict() (decay, every, counters; the shadow as tensor references) or null
     events                mp.events (the run's event log)
     rng                   torch / cuda / mps, numpy {bit_generator, key, pos, has_gauss, cached_gaussian},
                           python {version, state, gauss_next} (long states as tensor references)
@@ -308,7 +310,7 @@ def _versions() -> dict[str, str]:
 
 
 def save_checkpoint(path: str | Path, mp: Any, extra: dict | None = None, *, guard: Any = None,
-                    keep: int | None = None, data_position: dict | None = None) -> Path:
+                    keep: int | None = None, data_position: dict | None = None, ema: Any = None) -> Path:
     """Save everything needed to continue ``mp`` bit-exactly as ``path/step-N``; returns that directory.
 
     Args:
@@ -320,13 +322,14 @@ def save_checkpoint(path: str | Path, mp: Any, extra: dict | None = None, *, gua
             ``keep - 1`` others (None: keep all).
         data_position: JSON dict saying where the data stream is (e.g. ``{"batches": 1200}``); stored
             in the manifest's ``data_position`` next to ``boundaries``.
+        ema: a :class:`mixprec.EMA` of ``mp`` to save with it (its fp32 shadow and counters), or None.
 
     Crash-safe (see the module docstring): a process killed at any moment leaves ``latest`` naming a
     complete checkpoint. Host syncs: copies every tensor to the CPU.
 
     Raises:
         RuntimeError: called between ``backward()`` and the accumulation boundary.
-        ValueError: ``keep`` is not a positive int.
+        ValueError: ``keep`` is not a positive int; ``ema`` is not an EMA of ``mp``.
         TypeError: ``extra`` / ``data_position`` are not JSON, or some state cannot be stored without pickle.
     """
     if mp.micro_step != 0:
@@ -340,6 +343,7 @@ def save_checkpoint(path: str | Path, mp: Any, extra: dict | None = None, *, gua
         except (TypeError, ValueError) as err:
             raise TypeError(f"save_checkpoint {label} must be JSON-serialisable: {err}") from None
     guard = getattr(mp, "guard", None) if guard is None else guard
+    _check_ema(ema, mp, "save_checkpoint")
 
     sd = mp.state_dict()   # first: it raises mid-accumulation, and masters adopt params edited outside
     model_tensors, aliases = _unique_tensors(mp.module.state_dict())
@@ -360,6 +364,7 @@ def save_checkpoint(path: str | Path, mp: Any, extra: dict | None = None, *, gua
         "scheduler": None if mp.scheduler is None else
         {"class": _qualname(mp.scheduler), "state": _encode(sd["scheduler"], "scheduler", state)},
         "guard": None if guard is None else _encode(guard.state_dict(), "guard", state),
+        "ema": None if ema is None else _encode(ema.state_dict(), "ema", state),
         "events": json.loads(json.dumps(list(mp.events), default=str)),
         "rng": _rng_state(mp.device, state),
         "data_position": {"boundaries": mp.boundaries, **(data_position or {})},
@@ -459,14 +464,16 @@ def _load_weights(ck: _Checkpoint, mp: Any) -> None:
 
 
 def load_checkpoint(path: str | Path, mp: Any, *, guard: Any = None, convert: bool = False,
-                    adopt_policy: bool = False, weights_only: bool = False, restore_rng: bool = True) -> dict:
+                    adopt_policy: bool = False, weights_only: bool = False, restore_rng: bool = True,
+                    ema: Any = None) -> dict:
     """Verify the checkpoint at ``path`` and load it into ``mp``; returns the manifest's ``extra``.
 
     ``path`` is a checkpoint root (follows ``latest``) or a ``step-N`` directory. Everything is checked
     (module docstring) before ``mp`` changes. Then the model, masters, optimizer, scheduler,
     loss scale, counters and event log are restored, ``guard`` (default ``mp.guard``) gets its saved
     counts (its in-memory snapshot starts empty), and the torch / CUDA / MPS / numpy / python RNG states
-    are restored (``restore_rng=False`` leaves them). Tensors land on ``mp.device`` whatever device
+    are restored (``restore_rng=False`` leaves them); ``ema`` (a :class:`mixprec.EMA` of ``mp``) gets the
+    saved shadow and counters, exactly. Tensors land on ``mp.device`` whatever device
     they were saved from (CUDA RNG states are skipped where there is no CUDA). Same device and
     policy: continuing is bit-exact with the uninterrupted run.
 
@@ -491,14 +498,22 @@ def load_checkpoint(path: str | Path, mp: Any, *, guard: Any = None, convert: bo
         FileNotFoundError: no checkpoint at ``path``.
         CheckpointError (a ValueError): a damaged, incomplete or ill-fitting checkpoint (naming the
             file), or a policy mismatch without ``convert``/``adopt_policy`` (naming the fix).
-        ValueError: ``convert`` and ``adopt_policy`` together; ``mp``'s device cannot run the saved
+        CheckpointError: ``ema`` given and the checkpoint holds no EMA state, or another EMA's (decay,
+            every, params).
+        ValueError: ``convert`` and ``adopt_policy`` together; ``ema`` with ``weights_only``; ``mp``'s device cannot run the saved
             policy (conversion); ``mp`` changes nothing then.
     """
     if convert and adopt_policy:
         raise ValueError("load_checkpoint: pass convert=True (to mp's policy) or adopt_policy=True (to the saved "
                          "policy), not both")
+    _check_ema(ema, mp, "load_checkpoint")
+    if ema is not None and weights_only:
+        raise ValueError("load_checkpoint: ema= restores a run's averaged weights with its state; weights_only=True "
+                         "loads the model alone. Drop one of them (for the averaged weights alone: "
+                         "model.load_state_dict(ema.shadow, strict=False) after loading the EMA)")
     ck = _read(path)
     m = ck.manifest
+    ema_state = None if ema is None else _ema_state(ck, ema)
     saved_policy, target = m["policy"], str(mp.policy)
     if saved_policy != target and not (convert or adopt_policy):
         raise CheckpointError(f"checkpoint {str(ck.path)!r} was saved under policy {saved_policy!r}, the engine "
@@ -520,11 +535,34 @@ def load_checkpoint(path: str | Path, mp: Any, *, guard: Any = None, convert: bo
             raise CheckpointError(f"checkpoint {str(ck.path)!r}: {err}") from None
     thawed = [n for n in frozen_before if n not in set(mp.frozen_names())]
     try:
-        return _load_state(ck, mp, guard=guard, convert=convert, adopt_policy=adopt_policy,
-                           weights_only=weights_only, restore_rng=restore_rng)
+        extra = _load_state(ck, mp, guard=guard, convert=convert, adopt_policy=adopt_policy,
+                            weights_only=weights_only, restore_rng=restore_rng)
     except (CheckpointError, ValueError):
         mp.refreeze(thawed)   # a refused load leaves the engine as it was given
         raise
+    if ema is not None:
+        ema.load_state_dict(ema_state)
+    return extra
+
+
+def _check_ema(ema: Any, mp: Any, call: str) -> None:
+    if ema is not None and getattr(ema, "mp", None) is not mp:
+        raise ValueError(f"{call}: ema= must be a mixprec.EMA built on this engine (EMA(mp, ...)), got "
+                         f"{type(ema).__name__}" + (" of another engine" if hasattr(ema, "mp") else ""))
+
+
+def _ema_state(ck: _Checkpoint, ema: Any) -> dict:
+    """The checkpoint's EMA state, checked against ``ema`` (nothing changes). Raises CheckpointError."""
+    where = f"checkpoint {str(ck.path)!r}"
+    if ck.manifest.get("ema") is None:
+        raise CheckpointError(f"{where} holds no EMA state (saved without ema=); pass ema=None to load it, and "
+                              "build a new EMA(mp, ...) afterwards to start averaging from its weights")
+    state = _decode(ck.manifest["ema"], ck.files[STATE_FILE], where)
+    try:
+        ema.load_state_dict(state, check_only=True)
+    except ValueError as err:
+        raise CheckpointError(f"{where}: {err}") from None
+    return state
 
 
 def _load_state(ck: _Checkpoint, mp: Any, *, guard: Any, convert: bool, adopt_policy: bool, weights_only: bool,

@@ -112,6 +112,9 @@ def build_parser() -> argparse.ArgumentParser:
                        "data position; the result equals an uninterrupted run")
     train.add_argument("--guard", action="store_true",
                        help="attach mixprec.Guard (rollback / escalation) and write OUT/events.jsonl")
+    train.add_argument("--ema", type=float, default=None, metavar="DECAY",
+                       help="also keep an fp32 EMA of the weights (mixprec.EMA) with this decay, e.g. 0.999; every "
+                       "evaluation runs on both the raw and the averaged weights (default: none)")
     train.add_argument("--strategy", choices=("ddp", "fsdp2"), default=None,
                        help="train on several processes (needs --out): launch with `torchrun --nproc-per-node N "
                        "-m mixprec train --strategy ddp --out DIR ...`; each rank takes every N-th batch, so the "
@@ -180,7 +183,7 @@ def _cmd_train(args: argparse.Namespace, command: str) -> int:
     outcome = run_training(workload, policy=args.policy, steps=args.steps, out=out, seed=args.seed,
                            eval_every=args.eval_every, checkpoint_every=args.checkpoint_every, keep=args.keep,
                            resume=args.resume, device=args.device, guard=args.guard, command=command,
-                           workload_spec=args.workload, strategy=args.strategy)
+                           workload_spec=args.workload, strategy=args.strategy, ema=args.ema)
     return outcome.status
 
 

@@ -2,7 +2,8 @@
 
 :func:`run_training` trains one workload under one policy and writes into ``out``::
 
-    metrics.jsonl        one JSON record per step ({"kind": "train", ...}) and per evaluation ({"kind": "eval"})
+    metrics.jsonl        one JSON record per step ({"kind": "train", ...}) and per evaluation ({"kind": "eval"};
+                         with ema: eval_ema_<metric> next to eval_<metric>)
     events.jsonl         with guard=True: mp.events (rollbacks, escalations, ...), one per line
     tensorboard/         when tensorboard is installed
     checkpoints/         a checkpoint root (mixprec.checkpoint): step-N/ directories and `latest`
@@ -151,7 +152,8 @@ def run_training(workload: Any, *, policy: str = "auto", steps: int, out: str | 
                  eval_every: int = 0, checkpoint_every: int = 0, keep: int | None = None, resume: bool = False,
                  device: str | None = None, guard: bool = False, command: str = "",
                  workload_spec: str | None = None, progress: bool = True,
-                 on_step: Callable[[int, dict], None] | None = None, strategy: str | None = None) -> TrainOutcome:
+                 on_step: Callable[[int, dict], None] | None = None, strategy: str | None = None,
+                 ema: float | None = None) -> TrainOutcome:
     """Train ``workload`` under ``policy`` for ``steps`` optimizer steps, writing into ``out``.
 
     Args:
@@ -173,6 +175,9 @@ def run_training(workload: Any, *, policy: str = "auto", steps: int, out: str | 
             global steps. Rank 0 writes ``out``'s logs, other ranks ``out/rank-<r>/``; checkpoints
             are :func:`mixprec.distributed.save_distributed_checkpoint`'s (DCP under FSDP2), and a
             stop signal on any rank stops every rank at the same step.
+        ema: keep a :class:`mixprec.EMA` with this decay (e.g. 0.999): each evaluation also runs on the
+            averaged weights (``ema_<metric>`` in ``final_eval``), and it is saved in the checkpoints and
+            resumed (refused with ``strategy``).
 
     Returns:
         :class:`TrainOutcome`; ``status`` 0, or 130 / 143 after SIGINT / SIGTERM.
@@ -187,6 +192,7 @@ def run_training(workload: Any, *, policy: str = "auto", steps: int, out: str | 
 
     from mixprec.bench.measure import synchronize
     from mixprec.bench.worker import build_engine, evaluate, train_step
+    from mixprec.ema import EMA
     from mixprec.guard import Guard
 
     for name, value in (("eval_every", eval_every), ("checkpoint_every", checkpoint_every)):
@@ -194,6 +200,9 @@ def run_training(workload: Any, *, policy: str = "auto", steps: int, out: str | 
             raise ValueError(f"run_training {name}={value!r} is not allowed; pass an int >= 0 (0: off)")
     if keep is not None and (isinstance(keep, bool) or not isinstance(keep, int) or keep < 1):
         raise ValueError(f"run_training keep={keep!r} is not allowed; pass an int >= 1 or None (keep all)")
+    if ema is not None and strategy is not None:
+        raise ValueError(f"run_training ema={ema!r} with strategy={strategy!r} is not supported (the distributed "
+                         "checkpoints do not carry an EMA yet); drop --ema or --strategy")
     out = Path(out)
     root = out / CHECKPOINTS
     if not resume and (root / LATEST).is_file():
@@ -204,6 +213,7 @@ def run_training(workload: Any, *, policy: str = "auto", steps: int, out: str | 
     policy_requested = str(mp.policy)
     if guard:
         mp.guard = Guard(loss_fn=workload.loss)
+    averager = None if ema is None else EMA(mp, decay=ema)
 
     start, saved_world, schedule_steps = 0, 1, steps
     if resume and (root / LATEST).is_file():
@@ -211,6 +221,9 @@ def run_training(workload: Any, *, policy: str = "auto", steps: int, out: str | 
         manifest = (read_distributed_manifest if strategy else read_manifest)(checkpoint)
         schedule_steps = manifest.get("extra", {}).get("schedule_steps", manifest.get("extra", {}).get("steps", steps))
         _check_same_run(manifest, workload, seed, checkpoint, steps)
+        if manifest.get("extra", {}).get("ema") != ema:
+            raise ValueError(f"--resume: the run in {str(checkpoint)!r} was trained with --ema "
+                             f"{manifest.get('extra', {}).get('ema')}, this run has --ema {ema}; pass the run's --ema")
         saved_policy = manifest["policy"]
         # a run whose guard escalated precision continues under the escalated policy
         adopt = saved_policy != policy_requested and manifest["extra"].get("policy_requested") == policy_requested
@@ -218,7 +231,10 @@ def run_training(workload: Any, *, policy: str = "auto", steps: int, out: str | 
             raise ValueError(f"--resume: {checkpoint} was saved under policy {saved_policy!r} but this run asks for "
                              f"{policy_requested!r}; resume with --policy '{saved_policy}' (converting a run to "
                              "another policy is done in Python: mixprec.load_checkpoint(..., convert=True))")
-        (load_distributed_checkpoint if strategy else load_checkpoint)(checkpoint, mp, adopt_policy=adopt)
+        if strategy:
+            load_distributed_checkpoint(checkpoint, mp, adopt_policy=adopt)
+        else:
+            load_checkpoint(checkpoint, mp, adopt_policy=adopt, ema=averager)
         start = manifest["data_position"]["batches"]
         saved_world = manifest["data_position"].get("world_size", 1)
         print(f"mixprec train: resuming from {checkpoint} (step {start}, policy {mp.policy})", file=sys.stderr)
@@ -247,11 +263,20 @@ def run_training(workload: Any, *, policy: str = "auto", steps: int, out: str | 
     def extra(eval_metrics: dict) -> dict:
         return {"workload": workload.describe(), "workload_spec": workload_spec or workload.name, "seed": seed,
                 "steps": steps, "schedule_steps": schedule_steps, "command": command, "decision": mp.decision,
-                "policy_requested": policy_requested, "final_eval": eval_metrics}
+                "policy_requested": policy_requested, "final_eval": eval_metrics, "ema": ema}
 
     def save(step: int, eval_metrics: dict) -> Path:
-        return (save_distributed_checkpoint if strategy else save_checkpoint)(
-            root, mp, extra=extra(eval_metrics), keep=keep, data_position={"split": "train", "seed": seed, "batches": step})
+        position = {"split": "train", "seed": seed, "batches": step}
+        if strategy:
+            return save_distributed_checkpoint(root, mp, extra=extra(eval_metrics), keep=keep, data_position=position)
+        return save_checkpoint(root, mp, extra=extra(eval_metrics), keep=keep, data_position=position, ema=averager)
+
+    def evaluate_all() -> dict[str, float]:
+        metrics = evaluate(mp, workload)
+        if averager is not None:
+            with averager.swapped():
+                metrics.update({f"ema_{k}": v for k, v in evaluate(mp, workload).items()})
+        return metrics
 
     writer = _tensorboard(out) if is_main_process() else None
     eval_metrics: dict[str, float] = {}
@@ -273,7 +298,7 @@ def run_training(workload: Any, *, policy: str = "auto", steps: int, out: str | 
                 log.write(json.dumps(record) + "\n")
                 _add_scalars(writer, "train", record, step)
                 if step == steps or (eval_every > 0 and step % eval_every == 0):
-                    eval_metrics = evaluate(mp, workload)
+                    eval_metrics = evaluate_all()
                     log.write(json.dumps({"kind": "eval", "step": step,
                                           **{f"eval_{k}": _finite(v) for k, v in eval_metrics.items()}}) + "\n")
                     _add_scalars(writer, "eval", eval_metrics, step)
@@ -311,7 +336,8 @@ def run_training(workload: Any, *, policy: str = "auto", steps: int, out: str | 
     if step == start:
         print(f"mixprec train: the run in {out} is complete already (step {step} of {steps})", file=sys.stderr)
     else:
-        print(f"final eval loss {eval_metrics['loss']:.4f}; wrote {metrics_path} and {path}")
+        ema_note = f" (EMA {eval_metrics['ema_loss']:.4f})" if averager is not None else ""
+        print(f"final eval loss {eval_metrics['loss']:.4f}{ema_note}; wrote {metrics_path} and {path}")
         if strategy is None and mp.frozen_names():   # LoRA / partly frozen: the trained params alone, small
             from safetensors.torch import save_file
 
