@@ -84,3 +84,155 @@ def test_user_compiled_cnn_with_batchnorm_regions_matches_eager_under_bf16_pure(
         for clone in (pickle.loads(pickle.dumps(mp.model)), copy.deepcopy(mp.model)):
             assert torch.equal(clone(x), y)
     assert mp.unwrap() is model and "forward" not in vars(model[1]) and not model[1]._forward_hooks
+
+
+# ---------------------------------------------------------------- the GPT workload, compiled by the engine
+@pytest.fixture(scope="module")
+def gpt():
+    from mixprec.workloads.gpt import GPTWorkload
+
+    workload = GPTWorkload("tiny")
+    return workload, [b for _, b in zip(range(20), workload.batches("train", seed=0))]
+
+
+def _gpt_run(workload, batches, policy, compile):
+    torch.manual_seed(0)
+    model = workload.build_model()
+    mp = MixedPrecision(model, mixprec.optim.AdamW(model.parameters(), lr=3e-3), policy=policy, device="cpu",
+                        compile=compile)
+    return mp, _train(mp, mp.model, batches, lambda call, batch: workload.loss(call, batch))
+
+
+# fp32: inductor only reorders the fp32 reductions (over at most n_embd * 4 = 128 terms, error <= n * eps
+# of the sum's magnitude), so 128 fp32 ulps of the loss; 16-bit: see the CNN test (two bf16 ulps).
+@pytest.mark.parametrize("policy, ulps, fmt", [("fp32", 128, FP32), ("bf16-mixed", 2, BF16), ("bf16-pure", 2, BF16)])
+def test_gpt_compiled_by_the_engine_matches_eager(gpt, policy, ulps, fmt):
+    workload, batches = gpt
+    _, eager_losses = _gpt_run(workload, batches, policy, compile=False)
+    mp, compiled_losses = _gpt_run(workload, batches, policy, compile=True)
+    assert mp.model is not mp.module and type(mp.module).__name__ == "GPT"
+    assert "compiled (backend inductor, by the engine" in mp.decision
+    assert "backward_pass_autocast='off'" in mp.decision
+    tolerance = ulps * fmt.ulp(eager_losses)
+    assert ((compiled_losses - eager_losses).abs() <= tolerance).all(), (compiled_losses - eager_losses) / tolerance
+    assert compiled_losses[-5:].mean() < compiled_losses[:5].mean()   # it trains
+    state = mp.state_dict()   # the user's module's names, not the compiled wrapper's ("_orig_mod.")
+    assert not any(k.startswith("_orig_mod") for k in state["model"])
+
+
+# ---------------------------------------------------------------- fp16: eager's backward dtypes and overflow
+class _LoudRegion(nn.Module):
+    """``big`` sees inputs near 2000: its weight gradient, times the loss scale, is ~1.2e5 (fp16 max
+    65504), fine in fp32 and inf in fp16. Its fp32 region is a keep_fp32 pattern, or the model's own
+    ``torch.autocast(enabled=False)`` block."""
+
+    def __init__(self, own_block: bool):
+        super().__init__()
+        torch.manual_seed(0)
+        self.inp, self.big, self.out = nn.Linear(16, 64), nn.Linear(64, 64), nn.Linear(64, 1)
+        with torch.no_grad():
+            self.big.weight.mul_(0.01)
+        self.own_block = own_block
+
+    def forward(self, x):
+        h = self.inp(x) * 2000.0
+        if self.own_block:
+            with torch.autocast(x.device.type, enabled=False):
+                return self.out(self.big(h.float()))
+        return self.out(self.big(h))
+
+
+def _first_grads(own_block, compile):
+    model = _LoudRegion(own_block)
+    mp = MixedPrecision(model, torch.optim.SGD(model.parameters(), lr=1e-3),
+                        policy="fp16-mixed" if own_block else "fp16-mixed,keep_fp32=big", device="cpu",
+                        compile=compile, loss_scale=mixprec.DynamicLossScale(init_scale=2.0**10))
+    x = torch.randn(8, 16, generator=torch.Generator().manual_seed(3))
+    with mp.autocast():
+        loss = mp.model(mp.cast_inputs(x)).float().mean()
+    mp.backward(loss)
+    grads = {name: p.grad.clone() for name, p in model.named_parameters()}
+    return grads, mp.step(), mp
+
+
+@pytest.mark.parametrize("own_block", [False, True], ids=["keep_fp32", "own_autocast_off_block"])
+def test_fp16_mixed_compiled_fp32_region_gets_eager_gradients_and_applies(own_block):
+    eager_grads, eager_result, _ = _first_grads(own_block, compile=False)
+    grads, result, mp = _first_grads(own_block, compile=True)
+    assert eager_result.applied and result.applied, result.skipped_reason   # torch's default: inf, skipped
+    assert eager_grads["big.weight"].abs().max() > FP16.max   # only an fp32 backward holds it
+    for name, eager in eager_grads.items():
+        # the 16-bit layers' grads are fp16 values (k = 1 fp16 ulp for the rounding of a reordered
+        # sum); the fp32 region's are fp32 (1 fp16 ulp is far wider than their fp32 rounding)
+        assert (grads[name] - eager).abs().max() <= FP16.ulp(eager.abs().max()), name
+    assert "emulate_precision_casts=True" in mp.decision
+
+
+class _FusedOverflow(nn.Module):
+    """``x * 300 * 300 / 1e5`` under fp16: eager rounds ``x * 300 * 300`` (about 9e4 for x ~ 1) to
+    fp16, where it overflows to inf; a fused inductor kernel keeps it in fp32 unless it emulates
+    eager's casts."""
+
+    def __init__(self):
+        super().__init__()
+        self.lin = nn.Linear(4, 4)
+        with torch.no_grad():
+            self.lin.weight.copy_(torch.eye(4))
+            self.lin.bias.fill_(1.0)
+
+    def forward(self, x):
+        return self.lin(x) * 300.0 * 300.0 / 1e5
+
+
+def test_fp16_compiled_overflows_where_eager_does():
+    results = {}
+    for compile in (False, True):
+        model = _FusedOverflow()
+        mp = MixedPrecision(model, torch.optim.SGD(model.parameters(), lr=1e-3), policy="fp16-mixed", device="cpu",
+                            compile=compile)
+        with mp.autocast():
+            results[compile] = mp.model(mp.cast_inputs(torch.zeros(2, 4)))
+    assert torch.isinf(results[False]).all() and torch.isinf(results[True]).all()
+
+
+# ---------------------------------------------------------------- a model the user compiled first; bad input
+def test_model_compiled_before_the_engine_is_prepared_inside_its_wrapper():
+    model = _cnn()
+    compiled = torch.compile(model, backend="aot_eager")
+    mp = MixedPrecision(compiled, mixprec.optim.AdamW(compiled.parameters(), lr=1e-2), policy="bf16-pure",
+                        device="cpu")
+    assert mp.model is compiled and mp.module is model
+    assert model[0].weight.dtype == torch.bfloat16 and model[1].weight.dtype == torch.float32   # prepared
+    assert "compiled (backend aot_eager, by you" in mp.decision
+    eager_model = _cnn()
+    eager = MixedPrecision(eager_model, mixprec.optim.AdamW(eager_model.parameters(), lr=1e-2), policy="bf16-pure",
+                           device="cpu")
+    batches = _images(3)
+    # aot_eager runs eager's kernels on the traced graph: the same ops, bitwise
+    assert torch.equal(_train(mp, mp.model, batches, _cnn_loss), _train(eager, eager.model, batches, _cnn_loss))
+    assert set(mp.state_dict()["model"]) == set(model.state_dict())
+    mp.set_policy("fp32")
+    assert "compiled (backend aot_eager" in mp.decision   # a new policy keeps the record
+
+
+@pytest.mark.parametrize("compile, error, words", [
+    ("yes", TypeError, r"compile='yes' \(str\) must be False, True or a dict of torch.compile keyword arguments"),
+    ({"backnd": "eager"}, ValueError, r"\['backnd'\] are not torch.compile arguments; it takes \[.*'backend'"),
+])
+def test_bad_compile_argument_is_named_with_the_fix(compile, error, words):
+    model = _cnn()
+    with pytest.raises(error, match=words):
+        MixedPrecision(model, torch.optim.SGD(model.parameters(), lr=0.1), policy="fp32", device="cpu", compile=compile)
+
+
+def test_compiling_a_compiled_model_twice_is_refused():
+    model = torch.compile(_cnn(), backend="eager")
+    with pytest.raises(ValueError, match=r"already compiled.*compile=False"):
+        MixedPrecision(model, torch.optim.SGD(model.parameters(), lr=0.1), policy="fp32", device="cpu", compile=True)
+
+
+def test_compile_under_a_strategy_is_refused_before_joining_a_process_group():
+    model = _cnn()
+    with pytest.raises(ValueError, match=r"compile=True .*strategy='ddp'.*compile=False"):
+        MixedPrecision(model, torch.optim.SGD(model.parameters(), lr=0.1), policy="fp32", device="cpu",
+                       strategy="ddp", compile=True)

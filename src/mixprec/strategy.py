@@ -60,6 +60,10 @@ class SingleProcess:
         """Elementwise OR of 0/1 fp32 device ``flags`` over ranks (one all-reduce, no sync)."""
         return flags
 
+    def agree_on(self, choice: str | None, choices: tuple[str, ...], device: torch.device) -> str | None:
+        """The first of ``choices`` any rank chose (None if none); one process: ``choice``, no collective."""
+        return choice
+
     def refuse(self, what: str) -> None:
         """Raise ValueError if ``what`` (``"unfreeze"``, ``"set_policy"``, ``"to_fp32"``) cannot run."""
 
@@ -86,6 +90,11 @@ class _MultiProcess(SingleProcess):
 
     def agree_flags(self, flags):
         return distributed.any_across_ranks(flags)
+
+    def agree_on(self, choice, choices, device):   # one all-reduce every rank calls at the same point, one sync
+        flags = torch.tensor([c == choice for c in choices], dtype=torch.float32, device=device)
+        agreed = self.agree_flags(flags).tolist()
+        return next((c for c, flag in zip(choices, agreed) if flag), None)
 
     def refuse(self, what):
         if what == "unfreeze":
