@@ -236,3 +236,45 @@ def test_compile_under_a_strategy_is_refused_before_joining_a_process_group():
     with pytest.raises(ValueError, match=r"compile=True .*strategy='ddp'.*compile=False"):
         MixedPrecision(model, torch.optim.SGD(model.parameters(), lr=0.1), policy="fp32", device="cpu",
                        strategy="ddp", compile=True)
+
+
+# ---------------------------------------------------------------- the CLI
+def test_bench_compile_reports_compiled_step_times_next_to_eager_and_compile_time_apart(tmp_path, capsys):
+    import json
+
+    from mixprec.cli import main
+
+    out = tmp_path / "bench"
+    assert main(["bench", "--config", "tiny", "--policies", "fp32", "--steps", "6", "--compile", "--out", str(out),
+                 "--device", "cpu"]) == 0
+    console = capsys.readouterr().out
+    results = json.loads((out / "results.json").read_text())
+    assert results["settings"]["compile"] is True
+    eager, compiled = results["policies"]["fp32"], results["policies"]["fp32+compiled"]
+    assert eager["compiled"] is False and compiled["compiled"] is True and eager["compile_time_s"] is None
+    assert "compiled (backend inductor, by the engine" in compiled["decision"] and "compiled" not in eager["decision"]
+    assert compiled["verdict"] == "PASS" and eager["pid"] != compiled["pid"]   # each in its own process
+    # compilation is in the first step, outside the median of the timed steps, and reported apart
+    times = compiled["step_time_ms_per_step"]
+    assert compiled["first_step_ms"] == times[0] > compiled["step_time_ms_median"]
+    assert compiled["compile_time_s"] * 1e3 >= times[0] - compiled["step_time_ms_median"] > 0
+    # same seed, weights and batches: fp32 compiled vs eager, reordered fp32 sums only (128 fp32 ulps, as above)
+    losses = torch.tensor([eager["loss_per_step"], compiled["loss_per_step"]])
+    assert ((losses[1] - losses[0]).abs() <= 128 * FP32.ulp(losses[0])).all()
+    report = (out / "report.md").read_text()
+    assert "| skipped steps | compile s |" in report and "| fp32+compiled | PASS |" in report
+    assert "- fp32: eager " in report and "compiled" in report and "compile s" in console
+
+
+def test_train_compile(tmp_path, capsys):
+    import json
+
+    from mixprec.cli import main
+
+    out = tmp_path / "run"
+    assert main(["train", "--workload", "gpt", "--config", "tiny", "--policy", "bf16-mixed", "--steps", "4",
+                 "--out", str(out), "--device", "cpu", "--compile"]) == 0
+    assert "compiled (backend inductor, by the engine" in capsys.readouterr().err
+    records = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
+    assert all(r["applied"] for r in records if r["kind"] == "train")
+    assert records[-1]["kind"] == "eval" and records[-1]["eval_loss"] > 0

@@ -151,7 +151,8 @@ def run_training(workload: Any, *, policy: str = "auto", steps: int, out: str | 
                  eval_every: int = 0, checkpoint_every: int = 0, keep: int | None = None, resume: bool = False,
                  device: str | None = None, guard: bool = False, command: str = "",
                  workload_spec: str | None = None, progress: bool = True,
-                 on_step: Callable[[int, dict], None] | None = None, strategy: str | None = None) -> TrainOutcome:
+                 on_step: Callable[[int, dict], None] | None = None, strategy: str | None = None,
+                 compile: bool = False) -> TrainOutcome:
     """Train ``workload`` under ``policy`` for ``steps`` optimizer steps, writing into ``out``.
 
     Args:
@@ -173,6 +174,9 @@ def run_training(workload: Any, *, policy: str = "auto", steps: int, out: str | 
             global steps. Rank 0 writes ``out``'s logs, other ranks ``out/rank-<r>/``; checkpoints
             are :func:`mixprec.distributed.save_distributed_checkpoint`'s (DCP under FSDP2), and a
             stop signal on any rank stops every rank at the same step.
+        compile: ``MixedPrecision(..., compile=True)`` (torch.compile, inductor; not with ``strategy``).
+            The compilation runs in the first step: its ``step_time_ms`` includes it, and the first
+            evaluation compiles the no-grad forward.
 
     Returns:
         :class:`TrainOutcome`; ``status`` 0, or 130 / 143 after SIGINT / SIGTERM.
@@ -200,7 +204,7 @@ def run_training(workload: Any, *, policy: str = "auto", steps: int, out: str | 
         raise ValueError(f"{str(out)!r} holds the checkpoints of a run already; pass --resume to continue it, or "
                          "choose another --out")
     out.mkdir(parents=True, exist_ok=True)
-    mp = build_engine(workload, policy, steps=steps, seed=seed, device=device, strategy=strategy)
+    mp = build_engine(workload, policy, steps=steps, seed=seed, device=device, strategy=strategy, compile=compile)
     policy_requested = str(mp.policy)
     if guard:
         mp.guard = Guard(loss_fn=workload.loss)
