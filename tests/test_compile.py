@@ -278,3 +278,15 @@ def test_train_compile(tmp_path, capsys):
     records = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
     assert all(r["applied"] for r in records if r["kind"] == "train")
     assert records[-1]["kind"] == "eval" and records[-1]["eval_loss"] > 0
+
+
+def test_model_compiled_in_place_is_recorded_and_trains_as_eager():
+    model = _cnn()
+    model.compile(backend="aot_eager")
+    mp = MixedPrecision(model, mixprec.optim.AdamW(model.parameters(), lr=1e-2), policy="bf16-pure", device="cpu")
+    assert mp.model is model and "compiled (backend as you chose, by you (model.compile()" in mp.decision
+    eager_model = _cnn()
+    eager = MixedPrecision(eager_model, mixprec.optim.AdamW(eager_model.parameters(), lr=1e-2), policy="bf16-pure",
+                           device="cpu")
+    batches = _images(2)
+    assert torch.equal(_train(mp, mp.model, batches, _cnn_loss), _train(eager, eager.model, batches, _cnn_loss))

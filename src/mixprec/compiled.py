@@ -3,7 +3,7 @@
 :func:`compile_request` reads ``MixedPrecision(..., compile=...)`` (``False``, ``True`` or a dict of
 ``torch.compile`` keyword arguments) and a model the user compiled already (``torch.compile`` returns
 an ``OptimizedModule``; the engine prepares the module inside it, ``_orig_mod``, since torch 2.13
-exposes no public unwrap). The :class:`CompileRequest` it returns compiles the prepared model once
+exposes no public unwrap; or ``model.compile()``, which compiles in place and is recorded). The :class:`CompileRequest` it returns compiles the prepared model once
 the params are cast and the regions installed (:meth:`CompileRequest.apply`), and says what it did in
 the engine's decision (:meth:`CompileRequest.note`).
 
@@ -80,10 +80,11 @@ class CompileRequest:
     kwargs: dict[str, Any] | None = None
     user_compiled: nn.Module | None = field(default=None, repr=False)
     backend: str = ""
+    compiled_in_place: bool = False   # the user called ``model.compile()`` (nn.Module's in-place compile) first
 
     @property
     def active(self) -> bool:
-        return self.kwargs is not None or self.user_compiled is not None
+        return self.kwargs is not None or self.user_compiled is not None or self.compiled_in_place
 
     def apply(self, model: nn.Module) -> nn.Module:
         """What users call (``mp.model``): ``torch.compile(model, **kwargs)``, the user's compiled model
@@ -97,7 +98,8 @@ class CompileRequest:
         """The decision's words for this request under ``policy`` ("" when nothing is compiled)."""
         if not self.active:
             return ""
-        who = "by the engine" if self.kwargs is not None else "by you (torch.compile before MixedPrecision)"
+        who = ("by the engine" if self.kwargs is not None else "by you (model.compile() before MixedPrecision)"
+               if self.compiled_in_place else "by you (torch.compile before MixedPrecision)")
         text = (f"; compiled (backend {self.backend}, {who}; in mp.autocast() the compiled backward is traced with "
                 f"autocast off as eager's backward after the with block: torch._functorch.config."
                 f"backward_pass_autocast={BACKWARD_AUTOCAST!r}")
@@ -134,16 +136,17 @@ def compile_request(model: nn.Module, compile: Any, strategy: str | None) -> tup
         raise TypeError(f"compile={compile!r} ({type(compile).__name__}) must be False, True or a dict of "
                         "torch.compile keyword arguments, e.g. compile={'mode': 'reduce-overhead'}")
     user_compiled = model if is_compiled_module(model) else None
-    if user_compiled is not None and kwargs is not None:
+    in_place = getattr(model, "_compiled_call_impl", None) is not None   # nn.Module.compile() (torch's own field)
+    if (user_compiled is not None or in_place) and kwargs is not None:
         raise ValueError(f"compile={compile!r} but the model is already compiled (torch.compile returned an "
                          "OptimizedModule); pass the plain model with compile=..., or the compiled one with compile=False")
-    if strategy is not None and (kwargs is not None or user_compiled is not None):
+    if strategy is not None and (kwargs is not None or user_compiled is not None or in_place):
         raise ValueError(f"compile={compile!r} (or a compiled model) with strategy={strategy!r}: mixprec does not "
                          "compile a DDP/FSDP2-wrapped model yet; pass the plain model and compile=False")
     if user_compiled is not None:
         return user_compiled._orig_mod, CompileRequest(user_compiled=user_compiled, backend=_user_backend(model))
     if kwargs is None:
-        return model, CompileRequest()
+        return model, CompileRequest(compiled_in_place=in_place, backend="as you chose" if in_place else "")
     return model, CompileRequest(kwargs=kwargs, backend=_backend_name(kwargs.get("backend", "inductor")))
 
 
