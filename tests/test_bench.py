@@ -12,7 +12,7 @@ import pytest
 import torch
 
 from mixprec.bench import Targets, judge
-from mixprec.bench.measure import median_step_ms, state_bytes
+from mixprec.bench.measure import median_step_ms, state_bytes, warmup_excess_s
 from mixprec.bench.report import POLICY_KEYS
 from mixprec.bench.runner import CAPABILITY_ENV, BenchConfig, judge_policies, plan_policy, warmup_steps_for
 from mixprec.bench.worker import build_engine, precision_optimizer, train_step
@@ -126,6 +126,12 @@ def test_median_step_ms_drops_warmup():
     assert warmup_steps_for(10) == 2 and warmup_steps_for(300) == 20
     with pytest.raises(ValueError, match="no step times"):
         median_step_ms([], warmup_steps=0)
+
+
+def test_warmup_excess_is_what_the_warmup_took_beyond_the_median():
+    # a compile in step 1 (2000 ms), a slow step 2 (50 ms); median of the timed steps 11 ms
+    assert warmup_excess_s([2000.0, 50.0, 10.0, 11.0, 12.0], warmup_steps=2) == pytest.approx((1989.0 + 39.0) / 1e3)
+    assert warmup_excess_s([5.0, 20.0, 20.0], warmup_steps=1) == 0.0   # never negative
 
 
 # --- planning -------------------------------------------------------------------------------

@@ -93,6 +93,9 @@ def build_parser() -> argparse.ArgumentParser:
     bench.add_argument("--strategy", choices=("ddp", "fsdp2"), default=None,
                        help="run each policy on several processes (needs --out): `torchrun --nproc-per-node N -m "
                        "mixprec bench --strategy ddp --out DIR`; throughput is summed over the ranks")
+    bench.add_argument("--compile", action="store_true",
+                       help="also run each policy compiled (torch.compile, inductor) as the row <policy>+compiled; "
+                       "compile time is reported apart from the step time")
 
     train = sub.add_parser("train", help="train one policy; log metrics; save a checkpoint",
                            description="Train a workload under one policy, with metrics, checkpoints, resume and "
@@ -119,6 +122,8 @@ def build_parser() -> argparse.ArgumentParser:
                        help="train on several processes (needs --out): launch with `torchrun --nproc-per-node N "
                        "-m mixprec train --strategy ddp --out DIR ...`; each rank takes every N-th batch, so the "
                        "global batch is N x the workload's (default: one process)")
+    train.add_argument("--compile", action="store_true",
+                       help="compile the model (torch.compile, inductor); step 1's step_time_ms includes compiling")
 
     sample = sub.add_parser("sample", help="generate text from a gpt checkpoint (fill [MASK] for minilm) written by "
                             "mixprec train")
@@ -152,7 +157,8 @@ def _cmd_bench(args: argparse.Namespace, command: str) -> int:
     out = Path(args.out or Path("runs") / f"bench-{_timestamp()}")
     config = BenchConfig(out=out, workload=args.workload, config=args.config, policies=args.policies,
                          steps=args.steps, seed=args.seed, data=args.data, device=args.device, force=args.force,
-                         targets=targets, command=command, strategy=args.strategy, lora=args.lora)
+                         targets=targets, command=command, strategy=args.strategy, lora=args.lora,
+                         compile=args.compile)
     results = run_bench(config)
     if config.strategy is not None and results["settings"]["world_size"] > 1 and not _main_process():
         return 1 if any(e["verdict"] == "FAIL" for e in results["policies"].values()) else 0  # rank 0 reports
@@ -183,7 +189,8 @@ def _cmd_train(args: argparse.Namespace, command: str) -> int:
     outcome = run_training(workload, policy=args.policy, steps=args.steps, out=out, seed=args.seed,
                            eval_every=args.eval_every, checkpoint_every=args.checkpoint_every, keep=args.keep,
                            resume=args.resume, device=args.device, guard=args.guard, command=command,
-                           workload_spec=args.workload, strategy=args.strategy, ema=args.ema)
+                           workload_spec=args.workload, strategy=args.strategy, ema=args.ema,
+                           compile=args.compile)
     return outcome.status
 
 

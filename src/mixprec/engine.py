@@ -24,6 +24,7 @@ from torch import nn
 
 from mixprec.clipping import clip_ as _clip_
 from mixprec.clipping import global_norm_fp32 as _global_norm_fp32
+from mixprec.compiled import compile_request, eager_dtypes
 from mixprec.devices import resolve
 from mixprec.divergence import DivergenceError, StopWhenStuck
 from mixprec.edits import ModelLayout, adopt_model_edits
@@ -173,20 +174,22 @@ class MixedPrecision:
     under ``-pure`` policies) are prepared once; ``policy`` is ``"auto"``, a preset, ``key=value`` text
     or a :class:`~mixprec.Policy`; ``scheduler`` steps once per *applied* step; ``max_grad_norm`` clips
     the fp32 norm of the unscaled grads; ``guard`` has ``after_step(mp, result)`` (:class:`mixprec.Guard`;
-    default :class:`~mixprec.divergence.StopWhenStuck`); ``strategy``: None, ``"ddp"``, ``"fsdp2"``.
-    Public attributes: ``model`` (what to call), ``module`` (the user's model), ``optimizer``,
-    ``scheduler``, ``policy``, ``device``, ``strategy``, ``decision``, ``events``, ``masters``,
-    ``loss_scale``, ``applied_steps``, ``skipped_total``, ``boundaries``, ``micro_step``. The README
-    explains policies, frozen params, checkpoints and the guard; errors are ValueError/TypeError for bad
-    arguments (named, with the fix) and RuntimeError for an optimizer that already stepped.
+    default :class:`~mixprec.divergence.StopWhenStuck`); ``strategy``: None, ``"ddp"``, ``"fsdp2"``;
+    ``compile``: True or a dict of ``torch.compile`` kwargs compiles the prepared model (a model already
+    compiled is prepared inside its wrapper; :mod:`mixprec.compiled`). Public attributes: ``model`` (what
+    to call, compiled if asked), ``module`` (the user's model), ``optimizer``, ``scheduler``, ``policy``,
+    ``device``, ``strategy``, ``decision``, ``events``, ``masters``, ``loss_scale``, ``applied_steps``,
+    ``skipped_total``, ``boundaries``, ``micro_step``. Errors: ValueError/TypeError for bad arguments
+    (named, with the fix), RuntimeError for an optimizer that already stepped; the README explains more.
     """
 
     def __init__(self, model: nn.Module, optimizer: torch.optim.Optimizer, policy: str | Policy = "auto", *,
                  device: str | torch.device | None = None, scheduler: Any = None,
                  max_grad_norm: float | None = None, accumulation_steps: int = 1, loss_scale: Any = None,
                  allow_fallback: bool = False, max_stuck_skips: int = 20, guard: Any = None,
-                 strategy: str | None = None) -> None:
+                 strategy: str | None = None, compile: bool | dict[str, Any] = False) -> None:
         _check_args(model, optimizer, scheduler, max_grad_norm, accumulation_steps)
+        model, self._compile = compile_request(model, compile, strategy)
         stop_when_stuck = StopWhenStuck(max_stuck_skips)
         self._strategy = make_strategy(strategy)
         device = self._strategy.device(device)
@@ -216,7 +219,7 @@ class MixedPrecision:
         self._frozen = FrozenSet(model)
         plan = plan_storage(model, self.policy, params, keep, self._frozen.ids(),
                             sharded=self._strategy.shards_params)
-        self.decision += note + plan.note()
+        self.decision += note + plan.note() + self._compile.note(self.policy)
         self.masters = MasterWeights(params, set(plan.half) if self.policy.has_masters else set())
         self._frozen.store(plan)
         plan.apply(params)
@@ -227,7 +230,7 @@ class MixedPrecision:
                                                 if id(p) not in plan.frozen16})
         contract.configure(optimizer, self.policy)
         self._regions.install(model, self.policy, self.device.type, keep, set(plan.frozen16))
-        self.model = self._strategy.after_casts(model, self.policy, self.device)
+        self.model = self._compile.apply(self._strategy.after_casts(model, self.policy, self.device))
         self.masters.record_versions()   # DDP's broadcast of rank 0's params is not a user edit
 
         self.micro_step = 0          # backward() calls since the last boundary
@@ -248,13 +251,12 @@ class MixedPrecision:
     # ------------------------------------------------------------------ the step
     @contextmanager
     def autocast(self) -> Iterator[None]:
-        """``torch.autocast`` for this device type and the policy's compute dtype (off for fp32).
-
-        Calling the prepared model (``mp.model(x)``) also casts its floating outputs to the policy's
-        ``output_dtype`` (fp32 in every preset); submodules called directly return autocast's dtype.
-        """
+        """``torch.autocast`` for this device type and the policy's compute dtype (off for fp32), and the
+        compile settings that give a forward compiled inside it eager's dtypes (:mod:`mixprec.compiled`).
+        ``mp.model(x)`` casts its floating outputs to ``output_dtype`` (fp32); submodules return autocast's."""
         self._check_usable("mp.autocast()")
-        with torch.autocast(self.device.type, dtype=self.policy.compute_dtype, enabled=self.policy.is_mixed):
+        with torch.autocast(self.device.type, dtype=self.policy.compute_dtype, enabled=self.policy.is_mixed), \
+                eager_dtypes(self.policy):
             yield
 
     def cast_inputs(self, batch: Any, *, keep: tuple[str, ...] = ()) -> Any:
@@ -309,9 +311,8 @@ class MixedPrecision:
         self._checks.after_backward(len(self.gradients()))
 
     def scale_loss(self, loss: torch.Tensor) -> torch.Tensor:
-        """``loss`` times the current loss scale (differentiable; ``loss`` itself when scaling is off), for
-        ``torch.autograd.grad`` on a loss the engine does not backpropagate — a gradient penalty. Pair it
-        with :meth:`unscale`; recipe in the README ("Gradient penalties"). No host sync."""
+        """``loss`` times the current loss scale (differentiable), for ``torch.autograd.grad`` on a loss the engine
+        does not backpropagate (a gradient penalty); pair with :meth:`unscale` (README recipe). No host sync."""
         return self.loss_scale.scale_loss(loss)
 
     def unscale(self, grads: Any) -> list[torch.Tensor | None]:
@@ -440,7 +441,8 @@ class MixedPrecision:
             scale_note = f"loss scale now {type(self.loss_scale).__name__}"
         self._regions.install(self.module, new, self.device.type, prepared.keep, set(prepared.plan.frozen16))
         self.model.zero_grad(set_to_none=True)
-        self.decision = f"{new} on {self.device} (set_policy at boundary {self.boundaries}: {cause}; was {old})"
+        self.decision = (f"{new} on {self.device} (set_policy at boundary {self.boundaries}: {cause}; was {old})"
+                         + self._compile.note(new))
         event = {"step": self.boundaries, "kind": "escalate", "cause": cause, "module": module,
                  "detail": f"{old} → {new}: params re-cast from their fp32 values (frozen and just-unfrozen ones from "
                            f"their stored values), optimizer state of {prepared.carried} tensor(s) carried over, "

@@ -1,11 +1,13 @@
-"""fp32 regions and the output cast: the forward hooks a policy installs on a model.
+"""fp32 regions and the output cast: what a policy installs on a model's forwards.
 
 A *region* runs one module with autocast off and its floating inputs cast to fp32 (the policy's
 ``keep_fp32`` patterns, and every BatchNorm under 16-bit params, as Apex O2's
 ``keep_batchnorm_fp32``); its output goes back to the 16-bit param dtype under pure policies. The
 root module's floating outputs are cast to the policy's ``output_dtype`` (fp32 logits for the loss),
 and a frozen embedding table stored in 16 bits returns its lookups in fp32, as an fp32 table would.
-The hooks are picklable objects (no closures), so a prepared model still pickles and deep-copies.
+A region turns autocast off inside the kept module's ``forward`` (replaced by an instance attribute),
+so no autocast state is carried between two hooks and ``torch.compile`` traces it. The hooks and region
+forwards are picklable objects (no closures), so a prepared model still pickles and deep-copies.
 """
 
 from __future__ import annotations
@@ -22,25 +24,48 @@ __all__ = ["Fp32Region", "OutputCast", "Regions", "keep_fp32_modules"]
 
 
 class Fp32Region:
-    """Forward pre/post hooks that run one module with autocast off and fp32 inputs."""
+    """One kept module's fp32 region: a forward pre-hook casting floating inputs to fp32, the module's
+    ``forward`` replaced by this object (it runs the original with autocast off) and a forward hook
+    casting floating outputs to ``out_dtype`` (None: left as they are).
 
-    def __init__(self, device_type: str, out_dtype: torch.dtype | None) -> None:
+    The autocast context is entered and left inside one call of ``forward``, never carried from a
+    pre-hook to a post-hook, so ``torch.compile`` traces the region (the hooks are stateless). The
+    replacement is the module's instance attribute ``forward``; :meth:`remove` gives back the one it
+    had (the class's, or an instance-level one set earlier). A picklable object holding its module
+    (a cycle that pickle and ``copy.deepcopy`` restore); no host sync.
+    """
+
+    def __init__(self, module: nn.Module, device_type: str, out_dtype: torch.dtype | None) -> None:
+        self.module = module
         self.device_type = device_type
         self.out_dtype = out_dtype
-        self._stack: list[torch.autocast] = []
-
-    def __getstate__(self):
-        return {"device_type": self.device_type, "out_dtype": self.out_dtype, "_stack": []}
+        self.previous = module.__dict__.get("forward")   # an instance-level forward set before ours, else None
 
     def pre(self, module: nn.Module, args: tuple, kwargs: dict):
-        ctx = torch.autocast(self.device_type, enabled=False)
-        ctx.__enter__()
-        self._stack.append(ctx)
         return cast_floating(args, torch.float32), cast_floating(kwargs, torch.float32)
 
-    def post(self, module: nn.Module, args: tuple, kwargs: dict, output: Any):
-        self._stack.pop().__exit__(None, None, None)
+    def __call__(self, *args: Any, **kwargs: Any) -> Any:
+        forward = self.previous if self.previous is not None else type(self.module).forward.__get__(self.module)
+        with torch.autocast(self.device_type, enabled=False):
+            return forward(*args, **kwargs)
+
+    def post(self, module: nn.Module, args: tuple, output: Any):
         return cast_floating(output, self.out_dtype) if self.out_dtype is not None else output
+
+    def install(self) -> list[Any]:
+        """Hook the module and replace its ``forward``; returns what :meth:`Regions.remove` removes."""
+        self.module.forward = self
+        return [self.module.register_forward_pre_hook(self.pre, with_kwargs=True), self,
+                self.module.register_forward_hook(self.post)]
+
+    def remove(self) -> None:
+        """Give the module back the ``forward`` it had (its hooks are removed by their handles)."""
+        if self.module.__dict__.get("forward") is not self:
+            return
+        if self.previous is None:
+            del self.module.forward
+        else:
+            self.module.forward = self.previous
 
 
 class OutputCast:
@@ -82,7 +107,7 @@ class Regions:
     """The hooks of one policy on one model: :meth:`install`, then :meth:`remove` (before a new policy)."""
 
     def __init__(self) -> None:
-        self._handles: list[Any] = []
+        self._handles: list[Any] = []   # hook handles and Fp32Region forwards, each with .remove()
 
     def install(self, model: nn.Module, policy: Policy, device_type: str, keep: dict[str, nn.Module],
                 frozen16: set[int]) -> None:
@@ -90,9 +115,7 @@ class Regions:
         fp32 lookups of frozen embedding tables whose weight id is in ``frozen16``."""
         region_out = policy.param_dtype if policy.param_dtype != torch.float32 else None
         for module in keep.values():
-            region = Fp32Region(device_type, region_out)
-            self._handles.append(module.register_forward_pre_hook(region.pre, with_kwargs=True))
-            self._handles.append(module.register_forward_hook(region.post, with_kwargs=True, always_call=True))
+            self._handles.extend(Fp32Region(module, device_type, region_out).install())
         if policy.is_mixed or policy.param_dtype != torch.float32:
             self._handles.append(model.register_forward_hook(OutputCast(policy.output_dtype)))
         if policy.param_dtype == torch.float32:
@@ -102,6 +125,6 @@ class Regions:
                     self._handles.append(module.register_forward_hook(OutputCast(torch.float32)))
 
     def remove(self) -> None:
-        for handle in self._handles:
+        for handle in reversed(self._handles):
             handle.remove()
         self._handles.clear()

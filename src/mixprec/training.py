@@ -153,7 +153,7 @@ def run_training(workload: Any, *, policy: str = "auto", steps: int, out: str | 
                  device: str | None = None, guard: bool = False, command: str = "",
                  workload_spec: str | None = None, progress: bool = True,
                  on_step: Callable[[int, dict], None] | None = None, strategy: str | None = None,
-                 ema: float | None = None) -> TrainOutcome:
+                 ema: float | None = None, compile: bool = False) -> TrainOutcome:
     """Train ``workload`` under ``policy`` for ``steps`` optimizer steps, writing into ``out``.
 
     Args:
@@ -178,6 +178,9 @@ def run_training(workload: Any, *, policy: str = "auto", steps: int, out: str | 
         ema: keep a :class:`mixprec.EMA` with this decay (e.g. 0.999): each evaluation also runs on the
             averaged weights (``ema_<metric>`` in ``final_eval``), and it is saved in the checkpoints and
             resumed (refused with ``strategy``).
+        compile: ``MixedPrecision(..., compile=True)`` (torch.compile, inductor; not with ``strategy``).
+            The compilation runs in the first step: its ``step_time_ms`` includes it, and the first
+            evaluation compiles the no-grad forward.
 
     Returns:
         :class:`TrainOutcome`; ``status`` 0, or 130 / 143 after SIGINT / SIGTERM.
@@ -209,7 +212,7 @@ def run_training(workload: Any, *, policy: str = "auto", steps: int, out: str | 
         raise ValueError(f"{str(out)!r} holds the checkpoints of a run already; pass --resume to continue it, or "
                          "choose another --out")
     out.mkdir(parents=True, exist_ok=True)
-    mp = build_engine(workload, policy, steps=steps, seed=seed, device=device, strategy=strategy)
+    mp = build_engine(workload, policy, steps=steps, seed=seed, device=device, strategy=strategy, compile=compile)
     policy_requested = str(mp.policy)
     if guard:
         mp.guard = Guard(loss_fn=workload.loss)

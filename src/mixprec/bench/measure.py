@@ -3,7 +3,8 @@
 * **Step time**: wall time of one training step (inputs cast → forward under autocast →
   backward → ``mp.step()``), with a device sync before starting and before stopping the clock;
   the bench reports the median over the steps after a warm-up (first calls initialise kernels
-  and allocators and are much slower).
+  and allocators and are much slower; under ``--compile`` the first step compiles the model: that
+  time is reported apart, :func:`warmup_excess_s`).
 * **Peak memory** (MiB): on CPU the process's peak resident set size (``resource.getrusage``
   ``ru_maxrss``; psutil's ``peak_wset`` on Windows), so it includes the interpreter and torch's
   libraries (a few hundred MiB); on CUDA ``torch.cuda.max_memory_allocated``; on MPS the maximum
@@ -24,7 +25,7 @@ from torch import nn
 
 from mixprec.doctor import synchronize
 
-__all__ = ["StateBytes", "state_bytes", "median_step_ms", "MemoryMeter", "synchronize"]
+__all__ = ["StateBytes", "state_bytes", "median_step_ms", "warmup_excess_s", "MemoryMeter", "synchronize"]
 
 
 @dataclass(frozen=True)
@@ -136,6 +137,15 @@ def median_step_ms(step_times_ms: list[float], warmup_steps: int) -> float:
     if not timed:
         raise ValueError("median_step_ms: no step times were recorded; run at least one step")
     return statistics.median(timed)
+
+
+def warmup_excess_s(step_times_ms: list[float], warmup_steps: int) -> float:
+    """Seconds the first ``warmup_steps`` steps took beyond the median of the timed ones (never
+    negative): under ``torch.compile`` the compilation (the first step, and any recompilation in
+    the warm-up), reported apart from the step time; in eager the first calls' kernel and
+    allocator set-up."""
+    median = median_step_ms(step_times_ms, warmup_steps)
+    return sum(max(0.0, t - median) for t in step_times_ms[:warmup_steps]) / 1e3
 
 
 class MemoryMeter:

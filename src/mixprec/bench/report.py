@@ -18,7 +18,11 @@ names (``_ms``, ``_mb`` = MiB, ``_per_s``); ``speedup_vs_fp32`` = fp32 median st
 one; ``memory_ratio_vs_fp32`` = peak memory / fp32's; ``eval_loss_delta_vs_fp32`` = relative
 final validation-loss change, ``(loss - loss_fp32) / loss_fp32``; ``state_bytes_per_param`` is
 measured from the tensors (:func:`mixprec.bench.measure.state_bytes`); ``decision`` is how the
-engine resolved the policy; ``pid`` is the worker process.
+engine resolved the policy; ``pid`` is the worker process. Under ``bench --compile`` each policy has
+a second row, ``<policy>+compiled`` (``compiled``: true), trained by ``MixedPrecision(..., compile=True)``;
+its ``compile_time_s`` is the time its warm-up steps took beyond its median step (the compilation,
+in the first step), so ``step_time_ms_median`` is the compiled steady state; ``first_step_ms`` and
+``warmup_excess_s`` are recorded for every row (eager rows: kernel and allocator set-up).
 """
 
 from __future__ import annotations
@@ -28,9 +32,10 @@ import math
 from pathlib import Path
 from typing import Any
 
-__all__ = ["POLICY_KEYS", "write_outputs", "format_table", "report_markdown", "plot_loss_curves",
+__all__ = ["POLICY_KEYS", "COMPILED_SUFFIX", "write_outputs", "format_table", "report_markdown", "plot_loss_curves",
            "plot_speed_memory"]
 
+COMPILED_SUFFIX = "+compiled"   # the row of a policy run under bench --compile
 POLICY_KEYS = (
     "requested", "policy", "decision", "compute_dtype", "device", "pid", "optimizer", "steps",
     "step_time_ms_median", "step_time_ms_p10", "step_time_ms_p90", "tokens_per_s", "items_per_s", "item_unit", "speedup_vs_fp32",
@@ -38,6 +43,7 @@ POLICY_KEYS = (
     "state_bytes_per_param", "state_bytes", "final_eval", "final_eval_loss", "eval_loss_delta_vs_fp32",
     "skipped_steps", "skipped_by_reason", "loss_per_step", "loss_scale_history", "grad_norm_per_step",
     "lr_per_step", "step_time_ms_per_step", "events", "verdict", "reason", "skipped_reason", "error",
+    "compiled", "first_step_ms", "warmup_excess_s", "compile_time_s",
 )
 _HOW_TO_READ = """\
 ## How to read a verdict
@@ -116,21 +122,48 @@ def _state_lines(policies: dict) -> list[str]:
     return lines or ["- not measured"]
 
 
+def _compile_lines(results: dict) -> list[str]:
+    """``--compile``: what the ``+compiled`` rows are, and compiled vs eager step time per policy."""
+    if not _has_compiled(results):
+        return []
+    policies = results["policies"]
+    pairs = [(name, policies[name], policies.get(name + COMPILED_SUFFIX)) for name in results["settings"]["policies"]]
+    lines = ["", "Compiled rows (`<policy>+compiled`): the same policy, seed and batches, trained by "
+             "`MixedPrecision(..., compile=True)` (torch.compile, inductor) in its own process. *compile s* is the "
+             "time its warm-up steps took beyond its median step (the compilation, in the first step): it is "
+             "not part of *step ms*, the compiled steady state. Speedups are against eager fp32.", ""]
+    for name, eager, compiled in pairs:
+        if compiled is None or eager.get("step_time_ms_median") is None or compiled.get("step_time_ms_median") is None:
+            continue
+        ratio = eager["step_time_ms_median"] / compiled["step_time_ms_median"]
+        lines.append(f"- {name}: eager {eager['step_time_ms_median']:.1f} ms/step, compiled "
+                     f"{compiled['step_time_ms_median']:.1f} ms/step ({ratio:.2f}x eager), compile "
+                     f"{_fmt(compiled.get('compile_time_s'), '.1f', ' s')} (first step "
+                     f"{_fmt(compiled.get('first_step_ms'), ',.0f', ' ms')})")
+    return lines
+
+
 def _fmt(value: Any, spec: str, suffix: str = "") -> str:
     if value is None or (isinstance(value, float) and not math.isfinite(value)):
         return "-"
     return f"{value:{spec}}{suffix}"
 
 
+def _has_compiled(results: dict) -> bool:
+    return bool(results.get("settings", {}).get("compile"))
+
+
 def _rows(results: dict) -> list[list[str]]:
+    """One row per policy; under ``--compile`` a last column, the compile time in seconds."""
     rows = []
     for name, e in results["policies"].items():
+        compiled = [_fmt(e.get("compile_time_s"), ".1f")] if _has_compiled(results) else []
         rows.append([
             name, e["verdict"], _fmt(e.get("step_time_ms_median"), ".1f"), _fmt(e.get("speedup_vs_fp32"), ".2f", "x"),
             _fmt(e.get("items_per_s"), ",.0f"), _fmt(e.get("gflops_per_s"), ".1f"), _fmt(e.get("mfu"), ".1%"),
             _fmt(e.get("peak_memory_mb"), ",.0f"), _fmt(e.get("memory_ratio_vs_fp32"), ".2f", "x"),
             _fmt(e.get("state_bytes_per_param"), ".2f"), _fmt(e.get("final_eval_loss"), ".4f"),
-            _fmt(e.get("eval_loss_delta_vs_fp32"), "+.2%"), _fmt(e.get("skipped_steps"), "d"),
+            _fmt(e.get("eval_loss_delta_vs_fp32"), "+.2%"), _fmt(e.get("skipped_steps"), "d"), *compiled,
         ])
     return rows
 
@@ -138,13 +171,16 @@ def _rows(results: dict) -> list[list[str]]:
 def _headers(results: dict) -> list[str]:
     unit = next((e["item_unit"] for e in results["policies"].values() if e.get("item_unit")), "items")
     return ["policy", "verdict", "step ms", "speedup", f"{unit}/s", "GFLOP/s", "MFU", "peak MiB",
-            "mem ratio", "bytes/param", "eval loss", "loss delta", "skipped steps"]
+            "mem ratio", "bytes/param", "eval loss", "loss delta", "skipped steps"] + \
+        (["compile s"] if _has_compiled(results) else [])
 
 
 def format_table(results: dict) -> str:
     """The compact plain-text table printed at the end of a bench run."""
     headers = ["policy", "verdict", "step ms", "speedup", "peak MiB", "B/param", "eval loss", "delta", "skips"]
     keep = [0, 1, 2, 3, 7, 9, 10, 11, 12]
+    if _has_compiled(results):
+        headers, keep = headers + ["compile s"], keep + [13]
     rows = [[row[i] for i in keep] for row in _rows(results)]
     states = [e.get("state_bytes") or {} for e in results["policies"].values()]
     if any(sb.get("n_frozen") for sb in states):   # LoRA / frozen layers: the two parts' bytes/param
@@ -181,6 +217,7 @@ def report_markdown(results: dict) -> str:
         f"{w.get('items_per_batch', '?')} {w.get('item_unit', 'items')} per step; data: "
         f"{(w.get('data') or {}).get('source', 'workload-defined')}. Step time is the median after "
         f"{s['warmup_steps']} warm-up steps.",
+        *_compile_lines(results),
         "",
         _noise_line(results["policies"]),
         "",

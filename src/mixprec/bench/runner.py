@@ -54,7 +54,7 @@ from typing import Any
 import torch
 from tqdm import tqdm
 
-from mixprec.bench.report import POLICY_KEYS, write_outputs
+from mixprec.bench.report import COMPILED_SUFFIX, POLICY_KEYS, write_outputs
 from mixprec.bench.verdict import Targets, judge
 from mixprec.bench.worker import RunSpec
 from mixprec.devices import Capability, normalize_device, probe, resolve
@@ -80,7 +80,10 @@ class BenchConfig:
     ``config=None`` means ``mid`` for the ``gpt`` workload and the workload's own default
     otherwise; ``steps=None`` the workload's ``default_steps`` (300 for gpt). ``lora`` (e.g.
     ``"r=8,alpha=16,targets=query,value"``) fine-tunes LoRA adapters on a transformers workload. ``command`` is the exact command line, recorded in the outputs. ``strategy``
-    (``"ddp"``, ``"fsdp2"``): run under torchrun, one runner per rank (see :func:`run_bench`).
+    (``"ddp"``, ``"fsdp2"``): run under torchrun, one runner per rank (see :func:`run_bench`). ``compile``: each
+    policy also runs compiled (``MixedPrecision(..., compile=True)``, inductor) in its own worker, as
+    the row ``<policy>+compiled`` (:data:`mixprec.bench.report.COMPILED_SUFFIX`), judged against eager fp32 like the others;
+    its compilation time is reported apart from its step time.
     """
 
     out: Path
@@ -96,10 +99,14 @@ class BenchConfig:
     command: str = ""
     strategy: str | None = None
     lora: str | None = None
+    compile: bool = False
 
     def __post_init__(self) -> None:
         if self.steps is not None and (not isinstance(self.steps, int) or self.steps < 5):
             raise ValueError(f"bench steps={self.steps!r} must be an int >= 5 (warm-up steps are not timed)")
+        if self.compile and self.strategy is not None:
+            raise ValueError(f"bench compile=True with strategy={self.strategy!r}: the engine does not compile a "
+                             "DDP/FSDP2-wrapped model; drop --compile or --strategy")
         if not self.policies or not all(isinstance(p, str) and p.strip() for p in self.policies):
             raise ValueError(f"bench policies={self.policies!r} must be non-empty policy names, "
                              f"e.g. {','.join(DEFAULT_POLICIES)}")
@@ -283,25 +290,29 @@ def run_bench(config: BenchConfig, *, capability: Capability | None = None, prog
     warmup = warmup_steps_for(config.steps)
     peaks_gflops = {name: peak.gflops_per_s for name, peak in peaks.items()}
     entries: dict[str, dict] = {}
-    with tqdm(total=config.steps * len(runnable), unit="step", disable=not progress or not is_main_process(),
+    variants = (False, True) if config.compile else (False,)   # eager, then compiled
+    with tqdm(total=config.steps * len(runnable) * len(variants), unit="step", disable=not progress or not is_main_process(),
               dynamic_ncols=True) as bar:
         for index, name in enumerate(names):
-            if skip[name] is not None:
-                entries[name] = _skipped_entry(name, skip[name])
-                continue
-            bar.set_description(name)
-            spec = RunSpec(workload=config.workload, policy=name, steps=config.steps, seed=config.seed,
-                           config=config.config_name, data=config.data, lora=config.lora,
-                           device="cuda" if config.strategy and device.type == "cuda" else str(device),  # LOCAL_RANK's
-                           warmup_steps=warmup, peaks_gflops=peaks_gflops, strategy=config.strategy)
-            env_update = None if config.strategy is None else {
-                "MASTER_PORT": str(from_main_process(_free_port() if is_main_process() else None))}
-            result = _run_worker(spec, workdir, f"{index}-{''.join(c if c.isalnum() or c in '-_' else '_' for c in name)}", bar,
-                                 env_update)
-            if result.get("stage") == "setup":  # the engine refused the policy: it did not run
-                entries[name] = _skipped_entry(name, f"the engine refused it: {result['error']}")
-            else:
-                entries[name] = {**dict.fromkeys(POLICY_KEYS), "requested": name, **result}
+            for compiled in variants:
+                row = name + COMPILED_SUFFIX if compiled else name
+                if skip[name] is not None:
+                    entries[row] = _skipped_entry(name, skip[name])
+                    continue
+                bar.set_description(row)
+                spec = RunSpec(workload=config.workload, policy=name, steps=config.steps, seed=config.seed,
+                               config=config.config_name, data=config.data, lora=config.lora,
+                               device="cuda" if config.strategy and device.type == "cuda" else str(device),  # LOCAL_RANK's
+                               warmup_steps=warmup, peaks_gflops=peaks_gflops, strategy=config.strategy,
+                               compile=compiled)
+                env_update = None if config.strategy is None else {
+                    "MASTER_PORT": str(from_main_process(_free_port() if is_main_process() else None))}
+                file_name = f"{index}{'c' if compiled else ''}-{''.join(c if c.isalnum() or c in '-_' else '_' for c in name)}"
+                result = _run_worker(spec, workdir, file_name, bar, env_update)
+                if result.get("stage") == "setup":  # the engine refused the policy: it did not run
+                    entries[row] = _skipped_entry(name, f"the engine refused it: {result['error']}")
+                else:
+                    entries[row] = {**dict.fromkeys(POLICY_KEYS), "requested": name, **result}
     judge_policies(entries, config.targets)
     results = {
         "mixprec_bench": 1,
@@ -309,7 +320,8 @@ def run_bench(config: BenchConfig, *, capability: Capability | None = None, prog
         "command": config.command,
         "settings": {"workload": config.workload, "config": config.config_name, "policies": names,
                      "requested_policies": [p.strip() for p in config.policies],
-                     "steps": config.steps, "warmup_steps": warmup, "seed": config.seed, "data": config.data,
+                     "steps": config.steps, "warmup_steps": warmup, "compile": config.compile,
+                     "seed": config.seed, "data": config.data,
                      "lora": config.lora,
                      "device": str(device), "force": config.force, "targets": asdict(config.targets),
                      "strategy": config.strategy, "world_size": world_size()},

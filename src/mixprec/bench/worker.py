@@ -31,7 +31,7 @@ from typing import Any
 
 import torch
 
-from mixprec.bench.measure import MemoryMeter, median_step_ms, state_bytes, synchronize
+from mixprec.bench.measure import MemoryMeter, median_step_ms, state_bytes, synchronize, warmup_excess_s
 from mixprec.devices import resolve_policy
 from mixprec.distributed import init_process_group_from_env, shard_batches, sum_across_ranks, world_size
 from mixprec.engine import MixedPrecision, StepResult
@@ -58,6 +58,8 @@ class RunSpec:
     ``"fsdp2"``): this worker is one rank of a torch.distributed run (environment as torchrun
     sets it); it trains on its share of the batches, and ``items_per_s``, ``tokens_per_s`` and
     ``gflops_per_s`` are summed over the ranks (``mfu`` against ``world_size`` × the peak).
+    ``compile``: the engine compiles the model (``MixedPrecision(..., compile=True)``, inductor);
+    compilation runs in the first step, which the warm-up keeps out of the step-time median.
     """
 
     workload: str
@@ -72,6 +74,7 @@ class RunSpec:
     peaks_gflops: dict[str, float | None] = field(default_factory=dict)
     strategy: str | None = None
     lora: str | None = None
+    compile: bool = False
 
     def __post_init__(self) -> None:
         if not (isinstance(self.steps, int) and self.steps > self.warmup_steps >= self.measure_state_at >= 1):
@@ -104,19 +107,19 @@ def precision_optimizer(optimizer: torch.optim.Optimizer, policy: Policy) -> tor
 
 
 def build_engine(workload: Workload, policy: str, *, steps: int, seed: int,
-                 device: str | None = None, strategy: str | None = None) -> MixedPrecision:
+                 device: str | None = None, strategy: str | None = None, compile: bool = False) -> MixedPrecision:
     """Seed torch, build the workload's model, optimizer and schedule, and wrap them in the engine.
 
     ``policy`` is passed to :class:`~mixprec.MixedPrecision` as given (``"auto"`` keeps its
     reason in ``mp.decision``); nothing falls back: a policy the device cannot run raises.
-    ``strategy`` (None, ``"ddp"``, ``"fsdp2"``) too; every rank seeds alike.
+    ``strategy`` (None, ``"ddp"``, ``"fsdp2"``) and ``compile`` too; every rank seeds alike.
     """
     torch.manual_seed(seed)
     model = workload.build_model()
     optimizer = precision_optimizer(workload.make_optimizer(model), resolve_policy(policy, device))
     scheduler = workload.make_scheduler(optimizer, steps)
     return MixedPrecision(model, optimizer, policy=policy, device=device, scheduler=scheduler,
-                          max_grad_norm=workload.max_grad_norm, strategy=strategy)
+                          max_grad_norm=workload.max_grad_norm, strategy=strategy, compile=compile)
 
 
 def train_step(mp: MixedPrecision, workload: Workload, batch: dict,
@@ -166,7 +169,7 @@ def run_policy(spec: RunSpec, progress: Callable[[int], None] | None = None) -> 
         init_process_group_from_env(spec.device, timeout=timedelta(minutes=5))
     try:
         mp = build_engine(workload, spec.policy, steps=spec.steps, seed=spec.seed, device=spec.device,
-                          strategy=spec.strategy)
+                          strategy=spec.strategy, compile=spec.compile)
     except (ValueError, TypeError) as err:
         raise SetupError(f"{type(err).__name__}: {err}") from err
     memory = MemoryMeter(mp.device)
@@ -195,6 +198,7 @@ def run_policy(spec: RunSpec, progress: Callable[[int], None] | None = None) -> 
             progress(step + 1)
     eval_metrics = evaluate(mp, workload)
     step_ms = median_step_ms(history["step_time_ms"], spec.warmup_steps)
+    warmup_excess = warmup_excess_s(history["step_time_ms"], spec.warmup_steps)   # compilation, under compile
     step_s = step_ms / 1e3
     flops = float(workload.flops_per_step())
     compute = _DTYPE_NAMES[mp.policy.compute_dtype]
@@ -217,6 +221,10 @@ def run_policy(spec: RunSpec, progress: Callable[[int], None] | None = None) -> 
         "steps": spec.steps,
         "warmup_steps": spec.warmup_steps,
         "step_time_ms_median": step_ms,
+        "compiled": spec.compile,
+        "first_step_ms": history["step_time_ms"][0],
+        "warmup_excess_s": warmup_excess,
+        "compile_time_s": warmup_excess if spec.compile else None,
         **_spread_ms(history["step_time_ms"][spec.warmup_steps:]),
         "items_per_batch": workload.items_per_batch,
         "item_unit": workload.item_unit,
