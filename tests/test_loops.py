@@ -479,3 +479,37 @@ def test_a_new_parameter_with_several_param_groups_is_refused_by_name():
     model.add_module("extra", nn.Linear(1, 1))
     with pytest.raises(ValueError, match=r"gained parameter\(s\) \['extra.weight', 'extra.bias'\]"):
         mp.model(mp.cast_inputs(torch.randn(2, 4)))
+
+
+def test_reentrant_checkpointing_with_a_frozen_input_names_the_adapters_it_cut_off():
+    from torch.utils.checkpoint import checkpoint
+
+    class Adapted(nn.Module):
+        def __init__(self):
+            super().__init__()
+            torch.manual_seed(16)
+            self.embed, self.block, self.adapter, self.head = nn.Embedding(10, 8), nn.Linear(8, 8), \
+                nn.Linear(8, 8), nn.Linear(8, 2)
+            self.embed.requires_grad_(False)
+            self.block.requires_grad_(False)
+
+        def forward(self, ids, reentrant):
+            h = self.embed(ids)
+            h = checkpoint(lambda t: self.block(t) + self.adapter(t), h, use_reentrant=reentrant)
+            return self.head(h)
+
+    for reentrant in (True, False):
+        model = Adapted()
+        mp = _engine(model, "bf16-mixed")
+        before = model.adapter.weight.detach().clone()
+        with warnings.catch_warnings(record=True) as w:
+            warnings.simplefilter("always")
+            with mp.autocast():
+                mp.backward(mp.model(torch.tensor([[1, 2, 3]]), reentrant).float().sum())
+            mp.step()
+        said = [str(x.message) for x in w if "received no gradient" in str(x.message)]
+        if reentrant:   # torch's reentrant checkpoint gives no gradient to anything inside when no input requires grad
+            assert len(said) == 1 and "adapter.weight" in said[0] and "use_reentrant=False" in said[0]
+            assert torch.equal(model.adapter.weight, before)
+        else:
+            assert said == [] and not torch.equal(model.adapter.weight, before)
