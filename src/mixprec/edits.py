@@ -40,22 +40,53 @@ class ModelEdit:
         return "; ".join(parts)
 
 
+_registrations = [0]   # parameters and modules registered anywhere in this process (torch's global hooks)
+
+
+def _count_registration(*args: Any) -> None:
+    _registrations[0] += 1
+
+
+def _watch_registrations() -> None:
+    if getattr(_watch_registrations, "installed", False):
+        return
+    from torch.nn.modules import module as module_mod
+    module_mod.register_module_parameter_registration_hook(_count_registration)
+    module_mod.register_module_module_registration_hook(_count_registration)
+    _watch_registrations.installed = True
+
+
 class ModelLayout:
-    """The parameters of ``model`` as the engine prepared them (objects and shapes), to tell an edit."""
+    """The parameters of ``model`` as the engine prepared them (objects and shapes), to tell an edit.
+
+    :meth:`changed` is cheap: a parameter or module assigned anywhere goes through torch's global
+    registration hooks (``register_module_parameter_registration_hook``, ``..._module_...``), which
+    count; the model is walked only when the count moved, and the recorded params' shapes are compared
+    (a ``.data`` of another shape). Removing a module with ``del`` is not a registration: it is seen at
+    the next registration anywhere, or reported as a missing gradient meanwhile."""
 
     def __init__(self, model: nn.Module) -> None:
+        _watch_registrations()
         self.model = model
         self.record()
 
     def record(self) -> None:
         self.named = list(self.model.named_parameters())
-        self.shapes = [p.shape for _, p in self.named]
+        self.params = [p for _, p in self.named]
+        self.shapes = [p.shape for p in self.params]
+        self.seen = _registrations[0]
 
     def changed(self) -> bool:
-        """True when the model's parameters are not the recorded ones (no host sync; a Python walk)."""
+        """True when the model's parameters are not the recorded ones (no host sync)."""
+        if [p.shape for p in self.params] != self.shapes:
+            return True
+        if self.seen == _registrations[0]:
+            return False
         current = list(self.model.parameters())
-        return (len(current) != len(self.named)
-                or any(p is not q or p.shape != s for p, (_, q), s in zip(current, self.named, self.shapes)))
+        if len(current) == len(self.params) and all(p is q for p, q in zip(current, self.params)):
+            self.seen = _registrations[0]   # something else was registered: this model is as it was
+            return False
+        return True
 
     def edit(self) -> ModelEdit:
         """The edit, by name (an unchanged model gives an empty one)."""

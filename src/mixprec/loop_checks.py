@@ -76,7 +76,7 @@ class LoopChecks:
         self.owner, self.on_forward = owner, on_forward
         self.applying = False          # True while the engine itself steps the optimizer
         self.grads_after_backward = 0
-        self.reported_missing: set[str] = set()
+        self.reported_missing: set[int] = set()
         self.spoken: set[str] = set()
         self._handles: list[Any] = []
 
@@ -145,11 +145,12 @@ class LoopChecks:
                                "optimizer.zero_grad() or model.zero_grad() ran between them. The engine zeroes "
                                "gradients itself after every step; remove that call")
         self.grads_after_backward = 0
-        missing = [t for g in mp.optimizer.param_groups for t in g["params"] if t.requires_grad and t.grad is None]
-        new = [n for n in self._names(missing) if n not in self.reported_missing] if missing else []
-        if not new:
+        missing = [t for g in mp.optimizer.param_groups for t in g["params"]
+                   if t.requires_grad and t.grad is None and id(t) not in self.reported_missing]
+        if not missing:
             return grads
-        self.reported_missing.update(new)
+        self.reported_missing.update(id(t) for t in missing)   # named once (ids: no name walk per step)
+        new = self._names(missing)
         detail = (f"{len(new)} trainable parameter(s) received no gradient at boundary {mp.boundaries} "
                   f"({', '.join(new[:5])}{', ...' if len(new) > 5 else ''}), so this step does not train them: "
                   "unused in the forward, detached (.detach(), .data, torch.no_grad()), or cut off by reentrant "
