@@ -15,7 +15,18 @@ from typing import Any
 
 import torch
 
-__all__ = ["DivergenceError", "StopWhenStuck"]
+__all__ = ["DivergenceError", "StopWhenStuck", "stuck_if_skipped"]
+
+
+def stuck_if_skipped(loss_scale: Any) -> torch.Tensor:
+    """The stuck-skip count the current step makes if it is skipped, as a (1,) fp32 device tensor (no
+    sync): consecutive skips at the scale's floor (dynamic), or consecutive skips (fixed/none), this one
+    included."""
+    if loss_scale.dynamic:
+        stuck = loss_scale.floor_skips.float() + loss_scale.at_floor().float()
+    else:
+        stuck = loss_scale.consecutive_skips.float() + 1
+    return stuck.reshape(1)
 
 
 class DivergenceError(RuntimeError):

@@ -155,6 +155,11 @@ def adopt_model_edits(mp: Any, layout: ModelLayout | None, frozen: Any) -> None:
     if layout is None or not layout.changed():
         return
     edit = layout.edit()
+    if mp.policy.fp8 is not None:
+        raise RuntimeError(f"the model was edited after MixedPrecision was built ({edit.text()}) under an fp8 policy "
+                           f"({mp.policy}): its linears were converted to fp8 at build and a new layer would run in "
+                           f"{str(mp.policy.compute_dtype)[6:]} while the fp8 report says otherwise; edit the model "
+                           "before building MixedPrecision")
     if mp.strategy is not None or mp.micro_step != 0:
         raise RuntimeError(f"the model was edited after MixedPrecision was built ({edit.text()}) "
                            f"{'under strategy=' + repr(mp.strategy) if mp.strategy else 'mid-accumulation'}, "
@@ -165,7 +170,9 @@ def adopt_model_edits(mp: Any, layout: ModelLayout | None, frozen: Any) -> None:
     event = mp.set_policy(mp.policy, cause=f"model edited after build: {edit.text()}")
     event["kind"] = "model-edit"
     event["detail"] = f"{edit.text()}; {event['detail']}"
+    if mp.guard is not None and hasattr(mp.guard, "take_snapshot"):
+        mp.guard.take_snapshot(mp)   # the old snapshot holds the old layout: no rollback into it
     layout.record()
+    masters = ", with fresh fp32 masters from their values" if mp.policy.has_masters else ""
     warnings.warn(f"mixprec: the model was edited after MixedPrecision was built ({edit.text()}); adopted: new "
-                  "parameters are stored as the policy says, with fresh fp32 masters and no optimizer state",
-                  stacklevel=4)
+                  f"parameters are stored as {mp.policy} says{masters}, without optimizer state", stacklevel=5)

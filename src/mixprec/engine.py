@@ -11,6 +11,7 @@ guard). The README's "Architecture" section draws the map.
 
 from __future__ import annotations
 
+import inspect
 import logging
 import warnings
 from collections import deque
@@ -26,7 +27,7 @@ from mixprec.clipping import clip_ as _clip_
 from mixprec.clipping import global_norm_fp32 as _global_norm_fp32
 from mixprec.compiled import compile_request, eager_dtypes
 from mixprec.devices import resolve
-from mixprec.divergence import DivergenceError, StopWhenStuck
+from mixprec.divergence import DivergenceError, StopWhenStuck, stuck_if_skipped
 from mixprec.edits import ModelLayout, adopt_model_edits
 from mixprec.loop_checks import LoopChecks
 from mixprec.loss_scale import from_spec as loss_scale_from_spec
@@ -88,6 +89,10 @@ def _check_args(model: Any, optimizer: Any, scheduler: Any, max_grad_norm: Any, 
         raise ValueError(f"accumulation_steps={accumulation_steps!r} must be an int >= 1")
     if max_grad_norm is not None and not (float(max_grad_norm) > 0):
         raise ValueError(f"max_grad_norm={max_grad_norm!r} must be > 0 or None (no clipping)")
+    if _needs_closure(optimizer):
+        raise TypeError(f"optimizer={type(optimizer).__name__} needs a closure in step() (it re-evaluates the loss, "
+                        "as LBFGS does), which the engine's one-backward step cannot give; use a first-order "
+                        "optimizer (mixprec.optim.AdamW, torch.optim.SGD/Adam), or train it without MixedPrecision")
     if isinstance(scheduler, torch.optim.lr_scheduler.ReduceLROnPlateau):
         raise TypeError("scheduler=ReduceLROnPlateau needs a metric at each step, which the engine does not "
                         "have; pass scheduler=None and call it yourself: `if result and result.applied: "
@@ -96,6 +101,15 @@ def _check_args(model: Any, optimizer: Any, scheduler: Any, max_grad_norm: Any, 
     if model_params and not any(id(p) in model_params for g in optimizer.param_groups for p in g["params"]):
         raise ValueError("optimizer holds none of the model's parameters; build it on model.parameters() "
                          "(before MixedPrecision) so the engine can step and, where needed, rebind it")
+
+
+def _needs_closure(optimizer: torch.optim.Optimizer) -> bool:
+    """True when ``optimizer.step`` has a required ``closure`` argument (LBFGS)."""
+    try:
+        closure = inspect.signature(optimizer.step).parameters.get("closure")
+    except (TypeError, ValueError):
+        return False
+    return closure is not None and closure.default is inspect.Parameter.empty
 
 
 def _check_param_dtypes(model: nn.Module, policy: Policy) -> None:
@@ -124,8 +138,9 @@ def _check_param_dtypes(model: nn.Module, policy: Policy) -> None:
 
 def _check_loss(loss: Any) -> None:
     if not isinstance(loss, torch.Tensor) or loss.numel() != 1 or not loss.is_floating_point():
-        raise ValueError(f"loss must be a scalar floating tensor, got {type(loss).__name__} "
-                         f"{getattr(loss, 'shape', '')}")
+        raise ValueError(f"loss must be a scalar floating tensor, got {type(loss).__name__} of shape "
+                         f"{tuple(getattr(loss, 'shape', ()))} and dtype {getattr(loss, 'dtype', None)}; reduce it "
+                         "(.mean()) and compute it in floating point")
     if not loss.requires_grad:
         raise ValueError("loss does not require grad, so nothing can be trained from it. Likely causes: it was "
                          "computed under torch.no_grad() or torch.inference_mode(); from detached tensors "
@@ -222,6 +237,8 @@ class MixedPrecision:
         self.decision += note + plan.note() + self._compile.note(self.policy)
         self.masters = MasterWeights(params, set(plan.half) if self.policy.has_masters else set())
         self._frozen.store(plan)
+        kahan_from = [(p, p.detach().float().clone()) for p in params if id(p) in plan.half and not self.policy.has_masters
+                      and self.policy.rounding == "kahan"]   # fp32 values before the cast: the compensation's start
         plan.apply(params)
         self.masters.record_versions()
         if self.policy.has_masters:
@@ -229,6 +246,7 @@ class MixedPrecision:
         contract.check(optimizer, self.policy, {p.dtype for g in optimizer.param_groups for p in g["params"]
                                                 if id(p) not in plan.frozen16})
         contract.configure(optimizer, self.policy)
+        contract.start_compensation(optimizer, self.policy, kahan_from)
         self._regions.install(model, self.policy, self.device.type, keep, set(plan.frozen16))
         self.model = self._compile.apply(self._strategy.after_casts(model, self.policy, self.device))
         self.masters.record_versions()   # DDP's broadcast of rank 0's params is not a user edit
@@ -288,7 +306,8 @@ class MixedPrecision:
         16-bit grads are added into the fp32 masters' grads. At a boundary's first call, gradients this engine
         did not produce are discarded (:mod:`mixprec.loop_checks`) and a model edited since the last step is
         adopted (:mod:`mixprec.edits`). Raises ValueError for a loss that is not a scalar floating tensor
-        requiring grad; RuntimeError for a frozen param made trainable by hand (use :meth:`unfreeze`).
+        requiring grad; RuntimeError for a frozen param made trainable by hand (use :meth:`unfreeze`). Gradients
+        of tensors that are not the engine's params (an input's ``x.grad``) keep the loss scale (docs/loops.md).
         """
         _check_loss(loss)
         self._check_usable("mp.backward()")
@@ -296,7 +315,7 @@ class MixedPrecision:
         new_micro_batch = not self._step_pending
         if new_micro_batch and self.micro_step == 0:
             self._adopt_model_edits()
-            self._checks.before_first_backward()
+        self._checks.before_backward(first=new_micro_batch and self.micro_step == 0)
         self.micro_step += new_micro_batch
         self._last_loss = loss.detach()
         first = new_micro_batch and self.micro_step == 1
@@ -308,7 +327,7 @@ class MixedPrecision:
         self.loss_scale.scale_loss(loss).backward(retain_graph=retain_graph, inputs=inputs)
         self._step_pending = True
         self.masters.accumulate_grads()
-        self._checks.after_backward(len(self.gradients()))
+        self._checks.after_backward()
 
     def scale_loss(self, loss: torch.Tensor) -> torch.Tensor:
         """``loss`` times the current loss scale (differentiable), for ``torch.autograd.grad`` on a loss the engine
@@ -344,14 +363,14 @@ class MixedPrecision:
             return None
         self._adopt_edited_params()
         self._boundary_loss = self._loss_sum / self.accumulation_steps
-        grads = self._strategy.local(self._checks.at_boundary(self.gradients()))
+        grads = self._strategy.local(self._checks.at_boundary())
         found_inf = self._unscale_(grads)
         grad_norm = self._strategy.global_norm(_global_norm_fp32(grads, self.device))
         if self.max_grad_norm is not None:
             _clip_(grads, grad_norm, self.max_grad_norm)
         flags = self._strategy.agree_flags(torch.stack([found_inf, (~self._loss_finite).to(found_inf)]))
         scale_before = self.loss_scale.scale.detach().clone()
-        skipped, loss_nonfinite, stuck = torch.cat([flags, self._stuck_if_skipped(flags)]).tolist()  # the host read
+        skipped, loss_nonfinite, stuck = torch.cat([flags, stuck_if_skipped(self.loss_scale).to(flags)]).tolist()  # the host read
         applied, loss_finite = not skipped, not (skipped and loss_nonfinite)
         if applied:
             self._apply_update()
@@ -365,7 +384,7 @@ class MixedPrecision:
                             skipped_total=self.skipped_total, loss_scale_t=scale_before, grad_norm_t=grad_norm,
                             loss_finite=loss_finite, stuck_skips=0 if applied or not loss_finite else int(stuck))
         self._step_grads = grads
-        self._zero_grads()
+        self.discard_gradients()
         try:
             return (self.guard if self.guard is not None else self._stop_when_stuck).after_step(self, result)
         finally:
@@ -375,7 +394,10 @@ class MixedPrecision:
     def _unscale_(self, grads: list[torch.Tensor]) -> torch.Tensor:
         found_inf = self.loss_scale.unscale_(grads)
         extra, self._extra_inf = self._extra_inf, None
-        return found_inf if extra is None else torch.maximum(found_inf, extra.to(found_inf.device))
+        if extra is None:
+            return found_inf
+        self._loss_finite = self._loss_finite | extra.bool().to(self._loss_finite.device)  # NaN from an overflowed
+        return torch.maximum(found_inf, extra.to(found_inf.device))                      # penalty: an overflow
 
     def _apply_update(self) -> None:
         self._checks.applying = True
@@ -388,19 +410,6 @@ class MixedPrecision:
             self.scheduler.step()
         self.masters.copy_to_params()
         torch.clear_autocast_cache()   # else a later forward in the same autocast region uses stale casts
-
-    def _stuck_if_skipped(self, flags: torch.Tensor) -> torch.Tensor:
-        """The stuck-skip count this step makes if skipped, as a (1,) fp32 device tensor (no sync)."""
-        ls = self.loss_scale
-        if ls.dynamic:
-            stuck = ls.floor_skips.float() + ls.at_floor().float()
-        else:
-            stuck = ls.consecutive_skips.float() + 1
-        return stuck.reshape(1).to(flags)
-
-    def _zero_grads(self) -> None:
-        self.optimizer.zero_grad(set_to_none=True)
-        self.model.zero_grad(set_to_none=True)
 
     def gradients(self) -> list[torch.Tensor]:
         """The gradients the optimizer steps (fp32 master grads under ``-pure`` policies), in group order."""
@@ -545,6 +554,7 @@ class MixedPrecision:
         optimizer, scheduler, loss-scale state (every field) and counters; tensors are references.
         RuntimeError mid-accumulation (the accumulated gradients are not part of the state)."""
         self._check_boundary("state_dict()", "take it")
+        self._adopt_model_edits()
         self._adopt_edited_params()
         return {
             "policy": str(self.policy),

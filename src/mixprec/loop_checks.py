@@ -2,14 +2,19 @@
 
 Each check is cheap (Python loops over the parameters, no host sync) and speaks once:
 
-* **foreign gradients**: at a boundary's first ``backward()``, gradients already on the engine's
-  parameters were produced by someone else (another engine's backward through this model, as a GAN's
-  generator step leaves on the discriminator, or a ``loss.backward()`` called directly). They are
-  discarded, as ``optimizer.zero_grad()`` before the step would (torch.amp's recipe zeroes at the top of
-  each step), with a one-time warning and an event.
-* **gradients gone before the step**: fewer gradients at ``step()`` than the last ``backward()`` left
-  means ``optimizer.zero_grad()``/``model.zero_grad()`` ran in between: RuntimeError (the step would
-  apply part of the gradient).
+* **foreign gradients**: gradients on the engine's parameters that its own ``backward()`` did not
+  leave there (another engine's backward through this model, as a GAN's generator step leaves on the
+  discriminator, or a ``loss.backward()`` called directly). Each ``backward()`` and ``step()`` compares
+  the gradients with what its last ``backward()`` left (tensor and version counter): gradients on params
+  it left without one are discarded, as ``optimizer.zero_grad()`` would (torch.amp's recipe zeroes at
+  the top of each step), with a one-time warning and an event; at a boundary's first ``backward()``
+  every gradient is foreign. Its own gradients that were *added to* between micro-batches (another
+  engine's backward mid-accumulation, or an in-place edit) cannot be separated: RuntimeError naming the
+  params and fixes; changed between the last ``backward()`` and ``step()`` (an in-place edit is a known
+  practice there): one warning and an event.
+* **gradients gone before the step**: a gradient the last ``backward()`` left is None at ``step()``:
+  ``optimizer.zero_grad()``/``model.zero_grad()`` ran in between: RuntimeError (the step would apply
+  part of the gradient).
 * **a direct ``optimizer.step()``** between ``backward()`` and ``step()`` would apply scaled,
   unclipped gradients: RuntimeError from an optimizer step pre-hook.
 * **missing gradients**: trainable parameters that got no gradient at a boundary are named once.
@@ -75,7 +80,7 @@ class LoopChecks:
     def __init__(self, owner: Any, on_forward: Any) -> None:
         self.owner, self.on_forward = owner, on_forward
         self.applying = False          # True while the engine itself steps the optimizer
-        self.grads_after_backward = 0
+        self.marks: dict[int, tuple[int, int]] = {}
         self.reported_missing: set[int] = set()
         self.spoken: set[str] = set()
         self._handles: list[Any] = []
@@ -114,39 +119,48 @@ class LoopChecks:
                                "call; mp.step() steps the optimizer (and skips the step when it must)")
 
     # ---------------------------------------------------------------- the step
-    def before_first_backward(self) -> None:
-        """Discard gradients on the engine's params that its own backward did not produce."""
+    def _tensors(self) -> list[torch.Tensor]:
         mp = self.owner
         stepped = [t for g in mp.optimizer.param_groups for t in g["params"]]
-        held = [t for t in [*mp.masters.params, *stepped] if t.grad is not None]
-        if not held:
-            return
-        names = self._names(held)
-        for t in held:
-            t.grad = None
-        self._once("foreign-grads", "foreign-gradients",
-                   f"gradients on {len(names)} parameter(s) of this engine ({', '.join(names[:4])}"
-                   f"{', ...' if len(names) > 4 else ''}) were there before its first backward() of the step: "
-                   "another engine's backward() through this model (a GAN's generator step reaches the "
-                   "discriminator), or a loss.backward() called directly. They were discarded, as "
-                   "optimizer.zero_grad() at the top of the step would; this engine's step uses only the "
-                   "gradients of its own backward() calls")
+        return list({id(t): t for t in [*mp.masters.params, *stepped]}.values())
 
-    def after_backward(self, n_grads: int) -> None:
-        self.grads_after_backward = n_grads
+    def before_backward(self, first: bool) -> None:
+        """Before each of the engine's ``backward()`` calls: at a boundary's first (``first``), discard every
+        gradient on its params (none is its own); later, discard gradients on params it left without one,
+        and refuse gradients it produced that changed since (another engine's backward added to them)."""
+        foreign, changed = self._foreign(everything=first)
+        self._discard(foreign)
+        if changed:
+            self._refuse_changed(changed, "before the next micro-batch's backward()")
 
-    def at_boundary(self, grads: list[torch.Tensor]) -> list[torch.Tensor]:
-        """``grads``, after raising if gradients vanished since the last backward(), and naming (once) the
-        trainable params that have none."""
+    def after_backward(self) -> None:
+        """Remember each gradient this engine's backward left: the tensor and its version counter."""
+        self.marks = {id(t): (id(t.grad), getattr(t.grad, "_version", 0)) for t in self._tensors() if t.grad is not None}
+
+    def at_boundary(self) -> list[torch.Tensor]:
+        """The engine's gradients (``mp.gradients()``), after discarding foreign ones, raising if some it
+        produced were zeroed or changed since its last backward(), and naming (once) the trainable params
+        that have none."""
         mp = self.owner
-        if len(grads) < self.grads_after_backward:
-            lost, self.grads_after_backward = self.grads_after_backward - len(grads), 0
-            raise RuntimeError(f"{lost} gradient(s) that mp.backward() produced are gone at mp.step(): "
-                               "optimizer.zero_grad() or model.zero_grad() ran between them. The engine zeroes "
-                               "gradients itself after every step; remove that call")
-        self.grads_after_backward = 0
-        missing = [t for g in mp.optimizer.param_groups for t in g["params"]
-                   if t.requires_grad and t.grad is None and id(t) not in self.reported_missing]
+        foreign, changed = self._foreign(everything=False)
+        self._discard(foreign)
+        zeroed = [t for t in self._tensors() if id(t) in self.marks and t.grad is None]
+        self.marks = {}
+        if zeroed:
+            raise RuntimeError(f"the gradients of {self._names(zeroed)[:4]} that mp.backward() produced are gone at "
+                               "mp.step(): optimizer.zero_grad() or model.zero_grad() ran between them. The engine "
+                               "zeroes gradients itself after every step; remove that call")
+        if changed:   # an in-place edit between backward() and step() is a known practice: said, not refused
+            self._once("changed-grads", "changed-gradients",
+                       f"the gradients of {self._names(changed)[:4]} changed between mp.backward() and mp.step() "
+                       "outside this engine's backward(): edited in place (they are still multiplied by the loss "
+                       "scale there), or another engine's backward() through this model added its gradients, "
+                       "which this step now includes. Kept as they are; to keep another engine's backward off "
+                       "these parameters, step this engine first or pass other_mp.backward(loss, inputs=...)")
+        grads = mp.gradients()
+        frozen_masters = {id(m) for p, m in mp.masters.pairs if not p.requires_grad}   # frozen by hand since
+        missing = [t for g in mp.optimizer.param_groups for t in g["params"] if t.requires_grad and t.grad is None
+                   and id(t) not in self.reported_missing and id(t) not in frozen_masters]
         if not missing:
             return grads
         self.reported_missing.update(id(t) for t in missing)   # named once (ids: no name walk per step)
@@ -159,6 +173,39 @@ class LoopChecks:
         self._event("missing-gradients", detail)
         warnings.warn(f"mixprec: {detail}", stacklevel=4)
         return grads
+
+    def _foreign(self, *, everything: bool) -> tuple[list[torch.Tensor], list[torch.Tensor]]:
+        """(gradients this engine did not produce, its own gradients changed since) on its params."""
+        marks = {} if everything else self.marks
+        held = [t for t in self._tensors() if t.grad is not None]
+        foreign = [t for t in held if id(t) not in marks]
+        changed = [t for t in held if id(t) in marks and marks[id(t)] != (id(t.grad), getattr(t.grad, "_version", 0))]
+        return foreign, changed
+
+    def _discard(self, foreign: list[torch.Tensor]) -> None:
+        if not foreign:
+            return
+        names = self._names(foreign)
+        for t in foreign:
+            t.grad = None
+        self._once("foreign-grads", "foreign-gradients",
+                   f"gradients on {len(names)} parameter(s) of this engine ({', '.join(names[:4])}"
+                   f"{', ...' if len(names) > 4 else ''}) were not produced by its backward(): another engine's "
+                   "backward() through this model (a GAN's generator step reaches the discriminator), or a "
+                   "loss.backward() called directly. They were discarded, as optimizer.zero_grad() at the top of "
+                   "the step would; this engine's step uses only the gradients of its own backward() calls. To keep "
+                   "them off (and save the work), pass the other engine's params: "
+                   "other_mp.backward(loss, inputs=list(other_model.parameters()))")
+
+    def _refuse_changed(self, changed: list[torch.Tensor], where: str) -> None:
+        self.marks = {}
+        raise RuntimeError(
+            f"the gradients of {self._names(changed)[:4]} changed {where} outside this engine's backward(): another "
+            "engine's backward() through this model added to them mid-accumulation (a GAN generator's backward "
+            "between two of the discriminator's micro-batches), or they were edited in place. The two cannot be "
+            "told apart, so the step would be wrong. Step this engine's boundary before the other's backward(), or "
+            "keep the other backward off these parameters: other_mp.backward(loss, inputs=list(other_model."
+            "parameters())), or detach this model's output where the other loss uses it")
 
     def check_cast(self, batch: Any, dtype: torch.dtype, keep: tuple) -> None:
         """Warn once when ``cast_inputs`` rounds a float field that may be a target to a 16-bit ``dtype``."""

@@ -98,6 +98,8 @@ def reprepare(model: nn.Module, optimizer: torch.optim.Optimizer, masters: Maste
              for p, t_old, t_new in zip(params, old_stepped, new_masters.masters)]
     carried = sum(1 for (t_old, t_new) in moves if t_new is not None and optimizer.state.get(t_old))
     contract.move_state(optimizer, moves, new)
+    if not new.has_masters:   # Kahan: the compensation restarts with what this cast lost, not at zero
+        contract.start_compensation(optimizer, new, [(p, v) for p, v in zip(params, values_fp32) if id(p) in plan.half])
     new_masters.record_versions()
     return Prepared(plan=plan, masters=new_masters, keep=keep, carried=carried)
 

@@ -125,8 +125,17 @@ def _listed(names: list[str]) -> str:
 
 def parametrized_ids(model: nn.Module) -> set[int]:
     """Ids of the params under ``model``'s parametrizations (``<module>.parametrizations.*``: the
-    ``original*`` tensors and any parameter of a parametrization module), which every policy keeps fp32."""
-    return {id(q) for m in model.modules() if parametrize.is_parametrized(m) for q in m.parametrizations.parameters()}
+    ``original*`` tensors and any parameter of a parametrization module), and the ``<name>_orig`` of the
+    hook-based ``torch.nn.utils.spectral_norm`` (its power iteration mixes it with fp32 buffers), which
+    every policy keeps fp32."""
+    from torch.nn.utils.spectral_norm import SpectralNorm   # the older hook API: ``<name>_orig`` + fp32 ``_u``/``_v``
+
+    ids = {id(q) for m in model.modules() if parametrize.is_parametrized(m) for q in m.parametrizations.parameters()}
+    for m in model.modules():
+        for hook in m._forward_pre_hooks.values():
+            if isinstance(hook, SpectralNorm) and isinstance(getattr(m, hook.name + "_orig", None), nn.Parameter):
+                ids.add(id(getattr(m, hook.name + "_orig")))
+    return ids
 
 
 def sparse_grad_ids(model: nn.Module) -> set[int]:

@@ -128,7 +128,7 @@ def train_step(mp: MixedPrecision, workload: Workload, batch: dict,
 
     Returns the detached loss (a device tensor: no sync here) and the step's result.
     """
-    batch = mp.cast_inputs(batch)
+    batch = mp.cast_inputs(batch, keep=workload.keep_fp32_inputs)
     with mp.autocast():
         loss = workload.loss(mp.model, batch)
     mp.backward(loss)
@@ -140,7 +140,8 @@ def train_step(mp: MixedPrecision, workload: Workload, batch: dict,
 def evaluate(mp: MixedPrecision, workload: Workload) -> dict[str, float]:
     """``workload.evaluate`` on its fixed validation batches under the policy's autocast (one sync)."""
     with mp.autocast():
-        return workload.evaluate(mp.model, (mp.cast_inputs(b) for b in workload.batches("val")))
+        return workload.evaluate(mp.model, (mp.cast_inputs(b, keep=workload.keep_fp32_inputs)
+                                             for b in workload.batches("val")))
 
 
 def _finite_or_none(x: float) -> float | None:

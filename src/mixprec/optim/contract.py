@@ -22,7 +22,7 @@ import torch
 
 from mixprec.policy import Policy
 
-__all__ = ["PrecisionAware", "check", "configure", "compensation", "move_state"]
+__all__ = ["PrecisionAware", "check", "configure", "compensation", "move_state", "start_compensation"]
 
 # stepped tensors a stock optimizer handles as it would in an fp32 run: complex64 is two fp32 numbers
 # (torch.optim steps it on its fp32 real view), complex128 more; complex32 is 16-bit and is not here
@@ -45,6 +45,8 @@ class PrecisionAware(Protocol):
 
     def move_state(self, moves: list[tuple[torch.Tensor, torch.Tensor | None]], *, rounding: str,
                    state_dtype: torch.dtype) -> None: ...
+
+    def start_compensation(self, residuals: list[tuple[torch.Tensor, torch.Tensor]]) -> None: ...
 
 
 def check(opt: torch.optim.Optimizer, policy: Policy, stepped_dtypes: set[torch.dtype]) -> None:
@@ -83,6 +85,15 @@ def configure(opt: torch.optim.Optimizer, policy: Policy) -> None:
 def compensation(opt: torch.optim.Optimizer, p: torch.Tensor) -> torch.Tensor | None:
     """What Kahan rounding owes ``p`` (``p``'s dtype and shape), or None."""
     return opt.compensation(p) if isinstance(opt, PrecisionAware) else None
+
+
+def start_compensation(opt: torch.optim.Optimizer, policy: Policy, values_fp32: list[tuple[torch.Tensor, torch.Tensor]]
+                       ) -> None:
+    """Under a Kahan ``policy``, start each 16-bit param's compensation at what storing it lost: for
+    ``(p, value_fp32)`` pairs (``p`` just cast from its fp32 value), ``value_fp32 - p`` — so ``p`` plus its
+    compensation is the fp32 value from step 0, not the rounded one. No-op otherwise. No host sync."""
+    if policy.rounding == "kahan" and isinstance(opt, PrecisionAware):
+        opt.start_compensation([(p, v - p.detach().float()) for p, v in values_fp32 if p.dtype in (torch.float16, torch.bfloat16)])
 
 
 def move_state(opt: torch.optim.Optimizer, moves: list[tuple[torch.Tensor, torch.Tensor | None]],

@@ -282,6 +282,12 @@ class PrecisionOptimizer(torch.optim.Optimizer):
         if not self.precision_explicit:
             self.rounding, self.state_dtype = rounding, state_dtype
 
+    def start_compensation(self, residuals: list[tuple[torch.Tensor, torch.Tensor]]) -> None:
+        """Set the Kahan compensation of each 16-bit ``p`` to ``residual`` (fp32, what rounding ``p`` to its
+        dtype lost), stored in ``p``'s dtype (:func:`mixprec.optim.contract.start_compensation`). No sync."""
+        for p, residual in residuals:
+            self.state[p]["kahan_comp"] = residual.to(p.dtype)
+
     # ---------------------------------------------------------------- state helpers
     def _state(self, p: torch.Tensor, *, zeros: tuple[str, ...] = ()) -> dict[str, Any]:
         """``self.state[p]`` with ``step``, the ``zeros`` moments and (if needed) ``kahan_comp``."""

@@ -118,7 +118,9 @@ class Workload(abc.ABC):
       ``B * T`` ``"tokens"`` or ``B`` ``"samples"``;
     - ``optim``: the :class:`OptimizerConfig` used by the default recipe hooks;
     - ``default_steps`` (optional, default 300): optimizer steps ``mixprec bench`` runs per
-      policy when ``--steps`` is not given.
+      policy when ``--steps`` is not given;
+    - ``keep_fp32_inputs`` (optional, default none): batch keys that ``mp.cast_inputs`` moves to the
+      device but does not cast (a float regression target, which a ``-pure`` policy would round).
 
     Contract: ``build_model`` returns an fp32 module whose initial weights depend only on
     ``torch``'s global seed, set by the caller; ``batches("train", seed)`` is an endless,
@@ -132,6 +134,7 @@ class Workload(abc.ABC):
     item_unit: str
     optim: OptimizerConfig = OptimizerConfig()
     default_steps: int = 300
+    keep_fp32_inputs: tuple[str, ...] = ()
 
     @property
     def max_grad_norm(self) -> float | None:
