@@ -513,3 +513,185 @@ def test_reentrant_checkpointing_with_a_frozen_input_names_the_adapters_it_cut_o
             assert torch.equal(model.adapter.weight, before)
         else:
             assert said == [] and not torch.equal(model.adapter.weight, before)
+
+
+# ---------------------------------------------------------------- found by trying to break it
+def test_another_engines_gradients_added_mid_accumulation_are_refused():
+    """D accumulates two micro-batches; G's backward between them adds to D's own gradients."""
+    G, D = _mlp(4, 3, seed=0), _mlp(3, 1, seed=1)
+    mp_g, mp_d = _engine(G, "fp32"), _engine(D, "fp32", accumulation_steps=2)
+    real, z = _gan_data(1)[0]
+    mp_d.backward(_gan_losses(mp_g.model, mp_d.model, real, z, "d"))
+    assert mp_d.step() is None
+    mp_g.backward(_gan_losses(mp_g.model, mp_d.model, real, z, "g"))   # reaches D's params
+    mp_g.step()
+    with pytest.raises(RuntimeError, match=r"changed before the next micro-batch's backward\(\) .*inputs="):
+        mp_d.backward(_gan_losses(mp_g.model, mp_d.model, real, z, "d"))
+    # with inputs= the generator's backward stays off D: D's accumulation stays its own, and nothing is said
+    G2, D2 = _mlp(4, 3, seed=0), _mlp(3, 1, seed=1)
+    mp_g, mp_d = _engine(G2, "fp32"), _engine(D2, "fp32", accumulation_steps=2)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        for micro in range(2):
+            mp_d.backward(_gan_losses(mp_g.model, mp_d.model, real, z, "d"))
+            d_grads = [p.grad.clone() for p in D2.parameters()]
+            result = mp_d.step()
+            mp_g.backward(_gan_losses(mp_g.model, mp_d.model, real, z, "g"), inputs=list(G2.parameters()))
+            if micro == 0:
+                assert all(torch.equal(p.grad, g) for p, g in zip(D2.parameters(), d_grads))
+            mp_g.step()
+    assert result.applied
+
+
+def test_gradients_changed_between_backward_and_step_are_said_once():
+    model = _mlp(4, 1, seed=20)
+    mp = _engine(model, "fp32")
+    x = torch.randn(3, 4)
+    for i in range(2):
+        mp.backward(mp.model(x).sum())
+        with torch.no_grad():
+            model[0].weight.grad.mul_(0.5)        # an in-place edit: a known practice, kept
+        with warnings.catch_warnings(record=True) as w:
+            warnings.simplefilter("always")
+            assert mp.step().applied
+        assert len([x for x in w if "changed between mp.backward() and mp.step()" in str(x.message)]) == (i == 0)
+    assert [e["kind"] for e in mp.events] == ["changed-gradients"]
+
+
+def test_the_documented_penalty_recipe_recovers_from_the_first_fp16_overflow():
+    """Scaled by 2**16, the gradient of out.sum() exceeds fp16's max (65504): g is inf and the loss NaN.
+    That is an overflow of the penalty's own backward: the scale must back off, not stop the run."""
+    torch.manual_seed(21)
+    model = nn.Sequential(nn.Linear(16, 32), nn.Tanh(), nn.Linear(32, 1))
+    mp = MixedPrecision(model, torch.optim.SGD(model.parameters(), lr=1e-3), policy="fp16-mixed", device="cpu")
+    g_data = torch.Generator().manual_seed(22)
+    results = []
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        for _ in range(6):
+            x, y = torch.randn(8, 16, generator=g_data).requires_grad_(True), torch.randn(8, 1, generator=g_data)
+            with mp.autocast():
+                out = mp.model(x)
+            (g,) = mp.unscale(torch.autograd.grad(mp.scale_loss(out.sum()), x, create_graph=True))
+            with mp.autocast():
+                loss = F.mse_loss(out.float(), y) + 0.1 * ((g.norm(dim=1) - 1) ** 2).mean()
+            mp.backward(loss)
+            results.append(mp.step())
+    assert results[0].skipped_reason == "overflow" and results[0].loss_scale == 2.0 ** 16
+    assert float(mp.loss_scale.scale) < 2.0 ** 16 and results[-1].applied
+
+
+def test_kahan_compensation_starts_with_the_residual_and_survives_a_re_prepare():
+    torch.manual_seed(23)
+    model = nn.Sequential(nn.Linear(6, 6), nn.Tanh(), nn.Linear(6, 1))
+    w_fp32 = {n: p.detach().clone() for n, p in model.named_parameters()}
+    import mixprec
+    mp = MixedPrecision(model, mixprec.optim.AdamW(model.parameters(), lr=1e-3), policy="bf16-kahan", device="cpu")
+    export = mp.trainable_state_dict()   # param + compensation, before any step
+    for n, w in w_fp32.items():
+        residual = w - w.to(torch.bfloat16).float()
+        assert bool(((export[n] - w).abs() <= residual.abs() * 2.0 ** -8).all())   # the residual's bf16 rounding
+        assert not torch.equal(export[n], w.to(torch.bfloat16).float()) or torch.equal(residual, torch.zeros_like(w))
+    x = torch.randn(4, 6)
+    for _ in range(3):
+        mp.backward(mp.model(mp.cast_inputs(x)).float().pow(2).mean())
+        mp.step()
+    before = mp.trainable_state_dict()
+    mp.set_policy(mp.policy)   # a no-op re-prepare (as a model edit or unfreeze runs): the values stay
+    after = mp.trainable_state_dict()
+    for n in before:
+        assert bool(((after[n] - before[n]).abs() <= (before[n] - before[n].to(torch.bfloat16).float()).abs()
+                     * 2.0 ** -8).all())
+
+
+def test_an_edit_then_save_then_load_into_an_engine_built_on_the_edited_model(tmp_path):
+    import mixprec
+    torch.manual_seed(24)
+    model = nn.Sequential(nn.Linear(4, 8), nn.Tanh(), nn.Linear(8, 2))
+    mp = MixedPrecision(model, torch.optim.AdamW(model.parameters(), lr=1e-2), policy="bf16-pure", device="cpu")
+    x = torch.randn(3, 4)
+    mp.backward(mp.model(mp.cast_inputs(x)).float().sum())
+    mp.step()
+    model[2] = nn.Linear(8, 3)
+    with pytest.warns(UserWarning, match="edited after MixedPrecision was built"):
+        mixprec.save_checkpoint(tmp_path, mp)   # the edit is adopted first
+    torch.manual_seed(24)
+    fresh = nn.Sequential(nn.Linear(4, 8), nn.Tanh(), nn.Linear(8, 3))
+    mp2 = MixedPrecision(fresh, torch.optim.AdamW(fresh.parameters(), lr=1e-2), policy="bf16-pure", device="cpu")
+    mixprec.load_checkpoint(tmp_path, mp2)
+    for a, b in zip(mp.master_parameters(), mp2.master_parameters()):
+        assert torch.equal(a, b)
+
+
+def test_a_guard_rollback_after_a_model_edit_rolls_back_to_the_new_layout():
+    import mixprec
+    torch.manual_seed(25)
+    model = nn.Sequential(nn.Linear(4, 8), nn.Tanh(), nn.Linear(8, 2))
+    mp = MixedPrecision(model, torch.optim.SGD(model.parameters(), lr=1e-2), policy="bf16-pure", device="cpu",
+                        guard=mixprec.Guard(snapshot_every=50))
+    x = torch.randn(3, 4)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        for _ in range(3):
+            mp.backward(mp.model(mp.cast_inputs(x)).float().sum())
+            mp.step()
+        model[2] = nn.Linear(8, 3)
+        mp.backward(mp.model(mp.cast_inputs(x)).float().sum())
+        mp.step()
+        kept = [p.detach().clone() for p in model.parameters()]
+        mp.backward(mp.model(mp.cast_inputs(x)).float().sum() * float("nan"))
+        result = mp.step()
+    assert not result.applied and model[2].weight.shape == (3, 8)
+    assert all(a.shape == b.shape for a, b in zip(kept, model.parameters()))
+
+
+def test_fp8_edit_closure_optimizer_and_shared_params_are_refused_by_name():
+    torch.manual_seed(26)
+    net = nn.Sequential(nn.Linear(32, 32), nn.ReLU(), nn.Linear(32, 32), nn.ReLU(), nn.Linear(32, 4))
+    mp = MixedPrecision(net, torch.optim.AdamW(net.parameters()), policy="fp8-mixed", device="cpu")
+    net[2] = nn.Linear(32, 32)   # would run in bf16 while the fp8 report says fp8
+    with pytest.raises(RuntimeError, match=r"under an fp8 policy"):
+        with mp.autocast():
+            mp.model(torch.randn(2, 32))
+    model = nn.Linear(3, 1)
+    with pytest.raises(TypeError, match=r"optimizer=LBFGS needs a closure"):
+        MixedPrecision(model, torch.optim.LBFGS(model.parameters()), policy="bf16-mixed", device="cpu")
+    trunk = nn.Linear(4, 4)
+    actor, critic = nn.Sequential(trunk, nn.Linear(4, 2)), nn.Sequential(trunk, nn.Linear(4, 1))
+    mp_a = MixedPrecision(actor, torch.optim.SGD(actor.parameters(), lr=0.1), policy="bf16-pure", device="cpu")
+    with pytest.raises(ValueError, match=r"\['0.weight', '0.bias'\] are already stored in 16 bits by another"):
+        MixedPrecision(critic, torch.optim.SGD(critic.parameters(), lr=0.1), policy="bf16-pure", device="cpu")
+    mp_a.unwrap(to_fp32=True)   # released: a new engine may take them
+    MixedPrecision(critic, torch.optim.SGD(critic.parameters(), lr=0.1), policy="bf16-pure", device="cpu")
+
+
+@pytest.mark.parametrize("policy", ["bf16-pure", "fp16-pure", "bf16-kahan"])
+def test_hook_based_spectral_norm_trains_under_pure_policies(policy):
+    import mixprec
+    torch.manual_seed(27)
+    model = nn.Sequential(torch.nn.utils.spectral_norm(nn.Linear(4, 4)), nn.Tanh(), nn.Linear(4, 1))
+    opt = (mixprec.optim.AdamW if "kahan" in policy else torch.optim.AdamW)(model.parameters(), lr=1e-2)
+    mp = MixedPrecision(model, opt, policy=policy, device="cpu", loss_scale=SCALE if "fp16" in policy else None)
+    assert model[0].weight_orig.dtype == torch.float32
+    before = model[0].weight_orig.detach().clone()
+    x = torch.randn(3, 4)
+    for _ in range(3):
+        with mp.autocast():
+            loss = mp.model(mp.cast_inputs(x)).float().pow(2).mean()
+        mp.backward(loss)
+        assert mp.step().applied
+    assert not torch.equal(model[0].weight_orig, before)
+
+
+def test_a_layer_frozen_after_build_is_not_reported_missing():
+    model = _mlp(4, 1, seed=28)
+    mp = _engine(model, "bf16-pure")
+    x = torch.randn(3, 4)
+    mp.backward(mp.model(mp.cast_inputs(x)).float().sum())
+    mp.step()
+    model[0].requires_grad_(False)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        with mp.autocast():
+            mp.backward(mp.model(mp.cast_inputs(x)).float().sum())
+        mp.step()

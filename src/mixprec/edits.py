@@ -170,9 +170,9 @@ def adopt_model_edits(mp: Any, layout: ModelLayout | None, frozen: Any) -> None:
     event = mp.set_policy(mp.policy, cause=f"model edited after build: {edit.text()}")
     event["kind"] = "model-edit"
     event["detail"] = f"{edit.text()}; {event['detail']}"
+    layout.record()
     if mp.guard is not None and hasattr(mp.guard, "take_snapshot"):
         mp.guard.take_snapshot(mp)   # the old snapshot holds the old layout: no rollback into it
-    layout.record()
     masters = ", with fresh fp32 masters from their values" if mp.policy.has_masters else ""
     warnings.warn(f"mixprec: the model was edited after MixedPrecision was built ({edit.text()}); adopted: new "
                   f"parameters are stored as {mp.policy} says{masters}, without optimizer state", stacklevel=5)

@@ -31,7 +31,7 @@ from mixprec.divergence import DivergenceError, StopWhenStuck, stuck_if_skipped
 from mixprec.edits import ModelLayout, adopt_model_edits
 from mixprec.loop_checks import LoopChecks
 from mixprec.loss_scale import from_spec as loss_scale_from_spec
-from mixprec.masters import MasterWeights
+from mixprec.masters import MasterWeights, claim, release
 from mixprec.optim import contract
 from mixprec.policy import Policy, cast_floating
 from mixprec.regions import Regions, keep_fp32_modules
@@ -247,6 +247,7 @@ class MixedPrecision:
                                                 if id(p) not in plan.frozen16})
         contract.configure(optimizer, self.policy)
         contract.start_compensation(optimizer, self.policy, kahan_from)
+        claim(self, list(model.named_parameters()), set(plan.half))
         self._regions.install(model, self.policy, self.device.type, keep, set(plan.frozen16))
         self.model = self._compile.apply(self._strategy.after_casts(model, self.policy, self.device))
         self.masters.record_versions()   # DDP's broadcast of rank 0's params is not a user edit
@@ -518,6 +519,7 @@ class MixedPrecision:
                     p.data = value_fp32
         self._regions.remove()
         self._checks.remove()
+        release(self)
         self._unwrapped = True
         return self.module
 

@@ -10,13 +10,47 @@ masters are rounded to nearest into the 16-bit parameters.
 
 from __future__ import annotations
 
+import weakref
 from collections.abc import Callable
 from typing import Any
 
 import torch
 from torch import nn
 
-__all__ = ["MasterWeights"]
+__all__ = ["MasterWeights", "claim", "release"]
+
+_holders: dict[int, tuple[Any, Any]] = {}   # id(param) -> (weakref to it, weakref to the engine storing it in 16 bits)
+
+
+def claim(owner: Any, named: list[tuple[str, nn.Parameter]], stored16: set[int]) -> None:
+    """Record that ``owner`` (an engine) stores the params ``stored16`` (ids) of ``named`` in 16 bits.
+
+    Raises:
+        ValueError: one is already stored in 16 bits by another live engine (two engines sharing a
+            parameter would each keep their own fp32 master and overwrite each other's writes).
+    """
+    shared = []
+    for n, p in named:
+        held = _holders.get(id(p))
+        if id(p) in stored16 and held is not None and held[0]() is p and held[1]() not in (None, owner):
+            shared.append(n)
+    if shared:
+        raise ValueError(f"parameter(s) {shared[:4]} are already stored in 16 bits by another MixedPrecision "
+                         "engine: two engines sharing a parameter would each keep their own fp32 master (or Kahan "
+                         "compensation) and overwrite each other's writes. Build one engine over one optimizer "
+                         "holding both models' params (param groups for different settings), use a '-mixed' "
+                         "policy (fp32 params, nothing to keep apart), or call other_mp.unwrap() first")
+    ref = weakref.ref(owner)
+    for _, p in named:
+        if id(p) in stored16:
+            _holders[id(p)] = (weakref.ref(p), ref)
+
+
+def release(owner: Any) -> None:
+    """Forget what ``owner`` claimed (:meth:`mixprec.MixedPrecision.unwrap`), and entries of dead objects."""
+    for key, (p_ref, o_ref) in list(_holders.items()):
+        if o_ref() in (None, owner) or p_ref() is None:
+            del _holders[key]
 
 
 class MasterWeights:
