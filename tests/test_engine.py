@@ -713,9 +713,12 @@ def test_case06_any_epoch_scheduler_steps_only_on_applied_steps_without_warnings
 
 # ---------------------------------------------------------------- case 7: 16-bit parameters and scaling
 def test_case07_half_models_are_refused_or_get_fp32_masters():
+    # under a '-mixed' policy the trainable fp16 params are stored in fp32 (the policy's param dtype),
+    # named in the decision: the fp32 copy is stepped, autocast computes in fp16, scaling works
     whole = nn.Linear(4, 1).half()
-    with pytest.raises(ValueError, match=r"already holds weight \(float16\), bias \(float16\).*model\.float\(\)"):
-        MixedPrecision(whole, torch.optim.SGD(whole.parameters(), lr=0.1), policy="fp16-mixed", device="cpu")
+    mp16 = MixedPrecision(whole, torch.optim.SGD(whole.parameters(), lr=0.1), policy="fp16-mixed", device="cpu")
+    assert whole.weight.dtype == FP32 and "2 trainable 16-bit param(s) stored in fp32, as fp16-mixed trains them (weight, bias)" in mp16.decision
+    assert _one_step(mp16, torch.randn(2, 4) * 0.01, lambda out: out.float().mean() * 0.1).applied
     stray = nn.Sequential(nn.Linear(4, 4), nn.Linear(4, 1))
     stray[1].to(BF16)
     with pytest.raises(ValueError, match=r"1\.weight \(bfloat16\), 1\.bias \(bfloat16\)"):
@@ -729,10 +732,10 @@ def test_case07_half_models_are_refused_or_get_fp32_masters():
     assert model.weight.dtype == FP16 and master_w.dtype == FP32 and master_w.grad is None
     assert torch.equal(model.weight, master_w.to(FP16)) and torch.equal(model.bias, master_b.to(FP16))
     stray_fp16 = nn.Sequential(nn.Linear(4, 4), nn.Linear(4, 1))
-    stray_fp16[1].half()
-    with pytest.raises(ValueError, match=r"1\.weight \(float16\), 1\.bias \(float16\).*model\.float\(\)"):
-        MixedPrecision(stray_fp16, torch.optim.SGD(stray_fp16.parameters(), lr=0.1), policy="fp16-mixed",
-                       device="cpu")
+    stray_fp16[1].half()   # one layer accidentally cast: detected at build, stored in fp32, named
+    mp_stray = MixedPrecision(stray_fp16, torch.optim.SGD(stray_fp16.parameters(), lr=0.1), policy="fp16-mixed",
+                              device="cpu")
+    assert stray_fp16[1].weight.dtype == FP32 and "(1.weight, 1.bias)" in mp_stray.decision
 
 
 # ---------------------------------------------------------------- case 8: no scaling under bf16
@@ -904,3 +907,19 @@ def test_load_state_dict_of_a_run_that_unfroze_params_under_masters_is_exact():
     _one_step(mp, x), _one_step(resumed, x)
     for (_, a), (_, b) in zip(mp.masters.pairs, resumed.masters.pairs):
         assert torch.equal(a, b)
+
+
+def test_trainable_16_bit_params_under_mixed_are_stored_in_fp32_and_recorded():
+    """LoRA adapters cast with their bf16 base before wrapping (peft's get_peft_model upcasts them)."""
+    torch.manual_seed(0)
+    base, adapter = nn.Linear(8, 8), nn.Linear(8, 8)
+    model = nn.Sequential(base, adapter).to(torch.bfloat16)
+    base.requires_grad_(False)
+    values = adapter.weight.detach().float().clone()
+    mp = MixedPrecision(model, torch.optim.AdamW(adapter.parameters(), lr=1e-2), policy="bf16-mixed", device="cpu")
+    assert adapter.weight.dtype == torch.float32 and torch.equal(adapter.weight, values)   # exact upcast
+    assert base.weight.dtype == torch.bfloat16
+    assert "2 trainable 16-bit param(s) stored in fp32" in mp.decision and "1.weight" in mp.decision
+    with mp.autocast():
+        mp.backward(mp.model(torch.randn(2, 8)).float().sum())
+    assert mp.step().applied and adapter.weight.dtype == torch.float32

@@ -407,3 +407,58 @@ def test_case15_unused_rows_keep_their_weights_under_fp16_pure_with_stock_adam()
         p.grad = torch.zeros_like(p)
         adam.step()
         assert p.tolist() == [1.0, -2.0, 0.5] and adam.state[p]["exp_avg_sq"].dtype == state_dtype
+
+
+# ---------------------------------------------------------------- Kahan keeps its residual
+def _kahan_net(seed=30):
+    torch.manual_seed(seed)
+    return nn.Sequential(nn.Linear(6, 12), nn.Tanh(), nn.Linear(12, 1))
+
+
+def _within_residual_rounding(got, want):
+    """``got`` (stored bf16 + bf16 compensation) equals the fp32 ``want`` up to the compensation's own
+    bf16 rounding: at most 2**-8 of what the cast lost, ``|want - bf16(want)|``."""
+    lost = (want - want.to(torch.bfloat16).float()).abs()
+    return bool(((got - want).abs() <= lost * 2.0 ** -8).all())
+
+
+def test_kahan_export_at_build_is_the_fp32_weights_not_their_bf16_rounding():
+    model = _kahan_net()
+    w_fp32 = {n: p.detach().clone() for n, p in model.named_parameters()}
+    mp = MixedPrecision(model, mo.AdamW(model.parameters(), lr=1e-3), policy="bf16-kahan", device="cpu")
+    export = mp.trainable_state_dict()
+    for n, w in w_fp32.items():
+        assert _within_residual_rounding(export[n], w)
+        rounded_error = (w.to(torch.bfloat16).float() - w).abs().max()
+        assert (export[n] - w).abs().max() < rounded_error / 100   # round-to-nearest alone is 100x further off
+    fp32 = mp.unwrap(to_fp32=True)
+    for n, p in fp32.named_parameters():
+        assert p.dtype == torch.float32 and _within_residual_rounding(p.detach(), w_fp32[n])
+
+
+def test_kahan_residual_survives_a_convert_from_fp32_and_a_guard_rollback(tmp_path):
+    x = torch.randn(8, 6, generator=torch.Generator().manual_seed(31))
+    model = _kahan_net()
+    mp32 = MixedPrecision(model, mo.AdamW(model.parameters(), lr=1e-2), policy="fp32", device="cpu")
+    for _ in range(2):
+        mp32.backward(mp32.model(x).pow(2).mean())
+        mp32.step()
+    saved = {n: p.detach().clone() for n, p in model.named_parameters()}
+    mixprec.save_checkpoint(tmp_path, mp32)
+    target = _kahan_net(seed=99)
+    mp = MixedPrecision(target, mo.AdamW(target.parameters(), lr=1e-2), policy="bf16-kahan", device="cpu",
+                        guard=mixprec.Guard(snapshot_every=1))
+    mixprec.load_checkpoint(tmp_path, mp, convert=True)
+    converted = mp.trainable_state_dict()
+    assert all(_within_residual_rounding(converted[n], w) for n, w in saved.items())
+    for _ in range(2):
+        mp.backward(mp.model(mp.cast_inputs(x)).float().pow(2).mean())
+        mp.step()
+    good = mp.trainable_state_dict()
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        mp.backward(mp.model(mp.cast_inputs(x)).float().pow(2).mean() * float("nan"))
+        result = mp.step()
+    assert result.rolled_back
+    after = mp.trainable_state_dict()
+    assert all(torch.equal(after[n], good[n]) for n in good)   # the compensation came back with the params

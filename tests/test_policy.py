@@ -103,3 +103,43 @@ def policies(draw):
 @given(policies())
 def test_text_round_trip(policy):
     assert Policy.parse(str(policy)) == policy
+
+
+@pytest.mark.parametrize("written", [
+    "fp16-mixed", "fp16-pure", "compute=fp16", "params=fp16,compute=fp16,master=fp32", "bf16-mixed,compute=fp16",
+    "fp32,compute=fp16,keep_fp32=0"])
+def test_every_way_of_writing_an_fp16_policy_scales_the_loss(written):
+    policy = Policy.parse(written)
+    assert policy.loss_scale == "dynamic" and policy.scaling_note() == ""
+    assert Policy.parse(str(policy)) == policy
+
+
+def test_fp16_policies_built_in_python_scale_and_explicit_none_is_recorded():
+    assert Policy(compute_dtype=torch.float16).loss_scale == "dynamic"
+    assert Policy(param_dtype=torch.float16, compute_dtype=torch.float16, master_dtype=torch.float32).loss_scale == "dynamic"
+    assert Policy.parse("fp32").replace(compute_dtype=torch.float16).loss_scale == "dynamic"
+    assert Policy().loss_scale == "none" and Policy(compute_dtype=torch.bfloat16).loss_scale == "none"
+    unscaled = Policy.parse("fp16-mixed,loss_scale=none")
+    assert unscaled.loss_scale == "none" and "fp16 without loss scaling" in unscaled.scaling_note()
+    from mixprec import MixedPrecision
+    model = torch.nn.Linear(4, 1)
+    mp = MixedPrecision(model, torch.optim.SGD(model.parameters(), lr=0.1), policy=unscaled, device="cpu")
+    assert "fp16 without loss scaling (loss_scale=none, as written)" in mp.decision
+
+
+def test_small_gradients_survive_under_a_key_written_fp16_policy():
+    """A loss of ~1e-9 x output: its fp16 gradients (~1e-9) are below fp16's smallest subnormal (6e-8)
+    unscaled; with the default dynamic scale (2**16) they survive (~6.6e-5, a normal fp16 number)."""
+    from mixprec import MixedPrecision
+    grads = {}
+    for written in ("compute=fp16", "compute=fp16,loss_scale=none"):
+        torch.manual_seed(0)
+        model = torch.nn.Sequential(torch.nn.Linear(8, 8), torch.nn.Linear(8, 1))
+        mp = MixedPrecision(model, torch.optim.SGD(model.parameters(), lr=0.1), policy=written, device="cpu")
+        with mp.autocast():
+            loss = mp.model(torch.randn(4, 8)).float().sum() * 1e-9
+        mp.backward(loss)
+        grads[written] = model[0].weight.grad.clone() / float(mp.loss_scale.scale)
+        mp.step()
+    assert (grads["compute=fp16"] != 0).float().mean() > 0.9
+    assert (grads["compute=fp16,loss_scale=none"] == 0).all()

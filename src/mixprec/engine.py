@@ -123,6 +123,8 @@ def _check_param_dtypes(model: nn.Module, policy: Policy) -> None:
                          "torch.complex64)) before building MixedPrecision: complex64 params are kept as they are")
     allowed = {torch.float32, policy.param_dtype}
     frozen_ok = allowed | {policy.compute_dtype}   # a frozen param may come in the compute dtype
+    if policy.param_dtype == torch.float32:        # fp32 params: trainable 16-bit ones are upcast (recorded)
+        allowed = allowed | {torch.bfloat16, torch.float16}
     wrong = [(n, p.dtype) for n, p in model.named_parameters()
              if p.is_floating_point() and p.dtype not in (allowed if p.requires_grad else frozen_ok)]
     wrong += [(n, b.dtype) for n, b in model.named_buffers()   # e.g. an fp16 mask under bf16
@@ -134,6 +136,17 @@ def _check_param_dtypes(model: nn.Module, policy: Policy) -> None:
                          f"itself, but the model already holds {names}{more} (a stray tensor in another dtype). "
                          "Fix: call model.float() before building MixedPrecision; the policy decides what is stored "
                          "in 16 bits (use a '-pure' policy for 16-bit params with fp32 masters)")
+
+
+def _upcast_note(model: nn.Module, policy: Policy) -> str:
+    """The decision's words on trainable 16-bit params a policy with fp32 params stores in fp32 (LoRA
+    adapters cast with their base before wrapping: peft's ``get_peft_model`` upcasts them too)."""
+    names = [n for n, p in model.named_parameters()
+             if p.requires_grad and p.dtype in (torch.bfloat16, torch.float16) and policy.param_dtype == torch.float32]
+    if not names:
+        return ""
+    return (f"; {len(names)} trainable 16-bit param(s) stored in fp32, as {policy} trains them "
+            f"({', '.join(names[:3])}{', ...' if len(names) > 3 else ''})")
 
 
 def _check_loss(loss: Any) -> None:
@@ -234,7 +247,8 @@ class MixedPrecision:
         self._frozen = FrozenSet(model)
         plan = plan_storage(model, self.policy, params, keep, self._frozen.ids(),
                             sharded=self._strategy.shards_params)
-        self.decision += note + plan.note() + self._compile.note(self.policy)
+        self.decision += (note + plan.note() + self._compile.note(self.policy) + self.policy.scaling_note()
+                          + _upcast_note(model, self.policy))
         self.masters = MasterWeights(params, set(plan.half) if self.policy.has_masters else set())
         self._frozen.store(plan)
         kahan_from = [(p, p.detach().float().clone()) for p in params if id(p) in plan.half and not self.policy.has_masters

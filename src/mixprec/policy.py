@@ -103,7 +103,12 @@ class Policy:
         rounding: how an fp32 update is written into 16-bit params without a master copy:
             ``"nearest"``, ``"kahan"`` (compensated summation) or ``"stochastic"`` (bf16 only).
         state_dtype: dtype of optimizer state (moments, momentum); fp32 by default.
-        loss_scale: ``"dynamic"``, ``"none"`` or a positive number (static scale).
+        loss_scale: ``"dynamic"``, ``"none"`` or a positive number (static scale). Default ``"auto"``:
+            ``"dynamic"`` when params or compute are fp16 (fp16 unscaled flushes small gradients to zero;
+            torch.amp's GradScaler recipe), else ``"none"``; resolved at construction, so the field always
+            holds one of the three. ``parse`` and :meth:`replace` re-resolve it when they change a dtype
+            and the text/call does not set it; an explicit ``"none"`` under fp16 is kept and
+            :meth:`scaling_note` says so in the engine's decision.
         keep_fp32: glob patterns of module qualified names that keep fp32 params and run
             with autocast disabled.
         fp8: ``None`` or an fp8 recipe name (``"tensorwise"``, ``"rowwise"``, ``"delayed"``)
@@ -124,13 +129,16 @@ class Policy:
     master_dtype: torch.dtype | None = None
     rounding: str = "nearest"
     state_dtype: torch.dtype = torch.float32
-    loss_scale: LossScaleSpec = "none"
+    loss_scale: LossScaleSpec = "auto"
     keep_fp32: tuple[str, ...] = ()
     fp8: str | None = None
     fp8_format: str = "hybrid"
     fp8_keep_ends: bool = True
 
     def __post_init__(self) -> None:
+        if isinstance(self.loss_scale, str) and self.loss_scale == "auto":
+            object.__setattr__(self, "loss_scale", "dynamic" if torch.float16 in (self.param_dtype, self.compute_dtype)
+                               else "none")
         for name in ("param_dtype", "compute_dtype", "output_dtype", "state_dtype"):
             value = getattr(self, name)
             if value not in _COMPUTE_DTYPES:
@@ -220,8 +228,18 @@ class Policy:
         return total
 
     def replace(self, **changes: Any) -> "Policy":
-        """A copy with ``changes`` applied (validated like the constructor)."""
+        """A copy with ``changes`` applied (validated like the constructor); a dtype change without a
+        ``loss_scale`` re-resolves it (``"auto"``: dynamic under fp16)."""
+        if "loss_scale" not in changes and {"param_dtype", "compute_dtype"} & set(changes):
+            changes["loss_scale"] = "auto"
         return dataclasses.replace(self, **changes)
+
+    def scaling_note(self) -> str:
+        """The decision's words when fp16 runs unscaled because ``loss_scale=none`` was written ("" else)."""
+        if self.loss_scale == "none" and torch.float16 in (self.param_dtype, self.compute_dtype):
+            return ("; fp16 without loss scaling (loss_scale=none, as written): gradients below fp16's smallest "
+                    "subnormal (6e-8) flush to zero; drop loss_scale=none for dynamic scaling")
+        return ""
 
     # ------------------------------------------------------------------ text form
     @classmethod
@@ -264,7 +282,7 @@ class Policy:
                 raise ValueError(f"policy {text!r} sets {field} twice (key {key!r}); give each key once")
             seen.add(field)
             changes[field] = parse_value(key, value)
-        return dataclasses.replace(base, **changes)
+        return base.replace(**changes)
 
     def __str__(self) -> str:
         for name, preset in PRESETS.items():
