@@ -923,3 +923,31 @@ def test_trainable_16_bit_params_under_mixed_are_stored_in_fp32_and_recorded():
     with mp.autocast():
         mp.backward(mp.model(torch.randn(2, 8)).float().sum())
     assert mp.step().applied and adapter.weight.dtype == torch.float32
+
+
+@pytest.mark.parametrize("policy", ["bf16-mixed", "bf16-pure"])
+def test_a_distribution_in_the_output_is_rebuilt_in_fp32_not_clamped_at_bf16_eps(policy):
+    """Categorical(probs=bf16) clamps its logits at log(eps_bf16) = -4.84; the output cast rebuilds it from
+    fp32 probs. Tolerance: the bf16 roundings of x, W and the logits (3 x 2**-8 relative, times 4 for the
+    logit scale), doubled through log_softmax."""
+    import copy
+
+    class PolicyNet(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.head = nn.Linear(4, 50)
+
+        def forward(self, x):
+            return torch.distributions.Categorical(probs=torch.softmax(self.head(x) * 4, -1))
+
+    torch.manual_seed(0)
+    ref, x = PolicyNet(), torch.randn(3, 4)
+    model = copy.deepcopy(ref)
+    mp = MixedPrecision(model, torch.optim.SGD(model.parameters(), lr=0.1), policy=policy, device="cpu")
+    with mp.autocast():
+        dist = mp.model(mp.cast_inputs(x))
+    actions = torch.arange(50)[:, None].expand(50, 3)
+    got, want = dist.log_prob(actions).detach(), ref(x).log_prob(actions).detach()
+    assert dist.probs.dtype == torch.float32 and float(got.min()) < -4.84 - 5   # no clamp at bf16's eps
+    logit_mag = float((ref.head.weight.abs() @ x.abs().T + ref.head.bias.abs()[:, None]).max().detach()) * 4
+    assert float((got - want).abs().max()) <= 2 * 3 * 2.0 ** -8 * logit_mag
