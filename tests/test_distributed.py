@@ -710,3 +710,55 @@ def test_case29_gradient_collectives_run_in_fp32_with_and_without_accumulation(g
     mp16 = MixedPrecision(fp16, torch.optim.SGD(fp16.parameters(), lr=0.1), "fp16-mixed", device="cpu",
                           strategy="fsdp2")
     assert mp16.loss_scale.dynamic and float(mp16.loss_scale.scale) == 2.0 ** 16
+
+
+# ---------------------------------------------------------------------- FSDP2 side inputs stay fp32
+class _Block(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.lin = nn.Linear(8, 8)
+
+    def forward(self, x, phase, *, mask=None):
+        return self.lin(x) + torch.cos(phase) + (0 if mask is None else mask)
+
+
+class _SideNet(nn.Module):
+    def __init__(self):
+        super().__init__()
+        torch.manual_seed(0)
+        self.blocks = nn.ModuleList(_Block() for _ in range(2))
+        self.register_buffer("phase", torch.linspace(0, 2000, 8))
+
+    def forward(self, x):
+        mask = torch.full((8,), 1e-3) * self.phase   # fp32, made in the forward, passed by keyword
+        for block in self.blocks:
+            x = block(x, self.phase, mask=mask)
+        return x
+
+
+def _side_worker(rank: int, out: Path) -> dict:
+    model = _SideNet()
+    mp = MixedPrecision(model, torch.optim.SGD(model.parameters(), lr=0.1), "bf16-mixed", device="cpu",
+                        strategy="fsdp2")
+    seen = []
+    model.blocks[1].register_forward_pre_hook(lambda m, args, kwargs: seen.append(
+        (args[0].dtype, args[1].dtype, kwargs["mask"].dtype)) and None, with_kwargs=True)
+    x = torch.randn(4, 8, generator=torch.Generator().manual_seed(1))
+    with mp.autocast():
+        y = mp.model(mp.cast_inputs(x))
+    return {"out": y.detach().float(), "seen": seen}
+
+
+@pytest.mark.timeout(120)
+def test_fsdp2_side_inputs_reach_the_blocks_in_fp32(tmp_path):
+    results = _run_ranks(_side_worker, tmp_path)
+    model = _SideNet()
+    one = MixedPrecision(model, torch.optim.SGD(model.parameters(), lr=0.1), "bf16-mixed", device="cpu")
+    x = torch.randn(4, 8, generator=torch.Generator().manual_seed(1))
+    with one.autocast():
+        want = one.model(one.cast_inputs(x)).detach().float()
+    for r in results:
+        # the hidden state is cast (FSDP's all-gather dtype), the phase table and the keyword mask are not
+        assert r["seen"][0] == (torch.bfloat16, torch.float32, torch.float32)
+        # as in one process up to the bf16 matmuls (each |output| <= ~4: a few bf16 ulps of 4 = 2**-6)
+        assert float((r["out"] - want).abs().max()) <= 4 * 2.0 ** -6

@@ -49,6 +49,9 @@ the concatenated global batch (up to the order of floating-point sums).
   keep_fp32 modules             None (fp32)        their own ``fully_shard`` group
   ============================  =================  ======================================
 
+  A block's first positional input (its hidden state) is cast to ``param_dtype``, as FSDP's
+  ``cast_forward_inputs`` would; FSDP's own input cast is off, so every other input (a RoPE table,
+  an additive mask, keyword arguments, the root's inputs) keeps its dtype, as in one process.
   ``output_dtype`` is the policy's, on the root. Autocast stays on (``mp.autocast()``):
   FSDP casts the parameters, autocast still picks each op's dtype (fp32 for softmax, losses
   and the other ops on its fp32 list; keep_fp32 regions switch it off). Unlike autocast alone,
@@ -320,6 +323,20 @@ def _fsdp_param_dtype(policy: Policy, *, sharded_found_inf: bool) -> torch.dtype
     return half
 
 
+class CastHiddenState:
+    """A block's forward pre-hook under FSDP2: its first positional input (the hidden state) in the
+    all-gather dtype, as FSDP's ``cast_forward_inputs`` would; every other input (a RoPE table, a mask,
+    keyword arguments) keeps its dtype, as in one process. Picklable."""
+
+    def __init__(self, dtype: torch.dtype) -> None:
+        self.dtype = dtype
+
+    def __call__(self, module: nn.Module, args: tuple, kwargs: dict):
+        if args and torch.is_tensor(args[0]) and args[0].is_floating_point() and args[0].dtype != self.dtype:
+            return (args[0].to(self.dtype), *args[1:]), kwargs
+        return None
+
+
 def _default_blocks(model: nn.Module) -> list[str]:
     return [f"{name}.{i}" for name, child in model.named_children() if isinstance(child, nn.ModuleList)
             for i in range(len(child))]
@@ -377,13 +394,17 @@ def wrap_model(model: nn.Module, policy: Policy, strategy: str, device: torch.de
         blocks = _default_blocks(model)
     else:
         blocks = [name for name, m in model.named_modules() if name and block_filter(name, m)]
+    # FSDP's cast_forward_inputs would cast every floating input to param_dtype, side inputs too (a RoPE
+    # table, an additive mask): a block's hidden state (its first positional input) is cast, nothing else
     mp_fp32 = MixedPrecisionPolicy(param_dtype=None, reduce_dtype=_REDUCE_DTYPE)
-    mp_block = MixedPrecisionPolicy(param_dtype=param_dtype, reduce_dtype=_REDUCE_DTYPE)
+    mp_block = MixedPrecisionPolicy(param_dtype=param_dtype, reduce_dtype=_REDUCE_DTYPE, cast_forward_inputs=False)
     mp_root = MixedPrecisionPolicy(param_dtype=param_dtype, reduce_dtype=_REDUCE_DTYPE,
-                                   output_dtype=policy.output_dtype)
+                                   output_dtype=policy.output_dtype, cast_forward_inputs=False)
     targets = {name: mp_fp32 for name in keep}
     targets.update({name: mp_block for name in blocks if name not in targets})
     for name in sorted(targets, key=lambda n: -n.count(".")):  # innermost first
+        if targets[name] is mp_block and param_dtype is not None:
+            model.get_submodule(name).register_forward_pre_hook(CastHiddenState(param_dtype), with_kwargs=True)
         fully_shard(model.get_submodule(name), mp_policy=targets[name])
     fully_shard(model, mp_policy=mp_root)
     if _ReduceScatter is not None:
