@@ -132,10 +132,11 @@ def _check_param_dtypes(model: nn.Module, policy: Policy) -> None:
     if wrong:
         names = ", ".join(f"{n} ({dtype_text(d)})" for n, d in wrong[:5])
         more = f" and {len(wrong) - 5} more" if len(wrong) > 5 else ""
-        raise ValueError(f"policy {policy} keeps parameters in {dtype_text(policy.param_dtype)} and casts them "
-                         f"itself, but the model already holds {names}{more} (a stray tensor in another dtype). "
-                         "Fix: call model.float() before building MixedPrecision; the policy decides what is stored "
-                         "in 16 bits (use a '-pure' policy for 16-bit params with fp32 masters)")
+        other = sorted({dtype_text(d) for _, d in wrong})
+        raise ValueError(f"policy {policy} stores parameters in {dtype_text(policy.param_dtype)} and casts them "
+                         f"itself, but the model holds {names}{more} in {', '.join(other)}. Fix: call model.float() "
+                         "before building MixedPrecision (the policy then stores each tensor as it says), or pick "
+                         f"the policy of the model's own format (e.g. {other[0]}-pure for a model held in {other[0]})")
 
 
 def _upcast_note(model: nn.Module, policy: Policy) -> str:
