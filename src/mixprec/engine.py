@@ -112,6 +112,9 @@ def _needs_closure(optimizer: torch.optim.Optimizer) -> bool:
     return closure is not None and closure.default is inspect.Parameter.empty
 
 
+_SHORT = {"float16": "fp16", "bfloat16": "bf16"}
+
+
 def _check_param_dtypes(model: nn.Module, policy: Policy) -> None:
     """Raise ValueError for a param or buffer in a dtype the policy does not store (named, with the fix).
     Complex params are kept as they are (complex64 is two fp32 numbers: :mod:`mixprec.storage`), except
@@ -136,7 +139,8 @@ def _check_param_dtypes(model: nn.Module, policy: Policy) -> None:
         raise ValueError(f"policy {policy} stores parameters in {dtype_text(policy.param_dtype)} and casts them "
                          f"itself, but the model holds {names}{more} in {', '.join(other)}. Fix: call model.float() "
                          "before building MixedPrecision (the policy then stores each tensor as it says), or pick "
-                         f"the policy of the model's own format (e.g. {other[0]}-pure for a model held in {other[0]})")
+                         f"the policy of the model's own format (e.g. {_SHORT.get(other[0], 'fp32')}-pure for a model held "
+                         f"in {other[0]})")
 
 
 def _upcast_note(model: nn.Module, policy: Policy) -> str:
