@@ -35,6 +35,7 @@ from __future__ import annotations
 
 import dataclasses
 import math
+import warnings
 from dataclasses import dataclass
 from typing import Any, Union
 
@@ -96,7 +97,6 @@ def _cast_distribution(dist: Any, cast: Any) -> Any:
         name = type(dist).__name__
         if name not in _uncastable_warned:
             _uncastable_warned.add(name)
-            import warnings
             warnings.warn(f"mixprec: a {name} distribution in the model's output holds 16-bit parameters that "
                           "mixprec cannot rebuild in fp32; build it from fp32 tensors (e.g. logits.float()) "
                           "(said once)", stacklevel=4)
