@@ -87,3 +87,106 @@ def test_a_genuinely_inf_gradient_still_skips(policy):
     result = mp.step()
     assert not result.applied and result.skipped_reason == "nonfinite" and not math.isfinite(result.grad_norm)
     assert all(torch.equal(a, b) for a, b in zip(before, model.parameters()))
+
+
+# ---------------------------------------------------------------- embedding backward summed in fp32
+PURE = ["bf16-pure", "fp16-pure", "bf16-kahan", "bf16-sr"]
+
+
+def _optimizer(model, policy):
+    from mixprec.optim import SGD
+    return torch.optim.SGD(model.parameters(), lr=0.0) if policy.endswith("pure") else SGD(model.parameters(), lr=0.0)
+
+
+def _repeated_token_grads(dtype, n=10_000, width=8, seed=5):
+    g = torch.Generator().manual_seed(seed)
+    idx = torch.zeros(n, dtype=torch.long)
+    idx[::50] = torch.randint(1, 20, (n // 50,), generator=g)      # token 0 repeated 9,800 times, a few others
+    grad_out = (torch.randn(n, width, generator=g) * 0.01 + 0.01).to(dtype)   # exact 16-bit terms, mostly positive
+    ref = torch.zeros(20, width).index_add_(0, idx, grad_out.float())        # the fp32 sum
+    return idx, grad_out, ref
+
+
+@pytest.mark.parametrize("policy", PURE)
+def test_repeated_token_embedding_grad_is_the_fp32_sum_rounded_once(policy):
+    from mixprec import get_format
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Embedding(20, 8), nn.Linear(8, 1))
+    mp = MixedPrecision(model, _optimizer(model, policy), policy=policy, device="cpu")
+    dtype = mp.policy.param_dtype
+    assert "embedding backward sums repeated tokens in fp32" in mp.decision and "['0']" in mp.decision
+    idx, grad_out, ref = _repeated_token_grads(dtype)
+    fmt = get_format(dtype)
+
+    plain = nn.Embedding(20, 8).to(dtype)                       # torch's own backward: sums in the 16-bit dtype
+    plain(idx).backward(grad_out)
+    far = (plain.weight.grad[0].float() - ref[0]).abs()
+    assert (far > 8 * fmt.ulp(ref[0])).all()                    # today: far off (the sum stalls)
+
+    with mp.autocast():
+        out = mp.model[0](idx)
+    assert out.dtype == dtype
+    out.backward(grad_out)
+    got = model[0].weight.grad
+    assert got.dtype == dtype
+    assert ((got.float() - ref).abs() <= fmt.ulp(ref)).all()      # the fp32 sum rounded once (≤ 1 ulp)
+
+
+def test_engine_backward_gives_the_fp32_master_the_fp32_sum_under_bf16_pure():
+    from mixprec import get_format
+    model = nn.Sequential(nn.Embedding(20, 8), nn.Linear(8, 1))
+    mp = MixedPrecision(model, torch.optim.SGD(model.parameters(), lr=0.0), policy="bf16-pure", device="cpu")
+    idx, grad_out, ref = _repeated_token_grads(torch.bfloat16)
+    with mp.autocast():
+        loss = (mp.model[0](idx).float() * grad_out.float()).sum()
+    mp.backward(loss)
+    master_grad = mp.gradients()[0]
+    assert master_grad.dtype == torch.float32 and master_grad.shape == (20, 8)
+    assert ((master_grad - ref).abs() <= get_format("bf16").ulp(ref)).all()
+
+
+def test_fp32_summed_embedding_matches_torch_for_padding_freq_scaling_and_max_norm():
+    torch.manual_seed(0)
+    for kwargs in ({"padding_idx": 3}, {"scale_grad_by_freq": True}, {"max_norm": 1.0}):
+        model = nn.Sequential(nn.Embedding(10, 4, **kwargs), nn.Linear(4, 1))
+        plain = nn.Embedding(10, 4, **kwargs).to(torch.bfloat16)     # torch's bf16 lookup (and renorm)
+        plain.weight.data.copy_(model[0].weight.data)
+        ref = nn.Embedding(10, 4, **{k: v for k, v in kwargs.items() if k != "max_norm"})   # fp32 gradient sum
+        mp = MixedPrecision(model, torch.optim.SGD(model.parameters(), lr=0.0), policy="bf16-pure", device="cpu")
+        idx = torch.tensor([[1, 3, 3, 7], [7, 7, 0, 3]])
+        grad_out = torch.randn(2, 4, 4).bfloat16()
+        ref(idx).backward(grad_out.float())
+        with mp.autocast():
+            out = mp.model[0](idx)
+        out.backward(grad_out)
+        assert torch.equal(out, plain(idx)) and torch.equal(model[0].weight.detach(), plain.weight.detach())
+        assert torch.equal(model[0].weight.grad, ref.weight.grad.bfloat16()), kwargs
+
+
+def test_summed_embedding_pickles_is_removed_by_unwrap_and_sparse_embeddings_still_train():
+    import copy
+    import pickle
+    model = nn.Sequential(nn.Embedding(10, 4), nn.Linear(4, 1))
+    mp = MixedPrecision(model, torch.optim.SGD(model.parameters(), lr=0.1), policy="bf16-pure", device="cpu")
+    assert "forward" in model[0].__dict__
+    clone = pickle.loads(pickle.dumps(model))
+    assert clone[0](torch.tensor([1, 2])).dtype == torch.bfloat16
+    copy.deepcopy(model)
+    mp.unwrap()
+    assert "forward" not in model[0].__dict__
+
+    sparse = nn.Sequential(nn.Embedding(10, 4, sparse=True), nn.Linear(4, 1))
+    mp = MixedPrecision(sparse, torch.optim.SGD(sparse.parameters(), lr=0.1), policy="bf16-pure", device="cpu")
+    assert "forward" not in sparse[0].__dict__ and "embedding backward sums" not in mp.decision
+    before = sparse[0].weight.detach().clone()
+    with mp.autocast():
+        loss = mp.model(torch.tensor([1, 1, 2])).float().sum()
+    mp.backward(loss)
+    assert mp.step().applied and not torch.equal(before, sparse[0].weight)
+
+
+def test_embedding_bag_not_covered_is_said_in_the_decision():
+    model = nn.Sequential(nn.EmbeddingBag(10, 4), nn.Linear(4, 1))
+    mp = MixedPrecision(model, torch.optim.SGD(model.parameters(), lr=0.1), policy="bf16-pure", device="cpu")
+    assert "EmbeddingBag backward still sums in bfloat16 (not covered): ['0']" in mp.decision
+

@@ -254,7 +254,7 @@ class MixedPrecision:
         contract.configure(optimizer, self.policy)
         contract.start_compensation(optimizer, self.policy, kahan_from)
         claim(self, list(model.named_parameters()), set(plan.half))
-        self._regions.install(model, self.policy, self.device.type, keep, set(plan.frozen16))
+        self.decision += self._regions.install(model, self.policy, self.device.type, keep, set(plan.frozen16))
         self.model = self._compile.apply(self._strategy.after_casts(model, self.policy, self.device))
         self.masters.record_versions()   # DDP's broadcast of rank 0's params is not a user edit
 
@@ -456,10 +456,10 @@ class MixedPrecision:
         if loss_scale is not None or new.loss_scale != old.loss_scale:
             self.loss_scale = _make_loss_scale(new, loss_scale, self.device)
             scale_note = f"loss scale now {type(self.loss_scale).__name__}"
-        self._regions.install(self.module, new, self.device.type, prepared.keep, set(prepared.plan.frozen16))
+        note = self._regions.install(self.module, new, self.device.type, prepared.keep, set(prepared.plan.frozen16))
         self.model.zero_grad(set_to_none=True)
         self.decision = (f"{new} on {self.device} (set_policy at boundary {self.boundaries}: {cause}; was {old})"
-                         + self._compile.note(new))
+                         + self._compile.note(new) + note)
         event = {"step": self.boundaries, "kind": "escalate", "cause": cause, "module": module,
                  "detail": f"{old} → {new}: params re-cast from their fp32 values (frozen and just-unfrozen ones from "
                            f"their stored values), optimizer state of {prepared.carried} tensor(s) carried over, "

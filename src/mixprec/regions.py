@@ -8,6 +8,14 @@ and a frozen embedding table stored in 16 bits returns its lookups in fp32, as a
 A region turns autocast off inside the kept module's ``forward`` (replaced by an instance attribute),
 so no autocast state is carried between two hooks and ``torch.compile`` traces it. The hooks and region
 forwards are picklable objects (no closures), so a prepared model still pickles and deep-copies.
+
+Under 16-bit params a trainable dense ``nn.Embedding`` gets :class:`Fp32GradEmbedding` as its forward:
+the lookup is torch's, but the backward adds the gradients of repeated indices in fp32 and rounds the
+table's gradient once to the weight's dtype (torch's own backward adds them in the weight's dtype, and a
+bf16 sum stalls once it dwarfs each term: 10,000 lookups of one token with gradient 0.01 sum to 4, not
+100). Sparse embeddings (``sparse=True``) are left to :mod:`mixprec.gradients`; ``nn.EmbeddingBag`` is
+not covered (its backward still sums in the weight's dtype, and the decision says so).
+
 """
 
 from __future__ import annotations
@@ -16,11 +24,13 @@ import fnmatch
 from typing import Any
 
 import torch
+import torch.nn.functional as F
 from torch import nn
 
 from mixprec.policy import Policy, cast_floating
 
-__all__ = ["Fp32Region", "OutputCast", "Regions", "keep_fp32_modules"]
+__all__ = ["Fp32GradEmbedding", "Fp32Region", "OutputCast", "Regions", "keep_fp32_modules"]
+
 
 
 class Fp32Region:
@@ -68,6 +78,68 @@ class Fp32Region:
             self.module.forward = self.previous
 
 
+class _EmbeddingFp32Grad(torch.autograd.Function):
+    """``F.embedding(indices, weight)`` whose weight gradient is summed in fp32 and rounded once to
+    ``weight.dtype`` (``aten.embedding_dense_backward`` on the fp32 output gradient: padding row and
+    ``scale_grad_by_freq`` as torch's). Costs an fp32 copy of the output gradient and an fp32 table-sized
+    gradient during backward; no host sync. Not twice differentiable."""
+
+    @staticmethod
+    def forward(ctx: Any, indices: torch.Tensor, weight: torch.Tensor, padding_idx: int,
+                scale_grad_by_freq: bool) -> torch.Tensor:
+        ctx.save_for_backward(indices)
+        ctx.rows, ctx.padding_idx, ctx.by_freq, ctx.dtype = weight.shape[0], padding_idx, scale_grad_by_freq, weight.dtype
+        return F.embedding(indices, weight, None if padding_idx < 0 else padding_idx, None, 2.0, scale_grad_by_freq)
+
+    @staticmethod
+    @torch.autograd.function.once_differentiable
+    def backward(ctx: Any, grad_out: torch.Tensor):
+        if not ctx.needs_input_grad[1]:
+            return None, None, None, None
+        (indices,) = ctx.saved_tensors
+        grad_fp32 = torch.ops.aten.embedding_dense_backward(grad_out.float(), indices, ctx.rows, ctx.padding_idx,
+                                                            ctx.by_freq)
+        return None, grad_fp32.to(ctx.dtype), None, None
+
+
+class Fp32GradEmbedding:
+    """The ``forward`` of one dense ``nn.Embedding`` with a 16-bit weight: the same lookup (``max_norm``
+    renormalisation included, as ``F.embedding`` does it), with the weight's gradient summed in fp32 and
+    rounded once (:class:`_EmbeddingFp32Grad`). Installed as the module's instance attribute ``forward``
+    (only on modules that have none and keep ``nn.Embedding.forward``); :meth:`remove` deletes it. A
+    picklable object holding its module; no host sync.
+    """
+
+    def __init__(self, module: nn.Embedding) -> None:
+        self.module = module
+
+    @staticmethod
+    def applies(module: nn.Module, frozen16: set[int]) -> bool:
+        """True for a dense ``nn.Embedding`` whose trainable weight Parameter is stored in 16 bits and whose
+        forward is torch's (not an override, not an instance attribute)."""
+        return (isinstance(module, nn.Embedding) and not module.sparse and "forward" not in module.__dict__
+                and type(module).forward is nn.Embedding.forward and isinstance(module.weight, nn.Parameter)
+                and module.weight.requires_grad and id(module.weight) not in frozen16
+                and module.weight.dtype in (torch.bfloat16, torch.float16))
+
+    def __call__(self, indices: torch.Tensor) -> torch.Tensor:
+        m = self.module
+        if m.max_norm is not None:   # as F.embedding: renormalise the looked-up rows in place, untracked
+            indices = indices.contiguous()
+            with torch.no_grad():
+                torch.embedding_renorm_(m.weight, indices, m.max_norm, m.norm_type)
+        return _EmbeddingFp32Grad.apply(indices, m.weight, -1 if m.padding_idx is None else m.padding_idx,
+                                        m.scale_grad_by_freq)
+
+    def install(self) -> list[Any]:
+        self.module.forward = self
+        return [self]
+
+    def remove(self) -> None:
+        if self.module.__dict__.get("forward") is self:
+            del self.module.forward
+
+
 class OutputCast:
     """Forward hook casting a module's floating outputs to ``dtype``."""
 
@@ -76,6 +148,10 @@ class OutputCast:
 
     def __call__(self, module: nn.Module, args: tuple, output: Any):
         return cast_floating(output, self.dtype)
+
+
+def _name(dtype: torch.dtype) -> str:
+    return str(dtype).replace("torch.", "")
 
 
 def keep_fp32_modules(model: nn.Module, policy: Policy) -> dict[str, nn.Module]:
@@ -110,9 +186,11 @@ class Regions:
         self._handles: list[Any] = []   # hook handles and Fp32Region forwards, each with .remove()
 
     def install(self, model: nn.Module, policy: Policy, device_type: str, keep: dict[str, nn.Module],
-                frozen16: set[int]) -> None:
-        """Hook ``keep``'s modules as fp32 regions, the root's output cast, and (under fp32 params) the
-        fp32 lookups of frozen embedding tables whose weight id is in ``frozen16``."""
+                frozen16: set[int]) -> str:
+        """Hook ``keep``'s modules as fp32 regions, the root's output cast, (under fp32 params) the fp32
+        lookups of frozen embedding tables whose weight id is in ``frozen16``, and (under 16-bit params) the
+        fp32-summed backward of trainable dense embeddings (:class:`Fp32GradEmbedding`). Returns the
+        decision's note on the embeddings ("" when there are none)."""
         region_out = policy.param_dtype if policy.param_dtype != torch.float32 else None
         for module in keep.values():
             self._handles.extend(Fp32Region(module, device_type, region_out).install())
@@ -123,6 +201,16 @@ class Regions:
             for module in model.modules():
                 if isinstance(module, nn.Embedding) and id(module.weight) in frozen16:
                     self._handles.append(module.register_forward_hook(OutputCast(torch.float32)))
+            return ""
+        summed = [name for name, m in model.named_modules() if Fp32GradEmbedding.applies(m, frozen16)]
+        for name in summed:
+            self._handles.extend(Fp32GradEmbedding(model.get_submodule(name)).install())
+        bags = [name for name, m in model.named_modules() if isinstance(m, nn.EmbeddingBag) and not m.sparse
+                and m.weight.requires_grad and m.weight.dtype in (torch.bfloat16, torch.float16)]
+        dtype = _name(policy.param_dtype)
+        return ((f"; embedding backward sums repeated tokens in fp32, rounded once to {dtype}: {summed[:5]}"
+                 + (f" and {len(summed) - 5} more" if len(summed) > 5 else "")) if summed else "") + (
+                f"; EmbeddingBag backward still sums in {dtype} (not covered): {bags[:5]}" if bags else "")
 
     def remove(self) -> None:
         for handle in reversed(self._handles):
