@@ -190,3 +190,66 @@ def test_embedding_bag_not_covered_is_said_in_the_decision():
     mp = MixedPrecision(model, torch.optim.SGD(model.parameters(), lr=0.1), policy="bf16-pure", device="cpu")
     assert "EmbeddingBag backward still sums in bfloat16 (not covered): ['0']" in mp.decision
 
+
+# ---------------------------------------------------------------- modules with no kernel for the dtype
+class Recurrent(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.emb = nn.Embedding(10, 4)
+        self.rnn = nn.LSTM(4, 4, batch_first=True)
+        self.out = nn.Linear(4, 1)
+
+    def forward(self, x):
+        return self.out(self.rnn(self.emb(x))[0])
+
+
+def _train(mp, steps=4):
+    results = []
+    for _ in range(steps):
+        with mp.autocast():
+            loss = mp.model(mp.cast_inputs(torch.randint(0, 10, (2, 3)))).float().square().mean()
+        mp.backward(loss)
+        results.append(mp.step())
+    return results
+
+
+def test_fp16_pure_lstm_with_no_fp16_kernel_is_kept_fp32_named_and_trains(monkeypatch):
+    real = nn.LSTM.forward
+
+    def no_fp16_kernel(self, input, hx=None):   # a CPU whose oneDNN has no fp16 LSTM primitive
+        if input.dtype == torch.float16:
+            raise RuntimeError("could not create a primitive descriptor for the LSTM forward propagation primitive")
+        return real(self, input, hx)
+
+    monkeypatch.setattr(nn.LSTM, "forward", no_fp16_kernel)
+    model = Recurrent()
+    mp = MixedPrecision(model, torch.optim.SGD(model.parameters(), lr=0.1), policy="fp16-pure", device="cpu")
+    assert "rnn (LSTM) kept fp32: its kernel fails on cpu under params=float16" in mp.decision
+    assert "could not create a primitive descriptor" in mp.decision
+    assert all(p.dtype == torch.float32 for p in model.rnn.parameters()) and model.out.weight.dtype == torch.float16
+    results = _train(mp)
+    assert any(r.applied for r in results) and all(math.isfinite(r.grad_norm) or not r.applied for r in results)
+
+
+@pytest.mark.parametrize("policy", ["fp16-pure", "fp16-mixed", "bf16-mixed"])
+def test_an_lstm_trains_under_16bit_policies_on_this_cpu_and_the_probe_decides_what_is_kept(policy):
+    from mixprec import Policy
+    from mixprec.regions import no_kernel_reason
+    reason = no_kernel_reason(nn.LSTM(2, 2), Policy.parse(policy))      # fp16-mixed fails on this CPU's oneDNN
+    model = Recurrent()
+    mp = MixedPrecision(model, torch.optim.SGD(model.parameters(), lr=0.1), policy=policy, device="cpu")
+    assert ("rnn (LSTM) kept fp32" in mp.decision) == (reason is not None)
+    assert any(r.applied for r in _train(mp))
+
+
+def test_the_probe_leaves_the_rng_alone_and_skips_fp32_and_non_rnn_modules():
+    from mixprec import Policy
+    from mixprec.regions import no_kernel_reason
+    gru = nn.GRU(3, 3, bidirectional=True)
+    torch.manual_seed(0)
+    expected = torch.rand(3)
+    torch.manual_seed(0)
+    no_kernel_reason(gru, Policy.parse("fp16-pure"))
+    assert torch.equal(torch.rand(3), expected)
+    assert no_kernel_reason(nn.LSTM(2, 2), Policy.parse("fp32")) is None
+    assert no_kernel_reason(nn.Linear(2, 2), Policy.parse("fp16-pure")) is None

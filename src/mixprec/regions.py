@@ -16,6 +16,11 @@ bf16 sum stalls once it dwarfs each term: 10,000 lookups of one token with gradi
 100). Sparse embeddings (``sparse=True``) are left to :mod:`mixprec.gradients`; ``nn.EmbeddingBag`` is
 not covered (its backward still sums in the weight's dtype, and the decision says so).
 
+A module with no kernel for the policy's dtypes on its device (an fp16 ``nn.LSTM`` on a CPU whose oneDNN
+has no fp16 LSTM primitive) would fail at the first forward: :func:`no_kernel_reason` finds it at build
+by running a tiny module of the same RNN type once (forward and backward, in the param dtype, under the
+policy's autocast) on the device, cached per (type, dtypes, device), and :func:`keep_fp32_modules` keeps
+such modules as fp32 regions; the decision names them and gives torch's error.
 """
 
 from __future__ import annotations
@@ -29,8 +34,44 @@ from torch import nn
 
 from mixprec.policy import Policy, cast_floating
 
-__all__ = ["Fp32GradEmbedding", "Fp32Region", "OutputCast", "Regions", "keep_fp32_modules"]
+__all__ = ["Fp32GradEmbedding", "Fp32Region", "OutputCast", "Regions", "keep_fp32_modules", "no_kernel_reason"]
 
+_PROBED_TYPES = (nn.LSTM, nn.GRU, nn.RNN, nn.LSTMCell, nn.GRUCell, nn.RNNCell)   # fused kernels per dtype
+_PROBES: dict[tuple, str | None] = {}   # (type, forward, bidirectional, dtypes, mixed, device) → error or None
+
+
+def _probe(kind: type, bidirectional: bool, policy: Policy, device: torch.device) -> str | None:
+    """Run a tiny ``kind`` (2 features, 1 step, batch 1) forward and backward as ``policy`` would on
+    ``device``; torch's error text, or None. The global CPU RNG is left as it was (fork_rng)."""
+    extra = {"bidirectional": True} if bidirectional else {}
+    cell = kind in (nn.LSTMCell, nn.GRUCell, nn.RNNCell)
+    try:
+        with torch.random.fork_rng(devices=[]), torch.enable_grad():
+            module = kind(2, 2, **extra).to(device=device, dtype=policy.param_dtype)
+            x = torch.ones((1, 2) if cell else (1, 1, 2), device=device, dtype=policy.param_dtype)
+            with torch.autocast(device.type, dtype=policy.compute_dtype, enabled=policy.is_mixed):
+                out = module(x)
+            (out[0] if isinstance(out, tuple) else out).float().sum().backward()
+    except (RuntimeError, NotImplementedError) as err:
+        return f"{type(err).__name__}: {str(err).splitlines()[0][:160]}"
+    return None
+
+
+def no_kernel_reason(module: nn.Module, policy: Policy) -> str | None:
+    """Why ``module`` cannot run under ``policy``'s dtypes on the device of its parameters: torch's error
+    from a one-off probe of its RNN type (:data:`_PROBED_TYPES`, cached per type, dtypes and device), or
+    None (it runs, it is not an RNN, it has no parameters, or the policy is plain fp32). The first probe
+    of a key runs a tiny forward and backward on the device (a host sync there)."""
+    kind = next((t for t in _PROBED_TYPES if isinstance(module, t)), None)
+    param = next(module.parameters(recurse=False), None)
+    if kind is None or param is None or (policy.param_dtype == torch.float32 and not policy.is_mixed):
+        return None
+    bidirectional = bool(getattr(module, "bidirectional", False))
+    key = (kind, kind.forward, bidirectional, policy.param_dtype, policy.compute_dtype, policy.is_mixed,
+           str(param.device))   # kind.forward: a patched forward is probed afresh
+    if key not in _PROBES:
+        _PROBES[key] = _probe(kind, bidirectional, policy, param.device)
+    return _PROBES[key]
 
 
 class Fp32Region:
@@ -157,8 +198,10 @@ def _name(dtype: torch.dtype) -> str:
 def keep_fp32_modules(model: nn.Module, policy: Policy) -> dict[str, nn.Module]:
     """The modules ``policy`` runs in fp32, by name: its ``keep_fp32`` matches (``fnmatch`` on
     ``model.named_modules()`` names), plus every BatchNorm when params are 16-bit (its running
-    statistics stay fp32). A matched container that is never called (ModuleList/ModuleDict) stands
-    for its children; modules nested in another kept module are covered by the outer one.
+    statistics stay fp32), plus every module with no kernel for the policy's dtypes on its device
+    (:func:`no_kernel_reason`; probed once per type, dtypes and device). A matched container that is
+    never called (ModuleList/ModuleDict) stands for its children; modules nested in another kept module
+    are covered by the outer one.
 
     Raises:
         ValueError: a pattern matches no module (the names are listed).
@@ -171,6 +214,7 @@ def keep_fp32_modules(model: nn.Module, policy: Policy) -> dict[str, nn.Module]:
                          f"look like {[n for n, _ in model.named_modules() if n][:8]}")
     if policy.param_dtype != torch.float32:
         found.update({name: m for name, m in model.named_modules() if isinstance(m, nn.modules.batchnorm._BatchNorm)})
+    found.update({name: m for name, m in model.named_modules() if name and no_kernel_reason(m, policy)})
     containers = (nn.ModuleList, nn.ModuleDict)
     while any(isinstance(m, containers) for m in found.values()):
         for name in [n for n, m in found.items() if isinstance(m, containers)]:
@@ -194,6 +238,10 @@ class Regions:
         region_out = policy.param_dtype if policy.param_dtype != torch.float32 else None
         for module in keep.values():
             self._handles.extend(Fp32Region(module, device_type, region_out).install())
+        missing = {name: why for name, m in keep.items() if (why := no_kernel_reason(m, policy))}
+        note = "".join(f"; {name} ({type(keep[name]).__name__}) kept fp32: its kernel fails on {device_type} under "
+                       f"params={_name(policy.param_dtype)}, compute={_name(policy.compute_dtype)} ({why})"
+                       for name, why in missing.items())
         if policy.is_mixed or policy.param_dtype != torch.float32:
             self._handles.append(model.register_forward_hook(OutputCast(policy.output_dtype)))
         if policy.param_dtype == torch.float32:
@@ -201,16 +249,19 @@ class Regions:
             for module in model.modules():
                 if isinstance(module, nn.Embedding) and id(module.weight) in frozen16:
                     self._handles.append(module.register_forward_hook(OutputCast(torch.float32)))
-            return ""
+            return note
         summed = [name for name, m in model.named_modules() if Fp32GradEmbedding.applies(m, frozen16)]
         for name in summed:
             self._handles.extend(Fp32GradEmbedding(model.get_submodule(name)).install())
         bags = [name for name, m in model.named_modules() if isinstance(m, nn.EmbeddingBag) and not m.sparse
                 and m.weight.requires_grad and m.weight.dtype in (torch.bfloat16, torch.float16)]
         dtype = _name(policy.param_dtype)
-        return ((f"; embedding backward sums repeated tokens in fp32, rounded once to {dtype}: {summed[:5]}"
-                 + (f" and {len(summed) - 5} more" if len(summed) > 5 else "")) if summed else "") + (
-                f"; EmbeddingBag backward still sums in {dtype} (not covered): {bags[:5]}" if bags else "")
+        if summed:
+            more = f" and {len(summed) - 5} more" if len(summed) > 5 else ""
+            note += f"; embedding backward sums repeated tokens in fp32, rounded once to {dtype}: {summed[:5]}{more}"
+        if bags:
+            note += f"; EmbeddingBag backward still sums in {dtype} (not covered): {bags[:5]}"
+        return note
 
     def remove(self) -> None:
         for handle in reversed(self._handles):
