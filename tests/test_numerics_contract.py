@@ -185,10 +185,46 @@ def test_summed_embedding_pickles_is_removed_by_unwrap_and_sparse_embeddings_sti
     assert mp.step().applied and not torch.equal(before, sparse[0].weight)
 
 
-def test_embedding_bag_not_covered_is_said_in_the_decision():
-    model = nn.Sequential(nn.EmbeddingBag(10, 4), nn.Linear(4, 1))
-    mp = MixedPrecision(model, torch.optim.SGD(model.parameters(), lr=0.1), policy="bf16-pure", device="cpu")
-    assert "EmbeddingBag backward still sums in bfloat16 (not covered): ['0']" in mp.decision
+@pytest.mark.parametrize("policy", ["bf16-pure", "fp16-pure"])
+def test_repeated_token_embedding_bag_grad_is_the_fp32_sum_rounded_once(policy):
+    from mixprec import get_format
+    model = nn.Sequential(nn.EmbeddingBag(20, 8, mode="sum"), nn.Linear(8, 1))
+    mp = MixedPrecision(model, torch.optim.SGD(model.parameters(), lr=0.0), policy=policy, device="cpu")
+    dtype = mp.policy.param_dtype
+    assert "rounded once to" in mp.decision and "['0']" in mp.decision
+    idx, grad_out, ref = _repeated_token_grads(dtype, n=10_000)
+    bags = idx.view(100, 100)                                   # 100 bags of 100 lookups, token 0 dominant
+    grad_bags = grad_out[:100]                                  # one output gradient per bag
+    ref = torch.zeros(20, 8).index_add_(0, idx, grad_bags.float().repeat_interleave(100, dim=0))
+    plain = nn.EmbeddingBag(20, 8, mode="sum").to(dtype)
+    plain(bags).backward(grad_bags)
+    fmt = get_format(dtype)
+    assert ((plain.weight.grad[0].float() - ref[0]).abs() > 8 * fmt.ulp(ref[0])).all()   # today: far off
+    with mp.autocast():
+        out = mp.model[0](bags)
+    out.backward(grad_bags)
+    assert ((model[0].weight.grad.float() - ref).abs() <= fmt.ulp(ref)).all()
+
+
+@pytest.mark.parametrize("mode", ["sum", "mean", "max"])
+def test_fp32_summed_embedding_bag_matches_torch_with_offsets_and_per_sample_weights(mode):
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.EmbeddingBag(10, 4, mode=mode, padding_idx=2), nn.Linear(4, 1))
+    ref = nn.EmbeddingBag(10, 4, mode=mode, padding_idx=2)
+    ref.weight.data = model[0].weight.data.bfloat16().float()
+    mp = MixedPrecision(model, torch.optim.SGD(model.parameters(), lr=0.0), policy="bf16-pure", device="cpu")
+    idx, offsets = torch.tensor([1, 2, 4, 4, 9, 1, 3]), torch.tensor([0, 3, 5])
+    psw = torch.rand(7).bfloat16().requires_grad_() if mode == "sum" else None
+    psw_ref = None if psw is None else psw.detach().float().requires_grad_()
+    grad_out = torch.randn(3, 4).bfloat16()
+    ref(idx, offsets, psw_ref).backward(grad_out.float())
+    with mp.autocast():
+        out = mp.model[0](idx, offsets, psw)
+    out.backward(grad_out)
+    assert out.dtype == torch.bfloat16
+    assert torch.equal(model[0].weight.grad, ref.weight.grad.bfloat16())
+    if psw is not None:
+        assert psw.grad.dtype == torch.bfloat16 and torch.equal(psw.grad, psw_ref.grad.bfloat16())
 
 
 # ---------------------------------------------------------------- modules with no kernel for the dtype

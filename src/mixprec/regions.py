@@ -9,12 +9,12 @@ A region turns autocast off inside the kept module's ``forward`` (replaced by an
 so no autocast state is carried between two hooks and ``torch.compile`` traces it. The hooks and region
 forwards are picklable objects (no closures), so a prepared model still pickles and deep-copies.
 
-Under 16-bit params a trainable dense ``nn.Embedding`` gets :class:`Fp32GradEmbedding` as its forward:
-the lookup is torch's, but the backward adds the gradients of repeated indices in fp32 and rounds the
-table's gradient once to the weight's dtype (torch's own backward adds them in the weight's dtype, and a
-bf16 sum stalls once it dwarfs each term: 10,000 lookups of one token with gradient 0.01 sum to 4, not
-100). Sparse embeddings (``sparse=True``) are left to :mod:`mixprec.gradients`; ``nn.EmbeddingBag`` is
-not covered (its backward still sums in the weight's dtype, and the decision says so).
+Under 16-bit params a trainable dense ``nn.Embedding`` or ``nn.EmbeddingBag`` gets
+:class:`Fp32GradEmbedding` as its forward: the lookup is torch's, but the backward adds the gradients of
+repeated indices in fp32 and rounds the table's gradient once to the weight's dtype (torch's own backward
+adds them in the weight's dtype, and a bf16 sum stalls once it dwarfs each term: 10,000 lookups of one
+token with gradient 0.01 sum to 4, not 100). Sparse embeddings (``sparse=True``) are left to
+:mod:`mixprec.gradients`.
 
 A module with no kernel for the policy's dtypes on its device (an fp16 ``nn.LSTM`` on a CPU whose oneDNN
 has no fp16 LSTM primitive) would fail at the first forward: :func:`no_kernel_reason` finds it at build
@@ -143,34 +143,69 @@ class _EmbeddingFp32Grad(torch.autograd.Function):
         return None, grad_fp32.to(ctx.dtype), None, None
 
 
+class _EmbeddingBagFp32Grad(torch.autograd.Function):
+    """``F.embedding_bag(indices, weight, offsets, per_sample_weights=psw, **options)`` whose weight (and
+    ``psw``) gradients are summed in fp32 and rounded once: the backward reruns the bag on an fp32 copy of
+    the table (exact: a widening cast) and differentiates that. Costs an fp32 copy of the table and an
+    fp32 table-sized gradient during backward; no host sync. Not twice differentiable."""
+
+    @staticmethod
+    def forward(ctx: Any, indices: torch.Tensor, weight: torch.Tensor, offsets: torch.Tensor | None,
+                psw: torch.Tensor | None, options: dict) -> torch.Tensor:
+        ctx.save_for_backward(indices, weight, offsets, psw)
+        ctx.options = options
+        return F.embedding_bag(indices, weight, offsets, per_sample_weights=psw, **options)
+
+    @staticmethod
+    @torch.autograd.function.once_differentiable
+    def backward(ctx: Any, grad_out: torch.Tensor):
+        indices, weight, offsets, psw = ctx.saved_tensors
+        with torch.enable_grad():
+            weight_fp32 = weight.detach().float().requires_grad_(ctx.needs_input_grad[1])
+            psw_fp32 = None if psw is None else psw.detach().float().requires_grad_(ctx.needs_input_grad[3])
+            out_fp32 = F.embedding_bag(indices, weight_fp32, offsets, per_sample_weights=psw_fp32, **ctx.options)
+            wrt = [t for t in (weight_fp32, psw_fp32) if t is not None and t.requires_grad]
+            grads = iter(torch.autograd.grad(out_fp32, wrt, grad_out.float()) if wrt else ())
+        grad_weight = next(grads).to(weight.dtype) if ctx.needs_input_grad[1] else None
+        grad_psw = next(grads).to(psw.dtype) if psw is not None and ctx.needs_input_grad[3] else None
+        return None, grad_weight, None, grad_psw, None
+
+
 class Fp32GradEmbedding:
-    """The ``forward`` of one dense ``nn.Embedding`` with a 16-bit weight: the same lookup (``max_norm``
-    renormalisation included, as ``F.embedding`` does it), with the weight's gradient summed in fp32 and
-    rounded once (:class:`_EmbeddingFp32Grad`). Installed as the module's instance attribute ``forward``
-    (only on modules that have none and keep ``nn.Embedding.forward``); :meth:`remove` deletes it. A
-    picklable object holding its module; no host sync.
+    """The ``forward`` of one dense ``nn.Embedding`` or ``nn.EmbeddingBag`` with a 16-bit weight: the
+    same lookup (``max_norm`` renormalisation included, done first as ``F.embedding`` does it), with the
+    weight's gradient summed in fp32 and rounded once (:class:`_EmbeddingFp32Grad`,
+    :class:`_EmbeddingBagFp32Grad`). Installed as the module's instance attribute ``forward`` (only on
+    modules that have none and keep torch's forward); :meth:`remove` deletes it. A picklable object
+    holding its module; no host sync.
     """
 
-    def __init__(self, module: nn.Embedding) -> None:
+    def __init__(self, module: nn.Embedding | nn.EmbeddingBag) -> None:
         self.module = module
 
     @staticmethod
     def applies(module: nn.Module, frozen16: set[int]) -> bool:
-        """True for a dense ``nn.Embedding`` whose trainable weight Parameter is stored in 16 bits and whose
-        forward is torch's (not an override, not an instance attribute)."""
-        return (isinstance(module, nn.Embedding) and not module.sparse and "forward" not in module.__dict__
-                and type(module).forward is nn.Embedding.forward and isinstance(module.weight, nn.Parameter)
+        """True for a dense ``nn.Embedding``/``nn.EmbeddingBag`` whose trainable weight Parameter is stored
+        in 16 bits and whose forward is torch's (not an override, not an instance attribute)."""
+        kind = nn.Embedding if isinstance(module, nn.Embedding) else nn.EmbeddingBag
+        return (isinstance(module, kind) and not module.sparse and "forward" not in module.__dict__
+                and type(module).forward is kind.forward and isinstance(module.weight, nn.Parameter)
                 and module.weight.requires_grad and id(module.weight) not in frozen16
                 and module.weight.dtype in (torch.bfloat16, torch.float16))
 
-    def __call__(self, indices: torch.Tensor) -> torch.Tensor:
+    def __call__(self, indices: torch.Tensor, offsets: torch.Tensor | None = None,
+                 per_sample_weights: torch.Tensor | None = None) -> torch.Tensor:
         m = self.module
         if m.max_norm is not None:   # as F.embedding: renormalise the looked-up rows in place, untracked
             indices = indices.contiguous()
             with torch.no_grad():
                 torch.embedding_renorm_(m.weight, indices, m.max_norm, m.norm_type)
-        return _EmbeddingFp32Grad.apply(indices, m.weight, -1 if m.padding_idx is None else m.padding_idx,
-                                        m.scale_grad_by_freq)
+        if isinstance(m, nn.Embedding):
+            return _EmbeddingFp32Grad.apply(indices, m.weight, -1 if m.padding_idx is None else m.padding_idx,
+                                            m.scale_grad_by_freq)
+        options = {"mode": m.mode, "scale_grad_by_freq": m.scale_grad_by_freq, "include_last_offset":
+                   m.include_last_offset, "padding_idx": m.padding_idx}
+        return _EmbeddingBagFp32Grad.apply(indices, m.weight, offsets, per_sample_weights, options)
 
     def install(self) -> list[Any]:
         self.module.forward = self
@@ -233,7 +268,7 @@ class Regions:
                 frozen16: set[int]) -> str:
         """Hook ``keep``'s modules as fp32 regions, the root's output cast, (under fp32 params) the fp32
         lookups of frozen embedding tables whose weight id is in ``frozen16``, and (under 16-bit params) the
-        fp32-summed backward of trainable dense embeddings (:class:`Fp32GradEmbedding`). Returns the
+        fp32-summed backward of trainable dense embeddings and bags (:class:`Fp32GradEmbedding`). Returns the
         decision's note on the embeddings ("" when there are none)."""
         region_out = policy.param_dtype if policy.param_dtype != torch.float32 else None
         for module in keep.values():
@@ -253,14 +288,10 @@ class Regions:
         summed = [name for name, m in model.named_modules() if Fp32GradEmbedding.applies(m, frozen16)]
         for name in summed:
             self._handles.extend(Fp32GradEmbedding(model.get_submodule(name)).install())
-        bags = [name for name, m in model.named_modules() if isinstance(m, nn.EmbeddingBag) and not m.sparse
-                and m.weight.requires_grad and m.weight.dtype in (torch.bfloat16, torch.float16)]
         dtype = _name(policy.param_dtype)
         if summed:
             more = f" and {len(summed) - 5} more" if len(summed) > 5 else ""
             note += f"; embedding backward sums repeated tokens in fp32, rounded once to {dtype}: {summed[:5]}{more}"
-        if bags:
-            note += f"; EmbeddingBag backward still sums in {dtype} (not covered): {bags[:5]}"
         return note
 
     def remove(self) -> None:
