@@ -184,6 +184,12 @@ def _make_loss_scale(policy: Policy, override: Any, device: torch.device) -> Any
     return ls.to(device)
 
 
+def _host_read(flags: torch.Tensor, loss_scale: Any, grad_norm: torch.Tensor) -> list[float]:
+    """The step's one host read: ``flags`` (skip, loss non-finite), the stuck count and whether
+    ``grad_norm`` is finite, read together (one sync)."""
+    return torch.cat([flags, stuck_if_skipped(loss_scale).to(flags), grad_norm.isfinite().reshape(1).to(flags)]).tolist()
+
+
 def _convert_fp8(model: nn.Module, policy: Policy, device: torch.device, keep: dict[str, nn.Module]):
     """Swap eligible linears for :class:`mixprec.fp8.Float8Linear` (the same Parameter objects); fp32
     regions are never converted. Returns the report and the decision's note ("" without fp8)."""
@@ -267,7 +273,7 @@ class MixedPrecision:
         contract.configure(optimizer, self.policy)
         contract.start_compensation(optimizer, self.policy, kahan_from)
         claim(self, list(model.named_parameters()), set(plan.half))
-        self._regions.install(model, self.policy, self.device.type, keep, set(plan.frozen16))
+        self.decision += self._regions.install(model, self.policy, self.device.type, keep, set(plan.frozen16))
         self.model = self._compile.apply(self._strategy.after_casts(model, self.policy, self.device))
         self.masters.record_versions()   # DDP's broadcast of rank 0's params is not a user edit
 
@@ -369,10 +375,10 @@ class MixedPrecision:
         return out
 
     def step(self) -> StepResult | None:
-        """Finish a micro-batch; at an accumulation boundary: unscale → fp32 global norm → clip → agree
-        across ranks → one host read → optimizer and scheduler step, or skip → loss-scale update → masters
-        into the params → grads zeroed → guard. None between boundaries. Host syncs: one per boundary (the
-        flags and stuck count, read together), one per param written outside the engine (adopted first).
+        """Finish a micro-batch; at a boundary: unscale → fp32 norm → agree across ranks → one host read →
+        clip (by the scaled norm if it overflowed: :mod:`mixprec.clipping`) → optimizer and scheduler step,
+        or skip → loss-scale update → masters into the params → grads zeroed → guard. None between boundaries.
+        Host syncs: one per boundary (flags, stuck count, norm finite), one per param edited outside (adopted).
         Raises RuntimeError without a ``backward()``; the guard may raise :class:`DivergenceError`."""
         self._check_usable("mp.step()")
         if not self._step_pending:
@@ -386,11 +392,12 @@ class MixedPrecision:
         grads = self._strategy.local(self._checks.at_boundary())
         found_inf = self._unscale_(grads)
         grad_norm = self._strategy.global_norm(_global_norm_fp32(grads, self.device))
-        if self.max_grad_norm is not None:
-            _clip_(grads, grad_norm, self.max_grad_norm)
         flags = self._strategy.agree_flags(torch.stack([found_inf, (~self._loss_finite).to(found_inf)]))
         scale_before = self.loss_scale.scale.detach().clone()
-        skipped, loss_nonfinite, stuck = torch.cat([flags, stuck_if_skipped(self.loss_scale).to(flags)]).tolist()  # the host read
+        skipped, loss_nonfinite, stuck, norm_finite = _host_read(flags, self.loss_scale, grad_norm)
+        if not (norm_finite or skipped):   # finite grads whose squares overflow fp32: the scaled norm (mixprec.clipping)
+            grad_norm = self._strategy.global_norm(_global_norm_fp32(grads, self.device, scaled=True))
+        _clip_(grads, grad_norm, self.max_grad_norm)   # None: no clipping
         applied, loss_finite = not skipped, not (skipped and loss_nonfinite)
         if applied:
             self._apply_update()
@@ -468,10 +475,10 @@ class MixedPrecision:
         if loss_scale is not None or new.loss_scale != old.loss_scale:
             self.loss_scale = _make_loss_scale(new, loss_scale, self.device)
             scale_note = f"loss scale now {type(self.loss_scale).__name__}"
-        self._regions.install(self.module, new, self.device.type, prepared.keep, set(prepared.plan.frozen16))
+        note = self._regions.install(self.module, new, self.device.type, prepared.keep, set(prepared.plan.frozen16))
         self.model.zero_grad(set_to_none=True)
         self.decision = (f"{new} on {self.device} (set_policy at boundary {self.boundaries}: {cause}; was {old})"
-                         + self._compile.note(new))
+                         + self._compile.note(new) + note)
         event = {"step": self.boundaries, "kind": "escalate", "cause": cause, "module": module,
                  "detail": f"{old} → {new}: params re-cast from their fp32 values (frozen and just-unfrozen ones from "
                            f"their stored values), optimizer state of {prepared.carried} tensor(s) carried over, "

@@ -8,6 +8,19 @@ and a frozen embedding table stored in 16 bits returns its lookups in fp32, as a
 A region turns autocast off inside the kept module's ``forward`` (replaced by an instance attribute),
 so no autocast state is carried between two hooks and ``torch.compile`` traces it. The hooks and region
 forwards are picklable objects (no closures), so a prepared model still pickles and deep-copies.
+
+Under 16-bit params a trainable dense ``nn.Embedding`` or ``nn.EmbeddingBag`` gets
+:class:`Fp32GradEmbedding` as its forward: the lookup is torch's, but the backward adds the gradients of
+repeated indices in fp32 and rounds the table's gradient once to the weight's dtype (torch's own backward
+adds them in the weight's dtype, and a bf16 sum stalls once it dwarfs each term: 10,000 lookups of one
+token with gradient 0.01 sum to 4, not 100). Sparse embeddings (``sparse=True``) are left to
+:mod:`mixprec.gradients`.
+
+A module with no kernel for the policy's dtypes on its device (an fp16 ``nn.LSTM`` on a CPU whose oneDNN
+has no fp16 LSTM primitive) would fail at the first forward: :func:`no_kernel_reason` finds it at build
+by running a tiny module of the same RNN type once (forward and backward, in the param dtype, under the
+policy's autocast) on the device, cached per (type, dtypes, device), and :func:`keep_fp32_modules` keeps
+such modules as fp32 regions; the decision names them and gives torch's error.
 """
 
 from __future__ import annotations
@@ -16,11 +29,49 @@ import fnmatch
 from typing import Any
 
 import torch
+import torch.nn.functional as F
 from torch import nn
 
 from mixprec.policy import Policy, cast_floating
 
-__all__ = ["Fp32Region", "OutputCast", "Regions", "keep_fp32_modules"]
+__all__ = ["Fp32GradEmbedding", "Fp32Region", "OutputCast", "Regions", "keep_fp32_modules", "no_kernel_reason"]
+
+_PROBED_TYPES = (nn.LSTM, nn.GRU, nn.RNN, nn.LSTMCell, nn.GRUCell, nn.RNNCell)   # fused kernels per dtype
+_PROBES: dict[tuple, str | None] = {}   # (type, forward, bidirectional, dtypes, mixed, device) → error or None
+
+
+def _probe(kind: type, bidirectional: bool, policy: Policy, device: torch.device) -> str | None:
+    """Run a tiny ``kind`` (2 features, 1 step, batch 1) forward and backward as ``policy`` would on
+    ``device``; torch's error text, or None. The global CPU RNG is left as it was (fork_rng)."""
+    extra = {"bidirectional": True} if bidirectional else {}
+    cell = kind in (nn.LSTMCell, nn.GRUCell, nn.RNNCell)
+    try:
+        with torch.random.fork_rng(devices=[]), torch.enable_grad():
+            module = kind(2, 2, **extra).to(device=device, dtype=policy.param_dtype)
+            x = torch.ones((1, 2) if cell else (1, 1, 2), device=device, dtype=policy.param_dtype)
+            with torch.autocast(device.type, dtype=policy.compute_dtype, enabled=policy.is_mixed):
+                out = module(x)
+            (out[0] if isinstance(out, tuple) else out).float().sum().backward()
+    except (RuntimeError, NotImplementedError) as err:
+        return f"{type(err).__name__}: {str(err).splitlines()[0][:160]}"
+    return None
+
+
+def no_kernel_reason(module: nn.Module, policy: Policy) -> str | None:
+    """Why ``module`` cannot run under ``policy``'s dtypes on the device of its parameters: torch's error
+    from a one-off probe of its RNN type (:data:`_PROBED_TYPES`, cached per type, dtypes and device), or
+    None (it runs, it is not an RNN, it has no parameters, or the policy is plain fp32). The first probe
+    of a key runs a tiny forward and backward on the device (a host sync there)."""
+    kind = next((t for t in _PROBED_TYPES if isinstance(module, t)), None)
+    param = next(module.parameters(recurse=False), None)
+    if kind is None or param is None or (policy.param_dtype == torch.float32 and not policy.is_mixed):
+        return None
+    bidirectional = bool(getattr(module, "bidirectional", False))
+    key = (kind, kind.forward, bidirectional, policy.param_dtype, policy.compute_dtype, policy.is_mixed,
+           str(param.device))   # kind.forward: a patched forward is probed afresh
+    if key not in _PROBES:
+        _PROBES[key] = _probe(kind, bidirectional, policy, param.device)
+    return _PROBES[key]
 
 
 class Fp32Region:
@@ -68,6 +119,103 @@ class Fp32Region:
             self.module.forward = self.previous
 
 
+class _EmbeddingFp32Grad(torch.autograd.Function):
+    """``F.embedding(indices, weight)`` whose weight gradient is summed in fp32 and rounded once to
+    ``weight.dtype`` (``aten.embedding_dense_backward`` on the fp32 output gradient: padding row and
+    ``scale_grad_by_freq`` as torch's). Costs an fp32 copy of the output gradient and an fp32 table-sized
+    gradient during backward; no host sync. Not twice differentiable."""
+
+    @staticmethod
+    def forward(ctx: Any, indices: torch.Tensor, weight: torch.Tensor, padding_idx: int,
+                scale_grad_by_freq: bool) -> torch.Tensor:
+        ctx.save_for_backward(indices)
+        ctx.rows, ctx.padding_idx, ctx.by_freq, ctx.dtype = weight.shape[0], padding_idx, scale_grad_by_freq, weight.dtype
+        return F.embedding(indices, weight, None if padding_idx < 0 else padding_idx, None, 2.0, scale_grad_by_freq)
+
+    @staticmethod
+    @torch.autograd.function.once_differentiable
+    def backward(ctx: Any, grad_out: torch.Tensor):
+        if not ctx.needs_input_grad[1]:
+            return None, None, None, None
+        (indices,) = ctx.saved_tensors
+        grad_fp32 = torch.ops.aten.embedding_dense_backward(grad_out.float(), indices, ctx.rows, ctx.padding_idx,
+                                                            ctx.by_freq)
+        return None, grad_fp32.to(ctx.dtype), None, None
+
+
+class _EmbeddingBagFp32Grad(torch.autograd.Function):
+    """``F.embedding_bag(indices, weight, offsets, per_sample_weights=psw, **options)`` whose weight (and
+    ``psw``) gradients are summed in fp32 and rounded once: the backward reruns the bag on an fp32 copy of
+    the table (exact: a widening cast) and differentiates that. Costs an fp32 copy of the table and an
+    fp32 table-sized gradient during backward; no host sync. Not twice differentiable."""
+
+    @staticmethod
+    def forward(ctx: Any, indices: torch.Tensor, weight: torch.Tensor, offsets: torch.Tensor | None,
+                psw: torch.Tensor | None, options: dict) -> torch.Tensor:
+        ctx.save_for_backward(indices, weight, offsets, psw)
+        ctx.options = options
+        return F.embedding_bag(indices, weight, offsets, per_sample_weights=psw, **options)
+
+    @staticmethod
+    @torch.autograd.function.once_differentiable
+    def backward(ctx: Any, grad_out: torch.Tensor):
+        indices, weight, offsets, psw = ctx.saved_tensors
+        with torch.enable_grad():
+            weight_fp32 = weight.detach().float().requires_grad_(ctx.needs_input_grad[1])
+            psw_fp32 = None if psw is None else psw.detach().float().requires_grad_(ctx.needs_input_grad[3])
+            out_fp32 = F.embedding_bag(indices, weight_fp32, offsets, per_sample_weights=psw_fp32, **ctx.options)
+            wrt = [t for t in (weight_fp32, psw_fp32) if t is not None and t.requires_grad]
+            grads = iter(torch.autograd.grad(out_fp32, wrt, grad_out.float()) if wrt else ())
+        grad_weight = next(grads).to(weight.dtype) if ctx.needs_input_grad[1] else None
+        grad_psw = next(grads).to(psw.dtype) if psw is not None and ctx.needs_input_grad[3] else None
+        return None, grad_weight, None, grad_psw, None
+
+
+class Fp32GradEmbedding:
+    """The ``forward`` of one dense ``nn.Embedding`` or ``nn.EmbeddingBag`` with a 16-bit weight: the
+    same lookup (``max_norm`` renormalisation included, done first as ``F.embedding`` does it), with the
+    weight's gradient summed in fp32 and rounded once (:class:`_EmbeddingFp32Grad`,
+    :class:`_EmbeddingBagFp32Grad`). Installed as the module's instance attribute ``forward`` (only on
+    modules that have none and keep torch's forward); :meth:`remove` deletes it. A picklable object
+    holding its module; no host sync.
+    """
+
+    def __init__(self, module: nn.Embedding | nn.EmbeddingBag) -> None:
+        self.module = module
+
+    @staticmethod
+    def applies(module: nn.Module, frozen16: set[int]) -> bool:
+        """True for a dense ``nn.Embedding``/``nn.EmbeddingBag`` whose trainable weight Parameter is stored
+        in 16 bits and whose forward is torch's (not an override, not an instance attribute)."""
+        kind = nn.Embedding if isinstance(module, nn.Embedding) else nn.EmbeddingBag
+        return (isinstance(module, kind) and not module.sparse and "forward" not in module.__dict__
+                and type(module).forward is kind.forward and isinstance(module.weight, nn.Parameter)
+                and module.weight.requires_grad and id(module.weight) not in frozen16
+                and module.weight.dtype in (torch.bfloat16, torch.float16))
+
+    def __call__(self, indices: torch.Tensor, offsets: torch.Tensor | None = None,
+                 per_sample_weights: torch.Tensor | None = None) -> torch.Tensor:
+        m = self.module
+        if m.max_norm is not None:   # as F.embedding: renormalise the looked-up rows in place, untracked
+            indices = indices.contiguous()
+            with torch.no_grad():
+                torch.embedding_renorm_(m.weight, indices, m.max_norm, m.norm_type)
+        if isinstance(m, nn.Embedding):
+            return _EmbeddingFp32Grad.apply(indices, m.weight, -1 if m.padding_idx is None else m.padding_idx,
+                                            m.scale_grad_by_freq)
+        options = {"mode": m.mode, "scale_grad_by_freq": m.scale_grad_by_freq, "include_last_offset":
+                   m.include_last_offset, "padding_idx": m.padding_idx}
+        return _EmbeddingBagFp32Grad.apply(indices, m.weight, offsets, per_sample_weights, options)
+
+    def install(self) -> list[Any]:
+        self.module.forward = self
+        return [self]
+
+    def remove(self) -> None:
+        if self.module.__dict__.get("forward") is self:
+            del self.module.forward
+
+
 class OutputCast:
     """Forward hook casting a module's floating outputs to ``dtype``."""
 
@@ -78,11 +226,17 @@ class OutputCast:
         return cast_floating(output, self.dtype)
 
 
+def _name(dtype: torch.dtype) -> str:
+    return str(dtype).replace("torch.", "")
+
+
 def keep_fp32_modules(model: nn.Module, policy: Policy) -> dict[str, nn.Module]:
     """The modules ``policy`` runs in fp32, by name: its ``keep_fp32`` matches (``fnmatch`` on
     ``model.named_modules()`` names), plus every BatchNorm when params are 16-bit (its running
-    statistics stay fp32). A matched container that is never called (ModuleList/ModuleDict) stands
-    for its children; modules nested in another kept module are covered by the outer one.
+    statistics stay fp32), plus every module with no kernel for the policy's dtypes on its device
+    (:func:`no_kernel_reason`; probed once per type, dtypes and device). A matched container that is
+    never called (ModuleList/ModuleDict) stands for its children; modules nested in another kept module
+    are covered by the outer one.
 
     Raises:
         ValueError: a pattern matches no module (the names are listed).
@@ -95,6 +249,7 @@ def keep_fp32_modules(model: nn.Module, policy: Policy) -> dict[str, nn.Module]:
                          f"look like {[n for n, _ in model.named_modules() if n][:8]}")
     if policy.param_dtype != torch.float32:
         found.update({name: m for name, m in model.named_modules() if isinstance(m, nn.modules.batchnorm._BatchNorm)})
+    found.update({name: m for name, m in model.named_modules() if name and no_kernel_reason(m, policy)})
     containers = (nn.ModuleList, nn.ModuleDict)
     while any(isinstance(m, containers) for m in found.values()):
         for name in [n for n, m in found.items() if isinstance(m, containers)]:
@@ -110,12 +265,18 @@ class Regions:
         self._handles: list[Any] = []   # hook handles and Fp32Region forwards, each with .remove()
 
     def install(self, model: nn.Module, policy: Policy, device_type: str, keep: dict[str, nn.Module],
-                frozen16: set[int]) -> None:
-        """Hook ``keep``'s modules as fp32 regions, the root's output cast, and (under fp32 params) the
-        fp32 lookups of frozen embedding tables whose weight id is in ``frozen16``."""
+                frozen16: set[int]) -> str:
+        """Hook ``keep``'s modules as fp32 regions, the root's output cast, (under fp32 params) the fp32
+        lookups of frozen embedding tables whose weight id is in ``frozen16``, and (under 16-bit params) the
+        fp32-summed backward of trainable dense embeddings and bags (:class:`Fp32GradEmbedding`). Returns the
+        decision's note on the embeddings ("" when there are none)."""
         region_out = policy.param_dtype if policy.param_dtype != torch.float32 else None
         for module in keep.values():
             self._handles.extend(Fp32Region(module, device_type, region_out).install())
+        missing = {name: why for name, m in keep.items() if (why := no_kernel_reason(m, policy))}
+        note = "".join(f"; {name} ({type(keep[name]).__name__}) kept fp32: its kernel fails on {device_type} under "
+                       f"params={_name(policy.param_dtype)}, compute={_name(policy.compute_dtype)} ({why})"
+                       for name, why in missing.items())
         if policy.is_mixed or policy.param_dtype != torch.float32:
             self._handles.append(model.register_forward_hook(OutputCast(policy.output_dtype)))
         if policy.param_dtype == torch.float32:
@@ -123,6 +284,15 @@ class Regions:
             for module in model.modules():
                 if isinstance(module, nn.Embedding) and id(module.weight) in frozen16:
                     self._handles.append(module.register_forward_hook(OutputCast(torch.float32)))
+            return note
+        summed = [name for name, m in model.named_modules() if Fp32GradEmbedding.applies(m, frozen16)]
+        for name in summed:
+            self._handles.extend(Fp32GradEmbedding(model.get_submodule(name)).install())
+        dtype = _name(policy.param_dtype)
+        if summed:
+            more = f" and {len(summed) - 5} more" if len(summed) > 5 else ""
+            note += f"; embedding backward sums repeated tokens in fp32, rounded once to {dtype}: {summed[:5]}{more}"
+        return note
 
     def remove(self) -> None:
         for handle in reversed(self._handles):
