@@ -29,15 +29,17 @@ and its category. It is data in this repository because the category is not expo
 the set of ops is: ``tests/test_portable_autocast.py`` checks it against the dispatcher's
 ``AutocastCUDA`` registrations in both directions (they exist on a CPU-only build), and against the
 ``AT_FORALL_*`` lists of the installed ``ATen/autocast_mode.h`` when the wheel ships headers, so a
-torch release that changes either fails the test. ``promote`` (``addcmul``, ``cat``-like widest-type
-ops) and ``banned`` are listed for that check but not ported: promotion is what eager does anyway.
+torch release that changes either fails the test. ``promote`` (``addcmul``, ``atan2``, ``dot`` ...: the
+widest input type) and ``banned`` (``binary_cross_entropy``) are listed for that check but not ported.
+
+Cost: a Python call for each ported op that runs under autocast (none for the ops the device's own
+autocast already casts); measured at ``mid`` by ``benchmarks/portable_ops.py`` (README).
 
 torch.compile: the kernels run while dynamo and AOTAutograd trace (fake and proxy tensors go
 through the autocast key as real ones do), so a forward compiled inside ``mp.autocast()`` has the
-portable dtypes. Dynamo does not guard on :func:`portable_ops`' state: a function compiled under one
-``ops`` value and called under the other reuses the first graph; the engine compiles under its own
-policy, and ``set_policy`` to another ``ops`` value is a new engine state that recompiles only if
-shapes or autocast state change (recorded as a known limit, not detected).
+portable dtypes (tested). Dynamo does not guard on :func:`portable_ops`' state: one function compiled
+under ``ops=portable`` and called by an engine with ``ops=native`` (or the reverse) reuses the first
+graph. Known limit, not detected; each engine compiles its own model.
 """
 
 from __future__ import annotations
