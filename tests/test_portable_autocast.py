@@ -229,6 +229,20 @@ def test_portable_op_dtype_is_cudas(name):
     assert _run_under_bf16(name, portable=True).dtype == expected
 
 
+def _to_fp32(value):
+    if isinstance(value, torch.Tensor) and value.is_floating_point():
+        return value.float()
+    return type(value)(_to_fp32(v) for v in value) if isinstance(value, (list, tuple)) else value
+
+
+@pytest.mark.parametrize("name", sorted(n for n in SAMPLES if CUDA_OPS[n] == "lower_precision"))
+def test_portable_lower_precision_ops_cast_fp32_inputs_to_bf16(name):
+    """fp32 inputs (in lists too: einsum, chain_matmul) are cast down, as CUDA's autocast does."""
+    args, kwargs = SAMPLES[name]()
+    with torch.autocast("cpu", dtype=torch.bfloat16), portable_ops("cpu"):
+        assert _first(_op(name)(*_to_fp32(args), **kwargs)).dtype == torch.bfloat16
+
+
 def test_native_leaves_ported_ops_in_the_input_dtype_and_keeps_cpus_own():
     """ops=native: the ported fp32-list ops stay bf16 (CPU's own behaviour); ops CPU casts itself are unchanged."""
     ported = ported_ops("cpu")

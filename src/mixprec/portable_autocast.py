@@ -120,9 +120,11 @@ def _eligible(t: Any, device_type: str) -> bool:
 
 
 def _cast(value: Any, dtype: torch.dtype, device_type: str) -> Any:
+    """``value`` (an argument, a list of tensors, or the tuple of all positional arguments) with its eligible
+    tensors cast to ``dtype``, as CUDA's ``cached_cast`` does (fp64 and other devices' tensors are left)."""
     if _eligible(value, device_type):
         return value.to(dtype)
-    if isinstance(value, (list, tuple)) and any(_eligible(v, device_type) for v in value):
+    if isinstance(value, (list, tuple)) and any(isinstance(v, (torch.Tensor, list, tuple)) for v in value):
         return type(value)(_cast(v, dtype, device_type) for v in value)
     return value
 
