@@ -88,7 +88,8 @@ _AUTOCAST_KEYS = {"cpu": "AutocastCPU", "mps": "AutocastMPS"}   # CUDA's own lis
 _APPEND_DTYPE_TARGET = {"norm.Scalar": "norm.ScalarOpt_dtype", "norm.ScalarOpt_dim": "norm.ScalarOpt_dim_dtype"}
 
 _state = threading.local()      # .devices: tuple of device types portable in this thread (autocast is per thread)
-_libraries: dict[str, torch.library.Library] = {}
+_libraries: dict[str, torch.library.Library] = {}   # device type -> the registrations (kept alive)
+_registered: dict[str, frozenset[str]] = {}         # device type -> the ops mixprec registered for its key
 _lock = threading.Lock()
 
 
@@ -104,14 +105,13 @@ def ported_ops(device_type: str) -> dict[str, str]:
     key = _AUTOCAST_KEYS.get(device_type)
     if key is None:
         return {}
-    return {name: category for name, category in CUDA_OPS.items() if category in _PORTED
-            and torch._C._dispatch_has_kernel_for_dispatch_key(f"aten::{name}", key)
-            is (name in _ours(device_type))}
-
-
-def _ours(device_type: str) -> set[str]:
-    library = _libraries.get(device_type)
-    return set() if library is None else library.mixprec_ops
+    ours = _registered.get(device_type, frozenset())
+    out = {}
+    for name, category in CUDA_OPS.items():
+        own_kernel = torch._C._dispatch_has_kernel_for_dispatch_key(f"aten::{name}", key) and name not in ours
+        if category in _PORTED and not own_kernel:
+            out[name] = category
+    return out
 
 
 def _eligible(t: Any, device_type: str) -> bool:
@@ -151,7 +151,8 @@ def _kernel(name: str, category: str, device_type: str, key: torch._C.DispatchKe
         dtype = torch.float32 if category != "lower_precision" else torch.get_autocast_dtype(device_type)
         with torch.autocast(device_type, enabled=False):
             if category in ("fp32", "lower_precision"):
-                return op(*_cast(args, dtype, device_type), **{k: _cast(v, dtype, device_type) for k, v in kwargs.items()})
+                kwargs = {k: _cast(v, dtype, device_type) for k, v in kwargs.items()}
+                return op(*_cast(args, dtype, device_type), **kwargs)
             if args and _eligible(args[0], device_type):       # fp32_set_opt_dtype, fp32_append_dtype
                 return target(**_with_fp32_dtype(op, args, kwargs))
             return op(*args, **kwargs)
@@ -166,15 +167,14 @@ def _install(device_type: str) -> None:
         key_name = _AUTOCAST_KEYS[device_type]
         key = getattr(torch._C.DispatchKey, key_name)
         library = torch.library.Library("aten", "IMPL")
-        library.mixprec_ops = set()
-        for name, category in ported_ops(device_type).items():
+        ported = ported_ops(device_type)
+        for name, category in ported.items():
             library.impl(name, _kernel(name, category, device_type, key), key_name, with_keyset=True)
-            library.mixprec_ops.add(name)
-        _libraries[device_type] = library
+        _libraries[device_type], _registered[device_type] = library, frozenset(ported)
 
 
 @contextmanager
-def portable_ops(device_type: str, enabled: bool = True) -> Iterator[None]:
+def portable_ops(device_type: str, *, enabled: bool = True) -> Iterator[None]:
     """Inside, ``device_type``'s autocast runs CUDA's fp32 and lower-precision lists (a no-op for
     ``cuda``, for a device with no autocast key ported, and with ``enabled=False``). Per thread, as
     autocast itself; restores the previous state on exit. No host sync."""
