@@ -188,11 +188,23 @@ SAMPLES = {
     "sum.dim_IntList": lambda: ((_t(3, 4), [1]), {}),
     "norm.Scalar": lambda: ((_t(3, 4),), {}),
     "norm.ScalarOpt_dim": lambda: ((_t(3, 4), 2, [1]), {}),
+    # promote: one bf16 and one fp32 input -> both fp32 (the widest)
+    "addcdiv": lambda: ((_t(3, 4), _t(3, 4).float(), _t(3, 4, positive=True)), {}),
+    "addcmul": lambda: ((_t(3, 4), _t(3, 4).float(), _t(3, 4)), {}),
+    "atan2": lambda: ((_t(3, 4), _t(3, 4).float()), {}),
+    "bilinear": lambda: ((_t(2, 3), _t(2, 4).float(), _t(5, 3, 4)), {}),
+    "cross": lambda: ((_t(2, 3), _t(2, 3).float()), {}),
+    "dot": lambda: ((_t(3), _t(3).float()), {}),
+    "vdot": lambda: ((_t(3), _t(3).float()), {}),
+    "grid_sampler": lambda: ((_t(1, 2, 4, 4), _t(1, 3, 3, 2).float(), 0, 0, False), {}),
+    "index_put": lambda: ((_t(4, 3), [torch.tensor([0, 2])], _t(2, 3).float()), {}),
+    "tensordot": lambda: ((_t(2, 3), _t(3, 4).float(), [1], [0]), {}),
+    "scatter_add": lambda: ((_t(3, 4), 1, torch.zeros(3, 4, dtype=torch.long), _t(3, 4).float()), {}),
 }
 # CUDA-only kernels: nothing to run on a CPU (test_no_cpu_kernel checks they really have none)
 NO_CPU_KERNEL = ("_thnn_fused_lstm_cell", "_thnn_fused_gru_cell", "_scaled_dot_product_flash_attention",
                  "cudnn_convolution", "cudnn_convolution_transpose")
-PORTED_CATEGORIES = ("lower_precision",) + FP32_CATEGORIES
+PORTED_CATEGORIES = ("lower_precision", "promote") + FP32_CATEGORIES
 # fp32-list ops whose CPU kernels refuse bf16: they raise under ops=native and run (in fp32) under ops=portable
 NATIVE_REFUSES = ("nuclear_norm", "nuclear_norm.dim", "pdist", "_upsample_bilinear2d_aa", "_upsample_bicubic2d_aa")
 
@@ -225,7 +237,7 @@ def _run_under_bf16(name, *, portable):
 @pytest.mark.parametrize("name", sorted(SAMPLES))
 def test_portable_op_dtype_is_cudas(name):
     """Under bf16 autocast on CPU with portable ops, each op's output dtype is the one CUDA's category gives."""
-    expected = torch.float32 if CUDA_OPS[name] in FP32_CATEGORIES else torch.bfloat16
+    expected = torch.bfloat16 if CUDA_OPS[name] == "lower_precision" else torch.float32
     assert _run_under_bf16(name, portable=True).dtype == expected
 
 
@@ -260,6 +272,13 @@ def test_native_leaves_ported_ops_in_the_input_dtype_and_keeps_cpus_own():
     assert stayed_bf16 == [n for n in fp32_ported if n not in NATIVE_REFUSES]
     assert _run_under_bf16("mse_loss", portable=False).dtype == torch.float32     # CPU's own fp32 kernel
     assert _run_under_bf16("mm", portable=False).dtype == torch.bfloat16
+
+
+def test_promote_with_bf16_inputs_only_stays_bf16_and_mixes_with_ported_matmuls():
+    with torch.autocast("cpu", dtype=torch.bfloat16), portable_ops("cpu"):
+        assert torch.dot(_t(3), _t(3)).dtype == torch.bfloat16
+        weight, u, v = torch.randn(4, 3), torch.randn(4), torch.randn(3)       # spectral_norm's power iteration
+        assert torch.dot(u, torch.mv(weight, v)).dtype == torch.float32     # mv bf16 (CUDA's list), dot promotes
 
 
 def test_decomposed_ops_are_cast_and_backward_runs():

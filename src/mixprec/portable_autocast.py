@@ -29,8 +29,10 @@ and its category. It is data in this repository because the category is not expo
 the set of ops is: ``tests/test_portable_autocast.py`` checks it against the dispatcher's
 ``AutocastCUDA`` registrations in both directions (they exist on a CPU-only build), and against the
 ``AT_FORALL_*`` lists of the installed ``ATen/autocast_mode.h`` when the wheel ships headers, so a
-torch release that changes either fails the test. ``promote`` (``addcmul``, ``atan2``, ``dot`` ...: the
-widest input type) and ``banned`` (``binary_cross_entropy``) are listed for that check but not ported.
+torch release that changes either fails the test. ``promote`` (``addcmul``, ``atan2``, ``dot`` ...) casts
+the floating inputs to the widest of them and the autocast dtype, as CUDA does: it has to be ported with
+the lower-precision list (spectral_norm's ``dot(u, mv(W, v))`` mixes a bf16 ``mv`` with an fp32 ``u``).
+``banned`` (``binary_cross_entropy``, refused by CUDA's autocast) is listed for the check, not ported.
 
 Cost: a Python call for each ported op that runs under autocast (none for the ops the device's own
 autocast already casts); measured at ``mid`` by ``benchmarks/portable_ops.py`` (README).
@@ -82,7 +84,7 @@ CUDA_OPS: dict[str, str] = {
                             ("fp32_append_dtype", _FP32_APPEND_DTYPE), ("promote", _PROMOTE), ("banned", _BANNED))
     for name in names.split()
 }
-_PORTED = ("lower_precision", "fp32", "fp32_set_opt_dtype", "fp32_append_dtype")
+_PORTED = ("lower_precision", "fp32", "fp32_set_opt_dtype", "fp32_append_dtype", "promote")
 _AUTOCAST_KEYS = {"cpu": "AutocastCPU", "mps": "AutocastMPS"}   # CUDA's own lists need no port
 # norm's overloads without a dtype and the ones CUDA's kernel calls instead
 _APPEND_DTYPE_TARGET = {"norm.Scalar": "norm.ScalarOpt_dtype", "norm.ScalarOpt_dim": "norm.ScalarOpt_dim_dtype"}
@@ -129,6 +131,18 @@ def _cast(value: Any, dtype: torch.dtype, device_type: str) -> Any:
     return value
 
 
+def _widest(dtype: torch.dtype, value: Any, device_type: str) -> torch.dtype:
+    """``dtype`` promoted with every eligible tensor in ``value`` (CUDA's ``promote_type``)."""
+    if _eligible(value, device_type):
+        return torch.promote_types(dtype, value.dtype)
+    if isinstance(value, dict):
+        value = tuple(value.values())
+    if isinstance(value, (list, tuple)):
+        for v in value:
+            dtype = _widest(dtype, v, device_type)
+    return dtype
+
+
 def _with_fp32_dtype(op: torch._ops.OpOverload, args: tuple, kwargs: dict) -> dict[str, Any]:
     """``args``/``kwargs`` of ``op`` by name, defaults filled, with ``dtype=torch.float32`` unless given."""
     schema = op._schema.arguments
@@ -149,8 +163,10 @@ def _kernel(name: str, category: str, device_type: str, key: torch._C.DispatchKe
         if device_type not in getattr(_state, "devices", ()):
             return op.redispatch(keyset.remove(key), *args, **kwargs)     # native: the fallthrough it replaces
         dtype = torch.float32 if category != "lower_precision" else torch.get_autocast_dtype(device_type)
+        if category == "promote":
+            dtype = _widest(torch.get_autocast_dtype(device_type), (args, kwargs), device_type)
         with torch.autocast(device_type, enabled=False):
-            if category in ("fp32", "lower_precision"):
+            if category in ("fp32", "lower_precision", "promote"):
                 kwargs = {k: _cast(v, dtype, device_type) for k, v in kwargs.items()}
                 return op(*_cast(args, dtype, device_type), **kwargs)
             if args and _eligible(args[0], device_type):       # fp32_set_opt_dtype, fp32_append_dtype
