@@ -2,8 +2,8 @@
 
 Two engines train the same GPT workload from the same seed on the same batches, one with CUDA's op
 lists ported to this device (``bf16-mixed``), one with torch's own (``bf16-mixed,ops=native``). They run
-interleaved in blocks so that drift on a shared machine hits both; reports each median step time (ms,
-after warm-up) and their ratio.
+interleaved in blocks (alternating which goes first) so that drift on a shared machine hits both;
+reports each median step time (ms, after warm-up) and their ratio.
 
     python benchmarks/portable_ops.py --config mid --steps 40
 """
@@ -68,9 +68,10 @@ def main(argv=None) -> dict:
     _time(step_portable, device, args.warmup)
     _time(step_native, device, args.warmup)
     portable, native = [], []
-    for _ in range(max(1, args.steps // args.block)):
-        native += _time(step_native, device, args.block)
-        portable += _time(step_portable, device, args.block)
+    for block in range(max(1, args.steps // args.block)):     # alternate which loop goes first
+        first, second = (native, portable) if block % 2 == 0 else (portable, native)
+        first += _time(step_native if first is native else step_portable, device, args.block)
+        second += _time(step_native if second is native else step_portable, device, args.block)
     portable_ms, native_ms = statistics.median(portable), statistics.median(native)
     result = {"config": args.config, "policy": preset, "device": str(device),
               "native_step_ms_median": round(native_ms, 2), "portable_step_ms_median": round(portable_ms, 2),

@@ -282,14 +282,19 @@ def test_promote_with_bf16_inputs_only_stays_bf16_and_mixes_with_ported_matmuls(
 
 
 def test_decomposed_ops_are_cast_and_backward_runs():
-    """cross_entropy decomposes (C++) into log_softmax + nll_loss: both get CUDA's fp32; grads flow in fp32."""
-    logits_fp32 = torch.randn(4, 10, requires_grad=True)
-    target = torch.randint(0, 10, (4,))
-    with torch.autocast("cpu", dtype=torch.bfloat16), portable_ops("cpu"):
-        loss = F.cross_entropy(logits_fp32.bfloat16(), target)
-    assert loss.dtype == torch.float32
-    loss.backward()
-    assert logits_fp32.grad is not None and logits_fp32.grad.dtype == torch.float32
+    """torch.linalg.norm (aten linalg_norm, in no autocast list) decomposes in C++ into linalg_vector_norm,
+    which the autocast key catches as CUDA's does; the backward flows to the fp32 leaf."""
+    for key in ("AutocastCPU", "AutocastCUDA"):
+        assert not torch._C._dispatch_has_kernel_for_dispatch_key("aten::linalg_norm", key)
+    x_fp32 = torch.randn(4, 10, requires_grad=True)
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        assert torch.linalg.norm(x_fp32.bfloat16()).dtype == torch.bfloat16          # CPU's own lists
+        with portable_ops("cpu"):
+            norm = torch.linalg.norm(x_fp32.bfloat16())
+            loss = F.cross_entropy(x_fp32.bfloat16(), torch.randint(0, 10, (4,)))      # CPU's own fp32 kernel
+    assert norm.dtype == loss.dtype == torch.float32
+    (norm + loss).backward()
+    assert x_fp32.grad is not None and x_fp32.grad.dtype == torch.float32
 
 
 def test_portable_ops_restores_state_and_is_off_outside():
