@@ -106,6 +106,7 @@ def test_doctor_json(capsys):
     assert cpu["dtypes"]["bf16"] == {"autocast": True, "matmul": True}
     assert cpu["matmul"]["fp32"]["gflops_per_s"] > 0
     assert cpu["auto_policy"] in ("fp32", "bf16-mixed") and cpu["auto_reason"].startswith("auto")
+    assert "exp" in cpu["autocast_ops"]["ported"]["fp32"] and "mm" in cpu["autocast_ops"]["own kernel"]["lower_precision"]
 
 
 def test_measure_matmul_stays_small_when_slow():

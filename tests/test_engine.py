@@ -18,6 +18,7 @@ from torch import nn
 import mixprec
 from mixprec import DivergenceError, MixedPrecision
 from mixprec.loss_scale import DynamicLossScale, StaticLossScale
+from mixprec.portable_autocast import portable_ops
 from engine_loops import _linear, _one_step
 
 BF16, FP16, FP32 = torch.bfloat16, torch.float16, torch.float32
@@ -54,14 +55,17 @@ def train(mp, batches):
 
 
 # ---------------------------------------------------------------- parity with hand-written torch.amp
-@pytest.mark.parametrize("policy,dtype", [("bf16-mixed", torch.bfloat16), ("fp16-mixed", torch.float16)])
-def test_bitwise_parity_with_hand_written_autocast_and_gradscaler(policy, dtype):
+@pytest.mark.parametrize("policy,dtype,portable", [("bf16-mixed", torch.bfloat16, True),
+                                                    ("fp16-mixed", torch.float16, True),
+                                                    ("bf16-mixed,ops=native", torch.bfloat16, False)])
+def test_bitwise_parity_with_hand_written_autocast_and_gradscaler(policy, dtype, portable):
+    """The engine adds nothing to torch.autocast + GradScaler but the op lists its ``ops`` key names."""
     ref = tiny_lm()
     opt = torch.optim.AdamW(ref.parameters(), lr=1e-2)
     sched = torch.optim.lr_scheduler.LambdaLR(opt, lambda s: 1 / (1 + s))
     scaler = torch.amp.GradScaler("cpu", enabled=dtype == torch.float16)
     for x in token_batches(20):
-        with torch.autocast("cpu", dtype=dtype):
+        with torch.autocast("cpu", dtype=dtype), portable_ops("cpu", enabled=portable):
             loss = lm_loss(ref(x), x)
         scaler.scale(loss).backward()
         scaler.unscale_(opt)

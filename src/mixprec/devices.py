@@ -29,6 +29,7 @@ from pathlib import Path
 import torch
 
 from mixprec.policy import PRESETS, Policy
+from mixprec.portable_autocast import describe as describe_ops
 
 __all__ = ["Capability", "Resolution", "probe", "resolve", "resolve_policy", "normalize_device"]
 
@@ -219,7 +220,8 @@ def resolve(spec: str | Policy, device: str | torch.device | None = None, *,
         cap = probe(dev)
     if isinstance(spec, str) and spec.strip().lower() == "auto":
         name, why = _auto(cap)
-        return Resolution(PRESETS[name], dev, why)
+        policy = PRESETS[name]
+        return Resolution(policy, dev, why + describe_ops(policy.ops, dev.type, mixed=policy.is_mixed))
     policy = Policy.parse(spec)
     reason = _can_run(policy, cap)
     if reason is None:
@@ -227,6 +229,7 @@ def resolve(spec: str | Policy, device: str | torch.device | None = None, *,
         if dev.type == "cpu" and torch.float16 in (policy.compute_dtype, policy.param_dtype) and not cap.fp16_native:
             note = (f"; note: fp16 on this CPU is emulated, not native ({cap.detail}) — "
                     "it runs as asked but slowly")
+        note += describe_ops(policy.ops, dev.type, mixed=policy.is_mixed)
         return Resolution(policy, dev, f"{policy} on {dev} as asked{note}")
     runnable = [n for n, p in PRESETS.items() if _can_run(p, cap) is None and p.fp8 is None]
     if not allow_fallback:
@@ -235,6 +238,7 @@ def resolve(spec: str | Policy, device: str | torch.device | None = None, *,
     name, why = _auto(cap)
     decision = f"FALLBACK: asked {policy} on {dev} but {reason}; running {name} instead ({why})"
     log.warning("mixprec: %s", decision)
+    decision += describe_ops(PRESETS[name].ops, dev.type, mixed=PRESETS[name].is_mixed)
     return Resolution(PRESETS[name], dev, decision, fell_back=True)
 
 

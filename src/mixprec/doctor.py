@@ -32,6 +32,7 @@ from pathlib import Path
 import torch
 
 from mixprec.devices import normalize_device, resolve
+from mixprec.portable_autocast import op_table
 
 __all__ = ["MatmulPeak", "DTYPES", "synchronize", "cpu_flags", "cpu_name", "cache_dir",
            "measure_matmul", "measure_peaks", "cached_peaks", "dtype_support", "run_doctor",
@@ -255,8 +256,18 @@ def _device_report(device: torch.device, *, measure: bool) -> dict:
         props = torch.cuda.get_device_properties(device)
         report.update(compute_capability=f"{props.major}.{props.minor}", memory_gb=round(props.total_memory / 2**30, 1))
     report.update(dtypes=dtype_support(device), matmul={k: asdict(v) for k, v in peaks.items()},
-                  auto_policy=auto_policy, auto_reason=auto_reason, peaks_cache=str(cache) if cache else None)
+                  auto_policy=auto_policy, auto_reason=auto_reason, peaks_cache=str(cache) if cache else None,
+                  autocast_ops=_autocast_ops(device))
     return report
+
+
+def _autocast_ops(device: torch.device) -> dict[str, dict[str, list[str]]]:
+    """CUDA's fp32 and lower-precision autocast ops by what ``device``'s own autocast does with them:
+    ``own kernel`` (cast by torch here too), ``ported`` (cast only under ``ops=portable``), ``same`` (CUDA)."""
+    table: dict[str, dict[str, list[str]]] = {}
+    for name, category, native in op_table(device.type):
+        table.setdefault(native, {}).setdefault(category, []).append(name)
+    return table
 
 
 def run_doctor(*, measure: bool = True) -> dict:
@@ -301,6 +312,10 @@ def format_doctor(report: dict) -> str:
             lines.append(f"  {name:<6}{_yes_no(support['autocast']):>9}{_yes_no(support['matmul']):>8}"
                          f"{shown:>11}{peak['n'] or '-':>7}{ratio:>9}" + (f"  ({peak['note']})" if peak["note"] else ""))
         lines.append(f"  policy auto: {dev['auto_policy']} ({dev['auto_reason']})")
+        for native, categories in dev["autocast_ops"].items():
+            lines.append(f"  CUDA autocast ops, {native} on {dev['device']}" +
+                         (" (cast only under ops=portable)" if native == "ported" else "") + ":")
+            lines += [f"    {category}: {' '.join(names)}" for category, names in categories.items()]
         if dev["peaks_cache"]:
             lines.append(f"  peaks cached at {dev['peaks_cache']}")
     return "\n".join(lines)

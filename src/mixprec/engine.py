@@ -34,6 +34,7 @@ from mixprec.loss_scale import from_spec as loss_scale_from_spec
 from mixprec.masters import MasterWeights, claim, release
 from mixprec.optim import contract
 from mixprec.policy import Policy, cast_floating
+from mixprec.portable_autocast import portable_ops
 from mixprec.regions import Regions, keep_fp32_modules
 from mixprec.reprepare import (check_fp8_unchanged, load_across_policies, load_state, match_frozen, reprepare,
                                unfreeze_params)
@@ -300,7 +301,7 @@ class MixedPrecision:
         ``mp.model(x)`` casts its floating outputs to ``output_dtype`` (fp32); submodules return autocast's."""
         self._check_usable("mp.autocast()")
         with torch.autocast(self.device.type, dtype=self.policy.compute_dtype, enabled=self.policy.is_mixed), \
-                eager_dtypes(self.policy):
+                portable_ops(self.device.type, enabled=self.policy.ops == "portable"), eager_dtypes(self.policy):
             yield
 
     def cast_inputs(self, batch: Any, *, keep: tuple[str, ...] = ()) -> Any:

@@ -28,7 +28,9 @@ or only keys: ``"params=bf16,compute=bf16,master=fp32"`` (unspecified keys take 
 preset's values). Keys: ``params``, ``compute``, ``output``, ``master``, ``rounding``,
 ``state``, ``loss_scale``, ``keep_fp32`` (glob patterns joined by ``|``), ``fp8`` (recipe name,
 alias ``recipe``), ``fp8_format`` (``hybrid`` or ``e4m3``), ``fp8_ends`` (``keep``: the network's
-first and last linears stay in the compute dtype, the default; ``fp8``: convert them too).
+first and last linears stay in the compute dtype, the default; ``fp8``: convert them too), ``ops``
+(``portable``, the default: CUDA's autocast op lists on every device; ``native``: the device's own,
+see :mod:`mixprec.portable_autocast`).
 """
 
 from __future__ import annotations
@@ -49,6 +51,7 @@ __all__ = ["Policy", "PRESETS", "ROUNDINGS", "FP8_RECIPES", "FP8_FORMATS", "cast
 ROUNDINGS = ("nearest", "kahan", "stochastic")
 FP8_RECIPES = ("tensorwise", "rowwise", "delayed")
 FP8_FORMATS = ("hybrid", "e4m3")
+OPS_MODES = ("portable", "native")     # mixprec.portable_autocast: which autocast op lists mp.autocast() uses
 _COMPUTE_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
 _HALF_DTYPES = (torch.bfloat16, torch.float16)
 
@@ -152,6 +155,9 @@ class Policy:
         fp8_keep_ends: keep the first and the last linear (registration order: usually the input
             projection and the LM head, the most quantisation-sensitive GEMMs) out of fp8, as
             torchao's float8 guidance advises (default True; text key ``fp8_ends=keep|fp8``).
+        ops: ``"portable"`` (default): inside ``mp.autocast()`` every device runs CUDA's autocast op
+            lists (``exp``, ``cumsum``, ``softmax``, norms, losses in fp32); ``"native"``: the device's own
+            lists (:mod:`mixprec.portable_autocast`).
 
     Raises:
         ValueError: an inconsistent combination, naming the field, the value and the fix.
@@ -168,6 +174,7 @@ class Policy:
     fp8: str | None = None
     fp8_format: str = "hybrid"
     fp8_keep_ends: bool = True
+    ops: str = "portable"
 
     def __post_init__(self) -> None:
         if isinstance(self.loss_scale, str) and self.loss_scale == "auto":
@@ -224,6 +231,8 @@ class Policy:
         if not isinstance(self.fp8_keep_ends, bool):
             raise TypeError(f"Policy fp8_keep_ends={self.fp8_keep_ends!r} must be a bool: True keeps the first and "
                             "last linears out of fp8 (text key fp8_ends=keep), False converts them (fp8_ends=fp8)")
+        if self.ops not in OPS_MODES:
+            raise ValueError(f"Policy ops={self.ops!r} is not allowed; choose one of {OPS_MODES}")
         if self.fp8 is None and not self.fp8_keep_ends:
             raise ValueError("Policy fp8_ends=fp8 (fp8_keep_ends=False) needs fp8 linears; set fp8=tensorwise "
                              "(or use the fp8-mixed preset)")
@@ -336,6 +345,8 @@ class Policy:
         if self.fp8 is not None:
             items.append(("fp8_format", self.fp8_format))
             items.append(("fp8_ends", "keep" if self.fp8_keep_ends else "fp8"))
+        if self.ops != "portable":
+            items.append(("ops", self.ops))
         return ",".join(f"{k}={v}" for k, v in items)
 
 
@@ -374,6 +385,12 @@ def _parse_fp8_ends(key: str, text: str) -> bool:
     return low == "keep"
 
 
+def _parse_ops(key: str, text: str) -> str:
+    if text.lower() not in OPS_MODES:
+        raise ValueError(f"policy key {key}={text!r} is not allowed; choose one of {OPS_MODES}")
+    return text.lower()
+
+
 def _parse_fp8(key: str, text: str) -> str | None:
     low = text.lower()
     if low in ("none", ""):
@@ -396,6 +413,7 @@ _KEYS = {
     "recipe": ("fp8", _parse_fp8),
     "fp8_format": ("fp8_format", _parse_fp8_format),
     "fp8_ends": ("fp8_keep_ends", _parse_fp8_ends),
+    "ops": ("ops", _parse_ops),
 }
 
 _bf16, _fp16, _fp32 = torch.bfloat16, torch.float16, torch.float32
