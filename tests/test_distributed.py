@@ -24,6 +24,7 @@ one machine's output (an elementwise relative bound also bounds this ratio of no
 
 from __future__ import annotations
 
+import math
 import os
 import socket
 import time
@@ -763,3 +764,28 @@ def test_fsdp2_side_inputs_reach_the_blocks_in_fp32(tmp_path):
         assert r["seen"][0] == (torch.bfloat16, torch.float32, torch.float32)
         # as in one process up to the bf16 matmuls (each |output| <= ~4: a few bf16 ulps of 4 = 2**-6)
         assert float((r["out"] - want).abs().max()) <= 4 * 2.0 ** -6
+
+
+# ---------------------------------------------------------------------- FSDP2: a finite norm that overflows fp32 squares
+def _huge_norm_worker(rank: int, out: Path) -> dict:
+    mp = _mlp_engine("fp32", strategy="fsdp2")   # max_grad_norm=1.0
+    before = _params(mp)
+    norm64 = []
+
+    def blow_up():   # finite gradients ~1e25: their squares (1e50) overflow fp32, their norm does not
+        for p in mp.module.parameters():
+            p.grad.to_local().mul_(1e25) if hasattr(p.grad, "to_local") else p.grad.mul_(1e25)
+        norm64.append(sum(float((_full(p.grad).double() ** 2).sum()) for p in mp.module.parameters()) ** 0.5)
+
+    _, result = _mse_step(mp, next(mpd.shard_batches(_stream(WORLD))), after_backward=blow_up)
+    step = {n: _params(mp)[n] - before[n] for n in before}
+    return {"applied": result.applied, "norm": result.grad_norm, "norm64": norm64[0],
+            "step_norm": sum(float((d.double() ** 2).sum()) for d in step.values()) ** 0.5}
+
+
+@pytest.mark.timeout(120)
+def test_fsdp2_clips_finite_gradients_whose_squares_overflow_fp32(tmp_path):
+    for r in _run_ranks(_huge_norm_worker, tmp_path):
+        assert r["applied"] and math.isfinite(r["norm"])
+        assert abs(r["norm"] - r["norm64"]) <= 1e-5 * r["norm64"]   # fp32 rounding of the scaled sums
+        assert 0.0 < r["step_norm"] <= 0.1 * (1 + 1e-5) * 1.0 + 1e-6   # lr 0.1 x clipped norm 1: not zeroed

@@ -397,7 +397,7 @@ class MixedPrecision:
         scale_before = self.loss_scale.scale.detach().clone()
         skipped, loss_nonfinite, stuck, norm_finite = _host_read(flags, self.loss_scale, grad_norm)
         if not (norm_finite or skipped):   # finite grads whose squares overflow fp32: the scaled norm (mixprec.clipping)
-            grad_norm = self._strategy.global_norm(_global_norm_fp32(grads, self.device, scaled=True))
+            grad_norm = self._strategy.global_norm(_global_norm_fp32(grads, self.device, scaled=True), scaled=True)
         _clip_(grads, grad_norm, self.max_grad_norm)   # None: no clipping
         applied, loss_finite = not skipped, not (skipped and loss_nonfinite)
         if applied:

@@ -52,8 +52,9 @@ class SingleProcess:
         """This rank's part of ``grads`` (DTensor shards → local tensors)."""
         return grads
 
-    def global_norm(self, norm_fp32: torch.Tensor) -> torch.Tensor:
-        """The norm over every rank's part, from this rank's ``norm_fp32``."""
+    def global_norm(self, norm_fp32: torch.Tensor, *, scaled: bool = False) -> torch.Tensor:
+        """The norm over every rank's part, from this rank's ``norm_fp32``; ``scaled``: without squaring
+        a large norm (the overflow-proof path of :mod:`mixprec.clipping`)."""
         return norm_fp32
 
     def agree_on(self, choice: str | None, choices: tuple[str, ...], device: torch.device) -> str | None:
@@ -140,8 +141,13 @@ class FSDP2(_MultiProcess):
     def local(self, grads):
         return distributed.local_tensors(grads)
 
-    def global_norm(self, norm_fp32):   # sqrt of the squares summed over the shards
-        return distributed.sum_across_ranks(norm_fp32.square()).sqrt()
+    def global_norm(self, norm_fp32, *, scaled=False):   # sqrt of the squares summed over the shards
+        if not scaled:
+            return distributed.sum_across_ranks(norm_fp32.square()).sqrt()
+        # each rank's norm over the largest one before squaring (as nrm2): no fp32 overflow for finite norms
+        largest = distributed.any_across_ranks(norm_fp32)   # all-reduce MAX (norms are >= 0)
+        ratio = torch.where(largest > 0, norm_fp32 / largest, torch.zeros_like(norm_fp32))
+        return distributed.sum_across_ranks(ratio.square()).sqrt() * largest
 
     def refuse(self, what):
         if what == "set_policy":
