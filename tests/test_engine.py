@@ -99,6 +99,9 @@ def test_case04_accumulation_unscales_once_and_misuse_names_the_call():
     mp1 = MixedPrecision(*with_opt(tiny_lm(), torch.optim.SGD, lr=0.1), device="cpu", policy="fp32")
     x = token_batches(1)[0]
     mp1.backward(lm_loss(mp1.model(x), x))
+    with pytest.raises(RuntimeError, match=r"backward\(\) called for micro-batch 2 since the last step\(\) with "
+                                           r"accumulation_steps=1.*retain_graph=True"):
+        mp1.backward(lm_loss(mp1.model(x), x))
     assert mp1.step() is not None
     with pytest.raises(RuntimeError, match=r"step\(\) called without backward\(\)"):
         mp1.step()
@@ -682,8 +685,10 @@ def test_case04_skip_then_apply_and_refused_misuse_leave_the_engine_usable():
     mp.backward(loss)
     mp.step()
     mp.backward(mp.model(mp.cast_inputs(x)).float().mean())
-    mp.backward(mp.model(mp.cast_inputs(x)).float().mean())   # a second loss of the same micro-batch
-    result = mp.step()
+    with pytest.raises(RuntimeError, match=r"backward\(\) called for micro-batch 3 since the last step\(\) with "
+                                           r"accumulation_steps=2"):
+        mp.backward(mp.model(mp.cast_inputs(x)).float().mean())
+    result = mp.step()                               # the refused call changed nothing
     assert result.applied and result.step == 2
     with pytest.raises(RuntimeError, match=r"step\(\) called without backward\(\)"):
         mp.step()

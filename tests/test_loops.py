@@ -695,3 +695,25 @@ def test_a_layer_frozen_after_build_is_not_reported_missing():
         with mp.autocast():
             mp.backward(mp.model(mp.cast_inputs(x)).float().sum())
         mp.step()
+
+
+def test_a_backward_per_micro_batch_then_one_step_still_accumulates():
+    """The loop that calls backward() for each of A micro-batches and step() once (no retain_graph): each
+    backward() is a micro-batch, so the boundary comes at that step, with the mean gradient."""
+    torch.manual_seed(29)
+    model = nn.Linear(4, 1)
+    ref = _clone(model)
+    mp = _engine(model, "fp32", lr=0.1, accumulation_steps=4)
+    opt = torch.optim.SGD(ref.parameters(), lr=0.1)
+    g = torch.Generator().manual_seed(30)
+    for _ in range(2):
+        xs = [torch.randn(3, 4, generator=g) for _ in range(4)]
+        for x in xs:
+            mp.backward(mp.model(x).pow(2).mean())
+        result = mp.step()
+        opt.zero_grad()
+        for x in xs:
+            (ref(x).pow(2).mean() / 4).backward()
+        opt.step()
+        assert result is not None and result.applied
+        assert _params_equal(mp.module, ref)

@@ -288,3 +288,8 @@ def main(argv: list[str] | None = None) -> int:
     except (ValueError, TypeError, ImportError, FileNotFoundError) as err:
         print(f"mixprec {args.command}: error: {err}", file=sys.stderr)
         return 2
+    finally:
+        if "torch.distributed" in sys.modules:
+            from mixprec.distributed import leave_process_group
+
+            leave_process_group()

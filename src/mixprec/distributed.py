@@ -111,7 +111,7 @@ from mixprec.checkpoint_dir import (MANIFEST, PendingCheckpoint, abort_checkpoin
                                     read_manifest_json)
 from mixprec.policy import Policy
 
-__all__ = ["STRATEGIES", "check_strategy", "init_process_group_from_env", "is_main_process", "rank", "world_size",
+__all__ = ["STRATEGIES", "check_strategy", "init_process_group_from_env", "leave_process_group", "is_main_process", "rank", "world_size",
            "any_across_ranks", "sum_across_ranks", "from_main_process", "shard_batches", "sync_module_states", "wrap_model",
            "set_gradient_sync", "local_tensors", "gradient_reduce_dtypes",
            "save_distributed_checkpoint", "load_distributed_checkpoint", "read_distributed_manifest",
@@ -143,6 +143,13 @@ def _rank_device(device: str | torch.device | None) -> torch.device:
         raise ValueError(f"device={str(device)!r} cannot run torch.distributed (no backend for it); "
                          "use cpu (gloo) or cuda (nccl)")
     return device
+
+
+def leave_process_group() -> None:
+    """Destroy the default process group if one exists (the CLI's last act under torchrun: a gloo group
+    left alive at interpreter exit can abort a rank with ``terminate called without an active exception``)."""
+    if dist.is_available() and dist.is_initialized():
+        dist.destroy_process_group()
 
 
 def init_process_group_from_env(device: str | torch.device | None = None, *,

@@ -46,6 +46,10 @@ __all__ = ["MixedPrecision", "StepResult", "DivergenceError", "cast_floating"]
 
 log = logging.getLogger("mixprec")
 
+_RETAINED = 2   # ``_step_pending`` after a backward(retain_graph=True): a further backward() joins its micro-batch
+_TOO_MANY = ("backward() called for micro-batch {n} since the last step() with accumulation_steps={a}; call mp.step() "
+             "after each micro-batch's backward() (it returns None until the boundary). Two losses of one micro-batch: "
+             "pass retain_graph=True to the first backward(), or backpropagate their sum")
 _MID_ACCUMULATION = ("{call} called after {n} micro-batch(es) of backward() without reaching the step boundary; "
                      "{what} at an accumulation boundary (after mp.step() returns a result)")
 
@@ -328,18 +332,19 @@ class MixedPrecision:
 
     def backward(self, loss: torch.Tensor, *, retain_graph: bool = False, inputs: Any = None) -> None:
         """Scale ``loss``, divide by ``accumulation_steps`` and backpropagate (``retain_graph``, ``inputs`` as
-        ``Tensor.backward``); no host sync. Several calls before one ``step()`` belong to one micro-batch and
-        add up (two losses through one graph: ``retain_graph=True`` on the first). Under ``-pure`` policies the
-        16-bit grads are added into the fp32 masters' grads. At a boundary's first call, gradients this engine
-        did not produce are discarded (:mod:`mixprec.loop_checks`) and a model edited since the last step is
-        adopted (:mod:`mixprec.edits`). Raises ValueError for a loss that is not a scalar floating tensor
-        requiring grad; RuntimeError for a frozen param made trainable by hand (use :meth:`unfreeze`). Gradients
-        of tensors that are not the engine's params (an input's ``x.grad``) keep the loss scale (docs/loops.md).
-        """
+        ``Tensor.backward``); no host sync. A call after one with ``retain_graph=True``, before ``step()``, is the
+        same micro-batch (two losses through one graph add up); any other call is a new micro-batch. Under
+        ``-pure`` the 16-bit grads go into the fp32 masters' grads. Foreign gradients and model edits are handled
+        first (:mod:`mixprec.loop_checks`, :mod:`mixprec.edits`). Raises ValueError for a loss that is not a
+        scalar floating tensor requiring grad; RuntimeError for more micro-batches than ``accumulation_steps``
+        without ``step()``, or a frozen param made trainable by hand (:meth:`unfreeze`). Inputs' ``.grad`` keep
+        the loss scale (docs/loops.md)."""
         _check_loss(loss)
         self._check_usable("mp.backward()")
         self._frozen.check_not_thawed()
-        new_micro_batch = not self._step_pending
+        new_micro_batch = self._step_pending != _RETAINED   # a retained graph's next loss: the same micro-batch
+        if new_micro_batch and self.micro_step >= self.accumulation_steps:
+            raise RuntimeError(_TOO_MANY.format(n=self.micro_step + 1, a=self.accumulation_steps))
         if new_micro_batch and self.micro_step == 0:
             self._adopt_model_edits()
         self._checks.before_backward(first=new_micro_batch and self.micro_step == 0)
@@ -352,7 +357,7 @@ class MixedPrecision:
         if self.accumulation_steps > 1:
             loss = loss / self.accumulation_steps
         self.loss_scale.scale_loss(loss).backward(retain_graph=retain_graph, inputs=inputs)
-        self._step_pending = True
+        self._step_pending = _RETAINED if retain_graph else True
         self.masters.accumulate_grads()
         self._checks.after_backward()
 

@@ -30,6 +30,7 @@ from __future__ import annotations
 
 import collections
 import warnings
+import weakref
 from typing import Any
 
 import torch
@@ -44,32 +45,36 @@ TARGET_NAMES = frozenset({"y", "target", "targets", "label", "labels", "reward",
                           "value", "values", "advantage", "advantages", "score", "scores"})
 
 
-class _ForwardHook:
+class _Hook:
+    """A hook holding its checks weakly: the model and the optimizer never keep a dropped engine alive
+    (nor its masters); a copied or pickled hook holds none."""
+
+    def __init__(self, checks: LoopChecks | None) -> None:
+        self._ref = None if checks is None else weakref.ref(checks)
+
+    def __getstate__(self):
+        return {"_ref": None}
+
+    def checks(self) -> LoopChecks | None:
+        return None if self._ref is None else self._ref()
+
+
+class _ForwardHook(_Hook):
     """The root module's forward pre-hook: the engine's checks before each eager forward."""
 
-    def __init__(self, checks: LoopChecks | None) -> None:
-        self.checks = checks
-
-    def __getstate__(self):
-        return {"checks": None}
-
     def __call__(self, module: nn.Module, args: tuple) -> None:
-        if self.checks is not None and not torch.compiler.is_compiling():
-            self.checks.before_forward(module)
+        checks = self.checks()
+        if checks is not None and not torch.compiler.is_compiling():
+            checks.before_forward(module)
 
 
-class _StepHook:
+class _StepHook(_Hook):
     """The optimizer's step pre-hook: refuses an ``optimizer.step()`` inside the engine's step."""
 
-    def __init__(self, checks: LoopChecks | None) -> None:
-        self.checks = checks
-
-    def __getstate__(self):
-        return {"checks": None}
-
     def __call__(self, optimizer: torch.optim.Optimizer, args: tuple, kwargs: dict) -> None:
-        if self.checks is not None:
-            self.checks.before_optimizer_step()
+        checks = self.checks()
+        if checks is not None:
+            checks.before_optimizer_step()
 
 
 class LoopChecks:
@@ -92,6 +97,7 @@ class LoopChecks:
         self._handles = [self.owner.optimizer.register_step_pre_hook(_StepHook(self))]
         if policy.is_mixed or policy.param_dtype != torch.float32:
             self._handles.append(self.owner.module.register_forward_pre_hook(_ForwardHook(self)))
+        weakref.finalize(self, _remove_all, list(self._handles))   # a dropped engine takes its hooks along
 
     def remove(self) -> None:
         for handle in self._handles:
@@ -147,9 +153,12 @@ class LoopChecks:
         zeroed = [t for t in self._tensors() if id(t) in self.marks and t.grad is None]
         self.marks = {}
         if zeroed:
-            raise RuntimeError(f"the gradients of {self._names(zeroed)[:4]} that mp.backward() produced are gone at "
-                               "mp.step(): optimizer.zero_grad() or model.zero_grad() ran between them. The engine "
-                               "zeroes gradients itself after every step; remove that call")
+            names = self._names(zeroed)[:4]
+            mp.discard_gradients()   # what is left of this step is discarded: the next backward() starts afresh
+            raise RuntimeError(f"the gradients of {names} that mp.backward() produced are gone at mp.step(): "
+                               "optimizer.zero_grad() or model.zero_grad() ran between them (this step's remaining "
+                               "gradients were discarded). The engine zeroes gradients itself after every step; "
+                               "remove that call")
         if changed:   # an in-place edit between backward() and step() is a known practice: said, not refused
             self._once("changed-grads", "changed-gradients",
                        f"the gradients of {self._names(changed)[:4]} changed between mp.backward() and mp.step() "
@@ -198,9 +207,12 @@ class LoopChecks:
                    "other_mp.backward(loss, inputs=list(other_model.parameters()))")
 
     def _refuse_changed(self, changed: list[torch.Tensor], where: str) -> None:
+        names = self._names(changed)[:4]
         self.marks = {}
+        self.owner.discard_gradients()   # the accumulation cannot be separated: it is discarded
         raise RuntimeError(
-            f"the gradients of {self._names(changed)[:4]} changed {where} outside this engine's backward(): another "
+            f"the gradients of {names} changed {where} outside this engine's backward() (this step's gradients were "
+            "discarded): another "
             "engine's backward() through this model added to them mid-accumulation (a GAN generator's backward "
             "between two of the discriminator's micro-batches), or they were edited in place. The two cannot be "
             "told apart, so the step would be wrong. Step this engine's boundary before the other's backward(), or "
@@ -243,6 +255,11 @@ class LoopChecks:
         self.spoken.add(key)
         self._event(kind, detail)
         warnings.warn(f"mixprec: {detail} (said once)", stacklevel=5)
+
+
+def _remove_all(handles: list[Any]) -> None:
+    for handle in handles:
+        handle.remove()
 
 
 def _child(batch: Any, key: Any) -> Any:

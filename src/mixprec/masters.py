@@ -29,6 +29,8 @@ def claim(owner: Any, named: list[tuple[str, nn.Parameter]], stored16: set[int])
         ValueError: one is already stored in 16 bits by another live engine (two engines sharing a
             parameter would each keep their own fp32 master and overwrite each other's writes).
     """
+    for key in [k for k, (p_ref, o_ref) in _holders.items() if p_ref() is None or o_ref() is None]:
+        del _holders[key]   # dropped engines and params hold nothing
     shared = []
     for n, p in named:
         held = _holders.get(id(p))

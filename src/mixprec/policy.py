@@ -272,9 +272,10 @@ class Policy:
 
     def replace(self, **changes: Any) -> "Policy":
         """A copy with ``changes`` applied (validated like the constructor); a dtype change without a
-        ``loss_scale`` re-resolves it (``"auto"``: dynamic under fp16)."""
-        if "loss_scale" not in changes and {"param_dtype", "compute_dtype"} & set(changes):
-            changes["loss_scale"] = "auto"
+        ``loss_scale`` re-resolves a default one (``"auto"``: dynamic under fp16); a static scale is kept."""
+        default = "dynamic" if torch.float16 in (self.param_dtype, self.compute_dtype) else "none"
+        if "loss_scale" not in changes and {"param_dtype", "compute_dtype"} & set(changes) and self.loss_scale == default:
+            changes["loss_scale"] = "auto"   # the old dtypes' default follows the new dtypes; a chosen scale stays
         return dataclasses.replace(self, **changes)
 
     def scaling_note(self) -> str:
