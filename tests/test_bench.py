@@ -188,6 +188,10 @@ def test_tiny_bench_results_schema(tiny_bench):
                 "mfu", "final_eval_loss", "eval_loss_delta_vs_fp32"):
         assert isinstance(bf16[key], float) and bf16[key] > -1, key
     assert bf16["skipped_steps"] == 0
+    cost = results["portable_ops"]   # ops=portable timed against ops=native, interleaved, for bf16-mixed
+    assert cost["policy"] == "bf16-mixed" and cost["method"] == "interleaved" and cost["timed_steps_each"] == 20
+    ms_ratio = cost["portable_step_ms_median"] / cost["native_step_ms_median"]   # medians rounded to 0.01 ms
+    assert cost["ratio_portable_over_native"] == pytest.approx(ms_ratio, rel=0.01 / cost["native_step_ms_median"] * 2)
 
 
 def test_tiny_bench_skips_non_native_fp16(tiny_bench):
@@ -220,6 +224,7 @@ def test_tiny_bench_writes_report_and_plots(tiny_bench):
     assert "| policy | verdict | step ms | speedup |" in report
     assert results["command"] in report
     assert "**fp16-mixed: SKIPPED**" in report and "**bf16-mixed: PASS**" in report
+    assert "Portable ops (`ops=portable`, the default" in report and "with `ops=native`" in report
 
 
 USER_WORKLOAD = textwrap.dedent('''

@@ -192,6 +192,19 @@ def format_table(results: dict) -> str:
     return "\n".join([line(headers), line(["-" * w for w in widths]), *map(line, rows)])
 
 
+def _portable_lines(results: dict) -> list[str]:
+    """What ``ops=portable`` (CUDA's autocast op lists on this device) cost: the interleaved A/B timing."""
+    cost = results.get("portable_ops")
+    if not cost:
+        return []
+    ratio = cost["ratio_portable_over_native"]
+    return ["", f"Portable ops (`ops=portable`, the default: CUDA's autocast op lists on this device): "
+            f"{cost['policy']} {cost['portable_step_ms_median']:.1f} ms/step against "
+            f"{cost['native_step_ms_median']:.1f} ms/step with `ops=native` (torch's own lists), ratio {ratio:.3f} "
+            f"(median of {cost['timed_steps_each']} steps each, interleaved in one process; target <= 1.03"
+            f"{'' if ratio <= 1.03 else ': above it here'})."]
+
+
 def report_markdown(results: dict) -> str:
     """``report.md``: the table, each verdict with its reason, how each policy ran, the command."""
     s, env, w = results["settings"], results["environment"], results["workload"]
@@ -218,6 +231,7 @@ def report_markdown(results: dict) -> str:
         f"{(w.get('data') or {}).get('source', 'workload-defined')}. Step time is the median after "
         f"{s['warmup_steps']} warm-up steps.",
         *_compile_lines(results),
+        *_portable_lines(results),
         "",
         _noise_line(results["policies"]),
         "",

@@ -239,6 +239,21 @@ def judge_policies(entries: dict[str, dict], targets: Targets) -> None:
 ADVISED = "advised"  # --policies advised: run what `mixprec inspect` recommends for this workload
 
 
+def _portable_cost(config: BenchConfig, device: torch.device, runnable: list[str], progress: bool) -> dict | None:
+    """The step-time cost of ``ops=portable`` for the first runnable ``-mixed`` policy (interleaved against
+    ``ops=native`` in this process: :mod:`mixprec.bench.portable_cost`); None under a strategy or on CUDA
+    (CUDA's autocast has these lists itself) or without such a policy."""
+    from mixprec.bench.portable_cost import measure_portable_cost, ported_policy
+
+    policy = ported_policy(runnable)
+    if policy is None or config.strategy is not None or device.type == "cuda":
+        return None
+    if progress:
+        print(f"timing ops=portable against ops=native for {policy} (interleaved)", file=sys.stderr)
+    return measure_portable_cost(config.workload, policy, device, config=config.config_name, data=config.data,
+                                 lora=config.lora)
+
+
 def run_bench(config: BenchConfig, *, capability: Capability | None = None, progress: bool = True) -> dict[str, Any]:
     """Run the bench described by ``config``, write its outputs to ``config.out`` and return
     the results (the content of ``results.json``).
@@ -314,6 +329,7 @@ def run_bench(config: BenchConfig, *, capability: Capability | None = None, prog
                 else:
                     entries[row] = {**dict.fromkeys(POLICY_KEYS), "requested": name, **result}
     judge_policies(entries, config.targets)
+    portable = _portable_cost(config, device, runnable, progress)
     results = {
         "mixprec_bench": 1,
         "created": time.strftime("%Y-%m-%dT%H:%M:%S%z"),
@@ -331,6 +347,7 @@ def run_bench(config: BenchConfig, *, capability: Capability | None = None, prog
         "advice": None if advice is None else {"policy": str(advice.policy), "reasons": list(advice.reasons),
                                                "initial_loss_scale": advice.initial_loss_scale},
         "policies": entries,
+        "portable_ops": portable,
         "parent_pid": os.getpid(),
         "wall_s": time.perf_counter() - start,
     }
