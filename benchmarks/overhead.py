@@ -13,11 +13,11 @@ from __future__ import annotations
 import argparse
 import json
 import statistics
-import time
 
 import torch
 
 from mixprec import MixedPrecision
+from mixprec.bench.measure import time_steps
 from mixprec.workloads import get_workload
 
 
@@ -60,19 +60,6 @@ def _engine_loop(workload, policy, device, guard=None):
     return step, mp
 
 
-def _time(step, device, n):
-    times = []
-    for _ in range(n):
-        if device.type == "cuda":
-            torch.cuda.synchronize(device)
-        start = time.perf_counter()
-        step()
-        if device.type == "cuda":
-            torch.cuda.synchronize(device)
-        times.append((time.perf_counter() - start) * 1e3)
-    return times
-
-
 def main(argv=None) -> dict:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--config", default="mid")
@@ -87,12 +74,12 @@ def main(argv=None) -> dict:
     step_engine, mp = _engine_loop(workload, args.policy, device)
     dtype = mp.policy.compute_dtype
     step_hand = _hand_loop(workload, dtype, device)
-    _time(step_hand, device, args.warmup)
-    _time(step_engine, device, args.warmup)
+    time_steps(step_hand, device, args.warmup)
+    time_steps(step_engine, device, args.warmup)
     hand, engine = [], []
     for _ in range(max(1, args.steps // args.block)):
-        hand += _time(step_hand, device, args.block)
-        engine += _time(step_engine, device, args.block)
+        hand += time_steps(step_hand, device, args.block)
+        engine += time_steps(step_engine, device, args.block)
     hand_ms, engine_ms = statistics.median(hand), statistics.median(engine)
     result = {"config": args.config, "policy": str(mp.policy), "device": str(device),
               "torch_autocast_step_ms_median": round(hand_ms, 2), "mixprec_step_ms_median": round(engine_ms, 2),

@@ -18,6 +18,8 @@ from __future__ import annotations
 
 import statistics
 import sys
+import time
+from collections.abc import Callable
 from dataclasses import asdict, dataclass
 
 import torch
@@ -25,7 +27,7 @@ from torch import nn
 
 from mixprec.doctor import synchronize
 
-__all__ = ["StateBytes", "state_bytes", "median_step_ms", "warmup_excess_s", "MemoryMeter", "synchronize"]
+__all__ = ["StateBytes", "state_bytes", "time_steps", "median_step_ms", "warmup_excess_s", "MemoryMeter", "synchronize"]
 
 
 @dataclass(frozen=True)
@@ -129,6 +131,21 @@ def state_bytes(model: nn.Module, optimizer: torch.optim.Optimizer) -> StateByte
                       compensation=compensation, scalars=scalars,
                       n_params=sum(p.numel() for p in model_params),
                       n_frozen=sum(p.numel() for p in frozen), frozen_bytes=frozen_bytes)
+
+
+def time_steps(step: Callable[[], None], device: torch.device, n: int) -> list[float]:
+    """Wall time of ``n`` calls of ``step()`` in ms, each bracketed by a device sync on CUDA (a host
+    sync per call there; none on the CPU)."""
+    times = []
+    for _ in range(n):
+        if device.type == "cuda":
+            torch.cuda.synchronize(device)
+        start = time.perf_counter()
+        step()
+        if device.type == "cuda":
+            torch.cuda.synchronize(device)
+        times.append((time.perf_counter() - start) * 1e3)
+    return times
 
 
 def median_step_ms(step_times_ms: list[float], warmup_steps: int) -> float:

@@ -10,12 +10,12 @@ runs it for its first ``-mixed`` policy; ``benchmarks/portable_ops.py`` runs it 
 from __future__ import annotations
 
 import statistics
-import time
 from collections.abc import Callable
 from typing import Any
 
 import torch
 
+from mixprec.bench.measure import time_steps
 from mixprec.engine import MixedPrecision
 from mixprec.policy import Policy
 from mixprec.workloads import get_workload
@@ -51,19 +51,6 @@ def _engine_step(workload: Any, policy: str, device: torch.device) -> Callable[[
     return step
 
 
-def _time(step: Callable[[], None], device: torch.device, n: int) -> list[float]:
-    times = []
-    for _ in range(n):
-        if device.type == "cuda":
-            torch.cuda.synchronize(device)
-        start = time.perf_counter()
-        step()
-        if device.type == "cuda":
-            torch.cuda.synchronize(device)
-        times.append((time.perf_counter() - start) * 1e3)
-    return times
-
-
 def measure_portable_cost(workload: str, policy: str, device: str | torch.device, *, config: str | None = None,
                           data: str | None = None, lora: str | None = None, steps: int = 20, block: int = 5,
                           warmup: int = 3) -> dict[str, Any]:
@@ -78,14 +65,14 @@ def measure_portable_cost(workload: str, policy: str, device: str | torch.device
     native = f"{Policy.parse(policy).replace(ops='native')}"
     step_portable = _engine_step(load, policy, device)
     step_native = _engine_step(load, native, device)
-    _time(step_portable, device, warmup)
-    _time(step_native, device, warmup)
+    time_steps(step_portable, device, warmup)
+    time_steps(step_native, device, warmup)
     portable_ms: list[float] = []
     native_ms: list[float] = []
     for i in range(max(1, steps // block)):   # alternate which loop goes first
         order = ((step_native, native_ms), (step_portable, portable_ms))
         for step, sink in (order if i % 2 == 0 else order[::-1]):
-            sink.extend(_time(step, device, block))
+            sink.extend(time_steps(step, device, block))
     p, n = statistics.median(portable_ms), statistics.median(native_ms)
     return {"policy": policy, "portable_step_ms_median": round(p, 2), "native_step_ms_median": round(n, 2),
             "ratio_portable_over_native": round(p / n, 4), "timed_steps_each": len(native_ms),
