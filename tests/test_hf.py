@@ -15,6 +15,7 @@ peft = pytest.importorskip("peft")
 
 import mixprec  # noqa: E402
 from mixprec.bench.measure import state_bytes  # noqa: E402
+from mixprec.op_plan import planned_kernels  # noqa: E402
 from mixprec.portable_autocast import portable_ops  # noqa: E402
 
 VOCAB = 96
@@ -65,7 +66,8 @@ def test_bf16_mixed_equals_hand_written_autocast_loop(name):
                                 device="cpu")
     for step in range(3):
         batch = _batch(step)
-        with torch.autocast("cpu", dtype=torch.bfloat16), portable_ops("cpu"):   # bf16-mixed's default ops=portable
+        # bf16-mixed's defaults: ops=portable, kernels=measured (the same attention kernel as the engine's plan)
+        with torch.autocast("cpu", dtype=torch.bfloat16), portable_ops("cpu"), planned_kernels("cpu"):
             out_ref = model_ref(**batch)
         out_ref.loss.backward()
         opt_ref.step()

@@ -34,6 +34,8 @@ from mixprec.loss_scale import from_spec as loss_scale_from_spec
 from mixprec.masters import MasterWeights, claim, release
 from mixprec.optim import contract
 from mixprec.policy import Policy, cast_floating
+from mixprec.op_plan import describe as describe_kernels
+from mixprec.op_plan import planned_kernels
 from mixprec.portable_autocast import portable_ops
 from mixprec.regions import Regions, keep_fp32_modules
 from mixprec.reprepare import (check_fp8_unchanged, load_across_policies, load_state, match_frozen, reprepare,
@@ -250,8 +252,7 @@ class MixedPrecision:
         self.events: list[dict] = []
         self._step_batches: deque = deque(maxlen=accumulation_steps)   # kept only for a guard
         self._step_grads: list[torch.Tensor] = []
-        self._regions = Regions()
-        self._unwrapped = False
+        self._regions, self._unwrapped = Regions(), False
 
         self.loss_scale = _make_loss_scale(self.policy, loss_scale, self.device)
         _check_param_dtypes(model, self.policy)
@@ -264,7 +265,7 @@ class MixedPrecision:
         plan = plan_storage(model, self.policy, params, keep, self._frozen.ids(),
                             sharded=self._strategy.shards_params)
         self.decision += (note + plan.note() + self._compile.note(self.policy) + self.policy.scaling_note()
-                          + _upcast_note(model, self.policy))
+                          + _upcast_note(model, self.policy) + describe_kernels(self.policy, self.device.type))
         self.masters = MasterWeights(params, set(plan.half) if self.policy.has_masters else set())
         self._frozen.store(plan)
         kahan_from = [(p, p.detach().float().clone()) for p in params if id(p) in plan.half and not self.policy.has_masters
@@ -300,12 +301,13 @@ class MixedPrecision:
     # ------------------------------------------------------------------ the step
     @contextmanager
     def autocast(self) -> Iterator[None]:
-        """``torch.autocast`` for this device type and the policy's compute dtype (off for fp32), and the
-        compile settings that give a forward compiled inside it eager's dtypes (:mod:`mixprec.compiled`).
-        ``mp.model(x)`` casts its floating outputs to ``output_dtype`` (fp32); submodules return autocast's."""
+        """``torch.autocast`` for this device type and the policy's compute dtype (off for fp32), the op lists and
+        kernels its ``ops`` and ``kernels`` keys name (:mod:`mixprec.portable_autocast`, :mod:`mixprec.op_plan`) and
+        compile settings giving a compiled forward eager's dtypes. ``mp.model(x)`` returns ``output_dtype``."""
         self._check_usable("mp.autocast()")
         with torch.autocast(self.device.type, dtype=self.policy.compute_dtype, enabled=self.policy.is_mixed), \
-                portable_ops(self.device.type, enabled=self.policy.ops == "portable"), eager_dtypes(self.policy):
+                portable_ops(self.device.type, enabled=self.policy.ops == "portable"), eager_dtypes(self.policy), \
+                planned_kernels(self.device.type, enabled=self.policy.kernels == "measured"):
             yield
 
     def cast_inputs(self, batch: Any, *, keep: tuple[str, ...] = ()) -> Any:

@@ -30,7 +30,8 @@ preset's values). Keys: ``params``, ``compute``, ``output``, ``master``, ``round
 alias ``recipe``), ``fp8_format`` (``hybrid`` or ``e4m3``), ``fp8_ends`` (``keep``: the network's
 first and last linears stay in the compute dtype, the default; ``fp8``: convert them too), ``ops``
 (``portable``, the default: CUDA's autocast op lists on every device; ``native``: the device's own,
-see :mod:`mixprec.portable_autocast`).
+see :mod:`mixprec.portable_autocast`), ``kernels`` (``measured``, the default: ops with several kernels run in
+the one measured fastest on the device at their shape; ``native``: torch.autocast's; see :mod:`mixprec.op_plan`).
 """
 
 from __future__ import annotations
@@ -52,6 +53,7 @@ ROUNDINGS = ("nearest", "kahan", "stochastic")
 FP8_RECIPES = ("tensorwise", "rowwise", "delayed")
 FP8_FORMATS = ("hybrid", "e4m3")
 OPS_MODES = ("portable", "native")     # mixprec.portable_autocast: which autocast op lists mp.autocast() uses
+KERNEL_MODES = ("measured", "native")  # mixprec.op_plan: whether mp.autocast() runs the measured op plan
 _COMPUTE_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
 _HALF_DTYPES = (torch.bfloat16, torch.float16)
 
@@ -158,6 +160,9 @@ class Policy:
         ops: ``"portable"`` (default): inside ``mp.autocast()`` every device runs CUDA's autocast op
             lists (``exp``, ``cumsum``, ``softmax``, norms, losses in fp32); ``"native"``: the device's own
             lists (:mod:`mixprec.portable_autocast`).
+        kernels: ``"measured"`` (default): inside ``mp.autocast()`` an op with several kernels (attention)
+            runs in the one measured fastest on this device at its shape (:mod:`mixprec.op_plan`);
+            ``"native"``: the kernels ``torch.autocast`` runs.
 
     Raises:
         ValueError: an inconsistent combination, naming the field, the value and the fix.
@@ -175,6 +180,7 @@ class Policy:
     fp8_format: str = "hybrid"
     fp8_keep_ends: bool = True
     ops: str = "portable"
+    kernels: str = "measured"
 
     def __post_init__(self) -> None:
         if isinstance(self.loss_scale, str) and self.loss_scale == "auto":
@@ -233,6 +239,8 @@ class Policy:
                             "last linears out of fp8 (text key fp8_ends=keep), False converts them (fp8_ends=fp8)")
         if self.ops not in OPS_MODES:
             raise ValueError(f"Policy ops={self.ops!r} is not allowed; choose one of {OPS_MODES}")
+        if self.kernels not in KERNEL_MODES:
+            raise ValueError(f"Policy kernels={self.kernels!r} is not allowed; choose one of {KERNEL_MODES}")
         if self.fp8 is None and not self.fp8_keep_ends:
             raise ValueError("Policy fp8_ends=fp8 (fp8_keep_ends=False) needs fp8 linears; set fp8=tensorwise "
                              "(or use the fp8-mixed preset)")
@@ -348,6 +356,8 @@ class Policy:
             items.append(("fp8_ends", "keep" if self.fp8_keep_ends else "fp8"))
         if self.ops != "portable":
             items.append(("ops", self.ops))
+        if self.kernels != "measured":
+            items.append(("kernels", self.kernels))
         return ",".join(f"{k}={v}" for k, v in items)
 
 
@@ -392,6 +402,12 @@ def _parse_ops(key: str, text: str) -> str:
     return text.lower()
 
 
+def _parse_kernels(key: str, text: str) -> str:
+    if text.lower() not in KERNEL_MODES:
+        raise ValueError(f"policy key {key}={text!r} is not allowed; choose one of {KERNEL_MODES}")
+    return text.lower()
+
+
 def _parse_fp8(key: str, text: str) -> str | None:
     low = text.lower()
     if low in ("none", ""):
@@ -415,6 +431,7 @@ _KEYS = {
     "fp8_format": ("fp8_format", _parse_fp8_format),
     "fp8_ends": ("fp8_keep_ends", _parse_fp8_ends),
     "ops": ("ops", _parse_ops),
+    "kernels": ("kernels", _parse_kernels),
 }
 
 _bf16, _fp16, _fp32 = torch.bfloat16, torch.float16, torch.float32

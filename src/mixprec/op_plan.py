@@ -1,0 +1,318 @@
+"""The measured op plan: an op with several kernels runs, under autocast, in the one measured fastest here.
+
+Which kernel is fastest for an op depends on the device, the dtype and the shape, and no fixed rule gets it
+right everywhere. Measured on a 2-core Xeon (AMX, torch 2.13), forward + backward of causal
+``scaled_dot_product_attention``: at B16·H4·T128·D64 torch's fused CPU kernel takes 10.5 ms in bf16, 4.4 ms
+in fp32 and 4.8 ms as bf16 matmuls with an fp32 softmax; at B64·H6·T256·D64 the fused kernel takes 104 ms in
+either dtype and the matmul form 277 ms. Under ``kernels=measured`` (every policy's default),
+``mp.autocast()`` enters :func:`planned_kernels`, and each planned op runs as :func:`choose` says for its key;
+``kernels=native`` runs what ``torch.autocast`` runs.
+
+Planned ops and candidates (``scaled_dot_product_attention``; the autocast dtype is bf16 or fp16):
+
+* ``fused``: torch's kernel on inputs cast to the autocast dtype: what ``torch.autocast`` does (its
+  lower-precision list). The default, and the choice unless another candidate is at least
+  :data:`MARGIN` faster.
+* ``fused-fp32``: torch's kernel on fp32 copies of q, k, v (and a float mask), the output rounded once to
+  the autocast dtype. More exact than ``fused``.
+* ``matmul``: ``q·kᵀ`` as an autocast-dtype matmul (scores rounded once to it), scale, causal mask and
+  softmax in fp32, probabilities cast to the autocast dtype, then ``·v`` (Hugging Face's "eager"
+  attention). Offered without ``attn_mask`` only (a fully masked row is NaN here and 0 in a fused kernel),
+  and only while its fp32 scores stay under :data:`MATMUL_SCORES_LIMIT` bytes.
+
+Every candidate meets the numerics contract: softmax accumulates in fp32 in all three, and each returns
+the autocast dtype, so what follows the op sees the same dtypes whatever was chosen.
+
+The key is the op, the shapes of q, k, v, the autocast dtype, ``is_causal``, the mask's dtype and shape,
+whether dropout is on, whether ``scale`` is given, ``enable_gqa``, and whether a backward will follow (grad
+mode and ``requires_grad``). At the first call with a new key, each candidate is timed on random tensors of
+those shapes (inside :func:`torch.random.fork_rng` with its own generator, so the caller's random stream is
+untouched) by :func:`time_candidates`: one warm-up each, then the best of :data:`REPEATS` interleaved
+forward (+ backward) rounds. Host syncs: at measurement only (CUDA:
+``synchronize`` around each run). The plan is cached per process and on disk by machine
+(:func:`mixprec.cache.machine_key`: device name, torch version, thread count) and key, so a second run of
+the same model measures nothing and chooses the same. While torch.compile, a FakeTensor or another
+dispatch mode traces the op nothing is measured: the cached choice is used, else ``fused``, and the entry
+says so. :func:`entries` lists what was chosen in this process (op, shape, choice, every candidate's time):
+the engine's decision names the mechanism, the bench's report.md prints the table.
+
+Mechanism: a ``torch.library`` kernel for the op on the device's autocast key (``AutocastCPU``,
+``AutocastCUDA``, ``AutocastMPS``), replacing torch's C++ one the first time a ``kernels=measured`` engine
+enters autocast on that device. Outside :func:`planned_kernels` it does what torch's kernel does (cast the
+floating inputs to the autocast dtype and run the op with autocast off).
+"""
+
+from __future__ import annotations
+
+import math
+import threading
+import time
+import warnings
+from collections.abc import Iterator
+from contextlib import contextmanager
+from dataclasses import dataclass, field
+from typing import Any, Callable
+
+import torch
+import torch.nn.functional as F
+
+from mixprec.cache import cache_dir, machine_key, read_json, write_json
+
+__all__ = ["PlanEntry", "planned_kernels", "choose", "entries", "forget", "time_candidates", "describe", "MARGIN",
+           "REPEATS", "MATMUL_SCORES_LIMIT", "CANDIDATES", "plan_key"]
+
+MARGIN = 0.05                     # another candidate replaces the default only when ≥ 5 % faster
+REPEATS = 5                       # timed runs per candidate after one warm-up (best of)
+MATMUL_SCORES_LIMIT = 256 << 20   # bytes of fp32 scores above which the matmul form is not offered
+_DEFAULT = "fused"
+_AUTOCAST_KEYS = {"cpu": "AutocastCPU", "cuda": "AutocastCUDA", "mps": "AutocastMPS"}
+_SDPA = torch.ops.aten.scaled_dot_product_attention.default
+
+
+@dataclass(frozen=True)
+class PlanEntry:
+    """One planned op at one key: ``chosen`` among ``times_ms`` (candidate → best forward(+backward) time in
+    ms, None where not timed), ``source`` ``"measured"``, ``"cache"`` (measured by an earlier process on
+    this machine) or ``"default (traced, not measured)"``; ``shape`` is the key in words."""
+
+    op: str
+    shape: str
+    chosen: str
+    times_ms: dict[str, float | None] = field(default_factory=dict)
+    source: str = "measured"
+    note: str = ""
+
+
+_state = threading.local()     # .devices: device types whose planned kernels are on in this thread
+_lock = threading.Lock()
+_libraries: dict[str, torch.library.Library] = {}
+_plans: dict[tuple[str, int], dict[str, PlanEntry]] = {}   # (device type, threads) -> key -> entry (this process)
+_disk: dict[tuple[str, int], dict] = {}                    # the same -> what its cache file held when first read
+
+
+# ---------------------------------------------------------------------- the candidates
+def _cast(t: Any, dtype: torch.dtype) -> Any:
+    return t.to(dtype) if isinstance(t, torch.Tensor) and t.is_floating_point() and t.dtype != torch.float64 else t
+
+
+def _fused(q, k, v, attn_mask, dropout_p, is_causal, scale, enable_gqa, dtype):
+    return _SDPA(_cast(q, dtype), _cast(k, dtype), _cast(v, dtype), _cast(attn_mask, dtype), dropout_p, is_causal,
+                 scale=scale, enable_gqa=enable_gqa)
+
+
+def _fused_fp32(q, k, v, attn_mask, dropout_p, is_causal, scale, enable_gqa, dtype):
+    f32 = torch.float32
+    out = _SDPA(_cast(q, f32), _cast(k, f32), _cast(v, f32), _cast(attn_mask, f32), dropout_p, is_causal,
+                scale=scale, enable_gqa=enable_gqa)
+    return out.to(dtype)
+
+
+def _matmul(q, k, v, attn_mask, dropout_p, is_causal, scale, enable_gqa, dtype):
+    q, k, v = _cast(q, dtype), _cast(k, dtype), _cast(v, dtype)
+    if enable_gqa and k.size(-3) != q.size(-3):
+        k = k.repeat_interleave(q.size(-3) // k.size(-3), dim=-3)
+        v = v.repeat_interleave(q.size(-3) // v.size(-3), dim=-3)
+    scale = scale if scale is not None else 1.0 / math.sqrt(q.size(-1))
+    exact = math.frexp(scale)[0] == 0.5          # a power of two scales q exactly in any float format
+    scores = torch.matmul(q * scale if exact else q, k.transpose(-2, -1))   # rounded once to ``dtype``
+    if not exact:
+        scores = scores.float() * scale
+    if is_causal:
+        length, source = q.size(-2), k.size(-2)
+        keep = torch.ones(length, source, dtype=torch.bool, device=q.device).tril()   # top-left, as torch's sdpa
+        scores = scores.masked_fill_(~keep, float("-inf"))
+    probs_fp32 = torch.softmax(scores, dim=-1, dtype=torch.float32)
+    if dropout_p > 0:
+        probs_fp32 = F.dropout(probs_fp32, dropout_p, training=True)
+    return torch.matmul(probs_fp32.to(dtype), v)
+
+
+#: candidate name -> ``fn(q, k, v, attn_mask, dropout_p, is_causal, scale, enable_gqa, dtype)`` (autocast off)
+CANDIDATES: dict[str, Callable] = {"fused": _fused, "fused-fp32": _fused_fp32, "matmul": _matmul}
+
+
+def _offered(q, k, attn_mask) -> dict[str, str]:
+    """Candidate → why it is not offered at this key ("" when it is)."""
+    scores = 4 * math.prod(q.shape[:-1]) * k.size(-2)
+    why_not = {name: "" for name in CANDIDATES}
+    if attn_mask is not None:
+        why_not["matmul"] = "not offered with attn_mask"
+    elif scores > MATMUL_SCORES_LIMIT:
+        why_not["matmul"] = f"not offered: its fp32 scores would take {scores / 2**20:.0f} MiB"
+    return why_not
+
+
+# ---------------------------------------------------------------------- keys, timing, cache
+def plan_key(q, k, v, attn_mask=None, dropout_p=0.0, is_causal=False, scale=None, enable_gqa=False, *,
+             dtype: torch.dtype, grad: bool) -> str:
+    """The plan's key for a call of ``scaled_dot_product_attention`` (the words :attr:`PlanEntry.shape` holds)."""
+    mask = "none" if attn_mask is None else f"{str(attn_mask.dtype)[6:]}{list(attn_mask.shape)}"
+    return (f"sdpa q{list(q.shape)} k{list(k.shape)} v{list(v.shape)} {str(dtype)[6:]} causal={is_causal} "
+            f"mask={mask} dropout={dropout_p > 0} scale={'given' if scale is not None else 'default'} "
+            f"gqa={enable_gqa} {'fwd+bwd' if grad else 'fwd'}")
+
+
+def time_candidates(runs: dict[str, Callable[[], Any] | None], *, default: str,
+                    device: torch.device | str = "cpu") -> tuple[str, dict[str, float | None]]:
+    """Time each zero-argument callable of ``runs`` (None: not offered) and pick one: one warm-up call each, then
+    :data:`REPEATS` interleaved rounds (A B C A B C ...), each candidate's best call in ms (a candidate whose
+    warm-up took over 3x the fastest warm-up has lost and is not repeated; its warm-up time is reported). ``default`` is chosen unless another candidate is at least :data:`MARGIN` faster.
+    Returns (chosen, candidate → ms or None). Host syncs: CUDA ``synchronize`` around each call."""
+    device = torch.device(device)
+    if runs.get(default) is None:
+        raise ValueError(f"time_candidates(default={default!r}): the default must be one of the offered "
+                         f"candidates {[n for n, r in runs.items() if r is not None]}")
+
+    def once(run: Callable[[], Any]) -> float:
+        if device.type == "cuda":
+            torch.cuda.synchronize(device)
+        start = time.perf_counter()
+        run()
+        if device.type == "cuda":
+            torch.cuda.synchronize(device)
+        return (time.perf_counter() - start) * 1e3
+    warm = {name: once(run) for name, run in runs.items() if run is not None}
+    times: dict[str, float | None] = {name: None if run is None else warm[name] for name, run in runs.items()}
+    live = [name for name in warm if warm[name] <= 3 * min(warm.values()) or name == default]
+    for _ in range(REPEATS):          # interleaved rounds: drift on a shared machine hits every candidate alike
+        for name in live:
+            times[name] = min(times[name], once(runs[name]))
+    times = {name: None if t is None else round(t, 3) for name, t in times.items()}
+    fastest = min((t, n) for n, t in times.items() if t is not None)[1]
+    return (fastest if times[fastest] < (1 - MARGIN) * times[default] else default), times
+
+
+def _measure(q, k, v, attn_mask, dropout_p, is_causal, scale, enable_gqa, dtype, grad) -> tuple[str, dict, str]:
+    device = q.device
+    why_not = _offered(q, k, attn_mask)
+    with torch.random.fork_rng(devices=[device] if device.type == "cuda" else []), \
+            torch.autocast(device.type, enabled=False):
+        gen = torch.Generator(device=device).manual_seed(0)
+
+        def like(t):
+            if t is None or not t.is_floating_point():
+                return t
+            return torch.randn(t.shape, dtype=t.dtype, device=device, generator=gen).requires_grad_(grad)
+        args = (like(q), like(k), like(v), attn_mask if attn_mask is None or not attn_mask.is_floating_point()
+                else torch.zeros_like(attn_mask), dropout_p, is_causal, scale, enable_gqa)
+
+        def runner(fn: Callable) -> Callable[[], None]:
+            def run() -> None:
+                with torch.enable_grad() if grad else torch.no_grad():
+                    out = fn(*args, dtype)
+                    if grad:
+                        torch.autograd.backward(out, torch.ones_like(out))
+            return run
+        chosen, times = time_candidates({n: None if why_not[n] else runner(fn) for n, fn in CANDIDATES.items()},
+                                        default=_DEFAULT, device=device)
+    note = "; ".join(f"{n} {w}" for n, w in why_not.items() if w)
+    return chosen, times, note
+
+
+def _cache_file(device: torch.device):
+    return cache_dir() / f"op-plan-{machine_key(device)}.json"
+
+
+def _traced(q: torch.Tensor) -> bool:
+    from torch.utils._python_dispatch import is_in_torch_dispatch_mode
+    return type(q) is not torch.Tensor or torch.compiler.is_compiling() or is_in_torch_dispatch_mode()
+
+
+def choose(q, k, v, attn_mask=None, dropout_p=0.0, is_causal=False, scale=None, enable_gqa=False, *,
+           dtype: torch.dtype, grad: bool) -> PlanEntry:
+    """The plan's entry for this call of ``scaled_dot_product_attention`` (arguments as the op's; ``dtype``
+    the autocast dtype; ``grad`` whether a backward follows), measured at the first call with its key
+    (see the module docstring for the key, the timing and the cache). Host syncs: at measurement only."""
+    device = q.device
+    key = plan_key(q, k, v, attn_mask, dropout_p, is_causal, scale, enable_gqa, dtype=dtype, grad=grad)
+    where = (device.type, torch.get_num_threads())
+    plan = _plans.setdefault(where, {})
+    entry = plan.get(key)
+    if entry is not None:
+        return entry
+    with _lock:
+        if where not in _disk:
+            _disk[where] = read_json(_cache_file(device))
+        cached = _disk[where].get(key)
+    if isinstance(cached, dict) and cached.get("chosen") in CANDIDATES:
+        entry = PlanEntry("scaled_dot_product_attention", key, cached["chosen"], dict(cached.get("times_ms", {})),
+                          "cache", cached.get("note", ""))
+    elif _traced(q):
+        return PlanEntry("scaled_dot_product_attention", key, _DEFAULT, {}, "default (traced, not measured)")
+    else:
+        chosen, times, note = _measure(q, k, v, attn_mask, dropout_p, is_causal, scale, enable_gqa, dtype, grad)
+        entry = PlanEntry("scaled_dot_product_attention", key, chosen, times, "measured", note)
+        with _lock:
+            on_disk = read_json(_cache_file(device))
+            on_disk[key] = {"chosen": chosen, "times_ms": times, "note": note}
+            write_json(_cache_file(device), on_disk)
+            _disk[where] = on_disk
+    plan[key] = entry
+    return entry
+
+
+def entries(device_type: str | None = None) -> list[PlanEntry]:
+    """What the plan chose in this process (every device, or ``device_type``'s), in first-use order."""
+    return [e for (d, _), plan in _plans.items() if device_type in (None, d) for e in plan.values()]
+
+
+def forget() -> None:
+    """Drop this process's plan (the disk cache stays): the next call of each key reads the cache file again."""
+    with _lock:
+        _plans.clear()
+        _disk.clear()
+
+
+# ---------------------------------------------------------------------- the kernel and its switch
+def _kernel(device_type: str) -> Callable:
+    def kernel(q, k, v, attn_mask=None, dropout_p=0.0, is_causal=False, *,
+               scale=None, enable_gqa=False):
+        dtype = torch.get_autocast_dtype(device_type)
+        args = (q, k, v, attn_mask, dropout_p, is_causal, scale, enable_gqa)
+        name = _DEFAULT
+        if device_type in getattr(_state, "devices", ()) and q.dtype in (dtype, torch.float32):
+            grad = torch.is_grad_enabled() and any(isinstance(t, torch.Tensor) and t.requires_grad for t in args[:4])
+            name = choose(*args, dtype=dtype, grad=grad).chosen
+        with torch.autocast(device_type, enabled=False):
+            return CANDIDATES[name](*args, dtype)
+    return kernel
+
+
+def _install(device_type: str) -> None:
+    with _lock:
+        if device_type in _libraries or device_type not in _AUTOCAST_KEYS:
+            return
+        key_name = _AUTOCAST_KEYS[device_type]
+        library = torch.library.Library("aten", "IMPL")
+        with warnings.catch_warnings():   # torch warns that a kernel for this key is replaced: that is the point
+            warnings.simplefilter("ignore")
+            library.impl("scaled_dot_product_attention", _kernel(device_type), key_name)
+        _libraries[device_type] = library
+
+
+@contextmanager
+def planned_kernels(device_type: str, *, enabled: bool = True) -> Iterator[None]:
+    """Inside, under ``device_type``'s autocast, each planned op runs in the kernel the plan chose for its
+    key (a no-op with ``enabled=False`` or for a device type without autocast). Per thread, as autocast;
+    ``mp.autocast()`` enters it for ``kernels=measured``; a hand-written loop may enter it to make the same
+    choices. No host sync (except at a measurement)."""
+    if not enabled or device_type not in _AUTOCAST_KEYS:
+        yield
+        return
+    _install(device_type)
+    previous = getattr(_state, "devices", ())
+    _state.devices = previous + (device_type,)
+    try:
+        yield
+    finally:
+        _state.devices = previous
+
+
+def describe(policy: Any, device_type: str) -> str:
+    """The decision's words for ``policy.kernels`` on ``device_type`` ("" when autocast is off)."""
+    if not policy.is_mixed:
+        return ""
+    if policy.kernels == "measured":
+        return ("; kernels=measured: scaled_dot_product_attention runs in the kernel measured fastest on this "
+                f"{device_type} at each shape (fused, fused-fp32 or matmul; mixprec.op_plan.entries())")
+    return "; kernels=native: torch.autocast's kernels"

@@ -1,0 +1,214 @@
+"""The measured op plan (mixprec.op_plan): the choice, every candidate's numerics, the cache and its key."""
+
+from __future__ import annotations
+
+import json
+import math
+import time
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+import mixprec
+import mixprec.portable_autocast
+from mixprec import op_plan
+from mixprec.cache import machine_key
+from mixprec.policy import Policy
+
+BF16_U = 2.0 ** -8   # bf16 unit roundoff (8 significand bits incl. the implicit one): |round(x) - x| <= 2^-8 |x|
+
+
+@pytest.fixture(autouse=True)
+def _own_cache(tmp_path, monkeypatch):
+    """Each test measures into its own cache directory and starts from an empty in-process plan."""
+    monkeypatch.setenv("MIXPREC_CACHE_DIR", str(tmp_path))
+    op_plan.forget()
+    yield
+    op_plan.forget()
+
+
+# ---------------------------------------------------------------------- the choice
+def test_time_candidates_picks_the_faster_by_construction():
+    slow, fast = (lambda: time.sleep(0.03)), (lambda: time.sleep(0.002))
+    chosen, times = op_plan.time_candidates({"slow": slow, "fast": fast}, default="slow")
+    assert chosen == "fast"
+    assert times["fast"] < times["slow"] and times["slow"] >= 30.0
+    chosen, _ = op_plan.time_candidates({"fast": fast, "slow": slow}, default="fast")
+    assert chosen == "fast"
+
+
+def test_time_candidates_keeps_the_default_within_the_margin_and_skips_what_is_not_offered():
+    same = lambda: time.sleep(0.01)       # noqa: E731 - two candidates of equal speed
+    chosen, times = op_plan.time_candidates({"a": same, "b": same, "c": None}, default="b")
+    assert chosen == "b" and times["c"] is None
+    with pytest.raises(ValueError, match="default"):
+        op_plan.time_candidates({"a": same, "b": None}, default="b")
+
+
+# ---------------------------------------------------------------------- numerics of every candidate
+def _inputs(shape, seed=0):
+    gen = torch.Generator().manual_seed(seed)
+    return [torch.randn(shape, generator=gen).bfloat16() for _ in range(3)]
+
+
+def _reference(q, k, v, causal):
+    """Attention in fp64 on the very bf16 values the candidates get."""
+    q64, k64, v64 = q.double(), k.double(), v.double()
+    scores = q64 @ k64.transpose(-2, -1) / math.sqrt(q.size(-1))
+    if causal:
+        keep = torch.ones(q.size(-2), k.size(-2), dtype=torch.bool).tril()
+        scores = scores.masked_fill(~keep, float("-inf"))
+    return scores, torch.softmax(scores, -1) @ v64
+
+
+@pytest.mark.parametrize("causal", [True, False])
+@pytest.mark.parametrize("candidate", ["fused", "fused-fp32", "matmul"])
+def test_every_candidate_agrees_with_the_fp64_reference_to_bf16_arithmetic(candidate, causal):
+    """Error bound from the format: the output is a convex combination of v's rows (|out| <= max|v|). Each bf16
+    rounding is a relative error <= u = 2^-8: the output's own rounding (u |out|), the probabilities' (u each,
+    summed: u max|v|), and in ``matmul`` the scores' (|s| u per score: softmax turns an error e in every score
+    into a relative error <= 2e in each probability, so 2 u max|s| max|v|). fp32 accumulation adds ~1e-6."""
+    q, k, v = _inputs((2, 3, 40, 16))
+    scores, ref = _reference(q, k, v, causal)
+    out = op_plan.CANDIDATES[candidate](q, k, v, None, 0.0, causal, None, False, torch.bfloat16)
+    assert out.dtype == torch.bfloat16
+    u = BF16_U
+    s_max = scores.masked_fill(scores == float("-inf"), 0).abs().amax(-1, keepdim=True)
+    v_max = v.double().abs().amax()
+    bound = u * ref.abs() + u * v_max + (2 * u * s_max * v_max if candidate == "matmul" else 0) + 1e-5
+    err = (out.double() - ref).abs()
+    assert (err <= bound).all(), f"{candidate}: max error {err.max():.3g}, bound there {bound.flatten()[err.argmax()]:.3g}"
+    if candidate == "fused-fp32":   # fp32 attention rounded once: within one bf16 rounding of the exact value
+        assert (err <= u * ref.abs() * 1.01 + 1e-5).all()
+
+
+@pytest.mark.parametrize("candidate", ["fused", "fused-fp32", "matmul"])
+def test_every_candidate_backpropagates_like_fp64(candidate):
+    """Gradients of q, k, v against fp64: SQNR >= 35 dB (one bf16 rounding is ~52 dB on Gaussian data; the
+    backward chains four or five of them; the fused bf16 kernel measures ~44 dB here)."""
+    q, k, v = (t.requires_grad_() for t in _inputs((2, 2, 32, 16), seed=1))
+    grad = torch.randn(2, 2, 32, 16, generator=torch.Generator().manual_seed(2))
+    out = op_plan.CANDIDATES[candidate](q, k, v, None, 0.0, True, None, False, torch.bfloat16)
+    got = torch.autograd.grad(out, (q, k, v), grad.bfloat16())
+    q64, k64, v64 = (t.detach().double().requires_grad_() for t in (q, k, v))
+    ref = torch.autograd.grad(F.scaled_dot_product_attention(q64, k64, v64, is_causal=True), (q64, k64, v64),
+                              grad.double())
+    for name, g, r in zip("qkv", got, ref):
+        assert g.dtype == torch.bfloat16
+        sqnr = 10 * torch.log10(r.pow(2).sum() / (g.double() - r).pow(2).sum())
+        assert sqnr >= 35, f"{candidate} d{name}: {sqnr:.1f} dB"
+
+
+def test_a_mask_keeps_the_matmul_form_out():
+    """A fully masked row is NaN in the matmul form and 0 in a fused kernel: with attn_mask it is not offered."""
+    q, k, v = _inputs((1, 1, 8, 4))
+    entry = op_plan.choose(q, k, v, torch.ones(8, 8, dtype=torch.bool), dtype=torch.bfloat16, grad=False)
+    assert entry.times_ms["matmul"] is None and "attn_mask" in entry.note
+    assert entry.times_ms["fused"] is not None and entry.times_ms["fused-fp32"] is not None
+
+
+# ---------------------------------------------------------------------- the plan under autocast, the cache
+def _sdpa_step(q, k, v):
+    with torch.autocast("cpu", dtype=torch.bfloat16), op_plan.planned_kernels("cpu"):
+        return F.scaled_dot_product_attention(q, k, v, is_causal=True)
+
+
+def test_autocast_runs_what_the_plan_chose_and_leaves_the_callers_rng_alone(tmp_path):
+    q, k, v = (t.float().requires_grad_() for t in _inputs((2, 2, 16, 8)))
+    key = op_plan.plan_key(q, k, v, is_causal=True, dtype=torch.bfloat16, grad=True)
+    (tmp_path / f"op-plan-{machine_key(torch.device('cpu'))}.json").write_text(
+        json.dumps({key: {"chosen": "fused-fp32", "times_ms": {"fused": 2.0, "fused-fp32": 1.0}}}))
+    out = _sdpa_step(q, k, v)
+    expected = F.scaled_dot_product_attention(q.detach(), k.detach(), v.detach(), is_causal=True).bfloat16()
+    assert torch.equal(out, expected)             # fp32 attention rounded once: the cached choice ran
+    (entry,) = op_plan.entries("cpu")
+    assert (entry.chosen, entry.source) == ("fused-fp32", "cache")
+
+    op_plan.forget()
+    torch.manual_seed(7)
+    _sdpa_step(*(t.float().requires_grad_() for t in _inputs((3, 2, 16, 8))))   # a new key: measured now
+    after = torch.rand(3)
+    torch.manual_seed(7)
+    assert torch.equal(after, torch.rand(3))      # measuring drew nothing from the caller's generator
+    assert [e.source for e in op_plan.entries("cpu")] == ["measured"]
+
+
+def test_the_cache_is_keyed_by_machine_torch_threads_and_shape(tmp_path):
+    q, k, v = (t.float() for t in _inputs((2, 2, 16, 8)))
+    with torch.no_grad():
+        _sdpa_step(q, k, v)
+    (entry,) = op_plan.entries("cpu")
+    assert entry.source == "measured" and "q[2, 2, 16, 8]" in entry.shape and entry.shape.endswith(" fwd")
+    files = list(tmp_path.glob("op-plan-*.json"))
+    assert [f.name for f in files] == [f"op-plan-{machine_key(torch.device('cpu'))}.json"]
+    assert f"torch{torch.__version__}" in files[0].name and f"threads{torch.get_num_threads()}" in files[0].name
+    assert entry.shape in json.loads(files[0].read_text())
+
+    op_plan.forget()                                # a new process on the same machine: read, not measured
+    with torch.no_grad():
+        _sdpa_step(q, k, v)
+    assert [(e.source, e.chosen) for e in op_plan.entries("cpu")] == [("cache", entry.chosen)]
+
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1 if threads > 1 else 2)
+    try:
+        assert machine_key(torch.device("cpu")) != files[0].name[len("op-plan-"):-len(".json")]
+        with torch.no_grad():
+            _sdpa_step(q, k, v)                     # another thread count: its own file, measured again
+        assert op_plan.entries("cpu")[-1].source == "measured"
+        assert len(list(tmp_path.glob("op-plan-*.json"))) == 2
+    finally:
+        torch.set_num_threads(threads)
+
+
+def test_nothing_is_measured_while_tracing():
+    from torch._subclasses.fake_tensor import FakeTensorMode
+    with FakeTensorMode():
+        q = torch.randn(2, 2, 16, 8, dtype=torch.bfloat16)
+        entry = op_plan.choose(q, q, q, None, 0.0, True, dtype=torch.bfloat16, grad=False)
+    assert entry.chosen == "fused" and entry.source.startswith("default")
+    assert op_plan.entries() == []
+
+
+# ---------------------------------------------------------------------- the policy key and the engine
+def test_kernels_key_round_trips_and_is_checked():
+    policy = Policy.parse("bf16-mixed,kernels=native")
+    assert policy.kernels == "native" and Policy.parse(str(policy)) == policy
+    assert Policy.parse("bf16-mixed").kernels == "measured" and str(Policy.parse("bf16-mixed")) == "bf16-mixed"
+    with pytest.raises(ValueError, match="kernels"):
+        Policy.parse("bf16-mixed,kernels=fastest")
+
+
+class _Attention(torch.nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.qkv, self.out = torch.nn.Linear(16, 48), torch.nn.Linear(16, 4)
+
+    def forward(self, x):
+        q, k, v = self.qkv(x).view(x.shape[0], x.shape[1], 3, 2, 8).permute(2, 0, 3, 1, 4)
+        return self.out(F.scaled_dot_product_attention(q, k, v, is_causal=True).transpose(1, 2).flatten(2))
+
+
+@pytest.mark.parametrize("kernels", ["measured", "native"])
+def test_engine_under_each_kernels_mode_equals_a_hand_loop_making_the_same_choices(kernels):
+    torch.manual_seed(0)
+    model, twin = _Attention(), _Attention()
+    twin.load_state_dict(model.state_dict())
+    mp = mixprec.MixedPrecision(model, torch.optim.AdamW(model.parameters()), policy=f"bf16-mixed,kernels={kernels}",
+                                device="cpu")
+    assert f"kernels={kernels}" in mp.decision
+    x = torch.randn(2, 12, 16)
+    with mp.autocast():
+        out = mp.model(x)
+    with torch.autocast("cpu", dtype=torch.bfloat16), mixprec.portable_autocast.portable_ops("cpu"), \
+            op_plan.planned_kernels("cpu", enabled=kernels == "measured"):
+        out_twin = twin(x)
+    assert torch.equal(out, out_twin.float())
+    planned = op_plan.entries("cpu")
+    if kernels == "native":
+        assert planned == []
+    else:
+        (entry,) = planned
+        assert entry.source == "measured" and entry.chosen in op_plan.CANDIDATES
+        assert set(entry.times_ms) == set(op_plan.CANDIDATES)
