@@ -192,6 +192,12 @@ def test_tiny_bench_results_schema(tiny_bench):
     assert cost["policy"] == "bf16-mixed" and cost["method"] == "interleaved" and cost["timed_steps_each"] == 20
     ms_ratio = cost["portable_step_ms_median"] / cost["native_step_ms_median"]   # medians rounded to 0.01 ms
     assert cost["ratio_portable_over_native"] == pytest.approx(ms_ratio, rel=0.01 / cost["native_step_ms_median"] * 2)
+    assert fp32["op_plan"] == []   # autocast off: nothing planned
+    plan = {e["shape"].split()[-1]: e for e in bf16["op_plan"]}   # the tiny GPT's attention: training and eval keys
+    assert set(plan) == {"fwd+bwd", "fwd"} and "kernels=measured" in bf16["decision"]
+    for e in plan.values():
+        assert e["op"] == "scaled_dot_product_attention" and e["chosen"] in ("fused", "fused-fp32", "matmul")
+        assert e["source"] in ("measured", "cache") and e["times_ms"][e["chosen"]] > 0
 
 
 def test_tiny_bench_skips_non_native_fp16(tiny_bench):
@@ -225,6 +231,7 @@ def test_tiny_bench_writes_report_and_plots(tiny_bench):
     assert results["command"] in report
     assert "**fp16-mixed: SKIPPED**" in report and "**bf16-mixed: PASS**" in report
     assert "Portable ops (`ops=portable`, the default" in report and "with `ops=native`" in report
+    assert "## Op plan" in report and "| bf16-mixed | scaled_dot_product_attention |" in report
 
 
 USER_WORKLOAD = textwrap.dedent('''

@@ -17,6 +17,7 @@ Anything else is ``train`` and a FAIL).
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import math
 import os
@@ -34,6 +35,7 @@ import torch
 from mixprec.bench.measure import MemoryMeter, median_step_ms, state_bytes, synchronize, warmup_excess_s
 from mixprec.devices import resolve_policy
 from mixprec.distributed import init_process_group_from_env, shard_batches, sum_across_ranks, world_size
+from mixprec import op_plan
 from mixprec.engine import MixedPrecision, StepResult
 from mixprec.optim import SGD, AdamW
 from mixprec.policy import Policy
@@ -214,6 +216,7 @@ def run_policy(spec: RunSpec, progress: Callable[[int], None] | None = None) -> 
         "requested": spec.policy,
         "policy": str(mp.policy),
         "decision": mp.decision,
+        "op_plan": [dataclasses.asdict(e) for e in op_plan.entries(mp.device.type)],
         "compute_dtype": compute,
         "device": str(mp.device),
         "pid": os.getpid(),
