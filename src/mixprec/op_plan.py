@@ -31,9 +31,11 @@ untouched) by :func:`time_candidates`: one warm-up each, then the best of :data:
 forward (+ backward) rounds. Host syncs: at measurement only (CUDA:
 ``synchronize`` around each run). The plan is cached per process and on disk by machine
 (:func:`mixprec.cache.machine_key`: device name, torch version, thread count) and key, so a second run of
-the same model measures nothing and chooses the same. While torch.compile, a FakeTensor or another
-dispatch mode traces the op nothing is measured: the cached choice is used, else ``fused``, and the entry
-says so. :func:`entries` lists what was chosen in this process (op, shape, choice, every candidate's time):
+the same model measures nothing and chooses the same; a measurement whose rounds spread over
+:data:`NOISY_SPREAD` (a busy machine) is used in this process only. While torch.compile, a FakeTensor or
+another dispatch mode traces the op, the measurement runs on real stand-ins of the traced shapes (outside
+the modes) and the graph keeps the chosen kernel; with symbolic shapes nothing is measured (``fused``, and
+the entry says so). :func:`entries` lists what was chosen in this process (op, shape, choice, every candidate's time):
 the engine's decision names the mechanism, the bench's report.md prints the table.
 
 Mechanism: a ``torch.library`` kernel for the op on the device's autocast key (``AutocastCPU``,
@@ -59,12 +61,14 @@ import torch.nn.functional as F
 from mixprec.cache import cache_dir, machine_key, read_json, write_json
 
 __all__ = ["PlanEntry", "planned_kernels", "choose", "entries", "forget", "time_candidates", "describe", "MARGIN",
-           "REPEATS", "MATMUL_SCORES_LIMIT", "CANDIDATES", "plan_key"]
+           "REPEATS", "MATMUL_SCORES_LIMIT", "NOISY_SPREAD", "Timing", "CANDIDATES", "plan_key"]
 
 MARGIN = 0.05                     # another candidate replaces the default only when ≥ 5 % faster
 REPEATS = 5                       # timed runs per candidate after one warm-up (best of)
 MATMUL_SCORES_LIMIT = 256 << 20   # bytes of fp32 scores above which the matmul form is not offered
+NOISY_SPREAD = 1.5                # a candidate's slowest round over its fastest: above it, not cached
 _DEFAULT = "fused"
+_TRACED = "default (traced, not measured)"
 _AUTOCAST_KEYS = {"cpu": "AutocastCPU", "cuda": "AutocastCUDA", "mps": "AutocastMPS"}
 _SDPA = torch.ops.aten.scaled_dot_product_attention.default
 
@@ -152,12 +156,28 @@ def plan_key(q, k, v, attn_mask=None, dropout_p=0.0, is_causal=False, scale=None
             f"gqa={enable_gqa} {'fwd+bwd' if grad else 'fwd'}")
 
 
+@dataclass(frozen=True)
+class Timing:
+    """What :func:`time_candidates` found: ``chosen``, each candidate's best time in ms (None: not offered), and
+    ``spread``: the largest ratio of a candidate's slowest to its fastest timed round (1.0 on a quiet machine)."""
+
+    chosen: str
+    times_ms: dict[str, float | None]
+    spread: float
+
+    @property
+    def noisy(self) -> bool:
+        """True when ``spread`` exceeds :data:`NOISY_SPREAD`: the machine was busy; the choice is not cached."""
+        return self.spread > NOISY_SPREAD
+
+
 def time_candidates(runs: dict[str, Callable[[], Any] | None], *, default: str,
-                    device: torch.device | str = "cpu") -> tuple[str, dict[str, float | None]]:
+                    device: torch.device | str = "cpu") -> Timing:
     """Time each zero-argument callable of ``runs`` (None: not offered) and pick one: one warm-up call each, then
-    :data:`REPEATS` interleaved rounds (A B C A B C ...), each candidate's best call in ms (a candidate whose
-    warm-up took over 3x the fastest warm-up has lost and is not repeated; its warm-up time is reported). ``default`` is chosen unless another candidate is at least :data:`MARGIN` faster.
-    Returns (chosen, candidate → ms or None). Host syncs: CUDA ``synchronize`` around each call."""
+    :data:`REPEATS` interleaved rounds (A B C A B C ...: drift hits every candidate alike), each candidate's best
+    call in ms. A candidate whose warm-up took over 3x the fastest warm-up has lost and is not repeated (its
+    warm-up time is reported). ``default`` is chosen unless another candidate is at least :data:`MARGIN`
+    faster. Raises ValueError when ``default`` is not offered. Host syncs: CUDA ``synchronize`` around each call."""
     device = torch.device(device)
     if runs.get(default) is None:
         raise ValueError(f"time_candidates(default={default!r}): the default must be one of the offered "
@@ -172,29 +192,31 @@ def time_candidates(runs: dict[str, Callable[[], Any] | None], *, default: str,
             torch.cuda.synchronize(device)
         return (time.perf_counter() - start) * 1e3
     warm = {name: once(run) for name, run in runs.items() if run is not None}
-    times: dict[str, float | None] = {name: None if run is None else warm[name] for name, run in runs.items()}
     live = [name for name in warm if warm[name] <= 3 * min(warm.values()) or name == default]
-    for _ in range(REPEATS):          # interleaved rounds: drift on a shared machine hits every candidate alike
+    rounds: dict[str, list[float]] = {name: [] for name in live}
+    for _ in range(REPEATS):
         for name in live:
-            times[name] = min(times[name], once(runs[name]))
-    times = {name: None if t is None else round(t, 3) for name, t in times.items()}
+            rounds[name].append(once(runs[name]))
+    times = {name: None if run is None else round(min(rounds[name]) if name in rounds else warm[name], 3)
+             for name, run in runs.items()}
+    spread = max(max(r) / min(r) for r in rounds.values())
     fastest = min((t, n) for n, t in times.items() if t is not None)[1]
-    return (fastest if times[fastest] < (1 - MARGIN) * times[default] else default), times
+    return Timing(fastest if times[fastest] < (1 - MARGIN) * times[default] else default, times, round(spread, 3))
 
 
-def _measure(q, k, v, attn_mask, dropout_p, is_causal, scale, enable_gqa, dtype, grad) -> tuple[str, dict, str]:
+def _measure(q, k, v, attn_mask, dropout_p, is_causal, scale, enable_gqa, dtype, grad) -> tuple[Timing, str]:
     device = q.device
     why_not = _offered(q, k, attn_mask)
     with torch.random.fork_rng(devices=[device] if device.type == "cuda" else []), \
             torch.autocast(device.type, enabled=False):
         gen = torch.Generator(device=device).manual_seed(0)
 
-        def like(t):
-            if t is None or not t.is_floating_point():
-                return t
-            return torch.randn(t.shape, dtype=t.dtype, device=device, generator=gen).requires_grad_(grad)
-        args = (like(q), like(k), like(v), attn_mask if attn_mask is None or not attn_mask.is_floating_point()
-                else torch.zeros_like(attn_mask), dropout_p, is_causal, scale, enable_gqa)
+        def like(t):   # a stand-in of the same shape, dtype and device (a traced tensor has no data)
+            return torch.randn(tuple(t.shape), dtype=t.dtype, device=device, generator=gen).requires_grad_(grad)
+        mask = None if attn_mask is None else (
+            torch.zeros if attn_mask.is_floating_point() else torch.ones)(tuple(attn_mask.shape), dtype=attn_mask.dtype,
+                                                                         device=device)
+        args = (like(q), like(k), like(v), mask, dropout_p, is_causal, scale, enable_gqa)
 
         def runner(fn: Callable) -> Callable[[], None]:
             def run() -> None:
@@ -203,10 +225,13 @@ def _measure(q, k, v, attn_mask, dropout_p, is_causal, scale, enable_gqa, dtype,
                     if grad:
                         torch.autograd.backward(out, torch.ones_like(out))
             return run
-        chosen, times = time_candidates({n: None if why_not[n] else runner(fn) for n, fn in CANDIDATES.items()},
-                                        default=_DEFAULT, device=device)
-    note = "; ".join(f"{n} {w}" for n, w in why_not.items() if w)
-    return chosen, times, note
+        timing = time_candidates({n: None if why_not[n] else runner(fn) for n, fn in CANDIDATES.items()},
+                                 default=_DEFAULT, device=device)
+    notes = [f"{n} {w}" for n, w in why_not.items() if w]
+    if timing.noisy:
+        notes.append(f"timings noisy (a candidate's rounds spread {timing.spread:.2f}x): kept for this process, "
+                     "not cached")
+    return timing, "; ".join(notes)
 
 
 def _cache_file(device: torch.device):
@@ -216,6 +241,15 @@ def _cache_file(device: torch.device):
 def _traced(q: torch.Tensor) -> bool:
     from torch.utils._python_dispatch import is_in_torch_dispatch_mode
     return type(q) is not torch.Tensor or torch.compiler.is_compiling() or is_in_torch_dispatch_mode()
+
+
+@contextmanager
+def _outside_tracing() -> Iterator[None]:
+    """Real tensors while torch.compile / a dispatch mode traces (the measurement runs real kernels)."""
+    from torch._subclasses.fake_tensor import unset_fake_temporarily
+    from torch.utils._python_dispatch import _disable_current_modes
+    with unset_fake_temporarily(), _disable_current_modes(), torch._C._DisablePythonDispatcher():
+        yield
 
 
 def choose(q, k, v, attn_mask=None, dropout_p=0.0, is_causal=False, scale=None, enable_gqa=False, *,
@@ -228,7 +262,7 @@ def choose(q, k, v, attn_mask=None, dropout_p=0.0, is_causal=False, scale=None, 
     where = (device.type, torch.get_num_threads())
     plan = _plans.setdefault(where, {})
     entry = plan.get(key)
-    if entry is not None:
+    if entry is not None and (entry.source != _TRACED or _traced(q)):
         return entry
     with _lock:
         if where not in _disk:
@@ -237,16 +271,18 @@ def choose(q, k, v, attn_mask=None, dropout_p=0.0, is_causal=False, scale=None, 
     if isinstance(cached, dict) and cached.get("chosen") in CANDIDATES:
         entry = PlanEntry("scaled_dot_product_attention", key, cached["chosen"], dict(cached.get("times_ms", {})),
                           "cache", cached.get("note", ""))
-    elif _traced(q):
-        return PlanEntry("scaled_dot_product_attention", key, _DEFAULT, {}, "default (traced, not measured)")
+    elif _traced(q) and not all(isinstance(d, int) for t in (q, k, v) for d in t.shape):
+        entry = PlanEntry("scaled_dot_product_attention", key, _DEFAULT, {}, _TRACED)
     else:
-        chosen, times, note = _measure(q, k, v, attn_mask, dropout_p, is_causal, scale, enable_gqa, dtype, grad)
-        entry = PlanEntry("scaled_dot_product_attention", key, chosen, times, "measured", note)
-        with _lock:
-            on_disk = read_json(_cache_file(device))
-            on_disk[key] = {"chosen": chosen, "times_ms": times, "note": note}
-            write_json(_cache_file(device), on_disk)
-            _disk[where] = on_disk
+        with _outside_tracing():
+            timing, note = _measure(q, k, v, attn_mask, dropout_p, is_causal, scale, enable_gqa, dtype, grad)
+        entry = PlanEntry("scaled_dot_product_attention", key, timing.chosen, timing.times_ms, "measured", note)
+        if not timing.noisy:
+            with _lock:
+                on_disk = read_json(_cache_file(device))
+                on_disk[key] = {"chosen": timing.chosen, "times_ms": timing.times_ms, "note": note}
+                write_json(_cache_file(device), on_disk)
+                _disk[where] = on_disk
     plan[key] = entry
     return entry
 
