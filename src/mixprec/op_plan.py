@@ -60,7 +60,7 @@ import torch.nn.functional as F
 
 from mixprec.cache import cache_dir, machine_key, read_json, write_json
 
-__all__ = ["PlanEntry", "planned_kernels", "choose", "entries", "forget", "time_candidates", "describe", "MARGIN",
+__all__ = ["PlanEntry", "planned_kernels", "choose", "entries", "summary", "forget", "time_candidates", "describe", "MARGIN",
            "REPEATS", "MATMUL_SCORES_LIMIT", "NOISY_SPREAD", "Timing", "CANDIDATES", "plan_key"]
 
 MARGIN = 0.05                     # another candidate replaces the default only when ≥ 5 % faster
@@ -290,6 +290,14 @@ def choose(q, k, v, attn_mask=None, dropout_p=0.0, is_causal=False, scale=None, 
 def entries(device_type: str | None = None) -> list[PlanEntry]:
     """What the plan chose in this process (every device, or ``device_type``'s), in first-use order."""
     return [e for (d, _), plan in _plans.items() if device_type in (None, d) for e in plan.values()]
+
+
+def summary(device_type: str | None = None) -> list[str]:
+    """One line per entry of :func:`entries`: the key, the choice, its source and every candidate's time."""
+    def ms(t: float | None) -> str:
+        return "-" if t is None else f"{t:.2f} ms"
+    return [f"{e.shape} -> {e.chosen} ({e.source}; " + ", ".join(f"{n} {ms(t)}" for n, t in e.times_ms.items()) + ")"
+            for e in entries(device_type)]
 
 
 def forget() -> None:

@@ -41,6 +41,7 @@ from typing import Any
 
 import torch
 
+from mixprec import op_plan
 from mixprec.checkpoint import LATEST, load_checkpoint, read_manifest, resolve_checkpoint, save_checkpoint
 from mixprec.distributed import (any_across_ranks, is_main_process, load_distributed_checkpoint, rank,
                                  read_distributed_manifest, save_distributed_checkpoint, shard_batches)
@@ -341,6 +342,7 @@ def run_training(workload: Any, *, policy: str = "auto", steps: int, out: str | 
     else:
         ema_note = f" (EMA {eval_metrics['ema_loss']:.4f})" if averager is not None else ""
         print(f"final eval loss {eval_metrics['loss']:.4f}{ema_note}; wrote {metrics_path} and {path}")
+        print("".join(f"op plan: {line}\n" for line in op_plan.summary(mp.device.type)), end="")
         if strategy is None and mp.frozen_names():   # LoRA / partly frozen: the trained params alone, small
             from safetensors.torch import save_file
 
