@@ -17,7 +17,7 @@ from pathlib import Path
 
 import torch
 
-__all__ = ["cache_dir", "machine_key", "read_json", "write_json"]
+__all__ = ["cache_dir", "cpu_name", "machine_key", "read_json", "write_json"]
 
 log = logging.getLogger("mixprec")
 
@@ -30,6 +30,18 @@ def cache_dir() -> Path:
     return Path(os.environ.get("XDG_CACHE_HOME", os.path.expanduser("~/.cache"))) / "mixprec"
 
 
+def cpu_name() -> str:
+    """This CPU's model name (``/proc/cpuinfo``), else what :mod:`platform` knows."""
+    try:
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            key, _, value = line.partition(":")
+            if key.strip() == "model name":
+                return value.strip()
+    except OSError:
+        pass
+    return platform.processor() or platform.machine()
+
+
 def machine_key(device: torch.device) -> str:
     """``<device name>-torch<version>-threads<n>``, safe as a file name: what a timing depends on."""
     if device.type == "cuda":
@@ -37,7 +49,7 @@ def machine_key(device: torch.device) -> str:
     elif device.type == "mps":
         name = f"mps-{platform.machine()}"
     else:
-        name = f"{platform.machine()}-{platform.processor() or 'cpu'}"
+        name = f"{platform.machine()}-{cpu_name()}"
     key = f"{name}-torch{torch.__version__}-threads{torch.get_num_threads()}"
     return "".join(c if c.isalnum() or c in "-_.+" else "_" for c in key)
 

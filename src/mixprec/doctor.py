@@ -31,7 +31,9 @@ from pathlib import Path
 
 import torch
 
+from mixprec.cache import cache_dir, cpu_name
 from mixprec.devices import normalize_device, resolve
+from mixprec.op_plan import cached as cached_plan
 from mixprec.portable_autocast import op_table
 
 __all__ = ["MatmulPeak", "DTYPES", "synchronize", "cpu_flags", "cpu_name", "cache_dir",
@@ -90,22 +92,6 @@ def cpu_flags() -> list[str]:
         if key.strip() in ("flags", "Features"):
             present.update(value.split())
     return [f for f in _CPU_FLAGS if f in present]
-
-
-def cpu_name() -> str:
-    for line in _cpuinfo().splitlines():
-        key, _, value = line.partition(":")
-        if key.strip() == "model name":
-            return value.strip()
-    return platform.processor() or platform.machine()
-
-
-def cache_dir() -> Path:
-    """``$MIXPREC_CACHE_DIR``, else ``$XDG_CACHE_HOME/mixprec``, else ``~/.cache/mixprec``."""
-    root = os.environ.get("MIXPREC_CACHE_DIR")
-    if root:
-        return Path(root)
-    return Path(os.environ.get("XDG_CACHE_HOME", os.path.expanduser("~/.cache"))) / "mixprec"
 
 
 def _device_name(device: torch.device) -> str:
@@ -258,6 +244,8 @@ def _device_report(device: torch.device, *, measure: bool) -> dict:
     report.update(dtypes=dtype_support(device), matmul={k: asdict(v) for k, v in peaks.items()},
                   auto_policy=auto_policy, auto_reason=auto_reason, peaks_cache=str(cache) if cache else None,
                   autocast_ops=_autocast_ops(device))
+    plan_path, plan = cached_plan(device)
+    report.update(op_plan_cache=plan_path, op_plan={key: value.get("chosen") for key, value in plan.items()})
     return report
 
 
@@ -318,4 +306,8 @@ def format_doctor(report: dict) -> str:
             lines += [f"    {category}: {' '.join(names)}" for category, names in categories.items()]
         if dev["peaks_cache"]:
             lines.append(f"  peaks cached at {dev['peaks_cache']}")
+        if "op_plan" in dev:
+            lines.append(f"  op plan (kernels=measured): {len(dev['op_plan'])} keys measured on this machine, cached at "
+                         f"{dev['op_plan_cache']}" + (":" if dev["op_plan"] else ""))
+            lines += [f"    {key} -> {chosen}" for key, chosen in dev["op_plan"].items()]
     return "\n".join(lines)

@@ -60,7 +60,7 @@ import torch.nn.functional as F
 
 from mixprec.cache import cache_dir, machine_key, read_json, write_json
 
-__all__ = ["PlanEntry", "planned_kernels", "choose", "entries", "summary", "forget", "time_candidates", "describe", "MARGIN",
+__all__ = ["PlanEntry", "planned_kernels", "choose", "entries", "summary", "cached", "forget", "time_candidates", "describe", "MARGIN",
            "REPEATS", "MATMUL_SCORES_LIMIT", "NOISY_SPREAD", "Timing", "CANDIDATES", "plan_key"]
 
 MARGIN = 0.05                     # another candidate replaces the default only when ≥ 5 % faster
@@ -298,6 +298,13 @@ def summary(device_type: str | None = None) -> list[str]:
         return "-" if t is None else f"{t:.2f} ms"
     return [f"{e.shape} -> {e.chosen} ({e.source}; " + ", ".join(f"{n} {ms(t)}" for n, t in e.times_ms.items()) + ")"
             for e in entries(device_type)]
+
+
+def cached(device: torch.device | str = "cpu") -> tuple[str, dict[str, dict]]:
+    """This machine's cache file for ``device`` (its path) and what it holds: key → chosen, times_ms, note."""
+    device = torch.device(device)
+    path = _cache_file(device)
+    return str(path), read_json(path)
 
 
 def forget() -> None:
