@@ -110,6 +110,20 @@ def test_noisy_timings_are_flagged(monkeypatch):
     assert timing.spread > op_plan.NOISY_SPREAD and timing.noisy
 
 
+def test_torch_has_the_autocast_kernels_the_plan_replaces():
+    """Outside the plan the replacement casts to the autocast dtype, as torch's own kernel for these keys does: a
+    torch release without them (the op falling through autocast) would make that a change, so it fails here."""
+    for key in ("AutocastCPU", "AutocastCUDA"):
+        assert torch._C._dispatch_has_kernel_for_dispatch_key("aten::scaled_dot_product_attention", key)
+    q, k, v = (t.float() for t in _inputs((1, 2, 8, 4)))
+    before = F.scaled_dot_product_attention(q.bfloat16(), k.bfloat16(), v.bfloat16())   # torch's kernel: cast, run
+    with op_plan.planned_kernels("cpu"):
+        pass                                          # installs the replacement
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        after = F.scaled_dot_product_attention(q, k, v)
+    assert before.dtype == after.dtype == torch.bfloat16 and torch.equal(before, after)
+
+
 def test_a_mask_keeps_the_matmul_form_out():
     """A fully masked row is NaN in the matmul form and 0 in a fused kernel: with attn_mask it is not offered."""
     q, k, v = _inputs((1, 1, 8, 4))

@@ -39,8 +39,8 @@ the entry says so). :func:`entries` lists what was chosen in this process (op, s
 the engine's decision names the mechanism, the bench's report.md prints the table.
 
 Mechanism: a ``torch.library`` kernel for the op on the device's autocast key (``AutocastCPU``,
-``AutocastCUDA``, ``AutocastMPS``), replacing torch's C++ one the first time a ``kernels=measured`` engine
-enters autocast on that device. Outside :func:`planned_kernels` it does what torch's kernel does (cast the
+``AutocastCUDA``), replacing torch's C++ one (a lower-precision cast, checked to exist by the tests) the
+first time a ``kernels=measured`` engine enters autocast on that device. On MPS nothing is planned. Outside :func:`planned_kernels` it does what torch's kernel does (cast the
 floating inputs to the autocast dtype and run the op with autocast off).
 """
 
@@ -69,7 +69,8 @@ MATMUL_SCORES_LIMIT = 256 << 20   # bytes of fp32 scores above which the matmul 
 NOISY_SPREAD = 1.5                # a candidate's slowest round over its fastest: above it, not cached
 _DEFAULT = "fused"
 _TRACED = "default (traced, not measured)"
-_AUTOCAST_KEYS = {"cpu": "AutocastCPU", "cuda": "AutocastCUDA", "mps": "AutocastMPS"}
+# where torch's autocast has its own sdpa kernel (lower precision) for this one to replace; MPS: not planned
+_AUTOCAST_KEYS = {"cpu": "AutocastCPU", "cuda": "AutocastCUDA"}
 _SDPA = torch.ops.aten.scaled_dot_product_attention.default
 
 
