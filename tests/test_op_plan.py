@@ -130,6 +130,9 @@ def test_a_mask_keeps_the_matmul_form_out():
     entry = op_plan.choose(q, k, v, torch.ones(8, 8, dtype=torch.bool), dtype=torch.bfloat16, grad=False)
     assert entry.times_ms["matmul"] is None and "attn_mask" in entry.note
     assert entry.times_ms["fused"] is not None and entry.times_ms["fused-fp32"] is not None
+    q16 = q.half()                               # fp16 scores could overflow: not offered under fp16 either
+    entry = op_plan.choose(q16, q16, q16, is_causal=True, dtype=torch.float16, grad=False)
+    assert entry.times_ms["matmul"] is None and "fp16" in entry.note
 
 
 # ---------------------------------------------------------------------- the plan under autocast, the cache

@@ -17,8 +17,9 @@ Planned ops and candidates (``scaled_dot_product_attention``; the autocast dtype
   the autocast dtype. More exact than ``fused``.
 * ``matmul``: ``q·kᵀ`` as an autocast-dtype matmul (scores rounded once to it), scale, causal mask and
   softmax in fp32, probabilities cast to the autocast dtype, then ``·v`` (Hugging Face's "eager"
-  attention). Offered without ``attn_mask`` only (a fully masked row is NaN here and 0 in a fused kernel),
-  and only while its fp32 scores stay under :data:`MATMUL_SCORES_LIMIT` bytes.
+  attention). Offered under bf16 only (fp16 scores could overflow), without ``attn_mask`` (a fully masked
+  row is NaN here and 0 in a fused kernel), and while its fp32 scores stay under :data:`MATMUL_SCORES_LIMIT`
+  bytes.
 
 Every candidate meets the numerics contract: softmax accumulates in fp32 in all three, and each returns
 the autocast dtype, so what follows the op sees the same dtypes whatever was chosen.
@@ -136,11 +137,13 @@ def _matmul(q, k, v, attn_mask, dropout_p, is_causal, scale, enable_gqa, dtype):
 CANDIDATES: dict[str, Callable] = {"fused": _fused, "fused-fp32": _fused_fp32, "matmul": _matmul}
 
 
-def _offered(q, k, attn_mask) -> dict[str, str]:
+def _offered(q, k, attn_mask, dtype: torch.dtype) -> dict[str, str]:
     """Candidate → why it is not offered at this key ("" when it is)."""
     scores = 4 * math.prod(q.shape[:-1]) * k.size(-2)
     why_not = {name: "" for name in CANDIDATES}
-    if attn_mask is not None:
+    if dtype == torch.float16:
+        why_not["matmul"] = "not offered under fp16 (its fp16 scores could overflow at 65504)"
+    elif attn_mask is not None:
         why_not["matmul"] = "not offered with attn_mask"
     elif scores > MATMUL_SCORES_LIMIT:
         why_not["matmul"] = f"not offered: its fp32 scores would take {scores / 2**20:.0f} MiB"
@@ -207,7 +210,7 @@ def time_candidates(runs: dict[str, Callable[[], Any] | None], *, default: str,
 
 def _measure(q, k, v, attn_mask, dropout_p, is_causal, scale, enable_gqa, dtype, grad) -> tuple[Timing, str]:
     device = q.device
-    why_not = _offered(q, k, attn_mask)
+    why_not = _offered(q, k, attn_mask, dtype)
     with torch.random.fork_rng(devices=[device] if device.type == "cuda" else []), \
             torch.autocast(device.type, enabled=False):
         gen = torch.Generator(device=device).manual_seed(0)
