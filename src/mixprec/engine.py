@@ -471,30 +471,7 @@ class MixedPrecision:
         ``"escalate"`` event, appended to :attr:`events` when ``record``. No host sync. Raises RuntimeError
         mid-accumulation; ValueError (nothing changed) when the device, optimizer or strategy cannot run
         ``policy`` or it changes the fp8 linears."""
-        self._check_boundary("set_policy()", "change the policy")
-        new = resolve(policy, self.device).policy
-        check_fp8_unchanged(self.policy, new)
-        self._strategy.refuse("set_policy")
-        prepared = reprepare(self.module, self.optimizer, self.masters, self._frozen, new, self._strategy)
-        self._regions.remove()
-        old, self.policy, self.masters = self.policy, new, prepared.masters
-        self._frozen.store(prepared.plan)
-        scale_note = "loss scale kept"
-        if loss_scale is not None or new.loss_scale != old.loss_scale:
-            self.loss_scale = _make_loss_scale(new, loss_scale, self.device)
-            scale_note = f"loss scale now {type(self.loss_scale).__name__}"
-        note = self._regions.install(self.module, new, self.device.type, prepared.keep, set(prepared.plan.frozen16))
-        self.model.zero_grad(set_to_none=True)
-        self.decision = (f"{new} on {self.device} (set_policy at boundary {self.boundaries}: {cause}; was {old})"
-                         + self._compile.note(new) + note)
-        event = {"step": self.boundaries, "kind": "escalate", "cause": cause, "module": module,
-                 "detail": f"{old} → {new}: params re-cast from their fp32 values (frozen and just-unfrozen ones from "
-                           f"their stored values), optimizer state of {prepared.carried} tensor(s) carried over, "
-                           f"{scale_note}", "from": str(old), "to": str(new)}
-        self.events.extend([event] if record else [])
-        (log.warning if new != old else log.info)("mixprec: policy %s → %s at boundary %d (%s)", old, new,
-                                                   self.boundaries, cause)
-        return event
+        return _set_policy(self, policy, cause=cause, module=module, loss_scale=loss_scale, record=record)
 
     def unfreeze(self, *patterns: str, **group_options: Any) -> dict:
         """Train the frozen params whose names match a pattern (``fnmatch``) from this boundary on, stored
@@ -542,20 +519,7 @@ class MixedPrecision:
         backward and step raise RuntimeError). ``to_fp32=True``: every floating param becomes fp32 in
         place with its best value (master, else param plus Kahan compensation), for inference or export;
         ValueError under a strategy, RuntimeError mid-accumulation. No host sync but adoptions'."""
-        if to_fp32:
-            self._strategy.refuse("to_fp32")
-            if self.micro_step != 0:
-                raise RuntimeError("unwrap(to_fp32=True) mid-accumulation; call it after mp.step() returns a result")
-            self._adopt_edited_params()
-            has_master = {id(p) for p, _ in self.masters.pairs}
-            for p, value_fp32 in zip(self.masters.params, self._fp32_values()):
-                if p.is_floating_point() and (p.dtype != torch.float32 or id(p) in has_master):
-                    p.data = value_fp32
-        self._regions.remove()
-        self._checks.remove()
-        release(self)
-        self._unwrapped = True
-        return self.module
+        return _unwrap(self, to_fp32)
 
     # ------------------------------------------------------------------ views and state
     @property
@@ -663,3 +627,50 @@ class MixedPrecision:
             raise RuntimeError(f"{call} after mp.unwrap(): the engine's hooks (output cast, keep_fp32 regions, fp32 "
                                "embedding lookups) are gone, so it would train with other numerics; build a new "
                                "MixedPrecision on the model to go on")
+
+
+def _set_policy(mp: MixedPrecision, policy: str | Policy, *, cause: str, module: str | None, loss_scale: Any,
+                record: bool) -> dict:
+    """:meth:`MixedPrecision.set_policy`'s body (out of the class to keep it short)."""
+    mp._check_boundary("set_policy()", "change the policy")
+    new = resolve(policy, mp.device).policy
+    check_fp8_unchanged(mp.policy, new)
+    mp._strategy.refuse("set_policy")
+    prepared = reprepare(mp.module, mp.optimizer, mp.masters, mp._frozen, new, mp._strategy)
+    mp._regions.remove()
+    old, mp.policy, mp.masters = mp.policy, new, prepared.masters
+    mp._frozen.store(prepared.plan)
+    scale_note = "loss scale kept"
+    if loss_scale is not None or new.loss_scale != old.loss_scale:
+        mp.loss_scale = _make_loss_scale(new, loss_scale, mp.device)
+        scale_note = f"loss scale now {type(mp.loss_scale).__name__}"
+    note = mp._regions.install(mp.module, new, mp.device.type, prepared.keep, set(prepared.plan.frozen16))
+    mp.model.zero_grad(set_to_none=True)
+    mp.decision = (f"{new} on {mp.device} (set_policy at boundary {mp.boundaries}: {cause}; was {old})"
+                   + mp._compile.note(new) + note)
+    event = {"step": mp.boundaries, "kind": "escalate", "cause": cause, "module": module,
+             "detail": f"{old} → {new}: params re-cast from their fp32 values (frozen and just-unfrozen ones from "
+                       f"their stored values), optimizer state of {prepared.carried} tensor(s) carried over, "
+                       f"{scale_note}", "from": str(old), "to": str(new)}
+    mp.events.extend([event] if record else [])
+    (log.warning if new != old else log.info)("mixprec: policy %s → %s at boundary %d (%s)", old, new,
+                                               mp.boundaries, cause)
+    return event
+
+
+def _unwrap(mp: MixedPrecision, to_fp32: bool) -> nn.Module:
+    """:meth:`MixedPrecision.unwrap`'s body."""
+    if to_fp32:
+        mp._strategy.refuse("to_fp32")
+        if mp.micro_step != 0:
+            raise RuntimeError("unwrap(to_fp32=True) mid-accumulation; call it after mp.step() returns a result")
+        mp._adopt_edited_params()
+        has_master = {id(p) for p, _ in mp.masters.pairs}
+        for p, value_fp32 in zip(mp.masters.params, mp._fp32_values()):
+            if p.is_floating_point() and (p.dtype != torch.float32 or id(p) in has_master):
+                p.data = value_fp32
+    mp._regions.remove()
+    mp._checks.remove()
+    release(mp)
+    mp._unwrapped = True
+    return mp.module
