@@ -342,9 +342,12 @@ def test_bad_arguments_are_named():
 
 def test_case25_no_silent_fp32_run_decision_names_effective_policy():
     mp = MixedPrecision(*with_opt(tiny_lm(), torch.optim.AdamW), policy="auto", device="cpu")
-    cap = mixprec.probe("cpu")
-    assert str(mp.policy) in mp.decision and mp.decision.startswith("auto → ")
-    assert mp.policy.compute_dtype == (torch.bfloat16 if cap.bf16_fast else torch.float32)
+    assert mp.decision.startswith("auto: pending") and str(mp.policy) == "fp32"   # decided at the first forward
+    with mp.autocast():
+        loss = mp.model(torch.randint(0, 16, (2, 8))).float().mean()
+    mp.backward(loss)
+    mp.step()
+    assert str(mp.policy) in mp.decision and mp.decision.startswith(f"auto → {mp.policy}: measured on this model")
     with mp.autocast():   # the effective compute dtype is what autocast really runs
         y = nn.Linear(4, 4)(torch.randn(2, 4))
     assert y.dtype == mp.policy.compute_dtype

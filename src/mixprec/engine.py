@@ -33,6 +33,7 @@ from mixprec.loop_checks import LoopChecks
 from mixprec.loss_scale import from_spec as loss_scale_from_spec
 from mixprec.masters import MasterWeights, claim, release
 from mixprec.optim import contract
+from mixprec.pending_auto import PendingAuto, pending_resolution
 from mixprec.policy import Policy, cast_floating
 from mixprec.op_plan import describe as describe_kernels
 from mixprec.op_plan import planned_kernels
@@ -241,6 +242,9 @@ class MixedPrecision:
         device = self._strategy.device(device)
         resolution = resolve(policy, device, allow_fallback=allow_fallback)
         resolution = self._strategy.agree_resolution(resolution, resolution.device)
+        probe_resolution, (resolution, candidates) = resolution, pending_resolution(
+            policy, resolution, strategy=strategy, compiled_in_place=self._compile.compiled_in_place)
+        self._auto = PendingAuto(candidates, probe_resolution, loss_scale)   # auto timed at the first forward
         self.policy: Policy = resolution.policy
         self.device: torch.device = resolution.device
         self.decision: str = resolution.decision
@@ -296,6 +300,7 @@ class MixedPrecision:
         self._checks = LoopChecks(self, self._adopt_model_edits)
         self._checks.install()
         self._set_gradient_sync()
+        self._auto.install(self)
         log.info("mixprec: %s", self.decision)
 
     # ------------------------------------------------------------------ the step
@@ -307,7 +312,8 @@ class MixedPrecision:
         self._check_usable("mp.autocast()")
         with torch.autocast(self.device.type, dtype=self.policy.compute_dtype, enabled=self.policy.is_mixed), \
                 portable_ops(self.device.type, enabled=self.policy.ops == "portable"), eager_dtypes(self.policy), \
-                planned_kernels(self.device.type, enabled=self.policy.kernels == "measured"):
+                planned_kernels(self.device.type, enabled=self.policy.kernels == "measured"), \
+                self._auto.block():   # auto pending: its decision at the first forward may switch autocast on
             yield
 
     def cast_inputs(self, batch: Any, *, keep: tuple[str, ...] = ()) -> Any:
@@ -344,6 +350,7 @@ class MixedPrecision:
         _check_loss(loss)
         self._check_usable("mp.backward()")
         self._frozen.check_not_thawed()
+        self._auto.before_backward()
         new_micro_batch = self._step_pending != _RETAINED   # a retained graph's next loss: the same micro-batch
         if new_micro_batch and self.micro_step >= self.accumulation_steps:
             raise RuntimeError(_TOO_MANY.format(n=self.micro_step + 1, a=self.accumulation_steps))
@@ -420,6 +427,7 @@ class MixedPrecision:
                             loss_finite=loss_finite, stuck_skips=0 if applied or not loss_finite else int(stuck))
         self._step_grads = grads
         self.discard_gradients()
+        self._auto.at_boundary(self)
         try:
             return (self.guard if self.guard is not None else self._stop_when_stuck).after_step(self, result)
         finally:
@@ -637,6 +645,7 @@ def _set_policy(mp: MixedPrecision, policy: str | Policy, *, cause: str, module:
     check_fp8_unchanged(mp.policy, new)
     mp._strategy.refuse("set_policy")
     prepared = reprepare(mp.module, mp.optimizer, mp.masters, mp._frozen, new, mp._strategy)
+    mp._auto.cancel(mp, new)   # another policy asked for while auto is pending: it wins
     mp._regions.remove()
     old, mp.policy, mp.masters = mp.policy, new, prepared.masters
     mp._frozen.store(prepared.plan)
@@ -671,6 +680,7 @@ def _unwrap(mp: MixedPrecision, to_fp32: bool) -> nn.Module:
                 p.data = value_fp32
     mp._regions.remove()
     mp._checks.remove()
+    mp._auto.remove()
     release(mp)
     mp._unwrapped = True
     return mp.module
