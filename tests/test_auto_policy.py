@@ -284,3 +284,29 @@ def test_auto_under_a_strategy_keeps_the_probe_rule():
     assert candidates == () and res.policy == probe.policy and "strategy='ddp'" in res.decision
     res, candidates = pending_resolution("bf16-mixed", probe, strategy=None, compiled_in_place=False)
     assert candidates == () and res is probe
+
+
+def test_engine_auto_under_compile_decides_before_compiling():
+    torch.manual_seed(0)
+    model = FastUnderAutocast()
+    mp = mixprec.MixedPrecision(model, torch.optim.SGD(model.parameters(), lr=0.1), device="cpu",
+                                compile={"backend": "eager"})
+    with mp.autocast():
+        loss = mp.model(torch.randn(4, 8)).float().pow(2).mean()
+        assert torch.is_autocast_enabled("cpu")   # switched on for the rest of the block
+    mp.backward(loss)
+    mp.step()
+    assert str(mp.policy) == "bf16-mixed" and "measured on this model" in mp.decision and "compiled" in mp.decision
+    assert not torch.is_autocast_enabled("cpu")
+
+
+def test_a_loaded_run_keeps_its_auto_decision():
+    first, _, _, _ = _first_step(SleepNet, "auto")
+    state = {**first.state_dict(), "events": list(first.events)}
+    model = SleepNet()
+    mp = mixprec.MixedPrecision(model, torch.optim.SGD(model.parameters(), lr=0.1), device="cpu")
+    mp.load_state_dict(state)
+    assert mp.decision.startswith("fp32 as loaded: the saved run's decision (auto → fp32: measured")
+    with mp.autocast():
+        mp.model(torch.randn(2, 8))          # no second trial
+    assert [e["kind"] for e in mp.events] == ["auto"]

@@ -320,3 +320,16 @@ def test_printed_table_splits_bytes_per_param_when_params_are_frozen():
     assert "16.00 / 2.00" in lora.splitlines()[3]
     full = format_table({"policies": {"fp32": entry(16.0, 0)}})
     assert "frozen" not in full
+
+
+def test_bench_auto_says_what_it_chose_and_the_measured_ratio(tmp_path, capsys):
+    out = tmp_path / "out"
+    status = main(["bench", "--config", "tiny", "--policies", "fp32,auto", "--steps", "5", "--out", str(out),
+                   "--device", "cpu"])
+    assert status == 0
+    auto = json.loads((out / "results.json").read_text())["policies"]["auto"]
+    assert auto["decision"].startswith(f"auto → {auto['policy']}: measured on this model")
+    assert "bf16-mixed" in auto["decision"] and "x fp32" in auto["decision"]
+    assert [e["kind"] for e in auto["events"]][:1] == ["auto"]
+    assert f"How auto decided: auto chose {auto['policy']}: auto → " in (out / "report.md").read_text()
+    assert f"auto chose {auto['policy']}: auto → {auto['policy']}: measured" in capsys.readouterr().out

@@ -191,7 +191,8 @@ def time_candidates(model: nn.Module, args: tuple, kwargs: dict, device: torch.d
                     warmup: int = WARMUP, blocks: int = BLOCKS, steps: int = STEPS) -> dict[str, list[float]]:
     """Step times in ms per candidate (``blocks * steps`` each, interleaved A B A B after ``warmup`` untimed
     steps per candidate) of ``model(*args, **kwargs)`` under the candidate's autocast and portable ops,
-    then the backward of :func:`choose`'s scalar into the params that require grad. ``candidates``: preset
+    then the backward of :func:`choose`'s scalar into the params that require grad (the inputs are detached:
+    nothing flows into the caller's graph). ``candidates``: preset
     names of ``-mixed`` policies or ``"fp32"``. ``timer``: seconds (injectable for tests). The model is left
     as found (:func:`preserved`). Host syncs: around each timed step on CUDA/MPS.
 
@@ -207,6 +208,7 @@ def time_candidates(model: nn.Module, args: tuple, kwargs: dict, device: torch.d
                              f"({[n for n, p in PRESETS.items() if p.is_mixed and p.fp8 is None]})")
         policies[name] = policy
     trainable = [p for p in model.parameters() if p.requires_grad]
+    args, kwargs = map_tensors((args, kwargs), lambda t: t.detach())   # never backpropagate into the caller's graph
 
     def step(name: str) -> None:
         policy = policies[name]

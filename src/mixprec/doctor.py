@@ -32,7 +32,7 @@ from pathlib import Path
 import torch
 
 from mixprec.cache import cache_dir, cpu_name
-from mixprec.devices import normalize_device, resolve
+from mixprec.devices import auto_candidates, normalize_device, probe, resolve
 from mixprec.op_plan import cached as cached_plan
 from mixprec.portable_autocast import op_table
 
@@ -235,6 +235,7 @@ def _device_report(device: torch.device, *, measure: bool) -> dict:
         auto_policy, auto_reason = str(resolution.policy), resolution.decision
     except ValueError as err:
         auto_policy, auto_reason = None, str(err)
+    candidates = list(auto_candidates(probe(device)))
     report = {"device": str(device), "name": _device_name(device)}
     if device.type == "cpu":
         report.update(threads=torch.get_num_threads(), cpu_count=os.cpu_count(), cpu_flags=cpu_flags())
@@ -242,7 +243,7 @@ def _device_report(device: torch.device, *, measure: bool) -> dict:
         props = torch.cuda.get_device_properties(device)
         report.update(compute_capability=f"{props.major}.{props.minor}", memory_gb=round(props.total_memory / 2**30, 1))
     report.update(dtypes=dtype_support(device), matmul={k: asdict(v) for k, v in peaks.items()},
-                  auto_policy=auto_policy, auto_reason=auto_reason, peaks_cache=str(cache) if cache else None,
+                  auto_policy=auto_policy, auto_reason=auto_reason, auto_candidates=candidates, peaks_cache=str(cache) if cache else None,
                   autocast_ops=_autocast_ops(device))
     plan_path, plan = cached_plan(device)
     report.update(op_plan_cache=plan_path, op_plan={key: value.get("chosen") for key, value in plan.items()})
@@ -264,7 +265,8 @@ def run_doctor(*, measure: bool = True) -> dict:
     Keys: ``torch``, ``python``, ``platform``, ``cuda`` (the CUDA version torch was built
     with, or None), ``devices`` (one dict per visible device: ``device``, ``name``,
     ``dtypes``, ``matmul`` (:class:`MatmulPeak` fields per dtype), ``auto_policy``,
-    ``auto_reason``, ``peaks_cache``, plus ``threads``/``cpu_flags`` on the CPU). With
+    ``auto_reason`` (the matmul probe's rule, used without a model), ``auto_candidates`` (what ``auto``
+    times on a model: :mod:`mixprec.auto_policy`), ``peaks_cache``, plus ``threads``/``cpu_flags`` on the CPU). With
     ``measure=False`` cached peaks are used where present.
     """
     return {
@@ -299,7 +301,10 @@ def format_doctor(report: dict) -> str:
             shown = f"{gflops:.4g}" if gflops is not None else "-"
             lines.append(f"  {name:<6}{_yes_no(support['autocast']):>9}{_yes_no(support['matmul']):>8}"
                          f"{shown:>11}{peak['n'] or '-':>7}{ratio:>9}" + (f"  ({peak['note']})" if peak["note"] else ""))
-        lines.append(f"  policy auto: {dev['auto_policy']} ({dev['auto_reason']})")
+        lines.append(f"  policy auto without a model: {dev['auto_policy']} ({dev['auto_reason']})")
+        if len(dev.get("auto_candidates") or []) > 1:
+            lines.append(f"  policy auto with a model (MixedPrecision(policy='auto'), resolve(..., model=...)): "
+                         f"{' vs '.join(dev['auto_candidates'])} timed on the model at its first forward")
         for native, categories in dev["autocast_ops"].items():
             lines.append(f"  CUDA autocast ops, {native} on {dev['device']}" +
                          (" (cast only under ops=portable)" if native == "ported" else "") + ":")

@@ -585,6 +585,7 @@ class MixedPrecision:
         if state["policy"] != str(self.policy):
             return load_across_policies(self, state, convert=convert, adopt_policy=adopt_policy)
         load_state(self, state)
+        self._auto.after_load(self, state.get("events"))
 
     def discard_gradients(self) -> None:
         """Drop an unfinished accumulation: every gradient (params and masters) and the pending micro-batches;

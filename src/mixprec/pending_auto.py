@@ -166,12 +166,22 @@ class PendingAuto:
             self.state = "cancelled"
             self.remove()
 
+    def after_load(self, mp: Any, events: list[dict] | None) -> None:
+        """Called after a state of the pending policy (fp32) was loaded: when the saved run had taken its
+        ``auto`` decision (an ``"auto"`` event), the continued run keeps it instead of timing again."""
+        decided = [e for e in events or [] if e.get("kind") == "auto"]
+        if self.state == "pending" and decided:
+            self.state = "cancelled"
+            self.remove()
+            mp.decision = f"{mp.policy} as loaded: the saved run's decision ({decided[-1].get('detail')})"
+
     def _decide(self, mp: Any, choice: str, text: str, cause: str) -> None:
         self.state = "decided"
         self.remove()
         before = str(mp.policy)
         if PRESETS[choice] != mp.policy:
             mp.set_policy(choice, cause=cause, loss_scale=self.loss_scale, record=False)
+            notes = mp.decision.split(f"; was {before})", 1)[-1]   # set_policy's notes: compile, regions
             policy = mp.policy
             for stack in self._blocks[-1:]:   # the innermost mp.autocast() block around this forward
                 stack.enter_context(torch.autocast(mp.device.type, dtype=policy.compute_dtype, enabled=policy.is_mixed))
@@ -180,7 +190,7 @@ class PendingAuto:
             if mp.guard is not None and hasattr(mp.guard, "take_snapshot"):
                 mp.guard.take_snapshot(mp)   # its snapshot holds the fp32 build
             mp.decision = (text + describe_ops(policy.ops, mp.device.type, mixed=policy.is_mixed)
-                           + f"; the fp32 build re-prepared as {choice} (set_policy) before the first step")
+                           + f"; the fp32 build re-prepared as {choice} (set_policy) before the first step" + notes)
         else:
             mp.decision = text + self._notes
         mp.events.append({"step": mp.boundaries, "kind": "auto", "cause": cause, "module": None, "detail": text,

@@ -286,6 +286,7 @@ def run_training(workload: Any, *, policy: str = "auto", steps: int, out: str | 
     eval_metrics: dict[str, float] = {}
     last_saved: tuple[int, Path] | None = None
     step, stopped = start, None
+    shown = mp.decision   # printed above; auto decides at the first forward, a guard may escalate
     try:
         with _StopSignals() as signals, open(metrics_path, "a", encoding="utf-8") as log, \
                 tqdm(total=steps, initial=start, unit="step", disable=not progress or not is_main_process()) as bar:
@@ -295,6 +296,9 @@ def run_training(workload: Any, *, policy: str = "auto", steps: int, out: str | 
                 t0 = time.perf_counter()
                 loss, result = train_step(mp, workload, batch)
                 synchronize(mp.device)
+                if mp.decision != shown and is_main_process():
+                    shown = mp.decision
+                    bar.write(f"mixprec train: step {step}: policy {mp.policy} ({mp.decision})", file=sys.stderr)
                 record = {"kind": "train", "step": step, "loss": _finite(float(loss)), "applied": result.applied,
                           "skipped_reason": result.skipped_reason, "loss_scale": result.loss_scale,
                           "grad_norm": _finite(result.grad_norm), "lr": lr,

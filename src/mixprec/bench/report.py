@@ -32,8 +32,8 @@ import math
 from pathlib import Path
 from typing import Any
 
-__all__ = ["POLICY_KEYS", "COMPILED_SUFFIX", "write_outputs", "format_table", "report_markdown", "plot_loss_curves",
-           "plot_speed_memory"]
+__all__ = ["POLICY_KEYS", "COMPILED_SUFFIX", "write_outputs", "format_table", "auto_lines", "report_markdown",
+           "plot_loss_curves", "plot_speed_memory"]
 
 COMPILED_SUFFIX = "+compiled"   # the row of a policy run under bench --compile
 POLICY_KEYS = (
@@ -192,6 +192,13 @@ def format_table(results: dict) -> str:
     return "\n".join([line(headers), line(["-" * w for w in widths]), *map(line, rows)])
 
 
+def auto_lines(results: dict) -> list[str]:
+    """One line per ``auto`` row: the policy it ran and why (the engine's decision: the ratio measured on
+    the model at its first forward, or the matmul probe's rule)."""
+    return [f"{name} chose {e.get('policy')}: {e.get('decision')}" for name, e in results["policies"].items()
+            if str(e.get("requested") or name).lower() == "auto" and e.get("decision")]
+
+
 def _portable_lines(results: dict) -> list[str]:
     """What ``ops=portable`` (CUDA's autocast op lists on this device) cost: the interleaved A/B timing."""
     cost = results.get("portable_ops")
@@ -252,6 +259,7 @@ def report_markdown(results: dict) -> str:
         f"{s['warmup_steps']} warm-up steps.",
         *_compile_lines(results),
         *_portable_lines(results),
+        *(["", *(f"How auto decided: {line}." for line in auto_lines(results))] if auto_lines(results) else []),
         "",
         _noise_line(results["policies"]),
         "",
