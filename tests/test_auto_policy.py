@@ -2,6 +2,7 @@
 candidate, leaves the model as found, caches by the right key; the engine decides at its first forward."""
 
 import time
+import types
 import warnings
 
 import pytest
@@ -189,25 +190,34 @@ def test_resolve_calls_the_model_with_args_and_kwargs():
 
 
 # ---------------------------------------------------------------- the engine decides at the first forward
-class SleepNet(nn.Module):
-    """bf16 slower by construction: the forward sleeps 20 ms under autocast."""
+CLOCK = Clock()
 
-    sleep_under_autocast = True
+
+@pytest.fixture
+def fake_time(monkeypatch):
+    """The engine's trial reads auto_policy's clock: a fake one that only the models below advance, so no
+    decision depends on how loaded the machine is."""
+    monkeypatch.setattr(auto_policy, "time", types.SimpleNamespace(perf_counter=CLOCK))
+
+
+class SleepNet(nn.Module):
+    """bf16 slower by construction: the forward costs 20 (fake) ms under autocast, 1 ms without."""
+
+    slow_under_autocast = True
 
     def __init__(self):
         super().__init__()
         self.lin, self.out = nn.Linear(8, 16), nn.Linear(16, 1)
 
     def forward(self, x):
-        if torch.is_autocast_enabled("cpu") == self.sleep_under_autocast:
-            time.sleep(0.02)
+        CLOCK.now += 0.02 if torch.is_autocast_enabled("cpu") == self.slow_under_autocast else 0.001
         return self.out(torch.relu(self.lin(x)))
 
 
 class FastUnderAutocast(SleepNet):
-    """bf16 faster by construction: the forward sleeps 20 ms without autocast."""
+    """bf16 faster by construction: 20 (fake) ms without autocast, 1 ms under it."""
 
-    sleep_under_autocast = False
+    slow_under_autocast = False
 
 
 def _first_step(cls, policy):
@@ -223,16 +233,18 @@ def _first_step(cls, policy):
     return mp, build_decision, loss.detach(), result
 
 
+@pytest.mark.usefixtures("fake_time")
 def test_engine_auto_ends_fp32_where_bf16_is_slower():
     mp, build, loss, _ = _first_step(SleepNet, "auto")
     assert build.startswith("auto: pending — timed on this model at its first forward")
     assert str(mp.policy) == "fp32"
-    assert mp.decision.startswith("auto → fp32: measured on this model") and "bf16-mixed 0.0" in mp.decision
+    assert mp.decision.startswith("auto → fp32: measured on this model") and "bf16-mixed 0.05x fp32" in mp.decision
     assert [e["kind"] for e in mp.events] == ["auto"] and mp.events[0]["to"] == "fp32"
     _, _, fp32_loss, _ = _first_step(SleepNet, "fp32")
     assert torch.equal(loss, fp32_loss)
 
 
+@pytest.mark.usefixtures("fake_time")
 def test_engine_auto_switches_to_bf16_before_the_first_forward_bitwise():
     mp, _, loss, _ = _first_step(FastUnderAutocast, "auto")
     assert str(mp.policy) == "bf16-mixed" and mp.decision.startswith("auto → bf16-mixed: measured on this model")
@@ -245,6 +257,7 @@ def test_engine_auto_switches_to_bf16_before_the_first_forward_bitwise():
         assert torch.is_autocast_enabled("cpu")
 
 
+@pytest.mark.usefixtures("fake_time")
 def test_engine_auto_without_a_forward_through_mp_model_falls_back_to_the_probe():
     torch.manual_seed(0)
     model = SleepNet()
@@ -266,6 +279,7 @@ def test_engine_auto_without_a_forward_through_mp_model_falls_back_to_the_probe(
         mp.backward(loss)
 
 
+@pytest.mark.usefixtures("fake_time")
 def test_an_explicit_set_policy_ends_the_pending_auto():
     model = SleepNet()
     mp = mixprec.MixedPrecision(model, torch.optim.SGD(model.parameters(), lr=0.1), device="cpu")
@@ -276,6 +290,7 @@ def test_an_explicit_set_policy_ends_the_pending_auto():
     assert not any(e["kind"] == "auto" for e in mp.events)
 
 
+@pytest.mark.usefixtures("fake_time")
 def test_auto_under_a_strategy_keeps_the_probe_rule():
     from mixprec.pending_auto import pending_resolution
 
@@ -286,6 +301,7 @@ def test_auto_under_a_strategy_keeps_the_probe_rule():
     assert candidates == () and res is probe
 
 
+@pytest.mark.usefixtures("fake_time")
 def test_engine_auto_under_compile_decides_before_compiling():
     torch.manual_seed(0)
     model = FastUnderAutocast()
@@ -300,6 +316,7 @@ def test_engine_auto_under_compile_decides_before_compiling():
     assert not torch.is_autocast_enabled("cpu")
 
 
+@pytest.mark.usefixtures("fake_time")
 def test_a_loaded_run_keeps_its_auto_decision():
     first, _, _, _ = _first_step(SleepNet, "auto")
     state = {**first.state_dict(), "events": list(first.events)}

@@ -71,7 +71,7 @@ class Trial:
     @property
     def ratios(self) -> dict[str, float]:
         fp32 = self.median_ms["fp32"]
-        return {name: fp32 / ms for name, ms in self.median_ms.items() if name != "fp32"}
+        return {name: fp32 / ms if ms > 0 else float("inf") for name, ms in self.median_ms.items() if name != "fp32"}
 
     def decision(self, device_type: str) -> str:
         """The decision in one line, e.g. ``auto → fp32: measured on this model (3 interleaved blocks of

@@ -218,10 +218,11 @@ class MixedPrecision:
     """Train ``model`` with ``optimizer`` under a precision policy: one object owns autocast, loss
     scaling, fp32 masters, the optimizer-precision contract and the step lifecycle. ``model`` (fp32
     params, cast in place) and ``optimizer`` (built on ``model.parameters()``, rebound to fp32 masters
-    under ``-pure`` policies) are prepared once; ``policy`` is ``"auto"``, a preset, ``key=value`` text
-    or a :class:`~mixprec.Policy`; ``scheduler`` steps once per *applied* step; ``max_grad_norm`` clips
-    the fp32 norm of the unscaled grads; ``guard`` has ``after_step(mp, result)`` (:class:`mixprec.Guard`;
-    default :class:`~mixprec.divergence.StopWhenStuck`); ``strategy``: None, ``"ddp"``, ``"fsdp2"``;
+    under ``-pure`` policies) are prepared once; ``policy`` is ``"auto"`` (timed on the model at its first
+    training forward: :mod:`mixprec.pending_auto`), a preset, ``key=value`` text or a :class:`~mixprec.Policy`;
+    ``scheduler`` steps once per *applied* step; ``max_grad_norm`` clips the fp32 norm of the unscaled grads;
+    ``guard`` has ``after_step(mp, result)`` (:class:`mixprec.Guard`; default
+    :class:`~mixprec.divergence.StopWhenStuck`); ``strategy``: None, ``"ddp"``, ``"fsdp2"``;
     ``compile``: True or a dict of ``torch.compile`` kwargs compiles the prepared model (a model already
     compiled is prepared inside its wrapper; :mod:`mixprec.compiled`). Public attributes: ``model`` (what
     to call, compiled if asked), ``module`` (the user's model), ``optimizer``, ``scheduler``, ``policy``,
