@@ -327,3 +327,18 @@ def test_a_loaded_run_keeps_its_auto_decision():
     with mp.autocast():
         mp.model(torch.randn(2, 8))          # no second trial
     assert [e["kind"] for e in mp.events] == ["auto"]
+
+
+@pytest.mark.usefixtures("fake_time")
+def test_a_candidate_failing_on_the_model_leaves_fp32():
+    class NoBf16(SleepNet):
+        def forward(self, x):
+            if torch.is_autocast_enabled("cpu"):
+                raise RuntimeError("no bf16 kernel for this op")
+            return super().forward(x)
+
+    model = NoBf16()
+    mp = mixprec.MixedPrecision(model, torch.optim.SGD(model.parameters(), lr=0.1), device="cpu")
+    with mp.autocast():
+        mp.model(torch.randn(2, 8))   # the user's forward still runs, in fp32
+    assert str(mp.policy) == "fp32" and "the trial failed on this model (RuntimeError: no bf16 kernel" in mp.decision

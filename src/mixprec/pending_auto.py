@@ -136,6 +136,9 @@ class PendingAuto:
             choice, text = trial.choice, trial.decision(mp.device.type)
         except ValueError as err:   # an output with nothing to backpropagate: the probe decides
             choice, text = str(self.probe.policy), f"{self.probe.decision} (auto could not time the model: {err})"
+        except RuntimeError as err:   # a candidate failed on this model (a kernel missing in 16 bits, say): fp32
+            choice, text = "fp32", (f"auto → fp32: the trial failed on this model ({type(err).__name__}: "
+                                    f"{str(err)[:200]}); fp32 is what it runs as built")
         finally:
             self._running = False
         choice = mp.agree_on(choice, self.candidates)
