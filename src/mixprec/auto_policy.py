@@ -7,7 +7,8 @@ fp32 although the probe called bf16 fast). :func:`choose` answers that question 
 
 * candidates are ``-mixed`` policies and fp32 (fp32 params in every one: the same storage, so the trial
   changes no parameter): the model's forward runs under ``torch.autocast(device, dtype, enabled)`` plus
-  :func:`mixprec.portable_autocast.portable_ops` (what ``mp.autocast()`` enters), then the backward of a
+  :func:`mixprec.portable_autocast.portable_ops` and :func:`mixprec.op_plan.planned_kernels` as the
+  policy's ``ops`` and ``kernels`` say (what ``mp.autocast()`` enters), then the backward of a
   scalar: ``loss_fn(output)``, else the fp32 sum of the output's floating tensors;
 * ``warmup`` untimed steps per candidate, then ``blocks`` interleaved blocks (A B A B ...) of ``steps``
   timed steps each, so slow drift (another process, clock changes) hits every candidate alike; the
@@ -16,7 +17,7 @@ fp32 although the probe called bf16 fast). :func:`choose` answers that question 
 * the model is left as it was found (:func:`preserved`): gradients, buffers (BatchNorm running stats),
   the CPU/CUDA/MPS RNG states and every module's train/eval mode;
 * the result is cached in-process and on disk (``$MIXPREC_CACHE_DIR``, default ``~/.cache/mixprec``),
-  keyed by :func:`cache_key`: device, torch version, thread count, the model's fingerprint and the batch's
+  (:mod:`mixprec.cache`), keyed by :func:`cache_key`: device, torch version, thread count, the model's fingerprint and the batch's
   shapes and dtypes.
 
 Cost: ``(warmup + blocks * steps) * len(candidates)`` forward+backward steps (14 by default for two
@@ -28,9 +29,6 @@ from __future__ import annotations
 
 import hashlib
 import json
-import logging
-import os
-import platform
 import statistics
 import time
 from collections.abc import Callable, Iterator
@@ -42,13 +40,13 @@ from typing import Any
 import torch
 from torch import nn
 
+from mixprec.cache import cache_dir, machine_key, read_json, write_json
+from mixprec.op_plan import planned_kernels
 from mixprec.policy import PRESETS
 from mixprec.portable_autocast import portable_ops
 from mixprec.tree import map_tensors, tensors
 
-__all__ = ["MARGIN", "Trial", "cache_dir", "cache_key", "choose", "preserved", "split_batch", "time_candidates"]
-
-log = logging.getLogger("mixprec")
+__all__ = ["MARGIN", "Trial", "cache_key", "choose", "preserved", "split_batch", "time_candidates"]
 
 MARGIN = 1.03          #: a 16-bit candidate must run at >= 1.03x fp32's speed to be chosen
 WARMUP, BLOCKS, STEPS = 1, 3, 2
@@ -94,13 +92,6 @@ def split_batch(example_batch: Any) -> tuple[tuple, dict]:
     return (example_batch,), {}
 
 
-def cache_dir() -> Path:
-    """``$MIXPREC_CACHE_DIR``, else ``$XDG_CACHE_HOME/mixprec``, else ``~/.cache/mixprec``."""
-    root = os.environ.get("MIXPREC_CACHE_DIR") or os.path.join(
-        os.environ.get("XDG_CACHE_HOME", os.path.expanduser("~/.cache")), "mixprec")
-    return Path(root)
-
-
 def _describe_leaf(x: Any) -> str:
     if isinstance(x, (bool, int, float, str, type(None))) and len(repr(x)) <= 64:
         return repr(x)
@@ -113,10 +104,8 @@ def cache_key(model: nn.Module, args: tuple, kwargs: dict, device: torch.device,
     fingerprint (param and buffer names, shapes, dtypes, requires_grad; module class names; train/eval
     mode), the batch's tensor shapes, dtypes and devices (small scalar arguments by value, other leaves by
     type), ``loss_fn``'s name, the candidates and the trial's size. No host sync."""
-    gpu = torch.cuda.get_device_name(device) if device.type == "cuda" else ""
     parts = {
-        "device": f"{device}:{gpu}:{platform.machine()}:{platform.processor()}",
-        "torch": torch.__version__, "threads": torch.get_num_threads(),
+        "device": str(device), "machine": machine_key(device),   # device name, torch version, threads
         "params": [(n, tuple(p.shape), str(p.dtype), p.requires_grad) for n, p in model.named_parameters()],
         "buffers": [(n, tuple(b.shape), str(b.dtype)) for n, b in model.named_buffers()],
         "modules": [f"{type(m).__module__}.{type(m).__qualname__}" for m in model.modules()],
@@ -213,7 +202,8 @@ def time_candidates(model: nn.Module, args: tuple, kwargs: dict, device: torch.d
     def step(name: str) -> None:
         policy = policies[name]
         with torch.autocast(device.type, dtype=policy.compute_dtype, enabled=policy.is_mixed), \
-                portable_ops(device.type, enabled=policy.ops == "portable"):
+                portable_ops(device.type, enabled=policy.ops == "portable"), \
+                planned_kernels(device.type, enabled=policy.kernels == "measured"):
             loss = _scalar(model(*args, **kwargs), loss_fn)
         if trainable and loss.requires_grad:
             torch.autograd.backward(loss, inputs=trainable)
@@ -256,14 +246,10 @@ def choose(model: nn.Module, args: tuple, kwargs: dict, device: torch.device, ca
     key = cache_key(model, args, kwargs, device, candidates, loss_fn) if use_cache else ""
     if use_cache and key in _MEMORY:
         return _MEMORY[key]
-    if use_cache:
-        try:
-            saved = json.loads(_disk_path(key).read_text())
-            trial = Trial(choice=saved["choice"], median_ms=dict(saved["median_ms"]), cached=True)
-            _MEMORY[key] = trial
-            return trial
-        except (OSError, ValueError, TypeError, KeyError):
-            pass
+    saved = read_json(_disk_path(key)) if use_cache else {}
+    if saved.get("choice") in candidates and set(saved.get("median_ms") or {}) == set(candidates):
+        _MEMORY[key] = trial = Trial(choice=saved["choice"], median_ms=dict(saved["median_ms"]), cached=True)
+        return trial
     times = time_candidates(model, args, kwargs, device, candidates, loss_fn=loss_fn,
                             timer=timer or time.perf_counter)
     median_ms = {name: statistics.median(ts) for name, ts in times.items()}
@@ -272,10 +258,5 @@ def choose(model: nn.Module, args: tuple, kwargs: dict, device: torch.device, ca
     trial = Trial(choice=choice, median_ms=median_ms)
     if use_cache:
         _MEMORY[key] = trial
-        try:
-            path = _disk_path(key)
-            path.parent.mkdir(parents=True, exist_ok=True)
-            path.write_text(json.dumps({"choice": choice, "median_ms": median_ms}))
-        except OSError:
-            log.info("mixprec: could not cache the auto trial at %s", _disk_path(key))
+        write_json(_disk_path(key), {"choice": choice, "median_ms": median_ms})
     return trial

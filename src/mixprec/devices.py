@@ -32,7 +32,8 @@ from typing import Any
 
 import torch
 
-from mixprec.auto_policy import cache_dir, choose, split_batch
+from mixprec.auto_policy import choose, split_batch
+from mixprec.cache import cache_dir
 from mixprec.policy import PRESETS, Policy
 from mixprec.portable_autocast import describe as describe_ops
 

@@ -44,6 +44,8 @@ import torch
 from mixprec.auto_policy import choose
 from mixprec.compiled import eager_dtypes
 from mixprec.devices import Resolution, auto_candidates, probe
+from mixprec.op_plan import describe as describe_kernels
+from mixprec.op_plan import planned_kernels
 from mixprec.policy import PRESETS
 from mixprec.portable_autocast import describe as describe_ops
 from mixprec.portable_autocast import portable_ops
@@ -190,9 +192,11 @@ class PendingAuto:
                 stack.enter_context(torch.autocast(mp.device.type, dtype=policy.compute_dtype, enabled=policy.is_mixed))
                 stack.enter_context(portable_ops(mp.device.type, enabled=policy.ops == "portable"))
                 stack.enter_context(eager_dtypes(policy))
+                stack.enter_context(planned_kernels(mp.device.type, enabled=policy.kernels == "measured"))
             if mp.guard is not None and hasattr(mp.guard, "take_snapshot"):
                 mp.guard.take_snapshot(mp)   # its snapshot holds the fp32 build
             mp.decision = (text + describe_ops(policy.ops, mp.device.type, mixed=policy.is_mixed)
+                           + describe_kernels(policy, mp.device.type)
                            + f"; the fp32 build re-prepared as {choice} (set_policy) before the first step" + notes)
         else:
             mp.decision = text + self._notes
