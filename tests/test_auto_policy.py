@@ -342,3 +342,14 @@ def test_a_candidate_failing_on_the_model_leaves_fp32():
     with mp.autocast():
         mp.model(torch.randn(2, 8))   # the user's forward still runs, in fp32
     assert str(mp.policy) == "fp32" and "the trial failed on this model (RuntimeError: no bf16 kernel" in mp.decision
+
+
+@pytest.mark.usefixtures("fake_time")
+def test_a_deep_copy_of_the_pending_model_does_not_decide_for_the_engine():
+    import copy
+
+    model = FastUnderAutocast()
+    mp = mixprec.MixedPrecision(model, torch.optim.SGD(model.parameters(), lr=0.1), device="cpu")
+    teacher = copy.deepcopy(mp.module)       # as an EMA or a teacher is made
+    teacher(torch.randn(2, 8))
+    assert mp.decision.startswith("auto: pending") and not mp.events
