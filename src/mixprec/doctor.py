@@ -243,7 +243,8 @@ def _device_report(device: torch.device, *, measure: bool) -> dict:
         props = torch.cuda.get_device_properties(device)
         report.update(compute_capability=f"{props.major}.{props.minor}", memory_gb=round(props.total_memory / 2**30, 1))
     report.update(dtypes=dtype_support(device), matmul={k: asdict(v) for k, v in peaks.items()},
-                  auto_policy=auto_policy, auto_reason=auto_reason, auto_candidates=candidates, peaks_cache=str(cache) if cache else None,
+                  auto_policy=auto_policy, auto_reason=auto_reason, auto_candidates=candidates,
+                  peaks_cache=str(cache) if cache else None,
                   autocast_ops=_autocast_ops(device))
     plan_path, plan = cached_plan(device)
     report.update(op_plan_cache=plan_path, op_plan={key: value.get("chosen") for key, value in plan.items()})
