@@ -133,3 +133,18 @@ def test_loop_checks_see_an_optimizer_param_swapped_in_place():
     assert any(t is extra for t in checks._tensors()) and not any(t is extra for t in first)
     opt.param_groups[0]["params"].pop()
     assert [id(t) for t in checks._tensors()] == [id(t) for t in first]
+
+
+def test_discard_gradients_clears_every_model_grad_with_and_without_registrations_since():
+    torch.manual_seed(4)
+    model = nn.Sequential(nn.Linear(4, 3), nn.Linear(3, 2))
+    model[1].weight.requires_grad_(False)
+    mp = MixedPrecision(model, torch.optim.SGD([p for p in model.parameters() if p.requires_grad], lr=0.1), "bf16-pure")
+    for registered_elsewhere in (False, True):
+        if registered_elsewhere:
+            nn.Linear(2, 2)   # a registration anywhere: the model is walked again
+        for p in model.parameters():
+            p.grad = torch.ones_like(p)
+        mp.discard_gradients()
+        assert all(p.grad is None for p in model.parameters())
+        assert all(m.grad is None for _, m in mp.masters.pairs)
