@@ -287,6 +287,7 @@ def main(argv: list[str] | None = None) -> int:
             "device": str(device), "dry_run": dry_run,
             "device_name": torch.cuda.get_device_name(device) if device.type == "cuda" else platform.processor() or "cpu",
             "torch": torch.__version__, "cuda": torch.version.cuda, "budget_s": args.budget_s,
+            "tf32_matmul": torch.backends.cuda.matmul.allow_tf32, "tf32_cudnn": torch.backends.cudnn.allow_tf32,
             "timing": {"attention": "CUDA events, best of %d after %d warm-up" % (ctx.iters, ctx.warmup),
                        "overhead": "benchmarks/overhead.py (median, interleaved blocks)",
                        "compile": "median step, each synchronized"}}
