@@ -5,6 +5,10 @@ autocast, backward, global-norm clipping, AdamW, LR scheduler, zero_grad (plus a
 the hand loop for fp16). The two run interleaved in blocks so that machine drift hits both.
 Reports the median step time of each (ms, after warm-up) and their ratio from this one run.
 
+Under a ``-pure`` policy the hand loop is the same ``torch.autocast`` loop in the compute dtype over fp32
+params: the ratio then compares two different recipes (16-bit params and fp32 masters against fp32
+params), not overhead alone; compare its ``mixprec_step_ms_median`` across code changes instead.
+
     python benchmarks/overhead.py --config mid --policy bf16-mixed --steps 40
 """
 
@@ -63,7 +67,7 @@ def _engine_loop(workload, policy, device, guard=None):
 def main(argv=None) -> dict:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--config", default="mid")
-    parser.add_argument("--policy", default="bf16-mixed", choices=["fp32", "bf16-mixed", "fp16-mixed"])
+    parser.add_argument("--policy", default="bf16-mixed", choices=["fp32", "bf16-mixed", "fp16-mixed", "bf16-pure"])
     parser.add_argument("--steps", type=int, default=40, help="timed steps per loop (after warm-up)")
     parser.add_argument("--warmup", type=int, default=5)
     parser.add_argument("--block", type=int, default=5, help="steps per interleaved block")

@@ -25,7 +25,7 @@ from __future__ import annotations
 
 import torch
 
-from mixprec.gradients import summed_values, value_views
+from mixprec.gradients import grouped_values, plain, summed_values
 
 __all__ = ["global_norm_fp32", "clip_"]
 
@@ -50,7 +50,7 @@ def _scaled_norms(values: list[torch.Tensor]) -> list[torch.Tensor]:
 def _combine(norms: list[torch.Tensor], device: torch.device, scaled: bool) -> torch.Tensor:
     """The L2 norm of the per-tensor fp32 ``norms`` (as torch's ``clip_grad_norm_``); ``scaled``: scaled by
     their max where that overflows."""
-    stacked = torch.stack([n.to(device) for n in norms])
+    stacked = torch.stack([n if n.device == device else n.to(device) for n in norms])
     plain = torch.linalg.vector_norm(stacked, 2.0)
     if not scaled:
         return plain
@@ -66,15 +66,13 @@ def global_norm_fp32(grads: list[torch.Tensor], device: torch.device, *, scaled:
     costlier). No host sync."""
     if not grads:
         return torch.zeros((), dtype=torch.float32, device=device)
-    values = [summed_values(g) for g in grads]
-    norms: list[torch.Tensor] = []
+    values = grads if plain(grads) else [summed_values(g) for g in grads]
     fp32 = [v for v in values if v.dtype == torch.float32]
-    if fp32:
-        norms.extend(torch._foreach_norm(fp32, 2.0))
+    others = [v for v in values if v.dtype != torch.float32] if len(fp32) < len(values) else []
+    norms: list[torch.Tensor] = list(torch._foreach_norm(fp32, 2.0)) if fp32 else []
     norms.extend(torch.linalg.vector_norm(v, 2.0).float() if v.dtype == torch.float64 else
-                 torch.linalg.vector_norm(v, 2.0, dtype=torch.float32)
-                 for v in values if v.dtype != torch.float32)
-    order = fp32 + [v for v in values if v.dtype != torch.float32]   # the order of ``norms``
+                 torch.linalg.vector_norm(v, 2.0, dtype=torch.float32) for v in others)
+    order = fp32 + others   # the order of ``norms``
     risky = [i for i, v in enumerate(order) if v.dtype in _OVERFLOWING and v.numel()] if scaled else []
     if risky:
         scaled = _scaled_norms([order[i] for i in risky])
@@ -90,9 +88,5 @@ def clip_(grads: list[torch.Tensor], total_norm: torch.Tensor, max_norm: float |
     if max_norm is None:
         return
     clip_coef = torch.clamp(max_norm / (total_norm + 1e-6), max=1.0)
-    by_dtype: dict[tuple[torch.device, torch.dtype], list[torch.Tensor]] = {}
-    for g in grads:
-        v = value_views(g)
-        by_dtype.setdefault((v.device, v.dtype), []).append(v)
-    for (device, dtype), group in by_dtype.items():
+    for (device, dtype), group in grouped_values(grads).items():
         torch._foreach_mul_(group, clip_coef.to(device=device, dtype=dtype))

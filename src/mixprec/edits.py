@@ -88,6 +88,17 @@ class ModelLayout:
             return False
         return True
 
+    def zero_grad(self) -> None:
+        """``model.zero_grad(set_to_none=True)`` without walking the module tree, while no parameter or module
+        was registered anywhere since the model was last seen holding the recorded params (they are its params
+        then; a module removed with ``del`` alone is not seen, as in :meth:`changed`). No host sync."""
+        if self.seen != _registrations[0]:
+            self.model.zero_grad(set_to_none=True)
+            return
+        for p in self.params:
+            if p.grad is not None:
+                p.grad = None
+
     def edit(self) -> ModelEdit:
         """The edit, by name (an unchanged model gives an empty one)."""
         old = {id(p): n for n, p in self.named}

@@ -592,7 +592,7 @@ class MixedPrecision:
         """Drop an unfinished accumulation: every gradient (params and masters) and the pending micro-batches;
         the next ``backward()`` starts a boundary. No host sync."""
         self.optimizer.zero_grad(set_to_none=True)
-        self.module.zero_grad(set_to_none=True)
+        self.module.zero_grad(set_to_none=True) if self._layout is None else self._layout.zero_grad()
         self._step_pending, self.micro_step, self._extra_inf = False, 0, None
         self._set_gradient_sync()
 

@@ -20,7 +20,7 @@ from __future__ import annotations
 
 import torch
 
-__all__ = ["value_views", "summed_values"]
+__all__ = ["value_views", "summed_values", "grouped_values", "plain"]
 
 
 def _real(t: torch.Tensor) -> torch.Tensor:
@@ -40,3 +40,26 @@ def summed_values(grad: torch.Tensor) -> torch.Tensor:
     if grad.is_sparse:
         return _real(grad.coalesce()._values())
     return _real(grad)
+
+
+def plain(grads: list[torch.Tensor]) -> bool:
+    """True when every one of ``grads`` is a dense real tensor (its own value view and summed values),
+    so the fused ops take the list as it is."""
+    return not any(g.is_sparse or g.is_complex() for g in grads)
+
+
+def grouped_values(grads: list[torch.Tensor | None]) -> dict[tuple[torch.device, torch.dtype], list[torch.Tensor]]:
+    """The :func:`value_views` of the non-None ``grads``, grouped by (device, dtype) for the fused ops, in
+    the order the groups are first met (and, in each, the order of ``grads``). One pass, no host sync."""
+    groups: dict[tuple[torch.device, torch.dtype], list[torch.Tensor]] = {}
+    for g in grads:
+        if g is None:
+            continue
+        if g.is_sparse or g.is_complex():
+            g = value_views(g)
+        group = groups.get(key := (g.device, g.dtype))
+        if group is None:
+            groups[key] = [g]
+        else:
+            group.append(g)
+    return groups

@@ -31,6 +31,7 @@ from __future__ import annotations
 import collections
 import warnings
 import weakref
+from itertools import chain
 from typing import Any
 
 import torch
@@ -89,6 +90,8 @@ class LoopChecks:
         self.reported_missing: set[int] = set()
         self.spoken: set[str] = set()
         self._handles: list[Any] = []
+        self._tensors_key: tuple[int, ...] = ()
+        self._tensors_list: list[torch.Tensor] = []
 
     def install(self) -> None:
         """The optimizer's step pre-hook, and (unless the policy is plain fp32: no hook on the model
@@ -126,9 +129,14 @@ class LoopChecks:
 
     # ---------------------------------------------------------------- the step
     def _tensors(self) -> list[torch.Tensor]:
+        """The engine's params and the tensors its optimizer steps, each once (params first). Rebuilt only
+        when one of them is another object than last time (the key is their ids: one C-level pass)."""
         mp = self.owner
-        stepped = [t for g in mp.optimizer.param_groups for t in g["params"]]
-        return list({id(t): t for t in [*mp.masters.params, *stepped]}.values())
+        every = [*mp.masters.params, *chain.from_iterable(g["params"] for g in mp.optimizer.param_groups)]
+        key = tuple(map(id, every))
+        if key != self._tensors_key:
+            self._tensors_key, self._tensors_list = key, list({id(t): t for t in every}.values())
+        return self._tensors_list
 
     def before_backward(self, first: bool) -> None:
         """Before each of the engine's ``backward()`` calls: at a boundary's first (``first``), discard every
@@ -141,7 +149,7 @@ class LoopChecks:
 
     def after_backward(self) -> None:
         """Remember each gradient this engine's backward left: the tensor and its version counter."""
-        self.marks = {id(t): (id(t.grad), getattr(t.grad, "_version", 0)) for t in self._tensors() if t.grad is not None}
+        self.marks = {id(t): (id(g), getattr(g, "_version", 0)) for t in self._tensors() if (g := t.grad) is not None}
 
     def at_boundary(self) -> list[torch.Tensor]:
         """The engine's gradients (``mp.gradients()``), after discarding foreign ones, raising if some it
@@ -150,7 +158,8 @@ class LoopChecks:
         mp = self.owner
         foreign, changed = self._foreign(everything=False)
         self._discard(foreign)
-        zeroed = [t for t in self._tensors() if id(t) in self.marks and t.grad is None]
+        marks = self.marks
+        zeroed = [t for t in self._tensors() if t.grad is None and id(t) in marks]
         self.marks = {}
         if zeroed:
             names = self._names(zeroed)[:4]
@@ -167,9 +176,11 @@ class LoopChecks:
                        "which this step now includes. Kept as they are; to keep another engine's backward off "
                        "these parameters, step this engine first or pass other_mp.backward(loss, inputs=...)")
         grads = mp.gradients()
-        frozen_masters = {id(m) for p, m in mp.masters.pairs if not p.requires_grad}   # frozen by hand since
-        missing = [t for g in mp.optimizer.param_groups for t in g["params"] if t.requires_grad and t.grad is None
-                   and id(t) not in self.reported_missing and id(t) not in frozen_masters]
+        missing = [t for g in mp.optimizer.param_groups for t in g["params"] if t.grad is None and t.requires_grad
+                   and id(t) not in self.reported_missing]
+        if missing:   # the masters of params frozen by hand since are not missing
+            frozen_masters = {id(m) for p, m in mp.masters.pairs if not p.requires_grad}
+            missing = [t for t in missing if id(t) not in frozen_masters]
         if not missing:
             return grads
         self.reported_missing.update(id(t) for t in missing)   # named once (ids: no name walk per step)
@@ -186,9 +197,16 @@ class LoopChecks:
     def _foreign(self, *, everything: bool) -> tuple[list[torch.Tensor], list[torch.Tensor]]:
         """(gradients this engine did not produce, its own gradients changed since) on its params."""
         marks = {} if everything else self.marks
-        held = [t for t in self._tensors() if t.grad is not None]
-        foreign = [t for t in held if id(t) not in marks]
-        changed = [t for t in held if id(t) in marks and marks[id(t)] != (id(t.grad), getattr(t.grad, "_version", 0))]
+        foreign, changed = [], []
+        for t in self._tensors():
+            g = t.grad
+            if g is None:
+                continue
+            mark = marks.get(id(t))
+            if mark is None:
+                foreign.append(t)
+            elif mark != (id(g), getattr(g, "_version", 0)):
+                changed.append(t)
         return foreign, changed
 
     def _discard(self, foreign: list[torch.Tensor]) -> None:

@@ -25,13 +25,12 @@ from __future__ import annotations
 
 import dataclasses
 import math
-from collections import defaultdict
 from dataclasses import dataclass
 from typing import Any, ClassVar
 
 import torch
 
-from mixprec.gradients import summed_values, value_views
+from mixprec.gradients import grouped_values, summed_values
 
 __all__ = ["LossScale", "NoLossScale", "StaticLossScale", "DynamicLossScale", "from_spec", "from_state_dict"]
 
@@ -171,21 +170,19 @@ class LossScale:
         can overflow where each value fits. Unlike GradScaler the grad is not replaced by its
         coalesced copy: the (unscaled) values are summed later by the optimizer.
         """
-        found_inf = torch.zeros((), dtype=torch.float32, device=self.state.scale.device)
+        home = self.state.scale.device
+        found_inf = torch.zeros((), dtype=torch.float32, device=home)
         inv_scale = self.state.scale.reciprocal()  # fp32: exact for powers of two
-        groups: dict[tuple[torch.device, torch.dtype], list[torch.Tensor]] = defaultdict(list)
-        for g in grads:
-            if g is not None:
-                values = value_views(g)
-                groups[(values.device, values.dtype)].append(values)
         recheck = self._lowest_scale() < 1.0
-        for (device, _), group in groups.items():
-            found_dev = torch.zeros((), dtype=torch.float32, device=device)
-            inv_dev = inv_scale.to(device)
+        for (device, _), group in grouped_values(grads).items():
+            here = device == home   # the check only ever sets its flag: the groups on the scale's device share one
+            found_dev = found_inf if here else torch.zeros((), dtype=torch.float32, device=device)
+            inv_dev = inv_scale if here else inv_scale.to(device)
             _check_and_unscale_(group, found_dev, inv_dev)
             if recheck:  # values may have overflowed while being multiplied by 1/scale > 1
                 _check_and_unscale_(group, found_dev, torch.ones_like(inv_dev))
-            found_inf = torch.maximum(found_inf, found_dev.to(found_inf.device))
+            if not here:
+                found_inf = torch.maximum(found_inf, found_dev.to(home))
         sums = [summed_values(g) for g in grads if g is not None and g.is_sparse and g.dtype == torch.float16]
         if sums:   # the unscaled fp16 sums the optimizer will add: overflow there is an overflow too
             finite = torch.stack([v.isfinite().all().to(found_inf.device) for v in sums]).all()

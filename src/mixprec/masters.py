@@ -111,17 +111,24 @@ class MasterWeights:
         the optimizers that take sparse gradients (``torch.optim.SGD``, ``Adagrad``, ``SparseAdam``)
         step it, and memory stays proportional to the rows looked up. A dense and a sparse gradient
         for one master (a table also used densely) add up to a dense one. No host sync."""
+        into, added = [], []   # dense master grads and the dense 16-bit grads added into them (one foreach add)
         for p, m in self.pairs:
-            if p.grad is None:
+            grad = p.grad
+            if grad is None:
                 continue
-            grad_fp32 = p.grad.to(torch.float32)
-            if m.grad is None:
-                m.grad = grad_fp32
-            elif m.grad.is_sparse:
-                m.grad = grad_fp32.add_(m.grad) if not grad_fp32.is_sparse else m.grad + grad_fp32
-            else:
-                m.grad.add_(grad_fp32)
             p.grad = None
+            if m.grad is None:
+                m.grad = grad.to(torch.float32)
+            elif m.grad.is_sparse:
+                grad_fp32 = grad.to(torch.float32)
+                m.grad = grad_fp32.add_(m.grad) if not grad_fp32.is_sparse else m.grad + grad_fp32
+            elif grad.is_sparse:
+                m.grad.add_(grad.to(torch.float32))
+            else:
+                into.append(m.grad)
+                added.append(grad)
+        if into:   # fp32 += 16-bit: each 16-bit value is upcast exactly, then added in fp32 (as add_ of its fp32 copy)
+            torch._foreach_add_(into, added)
 
     @torch.no_grad()
     def copy_to_params(self) -> None:
@@ -134,6 +141,7 @@ class MasterWeights:
         """Remember each pair's tensor version counters (bumped by every in-place write), after the
         engine itself wrote params or masters, so :meth:`adopt_edited_params` can tell a user's edit."""
         self._versions = [(p._version, m._version) for p, m in self.pairs]
+        self._param_versions = [v for v, _ in self._versions]
 
     @torch.no_grad()
     def adopt_edited_params(self) -> list[int]:
@@ -147,6 +155,8 @@ class MasterWeights:
         versions = getattr(self, "_versions", None)
         if versions is None or len(versions) != len(self.pairs):
             return []
+        if [p._version for p, _ in self.pairs] == self._param_versions:
+            return []   # no param written since (the common case: one pass, no per-pair comparison)
         edited = [i for i, ((p, m), (v_p, v_m)) in enumerate(zip(self.pairs, versions))
                   if p._version != v_p and m._version == v_m]
         adopted = []
