@@ -4,8 +4,8 @@ Three groups of cases, each one entry of :data:`CASES` (a :class:`Case`: a name,
 of the run's :class:`Context` returning a dict of numbers). Every case fails soft: an exception is
 recorded with the case (``error``, first line; ``traceback``, last lines) and the next case runs. Cases
 run in list order while the wall-clock budget (``--budget-s``) lasts; the rest are listed as skipped.
-Adding a measurement (e.g. mixprec's measured op plan, policy key ``kernels=measured|native``, once it is
-on main) is one more ``Case(...)`` line in :data:`CASES`.
+Adding a measurement is one more ``Case(...)`` line in :data:`CASES`; the ``op plan`` cases time a
+bf16-mixed engine with ``kernels=measured`` (mixprec.op_plan) against ``kernels=native``, eager.
 
 1. **attention** -- ``F.scaled_dot_product_attention`` forward + backward, causal, at B16·H4·T128·D64
    and B64·H6·T256·D64, in fp32, bf16 (torch picks the fused kernel: flash / efficient / cuDNN), and a
@@ -205,6 +205,8 @@ CASES: list[Case] = [
       for s in ATTENTION_SHAPES for v in ATTENTION_VARIANTS),
     Case("overhead mid bf16-mixed", "overhead", overhead_case("mid", "bf16-mixed")),
     Case("overhead mid fp32", "overhead", overhead_case("mid", "fp32")),
+    *(Case(f"op plan {c} {p}", "compile", compile_case(c, p, False))      # kernels=measured vs native, eager
+      for c in ("mid", "small") for p in ("bf16-mixed", "bf16-mixed,kernels=native")),
     *(Case(f"compile {c} {p} {'compiled' if m else 'eager'}", "compile", compile_case(c, p, m))
       for c in ("mid", "small") for p in ("fp32", "bf16-mixed") for m in (False, True)),
 ]

@@ -2,7 +2,8 @@
 
 Both loops train the same GPT workload from the same seed on the same batches: forward under
 autocast, backward, global-norm clipping, AdamW, LR scheduler, zero_grad (plus a GradScaler in
-the hand loop for fp16). The two run interleaved in blocks so that machine drift hits both.
+the hand loop for fp16). The hand loop makes the engine's op choices: CUDA's autocast op lists
+(``portable_ops``) and the measured attention kernel (``planned_kernels``). The two run interleaved in blocks so that machine drift hits both.
 Reports the median step time of each (ms, after warm-up) and their ratio from this one run.
 
 Under a ``-pure`` policy the hand loop is the same ``torch.autocast`` loop in the compute dtype over fp32
@@ -22,6 +23,8 @@ import torch
 
 from mixprec import MixedPrecision
 from mixprec.bench.measure import time_steps
+from mixprec.op_plan import planned_kernels
+from mixprec.portable_autocast import portable_ops
 from mixprec.workloads import get_workload
 
 
@@ -35,7 +38,9 @@ def _hand_loop(workload, dtype, device):
 
     def step():
         batch = {k: v.to(device) for k, v in next(batches).items()}
-        with torch.autocast(device.type, dtype=dtype, enabled=dtype != torch.float32):
+        # the same op choices as the engine's defaults: ops=portable, kernels=measured (mixprec.op_plan)
+        with torch.autocast(device.type, dtype=dtype, enabled=dtype != torch.float32), portable_ops(device.type), \
+                planned_kernels(device.type):
             loss = workload.loss(model, batch)
         scaler.scale(loss).backward()
         scaler.unscale_(opt)
