@@ -243,3 +243,32 @@ def test_engine_under_each_kernels_mode_equals_a_hand_loop_making_the_same_choic
         (entry,) = planned
         assert entry.source == "measured" and entry.chosen in op_plan.CANDIDATES
         assert set(entry.times_ms) == set(op_plan.CANDIDATES)
+
+
+def test_a_checkpoint_pins_the_kernels_its_run_chose(tmp_path):
+    """A resumed run makes the saved run's kernel choices, whatever its own cache says (bitwise resume)."""
+    from mixprec.checkpoint import load_checkpoint, save_checkpoint
+
+    def engine():
+        torch.manual_seed(0)
+        model = _Attention()
+        return mixprec.MixedPrecision(model, torch.optim.AdamW(model.parameters()), policy="bf16-mixed", device="cpu")
+    mp = engine()
+    x = torch.randn(2, 12, 16)
+    with mp.autocast():
+        loss = mp.model(x).square().mean()
+    mp.backward(loss)
+    mp.step()
+    (entry,) = op_plan.entries("cpu")
+    save_checkpoint(tmp_path / "ckpt", mp)
+
+    other = next(c for c in op_plan.CANDIDATES if c != entry.chosen)    # a later process whose cache disagrees
+    op_plan.forget()
+    cache = tmp_path / f"op-plan-{machine_key(torch.device('cpu'))}.json"
+    cache.write_text(json.dumps({entry.shape: {"chosen": other, "times_ms": {}}}))
+    resumed = engine()
+    load_checkpoint(tmp_path / "ckpt", resumed)
+    with resumed.autocast():
+        resumed.model(x)
+    (pinned,) = op_plan.entries("cpu")
+    assert (pinned.shape, pinned.chosen, pinned.source) == (entry.shape, entry.chosen, "checkpoint")

@@ -82,6 +82,7 @@ import safetensors
 import safetensors.torch
 import torch
 
+from mixprec import op_plan
 from mixprec.checkpoint_dir import (LATEST, MANIFEST, CheckpointError, new_checkpoint, read_manifest_json,
                                     resolve_checkpoint)
 
@@ -367,6 +368,7 @@ def save_checkpoint(path: str | Path, mp: Any, extra: dict | None = None, *, gua
         "ema": None if ema is None else _encode(ema.state_dict(), "ema", state),
         "events": json.loads(json.dumps(list(mp.events), default=str)),
         "rng": _rng_state(mp.device, state),
+        "op_plan": op_plan.choices(mp.device.type),   # the kernels chosen: a resumed run pins them (bitwise resume)
         "data_position": {"boundaries": mp.boundaries, **(data_position or {})},
         "model": {"aliases": aliases, "masters": list(masters), "frozen": sd.get("frozen")},
         "tensors": {},
@@ -596,4 +598,6 @@ def _load_state(ck: _Checkpoint, mp: Any, *, guard: Any, convert: bool, adopt_po
         guard.load_state_dict(_decode(m["guard"], tensors, where))
     if restore_rng:
         _set_rng_state(m["rng"], tensors)
+    if m.get("device", "").split(":")[0] == mp.device.type:
+        op_plan.pin(m.get("op_plan") or {}, mp.device.type)
     return m["extra"]

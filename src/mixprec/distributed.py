@@ -106,6 +106,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
+from mixprec import op_plan
 from mixprec.checkpoint import load_checkpoint, read_manifest, read_weights, save_checkpoint
 from mixprec.checkpoint_dir import (MANIFEST, PendingCheckpoint, abort_checkpoint, begin_checkpoint, commit_checkpoint,
                                     read_manifest_json)
@@ -578,6 +579,7 @@ def save_distributed_checkpoint(root: str | Path, mp: Any, extra: dict | None = 
                     "counters": mp.state_dict()["counters"],
                     "guard": None if guard is None else guard.state_dict(),
                     "events": json.loads(json.dumps(list(mp.events), default=str)),
+                    "op_plan": op_plan.choices(mp.device.type),   # rank 0's kernel choices, pinned on resume
                     "data_position": {"boundaries": mp.boundaries, **position},
                     "extra": extra or {}}
         try:
@@ -664,4 +666,6 @@ def load_distributed_checkpoint(path: str | Path, mp: Any, *, adopt_policy: bool
     guard = getattr(mp, "guard", None)
     if guard is not None and manifest["guard"] is not None:
         guard.load_state_dict(manifest["guard"])
+    if manifest.get("device", "").split(":")[0] == mp.device.type:
+        op_plan.pin(manifest.get("op_plan") or {}, mp.device.type)
     return manifest["extra"]

@@ -61,7 +61,7 @@ import torch.nn.functional as F
 
 from mixprec.cache import cache_dir, machine_key, read_json, write_json
 
-__all__ = ["PlanEntry", "planned_kernels", "choose", "entries", "summary", "cached", "forget", "time_candidates", "describe", "MARGIN",
+__all__ = ["PlanEntry", "planned_kernels", "choose", "entries", "summary", "choices", "pin", "cached", "forget", "time_candidates", "describe", "MARGIN",
            "REPEATS", "MATMUL_SCORES_LIMIT", "NOISY_SPREAD", "Timing", "CANDIDATES", "plan_key"]
 
 MARGIN = 0.05                     # another candidate replaces the default only when ≥ 5 % faster
@@ -79,7 +79,8 @@ _SDPA = torch.ops.aten.scaled_dot_product_attention.default
 class PlanEntry:
     """One planned op at one key: ``chosen`` among ``times_ms`` (candidate → best forward(+backward) time in
     ms, None where not timed), ``source`` ``"measured"``, ``"cache"`` (measured by an earlier process on
-    this machine) or ``"default (traced, not measured)"``; ``shape`` is the key in words."""
+    this machine), ``"checkpoint"`` (pinned by a resumed checkpoint: :func:`pin`) or
+    ``"default (traced, not measured)"``; ``shape`` is the key in words."""
 
     op: str
     shape: str
@@ -302,6 +303,21 @@ def summary(device_type: str | None = None) -> list[str]:
         return "-" if t is None else f"{t:.2f} ms"
     return [f"{e.shape} -> {e.chosen} ({e.source}; " + ", ".join(f"{n} {ms(t)}" for n, t in e.times_ms.items()) + ")"
             for e in entries(device_type)]
+
+
+def choices(device_type: str) -> dict[str, str]:
+    """key → chosen candidate, for every key this process planned on ``device_type`` (a checkpoint saves it, so a
+    resumed run makes the same kernel choices whatever its own cache or a new measurement would say)."""
+    return {e.shape: e.chosen for e in entries(device_type) if e.source != _TRACED}
+
+
+def pin(saved: dict[str, str], device_type: str) -> None:
+    """Use ``saved`` (:func:`choices` of an earlier run) for these keys in this process: the entries' source is
+    ``"checkpoint"``; keys that are not planned or name an unknown candidate are ignored."""
+    plan = _plans.setdefault((device_type, torch.get_num_threads()), {})
+    for key, chosen in (saved or {}).items():
+        if isinstance(key, str) and key.startswith("sdpa ") and chosen in CANDIDATES:
+            plan[key] = PlanEntry("scaled_dot_product_attention", key, chosen, {}, "checkpoint")
 
 
 def cached(device: torch.device | str = "cpu") -> tuple[str, dict[str, dict]]:
