@@ -146,7 +146,7 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def _cmd_bench(args: argparse.Namespace, command: str) -> int:
-    from mixprec.bench.report import auto_lines, format_table
+    from mixprec.bench.report import auto_lines, format_table, op_plan_lines
     from mixprec.bench.runner import BenchConfig, run_bench
     from mixprec.bench.verdict import Targets
 
@@ -163,7 +163,7 @@ def _cmd_bench(args: argparse.Namespace, command: str) -> int:
     if config.strategy is not None and results["settings"]["world_size"] > 1 and not _main_process():
         return 1 if any(e["verdict"] == "FAIL" for e in results["policies"].values()) else 0  # rank 0 reports
     print(format_table(results))
-    for line in auto_lines(results):
+    for line in auto_lines(results) + op_plan_lines(results):
         print(line)
     for name, entry in results["policies"].items():
         if entry["verdict"] in ("FAIL", "SKIPPED"):

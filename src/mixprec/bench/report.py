@@ -32,7 +32,7 @@ import math
 from pathlib import Path
 from typing import Any
 
-__all__ = ["POLICY_KEYS", "COMPILED_SUFFIX", "write_outputs", "format_table", "auto_lines", "report_markdown",
+__all__ = ["POLICY_KEYS", "COMPILED_SUFFIX", "write_outputs", "format_table", "auto_lines", "op_plan_lines", "report_markdown",
            "plot_loss_curves", "plot_speed_memory"]
 
 COMPILED_SUFFIX = "+compiled"   # the row of a policy run under bench --compile
@@ -197,6 +197,18 @@ def auto_lines(results: dict) -> list[str]:
     the model at its first forward, or the matmul probe's rule)."""
     return [f"{name} chose {e.get('policy')}: {e.get('decision')}" for name, e in results["policies"].items()
             if str(e.get("requested") or name).lower() == "auto" and e.get("decision")]
+
+
+def op_plan_lines(results: dict) -> list[str]:
+    """The console's op plan: each training key once (the first policy that planned it), its choice and the
+    candidates' times; report.md has every key per policy."""
+    seen: dict[str, str] = {}
+    for name, entry in results["policies"].items():
+        for e in entry.get("op_plan") or []:
+            if e["shape"].endswith("fwd+bwd") and e["shape"] not in seen:
+                times = ", ".join(f"{c} {t:.2f} ms" for c, t in e["times_ms"].items() if t is not None)
+                seen[e["shape"]] = f"op plan ({name}): {e['shape']} -> {e['chosen']} ({e['source']}; {times})"
+    return list(seen.values())
 
 
 def _portable_lines(results: dict) -> list[str]:
