@@ -200,6 +200,48 @@ def test_tiny_bench_results_schema(tiny_bench):
         assert e["source"] in ("measured", "cache") and e["times_ms"][e["chosen"]] > 0
 
 
+def test_tiny_bench_times_the_policies_interleaved(tiny_bench):
+    """Step times come from the interleaved timing (resident workers, alternating blocks), not the quality runs."""
+    _, out, results = tiny_bench
+    timing = results["timing"]
+    assert timing["method"] == "interleaved" and timing["block_steps"] == 5 and timing["blocks"] == 4
+    assert set(timing["step_ms"]) == {"fp32", "bf16-mixed"} and not timing["errors"]   # fp16-mixed was SKIPPED
+    assert isinstance(timing["noisy"], bool)
+    for name, step in timing["step_ms"].items():
+        e = results["policies"][name]
+        assert e["step_time_ms_median"] == step["median"] and e["step_time_ms_p10"] <= step["median"] <= step["p90"]
+        assert e["sequential_step_time_ms_median"] > 0
+        assert timing["spread"][name] == pytest.approx(step["p90"] / step["p10"], abs=1e-3)
+    bf16 = results["policies"]["bf16-mixed"]
+    assert bf16["speedup_vs_fp32"] == pytest.approx(timing["step_ms"]["fp32"]["median"] / timing["step_ms"]["bf16-mixed"]
+                                                    ["median"])
+    assert "timing: interleaved (4 rounds of 5 steps per policy" in (out / "report.md").read_text()
+
+
+def test_noisy_interleaved_timing_is_said_and_gives_no_speed_verdict(tmp_path, capsys, monkeypatch):
+    from mixprec.bench import interleaved
+
+    monkeypatch.setattr(interleaved, "SPREAD_LIMIT", 1.0)   # any spread is "noisy": the path, deterministically
+    out = tmp_path / "out"
+    status = main(["bench", "--config", "tiny", "--policies", "bf16-mixed", "--steps", "5", "--out", str(out),
+                   "--device", "cpu", "--min-speedup", "0.01"])
+    results = json.loads((out / "results.json").read_text())
+    assert results["timing"]["noisy"] and results["timing"]["retimed"] == interleaved.RETIMES
+    bf16 = results["policies"]["bf16-mixed"]
+    assert status == 1 and bf16["verdict"] == "FAIL"          # a speed target cannot be judged on noisy timings
+    assert "speedup not measured" in bf16["reason"] and "timings noisy: no speed verdict" in bf16["reason"]
+    assert "TIMINGS NOISY" in capsys.readouterr().out and "TIMINGS NOISY" in (out / "report.md").read_text()
+
+
+def test_sequential_timing_keeps_the_quality_runs_step_times(tmp_path):
+    out = tmp_path / "out"
+    assert main(["bench", "--config", "tiny", "--policies", "bf16-mixed", "--steps", "5", "--out", str(out),
+                 "--device", "cpu", "--timing", "sequential"]) == 0
+    results = json.loads((out / "results.json").read_text())
+    assert results["timing"]["method"] == "sequential"
+    assert all("sequential_step_time_ms_median" not in e for e in results["policies"].values())
+
+
 def test_tiny_bench_skips_non_native_fp16(tiny_bench):
     _, _, results = tiny_bench
     fp16 = results["policies"]["fp16-mixed"]

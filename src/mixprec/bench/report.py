@@ -32,7 +32,7 @@ import math
 from pathlib import Path
 from typing import Any
 
-__all__ = ["POLICY_KEYS", "COMPILED_SUFFIX", "write_outputs", "format_table", "auto_lines", "op_plan_lines", "report_markdown",
+__all__ = ["POLICY_KEYS", "COMPILED_SUFFIX", "write_outputs", "format_table", "auto_lines", "op_plan_lines", "timing_lines", "report_markdown",
            "plot_loss_curves", "plot_speed_memory"]
 
 COMPILED_SUFFIX = "+compiled"   # the row of a policy run under bench --compile
@@ -199,6 +199,23 @@ def auto_lines(results: dict) -> list[str]:
             if str(e.get("requested") or name).lower() == "auto" and e.get("decision")]
 
 
+def timing_lines(results: dict) -> list[str]:
+    """How the step times were measured, and whether they can carry a speed verdict (console and report.md)."""
+    t = results.get("timing") or {}
+    spread = ", ".join(f"{n} {v:.2f}" for n, v in (t.get("spread") or {}).items())
+    if t.get("method") == "interleaved":
+        how = (f"timing: interleaved ({t['blocks']} rounds of {t['block_steps']} steps per policy in resident "
+               f"workers{', re-timed ' + str(t['retimed']) + 'x' if t.get('retimed') else ''}); p90/p10 spread: {spread}")
+    else:
+        how = f"timing: sequential (each policy's quality run); p90/p10 spread: {spread}"
+    lines = [how]
+    if t.get("noisy"):
+        lines.append(f"TIMINGS NOISY: a policy's p90/p10 spread stayed above {t.get('spread_limit', 1.5)} — the "
+                     "machine was busy; the speedups are unreliable and no speed verdict is given")
+    lines += [f"timing: {n} not timed interleaved: {err}" for n, err in (t.get("errors") or {}).items()]
+    return lines
+
+
 def op_plan_lines(results: dict) -> list[str]:
     """The console's op plan: each training key once (the first policy that planned it), its choice and the
     candidates' times; report.md has every key per policy."""
@@ -272,6 +289,8 @@ def report_markdown(results: dict) -> str:
         *_compile_lines(results),
         *_portable_lines(results),
         *(["", *(f"How auto decided: {line}." for line in auto_lines(results))] if auto_lines(results) else []),
+        "",
+        *(f"{line}." for line in timing_lines(results)),
         "",
         _noise_line(results["policies"]),
         "",

@@ -73,6 +73,9 @@ REFERENCE = "fp32"
 CAPABILITY_ENV = "MIXPREC_BENCH_CAPABILITY"
 
 
+TIMING_METHODS = ("interleaved", "sequential")   # BenchConfig.timing: how step times are measured
+
+
 @dataclass(frozen=True)
 class BenchConfig:
     """Everything one bench run needs (the CLI builds it from its flags).
@@ -83,7 +86,9 @@ class BenchConfig:
     (``"ddp"``, ``"fsdp2"``): run under torchrun, one runner per rank (see :func:`run_bench`). ``compile``: each
     policy also runs compiled (``MixedPrecision(..., compile=True)``, inductor) in its own worker, as
     the row ``<policy>+compiled`` (:data:`mixprec.bench.report.COMPILED_SUFFIX`), judged against eager fp32 like the others;
-    its compilation time is reported apart from its step time.
+    its compilation time is reported apart from its step time. ``timing``: ``"interleaved"`` (default: after
+    the quality runs, every policy is timed again in alternating blocks, :mod:`mixprec.bench.interleaved`, and
+    its step time, throughput and speedup come from there) or ``"sequential"`` (each quality run's own steps).
     """
 
     out: Path
@@ -100,8 +105,11 @@ class BenchConfig:
     strategy: str | None = None
     lora: str | None = None
     compile: bool = False
+    timing: str = "interleaved"
 
     def __post_init__(self) -> None:
+        if self.timing not in TIMING_METHODS:
+            raise ValueError(f"bench timing={self.timing!r} is not allowed; choose one of {TIMING_METHODS}")
         if self.steps is not None and (not isinstance(self.steps, int) or self.steps < 5):
             raise ValueError(f"bench steps={self.steps!r} must be an int >= 5 (warm-up steps are not timed)")
         if self.compile and self.strategy is not None:
@@ -214,8 +222,8 @@ def _skipped_entry(spec: str, reason: str) -> dict[str, Any]:
     return {**dict.fromkeys(POLICY_KEYS), "requested": spec, "skipped_reason": reason}
 
 
-def judge_policies(entries: dict[str, dict], targets: Targets) -> None:
-    """Add the deltas vs fp32 and a verdict to every entry (in place)."""
+def judge_policies(entries: dict[str, dict], targets: Targets, *, noisy: bool = False) -> None:
+    """Add the deltas vs fp32 and a verdict to every entry (in place); ``noisy`` timings give no speed verdict."""
     ref = entries[REFERENCE]
     if ref.get("error") is None and ref.get("skipped_reason") is None and ref.get("final_eval_loss") is None:
         ref["error"] = "the fp32 eval loss is not finite: the reference diverged"
@@ -231,9 +239,11 @@ def judge_policies(entries: dict[str, dict], targets: Targets) -> None:
             error = f"no fp32 reference to compare with ({ref_error})"
         diverged = e.get("step_time_ms_median") is not None and e.get("final_eval_loss") is None
         verdict = judge(targets=targets, loss_delta=math.nan if diverged else e.get("eval_loss_delta_vs_fp32"),
-                        speedup=e.get("speedup_vs_fp32"), memory_ratio=e.get("memory_ratio_vs_fp32"),
+                        speedup=None if noisy else e.get("speedup_vs_fp32"),
+                        memory_ratio=e.get("memory_ratio_vs_fp32"),
                         reference=name == REFERENCE, skipped_reason=skipped, error=error)
-        e["verdict"], e["reason"] = verdict.verdict, verdict.reason
+        note = "; timings noisy: no speed verdict" if noisy and e.get("speedup_vs_fp32") is not None else ""
+        e["verdict"], e["reason"] = verdict.verdict, verdict.reason + (note if name != REFERENCE else "")
 
 
 ADVISED = "advised"  # --policies advised: run what `mixprec inspect` recommends for this workload
@@ -252,6 +262,37 @@ def _portable_cost(config: BenchConfig, device: torch.device, runnable: list[str
         print(f"timing ops=portable against ops=native for {policy} (interleaved)", file=sys.stderr)
     return measure_portable_cost(config.workload, policy, device, config=config.config_name, data=config.data,
                                  lora=config.lora)
+
+
+def _retime(config: BenchConfig, entries: dict[str, dict], specs: dict[str, RunSpec], workdir: Path,
+            progress: bool) -> dict[str, Any]:
+    """``timing="interleaved"``: time the rows that trained, interleaved (:mod:`mixprec.bench.interleaved`), and
+    replace their step time and what derives from it (the quality run's median is kept as
+    ``sequential_step_time_ms_median``); results.json's ``timing``. Sequential under a strategy or with < 2 rows."""
+    rows = [n for n in specs if entries[n].get("step_time_ms_median") is not None]
+    sequential = {"method": "sequential", "noisy": False, "spread": {
+        n: entries[n]["step_time_ms_p90"] / entries[n]["step_time_ms_p10"] for n in rows
+        if entries[n].get("step_time_ms_p10")}}
+    if config.timing != "interleaved" or config.strategy is not None or len(rows) < 2:
+        return sequential
+    from mixprec.bench.interleaved import time_interleaved
+
+    rounds = max(4, min(12, config.steps // 25))
+    if progress:
+        print(f"timing {len(rows)} policies interleaved: {rounds} rounds of 5 steps each", file=sys.stderr)
+    timing = time_interleaved({n: specs[n] for n in rows}, workdir, _worker_env(), block_steps=5, rounds=rounds,
+                              warmup_steps=3)
+    for name, step in timing["step_ms"].items():
+        e = entries[name]
+        if step is None:
+            continue
+        scale = e["step_time_ms_median"] / step["median"]       # throughput scales inversely with step time
+        e["sequential_step_time_ms_median"] = e["step_time_ms_median"]
+        e.update(step_time_ms_median=step["median"], step_time_ms_p10=step["p10"], step_time_ms_p90=step["p90"])
+        for key in ("items_per_s", "tokens_per_s", "gflops_per_s", "mfu"):
+            if e.get(key) is not None:
+                e[key] *= scale
+    return timing
 
 
 def run_bench(config: BenchConfig, *, capability: Capability | None = None, progress: bool = True) -> dict[str, Any]:
@@ -305,6 +346,7 @@ def run_bench(config: BenchConfig, *, capability: Capability | None = None, prog
     warmup = warmup_steps_for(config.steps)
     peaks_gflops = {name: peak.gflops_per_s for name, peak in peaks.items()}
     entries: dict[str, dict] = {}
+    specs: dict[str, RunSpec] = {}
     variants = (False, True) if config.compile else (False,)   # eager, then compiled
     with tqdm(total=config.steps * len(runnable) * len(variants), unit="step", disable=not progress or not is_main_process(),
               dynamic_ncols=True) as bar:
@@ -324,11 +366,13 @@ def run_bench(config: BenchConfig, *, capability: Capability | None = None, prog
                     "MASTER_PORT": str(from_main_process(_free_port() if is_main_process() else None))}
                 file_name = f"{index}{'c' if compiled else ''}-{''.join(c if c.isalnum() or c in '-_' else '_' for c in name)}"
                 result = _run_worker(spec, workdir, file_name, bar, env_update)
+                specs[row] = spec
                 if result.get("stage") == "setup":  # the engine refused the policy: it did not run
                     entries[row] = _skipped_entry(name, f"the engine refused it: {result['error']}")
                 else:
                     entries[row] = {**dict.fromkeys(POLICY_KEYS), "requested": name, **result}
-    judge_policies(entries, config.targets)
+    timing = _retime(config, entries, specs, workdir, progress)
+    judge_policies(entries, config.targets, noisy=timing["noisy"])
     portable = _portable_cost(config, device, runnable, progress)
     results = {
         "mixprec_bench": 1,
@@ -347,6 +391,7 @@ def run_bench(config: BenchConfig, *, capability: Capability | None = None, prog
         "advice": None if advice is None else {"policy": str(advice.policy), "reasons": list(advice.reasons),
                                                "initial_loss_scale": advice.initial_loss_scale},
         "policies": entries,
+        "timing": timing,
         "portable_ops": portable,
         "parent_pid": os.getpid(),
         "wall_s": time.perf_counter() - start,

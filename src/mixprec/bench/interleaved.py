@@ -1,0 +1,137 @@
+"""Interleaved timing: the policies' steps timed in short alternating blocks, so drift cannot fake a speedup.
+
+The quality runs train one policy after another; on a shared machine another job can slow one policy's
+whole run (126 of 300 fp32 steps over 1 s once made bf16 look 1.5x faster than it is). After them, the
+bench times every policy again *interleaved*: one resident worker process per policy (the same engine,
+model, seed and batch stream as its quality run, built by :func:`serve`), then rounds of short blocks
+A B C … A B C … (each round starts one policy later), so drift lands on every policy alike. Per policy:
+median, p10 and p90 of all timed steps, and the spread p90/p10. When a policy's spread exceeds
+:data:`SPREAD_LIMIT` the rounds are repeated (at most :data:`RETIMES` times); if it stays above, the timing
+is ``noisy``: the console, report.md and results.json say so and no speed verdict is given.
+
+Source: the A/B interleaving of ``benchmarks/overhead.py``; the threshold is the same order as
+:data:`mixprec.op_plan.NOISY_SPREAD`. Host syncs: the workers' (one per step for timing).
+"""
+
+from __future__ import annotations
+
+import json
+import statistics
+import subprocess
+import sys
+from dataclasses import asdict
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+from mixprec.bench.measure import time_steps
+from mixprec.bench.worker import RunSpec, build_engine, train_step
+from mixprec.workloads import get_workload
+
+__all__ = ["SPREAD_LIMIT", "RETIMES", "time_interleaved", "serve", "percentile"]
+
+SPREAD_LIMIT = 1.5    # p90/p10 of a policy's interleaved steps above which its timing is noisy
+RETIMES = 1           # extra sets of rounds tried while a policy is noisy
+
+
+def percentile(values: list[float], q: float) -> float:
+    """The ``q``-quantile (0..1) of ``values`` by nearest rank (no interpolation)."""
+    ordered = sorted(values)
+    return ordered[min(len(ordered) - 1, int(q * len(ordered)))]
+
+
+def serve(spec: RunSpec) -> int:
+    """The worker side (``python -m mixprec.bench --serve SPEC_JSON``): build the policy's engine as its quality
+    run did, print ``{"ready": ...}``, then for each stdin line ``{"steps": k}`` train k steps and print
+    ``{"times_ms": [...]}``; ``{"quit": true}`` or end of input stops it. Returns the exit status."""
+    try:
+        workload = get_workload(spec.workload, config=spec.config, data=spec.data, lora=spec.lora)
+        mp = build_engine(workload, spec.policy, steps=max(spec.steps, 1), seed=spec.seed, device=spec.device,
+                          compile=spec.compile)
+        batches = _forever(workload, spec.seed)
+    except Exception as err:   # reported to the runner, which times the others
+        print(json.dumps({"ready": False, "error": f"{type(err).__name__}: {err}"}), flush=True)
+        return 1
+    print(json.dumps({"ready": True, "policy": str(mp.policy)}), flush=True)
+    for line in sys.stdin:
+        command = json.loads(line)
+        if command.get("quit"):
+            break
+        times = time_steps(lambda: train_step(mp, workload, next(batches)), mp.device, int(command["steps"]))
+        print(json.dumps({"times_ms": times}), flush=True)
+    return 0
+
+
+def _forever(workload: Any, seed: int) -> Iterator[Any]:
+    """The workload's training batches, started again when a finite stream ends."""
+    while True:
+        yield from workload.batches("train", seed)
+
+
+def _ask(proc: subprocess.Popen, command: dict) -> dict:
+    proc.stdin.write(json.dumps(command) + "\n")
+    proc.stdin.flush()
+    line = proc.stdout.readline()
+    if not line:
+        raise RuntimeError(f"the timing worker (pid {proc.pid}) exited (status {proc.wait()})")
+    return json.loads(line)
+
+
+def time_interleaved(specs: dict[str, RunSpec], workdir: Path, env: dict[str, str], *, block_steps: int,
+                     rounds: int, warmup_steps: int) -> dict[str, Any]:
+    """Time every policy of ``specs`` (row name → its quality run's spec) interleaved, as the module says.
+
+    Returns results.json's ``timing``: ``method`` (``"interleaved"``), ``blocks`` (per policy), ``block_steps``,
+    ``step_ms`` (row → ``median``/``p10``/``p90`` in ms, None when its worker failed), ``spread`` (row → p90/p10),
+    ``retimed`` (sets of rounds beyond the first), ``noisy`` (a spread still above :data:`SPREAD_LIMIT`),
+    ``errors`` (row → why it was not timed)."""
+    procs: dict[str, subprocess.Popen] = {}
+    errors: dict[str, str] = {}
+    times: dict[str, list[float]] = {}
+    try:
+        for name, spec in specs.items():
+            spec_path = workdir / f"timing-{''.join(c if c.isalnum() or c in '-_' else '_' for c in name)}.spec.json"
+            spec_path.write_text(json.dumps(asdict(spec), indent=1))
+            log = open(spec_path.with_suffix(".log"), "w", encoding="utf-8")
+            procs[name] = subprocess.Popen([sys.executable, "-m", "mixprec.bench", "--serve", str(spec_path)],
+                                           stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=log, text=True,
+                                           env=env)
+            log.close()
+        for name, proc in list(procs.items()):
+            ready = json.loads(proc.stdout.readline() or '{"ready": false, "error": "no reply"}')
+            if not ready.get("ready"):
+                errors[name] = ready.get("error", "the timing worker did not start")
+                continue
+            _ask(proc, {"steps": warmup_steps})
+            times[name] = []
+        live = list(times)
+        retimed = 0
+        for attempt in range(1 + RETIMES):
+            for r in range(rounds):
+                for name in live[r % len(live):] + live[:r % len(live)] if live else []:
+                    try:
+                        times[name] += _ask(procs[name], {"steps": block_steps})["times_ms"]
+                    except (RuntimeError, ValueError) as err:
+                        errors[name] = str(err)
+                live = [n for n in live if n not in errors]
+            spread = {n: percentile(times[n], 0.9) / percentile(times[n], 0.1) for n in live}
+            if attempt == RETIMES or all(s <= SPREAD_LIMIT for s in spread.values()):
+                break
+            retimed += 1
+            for n in live:       # a noisy set is not kept: the next one replaces it
+                times[n] = []
+    finally:
+        for proc in procs.values():
+            try:
+                if proc.poll() is None:
+                    proc.stdin.write(json.dumps({"quit": True}) + "\n")
+                    proc.stdin.close()
+                proc.wait(timeout=60)
+            except (OSError, ValueError, subprocess.TimeoutExpired):
+                proc.kill()
+    step_ms = {n: ({"median": statistics.median(t), "p10": percentile(t, 0.1), "p90": percentile(t, 0.9)}
+                   if t and n not in errors else None) for n, t in times.items()}
+    spread = {n: round(v["p90"] / v["p10"], 3) for n, v in step_ms.items() if v}
+    return {"method": "interleaved", "blocks": rounds, "block_steps": block_steps, "step_ms": step_ms,
+            "spread": spread, "retimed": retimed, "noisy": any(s > SPREAD_LIMIT for s in spread.values()),
+            "spread_limit": SPREAD_LIMIT, "errors": errors}
