@@ -148,3 +148,18 @@ def test_sample_reads_a_dcp_checkpoint_like_a_one_process_one(tmp_path, capsys):
                      "--device", "cpu"]) == 0
         texts.append(capsys.readouterr().out)
     assert texts[0] == texts[1] and texts[0].startswith("The ")
+
+
+def test_cli_warnings_are_one_line_without_the_source_echo(capsys):
+    """A warning during a command prints as 'Category: message', not Python's file:line + source line."""
+    import warnings
+
+    from mixprec.cli import _one_line_warning
+
+    text = _one_line_warning(UserWarning("the LR schedule was saved for 10 steps"), UserWarning, "/x/y.py", 12,
+                             line="    warnings.warn(...)")
+    assert text == "UserWarning: the LR schedule was saved for 10 steps\n"
+    before = warnings.formatwarning
+    from mixprec.cli import main
+    assert main(["bench", "--steps", "2"]) == 2   # a bad argument: the error path
+    assert warnings.formatwarning is before       # restored after the command

@@ -15,6 +15,7 @@ import json
 import os
 import shlex
 import sys
+import warnings
 import time
 from pathlib import Path
 
@@ -271,13 +272,21 @@ def _cmd_doctor(args: argparse.Namespace) -> int:
     return 0
 
 
+def _one_line_warning(message: Warning | str, category: type, filename: str, lineno: int, file=None,
+                      line: str | None = None) -> str:
+    """A warning as the CLI prints it: one line, its category and message, without Python's source echo."""
+    return f"{category.__name__}: {message}\n"
+
+
 def main(argv: list[str] | None = None) -> int:
-    """Run the ``mixprec`` command line with ``argv`` (default: ``sys.argv[1:]``); returns the exit status."""
+    """Run the ``mixprec`` command line with ``argv`` (default: ``sys.argv[1:]``); returns the exit status.
+    Warnings print as one line each (category: message), not with Python's file/line/source echo."""
     argv = sys.argv[1:] if argv is None else list(argv)
     args = build_parser().parse_args(argv)
     command = "mixprec " + shlex.join(argv)
     if ":" in getattr(args, "workload", "") and os.getcwd() not in sys.path:
         sys.path.insert(0, os.getcwd())
+    previous_format, warnings.formatwarning = warnings.formatwarning, _one_line_warning
     try:
         if args.command == "bench":
             return _cmd_bench(args, command)
@@ -294,6 +303,7 @@ def main(argv: list[str] | None = None) -> int:
         print(f"mixprec {args.command}: error: {err}", file=sys.stderr)
         return 2
     finally:
+        warnings.formatwarning = previous_format
         if "torch.distributed" in sys.modules:
             from mixprec.distributed import leave_process_group
 

@@ -150,7 +150,7 @@ def plan_policy(spec: str, device: torch.device, capability: Capability, *, forc
         return str(err)
     fp16 = torch.float16 in (policy.param_dtype, policy.compute_dtype)
     if fp16 and device.type == "cpu" and not capability.fp16_native and not force:
-        return (f"fp16 is not native on this CPU (measured: {capability.detail or 'fp16 matmul far slower than fp32'}); "
+        return (f"fp16 is not native on this CPU ({capability.detail or 'measured: fp16 matmul far slower than fp32'}); "
                 "it would run emulated and slowly: pass --force to run it anyway")
     return None
 
@@ -356,7 +356,8 @@ def run_bench(config: BenchConfig, *, capability: Capability | None = None, prog
                 if skip[name] is not None:
                     entries[row] = _skipped_entry(name, skip[name])
                     continue
-                bar.set_description(row)
+                run_index = sum(1 for n in names[:index] if skip[n] is None) * len(variants) + compiled + 1
+                bar.set_description(f"policy {run_index}/{len(runnable) * len(variants)}: {row}")
                 spec = RunSpec(workload=config.workload, policy=name, steps=config.steps, seed=config.seed,
                                config=config.config_name, data=config.data, lora=config.lora,
                                device="cuda" if config.strategy and device.type == "cuda" else str(device),  # LOCAL_RANK's
