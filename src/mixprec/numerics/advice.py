@@ -194,7 +194,7 @@ def risk(report: NumericsStats, module: str, fmt: str, *, loss_scale: float | No
     if found:
         return 2, found[0].kind
     err = m.error.get(f.name)
-    sqnr = "" if err is None else f"{err.sqnr_db:.0f} dB"
+    sqnr = "" if err is None else f"SQNR {err.sqnr_db:.0f} dB"
     eight = f.bits == 8
     act = m.activation_scaled[f.name] if eight else m.activation[f.name]
     stats = [("act", act)] + [("grad", s) for _, s in _grad_stats(report, m, f, report.scale_index(scale))]

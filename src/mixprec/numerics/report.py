@@ -231,9 +231,9 @@ class NumericsReport(NumericsStats):
         for i, row in enumerate(cells):
             for j, (_, text) in enumerate(row):
                 ax.text(j, i, text, ha="center", va="center", fontsize=6)
-        ax.set_title(f"worst risk per module and format (green fine, yellow marginal, red flagged); fp16 "
-                     f"gradients at the recommended loss scale {pow2(self.recommended_loss_scale)} unless noted",
-                     fontsize=8, pad=18)
+        fig.suptitle("worst risk per module and format: green fine, yellow marginal, red flagged\n"
+                     "cells: the flag, or the output's SQNR vs fp32 in dB; fp16 gradients at the recommended "
+                     f"loss scale {pow2(self.recommended_loss_scale)} unless noted", fontsize=8, wrap=True)
         fig.tight_layout()
         out = Path(path)
         fig.savefig(out, dpi=110)
