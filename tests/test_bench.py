@@ -193,6 +193,11 @@ def test_tiny_bench_results_schema(tiny_bench):
     ms_ratio = cost["portable_step_ms_median"] / cost["native_step_ms_median"]   # medians rounded to 0.01 ms
     assert cost["ratio_portable_over_native"] == pytest.approx(ms_ratio, rel=0.01 / cost["native_step_ms_median"] * 2)
     assert fp32["op_plan"] == []   # autocast off: nothing planned
+    peaks = {d: v for d, v in env["peaks_gflops_per_s"].items() if d in ("fp32", "bf16", "fp16") and v}
+    best = max(peaks, key=peaks.get)    # MFU against one named peak, the device's fastest dtype, for every row
+    assert results["mfu_peak"] == {"dtype": best, "gflops_per_s": peaks[best]}
+    for e in (fp32, bf16):
+        assert e["mfu"] == pytest.approx(e["gflops_per_s"] / peaks[best]) and e["mfu_own_dtype"] is not None
     plan = {e["shape"].split()[-1]: e for e in bf16["op_plan"]}   # the tiny GPT's attention: training and eval keys
     assert set(plan) == {"fwd+bwd", "fwd"} and "kernels=measured" in bf16["decision"]
     for e in plan.values():

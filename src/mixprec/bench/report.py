@@ -39,7 +39,7 @@ COMPILED_SUFFIX = "+compiled"   # the row of a policy run under bench --compile
 POLICY_KEYS = (
     "requested", "policy", "decision", "compute_dtype", "device", "pid", "optimizer", "steps",
     "step_time_ms_median", "step_time_ms_p10", "step_time_ms_p90", "tokens_per_s", "items_per_s", "item_unit", "speedup_vs_fp32",
-    "gflops_per_s", "peak_gflops_per_s", "mfu", "peak_memory_mb", "memory_ratio_vs_fp32", "memory_source",
+    "gflops_per_s", "peak_gflops_per_s", "mfu", "mfu_own_dtype", "peak_memory_mb", "memory_ratio_vs_fp32", "memory_source",
     "state_bytes_per_param", "state_bytes", "final_eval", "final_eval_loss", "eval_loss_delta_vs_fp32",
     "skipped_steps", "skipped_by_reason", "loss_per_step", "loss_scale_history", "grad_norm_per_step",
     "lr_per_step", "step_time_ms_per_step", "events", "verdict", "reason", "skipped_reason", "error",
@@ -170,7 +170,9 @@ def _rows(results: dict) -> list[list[str]]:
 
 def _headers(results: dict) -> list[str]:
     unit = next((e["item_unit"] for e in results["policies"].values() if e.get("item_unit")), "items")
-    return ["policy", "verdict", "step ms", "speedup", f"{unit}/s", "GFLOP/s", "MFU", "peak MiB",
+    peak = results.get("mfu_peak")
+    mfu = f"MFU vs {peak['dtype']} peak" if peak else "MFU"
+    return ["policy", "verdict", "step ms", "speedup", f"{unit}/s", "GFLOP/s", mfu, "peak MiB",
             "mem ratio", "bytes/param", "eval loss", "loss delta", "skipped steps"] + \
         (["compile s"] if _has_compiled(results) else [])
 

@@ -295,6 +295,21 @@ def _retime(config: BenchConfig, entries: dict[str, dict], specs: dict[str, RunS
     return timing
 
 
+def _one_mfu_peak(entries: dict[str, dict], peaks_gflops: dict[str, float | None]) -> dict[str, Any] | None:
+    """MFU against one named peak, the device's fastest 16/32-bit matmul dtype (``mixprec doctor``'s, cached per
+    torch version and thread count), so the column compares policies; each row keeps ``mfu_own_dtype`` (against
+    its compute dtype's peak). results.json's ``mfu_peak`` (None without peaks)."""
+    known = {d: v for d, v in peaks_gflops.items() if d in ("fp32", "bf16", "fp16") and v}
+    if not known:
+        return None
+    dtype = max(known, key=known.get)
+    for e in entries.values():
+        if e.get("gflops_per_s") is not None:
+            e["mfu_own_dtype"] = e.get("mfu")
+            e["mfu"] = e["gflops_per_s"] / (known[dtype] * (e.get("world_size") or 1))
+    return {"dtype": dtype, "gflops_per_s": known[dtype]}
+
+
 def run_bench(config: BenchConfig, *, capability: Capability | None = None, progress: bool = True) -> dict[str, Any]:
     """Run the bench described by ``config``, write its outputs to ``config.out`` and return
     the results (the content of ``results.json``).
@@ -373,6 +388,7 @@ def run_bench(config: BenchConfig, *, capability: Capability | None = None, prog
                 else:
                     entries[row] = {**dict.fromkeys(POLICY_KEYS), "requested": name, **result}
     timing = _retime(config, entries, specs, workdir, progress)
+    mfu_peak = _one_mfu_peak(entries, peaks_gflops)
     judge_policies(entries, config.targets, noisy=timing["noisy"])
     portable = _portable_cost(config, device, runnable, progress)
     results = {
@@ -393,6 +409,7 @@ def run_bench(config: BenchConfig, *, capability: Capability | None = None, prog
                                                "initial_loss_scale": advice.initial_loss_scale},
         "policies": entries,
         "timing": timing,
+        "mfu_peak": mfu_peak,
         "portable_ops": portable,
         "parent_pid": os.getpid(),
         "wall_s": time.perf_counter() - start,
