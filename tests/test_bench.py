@@ -192,6 +192,12 @@ def test_tiny_bench_results_schema(tiny_bench):
     assert cost["policy"] == "bf16-mixed" and cost["method"] == "interleaved" and cost["timed_steps_each"] == 20
     ms_ratio = cost["portable_step_ms_median"] / cost["native_step_ms_median"]   # medians rounded to 0.01 ms
     assert cost["ratio_portable_over_native"] == pytest.approx(ms_ratio, rel=0.01 / cost["native_step_ms_median"] * 2)
+    noise = results["seed_noise"]   # fp32 trained again at seed 1: the band each verdict is read against
+    assert noise["seeds"] == [0, 1] and noise["fp32_eval_losses"][0] == fp32["final_eval_loss"]
+    lo, hi = min(noise["fp32_eval_losses"]), max(noise["fp32_eval_losses"])
+    assert noise["relative_spread"] == pytest.approx((hi - lo) / lo) and lo != hi   # another seed, another loss
+    inside = abs(bf16["eval_loss_delta_vs_fp32"]) <= noise["relative_spread"]
+    assert f"{'within' if inside else 'outside'} seed noise (±{noise['relative_spread']:.2%})" in bf16["reason"]
     assert fp32["op_plan"] == []   # autocast off: nothing planned
     peaks = {d: v for d, v in env["peaks_gflops_per_s"].items() if d in ("fp32", "bf16", "fp16") and v}
     best = max(peaks, key=peaks.get)    # MFU against one named peak, the device's fastest dtype, for every row
@@ -241,9 +247,9 @@ def test_noisy_interleaved_timing_is_said_and_gives_no_speed_verdict(tmp_path, c
 def test_sequential_timing_keeps_the_quality_runs_step_times(tmp_path):
     out = tmp_path / "out"
     assert main(["bench", "--config", "tiny", "--policies", "bf16-mixed", "--steps", "5", "--out", str(out),
-                 "--device", "cpu", "--timing", "sequential"]) == 0
+                 "--device", "cpu", "--timing", "sequential", "--seeds", "1"]) == 0
     results = json.loads((out / "results.json").read_text())
-    assert results["timing"]["method"] == "sequential"
+    assert results["timing"]["method"] == "sequential" and results["seed_noise"] is None
     assert all("sequential_step_time_ms_median" not in e for e in results["policies"].values())
 
 

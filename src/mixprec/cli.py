@@ -97,6 +97,9 @@ def build_parser() -> argparse.ArgumentParser:
     bench.add_argument("--compile", action="store_true",
                        help="also run each policy compiled (torch.compile, inductor) as the row <policy>+compiled; "
                        "compile time is reported apart from the step time")
+    bench.add_argument("--seeds", type=_positive_int, default=2,
+                       help="train the fp32 reference at this many seeds (seed, seed+1, ...): the spread of its eval "
+                       "loss is the seed-noise band each verdict is read against (default 2; 1 turns it off)")
     bench.add_argument("--timing", choices=("interleaved", "sequential"), default="interleaved",
                        help="interleaved (default): after the quality runs, time the policies again in alternating "
                        "blocks in resident workers, so machine drift hits all alike; sequential: each run's own steps")
@@ -150,7 +153,7 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def _cmd_bench(args: argparse.Namespace, command: str) -> int:
-    from mixprec.bench.report import auto_lines, format_table, op_plan_lines, timing_lines
+    from mixprec.bench.report import auto_lines, format_table, op_plan_lines, seed_noise_lines, timing_lines
     from mixprec.bench.runner import BenchConfig, run_bench
     from mixprec.bench.verdict import Targets
 
@@ -162,12 +165,12 @@ def _cmd_bench(args: argparse.Namespace, command: str) -> int:
     config = BenchConfig(out=out, workload=args.workload, config=args.config, policies=args.policies,
                          steps=args.steps, seed=args.seed, data=args.data, device=args.device, force=args.force,
                          targets=targets, command=command, strategy=args.strategy, lora=args.lora,
-                         compile=args.compile, timing=args.timing)
+                         compile=args.compile, timing=args.timing, seeds=args.seeds)
     results = run_bench(config)
     if config.strategy is not None and results["settings"]["world_size"] > 1 and not _main_process():
         return 1 if any(e["verdict"] == "FAIL" for e in results["policies"].values()) else 0  # rank 0 reports
     print(format_table(results))
-    for line in timing_lines(results) + auto_lines(results) + op_plan_lines(results):
+    for line in timing_lines(results) + seed_noise_lines(results) + auto_lines(results) + op_plan_lines(results):
         print(line)
     for name, entry in results["policies"].items():
         if entry["verdict"] in ("FAIL", "SKIPPED"):

@@ -32,7 +32,7 @@ import math
 from pathlib import Path
 from typing import Any
 
-__all__ = ["POLICY_KEYS", "COMPILED_SUFFIX", "write_outputs", "format_table", "auto_lines", "op_plan_lines", "timing_lines", "report_markdown",
+__all__ = ["POLICY_KEYS", "COMPILED_SUFFIX", "write_outputs", "format_table", "auto_lines", "op_plan_lines", "timing_lines", "seed_noise_lines", "report_markdown",
            "plot_loss_curves", "plot_speed_memory"]
 
 COMPILED_SUFFIX = "+compiled"   # the row of a policy run under bench --compile
@@ -218,6 +218,18 @@ def timing_lines(results: dict) -> list[str]:
     return lines
 
 
+def seed_noise_lines(results: dict) -> list[str]:
+    """The seed-noise band: fp32's final eval loss at each seed and their relative spread."""
+    noise = results.get("seed_noise")
+    if not noise:
+        return []
+    losses = ", ".join(f"seed {s}: {v:.4f}" for s, v in zip(noise["seeds"], noise["fp32_eval_losses"]))
+    if noise.get("relative_spread") is None:
+        return [f"seed noise: not measured ({noise.get('error')}); {losses}"]
+    return [f"seed noise: fp32 eval loss {losses}; band ±{noise['relative_spread']:.2%} (a delta inside it is "
+            "indistinguishable from another seed)"]
+
+
 def op_plan_lines(results: dict) -> list[str]:
     """The console's op plan: each training key once (the first policy that planned it), its choice and the
     candidates' times; report.md has every key per policy."""
@@ -292,7 +304,7 @@ def report_markdown(results: dict) -> str:
         *_portable_lines(results),
         *(["", *(f"How auto decided: {line}." for line in auto_lines(results))] if auto_lines(results) else []),
         "",
-        *(f"{line}." for line in timing_lines(results)),
+        *(f"{line}." for line in timing_lines(results) + seed_noise_lines(results)),
         "",
         _noise_line(results["policies"]),
         "",

@@ -89,6 +89,8 @@ class BenchConfig:
     its compilation time is reported apart from its step time. ``timing``: ``"interleaved"`` (default: after
     the quality runs, every policy is timed again in alternating blocks, :mod:`mixprec.bench.interleaved`, and
     its step time, throughput and speedup come from there) or ``"sequential"`` (each quality run's own steps).
+    ``seeds``: the fp32 reference also trains at ``seeds - 1`` more seeds (``seed + 1``, ...): the spread of its
+    final eval loss is the seed-noise band each verdict is read against (1: none; not under a strategy).
     """
 
     out: Path
@@ -106,8 +108,11 @@ class BenchConfig:
     lora: str | None = None
     compile: bool = False
     timing: str = "interleaved"
+    seeds: int = 2
 
     def __post_init__(self) -> None:
+        if isinstance(self.seeds, bool) or not isinstance(self.seeds, int) or self.seeds < 1:
+            raise ValueError(f"bench seeds={self.seeds!r} must be an int >= 1 (1: no seed-noise band)")
         if self.timing not in TIMING_METHODS:
             raise ValueError(f"bench timing={self.timing!r} is not allowed; choose one of {TIMING_METHODS}")
         if self.steps is not None and (not isinstance(self.steps, int) or self.steps < 5):
@@ -222,8 +227,10 @@ def _skipped_entry(spec: str, reason: str) -> dict[str, Any]:
     return {**dict.fromkeys(POLICY_KEYS), "requested": spec, "skipped_reason": reason}
 
 
-def judge_policies(entries: dict[str, dict], targets: Targets, *, noisy: bool = False) -> None:
-    """Add the deltas vs fp32 and a verdict to every entry (in place); ``noisy`` timings give no speed verdict."""
+def judge_policies(entries: dict[str, dict], targets: Targets, *, noisy: bool = False,
+                   seed_noise: dict | None = None) -> None:
+    """Add the deltas vs fp32 and a verdict to every entry (in place); ``noisy`` timings give no speed verdict;
+    with ``seed_noise`` (results.json's) each reason says whether the loss delta lies within the seed band."""
     ref = entries[REFERENCE]
     if ref.get("error") is None and ref.get("skipped_reason") is None and ref.get("final_eval_loss") is None:
         ref["error"] = "the fp32 eval loss is not finite: the reference diverged"
@@ -243,6 +250,9 @@ def judge_policies(entries: dict[str, dict], targets: Targets, *, noisy: bool = 
                         memory_ratio=e.get("memory_ratio_vs_fp32"),
                         reference=name == REFERENCE, skipped_reason=skipped, error=error)
         note = "; timings noisy: no speed verdict" if noisy and e.get("speedup_vs_fp32") is not None else ""
+        delta, band = e.get("eval_loss_delta_vs_fp32"), (seed_noise or {}).get("relative_spread")
+        if band is not None and delta is not None and math.isfinite(delta):
+            note += f"; {'within' if abs(delta) <= band else 'outside'} seed noise (±{band:.2%})"
         e["verdict"], e["reason"] = verdict.verdict, verdict.reason + (note if name != REFERENCE else "")
 
 
@@ -293,6 +303,25 @@ def _retime(config: BenchConfig, entries: dict[str, dict], specs: dict[str, RunS
             if e.get(key) is not None:
                 e[key] *= scale
     return timing
+
+
+def _seed_noise(config: BenchConfig, spec: RunSpec | None, reference: dict, seeds: list[int], workdir: Path,
+                bar: tqdm) -> dict[str, Any] | None:
+    """The fp32 reference trained again at each of ``seeds``: results.json's ``seed_noise`` = ``seeds`` (all,
+    the run's own first), ``fp32_eval_losses``, ``relative_spread`` ((max - min) / min), or None (no extra seed,
+    or a reference that did not finish)."""
+    if not seeds or spec is None or reference.get("final_eval_loss") is None:
+        return None
+    losses = [reference["final_eval_loss"]]
+    for seed in seeds:
+        bar.set_description(f"fp32 at seed {seed} (seed-noise band)")
+        result = _run_worker(replace(spec, seed=seed), workdir, f"seed{seed}-fp32", bar)
+        if result.get("final_eval_loss") is None:
+            return {"seeds": [config.seed, *seeds], "fp32_eval_losses": losses, "relative_spread": None,
+                    "error": result.get("error") or "the fp32 run at another seed did not finish"}
+        losses.append(result["final_eval_loss"])
+    return {"seeds": [config.seed, *seeds], "fp32_eval_losses": losses,
+            "relative_spread": (max(losses) - min(losses)) / min(losses)}
 
 
 def _one_mfu_peak(entries: dict[str, dict], peaks_gflops: dict[str, float | None]) -> dict[str, Any] | None:
@@ -363,7 +392,8 @@ def run_bench(config: BenchConfig, *, capability: Capability | None = None, prog
     entries: dict[str, dict] = {}
     specs: dict[str, RunSpec] = {}
     variants = (False, True) if config.compile else (False,)   # eager, then compiled
-    with tqdm(total=config.steps * len(runnable) * len(variants), unit="step", disable=not progress or not is_main_process(),
+    extra_seeds = [] if config.strategy is not None else [config.seed + k for k in range(1, config.seeds)]
+    with tqdm(total=config.steps * (len(runnable) * len(variants) + len(extra_seeds)), unit="step", disable=not progress or not is_main_process(),
               dynamic_ncols=True) as bar:
         for index, name in enumerate(names):
             for compiled in variants:
@@ -387,9 +417,10 @@ def run_bench(config: BenchConfig, *, capability: Capability | None = None, prog
                     entries[row] = _skipped_entry(name, f"the engine refused it: {result['error']}")
                 else:
                     entries[row] = {**dict.fromkeys(POLICY_KEYS), "requested": name, **result}
+        seed_noise = _seed_noise(config, specs.get(REFERENCE), entries[REFERENCE], extra_seeds, workdir, bar)
     timing = _retime(config, entries, specs, workdir, progress)
     mfu_peak = _one_mfu_peak(entries, peaks_gflops)
-    judge_policies(entries, config.targets, noisy=timing["noisy"])
+    judge_policies(entries, config.targets, noisy=timing["noisy"], seed_noise=seed_noise)
     portable = _portable_cost(config, device, runnable, progress)
     results = {
         "mixprec_bench": 1,
@@ -409,6 +440,7 @@ def run_bench(config: BenchConfig, *, capability: Capability | None = None, prog
                                                "initial_loss_scale": advice.initial_loss_scale},
         "policies": entries,
         "timing": timing,
+        "seed_noise": seed_noise,
         "mfu_peak": mfu_peak,
         "portable_ops": portable,
         "parent_pid": os.getpid(),
