@@ -255,9 +255,10 @@ def test_bench_compile_reports_compiled_step_times_next_to_eager_and_compile_tim
     assert "compiled (backend inductor, by the engine" in compiled["decision"] and "compiled" not in eager["decision"]
     assert compiled["verdict"] == "PASS" and eager["pid"] != compiled["pid"]   # each in its own process
     # compilation is in the first step, outside the median of the timed steps, and reported apart
-    times = compiled["step_time_ms_per_step"]
-    assert compiled["first_step_ms"] == times[0] > compiled["step_time_ms_median"]
-    assert compiled["compile_time_s"] * 1e3 >= times[0] - compiled["step_time_ms_median"] > 0
+    # (compile time against the quality run's own median; the table's step time is the interleaved timing's)
+    times, own_median = compiled["step_time_ms_per_step"], compiled["sequential_step_time_ms_median"]
+    assert compiled["first_step_ms"] == times[0] > own_median
+    assert compiled["compile_time_s"] * 1e3 >= times[0] - own_median > 0
     # same seed, weights and batches: fp32 compiled vs eager, reordered fp32 sums only (128 fp32 ulps, as above)
     losses = torch.tensor([eager["loss_per_step"], compiled["loss_per_step"]])
     assert ((losses[1] - losses[0]).abs() <= 128 * FP32.ulp(losses[0])).all()

@@ -124,6 +124,29 @@ def test_torch_has_the_autocast_kernels_the_plan_replaces():
     assert before.dtype == after.dtype == torch.bfloat16 and torch.equal(before, after)
 
 
+def test_a_tie_goes_to_the_more_exact_candidate():
+    """Within MARGIN of the fastest, noise must not trade exactness for nothing: the first of ``prefer`` wins."""
+    same = lambda: time.sleep(0.004)      # noqa: E731
+    slow = lambda: time.sleep(0.03)       # noqa: E731
+    timing = op_plan.time_candidates({"fused": slow, "fused-fp32": same, "matmul": same}, default="fused",
+                                     prefer=("fused-fp32", "fused", "matmul"))
+    assert timing.chosen == "fused-fp32"
+    timing = op_plan.time_candidates({"fused": slow, "matmul": same, "fused-fp32": same}, default="fused")
+    assert timing.chosen == "matmul"      # without a preference: the runs' order
+
+
+def test_an_engine_lists_only_the_plan_it_uses():
+    """entries(policy=...): an fp32 run (e.g. auto after its bf16 trial) or kernels=native uses no plan entry."""
+    q = torch.randn(2, 2, 16, 8, dtype=torch.bfloat16)
+    op_plan.choose(q, q, q, is_causal=True, dtype=torch.bfloat16, grad=False)
+    assert len(op_plan.entries("cpu")) == 1
+    assert op_plan.entries("cpu", policy=Policy.parse("fp32")) == []
+    assert op_plan.entries("cpu", policy=Policy.parse("bf16-mixed,kernels=native")) == []
+    assert op_plan.entries("cpu", policy=Policy.parse("fp16-mixed")) == []          # another compute dtype
+    assert len(op_plan.entries("cpu", policy=Policy.parse("bf16-pure"))) == 1
+    assert op_plan.choices("cpu", policy=Policy.parse("fp32")) == {}
+
+
 def test_a_mask_keeps_the_matmul_form_out():
     """A fully masked row is NaN in the matmul form and 0 in a fused kernel: with attn_mask it is not offered."""
     q, k, v = _inputs((1, 1, 8, 4))

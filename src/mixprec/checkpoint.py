@@ -368,7 +368,7 @@ def save_checkpoint(path: str | Path, mp: Any, extra: dict | None = None, *, gua
         "ema": None if ema is None else _encode(ema.state_dict(), "ema", state),
         "events": json.loads(json.dumps(list(mp.events), default=str)),
         "rng": _rng_state(mp.device, state),
-        "op_plan": op_plan.choices(mp.device.type),   # the kernels chosen: a resumed run pins them (bitwise resume)
+        "op_plan": op_plan.choices(mp.device.type, policy=mp.policy),   # the kernels chosen: a resumed run pins them (bitwise resume)
         "data_position": {"boundaries": mp.boundaries, **(data_position or {})},
         "model": {"aliases": aliases, "masters": list(masters), "frozen": sd.get("frozen")},
         "tensors": {},

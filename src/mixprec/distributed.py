@@ -579,7 +579,7 @@ def save_distributed_checkpoint(root: str | Path, mp: Any, extra: dict | None = 
                     "counters": mp.state_dict()["counters"],
                     "guard": None if guard is None else guard.state_dict(),
                     "events": json.loads(json.dumps(list(mp.events), default=str)),
-                    "op_plan": op_plan.choices(mp.device.type),   # rank 0's kernel choices, pinned on resume
+                    "op_plan": op_plan.choices(mp.device.type, policy=mp.policy),   # rank 0's kernel choices, pinned on resume
                     "data_position": {"boundaries": mp.boundaries, **position},
                     "extra": extra or {}}
         try:

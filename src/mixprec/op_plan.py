@@ -48,6 +48,7 @@ floating inputs to the autocast dtype and run the op with autocast off).
 from __future__ import annotations
 
 import math
+import statistics
 import threading
 import time
 import warnings
@@ -70,6 +71,8 @@ MATMUL_SCORES_LIMIT = 256 << 20   # bytes of fp32 scores above which the matmul 
 NOISY_SPREAD = 1.5                # a candidate's slowest round over its fastest: above it, not cached
 _DEFAULT = "fused"
 _TRACED = "default (traced, not measured)"
+_NOISY = "measured (noisy: this process only, not cached)"
+_EXACTNESS = ("fused-fp32", "fused", "matmul")   # most exact first: fp32 attention, then the fused bf16 kernel
 # where torch's autocast has its own sdpa kernel (lower precision) for this one to replace; MPS: not planned
 _AUTOCAST_KEYS = {"cpu": "AutocastCPU", "cuda": "AutocastCUDA"}
 _SDPA = torch.ops.aten.scaled_dot_product_attention.default
@@ -79,8 +82,8 @@ _SDPA = torch.ops.aten.scaled_dot_product_attention.default
 class PlanEntry:
     """One planned op at one key: ``chosen`` among ``times_ms`` (candidate → best forward(+backward) time in
     ms, None where not timed), ``source`` ``"measured"``, ``"cache"`` (measured by an earlier process on
-    this machine), ``"checkpoint"`` (pinned by a resumed checkpoint: :func:`pin`) or
-    ``"default (traced, not measured)"``; ``shape`` is the key in words."""
+    this machine), ``"checkpoint"`` (pinned by a resumed checkpoint: :func:`pin`),
+    ``"measured (noisy: ...)"`` (used in this process only) or ``"default (traced, not measured)"``; ``shape`` is the key in words."""
 
     op: str
     shape: str
@@ -177,12 +180,14 @@ class Timing:
 
 
 def time_candidates(runs: dict[str, Callable[[], Any] | None], *, default: str,
-                    device: torch.device | str = "cpu") -> Timing:
+                    device: torch.device | str = "cpu", prefer: tuple[str, ...] = ()) -> Timing:
     """Time each zero-argument callable of ``runs`` (None: not offered) and pick one: one warm-up call each, then
     :data:`REPEATS` interleaved rounds (A B C A B C ...: drift hits every candidate alike), each candidate's best
     call in ms. A candidate whose warm-up took over 3x the fastest warm-up has lost and is not repeated (its
     warm-up time is reported). ``default`` is chosen unless another candidate is at least :data:`MARGIN`
-    faster. Raises ValueError when ``default`` is not offered. Host syncs: CUDA ``synchronize`` around each call."""
+    faster; among the candidates within :data:`MARGIN` of the fastest, the first of ``prefer`` (most exact
+    first; else ``runs``' order) wins, so noise cannot trade exactness for nothing. ``spread`` is the median
+    over candidates of each one's slowest/fastest round. Raises ValueError when ``default`` is not offered. Host syncs: CUDA ``synchronize`` around each call."""
     device = torch.device(device)
     if runs.get(default) is None:
         raise ValueError(f"time_candidates(default={default!r}): the default must be one of the offered "
@@ -204,9 +209,12 @@ def time_candidates(runs: dict[str, Callable[[], Any] | None], *, default: str,
             rounds[name].append(once(runs[name]))
     times = {name: None if run is None else round(min(rounds[name]) if name in rounds else warm[name], 3)
              for name, run in runs.items()}
-    spread = max(max(r) / min(r) for r in rounds.values())
-    fastest = min((t, n) for n, t in times.items() if t is not None)[1]
-    return Timing(fastest if times[fastest] < (1 - MARGIN) * times[default] else default, times, round(spread, 3))
+    spread = statistics.median(max(r) / min(r) for r in rounds.values())   # one candidate's outlier is not load
+    best = min(t for t in times.values() if t is not None)
+    if times[default] <= best / (1 - MARGIN):
+        return Timing(default, times, round(spread, 3))
+    tied = [n for n in (prefer or runs) if times.get(n) is not None and times[n] <= best / (1 - MARGIN)]
+    return Timing(tied[0], times, round(spread, 3))
 
 
 def _measure(q, k, v, attn_mask, dropout_p, is_causal, scale, enable_gqa, dtype, grad) -> tuple[Timing, str]:
@@ -231,7 +239,7 @@ def _measure(q, k, v, attn_mask, dropout_p, is_causal, scale, enable_gqa, dtype,
                         torch.autograd.backward(out, torch.ones_like(out))
             return run
         timing = time_candidates({n: None if why_not[n] else runner(fn) for n, fn in CANDIDATES.items()},
-                                 default=_DEFAULT, device=device)
+                                 default=_DEFAULT, device=device, prefer=_EXACTNESS)
     notes = [f"{n} {w}" for n, w in why_not.items() if w]
     if timing.noisy:
         notes.append(f"timings noisy (a candidate's rounds spread {timing.spread:.2f}x): kept for this process, "
@@ -281,7 +289,8 @@ def choose(q, k, v, attn_mask=None, dropout_p=0.0, is_causal=False, scale=None, 
     else:
         with _outside_tracing():
             timing, note = _measure(q, k, v, attn_mask, dropout_p, is_causal, scale, enable_gqa, dtype, grad)
-        entry = PlanEntry("scaled_dot_product_attention", key, timing.chosen, timing.times_ms, "measured", note)
+        entry = PlanEntry("scaled_dot_product_attention", key, timing.chosen, timing.times_ms,
+                          _NOISY if timing.noisy else "measured", note)
         if not timing.noisy:
             with _lock:
                 on_disk = read_json(_cache_file(device))
@@ -292,23 +301,30 @@ def choose(q, k, v, attn_mask=None, dropout_p=0.0, is_causal=False, scale=None, 
     return entry
 
 
-def entries(device_type: str | None = None) -> list[PlanEntry]:
-    """What the plan chose in this process (every device, or ``device_type``'s), in first-use order."""
-    return [e for (d, _), plan in _plans.items() if device_type in (None, d) for e in plan.values()]
+def entries(device_type: str | None = None, *, policy: Any = None) -> list[PlanEntry]:
+    """What the plan chose in this process (every device, or ``device_type``'s), in first-use order. With
+    ``policy``, only what an engine of that policy uses: none unless it autocasts with ``kernels=measured``,
+    and only keys in its compute dtype (an ``auto`` trial's bf16 keys are not an fp32 run's)."""
+    if policy is not None and not (policy.is_mixed and policy.kernels == "measured"):
+        return []
+    dtype = None if policy is None else f" {str(policy.compute_dtype)[6:]} "
+    return [e for (d, _), plan in _plans.items() if device_type in (None, d) for e in plan.values()
+            if dtype is None or dtype in e.shape]
 
 
-def summary(device_type: str | None = None) -> list[str]:
-    """One line per entry of :func:`entries`: the key, the choice, its source and every candidate's time."""
+def summary(device_type: str | None = None, *, policy: Any = None) -> list[str]:
+    """One line per entry of :func:`entries` (same arguments): the key, the choice, its source, each time."""
     def ms(t: float | None) -> str:
         return "-" if t is None else f"{t:.2f} ms"
     return [f"{e.shape} -> {e.chosen} ({e.source}; " + ", ".join(f"{n} {ms(t)}" for n, t in e.times_ms.items()) + ")"
-            for e in entries(device_type)]
+            for e in entries(device_type, policy=policy)]
 
 
-def choices(device_type: str) -> dict[str, str]:
-    """key → chosen candidate, for every key this process planned on ``device_type`` (a checkpoint saves it, so a
-    resumed run makes the same kernel choices whatever its own cache or a new measurement would say)."""
-    return {e.shape: e.chosen for e in entries(device_type) if e.source != _TRACED}
+def choices(device_type: str, *, policy: Any = None) -> dict[str, str]:
+    """key → chosen candidate, for the keys of :func:`entries` (same arguments) that were not traced defaults (a
+    checkpoint saves them, so a resumed run makes the same kernel choices whatever its own cache or a new
+    measurement would say)."""
+    return {e.shape: e.chosen for e in entries(device_type, policy=policy) if e.source != _TRACED}
 
 
 def pin(saved: dict[str, str], device_type: str) -> None:

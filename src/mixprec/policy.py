@@ -337,9 +337,22 @@ class Policy:
         return base.replace(**changes)
 
     def __str__(self) -> str:
+        """The canonical text: a preset's name, else the closest preset plus the keys that differ (when that text
+        parses back to this policy, e.g. ``"bf16-mixed,kernels=native"``), else every key."""
         for name, preset in PRESETS.items():
             if preset == self:
                 return name
+        mine = dict(self._items())
+        for name, preset in sorted(PRESETS.items(), key=lambda kv: sum(v != mine.get(k) for k, v in kv[1]._items())):
+            diffs = [f"{k}={v}" for k, v in self._items() if dict(preset._items()).get(k) != v]
+            text = ",".join([name, *diffs])
+            if len(diffs) <= 3 and Policy.parse(text) == self:
+                return text
+            break
+        return ",".join(f"{k}={v}" for k, v in self._items())
+
+    def _items(self) -> list[tuple[str, str]]:
+        """The policy as text keys and values (the long form's order)."""
         items = [
             ("params", _dtype_name(self.param_dtype)),
             ("compute", _dtype_name(self.compute_dtype)),
@@ -358,7 +371,7 @@ class Policy:
             items.append(("ops", self.ops))
         if self.kernels != "measured":
             items.append(("kernels", self.kernels))
-        return ",".join(f"{k}={v}" for k, v in items)
+        return items
 
 
 def _parse_loss_scale(key: str, text: str) -> LossScaleSpec:

@@ -346,7 +346,7 @@ def run_training(workload: Any, *, policy: str = "auto", steps: int, out: str | 
     else:
         ema_note = f" (EMA {eval_metrics['ema_loss']:.4f})" if averager is not None else ""
         print(f"final eval loss {eval_metrics['loss']:.4f}{ema_note}; wrote {metrics_path} and {path}")
-        print("".join(f"op plan: {line}\n" for line in op_plan.summary(mp.device.type)), end="")
+        print("".join(f"op plan: {line}\n" for line in op_plan.summary(mp.device.type, policy=mp.policy)), end="")
         if strategy is None and mp.frozen_names():   # LoRA / partly frozen: the trained params alone, small
             from safetensors.torch import save_file
 

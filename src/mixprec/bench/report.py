@@ -197,7 +197,8 @@ def format_table(results: dict) -> str:
 def auto_lines(results: dict) -> list[str]:
     """One line per ``auto`` row: the policy it ran and why (the engine's decision: the ratio measured on
     the model at its first forward, or the matmul probe's rule)."""
-    return [f"{name} chose {e.get('policy')}: {e.get('decision')}" for name, e in results["policies"].items()
+    return [e["decision"] if e["decision"].startswith("auto →") else f"{name} ran {e.get('policy')}: {e['decision']}"
+            for name, e in results["policies"].items()
             if str(e.get("requested") or name).lower() == "auto" and e.get("decision")]
 
 
@@ -269,9 +270,9 @@ def _op_plan_lines(results: dict) -> list[str]:
         lines.append(f"| {name} | {e['op']} | `{e['shape']}` | **{e['chosen']}** | {e['source']} | "
                      + " | ".join(times) + " |")
     lines.append("")
-    lines.append("Times: best of interleaved forward+backward runs on random inputs of the key's shapes "
-                 "(`mixprec.op_plan`); the default (`fused`, torch.autocast's kernel) is replaced only by a "
-                 "candidate at least 5 % faster; `cache`: measured by an earlier run on this machine.")
+    lines.append("Times: best of interleaved forward (+backward for `fwd+bwd` keys) runs on random inputs of the "
+                 "key's shapes (`mixprec.op_plan`); the default (`fused`, torch.autocast's kernel) is replaced only "
+                 "by a candidate at least 5 % faster; `cache`: measured by an earlier run on this machine.")
     return lines
 
 

@@ -216,7 +216,7 @@ def run_policy(spec: RunSpec, progress: Callable[[int], None] | None = None) -> 
         "requested": spec.policy,
         "policy": str(mp.policy),
         "decision": mp.decision,
-        "op_plan": [dataclasses.asdict(e) for e in op_plan.entries(mp.device.type)],
+        "op_plan": [dataclasses.asdict(e) for e in op_plan.entries(mp.device.type, policy=mp.policy)],
         "compute_dtype": compute,
         "device": str(mp.device),
         "pid": os.getpid(),
