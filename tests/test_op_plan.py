@@ -272,3 +272,27 @@ def test_a_checkpoint_pins_the_kernels_its_run_chose(tmp_path):
         resumed.model(x)
     (pinned,) = op_plan.entries("cpu")
     assert (pinned.shape, pinned.chosen, pinned.source) == (entry.shape, entry.chosen, "checkpoint")
+
+
+@pytest.mark.parametrize("chosen", ["matmul", "fused-fp32"])
+def test_a_checkpointed_recompute_makes_the_forwards_kernel_choice_outside_the_autocast_block(chosen):
+    # the forward ran under planned_kernels, the backward (and so the recompute) runs outside mp.autocast():
+    # the recompute must run the forward's choice, not torch's (else CheckpointError or wrong gradients)
+    q, k, v = (t.float().requires_grad_() for t in _inputs((1, 2, 8, 16)))
+    key = op_plan.plan_key(q, k, v, is_causal=True, dtype=torch.bfloat16, grad=True)
+    op_plan.pin({key: chosen}, "cpu")
+
+    def attend(q, k, v):
+        return F.scaled_dot_product_attention(q, k, v, is_causal=True)
+    grads = []
+    for wrap in (attend, lambda *a: mixprec.ops.checkpoint(attend, *a)):
+        with torch.autocast("cpu", dtype=torch.bfloat16), op_plan.planned_kernels("cpu"):
+            out = wrap(q, k, v)
+        grads.append(torch.autograd.grad(out.float().pow(2).sum(), (q, k, v)))
+    for plain, checkpointed in zip(*grads):
+        assert torch.equal(plain, checkpointed)
+    # and a forward outside planned_kernels recomputes in torch's kernel even inside planned_kernels
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        out = mixprec.ops.checkpoint(attend, q, k, v)
+    with op_plan.planned_kernels("cpu"):
+        torch.autograd.grad(out.float().pow(2).sum(), (q, k, v))

@@ -62,7 +62,8 @@ import torch.nn.functional as F
 from mixprec.cache import cache_dir, machine_key, read_json, write_json
 
 __all__ = ["PlanEntry", "planned_kernels", "choose", "entries", "summary", "choices", "pin", "cached", "forget", "time_candidates", "describe", "MARGIN",
-           "REPEATS", "MATMUL_SCORES_LIMIT", "NOISY_SPREAD", "Timing", "CANDIDATES", "plan_key"]
+           "REPEATS", "MATMUL_SCORES_LIMIT", "NOISY_SPREAD", "Timing", "CANDIDATES", "plan_key",
+           "planned_devices", "planned_as"]
 
 MARGIN = 0.05                     # another candidate replaces the default only when ≥ 5 % faster
 REPEATS = 5                       # timed runs per candidate after one warm-up (best of)
@@ -373,6 +374,27 @@ def planned_kernels(device_type: str, *, enabled: bool = True) -> Iterator[None]
     _install(device_type)
     previous = getattr(_state, "devices", ())
     _state.devices = previous + (device_type,)
+    try:
+        yield
+    finally:
+        _state.devices = previous
+
+
+def planned_devices() -> tuple[str, ...]:
+    """The device types whose planned kernels are on in this thread (:func:`planned_kernels`) now: what
+    :func:`mixprec.ops.checkpoint` captures at the forward, so that its recompute (in a backward that may run
+    outside ``mp.autocast()``) makes the forward's kernel choices. No host sync."""
+    return tuple(getattr(_state, "devices", ()))
+
+
+@contextmanager
+def planned_as(devices: tuple[str, ...]) -> Iterator[None]:
+    """Inside, exactly ``devices`` (:func:`planned_devices` of an earlier moment) have their planned kernels on
+    in this thread: planned where the forward was, torch's kernel where it was not. No host sync."""
+    for device_type in devices:
+        _install(device_type)
+    previous = getattr(_state, "devices", ())
+    _state.devices = tuple(d for d in devices if d in _AUTOCAST_KEYS)
     try:
         yield
     finally:
