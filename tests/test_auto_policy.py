@@ -353,3 +353,22 @@ def test_a_deep_copy_of_the_pending_model_does_not_decide_for_the_engine():
     teacher = copy.deepcopy(mp.module)       # as an EMA or a teacher is made
     teacher(torch.randn(2, 8))
     assert mp.decision.startswith("auto: pending") and not mp.events
+
+
+@pytest.mark.usefixtures("fake_time")
+@pytest.mark.parametrize("error", [ValueError, AssertionError, TypeError])
+def test_a_candidate_failing_with_any_exception_type_leaves_fp32(error):
+    # a model's own dtype check may raise anything: a ValueError is not "nothing to backpropagate" (which
+    # fell back to the probe's bf16-mixed, so the first real forward raised), others escaped the trial
+    class Fp32Only(SleepNet):
+        def forward(self, x):
+            if torch.is_autocast_enabled("cpu"):
+                raise error("this model needs fp32")
+            return super().forward(x)
+
+    model = Fp32Only()
+    mp = mixprec.MixedPrecision(model, torch.optim.SGD(model.parameters(), lr=0.1), device="cpu")
+    with mp.autocast():
+        mp.model(torch.randn(2, 8))   # the user's forward runs, in fp32
+    assert str(mp.policy) == "fp32"
+    assert f"the trial failed on this model ({error.__name__}: this model needs fp32)" in mp.decision

@@ -46,7 +46,7 @@ from mixprec.policy import PRESETS
 from mixprec.portable_autocast import portable_ops
 from mixprec.tree import map_tensors, tensors
 
-__all__ = ["MARGIN", "Trial", "cache_key", "choose", "preserved", "split_batch", "time_candidates"]
+__all__ = ["MARGIN", "Trial", "TrialFailed", "cache_key", "choose", "preserved", "split_batch", "time_candidates"]
 
 MARGIN = 1.03          #: a 16-bit candidate must run at >= 1.03x fp32's speed to be chosen
 WARMUP, BLOCKS, STEPS = 1, 3, 2
@@ -79,6 +79,23 @@ class Trial:
         text = (f"auto → {self.choice}: measured on this model ({self.blocks} interleaved blocks of {self.steps} "
                 f"steps{', cached' if self.cached else ''}): {measured} ({why})")
         return text + ("; fp16 is never chosen on a CPU" if device_type == "cpu" else "")
+
+
+class TrialFailed(RuntimeError):
+    """The model's forward or backward raised under one candidate of the trial (``candidate``; ``error``, the
+    exception, is also the ``__cause__``): whatever its type, the model cannot run that candidate here. Its
+    message is ``"<error type>: <error>"``."""
+
+    def __init__(self, candidate: str, error: BaseException) -> None:
+        super().__init__(f"{type(error).__name__}: {error}")
+        self.candidate, self.error = candidate, error
+
+
+def _guarded(candidate: str, fn: Callable[..., Any], *args: Any, **kwargs: Any) -> Any:
+    try:
+        return fn(*args, **kwargs)
+    except Exception as err:   # any type: a ValueError from the model is not "nothing to backpropagate"
+        raise TrialFailed(candidate, err) from err
 
 
 def split_batch(example_batch: Any) -> tuple[tuple, dict]:
@@ -188,6 +205,7 @@ def time_candidates(model: nn.Module, args: tuple, kwargs: dict, device: torch.d
     Raises:
         ValueError: a candidate that is not fp32 or a ``-mixed`` preset; an output with nothing to
             backpropagate (pass ``loss_fn``).
+        TrialFailed: the model's forward or backward raised (any exception type) under a candidate.
     """
     policies = {}
     for name in candidates:
@@ -204,9 +222,9 @@ def time_candidates(model: nn.Module, args: tuple, kwargs: dict, device: torch.d
         with torch.autocast(device.type, dtype=policy.compute_dtype, enabled=policy.is_mixed), \
                 portable_ops(device.type, enabled=policy.ops == "portable"), \
                 planned_kernels(device.type, enabled=policy.kernels == "measured"):
-            loss = _scalar(model(*args, **kwargs), loss_fn)
+            loss = _scalar(_guarded(name, model, *args, **kwargs), loss_fn)
         if trainable and loss.requires_grad:
-            torch.autograd.backward(loss, inputs=trainable)
+            _guarded(name, torch.autograd.backward, loss, inputs=trainable)
         for p in trainable:
             p.grad = None
 

@@ -259,9 +259,9 @@ def checkpoint(fn: Callable[..., Any], *args: Any, preserve_rng_state: bool = Tr
     (torch's own check then raises ``CheckpointError`` if a recomputed saved tensor differs in
     shape, dtype or device) and adds a recompute context that captures, at call time, the
     autocast ``(device type, enabled, dtype, cache_enabled)`` for ``cpu``, for every device type of
-    the tensor arguments and for the current accelerator, and re-enters exactly those states (and
-    which devices had :func:`mixprec.op_plan.planned_kernels` on, so ``kernels=measured`` recomputes
-    in the kernels its forward chose) innermost during recompute, verifying that they took effect (``RuntimeError`` if not).
+    the tensor arguments and for the current accelerator, and re-enters exactly those states
+    (and which devices had :func:`mixprec.op_plan.planned_kernels` on: ``kernels=measured``
+    recomputes in the kernels its forward chose) innermost during recompute, verifying that they took effect (``RuntimeError`` if not).
 
     So a recompute in a backward that runs outside the autocast region, under a different
     dtype, or after nested regions were left, computes in the forward's dtypes. Without it, a
