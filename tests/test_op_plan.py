@@ -296,3 +296,20 @@ def test_a_checkpointed_recompute_makes_the_forwards_kernel_choice_outside_the_a
         out = mixprec.ops.checkpoint(attend, q, k, v)
     with op_plan.planned_kernels("cpu"):
         torch.autograd.grad(out.float().pow(2).sum(), (q, k, v))
+
+
+def test_a_measurement_inside_a_checkpointed_forward_keeps_out_of_its_saved_tensors():
+    # the first call of a key measures; inside a non-reentrant checkpoint the stand-ins' saved tensors went
+    # through its pack hook, so its backward raised CheckpointError (71 saved in the forward, 5 in recompute)
+    q, k, v = (t.float().requires_grad_() for t in _inputs((1, 2, 8, 16)))
+
+    def attend(q, k, v):
+        return F.scaled_dot_product_attention(q * 1, k * 1, v * 1, is_causal=True)
+    with torch.autocast("cpu", dtype=torch.bfloat16), op_plan.planned_kernels("cpu"):
+        out = mixprec.ops.checkpoint(attend, q, k, v)
+    assert [e.source for e in op_plan.entries("cpu")] == ["measured"]
+    checkpointed = torch.autograd.grad(out.float().pow(2).sum(), (q, k, v))
+    with torch.autocast("cpu", dtype=torch.bfloat16), op_plan.planned_kernels("cpu"):
+        out = attend(q, k, v)
+    for plain, again in zip(torch.autograd.grad(out.float().pow(2).sum(), (q, k, v)), checkpointed):
+        assert torch.equal(plain, again)

@@ -28,7 +28,7 @@ The key is the op, the shapes of q, k, v, the autocast dtype, ``is_causal``, the
 whether dropout is on, whether ``scale`` is given, ``enable_gqa``, and whether a backward will follow (grad
 mode and ``requires_grad``). At the first call with a new key, each candidate is timed on random tensors of
 those shapes (inside :func:`torch.random.fork_rng` with its own generator, so the caller's random stream is
-untouched) by :func:`time_candidates`: one warm-up each, then the best of :data:`REPEATS` interleaved
+untouched; under identity saved-tensor hooks, so a checkpoint or offload around the op sees none of its tensors) by :func:`time_candidates`: one warm-up each, then the best of :data:`REPEATS` interleaved
 forward (+ backward) rounds. Host syncs: at measurement only (CUDA:
 ``synchronize`` around each run). The plan is cached per process and on disk by machine
 (:func:`mixprec.cache.machine_key`: device name, torch version, thread count) and key, so a second run of
@@ -210,11 +210,17 @@ def time_candidates(runs: dict[str, Callable[[], Any] | None], *, default: str,
     return Timing(fastest if times[fastest] < (1 - MARGIN) * times[default] else default, times, round(spread, 3))
 
 
+def _same(t: torch.Tensor) -> torch.Tensor:
+    return t
+
+
 def _measure(q, k, v, attn_mask, dropout_p, is_causal, scale, enable_gqa, dtype, grad) -> tuple[Timing, str]:
     device = q.device
     why_not = _offered(q, k, attn_mask, dtype)
+    # the innermost saved-tensor hooks are the only ones applied: identity ones keep the stand-ins' saved tensors
+    # out of the caller's (a non-reentrant checkpoint around the op counted them as its own: CheckpointError)
     with torch.random.fork_rng(devices=[device] if device.type == "cuda" else []), \
-            torch.autocast(device.type, enabled=False):
+            torch.autocast(device.type, enabled=False), torch.autograd.graph.saved_tensors_hooks(_same, _same):
         gen = torch.Generator(device=device).manual_seed(0)
 
         def like(t):   # a stand-in of the same shape, dtype and device (a traced tensor has no data)
