@@ -98,6 +98,10 @@ def _guarded(candidate: str, fn: Callable[..., Any], *args: Any, **kwargs: Any) 
         raise TrialFailed(candidate, err) from err
 
 
+def _same(t: torch.Tensor) -> torch.Tensor:
+    return t
+
+
 def split_batch(example_batch: Any) -> tuple[tuple, dict]:
     """How :func:`mixprec.devices.resolve` calls the model on ``example_batch``: a tuple is the positional
     arguments (``model(*batch)``), a dict the keyword arguments (``model(**batch)``), anything else the one
@@ -229,7 +233,9 @@ def time_candidates(model: nn.Module, args: tuple, kwargs: dict, device: torch.d
             p.grad = None
 
     times: dict[str, list[float]] = {name: [] for name in candidates}
-    with preserved(model, device), torch.enable_grad():
+    # identity saved-tensor hooks (the innermost are the only ones applied): a checkpoint or offload around the
+    # forward that runs the trial sees none of its tensors (a non-reentrant checkpoint raised CheckpointError)
+    with preserved(model, device), torch.enable_grad(), torch.autograd.graph.saved_tensors_hooks(_same, _same):
         for _ in range(warmup):
             for name in candidates:
                 step(name)

@@ -26,7 +26,10 @@ model, pass ``mixprec.resolve_policy("auto", device, model=..., example_batch=..
 and for a model compiled in place with ``model.compile()`` (its hooks run inside the compiled call).
 Under ``compile=True`` (or a ``torch.compile``'d model) the hook is on the compiled wrapper and runs
 eagerly: the trial times the eager model, and the first compilation happens after the decision, under
-the chosen policy.
+the chosen policy. Not supported: the first training forward calling ``mp.model`` *inside* an activation
+checkpoint (``mixprec.ops.checkpoint(mp.model, x)``) where a 16-bit candidate wins: the recompute runs under the
+autocast state captured before the switch (fp32), so its backward raises ``CheckpointError``; checkpoint blocks
+inside the model instead (the hook then runs before them), or decide first (``resolve_policy``).
 """
 
 from __future__ import annotations
