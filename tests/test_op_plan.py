@@ -313,3 +313,16 @@ def test_a_measurement_inside_a_checkpointed_forward_keeps_out_of_its_saved_tens
         out = attend(q, k, v)
     for plain, again in zip(torch.autograd.grad(out.float().pow(2).sum(), (q, k, v)), checkpointed):
         assert torch.equal(plain, again)
+
+
+@pytest.mark.parametrize("bad", [{"chosen": "matmul", "times_ms": [1, 2]}, {"chosen": "matmul", "times_ms": "x"},
+                                 {"chosen": ["matmul"]}, {"chosen": "matmul", "times_ms": {"fused": "1 ms"}}])
+def test_a_malformed_cache_entry_is_measured_again_not_raised(tmp_path, bad):
+    # an edited or foreign cache file is "treated as empty" (mixprec.cache); a malformed entry raised
+    # TypeError/ValueError from the user's forward (or later from summary())
+    q, k, v = (t.float() for t in _inputs((1, 2, 8, 16)))
+    key = op_plan.plan_key(q, k, v, is_causal=True, dtype=torch.bfloat16, grad=False)
+    (tmp_path / f"op-plan-{machine_key(torch.device('cpu'))}.json").write_text(json.dumps({key: bad}))
+    with torch.no_grad():
+        _sdpa_step(q, k, v)
+    assert [e.source for e in op_plan.entries("cpu")] == ["measured"] and len(op_plan.summary("cpu")) == 1

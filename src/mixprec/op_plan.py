@@ -250,6 +250,15 @@ def _cache_file(device: torch.device):
     return cache_dir() / f"op-plan-{machine_key(device)}.json"
 
 
+def _usable(cached: Any) -> bool:
+    """Whether a cache file's entry is one :func:`choose` wrote (another shape, an edited or foreign file: measure)."""
+    if not isinstance(cached, dict) or not isinstance(cached.get("chosen"), str) or cached["chosen"] not in CANDIDATES:
+        return False
+    times = cached.get("times_ms") or {}
+    return isinstance(times, dict) and all(t is None or (isinstance(t, (int, float)) and not isinstance(t, bool))
+                                           for t in times.values())
+
+
 def _traced(q: torch.Tensor) -> bool:
     from torch.utils._python_dispatch import is_in_torch_dispatch_mode
     return type(q) is not torch.Tensor or torch.compiler.is_compiling() or is_in_torch_dispatch_mode()
@@ -280,9 +289,9 @@ def choose(q, k, v, attn_mask=None, dropout_p=0.0, is_causal=False, scale=None, 
         if where not in _disk:
             _disk[where] = read_json(_cache_file(device))
         cached = _disk[where].get(key)
-    if isinstance(cached, dict) and cached.get("chosen") in CANDIDATES:
-        entry = PlanEntry("scaled_dot_product_attention", key, cached["chosen"], dict(cached.get("times_ms", {})),
-                          "cache", cached.get("note", ""))
+    if _usable(cached):
+        entry = PlanEntry("scaled_dot_product_attention", key, cached["chosen"], dict(cached.get("times_ms") or {}),
+                          "cache", str(cached.get("note", "")))
     elif _traced(q) and not all(isinstance(d, int) for t in (q, k, v) for d in t.shape):
         entry = PlanEntry("scaled_dot_product_attention", key, _DEFAULT, {}, _TRACED)
     else:
