@@ -1,6 +1,7 @@
 """``auto`` decided on the model (mixprec.auto_policy, mixprec.pending_auto): the trial picks the faster
 candidate, leaves the model as found, caches by the right key; the engine decides at its first forward."""
 
+import json
 import time
 import types
 import warnings
@@ -388,3 +389,14 @@ def test_the_trial_inside_a_checkpointed_forward_keeps_out_of_its_saved_tensors(
     mp.backward(loss)
     mp.step()
     assert str(mp.policy) == "fp32" and "measured on this model" in mp.decision and x.grad is not None
+
+
+@pytest.mark.parametrize("median_ms", [[["fp32", 1.0], ["bf16-mixed", 2.0]], {"fp32": "1", "bf16-mixed": "2"},
+                                       [[1], [2]], None])
+def test_a_malformed_trial_file_is_timed_again_not_raised(tmp_path, median_ms):
+    # an edited or foreign cache file: set() of a list of lists raised TypeError, strings failed in decision()
+    model, x = nn.Linear(8, 8), torch.randn(4, 8)
+    key = auto_policy.cache_key(model, (x,), {}, CPU, ("fp32", "bf16-mixed"))
+    (tmp_path / f"auto-trial-{key}.json").write_text(json.dumps({"choice": "fp32", "median_ms": median_ms}))
+    trial = choose(model, (x,), {}, CPU, ("fp32", "bf16-mixed"))
+    assert not trial.cached and "measured on this model" in trial.decision("cpu")

@@ -271,7 +271,10 @@ def choose(model: nn.Module, args: tuple, kwargs: dict, device: torch.device, ca
     if use_cache and key in _MEMORY:
         return _MEMORY[key]
     saved = read_json(_disk_path(key)) if use_cache else {}
-    if saved.get("choice") in candidates and set(saved.get("median_ms") or {}) == set(candidates):
+    median = saved.get("median_ms")
+    usable = (isinstance(median, dict) and set(median) == set(candidates)   # else: an edited or foreign file
+              and all(isinstance(t, (int, float)) and not isinstance(t, bool) for t in median.values()))
+    if usable and saved.get("choice") in candidates:
         _MEMORY[key] = trial = Trial(choice=saved["choice"], median_ms=dict(saved["median_ms"]), cached=True)
         return trial
     times = time_candidates(model, args, kwargs, device, candidates, loss_fn=loss_fn,
