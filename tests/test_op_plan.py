@@ -326,3 +326,22 @@ def test_a_malformed_cache_entry_is_measured_again_not_raised(tmp_path, bad):
     with torch.no_grad():
         _sdpa_step(q, k, v)
     assert [e.source for e in op_plan.entries("cpu")] == ["measured"] and len(op_plan.summary("cpu")) == 1
+
+
+@pytest.mark.filterwarnings("ignore:There is a performance drop")   # torch's: no batching rule for the flash kernel
+def test_a_measurement_inside_torch_func_grad_runs_outside_the_transform():
+    # the stand-ins' requires_grad_, random draws and saved-tensor hooks are refused inside torch.func
+    # transforms: the first call of a key under torch.func.grad (or vmap of it) raised
+    q, k, v = (t.float() for t in _inputs((1, 2, 8, 16)))
+
+    def loss(q):
+        return F.scaled_dot_product_attention(q, k, v, is_causal=True).float().pow(2).sum()
+    with torch.autocast("cpu", dtype=torch.bfloat16), op_plan.planned_kernels("cpu"):
+        got = torch.func.grad(loss)(q)
+        batched = torch.func.vmap(torch.func.grad(loss))(q.unsqueeze(0).expand(2, *q.shape))
+    (entry,) = op_plan.entries("cpu")
+    assert entry.source == "measured"
+    leaf = q.clone().requires_grad_()
+    out = op_plan.CANDIDATES[entry.chosen](leaf, k, v, None, 0.0, True, None, False, torch.bfloat16)
+    (expected,) = torch.autograd.grad(out.float().pow(2).sum(), leaf)
+    assert torch.equal(got, expected) and torch.equal(batched[1], expected)

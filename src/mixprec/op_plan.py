@@ -52,7 +52,7 @@ import threading
 import time
 import warnings
 from collections.abc import Iterator
-from contextlib import contextmanager
+from contextlib import contextmanager, nullcontext
 from dataclasses import dataclass, field
 from typing import Any, Callable
 
@@ -214,13 +214,20 @@ def _same(t: torch.Tensor) -> torch.Tensor:
     return t
 
 
+def _own_saved_tensors() -> Any:
+    """Identity saved-tensor hooks; none where hooks are disabled (torch.func.grad: no caller's hooks either)."""
+    if torch._C._autograd._saved_tensors_hooks_get_disabled_error_message() is not None:
+        return nullcontext()
+    return torch.autograd.graph.saved_tensors_hooks(_same, _same)
+
+
 def _measure(q, k, v, attn_mask, dropout_p, is_causal, scale, enable_gqa, dtype, grad) -> tuple[Timing, str]:
     device = q.device
     why_not = _offered(q, k, attn_mask, dtype)
     # the innermost saved-tensor hooks are the only ones applied: identity ones keep the stand-ins' saved tensors
     # out of the caller's (a non-reentrant checkpoint around the op counted them as its own: CheckpointError)
     with torch.random.fork_rng(devices=[device] if device.type == "cuda" else []), \
-            torch.autocast(device.type, enabled=False), torch.autograd.graph.saved_tensors_hooks(_same, _same):
+            torch.autocast(device.type, enabled=False), _own_saved_tensors():
         gen = torch.Generator(device=device).manual_seed(0)
 
         def like(t):   # a stand-in of the same shape, dtype and device (a traced tensor has no data)
@@ -266,10 +273,14 @@ def _traced(q: torch.Tensor) -> bool:
 
 @contextmanager
 def _outside_tracing() -> Iterator[None]:
-    """Real tensors while torch.compile / a dispatch mode traces (the measurement runs real kernels)."""
+    """Real tensors while torch.compile / a dispatch mode traces (the measurement runs real kernels), and outside
+    torch.func transforms (grad, vjp, vmap: the stand-ins' requires_grad_, random draws and saved-tensor hooks
+    are refused inside them)."""
+    from torch._functorch.pyfunctorch import temporarily_clear_interpreter_stack
     from torch._subclasses.fake_tensor import unset_fake_temporarily
     from torch.utils._python_dispatch import _disable_current_modes
-    with unset_fake_temporarily(), _disable_current_modes(), torch._C._DisablePythonDispatcher():
+    with temporarily_clear_interpreter_stack(), unset_fake_temporarily(), _disable_current_modes(), \
+            torch._C._DisablePythonDispatcher():
         yield
 
 
