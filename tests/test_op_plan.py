@@ -345,3 +345,43 @@ def test_a_measurement_inside_torch_func_grad_runs_outside_the_transform():
     out = op_plan.CANDIDATES[entry.chosen](leaf, k, v, None, 0.0, True, None, False, torch.bfloat16)
     (expected,) = torch.autograd.grad(out.float().pow(2).sum(), leaf)
     assert torch.equal(got, expected) and torch.equal(batched[1], expected)
+
+
+class _CheckpointedAttention(torch.nn.Module):
+    def __init__(self, checkpoint=None):
+        super().__init__()
+        self.qkv, self.checkpoint = torch.nn.Linear(16, 48), checkpoint
+
+    def attend(self, x):
+        q, k, v = self.qkv(x).view(2, 8, 3, 2, 8).permute(2, 0, 3, 1, 4)
+        return F.scaled_dot_product_attention(q, k, v, is_causal=True)
+
+    def forward(self, x):
+        if self.checkpoint is None:
+            return self.attend(x).float().pow(2).mean()
+        return torch.utils.checkpoint.checkpoint(self.attend, x, use_reentrant=self.checkpoint).float().pow(2).mean()
+
+
+@pytest.mark.parametrize("reentrant", [False, True])
+def test_torch_checkpoint_under_mp_backward_recomputes_in_the_forwards_kernel(reentrant):
+    # mp.backward() ran outside planned_kernels, so torch.utils.checkpoint's recompute ran torch's kernel; a
+    # reentrant checkpoint's forward (no_grad: "fwd" key) and recompute ("fwd+bwd") also had different keys
+    x = torch.randn(2, 8, 16, requires_grad=True)   # a reentrant checkpoint needs an input that requires grad
+    q = k = v = torch.empty(2, 2, 8, 8)
+    for grad in (True, False):   # the forward's key pinned to matmul: what the plain model runs
+        op_plan.pin({op_plan.plan_key(q, k, v, is_causal=True, dtype=torch.bfloat16, grad=grad): "matmul"}, "cpu")
+    grads = []
+    for checkpoint in (None, reentrant):
+        torch.manual_seed(0)
+        model = _CheckpointedAttention(checkpoint)
+        mp = mixprec.MixedPrecision(model, torch.optim.SGD(model.parameters(), lr=0.1), policy="bf16-mixed")
+        if checkpoint:   # reentrant: only the forward's "fwd" key is planned
+            op_plan.forget()
+            op_plan.pin({op_plan.plan_key(q, k, v, is_causal=True, dtype=torch.bfloat16, grad=False): "matmul"},
+                        "cpu")
+        with mp.autocast():
+            loss = mp.model(x)
+        mp.backward(loss)
+        grads.append([p.grad.clone() for p in model.parameters()])
+    for plain, checkpointed in zip(*grads):
+        assert torch.equal(plain, checkpointed)

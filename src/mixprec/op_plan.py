@@ -28,7 +28,8 @@ The key is the op, the shapes of q, k, v, the autocast dtype, ``is_causal``, the
 whether dropout is on, whether ``scale`` is given, ``enable_gqa``, and whether a backward will follow (grad
 mode and ``requires_grad``). At the first call with a new key, each candidate is timed on random tensors of
 those shapes (inside :func:`torch.random.fork_rng` with its own generator, so the caller's random stream is
-untouched; under identity saved-tensor hooks, so a checkpoint or offload around the op sees none of its tensors) by :func:`time_candidates`: one warm-up each, then the best of :data:`REPEATS` interleaved
+untouched; under identity saved-tensor hooks, so a checkpoint or offload around the op sees none of its
+tensors) by :func:`time_candidates`: one warm-up each, then the best of :data:`REPEATS` interleaved
 forward (+ backward) rounds. Host syncs: at measurement only (CUDA:
 ``synchronize`` around each run). The plan is cached per process and on disk by machine
 (:func:`mixprec.cache.machine_key`: device name, torch version, thread count) and key, so a second run of
@@ -38,6 +39,13 @@ another dispatch mode traces the op, the measurement runs on real stand-ins of t
 the modes) and the graph keeps the chosen kernel; with symbolic shapes nothing is measured (``fused``, and
 the entry says so). :func:`entries` lists what was chosen in this process (op, shape, choice, every candidate's time):
 the engine's decision names the mechanism, the bench's report.md prints the table.
+
+Activation checkpointing: a recompute must run the kernel its forward ran. :func:`mixprec.ops.checkpoint`
+re-enters the forward's planned state; ``mp.backward()`` runs inside :func:`planned_kernels` (so a
+``torch.utils.checkpoint`` recompute there is planned, on the CPU, where backward runs in the caller's
+thread), and a call during a backward whose key has no entry takes its grad-twin's (a reentrant checkpoint's
+forward ran under no_grad: the ``fwd`` key; its recompute is ``fwd+bwd``). Not covered: a bare
+``loss.backward()`` outside ``mp.autocast()`` around ``torch.utils.checkpoint`` (its recompute runs ``fused``).
 
 Mechanism: a ``torch.library`` kernel for the op on the device's autocast key (``AutocastCPU``,
 ``AutocastCUDA``), replacing torch's C++ one (a lower-precision cast, checked to exist by the tests) the
@@ -296,6 +304,13 @@ def choose(q, k, v, attn_mask=None, dropout_p=0.0, is_causal=False, scale=None, 
     entry = plan.get(key)
     if entry is not None and (entry.source != _TRACED or _traced(q)):
         return entry
+    if entry is None and torch._C._current_graph_task_id() != -1:
+        # in a backward: a checkpoint's recompute. A reentrant one ran its forward under no_grad (the "fwd" key)
+        # and recomputes with grad ("fwd+bwd"): the forward's choice, else the recompute differs from it
+        twin = plan.get(plan_key(q, k, v, attn_mask, dropout_p, is_causal, scale, enable_gqa, dtype=dtype,
+                                 grad=not grad))
+        if twin is not None:
+            return twin
     with _lock:
         if where not in _disk:
             _disk[where] = read_json(_cache_file(device))
