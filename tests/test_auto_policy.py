@@ -8,10 +8,11 @@ import warnings
 
 import pytest
 import torch
+import torch.nn.functional as F
 from torch import nn
 
 import mixprec
-from mixprec import auto_policy
+from mixprec import auto_policy, op_plan
 from mixprec.auto_policy import Trial, cache_key, choose, preserved, time_candidates
 from mixprec.devices import Capability, auto_candidates, resolve
 
@@ -400,3 +401,28 @@ def test_a_malformed_trial_file_is_timed_again_not_raised(tmp_path, median_ms):
     (tmp_path / f"auto-trial-{key}.json").write_text(json.dumps({"choice": "fp32", "median_ms": median_ms}))
     trial = choose(model, (x,), {}, CPU, ("fp32", "bf16-mixed"))
     assert not trial.cached and "measured on this model" in trial.decision("cpu")
+
+
+def test_the_trial_backward_recomputes_a_torch_checkpoint_in_the_forwards_kernels():
+    # the trial's backward ran outside planned_kernels: a torch.utils.checkpoint around attention recomputed in
+    # torch's kernel where its forward ran the plan's (matmul here): CheckpointError, the trial "failed", fp32
+    class Checkpointed(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.qkv = nn.Linear(16, 48)
+
+        def attend(self, x):
+            q, k, v = self.qkv(x).view(2, 8, 3, 2, 8).permute(2, 0, 3, 1, 4)
+            return F.scaled_dot_product_attention(q, k, v, is_causal=True)
+
+        def forward(self, x):
+            return torch.utils.checkpoint.checkpoint(self.attend, x, use_reentrant=False).float().pow(2).mean()
+    shape = torch.empty(2, 2, 8, 8)
+    op_plan.forget()
+    op_plan.pin({op_plan.plan_key(shape, shape, shape, is_causal=True, dtype=torch.bfloat16, grad=True): "matmul"},
+                "cpu")
+    try:
+        times = auto_policy.time_candidates(Checkpointed(), (torch.randn(2, 8, 16),), {}, CPU, ("fp32", "bf16-mixed"))
+    finally:
+        op_plan.forget()
+    assert len(times["bf16-mixed"]) == auto_policy.BLOCKS * auto_policy.STEPS

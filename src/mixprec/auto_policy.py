@@ -223,12 +223,14 @@ def time_candidates(model: nn.Module, args: tuple, kwargs: dict, device: torch.d
 
     def step(name: str) -> None:
         policy = policies[name]
-        with torch.autocast(device.type, dtype=policy.compute_dtype, enabled=policy.is_mixed), \
-                portable_ops(device.type, enabled=policy.ops == "portable"), \
+        # the backward too inside the ops and kernels (not autocast), as mp.backward(): a torch.utils.checkpoint
+        # recompute in it casts and chooses as its forward (else CheckpointError, and the trial "failed": fp32)
+        with portable_ops(device.type, enabled=policy.ops == "portable"), \
                 planned_kernels(device.type, enabled=policy.kernels == "measured"):
-            loss = _scalar(_guarded(name, model, *args, **kwargs), loss_fn)
-        if trainable and loss.requires_grad:
-            _guarded(name, torch.autograd.backward, loss, inputs=trainable)
+            with torch.autocast(device.type, dtype=policy.compute_dtype, enabled=policy.is_mixed):
+                loss = _scalar(_guarded(name, model, *args, **kwargs), loss_fn)
+            if trainable and loss.requires_grad:
+                _guarded(name, torch.autograd.backward, loss, inputs=trainable)
         for p in trainable:
             p.grad = None
 
