@@ -104,3 +104,14 @@ def test_case27_engine_step_uses_no_float64_and_mps_is_refused_or_planned_clearl
     fallback = resolve("bf16-pure", "mps:0", capability=old_mac, allow_fallback=True)
     assert fallback.fell_back and str(fallback.policy) == "fp16-mixed" and fallback.policy.loss_scale == "dynamic"
     assert fallback.device == torch.device("mps", 0) and "cannot run bf16 (macOS 13)" in fallback.decision
+
+
+def test_the_matmul_probe_draws_nothing_from_the_callers_rng():
+    # a run that measures the probe (first in a process, empty cache) and one that reads it from the cache
+    # must see the same random stream: MixedPrecision(policy="auto") probes at build, between model init
+    # and the first batch
+    from mixprec import devices
+    torch.manual_seed(3)
+    before = torch.get_rng_state()
+    devices._best_matmul_s(torch.float32, 16, torch.device("cpu"), reps=1)
+    assert torch.equal(before, torch.get_rng_state())

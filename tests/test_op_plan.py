@@ -295,3 +295,116 @@ def test_a_checkpoint_pins_the_kernels_its_run_chose(tmp_path):
         resumed.model(x)
     (pinned,) = op_plan.entries("cpu")
     assert (pinned.shape, pinned.chosen, pinned.source) == (entry.shape, entry.chosen, "checkpoint")
+
+
+@pytest.mark.parametrize("chosen", ["matmul", "fused-fp32"])
+def test_a_checkpointed_recompute_makes_the_forwards_kernel_choice_outside_the_autocast_block(chosen):
+    # the forward ran under planned_kernels, the backward (and so the recompute) runs outside mp.autocast():
+    # the recompute must run the forward's choice, not torch's (else CheckpointError or wrong gradients)
+    q, k, v = (t.float().requires_grad_() for t in _inputs((1, 2, 8, 16)))
+    key = op_plan.plan_key(q, k, v, is_causal=True, dtype=torch.bfloat16, grad=True)
+    op_plan.pin({key: chosen}, "cpu")
+
+    def attend(q, k, v):
+        return F.scaled_dot_product_attention(q, k, v, is_causal=True)
+    grads = []
+    for wrap in (attend, lambda *a: mixprec.ops.checkpoint(attend, *a)):
+        with torch.autocast("cpu", dtype=torch.bfloat16), op_plan.planned_kernels("cpu"):
+            out = wrap(q, k, v)
+        grads.append(torch.autograd.grad(out.float().pow(2).sum(), (q, k, v)))
+    for plain, checkpointed in zip(*grads):
+        assert torch.equal(plain, checkpointed)
+    # and a forward outside planned_kernels recomputes in torch's kernel even inside planned_kernels
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        out = mixprec.ops.checkpoint(attend, q, k, v)
+    with op_plan.planned_kernels("cpu"):
+        torch.autograd.grad(out.float().pow(2).sum(), (q, k, v))
+
+
+def test_a_measurement_inside_a_checkpointed_forward_keeps_out_of_its_saved_tensors():
+    # the first call of a key measures; inside a non-reentrant checkpoint the stand-ins' saved tensors went
+    # through its pack hook, so its backward raised CheckpointError (71 saved in the forward, 5 in recompute)
+    q, k, v = (t.float().requires_grad_() for t in _inputs((1, 2, 8, 16)))
+
+    def attend(q, k, v):
+        return F.scaled_dot_product_attention(q * 1, k * 1, v * 1, is_causal=True)
+    with torch.autocast("cpu", dtype=torch.bfloat16), op_plan.planned_kernels("cpu"):
+        out = mixprec.ops.checkpoint(attend, q, k, v)
+    assert [e.source for e in op_plan.entries("cpu")] == ["measured"]
+    checkpointed = torch.autograd.grad(out.float().pow(2).sum(), (q, k, v))
+    with torch.autocast("cpu", dtype=torch.bfloat16), op_plan.planned_kernels("cpu"):
+        out = attend(q, k, v)
+    for plain, again in zip(torch.autograd.grad(out.float().pow(2).sum(), (q, k, v)), checkpointed):
+        assert torch.equal(plain, again)
+
+
+@pytest.mark.parametrize("bad", [{"chosen": "matmul", "times_ms": [1, 2]}, {"chosen": "matmul", "times_ms": "x"},
+                                 {"chosen": ["matmul"]}, {"chosen": "matmul", "times_ms": {"fused": "1 ms"}}])
+def test_a_malformed_cache_entry_is_measured_again_not_raised(tmp_path, bad):
+    # an edited or foreign cache file is "treated as empty" (mixprec.cache); a malformed entry raised
+    # TypeError/ValueError from the user's forward (or later from summary())
+    q, k, v = (t.float() for t in _inputs((1, 2, 8, 16)))
+    key = op_plan.plan_key(q, k, v, is_causal=True, dtype=torch.bfloat16, grad=False)
+    (tmp_path / f"op-plan-{machine_key(torch.device('cpu'))}.json").write_text(json.dumps({key: bad}))
+    with torch.no_grad():
+        _sdpa_step(q, k, v)
+    assert [e.source for e in op_plan.entries("cpu")] == ["measured"] and len(op_plan.summary("cpu")) == 1
+
+
+@pytest.mark.filterwarnings("ignore:There is a performance drop")   # torch's: no batching rule for the flash kernel
+def test_a_measurement_inside_torch_func_grad_runs_outside_the_transform():
+    # the stand-ins' requires_grad_, random draws and saved-tensor hooks are refused inside torch.func
+    # transforms: the first call of a key under torch.func.grad (or vmap of it) raised
+    q, k, v = (t.float() for t in _inputs((1, 2, 8, 16)))
+
+    def loss(q):
+        return F.scaled_dot_product_attention(q, k, v, is_causal=True).float().pow(2).sum()
+    with torch.autocast("cpu", dtype=torch.bfloat16), op_plan.planned_kernels("cpu"):
+        got = torch.func.grad(loss)(q)
+        batched = torch.func.vmap(torch.func.grad(loss))(q.unsqueeze(0).expand(2, *q.shape))
+    (entry,) = op_plan.entries("cpu")
+    assert entry.source == "measured"
+    leaf = q.clone().requires_grad_()
+    out = op_plan.CANDIDATES[entry.chosen](leaf, k, v, None, 0.0, True, None, False, torch.bfloat16)
+    (expected,) = torch.autograd.grad(out.float().pow(2).sum(), leaf)
+    assert torch.equal(got, expected) and torch.equal(batched[1], expected)
+
+
+class _CheckpointedAttention(torch.nn.Module):
+    def __init__(self, checkpoint=None):
+        super().__init__()
+        self.qkv, self.checkpoint = torch.nn.Linear(16, 48), checkpoint
+
+    def attend(self, x):
+        q, k, v = self.qkv(x).view(2, 8, 3, 2, 8).permute(2, 0, 3, 1, 4)
+        return F.scaled_dot_product_attention(q, k, v, is_causal=True)
+
+    def forward(self, x):
+        if self.checkpoint is None:
+            return self.attend(x).float().pow(2).mean()
+        return torch.utils.checkpoint.checkpoint(self.attend, x, use_reentrant=self.checkpoint).float().pow(2).mean()
+
+
+@pytest.mark.parametrize("reentrant", [False, True])
+def test_torch_checkpoint_under_mp_backward_recomputes_in_the_forwards_kernel(reentrant):
+    # mp.backward() ran outside planned_kernels, so torch.utils.checkpoint's recompute ran torch's kernel; a
+    # reentrant checkpoint's forward (no_grad: "fwd" key) and recompute ("fwd+bwd") also had different keys
+    x = torch.randn(2, 8, 16, requires_grad=True)   # a reentrant checkpoint needs an input that requires grad
+    q = k = v = torch.empty(2, 2, 8, 8)
+    for grad in (True, False):   # the forward's key pinned to matmul: what the plain model runs
+        op_plan.pin({op_plan.plan_key(q, k, v, is_causal=True, dtype=torch.bfloat16, grad=grad): "matmul"}, "cpu")
+    grads = []
+    for checkpoint in (None, reentrant):
+        torch.manual_seed(0)
+        model = _CheckpointedAttention(checkpoint)
+        mp = mixprec.MixedPrecision(model, torch.optim.SGD(model.parameters(), lr=0.1), policy="bf16-mixed")
+        if checkpoint:   # reentrant: only the forward's "fwd" key is planned
+            op_plan.forget()
+            op_plan.pin({op_plan.plan_key(q, k, v, is_causal=True, dtype=torch.bfloat16, grad=False): "matmul"},
+                        "cpu")
+        with mp.autocast():
+            loss = mp.model(x)
+        mp.backward(loss)
+        grads.append([p.grad.clone() for p in model.parameters()])
+    for plain, checkpointed in zip(*grads):
+        assert torch.equal(plain, checkpointed)

@@ -389,3 +389,20 @@ def test_compiled_forward_has_the_portable_dtypes():
     torch.testing.assert_close(out, eager)
     out.mean().backward()
     torch._dynamo.reset()
+
+
+def test_a_checkpointed_recompute_casts_as_its_forward_outside_the_autocast_block():
+    # mp.backward() runs outside mp.autocast(): the recompute ran the CPU's own lists (exp in bf16) where
+    # the forward ran CUDA's (exp in fp32): CheckpointError for the saved tensors' dtypes
+    torch.manual_seed(0)
+    lin = nn.Linear(8, 8)
+    x = torch.randn(4, 8, requires_grad=True)
+
+    def block(x):
+        return torch.exp(lin(x)).sum(-1)
+    with torch.autocast("cpu", dtype=torch.bfloat16), portable_ops("cpu"):
+        plain, checkpointed = block(x), mixprec.ops.checkpoint(block, x)
+    assert plain.dtype == checkpointed.dtype == torch.float32
+    for a, b in zip(torch.autograd.grad(plain.sum(), (x, lin.weight)),
+                    torch.autograd.grad(checkpointed.sum(), (x, lin.weight))):
+        assert torch.equal(a, b)

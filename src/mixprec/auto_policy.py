@@ -46,7 +46,7 @@ from mixprec.policy import PRESETS
 from mixprec.portable_autocast import portable_ops
 from mixprec.tree import map_tensors, tensors
 
-__all__ = ["MARGIN", "Trial", "cache_key", "choose", "preserved", "split_batch", "time_candidates"]
+__all__ = ["MARGIN", "Trial", "TrialFailed", "cache_key", "choose", "preserved", "split_batch", "time_candidates"]
 
 MARGIN = 1.03          #: a 16-bit candidate must run at >= 1.03x fp32's speed to be chosen
 WARMUP, BLOCKS, STEPS = 1, 3, 2
@@ -79,6 +79,27 @@ class Trial:
         text = (f"auto → {self.choice}: measured on this model ({self.blocks} interleaved blocks of {self.steps} "
                 f"steps{', cached' if self.cached else ''}): {measured} ({why})")
         return text + ("; fp16 is never chosen on a CPU" if device_type == "cpu" else "")
+
+
+class TrialFailed(RuntimeError):
+    """The model's forward or backward raised under one candidate of the trial (``candidate``; ``error``, the
+    exception, is also the ``__cause__``): whatever its type, the model cannot run that candidate here. Its
+    message is ``"<error type>: <error>"``."""
+
+    def __init__(self, candidate: str, error: BaseException) -> None:
+        super().__init__(f"{type(error).__name__}: {error}")
+        self.candidate, self.error = candidate, error
+
+
+def _guarded(candidate: str, fn: Callable[..., Any], *args: Any, **kwargs: Any) -> Any:
+    try:
+        return fn(*args, **kwargs)
+    except Exception as err:   # any type: a ValueError from the model is not "nothing to backpropagate"
+        raise TrialFailed(candidate, err) from err
+
+
+def _same(t: torch.Tensor) -> torch.Tensor:
+    return t
 
 
 def split_batch(example_batch: Any) -> tuple[tuple, dict]:
@@ -188,6 +209,7 @@ def time_candidates(model: nn.Module, args: tuple, kwargs: dict, device: torch.d
     Raises:
         ValueError: a candidate that is not fp32 or a ``-mixed`` preset; an output with nothing to
             backpropagate (pass ``loss_fn``).
+        TrialFailed: the model's forward or backward raised (any exception type) under a candidate.
     """
     policies = {}
     for name in candidates:
@@ -201,17 +223,21 @@ def time_candidates(model: nn.Module, args: tuple, kwargs: dict, device: torch.d
 
     def step(name: str) -> None:
         policy = policies[name]
-        with torch.autocast(device.type, dtype=policy.compute_dtype, enabled=policy.is_mixed), \
-                portable_ops(device.type, enabled=policy.ops == "portable"), \
+        # the backward too inside the ops and kernels (not autocast), as mp.backward(): a torch.utils.checkpoint
+        # recompute in it casts and chooses as its forward (else CheckpointError, and the trial "failed": fp32)
+        with portable_ops(device.type, enabled=policy.ops == "portable"), \
                 planned_kernels(device.type, enabled=policy.kernels == "measured"):
-            loss = _scalar(model(*args, **kwargs), loss_fn)
-        if trainable and loss.requires_grad:
-            torch.autograd.backward(loss, inputs=trainable)
+            with torch.autocast(device.type, dtype=policy.compute_dtype, enabled=policy.is_mixed):
+                loss = _scalar(_guarded(name, model, *args, **kwargs), loss_fn)
+            if trainable and loss.requires_grad:
+                _guarded(name, torch.autograd.backward, loss, inputs=trainable)
         for p in trainable:
             p.grad = None
 
     times: dict[str, list[float]] = {name: [] for name in candidates}
-    with preserved(model, device), torch.enable_grad():
+    # identity saved-tensor hooks (the innermost are the only ones applied): a checkpoint or offload around the
+    # forward that runs the trial sees none of its tensors (a non-reentrant checkpoint raised CheckpointError)
+    with preserved(model, device), torch.enable_grad(), torch.autograd.graph.saved_tensors_hooks(_same, _same):
         for _ in range(warmup):
             for name in candidates:
                 step(name)
@@ -247,7 +273,10 @@ def choose(model: nn.Module, args: tuple, kwargs: dict, device: torch.device, ca
     if use_cache and key in _MEMORY:
         return _MEMORY[key]
     saved = read_json(_disk_path(key)) if use_cache else {}
-    if saved.get("choice") in candidates and set(saved.get("median_ms") or {}) == set(candidates):
+    median = saved.get("median_ms")
+    usable = (isinstance(median, dict) and set(median) == set(candidates)   # else: an edited or foreign file
+              and all(isinstance(t, (int, float)) and not isinstance(t, bool) for t in median.values()))
+    if usable and saved.get("choice") in candidates:
         _MEMORY[key] = trial = Trial(choice=saved["choice"], median_ms=dict(saved["median_ms"]), cached=True)
         return trial
     times = time_candidates(model, args, kwargs, device, candidates, loss_fn=loss_fn,

@@ -366,7 +366,9 @@ class MixedPrecision:
         self._loss_finite = finite if first else self._loss_finite & finite
         if self.accumulation_steps > 1:
             loss = loss / self.accumulation_steps
-        self.loss_scale.scale_loss(loss).backward(retain_graph=retain_graph, inputs=inputs)
+        with portable_ops(self.device.type, enabled=self.policy.ops == "portable"), \
+                planned_kernels(self.device.type, enabled=self.policy.kernels == "measured"):   # torch.utils.checkpoint
+            self.loss_scale.scale_loss(loss).backward(retain_graph=retain_graph, inputs=inputs)   # recomputes as fwd
         self._step_pending = _RETAINED if retain_graph else True
         self.masters.accumulate_grads()
         self._checks.after_backward()

@@ -28,7 +28,8 @@ The key is the op, the shapes of q, k, v, the autocast dtype, ``is_causal``, the
 whether dropout is on, whether ``scale`` is given, ``enable_gqa``, and whether a backward will follow (grad
 mode and ``requires_grad``). At the first call with a new key, each candidate is timed on random tensors of
 those shapes (inside :func:`torch.random.fork_rng` with its own generator, so the caller's random stream is
-untouched) by :func:`time_candidates`: one warm-up each, then the best of :data:`REPEATS` interleaved
+untouched; under identity saved-tensor hooks, so a checkpoint or offload around the op sees none of its
+tensors) by :func:`time_candidates`: one warm-up each, then the best of :data:`REPEATS` interleaved
 forward (+ backward) rounds. Host syncs: at measurement only (CUDA:
 ``synchronize`` around each run). The plan is cached per process and on disk by machine
 (:func:`mixprec.cache.machine_key`: device name, torch version, thread count) and key, so a second run of
@@ -38,6 +39,13 @@ another dispatch mode traces the op, the measurement runs on real stand-ins of t
 the modes) and the graph keeps the chosen kernel; with symbolic shapes nothing is measured (``fused``, and
 the entry says so). :func:`entries` lists what was chosen in this process (op, shape, choice, every candidate's time):
 the engine's decision names the mechanism, the bench's report.md prints the table.
+
+Activation checkpointing: a recompute must run the kernel its forward ran. :func:`mixprec.ops.checkpoint`
+re-enters the forward's planned state; ``mp.backward()`` runs inside :func:`planned_kernels` (so a
+``torch.utils.checkpoint`` recompute there is planned, on the CPU, where backward runs in the caller's
+thread), and a call during a backward whose key has no entry takes its grad-twin's (a reentrant checkpoint's
+forward ran under no_grad: the ``fwd`` key; its recompute is ``fwd+bwd``). Not covered: a bare
+``loss.backward()`` outside ``mp.autocast()`` around ``torch.utils.checkpoint`` (its recompute runs ``fused``).
 
 Mechanism: a ``torch.library`` kernel for the op on the device's autocast key (``AutocastCPU``,
 ``AutocastCUDA``), replacing torch's C++ one (a lower-precision cast, checked to exist by the tests) the
@@ -53,7 +61,7 @@ import threading
 import time
 import warnings
 from collections.abc import Iterator
-from contextlib import contextmanager
+from contextlib import contextmanager, nullcontext
 from dataclasses import dataclass, field
 from typing import Any, Callable
 
@@ -63,7 +71,8 @@ import torch.nn.functional as F
 from mixprec.cache import cache_dir, machine_key, read_json, write_json
 
 __all__ = ["PlanEntry", "planned_kernels", "choose", "entries", "summary", "choices", "pin", "cached", "forget", "time_candidates", "describe", "MARGIN",
-           "REPEATS", "MATMUL_SCORES_LIMIT", "NOISY_SPREAD", "Timing", "CANDIDATES", "plan_key"]
+           "REPEATS", "MATMUL_SCORES_LIMIT", "NOISY_SPREAD", "Timing", "CANDIDATES", "plan_key",
+           "planned_devices", "planned_as"]
 
 MARGIN = 0.05                     # another candidate replaces the default only when ≥ 5 % faster
 REPEATS = 5                       # timed runs per candidate after one warm-up (best of)
@@ -217,11 +226,24 @@ def time_candidates(runs: dict[str, Callable[[], Any] | None], *, default: str,
     return Timing(tied[0], times, round(spread, 3))
 
 
+def _same(t: torch.Tensor) -> torch.Tensor:
+    return t
+
+
+def _own_saved_tensors() -> Any:
+    """Identity saved-tensor hooks; none where hooks are disabled (torch.func.grad: no caller's hooks either)."""
+    if torch._C._autograd._saved_tensors_hooks_get_disabled_error_message() is not None:
+        return nullcontext()
+    return torch.autograd.graph.saved_tensors_hooks(_same, _same)
+
+
 def _measure(q, k, v, attn_mask, dropout_p, is_causal, scale, enable_gqa, dtype, grad) -> tuple[Timing, str]:
     device = q.device
     why_not = _offered(q, k, attn_mask, dtype)
+    # the innermost saved-tensor hooks are the only ones applied: identity ones keep the stand-ins' saved tensors
+    # out of the caller's (a non-reentrant checkpoint around the op counted them as its own: CheckpointError)
     with torch.random.fork_rng(devices=[device] if device.type == "cuda" else []), \
-            torch.autocast(device.type, enabled=False):
+            torch.autocast(device.type, enabled=False), _own_saved_tensors():
         gen = torch.Generator(device=device).manual_seed(0)
 
         def like(t):   # a stand-in of the same shape, dtype and device (a traced tensor has no data)
@@ -251,6 +273,15 @@ def _cache_file(device: torch.device):
     return cache_dir() / f"op-plan-{machine_key(device)}.json"
 
 
+def _usable(cached: Any) -> bool:
+    """Whether a cache file's entry is one :func:`choose` wrote (another shape, an edited or foreign file: measure)."""
+    if not isinstance(cached, dict) or not isinstance(cached.get("chosen"), str) or cached["chosen"] not in CANDIDATES:
+        return False
+    times = cached.get("times_ms") or {}
+    return isinstance(times, dict) and all(t is None or (isinstance(t, (int, float)) and not isinstance(t, bool))
+                                           for t in times.values())
+
+
 def _traced(q: torch.Tensor) -> bool:
     from torch.utils._python_dispatch import is_in_torch_dispatch_mode
     return type(q) is not torch.Tensor or torch.compiler.is_compiling() or is_in_torch_dispatch_mode()
@@ -258,10 +289,14 @@ def _traced(q: torch.Tensor) -> bool:
 
 @contextmanager
 def _outside_tracing() -> Iterator[None]:
-    """Real tensors while torch.compile / a dispatch mode traces (the measurement runs real kernels)."""
+    """Real tensors while torch.compile / a dispatch mode traces (the measurement runs real kernels), and outside
+    torch.func transforms (grad, vjp, vmap: the stand-ins' requires_grad_, random draws and saved-tensor hooks
+    are refused inside them)."""
+    from torch._functorch.pyfunctorch import temporarily_clear_interpreter_stack
     from torch._subclasses.fake_tensor import unset_fake_temporarily
     from torch.utils._python_dispatch import _disable_current_modes
-    with unset_fake_temporarily(), _disable_current_modes(), torch._C._DisablePythonDispatcher():
+    with temporarily_clear_interpreter_stack(), unset_fake_temporarily(), _disable_current_modes(), \
+            torch._C._DisablePythonDispatcher():
         yield
 
 
@@ -277,13 +312,20 @@ def choose(q, k, v, attn_mask=None, dropout_p=0.0, is_causal=False, scale=None, 
     entry = plan.get(key)
     if entry is not None and (entry.source != _TRACED or _traced(q)):
         return entry
+    if entry is None and torch._C._current_graph_task_id() != -1:
+        # in a backward: a checkpoint's recompute. A reentrant one ran its forward under no_grad (the "fwd" key)
+        # and recomputes with grad ("fwd+bwd"): the forward's choice, else the recompute differs from it
+        twin = plan.get(plan_key(q, k, v, attn_mask, dropout_p, is_causal, scale, enable_gqa, dtype=dtype,
+                                 grad=not grad))
+        if twin is not None:
+            return twin
     with _lock:
         if where not in _disk:
             _disk[where] = read_json(_cache_file(device))
         cached = _disk[where].get(key)
-    if isinstance(cached, dict) and cached.get("chosen") in CANDIDATES:
-        entry = PlanEntry("scaled_dot_product_attention", key, cached["chosen"], dict(cached.get("times_ms", {})),
-                          "cache", cached.get("note", ""))
+    if _usable(cached):
+        entry = PlanEntry("scaled_dot_product_attention", key, cached["chosen"], dict(cached.get("times_ms") or {}),
+                          "cache", str(cached.get("note", "")))
     elif _traced(q) and not all(isinstance(d, int) for t in (q, k, v) for d in t.shape):
         entry = PlanEntry("scaled_dot_product_attention", key, _DEFAULT, {}, _TRACED)
     else:
@@ -389,6 +431,27 @@ def planned_kernels(device_type: str, *, enabled: bool = True) -> Iterator[None]
     _install(device_type)
     previous = getattr(_state, "devices", ())
     _state.devices = previous + (device_type,)
+    try:
+        yield
+    finally:
+        _state.devices = previous
+
+
+def planned_devices() -> tuple[str, ...]:
+    """The device types whose planned kernels are on in this thread (:func:`planned_kernels`) now: what
+    :func:`mixprec.ops.checkpoint` captures at the forward, so that its recompute (in a backward that may run
+    outside ``mp.autocast()``) makes the forward's kernel choices. No host sync."""
+    return tuple(getattr(_state, "devices", ()))
+
+
+@contextmanager
+def planned_as(devices: tuple[str, ...]) -> Iterator[None]:
+    """Inside, exactly ``devices`` (:func:`planned_devices` of an earlier moment) have their planned kernels on
+    in this thread: planned where the forward was, torch's kernel where it was not. No host sync."""
+    for device_type in devices:
+        _install(device_type)
+    previous = getattr(_state, "devices", ())
+    _state.devices = tuple(d for d in devices if d in _AUTOCAST_KEYS)
     try:
         yield
     finally:

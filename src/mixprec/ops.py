@@ -29,6 +29,9 @@ import torch
 import torch.nn.functional as F
 from torch.utils._pytree import tree_leaves
 
+from mixprec.op_plan import planned_as, planned_devices
+from mixprec.portable_autocast import portable_as, portable_devices
+
 __all__ = [
     "mask_value",
     "masked_fill_min",
@@ -229,11 +232,14 @@ class _RestoreAutocast:
     whatever state the backward pass runs under.
     """
 
-    def __init__(self, states: list[_AutocastState]) -> None:
-        self.states = states
+    def __init__(self, states: list[_AutocastState], planned: tuple[str, ...] = (),
+                 portable: tuple[str, ...] = ()) -> None:
+        self.states, self.planned, self.portable = states, planned, portable
         self._stack = contextlib.ExitStack()
 
     def __enter__(self) -> None:
+        self._stack.enter_context(planned_as(self.planned))
+        self._stack.enter_context(portable_as(self.portable))
         for device_type, enabled, dtype, cache_enabled in self.states:
             self._stack.enter_context(torch.autocast(device_type, dtype=dtype, enabled=enabled,
                                                      cache_enabled=cache_enabled))
@@ -257,7 +263,9 @@ def checkpoint(fn: Callable[..., Any], *args: Any, preserve_rng_state: bool = Tr
     shape, dtype or device) and adds a recompute context that captures, at call time, the
     autocast ``(device type, enabled, dtype, cache_enabled)`` for ``cpu``, for every device type of
     the tensor arguments and for the current accelerator, and re-enters exactly those states
-    innermost during recompute, verifying that they took effect (``RuntimeError`` if not).
+    (and which devices had :func:`mixprec.op_plan.planned_kernels` and
+    :func:`mixprec.portable_autocast.portable_ops` on: the recompute makes its forward's kernel
+    choices and casts) innermost during recompute, verifying that they took effect (``RuntimeError`` if not).
 
     So a recompute in a backward that runs outside the autocast region, under a different
     dtype, or after nested regions were left, computes in the forward's dtypes. Without it, a
@@ -273,9 +281,11 @@ def checkpoint(fn: Callable[..., Any], *args: Any, preserve_rng_state: bool = Tr
         ``fn``'s output. Shapes and dtypes are ``fn``'s own. No host sync.
     """
     states = [_autocast_state(t) for t in _autocast_device_types(args, kwargs)]
+    planned = planned_devices()   # kernels=measured: the recompute makes the forward's kernel choices
+    portable = portable_devices()   # ops=portable: and casts as the forward did
 
     def context_fn() -> tuple[contextlib.AbstractContextManager, _RestoreAutocast]:
-        return contextlib.nullcontext(), _RestoreAutocast(states)
+        return contextlib.nullcontext(), _RestoreAutocast(states, planned, portable)
 
     return torch.utils.checkpoint.checkpoint(fn, *args, use_reentrant=False, preserve_rng_state=preserve_rng_state,
                                              context_fn=context_fn, **kwargs)

@@ -26,7 +26,10 @@ model, pass ``mixprec.resolve_policy("auto", device, model=..., example_batch=..
 and for a model compiled in place with ``model.compile()`` (its hooks run inside the compiled call).
 Under ``compile=True`` (or a ``torch.compile``'d model) the hook is on the compiled wrapper and runs
 eagerly: the trial times the eager model, and the first compilation happens after the decision, under
-the chosen policy.
+the chosen policy. Not supported: the first training forward calling ``mp.model`` *inside* an activation
+checkpoint (``mixprec.ops.checkpoint(mp.model, x)``) where a 16-bit candidate wins: the recompute runs under the
+autocast state captured before the switch (fp32), so its backward raises ``CheckpointError``; checkpoint blocks
+inside the model instead (the hook then runs before them), or decide first (``resolve_policy``).
 """
 
 from __future__ import annotations
@@ -41,7 +44,7 @@ from typing import Any
 
 import torch
 
-from mixprec.auto_policy import choose
+from mixprec.auto_policy import TrialFailed, choose
 from mixprec.compiled import eager_dtypes
 from mixprec.devices import Resolution, auto_candidates, probe
 from mixprec.op_plan import describe as describe_kernels
@@ -138,9 +141,11 @@ class PendingAuto:
             choice, text = trial.choice, trial.decision(mp.device.type)
         except ValueError as err:   # an output with nothing to backpropagate: the probe decides
             choice, text = str(self.probe.policy), f"{self.probe.decision} (auto could not time the model: {err})"
-        except RuntimeError as err:   # a candidate failed on this model (a kernel missing in 16 bits, say): fp32
-            choice, text = "fp32", (f"auto → fp32: the trial failed on this model ({type(err).__name__}: "
-                                    f"{str(err)[:200]}); fp32 is what it runs as built")
+        except (TrialFailed, RuntimeError) as err:   # a candidate failed on this model (a kernel missing in 16 bits,
+            # a dtype check of the model's own, any exception type): fp32
+            what = str(err) if isinstance(err, TrialFailed) else f"{type(err).__name__}: {err}"
+            choice, text = "fp32", (f"auto → fp32: the trial failed on this model ({what[:200]}); "
+                                    "fp32 is what it runs as built")
         finally:
             self._running = False
         choice = mp.agree_on(choice, self.candidates)

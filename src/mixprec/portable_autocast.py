@@ -53,7 +53,7 @@ from typing import Any, Callable
 
 import torch
 
-__all__ = ["CUDA_OPS", "ported_ops", "portable_ops", "op_table", "describe"]
+__all__ = ["CUDA_OPS", "ported_ops", "portable_ops", "portable_devices", "portable_as", "op_table", "describe"]
 
 # CUDA's autocast categories (torch 2.13, ATen/autocast_mode.h AT_FORALL_* and the CUDA-only
 # registrations in autocast_mode.cpp); checked against torch by tests/test_portable_autocast.py.
@@ -200,6 +200,27 @@ def portable_ops(device_type: str, *, enabled: bool = True) -> Iterator[None]:
     _install(device_type)
     previous = getattr(_state, "devices", ())
     _state.devices = previous + (device_type,)
+    try:
+        yield
+    finally:
+        _state.devices = previous
+
+
+def portable_devices() -> tuple[str, ...]:
+    """The device types whose portable ops are on in this thread (:func:`portable_ops`) now: what
+    :func:`mixprec.ops.checkpoint` captures at the forward, so that its recompute (in a backward that may run
+    outside ``mp.autocast()``) casts as its forward did. No host sync."""
+    return tuple(getattr(_state, "devices", ()))
+
+
+@contextmanager
+def portable_as(devices: tuple[str, ...]) -> Iterator[None]:
+    """Inside, exactly ``devices`` (:func:`portable_devices` of an earlier moment) have portable ops on in this
+    thread: CUDA's lists where the forward had them, the device's own where it did not. No host sync."""
+    for device_type in devices:
+        _install(device_type)
+    previous = getattr(_state, "devices", ())
+    _state.devices = tuple(devices)
     try:
         yield
     finally:
