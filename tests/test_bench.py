@@ -208,7 +208,7 @@ def test_tiny_bench_results_schema(tiny_bench):
     assert set(plan) == {"fwd+bwd", "fwd"} and "kernels=measured" in bf16["decision"]
     for e in plan.values():
         assert e["op"] == "scaled_dot_product_attention" and e["chosen"] in ("fused", "fused-fp32", "matmul")
-        assert e["source"] in ("measured", "cache") and e["times_ms"][e["chosen"]] > 0
+        assert e["source"].startswith(("measured", "cache")) and e["times_ms"][e["chosen"]] > 0   # noisy: measured (noisy: ...)
 
 
 def test_tiny_bench_times_the_policies_interleaved(tiny_bench):
