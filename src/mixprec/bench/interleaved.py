@@ -4,7 +4,9 @@ The quality runs train one policy after another; on a shared machine another job
 whole run (126 of 300 fp32 steps over 1 s once made bf16 look 1.5x faster than it is). After them, the
 bench times every policy again *interleaved*: one resident worker process per policy (the same engine,
 model, seed and batch stream as its quality run, built by :func:`serve`), then rounds of short blocks
-A B C … A B C … (each round starts one policy later), so drift lands on every policy alike. Per policy:
+A B C … A B C … (each round starts one policy later), so drift lands on every policy alike. Each block
+starts with one untimed step: the first step after a worker sat idle wakes its threads and refills caches, a
+fixed cost that would otherwise weigh more on the faster policies. Per policy:
 median, p10 and p90 of all timed steps, and the spread p90/p10. When a policy's spread exceeds
 :data:`SPREAD_LIMIT` the rounds are repeated (at most :data:`RETIMES` times); if it stays above, the timing
 is ``noisy``: the console, report.md and results.json say so and no speed verdict is given.
@@ -42,8 +44,8 @@ def percentile(values: list[float], q: float) -> float:
 
 def serve(spec: RunSpec) -> int:
     """The worker side (``python -m mixprec.bench --serve SPEC_JSON``): build the policy's engine as its quality
-    run did, print ``{"ready": ...}``, then for each stdin line ``{"steps": k}`` train k steps and print
-    ``{"times_ms": [...]}``; ``{"quit": true}`` or end of input stops it. Returns the exit status."""
+    run did, print ``{"ready": ...}``, then for each stdin line ``{"steps": k, "untimed": u}`` train u untimed and
+    k timed steps and print ``{"times_ms": [...]}``; ``{"quit": true}`` or end of input stops it. Returns the exit status."""
     try:
         workload = get_workload(spec.workload, config=spec.config, data=spec.data, lora=spec.lora)
         mp = build_engine(workload, spec.policy, steps=max(spec.steps, 1), seed=spec.seed, device=spec.device,
@@ -57,7 +59,9 @@ def serve(spec: RunSpec) -> int:
         command = json.loads(line)
         if command.get("quit"):
             break
-        times = time_steps(lambda: train_step(mp, workload, next(batches)), mp.device, int(command["steps"]))
+        step = lambda: train_step(mp, workload, next(batches))   # noqa: E731
+        time_steps(step, mp.device, int(command.get("untimed", 0)))   # the block's first step wakes threads, caches
+        times = time_steps(step, mp.device, int(command["steps"]))
         print(json.dumps({"times_ms": times}), flush=True)
     return 0
 
@@ -110,7 +114,7 @@ def time_interleaved(specs: dict[str, RunSpec], workdir: Path, env: dict[str, st
             for r in range(rounds):
                 for name in live[r % len(live):] + live[:r % len(live)] if live else []:
                     try:
-                        times[name] += _ask(procs[name], {"steps": block_steps})["times_ms"]
+                        times[name] += _ask(procs[name], {"steps": block_steps, "untimed": 1})["times_ms"]
                     except (RuntimeError, ValueError) as err:
                         errors[name] = str(err)
                 live = [n for n in live if n not in errors]
