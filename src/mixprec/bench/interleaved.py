@@ -26,20 +26,14 @@ from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
-from mixprec.bench.measure import time_steps
+from mixprec.bench.measure import percentile, time_steps
 from mixprec.bench.worker import RunSpec, build_engine, train_step
 from mixprec.workloads import get_workload
 
-__all__ = ["SPREAD_LIMIT", "RETIMES", "time_interleaved", "serve", "percentile"]
+__all__ = ["SPREAD_LIMIT", "RETIMES", "time_interleaved", "serve"]
 
 SPREAD_LIMIT = 1.5    # p90/p10 of a policy's interleaved steps above which its timing is noisy
 RETIMES = 1           # extra sets of rounds tried while a policy is noisy
-
-
-def percentile(values: list[float], q: float) -> float:
-    """The ``q``-quantile (0..1) of ``values`` by nearest rank (no interpolation)."""
-    ordered = sorted(values)
-    return ordered[min(len(ordered) - 1, int(q * len(ordered)))]
 
 
 def serve(spec: RunSpec) -> int:

@@ -27,7 +27,7 @@ from torch import nn
 
 from mixprec.doctor import synchronize
 
-__all__ = ["StateBytes", "state_bytes", "time_steps", "median_step_ms", "warmup_excess_s", "MemoryMeter", "synchronize"]
+__all__ = ["StateBytes", "state_bytes", "time_steps", "median_step_ms", "percentile", "warmup_excess_s", "MemoryMeter", "synchronize"]
 
 
 @dataclass(frozen=True)
@@ -146,6 +146,12 @@ def time_steps(step: Callable[[], None], device: torch.device, n: int) -> list[f
             torch.cuda.synchronize(device)
         times.append((time.perf_counter() - start) * 1e3)
     return times
+
+
+def percentile(values: list[float], q: float) -> float:
+    """The ``q``-quantile (0..1) of ``values`` by nearest rank (no interpolation)."""
+    ordered = sorted(values)
+    return ordered[min(len(ordered) - 1, int(q * len(ordered)))]
 
 
 def median_step_ms(step_times_ms: list[float], warmup_steps: int) -> float:

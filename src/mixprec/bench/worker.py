@@ -32,7 +32,7 @@ from typing import Any
 
 import torch
 
-from mixprec.bench.measure import MemoryMeter, median_step_ms, state_bytes, synchronize, warmup_excess_s
+from mixprec.bench.measure import MemoryMeter, median_step_ms, percentile, state_bytes, synchronize, warmup_excess_s
 from mixprec.devices import resolve_policy
 from mixprec.distributed import init_process_group_from_env, shard_batches, sum_across_ranks, world_size
 from mixprec import op_plan
@@ -154,9 +154,7 @@ def _spread_ms(times_ms: list[float]) -> dict[str, float | None]:
     """10th and 90th percentile of the timed steps (ms): how noisy the median is."""
     if not times_ms:
         return {"step_time_ms_p10": None, "step_time_ms_p90": None}
-    ordered = sorted(times_ms)
-    pick = lambda q: ordered[min(len(ordered) - 1, int(q * len(ordered)))]  # noqa: E731
-    return {"step_time_ms_p10": pick(0.1), "step_time_ms_p90": pick(0.9)}
+    return {"step_time_ms_p10": percentile(times_ms, 0.1), "step_time_ms_p90": percentile(times_ms, 0.9)}
 
 
 def run_policy(spec: RunSpec, progress: Callable[[int], None] | None = None) -> dict[str, Any]:
