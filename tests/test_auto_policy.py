@@ -13,7 +13,7 @@ from torch import nn
 
 import mixprec
 from mixprec import auto_policy, op_plan
-from mixprec.auto_policy import Trial, cache_key, choose, preserved, time_candidates
+from mixprec.auto_policy import cache_key, choose, preserved, time_candidates
 from mixprec.devices import Capability, auto_candidates, resolve
 
 CPU = torch.device("cpu")

@@ -47,6 +47,17 @@ def _split_policies(text: str) -> tuple[str, ...]:
     return tuple(policies)
 
 
+def _count(text: str) -> int:
+    """An int >= 0 (argparse type)."""
+    try:
+        value = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{text!r} is not an integer; give a whole number >= 0") from None
+    if value < 0:
+        raise argparse.ArgumentTypeError(f"{value} is negative; give a whole number >= 0")
+    return value
+
+
 def _positive_int(text: str) -> int:
     value = int(text)
     if value < 1:
@@ -100,6 +111,9 @@ def build_parser() -> argparse.ArgumentParser:
     bench.add_argument("--seeds", type=_positive_int, default=2,
                        help="train the fp32 reference at this many seeds (seed, seed+1, ...): the spread of its eval "
                        "loss is the seed-noise band each verdict is read against (default 2; 1 turns it off)")
+    bench.add_argument("--eval-every", type=_count, default=None, metavar="K",
+                       help="also measure each policy's eval loss after every K-th step (the eval curve in "
+                       "results.json and loss_curves.png; default: steps // 10; 0: only the final eval)")
     bench.add_argument("--timing", choices=("interleaved", "sequential"), default="interleaved",
                        help="interleaved (default): after the quality runs, time the policies again in alternating "
                        "blocks in resident workers, so machine drift hits all alike; sequential: each run's own steps")
@@ -165,7 +179,8 @@ def _cmd_bench(args: argparse.Namespace, command: str) -> int:
     config = BenchConfig(out=out, workload=args.workload, config=args.config, policies=args.policies,
                          steps=args.steps, seed=args.seed, data=args.data, device=args.device, force=args.force,
                          targets=targets, command=command, strategy=args.strategy, lora=args.lora,
-                         compile=args.compile, timing=args.timing, seeds=args.seeds)
+                         compile=args.compile, timing=args.timing, seeds=args.seeds,
+                         eval_every=args.eval_every)
     results = run_bench(config)
     if config.strategy is not None and results["settings"]["world_size"] > 1 and not _main_process():
         return 1 if any(e["verdict"] == "FAIL" for e in results["policies"].values()) else 0  # rank 0 reports

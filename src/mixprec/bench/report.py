@@ -4,19 +4,23 @@
 
     {"mixprec_bench": 1, "created": ISO time, "command": "mixprec bench ...",
      "settings": {workload, config, policies, steps, warmup_steps, seed, data, device, force,
-                  targets: {max_loss_delta, min_speedup, max_memory_ratio}},
+                  eval_every, targets: {max_loss_delta, min_speedup, max_memory_ratio}},
      "workload": Workload.describe() (model, optimizer, data source and split, vocabulary),
      "environment": {torch, python, platform, device, torch_threads, capability,
                      peaks_gflops_per_s: {fp32, bf16, fp16, fp8}, peaks_matmul_n, command,
                      cpu_name + cpu_flags + cpu_count (CPU) | gpu_name (CUDA)},
      "reference": "fp32",
      "policies": {requested name: {POLICY_KEYS...}, ...},   # fp32 first
+     "timing": {method, blocks, block_steps, spread: {policy: p90/p10}, noisy, ...},
+     "seed_noise": {seeds, fp32_eval_losses, relative_spread, fp32_eval_curves} | null,
+     "mfu_peak": {dtype, gflops_per_s} | null, "portable_ops": {...} | null,
      "parent_pid": int, "wall_s": float}
 
 Per policy (:data:`POLICY_KEYS`; a SKIPPED policy has null measurements): units are in the
 names (``_ms``, ``_mb`` = MiB, ``_per_s``); ``speedup_vs_fp32`` = fp32 median step time / this
 one; ``memory_ratio_vs_fp32`` = peak memory / fp32's; ``eval_loss_delta_vs_fp32`` = relative
-final validation-loss change, ``(loss - loss_fp32) / loss_fp32``; ``state_bytes_per_param`` is
+final validation-loss change, ``(loss - loss_fp32) / loss_fp32``; ``eval_curve`` = ``[[step, eval loss], ...]``
+after every ``eval_every``-th step, the final eval last (``loss_unit``, e.g. ``"nats/char"``); ``state_bytes_per_param`` is
 measured from the tensors (:func:`mixprec.bench.measure.state_bytes`); ``decision`` is how the
 engine resolved the policy; ``pid`` is the worker process. Under ``bench --compile`` each policy has
 a second row, ``<policy>+compiled`` (``compiled``: true), trained by ``MixedPrecision(..., compile=True)``;
@@ -32,7 +36,7 @@ import math
 from pathlib import Path
 from typing import Any
 
-__all__ = ["POLICY_KEYS", "COMPILED_SUFFIX", "write_outputs", "format_table", "auto_lines", "op_plan_lines", "timing_lines", "seed_noise_lines", "report_markdown",
+__all__ = ["POLICY_KEYS", "COMPILED_SUFFIX", "write_outputs", "format_table", "auto_lines", "op_plan_lines", "timing_lines", "seed_noise_lines", "eval_curve_lines", "report_markdown",
            "plot_loss_curves", "plot_speed_memory"]
 
 COMPILED_SUFFIX = "+compiled"   # the row of a policy run under bench --compile
@@ -43,7 +47,7 @@ POLICY_KEYS = (
     "state_bytes_per_param", "state_bytes", "final_eval", "final_eval_loss", "eval_loss_delta_vs_fp32",
     "skipped_steps", "skipped_by_reason", "loss_per_step", "loss_scale_history", "grad_norm_per_step",
     "lr_per_step", "step_time_ms_per_step", "events", "verdict", "reason", "skipped_reason", "error",
-    "compiled", "first_step_ms", "warmup_excess_s", "compile_time_s",
+    "compiled", "first_step_ms", "warmup_excess_s", "compile_time_s", "eval_curve", "loss_unit",
 )
 _HOW_TO_READ = """\
 ## How to read a verdict
@@ -276,6 +280,29 @@ def _op_plan_lines(results: dict) -> list[str]:
     return lines
 
 
+def eval_curve_lines(results: dict) -> list[str]:
+    """report.md's eval-curve table: per eval step, each policy's eval loss (and its delta vs fp32) and the
+    fp32 seeds' spread at that step."""
+    ran = _ran(results)
+    reference = dict((st, v) for st, v in ran.get(results["reference"], {}).get("eval_curve") or [])
+    if len(reference) < 2:
+        return []
+    band = _seed_band(results)
+    names = list(ran)
+    lines = [f"## Eval loss over training (every {results['settings'].get('eval_every')} steps, {_loss_unit(results)})",
+             "", "| step | " + " | ".join(names) + (" | seed noise |" if band else " |"),
+             "|---:|" + "---:|" * (len(names) + bool(band))]
+    for step, ref in sorted(reference.items()):
+        cells = []
+        for name in names:
+            value = dict((st, v) for st, v in ran[name].get("eval_curve") or []).get(step)
+            delta = "" if name == results["reference"] or value is None or not ref else f" ({(value - ref) / ref:+.2%})"
+            cells.append(_fmt(value, ".4f") + delta)
+        seed = [f"±{band[step]:.2%}" if step in band else "-"] if band else []
+        lines.append(f"| {step} | " + " | ".join(cells + seed) + " |")
+    return lines + [""]
+
+
 def report_markdown(results: dict) -> str:
     """``report.md``: the table, each verdict with its reason, how each policy ran, the command."""
     s, env, w = results["settings"], results["environment"], results["workload"]
@@ -315,6 +342,7 @@ def report_markdown(results: dict) -> str:
         *("| " + " | ".join(row) + " |" for row in _rows(results)),
         "",
         *_op_plan_lines(results),
+        *eval_curve_lines(results),
         "## Parameters and training state",
         "",
         *(_state_lines(results["policies"])),
@@ -351,48 +379,110 @@ def _moving_average(values: list[float], window: int) -> list[float]:
             for i in range(len(values))]
 
 
-def plot_loss_curves(results: dict, path: Path) -> None:
-    """Top: training loss per step for every policy that ran, raw (faint) and a trailing moving
-    average. Bottom: each policy's moving average relative to fp32's, in percent."""
+_STYLES = ("-", "--", "-.", ":")          # policies that track fp32 overlap: dashes keep each one visible
+_MARKERS = ("o", "s", "^", "D", "v", "P", "X", "*")
+
+
+def _width(index: int, count: int) -> float:
+    """Line width by drawing order, widest first: a curve drawn over an identical one leaves it showing as an outline."""
+    return 1.0 + 0.7 * (count - 1 - index)
+
+
+def _loss_unit(results: dict) -> str:
+    return next((e["loss_unit"] for e in _ran(results).values() if e.get("loss_unit")), "nats")
+
+
+def _plot_training(ax: Any, results: dict, window: int) -> None:
+    """Training loss per step: raw (faint) and a trailing moving average, one colour and dash per policy."""
+    for index, (name, e) in enumerate(_ran(results).items()):
+        losses = [math.nan if v is None else v for v in e["loss_per_step"]]
+        steps = range(1, len(losses) + 1)
+        (line,) = ax.plot(steps, _moving_average(losses, window), lw=_width(index, len(_ran(results))),
+                          ls=_STYLES[index % len(_STYLES)],
+                          color=f"C{index}", label=name)
+        ax.plot(steps, losses, lw=0.5, alpha=0.2, color=line.get_color())
+    ax.plot([], [], color="gray", lw=0.5, alpha=0.5, label="raw, per step (faint)")
+    smooth = f"lines: trailing mean over {window} steps" if window > 1 else "per step"
+    ax.set(ylabel=f"training loss ({_loss_unit(results)})", title=f"training loss ({smooth})")
+    ax.legend(fontsize=7, ncol=3)
+    ax.grid(alpha=0.3)
+
+
+def _plot_eval(ax: Any, results: dict) -> None:
+    """Eval loss at each eval point (the row's ``eval_curve``), with markers and dashes so overlaps stay visible."""
+    for index, (name, e) in enumerate(_ran(results).items()):
+        curve = [(st, v) for st, v in e.get("eval_curve") or [] if v is not None]
+        if curve:
+            ax.plot(*zip(*curve), lw=_width(index, len(_ran(results))), ls=_STYLES[index % len(_STYLES)],
+                    marker=_MARKERS[index % len(_MARKERS)], ms=3 + 2 * _width(index, len(_ran(results))), mfc="none", color=f"C{index}", label=f"{name} (final {_fmt(e.get('final_eval_loss'), '.4f')})")
+    ax.set(ylabel=f"eval loss ({_loss_unit(results)})", title="validation loss over training (fixed val batches)")
+    ax.legend(fontsize=7, ncol=2)
+    ax.grid(alpha=0.3)
+
+
+def _seed_band(results: dict) -> dict[int, float]:
+    """Per eval step, the fp32 seeds' relative spread ((max - min) / min) — the band a delta is read against."""
+    curves = [dict((st, v) for st, v in c) for c in (results.get("seed_noise") or {}).get("fp32_eval_curves") or []
+              if c]
+    if len(curves) < 2:
+        return {}
+    band = {}
+    for step in curves[0]:
+        values = [c.get(step) for c in curves]
+        if all(v is not None for v in values):
+            band[step] = (max(values) - min(values)) / min(values)
+    return band
+
+
+def _plot_eval_delta(ax: Any, results: dict) -> None:
+    """Eval-loss delta vs fp32 (%) at each eval point, the gate (+max loss delta, judged at the final point)
+    and the seed-noise band (shaded ±, per eval point)."""
+    reference = dict((st, v) for st, v in _ran(results).get(results["reference"], {}).get("eval_curve") or [])
+    for index, (name, e) in enumerate(_ran(results).items()):
+        points = [(st, 100 * (v - reference[st]) / reference[st]) for st, v in e.get("eval_curve") or []
+                  if name != results["reference"] and v is not None and reference.get(st)]
+        if points:
+            ax.plot(*zip(*points), lw=_width(index, len(_ran(results))), ls=_STYLES[index % len(_STYLES)],
+                    marker=_MARKERS[index % len(_MARKERS)], ms=3 + 2 * _width(index, len(_ran(results))), mfc="none", color=f"C{index}", label=name)
+    band = _seed_band(results)
+    if band:
+        steps = sorted(band)
+        ax.fill_between(steps, [-100 * band[st] for st in steps], [100 * band[st] for st in steps], color="gray",
+                        alpha=0.2, label=f"seed noise (fp32 at {len((results.get('seed_noise') or {})['seeds'])} seeds)")
+    limit_pct = 100 * results["settings"]["targets"]["max_loss_delta"]
+    ax.axhline(0, color="black", lw=0.8)
+    ax.axhline(limit_pct, color="red", lw=0.8, ls="--", label=f"gate: --max-loss-delta +{limit_pct:g}% (final eval)")
+    ax.set(xlabel="step (optimizer steps)", ylabel="eval loss vs fp32 (%)")
+    ax.legend(fontsize=7, ncol=3)
+    ax.grid(alpha=0.3)
+
+
+def plot_loss_curves(results: dict, path: Path) -> Any:
+    """Three panels sharing the step axis: training loss (raw and smoothed), eval loss at each eval point, and
+    each policy's eval-loss delta vs fp32 with the gate and the seed-noise band. Returns the (closed) matplotlib
+    Figure, whose axes can still be read."""
     import matplotlib
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
     s = results["settings"]
-    window = max(1, s["steps"] // 20)
-    fig, (ax, ax_delta) = plt.subplots(2, 1, figsize=(8, 6.5), sharex=True, gridspec_kw={"height_ratios": [2, 1]})
-    smooth: dict[str, list[float]] = {}
-    styles = ("-", "--", "-.", ":")   # policies that track fp32 overlap: dashes keep each visible
-    for index, (name, e) in enumerate(_ran(results).items()):
-        losses = [math.nan if v is None else v for v in e["loss_per_step"]]
-        steps = range(1, len(losses) + 1)
-        smooth[name] = _moving_average(losses, window)
-        (line,) = ax.plot(steps, smooth[name], lw=1.6, ls=styles[index % len(styles)],
-                          label=f"{name} (eval {_fmt(e.get('final_eval_loss'), '.4f')})")
-        ax.plot(steps, losses, lw=0.6, alpha=0.25, color=line.get_color())
-        reference = smooth.get(results["reference"])
-        if reference is not None and name != results["reference"]:
-            delta_pct = [100 * (a - b) / b for a, b in zip(smooth[name], reference)]
-            ax_delta.plot(steps, delta_pct, lw=1.2, color=line.get_color(), label=name)
-    smoothing = f"; lines: trailing mean over {window} steps" if window > 1 else ""
-    ax.set(ylabel="training loss",
-           title=f"{s['workload']}/{s['config'] or 'default'}: training loss ({s['device']}, seed {s['seed']}{smoothing})")
-    ax.legend()
-    ax.grid(alpha=0.3)
-    limit_pct = 100 * s["targets"]["max_loss_delta"]
-    ax_delta.axhline(0, color="black", lw=0.8)
-    ax_delta.axhline(limit_pct, color="gray", lw=0.8, ls="--", label=f"--max-loss-delta (+{limit_pct:g}%, eval)")
-    ax_delta.set(xlabel="step", ylabel="vs fp32 (%)")
-    ax_delta.legend(fontsize=7, ncol=3)
-    ax_delta.grid(alpha=0.3)
+    fig, (ax, ax_eval, ax_delta) = plt.subplots(3, 1, figsize=(8, 9), sharex=True,
+                                                gridspec_kw={"height_ratios": [2, 1.5, 1.2]})
+    _plot_training(ax, results, max(1, s["steps"] // 20))
+    _plot_eval(ax_eval, results)
+    _plot_eval_delta(ax_delta, results)
+    fig.suptitle(f"{s['workload']}/{s['config'] or 'default'}, {s['steps']} steps, seed {s['seed']}, {s['device']}",
+                 fontsize=10)
     fig.tight_layout()
     fig.savefig(path, dpi=110)
     plt.close(fig)
+    return fig
 
 
-def plot_speed_memory(results: dict, path: Path) -> None:
-    """Bars per policy: median step time (with speedup), peak memory, training-state bytes/param."""
+def plot_speed_memory(results: dict, path: Path) -> Any:
+    """Bars per policy: median step time with p10/p90 whiskers (label: speedup), peak memory (label: ratio to
+    fp32), training-state bytes/param. Returns the (closed) matplotlib Figure."""
     import matplotlib
 
     matplotlib.use("Agg")
@@ -400,24 +490,33 @@ def plot_speed_memory(results: dict, path: Path) -> None:
 
     ran = _ran(results)
     names = list(ran)
-    panels = [("step_time_ms_median", "median step time (ms); label: speedup vs fp32", "speedup_vs_fp32"),
-              ("peak_memory_mb", "peak memory (MiB); label: ratio to fp32", "memory_ratio_vs_fp32"),
-              ("state_bytes_per_param", "training state (bytes/param)", None)]
-    fig, axes = plt.subplots(1, 3, figsize=(13, 4.2))
-    for ax, (key, title, ratio_key) in zip(axes, panels):
+    panels = [("step_time_ms_median", "step time (ms)", "median step time; whiskers p10-p90; label: speedup",
+               "speedup_vs_fp32"),
+              ("peak_memory_mb", "peak memory (MiB)", "peak memory; label: ratio to fp32", "memory_ratio_vs_fp32"),
+              ("state_bytes_per_param", "training state (bytes/param)", "training state per parameter", None)]
+    fig, axes = plt.subplots(1, 3, figsize=(13, 4.4))
+    for ax, (key, ylabel, title, ratio_key) in zip(axes, panels):
         values = [ran[n].get(key) or 0.0 for n in names]
-        bars = ax.bar(names, values, color=[f"C{i}" for i in range(len(names))])
-        for bar, n in zip(bars, names):
+        whiskers = None
+        if key == "step_time_ms_median":
+            whiskers = [[max(0.0, v - (ran[n].get("step_time_ms_p10") or v)) for v, n in zip(values, names)],
+                        [max(0.0, (ran[n].get("step_time_ms_p90") or v) - v) for v, n in zip(values, names)]]
+        bars = ax.bar(names, values, color=[f"C{i}" for i in range(len(names))], yerr=whiskers, capsize=3)
+        for i, (bar, n) in enumerate(zip(bars, names)):
             label = _fmt(ran[n].get(ratio_key), ".2f", "x") if ratio_key else _fmt(ran[n].get(key), ".1f")
-            ax.annotate(label, (bar.get_x() + bar.get_width() / 2, bar.get_height()), ha="center", va="bottom",
-                        fontsize=8)
-        ax.set_title(title, fontsize=10)
+            top = bar.get_height() + (whiskers[1][i] if whiskers else 0.0)   # above the whisker
+            ax.annotate(label, (bar.get_x() + bar.get_width() / 2, top), ha="center", va="bottom", fontsize=8)
+        ax.set(title=title, ylabel=ylabel, xlabel="policy")
+        ax.title.set_fontsize(9)
         ax.tick_params(axis="x", rotation=30, labelsize=8)
         ax.grid(axis="y", alpha=0.3)
-    fig.suptitle(f"speed and memory vs fp32 ({results['settings']['device']})", fontsize=10)
+    method = (results.get("timing") or {}).get("method", "sequential")
+    fig.suptitle(f"speed and memory vs fp32 ({results['settings']['device']}; step time: {method} timing)",
+                 fontsize=10)
     fig.tight_layout()
     fig.savefig(path, dpi=110)
     plt.close(fig)
+    return fig
 
 
 def _json_safe(value: Any) -> Any:

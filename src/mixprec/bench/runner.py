@@ -64,7 +64,7 @@ from mixprec.policy import Policy
 from mixprec.workloads import get_workload
 
 __all__ = ["BenchConfig", "DEFAULT_POLICIES", "DEFAULT_STEPS", "DEFAULT_GPT_CONFIG", "CAPABILITY_ENV",
-           "run_bench", "plan_policy", "judge_policies", "warmup_steps_for"]
+           "run_bench", "plan_policy", "judge_policies", "warmup_steps_for", "eval_every_for"]
 
 DEFAULT_POLICIES = ("fp32", "bf16-mixed", "bf16-pure", "bf16-kahan", "bf16-sr")
 DEFAULT_STEPS = 300
@@ -91,6 +91,8 @@ class BenchConfig:
     its step time, throughput and speedup come from there) or ``"sequential"`` (each quality run's own steps).
     ``seeds``: the fp32 reference also trains at ``seeds - 1`` more seeds (``seed + 1``, ...): the spread of its
     final eval loss is the seed-noise band each verdict is read against (1: none; not under a strategy).
+    ``eval_every``: every policy also measures its validation loss after every K-th step (its ``eval_curve``);
+    None: :func:`eval_every_for` (about ten points), 0: only the final eval.
     """
 
     out: Path
@@ -109,10 +111,15 @@ class BenchConfig:
     compile: bool = False
     timing: str = "interleaved"
     seeds: int = 2
+    eval_every: int | None = None
 
     def __post_init__(self) -> None:
         if isinstance(self.seeds, bool) or not isinstance(self.seeds, int) or self.seeds < 1:
             raise ValueError(f"bench seeds={self.seeds!r} must be an int >= 1 (1: no seed-noise band)")
+        if self.eval_every is not None and (isinstance(self.eval_every, bool) or not isinstance(self.eval_every, int)
+                                            or self.eval_every < 0):
+            raise ValueError(f"bench eval_every={self.eval_every!r} must be an int >= 0 (0: only the final eval) "
+                             "or None (about ten eval points per run)")
         if self.timing not in TIMING_METHODS:
             raise ValueError(f"bench timing={self.timing!r} is not allowed; choose one of {TIMING_METHODS}")
         if self.steps is not None and (not isinstance(self.steps, int) or self.steps < 5):
@@ -132,6 +139,13 @@ class BenchConfig:
 def warmup_steps_for(steps: int) -> int:
     """Untimed warm-up steps: 10 % of the run, at least 2, at most 20."""
     return min(20, max(2, steps // 10))
+
+
+def eval_every_for(steps: int) -> int:
+    """Steps between eval points when ``--eval-every`` is not given: ``steps // 10`` (at least 1), so each run
+    has about ten points. An eval is a forward over the fixed validation batches (8 for gpt, about 3
+    training steps' time), so the ten cost about 10 % of a run's training time, not its step time."""
+    return max(1, steps // 10)
 
 
 def _capability(device: torch.device, capability: Capability | None) -> Capability:
@@ -308,20 +322,22 @@ def _retime(config: BenchConfig, entries: dict[str, dict], specs: dict[str, RunS
 def _seed_noise(config: BenchConfig, spec: RunSpec | None, reference: dict, seeds: list[int], workdir: Path,
                 bar: tqdm) -> dict[str, Any] | None:
     """The fp32 reference trained again at each of ``seeds``: results.json's ``seed_noise`` = ``seeds`` (all,
-    the run's own first), ``fp32_eval_losses``, ``relative_spread`` ((max - min) / min), or None (no extra seed,
-    or a reference that did not finish)."""
+    the run's own first), ``fp32_eval_losses``, ``relative_spread`` ((max - min) / min), ``fp32_eval_curves``
+    (each seed's ``eval_curve``, same order), or None (no extra seed, or a reference that did not finish)."""
     if not seeds or spec is None or reference.get("final_eval_loss") is None:
         return None
-    losses = [reference["final_eval_loss"]]
+    losses, curves = [reference["final_eval_loss"]], [reference.get("eval_curve")]
     for seed in seeds:
         bar.set_description(f"fp32 at seed {seed} (seed-noise band)")
         result = _run_worker(replace(spec, seed=seed), workdir, f"seed{seed}-fp32", bar)
         if result.get("final_eval_loss") is None:
             return {"seeds": [config.seed, *seeds], "fp32_eval_losses": losses, "relative_spread": None,
+                    "fp32_eval_curves": curves,
                     "error": result.get("error") or "the fp32 run at another seed did not finish"}
         losses.append(result["final_eval_loss"])
+        curves.append(result.get("eval_curve"))
     return {"seeds": [config.seed, *seeds], "fp32_eval_losses": losses,
-            "relative_spread": (max(losses) - min(losses)) / min(losses)}
+            "relative_spread": (max(losses) - min(losses)) / min(losses), "fp32_eval_curves": curves}
 
 
 def _one_mfu_peak(entries: dict[str, dict], peaks_gflops: dict[str, float | None]) -> dict[str, Any] | None:
@@ -388,6 +404,7 @@ def run_bench(config: BenchConfig, *, capability: Capability | None = None, prog
     workdir = out / "workers" if is_main_process() else out / "workers" / f"rank-{rank()}"
     workdir.mkdir(parents=True, exist_ok=True)
     warmup = warmup_steps_for(config.steps)
+    eval_every = eval_every_for(config.steps) if config.eval_every is None else config.eval_every
     peaks_gflops = {name: peak.gflops_per_s for name, peak in peaks.items()}
     entries: dict[str, dict] = {}
     specs: dict[str, RunSpec] = {}
@@ -407,7 +424,7 @@ def run_bench(config: BenchConfig, *, capability: Capability | None = None, prog
                                config=config.config_name, data=config.data, lora=config.lora,
                                device="cuda" if config.strategy and device.type == "cuda" else str(device),  # LOCAL_RANK's
                                warmup_steps=warmup, peaks_gflops=peaks_gflops, strategy=config.strategy,
-                               compile=compiled)
+                               compile=compiled, eval_every=eval_every)
                 env_update = None if config.strategy is None else {
                     "MASTER_PORT": str(from_main_process(_free_port() if is_main_process() else None))}
                 file_name = f"{index}{'c' if compiled else ''}-{''.join(c if c.isalnum() or c in '-_' else '_' for c in name)}"
@@ -429,6 +446,7 @@ def run_bench(config: BenchConfig, *, capability: Capability | None = None, prog
         "settings": {"workload": config.workload, "config": config.config_name, "policies": names,
                      "requested_policies": [p.strip() for p in config.policies],
                      "steps": config.steps, "warmup_steps": warmup, "compile": config.compile,
+                     "eval_every": eval_every,
                      "seed": config.seed, "data": config.data,
                      "lora": config.lora,
                      "device": str(device), "force": config.force, "targets": asdict(config.targets),

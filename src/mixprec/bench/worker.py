@@ -62,6 +62,8 @@ class RunSpec:
     ``gflops_per_s`` are summed over the ranks (``mfu`` against ``world_size`` × the peak).
     ``compile``: the engine compiles the model (``MixedPrecision(..., compile=True)``, inductor);
     compilation runs in the first step, which the warm-up keeps out of the step-time median.
+    ``eval_every`` K > 0: the validation loss is also measured after every K-th step (outside the step
+    timing; it changes nothing in training), giving the row's ``eval_curve``; 0: only the final eval.
     """
 
     workload: str
@@ -77,8 +79,11 @@ class RunSpec:
     strategy: str | None = None
     lora: str | None = None
     compile: bool = False
+    eval_every: int = 0
 
     def __post_init__(self) -> None:
+        if isinstance(self.eval_every, bool) or not isinstance(self.eval_every, int) or self.eval_every < 0:
+            raise ValueError(f"RunSpec eval_every={self.eval_every!r} must be an int >= 0 (0: only the final eval)")
         if not (isinstance(self.steps, int) and self.steps > self.warmup_steps >= self.measure_state_at >= 1):
             raise ValueError(f"RunSpec steps={self.steps!r}, warmup_steps={self.warmup_steps!r}, "
                              f"measure_state_at={self.measure_state_at!r} must satisfy "
@@ -146,6 +151,12 @@ def evaluate(mp: MixedPrecision, workload: Workload) -> dict[str, float]:
                                              for b in workload.batches("val")))
 
 
+def _eval_point(mp: MixedPrecision, workload: Workload, spec: RunSpec, step: int, curve: list) -> None:
+    """Append ``[step, eval loss]`` to ``curve`` when ``step`` (1-based, after the step) is a K-th, not the last."""
+    if spec.eval_every and step % spec.eval_every == 0 and step < spec.steps:
+        curve.append([step, _finite_or_none(evaluate(mp, workload)["loss"])])
+
+
 def _finite_or_none(x: float) -> float | None:
     return x if math.isfinite(x) else None
 
@@ -159,7 +170,8 @@ def _spread_ms(times_ms: list[float]) -> dict[str, float | None]:
 
 def run_policy(spec: RunSpec, progress: Callable[[int], None] | None = None) -> dict[str, Any]:
     """Train ``spec.steps`` steps of one policy and return its measurements (the per-policy
-    keys of :mod:`mixprec.bench.report`). Host syncs: one per step for timing, plus the engine's.
+    keys of :mod:`mixprec.bench.report`). Host syncs: one per step for timing, plus the engine's, plus one
+    per eval point (``spec.eval_every``).
 
     Raises:
         SetupError: the engine (or the optimizer) refused the policy for this device or model.
@@ -178,6 +190,7 @@ def run_policy(spec: RunSpec, progress: Callable[[int], None] | None = None) -> 
     measured: dict[str, Any] = {}
     history: dict[str, list] = {k: [] for k in ("loss", "loss_scale", "grad_norm", "lr", "step_time_ms")}
     skipped: Counter[str] = Counter()
+    eval_curve: list[list] = []   # [[step, eval loss], ...], the final eval last
     for step in range(spec.steps):
         batch = next(train_batches)
         lr = mp.optimizer.param_groups[0]["lr"]
@@ -195,9 +208,11 @@ def run_policy(spec: RunSpec, progress: Callable[[int], None] | None = None) -> 
         history["lr"].append(lr)
         if not result.applied:
             skipped[result.skipped_reason or "unknown"] += 1
+        _eval_point(mp, workload, spec, step + 1, eval_curve)
         if progress is not None:
             progress(step + 1)
     eval_metrics = evaluate(mp, workload)
+    eval_curve.append([spec.steps, _finite_or_none(eval_metrics["loss"])])
     step_ms = median_step_ms(history["step_time_ms"], spec.warmup_steps)
     warmup_excess = warmup_excess_s(history["step_time_ms"], spec.warmup_steps)   # compilation, under compile
     step_s = step_ms / 1e3
@@ -244,6 +259,8 @@ def run_policy(spec: RunSpec, progress: Callable[[int], None] | None = None) -> 
         "state_bytes": state.as_dict(),
         "final_eval": eval_metrics,
         "final_eval_loss": _finite_or_none(eval_metrics["loss"]),
+        "eval_curve": eval_curve,
+        "loss_unit": workload.loss_unit,
         "skipped_steps": sum(skipped.values()),
         "skipped_by_reason": dict(skipped),
         "loss_per_step": history["loss"],

@@ -124,6 +124,7 @@ class DigitsWorkload(Workload):
 
     name = "digits"
     item_unit = "samples"
+    loss_unit = "nats/image"
 
     def __init__(self, config: str | DigitsConfig = "default"):
         if isinstance(config, DigitsConfig):

@@ -204,6 +204,7 @@ class GPTWorkload(Workload):
 
     name = "gpt"
     item_unit = "tokens"
+    loss_unit = "nats/char"
 
     def __init__(self, config: str | GPTConfig = "baby", data: str | None = None):
         if isinstance(config, GPTConfig):

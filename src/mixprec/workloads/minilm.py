@@ -338,6 +338,7 @@ class MiniLMWorkload(Workload):
 
     name = "minilm"
     item_unit = "tokens"
+    loss_unit = "nats/token"
     # mixprec bench steps without --steps. Measured on 2 CPU cores, fp32,bf16-mixed,bf16-pure:
     # 3 min 21 s in all (fp32 524 ms/step, val loss 3.29); with LoRA r=8 on query,value 2 min 27 s
     default_steps: int = 120
