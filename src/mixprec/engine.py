@@ -6,7 +6,7 @@ named for their concept: :mod:`mixprec.storage` (which dtype each parameter is s
 set), :mod:`mixprec.regions` (fp32 regions, the output cast), :mod:`mixprec.masters` (fp32 masters),
 :mod:`mixprec.reprepare` (a new policy mid-run), :mod:`mixprec.strategy` (one process, DDP, FSDP2),
 :mod:`mixprec.optim.contract` (what the optimizer must do) and :mod:`mixprec.divergence` (the default
-guard). The README's "Architecture" section draws the map.
+guard). docs/architecture.md draws the map.
 """
 
 from __future__ import annotations
@@ -228,7 +228,7 @@ class MixedPrecision:
     to call, compiled if asked), ``module`` (the user's model), ``optimizer``, ``scheduler``, ``policy``,
     ``device``, ``strategy``, ``decision``, ``events``, ``masters``, ``loss_scale``, ``applied_steps``,
     ``skipped_total``, ``boundaries``, ``micro_step``. Errors: ValueError/TypeError for bad arguments
-    (named, with the fix), RuntimeError for an optimizer that already stepped; the README explains more.
+    (named, with the fix), RuntimeError for an optimizer that already stepped; docs/engine.md explains more.
     """
 
     def __init__(self, model: nn.Module, optimizer: torch.optim.Optimizer, policy: str | Policy = "auto", *,
@@ -375,7 +375,7 @@ class MixedPrecision:
 
     def scale_loss(self, loss: torch.Tensor) -> torch.Tensor:
         """``loss`` times the current loss scale (differentiable), for ``torch.autograd.grad`` on a loss the engine
-        does not backpropagate (a gradient penalty); pair with :meth:`unscale` (README recipe). No host sync."""
+        does not backpropagate (a gradient penalty); pair with :meth:`unscale` (docs/loops.md recipe). No host sync."""
         return self.loss_scale.scale_loss(loss)
 
     def unscale(self, grads: Any) -> list[torch.Tensor | None]:

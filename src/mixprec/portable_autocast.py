@@ -35,7 +35,7 @@ the lower-precision list (spectral_norm's ``dot(u, mv(W, v))`` mixes a bf16 ``mv
 ``banned`` (``binary_cross_entropy``, refused by CUDA's autocast) is listed for the check, not ported.
 
 Cost: a Python call for each ported op that runs under autocast (none for the ops the device's own
-autocast already casts); measured at ``mid`` by ``benchmarks/portable_ops.py`` (README).
+autocast already casts); measured at ``mid`` by ``benchmarks/portable_ops.py`` (docs/results-history.md, docs/bench.md).
 
 torch.compile: the kernels run while dynamo and AOTAutograd trace (fake and proxy tensors go
 through the autocast key as real ones do), so a forward compiled inside ``mp.autocast()`` has the
