@@ -11,6 +11,10 @@ params: the ratio then compares two different recipes (16-bit params and fp32 ma
 params), not overhead alone; compare its ``mixprec_step_ms_median`` across code changes instead.
 
     python benchmarks/overhead.py --config mid --policy bf16-mixed --steps 40
+
+``--reference fp32`` also interleaves an engine loop in that policy and reports ``speedup_vs_reference`` (its
+median step time over the policy's): an in-process check of ``mixprec bench``'s interleaved speedup, which
+``--bench DIR/results.json`` compares (``bench_speedup`` and their relative difference).
 """
 
 from __future__ import annotations
@@ -77,22 +81,37 @@ def main(argv=None) -> dict:
     parser.add_argument("--warmup", type=int, default=5)
     parser.add_argument("--block", type=int, default=5, help="steps per interleaved block")
     parser.add_argument("--device", default="cpu")
+    parser.add_argument("--reference", default=None, help="also time an engine loop in this policy (e.g. fp32), "
+                        "interleaved, and report speedup_vs_reference")
+    parser.add_argument("--bench", default=None, help="a mixprec bench results.json to compare the speedup with")
     args = parser.parse_args(argv)
     device = torch.device(args.device)
     workload = get_workload("gpt", config=args.config)
     step_engine, mp = _engine_loop(workload, args.policy, device)
     dtype = mp.policy.compute_dtype
     step_hand = _hand_loop(workload, dtype, device)
-    time_steps(step_hand, device, args.warmup)
-    time_steps(step_engine, device, args.warmup)
-    hand, engine = [], []
+    loops = {"hand": step_hand, "engine": step_engine}
+    if args.reference:
+        loops["reference"] = _engine_loop(workload, args.reference, device)[0]
+    times = {name: [] for name in loops}
+    for name, step in loops.items():
+        time_steps(step, device, args.warmup)
     for _ in range(max(1, args.steps // args.block)):
-        hand += time_steps(step_hand, device, args.block)
-        engine += time_steps(step_engine, device, args.block)
-    hand_ms, engine_ms = statistics.median(hand), statistics.median(engine)
+        for name, step in loops.items():
+            times[name] += time_steps(step, device, args.block)
+    hand_ms, engine_ms = statistics.median(times["hand"]), statistics.median(times["engine"])
     result = {"config": args.config, "policy": str(mp.policy), "device": str(device),
               "torch_autocast_step_ms_median": round(hand_ms, 2), "mixprec_step_ms_median": round(engine_ms, 2),
-              "ratio_mixprec_over_torch": round(engine_ms / hand_ms, 4), "timed_steps_each": len(hand)}
+              "ratio_mixprec_over_torch": round(engine_ms / hand_ms, 4), "timed_steps_each": len(times["hand"])}
+    if args.reference:
+        reference_ms = statistics.median(times["reference"])
+        result.update(reference=args.reference, reference_step_ms_median=round(reference_ms, 2),
+                      speedup_vs_reference=round(reference_ms / engine_ms, 4))
+        if args.bench:
+            with open(args.bench, encoding="utf-8") as f:
+                bench = json.load(f)["policies"][args.policy]["speedup_vs_fp32"]
+            result.update(bench_speedup=round(bench, 4),
+                          bench_over_in_process=round(bench / result["speedup_vs_reference"], 4))
     print(json.dumps(result, indent=2))
     return result
 
