@@ -305,18 +305,11 @@ def main(argv: list[str] | None = None) -> int:
     if ":" in getattr(args, "workload", "") and os.getcwd() not in sys.path:
         sys.path.insert(0, os.getcwd())
     previous_format, warnings.formatwarning = warnings.formatwarning, _one_line_warning
+    finished = False
     try:
-        if args.command == "bench":
-            return _cmd_bench(args, command)
-        if args.command == "train":
-            return _cmd_train(args, command)
-        if args.command == "sample":
-            return _cmd_sample(args)
-        if args.command == "inspect":
-            from mixprec.numerics.command import run_inspect
-
-            return run_inspect(args)
-        return _cmd_doctor(args)
+        status = _run_command(args, command)
+        finished = True
+        return status
     except (ValueError, TypeError, ImportError, FileNotFoundError) as err:
         print(f"mixprec {args.command}: error: {err}", file=sys.stderr)
         return 2
@@ -325,4 +318,18 @@ def main(argv: list[str] | None = None) -> int:
         if "torch.distributed" in sys.modules:
             from mixprec.distributed import leave_process_group
 
-            leave_process_group()
+            leave_process_group(wait_for_all=finished)
+
+
+def _run_command(args: argparse.Namespace, command: str) -> int:
+    if args.command == "bench":
+        return _cmd_bench(args, command)
+    if args.command == "train":
+        return _cmd_train(args, command)
+    if args.command == "sample":
+        return _cmd_sample(args)
+    if args.command == "inspect":
+        from mixprec.numerics.command import run_inspect
+
+        return run_inspect(args)
+    return _cmd_doctor(args)

@@ -146,11 +146,24 @@ def _rank_device(device: str | torch.device | None) -> torch.device:
     return device
 
 
-def leave_process_group() -> None:
+def leave_process_group(*, wait_for_all: bool = False) -> None:
     """Destroy the default process group if one exists (the CLI's last act under torchrun: a gloo group
-    left alive at interpreter exit can abort a rank with ``terminate called without an active exception``)."""
-    if dist.is_available() and dist.is_initialized():
-        dist.destroy_process_group()
+    left alive at interpreter exit can abort a rank with ``terminate called without an active exception``).
+
+    ``wait_for_all`` (a rank that finished cleanly): first a barrier (gloo: ``monitored_barrier``, 60 s), so no
+    rank tears its group down while a peer's last collective still talks to it — the same abort, seen under
+    load. A barrier that fails or times out (a peer crashed) is ignored: the group is destroyed regardless."""
+    if not (dist.is_available() and dist.is_initialized()):
+        return
+    if wait_for_all and dist.get_world_size() > 1:
+        try:
+            if dist.get_backend() == "gloo":
+                dist.monitored_barrier(timeout=timedelta(seconds=60))
+            else:
+                dist.barrier()
+        except RuntimeError:
+            pass
+    dist.destroy_process_group()
 
 
 def init_process_group_from_env(device: str | torch.device | None = None, *,
