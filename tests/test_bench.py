@@ -187,6 +187,14 @@ def test_precision_optimizer_only_where_the_policy_needs_one():
         precision_optimizer(torch.optim.Adam(model.parameters()), Policy.parse("bf16-sr"))
 
 
+def test_portable_cost_of_a_rounding_policy_builds_its_precision_optimizer():
+    from mixprec.bench.portable_cost import measure_portable_cost, ported_policy
+
+    # `mixprec bench --policies fp32,bf16-sr` times bf16-sr's ops=portable: its engine needs mixprec.optim.AdamW
+    assert ported_policy(["fp32", "bf16-sr"]) == "bf16-sr"
+    cost = measure_portable_cost("gpt", "bf16-sr", "cpu", config="tiny", steps=2, block=1, warmup=1)
+    assert cost["timed_steps_each"] == 2 and cost["ratio_portable_over_native"] > 0
+
 
 def test_median_step_ms_drops_warmup():
     assert median_step_ms([100.0, 50.0, 10.0, 11.0, 12.0], warmup_steps=2) == 11.0
