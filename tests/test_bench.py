@@ -108,6 +108,72 @@ def test_state_bytes_per_param_from_real_tensors(policy, expected):
     assert state.scalars > 0  # step counters are reported, outside per_param
 
 
+
+class _Packed(torch.Tensor):
+    """A wrapper subclass shaped like torchao's OptimState8bit: reports float32, holds uint8 codes and fp32 scales."""
+
+    @staticmethod
+    def __new__(cls, codes, scale):
+        return torch.Tensor._make_wrapper_subclass(cls, codes.shape, dtype=torch.float32, device=codes.device)
+
+    def __init__(self, codes, scale):
+        self.codes, self.scale = codes, scale
+
+    def __tensor_flatten__(self):
+        return ["codes", "scale"], None
+
+    @classmethod
+    def __tensor_unflatten__(cls, inner, meta, outer_size, outer_stride):
+        return cls(inner["codes"], inner["scale"])
+
+    @classmethod
+    def __torch_dispatch__(cls, func, types, args=(), kwargs=None):
+        raise NotImplementedError(f"_Packed does not compute ({func})")
+
+
+def _census(model, state):
+    """state_bytes of ``model`` with an optimizer whose state is ``state`` (param -> dict) and grads set."""
+    for p in model.parameters():
+        p.grad = torch.zeros_like(p)
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    opt.state.update(state)
+    return state_bytes(model, opt)
+
+
+def test_state_bytes_counts_a_wrapper_subclass_by_the_tensors_it_holds():
+    model = torch.nn.Linear(128, 64)                          # weight 8192, bias 64 elements
+    qmap_fp32 = torch.linspace(-1, 1, 256)                      # one code book shared by both states: once
+    codes = lambda: _Packed(torch.zeros(64, 128, dtype=torch.uint8), torch.ones(32))   # noqa: E731
+    nested = _Packed(_Packed(torch.zeros(64, 128, dtype=torch.uint8), qmap_fp32), torch.ones(32))
+    state = {model.weight: {"step": torch.tensor(3.0), "exp_avg": codes(), "exp_avg_sq": nested,
+                            "qmap": qmap_fp32},
+             model.bias: {"step": torch.tensor(3.0), "exp_avg": torch.zeros(64), "exp_avg_sq": torch.zeros(64)}}
+    counted = _census(model, state)
+    # weight: 2 x (8192 uint8 codes + 32 fp32 scales) + the shared 256 fp32 qmap; bias: 2 x 64 fp32
+    assert counted.optimizer_state == 2 * (8192 + 32 * 4) + 256 * 4 + 2 * 64 * 4
+    assert (counted.params, counted.grads, counted.scalars) == (8256 * 4, 8256 * 4, 2 * 4)
+
+
+def test_state_bytes_of_plain_tensors_is_unchanged_by_the_subclass_rule():
+    model = torch.nn.Linear(128, 64)
+    exp_avg = torch.zeros(64, 128)
+    state = {model.weight: {"step": torch.tensor(1.0), "exp_avg": exp_avg, "exp_avg_sq": torch.zeros(64, 128),
+                            "view": exp_avg[:8]},            # a view of a counted storage: nothing more
+             model.bias: {"momentum": torch.zeros(64, dtype=torch.bfloat16)}}
+    counted = _census(model, state)
+    assert counted.optimizer_state == 2 * 8192 * 4 + 64 * 2
+    assert counted.total == 2 * 8256 * 4 + 2 * 8192 * 4 + 64 * 2 and counted.scalars == 4
+
+
+def test_state_bytes_of_torchao_8bit_state_counts_codes_scales_and_qmap():
+    subclass_8bit = pytest.importorskip("torchao.optim.subclass_8bit")
+    model = torch.nn.Linear(128, 64)
+    state = {model.weight: {"exp_avg": subclass_8bit.OptimState8bit.zeros((64, 128), True, 256, "cpu"),
+                            "exp_avg_sq": subclass_8bit.OptimState8bit.zeros((64, 128), False, 256, "cpu")}}
+    assert state[model.weight]["exp_avg"].dtype == torch.float32      # its nominal dtype: 4 B/element, not true
+    # per state: 8192 uint8 codes, 8192 / 256 = 32 fp32 scales, its own 256-entry fp32 qmap
+    assert _census(model, state).optimizer_state == 2 * (8192 + 32 * 4 + 256 * 4)
+
 def test_precision_optimizer_only_where_the_policy_needs_one():
     model = torch.nn.Linear(4, 4)
     groups = [{"params": [model.weight], "weight_decay": 0.1}, {"params": [model.bias], "weight_decay": 0.0}]
@@ -119,6 +185,15 @@ def test_precision_optimizer_only_where_the_policy_needs_one():
         [(3e-3, (0.9, 0.99), 0.1), (3e-3, (0.9, 0.99), 0.0)]
     with pytest.raises(ValueError, match="rounding='stochastic'.*mixprec.optim"):
         precision_optimizer(torch.optim.Adam(model.parameters()), Policy.parse("bf16-sr"))
+
+
+def test_portable_cost_of_a_rounding_policy_builds_its_precision_optimizer():
+    from mixprec.bench.portable_cost import measure_portable_cost, ported_policy
+
+    # `mixprec bench --policies fp32,bf16-sr` times bf16-sr's ops=portable: its engine needs mixprec.optim.AdamW
+    assert ported_policy(["fp32", "bf16-sr"]) == "bf16-sr"
+    cost = measure_portable_cost("gpt", "bf16-sr", "cpu", config="tiny", steps=2, block=1, warmup=1)
+    assert cost["timed_steps_each"] == 2 and cost["ratio_portable_over_native"] > 0
 
 
 def test_median_step_ms_drops_warmup():

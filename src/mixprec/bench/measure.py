@@ -11,7 +11,11 @@
   of ``torch.mps.driver_allocated_memory`` sampled after every step.
 * **Training-state bytes** (:func:`state_bytes`): read from the actual tensors, never from the
   policy: parameters, gradients, fp32 master copies, every tensor in ``optimizer.state``
-  (moments, Kahan compensation buffers), each storage counted once (tied weights share one).
+  (moments, Kahan compensation buffers), each storage counted once (tied weights share one; a code
+  book shared by every param's state, as bitsandbytes' ``qmap``, once). A tensor subclass that wraps
+  other tensors (torchao's ``OptimState8bit`` reports dtype float32 but holds uint8 ``codes``, fp32
+  ``scale`` and ``qmap``; a DTensor its local shard) is counted by the tensors it holds
+  (``__tensor_flatten__``, recursively), never by its nominal dtype.
 """
 
 from __future__ import annotations
@@ -24,6 +28,7 @@ from dataclasses import asdict, dataclass
 
 import torch
 from torch import nn
+from torch.utils._python_dispatch import is_traceable_wrapper_subclass
 
 from mixprec.doctor import synchronize
 
@@ -83,7 +88,8 @@ class StateBytes:
 
 
 class _Counter:
-    """Adds up storage bytes, each storage once (keyed by device and data pointer)."""
+    """Adds up storage bytes, each storage once (keyed by device and data pointer); a wrapper subclass by the
+    tensors it holds (its ``__tensor_flatten__`` attributes, recursively: a wrapper has no storage of its own)."""
 
     def __init__(self) -> None:
         self.seen: set[tuple[str, int]] = set()
@@ -91,6 +97,10 @@ class _Counter:
     def add(self, tensor: torch.Tensor | None) -> int:
         if tensor is None:
             return 0
+        if is_traceable_wrapper_subclass(tensor):
+            names, _ = tensor.__tensor_flatten__()
+            inner = (getattr(tensor, name) for name in names)
+            return sum(self.add(t) for t in inner if isinstance(t, torch.Tensor))
         storage = tensor.untyped_storage()
         key = (str(tensor.device), storage.data_ptr())
         if key in self.seen or storage.nbytes() == 0:

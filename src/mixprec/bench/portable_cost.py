@@ -16,6 +16,8 @@ from typing import Any
 import torch
 
 from mixprec.bench.measure import time_steps
+from mixprec.bench.worker import precision_optimizer
+from mixprec.devices import resolve_policy
 from mixprec.engine import MixedPrecision
 from mixprec.policy import Policy
 from mixprec.workloads import get_workload
@@ -35,9 +37,11 @@ def ported_policy(names: list[str]) -> str | None:
 
 
 def _engine_step(workload: Any, policy: str, device: torch.device) -> Callable[[], None]:
+    """One training step of ``policy``'s engine, built as the bench builds it (its precision optimizer where the
+    policy rounds updates or keeps 16-bit state: bf16-sr, bf16-kahan)."""
     torch.manual_seed(0)
     model = workload.build_model()
-    opt = workload.make_optimizer(model)
+    opt = precision_optimizer(workload.make_optimizer(model), resolve_policy(policy, device))
     mp = MixedPrecision(model, opt, policy=policy, device=device, scheduler=workload.make_scheduler(opt, 10_000),
                         max_grad_norm=workload.max_grad_norm)
     batches = workload.batches("train", seed=0)

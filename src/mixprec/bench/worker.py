@@ -171,7 +171,8 @@ def _spread_ms(times_ms: list[float]) -> dict[str, float | None]:
 def run_policy(spec: RunSpec, progress: Callable[[int], None] | None = None) -> dict[str, Any]:
     """Train ``spec.steps`` steps of one policy and return its measurements (the per-policy
     keys of :mod:`mixprec.bench.report`). Host syncs: one per step for timing, plus the engine's, plus one
-    per eval point (``spec.eval_every``).
+    per eval point (``spec.eval_every``), plus a read of the lr per step where an optimizer keeps it as a
+    device tensor (torchao's).
 
     Raises:
         SetupError: the engine (or the optimizer) refused the policy for this device or model.
@@ -193,7 +194,7 @@ def run_policy(spec: RunSpec, progress: Callable[[int], None] | None = None) -> 
     eval_curve: list[list] = []   # [[step, eval loss], ...], the final eval last
     for step in range(spec.steps):
         batch = next(train_batches)
-        lr = mp.optimizer.param_groups[0]["lr"]
+        lr = float(mp.optimizer.param_groups[0]["lr"])   # a tensor in torchao's optimizers, updated in place
         after = (lambda: measured.update(state=state_bytes(mp.model, mp.optimizer))) \
             if step == spec.measure_state_at else None
         synchronize(mp.device)
