@@ -291,7 +291,7 @@ def run_training(workload: Any, *, policy: str = "auto", steps: int, out: str | 
         with _StopSignals() as signals, open(metrics_path, "a", encoding="utf-8") as log, \
                 tqdm(total=steps, initial=start, unit="step", disable=not progress or not is_main_process()) as bar:
             for step in range(start + 1, steps + 1):
-                batch, lr = next(batches), mp.optimizer.param_groups[0]["lr"]
+                batch, lr = next(batches), float(mp.optimizer.param_groups[0]["lr"])  # a tensor lr (torchao) logs as a number
                 synchronize(mp.device)
                 t0 = time.perf_counter()
                 loss, result = train_step(mp, workload, batch)
