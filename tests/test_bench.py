@@ -108,6 +108,29 @@ def test_state_bytes_per_param_from_real_tensors(policy, expected):
     assert state.scalars > 0  # step counters are reported, outside per_param
 
 
+def test_bf16_lean_census_counts_8bit_codes_and_their_scales_exactly():
+    """bf16-lean on gpt/tiny: 2 B param + 2 B grad each; the two moments of every tensor with >= 4096
+    elements and 2 dims as 1-byte codes + one fp32 absmax per 256, the rest (embeddings under 4096
+    elements, norms, biases) fp32 moments: the census reads exactly that from the tensors."""
+    workload = get_workload("gpt", config="tiny")
+    mp = build_engine(workload, "bf16-lean", steps=10, seed=0, device="cpu")
+    batches = workload.batches("train", 0)
+    train_step(mp, workload, next(batches))
+    measured = {}
+    train_step(mp, workload, next(batches),
+               after_backward=lambda: measured.update(s=state_bytes(mp.model, mp.optimizer)))
+    sizes = [(p.numel(), p.dim()) for p in mp.model.parameters()]
+    quantized = [n for n, dim in sizes if n >= 4096 and dim >= 2]
+    n_params = sum(n for n, _ in sizes)
+    codes_and_scales = 2 * sum(n + 4 * math.ceil(n / 256) for n in quantized)
+    state = measured["s"]
+    assert quantized and state.n_params == n_params == workload.num_params()
+    assert state.optimizer_state == codes_and_scales + 8 * (n_params - sum(quantized))
+    assert (state.quantized_state, state.quantized_elements) == (codes_and_scales, 2 * sum(quantized))
+    assert state.per_param == (4 * n_params + state.optimizer_state) / n_params   # 8.72 on tiny
+    assert "optimizer state int8 blockwise" in mp.decision
+
+
 def test_precision_optimizer_only_where_the_policy_needs_one():
     model = torch.nn.Linear(4, 4)
     groups = [{"params": [model.weight], "weight_decay": 0.1}, {"params": [model.bias], "weight_decay": 0.0}]
@@ -119,6 +142,10 @@ def test_precision_optimizer_only_where_the_policy_needs_one():
         [(3e-3, (0.9, 0.99), 0.1), (3e-3, (0.9, 0.99), 0.0)]
     with pytest.raises(ValueError, match="rounding='stochastic'.*mixprec.optim"):
         precision_optimizer(torch.optim.Adam(model.parameters()), Policy.parse("bf16-sr"))
+    lean = precision_optimizer(torch.optim.AdamW(model.parameters()), Policy.parse("bf16-mixed,state=int8"))
+    assert isinstance(lean, AdamW)   # 8-bit state needs mixprec's optimizer too
+    with pytest.raises(ValueError, match=r"state=int8, which Adam cannot do"):
+        precision_optimizer(torch.optim.Adam(model.parameters()), Policy.parse("bf16-lean"))
 
 
 def test_median_step_ms_drops_warmup():
