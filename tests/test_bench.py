@@ -131,6 +131,17 @@ def test_bf16_lean_census_counts_8bit_codes_and_their_scales_exactly():
     assert "optimizer state int8 blockwise" in mp.decision
 
 
+def test_portable_ops_timing_runs_a_policy_that_needs_mixprec_optim():
+    """``bench --policies fp32,bf16-sr,bf16-lean`` times ops=portable on bf16-sr, whose stochastic rounding the
+    workload's torch.optim.AdamW cannot do: the timing engines get mixprec's twin, as the workers do."""
+    from mixprec.bench.portable_cost import measure_portable_cost, ported_policy
+
+    assert ported_policy(["fp32", "bf16-sr", "bf16-lean"]) == "bf16-sr"
+    for policy in ("bf16-sr", "bf16-lean"):
+        cost = measure_portable_cost("gpt", policy, "cpu", config="tiny", steps=2, block=1, warmup=1)
+        assert cost["policy"] == policy and cost["timed_steps_each"] == 2
+
+
 def test_precision_optimizer_only_where_the_policy_needs_one():
     model = torch.nn.Linear(4, 4)
     groups = [{"params": [model.weight], "weight_decay": 0.1}, {"params": [model.bias], "weight_decay": 0.0}]

@@ -16,6 +16,7 @@ from typing import Any
 import torch
 
 from mixprec.bench.measure import time_steps
+from mixprec.bench.worker import precision_optimizer
 from mixprec.engine import MixedPrecision
 from mixprec.policy import Policy
 from mixprec.workloads import get_workload
@@ -37,7 +38,7 @@ def ported_policy(names: list[str]) -> str | None:
 def _engine_step(workload: Any, policy: str, device: torch.device) -> Callable[[], None]:
     torch.manual_seed(0)
     model = workload.build_model()
-    opt = workload.make_optimizer(model)
+    opt = precision_optimizer(workload.make_optimizer(model), Policy.parse(policy))   # bf16-sr, state=int8: mixprec.optim
     mp = MixedPrecision(model, opt, policy=policy, device=device, scheduler=workload.make_scheduler(opt, 10_000),
                         max_grad_norm=workload.max_grad_norm)
     batches = workload.batches("train", seed=0)
