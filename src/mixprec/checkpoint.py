@@ -428,14 +428,7 @@ def _check_fits(ck: _Checkpoint, mp: Any, *, weights_only: bool) -> None:
                               f"optimizer {[len(g['params']) for g in mp.optimizer.param_groups]}")
     stepped = [t for g in mp.optimizer.param_groups for t in g["params"]]
     index = [i for g in opt_state["param_groups"] for i in g["params"]]
-    shape_of = {i: stepped[n].shape for n, i in enumerate(index)}
-    for i, entry in opt_state["state"].items():
-        for key, value in entry.items():   # 8-bit state: codes of the param's shape, one absmax per block
-            want = None if i not in shape_of else state_shape(key, shape_of[i])
-            if torch.is_tensor(value) and value.dim() > 0 and tuple(value.shape) != want:
-                raise CheckpointError(f"{where}: optimizer state {key!r} of param {i} has shape {list(value.shape)}, "
-                                      f"the engine's param has {list(shape_of.get(i, ()))}"
-                                      + (f" (so {list(want)} for this key)" if want is not None and want != tuple(shape_of[i]) else ""))
+    _check_state_shapes(where, opt_state["state"], {i: stepped[n].shape for n, i in enumerate(index)})
     if (m["scheduler"] is None) != (mp.scheduler is None):
         have = "has" if m["scheduler"] is not None else "has no"
         raise CheckpointError(f"{where}: the checkpoint {have} scheduler state but the engine "
@@ -444,6 +437,17 @@ def _check_fits(ck: _Checkpoint, mp: Any, *, weights_only: bool) -> None:
     if m["scheduler"] is not None and m["scheduler"]["class"] != _qualname(mp.scheduler):
         raise CheckpointError(f"{where}: the scheduler state is from {m['scheduler']['class']}, the engine's "
                               f"scheduler is {_qualname(mp.scheduler)}")
+
+
+def _check_state_shapes(where: str, state: dict, shape_of: dict) -> None:
+    """Raise CheckpointError unless every optimizer-state tensor of param ``i`` has the shape it must have for
+    ``shape_of[i]``: the param's (8-bit codes too), or one scale per block of 256 for an 8-bit ``*_absmax``."""
+    for i, entry in state.items():
+        for key, value in entry.items():
+            want = state_shape(key, shape_of[i]) if i in shape_of else None
+            if torch.is_tensor(value) and value.dim() > 0 and tuple(value.shape) != want:
+                raise CheckpointError(f"{where}: optimizer state {key!r} of param {i} has shape {list(value.shape)}, "
+                                      f"the engine's param has {list(shape_of.get(i, ()))} (so {want} for this key)")
 
 
 def _model_state(ck: _Checkpoint) -> dict[str, torch.Tensor]:

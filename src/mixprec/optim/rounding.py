@@ -31,7 +31,7 @@ import torch
 
 from mixprec.formats import get_format
 from mixprec.optim import quantized_state as qs
-from mixprec.policy import QUANTIZED_STATE_DTYPES, ROUNDINGS, STATE_FORMATS, STATE_ROUNDINGS
+from mixprec.policy import QUANTIZED_STATE_DTYPES, ROUNDINGS, STATE_FORMATS, STATE_ROUNDINGS, state_name
 
 __all__ = ["ROUNDINGS", "STATE_DTYPES", "stochastic_round_to_bf16", "write_back_", "grad_fp32",
            "lost_update_counts", "PrecisionOptimizer"]
@@ -336,7 +336,7 @@ class PrecisionOptimizer(torch.optim.Optimizer):
             return ""
         n = self.state_layout()
         rounding = "stochastically rounded" if self.state_rounding == "stochastic" else "rounded to nearest"
-        return (f"; optimizer state {str(self.state_dtype).removeprefix('torch.')} blockwise ({qs.BLOCK_SIZE}-element "
+        return (f"; optimizer state {state_name(self.state_dtype)} blockwise ({qs.BLOCK_SIZE}-element "
                 f"blocks, fp32 absmax, {rounding}) for {n['quantized_tensors']} tensor(s) ({n['quantized_elements']:,} "
                 f"elements); {n['full_tensors']} tensor(s) ({n['full_elements']:,} elements) keep fp32 state by design "
                 f"(fewer than {qs.MIN_QUANTIZED_NUMEL} elements or 1-D)")
