@@ -150,19 +150,20 @@ def _midpoints(name: str, device: str) -> torch.Tensor:
 class _Lookup:
     """``torch.bucketize`` for one sorted boundary set, by the fp32 bit pattern: bin ``b`` holds the floats
     whose 32 bits start with ``b`` (the top ``32 - shift`` bits: sign, exponent, leading mantissa bits), an
-    interval of values; ``counts[b]`` is the number of boundaries below that interval, and no interval
-    between ``-qmax`` and ``qmax`` holds two boundaries."""
+    interval of values, and no interval between ``-qmax`` and ``qmax`` holds two boundaries. ``counts[b]``:
+    the number of boundaries below the interval (<= 255: there are at most 256 and the interval's lowest
+    value is at most qmax, the last); ``bound[b]``: the first boundary at or above its lowest value."""
 
     shift: int                 # bin = (bits >> shift) & mask
     mask: int
-    counts: torch.Tensor       # int32 (2 ** (32 - shift),)
-    bounds: torch.Tensor       # fp32 boundaries, then +inf
+    counts: torch.Tensor       # uint8 (2 ** (32 - shift),)
+    bound: torch.Tensor        # fp32 (2 ** (32 - shift),); +inf where no boundary is left
 
 
 @functools.cache
 def _lookup(name: str, kind: str, device: str) -> _Lookup:
     """The coarsest bit-pattern binning in which no bin inside ``[-qmax, qmax]`` holds two of the code's
-    ``kind`` boundaries (``"midpoints"`` or ``"table"``); built once per code, kind and device (<= 256 KB)."""
+    ``kind`` boundaries (``"midpoints"`` or ``"table"``); built once per code, kind and device (<= 320 KB)."""
     bounds = _midpoints(name, "cpu") if kind == "midpoints" else _table(name, "cpu")
     qmax = CODES[name].qmax
     for shift in range(23, 8, -1):
@@ -171,22 +172,25 @@ def _lookup(name: str, kind: str, device: str) -> _Lookup:
         last = ((bins << shift) + (2 ** shift - 1)).to(torch.int32).view(torch.float32)   # bit patterns
         low = torch.minimum(first, last).nan_to_num(nan=0.0).clamp(-qmax, qmax)  # negative floats: reversed
         high = torch.maximum(first, last).nan_to_num(nan=0.0).clamp(-qmax, qmax)
-        counts = torch.bucketize(low, bounds, out_int32=True)                     # boundaries below the bin
+        counts = torch.bucketize(low, bounds)                                     # boundaries below the bin
         if bool((torch.bucketize(high, bounds, right=True) - counts <= 1).all()):
-            padded = torch.cat([bounds, torch.tensor([math.inf])])
-            return _Lookup(shift, 2 ** (32 - shift) - 1, counts.to(device), padded.to(device))
+            bound = torch.cat([bounds, torch.tensor([math.inf])])[counts]
+            return _Lookup(shift, 2 ** (32 - shift) - 1, counts.to(device, torch.uint8), bound.to(device))
     raise RuntimeError(f"no binning separates the {kind} of code {name!r}")   # not reached for CODES
 
 
 def _bucketize(y: torch.Tensor, name: str, kind: str, *, inclusive: bool) -> torch.Tensor:
-    """``torch.bucketize(y, boundaries, right=inclusive, out_int32=True)`` for the code's ``kind`` boundaries
-    (``y`` fp32 in ``[-qmax, qmax]``; NaN gives some valid index), by a lookup on the top bits and one
-    comparison: several times faster on a CPU than the binary search. Tests pin it to ``torch.bucketize``."""
+    """``torch.bucketize(y, boundaries, right=inclusive)`` for the code's ``kind`` boundaries (``y`` fp32 in
+    ``[-qmax, qmax]``; NaN gives some valid index), by a lookup on the top bits and one comparison: several
+    times faster on a CPU than the binary search. uint8 for ``inclusive=False`` (at most 255: codes as they
+    are stored), else int32. Tests pin it to ``torch.bucketize``."""
     lookup = _lookup(name, kind, str(y.device))
     bins = (y.reshape(-1).view(torch.int32) >> lookup.shift).bitwise_and_(lookup.mask)   # (n,) the top bits
-    below = lookup.counts.index_select(0, bins)                   # boundaries below y's bin
-    nearest = lookup.bounds.index_select(0, below).view(y.shape)  # the one boundary that may lie in it, below y
-    return below.view(y.shape).add_((nearest <= y) if inclusive else (nearest < y))
+    below = lookup.counts.index_select(0, bins).view(y.shape)     # boundaries below y's bin
+    bound = lookup.bound.index_select(0, bins).view(y.shape)      # the one that may lie in it, below y
+    if inclusive:
+        return below.int().add_(bound <= y)
+    return below.add_(bound < y)
 
 
 def code_for(state_dtype: torch.dtype, *, nonnegative: bool) -> Code:
@@ -279,7 +283,7 @@ def quantize(x_fp32: torch.Tensor, code: Code, *, rounding: str = "nearest", gen
         raise ValueError(f"quantize rounding={rounding!r} is not allowed; choose one of {STATE_ROUNDINGS}")
     coded_fp32 = x_fp32.clamp_min(0).sqrt_() if code.sqrt else x_fp32            # NaN stays NaN
     blocks_fp32 = _blocks(coded_fp32.reshape(-1))                                 # (nblocks, 256)
-    absmax = blocks_fp32.abs().amax(dim=1)                                        # (nblocks,); NaN propagates
+    absmax = (blocks_fp32 if code.sqrt else blocks_fp32.abs()).amax(dim=1)        # (nblocks,); NaN propagates
     absmax = torch.where(torch.isfinite(absmax), absmax, torch.nan)               # inf too: the block reads NaN
     scale = torch.where(absmax > 0, absmax, 1.0)                                  # an all-zero block: codes of 0
     y = blocks_fp32 / (scale if code.qmax == 1.0 else scale / code.qmax)[:, None]  # (nblocks, 256), |y| <~ qmax
