@@ -174,6 +174,41 @@ def test_state_bytes_of_torchao_8bit_state_counts_codes_scales_and_qmap():
     # per state: 8192 uint8 codes, 8192 / 256 = 32 fp32 scales, its own 256-entry fp32 qmap
     assert _census(model, state).optimizer_state == 2 * (8192 + 32 * 4 + 256 * 4)
 
+
+def test_bf16_lean_census_counts_8bit_codes_and_their_scales_exactly():
+    """bf16-lean on gpt/tiny: 2 B param + 2 B grad each; the two moments of every tensor with >= 4096
+    elements and 2 dims as 1-byte codes + one fp32 absmax per 256, the rest (embeddings under 4096
+    elements, norms, biases) fp32 moments: the census reads exactly that from the tensors."""
+    workload = get_workload("gpt", config="tiny")
+    mp = build_engine(workload, "bf16-lean", steps=10, seed=0, device="cpu")
+    batches = workload.batches("train", 0)
+    train_step(mp, workload, next(batches))
+    measured = {}
+    train_step(mp, workload, next(batches),
+               after_backward=lambda: measured.update(s=state_bytes(mp.model, mp.optimizer)))
+    sizes = [(p.numel(), p.dim()) for p in mp.model.parameters()]
+    quantized = [n for n, dim in sizes if n >= 4096 and dim >= 2]
+    n_params = sum(n for n, _ in sizes)
+    codes_and_scales = 2 * sum(n + 4 * math.ceil(n / 256) for n in quantized)
+    state = measured["s"]
+    assert quantized and state.n_params == n_params == workload.num_params()
+    assert state.optimizer_state == codes_and_scales + 8 * (n_params - sum(quantized))
+    assert (state.quantized_state, state.quantized_elements) == (codes_and_scales, 2 * sum(quantized))
+    assert state.per_param == (4 * n_params + state.optimizer_state) / n_params   # 8.72 on tiny
+    assert "optimizer state int8 blockwise" in mp.decision
+
+
+def test_portable_ops_timing_runs_a_policy_that_needs_mixprec_optim():
+    """``bench --policies fp32,bf16-sr,bf16-lean`` times ops=portable on bf16-sr, whose stochastic rounding the
+    workload's torch.optim.AdamW cannot do: the timing engines get mixprec's twin, as the workers do."""
+    from mixprec.bench.portable_cost import measure_portable_cost, ported_policy
+
+    assert ported_policy(["fp32", "bf16-sr", "bf16-lean"]) == "bf16-sr"
+    for policy in ("bf16-sr", "bf16-lean"):
+        cost = measure_portable_cost("gpt", policy, "cpu", config="tiny", steps=2, block=1, warmup=1)
+        assert cost["policy"] == policy and cost["timed_steps_each"] == 2
+
+
 def test_precision_optimizer_only_where_the_policy_needs_one():
     model = torch.nn.Linear(4, 4)
     groups = [{"params": [model.weight], "weight_decay": 0.1}, {"params": [model.bias], "weight_decay": 0.0}]
@@ -185,15 +220,10 @@ def test_precision_optimizer_only_where_the_policy_needs_one():
         [(3e-3, (0.9, 0.99), 0.1), (3e-3, (0.9, 0.99), 0.0)]
     with pytest.raises(ValueError, match="rounding='stochastic'.*mixprec.optim"):
         precision_optimizer(torch.optim.Adam(model.parameters()), Policy.parse("bf16-sr"))
-
-
-def test_portable_cost_of_a_rounding_policy_builds_its_precision_optimizer():
-    from mixprec.bench.portable_cost import measure_portable_cost, ported_policy
-
-    # `mixprec bench --policies fp32,bf16-sr` times bf16-sr's ops=portable: its engine needs mixprec.optim.AdamW
-    assert ported_policy(["fp32", "bf16-sr"]) == "bf16-sr"
-    cost = measure_portable_cost("gpt", "bf16-sr", "cpu", config="tiny", steps=2, block=1, warmup=1)
-    assert cost["timed_steps_each"] == 2 and cost["ratio_portable_over_native"] > 0
+    lean = precision_optimizer(torch.optim.AdamW(model.parameters()), Policy.parse("bf16-mixed,state=int8"))
+    assert isinstance(lean, AdamW)   # 8-bit state needs mixprec's optimizer too
+    with pytest.raises(ValueError, match=r"state=int8, which Adam cannot do"):
+        precision_optimizer(torch.optim.Adam(model.parameters()), Policy.parse("bf16-lean"))
 
 
 def test_median_step_ms_drops_warmup():

@@ -18,13 +18,34 @@ def test_presets_table():
         "fp16-pure": (fp16, fp16, fp32, "nearest", "dynamic", 18),
         "bf16-kahan": (bf16, bf16, None, "kahan", "none", 14),
         "bf16-sr": (bf16, bf16, None, "stochastic", "none", 12),
+        "bf16-lean": (bf16, bf16, None, "stochastic", "none", 2 + 2 + 2 * (1 + 4 / 256)),   # 6.03125
     }
     for name, (params, compute, master, rounding, scale, nbytes) in expected.items():
         p = PRESETS[name]
         assert (p.param_dtype, p.compute_dtype, p.master_dtype, p.rounding, p.loss_scale) == \
                (params, compute, master, rounding, scale), name
-        assert p.state_dtype == fp32 and p.output_dtype == fp32
+        assert p.state_dtype == (torch.int8 if name == "bf16-lean" else fp32) and p.output_dtype == fp32
+        assert p.state_rounding == "nearest" and p.quantized_state == (name == "bf16-lean")
         assert p.bytes_per_param() == nbytes, name
+    assert set(expected) | {"fp8-mixed"} == set(PRESETS)   # a new preset gets a row here
+
+
+def test_8bit_state_policies_parse_round_trip_and_count_their_bytes():
+    """state=int8 / fp8 count 1 byte per element and moment plus one fp32 scale per 256 (4/256 bytes)."""
+    lean = Policy.parse("bf16-sr,state=int8")
+    assert lean == PRESETS["bf16-lean"] and str(lean) == "bf16-lean"
+    kahan = Policy.parse("bf16-kahan,state=int8")
+    assert (kahan.rounding, kahan.state_dtype, str(kahan)) == ("kahan", torch.int8, "bf16-kahan,state=int8")
+    assert kahan.bytes_per_param() == 2 + 2 + 2 * (1 + 4 / 256) + 2 == 8.03125
+    assert PRESETS["bf16-lean"].bytes_per_param(optimizer_states=1) == 5.015625   # SGD with momentum
+    assert Policy.parse("bf16-pure,state=int8").bytes_per_param() == 2 + 4 + 4 + 2.03125
+    fp8 = Policy.parse("bf16-mixed,state=fp8")
+    assert fp8.state_dtype == torch.float8_e4m3fn and fp8.bytes_per_param() == 4 + 4 + 2.03125
+    sr = Policy.parse("bf16-lean,state_rounding=stochastic")
+    assert sr.state_rounding == "stochastic" and str(sr) == "bf16-lean,state_rounding=stochastic"
+    for policy in (lean, kahan, fp8, sr, Policy.parse("fp32,state=int8"), Policy.parse("state=fp8,state_rounding=stochastic")):
+        assert Policy.parse(str(policy)) == policy
+    assert str(Policy.parse("bf16-lean,state=fp32")) == "bf16-sr"
 
 
 def test_parse_preset_with_overrides():
@@ -54,6 +75,9 @@ def test_parse_preset_with_overrides():
     ("fp16-mixed,loss_scale=lots", r"'dynamic', 'none' or a number"),
     ("fp16-mixed,loss_scale=1e-50", r"normal fp32 value"),
     ("bf16-mixed,state=bf16,state=fp32", r"sets state_dtype twice"),
+    ("bf16-lean,state=int4", r"state='int4' is not allowed; choose one of \['fp32', 'bf16', 'fp16', 'int8', 'fp8'\]"),
+    ("bf16-lean,state_rounding=up", r"state_rounding='up' is not allowed; choose one of \('nearest', 'stochastic'\)"),
+    ("bf16-sr,state_rounding=stochastic", r"rounds 8-bit optimizer state, but state=fp32; set state=int8"),
     ("bf16-mixed,fp8=blockwise", r"fp8='blockwise' is not allowed"),
     ("bf16-mixed,fp8_format=e4m3", r"needs fp8 linears"),
     ("bf16-mixed,fp8_ends=fp8", r"needs fp8 linears"),
@@ -93,9 +117,12 @@ def policies(draw):
     fp8 = draw(st.sampled_from((None,) + FP8_RECIPES)) if compute != torch.float32 else None
     fp8_format = draw(st.sampled_from(FP8_FORMATS)) if fp8 else "hybrid"
     keep_ends = draw(st.booleans()) if fp8 else True
+    state = draw(st.sampled_from(DTYPES + [torch.int8, torch.float8_e4m3fn]))
+    state_rounding = draw(st.sampled_from(["nearest", "stochastic"])) if state in (torch.int8, torch.float8_e4m3fn) \
+        else "nearest"
     return Policy(param_dtype=params, compute_dtype=compute,
                   output_dtype=draw(st.sampled_from(DTYPES)), master_dtype=master, rounding=rounding,
-                  state_dtype=draw(st.sampled_from(DTYPES)), loss_scale=scale, keep_fp32=keep,
+                  state_dtype=state, state_rounding=state_rounding, loss_scale=scale, keep_fp32=keep,
                   fp8=fp8, fp8_format=fp8_format, fp8_keep_ends=keep_ends)
 
 

@@ -17,7 +17,8 @@ Each ``step-N/`` directory::
                          and listed in manifest["model"]["aliases"]
     masters.safetensors  fp32 masters keyed by parameter name (policies with masters only)
     state.safetensors    every other tensor with more than one element: optimizer state
-                         ("optimizer/state/<i>/<key>"), scheduler tensors, an EMA's fp32 shadow
+                         ("optimizer/state/<i>/<key>"; 8-bit state as it is held: the codes, uint8 or
+                         fp8, under <key> and their fp32 scales under <key>_absmax), scheduler tensors, an EMA's fp32 shadow
                          ("ema/shadow/<param name>"), torch / CUDA / MPS RNG
                          states ("rng/torch", "rng/cuda/<d>", "rng/mps", uint8), the numpy MT19937
                          key and python ``random`` state ("rng/numpy", "rng/python", int64)
@@ -83,6 +84,7 @@ import safetensors.torch
 import torch
 
 from mixprec import op_plan
+from mixprec.optim.quantized_state import state_shape
 from mixprec.checkpoint_dir import (LATEST, MANIFEST, CheckpointError, new_checkpoint, read_manifest_json,
                                     resolve_checkpoint)
 
@@ -426,12 +428,7 @@ def _check_fits(ck: _Checkpoint, mp: Any, *, weights_only: bool) -> None:
                               f"optimizer {[len(g['params']) for g in mp.optimizer.param_groups]}")
     stepped = [t for g in mp.optimizer.param_groups for t in g["params"]]
     index = [i for g in opt_state["param_groups"] for i in g["params"]]
-    shape_of = {i: stepped[n].shape for n, i in enumerate(index)}
-    for i, entry in opt_state["state"].items():
-        for key, value in entry.items():
-            if torch.is_tensor(value) and value.dim() > 0 and value.shape != shape_of.get(i):
-                raise CheckpointError(f"{where}: optimizer state {key!r} of param {i} has shape {list(value.shape)}, "
-                                      f"the engine's param has {list(shape_of.get(i, ()))}")
+    _check_state_shapes(where, opt_state["state"], {i: stepped[n].shape for n, i in enumerate(index)})
     if (m["scheduler"] is None) != (mp.scheduler is None):
         have = "has" if m["scheduler"] is not None else "has no"
         raise CheckpointError(f"{where}: the checkpoint {have} scheduler state but the engine "
@@ -440,6 +437,17 @@ def _check_fits(ck: _Checkpoint, mp: Any, *, weights_only: bool) -> None:
     if m["scheduler"] is not None and m["scheduler"]["class"] != _qualname(mp.scheduler):
         raise CheckpointError(f"{where}: the scheduler state is from {m['scheduler']['class']}, the engine's "
                               f"scheduler is {_qualname(mp.scheduler)}")
+
+
+def _check_state_shapes(where: str, state: dict, shape_of: dict) -> None:
+    """Raise CheckpointError unless every optimizer-state tensor of param ``i`` has the shape it must have for
+    ``shape_of[i]``: the param's (8-bit codes too), or one scale per block of 256 for an 8-bit ``*_absmax``."""
+    for i, entry in state.items():
+        for key, value in entry.items():
+            want = state_shape(key, shape_of[i]) if i in shape_of else None
+            if torch.is_tensor(value) and value.dim() > 0 and tuple(value.shape) != want:
+                raise CheckpointError(f"{where}: optimizer state {key!r} of param {i} has shape {list(value.shape)}, "
+                                      f"the engine's param has {list(shape_of.get(i, ()))} (so {want} for this key)")
 
 
 def _model_state(ck: _Checkpoint) -> dict[str, torch.Tensor]:
@@ -487,7 +495,8 @@ def load_checkpoint(path: str | Path, mp: Any, *, guard: Any = None, convert: bo
       the param plus any Kahan compensation) becomes the new param (cast) and the new master. So a
       bf16-mixed run resumed as bf16-pure builds its masters from the fp32 params; a bf16-pure run
       resumed as fp32 takes the masters as params; optimizer state moves with its tensor (moments
-      cast to the new ``state_dtype``); the loss scale is kept when both policies name the same loss
+      cast to the new ``state_dtype``; 8-bit codes dequantized into fp32 state, fp32 state quantized into
+      ``state=int8``/``fp8``, each a single rounding, the event's detail says which); the loss scale is kept when both policies name the same loss
       scaling, else built fresh. A ``"convert"`` event is appended to ``mp.events``.
     * ``adopt_policy=True``: switch ``mp`` to the saved policy and stay there (a run whose guard
       escalated precision, resumed with the engine built under the run's original policy). Bit-exact.

@@ -67,6 +67,9 @@ def _positive_int(text: str) -> int:
 
 def build_parser() -> argparse.ArgumentParser:
     from mixprec.bench.runner import DEFAULT_GPT_CONFIG, DEFAULT_POLICIES, DEFAULT_STEPS
+    from mixprec.policy import PRESETS
+
+    presets = ", ".join(PRESETS)   # e.g. bf16-lean (8-bit optimizer state) is opt-in: not in the default list
 
     parser = argparse.ArgumentParser(prog="mixprec", description="Mixed-precision training for PyTorch, "
                                      "with the evidence: speed, memory and quality against fp32.")
@@ -91,7 +94,8 @@ def build_parser() -> argparse.ArgumentParser:
     workload_args(bench, f"workload config: gpt has tiny, baby, mid, small (default: {DEFAULT_GPT_CONFIG}); "
                   "minilm has tiny, default; digits has default")
     bench.add_argument("--policies", default=",".join(DEFAULT_POLICIES), type=_split_policies,
-                       help=f"comma-separated policies; fp32 is always added first (default: {','.join(DEFAULT_POLICIES)})")
+                       help=f"comma-separated policies: presets ({presets}) or key=value text such as "
+                       f"bf16-kahan,state=int8; fp32 is always added first (default: {','.join(DEFAULT_POLICIES)})")
     bench.add_argument("--steps", type=_positive_int, default=None,
                        help=f"optimizer steps per policy, >= 5 (default: the workload's: {DEFAULT_STEPS} for gpt)")
     bench.add_argument("--out", default=None, help="output directory (default: runs/bench-<timestamp>)")
@@ -122,7 +126,8 @@ def build_parser() -> argparse.ArgumentParser:
                            description="Train a workload under one policy, with metrics, checkpoints, resume and "
                            "an optional divergence guard.")
     workload_args(train, "workload config (default: the workload's own, baby for gpt)")
-    train.add_argument("--policy", default="auto", help="policy preset or key=value text (default: auto)")
+    train.add_argument("--policy", default="auto", help=f"policy preset ({presets}, auto) or key=value text "
+                       "(default: auto)")
     train.add_argument("--steps", type=_positive_int, default=200, help="optimizer steps (default: 200)")
     train.add_argument("--eval-every", type=int, default=0, help="evaluate every K steps (default: 0 = at the end only)")
     train.add_argument("--out", default=None, help="output directory (default: runs/train-<timestamp>)")

@@ -45,7 +45,8 @@ the concatenated global batch (up to the order of floating-point sums).
   ``fp16-mixed`` / ``-pure``    fp16               needs the engine's sharded overflow
                                                    check (``sharded_found_inf=True``)
   ``bf16-kahan`` / ``bf16-sr``  refused            16-bit storage without masters; use
-                                                   ``bf16-pure`` (``state=bf16``: refused too)
+  / ``bf16-lean``                                  ``bf16-pure`` (``state=bf16`` / ``int8``:
+                                                   refused too)
   keep_fp32 modules             None (fp32)        their own ``fully_shard`` group
   ============================  =================  ======================================
 

@@ -34,7 +34,7 @@ from mixprec.loss_scale import from_spec as loss_scale_from_spec
 from mixprec.masters import MasterWeights, claim, release
 from mixprec.optim import contract
 from mixprec.pending_auto import PendingAuto, pending_resolution
-from mixprec.policy import Policy, cast_floating
+from mixprec.policy import Policy, cast_floating, state_name
 from mixprec.op_plan import describe as describe_kernels
 from mixprec.op_plan import planned_kernels
 from mixprec.portable_autocast import portable_ops
@@ -281,7 +281,7 @@ class MixedPrecision:
             self.masters.rebind(optimizer)
         contract.check(optimizer, self.policy, {p.dtype for g in optimizer.param_groups for p in g["params"]
                                                 if id(p) not in plan.frozen16})
-        contract.configure(optimizer, self.policy)
+        self.decision += contract.configure(optimizer, self.policy)   # how 8-bit state lays out ("" else)
         contract.start_compensation(optimizer, self.policy, kahan_from)
         claim(self, list(model.named_parameters()), set(plan.half))
         self.decision += self._regions.install(model, self.policy, self.device.type, keep, set(plan.frozen16))
@@ -660,11 +660,13 @@ def _set_policy(mp: MixedPrecision, policy: str | Policy, *, cause: str, module:
     note = mp._regions.install(mp.module, new, mp.device.type, prepared.keep, set(prepared.plan.frozen16))
     mp.model.zero_grad(set_to_none=True)
     mp.decision = (f"{new} on {mp.device} (set_policy at boundary {mp.boundaries}: {cause}; was {old})"
-                   + mp._compile.note(new) + note)
+                   + mp._compile.note(new) + note + contract.state_note(mp.optimizer))
+    formats = (state_name(old.state_dtype), state_name(new.state_dtype))
+    state_move = f" (converted {formats[0]} → {formats[1]})" if formats[0] != formats[1] else ""
     event = {"step": mp.boundaries, "kind": "escalate", "cause": cause, "module": module,
              "detail": f"{old} → {new}: params re-cast from their fp32 values (frozen and just-unfrozen ones from "
-                       f"their stored values), optimizer state of {prepared.carried} tensor(s) carried over, "
-                       f"{scale_note}", "from": str(old), "to": str(new)}
+                       f"their stored values), optimizer state of {prepared.carried} tensor(s) carried over"
+                       f"{state_move}, {scale_note}", "from": str(old), "to": str(new)}
     mp.events.extend([event] if record else [])
     (log.warning if new != old else log.info)("mixprec: policy %s → %s at boundary %d (%s)", old, new,
                                                mp.boundaries, cause)

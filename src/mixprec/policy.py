@@ -4,29 +4,38 @@ A :class:`Policy` is a frozen dataclass. Build one from a preset name or a ``key
 with :meth:`Policy.parse`; ``str(policy)`` gives canonical text that parses back to an equal
 policy. The design follows jmp's ``Policy`` (param / compute / output dtypes, string constructor)
 and adds the fields mixed-precision training needs: master weights, rounding of updates,
-optimizer-state dtype, loss scaling, modules kept in fp32 and an fp8 recipe.
+optimizer-state format, loss scaling, modules kept in fp32 and an fp8 recipe.
 
 Presets (bytes per parameter of training state with AdamW: params + grads + masters + the two
-moments + any compensation buffer):
+moments + any compensation buffer; :meth:`Policy.bytes_per_param`):
 
-==============  ======  =======  ======  ==========  ==========  ===========
-preset          params  compute  master  rounding    loss scale  bytes/param
-==============  ======  =======  ======  ==========  ==========  ===========
-``fp32``        fp32    fp32     --      nearest     none        16
-``bf16-mixed``  fp32    bf16     --      nearest     none        16
-``fp16-mixed``  fp32    fp16     --      nearest     dynamic     16
-``bf16-pure``   bf16    bf16     fp32    nearest     none        18 (2 + 4 grad_fp32 + 4 + 8)
-``fp16-pure``   fp16    fp16     fp32    nearest     dynamic     18
-``bf16-kahan``  bf16    bf16     --      kahan       none        14 (2 + 2 + 8 + 2 compensation)
-``bf16-sr``     bf16    bf16     --      stochastic  none        12 (2 + 2 + 8)
-``fp8-mixed``   fp32    bf16 + fp8 linears  --  nearest  none      16
+==============  ======  =======  ======  ==========  =====  ==========  ===========
+preset          params  compute  master  rounding    state  loss scale  bytes/param
+==============  ======  =======  ======  ==========  =====  ==========  ===========
+``fp32``        fp32    fp32     --      nearest     fp32   none        16
+``bf16-mixed``  fp32    bf16     --      nearest     fp32   none        16
+``fp16-mixed``  fp32    fp16     --      nearest     fp32   dynamic     16
+``bf16-pure``   bf16    bf16     fp32    nearest     fp32   none        18 (2 + 4 grad_fp32 + 4 + 8)
+``fp16-pure``   fp16    fp16     fp32    nearest     fp32   dynamic     18
+``bf16-kahan``  bf16    bf16     --      kahan       fp32   none        14 (2 + 2 + 8 + 2 compensation)
+``bf16-sr``     bf16    bf16     --      stochastic  fp32   none        12 (2 + 2 + 8)
+``bf16-lean``   bf16    bf16     --      stochastic  int8   none        6.03 (2 + 2 + 2 x (1 + 4/256))
+``fp8-mixed``   fp32    bf16 + fp8 linears  --  nearest  fp32  none     16
 ``auto``        resolved per device by :func:`mixprec.resolve_policy`
-==============  ======  =======  ======  ==========  ==========  ===========
+==============  ======  =======  ======  ==========  =====  ==========  ===========
+
+``state=int8`` (and ``state=fp8``) store each moment of a large tensor blockwise-quantized: one byte
+per element plus one fp32 absmax per block of 256 (:mod:`mixprec.optim.quantized_state`); tensors
+under 4096 elements and 1-D ones (norms, biases) keep fp32 state, as bitsandbytes and torchao do, so a
+model's measured bytes/param (the bench's tensor census) sits a little above the table's.
+``bf16-kahan,state=int8`` is 8.03.
 
 Text form: a preset name, optionally followed by overrides, e.g. ``"bf16-kahan,state=bf16"``,
 or only keys: ``"params=bf16,compute=bf16,master=fp32"`` (unspecified keys take the ``fp32``
 preset's values). Keys: ``params``, ``compute``, ``output``, ``master``, ``rounding``,
-``state``, ``loss_scale``, ``keep_fp32`` (glob patterns joined by ``|``), ``fp8`` (recipe name,
+``state`` (``fp32``, ``bf16``, ``fp16``, ``int8``, ``fp8``), ``state_rounding`` (``nearest``, the default,
+or ``stochastic``: how 8-bit state is rounded when it is stored), ``loss_scale``, ``keep_fp32`` (glob
+patterns joined by ``|``), ``fp8`` (recipe name,
 alias ``recipe``), ``fp8_format`` (``hybrid`` or ``e4m3``), ``fp8_ends`` (``keep``: the network's
 first and last linears stay in the compute dtype, the default; ``fp8``: convert them too), ``ops``
 (``portable``, the default: CUDA's autocast op lists on every device; ``native``: the device's own,
@@ -47,9 +56,17 @@ import torch
 from mixprec.formats import get_format
 from mixprec.tree import map_tensors
 
-__all__ = ["Policy", "PRESETS", "ROUNDINGS", "FP8_RECIPES", "FP8_FORMATS", "cast_floating"]
+__all__ = ["Policy", "PRESETS", "ROUNDINGS", "STATE_FORMATS", "QUANTIZED_STATE_DTYPES", "STATE_ROUNDINGS",
+           "FP8_RECIPES", "FP8_FORMATS", "cast_floating", "state_name"]
 
 ROUNDINGS = ("nearest", "kahan", "stochastic")
+# optimizer-state formats by text name. int8 and fp8 are markers for the blockwise 8-bit formats of
+# mixprec.optim.quantized_state (int8: dynamic-map codes, stored as uint8 indices; fp8: E4M3 first moment,
+# E5M2 second), not plain casts: Policy.state_dtype holds torch.int8 / torch.float8_e4m3fn for them
+STATE_FORMATS = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16,
+                 "int8": torch.int8, "fp8": torch.float8_e4m3fn}
+QUANTIZED_STATE_DTYPES = (torch.int8, torch.float8_e4m3fn)
+STATE_ROUNDINGS = ("nearest", "stochastic")   # how 8-bit state is rounded when stored
 FP8_RECIPES = ("tensorwise", "rowwise", "delayed")
 FP8_FORMATS = ("hybrid", "e4m3")
 OPS_MODES = ("portable", "native")     # mixprec.portable_autocast: which autocast op lists mp.autocast() uses
@@ -112,6 +129,15 @@ def _dtype_name(dtype: torch.dtype | None) -> str:
     return "none" if dtype is None else get_format(dtype).name
 
 
+def state_name(dtype: torch.dtype) -> str:
+    """The text name of an optimizer-state dtype (a :data:`STATE_FORMATS` value): ``"int8"`` for
+    ``torch.int8``, ``"fp8"`` for ``torch.float8_e4m3fn``, ``"fp32"``... Raises ValueError for another dtype."""
+    for name, value in STATE_FORMATS.items():
+        if value == dtype:
+            return name
+    raise ValueError(f"state dtype {dtype!r} is not an optimizer-state format; choose one of {list(STATE_FORMATS)}")
+
+
 def _parse_dtype(key: str, text: str, allowed: tuple[torch.dtype, ...], allow_none: bool = False):
     names = [_dtype_name(d) for d in allowed] + (["none"] if allow_none else [])
     if allow_none and text.strip().lower() in ("none", "-", ""):
@@ -141,7 +167,12 @@ class Policy:
             (Apex O2 style), or ``None``.
         rounding: how an fp32 update is written into 16-bit params without a master copy:
             ``"nearest"``, ``"kahan"`` (compensated summation) or ``"stochastic"`` (bf16 only).
-        state_dtype: dtype of optimizer state (moments, momentum); fp32 by default.
+        state_dtype: format of optimizer state (moments, momentum): fp32 (default), bf16, fp16, or a
+            marker for blockwise 8-bit state (:mod:`mixprec.optim.quantized_state`): ``torch.int8``
+            (text ``state=int8``: dynamic-map codes, one byte per element + one fp32 absmax per 256) or
+            ``torch.float8_e4m3fn`` (``state=fp8``: E4M3 first moment, E5M2 second moment, per-block scales).
+        state_rounding: how 8-bit state is rounded when it is stored: ``"nearest"`` (default) or
+            ``"stochastic"`` (unbiased; needs ``state_dtype`` int8 or fp8).
         loss_scale: ``"dynamic"``, ``"none"`` or a positive number (static scale). Default ``"auto"``:
             ``"dynamic"`` when params or compute are fp16 (fp16 unscaled flushes small gradients to zero;
             torch.amp's GradScaler recipe), else ``"none"``; resolved at construction, so the field always
@@ -174,6 +205,7 @@ class Policy:
     master_dtype: torch.dtype | None = None
     rounding: str = "nearest"
     state_dtype: torch.dtype = torch.float32
+    state_rounding: str = "nearest"
     loss_scale: LossScaleSpec = "auto"
     keep_fp32: tuple[str, ...] = ()
     fp8: str | None = None
@@ -186,11 +218,12 @@ class Policy:
         if isinstance(self.loss_scale, str) and self.loss_scale == "auto":
             object.__setattr__(self, "loss_scale", "dynamic" if torch.float16 in (self.param_dtype, self.compute_dtype)
                                else "none")
-        for name in ("param_dtype", "compute_dtype", "output_dtype", "state_dtype"):
+        for name in ("param_dtype", "compute_dtype", "output_dtype"):
             value = getattr(self, name)
             if value not in _COMPUTE_DTYPES:
                 raise ValueError(f"Policy {name}={value!r} is not allowed; "
                                  f"choose one of {[_dtype_name(d) for d in _COMPUTE_DTYPES]}")
+        self._check_state()
         if self.param_dtype in _HALF_DTYPES and self.compute_dtype != self.param_dtype:
             raise ValueError(f"Policy params={_dtype_name(self.param_dtype)} with compute="
                              f"{_dtype_name(self.compute_dtype)}: 16-bit params must compute in their own dtype "
@@ -251,6 +284,17 @@ class Policy:
             raise ValueError(f"Policy fp8={self.fp8!r} with compute=fp32: fp8 linears output in the 16-bit compute "
                              "dtype; set compute=bf16 (or use the fp8-mixed preset)")
 
+    def _check_state(self) -> None:
+        if self.state_dtype not in STATE_FORMATS.values():
+            raise ValueError(f"Policy state_dtype={self.state_dtype!r} is not allowed; choose one of "
+                             f"{list(STATE_FORMATS.values())} (text state={'|'.join(STATE_FORMATS)})")
+        if self.state_rounding not in STATE_ROUNDINGS:
+            raise ValueError(f"Policy state_rounding={self.state_rounding!r} is not allowed; choose one of "
+                             f"{STATE_ROUNDINGS}")
+        if self.state_rounding != "nearest" and self.state_dtype not in QUANTIZED_STATE_DTYPES:
+            raise ValueError(f"Policy state_rounding={self.state_rounding!r} rounds 8-bit optimizer state, but "
+                             f"state={state_name(self.state_dtype)}; set state=int8 (or fp8), or state_rounding=nearest")
+
     # ------------------------------------------------------------------ derived facts
     @property
     def is_mixed(self) -> bool:
@@ -261,19 +305,29 @@ class Policy:
     def has_masters(self) -> bool:
         return self.master_dtype is not None and self.param_dtype != torch.float32
 
-    def bytes_per_param(self, optimizer_states: int = 2) -> int:
+    @property
+    def quantized_state(self) -> bool:
+        """True when optimizer state is blockwise 8-bit (``state=int8`` or ``state=fp8``)."""
+        return self.state_dtype in QUANTIZED_STATE_DTYPES
+
+    def bytes_per_param(self, optimizer_states: int = 2) -> float:
         """Training-state bytes per (trainable) parameter, from the policy alone.
 
         ``optimizer_states`` is the number of state tensors per parameter (AdamW: 2, SGD with
         momentum: 1, plain SGD: 0). Gradients live in fp32 whenever masters exist (they are
-        accumulated there); compensation buffers add one param-dtype tensor under Kahan.
+        accumulated there); compensation buffers add one param-dtype tensor under Kahan. 8-bit
+        state counts one byte per element and moment plus its share of one fp32 absmax per block of
+        256 elements (4/256 = 0.015625 bytes), i.e. as if every tensor were quantized and a whole
+        number of blocks: tensors under 4096 elements and 1-D ones keep fp32 state (4 bytes) and a short
+        last block costs a whole scale, so the bench's tensor census of a real model reads a little higher.
         """
         p = self.param_dtype.itemsize
         if self.has_masters:
             total = p + 4 + self.master_dtype.itemsize
         else:
             total = p + p  # params + grads in param dtype
-        total += optimizer_states * self.state_dtype.itemsize
+        state = 1 + 4 / 256 if self.quantized_state else self.state_dtype.itemsize
+        total += optimizer_states * state
         if self.rounding == "kahan":
             total += p
         return total
@@ -359,7 +413,7 @@ class Policy:
             ("output", _dtype_name(self.output_dtype)),
             ("master", _dtype_name(self.master_dtype)),
             ("rounding", self.rounding),
-            ("state", _dtype_name(self.state_dtype)),
+            ("state", state_name(self.state_dtype)),
             ("loss_scale", _loss_scale_text(self.loss_scale)),
             ("keep_fp32", "|".join(self.keep_fp32)),
             ("fp8", self.fp8 or "none"),
@@ -367,6 +421,8 @@ class Policy:
         if self.fp8 is not None:
             items.append(("fp8_format", self.fp8_format))
             items.append(("fp8_ends", "keep" if self.fp8_keep_ends else "fp8"))
+        if self.state_rounding != "nearest":
+            items.append(("state_rounding", self.state_rounding))
         if self.ops != "portable":
             items.append(("ops", self.ops))
         if self.kernels != "measured":
@@ -388,6 +444,22 @@ def _parse_loss_scale(key: str, text: str) -> LossScaleSpec:
 def _parse_rounding(key: str, text: str) -> str:
     if text.lower() not in ROUNDINGS:
         raise ValueError(f"policy key {key}={text!r} is not allowed; choose one of {ROUNDINGS}")
+    return text.lower()
+
+
+def _parse_state(key: str, text: str) -> torch.dtype:
+    low = text.strip().lower()
+    if low in STATE_FORMATS:
+        return STATE_FORMATS[low]
+    try:   # the 16/32-bit formats' aliases (float32, half, ...)
+        return _parse_dtype(key, text, _COMPUTE_DTYPES)
+    except ValueError:
+        raise ValueError(f"policy key {key}={text!r} is not allowed; choose one of {list(STATE_FORMATS)}") from None
+
+
+def _parse_state_rounding(key: str, text: str) -> str:
+    if text.lower() not in STATE_ROUNDINGS:
+        raise ValueError(f"policy key {key}={text!r} is not allowed; choose one of {STATE_ROUNDINGS}")
     return text.lower()
 
 
@@ -436,7 +508,8 @@ _KEYS = {
     "output": ("output_dtype", lambda k, v: _parse_dtype(k, v, _COMPUTE_DTYPES)),
     "master": ("master_dtype", lambda k, v: _parse_dtype(k, v, (torch.float32,), allow_none=True)),
     "rounding": ("rounding", _parse_rounding),
-    "state": ("state_dtype", lambda k, v: _parse_dtype(k, v, _COMPUTE_DTYPES)),
+    "state": ("state_dtype", _parse_state),
+    "state_rounding": ("state_rounding", _parse_state_rounding),
     "loss_scale": ("loss_scale", _parse_loss_scale),
     "keep_fp32": ("keep_fp32", _parse_keep),
     "fp8": ("fp8", _parse_fp8),
@@ -456,5 +529,6 @@ PRESETS: dict[str, Policy] = {
     "fp16-pure": Policy(param_dtype=_fp16, compute_dtype=_fp16, master_dtype=_fp32, loss_scale="dynamic"),
     "bf16-kahan": Policy(param_dtype=_bf16, compute_dtype=_bf16, rounding="kahan"),
     "bf16-sr": Policy(param_dtype=_bf16, compute_dtype=_bf16, rounding="stochastic"),
+    "bf16-lean": Policy(param_dtype=_bf16, compute_dtype=_bf16, rounding="stochastic", state_dtype=torch.int8),
     "fp8-mixed": Policy(compute_dtype=_bf16, fp8="tensorwise"),
 }

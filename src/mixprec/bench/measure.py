@@ -11,11 +11,12 @@
   of ``torch.mps.driver_allocated_memory`` sampled after every step.
 * **Training-state bytes** (:func:`state_bytes`): read from the actual tensors, never from the
   policy: parameters, gradients, fp32 master copies, every tensor in ``optimizer.state``
-  (moments, Kahan compensation buffers), each storage counted once (tied weights share one; a code
-  book shared by every param's state, as bitsandbytes' ``qmap``, once). A tensor subclass that wraps
-  other tensors (torchao's ``OptimState8bit`` reports dtype float32 but holds uint8 ``codes``, fp32
-  ``scale`` and ``qmap``; a DTensor its local shard) is counted by the tensors it holds
-  (``__tensor_flatten__``, recursively), never by its nominal dtype.
+  (moments, Kahan compensation buffers; 8-bit state's codes and their fp32 absmax scales, which
+  :mod:`mixprec.optim.quantized_state` keeps as plain tensors there), each storage counted once (tied
+  weights share one; a code book shared by every param's state, as bitsandbytes' ``qmap``, once). A
+  tensor subclass that wraps other tensors (torchao's ``OptimState8bit`` reports dtype float32 but holds
+  uint8 ``codes``, fp32 ``scale`` and ``qmap``; a DTensor its local shard) is counted by the tensors it
+  holds (``__tensor_flatten__``, recursively), never by its nominal dtype.
 """
 
 from __future__ import annotations
@@ -31,6 +32,7 @@ from torch import nn
 from torch.utils._python_dispatch import is_traceable_wrapper_subclass
 
 from mixprec.doctor import synchronize
+from mixprec.optim.quantized_state import ABSMAX_SUFFIX
 
 __all__ = ["StateBytes", "state_bytes", "time_steps", "median_step_ms", "percentile", "warmup_excess_s", "MemoryMeter", "synchronize"]
 
@@ -40,7 +42,9 @@ class StateBytes:
     """Bytes of training state by role, counted once per storage.
 
     ``grads`` holds every gradient (the params' and the masters'); ``optimizer_state`` every
-    per-element tensor in ``optimizer.state`` except ``compensation`` (Kahan ``kahan_comp``);
+    per-element tensor in ``optimizer.state`` except ``compensation`` (Kahan ``kahan_comp``), of which
+    ``quantized_state`` is 8-bit state (codes, one byte per element, and their fp32 ``*_absmax`` scales,
+    one per 256 elements) and ``quantized_elements`` the elements those codes hold (per moment);
     ``scalars`` the 0-dim tensors there (``step`` counters: a few bytes per tensor, not per
     parameter, so outside :attr:`per_param`). ``n_params`` counts model parameters once, of which
     ``n_frozen`` are frozen (``requires_grad=False``: e.g. a LoRA base); ``frozen_bytes`` is what
@@ -56,6 +60,8 @@ class StateBytes:
     n_params: int
     n_frozen: int = 0
     frozen_bytes: int = 0
+    quantized_state: int = 0
+    quantized_elements: int = 0
 
     @property
     def total(self) -> int:
@@ -125,7 +131,7 @@ def state_bytes(model: nn.Module, optimizer: torch.optim.Optimizer) -> StateByte
     opt_params = [p for group in optimizer.param_groups for p in group["params"]]
     masters = sum(counter.add(p) for p in opt_params)
     grads += sum(counter.add(p.grad) for p in opt_params)
-    optimizer_state = compensation = scalars = 0
+    optimizer_state = compensation = scalars = quantized = quantized_elements = 0
     for state in optimizer.state.values():
         for key, value in state.items():
             if not isinstance(value, torch.Tensor):
@@ -137,10 +143,14 @@ def state_bytes(model: nn.Module, optimizer: torch.optim.Optimizer) -> StateByte
                 compensation += size
             else:
                 optimizer_state += size
+                codes = isinstance(key, str) and key + ABSMAX_SUFFIX in state   # the codes of an 8-bit moment
+                quantized += size if codes or (isinstance(key, str) and key.endswith(ABSMAX_SUFFIX)) else 0
+                quantized_elements += value.numel() if codes else 0
     return StateBytes(params=params, grads=grads, masters=masters, optimizer_state=optimizer_state,
                       compensation=compensation, scalars=scalars,
                       n_params=sum(p.numel() for p in model_params),
-                      n_frozen=sum(p.numel() for p in frozen), frozen_bytes=frozen_bytes)
+                      n_frozen=sum(p.numel() for p in frozen), frozen_bytes=frozen_bytes,
+                      quantized_state=quantized, quantized_elements=quantized_elements)
 
 
 def time_steps(step: Callable[[], None], device: torch.device, n: int) -> list[float]:

@@ -119,6 +119,9 @@ def _state_lines(policies: dict) -> list[str]:
         if frozen:
             text += f", {frozen:,} frozen at {_fmt(sb.get('per_frozen_param'), '.2f')} B/param"
         text += f"; whole model {_fmt(sb.get('per_param'), '.2f')} B/param ({sb.get('total', 0) / 2**20:,.1f} MiB)"
+        if sb.get("quantized_state"):   # 8-bit moments: codes + absmax scales, the rest of the state is fp32
+            text += (f"; optimizer state {sb['optimizer_state'] / n:.2f} B/param, of which 8-bit codes and scales "
+                     f"{sb['quantized_state'] / n:.2f} ({sb.get('quantized_elements', 0):,} moment elements)")
         extra = {k: v for k, v in (e.get("final_eval") or {}).items() if k != "loss"}
         if extra:
             text += "; final eval " + ", ".join(f"{k} {_fmt(v, '.4f')}" for k, v in extra.items())

@@ -38,7 +38,7 @@ from mixprec.distributed import init_process_group_from_env, shard_batches, sum_
 from mixprec import op_plan
 from mixprec.engine import MixedPrecision, StepResult
 from mixprec.optim import SGD, AdamW
-from mixprec.policy import Policy
+from mixprec.policy import Policy, state_name
 from mixprec.workloads import Workload, get_workload
 
 __all__ = ["RunSpec", "SetupError", "build_engine", "precision_optimizer", "train_step", "evaluate", "run_policy", "main"]
@@ -92,7 +92,7 @@ class RunSpec:
 
 def precision_optimizer(optimizer: torch.optim.Optimizer, policy: Policy) -> torch.optim.Optimizer:
     """``optimizer``, or its :mod:`mixprec.optim` twin (same groups and hyperparameters) when
-    ``policy`` rounds updates (kahan / stochastic) or keeps 16-bit state, which stock
+    ``policy`` rounds updates (kahan / stochastic) or keeps 16-bit or 8-bit state, which stock
     ``torch.optim`` optimizers cannot do. Call before any step.
 
     Raises:
@@ -109,7 +109,7 @@ def precision_optimizer(optimizer: torch.optim.Optimizer, policy: Policy) -> tor
         keys = ("params", "lr", "momentum", "dampening", "weight_decay", "nesterov")
         return SGD([{k: g[k] for k in keys} for g in groups])
     raise ValueError(f"policy {policy} writes updates with rounding={policy.rounding!r} and state="
-                     f"{_DTYPE_NAMES.get(policy.state_dtype)}, which {type(optimizer).__name__} cannot do; "
+                     f"{state_name(policy.state_dtype)}, which {type(optimizer).__name__} cannot do; "
                      "return a mixprec.optim.AdamW or mixprec.optim.SGD from Workload.make_optimizer")
 
 

@@ -44,7 +44,11 @@ class AdamW(PrecisionOptimizer):
     then θ is written into the param with ``rounding`` (see :mod:`mixprec.optim.rounding`).
     Defaults and op order follow ``torch.optim.AdamW``: with fp32 params, ``rounding='nearest'``
     and fp32 state the result equals ``torch.optim.AdamW(foreach=False)`` bit for bit. Kahan
-    compensation follows optimi; stochastic rounding follows Gupta et al. 2015.
+    compensation follows optimi; stochastic rounding follows Gupta et al. 2015. 8-bit state
+    (``state_dtype='int8'`` / ``'fp8'``) follows Dettmers et al. 2022 (bitsandbytes ``AdamW8bit``,
+    torchao ``AdamW8bit``): ``m`` and ``v`` are dequantized into fp32, updated by the same
+    :func:`adamw_update_` (so the step uses the fp32 ``v`` including this step's ``g²``, never a
+    requantized one), and requantized after (:mod:`mixprec.optim.quantized_state`).
 
     Args:
         params: iterable of params or param-group dicts (fp32, bf16, fp16 or complex64 params). A
@@ -55,12 +59,22 @@ class AdamW(PrecisionOptimizer):
         eps: term added to the denominator, >= 0; applied in fp32, so 1e-8 is not lost on fp16.
         weight_decay: decoupled weight decay λ >= 0.
         rounding: ``"nearest"`` (default when None), ``"kahan"`` or ``"stochastic"`` (bf16 only).
-        state_dtype: dtype of ``exp_avg`` / ``exp_avg_sq``: fp32 (default when None), bf16, fp16.
+        state_dtype: format of ``exp_avg`` / ``exp_avg_sq``: fp32 (default when None), bf16, fp16, or 8-bit
+            blockwise: ``torch.int8`` / ``"int8"`` (dynamic-map codes: the signed map for ``exp_avg``, the
+            unsigned map of ``sqrt(exp_avg_sq)`` for ``exp_avg_sq``) or ``torch.float8_e4m3fn`` / ``"fp8"``
+            (E4M3 ``exp_avg``, E5M2 ``exp_avg_sq``).
+        state_rounding: how 8-bit state is rounded when stored: ``"nearest"`` (default when None) or
+            ``"stochastic"`` (unbiased; draws from torch's global RNG).
 
     State: ``step`` (float32 scalar, CPU), ``exp_avg`` and ``exp_avg_sq`` in ``state_dtype`` (complex64
     for a complex64 param, as torch.optim)
     (upcast to fp32 for the math, stored back rounded to nearest), ``kahan_comp`` in the param
-    dtype for 16-bit params under ``'kahan'``.
+    dtype for 16-bit params under ``'kahan'``. Under 8-bit state a param with at least 4096 elements
+    and 2 dimensions holds ``exp_avg`` / ``exp_avg_sq`` as codes (its shape, 1 byte each) plus
+    ``exp_avg_absmax`` / ``exp_avg_sq_absmax`` (fp32, one per 256 elements); other params keep fp32
+    moments (:meth:`state_layout` counts both). A NaN/inf reaching the moments of a quantized param
+    turns its block of 256 NaN (:mod:`mixprec.optim.quantized_state`); :class:`mixprec.MixedPrecision`
+    skips non-finite steps before the optimizer runs.
 
     Host syncs: none, except once on the first step for 16-bit params under ``'nearest'``,
     which counts updates smaller than half an ulp and warns if they are over 50%.
@@ -71,14 +85,14 @@ class AdamW(PrecisionOptimizer):
     of one dense fp32 temporary per sparse param and step.
 
     Raises:
-        ValueError: an invalid hyperparameter, ``rounding`` or ``state_dtype``, a param dtype
+        ValueError: an invalid hyperparameter, ``rounding``, ``state_dtype`` or ``state_rounding``, a param dtype
             outside fp32/bf16/fp16/complex64 (named with its shape and the fix), or ``'stochastic'``
             with fp16 params.
     """
 
     def __init__(self, params, lr: float = 1e-3, betas: tuple[float, float] = (0.9, 0.999),
                  eps: float = 1e-8, weight_decay: float = 1e-2, *, rounding: str | None = None,
-                 state_dtype: torch.dtype | None = None) -> None:
+                 state_dtype: torch.dtype | str | None = None, state_rounding: str | None = None) -> None:
         check_number("AdamW", "lr", lr, low=0.0, example="1e-3")
         check_number("AdamW", "eps", eps, low=0.0, example="1e-8")
         check_number("AdamW", "weight_decay", weight_decay, low=0.0, example="1e-2")
@@ -88,7 +102,9 @@ class AdamW(PrecisionOptimizer):
         for name, beta in zip(("betas[0]", "betas[1]"), betas):
             check_number("AdamW", name, beta, low=0.0, high=1.0, high_open=True, example="0.9")
         defaults = dict(lr=lr, betas=tuple(betas), eps=eps, weight_decay=weight_decay)
-        super().__init__(params, defaults, rounding=rounding, state_dtype=state_dtype)
+        super().__init__(params, defaults, rounding=rounding, state_dtype=state_dtype, state_rounding=state_rounding)
+
+    _NONNEGATIVE = frozenset({"exp_avg_sq"})   # its 8-bit code: sqrt(v) in the unsigned map (E5M2 under fp8)
 
     @torch.no_grad()
     def step(self, closure=None):

@@ -3,9 +3,10 @@
 Two kinds of optimizer run under :class:`mixprec.MixedPrecision`:
 
 * a :class:`PrecisionAware` one (:class:`mixprec.optim.AdamW`, :class:`mixprec.optim.SGD`): fp32 math
-  for any param dtype; it takes the policy's ``rounding`` and ``state_dtype`` (unless it was built
-  with explicit ones, which must then agree with the policy), holds Kahan compensation per param,
-  and re-keys its state when the engine swaps the tensors it steps;
+  for any param dtype; it takes the policy's ``rounding``, ``state_dtype`` and ``state_rounding``
+  (unless it was built with explicit ones, which must then agree with the policy), holds Kahan
+  compensation per param, 8-bit state where the policy says ``state=int8``/``fp8``, and re-keys
+  (converting where the state format changes) its state when the engine swaps the tensors it steps;
 * a stock ``torch.optim`` optimizer: state in its params' dtype, round-to-nearest writes. It is
   accepted only where that is exact enough: fp32 stepped tensors (fp32 params or fp32 masters; complex64
   params, two fp32 numbers each, which every policy keeps as they are), ``rounding='nearest'``, fp32 state.
@@ -20,9 +21,9 @@ from typing import Protocol, runtime_checkable
 
 import torch
 
-from mixprec.policy import Policy
+from mixprec.policy import Policy, state_name
 
-__all__ = ["PrecisionAware", "check", "configure", "compensation", "move_state", "start_compensation"]
+__all__ = ["PrecisionAware", "check", "configure", "compensation", "move_state", "start_compensation", "state_note"]
 
 # stepped tensors a stock optimizer handles as it would in an fp32 run: complex64 is two fp32 numbers
 # (torch.optim steps it on its fp32 real view), complex128 more; complex32 is 16-bit and is not here
@@ -35,16 +36,19 @@ class PrecisionAware(Protocol):
 
     rounding: str
     state_dtype: torch.dtype
+    state_rounding: str
 
     @property
     def precision_explicit(self) -> bool: ...
 
-    def set_precision(self, *, rounding: str, state_dtype: torch.dtype) -> None: ...
+    def set_precision(self, *, rounding: str, state_dtype: torch.dtype, state_rounding: str) -> None: ...
 
     def compensation(self, p: torch.Tensor) -> torch.Tensor | None: ...
 
     def move_state(self, moves: list[tuple[torch.Tensor, torch.Tensor | None]], *, rounding: str,
-                   state_dtype: torch.dtype) -> None: ...
+                   state_dtype: torch.dtype, state_rounding: str) -> None: ...
+
+    def state_note(self) -> str: ...
 
     def start_compensation(self, residuals: list[tuple[torch.Tensor, torch.Tensor]]) -> None: ...
 
@@ -52,10 +56,12 @@ class PrecisionAware(Protocol):
 def check(opt: torch.optim.Optimizer, policy: Policy, stepped_dtypes: set[torch.dtype]) -> None:
     """Raise ValueError (naming the fix) if ``opt`` cannot run ``policy`` stepping ``stepped_dtypes``."""
     if isinstance(opt, PrecisionAware):
-        if opt.precision_explicit and (opt.rounding != policy.rounding or opt.state_dtype != policy.state_dtype):
-            raise ValueError(f"optimizer was built with rounding={opt.rounding!r}, state_dtype={opt.state_dtype} "
-                             f"but the policy {policy} says rounding={policy.rounding!r}, state_dtype="
-                             f"{policy.state_dtype}; drop the optimizer's explicit arguments or change the policy")
+        mine = (opt.rounding, opt.state_dtype, opt.state_rounding)
+        if opt.precision_explicit and mine != (policy.rounding, policy.state_dtype, policy.state_rounding):
+            raise ValueError(f"optimizer was built with rounding={opt.rounding!r}, state_dtype={opt.state_dtype}, "
+                             f"state_rounding={opt.state_rounding!r} but the policy {policy} says rounding="
+                             f"{policy.rounding!r}, state_dtype={policy.state_dtype}, state_rounding="
+                             f"{policy.state_rounding!r}; drop the optimizer's explicit arguments or change the policy")
         return
     name = type(opt).__name__
     if policy.rounding != "nearest":
@@ -67,19 +73,28 @@ def check(opt: torch.optim.Optimizer, policy: Policy, stepped_dtypes: set[torch.
                          "weights): small moments round away. Fix: use mixprec.optim.AdamW (fp32 state and math), "
                          "or master=fp32 (e.g. bf16-pure)")
     if policy.state_dtype != torch.float32:
-        raise ValueError(f"policy {policy} asks for state={policy.state_dtype}, which "
+        raise ValueError(f"policy {policy} asks for state={state_name(policy.state_dtype)}, which "
                          f"{name} cannot do; use mixprec.optim.AdamW / SGD")
 
 
-def configure(opt: torch.optim.Optimizer, policy: Policy) -> None:
+def configure(opt: torch.optim.Optimizer, policy: Policy) -> str:
     """Give a :class:`PrecisionAware` optimizer without explicit settings the policy's rounding and
-    state dtype (before its first step); a stock optimizer has nothing to configure."""
+    state format (before its first step); a stock optimizer has nothing to configure. Returns the
+    decision's note on 8-bit state (:func:`state_note`)."""
     if isinstance(opt, PrecisionAware) and not opt.precision_explicit:
-        opt.set_precision(rounding=policy.rounding, state_dtype=policy.state_dtype)
+        opt.set_precision(rounding=policy.rounding, state_dtype=policy.state_dtype,
+                          state_rounding=policy.state_rounding)
     if policy.state_dtype == torch.float16:
         warnings.warn(f"policy {policy} keeps optimizer state in fp16: Adam's second moment (grad**2) "
                       "underflows fp16 below 6e-8, i.e. for gradients under ~2e-4, and the update then "
                       "blows up; prefer state=bf16 (fp32's range) or fp32", stacklevel=3)
+    return state_note(opt)
+
+
+def state_note(opt: torch.optim.Optimizer) -> str:
+    """How a :class:`PrecisionAware` optimizer holds 8-bit state (tensors and elements quantized, kept in
+    fp32), for the engine's decision and events; "" for 16/32-bit state or a stock optimizer."""
+    return opt.state_note() if isinstance(opt, PrecisionAware) else ""
 
 
 def compensation(opt: torch.optim.Optimizer, p: torch.Tensor) -> torch.Tensor | None:
@@ -99,10 +114,12 @@ def start_compensation(opt: torch.optim.Optimizer, policy: Policy, values_fp32: 
 def move_state(opt: torch.optim.Optimizer, moves: list[tuple[torch.Tensor, torch.Tensor | None]],
                policy: Policy) -> None:
     """Re-key ``opt``'s state after the engine swapped the tensors it steps (``(old, new)`` pairs;
-    ``new=None`` drops the state) and adopt ``policy``'s precision. A stock optimizer's state moves
-    as it is (fp32 under every policy :func:`check` accepts)."""
+    ``new=None`` drops the state) and adopt ``policy``'s precision: moments whose storage format changes
+    (e.g. ``state=fp32`` → ``state=int8``) are converted through fp32, others move bit for bit. A stock
+    optimizer's state moves as it is (fp32 under every policy :func:`check` accepts)."""
     if isinstance(opt, PrecisionAware):
-        opt.move_state(moves, rounding=policy.rounding, state_dtype=policy.state_dtype)
+        opt.move_state(moves, rounding=policy.rounding, state_dtype=policy.state_dtype,
+                       state_rounding=policy.state_rounding)
         return
     states = [(new, opt.state.pop(old, None)) for old, new in moves]
     for new, state in states:

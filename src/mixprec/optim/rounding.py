@@ -14,8 +14,9 @@ parameter that *is* the parameter (updated in place, bit-identical to ``torch.op
 ==============  ===============================================================================
 
 :class:`PrecisionOptimizer` is the ``torch.optim.Optimizer`` base of :class:`mixprec.optim.AdamW`
-and :class:`mixprec.optim.SGD`: it validates ``rounding`` / ``state_dtype``, creates the common
-state (``step``, ``kahan_comp``), moves state between its storage dtype and fp32, and runs the
+and :class:`mixprec.optim.SGD`: it validates ``rounding`` / ``state_dtype`` / ``state_rounding``, creates
+the common state (``step``, ``kahan_comp``), moves state between its storage format (a 16/32-bit dtype,
+or blockwise 8-bit codes and scales: :mod:`mixprec.optim.quantized_state`) and fp32, and runs the
 lost-update check (steps 1, 10, 100, ...).
 """
 
@@ -29,13 +30,15 @@ from typing import Any
 import torch
 
 from mixprec.formats import get_format
-from mixprec.policy import ROUNDINGS
+from mixprec.optim import quantized_state as qs
+from mixprec.policy import QUANTIZED_STATE_DTYPES, ROUNDINGS, STATE_FORMATS, STATE_ROUNDINGS, state_name
 
 __all__ = ["ROUNDINGS", "STATE_DTYPES", "stochastic_round_to_bf16", "write_back_", "grad_fp32",
            "lost_update_counts", "PrecisionOptimizer"]
 
-STATE_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
-_PARAM_DTYPES = STATE_DTYPES + (torch.complex64,)   # complex64: two fp32 values, stepped on its real view
+_FLOAT_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
+STATE_DTYPES = _FLOAT_DTYPES + QUANTIZED_STATE_DTYPES   # int8 / fp8: markers of the blockwise 8-bit formats
+_PARAM_DTYPES = _FLOAT_DTYPES + (torch.complex64,)   # complex64: two fp32 values, stepped on its real view
 _HALF_DTYPES = (torch.bfloat16, torch.float16)
 _LOW_16_BITS = 0xFFFF  # bf16 is the top half of an fp32 bit pattern
 
@@ -144,13 +147,30 @@ def _check_rounding(owner: str, rounding: str | None) -> str:
     return rounding
 
 
-def _check_state_dtype(owner: str, state_dtype: torch.dtype | None) -> torch.dtype:
+def _check_state_dtype(owner: str, state_dtype: torch.dtype | str | None) -> torch.dtype:
+    """``state_dtype`` as a torch dtype: None is fp32, a name of :data:`mixprec.policy.STATE_FORMATS`
+    (``"int8"``, ``"fp8"``, ``"bf16"``...) its dtype."""
     if state_dtype is None:
         return torch.float32
+    if isinstance(state_dtype, str) and state_dtype.strip().lower() in STATE_FORMATS:
+        return STATE_FORMATS[state_dtype.strip().lower()]
     if state_dtype not in STATE_DTYPES:
         raise ValueError(f"{owner} state_dtype={state_dtype!r} is not allowed; choose one of "
-                         f"{list(STATE_DTYPES)} or None (= torch.float32)")
+                         f"{list(STATE_DTYPES)}, a name of {list(STATE_FORMATS)} (e.g. state_dtype='int8'), "
+                         "or None (= torch.float32)")
     return state_dtype
+
+
+def _check_state_rounding(owner: str, state_rounding: str | None, state_dtype: torch.dtype) -> str:
+    if state_rounding is None:
+        return "nearest"
+    if state_rounding not in STATE_ROUNDINGS:
+        raise ValueError(f"{owner} state_rounding={state_rounding!r} is not allowed; choose one of "
+                         f"{STATE_ROUNDINGS} or None (= 'nearest')")
+    if state_rounding != "nearest" and state_dtype not in QUANTIZED_STATE_DTYPES:
+        raise ValueError(f"{owner} state_rounding={state_rounding!r} rounds 8-bit state, but state_dtype="
+                         f"{state_dtype}; pass state_dtype='int8' (or 'fp8'), or state_rounding='nearest'")
+    return state_rounding
 
 
 def check_number(owner: str, name: str, value: Any, *, low: float, high: float = math.inf,
@@ -198,25 +218,33 @@ def _is_check_step(step: int) -> bool:
 class PrecisionOptimizer(torch.optim.Optimizer):
     """Shared shell: precision settings, state creation and storage, write-back, warnings.
 
-    Subclasses implement ``step`` with :meth:`_state`, :meth:`_load`, :meth:`_store`,
-    :meth:`_write_back` and :meth:`_warn_if_updates_lost`.
+    Subclasses implement ``step`` with :meth:`_state`, :meth:`_load`, :meth:`_store`, :meth:`_put`,
+    :meth:`_write_back` and :meth:`_warn_if_updates_lost`, and name their moments known to be >= 0 in
+    ``_NONNEGATIVE`` (they get the nonnegative 8-bit code, :func:`mixprec.optim.quantized_state.code_for`).
 
     State per param: ``step`` (float32 scalar on the CPU, as torch.optim), every moment
     (``exp_avg``, ``momentum_buffer``...) in ``state_dtype``, and ``kahan_comp`` in the param
-    dtype for 16-bit params under ``rounding='kahan'``.
+    dtype for 16-bit params under ``rounding='kahan'``. Under an 8-bit ``state_dtype`` (``torch.int8``,
+    ``torch.float8_e4m3fn``) a moment of a tensor :func:`mixprec.optim.quantized_state.quantizes` is two
+    entries: ``state[key]`` (codes, the param's shape, one byte each) and ``state[key + "_absmax"]``
+    (fp32, one per block of 256), both plain tensors, so ``state_dict()``, checkpoints and the bench's
+    tensor census see them; other tensors' moments stay fp32 (:meth:`state_layout` counts both kinds).
     """
 
+    _NONNEGATIVE: frozenset[str] = frozenset()
+
     def __init__(self, params, defaults: dict[str, Any], *, rounding: str | None,
-                 state_dtype: torch.dtype | None) -> None:
+                 state_dtype: torch.dtype | str | None, state_rounding: str | None = None) -> None:
         owner = type(self).__name__
-        self._precision_explicit = rounding is not None or state_dtype is not None
+        self._precision_explicit = rounding is not None or state_dtype is not None or state_rounding is not None
         self.rounding: str = _check_rounding(owner, rounding)
         self.state_dtype: torch.dtype = _check_state_dtype(owner, state_dtype)
+        self.state_rounding: str = _check_state_rounding(owner, state_rounding, self.state_dtype)
         super().__init__(params, defaults)
 
     @property
     def precision_explicit(self) -> bool:
-        """True when ``rounding`` or ``state_dtype`` was passed to the constructor."""
+        """True when ``rounding``, ``state_dtype`` or ``state_rounding`` was passed to the constructor."""
         return self._precision_explicit
 
     def add_param_group(self, param_group: dict[str, Any]) -> None:
@@ -234,22 +262,26 @@ class PrecisionOptimizer(torch.optim.Optimizer):
                 raise ValueError(f"{owner} rounding='stochastic' needs bf16 params, got param dtype "
                                  f"{p.dtype}; use rounding='kahan' (or cast the params to bf16)")
 
-    def set_precision(self, *, rounding: str, state_dtype: torch.dtype) -> None:
-        """Adopt a policy's ``rounding`` and ``state_dtype``; call before the first step.
+    def _checked(self, rounding: str, state_dtype: torch.dtype | str, state_rounding: str
+                 ) -> tuple[str, torch.dtype, str]:
+        owner = type(self).__name__
+        rounding = _check_rounding(owner, rounding)
+        self._check_param_dtypes(chain.from_iterable(g["params"] for g in self.param_groups), rounding)
+        state_dtype = _check_state_dtype(owner, state_dtype)
+        return rounding, state_dtype, _check_state_rounding(owner, state_rounding, state_dtype)
+
+    def set_precision(self, *, rounding: str, state_dtype: torch.dtype | str, state_rounding: str = "nearest") -> None:
+        """Adopt a policy's ``rounding``, ``state_dtype`` and ``state_rounding``; call before the first step.
 
         Raises:
             RuntimeError: optimizer state already exists (a step was taken or a state dict loaded).
-            ValueError: invalid ``rounding`` / ``state_dtype``, or ``'stochastic'`` with non-bf16
-                16-bit params.
+            ValueError: invalid ``rounding`` / ``state_dtype`` / ``state_rounding``, or ``'stochastic'``
+                with non-bf16 16-bit params.
         """
-        owner = type(self).__name__
         if any(len(s) > 0 for s in self.state.values()):
-            raise RuntimeError(f"{owner}.set_precision must be called before the first step: state "
+            raise RuntimeError(f"{type(self).__name__}.set_precision must be called before the first step: state "
                                "already exists; build a new optimizer to change precision")
-        rounding = _check_rounding(owner, rounding)
-        self._check_param_dtypes(chain.from_iterable(g["params"] for g in self.param_groups), rounding)
-        self.state_dtype = _check_state_dtype(owner, state_dtype)
-        self.rounding = rounding
+        self.rounding, self.state_dtype, self.state_rounding = self._checked(rounding, state_dtype, state_rounding)
 
     # ---------------------------------------------------------------- the engine's contract
     def compensation(self, p: torch.Tensor) -> torch.Tensor | None:
@@ -257,32 +289,28 @@ class PrecisionOptimizer(torch.optim.Optimizer):
         return self.state[p].get("kahan_comp") if p in self.state else None
 
     def move_state(self, moves: list[tuple[torch.Tensor, torch.Tensor | None]], *, rounding: str,
-                   state_dtype: torch.dtype) -> None:
+                   state_dtype: torch.dtype | str, state_rounding: str = "nearest") -> None:
         """Re-key state after the engine swapped the tensors this optimizer steps, and adopt a new precision.
 
         ``moves``: ``(old, new)`` per tensor; ``new=None`` drops ``old``'s state. Moments keep their
-        values, cast to ``state_dtype``; Kahan compensation is dropped (the engine folded it into the
-        params first) and restarts at zero where ``rounding`` is still ``'kahan'``; ``step`` is kept.
-        ``rounding``/``state_dtype`` are adopted unless they were passed to the constructor. No sync.
+        values: as they are where the storage format is unchanged (8-bit codes and scales bit for bit),
+        else through fp32 into the new format (cast, or quantized / dequantized: one rounding); Kahan
+        compensation is dropped (the engine folded it into the params first) and restarts at zero where
+        ``rounding`` is still ``'kahan'``; ``step`` is kept. The precision is adopted unless it was passed
+        to the constructor. No sync.
 
         Raises:
-            ValueError: invalid ``rounding`` / ``state_dtype``, or ``'stochastic'`` with fp16 params.
+            ValueError: invalid ``rounding`` / ``state_dtype`` / ``state_rounding``, or ``'stochastic'``
+                with fp16 params. Nothing has changed then.
         """
-        owner = type(self).__name__
         if not self.precision_explicit:
-            rounding = _check_rounding(owner, rounding)
-            self._check_param_dtypes(chain.from_iterable(g["params"] for g in self.param_groups), rounding)
-            state_dtype = _check_state_dtype(owner, state_dtype)
+            self.rounding, self.state_dtype, self.state_rounding = self._checked(rounding, state_dtype, state_rounding)
         states = [(new, self.state.pop(old, None)) for old, new in moves]   # all out first: old and new may alias
         for new, state in states:
             if not state or new is None:
                 continue
             state.pop("kahan_comp", None)
-            self.state[new] = {k: v.to(state_dtype) if (k != "step" and torch.is_tensor(v) and v.is_floating_point()
-                                                        and v.shape == new.shape) else v
-                               for k, v in state.items()}
-        if not self.precision_explicit:
-            self.rounding, self.state_dtype = rounding, state_dtype
+            self.state[new] = self._restored(new, state, copy=False)
 
     def start_compensation(self, residuals: list[tuple[torch.Tensor, torch.Tensor]]) -> None:
         """Set the Kahan compensation of each 16-bit ``p`` to ``residual`` (fp32, what rounding ``p`` to its
@@ -290,34 +318,112 @@ class PrecisionOptimizer(torch.optim.Optimizer):
         for p, residual in residuals:
             self.state[p]["kahan_comp"] = residual.to(p.dtype)
 
+    def state_layout(self) -> dict[str, int]:
+        """How this optimizer lays out moment state over the tensors it steps, from their shapes (valid
+        before the first step): ``quantized_tensors`` / ``quantized_elements`` held in 8-bit codes (0 unless
+        ``state_dtype`` is 8-bit) and ``full_tensors`` / ``full_elements`` kept in ``state_dtype``, or in fp32
+        under 8-bit state (fewer than 4096 elements, 1-D or complex)."""
+        stepped = list(chain.from_iterable(g["params"] for g in self.param_groups))
+        quantized = [t for t in stepped if self._quantized(t)]
+        full = [t for t in stepped if not self._quantized(t)]
+        return {"quantized_tensors": len(quantized), "quantized_elements": sum(t.numel() for t in quantized),
+                "full_tensors": len(full), "full_elements": sum(t.numel() for t in full)}
+
+    def state_note(self) -> str:
+        """The engine decision's words on 8-bit state ("" under a 16/32-bit ``state_dtype``): which format,
+        and how many tensors and elements it quantizes and keeps in fp32 (by design, not a fallback)."""
+        if self.state_dtype not in QUANTIZED_STATE_DTYPES:
+            return ""
+        n = self.state_layout()
+        rounding = "stochastically rounded" if self.state_rounding == "stochastic" else "rounded to nearest"
+        return (f"; optimizer state {state_name(self.state_dtype)} blockwise ({qs.BLOCK_SIZE}-element "
+                f"blocks, fp32 absmax, {rounding}) for {n['quantized_tensors']} tensor(s) ({n['quantized_elements']:,} "
+                f"elements); {n['full_tensors']} tensor(s) ({n['full_elements']:,} elements) keep fp32 state by design "
+                f"(fewer than {qs.MIN_QUANTIZED_NUMEL} elements or 1-D)")
+
     # ---------------------------------------------------------------- state helpers
+    def _quantized(self, t: torch.Tensor) -> bool:
+        """Whether ``t``'s moments are stored in 8-bit codes under this optimizer's ``state_dtype``."""
+        return self.state_dtype in QUANTIZED_STATE_DTYPES and not t.is_complex() and qs.quantizes(t)
+
+    def _format(self, p: torch.Tensor, key: str) -> tuple[torch.dtype, bool]:
+        """How moment ``key`` of ``p`` is stored here: (storage dtype, quantized)."""
+        if p.is_complex():
+            return p.dtype, False
+        if self._quantized(p):
+            return qs.code_for(self.state_dtype, nonnegative=key in self._NONNEGATIVE).storage_dtype, True
+        return (torch.float32 if self.state_dtype in QUANTIZED_STATE_DTYPES else self.state_dtype), False
+
     def _state(self, p: torch.Tensor, *, zeros: tuple[str, ...] = ()) -> dict[str, Any]:
         """``self.state[p]`` with ``step``, the ``zeros`` moments and (if needed) ``kahan_comp``."""
         state = self.state[p]
         if "step" not in state:
             state["step"] = torch.tensor(0.0, dtype=torch.float32)
-        for key in zeros:   # a complex64 param's moments are complex64, as torch.optim's (state_dtype is for reals)
+        for key in zeros:
             if key not in state:
-                dtype = p.dtype if p.is_complex() else self.state_dtype
-                state[key] = torch.zeros_like(p, dtype=dtype, memory_format=torch.preserve_format)
+                self._put(p, state, key, None)
         if self.rounding == "kahan" and p.dtype in _HALF_DTYPES and "kahan_comp" not in state:
             state["kahan_comp"] = torch.zeros_like(p, memory_format=torch.preserve_format)
         return state
 
-    @staticmethod
-    def _load(state: dict[str, Any], key: str) -> torch.Tensor:
-        return _as_fp32(state[key])
+    def _put(self, p: torch.Tensor, state: dict[str, Any], key: str, value_fp32: torch.Tensor | None) -> None:
+        """Create moment ``key`` of ``p`` in this optimizer's format from ``value_fp32`` (of :func:`_as_fp32`'s
+        shape; None: zeros): complex64 for a complex ``p`` (as torch.optim; ``state_dtype`` is for reals),
+        8-bit codes and scales where :meth:`_quantized`, else ``state_dtype`` (fp32 under 8-bit state)."""
+        if p.is_complex():
+            state[key] = torch.zeros_like(p) if value_fp32 is None else torch.view_as_complex(value_fp32.contiguous())
+            return
+        storage, quantized = self._format(p, key)
+        if quantized:
+            code = qs.code_for(self.state_dtype, nonnegative=key in self._NONNEGATIVE)
+            state[key], state[key + qs.ABSMAX_SUFFIX] = (qs.zeros(p.shape, code, p.device) if value_fp32 is None else
+                                                         qs.quantize(value_fp32, code, rounding=self.state_rounding))
+        elif value_fp32 is None:
+            state[key] = torch.zeros_like(p, dtype=storage, memory_format=torch.preserve_format)
+        else:
+            state[key] = value_fp32.to(storage)
 
-    @staticmethod
-    def _store(state: dict[str, Any], key: str, value_fp32: torch.Tensor) -> None:
-        if state[key] is not value_fp32 and not state[key].is_complex():   # complex: updated through its real view
+    def _load(self, state: dict[str, Any], key: str) -> torch.Tensor:
+        """Moment ``key`` in fp32: the stored tensor itself when fp32 (in-place math updates it), its real
+        view when complex, else a new fp32 tensor (upcast, or dequantized codes)."""
+        absmax = state.get(key + qs.ABSMAX_SUFFIX)
+        if absmax is None:
+            return _as_fp32(state[key])
+        return qs.dequantize(state[key], absmax, qs.code_of(state[key], nonnegative=key in self._NONNEGATIVE))
+
+    def _store(self, state: dict[str, Any], key: str, value_fp32: torch.Tensor) -> None:
+        """Write ``value_fp32`` back into moment ``key``'s storage: requantized (``state_rounding``) into its
+        codes and scales, else rounded to nearest into its dtype (nothing to do for an fp32 alias)."""
+        absmax = state.get(key + qs.ABSMAX_SUFFIX)
+        if absmax is not None:
+            code = qs.code_of(state[key], nonnegative=key in self._NONNEGATIVE)
+            qs.quantize(value_fp32, code, rounding=self.state_rounding, out=(state[key], absmax))
+        elif state[key] is not value_fp32 and not state[key].is_complex():   # complex: updated through its real view
             state[key].copy_(value_fp32)  # round to nearest into the storage dtype
 
-    @staticmethod
-    def _new_state(p: torch.Tensor, value_fp32: torch.Tensor, state_dtype: torch.dtype) -> torch.Tensor:
-        """A state tensor first computed as ``value_fp32`` (of :func:`_as_fp32`'s shape), in ``p``'s storage:
-        complex64 for a complex ``p``, else ``state_dtype``."""
-        return torch.view_as_complex(value_fp32.contiguous()) if p.is_complex() else value_fp32.to(state_dtype)
+    def _restored(self, p: torch.Tensor, saved: dict[str, Any], *, copy: bool) -> dict[str, Any]:
+        """``saved`` (a state of ``p``'s shape) as this optimizer's state for ``p``: each moment as it is where
+        its storage format is this optimizer's (codes and scales bit for bit), else through fp32 into it;
+        ``copy``: every tensor a copy on ``p``'s device (``kahan_comp`` in ``p``'s dtype, ``step`` as saved)."""
+        if copy:
+            saved = {k: v.clone() if k == "step" else
+                     v.to(device=p.device, dtype=p.dtype if k == "kahan_comp" else v.dtype, copy=True)
+                     if torch.is_tensor(v) else v for k, v in saved.items()}
+        out: dict[str, Any] = {}
+        for key, value in saved.items():
+            if key.endswith(qs.ABSMAX_SUFFIX):
+                continue
+            if key in ("step", "kahan_comp") or not torch.is_tensor(value):
+                out[key] = value
+                continue
+            absmax = saved.get(key + qs.ABSMAX_SUFFIX)
+            if self._format(p, key) == (value.dtype, absmax is not None):
+                out[key] = value
+                if absmax is not None:
+                    out[key + qs.ABSMAX_SUFFIX] = absmax
+            else:
+                self._put(p, out, key, self._load(saved, key))
+        return out
 
     def _write_back(self, p: torch.Tensor, param_fp32: torch.Tensor, state: dict[str, Any],
                     lost_counts: list) -> None:
@@ -347,21 +453,18 @@ class PrecisionOptimizer(torch.optim.Optimizer):
                 UserWarning, stacklevel=5)  # here < step < no_grad < torch's step hooks < caller
 
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
-        """As ``torch.optim.Optimizer.load_state_dict``, but keep this optimizer's state dtypes.
+        """As ``torch.optim.Optimizer.load_state_dict``, but keep this optimizer's state formats.
 
         torch casts every floating state tensor to its param's dtype, which would truncate fp32
-        moments of bf16 params. Here moments are copied in ``state_dtype``, ``kahan_comp`` in the
-        param dtype and ``step`` as saved (all copies, never aliases of ``state_dict``).
+        moments of bf16 params (and turn 8-bit codes into floats). Here each moment is copied as saved
+        where its storage format is this optimizer's (8-bit codes and their absmax scales bit for bit, so
+        ``load_state_dict(state_dict())`` is exact), else converted through fp32 into it (e.g. a
+        ``torch.optim.AdamW`` state into 8-bit codes); ``kahan_comp`` in the param dtype and ``step``
+        as saved (all copies, never aliases of ``state_dict``).
         """
         super().load_state_dict(state_dict)
         saved_ids = chain.from_iterable(g["params"] for g in state_dict["param_groups"])
         params = chain.from_iterable(g["params"] for g in self.param_groups)
         for saved_id, p in zip(saved_ids, params):
-            for key, value in state_dict["state"].get(saved_id, {}).items():
-                if not torch.is_tensor(value):
-                    continue
-                if key == "step":
-                    self.state[p][key] = value.clone()
-                else:
-                    dtype = p.dtype if key == "kahan_comp" or p.is_complex() else self.state_dtype
-                    self.state[p][key] = value.to(device=p.device, dtype=dtype, copy=True)
+            if saved_id in state_dict["state"]:
+                self.state[p] = self._restored(p, state_dict["state"][saved_id], copy=True)

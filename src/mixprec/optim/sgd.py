@@ -58,13 +58,18 @@ class SGD(PrecisionOptimizer):
         weight_decay: L2 penalty λ >= 0, added to the gradient.
         nesterov: Nesterov momentum (needs ``momentum > 0`` and ``dampening == 0``).
         rounding: ``"nearest"`` (default when None), ``"kahan"`` or ``"stochastic"`` (bf16 only).
-        state_dtype: dtype of ``momentum_buffer``: fp32 (default when None), bf16, fp16.
+        state_dtype: format of ``momentum_buffer``: fp32 (default when None), bf16, fp16, or 8-bit blockwise
+            (``"int8"``: the signed dynamic map; ``"fp8"``: E4M3; :mod:`mixprec.optim.quantized_state`).
+        state_rounding: how 8-bit state is rounded when stored: ``"nearest"`` (default when None) or
+            ``"stochastic"``.
 
     State: ``step`` (float32 scalar, CPU; counts steps for the first-step check),
     ``momentum_buffer`` in ``state_dtype`` when ``momentum != 0`` (complex64 for a complex64 param,
     as torch.optim; upcast to fp32 for the
     math, stored back rounded to nearest), ``kahan_comp`` in the param dtype for 16-bit params
-    under ``'kahan'``.
+    under ``'kahan'``. Under 8-bit state a param with at least 4096 elements and 2 dimensions holds
+    ``momentum_buffer`` as codes plus ``momentum_buffer_absmax`` (fp32, one per 256 elements),
+    dequantized into fp32 for :func:`sgd_update_` and requantized after; other params keep it in fp32.
 
     Host syncs: none, except once on the first step for 16-bit params under ``'nearest'``,
     which counts updates smaller than half an ulp and warns if they are over 50%.
@@ -74,14 +79,14 @@ class SGD(PrecisionOptimizer):
     of one dense fp32 temporary per sparse param and step.
 
     Raises:
-        ValueError: an invalid hyperparameter, ``rounding`` or ``state_dtype``, a param dtype
+        ValueError: an invalid hyperparameter, ``rounding``, ``state_dtype`` or ``state_rounding``, a param dtype
             outside fp32/bf16/fp16/complex64 (named with its shape and the fix), or ``'stochastic'``
             with fp16 params.
     """
 
     def __init__(self, params, lr: float = 1e-3, momentum: float = 0.0, dampening: float = 0.0,
                  weight_decay: float = 0.0, nesterov: bool = False, *, rounding: str | None = None,
-                 state_dtype: torch.dtype | None = None) -> None:
+                 state_dtype: torch.dtype | str | None = None, state_rounding: str | None = None) -> None:
         check_number("SGD", "lr", lr, low=0.0, example="1e-3")
         check_number("SGD", "momentum", momentum, low=0.0, example="0.9")
         check_number("SGD", "dampening", dampening, low=0.0, example="0.0")
@@ -92,7 +97,7 @@ class SGD(PrecisionOptimizer):
                              "or nesterov=False")
         defaults = dict(lr=lr, momentum=momentum, dampening=dampening, weight_decay=weight_decay,
                         nesterov=nesterov)
-        super().__init__(params, defaults, rounding=rounding, state_dtype=state_dtype)
+        super().__init__(params, defaults, rounding=rounding, state_dtype=state_dtype, state_rounding=state_rounding)
 
     @torch.no_grad()
     def step(self, closure=None):
@@ -117,7 +122,7 @@ class SGD(PrecisionOptimizer):
                 if buffer_fp32 is not None:
                     self._store(state, "momentum_buffer", buffer_fp32)
                 elif new_buffer_fp32 is not None:
-                    state["momentum_buffer"] = self._new_state(p, new_buffer_fp32, self.state_dtype)
+                    self._put(p, state, "momentum_buffer", new_buffer_fp32)
                 self._write_back(p, param_fp32, state, lost_counts)
         self._warn_if_updates_lost(lost_counts)
         return loss
