@@ -347,6 +347,9 @@ def test_guard_state_dict_round_trips_every_field():
     ("bf16-mixed", "", True, "fp32"),          # the root module: keeping it is no smaller than fp32
     ("bf16-kahan", None, True, "fp32"),
     ("fp32", "hot", True, None),
+    ("bf16-lean", None, True, "fp32"),                  # bf16 params and 8-bit state: both to fp32
+    ("fp32,state=int8,state_rounding=stochastic", "hot", True, "fp32"),   # fp32 params: the 8-bit state goes
+    ("fp32,state=fp8", None, True, "fp32"),
 ])
 def test_next_policy_ladder(policy, module, bf16_ok, expect):
     new, why = next_policy(mixprec.Policy.parse(policy), module, bf16_ok=bf16_ok)

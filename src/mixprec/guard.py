@@ -30,7 +30,7 @@ from mixprec.devices import probe
 from mixprec.divergence import DivergenceError
 from mixprec.engine import StepResult
 from mixprec.numerics.localise import NonFiniteReport, locate_nonfinite
-from mixprec.policy import PRESETS, Policy
+from mixprec.policy import PRESETS, QUANTIZED_STATE_DTYPES, Policy
 from mixprec.tree import map_tensors
 
 __all__ = ["Guard", "GuardConfig", "GuardState", "next_policy"]
@@ -130,7 +130,8 @@ def next_policy(policy: Policy, module: str | None, *, bf16_ok: bool) -> tuple[P
        fp32 (``keep_fp32 += (module,)``);
     2. any fp16 in the policy: fp16 → bf16 (fp32's exponent range, no loss scaling) where
        ``bf16_ok``, else straight to fp32;
-    3. any bf16: → the ``fp32`` preset.
+    3. any bf16: → the ``fp32`` preset;
+    4. 8-bit optimizer state (``state=int8`` / ``fp8``) under fp32 params and compute: → fp32 state.
     """
     fp16, bf16 = torch.float16, torch.bfloat16
     dtypes = {policy.param_dtype, policy.compute_dtype, policy.output_dtype, policy.state_dtype}
@@ -145,6 +146,9 @@ def next_policy(policy: Policy, module: str | None, *, bf16_ok: bool) -> tuple[P
         return policy.replace(**swap, loss_scale="none"), "fp16 → bf16 (fp32's exponent range, no loss scaling)"
     if bf16 in dtypes:
         return PRESETS["fp32"], "bf16 → fp32"
+    if policy.state_dtype in QUANTIZED_STATE_DTYPES:
+        return (policy.replace(state_dtype=torch.float32, state_rounding="nearest"),
+                "8-bit optimizer state → fp32 state")
     return None, "the policy is fp32 already"
 
 
