@@ -394,6 +394,8 @@ def test_tiny_bench_times_the_policies_interleaved(tiny_bench):
     timing = results["timing"]
     assert timing["method"] == "interleaved" and timing["block_steps"] == 5 and timing["blocks"] == 4
     assert set(timing["step_ms"]) == {"fp32", "bf16-mixed"} and not timing["errors"]   # fp16-mixed was SKIPPED
+    from mixprec.bench.runner import TIMING_MALLOC_ENV   # the workers' malloc keeps its heap (no per-step faults)
+    assert timing["malloc_env"] == {k: os.environ.get(k, v) for k, v in TIMING_MALLOC_ENV.items()}
     assert isinstance(timing["noisy"], bool)
     for name, step in timing["step_ms"].items():
         e = results["policies"][name]
@@ -404,6 +406,7 @@ def test_tiny_bench_times_the_policies_interleaved(tiny_bench):
     assert bf16["speedup_vs_fp32"] == pytest.approx(timing["step_ms"]["fp32"]["median"] / timing["step_ms"]["bf16-mixed"]
                                                     ["median"])
     assert "timing: interleaved (4 rounds of 5 steps per policy" in (out / "report.md").read_text()
+    assert "malloc: MALLOC_MMAP_THRESHOLD_=" in (out / "report.md").read_text()
 
 
 def test_noisy_interleaved_timing_is_said_and_gives_no_speed_verdict(tmp_path, capsys, monkeypatch):

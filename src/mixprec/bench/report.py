@@ -209,13 +209,21 @@ def auto_lines(results: dict) -> list[str]:
             if str(e.get("requested") or name).lower() == "auto" and e.get("decision")]
 
 
+def _malloc_text(malloc_env: dict | None) -> str:
+    """How the timing workers' malloc was set (their step time is compute, not page faults: runner.TIMING_MALLOC_ENV)."""
+    if not malloc_env:
+        return ""
+    return "; malloc: " + " ".join(f"{k}={v}" for k, v in malloc_env.items())
+
+
 def timing_lines(results: dict) -> list[str]:
     """How the step times were measured, and whether they can carry a speed verdict (console and report.md)."""
     t = results.get("timing") or {}
     spread = ", ".join(f"{n} {v:.2f}" for n, v in (t.get("spread") or {}).items())
     if t.get("method") == "interleaved":
         how = (f"timing: interleaved ({t['blocks']} rounds of {t['block_steps']} steps per policy in resident "
-               f"workers{', re-timed ' + str(t['retimed']) + 'x' if t.get('retimed') else ''}); p90/p10 spread: {spread}")
+               f"workers{', re-timed ' + str(t['retimed']) + 'x' if t.get('retimed') else ''}"
+               f"{_malloc_text(t.get('malloc_env'))}); p90/p10 spread: {spread}")
     else:
         how = f"timing: sequential (each policy's quality run); p90/p10 spread: {spread}"
     lines = [how]
