@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from typing import Any
+
 import torch
 
 from mixprec.optim.rounding import PrecisionOptimizer, _as_fp32, check_number, grad_fp32
@@ -105,6 +107,12 @@ class AdamW(PrecisionOptimizer):
         super().__init__(params, defaults, rounding=rounding, state_dtype=state_dtype, state_rounding=state_rounding)
 
     _NONNEGATIVE = frozenset({"exp_avg_sq"})   # its 8-bit code: sqrt(v) in the unsigned map (E5M2 under fp8)
+
+    def _unimplemented_options(self, group: dict[str, Any]) -> list[str]:
+        found = super()._unimplemented_options(group) + (["amsgrad=True"] if group.get("amsgrad") else [])
+        if group.get("decoupled_weight_decay") is False and group.get("weight_decay", 0) != 0:
+            found.append("decoupled_weight_decay=False (torch.optim.Adam's L2 weight decay)")
+        return found
 
     @torch.no_grad()
     def step(self, closure=None):

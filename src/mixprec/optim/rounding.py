@@ -452,6 +452,10 @@ class PrecisionOptimizer(torch.optim.Optimizer):
                 "(policy 'bf16-pure'), or use rounding='kahan' or rounding='stochastic'.",
                 UserWarning, stacklevel=5)  # here < step < no_grad < torch's step hooks < caller
 
+    def _unimplemented_options(self, group: dict[str, Any]) -> list[str]:
+        """The ``torch.optim`` options of a saved param ``group`` this optimizer's math lacks, as ``name=value``."""
+        return ["maximize=True"] if group.get("maximize") else []
+
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
         """As ``torch.optim.Optimizer.load_state_dict``, but keep this optimizer's state formats.
 
@@ -461,7 +465,18 @@ class PrecisionOptimizer(torch.optim.Optimizer):
         ``load_state_dict(state_dict())`` is exact), else converted through fp32 into it (e.g. a
         ``torch.optim.AdamW`` state into 8-bit codes); ``kahan_comp`` in the param dtype and ``step``
         as saved (all copies, never aliases of ``state_dict``).
+
+        Raises:
+            ValueError: a saved param group was made with a ``torch.optim`` option this optimizer does not
+                implement (``maximize=True``; for AdamW ``amsgrad=True`` or ``torch.optim.Adam``'s L2 weight
+                decay), which would load and then step differently; nothing is loaded.
         """
+        owner = type(self).__name__
+        for i, group in enumerate(state_dict["param_groups"]):
+            if found := self._unimplemented_options(group):
+                raise ValueError(f"{owner}.load_state_dict: saved param group {i} was made with {', '.join(found)}, "
+                                 f"which {owner} does not implement (it would step differently); keep training it "
+                                 "with the torch.optim optimizer that saved it, or save it without those options")
         super().load_state_dict(state_dict)
         saved_ids = chain.from_iterable(g["params"] for g in state_dict["param_groups"])
         params = chain.from_iterable(g["params"] for g in self.param_groups)
