@@ -139,6 +139,32 @@ def test_a_non_finite_value_turns_its_block_nan_and_no_other():
         assert torch.equal(out[[0, 3]], clean)                         # the other blocks as if alone
 
 
+@pytest.mark.parametrize("code", [c for c in CODES if not c.indexed], ids=str)
+def test_fp8_blocks_of_tiny_finite_values_stay_finite(code):
+    """A block whose absmax is under ``qmax * 2**-126`` (v = g**2 of |g| ~ 1e-19 under E5M2) made the scale
+    ``absmax / qmax`` subnormal or 0, its values inf or NaN: they read back finite, each within the format's
+    half ulp of itself plus half its smallest subnormal step at the floor scale ``2**-126`` per table unit."""
+    tiny = torch.finfo(torch.float32).tiny
+    step = float(code.table()[code.table() > 0].min())           # the format's smallest positive value
+    half_ulp = torch.finfo(code.storage_dtype).eps / 2
+    for magnitude in (1e-36, 1e-38, 1e-40, 1e-42, 1e-44):
+        x = torch.rand(4, 256, generator=torch.Generator().manual_seed(0)) * magnitude
+        for rounding in ("nearest", "stochastic"):
+            out = qs.dequantize(*qs.quantize(x, code, rounding=rounding), code)
+            assert torch.isfinite(out).all(), (magnitude, rounding)
+            bound = (2 if rounding == "stochastic" else 1) * (half_ulp * x + step * tiny / 2)
+            assert ((out - x).abs() <= bound).all(), (magnitude, rounding)
+    normal = torch.rand(4, 256) + 0.5                              # untouched above the floor: as before
+    codes, absmax = qs.quantize(normal, code)
+    assert torch.equal(codes.float(), (normal.view(4, 256) / (absmax / code.qmax)[:, None]).to(code.storage_dtype).float())
+    p = nn.Parameter(torch.randn(BIG))
+    opt = mo.AdamW([p], lr=1e-3, state_dtype="fp8")
+    for _ in range(3):
+        p.grad = torch.randn(BIG) * 1e-19
+        opt.step()
+    assert torch.isfinite(p).all() and not opt.state[p]["exp_avg_sq_absmax"].isnan().any()
+
+
 @pytest.mark.parametrize("code", CODES, ids=str)
 def test_stochastic_rounding_is_unbiased_within_a_bound_from_its_variance(code):
     """One block repeated N times (each copy its own draws, fixed generator): the mean decoded value of

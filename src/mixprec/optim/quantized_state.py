@@ -12,7 +12,8 @@ A moment tensor ``x_fp32`` (any shape, ``n`` elements) is held as two tensors:
 **Scale convention** (stated here once): a block's coded values are divided by the block's scale
 ``absmax / qmax`` (fp32; ``qmax`` is 1 for the dynamic maps, the fp8 format's largest finite value for
 fp8), so they lie in ``[-qmax, qmax]``, and rounded to the code's table; dequantizing multiplies the
-table value by the same scale (and squares it for ``dynamic-sqrt``). Exact bytes of one tensor:
+table value by the same scale (and squares it for ``dynamic-sqrt``). Under fp8 the scale is never below
+the smallest normal fp32, ``2**-126`` (a tinier one made a block of tiny values inf or NaN). Exact bytes of one tensor:
 ``n + 4 * ceil(n / 256)`` (:func:`nbytes`).
 
 The codes (:data:`CODES`), by state format and moment:
@@ -242,6 +243,16 @@ def _blocks(flat: torch.Tensor) -> torch.Tensor:
     return (F.pad(flat, (0, pad)) if pad else flat).view(-1, BLOCK_SIZE)
 
 
+def _unit(absmax: torch.Tensor, code: Code) -> torch.Tensor:
+    """Per block, what one table unit is worth: ``absmax / qmax`` (absmax itself, exactly, for the dynamic maps).
+    Under fp8 never less than the smallest normal fp32 (``2**-126``): a block's absmax under ``qmax * 2**-126``
+    (a ``v`` of ~1e-34) made it subnormal or 0, and the block's values inf or NaN when divided by it. Such a
+    block is coded against the floor instead (its values lose fp8 precision, like fp32 subnormals)."""
+    if code.qmax == 1.0:
+        return absmax
+    return absmax.clamp_min(code.qmax * torch.finfo(torch.float32).tiny) / code.qmax   # exact: NaN stays NaN
+
+
 def _round_index(y: torch.Tensor, code: Code, rounding: str, generator: torch.Generator | None) -> torch.Tensor:
     """Indices into ``code``'s table of ``y`` (table units), rounded to nearest or stochastically."""
     if rounding == "nearest":
@@ -286,7 +297,7 @@ def quantize(x_fp32: torch.Tensor, code: Code, *, rounding: str = "nearest", gen
     absmax = (blocks_fp32 if code.sqrt else blocks_fp32.abs()).amax(dim=1)        # (nblocks,); NaN propagates
     absmax = torch.where(torch.isfinite(absmax), absmax, torch.nan)               # inf too: the block reads NaN
     scale = torch.where(absmax > 0, absmax, 1.0)                                  # an all-zero block: codes of 0
-    y = blocks_fp32 / (scale if code.qmax == 1.0 else scale / code.qmax)[:, None]  # (nblocks, 256), |y| <~ qmax
+    y = blocks_fp32 / _unit(scale, code)[:, None]                                # (nblocks, 256), |y| <~ qmax
     if not code.indexed and rounding == "nearest":
         encoded = y                                                               # the fp8 cast rounds to nearest even
     else:
@@ -313,8 +324,7 @@ def dequantize(codes: torch.Tensor, absmax: torch.Tensor, code: Code) -> torch.T
                          f"codes of shape {tuple(codes.shape)}: expected fp32 {state_shape(ABSMAX_SUFFIX, codes.shape)}")
     flat_codes = codes.reshape(-1)
     values = _table(code.name, str(codes.device)).index_select(0, flat_codes.int()) if code.indexed else flat_codes.float()
-    scale = absmax if code.qmax == 1.0 else absmax / code.qmax                # qmax = 1: absmax itself, exactly
-    out = _blocks(values).mul_(scale[:, None])                                # (nblocks, 256)
+    out = _blocks(values).mul_(_unit(absmax, code)[:, None])                  # (nblocks, 256)
     out = out.square_() if code.sqrt else out
     return out.reshape(-1)[: codes.numel()].view(codes.shape)
 
