@@ -327,6 +327,17 @@ def test_speed_plot_has_p10_p90_whiskers_and_axis_labels(tmp_path):
     assert [tuple(seg[:, 1]) for seg in segments] == [(9.0, 12.0), (9.0, 12.0)]
 
 
+def test_speed_plot_says_timings_noisy_where_no_speed_verdict_is_given(tmp_path):
+    """A noisy timing gives no speed verdict (console, report.md, results.json); the plot's speedup labels said
+    "0.45x" on a 40x p90/p10 spread with nothing beside them."""
+    results = _curve_results([[3, 1.6]], [[3, 1.6]], [])
+    results["timing"] = {"method": "interleaved", "noisy": True}
+    fig = plot_speed_memory(results, tmp_path / "noisy.png")
+    assert "TIMINGS NOISY" in fig.axes[0].get_title() and "unreliable" in fig.axes[0].get_title()
+    results["timing"]["noisy"] = False
+    assert "NOISY" not in plot_speed_memory(results, tmp_path / "quiet.png").axes[0].get_title()
+
+
 # --- end to end through the CLI ---------------------------------------------------------------
 
 @pytest.fixture(scope="module")

@@ -505,6 +505,9 @@ def plot_speed_memory(results: dict, path: Path) -> Any:
                "speedup_vs_fp32"),
               ("peak_memory_mb", "peak memory (MiB)", "peak memory; label: ratio to fp32", "memory_ratio_vs_fp32"),
               ("state_bytes_per_param", "training state (bytes/param)", "training state per parameter", None)]
+    if (results.get("timing") or {}).get("noisy"):   # no speed verdict was given: the labels must not read as one
+        panels[0] = panels[0][:2] + ("TIMINGS NOISY: step times and speedups unreliable (no speed verdict)",
+                                     panels[0][3])
     fig, axes = plt.subplots(1, 3, figsize=(13, 4.4))
     for ax, (key, ylabel, title, ratio_key) in zip(axes, panels):
         values = [ran[n].get(key) or 0.0 for n in names]
