@@ -573,6 +573,19 @@ def test_user_workload_module_function(tmp_path, monkeypatch):
     assert "| samples/s |" in (out / "report.md").read_text()
 
 
+def test_a_workload_without_a_loss_unit_is_not_labelled_nats(tmp_path):
+    """USER_WORKLOAD (an MSE regression) sets no ``loss_unit``: its plots and eval table said "nats"."""
+    from mixprec.workloads import Workload
+
+    assert Workload.loss_unit is None
+    results = _curve_results([[1, 2.0], [3, 1.6]], [[1, 2.0], [3, 1.6]], [])
+    for entry in results["policies"].values():
+        entry["loss_unit"] = None
+    fig = plot_loss_curves(results, tmp_path / "l.png")
+    assert all("nats" not in a.get_ylabel() and "unit not set" in a.get_ylabel() for a in fig.axes[:2])
+    assert "nats" not in eval_curve_lines(results)[0] and "unit not set" in eval_curve_lines(results)[0]
+
+
 def test_unknown_policy_is_an_error_not_a_skip(tmp_path, capsys):
     status = main(["bench", "--config", "tiny", "--policies", "bf16-mixd", "--steps", "5", "--out", str(tmp_path)])
     assert status == 2

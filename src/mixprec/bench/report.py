@@ -400,7 +400,8 @@ def _width(index: int, count: int) -> float:
 
 
 def _loss_unit(results: dict) -> str:
-    return next((e["loss_unit"] for e in _ran(results).values() if e.get("loss_unit")), "nats")
+    return next((e["loss_unit"] for e in _ran(results).values() if e.get("loss_unit")),
+                "unit not set: Workload.loss_unit")
 
 
 def _plot_training(ax: Any, results: dict, window: int) -> None:
