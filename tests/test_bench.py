@@ -319,6 +319,17 @@ def test_loss_plot_draws_eval_deltas_gate_and_seed_band(tmp_path):
     assert max(ys) == pytest.approx(5.0) and min(ys) == pytest.approx(-5.0)
 
 
+def test_seed_band_label_counts_the_seeds_that_finished(tmp_path):
+    """--seeds 3 whose third fp32 run did not finish: the band is drawn from the two curves there are, and its
+    label said "fp32 at 3 seeds"."""
+    fp32, seed1 = [[1, 2.0], [3, 1.6]], [[1, 2.1], [3, 1.64]]
+    results = _curve_results(fp32, fp32, [fp32, seed1])
+    results["seed_noise"].update(seeds=[0, 1, 2], error="the fp32 run at another seed did not finish")
+    delta = plot_loss_curves(results, tmp_path / "l.png").axes[2]
+    labels = [t.get_text() for t in delta.get_legend().get_texts()]
+    assert "seed noise (fp32 at 2 seeds)" in labels, labels
+
+
 def test_speed_plot_has_p10_p90_whiskers_and_axis_labels(tmp_path):
     fig = plot_speed_memory(_curve_results([[3, 1.6]], [[3, 1.6]], []), tmp_path / "s.png")
     assert [a.get_ylabel() for a in fig.axes] == ["step time (ms)", "peak memory (MiB)", "training state (bytes/param)"]

@@ -460,7 +460,7 @@ def _plot_eval_delta(ax: Any, results: dict) -> None:
     if band:
         steps = sorted(band)
         ax.fill_between(steps, [-100 * band[st] for st in steps], [100 * band[st] for st in steps], color="gray",
-                        alpha=0.2, label=f"seed noise (fp32 at {len((results.get('seed_noise') or {})['seeds'])} seeds)")
+                        alpha=0.2, label=f"seed noise (fp32 at {len([c for c in results['seed_noise']['fp32_eval_curves'] if c])} seeds)")
     limit_pct = 100 * results["settings"]["targets"]["max_loss_delta"]
     ax.axhline(0, color="black", lw=0.8)
     ax.axhline(limit_pct, color="red", lw=0.8, ls="--", label=f"gate: --max-loss-delta +{limit_pct:g}% (final eval)")
