@@ -411,6 +411,24 @@ def test_loading_a_torch_state_whose_options_we_do_not_implement_is_refused(torc
     assert len(opt.state) == 1
 
 
+@pytest.mark.parametrize("opt_cls, option, value, fix", [
+    (mo.AdamW, "maximize", True, "negate the loss"), (mo.AdamW, "amsgrad", True, "torch.optim.AdamW"),
+    (mo.AdamW, "foreach", True, "drop it"), (mo.AdamW, "fused", True, "drop it"),
+    (mo.AdamW, "capturable", True, "torch.optim"), (mo.SGD, "maximize", True, "negate the loss"),
+    (mo.SGD, "differentiable", True, "torch.optim"),
+])
+def test_torch_optim_options_we_do_not_implement_are_named_with_the_fix(opt_cls, option, value, fix):
+    """torch.optim's options were Python's bare "unexpected keyword argument"; their no-op values are accepted,
+    so ``AdamW(params, foreach=None, maximize=False)`` copied from a torch.optim call builds."""
+    p = nn.Parameter(torch.zeros(4, 4))
+    with pytest.raises(TypeError, match=f"{option}={value!r}.*{fix}"):
+        opt_cls([p], lr=1e-3, **{option: value})
+    noops = dict(foreach=None, fused=False, maximize=False, differentiable=False)
+    opt_cls([p], lr=1e-3, **noops, **(dict(capturable=False, amsgrad=False) if opt_cls is mo.AdamW else {}))
+    with pytest.raises(TypeError, match="unexpected keyword argument 'lrr'"):
+        opt_cls([p], lrr=1e-3)
+
+
 # ================================================================ case 15 through the engine
 
 

@@ -6,7 +6,7 @@ from typing import Any
 
 import torch
 
-from mixprec.optim.rounding import PrecisionOptimizer, _as_fp32, check_number, grad_fp32
+from mixprec.optim.rounding import PrecisionOptimizer, _as_fp32, check_number, check_torch_options, grad_fp32
 
 __all__ = ["AdamW", "adamw_update_"]
 
@@ -90,11 +90,14 @@ class AdamW(PrecisionOptimizer):
         ValueError: an invalid hyperparameter, ``rounding``, ``state_dtype`` or ``state_rounding``, a param dtype
             outside fp32/bf16/fp16/complex64 (named with its shape and the fix), or ``'stochastic'``
             with fp16 params.
+        TypeError: a ``torch.optim`` option (``foreach``, ``fused``, ``maximize``...) at a value that would change
+            the step (``maximize=True``, ``fused=True``...), named with the fix; their no-op values are accepted.
     """
 
     def __init__(self, params, lr: float = 1e-3, betas: tuple[float, float] = (0.9, 0.999),
                  eps: float = 1e-8, weight_decay: float = 1e-2, *, rounding: str | None = None,
-                 state_dtype: torch.dtype | str | None = None, state_rounding: str | None = None) -> None:
+                 state_dtype: torch.dtype | str | None = None, state_rounding: str | None = None, **torch_options: Any) -> None:
+        check_torch_options("AdamW", torch_options, ("foreach", "fused", "capturable", "differentiable", "maximize", "amsgrad"))
         check_number("AdamW", "lr", lr, low=0.0, example="1e-3")
         check_number("AdamW", "eps", eps, low=0.0, example="1e-8")
         check_number("AdamW", "weight_decay", weight_decay, low=0.0, example="1e-2")

@@ -173,6 +173,28 @@ def _check_state_rounding(owner: str, state_rounding: str | None, state_dtype: t
     return state_rounding
 
 
+_TORCH_ONLY = "; use torch.optim for it (CUDA graphs, a differentiable step)"
+_TORCH_OPTIONS = {   # torch.optim option: (values that change nothing here, the fix for another value)
+    "foreach": ((None, False), "; drop it (each tensor is stepped in fp32; there is no multi-tensor kernel)"),
+    "fused": ((None, False), "; drop it (each tensor is stepped in fp32; there is no fused kernel)"),
+    "capturable": ((False,), _TORCH_ONLY), "differentiable": ((False,), _TORCH_ONLY),
+    "maximize": ((False,), "; negate the loss instead (maximize f = minimize -f)"),
+    "amsgrad": ((False,), "; use torch.optim.AdamW(amsgrad=True) under an fp32-master policy (e.g. bf16-mixed)"),
+}
+
+
+def check_torch_options(owner: str, options: dict[str, Any], known: tuple[str, ...]) -> None:
+    """Raise TypeError for a keyword that is not one of ``known`` torch.optim options, or one whose value
+    would change the step (maximize=True, amsgrad=True, fused=True...), naming it and the fix."""
+    for name, value in options.items():
+        if name not in known:
+            raise TypeError(f"{owner}() got an unexpected keyword argument {name!r}")
+        noops, fix = _TORCH_OPTIONS[name]
+        if value not in noops:
+            raise TypeError(f"{owner} {name}={value!r} is a torch.optim option {owner} does not implement (it accepts "
+                            f"{name}={' or '.join(map(repr, noops))}){fix}")
+
+
 def check_number(owner: str, name: str, value: Any, *, low: float, high: float = math.inf,
                  high_open: bool = False, example: str) -> None:
     """Raise ValueError unless ``low <= value <= high`` (``< high`` when ``high_open``)."""
