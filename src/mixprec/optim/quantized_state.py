@@ -5,7 +5,8 @@ A moment tensor ``x_fp32`` (any shape, ``n`` elements) is held as two tensors:
 * ``codes``: shape of ``x``, one byte per element: ``uint8`` indices into a 256-entry code table
   (``state=int8``), or the fp8 values themselves (``state=fp8``: ``float8_e4m3fn`` / ``float8_e5m2``);
 * ``absmax``: fp32, shape ``(ceil(n / 256),)``: the largest magnitude of the coded values (``x``, or
-  ``sqrt(x)`` for the ``dynamic-sqrt`` code) in each block of 256 consecutive elements in row-major order
+  ``sqrt(x)`` for the ``dynamic-sqrt`` code; under ``dynamic-signed`` at least ``|lowest| / 0.99297``, see
+  Rounding) in each block of 256 consecutive elements in row-major order
   (the last block may be short: it is padded with zeros, which change no absmax, and the padding is not
   stored).
 
@@ -54,7 +55,9 @@ probability ``(y - lo) / (hi - lo)``, so the coded value is unbiased, ``E[decode
 inside the table's range (under ``dynamic-sqrt`` that is ``sqrt(v)``: ``v`` reads back biased up by the
 rounding's variance, at most ``(gap / 2)**2`` in scale units). The one value outside the range is the
 normalised ``-1`` of a block whose absmax element is negative under the signed map (its lowest value is
-``-0.993``, as in bitsandbytes): it is stored as ``-0.993`` (0.7 % off).
+``-0.99297``, as in bitsandbytes): there the block's absmax is stored as ``|lowest| / 0.99297``, so that value
+maps onto ``-0.99297`` and reads back as itself (stored 0.7 % short, as bitsandbytes does, a momentum buffer
+compounded the shortfall step after step: 38 % at momentum 0.99).
 
 **Non-finite values.** A block holding a NaN or an infinity stores ``absmax = NaN``, so all 256 of its
 elements read back NaN: the poison is visible, never a finite wrong value, and it does not spread past its
@@ -243,6 +246,19 @@ def _blocks(flat: torch.Tensor) -> torch.Tensor:
     return (F.pad(flat, (0, pad)) if pad else flat).view(-1, BLOCK_SIZE)
 
 
+def _block_absmax(blocks_fp32: torch.Tensor, code: Code) -> torch.Tensor:
+    """Per block (a row), the absmax its codes are scaled by: the largest magnitude of the coded values; under the
+    signed map at least ``|lowest| / 0.99297``, the map's lowest value being ``-0.99297`` (no ``-1``), so a
+    block's most negative value maps onto that value instead of being stored 0.7 % short (a momentum buffer
+    compounded the shortfall every step: 38 % at momentum 0.99). NaN propagates. ``(nblocks,)`` fp32."""
+    if code.sqrt:
+        return blocks_fp32.amax(dim=1)                        # sqrt(x) >= 0
+    if code.name != "dynamic-signed":
+        return blocks_fp32.abs().amax(dim=1)
+    lowest = float(-_table(code.name, "cpu")[0])              # 0.99297
+    return torch.maximum(blocks_fp32.amax(dim=1), blocks_fp32.amin(dim=1).neg_().div_(lowest))
+
+
 def _unit(absmax: torch.Tensor, code: Code) -> torch.Tensor:
     """Per block, what one table unit is worth: ``absmax / qmax`` (absmax itself, exactly, for the dynamic maps).
     Under fp8 never less than the smallest normal fp32 (``2**-126``): a block's absmax under ``qmax * 2**-126``
@@ -294,7 +310,7 @@ def quantize(x_fp32: torch.Tensor, code: Code, *, rounding: str = "nearest", gen
         raise ValueError(f"quantize rounding={rounding!r} is not allowed; choose one of {STATE_ROUNDINGS}")
     coded_fp32 = x_fp32.clamp_min(0).sqrt_() if code.sqrt else x_fp32            # NaN stays NaN
     blocks_fp32 = _blocks(coded_fp32.reshape(-1))                                 # (nblocks, 256)
-    absmax = (blocks_fp32 if code.sqrt else blocks_fp32.abs()).amax(dim=1)        # (nblocks,); NaN propagates
+    absmax = _block_absmax(blocks_fp32, code)                                     # (nblocks,); NaN propagates
     absmax = torch.where(torch.isfinite(absmax), absmax, torch.nan)               # inf too: the block reads NaN
     scale = torch.where(absmax > 0, absmax, 1.0)                                  # an all-zero block: codes of 0
     y = blocks_fp32 / _unit(scale, code)[:, None]                                # (nblocks, 256), |y| <~ qmax
