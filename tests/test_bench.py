@@ -319,12 +319,34 @@ def test_loss_plot_draws_eval_deltas_gate_and_seed_band(tmp_path):
     assert max(ys) == pytest.approx(5.0) and min(ys) == pytest.approx(-5.0)
 
 
+def test_seed_band_label_counts_the_seeds_that_finished(tmp_path):
+    """--seeds 3 whose third fp32 run did not finish: the band is drawn from the two curves there are, and its
+    label said "fp32 at 3 seeds"."""
+    fp32, seed1 = [[1, 2.0], [3, 1.6]], [[1, 2.1], [3, 1.64]]
+    results = _curve_results(fp32, fp32, [fp32, seed1])
+    results["seed_noise"].update(seeds=[0, 1, 2], error="the fp32 run at another seed did not finish")
+    delta = plot_loss_curves(results, tmp_path / "l.png").axes[2]
+    labels = [t.get_text() for t in delta.get_legend().get_texts()]
+    assert "seed noise (fp32 at 2 seeds)" in labels, labels
+
+
 def test_speed_plot_has_p10_p90_whiskers_and_axis_labels(tmp_path):
     fig = plot_speed_memory(_curve_results([[3, 1.6]], [[3, 1.6]], []), tmp_path / "s.png")
     assert [a.get_ylabel() for a in fig.axes] == ["step time (ms)", "peak memory (MiB)", "training state (bytes/param)"]
     assert all(a.get_xlabel() == "policy" for a in fig.axes)
     segments = fig.axes[0].collections[0].get_segments()                         # one whisker per bar: p10..p90
     assert [tuple(seg[:, 1]) for seg in segments] == [(9.0, 12.0), (9.0, 12.0)]
+
+
+def test_speed_plot_says_timings_noisy_where_no_speed_verdict_is_given(tmp_path):
+    """A noisy timing gives no speed verdict (console, report.md, results.json); the plot's speedup labels said
+    "0.45x" on a 40x p90/p10 spread with nothing beside them."""
+    results = _curve_results([[3, 1.6]], [[3, 1.6]], [])
+    results["timing"] = {"method": "interleaved", "noisy": True}
+    fig = plot_speed_memory(results, tmp_path / "noisy.png")
+    assert "TIMINGS NOISY" in fig.axes[0].get_title() and "unreliable" in fig.axes[0].get_title()
+    results["timing"]["noisy"] = False
+    assert "NOISY" not in plot_speed_memory(results, tmp_path / "quiet.png").axes[0].get_title()
 
 
 # --- end to end through the CLI ---------------------------------------------------------------
@@ -560,6 +582,19 @@ def test_user_workload_module_function(tmp_path, monkeypatch):
     assert bf16["verdict"] == "PASS", bf16["reason"]
     assert bf16["item_unit"] == "samples" and bf16["tokens_per_s"] is None and bf16["items_per_s"] > 0
     assert "| samples/s |" in (out / "report.md").read_text()
+
+
+def test_a_workload_without_a_loss_unit_is_not_labelled_nats(tmp_path):
+    """USER_WORKLOAD (an MSE regression) sets no ``loss_unit``: its plots and eval table said "nats"."""
+    from mixprec.workloads import Workload
+
+    assert Workload.loss_unit is None
+    results = _curve_results([[1, 2.0], [3, 1.6]], [[1, 2.0], [3, 1.6]], [])
+    for entry in results["policies"].values():
+        entry["loss_unit"] = None
+    fig = plot_loss_curves(results, tmp_path / "l.png")
+    assert all("nats" not in a.get_ylabel() and "unit not set" in a.get_ylabel() for a in fig.axes[:2])
+    assert "nats" not in eval_curve_lines(results)[0] and "unit not set" in eval_curve_lines(results)[0]
 
 
 def test_unknown_policy_is_an_error_not_a_skip(tmp_path, capsys):

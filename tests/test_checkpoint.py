@@ -241,6 +241,46 @@ def test_damaged_checkpoints_are_refused_naming_the_file_before_touching_the_eng
         load_checkpoint(tmp_path / "nothing", target)
 
 
+class TwoSquare(nn.Module):
+    """Two 64x64 weights (int8 state under bf16-lean), registered in either order: the same names and shapes."""
+
+    def __init__(self, swap: bool = False) -> None:
+        super().__init__()
+        for name in ("b", "a") if swap else ("a", "b"):
+            setattr(self, name, nn.Linear(64, 64, bias=False))
+
+    def forward(self, x):
+        return self.b(F.gelu(self.a(x)))
+
+
+@pytest.mark.parametrize("policy", ["bf16-lean", "fp32"])
+def test_optimizer_state_saved_for_other_params_at_its_indices_is_refused(policy, tmp_path):
+    """The model loads by name, the optimizer state by index: a model whose same-shaped params are registered in
+    another order got a's moments on b (silently, 8-bit codes too). Refused, naming both params; unchanged."""
+    def engine(swap):
+        torch.manual_seed(0)
+        model = TwoSquare(swap)
+        return mixprec.MixedPrecision(model, mixprec.optim.AdamW(model.parameters(), lr=1e-2), policy=policy,
+                                      device="cpu")
+
+    mp = engine(False)
+    for k in range(2):
+        x = mp.cast_inputs({"x": torch.randn(8, 64, generator=torch.Generator().manual_seed(k))})["x"]
+        with mp.autocast():
+            loss = mp.model(x).float().square().mean()
+        mp.backward(loss)
+        mp.step()
+    save_checkpoint(tmp_path, mp)
+    swapped = engine(True)
+    with pytest.raises(CheckpointError, match=r"param 0 .*'a\.weight'.*'b\.weight'"):
+        load_checkpoint(tmp_path, swapped)
+    assert swapped.boundaries == 0 and not swapped.optimizer.state
+    same = engine(False)
+    load_checkpoint(tmp_path, same)
+    assert all(torch.equal(same.optimizer.state[t]["exp_avg"], mp.optimizer.state[u]["exp_avg"])
+               for t, u in zip(same.master_parameters(), mp.master_parameters()))
+
+
 def test_read_weights_prefers_masters_fills_tied_names_and_verifies(tmp_path):
     from mixprec.checkpoint import read_weights
 

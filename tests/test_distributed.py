@@ -39,6 +39,7 @@ import torch.multiprocessing as torch_mp
 import torch.nn.functional as F
 from torch import nn
 
+import mixprec.optim
 from mixprec import Guard, MixedPrecision, Policy, get_format
 from mixprec import distributed as mpd
 from mixprec.loss_scale import DynamicLossScale
@@ -195,6 +196,40 @@ def test_ddp_two_ranks_equal_one_process_on_the_global_batch(tmp_path):
     for got, want in zip((mp.optimizer.state[t]["momentum_buffer"] for t in mp.master_parameters()),
                          saved["momentum"]):
         assert torch.equal(got, want)
+
+
+# ---------------------------------------------------------------------- stochastic rounding: one RNG stream
+def _sr_worker(rank: int, out: Path) -> dict:
+    """bf16-lean (stochastically rounded bf16 params) and int8 state rounded stochastically, under DDP: seeded
+    alike the replicas stay bitwise equal; seeded per rank (nanoGPT's ``manual_seed(1337 + rank)``) the engine
+    refuses to build on every rank (each would draw other rounding noise and the replicas drift apart)."""
+    results = {}
+    for seed in (0, 1337 + rank):
+        torch.manual_seed(0)
+        model = nn.Sequential(nn.Linear(16, 512), nn.GELU(), nn.Linear(512, 4))   # 8192 weights: int8 state
+        torch.manual_seed(seed)
+        try:
+            mp = MixedPrecision(model, mixprec.optim.AdamW(model.parameters(), lr=1e-2),
+                                "bf16-lean,state_rounding=stochastic", device="cpu", strategy="ddp")
+        except ValueError as err:
+            if "global RNG" not in str(err):
+                raise
+            results[seed == 0] = str(err)
+            continue
+        for batch in mpd.shard_batches(_stream(4 * WORLD)):
+            _mse_step(mp, batch)
+        results[seed == 0] = {n: p.detach().float().clone() for n, p in mp.module.named_parameters()}
+    return results
+
+
+@pytest.mark.timeout(120)
+def test_ddp_with_stochastic_rounding_needs_one_rng_state_on_every_rank(tmp_path):
+    ranks = _run_ranks(_sr_worker, tmp_path)
+    alike = [r[True] for r in ranks]
+    assert all(torch.equal(alike[0][n], alike[1][n]) for n in alike[0])
+    for r in ranks:
+        assert isinstance(r[False], str)
+        assert "rounding=stochastic and state_rounding=stochastic" in r[False] and "torch.manual_seed" in r[False]
 
 
 # ---------------------------------------------------------------------- case 28: one rank sees inf / NaN

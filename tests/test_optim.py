@@ -383,6 +383,52 @@ def test_state_dict_round_trip(opt_cls, kwargs, dtype):
             assert torch.equal(value, opt_resumed.state[p_resumed][key]), key
 
 
+@pytest.mark.parametrize("torch_cls, kwargs, ours, option", [
+    (torch.optim.AdamW, dict(maximize=True), mo.AdamW, "maximize=True"),
+    (torch.optim.AdamW, dict(amsgrad=True), mo.AdamW, "amsgrad=True"),
+    (torch.optim.Adam, dict(weight_decay=0.1), mo.AdamW, "decoupled_weight_decay=False"),
+    (torch.optim.SGD, dict(momentum=0.9, maximize=True), mo.SGD, "maximize=True"),
+])
+@pytest.mark.parametrize("state_dtype", [None, "int8"])
+def test_loading_a_torch_state_whose_options_we_do_not_implement_is_refused(torch_cls, kwargs, ours, option,
+                                                                             state_dtype):
+    """A torch.optim state made with maximize / amsgrad / Adam's L2 decay would load and then step the other
+    way (or without the max): refused, naming the option, nothing loaded."""
+    theirs = torch.nn.Parameter(torch.randn(64, 64))
+    torch_opt = torch_cls([theirs], lr=1e-2, **kwargs)
+    theirs.grad = torch.randn(64, 64)
+    torch_opt.step()
+    mine = torch.nn.Parameter(theirs.detach().clone())
+    opt = ours([mine], lr=1e-2, state_dtype=state_dtype)
+    with pytest.raises(ValueError, match=option) as err:
+        opt.load_state_dict(torch_opt.state_dict())
+    assert "torch.optim" in str(err.value) and len(opt.state) == 0 and "maximize" not in opt.param_groups[0]
+    plain = torch_cls([theirs], lr=1e-2, momentum=0.9) if torch_cls is torch.optim.SGD else torch_cls([theirs], lr=1e-2)
+    # the options at their defaults load (torch.optim.Adam without weight decay too)
+    theirs.grad = torch.randn(64, 64)
+    plain.step()
+    opt.load_state_dict(plain.state_dict())
+    assert len(opt.state) == 1
+
+
+@pytest.mark.parametrize("opt_cls, option, value, fix", [
+    (mo.AdamW, "maximize", True, "negate the loss"), (mo.AdamW, "amsgrad", True, "torch.optim.AdamW"),
+    (mo.AdamW, "foreach", True, "drop it"), (mo.AdamW, "fused", True, "drop it"),
+    (mo.AdamW, "capturable", True, "torch.optim"), (mo.SGD, "maximize", True, "negate the loss"),
+    (mo.SGD, "differentiable", True, "torch.optim"),
+])
+def test_torch_optim_options_we_do_not_implement_are_named_with_the_fix(opt_cls, option, value, fix):
+    """torch.optim's options were Python's bare "unexpected keyword argument"; their no-op values are accepted,
+    so ``AdamW(params, foreach=None, maximize=False)`` copied from a torch.optim call builds."""
+    p = nn.Parameter(torch.zeros(4, 4))
+    with pytest.raises(TypeError, match=f"{option}={value!r}.*{fix}"):
+        opt_cls([p], lr=1e-3, **{option: value})
+    noops = dict(foreach=None, fused=False, maximize=False, differentiable=False)
+    opt_cls([p], lr=1e-3, **noops, **(dict(capturable=False, amsgrad=False) if opt_cls is mo.AdamW else {}))
+    with pytest.raises(TypeError, match="unexpected keyword argument 'lrr'"):
+        opt_cls([p], lrr=1e-3)
+
+
 # ================================================================ case 15 through the engine
 
 

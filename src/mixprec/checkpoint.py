@@ -33,7 +33,8 @@ Each ``step-N/`` directory::
     versions              mixprec, torch, safetensors, python
     counters              micro_step (always 0), applied_steps, skipped_total, boundaries
     loss_scale            LossScale.state_dict(): type, config, state (0-dim tensors inline)
-    optimizer, scheduler  {"class": module.qualname, "state": encoded state_dict()} (scheduler null if none)
+    optimizer, scheduler  {"class": module.qualname, "state": encoded state_dict()} (scheduler null if none);
+                          the optimizer's also "param_names": the model's name of each param it steps, by index
     guard                 Guard.state_dict() (config and counts; the in-memory snapshot is not saved) or null
     ema                   EMA.state_dict() (decay, every, counters; the shadow as tensor references) or null
     events                mp.events (the run's event log)
@@ -303,6 +304,24 @@ def _qualname(obj: Any) -> str:
     return f"{type(obj).__module__}.{type(obj).__qualname__}"
 
 
+def _stepped_names(mp: Any) -> list[str | None]:
+    """The model's name of each tensor the optimizer steps, in its param-group order (None: not a model param)."""
+    names: dict[int, str] = {}
+    for (name, p), stepped in zip(mp.module.named_parameters(), mp.master_parameters()):
+        names[id(p)] = names[id(stepped)] = name
+    return [names.get(id(t)) for g in mp.optimizer.param_groups for t in g["params"]]
+
+
+def _check_state_names(where: str, saved: list, own: list) -> None:
+    """Raise CheckpointError unless the optimizer state saved at each index is for the param stepped there now:
+    the model loads by name but the optimizer by index (same-shaped params registered in another order)."""
+    for i, (saved_name, name) in enumerate(zip(saved, own)):
+        if saved_name is not None and name is not None and saved_name != name:
+            raise CheckpointError(f"{where}: the optimizer state of param {i} was saved for {saved_name!r}, but the "
+                                  f"engine's optimizer steps {name!r} at that index; build the optimizer over the "
+                                  "params in the run's order (or pass weights_only=True)")
+
+
 def _versions() -> dict[str, str]:
     try:
         version = metadata.version("mixprec")
@@ -363,7 +382,8 @@ def save_checkpoint(path: str | Path, mp: Any, extra: dict | None = None, *, gua
         "versions": _versions(),
         "counters": sd["counters"],
         "loss_scale": _encode(sd["loss_scale"], "loss_scale", state),
-        "optimizer": {"class": _qualname(mp.optimizer), "state": _encode(sd["optimizer"], "optimizer", state)},
+        "optimizer": {"class": _qualname(mp.optimizer), "state": _encode(sd["optimizer"], "optimizer", state),
+                      "param_names": _stepped_names(mp)},
         "scheduler": None if mp.scheduler is None else
         {"class": _qualname(mp.scheduler), "state": _encode(sd["scheduler"], "scheduler", state)},
         "guard": None if guard is None else _encode(guard.state_dict(), "guard", state),
@@ -426,6 +446,7 @@ def _check_fits(ck: _Checkpoint, mp: Any, *, weights_only: bool) -> None:
     if groups != [len(g["params"]) for g in mp.optimizer.param_groups]:
         raise CheckpointError(f"{where}: the optimizer state has param groups of sizes {groups}, the engine's "
                               f"optimizer {[len(g['params']) for g in mp.optimizer.param_groups]}")
+    _check_state_names(where, opt.get("param_names") or [], _stepped_names(mp))   # absent: an older checkpoint
     stepped = [t for g in mp.optimizer.param_groups for t in g["params"]]
     index = [i for g in opt_state["param_groups"] for i in g["params"]]
     _check_state_shapes(where, opt_state["state"], {i: stepped[n].shape for n, i in enumerate(index)})

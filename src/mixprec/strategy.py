@@ -91,6 +91,10 @@ class _MultiProcess(SingleProcess):
 
     def before_casts(self, model, policy, device, keep, optimizer):
         distributed.sync_module_states(model)
+        stochastic = [f"{key}=stochastic" for key in ("rounding", "state_rounding") if getattr(policy, key) == "stochastic"]
+        if stochastic:
+            distributed.check_same_rng(torch.device(device), f"strategy={self.name!r} with policy {policy} "
+                                       f"({' and '.join(stochastic)})")
 
     def set_gradient_sync(self, model, *, last_micro_batch, has_masters):
         distributed.set_gradient_sync(model, self.name, last_micro_batch)

@@ -400,7 +400,8 @@ def _width(index: int, count: int) -> float:
 
 
 def _loss_unit(results: dict) -> str:
-    return next((e["loss_unit"] for e in _ran(results).values() if e.get("loss_unit")), "nats")
+    return next((e["loss_unit"] for e in _ran(results).values() if e.get("loss_unit")),
+                "unit not set: Workload.loss_unit")
 
 
 def _plot_training(ax: Any, results: dict, window: int) -> None:
@@ -459,7 +460,7 @@ def _plot_eval_delta(ax: Any, results: dict) -> None:
     if band:
         steps = sorted(band)
         ax.fill_between(steps, [-100 * band[st] for st in steps], [100 * band[st] for st in steps], color="gray",
-                        alpha=0.2, label=f"seed noise (fp32 at {len((results.get('seed_noise') or {})['seeds'])} seeds)")
+                        alpha=0.2, label=f"seed noise (fp32 at {len([c for c in results['seed_noise']['fp32_eval_curves'] if c])} seeds)")
     limit_pct = 100 * results["settings"]["targets"]["max_loss_delta"]
     ax.axhline(0, color="black", lw=0.8)
     ax.axhline(limit_pct, color="red", lw=0.8, ls="--", label=f"gate: --max-loss-delta +{limit_pct:g}% (final eval)")
@@ -505,6 +506,9 @@ def plot_speed_memory(results: dict, path: Path) -> Any:
                "speedup_vs_fp32"),
               ("peak_memory_mb", "peak memory (MiB)", "peak memory; label: ratio to fp32", "memory_ratio_vs_fp32"),
               ("state_bytes_per_param", "training state (bytes/param)", "training state per parameter", None)]
+    if (results.get("timing") or {}).get("noisy"):   # no speed verdict was given: the labels must not read as one
+        panels[0] = panels[0][:2] + ("TIMINGS NOISY: step times and speedups unreliable (no speed verdict)",
+                                     panels[0][3])
     fig, axes = plt.subplots(1, 3, figsize=(13, 4.4))
     for ax, (key, ylabel, title, ratio_key) in zip(axes, panels):
         values = [ran[n].get(key) or 0.0 for n in names]

@@ -2,9 +2,11 @@
 
 from __future__ import annotations
 
+from typing import Any
+
 import torch
 
-from mixprec.optim.rounding import PrecisionOptimizer, _as_fp32, check_number, grad_fp32
+from mixprec.optim.rounding import PrecisionOptimizer, _as_fp32, check_number, check_torch_options, grad_fp32
 
 __all__ = ["AdamW", "adamw_update_"]
 
@@ -88,11 +90,14 @@ class AdamW(PrecisionOptimizer):
         ValueError: an invalid hyperparameter, ``rounding``, ``state_dtype`` or ``state_rounding``, a param dtype
             outside fp32/bf16/fp16/complex64 (named with its shape and the fix), or ``'stochastic'``
             with fp16 params.
+        TypeError: a ``torch.optim`` option (``foreach``, ``fused``, ``maximize``...) at a value that would change
+            the step (``maximize=True``, ``fused=True``...), named with the fix; their no-op values are accepted.
     """
 
     def __init__(self, params, lr: float = 1e-3, betas: tuple[float, float] = (0.9, 0.999),
                  eps: float = 1e-8, weight_decay: float = 1e-2, *, rounding: str | None = None,
-                 state_dtype: torch.dtype | str | None = None, state_rounding: str | None = None) -> None:
+                 state_dtype: torch.dtype | str | None = None, state_rounding: str | None = None, **torch_options: Any) -> None:
+        check_torch_options("AdamW", torch_options, ("foreach", "fused", "capturable", "differentiable", "maximize", "amsgrad"))
         check_number("AdamW", "lr", lr, low=0.0, example="1e-3")
         check_number("AdamW", "eps", eps, low=0.0, example="1e-8")
         check_number("AdamW", "weight_decay", weight_decay, low=0.0, example="1e-2")
@@ -105,6 +110,12 @@ class AdamW(PrecisionOptimizer):
         super().__init__(params, defaults, rounding=rounding, state_dtype=state_dtype, state_rounding=state_rounding)
 
     _NONNEGATIVE = frozenset({"exp_avg_sq"})   # its 8-bit code: sqrt(v) in the unsigned map (E5M2 under fp8)
+
+    def _unimplemented_options(self, group: dict[str, Any]) -> list[str]:
+        found = super()._unimplemented_options(group) + (["amsgrad=True"] if group.get("amsgrad") else [])
+        if group.get("decoupled_weight_decay") is False and group.get("weight_decay", 0) != 0:
+            found.append("decoupled_weight_decay=False (torch.optim.Adam's L2 weight decay)")
+        return found
 
     @torch.no_grad()
     def step(self, closure=None):

@@ -5,14 +5,16 @@ A moment tensor ``x_fp32`` (any shape, ``n`` elements) is held as two tensors:
 * ``codes``: shape of ``x``, one byte per element: ``uint8`` indices into a 256-entry code table
   (``state=int8``), or the fp8 values themselves (``state=fp8``: ``float8_e4m3fn`` / ``float8_e5m2``);
 * ``absmax``: fp32, shape ``(ceil(n / 256),)``: the largest magnitude of the coded values (``x``, or
-  ``sqrt(x)`` for the ``dynamic-sqrt`` code) in each block of 256 consecutive elements in row-major order
+  ``sqrt(x)`` for the ``dynamic-sqrt`` code; under ``dynamic-signed`` at least ``|lowest| / 0.99297``, see
+  Rounding) in each block of 256 consecutive elements in row-major order
   (the last block may be short: it is padded with zeros, which change no absmax, and the padding is not
   stored).
 
 **Scale convention** (stated here once): a block's coded values are divided by the block's scale
 ``absmax / qmax`` (fp32; ``qmax`` is 1 for the dynamic maps, the fp8 format's largest finite value for
 fp8), so they lie in ``[-qmax, qmax]``, and rounded to the code's table; dequantizing multiplies the
-table value by the same scale (and squares it for ``dynamic-sqrt``). Exact bytes of one tensor:
+table value by the same scale (and squares it for ``dynamic-sqrt``). Under fp8 the scale is never below
+the smallest normal fp32, ``2**-126`` (a tinier one made a block of tiny values inf or NaN). Exact bytes of one tensor:
 ``n + 4 * ceil(n / 256)`` (:func:`nbytes`).
 
 The codes (:data:`CODES`), by state format and moment:
@@ -53,7 +55,9 @@ probability ``(y - lo) / (hi - lo)``, so the coded value is unbiased, ``E[decode
 inside the table's range (under ``dynamic-sqrt`` that is ``sqrt(v)``: ``v`` reads back biased up by the
 rounding's variance, at most ``(gap / 2)**2`` in scale units). The one value outside the range is the
 normalised ``-1`` of a block whose absmax element is negative under the signed map (its lowest value is
-``-0.993``, as in bitsandbytes): it is stored as ``-0.993`` (0.7 % off).
+``-0.99297``, as in bitsandbytes): there the block's absmax is stored as ``|lowest| / 0.99297``, so that value
+maps onto ``-0.99297`` and reads back as itself (stored 0.7 % short, as bitsandbytes does, a momentum buffer
+compounded the shortfall step after step: 38 % at momentum 0.99).
 
 **Non-finite values.** A block holding a NaN or an infinity stores ``absmax = NaN``, so all 256 of its
 elements read back NaN: the poison is visible, never a finite wrong value, and it does not spread past its
@@ -242,6 +246,29 @@ def _blocks(flat: torch.Tensor) -> torch.Tensor:
     return (F.pad(flat, (0, pad)) if pad else flat).view(-1, BLOCK_SIZE)
 
 
+def _block_absmax(blocks_fp32: torch.Tensor, code: Code) -> torch.Tensor:
+    """Per block (a row), the absmax its codes are scaled by: the largest magnitude of the coded values; under the
+    signed map at least ``|lowest| / 0.99297``, the map's lowest value being ``-0.99297`` (no ``-1``), so a
+    block's most negative value maps onto that value instead of being stored 0.7 % short (a momentum buffer
+    compounded the shortfall every step: 38 % at momentum 0.99). NaN propagates. ``(nblocks,)`` fp32."""
+    if code.sqrt:
+        return blocks_fp32.amax(dim=1)                        # sqrt(x) >= 0
+    if code.name != "dynamic-signed":
+        return blocks_fp32.abs().amax(dim=1)
+    lowest = float(-_table(code.name, "cpu")[0])              # 0.99297
+    return torch.maximum(blocks_fp32.amax(dim=1), blocks_fp32.amin(dim=1).neg_().div_(lowest))
+
+
+def _unit(absmax: torch.Tensor, code: Code) -> torch.Tensor:
+    """Per block, what one table unit is worth: ``absmax / qmax`` (absmax itself, exactly, for the dynamic maps).
+    Under fp8 never less than the smallest normal fp32 (``2**-126``): a block's absmax under ``qmax * 2**-126``
+    (a ``v`` of ~1e-34) made it subnormal or 0, and the block's values inf or NaN when divided by it. Such a
+    block is coded against the floor instead (its values lose fp8 precision, like fp32 subnormals)."""
+    if code.qmax == 1.0:
+        return absmax
+    return absmax.clamp_min(code.qmax * torch.finfo(torch.float32).tiny) / code.qmax   # exact: NaN stays NaN
+
+
 def _round_index(y: torch.Tensor, code: Code, rounding: str, generator: torch.Generator | None) -> torch.Tensor:
     """Indices into ``code``'s table of ``y`` (table units), rounded to nearest or stochastically."""
     if rounding == "nearest":
@@ -283,10 +310,10 @@ def quantize(x_fp32: torch.Tensor, code: Code, *, rounding: str = "nearest", gen
         raise ValueError(f"quantize rounding={rounding!r} is not allowed; choose one of {STATE_ROUNDINGS}")
     coded_fp32 = x_fp32.clamp_min(0).sqrt_() if code.sqrt else x_fp32            # NaN stays NaN
     blocks_fp32 = _blocks(coded_fp32.reshape(-1))                                 # (nblocks, 256)
-    absmax = (blocks_fp32 if code.sqrt else blocks_fp32.abs()).amax(dim=1)        # (nblocks,); NaN propagates
+    absmax = _block_absmax(blocks_fp32, code)                                     # (nblocks,); NaN propagates
     absmax = torch.where(torch.isfinite(absmax), absmax, torch.nan)               # inf too: the block reads NaN
     scale = torch.where(absmax > 0, absmax, 1.0)                                  # an all-zero block: codes of 0
-    y = blocks_fp32 / (scale if code.qmax == 1.0 else scale / code.qmax)[:, None]  # (nblocks, 256), |y| <~ qmax
+    y = blocks_fp32 / _unit(scale, code)[:, None]                                # (nblocks, 256), |y| <~ qmax
     if not code.indexed and rounding == "nearest":
         encoded = y                                                               # the fp8 cast rounds to nearest even
     else:
@@ -313,8 +340,7 @@ def dequantize(codes: torch.Tensor, absmax: torch.Tensor, code: Code) -> torch.T
                          f"codes of shape {tuple(codes.shape)}: expected fp32 {state_shape(ABSMAX_SUFFIX, codes.shape)}")
     flat_codes = codes.reshape(-1)
     values = _table(code.name, str(codes.device)).index_select(0, flat_codes.int()) if code.indexed else flat_codes.float()
-    scale = absmax if code.qmax == 1.0 else absmax / code.qmax                # qmax = 1: absmax itself, exactly
-    out = _blocks(values).mul_(scale[:, None])                                # (nblocks, 256)
+    out = _blocks(values).mul_(_unit(absmax, code)[:, None])                  # (nblocks, 256)
     out = out.square_() if code.sqrt else out
     return out.reshape(-1)[: codes.numel()].view(codes.shape)
 

@@ -173,6 +173,28 @@ def _check_state_rounding(owner: str, state_rounding: str | None, state_dtype: t
     return state_rounding
 
 
+_TORCH_ONLY = "; use torch.optim for it (CUDA graphs, a differentiable step)"
+_TORCH_OPTIONS = {   # torch.optim option: (values that change nothing here, the fix for another value)
+    "foreach": ((None, False), "; drop it (each tensor is stepped in fp32; there is no multi-tensor kernel)"),
+    "fused": ((None, False), "; drop it (each tensor is stepped in fp32; there is no fused kernel)"),
+    "capturable": ((False,), _TORCH_ONLY), "differentiable": ((False,), _TORCH_ONLY),
+    "maximize": ((False,), "; negate the loss instead (maximize f = minimize -f)"),
+    "amsgrad": ((False,), "; use torch.optim.AdamW(amsgrad=True) under an fp32-master policy (e.g. bf16-mixed)"),
+}
+
+
+def check_torch_options(owner: str, options: dict[str, Any], known: tuple[str, ...]) -> None:
+    """Raise TypeError for a keyword that is not one of ``known`` torch.optim options, or one whose value
+    would change the step (maximize=True, amsgrad=True, fused=True...), naming it and the fix."""
+    for name, value in options.items():
+        if name not in known:
+            raise TypeError(f"{owner}() got an unexpected keyword argument {name!r}")
+        noops, fix = _TORCH_OPTIONS[name]
+        if value not in noops:
+            raise TypeError(f"{owner} {name}={value!r} is a torch.optim option {owner} does not implement (it accepts "
+                            f"{name}={' or '.join(map(repr, noops))}){fix}")
+
+
 def check_number(owner: str, name: str, value: Any, *, low: float, high: float = math.inf,
                  high_open: bool = False, example: str) -> None:
     """Raise ValueError unless ``low <= value <= high`` (``< high`` when ``high_open``)."""
@@ -452,6 +474,10 @@ class PrecisionOptimizer(torch.optim.Optimizer):
                 "(policy 'bf16-pure'), or use rounding='kahan' or rounding='stochastic'.",
                 UserWarning, stacklevel=5)  # here < step < no_grad < torch's step hooks < caller
 
+    def _unimplemented_options(self, group: dict[str, Any]) -> list[str]:
+        """The ``torch.optim`` options of a saved param ``group`` this optimizer's math lacks, as ``name=value``."""
+        return ["maximize=True"] if group.get("maximize") else []
+
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
         """As ``torch.optim.Optimizer.load_state_dict``, but keep this optimizer's state formats.
 
@@ -461,7 +487,18 @@ class PrecisionOptimizer(torch.optim.Optimizer):
         ``load_state_dict(state_dict())`` is exact), else converted through fp32 into it (e.g. a
         ``torch.optim.AdamW`` state into 8-bit codes); ``kahan_comp`` in the param dtype and ``step``
         as saved (all copies, never aliases of ``state_dict``).
+
+        Raises:
+            ValueError: a saved param group was made with a ``torch.optim`` option this optimizer does not
+                implement (``maximize=True``; for AdamW ``amsgrad=True`` or ``torch.optim.Adam``'s L2 weight
+                decay), which would load and then step differently; nothing is loaded.
         """
+        owner = type(self).__name__
+        for i, group in enumerate(state_dict["param_groups"]):
+            if found := self._unimplemented_options(group):
+                raise ValueError(f"{owner}.load_state_dict: saved param group {i} was made with {', '.join(found)}, "
+                                 f"which {owner} does not implement (it would step differently); keep training it "
+                                 "with the torch.optim optimizer that saved it, or save it without those options")
         super().load_state_dict(state_dict)
         saved_ids = chain.from_iterable(g["params"] for g in state_dict["param_groups"])
         params = chain.from_iterable(g["params"] for g in self.param_groups)

@@ -2,9 +2,11 @@
 
 from __future__ import annotations
 
+from typing import Any
+
 import torch
 
-from mixprec.optim.rounding import PrecisionOptimizer, _as_fp32, check_number, grad_fp32
+from mixprec.optim.rounding import PrecisionOptimizer, _as_fp32, check_number, check_torch_options, grad_fp32
 
 __all__ = ["SGD", "sgd_update_"]
 
@@ -82,11 +84,14 @@ class SGD(PrecisionOptimizer):
         ValueError: an invalid hyperparameter, ``rounding``, ``state_dtype`` or ``state_rounding``, a param dtype
             outside fp32/bf16/fp16/complex64 (named with its shape and the fix), or ``'stochastic'``
             with fp16 params.
+        TypeError: a ``torch.optim`` option (``foreach``, ``fused``, ``maximize``...) at a value that would change
+            the step (``maximize=True``, ``fused=True``...), named with the fix; their no-op values are accepted.
     """
 
     def __init__(self, params, lr: float = 1e-3, momentum: float = 0.0, dampening: float = 0.0,
                  weight_decay: float = 0.0, nesterov: bool = False, *, rounding: str | None = None,
-                 state_dtype: torch.dtype | str | None = None, state_rounding: str | None = None) -> None:
+                 state_dtype: torch.dtype | str | None = None, state_rounding: str | None = None, **torch_options: Any) -> None:
+        check_torch_options("SGD", torch_options, ("foreach", "fused", "differentiable", "maximize"))
         check_number("SGD", "lr", lr, low=0.0, example="1e-3")
         check_number("SGD", "momentum", momentum, low=0.0, example="0.9")
         check_number("SGD", "dampening", dampening, low=0.0, example="0.0")

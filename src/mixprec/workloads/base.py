@@ -117,8 +117,9 @@ class Workload(abc.ABC):
     - ``items_per_batch`` / ``item_unit``: throughput unit per training batch, e.g.
       ``B * T`` ``"tokens"`` or ``B`` ``"samples"``;
     - ``optim``: the :class:`OptimizerConfig` used by the default recipe hooks;
-    - ``loss_unit`` (optional, default ``"nats"``): the unit of :meth:`loss` and of ``evaluate``'s
-      ``"loss"``, shown on the bench's plots (e.g. ``"nats/char"``);
+    - ``loss_unit`` (optional): the unit of :meth:`loss` and of ``evaluate``'s ``"loss"``, shown on the
+      bench's plots and eval table (e.g. ``"nats/char"``); unset (None), they say "unit not set" (a loss
+      may be a cross-entropy in nats or an MSE, so no unit is assumed);
     - ``default_steps`` (optional, default 300): optimizer steps ``mixprec bench`` runs per
       policy when ``--steps`` is not given;
     - ``keep_fp32_inputs`` (optional, default none): batch keys that ``mp.cast_inputs`` moves to the
@@ -136,7 +137,7 @@ class Workload(abc.ABC):
     item_unit: str
     optim: OptimizerConfig = OptimizerConfig()
     default_steps: int = 300
-    loss_unit: str = "nats"
+    loss_unit: str | None = None
     keep_fp32_inputs: tuple[str, ...] = ()
 
     @property
