@@ -168,6 +168,48 @@ def _spread_ms(times_ms: list[float]) -> dict[str, float | None]:
     return {"step_time_ms_p10": percentile(times_ms, 0.1), "step_time_ms_p90": percentile(times_ms, 0.9)}
 
 
+@dataclass
+class _Record:
+    """What one run's training loop recorded (:func:`_train`)."""
+
+    memory: MemoryMeter
+    history: dict[str, list] = field(default_factory=lambda: {k: [] for k in ("loss", "loss_scale", "grad_norm",
+                                                                                "lr", "step_time_ms")})
+    skipped: Counter = field(default_factory=Counter)
+    eval_curve: list[list] = field(default_factory=list)   # [[step, eval loss], ...], the final eval last
+    measured: dict[str, Any] = field(default_factory=dict)
+
+
+def _train(mp: MixedPrecision, workload: Workload, spec: RunSpec, progress: Callable[[int], None] | None) -> _Record:
+    """Train ``spec.steps`` steps, timing each (one host sync per step) and recording the loss, the loss scale,
+    the grad norm, the lr, skipped steps, the eval points and, after ``spec.measure_state_at``'s backward, the
+    training-state bytes."""
+    record = _Record(memory=MemoryMeter(mp.device))
+    history = record.history
+    train_batches = shard_batches(workload.batches("train", spec.seed))  # one process: every batch
+    for step in range(spec.steps):
+        batch = next(train_batches)
+        lr = float(mp.optimizer.param_groups[0]["lr"])   # a tensor in torchao's optimizers, updated in place
+        after = (lambda: record.measured.update(state=state_bytes(mp.model, mp.optimizer))) \
+            if step == spec.measure_state_at else None
+        synchronize(mp.device)
+        t0 = time.perf_counter()
+        loss, result = train_step(mp, workload, batch, after_backward=after)
+        synchronize(mp.device)
+        history["step_time_ms"].append((time.perf_counter() - t0) * 1e3)
+        record.memory.sample()
+        history["loss"].append(_finite_or_none(float(loss)))
+        history["loss_scale"].append(result.loss_scale)
+        history["grad_norm"].append(_finite_or_none(result.grad_norm))
+        history["lr"].append(lr)
+        if not result.applied:
+            record.skipped[result.skipped_reason or "unknown"] += 1
+        _eval_point(mp, workload, spec, step + 1, record.eval_curve)
+        if progress is not None:
+            progress(step + 1)
+    return record
+
+
 def run_policy(spec: RunSpec, progress: Callable[[int], None] | None = None) -> dict[str, Any]:
     """Train ``spec.steps`` steps of one policy and return its measurements (the per-policy
     keys of :mod:`mixprec.bench.report`). Host syncs: one per step for timing, plus the engine's, plus one
@@ -186,32 +228,9 @@ def run_policy(spec: RunSpec, progress: Callable[[int], None] | None = None) -> 
                           strategy=spec.strategy, compile=spec.compile)
     except (ValueError, TypeError) as err:
         raise SetupError(f"{type(err).__name__}: {err}") from err
-    memory = MemoryMeter(mp.device)
-    train_batches = shard_batches(workload.batches("train", spec.seed))  # one process: every batch
-    measured: dict[str, Any] = {}
-    history: dict[str, list] = {k: [] for k in ("loss", "loss_scale", "grad_norm", "lr", "step_time_ms")}
-    skipped: Counter[str] = Counter()
-    eval_curve: list[list] = []   # [[step, eval loss], ...], the final eval last
-    for step in range(spec.steps):
-        batch = next(train_batches)
-        lr = float(mp.optimizer.param_groups[0]["lr"])   # a tensor in torchao's optimizers, updated in place
-        after = (lambda: measured.update(state=state_bytes(mp.model, mp.optimizer))) \
-            if step == spec.measure_state_at else None
-        synchronize(mp.device)
-        t0 = time.perf_counter()
-        loss, result = train_step(mp, workload, batch, after_backward=after)
-        synchronize(mp.device)
-        history["step_time_ms"].append((time.perf_counter() - t0) * 1e3)
-        memory.sample()
-        history["loss"].append(_finite_or_none(float(loss)))
-        history["loss_scale"].append(result.loss_scale)
-        history["grad_norm"].append(_finite_or_none(result.grad_norm))
-        history["lr"].append(lr)
-        if not result.applied:
-            skipped[result.skipped_reason or "unknown"] += 1
-        _eval_point(mp, workload, spec, step + 1, eval_curve)
-        if progress is not None:
-            progress(step + 1)
+    record = _train(mp, workload, spec, progress)
+    memory, history, skipped, eval_curve, measured = (record.memory, record.history, record.skipped,
+                                                      record.eval_curve, record.measured)
     eval_metrics = evaluate(mp, workload)
     eval_curve.append([spec.steps, _finite_or_none(eval_metrics["loss"])])
     step_ms = median_step_ms(history["step_time_ms"], spec.warmup_steps)
