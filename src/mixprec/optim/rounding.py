@@ -339,7 +339,10 @@ class PrecisionOptimizer(torch.optim.Optimizer):
         return (f"; optimizer state {state_name(self.state_dtype)} blockwise ({qs.BLOCK_SIZE}-element "
                 f"blocks, fp32 absmax, {rounding}) for {n['quantized_tensors']} tensor(s) ({n['quantized_elements']:,} "
                 f"elements); {n['full_tensors']} tensor(s) ({n['full_elements']:,} elements) keep fp32 state by design "
-                f"(fewer than {qs.MIN_QUANTIZED_NUMEL} elements or 1-D)")
+                f"(fewer than {qs.MIN_QUANTIZED_NUMEL} elements or 1-D)"
+                + ("" if n["quantized_tensors"] or not n["full_tensors"] else
+                   f": no tensor here is large enough, so every moment is fp32 and {state_name(self.state_dtype)} "
+                   "state saves nothing on this model"))
 
     # ---------------------------------------------------------------- state helpers
     def _quantized(self, t: torch.Tensor) -> bool:
