@@ -550,3 +550,12 @@ def test_the_contract_refuses_what_cannot_run_int8_state():
     with pytest.raises(ValueError, match=r"state_rounding='stochastic' but the policy bf16-lean says .*"
                                          r"state_rounding='nearest'; drop the optimizer's explicit arguments"):
         MixedPrecision(model, explicit, policy="bf16-lean", device="cpu")
+
+
+def test_sgd_without_momentum_under_8bit_state_says_it_keeps_no_state():
+    big = nn.Parameter(torch.randn(64, 64))
+    plain = mo.SGD([big], lr=0.1, state_dtype="int8")
+    assert plain.state_layout() == {"quantized_tensors": 0, "quantized_elements": 0, "full_tensors": 0, "full_elements": 0}
+    assert plain.state_note() == ("; optimizer state int8: none is kept (SGD without momentum holds no moment buffers), "
+                                  "so int8 state changes nothing")
+    assert mo.SGD([big], lr=0.1, momentum=0.9, state_dtype="int8").state_layout()["quantized_tensors"] == 1

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from typing import Any
+
 import torch
 
 from mixprec.optim.rounding import PrecisionOptimizer, _as_fp32, check_number, grad_fp32
@@ -98,6 +100,9 @@ class SGD(PrecisionOptimizer):
         defaults = dict(lr=lr, momentum=momentum, dampening=dampening, weight_decay=weight_decay,
                         nesterov=nesterov)
         super().__init__(params, defaults, rounding=rounding, state_dtype=state_dtype, state_rounding=state_rounding)
+
+    def _keeps_moments(self, group: dict[str, Any]) -> bool:
+        return group["momentum"] != 0   # no momentum_buffer without momentum
 
     @torch.no_grad()
     def step(self, closure=None):
