@@ -25,7 +25,7 @@ Peers (optional extras, ``pip install 'mixprec[peers]'``; a missing one is a ski
 
 "Ours": the rows of a ``mixprec bench`` run of the same workload, config, steps, seed and data
 (``--bench DIR/results.json``, whatever policies it has), or the ``--ours`` policies trained here (default
-fp32,bf16-sr; fp32 always, first, as the reference).
+fp32,bf16-sr,bf16-lean; fp32 always, first, as the reference).
 
 Step times (``--timing``): ``interleaved`` (default) times every row again in alternating 5-step blocks with
 :func:`mixprec.bench.interleaved.time_interleaved`, as ``mixprec bench`` does, ours included, so all ratios come
@@ -69,7 +69,7 @@ from mixprec.workloads import Workload, get_workload
 
 WORKLOAD = "gpt"
 REFERENCE = "fp32"             # ours' reference row, and the policy every peer runs under
-DEFAULT_OURS = ("fp32", "bf16-sr")
+DEFAULT_OURS = ("fp32", "bf16-sr", "bf16-lean")   # bf16-lean: our 8-bit AdamW, the row the peers are read against
 TIMING_METHODS = ("interleaved", "sequential")
 HYPERPARAMETERS = ("lr", "betas", "eps", "weight_decay")   # what a peer takes from the workload's AdamW, per group
 BENCH_SETTINGS = ("workload", "config", "steps", "seed", "data")   # what --bench's results.json must share

@@ -643,3 +643,10 @@ def test_bench_auto_says_what_it_chose_and_the_measured_ratio(tmp_path, capsys):
         assert f"op plan (auto): {plan[0]['shape']} -> {plan[0]['chosen']}" in console
     else:
         assert "op plan (auto)" not in console
+
+
+def test_how_to_read_says_the_rss_malloc_hint_is_the_opposite_of_the_timing_setting():
+    from mixprec.bench import report
+    text = " ".join(report._HOW_TO_READ.split())
+    assert "MALLOC_MMAP_THRESHOLD_=131072" in text and "opposite of the timing workers' setting" in text
+    assert "trades step time for peak RSS" in text

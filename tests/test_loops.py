@@ -15,6 +15,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+import mixprec
 from mixprec import MixedPrecision
 
 POLICIES = ["fp32", "bf16-mixed", "fp16-mixed"]
@@ -351,6 +352,23 @@ def test_forward_outside_autocast_under_mixed_warns_once():
     with warnings.catch_warnings():
         warnings.simplefilter("error")
         pure.model(pure.cast_inputs(x))    # pure policies compute in bf16 without autocast
+
+
+@pytest.mark.parametrize("policy", ["bf16-pure", "bf16-lean"])
+def test_fp32_input_outside_autocast_under_16_bit_params_is_named_before_the_dtype_error(policy):
+    model = _mlp(4, 1, seed=10)
+    mp = MixedPrecision(model, mixprec.optim.AdamW(model.parameters(), lr=1e-3), policy=policy, device="cpu")
+    x = torch.randn(3, 4)
+    with pytest.warns(UserWarning, match=r"float32 input outside mp.autocast\(\) while its parameters are bfloat16"):
+        with pytest.raises(RuntimeError, match="same dtype"), torch.no_grad():   # evaluation, as a user writes it
+            mp.model(x)
+    assert [e["kind"] for e in mp.events] == ["forward"]
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        with torch.no_grad():
+            mp.model(mp.cast_inputs(x))          # bf16 inputs run outside autocast: no word
+            with mp.autocast():
+                mp.model(x)                      # inside autocast: no word
 
 
 def test_cast_inputs_warns_about_a_rounded_target_and_keeps_tuple_indices():

@@ -143,3 +143,8 @@ def test_a_peer_takes_the_workloads_groups_and_the_engine_runs_it_as_it_is():
     assert mp.optimizer is peer   # accepted as it is (fp32 params, round-to-nearest, its own state)
     with pytest.raises(ValueError, match="plain torch.optim.AdamW"):
         optimizer_peers.peer_optimizer(torch.optim.SGD(model.parameters(), lr=0.1), optimizer_peers.PEERS["torchao"])
+
+
+def test_default_ours_include_our_8bit_optimizer():
+    args = optimizer_peers._parse(["--config", "tiny", "--out", "unused"])
+    assert args.ours_list == ["fp32", "bf16-sr", "bf16-lean"]   # the 8-bit peers are read against bf16-lean

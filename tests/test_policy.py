@@ -170,3 +170,13 @@ def test_small_gradients_survive_under_a_key_written_fp16_policy():
         mp.step()
     assert (grads["compute=fp16"] != 0).float().mean() > 0.9
     assert (grads["compute=fp16,loss_scale=none"] == 0).all()
+
+
+def test_auto_with_overrides_names_the_resolve_then_override_recipe():
+    with pytest.raises(ValueError, match=r"'auto' takes no overrides; resolve it first, then add them: .*"
+                                         r"resolve_policy\('auto', device.*\+ ',kernels=native,state=int8'"):
+        Policy.parse("auto,kernels=native,state=int8")
+    with pytest.raises(ValueError, match=r"policy 'auto' depends on the device"):
+        Policy.parse("auto")
+    resolved = Policy.parse("bf16-mixed")                       # the recipe itself works
+    assert Policy.parse(str(resolved) + ",kernels=native,state=int8") == Policy.parse("bf16-mixed,kernels=native,state=int8")

@@ -329,6 +329,10 @@ def test_small_and_1d_tensors_keep_fp32_state_by_design_and_the_layout_says_so()
     assert "int8 blockwise (256-element blocks, fp32 absmax, rounded to nearest) for 1 tensor(s) (4,096 elements)" in note
     assert "3 tensor(s) (16,320 elements) keep fp32 state by design (fewer than 4096 elements or 1-D)" in note
     assert mo.AdamW([big]).state_note() == "" and mo.AdamW([short], state_dtype="fp8").state_layout()["quantized_tensors"] == 0
+    assert "saves" not in note
+    assert mo.AdamW([short, flat], state_dtype="int8").state_note().endswith(
+        "2 tensor(s) (12,224 elements) keep fp32 state by design (fewer than 4096 elements or 1-D): no tensor here "
+        "is large enough, so every moment is fp32 and int8 state saves nothing on this model")
     assert "optimizer state fp8 blockwise (256-element blocks, fp32 absmax, stochastically rounded)" in \
         mo.AdamW([big], state_dtype="fp8", state_rounding="stochastic").state_note()
 
@@ -595,3 +599,12 @@ def test_the_contract_refuses_what_cannot_run_int8_state():
     with pytest.raises(ValueError, match=r"state_rounding='stochastic' but the policy bf16-lean says .*"
                                          r"state_rounding='nearest'; drop the optimizer's explicit arguments"):
         MixedPrecision(model, explicit, policy="bf16-lean", device="cpu")
+
+
+def test_sgd_without_momentum_under_8bit_state_says_it_keeps_no_state():
+    big = nn.Parameter(torch.randn(64, 64))
+    plain = mo.SGD([big], lr=0.1, state_dtype="int8")
+    assert plain.state_layout() == {"quantized_tensors": 0, "quantized_elements": 0, "full_tensors": 0, "full_elements": 0}
+    assert plain.state_note() == ("; optimizer state int8: none is kept (SGD without momentum holds no moment buffers), "
+                                  "so int8 state changes nothing")
+    assert mo.SGD([big], lr=0.1, momentum=0.9, state_dtype="int8").state_layout()["quantized_tensors"] == 1

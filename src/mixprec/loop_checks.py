@@ -19,6 +19,8 @@ Each check is cheap (Python loops over the parameters, no host sync) and speaks 
   unclipped gradients: RuntimeError from an optimizer step pre-hook.
 * **missing gradients**: trainable parameters that got no gradient at a boundary are named once.
 * **a training forward outside ``mp.autocast()``** under a ``-mixed`` policy runs in fp32: one warning.
+* **a forward outside ``mp.autocast()`` with an fp32 input** under 16-bit params (``-pure``, ``-kahan``,
+  ``-sr``, ``-lean``; evaluation included): one warning naming the fix before torch's dtype error.
 * **a float field rounded by ``cast_inputs``** under 16-bit params (a regression target, say): one
   warning naming the field and the ``keep=`` fix.
 
@@ -66,7 +68,7 @@ class _ForwardHook(_Hook):
     def __call__(self, module: nn.Module, args: tuple) -> None:
         checks = self.checks()
         if checks is not None and not torch.compiler.is_compiling():
-            checks.before_forward(module)
+            checks.before_forward(module, args)
 
 
 class _StepHook(_Hook):
@@ -108,17 +110,28 @@ class LoopChecks:
         self._handles.clear()
 
     # ---------------------------------------------------------------- hooks
-    def before_forward(self, module: nn.Module) -> None:
+    def before_forward(self, module: nn.Module, args: tuple = ()) -> None:
         if module is not self.owner.module:
             return
         self.on_forward()
         mp = self.owner
+        if torch.is_autocast_enabled(mp.device.type):
+            return
         mixed = mp.policy.is_mixed and mp.policy.param_dtype == torch.float32
-        if mixed and torch.is_grad_enabled() and not torch.is_autocast_enabled(mp.device.type):
+        if mixed and torch.is_grad_enabled():
             self._once("outside-autocast", "forward", f"the model ran a training forward outside mp.autocast() under "
                        f"{mp.policy}: it computed in fp32 (parameters are fp32 under '-mixed' policies; only "
                        "autocast computes in 16 bits). Wrap the forward and the loss: `with mp.autocast(): loss = "
                        "...`")
+        elif mp.policy.param_dtype != torch.float32 and "outside-autocast-dtype" not in self.spoken:
+            found = _float_input_not_in(args, mp.policy.param_dtype)
+            if found is not None:
+                dtype = str(mp.policy.param_dtype).removeprefix("torch.")
+                self._once("outside-autocast-dtype", "forward", f"the model got a {str(found).removeprefix('torch.')} "
+                           f"input outside mp.autocast() while its parameters are {dtype} under {mp.policy}: "
+                           "unless the model casts it, its first matmul fails with a dtype error ('mat1 and mat2 "
+                           "must have the same dtype'). Run every forward, evaluation included, inside `with "
+                           "mp.autocast():`, or pass the batch through mp.cast_inputs()")
 
     def before_optimizer_step(self) -> None:
         mp = self.owner
@@ -273,6 +286,17 @@ class LoopChecks:
         self.spoken.add(key)
         self._event(kind, detail)
         warnings.warn(f"mixprec: {detail} (said once)", stacklevel=5)
+
+
+def _float_input_not_in(args: tuple, dtype: torch.dtype) -> torch.dtype | None:
+    """The dtype of the first floating tensor among ``args`` (and one level of list/tuple/dict inside them)
+    that is not ``dtype``; None when there is none."""
+    for arg in args:
+        items = arg.values() if isinstance(arg, dict) else arg if isinstance(arg, (list, tuple)) else (arg,)
+        for t in items:
+            if isinstance(t, torch.Tensor) and t.is_floating_point() and t.dtype != dtype:
+                return t.dtype
+    return None
 
 
 def _remove_all(handles: list[Any]) -> None:

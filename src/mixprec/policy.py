@@ -366,6 +366,10 @@ class Policy:
         base = PRESETS["fp32"]
         if "=" not in parts[0]:
             name = parts.pop(0).lower()
+            if name == "auto" and parts:
+                raise ValueError(f"policy {text!r}: 'auto' takes no overrides; resolve it first, then add them: "
+                                 "mixprec.Policy.parse(str(mixprec.resolve_policy('auto', device, model=..., "
+                                 f"example_batch=...)) + {','.join([''] + parts)!r})")
             if name == "auto":
                 raise ValueError("policy 'auto' depends on the device; resolve it with "
                                  "mixprec.resolve_policy('auto', device)")
@@ -532,3 +536,4 @@ PRESETS: dict[str, Policy] = {
     "bf16-lean": Policy(param_dtype=_bf16, compute_dtype=_bf16, rounding="stochastic", state_dtype=torch.int8),
     "fp8-mixed": Policy(compute_dtype=_bf16, fp8="tensorwise"),
 }
+

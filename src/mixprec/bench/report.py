@@ -65,7 +65,10 @@ CPU, peak memory is the process's peak RSS, which includes a few hundred MiB of 
 and torch libraries, so its ratio understates state savings; bytes/param shows them. It also
 includes glibc heap fragmentation, which grows with varying tensor sizes (e.g. a masked-LM's
 varying number of masked tokens) and can make a 16-bit policy's peak RSS *exceed* fp32's;
-`MALLOC_MMAP_THRESHOLD_=131072` in the environment removes most of it.
+`MALLOC_MMAP_THRESHOLD_=131072` in the environment removes most of it. That is the opposite of
+the timing workers' setting (the timing line's 256 MiB threshold, which keeps the heap so a step
+does not re-fault it): a low threshold trades step time for peak RSS. Peak memory here comes
+from the training runs, under glibc's defaults.
 """
 
 

@@ -344,8 +344,9 @@ class PrecisionOptimizer(torch.optim.Optimizer):
         """How this optimizer lays out moment state over the tensors it steps, from their shapes (valid
         before the first step): ``quantized_tensors`` / ``quantized_elements`` held in 8-bit codes (0 unless
         ``state_dtype`` is 8-bit) and ``full_tensors`` / ``full_elements`` kept in ``state_dtype``, or in fp32
-        under 8-bit state (fewer than 4096 elements, 1-D or complex)."""
-        stepped = list(chain.from_iterable(g["params"] for g in self.param_groups))
+        under 8-bit state (fewer than 4096 elements, 1-D or complex). Groups that keep no moments (SGD
+        without momentum) are not counted."""
+        stepped = list(chain.from_iterable(g["params"] for g in self.param_groups if self._keeps_moments(g)))
         quantized = [t for t in stepped if self._quantized(t)]
         full = [t for t in stepped if not self._quantized(t)]
         return {"quantized_tensors": len(quantized), "quantized_elements": sum(t.numel() for t in quantized),
@@ -357,13 +358,23 @@ class PrecisionOptimizer(torch.optim.Optimizer):
         if self.state_dtype not in QUANTIZED_STATE_DTYPES:
             return ""
         n = self.state_layout()
+        if not n["quantized_tensors"] and not n["full_tensors"]:
+            return (f"; optimizer state {state_name(self.state_dtype)}: none is kept ({type(self).__name__} without "
+                    f"momentum holds no moment buffers), so {state_name(self.state_dtype)} state changes nothing")
         rounding = "stochastically rounded" if self.state_rounding == "stochastic" else "rounded to nearest"
         return (f"; optimizer state {state_name(self.state_dtype)} blockwise ({qs.BLOCK_SIZE}-element "
                 f"blocks, fp32 absmax, {rounding}) for {n['quantized_tensors']} tensor(s) ({n['quantized_elements']:,} "
                 f"elements); {n['full_tensors']} tensor(s) ({n['full_elements']:,} elements) keep fp32 state by design "
-                f"(fewer than {qs.MIN_QUANTIZED_NUMEL} elements or 1-D)")
+                f"(fewer than {qs.MIN_QUANTIZED_NUMEL} elements or 1-D)"
+                + ("" if n["quantized_tensors"] or not n["full_tensors"] else
+                   f": no tensor here is large enough, so every moment is fp32 and {state_name(self.state_dtype)} "
+                   "state saves nothing on this model"))
 
     # ---------------------------------------------------------------- state helpers
+    def _keeps_moments(self, group: dict[str, Any]) -> bool:
+        """Whether this optimizer keeps moment state for the params of ``group`` (AdamW: always)."""
+        return True
+
     def _quantized(self, t: torch.Tensor) -> bool:
         """Whether ``t``'s moments are stored in 8-bit codes under this optimizer's ``state_dtype``."""
         return self.state_dtype in QUANTIZED_STATE_DTYPES and not t.is_complex() and qs.quantizes(t)

@@ -104,6 +104,9 @@ class SGD(PrecisionOptimizer):
                         nesterov=nesterov)
         super().__init__(params, defaults, rounding=rounding, state_dtype=state_dtype, state_rounding=state_rounding)
 
+    def _keeps_moments(self, group: dict[str, Any]) -> bool:
+        return group["momentum"] != 0   # no momentum_buffer without momentum
+
     @torch.no_grad()
     def step(self, closure=None):
         """One SGD step for every param with a ``.grad``; returns ``closure()`` if given."""
