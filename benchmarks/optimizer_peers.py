@@ -59,7 +59,6 @@ import torch
 from torch import nn
 
 from mixprec.bench.interleaved import time_interleaved
-from mixprec.bench.runner import TIMING_MALLOC_ENV
 from mixprec.bench.report import COMPILED_SUFFIX
 from mixprec.bench.runner import eval_every_for, warmup_steps_for
 from mixprec.bench.worker import RunSpec
@@ -287,7 +286,6 @@ def _retime(rows: dict[str, dict], specs: dict[str, RunSpec], steps: int, workdi
     live = {n: s for n, s in specs.items() if rows[n].get("step_time_ms_median") is not None}
     rounds = max(4, min(12, steps // 25))
     print(f"timing {len(live)} rows interleaved: {rounds} rounds of 5 steps each", file=sys.stderr)
-    env = {**env, **TIMING_MALLOC_ENV, **{k: v for k, v in os.environ.items() if k in TIMING_MALLOC_ENV}}  # as the bench
     timing = time_interleaved(live, workdir, env, block_steps=5, rounds=rounds, warmup_steps=3)
     for name, step in timing["step_ms"].items():
         if step is not None:

@@ -416,7 +416,7 @@ def test_tiny_bench_times_the_policies_interleaved(tiny_bench):
     timing = results["timing"]
     assert timing["method"] == "interleaved" and timing["block_steps"] == 5 and timing["blocks"] == 4
     assert set(timing["step_ms"]) == {"fp32", "bf16-mixed"} and not timing["errors"]   # fp16-mixed was SKIPPED
-    from mixprec.bench.runner import TIMING_MALLOC_ENV   # the workers' malloc keeps its heap (no per-step faults)
+    from mixprec.bench.interleaved import TIMING_MALLOC_ENV   # the workers' malloc keeps its heap (no per-step faults)
     assert timing["malloc_env"] == {k: os.environ.get(k, v) for k, v in TIMING_MALLOC_ENV.items()}
     assert isinstance(timing["noisy"], bool)
     for name, step in timing["step_ms"].items():

@@ -213,7 +213,7 @@ def auto_lines(results: dict) -> list[str]:
 
 
 def _malloc_text(malloc_env: dict | None) -> str:
-    """How the timing workers' malloc was set (their step time is compute, not page faults: runner.TIMING_MALLOC_ENV)."""
+    """How the timing workers' malloc was set (their step time is compute, not page faults: interleaved.TIMING_MALLOC_ENV)."""
     if not malloc_env:
         return ""
     return "; malloc: " + " ".join(f"{k}={v}" for k, v in malloc_env.items())

@@ -63,7 +63,7 @@ from mixprec.doctor import cached_peaks, cpu_flags, cpu_name
 from mixprec.policy import Policy
 from mixprec.workloads import get_workload
 
-__all__ = ["BenchConfig", "DEFAULT_POLICIES", "DEFAULT_STEPS", "DEFAULT_GPT_CONFIG", "CAPABILITY_ENV", "TIMING_MALLOC_ENV",
+__all__ = ["BenchConfig", "DEFAULT_POLICIES", "DEFAULT_STEPS", "DEFAULT_GPT_CONFIG", "CAPABILITY_ENV",
            "run_bench", "plan_policy", "judge_policies", "warmup_steps_for", "eval_every_for"]
 
 DEFAULT_POLICIES = ("fp32", "bf16-mixed", "bf16-pure", "bf16-kahan", "bf16-sr")
@@ -74,13 +74,6 @@ CAPABILITY_ENV = "MIXPREC_BENCH_CAPABILITY"
 
 
 TIMING_METHODS = ("interleaved", "sequential")   # BenchConfig.timing: how step times are measured
-# The interleaved timing workers' glibc malloc thresholds (unless the environment sets them): a long-lived
-# process keeps its heap, so the step time is compute, not page faults. With glibc's adaptive defaults a lone
-# gpt/mid bf16-mixed worker returned ~40 MB to the OS and faulted it back every step (10.9k minor faults per
-# step, measured with getrusage): bf16-mixed 99 ms instead of 89, fp32 192 instead of 182 (2026-12-01, this
-# 2-core Xeon), which turned a 2.0x speedup into 1.77x. Export the same two variables to get the timed speed
-# in your own runs. Ignored by other C libraries (macOS, musl).
-TIMING_MALLOC_ENV = {"MALLOC_MMAP_THRESHOLD_": str(256 * 2**20), "MALLOC_TRIM_THRESHOLD_": str(2**30)}
 
 
 @dataclass(frozen=True)
@@ -300,7 +293,7 @@ def _retime(config: BenchConfig, entries: dict[str, dict], specs: dict[str, RunS
     """``timing="interleaved"``: time the rows that trained, interleaved (:mod:`mixprec.bench.interleaved`), and
     replace their step time and what derives from it (the quality run's median is kept as
     ``sequential_step_time_ms_median``); results.json's ``timing`` (with ``malloc_env``: the workers' glibc malloc
-    thresholds, :data:`TIMING_MALLOC_ENV` unless the environment set them). Sequential under a strategy or with
+    thresholds, :data:`mixprec.bench.interleaved.TIMING_MALLOC_ENV` unless the environment set them). Sequential under a strategy or with
     < 2 rows."""
     rows = [n for n in specs if entries[n].get("step_time_ms_median") is not None]
     sequential = {"method": "sequential", "noisy": False, "spread": {
@@ -313,10 +306,8 @@ def _retime(config: BenchConfig, entries: dict[str, dict], specs: dict[str, RunS
     rounds = max(4, min(12, config.steps // 25))
     if progress:
         print(f"timing {len(rows)} policies interleaved: {rounds} rounds of 5 steps each", file=sys.stderr)
-    env = {**_worker_env(), **TIMING_MALLOC_ENV, **{k: v for k, v in os.environ.items() if k in TIMING_MALLOC_ENV}}
-    timing = time_interleaved({n: specs[n] for n in rows}, workdir, env, block_steps=5, rounds=rounds,
+    timing = time_interleaved({n: specs[n] for n in rows}, workdir, _worker_env(), block_steps=5, rounds=rounds,
                               warmup_steps=3)
-    timing["malloc_env"] = {k: env[k] for k in TIMING_MALLOC_ENV}
     for name, step in timing["step_ms"].items():
         e = entries[name]
         if step is None:
