@@ -295,6 +295,7 @@ def test_a_checkpoint_pins_the_kernels_its_run_chose(tmp_path):
         resumed.model(x)
     (pinned,) = op_plan.entries("cpu")
     assert (pinned.shape, pinned.chosen, pinned.source) == (entry.shape, entry.chosen, "checkpoint")
+    assert op_plan.summary("cpu") == [f"{entry.shape} -> {entry.chosen} (checkpoint)"]   # no empty "(checkpoint; )"
 
 
 @pytest.mark.parametrize("chosen", ["matmul", "fused-fp32"])

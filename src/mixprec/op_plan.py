@@ -358,8 +358,9 @@ def summary(device_type: str | None = None, *, policy: Any = None) -> list[str]:
     """One line per entry of :func:`entries` (same arguments): the key, the choice, its source, each time."""
     def ms(t: float | None) -> str:
         return "-" if t is None else f"{t:.2f} ms"
-    return [f"{e.shape} -> {e.chosen} ({e.source}; " + ", ".join(f"{n} {ms(t)}" for n, t in e.times_ms.items()) + ")"
-            for e in entries(device_type, policy=policy)]
+    def why(e: PlanEntry) -> str:   # a pinned entry has no times of its own: its source alone
+        return "; ".join([e.source, ", ".join(f"{n} {ms(t)}" for n, t in e.times_ms.items())] if e.times_ms else [e.source])
+    return [f"{e.shape} -> {e.chosen} ({why(e)})" for e in entries(device_type, policy=policy)]
 
 
 def choices(device_type: str, *, policy: Any = None) -> dict[str, str]:
