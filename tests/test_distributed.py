@@ -64,14 +64,16 @@ def _entry(rank: int, port: int, out: str, fn, args: tuple) -> None:
                       MASTER_PORT=str(port))
     torch.set_num_threads(1)
     mpd.init_process_group_from_env("cpu", timeout=timedelta(seconds=60))
+    finished = False
     try:
         result = fn(rank, Path(out), *args)
         torch.save(result, Path(out) / f"rank{rank}.pt")
+        finished = True
     except BaseException:
         (Path(out) / f"rank{rank}.err").write_text(traceback.format_exc())
         raise
-    finally:
-        dist.destroy_process_group()
+    finally:   # a rank that finished waits for its peer before tearing gloo down (an abort seen under load)
+        mpd.leave_process_group(wait_for_all=finished)
 
 
 def _run_ranks(fn, tmp_path: Path, *args, timeout_s: float = 100) -> list:
