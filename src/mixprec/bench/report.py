@@ -298,18 +298,19 @@ def eval_curve_lines(results: dict) -> list[str]:
     """report.md's eval-curve table: per eval step, each policy's eval loss (and its delta vs fp32) and the
     fp32 seeds' spread at that step."""
     ran = _ran(results)
-    reference = dict((st, v) for st, v in ran.get(results["reference"], {}).get("eval_curve") or [])
+    reference = _curve(ran.get(results["reference"]))
     if len(reference) < 2:
         return []
     band = _seed_band(results)
     names = list(ran)
+    curves = {name: _curve(ran[name]) for name in names}
     lines = [f"## Eval loss over training (every {results['settings'].get('eval_every')} steps, {_loss_unit(results)})",
              "", "| step | " + " | ".join(names) + (" | seed noise |" if band else " |"),
              "|---:|" + "---:|" * (len(names) + bool(band))]
     for step, ref in sorted(reference.items()):
         cells = []
         for name in names:
-            value = dict((st, v) for st, v in ran[name].get("eval_curve") or []).get(step)
+            value = curves[name].get(step)
             delta = "" if name == results["reference"] or value is None or not ref else f" ({(value - ref) / ref:+.2%})"
             cells.append(_fmt(value, ".4f") + delta)
         seed = [f"±{band[step]:.2%}" if step in band else "-"] if band else []
@@ -402,6 +403,11 @@ def _width(index: int, count: int) -> float:
     return 1.0 + 0.7 * (count - 1 - index)
 
 
+def _curve(entry: dict | None) -> dict:
+    """A row's ``eval_curve`` as ``{step: eval loss or None}``."""
+    return dict((step, loss) for step, loss in (entry or {}).get("eval_curve") or [])
+
+
 def _loss_unit(results: dict) -> str:
     return next((e["loss_unit"] for e in _ran(results).values() if e.get("loss_unit")),
                 "unit not set: Workload.loss_unit")
@@ -437,8 +443,7 @@ def _plot_eval(ax: Any, results: dict) -> None:
 
 def _seed_band(results: dict) -> dict[int, float]:
     """Per eval step, the fp32 seeds' relative spread ((max - min) / min) — the band a delta is read against."""
-    curves = [dict((st, v) for st, v in c) for c in (results.get("seed_noise") or {}).get("fp32_eval_curves") or []
-              if c]
+    curves = [_curve({"eval_curve": c}) for c in (results.get("seed_noise") or {}).get("fp32_eval_curves") or [] if c]
     if len(curves) < 2:
         return {}
     band = {}
@@ -452,7 +457,7 @@ def _seed_band(results: dict) -> dict[int, float]:
 def _plot_eval_delta(ax: Any, results: dict) -> None:
     """Eval-loss delta vs fp32 (%) at each eval point, the gate (+max loss delta, judged at the final point)
     and the seed-noise band (shaded ±, per eval point)."""
-    reference = dict((st, v) for st, v in _ran(results).get(results["reference"], {}).get("eval_curve") or [])
+    reference = _curve(_ran(results).get(results["reference"]))
     for index, (name, e) in enumerate(_ran(results).items()):
         points = [(st, 100 * (v - reference[st]) / reference[st]) for st, v in e.get("eval_curve") or []
                   if name != results["reference"] and v is not None and reference.get(st)]
