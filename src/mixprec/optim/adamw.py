@@ -6,6 +6,8 @@ from typing import Any
 
 import torch
 
+from mixprec.optim import quantized_adamw
+from mixprec.optim import quantized_state as qs
 from mixprec.optim.rounding import PrecisionOptimizer, _as_fp32, check_number, check_torch_options, grad_fp32
 
 __all__ = ["AdamW", "adamw_update_"]
@@ -132,15 +134,47 @@ class AdamW(PrecisionOptimizer):
                     continue
                 state = self._state(p, zeros=("exp_avg", "exp_avg_sq"))
                 state["step"] += 1
+                hyper = dict(step=float(state["step"]),  # CPU scalar: no device sync
+                             lr=group["lr"], beta1=beta1, beta2=beta2, eps=group["eps"],
+                             weight_decay=group["weight_decay"])
+                if "exp_avg" + qs.ABSMAX_SUFFIX in state:
+                    self._step_quantized(p, state, hyper, lost_counts)
+                    continue
                 param_fp32 = _as_fp32(p)
                 exp_avg_fp32 = self._load(state, "exp_avg")
                 exp_avg_sq_fp32 = self._load(state, "exp_avg_sq")
-                adamw_update_(param_fp32, grad_fp32(p), exp_avg_fp32, exp_avg_sq_fp32,
-                              step=float(state["step"]),  # CPU scalar: no device sync
-                              lr=group["lr"], beta1=beta1, beta2=beta2, eps=group["eps"],
-                              weight_decay=group["weight_decay"])
+                adamw_update_(param_fp32, grad_fp32(p), exp_avg_fp32, exp_avg_sq_fp32, **hyper)
                 self._store(state, "exp_avg", exp_avg_fp32)
                 self._store(state, "exp_avg_sq", exp_avg_sq_fp32)
                 self._write_back(p, param_fp32, state, lost_counts)
         self._warn_if_updates_lost(lost_counts)
         return loss
+
+    def _step_quantized(self, p: torch.Tensor, state: dict[str, Any], hyper: dict[str, float], lost_counts: list) -> None:
+        """One step of a param with 8-bit moments: the fused C kernel where it applies, else the torch ops
+        (:mod:`mixprec.optim.quantized_adamw`; the same bits either way)."""
+        m = (state["exp_avg"], state["exp_avg" + qs.ABSMAX_SUFFIX])
+        v = (state["exp_avg_sq"], state["exp_avg_sq" + qs.ABSMAX_SUFFIX])
+        if not self._checks_lost_updates(p, state) and quantized_adamw.fusable(p, p.grad, m[0], v[0], rounding=self.rounding):
+            quantized_adamw.fused_step_(p, p.grad, m, v, rounding=self.rounding, state_rounding=self.state_rounding, **hyper)
+            return
+        param_fp32 = _as_fp32(p)
+        quantized_adamw.reference_update_(param_fp32, grad_fp32(p), m, v, state_rounding=self.state_rounding, **hyper)
+        self._write_back(p, param_fp32, state, lost_counts)
+
+    def state_note(self) -> str:
+        """:meth:`PrecisionOptimizer.state_note`, plus how int8-state steps run: the fused C kernel (CPU),
+        or torch ops and why (builds and checks the kernel the first time it is asked)."""
+        note = super().state_note()
+        quantized = [p for g in self.param_groups for p in g["params"] if self._quantized(p)]
+        if self.state_dtype != torch.int8 or not quantized:
+            return note
+        if {p.device.type for p in quantized} != {"cpu"}:
+            how = "torch ops (the fused kernel is CPU-only)"
+        elif self.rounding == "kahan" and any(p.dtype != torch.float32 for p in quantized):
+            how = "torch ops (rounding='kahan' is not fused)"
+        elif any(p.dtype not in (torch.float32, torch.bfloat16) for p in quantized):
+            how = "torch ops for fp16 params (the fused kernel takes fp32 and bf16)"
+        else:
+            how = quantized_adamw.kernel_status()
+        return note + f"; int8-state AdamW steps: {how}"

@@ -82,8 +82,8 @@ import torch.nn.functional as F
 
 from mixprec.policy import QUANTIZED_STATE_DTYPES, STATE_ROUNDINGS
 
-__all__ = ["BLOCK_SIZE", "MIN_QUANTIZED_NUMEL", "ABSMAX_SUFFIX", "Code", "CODES", "code_for", "code_of",
-           "quantizes", "quantize", "dequantize", "zeros", "nbytes", "state_shape"]
+__all__ = ["BLOCK_SIZE", "MIN_QUANTIZED_NUMEL", "ABSMAX_SUFFIX", "Code", "CODES", "BinLookup", "bin_lookup", "code_for",
+           "code_of", "quantizes", "quantize", "dequantize", "sqrt_fp32", "zeros", "nbytes", "state_shape"]
 
 BLOCK_SIZE = 256             # elements per absmax scale (Dettmers et al. 2022; bitsandbytes, torchao)
 MIN_QUANTIZED_NUMEL = 4096   # smaller tensors keep fp32 state (bitsandbytes min_8bit_size, torchao)
@@ -151,7 +151,7 @@ def _midpoints(name: str, device: str) -> torch.Tensor:
 
 
 @dataclass(frozen=True)
-class _Lookup:
+class BinLookup:
     """``torch.bucketize`` for one sorted boundary set, by the fp32 bit pattern: bin ``b`` holds the floats
     whose 32 bits start with ``b`` (the top ``32 - shift`` bits: sign, exponent, leading mantissa bits), an
     interval of values, and no interval between ``-qmax`` and ``qmax`` holds two boundaries. ``counts[b]``:
@@ -164,8 +164,18 @@ class _Lookup:
     bound: torch.Tensor        # fp32 (2 ** (32 - shift),); +inf where no boundary is left
 
 
+def bin_lookup(code: Code, kind: str, device: torch.device | str = "cpu") -> BinLookup:
+    """The :class:`BinLookup` of an indexed ``code``'s ``kind`` boundaries on ``device``: ``"midpoints"``
+    (between neighbours: nearest rounding) or ``"table"`` (the values: the two neighbours of stochastic
+    rounding). Built once per code, kind and device (<= 320 KB). Raises ValueError for an fp8 code or
+    another ``kind``."""
+    if not code.indexed or kind not in ("midpoints", "table"):
+        raise ValueError(f"bin_lookup needs an indexed code and kind 'midpoints' or 'table', got {code.name!r}, {kind!r}")
+    return _lookup(code.name, kind, str(torch.device(device)))
+
+
 @functools.cache
-def _lookup(name: str, kind: str, device: str) -> _Lookup:
+def _lookup(name: str, kind: str, device: str) -> BinLookup:
     """The coarsest bit-pattern binning in which no bin inside ``[-qmax, qmax]`` holds two of the code's
     ``kind`` boundaries (``"midpoints"`` or ``"table"``); built once per code, kind and device (<= 320 KB)."""
     bounds = _midpoints(name, "cpu") if kind == "midpoints" else _table(name, "cpu")
@@ -179,7 +189,7 @@ def _lookup(name: str, kind: str, device: str) -> _Lookup:
         counts = torch.bucketize(low, bounds)                                     # boundaries below the bin
         if bool((torch.bucketize(high, bounds, right=True) - counts <= 1).all()):
             bound = torch.cat([bounds, torch.tensor([math.inf])])[counts]
-            return _Lookup(shift, 2 ** (32 - shift) - 1, counts.to(device, torch.uint8), bound.to(device))
+            return BinLookup(shift, 2 ** (32 - shift) - 1, counts.to(device, torch.uint8), bound.to(device))
     raise RuntimeError(f"no binning separates the {kind} of code {name!r}")   # not reached for CODES
 
 
@@ -195,6 +205,17 @@ def _bucketize(y: torch.Tensor, name: str, kind: str, *, inclusive: bool) -> tor
     if inclusive:
         return below.int().add_(bound <= y)
     return below.add_(bound < y)
+
+
+def sqrt_fp32(x_fp32: torch.Tensor) -> torch.Tensor:
+    """The correctly rounded fp32 square root of ``x_fp32`` (a new tensor): IEEE's ``sqrt``, as a C ``sqrtf`` or a
+    CUDA kernel gives it. torch's CPU float ``sqrt`` errs by one ulp in about 0.6 % of values (measured, torch
+    2.13: its vector math library is accurate to 1 ulp, not correctly rounded), so on a CPU the root is taken
+    in fp64 and rounded once to fp32 (exact: fp64 holds more than the 2 x 24 + 2 bits that makes the double
+    rounding of a square root innocuous). Elsewhere torch's fp32 ``sqrt``."""
+    if x_fp32.device.type == "cpu":
+        return x_fp32.double().sqrt_().float()
+    return x_fp32.sqrt()
 
 
 def code_for(state_dtype: torch.dtype, *, nonnegative: bool) -> Code:
@@ -308,7 +329,7 @@ def quantize(x_fp32: torch.Tensor, code: Code, *, rounding: str = "nearest", gen
         raise ValueError(f"quantize x_fp32.dtype={x_fp32.dtype} is not allowed; pass an fp32 tensor (x.float())")
     if rounding not in STATE_ROUNDINGS:
         raise ValueError(f"quantize rounding={rounding!r} is not allowed; choose one of {STATE_ROUNDINGS}")
-    coded_fp32 = x_fp32.clamp_min(0).sqrt_() if code.sqrt else x_fp32            # NaN stays NaN
+    coded_fp32 = sqrt_fp32(x_fp32.clamp_min(0)) if code.sqrt else x_fp32         # NaN stays NaN
     blocks_fp32 = _blocks(coded_fp32.reshape(-1))                                 # (nblocks, 256)
     absmax = _block_absmax(blocks_fp32, code)                                     # (nblocks,); NaN propagates
     absmax = torch.where(torch.isfinite(absmax), absmax, torch.nan)               # inf too: the block reads NaN

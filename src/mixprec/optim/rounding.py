@@ -458,12 +458,18 @@ class PrecisionOptimizer(torch.optim.Optimizer):
                 self._put(p, out, key, self._load(saved, key))
         return out
 
+    def _checks_lost_updates(self, p: torch.Tensor, state: dict[str, Any]) -> bool:
+        """Whether :meth:`_write_back` counts this step's lost updates of ``p`` (16-bit, ``'nearest'``, a check
+        step, not warned yet): it needs the fp32 result beside the rounded param."""
+        return (p.dtype in _HALF_DTYPES and self.rounding == "nearest" and _is_check_step(int(state["step"]))
+                and not getattr(self, "_lost_warned", False))
+
     def _write_back(self, p: torch.Tensor, param_fp32: torch.Tensor, state: dict[str, Any],
                     lost_counts: list) -> None:
         if param_fp32 is p or p.is_complex():
             return  # fp32 param (or complex64 through its real view), updated in place
         step = int(state["step"])  # CPU scalar: no device sync
-        if self.rounding == "nearest" and _is_check_step(step) and not getattr(self, "_lost_warned", False):
+        if self._checks_lost_updates(p, state):
             lost_counts.append(lost_update_counts(p, param_fp32))
             self._lost_step = step
         write_back_(p, param_fp32, rounding=self.rounding, kahan_comp=state.get("kahan_comp"))

@@ -1,0 +1,225 @@
+/* AdamW's step on one param with int8 blockwise state (the dynamic maps), fused: each block of 256 elements
+ * is decoded, updated, written back and requantized while it sits in the L1 cache.
+ *
+ * The arithmetic is mixprec.optim.quantized_adamw.reference_step_ op for op: every operation is one correctly
+ * rounded IEEE fp32 operation in the same order (built with -ffp-contract=off, no fast-math), and the codes
+ * come from the same lookup arrays, so the result equals the torch ops bit for bit in every finite block
+ * (a block holding a NaN or inf reads NaN in both). Python draws every random number (torch's RNG) and
+ * passes it in. Built and loaded by mixprec.c_kernels; called by mixprec.optim.quantized_adamw.
+ */
+#include <math.h>
+#include <pthread.h>
+#include <stdint.h>
+#include <string.h>
+
+#define BLOCK 256
+
+typedef struct {
+    int shift;                /* bin = (bits >> shift) & mask */
+    uint32_t mask;
+    const uint8_t *counts;    /* boundaries below each bin */
+    const float *bound;       /* the first boundary at or above the bin's lowest value (+inf: none) */
+} lookup_t;
+
+typedef struct {
+    int64_t n;                          /* elements */
+    void *param; int param_bf16;        /* fp32 or bf16, updated in place */
+    const void *grad; int grad_bf16;    /* fp32 or bf16, read */
+    uint8_t *m_codes; float *m_absmax;  /* signed dynamic map */
+    uint8_t *v_codes; float *v_absmax;  /* unsigned dynamic map of sqrt(v) */
+    const float *m_table, *v_table;     /* 256 values each, ascending */
+    lookup_t m_lookup, v_lookup;        /* nearest: midpoints; stochastic: the table itself */
+    const float *m_rand, *v_rand;       /* NULL: nearest; else one uniform [0, 1) per element (padded blocks) */
+    const int32_t *p_noise;             /* bf16 params: NULL rounds to nearest even, else stochastic bits */
+    float decay, one_minus_beta1, beta2, one_minus_beta2, inv_bc2_sqrt, eps, neg_step_size, lowest;
+    int64_t block_begin, block_end;
+} step_args;
+
+static inline uint32_t bits_of(float x) { uint32_t u; memcpy(&u, &x, 4); return u; }
+static inline float float_of(uint32_t u) { float x; memcpy(&x, &u, 4); return x; }
+
+static inline float load(const void *p, int bf16, int64_t i) {
+    if (bf16) return float_of((uint32_t)((const uint16_t *)p)[i] << 16);
+    return ((const float *)p)[i];
+}
+
+/* torch's CPU float -> bf16: round to nearest even, any NaN -> 0xFFFF (its vectorised conversion) */
+static inline uint16_t bf16_nearest(float x) {
+    uint32_t u = bits_of(x);
+    if (x != x) return 0xFFFF;
+    return (uint16_t)((u + 0x7FFFu + ((u >> 16) & 1u)) >> 16);
+}
+
+/* mixprec.optim.rounding.stochastic_round_to_bf16 with the drawn int32 noise */
+static inline uint16_t bf16_stochastic(float x, int32_t noise) {
+    if (x != x) return bf16_nearest(x);   /* NaN passes through (as its RNE conversion: torch's .to(bf16)) */
+    uint32_t r = (((uint32_t)noise & 0xFFFFu) + bits_of(x)) & ~0xFFFFu;
+    return (uint16_t)(r >> 16);
+}
+
+/* A block's scale from its largest positive value and largest negative magnitude (bit patterns of
+ * non-negative floats order as integers), as quantized_state._block_absmax and quantize: NaN when the
+ * block holds a non-finite value; the signed map scales by max(largest, |lowest| / 0.99297). */
+static inline float block_absmax(uint32_t pos_bits, uint32_t neg_bits, int signed_map, float lowest) {
+    if (pos_bits >= 0x7F800000u || neg_bits >= 0x7F800000u) return NAN;
+    float pos = float_of(pos_bits);
+    if (!signed_map) return pos;
+    float neg = float_of(neg_bits) / lowest;
+    return neg > pos ? neg : pos;
+}
+
+/* The AdamW update of one block (len <= 256), into p_new, m_new and c_new = sqrt(max(v_new, 0)). */
+static inline __attribute__((always_inline)) void update_block(
+        const int len, const int param_bf16, const int grad_bf16, const void *restrict param, const void *restrict grad,
+        const uint8_t *restrict m_codes, const uint8_t *restrict v_codes, const float *restrict m_table,
+        const float *restrict v_table, const float m_scale, const float v_scale, const step_args *restrict a,
+        float *restrict p_new, float *restrict m_new, float *restrict c_new) {
+    const float decay = a->decay, omb1 = a->one_minus_beta1, beta2 = a->beta2, omb2 = a->one_minus_beta2;
+    const float inv_bc2_sqrt = a->inv_bc2_sqrt, eps = a->eps, neg_step_size = a->neg_step_size;
+    for (int j = 0; j < len; ++j) {
+        float g = grad_bf16 ? float_of((uint32_t)((const uint16_t *)grad)[j] << 16) : ((const float *)grad)[j];
+        float p = param_bf16 ? float_of((uint32_t)((const uint16_t *)param)[j] << 16) : ((const float *)param)[j];
+        p = p * decay;
+        float m = m_table[m_codes[j]] * m_scale;
+        float s = v_table[v_codes[j]] * v_scale;
+        float v = s * s;
+        m = m + (g - m) * omb1;
+        v = v * beta2 + (omb2 * g) * g;
+        float c = sqrtf(v < 0.0f ? 0.0f : v);
+        float denom = c * inv_bc2_sqrt + eps;
+        p_new[j] = p + (neg_step_size * m) / denom;
+        m_new[j] = m;
+        c_new[j] = c;
+    }
+}
+
+/* Largest positive value's and largest negative magnitude's bit patterns (non-negative floats order as
+ * integers; a NaN's pattern is above every finite one and inf's), branch-free so that it vectorises. */
+static inline __attribute__((always_inline)) void block_extremes(const int len, const float *restrict x,
+                                                                  uint32_t *pos_out, uint32_t *neg_out) {
+    uint32_t pos = 0, neg = 0;
+    for (int j = 0; j < len; ++j) {
+        uint32_t b = bits_of(x[j]), mag = b & 0x7FFFFFFFu, is_neg = b >> 31;
+        uint32_t p = mag & (is_neg - 1u), q = mag & (0u - is_neg);
+        pos = p > pos ? p : pos;
+        neg = q > neg ? q : neg;
+    }
+    *pos_out = pos; *neg_out = neg;
+}
+
+static inline __attribute__((always_inline)) void encode_nearest(const int len, const float *restrict x, const float div,
+                                                                  const lookup_t l, const uint8_t *restrict counts,
+                                                                  const float *restrict bound, uint8_t *restrict codes) {
+    for (int j = 0; j < len; ++j) {
+        float y = x[j] / div;
+        uint32_t bin = (bits_of(y) >> l.shift) & l.mask;
+        codes[j] = (uint8_t)(counts[bin] + (bound[bin] < y));
+    }
+}
+
+static inline __attribute__((always_inline)) void encode_stochastic(const int len, const float *restrict x, const float div,
+                                                                     const lookup_t l, const uint8_t *restrict counts,
+                                                                     const float *restrict bound, const float *restrict table,
+                                                                     const float *restrict rand, uint8_t *restrict codes) {
+    for (int j = 0; j < len; ++j) {
+        float y = x[j] / div;
+        uint32_t bin = (bits_of(y) >> l.shift) & l.mask;
+        int32_t lower = counts[bin] + (bound[bin] <= y) - 1;
+        lower = lower < 0 ? 0 : (lower > 254 ? 254 : lower);
+        float lo = table[lower], hi = table[lower + 1];
+        codes[j] = (uint8_t)(lower + (rand[j] < (y - lo) / (hi - lo)));
+    }
+}
+
+static inline __attribute__((always_inline)) void store_param(const int len, const int param_bf16, const float *restrict p_new,
+                                                               const int32_t *restrict noise, void *restrict param) {
+    if (!param_bf16) {
+        float *restrict pf = (float *)param;
+        for (int j = 0; j < len; ++j) pf[j] = p_new[j];
+    } else if (noise) {
+        uint16_t *restrict pb = (uint16_t *)param;
+        for (int j = 0; j < len; ++j) pb[j] = bf16_stochastic(p_new[j], noise[j]);
+    } else {
+        uint16_t *restrict pb = (uint16_t *)param;
+        for (int j = 0; j < len; ++j) pb[j] = bf16_nearest(p_new[j]);
+    }
+}
+
+/* One block: update, write the param, then requantize both moments. Inlined into one specialisation per
+ * (param, grad, rounding) format, so that every loop is branch-free. */
+static inline __attribute__((always_inline)) void step_block(const step_args *a, int64_t b, const int param_bf16,
+                                                              const int grad_bf16, const int stochastic) {
+    const int64_t start = b * BLOCK;
+    const int len = (int)(a->n - start < BLOCK ? a->n - start : BLOCK);
+    const size_t pbytes = param_bf16 ? 2 : 4, gbytes = grad_bf16 ? 2 : 4;
+    float m_new[BLOCK], c_new[BLOCK], p_new[BLOCK];
+    update_block(len, param_bf16, grad_bf16, (const char *)a->param + start * pbytes, (const char *)a->grad + start * gbytes,
+                 a->m_codes + start, a->v_codes + start, a->m_table, a->v_table, a->m_absmax[b], a->v_absmax[b], a,
+                 p_new, m_new, c_new);
+    store_param(len, param_bf16, p_new, a->p_noise ? a->p_noise + start : NULL, (char *)a->param + start * pbytes);
+    uint32_t m_pos, m_neg, c_max, c_neg;
+    block_extremes(len, m_new, &m_pos, &m_neg);
+    block_extremes(len, c_new, &c_max, &c_neg);   /* c >= 0 or NaN (of either sign) */
+    const float m_abs = block_absmax(m_pos, m_neg, 1, a->lowest);
+    const float c_abs = block_absmax(c_max > c_neg ? c_max : c_neg, 0, 0, a->lowest);
+    a->m_absmax[b] = m_abs;
+    a->v_absmax[b] = c_abs;
+    const float m_div = m_abs > 0.0f ? m_abs : 1.0f;   /* NaN > 0 is false: a NaN block divides by 1 */
+    const float c_div = c_abs > 0.0f ? c_abs : 1.0f;
+    const lookup_t ml = a->m_lookup, vl = a->v_lookup;
+    if (!stochastic) {
+        encode_nearest(len, m_new, m_div, ml, ml.counts, ml.bound, a->m_codes + start);
+        encode_nearest(len, c_new, c_div, vl, vl.counts, vl.bound, a->v_codes + start);
+    } else {
+        encode_stochastic(len, m_new, m_div, ml, ml.counts, ml.bound, a->m_table, a->m_rand + start, a->m_codes + start);
+        encode_stochastic(len, c_new, c_div, vl, vl.counts, vl.bound, a->v_table, a->v_rand + start, a->v_codes + start);
+    }
+}
+
+#define SPECIALISE(PB, GB, SR) \
+    for (int64_t b = a->block_begin; b < a->block_end; ++b) step_block(a, b, PB, GB, SR)
+
+static void step_blocks(const step_args *a) {
+    const int sr = a->m_rand != NULL, pb = a->param_bf16, gb = a->grad_bf16;
+    if (pb && gb && !sr) { SPECIALISE(1, 1, 0); }
+    else if (pb && gb) { SPECIALISE(1, 1, 1); }
+    else if (!pb && !gb && !sr) { SPECIALISE(0, 0, 0); }
+    else if (!pb && !gb) { SPECIALISE(0, 0, 1); }
+    else if (pb && !sr) { SPECIALISE(1, 0, 0); }
+    else if (pb) { SPECIALISE(1, 0, 1); }
+    else if (!sr) { SPECIALISE(0, 1, 0); }
+    else { SPECIALISE(0, 1, 1); }
+}
+
+static void *run_thread(void *arg) { step_blocks((const step_args *)arg); return NULL; }
+
+#define MAX_THREADS 64
+
+/* One AdamW step over all blocks of one param, on up to nthreads threads (contiguous ranges of blocks).
+ * Returns 0, or -1 when a thread could not be started (the caller's blocks are then all done on this one). */
+int mixprec_adamw8bit_step(const step_args *args, int nthreads) {
+    int64_t nblocks = (args->n + BLOCK - 1) / BLOCK;
+    if (nthreads > MAX_THREADS) nthreads = MAX_THREADS;
+    if (nthreads > nblocks / 16) nthreads = (int)(nblocks / 16);   /* >= 16 blocks per thread */
+    if (nthreads < 1) nthreads = 1;
+    step_args parts[MAX_THREADS];
+    pthread_t threads[MAX_THREADS];
+    int started[MAX_THREADS] = {0};
+    for (int t = 0; t < nthreads; ++t) {
+        parts[t] = *args;
+        parts[t].block_begin = nblocks * t / nthreads;
+        parts[t].block_end = nblocks * (t + 1) / nthreads;
+    }
+    for (int t = 1; t < nthreads; ++t)
+        started[t] = pthread_create(&threads[t], NULL, run_thread, &parts[t]) == 0;
+    step_blocks(&parts[0]);
+    int rc = 0;
+    for (int t = 1; t < nthreads; ++t) {
+        if (started[t]) pthread_join(threads[t], NULL);
+        else { step_blocks(&parts[t]); rc = -1; }
+    }
+    return rc;
+}
+
+/* The size of step_args as this compiler lays it out: the caller checks it against its own. */
+int64_t mixprec_adamw8bit_args_size(void) { return (int64_t)sizeof(step_args); }

@@ -1,0 +1,231 @@
+"""AdamW's step on a param whose moments are 8-bit blockwise state: a torch-op reference and a fused CPU kernel.
+
+Both compute, per element in fp32 (``m``, ``v`` decoded from their codes, :mod:`mixprec.optim.quantized_state`)::
+
+    θ ← θ · (1 − lr·λ)                      (skipped when λ = 0)
+    m ← m + (g − m) · (1 − β1)
+    v ← v · β2 + ((1 − β2) · g) · g
+    θ ← θ + (−lr / (1 − β1^t)) · m / (√v · (1 / √(1 − β2^t)) + ε)
+
+then requantize ``m`` and ``v`` blockwise (``state_rounding``) and round θ into the param. This is
+``torch.optim.AdamW``'s update with one separately rounded operation per step of the formula: no fused
+multiply-add (``torch.lerp`` and ``addcmul`` use one on a CPU), no division by a scalar (a CUDA kernel
+multiplies by the reciprocal instead) and a correctly rounded square root
+(:func:`mixprec.optim.quantized_state.sqrt_fp32`: torch's CPU ``sqrt`` is not), so the torch ops give the
+same bits on every device with IEEE fp32, and the fused kernel gives the same bits as the torch ops (it differs from the fp32-state AdamW
+by at most an ulp or two before requantization, which the 8-bit codes do not resolve).
+
+:func:`reference_update_` is the torch-op version (any device, every code, fp32 math on fp32 tensors).
+:func:`fused_step_` is the same step in one C pass per block of 256 for int8 state on a CPU
+(``mixprec/optim/quantized_adamw.c``, built at first use by :mod:`mixprec.c_kernels`): it reads the bf16
+or fp32 param and gradient, the codes and the scales once and writes them once, where the torch ops take
+about 15 passes over fp32 temporaries per moment. On first use in a process it is checked against the
+reference on random inputs, bit for bit, and refused (the reference used, the reason in
+:func:`kernel_status`) if they differ. Random numbers come from torch's RNG in the reference's order
+(state rounding's uniforms for ``m``, then ``v``, then the param's 16 bits per element), so restoring
+``torch.get_rng_state()`` reproduces either path, and they match each other.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import math
+from pathlib import Path
+
+import torch
+
+from mixprec import c_kernels
+from mixprec.optim import quantized_state as qs
+from mixprec.optim.rounding import stochastic_round_to_bf16
+from mixprec.policy import STATE_ROUNDINGS
+
+__all__ = ["KERNEL_SOURCE", "reference_update_", "fusable", "fused_step_", "kernel_status"]
+
+KERNEL_SOURCE = Path(__file__).with_name("quantized_adamw.c")
+_FUSED_DTYPES = (torch.float32, torch.bfloat16)
+
+
+def _hyper(step: float, lr: float, beta1: float, beta2: float, eps: float, weight_decay: float) -> dict[str, float]:
+    """The scalars of one step (Python floats, rounded to fp32 where an fp32 op takes them, as torch does)."""
+    return dict(decay=1 - lr * weight_decay if weight_decay != 0 else 1.0, one_minus_beta1=1 - beta1, beta2=beta2,
+                one_minus_beta2=1 - beta2, inv_bc2_sqrt=1 / (1 - beta2**step) ** 0.5, eps=eps,
+                neg_step_size=-(lr / (1 - beta1**step)))
+
+
+def reference_update_(param_fp32: torch.Tensor, grad_fp32: torch.Tensor, m: tuple[torch.Tensor, torch.Tensor],
+                      v: tuple[torch.Tensor, torch.Tensor], *, step: float, lr: float, beta1: float, beta2: float,
+                      eps: float, weight_decay: float, state_rounding: str = "nearest",
+                      generator: torch.Generator | None = None) -> None:
+    """One AdamW step (module docstring) in torch ops: ``param_fp32`` updated in place, ``m`` / ``v`` (each
+    ``(codes, absmax)`` of :func:`quantized_state.quantize`) requantized in place with ``state_rounding``.
+
+    ``param_fp32`` and ``grad_fp32``: fp32, one shape; the codes of that shape (any 8-bit code; ``v``'s is the
+    nonnegative one), ``step`` the count after incrementing. Rounding ``param_fp32`` into a 16-bit param is
+    the caller's. Draws ``2 * nblocks * 256`` uniforms from ``generator`` (None: torch's global RNG) under
+    ``state_rounding="stochastic"``, none otherwise. No host sync.
+    """
+    h = _hyper(step, lr, beta1, beta2, eps, weight_decay)
+    m_code = qs.code_of(m[0], nonnegative=False)
+    v_code = qs.code_of(v[0], nonnegative=True)
+    if weight_decay != 0:
+        param_fp32.mul_(h["decay"])
+    m_fp32 = qs.dequantize(*m, m_code)
+    v_fp32 = qs.dequantize(*v, v_code)
+    m_fp32.add_((grad_fp32 - m_fp32).mul_(h["one_minus_beta1"]))
+    v_fp32.mul_(h["beta2"]).add_(grad_fp32.mul(h["one_minus_beta2"]).mul_(grad_fp32))
+    denom = qs.sqrt_fp32(v_fp32).mul_(h["inv_bc2_sqrt"]).add_(h["eps"])
+    param_fp32.add_(m_fp32.mul(h["neg_step_size"]).div_(denom))
+    qs.quantize(m_fp32, m_code, rounding=state_rounding, generator=generator, out=m)
+    qs.quantize(v_fp32, v_code, rounding=state_rounding, generator=generator, out=v)
+
+
+# ------------------------------------------------------------------------------------------- fused kernel
+class _Lookup(ctypes.Structure):
+    _fields_ = [("shift", ctypes.c_int), ("mask", ctypes.c_uint32), ("counts", ctypes.c_void_p), ("bound", ctypes.c_void_p)]
+
+
+_SCALARS = ("decay", "one_minus_beta1", "beta2", "one_minus_beta2", "inv_bc2_sqrt", "eps", "neg_step_size", "lowest")
+
+
+class _Args(ctypes.Structure):   # step_args in quantized_adamw.c, field for field
+    _fields_ = ([("n", ctypes.c_int64), ("param", ctypes.c_void_p), ("param_bf16", ctypes.c_int),
+                 ("grad", ctypes.c_void_p), ("grad_bf16", ctypes.c_int), ("m_codes", ctypes.c_void_p),
+                 ("m_absmax", ctypes.c_void_p), ("v_codes", ctypes.c_void_p), ("v_absmax", ctypes.c_void_p),
+                 ("m_table", ctypes.c_void_p), ("v_table", ctypes.c_void_p), ("m_lookup", _Lookup),
+                 ("v_lookup", _Lookup), ("m_rand", ctypes.c_void_p), ("v_rand", ctypes.c_void_p),
+                 ("p_noise", ctypes.c_void_p)]
+                + [(name, ctypes.c_float) for name in _SCALARS]
+                + [("block_begin", ctypes.c_int64), ("block_end", ctypes.c_int64)])
+
+
+_library: ctypes.CDLL | None = None
+_checked = False
+
+
+def _kernel() -> ctypes.CDLL | None:
+    """The loaded kernel, checked once per process against :func:`reference_update_`; None when unusable."""
+    global _library, _checked
+    if _checked:
+        return _library
+    _checked = True
+    library = c_kernels.load(KERNEL_SOURCE)
+    if library is None:
+        return None
+    library.mixprec_adamw8bit_step.argtypes = [ctypes.POINTER(_Args), ctypes.c_int]
+    library.mixprec_adamw8bit_step.restype = ctypes.c_int
+    library.mixprec_adamw8bit_args_size.restype = ctypes.c_int64
+    if library.mixprec_adamw8bit_args_size() != ctypes.sizeof(_Args):
+        c_kernels.reject(KERNEL_SOURCE, f"its argument struct is {library.mixprec_adamw8bit_args_size()} bytes, "
+                                        f"the caller's {ctypes.sizeof(_Args)}")
+        return None
+    _library = library
+    mismatch = _self_check()
+    if mismatch:
+        _library = None
+        c_kernels.reject(KERNEL_SOURCE, f"it differs from the torch-op reference ({mismatch})")
+    return _library
+
+
+def kernel_status() -> str:
+    """How int8-state AdamW steps run on a CPU in this process: ``"fused C kernel"``, or ``"torch ops: <why>"``
+    (building and checking the kernel first if that has not happened yet)."""
+    if _kernel() is not None:
+        return "fused C kernel"
+    return f"torch ops: {c_kernels.status(KERNEL_SOURCE) or 'the C kernel is not available'}"
+
+
+def fusable(param: torch.Tensor, grad: torch.Tensor, m_codes: torch.Tensor, v_codes: torch.Tensor, *,
+            rounding: str) -> bool:
+    """Whether :func:`fused_step_` takes this param: a CPU fp32 or bf16 param with a dense gradient of
+    either dtype, all contiguous, int8 codes for both moments, ``rounding`` nearest or stochastic for a bf16
+    param (any for an fp32 one: it takes the result exactly), and the kernel available (builds and checks
+    it on the first call)."""
+    return (param.device.type == "cpu" and param.dtype in _FUSED_DTYPES and grad.dtype in _FUSED_DTYPES
+            and grad.layout == torch.strided and grad.shape == param.shape and param.is_contiguous()
+            and grad.is_contiguous() and m_codes.dtype == torch.uint8 and v_codes.dtype == torch.uint8
+            and m_codes.is_contiguous() and v_codes.is_contiguous()
+            and (param.dtype == torch.float32 or rounding in ("nearest", "stochastic"))
+            and _kernel() is not None)
+
+
+def _lookup_struct(code: qs.Code, kind: str) -> _Lookup:
+    lookup = qs.bin_lookup(code, kind)
+    return _Lookup(lookup.shift, lookup.mask, lookup.counts.data_ptr(), lookup.bound.data_ptr())
+
+
+def fused_step_(param: torch.Tensor, grad: torch.Tensor, m: tuple[torch.Tensor, torch.Tensor],
+                v: tuple[torch.Tensor, torch.Tensor], *, step: float, lr: float, beta1: float, beta2: float, eps: float,
+                weight_decay: float, rounding: str = "nearest", state_rounding: str = "nearest",
+                generator: torch.Generator | None = None) -> None:
+    """:func:`reference_update_` followed by rounding θ into ``param`` (``rounding``: nearest even, or stochastic
+    for bf16 as :func:`mixprec.optim.rounding.stochastic_round_to_bf16`), in one C pass; everything in place.
+
+    Takes what :func:`fusable` accepts (call it first: it raises nothing, this raises RuntimeError when the
+    kernel is unavailable). Runs on ``torch.get_num_threads()`` threads (at least 16 blocks each). Draws the
+    reference's random numbers in its order: ``2 * nblocks * 256`` uniforms under stochastic state
+    rounding, then ``param.numel()`` int32 under stochastic param rounding. No host sync (CPU only).
+    """
+    library = _kernel()
+    if library is None:
+        raise RuntimeError(f"fused_step_ needs the C kernel, which is unavailable: {kernel_status()}")
+    m_code, v_code = qs.CODES["dynamic-signed"], qs.CODES["dynamic-sqrt"]
+    nblocks = m[1].numel()
+    kind = "table" if state_rounding == "stochastic" else "midpoints"
+    m_rand = v_rand = noise = None
+    if state_rounding == "stochastic":
+        m_rand = torch.rand((nblocks, qs.BLOCK_SIZE), generator=generator)
+        v_rand = torch.rand((nblocks, qs.BLOCK_SIZE), generator=generator)
+    if rounding == "stochastic" and param.dtype == torch.bfloat16:
+        noise = torch.empty(param.shape, dtype=torch.int32).random_(generator=generator)
+    m_table, v_table = m_code.table(), v_code.table()
+    h = _hyper(step, lr, beta1, beta2, eps, weight_decay)
+    args = _Args(param.numel(), param.data_ptr(), param.dtype == torch.bfloat16, grad.data_ptr(),
+                 grad.dtype == torch.bfloat16, m[0].data_ptr(), m[1].data_ptr(), v[0].data_ptr(), v[1].data_ptr(),
+                 m_table.data_ptr(), v_table.data_ptr(), _lookup_struct(m_code, kind), _lookup_struct(v_code, kind),
+                 None if m_rand is None else m_rand.data_ptr(), None if v_rand is None else v_rand.data_ptr(),
+                 None if noise is None else noise.data_ptr(),
+                 *(h[name] for name in _SCALARS[:-1]), float(-m_table[0]), 0, 0)
+    library.mixprec_adamw8bit_step(ctypes.byref(args), torch.get_num_threads())
+
+
+def _self_check() -> str:
+    """Run both paths on random inputs (every dtype pair, both roundings, a short last block, an all-zero
+    block, a negative block maximum, a NaN block); "" when they agree bit for bit in every finite block (a
+    non-finite block: NaN scales in both), else what differed. Uses its own generators: the caller's RNG
+    does not move."""
+    gen = torch.Generator().manual_seed(0)
+    n = 5 * qs.BLOCK_SIZE + 37
+    hyper = dict(step=3.0, lr=1e-3, beta1=0.9, beta2=0.999, eps=1e-8, weight_decay=1e-2)
+    for p_dtype in _FUSED_DTYPES:
+        for g_dtype in _FUSED_DTYPES:
+            for state_rounding in STATE_ROUNDINGS:
+                rounding = "stochastic" if p_dtype == torch.bfloat16 and state_rounding == "stochastic" else "nearest"
+                param = torch.randn(n, generator=gen).to(p_dtype)
+                grad = (torch.randn(n, generator=gen) * 1e-3).to(g_dtype)
+                grad[2 * qs.BLOCK_SIZE + 5] = -1.0                           # a negative block maximum
+                grad[4 * qs.BLOCK_SIZE + 1] = math.nan                       # a poisoned block
+                m_fp32, v_fp32 = torch.randn(n, generator=gen) * 1e-3, torch.rand(n, generator=gen) * 1e-6
+                m_fp32[: qs.BLOCK_SIZE] = v_fp32[: qs.BLOCK_SIZE] = grad[: qs.BLOCK_SIZE] = 0   # an all-zero block
+                m = qs.quantize(m_fp32, qs.CODES["dynamic-signed"])
+                v = qs.quantize(v_fp32, qs.CODES["dynamic-sqrt"])
+                want = [param.clone(), m[0].clone(), m[1].clone(), v[0].clone(), v[1].clone()]
+                seed = int(torch.randint(0, 2**62, (1,), generator=gen))
+                ref_gen = torch.Generator().manual_seed(seed)
+                want_fp32 = want[0].float()
+                reference_update_(want_fp32, grad.float(), (want[1], want[2]), (want[3], want[4]),
+                                  state_rounding=state_rounding, generator=ref_gen, **hyper)
+                want[0].copy_(stochastic_round_to_bf16(want_fp32, generator=ref_gen) if rounding == "stochastic"
+                              else want_fp32)
+                fused_step_(param, grad, m, v, rounding=rounding, state_rounding=state_rounding,
+                            generator=torch.Generator().manual_seed(seed), **hyper)
+                finite = (torch.isfinite(want[2]) & torch.isfinite(want[4])).repeat_interleave(qs.BLOCK_SIZE)[:n]
+                for name, got, expected in zip(("param", "m codes", "m absmax", "v codes", "v absmax"),
+                                               (param, m[0], m[1], v[0], v[1]), want):
+                    if got.numel() == n:
+                        same = torch.equal(got[finite].view(torch.uint8), expected[finite].view(torch.uint8))
+                    else:
+                        same = torch.equal(got.isnan(), expected.isnan()) and torch.equal(got.nan_to_num(), expected.nan_to_num())
+                    if not same:
+                        return (f"{name} for {p_dtype} params, {g_dtype} grads, rounding={rounding!r}, "
+                                f"state_rounding={state_rounding!r}")
+    return ""

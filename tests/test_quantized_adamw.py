@@ -1,0 +1,189 @@
+"""The int8-state AdamW step: the fused C kernel against the torch-op reference, bit for bit, and its fallback."""
+
+import math
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+import mixprec as mp
+from mixprec import c_kernels
+from mixprec.optim import AdamW, quantized_adamw, quantized_state as qs
+from mixprec.optim.adamw import adamw_update_
+from mixprec.optim.rounding import write_back_
+
+SIGNED, SQRT = qs.CODES["dynamic-signed"], qs.CODES["dynamic-sqrt"]
+fused_only = pytest.mark.skipif(c_kernels.compiler() is None, reason="no C compiler on this machine")
+
+
+def _state(n: int, gen: torch.Generator, *, m_scale: float = 1e-3, v_scale: float = 1e-6):
+    m = qs.quantize(torch.randn(n, generator=gen) * m_scale, SIGNED)
+    v = qs.quantize(torch.rand(n, generator=gen) * v_scale, SQRT)
+    return m, v
+
+
+def _reference_step(param, grad, m, v, *, rounding, state_rounding, **hyper):
+    """reference_update_ plus the write-back AdamW does after it (param rounded with ``rounding``)."""
+    param_fp32 = param.float()
+    quantized_adamw.reference_update_(param_fp32, grad.float(), m, v, state_rounding=state_rounding, **hyper)
+    write_back_(param, param_fp32, rounding=rounding)
+
+
+def _assert_same(got, want, what):
+    """Bitwise equal (a NaN scale equal to a NaN scale)."""
+    for name, g, w in zip(("param", "m codes", "m absmax", "v codes", "v absmax"), got, want):
+        if g.is_floating_point() and g.numel() == w.numel() and g.dim() == 1 and name.endswith("absmax"):
+            assert torch.equal(g.isnan(), w.isnan()), f"{what}: {name} NaN blocks differ"
+            g, w = g.nan_to_num(), w.nan_to_num()
+        assert torch.equal(g.view(torch.uint8), w.view(torch.uint8)), f"{what}: {name} differs"
+
+
+@fused_only
+def test_the_kernel_builds_loads_and_passes_its_check_against_the_reference():
+    assert quantized_adamw.kernel_status() == "fused C kernel"
+
+
+@fused_only
+@pytest.mark.parametrize("p_dtype,rounding", [(torch.float32, "nearest"), (torch.bfloat16, "nearest"),
+                                               (torch.bfloat16, "stochastic")])
+@pytest.mark.parametrize("g_dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("state_rounding", ["nearest", "stochastic"])
+@pytest.mark.parametrize("weight_decay", [0.0, 0.1])
+def test_fused_steps_equal_the_torch_ops_bit_for_bit(p_dtype, rounding, g_dtype, state_rounding, weight_decay):
+    gen = torch.Generator().manual_seed(1)
+    n = 40 * qs.BLOCK_SIZE + 77            # several threads' ranges and a short last block
+    param = torch.randn(n, generator=gen).to(p_dtype)
+    m, v = _state(n, gen)
+    ref_param, ref_m, ref_v = param.clone(), (m[0].clone(), m[1].clone()), (v[0].clone(), v[1].clone())
+    for step in range(1, 6):
+        grad = (torch.randn(n, generator=gen) * 10.0 ** -step).to(g_dtype)
+        hyper = dict(step=float(step), lr=1e-2, beta1=0.9, beta2=0.999, eps=1e-8, weight_decay=weight_decay)
+        torch.manual_seed(step)
+        quantized_adamw.fused_step_(param, grad, m, v, rounding=rounding, state_rounding=state_rounding, **hyper)
+        after_fused = torch.rand(1)
+        torch.manual_seed(step)
+        _reference_step(ref_param, grad, ref_m, ref_v, rounding=rounding, state_rounding=state_rounding, **hyper)
+        assert torch.equal(torch.rand(1), after_fused), "the two paths drew different amounts of randomness"
+        _assert_same((param, m[0], m[1], v[0], v[1]), (ref_param, *ref_m, *ref_v), f"step {step}")
+
+
+@fused_only
+def test_exact_midpoints_round_to_the_lower_neighbour_in_both_paths():
+    """beta1 = beta2 = 0 from zero moments: m' = g and sqrt(v') = |g| exactly, so gradients placed on the
+    midpoints between neighbouring code values (in a block whose largest value is 1) are exact ties."""
+    mids_signed = (SIGNED.table()[:-1] + SIGNED.table()[1:]) / 2
+    mids_sqrt = (SQRT.table()[:-1] + SQRT.table()[1:]) / 2
+    one = torch.tensor([1.0])                                    # each block's largest value: absmax 1
+    grad = torch.cat([one, mids_signed, one, mids_sqrt])         # two blocks of 256, every midpoint once
+    assert grad.numel() == 512 and bool(qs.sqrt_fp32(grad * grad).eq(grad.abs()).all())
+    for fuse in (True, False):
+        param = torch.zeros(512)
+        m, v = qs.zeros((512,), SIGNED, "cpu"), qs.zeros((512,), SQRT, "cpu")
+        hyper = dict(step=1.0, lr=1e-3, beta1=0.0, beta2=0.0, eps=1e-8, weight_decay=0.0)
+        if fuse:
+            quantized_adamw.fused_step_(param, grad, m, v, **hyper)
+        else:
+            _reference_step(param, grad, m, v, rounding="nearest", state_rounding="nearest", **hyper)
+        expected_m = torch.bucketize(grad, mids_signed)           # right=False: a tie goes to the lower value
+        expected_v = torch.bucketize(grad.abs(), mids_sqrt)
+        assert torch.equal(m[1], torch.ones(2)) and torch.equal(v[1], torch.ones(2))
+        assert torch.equal(m[0].long(), expected_m), f"fused={fuse}: m ties"
+        assert torch.equal(v[0].long(), expected_v), f"fused={fuse}: v ties"
+
+
+def _train(model_seed: int, fused: bool, monkeypatch, steps: int = 6):
+    """A tiny model under bf16-lean (int8 moments, bf16 params, stochastic rounding) on a CPU."""
+    if not fused:
+        monkeypatch.setattr(quantized_adamw, "fusable", lambda *a, **k: False)
+    torch.manual_seed(model_seed)
+    model = torch.nn.Sequential(torch.nn.Linear(64, 96), torch.nn.GELU(), torch.nn.Linear(96, 64))
+    opt = AdamW(model.parameters(), lr=3e-3)
+    trainer = mp.MixedPrecision(model, opt, policy="bf16-lean", device="cpu")
+    data = torch.randn(steps, 32, 64, generator=torch.Generator().manual_seed(5))
+    for x in data:
+        with trainer.autocast():
+            loss = torch.nn.functional.mse_loss(model(x), x)
+        trainer.backward(loss)
+        trainer.step()
+    monkeypatch.undo()
+    return model, opt, trainer
+
+
+@fused_only
+def test_bf16_lean_training_takes_the_same_steps_fused_and_unfused(monkeypatch):
+    fused_model, fused_opt, trainer = _train(0, True, monkeypatch)
+    ref_model, ref_opt, _ = _train(0, False, monkeypatch)
+    assert "int8-state AdamW steps: fused C kernel" in trainer.decision
+    for (name, a), b in zip(fused_model.state_dict().items(), ref_model.state_dict().values()):
+        assert a.dtype == torch.bfloat16 and torch.equal(a.view(torch.int16), b.view(torch.int16)), name
+    fs, rs = fused_opt.state_dict()["state"], ref_opt.state_dict()["state"]
+    assert any("exp_avg_absmax" in s for s in fs.values())
+    for i in fs:
+        for key, value in fs[i].items():
+            assert torch.equal(value, rs[i][key]), (i, key)
+
+
+def _python(code: str, **env) -> str:
+    run = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300,
+                         env={**os.environ, **env})
+    assert run.returncode == 0, run.stderr
+    return run.stdout.strip()
+
+
+def test_without_the_kernel_the_torch_ops_run_and_say_why(tmp_path):
+    status = "from mixprec.optim import quantized_adamw as q; print(q.kernel_status())"
+    assert _python(status, MIXPREC_C_KERNELS="0") == "torch ops: turned off by MIXPREC_C_KERNELS=0"
+    failed = _python(status, CC="false", MIXPREC_CACHE_DIR=str(tmp_path))
+    assert failed.startswith("torch ops: false failed to build quantized_adamw.c"), failed
+    missing = _python(status, CC=str(tmp_path / "no-such-cc"), MIXPREC_CACHE_DIR=str(tmp_path))
+    assert missing.startswith("torch ops:") and "could not run" in missing, missing
+    assert not any((tmp_path / "c-kernels").glob("*.so")) if (tmp_path / "c-kernels").exists() else True
+
+
+@fused_only
+def test_a_kernel_that_differs_from_the_reference_is_refused(tmp_path):
+    """A kernel built with a fused multiply-add in m's update (one rounding fewer) fails the load check."""
+    source = Path(quantized_adamw.KERNEL_SOURCE).read_text()
+    assert "m = m + (g - m) * omb1;" in source
+    bad = tmp_path / "quantized_adamw.c"
+    bad.write_text(source.replace("m = m + (g - m) * omb1;", "m = fmaf(g - m, omb1, m);"))
+    out = _python(f"from pathlib import Path; from mixprec.optim import quantized_adamw as q; "
+                  f"q.KERNEL_SOURCE = Path({str(bad)!r}); print(q.kernel_status())", MIXPREC_CACHE_DIR=str(tmp_path))
+    assert out.startswith("torch ops: it differs from the torch-op reference"), out
+
+
+@fused_only
+def test_the_built_kernel_is_cached_and_reused(tmp_path):
+    status = "from mixprec.optim import quantized_adamw as q; print(q.kernel_status())"
+    assert _python(status, MIXPREC_CACHE_DIR=str(tmp_path)) == "fused C kernel"
+    (built,) = (tmp_path / "c-kernels").glob("quantized_adamw-*.so")
+    stamp = built.stat().st_mtime_ns
+    assert _python(status, MIXPREC_CACHE_DIR=str(tmp_path)) == "fused C kernel"
+    assert built.stat().st_mtime_ns == stamp and len(list((tmp_path / "c-kernels").iterdir())) == 1
+
+
+def test_the_reference_matches_fp32_state_adamw_to_the_codes_resolution():
+    """The decomposed op order changes the fp32 math by ulps; after one step from zero state both land on
+    the same codes except where an ulp crosses a midpoint (here: none or a handful of 10k elements)."""
+    gen = torch.Generator().manual_seed(3)
+    n = 40 * qs.BLOCK_SIZE
+    grad = torch.randn(n, generator=gen) * 1e-3
+    param = torch.randn(n, generator=gen)
+    m, v = qs.zeros((n,), SIGNED, "cpu"), qs.zeros((n,), SQRT, "cpu")
+    hyper = dict(step=1.0, lr=1e-3, beta1=0.9, beta2=0.999, eps=1e-8, weight_decay=0.01)
+    ref = param.clone()
+    quantized_adamw.reference_update_(ref, grad, m, v, **hyper)
+    exp_avg, exp_avg_sq, full = torch.zeros(n), torch.zeros(n), param.clone()
+    adamw_update_(full, grad, exp_avg, exp_avg_sq, **hyper)
+    # the params: the two op orders differ by the roundings of the update (step 1: |update| ~ lr, about eight
+    # fp32 operations, each within half an ulp) plus the param's own rounding: 1 ulp of the param + 8 of lr
+    eps = torch.finfo(torch.float32).eps
+    tolerance = eps * torch.exp2(torch.floor(torch.log2(full.abs()))) + 8 * eps * hyper["lr"]
+    assert bool(((ref - full).abs() <= tolerance).all())
+    assert int((ref != full).sum()) < n // 2   # mostly the same bits: not a looser comparison in disguise
+    codes_m, _ = qs.quantize(exp_avg, SIGNED)
+    assert int((codes_m != m[0]).sum()) <= n // 1000
+    assert math.isfinite(float(m[1].sum()))
