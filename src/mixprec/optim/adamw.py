@@ -50,9 +50,11 @@ class AdamW(PrecisionOptimizer):
     and fp32 state the result equals ``torch.optim.AdamW(foreach=False)`` bit for bit. Kahan
     compensation follows optimi; stochastic rounding follows Gupta et al. 2015. 8-bit state
     (``state_dtype='int8'`` / ``'fp8'``) follows Dettmers et al. 2022 (bitsandbytes ``AdamW8bit``,
-    torchao ``AdamW8bit``): ``m`` and ``v`` are dequantized into fp32, updated by the same
-    :func:`adamw_update_` (so the step uses the fp32 ``v`` including this step's ``g²``, never a
-    requantized one), and requantized after (:mod:`mixprec.optim.quantized_state`).
+    torchao ``AdamW8bit``): ``m`` and ``v`` are dequantized into fp32, updated (so the step uses the fp32
+    ``v`` including this step's ``g²``, never a requantized one), and requantized after
+    (:mod:`mixprec.optim.quantized_state`). int8 state takes one rounding per operation of the rule
+    above, fused into one C pass per block on a CPU (:mod:`mixprec.optim.quantized_adamw`, the same bits
+    as its torch ops); fp8 state takes :func:`adamw_update_`'s op order, in torch ops.
 
     Args:
         params: iterable of params or param-group dicts (fp32, bf16, fp16 or complex64 params). A
@@ -137,8 +139,8 @@ class AdamW(PrecisionOptimizer):
                 hyper = dict(step=float(state["step"]),  # CPU scalar: no device sync
                              lr=group["lr"], beta1=beta1, beta2=beta2, eps=group["eps"],
                              weight_decay=group["weight_decay"])
-                if "exp_avg" + qs.ABSMAX_SUFFIX in state:
-                    self._step_quantized(p, state, hyper, lost_counts)
+                if state["exp_avg"].dtype == torch.uint8:   # int8 codes (fp8 ones take the torch.optim op order below)
+                    self._step_int8(p, state, hyper, lost_counts)
                     continue
                 param_fp32 = _as_fp32(p)
                 exp_avg_fp32 = self._load(state, "exp_avg")
@@ -150,9 +152,9 @@ class AdamW(PrecisionOptimizer):
         self._warn_if_updates_lost(lost_counts)
         return loss
 
-    def _step_quantized(self, p: torch.Tensor, state: dict[str, Any], hyper: dict[str, float], lost_counts: list) -> None:
-        """One step of a param with 8-bit moments: the fused C kernel where it applies, else the torch ops
-        (:mod:`mixprec.optim.quantized_adamw`; the same bits either way)."""
+    def _step_int8(self, p: torch.Tensor, state: dict[str, Any], hyper: dict[str, float], lost_counts: list) -> None:
+        """One step of a param with int8 moments: the fused C kernel where it applies, else its torch-op
+        reference (:mod:`mixprec.optim.quantized_adamw`; the same bits either way)."""
         m = (state["exp_avg"], state["exp_avg" + qs.ABSMAX_SUFFIX])
         v = (state["exp_avg_sq"], state["exp_avg_sq" + qs.ABSMAX_SUFFIX])
         if not self._checks_lost_updates(p, state) and quantized_adamw.fusable(p, p.grad, m[0], v[0], rounding=self.rounding):

@@ -1,4 +1,4 @@
-"""AdamW's step on a param whose moments are 8-bit blockwise state: a torch-op reference and a fused CPU kernel.
+"""AdamW's step on a param with int8 blockwise moments: a torch-op reference and a fused CPU kernel.
 
 Both compute, per element in fp32 (``m``, ``v`` decoded from their codes, :mod:`mixprec.optim.quantized_state`)::
 
@@ -12,10 +12,12 @@ then requantize ``m`` and ``v`` blockwise (``state_rounding``) and round θ into
 multiply-add (``torch.lerp`` and ``addcmul`` use one on a CPU), no division by a scalar (a CUDA kernel
 multiplies by the reciprocal instead) and a correctly rounded square root
 (:func:`mixprec.optim.quantized_state.sqrt_fp32`: torch's CPU ``sqrt`` is not), so the torch ops give the
-same bits on every device with IEEE fp32, and the fused kernel gives the same bits as the torch ops (it differs from the fp32-state AdamW
-by at most an ulp or two before requantization, which the 8-bit codes do not resolve).
+same bits on every device with IEEE fp32, and the fused kernel gives the same bits as the torch ops. The
+result differs from :func:`mixprec.optim.adamw.adamw_update_`'s (torch.optim's op order) by a few ulps of
+the update, which the 8-bit codes rarely resolve (tests bound it).
 
-:func:`reference_update_` is the torch-op version (any device, every code, fp32 math on fp32 tensors).
+:func:`reference_update_` is the torch-op version (any device, any 8-bit code, fp32 math; ``AdamW`` uses
+it for int8 codes where the kernel does not apply, and torch.optim's op order for fp8 codes).
 :func:`fused_step_` is the same step in one C pass per block of 256 for int8 state on a CPU
 (``mixprec/optim/quantized_adamw.c``, built at first use by :mod:`mixprec.c_kernels`): it reads the bf16
 or fp32 param and gradient, the codes and the scales once and writes them once, where the torch ops take
