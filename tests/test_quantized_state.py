@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import io
 import math
+import os
 
 import pytest
 import torch
@@ -127,6 +128,42 @@ def test_zeros_all_equal_blocks_and_a_negative_absmax():
     assert torch.equal(codes, torch.zeros(256, dtype=torch.uint8)) and torch.equal(absmax, torch.tensor([0.5]) / -signed.table()[0])
     assert torch.allclose(qs.dequantize(codes, absmax, signed), x, rtol=2.0 ** -22, atol=0)
     assert abs(float(signed.table()[0]) + 0.99297) < 1e-5
+
+
+def test_zero_state_equals_quantized_zeros_for_every_code_and_shape():
+    for code in CODES:
+        for shape in ((), (0,), (5,), (3, 300), BIG):
+            want = qs.quantize(torch.zeros(shape), code)
+            got = qs.zeros(shape, code, "cpu")
+            # the codes bit for bit; the scales equal (quantize's signed-map max(amax, -amin / 0.99297) gives
+            # some zero blocks -0.0, which decodes, compares and rounds as 0.0), here all +0.0
+            assert _same(got[0], want[0]) and torch.equal(got[1], want[1]), (code, shape)
+            assert got[1].dtype == torch.float32 and not _bits(got[1]).any(), (code, shape)
+
+
+def _peak_rss_during(fn) -> float:
+    """MiB the process's resident set rose above its size before ``fn()`` at its peak (Linux: the kernel's
+    VmHWM, reset to the current RSS through /proc/self/clear_refs)."""
+    def status(field: str) -> float:
+        with open("/proc/self/status") as f:
+            return next(int(line.split()[1]) for line in f if line.startswith(field)) / 1024
+    with open("/proc/self/clear_refs", "w") as f:
+        f.write("5")
+    before = status("VmRSS")
+    result = fn()
+    peak = status("VmHWM")
+    del result
+    return peak - before
+
+
+@pytest.mark.skipif(not os.access("/proc/self/clear_refs", os.W_OK), reason="needs Linux's /proc/self/clear_refs")
+def test_zero_state_takes_its_own_bytes_of_memory_not_an_fp32_copy_and_its_temporaries():
+    n = 16 * 2**20   # a 16 Mi-element param (a 43k x 384 embedding): 16 MiB of codes, 0.25 MiB of scales
+    code = qs.CODES["dynamic-signed"]
+    via_fp32 = _peak_rss_during(lambda: qs.quantize(torch.zeros(n), code))   # what zeros() did before
+    direct = _peak_rss_during(lambda: qs.zeros((n,), code, "cpu"))
+    assert direct < 16 + 8, direct   # the codes and scales, plus slack for the allocator
+    assert via_fp32 > 4 * 16, via_fp32   # the fp32 zeros alone are 64 MiB: the meter sees such temporaries
 
 
 @pytest.mark.parametrize("sign", [1.0, -1.0])
