@@ -63,8 +63,13 @@ def test_parse_preset_with_overrides():
 
 
 @pytest.mark.parametrize("text,match", [
-    ("bf17-mixed", r"preset 'bf17-mixed' is not known; choose one of .*bf16-mixed"),
+    ("bf17-mixed", r"preset 'bf17-mixed' is not known \(did you mean 'bf16-mixed'\?\); choose one of .*bf16-mixed"),
+    ("bf16_lean", r"preset 'bf16_lean' is not known \(did you mean 'bf16-lean'\?\)"),
+    ("qwerty", r"preset 'qwerty' is not known; choose one of"),          # nothing close: no guess
     ("bf16-mixed,colour=red", r"key 'colour' .* is not known; choose from .*compute"),
+    ("bf16-lean,stat=int8", r"key 'stat' .* is not known \(did you mean 'state'\?\)"),
+    ("bf16-lean,state_roundin=stochastic", r"key 'state_roundin' .* \(did you mean 'state_rounding'\?\)"),
+    ("params=bf61", r"params='bf61' is not allowed \(did you mean 'bf16'\?\)"),
     ("params=int8", r"params='int8' is not allowed; choose one of \['fp32', 'bf16', 'fp16'\]"),
     ("rounding=up", r"rounding='up' is not allowed"),
     ("fp16-pure,rounding=stochastic", r"replaces master weights"),

@@ -45,6 +45,8 @@ the one measured fastest on the device at their shape; ``native``: torch.autocas
 
 from __future__ import annotations
 
+import difflib
+
 import dataclasses
 import math
 import warnings
@@ -138,6 +140,14 @@ def state_name(dtype: torch.dtype) -> str:
     raise ValueError(f"state dtype {dtype!r} is not an optimizer-state format; choose one of {list(STATE_FORMATS)}")
 
 
+def _did_you_mean(text: str, choices) -> str:
+    """`` (did you mean 'x'?)`` for the closest of ``choices`` to a mistyped ``text`` (difflib), else ""."""
+    names = [str(c) for c in choices]
+    close = (difflib.get_close_matches(text.lower(), names, n=1, cutoff=0.6)
+             or difflib.get_close_matches(text.lower().replace("_", "-"), names, n=1, cutoff=0.6))
+    return f" (did you mean {close[0]!r}?)" if close else ""
+
+
 def _parse_dtype(key: str, text: str, allowed: tuple[torch.dtype, ...], allow_none: bool = False):
     names = [_dtype_name(d) for d in allowed] + (["none"] if allow_none else [])
     if allow_none and text.strip().lower() in ("none", "-", ""):
@@ -147,7 +157,7 @@ def _parse_dtype(key: str, text: str, allowed: tuple[torch.dtype, ...], allow_no
     except ValueError:
         dtype = None
     if dtype not in allowed:
-        raise ValueError(f"policy key {key}={text!r} is not allowed; choose one of {names}")
+        raise ValueError(f"policy key {key}={text!r} is not allowed{_did_you_mean(text, names)}; choose one of {names}")
     return dtype
 
 
@@ -374,7 +384,7 @@ class Policy:
                 raise ValueError("policy 'auto' depends on the device; resolve it with "
                                  "mixprec.resolve_policy('auto', device)")
             if name not in PRESETS:
-                raise ValueError(f"policy preset {name!r} is not known; choose one of "
+                raise ValueError(f"policy preset {name!r} is not known{_did_you_mean(name, PRESETS)}; choose one of "
                                  f"{sorted(PRESETS) + ['auto']} or give 'key=value,...'")
             base = PRESETS[name]
         changes: dict[str, Any] = {}
@@ -386,7 +396,8 @@ class Policy:
             key, _, value = part.partition("=")
             key, value = key.strip().lower(), value.strip()
             if key not in _KEYS:
-                raise ValueError(f"policy key {key!r} in {text!r} is not known; choose from {sorted(_KEYS)}")
+                raise ValueError(f"policy key {key!r} in {text!r} is not known{_did_you_mean(key, _KEYS)}; "
+                                 f"choose from {sorted(_KEYS)}")
             field, parse_value = _KEYS[key]
             if field in seen:
                 raise ValueError(f"policy {text!r} sets {field} twice (key {key!r}); give each key once")
