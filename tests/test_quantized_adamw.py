@@ -187,3 +187,25 @@ def test_the_reference_matches_fp32_state_adamw_to_the_codes_resolution():
     codes_m, _ = qs.quantize(exp_avg, SIGNED)
     assert int((codes_m != m[0]).sum()) <= n // 1000
     assert math.isfinite(float(m[1].sum()))
+
+
+@fused_only
+def test_state_that_does_not_fit_the_param_is_refused_not_overrun():
+    """Loading another model's optimizer state (a smaller param at the same position) must raise, as the torch
+    ops do, and not let the kernel read and write past the end of the codes and scales (it crashed)."""
+    small, big = torch.nn.Parameter(torch.randn(64, 64)), torch.nn.Parameter(torch.randn(4096, 64))
+    small.grad, big.grad = torch.randn(64, 64), torch.randn(4096, 64)
+    saved = AdamW([small], state_dtype="int8")
+    saved.step()
+    opt = AdamW([big], state_dtype="int8")
+    opt.load_state_dict(saved.state_dict())
+    state = opt.state[big]
+    m, v = (state["exp_avg"], state["exp_avg_absmax"]), (state["exp_avg_sq"], state["exp_avg_sq_absmax"])
+    with pytest.raises(ValueError, match=r"exp_avg codes of shape \(64, 64\)"):
+        quantized_adamw.fused_step_(big, big.grad, m, v, step=2.0, lr=1e-3, beta1=0.9, beta2=0.999, eps=1e-8,
+                                    weight_decay=0.0)
+    with pytest.raises(ValueError, match="does not belong to this param"):
+        opt.step()
+    with pytest.raises(RuntimeError, match="must match"):       # the torch ops refuse it too
+        quantized_adamw.reference_update_(big.detach().clone(), big.grad, m, v, step=2.0, lr=1e-3, beta1=0.9,
+                                          beta2=0.999, eps=1e-8, weight_decay=0.0)
