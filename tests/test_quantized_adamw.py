@@ -190,6 +190,27 @@ def test_the_reference_matches_fp32_state_adamw_to_the_codes_resolution():
 
 
 @fused_only
+def test_a_signed_scale_that_overflows_reads_nan_in_both_paths():
+    """A block whose most negative m is below -0.99297 * FLT_MAX has a scale |m| / 0.99297 that overflows
+    fp32: quantize stores NaN (as for any non-finite scale); the kernel stored inf."""
+    n = 2 * qs.BLOCK_SIZE
+    grad = torch.full((n,), 1e-3)
+    grad[qs.BLOCK_SIZE + 3] = -3.39e38                            # beta1 = 0: m = g
+    hyper = dict(step=1.0, lr=1e-3, beta1=0.0, beta2=0.999, eps=1e-8, weight_decay=0.0)
+    got, want = [], []
+    for fuse, out in ((True, got), (False, want)):
+        param = torch.ones(n)
+        m, v = qs.zeros((n,), SIGNED, "cpu"), qs.zeros((n,), SQRT, "cpu")
+        if fuse:
+            quantized_adamw.fused_step_(param, grad, m, v, **hyper)
+        else:
+            _reference_step(param, grad, m, v, rounding="nearest", state_rounding="nearest", **hyper)
+        out += [param, *m, *v]
+    assert bool(want[2][1].isnan()) and bool(want[4][1].isnan())
+    _assert_same(got, want, "an overflowing scale")
+
+
+@fused_only
 def test_state_that_does_not_fit_the_param_is_refused_not_overrun():
     """Loading another model's optimizer state (a smaller param at the same position) must raise, as the torch
     ops do, and not let the kernel read and write past the end of the codes and scales (it crashed)."""
