@@ -1,5 +1,6 @@
 """The int8-state AdamW step: the fused C kernel against the torch-op reference, bit for bit, and its fallback."""
 
+import hashlib
 import math
 import os
 import subprocess
@@ -162,7 +163,26 @@ def test_the_built_kernel_is_cached_and_reused(tmp_path):
     (built,) = (tmp_path / "c-kernels").glob("quantized_adamw-*.so")
     stamp = built.stat().st_mtime_ns
     assert _python(status, MIXPREC_CACHE_DIR=str(tmp_path)) == "fused C kernel"
-    assert built.stat().st_mtime_ns == stamp and len(list((tmp_path / "c-kernels").iterdir())) == 1
+    assert built.stat().st_mtime_ns == stamp
+    assert sorted(f.name for f in (tmp_path / "c-kernels").iterdir()) == [built.name, built.name + ".sha256"]
+
+
+@fused_only
+def test_a_damaged_cached_kernel_is_rebuilt_not_loaded(tmp_path):
+    """A truncated library in the cache (a crash after the build, a partly copied cache) killed the process
+    with SIGBUS inside dlopen; one that is some other library raised AttributeError out of fusable()."""
+    status = "from mixprec.optim import quantized_adamw as q; print(q.kernel_status())"
+    assert _python(status, MIXPREC_CACHE_DIR=str(tmp_path)) == "fused C kernel"
+    (built,) = (tmp_path / "c-kernels").glob("quantized_adamw-*.so")
+    good = built.read_bytes()
+    built.write_bytes(good[:3000])
+    assert _python(status, MIXPREC_CACHE_DIR=str(tmp_path)) == "fused C kernel"
+    recorded = (built.parent / (built.name + ".sha256")).read_text().strip()
+    assert hashlib.sha256(built.read_bytes()).hexdigest() == recorded and len(built.read_bytes()) > 3000   # rebuilt
+    other = tmp_path / "other.c"
+    other.write_text("int other(void) { return 1; }\n")
+    subprocess.run([*c_kernels.compiler(), "-shared", "-fPIC", "-o", str(built), str(other)], check=True)
+    assert _python(status, MIXPREC_CACHE_DIR=str(tmp_path)) == "fused C kernel"
 
 
 def test_the_reference_matches_fp32_state_adamw_to_the_codes_resolution():

@@ -113,9 +113,13 @@ def _kernel() -> ctypes.CDLL | None:
     library = c_kernels.load(KERNEL_SOURCE)
     if library is None:
         return None
-    library.mixprec_adamw8bit_step.argtypes = [ctypes.POINTER(_Args), ctypes.c_int]
-    library.mixprec_adamw8bit_step.restype = ctypes.c_int
-    library.mixprec_adamw8bit_args_size.restype = ctypes.c_int64
+    try:
+        library.mixprec_adamw8bit_step.argtypes = [ctypes.POINTER(_Args), ctypes.c_int]
+        library.mixprec_adamw8bit_step.restype = ctypes.c_int
+        library.mixprec_adamw8bit_args_size.restype = ctypes.c_int64
+    except AttributeError as err:   # a library without the kernel's symbols
+        c_kernels.reject(KERNEL_SOURCE, f"it lacks a symbol: {err}")
+        return None
     if library.mixprec_adamw8bit_args_size() != ctypes.sizeof(_Args):
         c_kernels.reject(KERNEL_SOURCE, f"its argument struct is {library.mixprec_adamw8bit_args_size()} bytes, "
                                         f"the caller's {ctypes.sizeof(_Args)}")
