@@ -1,5 +1,6 @@
 """The int8-state AdamW step: the fused C kernel against the torch-op reference, bit for bit, and its fallback."""
 
+import hashlib
 import math
 import os
 import subprocess
@@ -162,7 +163,26 @@ def test_the_built_kernel_is_cached_and_reused(tmp_path):
     (built,) = (tmp_path / "c-kernels").glob("quantized_adamw-*.so")
     stamp = built.stat().st_mtime_ns
     assert _python(status, MIXPREC_CACHE_DIR=str(tmp_path)) == "fused C kernel"
-    assert built.stat().st_mtime_ns == stamp and len(list((tmp_path / "c-kernels").iterdir())) == 1
+    assert built.stat().st_mtime_ns == stamp
+    assert sorted(f.name for f in (tmp_path / "c-kernels").iterdir()) == [built.name, built.name + ".sha256"]
+
+
+@fused_only
+def test_a_damaged_cached_kernel_is_rebuilt_not_loaded(tmp_path):
+    """A truncated library in the cache (a crash after the build, a partly copied cache) killed the process
+    with SIGBUS inside dlopen; one that is some other library raised AttributeError out of fusable()."""
+    status = "from mixprec.optim import quantized_adamw as q; print(q.kernel_status())"
+    assert _python(status, MIXPREC_CACHE_DIR=str(tmp_path)) == "fused C kernel"
+    (built,) = (tmp_path / "c-kernels").glob("quantized_adamw-*.so")
+    good = built.read_bytes()
+    built.write_bytes(good[:3000])
+    assert _python(status, MIXPREC_CACHE_DIR=str(tmp_path)) == "fused C kernel"
+    recorded = (built.parent / (built.name + ".sha256")).read_text().strip()
+    assert hashlib.sha256(built.read_bytes()).hexdigest() == recorded and len(built.read_bytes()) > 3000   # rebuilt
+    other = tmp_path / "other.c"
+    other.write_text("int other(void) { return 1; }\n")
+    subprocess.run([*c_kernels.compiler(), "-shared", "-fPIC", "-o", str(built), str(other)], check=True)
+    assert _python(status, MIXPREC_CACHE_DIR=str(tmp_path)) == "fused C kernel"
 
 
 def test_the_reference_matches_fp32_state_adamw_to_the_codes_resolution():
@@ -187,3 +207,46 @@ def test_the_reference_matches_fp32_state_adamw_to_the_codes_resolution():
     codes_m, _ = qs.quantize(exp_avg, SIGNED)
     assert int((codes_m != m[0]).sum()) <= n // 1000
     assert math.isfinite(float(m[1].sum()))
+
+
+@fused_only
+def test_a_signed_scale_that_overflows_reads_nan_in_both_paths():
+    """A block whose most negative m is below -0.99297 * FLT_MAX has a scale |m| / 0.99297 that overflows
+    fp32: quantize stores NaN (as for any non-finite scale); the kernel stored inf."""
+    n = 2 * qs.BLOCK_SIZE
+    grad = torch.full((n,), 1e-3)
+    grad[qs.BLOCK_SIZE + 3] = -3.39e38                            # beta1 = 0: m = g
+    hyper = dict(step=1.0, lr=1e-3, beta1=0.0, beta2=0.999, eps=1e-8, weight_decay=0.0)
+    got, want = [], []
+    for fuse, out in ((True, got), (False, want)):
+        param = torch.ones(n)
+        m, v = qs.zeros((n,), SIGNED, "cpu"), qs.zeros((n,), SQRT, "cpu")
+        if fuse:
+            quantized_adamw.fused_step_(param, grad, m, v, **hyper)
+        else:
+            _reference_step(param, grad, m, v, rounding="nearest", state_rounding="nearest", **hyper)
+        out += [param, *m, *v]
+    assert bool(want[2][1].isnan()) and bool(want[4][1].isnan())
+    _assert_same(got, want, "an overflowing scale")
+
+
+@fused_only
+def test_state_that_does_not_fit_the_param_is_refused_not_overrun():
+    """Loading another model's optimizer state (a smaller param at the same position) must raise, as the torch
+    ops do, and not let the kernel read and write past the end of the codes and scales (it crashed)."""
+    small, big = torch.nn.Parameter(torch.randn(64, 64)), torch.nn.Parameter(torch.randn(4096, 64))
+    small.grad, big.grad = torch.randn(64, 64), torch.randn(4096, 64)
+    saved = AdamW([small], state_dtype="int8")
+    saved.step()
+    opt = AdamW([big], state_dtype="int8")
+    opt.load_state_dict(saved.state_dict())
+    state = opt.state[big]
+    m, v = (state["exp_avg"], state["exp_avg_absmax"]), (state["exp_avg_sq"], state["exp_avg_sq_absmax"])
+    with pytest.raises(ValueError, match=r"exp_avg codes of shape \(64, 64\)"):
+        quantized_adamw.fused_step_(big, big.grad, m, v, step=2.0, lr=1e-3, beta1=0.9, beta2=0.999, eps=1e-8,
+                                    weight_decay=0.0)
+    with pytest.raises(ValueError, match="does not belong to this param"):
+        opt.step()
+    with pytest.raises(RuntimeError, match="must match"):       # the torch ops refuse it too
+        quantized_adamw.reference_update_(big.detach().clone(), big.grad, m, v, step=2.0, lr=1e-3, beta1=0.9,
+                                          beta2=0.999, eps=1e-8, weight_decay=0.0)

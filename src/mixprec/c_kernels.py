@@ -3,7 +3,8 @@
 A kernel is one C file shipped in the package (e.g. ``mixprec/optim/quantized_adamw.c``). :func:`load`
 compiles it once per source, compiler, flags and CPU into ``cache_dir()/c-kernels/<name>-<digest>.so``
 (:func:`mixprec.cache.cache_dir`; written atomically, so concurrent processes never load a half-written
-file) and returns the loaded library, or None with the reason in :func:`status`. The flags keep IEEE
+file, with its SHA-256 beside it in ``<name>-<digest>.so.sha256``: a cached file that does not match is
+rebuilt, never loaded) and returns the loaded library, or None with the reason in :func:`status`. The flags keep IEEE
 arithmetic exact (``-O3 -ffp-contract=off``, never fast-math: no fused multiply-add, no reassociation)
 and tune for this CPU (``-march=native``, dropped if the compiler refuses it; the CPU's flags are in the
 digest, so a cache shared between machines never runs code built for another CPU).
@@ -82,22 +83,56 @@ def _build(source: Path, cc: list[str]) -> tuple[Path | None, str]:
         digest = hashlib.sha256(b"\0".join([text, identity.encode(), " ".join(flags).encode(), platform.machine().encode(),
                                              _cpu_flags().encode()])).hexdigest()[:20]
         target = cache_dir() / "c-kernels" / f"{source.stem}-{digest}.so"
-        if target.exists():
+        if _intact(target):
             return target, ""
         try:
             target.parent.mkdir(parents=True, exist_ok=True)
-            tmp = target.with_name(f".{target.name}.{os.getpid()}.tmp")
+        except OSError as err:
+            return None, f"the cache directory {target.parent} is not writable: {err}"
+        tmp = target.with_name(f".{target.name}.{os.getpid()}.tmp")
+        try:
             run = subprocess.run([*cc, *flags, "-o", str(tmp), str(source)], capture_output=True, text=True,
                                  timeout=_BUILD_TIMEOUT_S)
         except (OSError, subprocess.SubprocessError) as err:
+            tmp.unlink(missing_ok=True)
             return None, f"{' '.join(cc)} could not run: {err}"
         if run.returncode == 0:
-            os.replace(tmp, target)
+            try:
+                _publish(tmp, target)
+            except OSError as err:
+                tmp.unlink(missing_ok=True)
+                return None, f"could not write {target}: {err}"
             log.info("mixprec: built the C kernel %s (%s %s)", target, " ".join(cc), " ".join(flags))
             return target, ""
         tmp.unlink(missing_ok=True)
         error = (run.stderr.strip().splitlines() or [f"exit status {run.returncode}"])[-1]
     return None, f"{' '.join(cc)} failed to build {source.name}: {error}"
+
+
+def _digest_path(library: Path) -> Path:
+    return library.with_name(library.name + ".sha256")
+
+
+def _intact(library: Path) -> bool:
+    """Whether ``library`` is the file a build here wrote: its SHA-256 is the one recorded beside it. A
+    truncated or otherwise damaged file (a crash after the rename, a partly copied cache) must not reach
+    ``dlopen``: a truncated ELF file passes it and the process dies of SIGBUS on the first missing page."""
+    try:
+        return _digest_path(library).read_text().strip() == hashlib.sha256(library.read_bytes()).hexdigest()
+    except OSError:
+        return False
+
+
+def _publish(tmp: Path, target: Path) -> None:
+    """Move the built ``tmp`` to ``target`` (atomically, its bytes on disk first), then record its digest
+    (a reader between the two renames finds no matching digest and builds the same file itself)."""
+    data = tmp.read_bytes()
+    with open(tmp, "rb+") as f:
+        os.fsync(f.fileno())
+    os.replace(tmp, target)
+    digest_tmp = _digest_path(tmp)
+    digest_tmp.write_text(hashlib.sha256(data).hexdigest() + "\n")
+    os.replace(digest_tmp, _digest_path(target))
 
 
 def load(source: Path) -> ctypes.CDLL | None:

@@ -59,13 +59,14 @@ static inline uint16_t bf16_stochastic(float x, int32_t noise) {
 
 /* A block's scale from its largest positive value and largest negative magnitude (bit patterns of
  * non-negative floats order as integers), as quantized_state._block_absmax and quantize: NaN when the
- * block holds a non-finite value; the signed map scales by max(largest, |lowest| / 0.99297). */
+ * block holds a non-finite value or its scale overflows; the signed map scales by max(largest, |lowest| / 0.99297). */
 static inline float block_absmax(uint32_t pos_bits, uint32_t neg_bits, int signed_map, float lowest) {
     if (pos_bits >= 0x7F800000u || neg_bits >= 0x7F800000u) return NAN;
     float pos = float_of(pos_bits);
     if (!signed_map) return pos;
-    float neg = float_of(neg_bits) / lowest;
-    return neg > pos ? neg : pos;
+    float neg = float_of(neg_bits) / lowest;   /* overflows to inf for |value| > 0.99297 * FLT_MAX */
+    float scale = neg > pos ? neg : pos;
+    return bits_of(scale) >= 0x7F800000u ? NAN : scale;   /* quantize: an inf scale is NaN too */
 }
 
 /* The AdamW update of one block (len <= 256), into p_new, m_new and c_new = sqrt(max(v_new, 0)). */

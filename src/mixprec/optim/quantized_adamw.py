@@ -113,9 +113,13 @@ def _kernel() -> ctypes.CDLL | None:
     library = c_kernels.load(KERNEL_SOURCE)
     if library is None:
         return None
-    library.mixprec_adamw8bit_step.argtypes = [ctypes.POINTER(_Args), ctypes.c_int]
-    library.mixprec_adamw8bit_step.restype = ctypes.c_int
-    library.mixprec_adamw8bit_args_size.restype = ctypes.c_int64
+    try:
+        library.mixprec_adamw8bit_step.argtypes = [ctypes.POINTER(_Args), ctypes.c_int]
+        library.mixprec_adamw8bit_step.restype = ctypes.c_int
+        library.mixprec_adamw8bit_args_size.restype = ctypes.c_int64
+    except AttributeError as err:   # a library without the kernel's symbols
+        c_kernels.reject(KERNEL_SOURCE, f"it lacks a symbol: {err}")
+        return None
     if library.mixprec_adamw8bit_args_size() != ctypes.sizeof(_Args):
         c_kernels.reject(KERNEL_SOURCE, f"its argument struct is {library.mixprec_adamw8bit_args_size()} bytes, "
                                         f"the caller's {ctypes.sizeof(_Args)}")
@@ -142,12 +146,18 @@ def fusable(param: torch.Tensor, grad: torch.Tensor, m_codes: torch.Tensor, v_co
     either dtype, all contiguous, int8 codes for both moments, ``rounding`` nearest or stochastic for a bf16
     param (any for an fp32 one: it takes the result exactly), and the kernel available (builds and checks
     it on the first call)."""
+    return _takes(param, grad, m_codes, v_codes, rounding=rounding) and _kernel() is not None
+
+
+def _takes(param: torch.Tensor, grad: torch.Tensor, m_codes: torch.Tensor, v_codes: torch.Tensor, *,
+           rounding: str) -> bool:
+    """:func:`fusable` but for the kernel's availability."""
     return (param.device.type == "cpu" and param.dtype in _FUSED_DTYPES and grad.dtype in _FUSED_DTYPES
-            and grad.layout == torch.strided and grad.shape == param.shape and param.is_contiguous()
-            and grad.is_contiguous() and m_codes.dtype == torch.uint8 and v_codes.dtype == torch.uint8
+            and grad.layout == torch.strided and grad.device.type == "cpu" and grad.shape == param.shape
+            and param.is_contiguous() and grad.is_contiguous() and m_codes.dtype == torch.uint8
+            and v_codes.dtype == torch.uint8 and m_codes.device.type == "cpu" and v_codes.device.type == "cpu"
             and m_codes.is_contiguous() and v_codes.is_contiguous()
-            and (param.dtype == torch.float32 or rounding in ("nearest", "stochastic"))
-            and _kernel() is not None)
+            and (param.dtype == torch.float32 or rounding in ("nearest", "stochastic")))
 
 
 def _lookup_struct(code: qs.Code, kind: str) -> _Lookup:
@@ -163,13 +173,15 @@ def fused_step_(param: torch.Tensor, grad: torch.Tensor, m: tuple[torch.Tensor, 
     for bf16 as :func:`mixprec.optim.rounding.stochastic_round_to_bf16`), in one C pass; everything in place.
 
     Takes what :func:`fusable` accepts (call it first: it raises nothing, this raises RuntimeError when the
-    kernel is unavailable). Runs on ``torch.get_num_threads()`` threads (at least 16 blocks each). Draws the
+    kernel is unavailable, ValueError when ``m`` / ``v`` do not fit ``param``: codes of its shape, one fp32
+    scale per block, as the torch ops would refuse them, instead of reading or writing past their ends). Runs on ``torch.get_num_threads()`` threads (at least 16 blocks each). Draws the
     reference's random numbers in its order: ``2 * nblocks * 256`` uniforms under stochastic state
     rounding, then ``param.numel()`` int32 under stochastic param rounding. No host sync (CPU only).
     """
     library = _kernel()
     if library is None:
         raise RuntimeError(f"fused_step_ needs the C kernel, which is unavailable: {kernel_status()}")
+    _check_buffers(param, grad, m, v)
     m_code, v_code = qs.CODES["dynamic-signed"], qs.CODES["dynamic-sqrt"]
     nblocks = m[1].numel()
     kind = "table" if state_rounding == "stochastic" else "midpoints"
@@ -188,6 +200,25 @@ def fused_step_(param: torch.Tensor, grad: torch.Tensor, m: tuple[torch.Tensor, 
                  None if noise is None else noise.data_ptr(),
                  *(h[name] for name in _SCALARS[:-1]), float(-m_table[0]), 0, 0)
     library.mixprec_adamw8bit_step(ctypes.byref(args), torch.get_num_threads())
+
+
+def _check_buffers(param: torch.Tensor, grad: torch.Tensor, m: tuple[torch.Tensor, torch.Tensor],
+                   v: tuple[torch.Tensor, torch.Tensor]) -> None:
+    """Raise ValueError unless every buffer the kernel reads or writes through a raw pointer holds what it
+    assumes: the param's element count, its layout and dtype (else it would run past an end: e.g. the state
+    of another model's param loaded by mistake, which the torch ops refuse with a shape error)."""
+    nblocks = -(-param.numel() // qs.BLOCK_SIZE)
+    problems = [] if _takes(param, grad, m[0], v[0], rounding="nearest") else ["a layout fusable() refuses"]
+    for name, (codes, absmax) in (("exp_avg", m), ("exp_avg_sq", v)):
+        if codes.shape != param.shape:
+            problems.append(f"{name} codes of shape {tuple(codes.shape)}")
+        if absmax.dtype != torch.float32 or absmax.device.type != "cpu" or not absmax.is_contiguous() \
+                or absmax.numel() != nblocks:
+            problems.append(f"{name} absmax of dtype {absmax.dtype}, shape {tuple(absmax.shape)} (want fp32 ({nblocks},))")
+    if problems:
+        raise ValueError(f"fused_step_ got a param of shape {tuple(param.shape)} ({param.dtype}) with "
+                         f"{'; '.join(problems)}: the state does not belong to this param (loaded from another "
+                         "model's checkpoint?)")
 
 
 def _self_check() -> str:
