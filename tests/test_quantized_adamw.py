@@ -250,3 +250,38 @@ def test_state_that_does_not_fit_the_param_is_refused_not_overrun():
     with pytest.raises(RuntimeError, match="must match"):       # the torch ops refuse it too
         quantized_adamw.reference_update_(big.detach().clone(), big.grad, m, v, step=2.0, lr=1e-3, beta1=0.9,
                                           beta2=0.999, eps=1e-8, weight_decay=0.0)
+
+
+@fused_only
+def test_threads_racing_the_first_use_never_run_an_unchecked_kernel(tmp_path):
+    """A kernel that fails its check (an FMA in m's update), first used by eight threads at once: every
+    thread's step must equal the torch-op reference (a thread arriving during the check waits for it)."""
+    source = Path(quantized_adamw.KERNEL_SOURCE).read_text()
+    bad = tmp_path / "quantized_adamw.c"
+    bad.write_text(source.replace("m = m + (g - m) * omb1;", "m = fmaf(g - m, omb1, m);"))
+    script = f"""
+import threading, time, torch
+from pathlib import Path
+from mixprec.optim import AdamW, quantized_adamw as q
+q.KERNEL_SOURCE = Path({str(bad)!r})
+def train(out, i, steps=None):
+    w = torch.nn.Parameter(torch.randn(64, 256, generator=torch.Generator().manual_seed(100 + i)))
+    opt = AdamW([w], lr=1e-2, state_dtype="int8")
+    gen, n, stop = torch.Generator().manual_seed(i), 0, time.monotonic() + 4.0
+    while (n < steps) if steps else (time.monotonic() < stop):   # keep stepping through the build and check
+        w.grad = torch.randn(64, 256, generator=gen)
+        opt.step()
+        n += 1
+    out[i] = (n, w.detach().clone())
+results = {{}}
+threads = [threading.Thread(target=train, args=(results, i)) for i in range(8)]
+[t.start() for t in threads]; [t.join() for t in threads]
+assert q.kernel_status().startswith("torch ops: it differs"), q.kernel_status()
+q.fusable = lambda *a, **k: False
+for i in range(8):
+    want = {{}}
+    train(want, i, steps=results[i][0])
+    assert torch.equal(results[i][1], want[i][1]), i
+print("ok", min(n for n, _ in results.values()))
+"""
+    assert _python(script, MIXPREC_CACHE_DIR=str(tmp_path)).startswith("ok")

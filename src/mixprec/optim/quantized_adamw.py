@@ -32,6 +32,7 @@ from __future__ import annotations
 
 import ctypes
 import math
+import threading
 from pathlib import Path
 
 import torch
@@ -100,16 +101,28 @@ class _Args(ctypes.Structure):   # step_args in quantized_adamw.c, field for fie
                 + [("block_begin", ctypes.c_int64), ("block_end", ctypes.c_int64)])
 
 
-_library: ctypes.CDLL | None = None
-_checked = False
+_library: ctypes.CDLL | None = None    # the kernel, once checked (None: unusable)
+_ready = False
+_candidate: ctypes.CDLL | None = None  # the kernel under its check (seen only by the checking thread)
+_lock = threading.RLock()
 
 
 def _kernel() -> ctypes.CDLL | None:
-    """The loaded kernel, checked once per process against :func:`reference_update_`; None when unusable."""
-    global _library, _checked
-    if _checked:
+    """The loaded kernel, checked once per process against :func:`reference_update_`; None when unusable.
+    Thread-safe: other threads wait for the first one's build and check, and never run an unchecked kernel."""
+    global _library, _ready
+    if _ready:
         return _library
-    _checked = True
+    with _lock:
+        if not _ready:
+            if _candidate is not None:   # re-entered from _self_check's fused_step_ (this thread holds the lock)
+                return _candidate
+            _library, _ready = _load_and_check(), True
+        return _library
+
+
+def _load_and_check() -> ctypes.CDLL | None:
+    global _candidate
     library = c_kernels.load(KERNEL_SOURCE)
     if library is None:
         return None
@@ -124,12 +137,15 @@ def _kernel() -> ctypes.CDLL | None:
         c_kernels.reject(KERNEL_SOURCE, f"its argument struct is {library.mixprec_adamw8bit_args_size()} bytes, "
                                         f"the caller's {ctypes.sizeof(_Args)}")
         return None
-    _library = library
-    mismatch = _self_check()
+    _candidate = library
+    try:
+        mismatch = _self_check()
+    finally:
+        _candidate = None
     if mismatch:
-        _library = None
         c_kernels.reject(KERNEL_SOURCE, f"it differs from the torch-op reference ({mismatch})")
-    return _library
+        return None
+    return library
 
 
 def kernel_status() -> str:
