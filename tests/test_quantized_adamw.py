@@ -285,3 +285,11 @@ for i in range(8):
 print("ok", min(n for n, _ in results.values()))
 """
     assert _python(script, MIXPREC_CACHE_DIR=str(tmp_path)).startswith("ok")
+
+
+def test_a_gradient_sharing_the_params_storage_takes_the_reference():
+    """The kernel assumes its buffers do not overlap (C restrict); p.grad = p.detach() must not reach it."""
+    w = torch.randn(64, 256)
+    m, v = qs.zeros(w.shape, SIGNED, "cpu"), qs.zeros(w.shape, SQRT, "cpu")
+    assert not quantized_adamw.fusable(w, w.detach(), m[0], v[0], rounding="nearest")
+    assert quantized_adamw.fusable(w, w.detach().clone(), m[0], v[0], rounding="nearest") == (quantized_adamw.kernel_status() == "fused C kernel")

@@ -173,7 +173,8 @@ def _takes(param: torch.Tensor, grad: torch.Tensor, m_codes: torch.Tensor, v_cod
             and param.is_contiguous() and grad.is_contiguous() and m_codes.dtype == torch.uint8
             and v_codes.dtype == torch.uint8 and m_codes.device.type == "cpu" and v_codes.device.type == "cpu"
             and m_codes.is_contiguous() and v_codes.is_contiguous()
-            and (param.dtype == torch.float32 or rounding in ("nearest", "stochastic")))
+            and (param.dtype == torch.float32 or rounding in ("nearest", "stochastic"))
+            and grad.untyped_storage().data_ptr() != param.untyped_storage().data_ptr())   # the kernel's restrict
 
 
 def _lookup_struct(code: qs.Code, kind: str) -> _Lookup:
