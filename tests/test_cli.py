@@ -109,12 +109,12 @@ def test_doctor_json(capsys):
     assert cpu["auto_policy"] in ("fp32", "bf16-mixed") and cpu["auto_reason"].startswith("auto")
     assert "exp" in cpu["autocast_ops"]["ported"]["fp32"] and "mm" in cpu["autocast_ops"]["own kernel"]["lower_precision"]
     expected = "fused C kernel" if c_kernels.compiler() else "torch ops: no C compiler (set CC, or install cc, gcc or clang)"
-    assert report["int8_adamw_cpu"] == expected
+    assert report["adamw_8bit_cpu"] == expected
 
 
 def test_doctor_says_how_int8_state_steps_run(capsys):
     assert main(["doctor"]) == 0
-    assert "int8-state AdamW steps on a CPU (state=int8, bf16-lean): " in capsys.readouterr().out
+    assert "8-bit-state AdamW steps on a CPU (state=int8|fp8, bf16-lean): " in capsys.readouterr().out
 
 
 def test_measure_matmul_stays_small_when_slow():

@@ -1,4 +1,4 @@
-"""The int8-state AdamW step: the fused C kernel against the torch-op reference, bit for bit, and its fallback."""
+"""The 8-bit-state AdamW step: the fused C kernel against the torch-op reference, bit for bit, and its fallback."""
 
 import hashlib
 import math
@@ -17,12 +17,13 @@ from mixprec.optim.adamw import adamw_update_
 from mixprec.optim.rounding import write_back_
 
 SIGNED, SQRT = qs.CODES["dynamic-signed"], qs.CODES["dynamic-sqrt"]
+PAIRS = {"int8": (SIGNED, SQRT), "fp8": (qs.CODES["e4m3"], qs.CODES["e5m2"])}
 fused_only = pytest.mark.skipif(c_kernels.compiler() is None, reason="no C compiler on this machine")
 
 
-def _state(n: int, gen: torch.Generator, *, m_scale: float = 1e-3, v_scale: float = 1e-6):
-    m = qs.quantize(torch.randn(n, generator=gen) * m_scale, SIGNED)
-    v = qs.quantize(torch.rand(n, generator=gen) * v_scale, SQRT)
+def _state(n: int, gen: torch.Generator, *, codes=(SIGNED, SQRT), m_scale: float = 1e-3, v_scale: float = 1e-6):
+    m = qs.quantize(torch.randn(n, generator=gen) * m_scale, codes[0])
+    v = qs.quantize(torch.rand(n, generator=gen) * v_scale, codes[1])
     return m, v
 
 
@@ -53,11 +54,12 @@ def test_the_kernel_builds_loads_and_passes_its_check_against_the_reference():
 @pytest.mark.parametrize("g_dtype", [torch.float32, torch.bfloat16])
 @pytest.mark.parametrize("state_rounding", ["nearest", "stochastic"])
 @pytest.mark.parametrize("weight_decay", [0.0, 0.1])
-def test_fused_steps_equal_the_torch_ops_bit_for_bit(p_dtype, rounding, g_dtype, state_rounding, weight_decay):
+@pytest.mark.parametrize("state", ["int8", "fp8"])
+def test_fused_steps_equal_the_torch_ops_bit_for_bit(p_dtype, rounding, g_dtype, state_rounding, weight_decay, state):
     gen = torch.Generator().manual_seed(1)
     n = 40 * qs.BLOCK_SIZE + 77            # several threads' ranges and a short last block
     param = torch.randn(n, generator=gen).to(p_dtype)
-    m, v = _state(n, gen)
+    m, v = _state(n, gen, codes=PAIRS[state])
     ref_param, ref_m, ref_v = param.clone(), (m[0].clone(), m[1].clone()), (v[0].clone(), v[1].clone())
     for step in range(1, 6):
         grad = (torch.randn(n, generator=gen) * 10.0 ** -step).to(g_dtype)
@@ -69,6 +71,32 @@ def test_fused_steps_equal_the_torch_ops_bit_for_bit(p_dtype, rounding, g_dtype,
         _reference_step(ref_param, grad, ref_m, ref_v, rounding=rounding, state_rounding=state_rounding, **hyper)
         assert torch.equal(torch.rand(1), after_fused), "the two paths drew different amounts of randomness"
         _assert_same((param, m[0], m[1], v[0], v[1]), (ref_param, *ref_m, *ref_v), f"step {step}")
+
+
+@fused_only
+def test_fp8_codes_round_like_torchs_cast_ties_to_even_and_signed_zeros():
+    """beta1 = 0 from zero moments: m' = g; a block whose largest |g| is 448 has unit 448 / 448 = 1, so
+    y = g and the E4M3 code must be torch's float -> float8_e4m3fn cast of g: ties to even (every midpoint
+    between neighbouring magnitudes, both signs), subnormals, values that round to zero (-0 for negatives; m itself
+    is never -0: 0 + (g - 0) * 1 is +0 for g = -0)."""
+    e4m3 = qs.CODES["e4m3"]
+    mags = e4m3.table()[e4m3.table() >= 0]
+    mids = (mags[:-1] + mags[1:]) / 2
+    special = torch.tensor([448.0, 3.0, 0.0, 2.0**-11, -(2.0**-11), 2.0**-10, -(2.0**-10) * 1.01, 1e-30, -1e-30])
+    grad = torch.cat([special, mids, -mids, torch.randn(512 - special.numel() - 2 * mids.numel(),
+                                                        generator=torch.Generator().manual_seed(2)) * 10])
+    assert grad.numel() == 512 and float(grad.abs().max()) == 448.0
+    want = grad.to(torch.float8_e4m3fn).view(torch.uint8)
+    for fuse in (True, False):
+        param = torch.zeros(512)
+        m, v = qs.zeros((512,), e4m3, "cpu"), qs.zeros((512,), qs.CODES["e5m2"], "cpu")
+        hyper = dict(step=1.0, lr=1e-3, beta1=0.0, beta2=0.0, eps=1e-8, weight_decay=0.0)
+        if fuse:
+            quantized_adamw.fused_step_(param, grad, m, v, **hyper)
+        else:
+            _reference_step(param, grad, m, v, rounding="nearest", state_rounding="nearest", **hyper)
+        assert float(m[1][0]) == 448.0
+        assert torch.equal(m[0].view(torch.uint8)[:256], want[:256]), f"fused={fuse}"
 
 
 @fused_only
@@ -95,14 +123,14 @@ def test_exact_midpoints_round_to_the_lower_neighbour_in_both_paths():
         assert torch.equal(v[0].long(), expected_v), f"fused={fuse}: v ties"
 
 
-def _train(model_seed: int, fused: bool, monkeypatch, steps: int = 6):
+def _train(model_seed: int, fused: bool, monkeypatch, steps: int = 6, policy: str = "bf16-lean"):
     """A tiny model under bf16-lean (int8 moments, bf16 params, stochastic rounding) on a CPU."""
     if not fused:
         monkeypatch.setattr(quantized_adamw, "fusable", lambda *a, **k: False)
     torch.manual_seed(model_seed)
     model = torch.nn.Sequential(torch.nn.Linear(64, 96), torch.nn.GELU(), torch.nn.Linear(96, 64))
     opt = AdamW(model.parameters(), lr=3e-3)
-    trainer = mp.MixedPrecision(model, opt, policy="bf16-lean", device="cpu")
+    trainer = mp.MixedPrecision(model, opt, policy=policy, device="cpu")
     data = torch.randn(steps, 32, 64, generator=torch.Generator().manual_seed(5))
     for x in data:
         with trainer.autocast():
@@ -114,10 +142,11 @@ def _train(model_seed: int, fused: bool, monkeypatch, steps: int = 6):
 
 
 @fused_only
-def test_bf16_lean_training_takes_the_same_steps_fused_and_unfused(monkeypatch):
-    fused_model, fused_opt, trainer = _train(0, True, monkeypatch)
-    ref_model, ref_opt, _ = _train(0, False, monkeypatch)
-    assert "int8-state AdamW steps: fused C kernel" in trainer.decision
+@pytest.mark.parametrize("policy", ["bf16-lean", "bf16-sr,state=fp8"])
+def test_bf16_lean_training_takes_the_same_steps_fused_and_unfused(monkeypatch, policy):
+    fused_model, fused_opt, trainer = _train(0, True, monkeypatch, policy=policy)
+    ref_model, ref_opt, _ = _train(0, False, monkeypatch, policy=policy)
+    assert "8-bit-state AdamW steps: fused C kernel" in trainer.decision
     for (name, a), b in zip(fused_model.state_dict().items(), ref_model.state_dict().values()):
         assert a.dtype == torch.bfloat16 and torch.equal(a.view(torch.int16), b.view(torch.int16)), name
     fs, rs = fused_opt.state_dict()["state"], ref_opt.state_dict()["state"]

@@ -269,7 +269,7 @@ def run_doctor(*, measure: bool = True) -> dict:
     ``dtypes``, ``matmul`` (:class:`MatmulPeak` fields per dtype), ``auto_policy``,
     ``auto_reason`` (the matmul probe's rule, used without a model), ``auto_candidates`` (what ``auto``
     times on a model: :mod:`mixprec.auto_policy`), ``peaks_cache``, plus ``threads``/``cpu_flags`` on the CPU),
-    ``int8_adamw_cpu`` (how int8-state AdamW steps run on a CPU: :func:`mixprec.optim.quantized_adamw.kernel_status`,
+    ``adamw_8bit_cpu`` (how 8-bit-state AdamW steps run on a CPU: :func:`mixprec.optim.quantized_adamw.kernel_status`,
     which builds and checks the C kernel if this machine has not yet). With ``measure=False`` cached peaks
     are used where present.
     """
@@ -279,7 +279,7 @@ def run_doctor(*, measure: bool = True) -> dict:
         "platform": platform.platform(),
         "cuda": torch.version.cuda,
         "devices": [_device_report(d, measure=measure) for d in _visible_devices()],
-        "int8_adamw_cpu": quantized_adamw.kernel_status(),
+        "adamw_8bit_cpu": quantized_adamw.kernel_status(),
     }
 
 
@@ -320,5 +320,5 @@ def format_doctor(report: dict) -> str:
             lines.append(f"  op plan (kernels=measured): {len(dev['op_plan'])} keys measured on this machine, cached at "
                          f"{dev['op_plan_cache']}" + (":" if dev["op_plan"] else ""))
             lines += [f"    {key} -> {chosen}" for key, chosen in dev["op_plan"].items()]
-    lines += ["", f"int8-state AdamW steps on a CPU (state=int8, bf16-lean): {report['int8_adamw_cpu']}"]
+    lines += ["", f"8-bit-state AdamW steps on a CPU (state=int8|fp8, bf16-lean): {report['adamw_8bit_cpu']}"]
     return "\n".join(lines)

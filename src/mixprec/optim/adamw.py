@@ -52,9 +52,8 @@ class AdamW(PrecisionOptimizer):
     (``state_dtype='int8'`` / ``'fp8'``) follows Dettmers et al. 2022 (bitsandbytes ``AdamW8bit``,
     torchao ``AdamW8bit``): ``m`` and ``v`` are dequantized into fp32, updated (so the step uses the fp32
     ``v`` including this step's ``g²``, never a requantized one), and requantized after
-    (:mod:`mixprec.optim.quantized_state`). int8 state takes one rounding per operation of the rule
-    above, fused into one C pass per block on a CPU (:mod:`mixprec.optim.quantized_adamw`, the same bits
-    as its torch ops); fp8 state takes :func:`adamw_update_`'s op order, in torch ops.
+    (:mod:`mixprec.optim.quantized_state`), with one rounding per operation of the rule above, fused into
+    one C pass per block on a CPU (:mod:`mixprec.optim.quantized_adamw`, the same bits as its torch ops).
 
     Args:
         params: iterable of params or param-group dicts (fp32, bf16, fp16 or complex64 params). A
@@ -139,8 +138,8 @@ class AdamW(PrecisionOptimizer):
                 hyper = dict(step=float(state["step"]),  # CPU scalar: no device sync
                              lr=group["lr"], beta1=beta1, beta2=beta2, eps=group["eps"],
                              weight_decay=group["weight_decay"])
-                if state["exp_avg"].dtype == torch.uint8:   # int8 codes (fp8 ones take the torch.optim op order below)
-                    self._step_int8(p, state, hyper, lost_counts)
+                if "exp_avg" + qs.ABSMAX_SUFFIX in state:   # 8-bit codes
+                    self._step_8bit(p, state, hyper, lost_counts)
                     continue
                 param_fp32 = _as_fp32(p)
                 exp_avg_fp32 = self._load(state, "exp_avg")
@@ -152,8 +151,8 @@ class AdamW(PrecisionOptimizer):
         self._warn_if_updates_lost(lost_counts)
         return loss
 
-    def _step_int8(self, p: torch.Tensor, state: dict[str, Any], hyper: dict[str, float], lost_counts: list) -> None:
-        """One step of a param with int8 moments: the fused C kernel where it applies, else its torch-op
+    def _step_8bit(self, p: torch.Tensor, state: dict[str, Any], hyper: dict[str, float], lost_counts: list) -> None:
+        """One step of a param with 8-bit moments: the fused C kernel where it applies, else its torch-op
         reference (:mod:`mixprec.optim.quantized_adamw`; the same bits either way)."""
         m = (state["exp_avg"], state["exp_avg" + qs.ABSMAX_SUFFIX])
         v = (state["exp_avg_sq"], state["exp_avg_sq" + qs.ABSMAX_SUFFIX])
@@ -165,11 +164,11 @@ class AdamW(PrecisionOptimizer):
         self._write_back(p, param_fp32, state, lost_counts)
 
     def state_note(self) -> str:
-        """:meth:`PrecisionOptimizer.state_note`, plus how int8-state steps run: the fused C kernel (CPU),
+        """:meth:`PrecisionOptimizer.state_note`, plus how 8-bit-state steps run: the fused C kernel (CPU),
         or torch ops and why (builds and checks the kernel the first time it is asked)."""
         note = super().state_note()
         quantized = [p for g in self.param_groups for p in g["params"] if self._quantized(p)]
-        if self.state_dtype != torch.int8 or not quantized:
+        if not quantized:
             return note
         if {p.device.type for p in quantized} != {"cpu"}:
             how = "torch ops (the fused kernel is CPU-only)"
@@ -179,4 +178,4 @@ class AdamW(PrecisionOptimizer):
             how = "torch ops for fp16 params (the fused kernel takes fp32 and bf16)"
         else:
             how = quantized_adamw.kernel_status()
-        return note + f"; int8-state AdamW steps: {how}"
+        return note + f"; 8-bit-state AdamW steps: {how}"

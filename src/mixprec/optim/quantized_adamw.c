@@ -1,5 +1,5 @@
-/* AdamW's step on one param with int8 blockwise state (the dynamic maps), fused: each block of 256 elements
- * is decoded, updated, written back and requantized while it sits in the L1 cache.
+/* AdamW's step on one param with 8-bit blockwise state (int8: the dynamic maps; fp8: E4M3 m, E5M2 v), fused:
+ * each block of 256 elements is decoded, updated, written back and requantized while it sits in the L1 cache.
  *
  * The arithmetic is mixprec.optim.quantized_adamw.reference_step_ op for op: every operation is one correctly
  * rounded IEEE fp32 operation in the same order (built with -ffp-contract=off, no fast-math), and the codes
@@ -21,17 +21,28 @@ typedef struct {
     const float *bound;       /* the first boundary at or above the bin's lowest value (+inf: none) */
 } lookup_t;
 
+typedef struct {                /* how one moment is coded (mixprec.optim.quantized_state.Code) */
+    const float *decode;        /* 256: code byte -> value in table units (fp8: the fp8 value; NaN patterns NaN) */
+    const float *table;         /* the code's values, ascending: stochastic rounding's neighbours */
+    const uint8_t *bytes;       /* table index -> code byte */
+    lookup_t nearest;           /* the midpoints (fp8: of the magnitudes) */
+    lookup_t neighbours;        /* the table's values */
+    int table_len;
+    float qmax, floor;          /* fp8: unit = max(scale, floor) / qmax; dynamic maps: unit = scale */
+    float lowest;               /* the signed map's |lowest value| (0.99297); 0: scale = the largest magnitude */
+} codec_t;
+
 typedef struct {
     int64_t n;                          /* elements */
     void *param; int param_bf16;        /* fp32 or bf16, updated in place */
     const void *grad; int grad_bf16;    /* fp32 or bf16, read */
-    uint8_t *m_codes; float *m_absmax;  /* signed dynamic map */
-    uint8_t *v_codes; float *v_absmax;  /* unsigned dynamic map of sqrt(v) */
-    const float *m_table, *v_table;     /* 256 values each, ascending */
-    lookup_t m_lookup, v_lookup;        /* nearest: midpoints; stochastic: the table itself */
+    uint8_t *m_codes; float *m_absmax;  /* int8: signed dynamic map; fp8: E4M3 */
+    uint8_t *v_codes; float *v_absmax;  /* int8: unsigned dynamic map of sqrt(v); fp8: v in E5M2 */
+    codec_t m_codec, v_codec;
+    int fp8;                            /* 0: int8 codes, 1: fp8 codes */
     const float *m_rand, *v_rand;       /* NULL: nearest; else one uniform [0, 1) per element (padded blocks) */
     const int32_t *p_noise;             /* bf16 params: NULL rounds to nearest even, else stochastic bits */
-    float decay, one_minus_beta1, beta2, one_minus_beta2, inv_bc2_sqrt, eps, neg_step_size, lowest;
+    float decay, one_minus_beta1, beta2, one_minus_beta2, inv_bc2_sqrt, eps, neg_step_size;
     int64_t block_begin, block_end;
 } step_args;
 
@@ -59,38 +70,46 @@ static inline uint16_t bf16_stochastic(float x, int32_t noise) {
 
 /* A block's scale from its largest positive value and largest negative magnitude (bit patterns of
  * non-negative floats order as integers), as quantized_state._block_absmax and quantize: NaN when the
- * block holds a non-finite value or its scale overflows; the signed map scales by max(largest, |lowest| / 0.99297). */
-static inline float block_absmax(uint32_t pos_bits, uint32_t neg_bits, int signed_map, float lowest) {
+ * block holds a non-finite value or its scale overflows; the signed map (lowest > 0) scales by
+ * max(largest, |most negative| / 0.99297), the others by the largest magnitude. */
+static inline float block_absmax(uint32_t pos_bits, uint32_t neg_bits, float lowest) {
     if (pos_bits >= 0x7F800000u || neg_bits >= 0x7F800000u) return NAN;
+    if (lowest == 0.0f) return float_of(pos_bits > neg_bits ? pos_bits : neg_bits);
     float pos = float_of(pos_bits);
-    if (!signed_map) return pos;
     float neg = float_of(neg_bits) / lowest;   /* overflows to inf for |value| > 0.99297 * FLT_MAX */
     float scale = neg > pos ? neg : pos;
     return bits_of(scale) >= 0x7F800000u ? NAN : scale;   /* quantize: an inf scale is NaN too */
 }
 
-/* The AdamW update of one block (len <= 256), into p_new, m_new and c_new = sqrt(max(v_new, 0)). */
+/* What one table unit is worth in a block of scale `scale` (quantized_state._unit). */
+static inline float unit_of(float scale, const codec_t *c, const int fp8) {
+    if (!fp8) return scale;
+    return (scale < c->floor ? c->floor : scale) / c->qmax;   /* NaN stays NaN */
+}
+
+/* The AdamW update of one block (len <= 256), into p_new, m_new and x_new, v's coded value: sqrt(max(v, 0))
+ * under int8, v itself under fp8. */
 static inline __attribute__((always_inline)) void update_block(
-        const int len, const int param_bf16, const int grad_bf16, const void *restrict param, const void *restrict grad,
-        const uint8_t *restrict m_codes, const uint8_t *restrict v_codes, const float *restrict m_table,
-        const float *restrict v_table, const float m_scale, const float v_scale, const step_args *restrict a,
-        float *restrict p_new, float *restrict m_new, float *restrict c_new) {
+        const int len, const int param_bf16, const int grad_bf16, const int fp8, const void *restrict param,
+        const void *restrict grad, const uint8_t *restrict m_codes, const uint8_t *restrict v_codes,
+        const float *restrict m_decode, const float *restrict v_decode, const float m_unit, const float v_unit,
+        const step_args *restrict a, float *restrict p_new, float *restrict m_new, float *restrict x_new) {
     const float decay = a->decay, omb1 = a->one_minus_beta1, beta2 = a->beta2, omb2 = a->one_minus_beta2;
     const float inv_bc2_sqrt = a->inv_bc2_sqrt, eps = a->eps, neg_step_size = a->neg_step_size;
     for (int j = 0; j < len; ++j) {
         float g = grad_bf16 ? float_of((uint32_t)((const uint16_t *)grad)[j] << 16) : ((const float *)grad)[j];
         float p = param_bf16 ? float_of((uint32_t)((const uint16_t *)param)[j] << 16) : ((const float *)param)[j];
         p = p * decay;
-        float m = m_table[m_codes[j]] * m_scale;
-        float s = v_table[v_codes[j]] * v_scale;
-        float v = s * s;
+        float m = m_decode[m_codes[j]] * m_unit;
+        float s = v_decode[v_codes[j]] * v_unit;
+        float v = fp8 ? s : s * s;
         m = m + (g - m) * omb1;
         v = v * beta2 + (omb2 * g) * g;
         float c = sqrtf(v < 0.0f ? 0.0f : v);
         float denom = c * inv_bc2_sqrt + eps;
         p_new[j] = p + (neg_step_size * m) / denom;
         m_new[j] = m;
-        c_new[j] = c;
+        x_new[j] = fp8 ? v : c;
     }
 }
 
@@ -108,27 +127,43 @@ static inline __attribute__((always_inline)) void block_extremes(const int len, 
     *pos_out = pos; *neg_out = neg;
 }
 
-static inline __attribute__((always_inline)) void encode_nearest(const int len, const float *restrict x, const float div,
-                                                                  const lookup_t l, const uint8_t *restrict counts,
+/* Nearest: the dynamic maps' index is the code (a tie goes to the lower value, as torch.bucketize); fp8
+ * rounds the magnitude to nearest, ties to even (the byte's last bit), and keeps the sign (-0 included),
+ * as torch's float -> fp8 conversion. */
+static inline __attribute__((always_inline)) void encode_nearest(const int len, const int fp8, const float *restrict x,
+                                                                  const float unit, const lookup_t l,
+                                                                  const uint8_t *restrict counts,
                                                                   const float *restrict bound, uint8_t *restrict codes) {
     for (int j = 0; j < len; ++j) {
-        float y = x[j] / div;
-        uint32_t bin = (bits_of(y) >> l.shift) & l.mask;
-        codes[j] = (uint8_t)(counts[bin] + (bound[bin] < y));
+        float y = x[j] / unit;
+        if (!fp8) {
+            uint32_t bin = (bits_of(y) >> l.shift) & l.mask;
+            codes[j] = (uint8_t)(counts[bin] + (bound[bin] < y));
+        } else {
+            uint32_t yb = bits_of(y);
+            float mag = float_of(yb & 0x7FFFFFFFu);
+            uint32_t bin = (bits_of(mag) >> l.shift) & l.mask;
+            uint32_t idx = counts[bin] + (bound[bin] < mag);
+            idx += (bound[bin] == mag) & idx & 1u;
+            codes[j] = (uint8_t)(idx | ((yb >> 24) & 0x80u));
+        }
     }
 }
 
-static inline __attribute__((always_inline)) void encode_stochastic(const int len, const float *restrict x, const float div,
-                                                                     const lookup_t l, const uint8_t *restrict counts,
-                                                                     const float *restrict bound, const float *restrict table,
-                                                                     const float *restrict rand, uint8_t *restrict codes) {
+static inline __attribute__((always_inline)) void encode_stochastic(const int len, const float *restrict x, const float unit,
+                                                                     const codec_t *restrict c, const float *restrict rand,
+                                                                     uint8_t *restrict codes) {
+    const lookup_t l = c->neighbours;
+    const uint8_t *restrict counts = l.counts, *restrict bytes = c->bytes;
+    const float *restrict bound = l.bound, *restrict table = c->table;
+    const int32_t top = c->table_len - 2;
     for (int j = 0; j < len; ++j) {
-        float y = x[j] / div;
+        float y = x[j] / unit;
         uint32_t bin = (bits_of(y) >> l.shift) & l.mask;
         int32_t lower = counts[bin] + (bound[bin] <= y) - 1;
-        lower = lower < 0 ? 0 : (lower > 254 ? 254 : lower);
+        lower = lower < 0 ? 0 : (lower > top ? top : lower);
         float lo = table[lower], hi = table[lower + 1];
-        codes[j] = (uint8_t)(lower + (rand[j] < (y - lo) / (hi - lo)));
+        codes[j] = bytes[lower + (rand[j] < (y - lo) / (hi - lo))];
     }
 }
 
@@ -147,49 +182,52 @@ static inline __attribute__((always_inline)) void store_param(const int len, con
 }
 
 /* One block: update, write the param, then requantize both moments. Inlined into one specialisation per
- * (param, grad, rounding) format, so that every loop is branch-free. */
+ * (param, grad, rounding, code) format, so that every loop is branch-free. */
 static inline __attribute__((always_inline)) void step_block(const step_args *a, int64_t b, const int param_bf16,
-                                                              const int grad_bf16, const int stochastic) {
+                                                              const int grad_bf16, const int stochastic, const int fp8) {
     const int64_t start = b * BLOCK;
     const int len = (int)(a->n - start < BLOCK ? a->n - start : BLOCK);
     const size_t pbytes = param_bf16 ? 2 : 4, gbytes = grad_bf16 ? 2 : 4;
-    float m_new[BLOCK], c_new[BLOCK], p_new[BLOCK];
-    update_block(len, param_bf16, grad_bf16, (const char *)a->param + start * pbytes, (const char *)a->grad + start * gbytes,
-                 a->m_codes + start, a->v_codes + start, a->m_table, a->v_table, a->m_absmax[b], a->v_absmax[b], a,
-                 p_new, m_new, c_new);
+    const codec_t *mc = &a->m_codec, *vc = &a->v_codec;
+    float m_new[BLOCK], x_new[BLOCK], p_new[BLOCK];
+    update_block(len, param_bf16, grad_bf16, fp8, (const char *)a->param + start * pbytes,
+                 (const char *)a->grad + start * gbytes, a->m_codes + start, a->v_codes + start, mc->decode,
+                 vc->decode, unit_of(a->m_absmax[b], mc, fp8), unit_of(a->v_absmax[b], vc, fp8), a, p_new, m_new, x_new);
     store_param(len, param_bf16, p_new, a->p_noise ? a->p_noise + start : NULL, (char *)a->param + start * pbytes);
-    uint32_t m_pos, m_neg, c_max, c_neg;
+    uint32_t m_pos, m_neg, x_pos, x_neg;
     block_extremes(len, m_new, &m_pos, &m_neg);
-    block_extremes(len, c_new, &c_max, &c_neg);   /* c >= 0 or NaN (of either sign) */
-    const float m_abs = block_absmax(m_pos, m_neg, 1, a->lowest);
-    const float c_abs = block_absmax(c_max > c_neg ? c_max : c_neg, 0, 0, a->lowest);
+    block_extremes(len, x_new, &x_pos, &x_neg);   /* x >= 0, or NaN of either sign */
+    const float m_abs = block_absmax(m_pos, m_neg, mc->lowest);
+    const float x_abs = block_absmax(x_pos, x_neg, 0.0f);
     a->m_absmax[b] = m_abs;
-    a->v_absmax[b] = c_abs;
-    const float m_div = m_abs > 0.0f ? m_abs : 1.0f;   /* NaN > 0 is false: a NaN block divides by 1 */
-    const float c_div = c_abs > 0.0f ? c_abs : 1.0f;
-    const lookup_t ml = a->m_lookup, vl = a->v_lookup;
+    a->v_absmax[b] = x_abs;
+    /* NaN > 0 is false: a NaN block is coded against a scale of 1, as quantize does */
+    const float m_unit = unit_of(m_abs > 0.0f ? m_abs : 1.0f, mc, fp8);
+    const float x_unit = unit_of(x_abs > 0.0f ? x_abs : 1.0f, vc, fp8);
     if (!stochastic) {
-        encode_nearest(len, m_new, m_div, ml, ml.counts, ml.bound, a->m_codes + start);
-        encode_nearest(len, c_new, c_div, vl, vl.counts, vl.bound, a->v_codes + start);
+        encode_nearest(len, fp8, m_new, m_unit, mc->nearest, mc->nearest.counts, mc->nearest.bound, a->m_codes + start);
+        encode_nearest(len, fp8, x_new, x_unit, vc->nearest, vc->nearest.counts, vc->nearest.bound, a->v_codes + start);
     } else {
-        encode_stochastic(len, m_new, m_div, ml, ml.counts, ml.bound, a->m_table, a->m_rand + start, a->m_codes + start);
-        encode_stochastic(len, c_new, c_div, vl, vl.counts, vl.bound, a->v_table, a->v_rand + start, a->v_codes + start);
+        encode_stochastic(len, m_new, m_unit, mc, a->m_rand + start, a->m_codes + start);
+        encode_stochastic(len, x_new, x_unit, vc, a->v_rand + start, a->v_codes + start);
     }
 }
 
-#define SPECIALISE(PB, GB, SR) \
-    for (int64_t b = a->block_begin; b < a->block_end; ++b) step_block(a, b, PB, GB, SR)
+#define BLOCKS(PB, GB, SR, F8) \
+    for (int64_t b = a->block_begin; b < a->block_end; ++b) step_block(a, b, PB, GB, SR, F8)
+#define BY_CODE(PB, GB, SR) \
+    if (a->fp8) { BLOCKS(PB, GB, SR, 1); } else { BLOCKS(PB, GB, SR, 0); }
 
 static void step_blocks(const step_args *a) {
     const int sr = a->m_rand != NULL, pb = a->param_bf16, gb = a->grad_bf16;
-    if (pb && gb && !sr) { SPECIALISE(1, 1, 0); }
-    else if (pb && gb) { SPECIALISE(1, 1, 1); }
-    else if (!pb && !gb && !sr) { SPECIALISE(0, 0, 0); }
-    else if (!pb && !gb) { SPECIALISE(0, 0, 1); }
-    else if (pb && !sr) { SPECIALISE(1, 0, 0); }
-    else if (pb) { SPECIALISE(1, 0, 1); }
-    else if (!sr) { SPECIALISE(0, 1, 0); }
-    else { SPECIALISE(0, 1, 1); }
+    if (pb && gb && !sr) { BY_CODE(1, 1, 0) }
+    else if (pb && gb) { BY_CODE(1, 1, 1) }
+    else if (!pb && !gb && !sr) { BY_CODE(0, 0, 0) }
+    else if (!pb && !gb) { BY_CODE(0, 0, 1) }
+    else if (pb && !sr) { BY_CODE(1, 0, 0) }
+    else if (pb) { BY_CODE(1, 0, 1) }
+    else if (!sr) { BY_CODE(0, 1, 0) }
+    else { BY_CODE(0, 1, 1) }
 }
 
 static void *run_thread(void *arg) { step_blocks((const step_args *)arg); return NULL; }

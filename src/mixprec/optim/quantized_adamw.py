@@ -31,6 +31,8 @@ reference on random inputs, bit for bit, and refused (the reference used, the re
 from __future__ import annotations
 
 import ctypes
+import functools
+import itertools
 import math
 import threading
 from pathlib import Path
@@ -87,18 +89,50 @@ class _Lookup(ctypes.Structure):
     _fields_ = [("shift", ctypes.c_int), ("mask", ctypes.c_uint32), ("counts", ctypes.c_void_p), ("bound", ctypes.c_void_p)]
 
 
-_SCALARS = ("decay", "one_minus_beta1", "beta2", "one_minus_beta2", "inv_bc2_sqrt", "eps", "neg_step_size", "lowest")
+class _Codec(ctypes.Structure):   # codec_t in quantized_adamw.c
+    _fields_ = [("decode", ctypes.c_void_p), ("table", ctypes.c_void_p), ("bytes", ctypes.c_void_p),
+                ("nearest", _Lookup), ("neighbours", _Lookup), ("table_len", ctypes.c_int), ("qmax", ctypes.c_float),
+                ("floor", ctypes.c_float), ("lowest", ctypes.c_float)]
+
+
+_SCALARS = ("decay", "one_minus_beta1", "beta2", "one_minus_beta2", "inv_bc2_sqrt", "eps", "neg_step_size")
 
 
 class _Args(ctypes.Structure):   # step_args in quantized_adamw.c, field for field
     _fields_ = ([("n", ctypes.c_int64), ("param", ctypes.c_void_p), ("param_bf16", ctypes.c_int),
                  ("grad", ctypes.c_void_p), ("grad_bf16", ctypes.c_int), ("m_codes", ctypes.c_void_p),
                  ("m_absmax", ctypes.c_void_p), ("v_codes", ctypes.c_void_p), ("v_absmax", ctypes.c_void_p),
-                 ("m_table", ctypes.c_void_p), ("v_table", ctypes.c_void_p), ("m_lookup", _Lookup),
-                 ("v_lookup", _Lookup), ("m_rand", ctypes.c_void_p), ("v_rand", ctypes.c_void_p),
-                 ("p_noise", ctypes.c_void_p)]
+                 ("m_codec", _Codec), ("v_codec", _Codec), ("fp8", ctypes.c_int), ("m_rand", ctypes.c_void_p),
+                 ("v_rand", ctypes.c_void_p), ("p_noise", ctypes.c_void_p)]
                 + [(name, ctypes.c_float) for name in _SCALARS]
                 + [("block_begin", ctypes.c_int64), ("block_end", ctypes.c_int64)])
+
+
+# the two code pairs the kernel takes: (m's code, v's code), keyed by m's storage dtype
+_PAIRS = {torch.uint8: (qs.CODES["dynamic-signed"], qs.CODES["dynamic-sqrt"]),
+          torch.float8_e4m3fn: (qs.CODES["e4m3"], qs.CODES["e5m2"])}
+
+
+def _lookup_struct(code: qs.Code, kind: str) -> _Lookup:
+    lookup = qs.bin_lookup(code, kind)
+    return _Lookup(lookup.shift, lookup.mask, lookup.counts.data_ptr(), lookup.bound.data_ptr())
+
+
+@functools.cache
+def _codec(name: str) -> tuple[_Codec, tuple[torch.Tensor, ...]]:
+    """The kernel's description of code ``name`` and the CPU tensors it points into (kept alive here)."""
+    code = qs.CODES[name]
+    table = code.table()
+    if code.indexed:
+        decode, code_bytes = table, torch.arange(table.numel(), dtype=torch.uint8)
+    else:
+        decode = torch.arange(256, dtype=torch.uint8).view(code.storage_dtype).float()   # every byte's value
+        code_bytes = table.to(code.storage_dtype).view(torch.uint8)                        # exact: fp8 values
+    lowest = float(-table[0]) if name == "dynamic-signed" else 0.0
+    codec = _Codec(decode.data_ptr(), table.data_ptr(), code_bytes.data_ptr(),
+                   _lookup_struct(code, "midpoints" if code.indexed else "magnitudes"), _lookup_struct(code, "table"),
+                   table.numel(), code.qmax, code.qmax * torch.finfo(torch.float32).tiny, lowest)
+    return codec, (decode, table, code_bytes)
 
 
 _library: ctypes.CDLL | None = None    # the kernel, once checked (None: unusable)
@@ -149,7 +183,7 @@ def _load_and_check() -> ctypes.CDLL | None:
 
 
 def kernel_status() -> str:
-    """How int8-state AdamW steps run on a CPU in this process: ``"fused C kernel"``, or ``"torch ops: <why>"``
+    """How 8-bit-state AdamW steps run on a CPU in this process: ``"fused C kernel"``, or ``"torch ops: <why>"``
     (building and checking the kernel first if that has not happened yet)."""
     if _kernel() is not None:
         return "fused C kernel"
@@ -159,7 +193,7 @@ def kernel_status() -> str:
 def fusable(param: torch.Tensor, grad: torch.Tensor, m_codes: torch.Tensor, v_codes: torch.Tensor, *,
             rounding: str) -> bool:
     """Whether :func:`fused_step_` takes this param: a CPU fp32 or bf16 param with a dense gradient of
-    either dtype, all contiguous, int8 codes for both moments, ``rounding`` nearest or stochastic for a bf16
+    either dtype, all contiguous, int8 or fp8 codes (E4M3 ``m``, E5M2 ``v``), ``rounding`` nearest or stochastic for a bf16
     param (any for an fp32 one: it takes the result exactly), and the kernel available (builds and checks
     it on the first call)."""
     return _takes(param, grad, m_codes, v_codes, rounding=rounding) and _kernel() is not None
@@ -170,16 +204,12 @@ def _takes(param: torch.Tensor, grad: torch.Tensor, m_codes: torch.Tensor, v_cod
     """:func:`fusable` but for the kernel's availability."""
     return (param.device.type == "cpu" and param.dtype in _FUSED_DTYPES and grad.dtype in _FUSED_DTYPES
             and grad.layout == torch.strided and grad.device.type == "cpu" and grad.shape == param.shape
-            and param.is_contiguous() and grad.is_contiguous() and m_codes.dtype == torch.uint8
-            and v_codes.dtype == torch.uint8 and m_codes.device.type == "cpu" and v_codes.device.type == "cpu"
+            and param.is_contiguous() and grad.is_contiguous() and m_codes.dtype in _PAIRS
+            and v_codes.dtype == _PAIRS[m_codes.dtype][1].storage_dtype and m_codes.device.type == "cpu"
+            and v_codes.device.type == "cpu"
             and m_codes.is_contiguous() and v_codes.is_contiguous()
             and (param.dtype == torch.float32 or rounding in ("nearest", "stochastic"))
             and grad.untyped_storage().data_ptr() != param.untyped_storage().data_ptr())   # the kernel's restrict
-
-
-def _lookup_struct(code: qs.Code, kind: str) -> _Lookup:
-    lookup = qs.bin_lookup(code, kind)
-    return _Lookup(lookup.shift, lookup.mask, lookup.counts.data_ptr(), lookup.bound.data_ptr())
 
 
 def fused_step_(param: torch.Tensor, grad: torch.Tensor, m: tuple[torch.Tensor, torch.Tensor],
@@ -199,23 +229,20 @@ def fused_step_(param: torch.Tensor, grad: torch.Tensor, m: tuple[torch.Tensor, 
     if library is None:
         raise RuntimeError(f"fused_step_ needs the C kernel, which is unavailable: {kernel_status()}")
     _check_buffers(param, grad, m, v)
-    m_code, v_code = qs.CODES["dynamic-signed"], qs.CODES["dynamic-sqrt"]
+    m_code, v_code = _PAIRS[m[0].dtype]
     nblocks = m[1].numel()
-    kind = "table" if state_rounding == "stochastic" else "midpoints"
     m_rand = v_rand = noise = None
     if state_rounding == "stochastic":
         m_rand = torch.rand((nblocks, qs.BLOCK_SIZE), generator=generator)
         v_rand = torch.rand((nblocks, qs.BLOCK_SIZE), generator=generator)
     if rounding == "stochastic" and param.dtype == torch.bfloat16:
         noise = torch.empty(param.shape, dtype=torch.int32).random_(generator=generator)
-    m_table, v_table = m_code.table(), v_code.table()
     h = _hyper(step, lr, beta1, beta2, eps, weight_decay)
     args = _Args(param.numel(), param.data_ptr(), param.dtype == torch.bfloat16, grad.data_ptr(),
                  grad.dtype == torch.bfloat16, m[0].data_ptr(), m[1].data_ptr(), v[0].data_ptr(), v[1].data_ptr(),
-                 m_table.data_ptr(), v_table.data_ptr(), _lookup_struct(m_code, kind), _lookup_struct(v_code, kind),
+                 _codec(m_code.name)[0], _codec(v_code.name)[0], not m_code.indexed,
                  None if m_rand is None else m_rand.data_ptr(), None if v_rand is None else v_rand.data_ptr(),
-                 None if noise is None else noise.data_ptr(),
-                 *(h[name] for name in _SCALARS[:-1]), float(-m_table[0]), 0, 0)
+                 None if noise is None else noise.data_ptr(), *(h[name] for name in _SCALARS), 0, 0)
     library.mixprec_adamw8bit_step(ctypes.byref(args), torch.get_num_threads())
 
 
@@ -246,36 +273,35 @@ def _self_check() -> str:
     gen = torch.Generator().manual_seed(0)
     n = 5 * qs.BLOCK_SIZE + 37
     hyper = dict(step=3.0, lr=1e-3, beta1=0.9, beta2=0.999, eps=1e-8, weight_decay=1e-2)
-    for p_dtype in _FUSED_DTYPES:
-        for g_dtype in _FUSED_DTYPES:
-            for state_rounding in STATE_ROUNDINGS:
-                rounding = "stochastic" if p_dtype == torch.bfloat16 and state_rounding == "stochastic" else "nearest"
-                param = torch.randn(n, generator=gen).to(p_dtype)
-                grad = (torch.randn(n, generator=gen) * 1e-3).to(g_dtype)
-                grad[2 * qs.BLOCK_SIZE + 5] = -1.0                           # a negative block maximum
-                grad[4 * qs.BLOCK_SIZE + 1] = math.nan                       # a poisoned block
-                m_fp32, v_fp32 = torch.randn(n, generator=gen) * 1e-3, torch.rand(n, generator=gen) * 1e-6
-                m_fp32[: qs.BLOCK_SIZE] = v_fp32[: qs.BLOCK_SIZE] = grad[: qs.BLOCK_SIZE] = 0   # an all-zero block
-                m = qs.quantize(m_fp32, qs.CODES["dynamic-signed"])
-                v = qs.quantize(v_fp32, qs.CODES["dynamic-sqrt"])
-                want = [param.clone(), m[0].clone(), m[1].clone(), v[0].clone(), v[1].clone()]
-                seed = int(torch.randint(0, 2**62, (1,), generator=gen))
-                ref_gen = torch.Generator().manual_seed(seed)
-                want_fp32 = want[0].float()
-                reference_update_(want_fp32, grad.float(), (want[1], want[2]), (want[3], want[4]),
-                                  state_rounding=state_rounding, generator=ref_gen, **hyper)
-                want[0].copy_(stochastic_round_to_bf16(want_fp32, generator=ref_gen) if rounding == "stochastic"
-                              else want_fp32)
-                fused_step_(param, grad, m, v, rounding=rounding, state_rounding=state_rounding,
-                            generator=torch.Generator().manual_seed(seed), **hyper)
-                finite = (torch.isfinite(want[2]) & torch.isfinite(want[4])).repeat_interleave(qs.BLOCK_SIZE)[:n]
-                for name, got, expected in zip(("param", "m codes", "m absmax", "v codes", "v absmax"),
-                                               (param, m[0], m[1], v[0], v[1]), want):
-                    if got.numel() == n:
-                        same = torch.equal(got[finite].view(torch.uint8), expected[finite].view(torch.uint8))
-                    else:
-                        same = torch.equal(got.isnan(), expected.isnan()) and torch.equal(got.nan_to_num(), expected.nan_to_num())
-                    if not same:
-                        return (f"{name} for {p_dtype} params, {g_dtype} grads, rounding={rounding!r}, "
-                                f"state_rounding={state_rounding!r}")
+    for (m_code, v_code), p_dtype, g_dtype, state_rounding in itertools.product(
+            _PAIRS.values(), _FUSED_DTYPES, _FUSED_DTYPES, STATE_ROUNDINGS):
+        rounding = "stochastic" if p_dtype == torch.bfloat16 and state_rounding == "stochastic" else "nearest"
+        param = torch.randn(n, generator=gen).to(p_dtype)
+        grad = (torch.randn(n, generator=gen) * 1e-3).to(g_dtype)
+        grad[2 * qs.BLOCK_SIZE + 5] = -1.0                           # a negative block maximum
+        grad[4 * qs.BLOCK_SIZE + 1] = math.nan                       # a poisoned block
+        m_fp32, v_fp32 = torch.randn(n, generator=gen) * 1e-3, torch.rand(n, generator=gen) * 1e-6
+        m_fp32[: qs.BLOCK_SIZE] = v_fp32[: qs.BLOCK_SIZE] = grad[: qs.BLOCK_SIZE] = 0   # an all-zero block
+        m = qs.quantize(m_fp32, m_code)
+        v = qs.quantize(v_fp32, v_code)
+        want = [param.clone(), m[0].clone(), m[1].clone(), v[0].clone(), v[1].clone()]
+        seed = int(torch.randint(0, 2**62, (1,), generator=gen))
+        ref_gen = torch.Generator().manual_seed(seed)
+        want_fp32 = want[0].float()
+        reference_update_(want_fp32, grad.float(), (want[1], want[2]), (want[3], want[4]),
+                          state_rounding=state_rounding, generator=ref_gen, **hyper)
+        want[0].copy_(stochastic_round_to_bf16(want_fp32, generator=ref_gen) if rounding == "stochastic"
+                      else want_fp32)
+        fused_step_(param, grad, m, v, rounding=rounding, state_rounding=state_rounding,
+                    generator=torch.Generator().manual_seed(seed), **hyper)
+        finite = (torch.isfinite(want[2]) & torch.isfinite(want[4])).repeat_interleave(qs.BLOCK_SIZE)[:n]
+        for name, got, expected in zip(("param", "m codes", "m absmax", "v codes", "v absmax"),
+                                       (param, m[0], m[1], v[0], v[1]), want):
+            if got.numel() == n:
+                same = torch.equal(got[finite].view(torch.uint8), expected[finite].view(torch.uint8))
+            else:
+                same = torch.equal(got.isnan(), expected.isnan()) and torch.equal(got.nan_to_num(), expected.nan_to_num())
+            if not same:
+                return (f"{name} for {m_code.name}/{v_code.name} codes, {p_dtype} params, {g_dtype} grads, "
+                        f"rounding={rounding!r}, state_rounding={state_rounding!r}")
     return ""

@@ -165,12 +165,13 @@ class BinLookup:
 
 
 def bin_lookup(code: Code, kind: str, device: torch.device | str = "cpu") -> BinLookup:
-    """The :class:`BinLookup` of an indexed ``code``'s ``kind`` boundaries on ``device``: ``"midpoints"``
-    (between neighbours: nearest rounding) or ``"table"`` (the values: the two neighbours of stochastic
-    rounding). Built once per code, kind and device (<= 320 KB). Raises ValueError for an fp8 code or
-    another ``kind``."""
-    if not code.indexed or kind not in ("midpoints", "table"):
-        raise ValueError(f"bin_lookup needs an indexed code and kind 'midpoints' or 'table', got {code.name!r}, {kind!r}")
+    """The :class:`BinLookup` of ``code``'s ``kind`` boundaries on ``device``: ``"midpoints"`` (between
+    neighbouring values: nearest rounding of an indexed code), ``"magnitudes"`` (between neighbouring
+    non-negative values: nearest rounding of an fp8 code's magnitude) or ``"table"`` (the values: the two
+    neighbours of stochastic rounding). Built once per code, kind and device (<= 320 KB). Raises ValueError
+    for another ``kind``."""
+    if kind not in ("midpoints", "magnitudes", "table"):
+        raise ValueError(f"bin_lookup kind={kind!r} is not allowed; choose 'midpoints', 'magnitudes' or 'table'")
     return _lookup(code.name, kind, str(torch.device(device)))
 
 
@@ -178,7 +179,11 @@ def bin_lookup(code: Code, kind: str, device: torch.device | str = "cpu") -> Bin
 def _lookup(name: str, kind: str, device: str) -> BinLookup:
     """The coarsest bit-pattern binning in which no bin inside ``[-qmax, qmax]`` holds two of the code's
     ``kind`` boundaries (``"midpoints"`` or ``"table"``); built once per code, kind and device (<= 320 KB)."""
-    bounds = _midpoints(name, "cpu") if kind == "midpoints" else _table(name, "cpu")
+    if kind == "magnitudes":
+        values = _table(name, "cpu")[_table(name, "cpu") >= 0]
+        bounds = (values[:-1] + values[1:]) / 2
+    else:
+        bounds = _midpoints(name, "cpu") if kind == "midpoints" else _table(name, "cpu")
     qmax = CODES[name].qmax
     for shift in range(23, 8, -1):
         bins = torch.arange(2 ** (32 - shift), dtype=torch.int64)
