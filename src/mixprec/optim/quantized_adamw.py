@@ -1,4 +1,4 @@
-"""AdamW's step on a param with int8 blockwise moments: a torch-op reference and a fused CPU kernel.
+"""AdamW's step on a param with 8-bit blockwise moments: a torch-op reference and a fused CPU kernel.
 
 Both compute, per element in fp32 (``m``, ``v`` decoded from their codes, :mod:`mixprec.optim.quantized_state`)::
 
@@ -11,14 +11,15 @@ then requantize ``m`` and ``v`` blockwise (``state_rounding``) and round θ into
 ``torch.optim.AdamW``'s update with one separately rounded operation per step of the formula: no fused
 multiply-add (``torch.lerp`` and ``addcmul`` use one on a CPU), no division by a scalar (a CUDA kernel
 multiplies by the reciprocal instead) and a correctly rounded square root
-(:func:`mixprec.optim.quantized_state.sqrt_fp32`: torch's CPU ``sqrt`` is not), so the torch ops give the
-same bits on every device with IEEE fp32, and the fused kernel gives the same bits as the torch ops. The
+(:func:`mixprec.optim.quantized_state.sqrt_fp32`: torch's CPU ``sqrt`` is not), so that the torch ops give
+the same bits on any device with IEEE fp32 arithmetic (checked on CPUs only: no GPU has run them yet), and
+the fused kernel gives the same bits as the torch ops. The
 result differs from :func:`mixprec.optim.adamw.adamw_update_`'s (torch.optim's op order) by a few ulps of
 the update, which the 8-bit codes rarely resolve (tests bound it).
 
 :func:`reference_update_` is the torch-op version (any device, any 8-bit code, fp32 math; ``AdamW`` uses
-it for int8 codes where the kernel does not apply, and torch.optim's op order for fp8 codes).
-:func:`fused_step_` is the same step in one C pass per block of 256 for int8 state on a CPU
+it where the kernel does not apply).
+:func:`fused_step_` is the same step in one C pass per block of 256 for int8 and fp8 state on a CPU
 (``mixprec/optim/quantized_adamw.c``, built at first use by :mod:`mixprec.c_kernels`): it reads the bf16
 or fp32 param and gradient, the codes and the scales once and writes them once, where the torch ops take
 about 15 passes over fp32 temporaries per moment. On first use in a process it is checked against the
