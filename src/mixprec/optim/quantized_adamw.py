@@ -1,4 +1,4 @@
-"""AdamW's step on a param with int8 blockwise moments: a torch-op reference and a fused CPU kernel.
+"""AdamW's step on a param with 8-bit blockwise moments (int8 or fp8): a torch-op reference and a fused CPU kernel.
 
 Both compute, per element in fp32 (``m``, ``v`` decoded from their codes, :mod:`mixprec.optim.quantized_state`)::
 
@@ -17,8 +17,8 @@ result differs from :func:`mixprec.optim.adamw.adamw_update_`'s (torch.optim's o
 the update, which the 8-bit codes rarely resolve (tests bound it).
 
 :func:`reference_update_` is the torch-op version (any device, any 8-bit code, fp32 math; ``AdamW`` uses
-it for int8 codes where the kernel does not apply, and torch.optim's op order for fp8 codes).
-:func:`fused_step_` is the same step in one C pass per block of 256 for int8 state on a CPU
+it for int8 and fp8 codes wherever the kernel does not apply).
+:func:`fused_step_` is the same step in one C pass per block of 256 for int8 or fp8 state on a CPU
 (``mixprec/optim/quantized_adamw.c``, built at first use by :mod:`mixprec.c_kernels`): it reads the bf16
 or fp32 param and gradient, the codes and the scales once and writes them once, where the torch ops take
 about 15 passes over fp32 temporaries per moment. On first use in a process it is checked against the
