@@ -322,3 +322,24 @@ def test_a_gradient_sharing_the_params_storage_takes_the_reference():
     m, v = qs.zeros(w.shape, SIGNED, "cpu"), qs.zeros(w.shape, SQRT, "cpu")
     assert not quantized_adamw.fusable(w, w.detach(), m[0], v[0], rounding="nearest")
     assert quantized_adamw.fusable(w, w.detach().clone(), m[0], v[0], rounding="nearest") == (quantized_adamw.kernel_status() == "fused C kernel")
+
+
+@fused_only
+@pytest.mark.parametrize("p_dtype", [torch.float32, torch.bfloat16])
+def test_a_negative_e5m2_code_gives_the_references_nan_not_a_clamped_step(p_dtype):
+    """E5M2 codes are signed: a v state holding negative codes (none that quantize makes: a hand-built or
+    corrupted state) decodes to v < 0 and, where this step's g**2 does not lift it, the reference's
+    sqrt(v) is NaN, so those params turn NaN (torch's CPU sqrt gives +NaN). The kernel clamped v to 0
+    first and took a finite, huge step there instead."""
+    n = 256
+    param = torch.linspace(-1, 1, n).to(p_dtype)
+    grad = torch.full((n,), 1e-3)
+    m = qs.quantize(torch.randn(n, generator=torch.Generator().manual_seed(3)) * 1e-3, qs.CODES["e4m3"])
+    negative = torch.arange(n) % 3 == 0
+    v = (torch.where(negative, -1.0, 1.0).to(torch.float8_e5m2), torch.tensor([57344 * 1e-6]))   # v = -+1e-6
+    hyper = dict(step=2.0, lr=1e-3, beta1=0.9, beta2=0.999, eps=1e-8, weight_decay=0.0)
+    ref_param, ref_m, ref_v = param.clone(), (m[0].clone(), m[1].clone()), (v[0].clone(), v[1].clone())
+    quantized_adamw.fused_step_(param, grad, m, v, **hyper)
+    _reference_step(ref_param, grad, ref_m, ref_v, rounding="nearest", state_rounding="nearest", **hyper)
+    assert bool(ref_param[negative].isnan().all()) and bool(ref_param[~negative].isfinite().all())
+    _assert_same((param, m[0], m[1], v[0], v[1]), (ref_param, *ref_m, *ref_v), "negative v codes")

@@ -88,7 +88,7 @@ static inline float unit_of(float scale, const codec_t *c, const int fp8) {
 }
 
 /* The AdamW update of one block (len <= 256), into p_new, m_new and x_new, v's coded value: sqrt(max(v, 0))
- * under int8, v itself under fp8. */
+ * under int8, v itself under fp8; the denominator takes sqrt(v) unclamped, as the reference. */
 static inline __attribute__((always_inline)) void update_block(
         const int len, const int param_bf16, const int grad_bf16, const int fp8, const void *restrict param,
         const void *restrict grad, const uint8_t *restrict m_codes, const uint8_t *restrict v_codes,
@@ -105,11 +105,12 @@ static inline __attribute__((always_inline)) void update_block(
         float v = fp8 ? s : s * s;
         m = m + (g - m) * omb1;
         v = v * beta2 + (omb2 * g) * g;
-        float c = sqrtf(v < 0.0f ? 0.0f : v);
+        /* v < 0 (a negative E5M2 code: no quantize makes one) gives torch's CPU sqrt's NaN, +NaN (sqrtf's is -NaN) */
+        float c = v < 0.0f ? NAN : sqrtf(v);
         float denom = c * inv_bc2_sqrt + eps;
         p_new[j] = p + (neg_step_size * m) / denom;
         m_new[j] = m;
-        x_new[j] = fp8 ? v : c;
+        x_new[j] = fp8 ? v : (v < 0.0f ? 0.0f : c);   /* int8 codes sqrt(max(v, 0)), as quantize */
     }
 }
 
