@@ -363,14 +363,14 @@ def test_small_and_1d_tensors_keep_fp32_state_by_design_and_the_layout_says_so()
     for p, dtype in ((short, torch.float32), (flat, torch.float32), (cplx, torch.complex64)):
         assert set(opt.state[p]) == {"step", "exp_avg", "exp_avg_sq"} and opt.state[p]["exp_avg"].dtype == dtype
     note = opt.state_note()
-    assert "int8 blockwise (256-element blocks, fp32 absmax, rounded to nearest) for 1 tensor(s) (4,096 elements)" in note
+    assert "int8 blockwise (256-element blocks, fp32 absmax, codes rounded to nearest) for 1 tensor(s) (4,096 elements)" in note
     assert "3 tensor(s) (16,320 elements) keep fp32 state by design (fewer than 4096 elements or 1-D)" in note
     assert mo.AdamW([big]).state_note() == "" and mo.AdamW([short], state_dtype="fp8").state_layout()["quantized_tensors"] == 0
     assert "saves" not in note
     assert mo.AdamW([short, flat], state_dtype="int8").state_note().endswith(
         "2 tensor(s) (12,224 elements) keep fp32 state by design (fewer than 4096 elements or 1-D): no tensor here "
         "is large enough, so every moment is fp32 and int8 state saves nothing on this model")
-    assert "optimizer state fp8 blockwise (256-element blocks, fp32 absmax, stochastically rounded)" in \
+    assert "optimizer state fp8 blockwise (256-element blocks, fp32 absmax, codes stochastically rounded)" in \
         mo.AdamW([big], state_dtype="fp8", state_rounding="stochastic").state_note()
 
 

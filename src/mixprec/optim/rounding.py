@@ -361,7 +361,8 @@ class PrecisionOptimizer(torch.optim.Optimizer):
         if not n["quantized_tensors"] and not n["full_tensors"]:
             return (f"; optimizer state {state_name(self.state_dtype)}: none is kept ({type(self).__name__} without "
                     f"momentum holds no moment buffers), so {state_name(self.state_dtype)} state changes nothing")
-        rounding = "stochastically rounded" if self.state_rounding == "stochastic" else "rounded to nearest"
+        rounding = ("codes stochastically rounded" if self.state_rounding == "stochastic" else
+                    "codes rounded to nearest")   # the state's rounding, not the params' (policy.rounding)
         return (f"; optimizer state {state_name(self.state_dtype)} blockwise ({qs.BLOCK_SIZE}-element "
                 f"blocks, fp32 absmax, {rounding}) for {n['quantized_tensors']} tensor(s) ({n['quantized_elements']:,} "
                 f"elements); {n['full_tensors']} tensor(s) ({n['full_elements']:,} elements) keep fp32 state by design "
