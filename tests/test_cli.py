@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+from pathlib import Path
 import subprocess
 import sys
 
@@ -108,13 +109,21 @@ def test_doctor_json(capsys):
     assert cpu["matmul"]["fp32"]["gflops_per_s"] > 0
     assert cpu["auto_policy"] in ("fp32", "bf16-mixed") and cpu["auto_reason"].startswith("auto")
     assert "exp" in cpu["autocast_ops"]["ported"]["fp32"] and "mm" in cpu["autocast_ops"]["own kernel"]["lower_precision"]
-    expected = "fused C kernel" if c_kernels.compiler() else "torch ops: no C compiler (set CC, or install cc, gcc or clang)"
+    expected = "fused C kernel" if c_kernels.compiler() else ("torch ops: no C compiler (set CC, or install cc, gcc or "
+                                                              "clang) (the same bits as the kernel, a 2-4x slower optimizer step)")
     assert report["adamw_8bit_cpu"] == expected
+    library = report["adamw_8bit_cpu_library"]
+    assert (library is not None) == (expected == "fused C kernel")
+    assert library is None or (Path(library).is_file() and Path(library).parent.name == "c-kernels")
 
 
 def test_doctor_says_how_int8_state_steps_run(capsys):
     assert main(["doctor"]) == 0
-    assert "8-bit-state AdamW steps on a CPU (state=int8|fp8, bf16-lean): " in capsys.readouterr().out
+    out = capsys.readouterr().out
+    assert "8-bit-state AdamW steps on a CPU (state=int8|fp8, bf16-lean): " in out
+    if c_kernels.compiler():   # where the kernel runs, the doctor names its file and how to turn it off
+        assert "checked bit for bit against the torch-op reference at load; built with " in out
+        assert ".so (MIXPREC_C_KERNELS=0 turns it off)" in out
 
 
 def test_measure_matmul_stays_small_when_slow():

@@ -963,3 +963,32 @@ def test_a_distribution_in_the_output_is_rebuilt_in_fp32_not_clamped_at_bf16_eps
     assert dist.probs.dtype == torch.float32 and float(got.min()) < -4.84 - 5   # no clamp at bf16's eps
     logit_mag = float((ref.head.weight.abs() @ x.abs().T + ref.head.bias.abs()[:, None]).max().detach()) * 4
     assert float((got - want).abs().max()) <= 2 * 3 * 2.0 ** -8 * logit_mag
+
+
+@pytest.mark.parametrize("policy, words", [
+    ("bf16-lean", "bf16-lean on cpu as asked (params bf16, compute bf16, no fp32 masters: updates stochastically "
+                  "rounded into bf16, optimizer state int8)"),
+    ("bf16-pure", "bf16-pure on cpu as asked (params bf16, compute bf16, fp32 masters rounded to nearest into bf16, "
+                  "optimizer state fp32)"),
+    ("fp16-mixed", "fp16-mixed on cpu as asked (params fp32, compute fp16 (autocast), optimizer state fp32, "
+                   "dynamic loss scale)"),
+])
+def test_the_decision_starts_with_what_the_policy_stores_and_computes_in(policy, words):
+    """A user reading mp.decision learns each precision without the policies table: the words match the real
+    param dtypes, masters and optimizer state (and the 8-bit state's own rounding is named as the codes')."""
+    model = nn.Sequential(nn.Linear(64, 128), nn.GELU(), nn.Linear(128, 4))
+    mp = MixedPrecision(model, mixprec.optim.AdamW(model.parameters()), policy=policy, device="cpu")
+    assert mp.decision.startswith(words), mp.decision
+    assert {p.dtype for p in model.parameters()} == {mp.policy.param_dtype}
+    assert {m.dtype for m in mp.master_parameters()} == {FP32 if mp.policy.has_masters else mp.policy.param_dtype}
+    with mp.autocast():
+        loss = model(mp.cast_inputs(torch.randn(8, 64))).float().pow(2).mean()
+    mp.backward(loss)
+    mp.step()
+    codes = {v.dtype for s in mp.optimizer.state.values() for k, v in s.items() if k == "exp_avg"}
+    assert codes == ({torch.uint8, FP32} if policy == "bf16-lean" else {FP32})
+    assert ("codes rounded to nearest" in mp.decision) == (policy == "bf16-lean")
+    event = mp.set_policy("bf16-sr,state=fp8")
+    assert mp.decision.startswith("bf16-sr,state=fp8 on cpu (params bf16, compute bf16, no fp32 masters: updates "
+                                  "stochastically rounded into bf16, optimizer state fp8; set_policy at boundary 1")
+    assert event["to"] == "bf16-sr,state=fp8"

@@ -165,11 +165,17 @@ def _python(code: str, **env) -> str:
 
 def test_without_the_kernel_the_torch_ops_run_and_say_why(tmp_path):
     status = "from mixprec.optim import quantized_adamw as q; print(q.kernel_status())"
-    assert _python(status, MIXPREC_C_KERNELS="0") == "torch ops: turned off by MIXPREC_C_KERNELS=0"
+    cost = " (the same bits as the kernel, a 2-4x slower optimizer step)"
+    assert _python(status, MIXPREC_C_KERNELS="0") == "torch ops: turned off by MIXPREC_C_KERNELS=0" + cost
     failed = _python(status, CC="false", MIXPREC_CACHE_DIR=str(tmp_path))
-    assert failed.startswith("torch ops: false failed to build quantized_adamw.c"), failed
+    assert failed == ("torch ops: CC=false failed to build quantized_adamw.c: exit status 1; unset CC or point it "
+                      "at a working C compiler" + cost), failed
     missing = _python(status, CC=str(tmp_path / "no-such-cc"), MIXPREC_CACHE_DIR=str(tmp_path))
-    assert missing.startswith("torch ops:") and "could not run" in missing, missing
+    assert missing.startswith(f"torch ops: CC={tmp_path / 'no-such-cc'} could not run: "), missing
+    assert missing.endswith("; unset CC or point it at a working C compiler" + cost), missing
+    (tmp_path / "a-file").write_text("")   # a cache directory under a file cannot be made
+    unwritable = _python(status, MIXPREC_CACHE_DIR=str(tmp_path / "a-file" / "cache"))
+    assert "is not writable" in unwritable and "set MIXPREC_CACHE_DIR to a writable directory" in unwritable, unwritable
     assert not any((tmp_path / "c-kernels").glob("*.so")) if (tmp_path / "c-kernels").exists() else True
 
 

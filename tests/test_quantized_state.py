@@ -363,14 +363,14 @@ def test_small_and_1d_tensors_keep_fp32_state_by_design_and_the_layout_says_so()
     for p, dtype in ((short, torch.float32), (flat, torch.float32), (cplx, torch.complex64)):
         assert set(opt.state[p]) == {"step", "exp_avg", "exp_avg_sq"} and opt.state[p]["exp_avg"].dtype == dtype
     note = opt.state_note()
-    assert "int8 blockwise (256-element blocks, fp32 absmax, rounded to nearest) for 1 tensor(s) (4,096 elements)" in note
+    assert "int8 blockwise (256-element blocks, fp32 absmax, codes rounded to nearest) for 1 tensor(s) (4,096 elements)" in note
     assert "3 tensor(s) (16,320 elements) keep fp32 state by design (fewer than 4096 elements or 1-D)" in note
     assert mo.AdamW([big]).state_note() == "" and mo.AdamW([short], state_dtype="fp8").state_layout()["quantized_tensors"] == 0
     assert "saves" not in note
     assert mo.AdamW([short, flat], state_dtype="int8").state_note().endswith(
         "2 tensor(s) (12,224 elements) keep fp32 state by design (fewer than 4096 elements or 1-D): no tensor here "
         "is large enough, so every moment is fp32 and int8 state saves nothing on this model")
-    assert "optimizer state fp8 blockwise (256-element blocks, fp32 absmax, stochastically rounded)" in \
+    assert "optimizer state fp8 blockwise (256-element blocks, fp32 absmax, codes stochastically rounded)" in \
         mo.AdamW([big], state_dtype="fp8", state_rounding="stochastic").state_note()
 
 
@@ -633,9 +633,27 @@ def test_the_contract_refuses_what_cannot_run_int8_state():
         MixedPrecision(model, torch.optim.AdamW(model.parameters()), policy="bf16-mixed,state=int8", device="cpu")
     model = Net()
     explicit = mo.AdamW(model.parameters(), state_dtype="int8", state_rounding="stochastic")
-    with pytest.raises(ValueError, match=r"state_rounding='stochastic' but the policy bf16-lean says .*"
-                                         r"state_rounding='nearest'; drop the optimizer's explicit arguments"):
+    with pytest.raises(ValueError, match=r"AdamW was built with state_rounding='stochastic' but the policy bf16-lean "
+                                         r"says state_rounding='nearest'; drop those arguments \(the policy sets them\) or "
+                                         r"write them into the policy \(state_rounding=, e.g. "
+                                         r"policy='bf16-lean,state_rounding=stochastic'\)"):
         MixedPrecision(model, explicit, policy="bf16-lean", device="cpu")
+
+
+def test_an_optimizer_given_only_state_dtype_takes_the_rest_from_the_policy():
+    """AdamW(..., state_dtype="int8") under bf16-lean agrees with the policy: it was refused because the
+    rounding it was not given defaulted to 'nearest'; now the settings left out follow the policy."""
+    model = Net()
+    opt = mo.AdamW(model.parameters(), lr=1e-3, state_dtype="int8")
+    mp = MixedPrecision(model, opt, policy="bf16-lean", device="cpu")
+    assert (opt.rounding, opt.state_dtype, opt.state_rounding) == ("stochastic", torch.int8, "nearest")
+    assert "8-bit-state AdamW steps" in mp.decision
+    with pytest.raises(ValueError, match=r"AdamW was built with state_dtype='int8' but the policy bf16-sr says "
+                                         r"state_dtype='fp32'.*\(state=, e.g. policy='bf16-lean'\)"):
+        other = Net()
+        MixedPrecision(other, mo.AdamW(other.parameters(), state_dtype="int8"), policy="bf16-sr", device="cpu")
+    mp.set_policy("bf16-kahan,state=int8")        # the explicit state stays, the rounding follows the new policy
+    assert (opt.rounding, opt.state_dtype) == ("kahan", torch.int8)
 
 
 def test_sgd_without_momentum_under_8bit_state_says_it_keeps_no_state():

@@ -31,7 +31,7 @@ from pathlib import Path
 
 from mixprec.cache import cache_dir
 
-__all__ = ["FLAGS", "compiler", "load", "reject", "status"]
+__all__ = ["FLAGS", "compiler", "library_path", "load", "reject", "status"]
 
 log = logging.getLogger("mixprec")
 
@@ -42,6 +42,7 @@ _BUILD_TIMEOUT_S = 120
 _lock = threading.Lock()
 _loaded: dict[str, ctypes.CDLL | None] = {}
 _reasons: dict[str, str] = {}
+_paths: dict[str, Path] = {}   # source -> the cached library file loaded from it
 
 
 def compiler() -> list[str] | None:
@@ -75,6 +76,17 @@ def _compiler_identity(cc: list[str]) -> str:
         return f"{cc} {err}"
 
 
+def _named(cc: list[str]) -> str:
+    """The compiler as the reason names it: ``CC=<value>`` when it came from ``$CC`` (the user's to fix)."""
+    return f"CC={' '.join(cc)}" if os.environ.get("CC") else " ".join(cc)
+
+
+def _fix(cc: list[str]) -> str:
+    """What to do about a compiler that cannot build: the fix for ``$CC``, or for the compiler found."""
+    return ("; unset CC or point it at a working C compiler" if os.environ.get("CC") else
+            "; set CC to a working C compiler")
+
+
 def _build(source: Path, cc: list[str]) -> tuple[Path | None, str]:
     """Compile ``source`` into the cache (or find it there): (library path, "") or (None, why not)."""
     text = source.read_bytes()
@@ -88,14 +100,15 @@ def _build(source: Path, cc: list[str]) -> tuple[Path | None, str]:
         try:
             target.parent.mkdir(parents=True, exist_ok=True)
         except OSError as err:
-            return None, f"the cache directory {target.parent} is not writable: {err}"
+            return None, (f"the cache directory {target.parent} is not writable: {err}; set MIXPREC_CACHE_DIR to a "
+                          "writable directory")
         tmp = target.with_name(f".{target.name}.{os.getpid()}.tmp")
         try:
             run = subprocess.run([*cc, *flags, "-o", str(tmp), str(source)], capture_output=True, text=True,
                                  timeout=_BUILD_TIMEOUT_S)
         except (OSError, subprocess.SubprocessError) as err:
             tmp.unlink(missing_ok=True)
-            return None, f"{' '.join(cc)} could not run: {err}"
+            return None, f"{_named(cc)} could not run: {err}{_fix(cc)}"
         if run.returncode == 0:
             try:
                 _publish(tmp, target)
@@ -106,7 +119,7 @@ def _build(source: Path, cc: list[str]) -> tuple[Path | None, str]:
             return target, ""
         tmp.unlink(missing_ok=True)
         error = (run.stderr.strip().splitlines() or [f"exit status {run.returncode}"])[-1]
-    return None, f"{' '.join(cc)} failed to build {source.name}: {error}"
+    return None, f"{_named(cc)} failed to build {source.name}: {error}{_fix(cc)}"
 
 
 def _digest_path(library: Path) -> Path:
@@ -153,6 +166,7 @@ def load(source: Path) -> ctypes.CDLL | None:
             if path is not None:
                 try:
                     library = ctypes.CDLL(str(path))
+                    _paths[key] = path
                 except OSError as err:
                     reason = f"could not load {path}: {err}"
         if library is None:
@@ -164,6 +178,12 @@ def load(source: Path) -> ctypes.CDLL | None:
 def status(source: Path) -> str:
     """Why :func:`load` gave None for ``source`` ("" when it loaded or was not tried yet)."""
     return _reasons.get(str(source), "")
+
+
+def library_path(source: Path) -> Path | None:
+    """The cached library file :func:`load` loaded for ``source`` in this process (None when it did not, or
+    after :func:`reject`)."""
+    return _paths.get(str(source)) if _loaded.get(str(source)) is not None else None
 
 
 def reject(source: Path, reason: str) -> None:

@@ -275,7 +275,7 @@ def resolve(spec: str | Policy, device: str | torch.device | None = None, *,
             note = (f"; note: fp16 on this CPU is emulated, not native ({cap.detail}) — "
                     "it runs as asked but slowly")
         note += describe_ops(policy.ops, dev.type, mixed=policy.is_mixed)
-        return Resolution(policy, dev, f"{policy} on {dev} as asked{note}")
+        return Resolution(policy, dev, f"{policy} on {dev} as asked ({policy.summary()}){note}")
     runnable = [n for n, p in PRESETS.items() if _can_run(p, cap) is None and p.fp8 is None]
     if not allow_fallback:
         raise ValueError(f"policy {str(policy)!r} cannot run on {dev}: {reason}. Policies this device "

@@ -31,6 +31,7 @@ from pathlib import Path
 
 import torch
 
+from mixprec import c_kernels
 from mixprec.cache import cache_dir, cpu_name
 from mixprec.devices import auto_candidates, normalize_device, probe, resolve
 from mixprec.op_plan import cached as cached_plan
@@ -270,7 +271,8 @@ def run_doctor(*, measure: bool = True) -> dict:
     ``auto_reason`` (the matmul probe's rule, used without a model), ``auto_candidates`` (what ``auto``
     times on a model: :mod:`mixprec.auto_policy`), ``peaks_cache``, plus ``threads``/``cpu_flags`` on the CPU),
     ``adamw_8bit_cpu`` (how 8-bit-state AdamW steps run on a CPU: :func:`mixprec.optim.quantized_adamw.kernel_status`,
-    which builds and checks the C kernel if this machine has not yet). With ``measure=False`` cached peaks
+    which builds and checks the C kernel if this machine has not yet), ``adamw_8bit_cpu_library`` (the cached
+    kernel file it loaded, or None). With ``measure=False`` cached peaks
     are used where present.
     """
     return {
@@ -280,6 +282,7 @@ def run_doctor(*, measure: bool = True) -> dict:
         "cuda": torch.version.cuda,
         "devices": [_device_report(d, measure=measure) for d in _visible_devices()],
         "adamw_8bit_cpu": quantized_adamw.kernel_status(),
+        "adamw_8bit_cpu_library": None if (lib := quantized_adamw.library_path()) is None else str(lib),
     }
 
 
@@ -321,4 +324,8 @@ def format_doctor(report: dict) -> str:
                          f"{dev['op_plan_cache']}" + (":" if dev["op_plan"] else ""))
             lines += [f"    {key} -> {chosen}" for key, chosen in dev["op_plan"].items()]
     lines += ["", f"8-bit-state AdamW steps on a CPU (state=int8|fp8, bf16-lean): {report['adamw_8bit_cpu']}"]
+    if report.get("adamw_8bit_cpu_library"):
+        lines.append(f"  checked bit for bit against the torch-op reference at load; built with "
+                     f"{' '.join(c_kernels.compiler() or ['?'])}, cached at {report['adamw_8bit_cpu_library']} "
+                     "(MIXPREC_C_KERNELS=0 turns it off)")
     return "\n".join(lines)

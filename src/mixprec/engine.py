@@ -659,7 +659,7 @@ def _set_policy(mp: MixedPrecision, policy: str | Policy, *, cause: str, module:
         scale_note = f"loss scale now {type(mp.loss_scale).__name__}"
     note = mp._regions.install(mp.module, new, mp.device.type, prepared.keep, set(prepared.plan.frozen16))
     mp.model.zero_grad(set_to_none=True)
-    mp.decision = (f"{new} on {mp.device} (set_policy at boundary {mp.boundaries}: {cause}; was {old})"
+    mp.decision = (f"{new} on {mp.device} ({new.summary()}; set_policy at boundary {mp.boundaries}: {cause}; was {old})"
                    + mp._compile.note(new) + note + contract.state_note(mp.optimizer))
     formats = (state_name(old.state_dtype), state_name(new.state_dtype))
     state_move = f" (converted {formats[0]} → {formats[1]})" if formats[0] != formats[1] else ""

@@ -350,6 +350,28 @@ class Policy:
             changes["loss_scale"] = "auto"   # the old dtypes' default follows the new dtypes; a chosen scale stays
         return dataclasses.replace(self, **changes)
 
+    def summary(self) -> str:
+        """What this policy stores and computes in, in words: e.g. bf16-lean's ``"params bf16, compute bf16,
+        no fp32 masters: updates stochastically rounded into bf16, optimizer state int8"`` (the engine's
+        decision starts with it)."""
+        half = self.param_dtype != torch.float32
+        parts = [f"params {_dtype_name(self.param_dtype)}",
+                 f"compute {_dtype_name(self.compute_dtype)}" + (" (autocast)" if self.is_mixed and not half else "")]
+        if self.fp8 is not None:
+            parts[-1] += f", eligible linears fp8 ({self.fp8}, {self.fp8_format})"
+        if half:
+            how = {"stochastic": "stochastically rounded", "kahan": "Kahan-compensated",
+                   "nearest": "rounded to nearest"}[self.rounding]
+            parts.append(f"fp32 masters rounded to nearest into {_dtype_name(self.param_dtype)}" if self.has_masters
+                         else f"no fp32 masters: updates {how} into {_dtype_name(self.param_dtype)}")
+        parts.append(f"optimizer state {state_name(self.state_dtype)}")
+        if self.loss_scale != "none":
+            parts.append(f"{self.loss_scale} loss scale" if self.loss_scale == "dynamic" else
+                         f"static loss scale {self.loss_scale}")
+        if self.keep_fp32:
+            parts.append(f"fp32 modules {'|'.join(self.keep_fp32)}")
+        return ", ".join(parts)
+
     def scaling_note(self) -> str:
         """The decision's words when fp16 runs unscaled because ``loss_scale=none`` was written ("" else)."""
         if self.loss_scale == "none" and torch.float16 in (self.param_dtype, self.compute_dtype):

@@ -56,12 +56,25 @@ class PrecisionAware(Protocol):
 def check(opt: torch.optim.Optimizer, policy: Policy, stepped_dtypes: set[torch.dtype]) -> None:
     """Raise ValueError (naming the fix) if ``opt`` cannot run ``policy`` stepping ``stepped_dtypes``."""
     if isinstance(opt, PrecisionAware):
-        mine = (opt.rounding, opt.state_dtype, opt.state_rounding)
-        if opt.precision_explicit and mine != (policy.rounding, policy.state_dtype, policy.state_rounding):
-            raise ValueError(f"optimizer was built with rounding={opt.rounding!r}, state_dtype={opt.state_dtype}, "
-                             f"state_rounding={opt.state_rounding!r} but the policy {policy} says rounding="
-                             f"{policy.rounding!r}, state_dtype={policy.state_dtype}, state_rounding="
-                             f"{policy.state_rounding!r}; drop the optimizer's explicit arguments or change the policy")
+        # only what was passed to the constructor must agree: the settings left out follow the policy
+        explicit = getattr(opt, "explicit_precision", None)
+        if explicit is None:   # a PrecisionAware optimizer of another make: all three are its own
+            explicit = ({"rounding": opt.rounding, "state_dtype": opt.state_dtype, "state_rounding": opt.state_rounding}
+                        if opt.precision_explicit else {})
+        differ = {k: v for k, v in explicit.items() if v != getattr(policy, k)}
+        if differ:
+            def text(values: dict) -> str:
+                return ", ".join(f"{k}={state_name(v) if k == 'state_dtype' else v!r}" for k, v in values.items())
+            keys = {"rounding": "rounding", "state_dtype": "state", "state_rounding": "state_rounding"}
+            hint = ""
+            try:
+                wanted = policy.replace(**differ)
+                hint = f", e.g. policy={str(wanted)!r}"
+            except ValueError:
+                pass
+            raise ValueError(f"{type(opt).__name__} was built with {text(differ)} but the policy {policy} says "
+                             f"{text({k: getattr(policy, k) for k in differ})}; drop those arguments (the policy sets "
+                             f"them) or write them into the policy ({', '.join(keys[k] + '=' for k in differ)}{hint})")
         return
     name = type(opt).__name__
     if policy.rounding != "nearest":
@@ -81,7 +94,9 @@ def configure(opt: torch.optim.Optimizer, policy: Policy) -> str:
     """Give a :class:`PrecisionAware` optimizer without explicit settings the policy's rounding and
     state format (before its first step); a stock optimizer has nothing to configure. Returns the
     decision's note on 8-bit state (:func:`state_note`)."""
-    if isinstance(opt, PrecisionAware) and not opt.precision_explicit:
+    wanted = (policy.rounding, policy.state_dtype, policy.state_rounding)
+    if isinstance(opt, PrecisionAware) and (opt.rounding, opt.state_dtype, opt.state_rounding) != wanted:
+        # check() passed: the constructor's explicit settings are the policy's, the others follow it
         opt.set_precision(rounding=policy.rounding, state_dtype=policy.state_dtype,
                           state_rounding=policy.state_rounding)
     if policy.state_dtype == torch.float16:

@@ -184,11 +184,19 @@ def _load_and_check() -> ctypes.CDLL | None:
 
 
 def kernel_status() -> str:
-    """How 8-bit-state AdamW steps run on a CPU in this process: ``"fused C kernel"``, or ``"torch ops: <why>"``
-    (building and checking the kernel first if that has not happened yet)."""
+    """How 8-bit-state AdamW steps run on a CPU in this process: ``"fused C kernel"``, or ``"torch ops: <why and
+    the fix> (<what it costs>)"`` (building and checking the kernel first if that has not happened yet)."""
     if _kernel() is not None:
         return "fused C kernel"
-    return f"torch ops: {c_kernels.status(KERNEL_SOURCE) or 'the C kernel is not available'}"
+    return (f"torch ops: {c_kernels.status(KERNEL_SOURCE) or 'the C kernel is not available'} ({FALLBACK_COST})")
+
+
+FALLBACK_COST = "the same bits as the kernel, a 2-4x slower optimizer step"
+
+
+def library_path() -> Path | None:
+    """The cached, checked kernel library this process steps with (None when the torch ops run)."""
+    return c_kernels.library_path(KERNEL_SOURCE) if _kernel() is not None else None
 
 
 def fusable(param: torch.Tensor, grad: torch.Tensor, m_codes: torch.Tensor, v_codes: torch.Tensor, *,

@@ -262,12 +262,26 @@ class PrecisionOptimizer(torch.optim.Optimizer):
         self.rounding: str = _check_rounding(owner, rounding)
         self.state_dtype: torch.dtype = _check_state_dtype(owner, state_dtype)
         self.state_rounding: str = _check_state_rounding(owner, state_rounding, self.state_dtype)
+        written = {"rounding": rounding, "state_dtype": state_dtype, "state_rounding": state_rounding}
+        self._explicit = {k: getattr(self, k) for k, v in written.items() if v is not None}
         super().__init__(params, defaults)
 
     @property
     def precision_explicit(self) -> bool:
         """True when ``rounding``, ``state_dtype`` or ``state_rounding`` was passed to the constructor."""
         return self._precision_explicit
+
+    @property
+    def explicit_precision(self) -> dict[str, Any]:
+        """The precision settings passed to the constructor (``rounding`` / ``state_dtype`` / ``state_rounding``,
+        checked values): a policy must agree with these; the others are the policy's to set."""
+        return dict(self._explicit)
+
+    def _with_explicit(self, rounding: str, state_dtype: torch.dtype | str, state_rounding: str
+                       ) -> tuple[str, torch.dtype | str, str]:
+        """A policy's settings with the constructor's explicit ones in their place."""
+        e = self._explicit
+        return (e.get("rounding", rounding), e.get("state_dtype", state_dtype), e.get("state_rounding", state_rounding))
 
     def add_param_group(self, param_group: dict[str, Any]) -> None:
         super().add_param_group(param_group)
@@ -318,15 +332,15 @@ class PrecisionOptimizer(torch.optim.Optimizer):
         values: as they are where the storage format is unchanged (8-bit codes and scales bit for bit),
         else through fp32 into the new format (cast, or quantized / dequantized: one rounding); Kahan
         compensation is dropped (the engine folded it into the params first) and restarts at zero where
-        ``rounding`` is still ``'kahan'``; ``step`` is kept. The precision is adopted unless it was passed
-        to the constructor. No sync.
+        ``rounding`` is still ``'kahan'``; ``step`` is kept. The precision is adopted, but for the settings
+        passed to the constructor (:attr:`explicit_precision`), which stay. No sync.
 
         Raises:
             ValueError: invalid ``rounding`` / ``state_dtype`` / ``state_rounding``, or ``'stochastic'``
                 with fp16 params. Nothing has changed then.
         """
-        if not self.precision_explicit:
-            self.rounding, self.state_dtype, self.state_rounding = self._checked(rounding, state_dtype, state_rounding)
+        self.rounding, self.state_dtype, self.state_rounding = self._checked(
+            *self._with_explicit(rounding, state_dtype, state_rounding))   # settings not passed follow the policy
         states = [(new, self.state.pop(old, None)) for old, new in moves]   # all out first: old and new may alias
         for new, state in states:
             if not state or new is None:
@@ -361,7 +375,8 @@ class PrecisionOptimizer(torch.optim.Optimizer):
         if not n["quantized_tensors"] and not n["full_tensors"]:
             return (f"; optimizer state {state_name(self.state_dtype)}: none is kept ({type(self).__name__} without "
                     f"momentum holds no moment buffers), so {state_name(self.state_dtype)} state changes nothing")
-        rounding = "stochastically rounded" if self.state_rounding == "stochastic" else "rounded to nearest"
+        rounding = ("codes stochastically rounded" if self.state_rounding == "stochastic" else
+                    "codes rounded to nearest")   # the state's rounding, not the params' (policy.rounding)
         return (f"; optimizer state {state_name(self.state_dtype)} blockwise ({qs.BLOCK_SIZE}-element "
                 f"blocks, fp32 absmax, {rounding}) for {n['quantized_tensors']} tensor(s) ({n['quantized_elements']:,} "
                 f"elements); {n['full_tensors']} tensor(s) ({n['full_elements']:,} elements) keep fp32 state by design "
