@@ -379,7 +379,7 @@ def test_set_policy_keeps_values_and_optimizer_state(start, end, optimizer):
     event = mp.set_policy(end, cause="test", module=None)
 
     assert mp.policy == mixprec.Policy.parse(end) and mp.events[-1] is event
-    assert (event["kind"], event["from"], event["step"]) == ("escalate", str(mixprec.Policy.parse(start)), 4)
+    assert (event["kind"], event["from"], event["step"]) == ("set_policy", str(mixprec.Policy.parse(start)), 4)
     now = list(mp.master_parameters())
     assert all(t.dtype == torch.float32 or end != "fp32" for t in now)
     for t, value_fp32, m in zip(now, values_fp32, moments):

@@ -475,14 +475,15 @@ class MixedPrecision:
 
     # ------------------------------------------------------------------ changing the policy or the frozen set
     def set_policy(self, policy: str | Policy, *, cause: str = "requested", module: str | None = None,
-                   loss_scale: Any = None, record: bool = True) -> dict:
+                   loss_scale: Any = None, record: bool = True, kind: str = "set_policy") -> dict:
         """Re-prepare the model under ``policy`` at a boundary, keeping the training state (what carries
         over: :mod:`mixprec.reprepare`; the loss scale is ``loss_scale`` if given, else kept when both
-        policies name the same scaling). :class:`mixprec.Guard` calls it to escalate. Returns the
-        ``"escalate"`` event, appended to :attr:`events` when ``record``. No host sync. Raises RuntimeError
+        policies name the same scaling). :class:`mixprec.Guard` calls it to escalate (``kind="escalate"``).
+        Returns the event (``kind``: ``"set_policy"`` when asked for, ``"escalate"`` from the guard),
+        appended to :attr:`events` when ``record``. No host sync. Raises RuntimeError
         mid-accumulation; ValueError (nothing changed) when the device, optimizer or strategy cannot run
         ``policy`` or it changes the fp8 linears."""
-        return _set_policy(self, policy, cause=cause, module=module, loss_scale=loss_scale, record=record)
+        return _set_policy(self, policy, cause=cause, module=module, loss_scale=loss_scale, record=record, kind=kind)
 
     def unfreeze(self, *patterns: str, **group_options: Any) -> dict:
         """Train the frozen params whose names match a pattern (``fnmatch``) from this boundary on, stored
@@ -642,7 +643,7 @@ class MixedPrecision:
 
 
 def _set_policy(mp: MixedPrecision, policy: str | Policy, *, cause: str, module: str | None, loss_scale: Any,
-                record: bool) -> dict:
+                record: bool, kind: str) -> dict:
     """:meth:`MixedPrecision.set_policy`'s body (out of the class to keep it short)."""
     mp._check_boundary("set_policy()", "change the policy")
     new = resolve(policy, mp.device).policy
@@ -663,7 +664,7 @@ def _set_policy(mp: MixedPrecision, policy: str | Policy, *, cause: str, module:
                    + mp._compile.note(new) + note + contract.state_note(mp.optimizer))
     formats = (state_name(old.state_dtype), state_name(new.state_dtype))
     state_move = f" (converted {formats[0]} → {formats[1]})" if formats[0] != formats[1] else ""
-    event = {"step": mp.boundaries, "kind": "escalate", "cause": cause, "module": module,
+    event = {"step": mp.boundaries, "kind": kind, "cause": cause, "module": module,
              "detail": f"{old} → {new}: params re-cast from their fp32 values (frozen and just-unfrozen ones from "
                        f"their stored values), optimizer state of {prepared.carried} tensor(s) carried over"
                        f"{state_move}, {scale_note}", "from": str(old), "to": str(new)}

@@ -398,7 +398,7 @@ class Guard:
             return False
         old = str(mp.policy)
         try:
-            event = mp.set_policy(new, cause=cause, module=module)
+            event = mp.set_policy(new, cause=cause, module=module, kind="escalate")
         except ValueError as err:  # e.g. an optimizer built for one rounding: say so, keep going
             self._note(f"{why}: refused ({err})")
             log.warning("mixprec guard: escalation %s → %s refused: %s", old, new, err)
