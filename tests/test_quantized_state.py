@@ -663,3 +663,20 @@ def test_sgd_without_momentum_under_8bit_state_says_it_keeps_no_state():
     assert plain.state_note() == ("; optimizer state int8: none is kept (SGD without momentum holds no moment buffers), "
                                   "so int8 state changes nothing")
     assert mo.SGD([big], lr=0.1, momentum=0.9, state_dtype="int8").state_layout()["quantized_tensors"] == 1
+
+
+def test_a_torch_optimizer_under_bf16_lean_hears_both_things_it_lacks():
+    model = Net()
+    with pytest.raises(ValueError, match=r"policy bf16-lean writes updates with rounding='stochastic' and asks for "
+                                         r"state=int8, which AdamW cannot do; use mixprec.optim.AdamW"):
+        MixedPrecision(model, torch.optim.AdamW(model.parameters()), policy="bf16-lean", device="cpu")
+
+
+def test_the_decision_says_how_8bit_sgd_momentum_steps_run():
+    model = Net()
+    mp = MixedPrecision(model, mixprec.optim.SGD(model.parameters(), lr=0.1, momentum=0.9), policy="bf16-lean",
+                        device="cpu")
+    assert mp.decision.endswith("; 8-bit-state SGD steps: torch ops (the fused C kernel is AdamW's)")
+    model = Net()
+    plain = MixedPrecision(model, mixprec.optim.SGD(model.parameters(), lr=0.1), policy="bf16-lean", device="cpu")
+    assert "8-bit-state SGD steps" not in plain.decision   # no momentum: no state, nothing to say

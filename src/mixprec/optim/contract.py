@@ -77,17 +77,16 @@ def check(opt: torch.optim.Optimizer, policy: Policy, stepped_dtypes: set[torch.
                              f"them) or write them into the policy ({', '.join(keys[k] + '=' for k in differ)}{hint})")
         return
     name = type(opt).__name__
-    if policy.rounding != "nearest":
-        raise ValueError(f"policy {policy} writes updates with rounding={policy.rounding!r}, which "
-                         f"{name} cannot do; use mixprec.optim.AdamW / mixprec.optim.SGD")
+    lacks = ([f"writes updates with rounding={policy.rounding!r}"] if policy.rounding != "nearest" else []) + (
+        [f"asks for state={state_name(policy.state_dtype)}"] if policy.state_dtype != torch.float32 else [])
+    if lacks:   # every missing capability at once, so one fix covers them
+        raise ValueError(f"policy {policy} {' and '.join(lacks)}, which {name} cannot do; use mixprec.optim.AdamW / "
+                         "mixprec.optim.SGD (the same hyperparameters; they do both)")
     half = sorted(str(d).replace("torch.", "") for d in stepped_dtypes - _FULL_PRECISION)
     if half:
         raise ValueError(f"{name} would keep its state in {half} under policy {policy} (16-bit params, no master "
                          "weights): small moments round away. Fix: use mixprec.optim.AdamW (fp32 state and math), "
                          "or master=fp32 (e.g. bf16-pure)")
-    if policy.state_dtype != torch.float32:
-        raise ValueError(f"policy {policy} asks for state={state_name(policy.state_dtype)}, which "
-                         f"{name} cannot do; use mixprec.optim.AdamW / SGD")
 
 
 def configure(opt: torch.optim.Optimizer, policy: Policy) -> str:

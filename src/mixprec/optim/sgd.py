@@ -107,6 +107,14 @@ class SGD(PrecisionOptimizer):
     def _keeps_moments(self, group: dict[str, Any]) -> bool:
         return group["momentum"] != 0   # no momentum_buffer without momentum
 
+    def state_note(self) -> str:
+        """:meth:`PrecisionOptimizer.state_note`, plus how 8-bit momentum steps run (torch ops: the fused
+        kernel is AdamW's)."""
+        note = super().state_note()
+        if self.state_layout()["quantized_tensors"]:
+            note += "; 8-bit-state SGD steps: torch ops (the fused C kernel is AdamW's)"
+        return note
+
     @torch.no_grad()
     def step(self, closure=None):
         """One SGD step for every param with a ``.grad``; returns ``closure()`` if given."""
