@@ -248,7 +248,6 @@ def describe(ops: str, device_type: str, *, mixed: bool) -> str:
     if not mixed or not ported:
         return ""
     if ops == "portable":
-        return (f"; ops=portable: CUDA's autocast op lists ({len(ported)} fp32/lower-precision ops {device_type} "
-                "autocast does not cast are cast as CUDA does)")
+        return f"; ops=portable (CUDA's autocast op lists: {len(ported)} ops {device_type} autocast leaves alone are cast)"
     return (f"; ops=native: {device_type}'s own autocast op lists ({len(ported)} of CUDA's fp32/lower-precision ops "
             "keep their input dtype, e.g. exp, cumsum, softmax, sum in 16 bits)")
