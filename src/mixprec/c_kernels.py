@@ -29,7 +29,7 @@ import subprocess
 import threading
 from pathlib import Path
 
-from mixprec.cache import cache_dir
+from mixprec.cache import cache_dir, cpu_flags
 
 __all__ = ["FLAGS", "compiler", "library_path", "load", "reject", "status"]
 
@@ -57,15 +57,8 @@ def compiler() -> list[str] | None:
 
 
 def _cpu_flags() -> str:
-    """This CPU's feature flags (``/proc/cpuinfo``), else what :mod:`platform` knows: part of the digest."""
-    try:
-        for line in Path("/proc/cpuinfo").read_text().splitlines():
-            key, _, value = line.partition(":")
-            if key.strip() in ("flags", "Features"):
-                return value.strip()
-    except OSError:
-        pass
-    return f"{platform.machine()} {platform.processor()}"
+    """This CPU's feature flags, else what :mod:`platform` knows: part of the digest."""
+    return " ".join(cpu_flags()) or f"{platform.machine()} {platform.processor()}"
 
 
 def _compiler_identity(cc: list[str]) -> str:

@@ -17,7 +17,7 @@ from pathlib import Path
 
 import torch
 
-__all__ = ["cache_dir", "cpu_name", "machine_key", "read_json", "write_json"]
+__all__ = ["cache_dir", "cpu_flags", "cpu_name", "machine_key", "read_json", "write_json"]
 
 log = logging.getLogger("mixprec")
 
@@ -40,6 +40,18 @@ def cpu_name() -> str:
     except OSError:
         pass
     return platform.processor() or platform.machine()
+
+
+def cpu_flags() -> list[str]:
+    """This CPU's feature flags (``/proc/cpuinfo``'s ``flags`` / ``Features`` line), [] where there is none."""
+    try:
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            key, _, value = line.partition(":")
+            if key.strip() in ("flags", "Features"):
+                return value.split()
+    except OSError:
+        pass
+    return []
 
 
 def machine_key(device: torch.device) -> str:

@@ -33,6 +33,7 @@ import torch
 
 from mixprec import c_kernels
 from mixprec.cache import cache_dir, cpu_name
+from mixprec.cache import cpu_flags as machine_cpu_flags
 from mixprec.devices import auto_candidates, normalize_device, probe, resolve
 from mixprec.op_plan import cached as cached_plan
 from mixprec.optim import quantized_adamw
@@ -79,20 +80,9 @@ def synchronize(device: torch.device | str) -> None:
         torch.mps.synchronize()
 
 
-def _cpuinfo() -> str:
-    try:
-        return Path("/proc/cpuinfo").read_text()
-    except OSError:
-        return ""
-
-
 def cpu_flags() -> list[str]:
     """The matmul-relevant CPU feature flags of this machine (from ``/proc/cpuinfo``; [] elsewhere)."""
-    present: set[str] = set()
-    for line in _cpuinfo().splitlines():
-        key, _, value = line.partition(":")
-        if key.strip() in ("flags", "Features"):
-            present.update(value.split())
+    present = set(machine_cpu_flags())
     return [f for f in _CPU_FLAGS if f in present]
 
 
