@@ -5,7 +5,7 @@ of the run's :class:`Context` returning a dict of numbers). Every case fails sof
 recorded with the case (``error``, first line; ``traceback``, last lines) and the next case runs. Cases
 run in list order while the wall-clock budget (``--budget-s``) lasts; the rest are listed as skipped.
 Adding a measurement is one more ``Case(...)`` line in :data:`CASES`; the ``op plan`` cases time a
-bf16-mixed engine with ``kernels=measured`` (mixprec.op_plan) against ``kernels=native``, eager.
+bf16-mixed engine with ``kernels=measured`` (mixprec.autocast.op_plan) against ``kernels=native``, eager.
 
 1. **attention** -- ``F.scaled_dot_product_attention`` forward + backward, causal, at B16·H4·T128·D64
    and B64·H6·T256·D64, in fp32, bf16 (torch picks the fused kernel: flash / efficient / cuDNN), and a
@@ -52,7 +52,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))   # benchmarks/overhead
 import overhead  # noqa: E402
 
 from mixprec import MixedPrecision  # noqa: E402
-from mixprec.bench.measure import time_steps  # noqa: E402
+from mixprec.programs.bench.measure import time_steps  # noqa: E402
 from mixprec.workloads import get_workload  # noqa: E402
 
 

@@ -7,9 +7,9 @@ construction), the same warm-up + cosine schedule and global-norm clipping, unde
 the fp32 policy. The engine's optimizer contract (``mixprec.optim.contract``) accepts a stock optimizer there as
 it is: fp32 params, round-to-nearest, state kept by the optimizer itself; nothing is converted or replaced.
 
-Every run is one ``python -m mixprec.bench`` worker, the bench's own, in its own process: a peer is a thin
+Every run is one ``python -m mixprec.programs.bench`` worker, the bench's own, in its own process: a peer is a thin
 :class:`PeerWorkload` named by a ``module:function`` spec (``optimizer_peers:torchao_adamw8bit``), so its
-final eval, step timing and bytes/param census (:func:`mixprec.bench.measure.state_bytes`, which counts a
+final eval, step timing and bytes/param census (:func:`mixprec.programs.bench.measure.state_bytes`, which counts a
 tensor subclass by the tensors it holds) are exactly the bench's.
 
 Peers (optional extras, ``pip install 'mixprec[peers]'``; a missing one is a skipped row and exit status 0):
@@ -28,7 +28,7 @@ Peers (optional extras, ``pip install 'mixprec[peers]'``; a missing one is a ski
 fp32,bf16-sr,bf16-lean; fp32 always, first, as the reference).
 
 Step times (``--timing``): ``interleaved`` (default) times every row again in alternating 5-step blocks with
-:func:`mixprec.bench.interleaved.time_interleaved`, as ``mixprec bench`` does, ours included, so all ratios come
+:func:`mixprec.programs.bench.interleaved.time_interleaved`, as ``mixprec bench`` does, ours included, so all ratios come
 from one occasion; ``sequential``: each run's own median, the runs one after another (with ``--bench``, ours
 are then the bench's times, taken on another occasion).
 
@@ -58,12 +58,12 @@ from typing import Any
 import torch
 from torch import nn
 
-from mixprec.bench.interleaved import time_interleaved
-from mixprec.bench.report import COMPILED_SUFFIX
-from mixprec.bench.runner import eval_every_for, warmup_steps_for
-from mixprec.bench.worker import RunSpec
+from mixprec.programs.bench.interleaved import time_interleaved
+from mixprec.programs.bench.report import COMPILED_SUFFIX
+from mixprec.programs.bench.runner import eval_every_for, warmup_steps_for
+from mixprec.programs.bench.worker import RunSpec
 from mixprec.formats import get_format
-from mixprec.policy import Policy
+from mixprec.policy.policy import Policy
 from mixprec.workloads import Workload, get_workload
 
 WORKLOAD = "gpt"
@@ -198,13 +198,13 @@ def _spec(args: argparse.Namespace, workload: str, policy: str, *, compile: bool
 
 
 def _run_worker(spec: RunSpec, workdir: Path, name: str, env: dict[str, str]) -> dict[str, Any]:
-    """One ``python -m mixprec.bench`` worker; its results, or ``{"error": ...}`` with the log's tail."""
+    """One ``python -m mixprec.programs.bench`` worker; its results, or ``{"error": ...}`` with the log's tail."""
     spec_path, out_path, log_path = (workdir / f"{name}{s}" for s in (".spec.json", ".json", ".log"))
     spec_path.write_text(json.dumps(asdict(spec), indent=1))
     out_path.unlink(missing_ok=True)
     start = time.perf_counter()
     with open(log_path, "w", encoding="utf-8") as log:
-        status = subprocess.run([sys.executable, "-m", "mixprec.bench", str(spec_path), str(out_path)],
+        status = subprocess.run([sys.executable, "-m", "mixprec.programs.bench", str(spec_path), str(out_path)],
                                 stdout=subprocess.DEVNULL, stderr=log, env=env).returncode
     print(f"  {name}: exit status {status} after {time.perf_counter() - start:.0f} s", file=sys.stderr)
     try:
@@ -386,7 +386,7 @@ def markdown(results: dict) -> str:
     lines += ["", f"- Ours: {results['ours_source']}. Peers train under the {REFERENCE} policy with the workload's "
               "param groups, lr, betas, eps, weight decay, schedule and clipping; only the optimizer class differs.",
               "- bytes/param: params + grads + masters + optimizer state, read from the tensors after a step "
-              "(`mixprec.bench.measure.state_bytes`: a tensor subclass by its inner codes and scales, each storage "
+              "(`mixprec.programs.bench.measure.state_bytes`: a tensor subclass by its inner codes and scales, each storage "
               "once); step counters excluded.",
               f"- Step times: {results['timing_note']}.",
               f"- Δ vs fp32: relative final eval loss vs the {REFERENCE} row"
@@ -467,7 +467,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
 def _timing_note(args: argparse.Namespace, bench: dict | None, timing: dict | None) -> str:
     if timing is not None:
         note = (f"interleaved in this run, every row ({timing['blocks']} rounds of {timing['block_steps']} steps, "
-                "`mixprec.bench.interleaved`)")
+                "`mixprec.programs.bench.interleaved`)")
         return note + ("; NOISY: a p90/p10 spread stayed above the limit" if timing["noisy"] else "")
     if bench is None:
         return "sequential (each run's own steps after warm-up, the runs one after another)"

@@ -26,9 +26,9 @@ import statistics
 import torch
 
 from mixprec import MixedPrecision
-from mixprec.bench.measure import time_steps
-from mixprec.op_plan import planned_kernels
-from mixprec.portable_autocast import portable_ops
+from mixprec.programs.bench.measure import time_steps
+from mixprec.autocast.op_plan import planned_kernels
+from mixprec.autocast.portable import portable_ops
 from mixprec.workloads import get_workload
 
 
@@ -42,7 +42,7 @@ def _hand_loop(workload, dtype, device):
 
     def step():
         batch = {k: v.to(device) for k, v in next(batches).items()}
-        # the same op choices as the engine's defaults: ops=portable, kernels=measured (mixprec.op_plan)
+        # the same op choices as the engine's defaults: ops=portable, kernels=measured (mixprec.autocast.op_plan)
         with torch.autocast(device.type, dtype=dtype, enabled=dtype != torch.float32), portable_ops(device.type), \
                 planned_kernels(device.type):
             loss = workload.loss(model, batch)

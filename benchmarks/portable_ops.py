@@ -13,7 +13,7 @@ from __future__ import annotations
 import argparse
 import json
 
-from mixprec.bench.portable_cost import measure_portable_cost
+from mixprec.programs.bench.portable_cost import measure_portable_cost
 
 
 def main(argv=None) -> dict:

@@ -1,4 +1,4 @@
-"""``auto`` decided on the model (mixprec.auto_policy, mixprec.pending_auto): the trial picks the faster
+"""``auto`` decided on the model (mixprec.policy.auto, mixprec.engine.pending_auto): the trial picks the faster
 candidate, leaves the model as found, caches by the right key; the engine decides at its first forward."""
 
 import json
@@ -12,9 +12,10 @@ import torch.nn.functional as F
 from torch import nn
 
 import mixprec
-from mixprec import auto_policy, op_plan
-from mixprec.auto_policy import cache_key, choose, preserved, time_candidates
-from mixprec.devices import Capability, auto_candidates, resolve
+from mixprec.policy import auto as auto_policy
+from mixprec.autocast import op_plan
+from mixprec.policy.auto import cache_key, choose, preserved, time_candidates
+from mixprec.policy.resolve import Capability, auto_candidates, resolve
 
 CPU = torch.device("cpu")
 
@@ -294,7 +295,7 @@ def test_an_explicit_set_policy_ends_the_pending_auto():
 
 @pytest.mark.usefixtures("fake_time")
 def test_auto_under_a_strategy_keeps_the_probe_rule():
-    from mixprec.pending_auto import pending_resolution
+    from mixprec.engine.pending_auto import pending_resolution
 
     probe = resolve("auto", "cpu")
     res, candidates = pending_resolution("auto", probe, strategy="ddp", compiled_in_place=False)

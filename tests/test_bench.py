@@ -1,4 +1,4 @@
-"""Tests for mixprec.bench: verdicts, measurements, planning and a tiny bench end to end."""
+"""Tests for mixprec.programs.bench: verdicts, measurements, planning and a tiny bench end to end."""
 
 from __future__ import annotations
 
@@ -11,15 +11,15 @@ from dataclasses import asdict
 import pytest
 import torch
 
-from mixprec.bench import Targets, judge
-from mixprec.bench.measure import median_step_ms, state_bytes, warmup_excess_s
-from mixprec.bench.report import POLICY_KEYS, eval_curve_lines, plot_loss_curves, plot_speed_memory
-from mixprec.bench.runner import CAPABILITY_ENV, BenchConfig, eval_every_for, judge_policies, plan_policy, warmup_steps_for
-from mixprec.bench.worker import RunSpec, build_engine, precision_optimizer, run_policy, train_step
-from mixprec.cli import main
-from mixprec.devices import Capability
+from mixprec.programs.bench import Targets, judge
+from mixprec.programs.bench.measure import median_step_ms, state_bytes, warmup_excess_s
+from mixprec.programs.bench.report import POLICY_KEYS, eval_curve_lines, plot_loss_curves, plot_speed_memory
+from mixprec.programs.bench.runner import CAPABILITY_ENV, BenchConfig, eval_every_for, judge_policies, plan_policy, warmup_steps_for
+from mixprec.programs.bench.worker import RunSpec, build_engine, precision_optimizer, run_policy, train_step
+from mixprec.programs.cli import main
+from mixprec.policy.resolve import Capability
 from mixprec.optim import AdamW
-from mixprec.policy import Policy
+from mixprec.policy.policy import Policy
 from mixprec.workloads import get_workload
 
 NO_FP16_CPU = Capability(device="cpu", bf16=True, fp16=True, bf16_fast=True, fp16_native=False,
@@ -201,7 +201,7 @@ def test_bf16_lean_census_counts_8bit_codes_and_their_scales_exactly():
 def test_portable_ops_timing_runs_a_policy_that_needs_mixprec_optim():
     """``bench --policies fp32,bf16-sr,bf16-lean`` times ops=portable on bf16-sr, whose stochastic rounding the
     workload's torch.optim.AdamW cannot do: the timing engines get mixprec's twin, as the workers do."""
-    from mixprec.bench.portable_cost import measure_portable_cost, ported_policy
+    from mixprec.programs.bench.portable_cost import measure_portable_cost, ported_policy
 
     assert ported_policy(["fp32", "bf16-sr", "bf16-lean"]) == "bf16-sr"
     for policy in ("bf16-sr", "bf16-lean"):
@@ -416,7 +416,7 @@ def test_tiny_bench_times_the_policies_interleaved(tiny_bench):
     timing = results["timing"]
     assert timing["method"] == "interleaved" and timing["block_steps"] == 5 and timing["blocks"] == 4
     assert set(timing["step_ms"]) == {"fp32", "bf16-mixed"} and not timing["errors"]   # fp16-mixed was SKIPPED
-    from mixprec.bench.interleaved import TIMING_MALLOC_ENV   # the workers' malloc keeps its heap (no per-step faults)
+    from mixprec.programs.bench.interleaved import TIMING_MALLOC_ENV   # the workers' malloc keeps its heap (no per-step faults)
     assert timing["malloc_env"] == {k: os.environ.get(k, v) for k, v in TIMING_MALLOC_ENV.items()}
     assert isinstance(timing["noisy"], bool)
     for name, step in timing["step_ms"].items():
@@ -432,7 +432,7 @@ def test_tiny_bench_times_the_policies_interleaved(tiny_bench):
 
 
 def test_noisy_interleaved_timing_is_said_and_gives_no_speed_verdict(tmp_path, capsys, monkeypatch):
-    from mixprec.bench import interleaved
+    from mixprec.programs.bench import interleaved
 
     monkeypatch.setattr(interleaved, "SPREAD_LIMIT", 1.0)   # any spread is "noisy": the path, deterministically
     out = tmp_path / "out"
@@ -612,7 +612,7 @@ def test_bad_workload_is_a_clean_error(tmp_path, capsys):
 
 
 def test_printed_table_splits_bytes_per_param_when_params_are_frozen():
-    from mixprec.bench.report import format_table
+    from mixprec.programs.bench.report import format_table
 
     def entry(per_param, frozen):
         state = {"n_params": 100, "n_frozen": frozen, "per_trainable_param": 16.0,
@@ -648,7 +648,7 @@ def test_bench_auto_says_what_it_chose_and_the_measured_ratio(tmp_path, capsys):
 
 
 def test_how_to_read_says_the_rss_malloc_hint_is_the_opposite_of_the_timing_setting():
-    from mixprec.bench import report
+    from mixprec.programs.bench import report
     text = " ".join(report._HOW_TO_READ.split())
     assert "MALLOC_MMAP_THRESHOLD_=131072" in text and "opposite of the timing workers' setting" in text
     assert "trades step time for peak RSS" in text

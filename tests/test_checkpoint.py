@@ -1,5 +1,5 @@
-"""Tests for mixprec.checkpoint (save/load, crash safety, verification, conversion) and the
-checkpointing of mixprec.training / ``mixprec train --resume``."""
+"""Tests for mixprec.checkpoint.local (save/load, crash safety, verification, conversion) and the
+checkpointing of mixprec.programs.train / ``mixprec train --resume``."""
 
 from __future__ import annotations
 
@@ -19,7 +19,7 @@ import torch.nn.functional as F
 from torch import nn
 
 import mixprec
-from mixprec.checkpoint import CheckpointError, load_checkpoint, read_manifest, resolve_checkpoint, save_checkpoint
+from mixprec.checkpoint.local import CheckpointError, load_checkpoint, read_manifest, resolve_checkpoint, save_checkpoint
 
 PRESETS = ("fp32", "bf16-mixed", "fp16-mixed", "bf16-pure", "fp16-pure", "bf16-kahan", "bf16-sr")
 N = 3  # steps before and after the checkpoint
@@ -195,7 +195,7 @@ def _truncate(d: Path) -> None:
 def _edit_hash(d: Path, *, fix_checksum: bool) -> None:
     import hashlib
 
-    from mixprec.checkpoint import _canonical
+    from mixprec.checkpoint.local import _canonical
 
     manifest = json.loads((d / "manifest.json").read_text())
     manifest["files"]["model.safetensors"]["sha256"] = "0" * 64
@@ -282,7 +282,7 @@ def test_optimizer_state_saved_for_other_params_at_its_indices_is_refused(policy
 
 
 def test_read_weights_prefers_masters_fills_tied_names_and_verifies(tmp_path):
-    from mixprec.checkpoint import read_weights
+    from mixprec.checkpoint.local import read_weights
 
     mp = build("bf16-pure")
     train(mp, 0, 2)
@@ -351,8 +351,8 @@ def _final_tensors(out: Path) -> dict[str, torch.Tensor]:
 
 
 def test_train_stopped_by_sigterm_then_resumed_equals_an_uninterrupted_run(tmp_path, capsys):
-    from mixprec.cli import main
-    from mixprec.training import run_training
+    from mixprec.programs.cli import main
+    from mixprec.programs.train import run_training
     from mixprec.workloads import get_workload
 
     args = ["--workload", "gpt", "--config", "tiny", "--policy", "bf16-sr", "--steps", "7", "--device", "cpu",

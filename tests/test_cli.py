@@ -10,13 +10,13 @@ import sys
 import pytest
 import torch
 
-from mixprec.bench.runner import DEFAULT_POLICIES, DEFAULT_STEPS
+from mixprec.programs.bench.runner import DEFAULT_POLICIES, DEFAULT_STEPS
 from mixprec.workloads import GPTWorkload
-from mixprec.bench.worker import build_engine, train_step
-from mixprec.checkpoint import load_checkpoint, read_manifest, save_checkpoint
-from mixprec.cli import build_parser, main
-from mixprec import c_kernels
-from mixprec.doctor import measure_matmul
+from mixprec.programs.bench.worker import build_engine, train_step
+from mixprec.checkpoint.local import load_checkpoint, read_manifest, save_checkpoint
+from mixprec.programs.cli import build_parser, main
+from mixprec.optim import c_kernels
+from mixprec.programs.doctor import measure_matmul
 from mixprec.workloads import get_workload
 
 
@@ -134,7 +134,7 @@ def test_measure_matmul_stays_small_when_slow():
 
 
 def test_resume_under_another_policy_names_the_cli_fix(tmp_path, capsys):
-    from mixprec.cli import main as cli_main
+    from mixprec.programs.cli import main as cli_main
 
     out = tmp_path / "run"
     common = ["train", "--workload", "gpt", "--config", "tiny", "--steps", "2", "--checkpoint-every", "1",
@@ -147,7 +147,7 @@ def test_resume_under_another_policy_names_the_cli_fix(tmp_path, capsys):
 def test_sample_reads_a_dcp_checkpoint_like_a_one_process_one(tmp_path, capsys):
     """`mixprec sample` on a torch.distributed.checkpoint (FSDP2 format) run: the weights are gathered into
     a plain model; the text equals sampling the same weights from a one-process checkpoint."""
-    from mixprec.distributed import save_distributed_checkpoint
+    from mixprec.distributed.process import save_distributed_checkpoint
 
     workload = get_workload("gpt", config="tiny")
     mp = build_engine(workload, "fp32", steps=5, seed=0, device="cpu")   # no masters: DCP-saveable
@@ -171,12 +171,12 @@ def test_cli_warnings_are_one_line_without_the_source_echo(capsys):
     """A warning during a command prints as 'Category: message', not Python's file:line + source line."""
     import warnings
 
-    from mixprec.cli import _one_line_warning
+    from mixprec.programs.cli import _one_line_warning
 
     text = _one_line_warning(UserWarning("the LR schedule was saved for 10 steps"), UserWarning, "/x/y.py", 12,
                              line="    warnings.warn(...)")
     assert text == "UserWarning: the LR schedule was saved for 10 steps\n"
     before = warnings.formatwarning
-    from mixprec.cli import main
+    from mixprec.programs.cli import main
     assert main(["bench", "--steps", "2"]) == 2   # a bad argument: the error path
     assert warnings.formatwarning is before       # restored after the command

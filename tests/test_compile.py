@@ -1,4 +1,4 @@
-"""Compiled models under the engine (mixprec.regions, mixprec.compiled): inductor against eager.
+"""Compiled models under the engine (mixprec.engine.regions, mixprec.autocast.compiled): inductor against eager.
 
 Tolerances come from the formats' arithmetic, not from one machine's numbers. Inductor fuses
 pointwise ops and keeps their fp32 intermediates where eager rounds each op's output to 16 bits, and
@@ -18,7 +18,6 @@ from torch import nn
 
 import mixprec
 from mixprec import MixedPrecision
-
 BF16, FP16, FP32 = (mixprec.get_format(f) for f in ("bf16", "fp16", "fp32"))
 
 
@@ -242,7 +241,7 @@ def test_compile_under_a_strategy_is_refused_before_joining_a_process_group():
 def test_bench_compile_reports_compiled_step_times_next_to_eager_and_compile_time_apart(tmp_path, capsys):
     import json
 
-    from mixprec.cli import main
+    from mixprec.programs.cli import main
 
     out = tmp_path / "bench"
     assert main(["bench", "--config", "tiny", "--policies", "fp32", "--steps", "6", "--compile", "--out", str(out),
@@ -270,7 +269,7 @@ def test_bench_compile_reports_compiled_step_times_next_to_eager_and_compile_tim
 def test_train_compile(tmp_path, capsys):
     import json
 
-    from mixprec.cli import main
+    from mixprec.programs.cli import main
 
     out = tmp_path / "run"
     assert main(["train", "--workload", "gpt", "--config", "tiny", "--policy", "bf16-mixed", "--steps", "4",

@@ -41,8 +41,8 @@ from torch import nn
 
 import mixprec.optim
 from mixprec import Guard, MixedPrecision, Policy, get_format
-from mixprec import distributed as mpd
-from mixprec.loss_scale import DynamicLossScale
+from mixprec.distributed import process as mpd
+from mixprec.engine.loss_scale import DynamicLossScale
 from engine_loops import _one_step
 
 WORLD = 2
@@ -514,8 +514,7 @@ def _fd_path(fd: int) -> str:
 
 @pytest.mark.skipif(not Path("/proc/self/fd").is_dir(), reason="needs /proc to name the fsynced files")
 def test_dcp_save_fsyncs_every_file_and_directory_before_the_rename_then_latest(tmp_path, monkeypatch):
-    from mixprec import checkpoint_dir
-
+    from mixprec.checkpoint import layout as checkpoint_dir
     log: list[tuple] = []
     real_fsync, real_rename, real_replace = os.fsync, os.rename, os.replace
     monkeypatch.setattr(os, "fsync", lambda fd: (log.append(("fsync", _fd_path(fd))), real_fsync(fd))[1])
@@ -587,8 +586,7 @@ def test_dcp_save_killed_mid_way_leaves_latest_naming_the_previous_loadable_chec
 
 
 def test_dcp_save_that_raises_after_writing_removes_its_temporary_directory(tmp_path, monkeypatch):
-    from mixprec import checkpoint_dir
-
+    from mixprec.checkpoint import layout as checkpoint_dir
     root = tmp_path / "ck"
     mpd.save_distributed_checkpoint(root, _dcp_run(2))
 
@@ -609,8 +607,8 @@ def test_dcp_save_that_raises_after_writing_removes_its_temporary_directory(tmp_
 
 @pytest.mark.parametrize("save", ["save_checkpoint", "save_distributed_checkpoint"])
 def test_both_formats_keep_exactly_k_checkpoints_the_new_one_and_the_newest_others(tmp_path, save):
-    from mixprec import checkpoint
-    from mixprec.checkpoint_dir import step_dirs
+    from mixprec.checkpoint import local as checkpoint
+    from mixprec.checkpoint.layout import step_dirs
 
     save_fn = {"save_checkpoint": checkpoint.save_checkpoint, "save_distributed_checkpoint":
                mpd.save_distributed_checkpoint}[save]
@@ -664,7 +662,7 @@ def test_bench_under_torchrun_writes_the_report_with_throughput_summed_over_rank
     import subprocess
     import sys
 
-    from mixprec.bench.report import POLICY_KEYS
+    from mixprec.programs.bench.report import POLICY_KEYS
 
     out = tmp_path / "bench"
     done = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2", "--master-addr",

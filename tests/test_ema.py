@@ -12,7 +12,7 @@ import torch
 from torch import nn
 
 import mixprec
-from mixprec.checkpoint import CheckpointError, load_checkpoint, save_checkpoint
+from mixprec.checkpoint.local import CheckpointError, load_checkpoint, save_checkpoint
 
 TESTS = Path(__file__).parent
 
@@ -277,8 +277,8 @@ def test_load_checkpoint_refuses_a_missing_or_foreign_ema_state_before_touching_
 def test_train_with_ema_evaluates_both_and_resumes_bit_exactly(tmp_path, capsys):
     import json
 
-    from mixprec.checkpoint import read_manifest, resolve_checkpoint
-    from mixprec.cli import main
+    from mixprec.checkpoint.local import read_manifest, resolve_checkpoint
+    from mixprec.programs.cli import main
 
     common = ["train", "--workload", "gpt", "--config", "tiny", "--policy", "bf16-pure", "--eval-every", "2",
               "--checkpoint-every", "2", "--device", "cpu", "--ema", "0.9"]

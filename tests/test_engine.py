@@ -16,9 +16,10 @@ import torch.nn.functional as F
 from torch import nn
 
 import mixprec
-from mixprec import DivergenceError, MixedPrecision
-from mixprec.loss_scale import DynamicLossScale, StaticLossScale
-from mixprec.portable_autocast import portable_ops
+from mixprec import DivergenceError
+from mixprec import MixedPrecision
+from mixprec.engine.loss_scale import DynamicLossScale, StaticLossScale
+from mixprec.autocast.portable import portable_ops
 from engine_loops import _linear, _one_step
 
 BF16, FP16, FP32 = torch.bfloat16, torch.float16, torch.float32
@@ -887,7 +888,7 @@ def test_case25_autocast_really_computes_in_the_policy_dtype_and_fp16_batches_ar
 def test_a_guard_assigned_after_build_judges_the_steps():
     # `mixprec train --guard` attaches its Guard as `mp.guard = Guard(...)` after building the engine
     from mixprec import Guard
-    from mixprec.loss_scale import DynamicLossScale
+    from mixprec.engine.loss_scale import DynamicLossScale
     model = _linear(4, 1)
     mp = MixedPrecision(model, torch.optim.SGD(model.parameters(), lr=0.01), "fp16-mixed", device="cpu",
                         loss_scale=DynamicLossScale(init_scale=2.0**10, min_scale=2.0**6))

@@ -14,7 +14,7 @@ from torch import nn
 import mixprec
 from mixprec import DivergenceError, Guard, MixedPrecision
 from mixprec.guard import next_policy
-from mixprec.loss_scale import DynamicLossScale
+from mixprec.engine.loss_scale import DynamicLossScale
 from engine_loops import _linear, _one_step
 
 

@@ -14,9 +14,9 @@ transformers = pytest.importorskip("transformers")
 peft = pytest.importorskip("peft")
 
 import mixprec  # noqa: E402
-from mixprec.bench.measure import state_bytes  # noqa: E402
-from mixprec.op_plan import planned_kernels  # noqa: E402
-from mixprec.portable_autocast import portable_ops  # noqa: E402
+from mixprec.programs.bench.measure import state_bytes  # noqa: E402
+from mixprec.autocast.op_plan import planned_kernels  # noqa: E402
+from mixprec.autocast.portable import portable_ops  # noqa: E402
 
 VOCAB = 96
 

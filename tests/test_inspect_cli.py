@@ -2,7 +2,7 @@
 
 import json
 
-from mixprec.cli import main
+from mixprec.programs.cli import main
 
 
 def test_inspect_cli_writes_report_files(tmp_path):
@@ -26,7 +26,7 @@ def test_bench_runs_the_advised_policy_next_to_fp32(tmp_path):
 
 def test_bench_report_says_when_the_advised_policy_equals_a_named_one(tmp_path):
     """`--policies advised,<same policy>` runs it once, and report.md says so instead of a silent dedupe."""
-    from mixprec.numerics.command import advised_policy
+    from mixprec.programs.inspect import advised_policy
 
     advised, _ = advised_policy("gpt", config="tiny", device="cpu")  # what bench asks (same defaults)
     out = tmp_path / "bench"

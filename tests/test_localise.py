@@ -5,7 +5,9 @@ import pytest
 import torch
 from torch import nn
 
-from mixprec import MixedPrecision, locate_nonfinite
+from mixprec import MixedPrecision
+
+from mixprec import locate_nonfinite
 from mixprec.numerics import NonFiniteReport
 
 

@@ -17,7 +17,6 @@ from torch import nn
 
 import mixprec
 from mixprec import MixedPrecision
-
 POLICIES = ["fp32", "bf16-mixed", "fp16-mixed"]
 SCALE = 256.0   # the fp16 runs' static loss scale (a power of two)
 

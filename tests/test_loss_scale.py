@@ -4,8 +4,10 @@ import pytest
 import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 
-from mixprec import DivergenceError, MixedPrecision
-from mixprec.loss_scale import DynamicLossScale, NoLossScale, StaticLossScale, from_spec
+from mixprec import DivergenceError
+
+from mixprec import MixedPrecision
+from mixprec.engine.loss_scale import DynamicLossScale, NoLossScale, StaticLossScale, from_spec
 from engine_loops import _linear, _one_step
 
 INF, NAN = float("inf"), float("nan")

@@ -313,7 +313,7 @@ def test_bf16_mixed_matches_fp32_after_a_short_run(tiny):
 
 
 def test_sample_fills_masks_from_a_trained_minilm_checkpoint(tmp_path, capsys):
-    from mixprec.cli import main
+    from mixprec.programs.cli import main
 
     out = str(tmp_path / "run")
     assert main(["train", "--workload", "minilm", "--config", "tiny", "--policy", "bf16-mixed", "--steps", "2",
@@ -330,7 +330,7 @@ def test_sample_fills_masks_from_a_trained_minilm_checkpoint(tmp_path, capsys):
 def test_a_lora_train_run_also_writes_its_trainable_params_alone(tmp_path):
     from safetensors.torch import load_file
 
-    from mixprec.cli import main
+    from mixprec.programs.cli import main
     from mixprec.workloads import get_workload
 
     out = tmp_path / "run"

@@ -11,10 +11,10 @@ import torch.nn.functional as F
 from torch import nn
 
 from mixprec import MixedPrecision, Policy, get_format
-from mixprec.loss_scale import DynamicLossScale
+from mixprec.engine.loss_scale import DynamicLossScale
 from mixprec.numerics import NumericsReport, Recommendation, inspect
 from mixprec.numerics.advice import LOSS_SCALE_MARGIN, keep_fp32_patterns, safe_loss_scale
-from mixprec.numerics.command import add_inspect_parser, advised_policy, inspect_workload, run_inspect
+from mixprec.programs.inspect import add_inspect_parser, advised_policy, inspect_workload, run_inspect
 
 FP16, BF16, E4M3, E5M2 = (get_format(n) for n in ("fp16", "bf16", "e4m3", "e5m2"))
 

@@ -9,7 +9,7 @@ import torch
 from torch import nn
 
 from mixprec import MixedPrecision
-from mixprec.clipping import global_norm_fp32
+from mixprec.engine.clipping import global_norm_fp32
 
 
 class KeepGrads:
@@ -270,7 +270,7 @@ def test_fp16_pure_lstm_with_no_fp16_kernel_is_kept_fp32_named_and_trains(monkey
 @pytest.mark.parametrize("policy", ["fp16-pure", "fp16-mixed", "bf16-mixed"])
 def test_an_lstm_trains_under_16bit_policies_on_this_cpu_and_the_probe_decides_what_is_kept(policy):
     from mixprec import Policy
-    from mixprec.regions import no_kernel_reason
+    from mixprec.engine.regions import no_kernel_reason
     reason = no_kernel_reason(nn.LSTM(2, 2), Policy.parse(policy))      # fp16-mixed fails on this CPU's oneDNN
     model = Recurrent()
     mp = MixedPrecision(model, torch.optim.SGD(model.parameters(), lr=0.1), policy=policy, device="cpu")
@@ -280,7 +280,7 @@ def test_an_lstm_trains_under_16bit_policies_on_this_cpu_and_the_probe_decides_w
 
 def test_the_probe_leaves_the_rng_alone_and_skips_fp32_and_non_rnn_modules():
     from mixprec import Policy
-    from mixprec.regions import no_kernel_reason
+    from mixprec.engine.regions import no_kernel_reason
     gru = nn.GRU(3, 3, bidirectional=True)
     torch.manual_seed(0)
     expected = torch.rand(3)

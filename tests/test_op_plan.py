@@ -1,4 +1,4 @@
-"""The measured op plan (mixprec.op_plan): the choice, every candidate's numerics, the cache and its key."""
+"""The measured op plan (mixprec.autocast.op_plan): the choice, every candidate's numerics, the cache and its key."""
 
 from __future__ import annotations
 
@@ -11,10 +11,10 @@ import torch
 import torch.nn.functional as F
 
 import mixprec
-import mixprec.portable_autocast
-from mixprec import op_plan
-from mixprec.cache import machine_key
-from mixprec.policy import Policy
+import mixprec.autocast.portable
+from mixprec.autocast import op_plan
+from mixprec.machine.cache import machine_key
+from mixprec.policy.policy import Policy
 
 BF16_U = 2.0 ** -8   # bf16 unit roundoff (8 significand bits incl. the implicit one): |round(x) - x| <= 2^-8 |x|
 
@@ -255,7 +255,7 @@ def test_engine_under_each_kernels_mode_equals_a_hand_loop_making_the_same_choic
     x = torch.randn(2, 12, 16)
     with mp.autocast():
         out = mp.model(x)
-    with torch.autocast("cpu", dtype=torch.bfloat16), mixprec.portable_autocast.portable_ops("cpu"), \
+    with torch.autocast("cpu", dtype=torch.bfloat16), mixprec.autocast.portable.portable_ops("cpu"), \
             op_plan.planned_kernels("cpu", enabled=kernels == "measured"):
         out_twin = twin(x)
     assert torch.equal(out, out_twin.float())
@@ -270,7 +270,7 @@ def test_engine_under_each_kernels_mode_equals_a_hand_loop_making_the_same_choic
 
 def test_a_checkpoint_pins_the_kernels_its_run_chose(tmp_path):
     """A resumed run makes the saved run's kernel choices, whatever its own cache says (bitwise resume)."""
-    from mixprec.checkpoint import load_checkpoint, save_checkpoint
+    from mixprec.checkpoint.local import load_checkpoint, save_checkpoint
 
     def engine():
         torch.manual_seed(0)
@@ -342,7 +342,7 @@ def test_a_measurement_inside_a_checkpointed_forward_keeps_out_of_its_saved_tens
 @pytest.mark.parametrize("bad", [{"chosen": "matmul", "times_ms": [1, 2]}, {"chosen": "matmul", "times_ms": "x"},
                                  {"chosen": ["matmul"]}, {"chosen": "matmul", "times_ms": {"fused": "1 ms"}}])
 def test_a_malformed_cache_entry_is_measured_again_not_raised(tmp_path, bad):
-    # an edited or foreign cache file is "treated as empty" (mixprec.cache); a malformed entry raised
+    # an edited or foreign cache file is "treated as empty" (mixprec.machine.cache); a malformed entry raised
     # TypeError/ValueError from the user's forward (or later from summary())
     q, k, v = (t.float() for t in _inputs((1, 2, 8, 16)))
     key = op_plan.plan_key(q, k, v, is_causal=True, dtype=torch.bfloat16, grad=False)

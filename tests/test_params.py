@@ -20,7 +20,6 @@ from torch.nn.utils import parametrizations
 
 import mixprec
 from mixprec import MixedPrecision
-
 PRESETS = ["fp32", "bf16-mixed", "fp16-mixed", "bf16-pure", "fp16-pure", "bf16-kahan", "bf16-sr"]
 STEPS = 4
 LOSS_FACTOR = 2.0**-6

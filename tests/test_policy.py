@@ -3,7 +3,7 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from mixprec.policy import FP8_FORMATS, FP8_RECIPES, PRESETS, Policy
+from mixprec.policy.policy import FP8_FORMATS, FP8_RECIPES, PRESETS, Policy
 
 DTYPES = [torch.float32, torch.bfloat16, torch.float16]
 

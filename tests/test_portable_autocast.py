@@ -1,4 +1,4 @@
-"""Portable autocast (mixprec.portable_autocast): CUDA's op lists on CPU, checked against torch's own.
+"""Portable autocast (mixprec.autocast.portable): CUDA's op lists on CPU, checked against torch's own.
 
 The op lists are checked against torch two ways: the dispatcher's ``AutocastCUDA`` registrations (present
 on a CPU-only build) in both directions, and the ``AT_FORALL_*`` macros of the installed
@@ -17,8 +17,9 @@ import torch.nn.functional as F
 from torch import nn
 
 import mixprec
-from mixprec import MixedPrecision, Policy
-from mixprec.portable_autocast import CUDA_OPS, op_table, portable_ops, ported_ops
+from mixprec import MixedPrecision
+from mixprec import Policy
+from mixprec.autocast.portable import CUDA_OPS, op_table, portable_ops, ported_ops
 
 BF16 = mixprec.get_format("bf16")
 FP32_CATEGORIES = ("fp32", "fp32_set_opt_dtype", "fp32_append_dtype")

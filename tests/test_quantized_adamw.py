@@ -11,7 +11,7 @@ import pytest
 import torch
 
 import mixprec as mp
-from mixprec import c_kernels
+from mixprec.optim import c_kernels
 from mixprec.optim import AdamW, quantized_adamw, quantized_state as qs
 from mixprec.optim.adamw import adamw_update_
 from mixprec.optim.rounding import write_back_

@@ -16,9 +16,10 @@ from torch import nn
 
 import mixprec
 import mixprec.optim as mo
-from mixprec import Guard, MixedPrecision
-from mixprec.bench.measure import state_bytes
-from mixprec.checkpoint import load_checkpoint, resolve_checkpoint, save_checkpoint
+from mixprec import Guard
+from mixprec import MixedPrecision
+from mixprec.programs.bench.measure import state_bytes
+from mixprec.checkpoint.local import load_checkpoint, resolve_checkpoint, save_checkpoint
 from mixprec.numerics import inspect
 from mixprec.optim import quantized_state as qs
 

@@ -16,7 +16,7 @@ import pytest
 import torch
 
 import mixprec
-from mixprec.bench.measure import state_bytes
+from mixprec.programs.bench.measure import state_bytes
 
 ROOT = Path(__file__).resolve().parents[1]
 README = ROOT / "README.md"

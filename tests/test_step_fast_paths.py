@@ -2,7 +2,7 @@
 
 ``MasterWeights.accumulate_grads`` adds 16-bit gradients into existing fp32 master gradients with one
 ``_foreach_add_``; ``LossScale.unscale_`` and ``clip_`` group gradients with
-:func:`mixprec.gradients.grouped_values` (groups on the scale's device share one found-inf flag);
+:func:`mixprec.engine.gradients.grouped_values` (groups on the scale's device share one found-inf flag);
 ``global_norm_fp32`` skips the value views for plain dense gradients; the loop checks cache their tensor
 list. Each is compared here with the per-tensor reference, on mixed dtypes, sparse and complex tensors.
 """
@@ -11,10 +11,10 @@ import torch
 from torch import nn
 
 from mixprec import MixedPrecision
-from mixprec.clipping import clip_, global_norm_fp32
-from mixprec.gradients import grouped_values, plain, summed_values, value_views
-from mixprec.loss_scale import DynamicLossScale
-from mixprec.masters import MasterWeights
+from mixprec.engine.clipping import clip_, global_norm_fp32
+from mixprec.engine.gradients import grouped_values, plain, summed_values, value_views
+from mixprec.engine.loss_scale import DynamicLossScale
+from mixprec.engine.masters import MasterWeights
 
 BF16, FP16, FP32 = torch.bfloat16, torch.float16, torch.float32
 

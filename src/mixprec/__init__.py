@@ -2,15 +2,15 @@
 low-precision optimizers, and the evidence to trust them."""
 
 from mixprec import fp8, ops, optim
-from mixprec.checkpoint import CheckpointError, load_checkpoint, save_checkpoint
-from mixprec.devices import probe, resolve_policy
+from mixprec.checkpoint.local import CheckpointError, load_checkpoint, save_checkpoint
+from mixprec.policy.resolve import probe, resolve_policy
 from mixprec.ema import EMA
-from mixprec.engine import DivergenceError, MixedPrecision, StepResult
+from mixprec.engine.mixed_precision import DivergenceError, MixedPrecision, StepResult
 from mixprec.formats import Format, get_format
 from mixprec.guard import Guard
-from mixprec.loss_scale import DynamicLossScale, NoLossScale, StaticLossScale
+from mixprec.engine.loss_scale import DynamicLossScale, NoLossScale, StaticLossScale
 from mixprec.numerics import NumericsReport, Recommendation, inspect, locate_nonfinite
-from mixprec.policy import PRESETS, Policy
+from mixprec.policy.policy import PRESETS, Policy
 
 __version__ = "0.1.0"
 

@@ -2,7 +2,7 @@
 
 import sys
 
-from mixprec.cli import main
+from mixprec.programs.cli import main
 
 if __name__ == "__main__":
     sys.exit(main())

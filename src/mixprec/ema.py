@@ -24,7 +24,7 @@ from typing import Any
 
 import torch
 
-from mixprec.engine import MixedPrecision
+from mixprec.engine.mixed_precision import MixedPrecision
 from mixprec.optim import contract
 
 __all__ = ["EMA"]

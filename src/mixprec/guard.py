@@ -4,11 +4,11 @@ Lightning's ``SpikeDetection`` (a running mean of the loss over a window, a rela
 then ``TrainingSpikeException``) and Keras' ``TerminateOnNaN`` stop the run; DeepSpeed exits
 when the loss scale is at its minimum; torch's GradScaler halves the scale towards zero. The
 guard rolls back to an in-memory snapshot and keeps training, changes precision when the same
-place keeps failing, and gives up only with a :class:`~mixprec.divergence.DivergenceError` that
+place keeps failing, and gives up only with a :class:`~mixprec.engine.divergence.DivergenceError` that
 names the cause, the step, the module and what was tried.
 
 The engine never imports this module: ``MixedPrecision(..., guard=Guard(...))`` hands the guard
-each :class:`~mixprec.engine.StepResult` through ``guard.after_step(mp, result)``, and the
+each :class:`~mixprec.engine.mixed_precision.StepResult` through ``guard.after_step(mp, result)``, and the
 guard acts through the engine's public surface (``state_dict``/``load_state_dict``,
 ``set_policy``, ``boundary_loss``, ``step_batches``, ``events``).
 """
@@ -26,12 +26,12 @@ from typing import Any, Callable
 
 import torch
 
-from mixprec.devices import probe
-from mixprec.divergence import DivergenceError
-from mixprec.engine import StepResult
+from mixprec.policy.resolve import probe
+from mixprec.engine.divergence import DivergenceError
+from mixprec.engine.mixed_precision import StepResult
 from mixprec.numerics.localise import NonFiniteReport, locate_nonfinite
-from mixprec.policy import PRESETS, QUANTIZED_STATE_DTYPES, Policy
-from mixprec.tree import map_tensors
+from mixprec.policy.policy import PRESETS, QUANTIZED_STATE_DTYPES, Policy
+from mixprec.policy.tree import map_tensors
 
 __all__ = ["Guard", "GuardConfig", "GuardState", "next_policy"]
 
@@ -188,7 +188,7 @@ class Guard:
        ``"escalate"`` event; a fresh snapshot follows under the new policy. A batch that holds
        non-finite values itself is not escalated (precision cannot fix data).
     3. **give up** at failure ``max_rollbacks + 1`` at the same place: record a ``"diverged"``
-       event and raise :class:`~mixprec.divergence.DivergenceError` naming the cause, the step, the
+       event and raise :class:`~mixprec.engine.divergence.DivergenceError` naming the cause, the step, the
        first non-finite module and what was tried.
 
     The failure count at a place resets when a new regular snapshot is taken. Each action is

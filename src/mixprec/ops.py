@@ -29,8 +29,8 @@ import torch
 import torch.nn.functional as F
 from torch.utils._pytree import tree_leaves
 
-from mixprec.op_plan import planned_as, planned_devices
-from mixprec.portable_autocast import portable_as, portable_devices
+from mixprec.autocast.op_plan import planned_as, planned_devices
+from mixprec.autocast.portable import portable_as, portable_devices
 
 __all__ = [
     "mask_value",
@@ -263,8 +263,8 @@ def checkpoint(fn: Callable[..., Any], *args: Any, preserve_rng_state: bool = Tr
     shape, dtype or device) and adds a recompute context that captures, at call time, the
     autocast ``(device type, enabled, dtype, cache_enabled)`` for ``cpu``, for every device type of
     the tensor arguments and for the current accelerator, and re-enters exactly those states
-    (and which devices had :func:`mixprec.op_plan.planned_kernels` and
-    :func:`mixprec.portable_autocast.portable_ops` on: the recompute makes its forward's kernel
+    (and which devices had :func:`mixprec.autocast.op_plan.planned_kernels` and
+    :func:`mixprec.autocast.portable.portable_ops` on: the recompute makes its forward's kernel
     choices and casts) innermost during recompute, verifying that they took effect (``RuntimeError`` if not).
 
     So a recompute in a backward that runs outside the autocast region, under a different

@@ -43,7 +43,7 @@ import torch
 from mixprec.formats import Format, get_format
 from mixprec.numerics.figures import count, num, pct, pow2
 from mixprec.numerics.stats import ModuleStats, NumericsStats, RangeStats
-from mixprec.policy import PRESETS, Policy
+from mixprec.policy.policy import PRESETS, Policy
 
 __all__ = ["Flag", "Recommendation", "FLUSH_LIMIT", "FLUSH_ENERGY_LIMIT", "LOST_UPDATE_LIMIT",
            "PARAM_LOST_UPDATE_LIMIT", "LOSS_SCALE_MARGIN", "SQNR_SLACK_DB",

@@ -43,13 +43,13 @@ import torch
 from torch import nn
 
 from mixprec.formats import Format, get_format
-from mixprec.loss_scale import DynamicConfig
+from mixprec.engine.loss_scale import DynamicConfig
 from mixprec.numerics.advice import LOSS_SCALE_MARGIN, safe_loss_scale
 from mixprec.numerics.localise import locate_nonfinite
 from mixprec.numerics.report import NumericsReport
 from mixprec.numerics.stats import ModuleError, ModuleStats, ParamStats, RangeStats
-from mixprec.policy import Policy
-from mixprec.tree import map_tensors, tensors
+from mixprec.policy.policy import Policy
+from mixprec.policy.tree import map_tensors, tensors
 
 __all__ = ["inspect", "DEFAULT_FORMATS", "DEFAULT_LR"]
 
@@ -89,7 +89,7 @@ def _floating(tree: Any) -> list[torch.Tensor]:
 
 
 def _map_floating(tree: Any, fn: Callable[[torch.Tensor], torch.Tensor], *, floating_only: bool = True) -> Any:
-    """``fn`` applied to the (floating) tensors of ``tree`` (containers as :mod:`mixprec.tree`)."""
+    """``fn`` applied to the (floating) tensors of ``tree`` (containers as :mod:`mixprec.policy.tree`)."""
     return map_tensors(tree, lambda t: fn(t) if t.is_floating_point() or not floating_only else t)
 
 

@@ -35,8 +35,8 @@ import torch
 from torch import nn
 
 from mixprec.formats import get_format
-from mixprec.policy import Policy, cast_floating
-from mixprec.tree import tensors
+from mixprec.policy.policy import Policy, cast_floating
+from mixprec.policy.tree import tensors
 
 __all__ = ["NonFiniteReport", "locate_nonfinite"]
 
@@ -114,7 +114,7 @@ def _num(x: float | None) -> str:
 
 
 def _floats(tree: Any) -> list[torch.Tensor]:
-    """The floating tensors in a (nested) tree (containers as :mod:`mixprec.tree`)."""
+    """The floating tensors in a (nested) tree (containers as :mod:`mixprec.policy.tree`)."""
     return [t for t in tensors(tree) if t.is_floating_point()]
 
 

@@ -55,7 +55,7 @@ from mixprec.formats import get_format
 from mixprec.numerics import advice
 from mixprec.numerics.figures import count, num, pct, pow2
 from mixprec.numerics.stats import ModuleError, ModuleStats, NumericsStats, ParamStats, RangeStats
-from mixprec.policy import Policy
+from mixprec.policy.policy import Policy
 
 __all__ = ["RangeStats", "ModuleError", "ModuleStats", "ParamStats", "NumericsReport"]
 

@@ -17,7 +17,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from mixprec.formats import get_format
-from mixprec.policy import Policy
+from mixprec.policy.policy import Policy
 
 __all__ = ["RangeStats", "ModuleError", "ModuleStats", "ParamStats", "NumericsStats"]
 

@@ -21,7 +21,7 @@ from typing import Protocol, runtime_checkable
 
 import torch
 
-from mixprec.policy import Policy, state_name
+from mixprec.policy.policy import Policy, state_name
 
 __all__ = ["PrecisionAware", "check", "configure", "compensation", "move_state", "start_compensation", "state_note"]
 

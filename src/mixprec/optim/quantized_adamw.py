@@ -20,7 +20,7 @@ the update, which the 8-bit codes rarely resolve (tests bound it).
 :func:`reference_update_` is the torch-op version (any device, any 8-bit code, fp32 math; ``AdamW`` uses
 it where the kernel does not apply).
 :func:`fused_step_` is the same step in one C pass per block of 256 for int8 and fp8 state on a CPU
-(``mixprec/optim/quantized_adamw.c``, built at first use by :mod:`mixprec.c_kernels`): it reads the bf16
+(``mixprec/optim/quantized_adamw.c``, built at first use by :mod:`mixprec.optim.c_kernels`): it reads the bf16
 or fp32 param and gradient, the codes and the scales once and writes them once, where the torch ops take
 about 15 passes over fp32 temporaries per moment. On first use in a process it is checked against the
 reference on random inputs, bit for bit, and refused (the reference used, the reason in
@@ -40,10 +40,10 @@ from pathlib import Path
 
 import torch
 
-from mixprec import c_kernels
+from mixprec.optim import c_kernels
 from mixprec.optim import quantized_state as qs
 from mixprec.optim.rounding import stochastic_round_to_bf16
-from mixprec.policy import STATE_ROUNDINGS
+from mixprec.policy.policy import STATE_ROUNDINGS
 
 __all__ = ["KERNEL_SOURCE", "reference_update_", "fusable", "fused_step_", "kernel_status"]
 

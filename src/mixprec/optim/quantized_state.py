@@ -80,7 +80,7 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 
-from mixprec.policy import QUANTIZED_STATE_DTYPES, STATE_ROUNDINGS
+from mixprec.policy.policy import QUANTIZED_STATE_DTYPES, STATE_ROUNDINGS
 
 __all__ = ["BLOCK_SIZE", "MIN_QUANTIZED_NUMEL", "ABSMAX_SUFFIX", "Code", "CODES", "BinLookup", "bin_lookup", "code_for",
            "code_of", "quantizes", "quantize", "dequantize", "sqrt_fp32", "zeros", "nbytes", "state_shape"]

@@ -31,7 +31,7 @@ import torch
 
 from mixprec.formats import get_format
 from mixprec.optim import quantized_state as qs
-from mixprec.policy import QUANTIZED_STATE_DTYPES, ROUNDINGS, STATE_FORMATS, STATE_ROUNDINGS, state_name
+from mixprec.policy.policy import QUANTIZED_STATE_DTYPES, ROUNDINGS, STATE_FORMATS, STATE_ROUNDINGS, state_name
 
 __all__ = ["ROUNDINGS", "STATE_DTYPES", "stochastic_round_to_bf16", "write_back_", "grad_fp32",
            "lost_update_counts", "PrecisionOptimizer"]
@@ -148,7 +148,7 @@ def _check_rounding(owner: str, rounding: str | None) -> str:
 
 
 def _check_state_dtype(owner: str, state_dtype: torch.dtype | str | None) -> torch.dtype:
-    """``state_dtype`` as a torch dtype: None is fp32, a name of :data:`mixprec.policy.STATE_FORMATS`
+    """``state_dtype`` as a torch dtype: None is fp32, a name of :data:`mixprec.policy.policy.STATE_FORMATS`
     (``"int8"``, ``"fp8"``, ``"bf16"``...) its dtype."""
     if state_dtype is None:
         return torch.float32

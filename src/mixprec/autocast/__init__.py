@@ -1,0 +1,1 @@
+"""What runs inside ``mp.autocast()``: portable op lists, the measured op plan, compiled models."""

@@ -1,0 +1,469 @@
+"""The measured op plan: an op with several kernels runs, under autocast, in the one measured fastest here.
+
+Which kernel is fastest for an op depends on the device, the dtype and the shape, and no fixed rule gets it
+right everywhere. Measured on a 2-core Xeon (AMX, torch 2.13), forward + backward of causal
+``scaled_dot_product_attention``: at B16·H4·T128·D64 torch's fused CPU kernel takes 10.5 ms in bf16, 4.4 ms
+in fp32 and 4.8 ms as bf16 matmuls with an fp32 softmax; at B64·H6·T256·D64 the fused kernel takes 104 ms in
+either dtype and the matmul form 277 ms. Under ``kernels=measured`` (every policy's default),
+``mp.autocast()`` enters :func:`planned_kernels`, and each planned op runs as :func:`choose` says for its key;
+``kernels=native`` runs what ``torch.autocast`` runs.
+
+Planned ops and candidates (``scaled_dot_product_attention``; the autocast dtype is bf16 or fp16):
+
+* ``fused``: torch's kernel on inputs cast to the autocast dtype: what ``torch.autocast`` does (its
+  lower-precision list). The default, and the choice unless another candidate is at least
+  :data:`MARGIN` faster.
+* ``fused-fp32``: torch's kernel on fp32 copies of q, k, v (and a float mask), the output rounded once to
+  the autocast dtype. More exact than ``fused``.
+* ``matmul``: ``q·kᵀ`` as an autocast-dtype matmul (scores rounded once to it), scale, causal mask and
+  softmax in fp32, probabilities cast to the autocast dtype, then ``·v`` (Hugging Face's "eager"
+  attention). Offered under bf16 only (fp16 scores could overflow), without ``attn_mask`` (a fully masked
+  row is NaN here and 0 in a fused kernel), and while its fp32 scores stay under :data:`MATMUL_SCORES_LIMIT`
+  bytes.
+
+Every candidate meets the numerics contract: softmax accumulates in fp32 in all three, and each returns
+the autocast dtype, so what follows the op sees the same dtypes whatever was chosen.
+
+The key is the op, the shapes of q, k, v, the autocast dtype, ``is_causal``, the mask's dtype and shape,
+whether dropout is on, whether ``scale`` is given, ``enable_gqa``, and whether a backward will follow (grad
+mode and ``requires_grad``). At the first call with a new key, each candidate is timed on random tensors of
+those shapes (inside :func:`torch.random.fork_rng` with its own generator, so the caller's random stream is
+untouched; under identity saved-tensor hooks, so a checkpoint or offload around the op sees none of its
+tensors) by :func:`time_candidates`: one warm-up each, then the best of :data:`REPEATS` interleaved
+forward (+ backward) rounds. Host syncs: at measurement only (CUDA:
+``synchronize`` around each run). The plan is cached per process and on disk by machine
+(:func:`mixprec.machine.cache.machine_key`: device name, torch version, thread count) and key, so a second run of
+the same model measures nothing and chooses the same; a measurement whose rounds spread over
+:data:`NOISY_SPREAD` (a busy machine) is used in this process only. While torch.compile, a FakeTensor or
+another dispatch mode traces the op, the measurement runs on real stand-ins of the traced shapes (outside
+the modes) and the graph keeps the chosen kernel; with symbolic shapes nothing is measured (``fused``, and
+the entry says so). :func:`entries` lists what was chosen in this process (op, shape, choice, every candidate's time):
+the engine's decision names the mechanism, the bench's report.md prints the table.
+
+Activation checkpointing: a recompute must run the kernel its forward ran. :func:`mixprec.ops.checkpoint`
+re-enters the forward's planned state; ``mp.backward()`` runs inside :func:`planned_kernels` (so a
+``torch.utils.checkpoint`` recompute there is planned, on the CPU, where backward runs in the caller's
+thread), and a call during a backward whose key has no entry takes its grad-twin's (a reentrant checkpoint's
+forward ran under no_grad: the ``fwd`` key; its recompute is ``fwd+bwd``). Not covered: a bare
+``loss.backward()`` outside ``mp.autocast()`` around ``torch.utils.checkpoint`` (its recompute runs ``fused``).
+
+Mechanism: a ``torch.library`` kernel for the op on the device's autocast key (``AutocastCPU``,
+``AutocastCUDA``), replacing torch's C++ one (a lower-precision cast, checked to exist by the tests) the
+first time a ``kernels=measured`` engine enters autocast on that device. On MPS nothing is planned. Outside :func:`planned_kernels` it does what torch's kernel does (cast the
+floating inputs to the autocast dtype and run the op with autocast off).
+"""
+
+from __future__ import annotations
+
+import math
+import statistics
+import threading
+import time
+import warnings
+from collections.abc import Iterator
+from contextlib import contextmanager, nullcontext
+from dataclasses import dataclass, field
+from typing import Any, Callable
+
+import torch
+import torch.nn.functional as F
+
+from mixprec.machine.cache import cache_dir, machine_key, read_json, write_json
+
+__all__ = ["PlanEntry", "planned_kernels", "choose", "entries", "summary", "choices", "pin", "cached", "forget", "time_candidates", "describe", "MARGIN",
+           "REPEATS", "MATMUL_SCORES_LIMIT", "NOISY_SPREAD", "Timing", "CANDIDATES", "plan_key",
+           "planned_devices", "planned_as"]
+
+MARGIN = 0.05                     # another candidate replaces the default only when ≥ 5 % faster
+REPEATS = 5                       # timed runs per candidate after one warm-up (best of)
+MATMUL_SCORES_LIMIT = 256 << 20   # bytes of fp32 scores above which the matmul form is not offered
+NOISY_SPREAD = 1.5                # a candidate's slowest round over its fastest: above it, not cached
+_DEFAULT = "fused"
+_TRACED = "default (traced, not measured)"
+_NOISY = "measured (noisy: this process only, not cached)"
+_EXACTNESS = ("fused-fp32", "fused", "matmul")   # most exact first: fp32 attention, then the fused bf16 kernel
+# where torch's autocast has its own sdpa kernel (lower precision) for this one to replace; MPS: not planned
+_AUTOCAST_KEYS = {"cpu": "AutocastCPU", "cuda": "AutocastCUDA"}
+_SDPA = torch.ops.aten.scaled_dot_product_attention.default
+
+
+@dataclass(frozen=True)
+class PlanEntry:
+    """One planned op at one key: ``chosen`` among ``times_ms`` (candidate → best forward(+backward) time in
+    ms, None where not timed), ``source`` ``"measured"``, ``"cache"`` (measured by an earlier process on
+    this machine), ``"checkpoint"`` (pinned by a resumed checkpoint: :func:`pin`),
+    ``"measured (noisy: ...)"`` (used in this process only) or ``"default (traced, not measured)"``; ``shape`` is the key in words."""
+
+    op: str
+    shape: str
+    chosen: str
+    times_ms: dict[str, float | None] = field(default_factory=dict)
+    source: str = "measured"
+    note: str = ""
+
+
+_state = threading.local()     # .devices: device types whose planned kernels are on in this thread
+_lock = threading.Lock()
+_libraries: dict[str, torch.library.Library] = {}
+_plans: dict[tuple[str, int], dict[str, PlanEntry]] = {}   # (device type, threads) -> key -> entry (this process)
+_disk: dict[tuple[str, int], dict] = {}                    # the same -> what its cache file held when first read
+
+
+# ---------------------------------------------------------------------- the candidates
+def _cast(t: Any, dtype: torch.dtype) -> Any:
+    return t.to(dtype) if isinstance(t, torch.Tensor) and t.is_floating_point() and t.dtype != torch.float64 else t
+
+
+def _fused(q, k, v, attn_mask, dropout_p, is_causal, scale, enable_gqa, dtype):
+    return _SDPA(_cast(q, dtype), _cast(k, dtype), _cast(v, dtype), _cast(attn_mask, dtype), dropout_p, is_causal,
+                 scale=scale, enable_gqa=enable_gqa)
+
+
+def _fused_fp32(q, k, v, attn_mask, dropout_p, is_causal, scale, enable_gqa, dtype):
+    f32 = torch.float32
+    out = _SDPA(_cast(q, f32), _cast(k, f32), _cast(v, f32), _cast(attn_mask, f32), dropout_p, is_causal,
+                scale=scale, enable_gqa=enable_gqa)
+    return out.to(dtype)
+
+
+def _matmul(q, k, v, attn_mask, dropout_p, is_causal, scale, enable_gqa, dtype):
+    q, k, v = _cast(q, dtype), _cast(k, dtype), _cast(v, dtype)
+    if enable_gqa and k.size(-3) != q.size(-3):
+        k = k.repeat_interleave(q.size(-3) // k.size(-3), dim=-3)
+        v = v.repeat_interleave(q.size(-3) // v.size(-3), dim=-3)
+    scale = scale if scale is not None else 1.0 / math.sqrt(q.size(-1))
+    exact = math.frexp(scale)[0] == 0.5          # a power of two scales q exactly in any float format
+    scores = torch.matmul(q * scale if exact else q, k.transpose(-2, -1))   # rounded once to ``dtype``
+    if not exact:
+        scores = scores.float() * scale
+    if is_causal:
+        length, source = q.size(-2), k.size(-2)
+        keep = torch.ones(length, source, dtype=torch.bool, device=q.device).tril()   # top-left, as torch's sdpa
+        scores = scores.masked_fill_(~keep, float("-inf"))
+    probs_fp32 = torch.softmax(scores, dim=-1, dtype=torch.float32)
+    if dropout_p > 0:
+        probs_fp32 = F.dropout(probs_fp32, dropout_p, training=True)
+    return torch.matmul(probs_fp32.to(dtype), v)
+
+
+#: candidate name -> ``fn(q, k, v, attn_mask, dropout_p, is_causal, scale, enable_gqa, dtype)`` (autocast off)
+CANDIDATES: dict[str, Callable] = {"fused": _fused, "fused-fp32": _fused_fp32, "matmul": _matmul}
+
+
+def _offered(q, k, attn_mask, dtype: torch.dtype) -> dict[str, str]:
+    """Candidate → why it is not offered at this key ("" when it is)."""
+    scores = 4 * math.prod(q.shape[:-1]) * k.size(-2)
+    why_not = {name: "" for name in CANDIDATES}
+    if dtype == torch.float16:
+        why_not["matmul"] = "not offered under fp16 (its fp16 scores could overflow at 65504)"
+    elif attn_mask is not None:
+        why_not["matmul"] = "not offered with attn_mask"
+    elif scores > MATMUL_SCORES_LIMIT:
+        why_not["matmul"] = f"not offered: its fp32 scores would take {scores / 2**20:.0f} MiB"
+    return why_not
+
+
+# ---------------------------------------------------------------------- keys, timing, cache
+def plan_key(q, k, v, attn_mask=None, dropout_p=0.0, is_causal=False, scale=None, enable_gqa=False, *,
+             dtype: torch.dtype, grad: bool) -> str:
+    """The plan's key for a call of ``scaled_dot_product_attention`` (the words :attr:`PlanEntry.shape` holds)."""
+    mask = "none" if attn_mask is None else f"{str(attn_mask.dtype)[6:]}{list(attn_mask.shape)}"
+    return (f"sdpa q{list(q.shape)} k{list(k.shape)} v{list(v.shape)} {str(dtype)[6:]} causal={is_causal} "
+            f"mask={mask} dropout={dropout_p > 0} scale={'given' if scale is not None else 'default'} "
+            f"gqa={enable_gqa} {'fwd+bwd' if grad else 'fwd'}")
+
+
+@dataclass(frozen=True)
+class Timing:
+    """What :func:`time_candidates` found: ``chosen``, each candidate's best time in ms (None: not offered), and
+    ``spread``: the largest ratio of a candidate's slowest to its fastest timed round (1.0 on a quiet machine)."""
+
+    chosen: str
+    times_ms: dict[str, float | None]
+    spread: float
+
+    @property
+    def noisy(self) -> bool:
+        """True when ``spread`` exceeds :data:`NOISY_SPREAD`: the machine was busy; the choice is not cached."""
+        return self.spread > NOISY_SPREAD
+
+
+def time_candidates(runs: dict[str, Callable[[], Any] | None], *, default: str,
+                    device: torch.device | str = "cpu", prefer: tuple[str, ...] = ()) -> Timing:
+    """Time each zero-argument callable of ``runs`` (None: not offered) and pick one: one warm-up call each, then
+    :data:`REPEATS` interleaved rounds (A B C A B C ...: drift hits every candidate alike), each candidate's best
+    call in ms. A candidate whose warm-up took over 3x the fastest warm-up has lost and is not repeated (its
+    warm-up time is reported). ``default`` is chosen unless another candidate is at least :data:`MARGIN`
+    faster; among the candidates within :data:`MARGIN` of the fastest, the first of ``prefer`` (most exact
+    first; else ``runs``' order) wins, so noise cannot trade exactness for nothing. ``spread`` is the median
+    over candidates of each one's slowest/fastest round. Raises ValueError when ``default`` is not offered. Host syncs: CUDA ``synchronize`` around each call."""
+    device = torch.device(device)
+    if runs.get(default) is None:
+        raise ValueError(f"time_candidates(default={default!r}): the default must be one of the offered "
+                         f"candidates {[n for n, r in runs.items() if r is not None]}")
+
+    def once(run: Callable[[], Any]) -> float:
+        if device.type == "cuda":
+            torch.cuda.synchronize(device)
+        start = time.perf_counter()
+        run()
+        if device.type == "cuda":
+            torch.cuda.synchronize(device)
+        return (time.perf_counter() - start) * 1e3
+    warm = {name: once(run) for name, run in runs.items() if run is not None}
+    live = [name for name in warm if warm[name] <= 3 * min(warm.values()) or name == default]
+    rounds: dict[str, list[float]] = {name: [] for name in live}
+    for _ in range(REPEATS):
+        for name in live:
+            rounds[name].append(once(runs[name]))
+    times = {name: None if run is None else round(min(rounds[name]) if name in rounds else warm[name], 3)
+             for name, run in runs.items()}
+    spread = statistics.median(max(r) / min(r) for r in rounds.values())   # one candidate's outlier is not load
+    best = min(t for t in times.values() if t is not None)
+    if times[default] <= best / (1 - MARGIN):
+        return Timing(default, times, round(spread, 3))
+    tied = [n for n in (prefer or runs) if times.get(n) is not None and times[n] <= best / (1 - MARGIN)]
+    return Timing(tied[0], times, round(spread, 3))
+
+
+def _same(t: torch.Tensor) -> torch.Tensor:
+    return t
+
+
+def _own_saved_tensors() -> Any:
+    """Identity saved-tensor hooks; none where hooks are disabled (torch.func.grad: no caller's hooks either)."""
+    if torch._C._autograd._saved_tensors_hooks_get_disabled_error_message() is not None:
+        return nullcontext()
+    return torch.autograd.graph.saved_tensors_hooks(_same, _same)
+
+
+def _measure(q, k, v, attn_mask, dropout_p, is_causal, scale, enable_gqa, dtype, grad) -> tuple[Timing, str]:
+    device = q.device
+    why_not = _offered(q, k, attn_mask, dtype)
+    # the innermost saved-tensor hooks are the only ones applied: identity ones keep the stand-ins' saved tensors
+    # out of the caller's (a non-reentrant checkpoint around the op counted them as its own: CheckpointError)
+    with torch.random.fork_rng(devices=[device] if device.type == "cuda" else []), \
+            torch.autocast(device.type, enabled=False), _own_saved_tensors():
+        gen = torch.Generator(device=device).manual_seed(0)
+
+        def like(t):   # a stand-in of the same shape, dtype and device (a traced tensor has no data)
+            return torch.randn(tuple(t.shape), dtype=t.dtype, device=device, generator=gen).requires_grad_(grad)
+        mask = None if attn_mask is None else (
+            torch.zeros if attn_mask.is_floating_point() else torch.ones)(tuple(attn_mask.shape), dtype=attn_mask.dtype,
+                                                                         device=device)
+        args = (like(q), like(k), like(v), mask, dropout_p, is_causal, scale, enable_gqa)
+
+        def runner(fn: Callable) -> Callable[[], None]:
+            def run() -> None:
+                with torch.enable_grad() if grad else torch.no_grad():
+                    out = fn(*args, dtype)
+                    if grad:
+                        torch.autograd.backward(out, torch.ones_like(out))
+            return run
+        timing = time_candidates({n: None if why_not[n] else runner(fn) for n, fn in CANDIDATES.items()},
+                                 default=_DEFAULT, device=device, prefer=_EXACTNESS)
+    notes = [f"{n} {w}" for n, w in why_not.items() if w]
+    if timing.noisy:
+        notes.append(f"timings noisy (a candidate's rounds spread {timing.spread:.2f}x): kept for this process, "
+                     "not cached")
+    return timing, "; ".join(notes)
+
+
+def _cache_file(device: torch.device):
+    return cache_dir() / f"op-plan-{machine_key(device)}.json"
+
+
+def _usable(cached: Any) -> bool:
+    """Whether a cache file's entry is one :func:`choose` wrote (another shape, an edited or foreign file: measure)."""
+    if not isinstance(cached, dict) or not isinstance(cached.get("chosen"), str) or cached["chosen"] not in CANDIDATES:
+        return False
+    times = cached.get("times_ms") or {}
+    return isinstance(times, dict) and all(t is None or (isinstance(t, (int, float)) and not isinstance(t, bool))
+                                           for t in times.values())
+
+
+def _traced(q: torch.Tensor) -> bool:
+    from torch.utils._python_dispatch import is_in_torch_dispatch_mode
+    return type(q) is not torch.Tensor or torch.compiler.is_compiling() or is_in_torch_dispatch_mode()
+
+
+@contextmanager
+def _outside_tracing() -> Iterator[None]:
+    """Real tensors while torch.compile / a dispatch mode traces (the measurement runs real kernels), and outside
+    torch.func transforms (grad, vjp, vmap: the stand-ins' requires_grad_, random draws and saved-tensor hooks
+    are refused inside them)."""
+    from torch._functorch.pyfunctorch import temporarily_clear_interpreter_stack
+    from torch._subclasses.fake_tensor import unset_fake_temporarily
+    from torch.utils._python_dispatch import _disable_current_modes
+    with temporarily_clear_interpreter_stack(), unset_fake_temporarily(), _disable_current_modes(), \
+            torch._C._DisablePythonDispatcher():
+        yield
+
+
+def choose(q, k, v, attn_mask=None, dropout_p=0.0, is_causal=False, scale=None, enable_gqa=False, *,
+           dtype: torch.dtype, grad: bool) -> PlanEntry:
+    """The plan's entry for this call of ``scaled_dot_product_attention`` (arguments as the op's; ``dtype``
+    the autocast dtype; ``grad`` whether a backward follows), measured at the first call with its key
+    (see the module docstring for the key, the timing and the cache). Host syncs: at measurement only."""
+    device = q.device
+    key = plan_key(q, k, v, attn_mask, dropout_p, is_causal, scale, enable_gqa, dtype=dtype, grad=grad)
+    where = (device.type, torch.get_num_threads())
+    plan = _plans.setdefault(where, {})
+    entry = plan.get(key)
+    if entry is not None and (entry.source != _TRACED or _traced(q)):
+        return entry
+    if entry is None and torch._C._current_graph_task_id() != -1:
+        # in a backward: a checkpoint's recompute. A reentrant one ran its forward under no_grad (the "fwd" key)
+        # and recomputes with grad ("fwd+bwd"): the forward's choice, else the recompute differs from it
+        twin = plan.get(plan_key(q, k, v, attn_mask, dropout_p, is_causal, scale, enable_gqa, dtype=dtype,
+                                 grad=not grad))
+        if twin is not None:
+            return twin
+    with _lock:
+        if where not in _disk:
+            _disk[where] = read_json(_cache_file(device))
+        cached = _disk[where].get(key)
+    if _usable(cached):
+        entry = PlanEntry("scaled_dot_product_attention", key, cached["chosen"], dict(cached.get("times_ms") or {}),
+                          "cache", str(cached.get("note", "")))
+    elif _traced(q) and not all(isinstance(d, int) for t in (q, k, v) for d in t.shape):
+        entry = PlanEntry("scaled_dot_product_attention", key, _DEFAULT, {}, _TRACED)
+    else:
+        with _outside_tracing():
+            timing, note = _measure(q, k, v, attn_mask, dropout_p, is_causal, scale, enable_gqa, dtype, grad)
+        entry = PlanEntry("scaled_dot_product_attention", key, timing.chosen, timing.times_ms,
+                          _NOISY if timing.noisy else "measured", note)
+        if not timing.noisy:
+            with _lock:
+                on_disk = read_json(_cache_file(device))
+                on_disk[key] = {"chosen": timing.chosen, "times_ms": timing.times_ms, "note": note}
+                write_json(_cache_file(device), on_disk)
+                _disk[where] = on_disk
+    plan[key] = entry
+    return entry
+
+
+def entries(device_type: str | None = None, *, policy: Any = None) -> list[PlanEntry]:
+    """What the plan chose in this process (every device, or ``device_type``'s), in first-use order. With
+    ``policy``, only what an engine of that policy uses: none unless it autocasts with ``kernels=measured``,
+    and only keys in its compute dtype (an ``auto`` trial's bf16 keys are not an fp32 run's)."""
+    if policy is not None and not (policy.is_mixed and policy.kernels == "measured"):
+        return []
+    dtype = None if policy is None else f" {str(policy.compute_dtype)[6:]} "
+    return [e for (d, _), plan in _plans.items() if device_type in (None, d) for e in plan.values()
+            if dtype is None or dtype in e.shape]
+
+
+def summary(device_type: str | None = None, *, policy: Any = None) -> list[str]:
+    """One line per entry of :func:`entries` (same arguments): the key, the choice, its source, each time."""
+    def ms(t: float | None) -> str:
+        return "-" if t is None else f"{t:.2f} ms"
+    def why(e: PlanEntry) -> str:   # a pinned entry has no times of its own: its source alone
+        return "; ".join([e.source, ", ".join(f"{n} {ms(t)}" for n, t in e.times_ms.items())] if e.times_ms else [e.source])
+    return [f"{e.shape} -> {e.chosen} ({why(e)})" for e in entries(device_type, policy=policy)]
+
+
+def choices(device_type: str, *, policy: Any = None) -> dict[str, str]:
+    """key → chosen candidate, for the keys of :func:`entries` (same arguments) that were not traced defaults (a
+    checkpoint saves them, so a resumed run makes the same kernel choices whatever its own cache or a new
+    measurement would say)."""
+    return {e.shape: e.chosen for e in entries(device_type, policy=policy) if e.source != _TRACED}
+
+
+def pin(saved: dict[str, str], device_type: str) -> None:
+    """Use ``saved`` (:func:`choices` of an earlier run) for these keys in this process: the entries' source is
+    ``"checkpoint"``; keys that are not planned or name an unknown candidate are ignored."""
+    plan = _plans.setdefault((device_type, torch.get_num_threads()), {})
+    for key, chosen in (saved or {}).items():
+        if isinstance(key, str) and key.startswith("sdpa ") and chosen in CANDIDATES:
+            plan[key] = PlanEntry("scaled_dot_product_attention", key, chosen, {}, "checkpoint")
+
+
+def cached(device: torch.device | str = "cpu") -> tuple[str, dict[str, dict]]:
+    """This machine's cache file for ``device`` (its path) and what it holds: key → chosen, times_ms, note."""
+    device = torch.device(device)
+    path = _cache_file(device)
+    return str(path), read_json(path)
+
+
+def forget() -> None:
+    """Drop this process's plan (the disk cache stays): the next call of each key reads the cache file again."""
+    with _lock:
+        _plans.clear()
+        _disk.clear()
+
+
+# ---------------------------------------------------------------------- the kernel and its switch
+def _kernel(device_type: str) -> Callable:
+    def kernel(q, k, v, attn_mask=None, dropout_p=0.0, is_causal=False, *,
+               scale=None, enable_gqa=False):
+        dtype = torch.get_autocast_dtype(device_type)
+        args = (q, k, v, attn_mask, dropout_p, is_causal, scale, enable_gqa)
+        name = _DEFAULT
+        if device_type in getattr(_state, "devices", ()) and q.dtype in (dtype, torch.float32):
+            grad = torch.is_grad_enabled() and any(isinstance(t, torch.Tensor) and t.requires_grad for t in args[:4])
+            name = choose(*args, dtype=dtype, grad=grad).chosen
+        with torch.autocast(device_type, enabled=False):
+            return CANDIDATES[name](*args, dtype)
+    return kernel
+
+
+def _install(device_type: str) -> None:
+    with _lock:
+        if device_type in _libraries or device_type not in _AUTOCAST_KEYS:
+            return
+        key_name = _AUTOCAST_KEYS[device_type]
+        library = torch.library.Library("aten", "IMPL")
+        with warnings.catch_warnings():   # torch warns that a kernel for this key is replaced: that is the point
+            warnings.simplefilter("ignore")
+            library.impl("scaled_dot_product_attention", _kernel(device_type), key_name)
+        _libraries[device_type] = library
+
+
+@contextmanager
+def planned_kernels(device_type: str, *, enabled: bool = True) -> Iterator[None]:
+    """Inside, under ``device_type``'s autocast, each planned op runs in the kernel the plan chose for its
+    key (a no-op with ``enabled=False`` or for a device type without autocast). Per thread, as autocast;
+    ``mp.autocast()`` enters it for ``kernels=measured``; a hand-written loop may enter it to make the same
+    choices. No host sync (except at a measurement)."""
+    if not enabled or device_type not in _AUTOCAST_KEYS:
+        yield
+        return
+    _install(device_type)
+    previous = getattr(_state, "devices", ())
+    _state.devices = previous + (device_type,)
+    try:
+        yield
+    finally:
+        _state.devices = previous
+
+
+def planned_devices() -> tuple[str, ...]:
+    """The device types whose planned kernels are on in this thread (:func:`planned_kernels`) now: what
+    :func:`mixprec.ops.checkpoint` captures at the forward, so that its recompute (in a backward that may run
+    outside ``mp.autocast()``) makes the forward's kernel choices. No host sync."""
+    return tuple(getattr(_state, "devices", ()))
+
+
+@contextmanager
+def planned_as(devices: tuple[str, ...]) -> Iterator[None]:
+    """Inside, exactly ``devices`` (:func:`planned_devices` of an earlier moment) have their planned kernels on
+    in this thread: planned where the forward was, torch's kernel where it was not. No host sync."""
+    for device_type in devices:
+        _install(device_type)
+    previous = getattr(_state, "devices", ())
+    _state.devices = tuple(d for d in devices if d in _AUTOCAST_KEYS)
+    try:
+        yield
+    finally:
+        _state.devices = previous
+
+
+def describe(policy: Any, device_type: str) -> str:
+    """The decision's words for ``policy.kernels`` on ``device_type`` ("" when autocast is off)."""
+    if not policy.is_mixed:
+        return ""
+    if policy.kernels == "measured":
+        return (f"; kernels=measured (attention in the kernel measured fastest on this {device_type} per shape: "
+                "mixprec.autocast.op_plan.entries())")
+    return "; kernels=native: torch.autocast's kernels"

@@ -1,0 +1,703 @@
+"""Multi-process training on torch.distributed: process group, DDP / FSDP2 wrapping, agreed decisions.
+
+``MixedPrecision(model, optimizer, policy, strategy="ddp" | "fsdp2")`` uses this module; the
+functions are public for training loops that need them (data sharding, rank-0 logging,
+checkpoints). Launch with ``torchrun --nproc-per-node N`` (one process per device).
+
+**Process group.** :func:`init_process_group_from_env` joins the group torchrun describes
+(``RANK``, ``WORLD_SIZE``, ``LOCAL_RANK``, ``MASTER_ADDR``, ``MASTER_PORT``) unless one is
+already initialised: ``nccl`` on CUDA (device ``cuda:LOCAL_RANK``), ``gloo`` on the CPU. Without
+torchrun's variables it makes a group of one process, so a strategy also runs (and resumes a
+checkpoint) in a plain ``python`` process.
+
+**Data.** Every rank builds the same seeded batch stream and keeps its own share of it
+(:func:`shard_batches`): rank ``r`` of ``W`` takes batches ``r, r + W, r + 2W, ...``. With
+``A`` accumulation steps, micro-batch ``j`` of optimizer step ``k`` on rank ``r`` is batch
+``(k * A + j) * W + r``, and the **global batch** is per-rank batch × ``W`` × ``A``. Every
+gradient reduction averages over ranks, so a run on ``W`` ranks equals a one-process run on
+the concatenated global batch (up to the order of floating-point sums).
+
+**Policy → strategy mapping.**
+
+* ``"ddp"``: the engine prepares the model exactly as in one process (16-bit params and fp32
+  masters where the policy says so, autocast for compute), then wraps it in
+  ``DistributedDataParallel``. DDP's buckets hold gradients in the parameters' dtype; a comm
+  hook casts each bucket to fp32, all-reduces the average in fp32 and writes it back (one
+  rounding into a 16-bit bucket under 16-bit-param policies). Accumulation: micro-batches
+  before the boundary skip the reduction (what ``DDP.no_sync()`` sets) and gradients
+  accumulate locally as in one process, except under master-weight policies (``bf16-pure``,
+  ``fp16-pure``), whose fp32 master gradients accumulate outside DDP's view: there every
+  micro-batch is reduced. Either way every reduction runs in fp32.
+  Stochastic rounding (``bf16-sr``, ``bf16-lean``, ``state_rounding=stochastic``) draws its noise from
+  torch's global RNG on each rank, so the engine refuses to build unless every rank's RNG state is rank
+  0's (:func:`check_same_rng`): seeded per rank, the replicas would round differently and drift apart.
+* ``"fsdp2"``: ``fully_shard`` on each block (every element of each direct child
+  ``nn.ModuleList``, e.g. GPT blocks, or ``block_filter``), on each ``keep_fp32`` module and
+  on the root. Parameters are stored **sharded in fp32** (they are the masters: the engine
+  casts nothing and keeps no separate master copy) and FSDP's
+  ``MixedPrecisionPolicy(param_dtype, reduce_dtype=fp32, output_dtype)`` casts them when it
+  all-gathers them:
+
+  ============================  =================  ======================================
+  policy                        param_dtype        notes
+  ============================  =================  ======================================
+  ``fp32``                      None (fp32)
+  ``bf16-mixed``                bf16               compute dtype; all-gathers in bf16
+  ``bf16-pure``                 bf16               same numerics as 16-bit params + fp32
+                                                   masters: the shard is the master
+  ``fp16-mixed`` / ``-pure``    fp16               needs the engine's sharded overflow
+                                                   check (``sharded_found_inf=True``)
+  ``bf16-kahan`` / ``bf16-sr``  refused            16-bit storage without masters; use
+  / ``bf16-lean``                                  ``bf16-pure`` (``state=bf16`` / ``int8``:
+                                                   refused too)
+  keep_fp32 modules             None (fp32)        their own ``fully_shard`` group
+  ============================  =================  ======================================
+
+  A block's first positional input (its hidden state) is cast to ``param_dtype``, as FSDP's
+  ``cast_forward_inputs`` would; FSDP's own input cast is off, so every other input (a RoPE table,
+  an additive mask, keyword arguments, the root's inputs) keeps its dtype, as in one process.
+  ``output_dtype`` is the policy's, on the root. Autocast stays on (``mp.autocast()``):
+  FSDP casts the parameters, autocast still picks each op's dtype (fp32 for softmax, losses
+  and the other ops on its fp32 list; keep_fp32 regions switch it off). Unlike autocast alone,
+  ops outside autocast's lists (residual adds, norms in some builds) then also run in the
+  compute dtype, as in any FSDP ``param_dtype=bf16`` setup. Gradients: reduce-scattered in
+  fp32, also on accumulation micro-batches (``set_requires_gradient_sync(False)``: FSDP then
+  accumulates the unsharded gradients in fp32 and reduce-scatters them at the boundary).
+
+**Agreed decisions.** Every precision decision is the OR over ranks of the local decisions
+(:func:`any_across_ranks`, an all-reduce MAX on a device flag): the engine's found-inf flag
+(computed on the local shard under FSDP2) and non-finite-loss flag, and the guard's cause
+(:meth:`mixprec.MixedPrecision.agree_on`). All ranks call the same collectives at every
+accumulation boundary, whatever they saw, so none can wait for another that took another
+branch (a rank that skipped while another stepped would deadlock the next collective).
+
+Cost per accumulation boundary, besides the gradient reductions: one all-reduce of two flags
+(engine), one more of the guard's causes when a guard is attached, and under FSDP2 one of the
+squared gradient norm (the global norm over all shards, for clipping and ``StepResult``).
+
+**Checkpoints.** :func:`save_distributed_checkpoint` writes ``root/step-N`` and ``root/latest``
+through :mod:`mixprec.checkpoint.layout`, as :mod:`mixprec.checkpoint.local` does (same names, fsyncs,
+atomic renames, ``latest`` pointer and pruning): FSDP2 with ``torch.distributed.checkpoint``
+(every rank writes its shards into rank 0's temporary directory, rank 0 commits it; any number
+of ranks loads it, :func:`load_distributed_checkpoint`); DDP once, from rank 0, in the
+one-process format. Both record the strategy and world size.
+
+**Limits.** ``set_policy`` (and so the guard's escalation) is refused under FSDP2, and under
+DDP when it would change a parameter's stored dtype (DDP's buckets are built for them): the
+guard then notes the refusal and keeps rolling back. The guard does not localise a bad batch
+under a strategy. fp8 policies are not tested under a strategy. Only 1-D data parallelism
+(no tensor/pipeline parallel meshes).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import itertools
+import json
+import logging
+import os
+import sys
+import warnings
+import weakref
+from collections.abc import Callable, Iterable, Iterator
+from dataclasses import dataclass, field
+from datetime import timedelta
+from importlib import metadata
+from pathlib import Path
+from typing import Any
+
+import torch
+import torch.distributed as dist
+from torch import nn
+
+from mixprec.autocast import op_plan
+from mixprec.checkpoint.local import load_checkpoint, read_manifest, read_weights, save_checkpoint
+from mixprec.checkpoint.layout import (MANIFEST, PendingCheckpoint, abort_checkpoint, begin_checkpoint, commit_checkpoint,
+                                    read_manifest_json)
+from mixprec.policy.policy import Policy
+
+__all__ = ["STRATEGIES", "check_strategy", "init_process_group_from_env", "leave_process_group", "is_main_process", "rank", "world_size",
+           "any_across_ranks", "sum_across_ranks", "from_main_process", "shard_batches", "sync_module_states", "check_same_rng", "wrap_model",
+           "set_gradient_sync", "local_tensors", "gradient_reduce_dtypes",
+           "save_distributed_checkpoint", "load_distributed_checkpoint", "read_distributed_manifest",
+           "load_model_weights", "DCP_MANIFEST"]
+
+log = logging.getLogger("mixprec")
+
+STRATEGIES = ("ddp", "fsdp2")
+DCP_MANIFEST = MANIFEST
+_DCP_FORMAT = "mixprec-dcp"
+_REDUCE_DTYPE = torch.float32   # every gradient collective, every policy (none asks otherwise)
+
+
+def check_strategy(strategy: str | None) -> None:
+    """Raise ValueError unless ``strategy`` is None or one of :data:`STRATEGIES`."""
+    if strategy is not None and strategy not in STRATEGIES:
+        raise ValueError(f"strategy={strategy!r} is not allowed; choose None (one process) or one of {STRATEGIES}")
+
+
+# ---------------------------------------------------------------------- the process group
+def _rank_device(device: str | torch.device | None) -> torch.device:
+    local_rank = int(os.environ.get("LOCAL_RANK", "0"))
+    if device is None:
+        device = "cuda" if torch.cuda.is_available() else "cpu"
+    device = torch.device(device)
+    if device.type == "cuda" and device.index is None:
+        device = torch.device("cuda", local_rank)
+    if device.type not in ("cpu", "cuda"):
+        raise ValueError(f"device={str(device)!r} cannot run torch.distributed (no backend for it); "
+                         "use cpu (gloo) or cuda (nccl)")
+    return device
+
+
+def leave_process_group(*, wait_for_all: bool = False) -> None:
+    """Destroy the default process group if one exists (the CLI's last act under torchrun: a gloo group
+    left alive at interpreter exit can abort a rank with ``terminate called without an active exception``).
+
+    ``wait_for_all`` (a rank that finished cleanly): first a barrier (gloo: ``monitored_barrier``, 60 s), so no
+    rank tears its group down while a peer's last collective still talks to it — the same abort, seen under
+    load. A barrier that fails or times out (a peer crashed) is ignored: the group is destroyed regardless."""
+    if not (dist.is_available() and dist.is_initialized()):
+        return
+    if wait_for_all and dist.get_world_size() > 1:
+        try:
+            if dist.get_backend() == "gloo":
+                dist.monitored_barrier(timeout=timedelta(seconds=60))
+            else:
+                dist.barrier()
+        except RuntimeError:
+            pass
+    dist.destroy_process_group()
+
+
+def init_process_group_from_env(device: str | torch.device | None = None, *,
+                                timeout: timedelta | None = None) -> torch.device:
+    """Join the process group of this torchrun worker (once) and return this rank's device.
+
+    ``device``: None picks ``cuda:LOCAL_RANK`` where CUDA is available, else the CPU;
+    ``"cuda"`` without an index means ``cuda:LOCAL_RANK``. Backend: nccl on CUDA, gloo on the
+    CPU. An already initialised default group is used as it is. Without ``WORLD_SIZE`` and
+    ``RANK`` in the environment (no torchrun) a group of one process is made.
+
+    Raises:
+        ValueError: a device torch.distributed has no backend for (e.g. mps).
+        RuntimeError: torch.distributed is not available in this build.
+    """
+    if not dist.is_available():
+        raise RuntimeError("this torch build has no torch.distributed; strategy=None runs in one process")
+    device = _rank_device(device)
+    if dist.is_initialized():
+        return device
+    backend = "nccl" if device.type == "cuda" else "gloo"
+    if device.type == "cuda":
+        torch.cuda.set_device(device)
+    kwargs: dict[str, Any] = {} if timeout is None else {"timeout": timeout}
+    if "WORLD_SIZE" in os.environ and "RANK" in os.environ:
+        dist.init_process_group(backend, **kwargs)  # env://: MASTER_ADDR, MASTER_PORT, RANK, WORLD_SIZE
+    else:
+        dist.init_process_group(backend, store=dist.HashStore(), rank=0, world_size=1, **kwargs)
+    log.info("mixprec: joined process group: rank %d of %d (%s) on %s", dist.get_rank(), dist.get_world_size(),
+             backend, device)
+    return device
+
+
+def world_size() -> int:
+    """Processes in the default group (1 when none is initialised)."""
+    return dist.get_world_size() if dist.is_available() and dist.is_initialized() else 1
+
+
+def rank() -> int:
+    """This process's rank in the default group (0 when none is initialised)."""
+    return dist.get_rank() if dist.is_available() and dist.is_initialized() else 0
+
+
+_group_rank, _group_size = rank, world_size  # for functions whose arguments shadow the names
+
+
+def is_main_process() -> bool:
+    """True on rank 0, and in a process without a group: the one that logs and writes files."""
+    return rank() == 0
+
+
+def any_across_ranks(flag: torch.Tensor) -> torch.Tensor:
+    """Elementwise logical OR over ranks of ``flag`` (nonzero = True): every rank gets the same.
+
+    ``flag``: a device tensor of any shape (bool, or a number where nonzero means True).
+    Returns a new tensor of ``flag``'s dtype (bool: the OR; a number: the max over ranks, so
+    0/1 flags stay 0/1). A collective (all-reduce MAX), no host sync: every rank must call it
+    at the same point. Without a group, or with one rank, returns ``flag`` itself.
+    """
+    if world_size() == 1:
+        return flag
+    flag_fp32 = flag.to(torch.float32, copy=True)  # gloo and nccl both reduce fp32 with MAX
+    dist.all_reduce(flag_fp32, op=dist.ReduceOp.MAX)
+    return flag_fp32 > 0 if flag.dtype == torch.bool else flag_fp32.to(flag.dtype)
+
+
+def sum_across_ranks(value: torch.Tensor) -> torch.Tensor:
+    """The sum over ranks of ``value`` (a new tensor; an all-reduce SUM, no host sync)."""
+    if world_size() == 1:
+        return value
+    total = value.clone()
+    dist.all_reduce(total, op=dist.ReduceOp.SUM)
+    return total
+
+
+def shard_batches(batches: Iterable[Any], *, rank: int | None = None, world_size: int | None = None) -> Iterator[Any]:
+    """This rank's share of a deterministic batch stream: batches ``rank, rank + W, ...``.
+
+    Every rank must iterate the same stream (same seed); the global batch is per-rank batch ×
+    ``W`` × accumulation steps. ``rank``/``world_size`` default to the process group's.
+    """
+    r = _group_rank() if rank is None else rank
+    w = _group_size() if world_size is None else world_size
+    if not (0 <= r < w):
+        raise ValueError(f"shard_batches: rank={r!r} must lie in [0, world_size={w!r})")
+    return itertools.islice(batches, r, None, w)
+
+
+def sync_module_states(module: nn.Module) -> None:
+    """Broadcast ``module``'s parameters and buffers from rank 0 (in place), so every rank
+    starts from rank 0's weights, as DDP does at construction. Collective; no-op on one rank."""
+    if world_size() == 1:
+        return
+    with torch.no_grad():
+        for tensor in itertools.chain(module.parameters(), module.buffers()):
+            dist.broadcast(tensor.data, src=0)
+
+
+# ---------------------------------------------------------------------- what the gradient collectives saw
+@dataclass
+class _ReduceRecord:
+    """The dtypes gradient collectives of one wrapped model ran in; refuses any but ``expected``."""
+
+    expected: torch.dtype
+    seen: set = field(default_factory=set)
+
+    def saw(self, dtype: torch.dtype, where: str) -> None:
+        self.seen.add(dtype)
+        if dtype != self.expected:
+            raise RuntimeError(f"mixprec: a gradient {where} ran in {dtype}, not {self.expected}: the reduction "
+                               "precision differs from the one set at wrap time; report this with "
+                               "the model and policy")
+
+
+_RECORDS: "weakref.WeakKeyDictionary[nn.Module, _ReduceRecord]" = weakref.WeakKeyDictionary()
+
+
+def gradient_reduce_dtypes(model: nn.Module) -> frozenset[torch.dtype]:
+    """The dtypes the gradient collectives of a model returned by :func:`wrap_model` have run in
+    so far (empty before the first reduction): ``{torch.float32}`` for every policy."""
+    record = _RECORDS.get(model)
+    return frozenset() if record is None else frozenset(record.seen)
+
+
+def _fp32_allreduce_hook(record, bucket):  # no annotations: DDP checks them, and they are strings here
+    """DDP comm hook: average the bucket over ranks in fp32, write it back into the bucket;
+    returns a future of the bucket (``dist.GradBucket`` → ``Future[Tensor]``)."""
+    buffer = bucket.buffer()
+    grad_fp32 = buffer.to(torch.float32) / dist.get_world_size()  # a new tensor (the bucket is untouched)
+    record.saw(grad_fp32.dtype, "all-reduce")
+    fut = dist.all_reduce(grad_fp32, async_op=True).get_future()
+
+    def write_back(done: torch.futures.Future) -> torch.Tensor:
+        buffer.copy_(done.value()[0])  # one rounding where the bucket is 16-bit
+        return buffer
+
+    return fut.then(write_back)
+
+
+try:  # the FSDP2 custom-collective interface (torch >= 2.8)
+    from torch.distributed.fsdp._fully_shard._fsdp_api import ReduceScatter as _ReduceScatter
+except ImportError:  # pragma: no cover - older torch: the reduce dtype is then only checked at setup
+    _ReduceScatter = None  # type: ignore[assignment,misc]
+
+if _ReduceScatter is not None:
+    class _CheckedReduceScatter(_ReduceScatter):  # type: ignore[misc,valid-type]
+        """FSDP2's default reduce-scatter, recording (and checking) the dtype it reduces in."""
+
+        def __init__(self, record: _ReduceRecord) -> None:
+            self.record = record
+
+        def allocate(self, size, *, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
+            return torch.empty(*size, dtype=dtype, device=device)
+
+        def __call__(self, output_tensor: torch.Tensor, input_tensor: torch.Tensor, group: dist.ProcessGroup,
+                     op: Any, async_op: bool = False):
+            self.record.saw(input_tensor.dtype, "reduce-scatter")
+            return dist.reduce_scatter_single(output=output_tensor, input=input_tensor, group=group, op=op,
+                                              async_op=async_op)
+
+
+# ---------------------------------------------------------------------- wrapping
+def _fsdp_param_dtype(policy: Policy, *, sharded_found_inf: bool) -> torch.dtype | None:
+    """The FSDP2 ``param_dtype`` for ``policy`` (None: fp32), or ValueError (module docstring table)."""
+    if policy.rounding != "nearest":
+        raise ValueError(f"strategy='fsdp2' stores parameters sharded in fp32 (the shards are the masters), but "
+                         f"policy {policy} asks for 16-bit storage with rounding={policy.rounding!r} and no masters; "
+                         "use bf16-pure (same compute, fp32 masters) or strategy='ddp'")
+    if policy.state_dtype != torch.float32:
+        raise ValueError(f"strategy='fsdp2' keeps optimizer state in fp32; policy {policy} asks for "
+                         f"state={policy.state_dtype}; use strategy='ddp' or state=fp32")
+    half = policy.compute_dtype if policy.compute_dtype != torch.float32 else None
+    if half == torch.float16 and not sharded_found_inf:
+        raise ValueError(f"policy {policy} computes in fp16 under FSDP2: each rank only sees its shard of the "
+                         "gradients, so a local overflow check lets other ranks step on inf/NaN or underflow "
+                         "silently. Use MixedPrecision(..., strategy='fsdp2'), which ORs the found-inf "
+                         "flag across ranks, or pass sharded_found_inf=True if your loop does that itself")
+    return half
+
+
+class CastHiddenState:
+    """A block's forward pre-hook under FSDP2: its first positional input (the hidden state) in the
+    all-gather dtype, as FSDP's ``cast_forward_inputs`` would; every other input (a RoPE table, a mask,
+    keyword arguments) keeps its dtype, as in one process. Picklable."""
+
+    def __init__(self, dtype: torch.dtype) -> None:
+        self.dtype = dtype
+
+    def __call__(self, module: nn.Module, args: tuple, kwargs: dict):
+        if args and torch.is_tensor(args[0]) and args[0].is_floating_point() and args[0].dtype != self.dtype:
+            return (args[0].to(self.dtype), *args[1:]), kwargs
+        return None
+
+
+def _default_blocks(model: nn.Module) -> list[str]:
+    return [f"{name}.{i}" for name, child in model.named_children() if isinstance(child, nn.ModuleList)
+            for i in range(len(child))]
+
+
+def wrap_model(model: nn.Module, policy: Policy, strategy: str, device: torch.device, *,
+               block_filter: Callable[[str, nn.Module], bool] | None = None, keep_fp32: Iterable[str] = (),
+               optimizer: torch.optim.Optimizer | None = None, sharded_found_inf: bool = False) -> nn.Module:
+    """Wrap ``model`` (already on ``device``, in the process group) for ``strategy``.
+
+    ``"ddp"``: returns ``DistributedDataParallel(model)`` with the fp32 all-reduce comm hook;
+    call it after the policy's casts (DDP builds its buckets from the parameters' dtypes).
+    ``"fsdp2"``: applies ``fully_shard`` in place (module docstring: which modules, which
+    ``MixedPrecisionPolicy``) and returns ``model``. ``block_filter(name, module)`` picks the
+    blocks (default: every element of each direct child ``nn.ModuleList``); ``keep_fp32``
+    names modules sharded on their own with fp32 params. ``fully_shard`` replaces every
+    parameter by a sharded DTensor parameter: ``optimizer`` (built on the old ones, no state
+    yet) is pointed at the new ones. fp16 compute is refused unless ``sharded_found_inf`` says
+    the caller ORs the found-inf flag across ranks (the engine does).
+
+    Every gradient collective then runs in fp32 (:func:`gradient_reduce_dtypes` reports it,
+    and a collective in another dtype raises RuntimeError).
+
+    Raises:
+        ValueError: an unknown strategy; a policy the strategy cannot run (named, with the fix);
+            a ``keep_fp32`` name that is not a submodule; an optimizer that already has state.
+    """
+    check_strategy(strategy)
+    if strategy is None:
+        raise ValueError("wrap_model needs strategy='ddp' or 'fsdp2'; with strategy=None use the model as it is")
+    record = _ReduceRecord(expected=_REDUCE_DTYPE)
+    if strategy == "ddp":
+        from torch.nn.parallel import DistributedDataParallel
+
+        ddp = DistributedDataParallel(model, device_ids=[device.index] if device.type == "cuda" else None)
+        ddp.register_comm_hook(record, _fp32_allreduce_hook)
+        _RECORDS[ddp] = record
+        return ddp
+
+    from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
+
+    param_dtype = _fsdp_param_dtype(policy, sharded_found_inf=sharded_found_inf)
+    if optimizer is not None and len(optimizer.state) > 0:
+        raise ValueError("wrap_model(strategy='fsdp2') replaces the parameters; build the optimizer's state after "
+                         "wrapping (the optimizer already stepped)")
+    old_by_name = dict(model.named_parameters())
+    keep = tuple(keep_fp32)
+    for name in keep:
+        try:
+            model.get_submodule(name)
+        except AttributeError:
+            raise ValueError(f"wrap_model: keep_fp32 name {name!r} is not a submodule of the model; names look "
+                             f"like {[n for n, _ in model.named_modules() if n][:8]}") from None
+    if block_filter is None:
+        blocks = _default_blocks(model)
+    else:
+        blocks = [name for name, m in model.named_modules() if name and block_filter(name, m)]
+    # FSDP's cast_forward_inputs would cast every floating input to param_dtype, side inputs too (a RoPE
+    # table, an additive mask): a block's hidden state (its first positional input) is cast, nothing else
+    mp_fp32 = MixedPrecisionPolicy(param_dtype=None, reduce_dtype=_REDUCE_DTYPE)
+    mp_block = MixedPrecisionPolicy(param_dtype=param_dtype, reduce_dtype=_REDUCE_DTYPE, cast_forward_inputs=False)
+    mp_root = MixedPrecisionPolicy(param_dtype=param_dtype, reduce_dtype=_REDUCE_DTYPE,
+                                   output_dtype=policy.output_dtype, cast_forward_inputs=False)
+    targets = {name: mp_fp32 for name in keep}
+    targets.update({name: mp_block for name in blocks if name not in targets})
+    for name in sorted(targets, key=lambda n: -n.count(".")):  # innermost first
+        if targets[name] is mp_block and param_dtype is not None:
+            model.get_submodule(name).register_forward_pre_hook(CastHiddenState(param_dtype), with_kwargs=True)
+        fully_shard(model.get_submodule(name), mp_policy=targets[name])
+    fully_shard(model, mp_policy=mp_root)
+    if _ReduceScatter is not None:
+        comm = _CheckedReduceScatter(record)
+        for module in model.modules():
+            if hasattr(module, "set_custom_reduce_scatter"):
+                module.set_custom_reduce_scatter(comm)
+    _RECORDS[model] = record
+    if optimizer is not None:
+        new_of = {id(old_by_name[name]): p for name, p in model.named_parameters()}
+        for group in optimizer.param_groups:
+            group["params"] = [new_of.get(id(p), p) for p in group["params"]]
+    return model
+
+
+def set_gradient_sync(model: nn.Module, strategy: str | None, enabled: bool) -> None:
+    """Whether the next backward reduces gradients across ranks (False: accumulate locally).
+
+    DDP reads the flag in ``forward`` (it is what ``DDP.no_sync()`` sets), FSDP2 in backward
+    (``set_requires_gradient_sync``); the engine sets it before each micro-batch. No-op for None.
+    """
+    if strategy == "ddp":
+        model.require_backward_grad_sync = enabled
+    elif strategy == "fsdp2":
+        model.set_requires_gradient_sync(enabled)
+
+
+def local_tensors(tensors: list[torch.Tensor]) -> list[torch.Tensor]:
+    """This rank's shards of ``tensors`` (DTensors → their local tensors, sharing storage, so
+    in-place ops write through); plain tensors pass unchanged. No communication."""
+    out = []
+    for t in tensors:
+        to_local = getattr(t, "to_local", None)
+        out.append(t.to_local() if to_local is not None else t)
+    return out
+
+
+# ---------------------------------------------------------------------- checkpoints
+def _dcp_state(mp: Any) -> dict[str, Any]:
+    """What DCP saves and loads in place: model and optimizer by parameter name (DTensor shards
+    under FSDP2), the loss-scale state tensors and the scheduler's state."""
+    from torch.distributed.checkpoint.state_dict import get_state_dict
+
+    if mp.masters.pairs:
+        raise ValueError(f"a DCP checkpoint holds the fp32 values of the parameters the optimizer steps, but this "
+                         f"engine steps separate fp32 masters (policy {mp.policy}, strategy={mp.strategy!r}); "
+                         "use strategy='fsdp2' (any number of processes, also one) or a policy without masters")
+    model_sd, optim_sd = get_state_dict(mp.module, mp.optimizer)
+    engine: dict[str, Any] = {"loss_scale": mp.loss_scale.state_dict()["state"]}
+    if mp.scheduler is not None:
+        engine["scheduler"] = mp.scheduler.state_dict()
+    return {"model": model_sd, "optim": optim_sd, "engine": engine}
+
+
+def from_main_process(obj: Any) -> Any:
+    """Rank 0's ``obj`` on every rank (a collective broadcast; ``obj`` must pickle). Without a
+    group, or with one rank, ``obj`` itself."""
+    if world_size() == 1:
+        return obj
+    box = [obj]
+    dist.broadcast_object_list(box, src=0)
+    return box[0]
+
+
+def check_same_rng(device: torch.device, what: str) -> None:
+    """Raise ValueError on every rank unless each rank's torch RNG state for ``device`` equals rank 0's.
+
+    ``what`` names the policy and what in it draws from that RNG (stochastic rounding): replicas that draw
+    other noise round their params or state differently, and DDP's averaged gradients never bring them
+    back together. A broadcast and an all-reduce (every rank raises, none waits in a later collective)."""
+    state = (torch.cuda.get_rng_state(device) if device.type == "cuda" else torch.get_rng_state()).cpu()
+    differs = not torch.equal(from_main_process(state), state)
+    if bool(any_across_ranks(torch.tensor([float(differs)], device=device)).item()):   # syncs
+        raise ValueError(f"{what} draws its rounding noise from torch's global RNG, whose state differs between "
+                         "ranks (e.g. torch.manual_seed(seed + rank)), so the replicas would drift apart; call "
+                         "torch.manual_seed(seed) with one seed on every rank before building MixedPrecision, or "
+                         "use a policy without stochastic rounding (e.g. bf16-pure)")
+
+
+@contextlib.contextmanager
+def _one_process_ok() -> Iterator[None]:
+    """Silence DCP's warning that it runs in one process without a group: that is meant here."""
+    with warnings.catch_warnings():
+        warnings.filterwarnings("ignore", message="torch.distributed is disabled, unavailable or uninitialized")
+        yield
+
+
+def _barrier() -> None:
+    if world_size() > 1:
+        dist.barrier()
+
+
+def _on_main_process(fn: Callable[[], Any], what: str) -> Any:
+    """``fn()`` run on rank 0, its result on every rank (a broadcast). When it raises, rank 0
+    re-raises and every other rank raises RuntimeError naming the error, instead of waiting in
+    the next collective."""
+    result, error, failure = None, None, None
+    if is_main_process():
+        try:
+            result = fn()
+        except Exception as err:
+            failure, error = err, f"{type(err).__name__}: {err}"
+    result, error = from_main_process((result, error))
+    if failure is not None:
+        raise failure
+    if error is not None:
+        raise RuntimeError(f"{what} failed on rank 0: {error}")
+    return result
+
+
+def save_distributed_checkpoint(root: str | Path, mp: Any, extra: dict | None = None, *, keep: int | None = None,
+                                data_position: dict | None = None) -> Path:
+    """Save ``mp`` (a :class:`mixprec.MixedPrecision`) as ``root/step-N``; call it on every rank.
+
+    The layout and crash safety are :mod:`mixprec.checkpoint.layout`'s, as for
+    :func:`mixprec.checkpoint.local.save_checkpoint`: ``root/step-N`` directories (N = ``mp.boundaries``)
+    and a ``root/latest`` pointer, replaced only once the new checkpoint is complete and fsynced;
+    ``keep`` keeps exactly that many (the new one and the newest ``keep - 1`` others). ``root``
+    must be on a filesystem every rank sees.
+
+    * ``strategy="ddp"``: replicas are identical, so rank 0 alone saves the unwrapped model with
+      :func:`mixprec.checkpoint.local.save_checkpoint` (the one-process format: every state, bit-exact
+      resume, RNG of rank 0), adding ``{"distributed": {"strategy", "world_size"}}`` to ``extra``.
+    * ``strategy="fsdp2"`` (or one process whose optimizer steps the model's own parameters):
+      rank 0 starts the checkpoint's temporary directory, every rank writes its shards into it
+      with ``torch.distributed.checkpoint`` (``dcp/``: model, optimizer, loss-scale state,
+      scheduler), and after a barrier rank 0 writes ``manifest.json``, fsyncs every file and
+      directory, renames it to ``step-N``, replaces ``latest`` and prunes::
+
+        format, version    "mixprec-dcp", 1
+        name, step         "step-N", mp.boundaries
+        strategy, world_size, policy, device, versions, counters (micro_step 0, applied_steps, ...)
+        guard              mp.guard.state_dict() or null;   events   mp.events
+        data_position      {"boundaries", "world_size", ...what the caller passed}
+        extra              the caller's JSON
+
+      Any number of ranks can load it (:func:`load_distributed_checkpoint`). RNG states are not
+      saved (each rank has its own).
+
+    Collective (barriers, broadcasts); copies tensors to the host (syncs). Returns ``root/step-N``.
+
+    Raises:
+        RuntimeError: called between ``backward()`` and the accumulation boundary; on ranks other
+            than 0, when rank 0 failed to start or finish the checkpoint (rank 0 raises its error).
+        ValueError: ``keep`` is not a positive int or None; (DCP) an engine that steps separate
+            fp32 masters.
+    """
+    if mp.micro_step != 0:
+        raise RuntimeError(f"save_distributed_checkpoint called after {mp.micro_step} micro-batch(es) of "
+                           "backward() without reaching the step boundary; save at an accumulation boundary (after mp.step() returns a result)")
+    info = {"strategy": mp.strategy, "world_size": world_size()}
+    position = {"world_size": world_size(), **(data_position or {})}
+    if mp.strategy == "ddp":
+        saved = _on_main_process(lambda: str(save_checkpoint(root, mp, extra={**(extra or {}), "distributed": info},
+                                                             keep=keep, data_position=position)),
+                                 "save_distributed_checkpoint")
+        return Path(saved)
+    import torch.distributed.checkpoint as dcp
+
+    parts = _dcp_state(mp)
+    pending: PendingCheckpoint = _on_main_process(
+        lambda: begin_checkpoint(root, mp.boundaries, keep=keep, caller="save_distributed_checkpoint"),
+        "save_distributed_checkpoint")
+    try:
+        with _one_process_ok():
+            dcp.save(parts, checkpoint_id=str(pending.tmp / "dcp"), no_dist=not dist.is_initialized())
+    except BaseException:
+        if is_main_process():
+            abort_checkpoint(pending)
+        raise
+    _barrier()   # every rank's shards are written before rank 0 fsyncs and renames them
+
+    def finish() -> Path:
+        guard = getattr(mp, "guard", None)
+        manifest = {"format": _DCP_FORMAT, "version": 1, "name": pending.name, "step": mp.boundaries, **info,
+                    "policy": str(mp.policy), "device": str(mp.device),
+                    "versions": {"mixprec": metadata.version("mixprec"), "torch": torch.__version__,
+                                 "python": sys.version.split()[0]},
+                    "counters": mp.state_dict()["counters"],
+                    "guard": None if guard is None else guard.state_dict(),
+                    "events": json.loads(json.dumps(list(mp.events), default=str)),
+                    "op_plan": op_plan.choices(mp.device.type, policy=mp.policy),   # rank 0's kernel choices, pinned on resume
+                    "data_position": {"boundaries": mp.boundaries, **position},
+                    "extra": extra or {}}
+        try:
+            (pending.tmp / DCP_MANIFEST).write_text(json.dumps(manifest, indent=1, allow_nan=True))
+        except BaseException:
+            abort_checkpoint(pending)
+            raise
+        return commit_checkpoint(pending)   # fsyncs, rename, latest, keep
+
+    return _on_main_process(finish, "save_distributed_checkpoint")
+
+
+def _is_dcp(manifest: Any) -> bool:
+    """Whether a parsed manifest is a DCP one (else it is for :mod:`mixprec.checkpoint.local` to verify)."""
+    return isinstance(manifest, dict) and manifest.get("format") == _DCP_FORMAT
+
+
+def read_distributed_manifest(path: str | Path) -> dict:
+    """The manifest of the checkpoint at ``path`` (a root: follows ``latest``; or a ``step-N``
+    directory), DCP or one-process format (the latter verified by :func:`mixprec.checkpoint.local.read_manifest`)."""
+    directory, manifest = read_manifest_json(path)
+    return manifest if _is_dcp(manifest) else read_manifest(directory)
+
+
+def load_model_weights(path: str | Path, model: nn.Module) -> dict:
+    """Load only the model weights of the checkpoint at ``path`` (root or ``step-N``) into a plain,
+    unwrapped ``model`` in one process, in place (values cast to each tensor's dtype); returns the
+    manifest. For inference (``mixprec sample``): a DCP checkpoint (FSDP2, any number of ranks) is
+    resharded into the full tensors (its params are the fp32 values the optimizer stepped); a
+    one-process-format checkpoint takes the fp32 masters where saved, else the params.
+
+    Raises:
+        FileNotFoundError / CheckpointError: no (complete) checkpoint at ``path``.
+        RuntimeError: the model's keys or shapes do not match the saved ones (torch's message).
+    """
+    directory, manifest = read_manifest_json(path)
+    if not _is_dcp(manifest):
+        model.load_state_dict(read_weights(directory))   # verifies this manifest, the hashes and shapes
+        return manifest
+    import torch.distributed.checkpoint as dcp
+
+    state = model.state_dict()
+    dcp.load({"model": state}, checkpoint_id=str(directory / "dcp"), no_dist=not dist.is_initialized())
+    model.load_state_dict(state)
+    return manifest
+
+
+def load_distributed_checkpoint(path: str | Path, mp: Any, *, adopt_policy: bool = False) -> dict:
+    """Load the checkpoint at ``path`` (root or ``step-N``) into ``mp``; returns its ``extra``. Every rank calls it.
+
+    A DCP checkpoint loads into an engine of the same policy with any strategy and number of
+    ranks (DCP reshards: 2 FSDP2 ranks → 1 process, 4 → 2, ...), as long as the engine's
+    optimizer steps the model's own parameters (FSDP2 always; in one process, a policy without
+    masters). Restored: model, optimizer, loss scale, scheduler, counters, events and the guard's
+    counts. A one-process-format checkpoint (saved under DDP) is loaded by every rank with
+    :func:`mixprec.checkpoint.local.load_checkpoint` (``adopt_policy`` passed on).
+
+    Raises:
+        FileNotFoundError: no checkpoint at ``path``.
+        ValueError: (DCP) another policy than ``mp``'s; an engine with separate masters.
+        RuntimeError: called between ``backward()`` and the accumulation boundary.
+    """
+    if mp.micro_step != 0:
+        raise RuntimeError(f"load_distributed_checkpoint called after {mp.micro_step} micro-batch(es) of "
+                           "backward() without reaching the step boundary; load at an accumulation boundary")
+    directory, manifest = read_manifest_json(path)
+    if not _is_dcp(manifest):
+        return load_checkpoint(directory, mp, adopt_policy=adopt_policy)
+    if manifest["policy"] != str(mp.policy):
+        raise ValueError(f"checkpoint {str(directory)!r} was saved under policy {manifest['policy']!r}, this engine "
+                         f"runs {mp.policy}; build the engine with policy={manifest['policy']!r} (a sharded run "
+                         "cannot change policy while loading)")
+    import torch.distributed.checkpoint as dcp
+    from torch.distributed.checkpoint.state_dict import set_state_dict
+
+    parts = _dcp_state(mp)
+    with _one_process_ok():
+        dcp.load(parts, checkpoint_id=str(directory / "dcp"), no_dist=not dist.is_initialized())
+    set_state_dict(mp.module, mp.optimizer, model_state_dict=parts["model"], optim_state_dict=parts["optim"])
+    mp.loss_scale.load_state_dict({**mp.loss_scale.state_dict(), "state": parts["engine"]["loss_scale"]})
+    if mp.scheduler is not None:
+        mp.scheduler.load_state_dict(parts["engine"]["scheduler"])
+    mp.restore_progress(manifest["counters"], manifest["events"])  # saved at a boundary, as here
+    guard = getattr(mp, "guard", None)
+    if guard is not None and manifest["guard"] is not None:
+        guard.load_state_dict(manifest["guard"])
+    if manifest.get("device", "").split(":")[0] == mp.device.type:
+        op_plan.pin(manifest.get("op_plan") or {}, mp.device.type)
+    return manifest["extra"]

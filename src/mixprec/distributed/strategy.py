@@ -1,0 +1,170 @@
+"""How a training step spans processes: one process, DDP, or FSDP2, behind one small interface.
+
+The engine calls the same methods whatever the strategy, so ``MixedPrecision.step`` has no branch on
+it. :class:`SingleProcess` does nothing (no collective, the model as given). :class:`DDP` and
+:class:`FSDP2` join the torchrun process group, start every rank from rank 0's weights and policy,
+wrap the model (:func:`mixprec.distributed.process.wrap_model`), reduce gradients in fp32, and OR the step's
+found-inf and non-finite-loss flags across ranks before the step's one host read, so every rank
+steps or skips together. Details: :mod:`mixprec.distributed.process`.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Any
+
+import torch
+from torch import nn
+
+from mixprec.distributed import process as distributed
+from mixprec.policy.resolve import Resolution, resolve
+from mixprec.policy.policy import Policy
+
+__all__ = ["SingleProcess", "DDP", "FSDP2", "make_strategy"]
+
+
+class SingleProcess:
+    """One process: no collectives, the model as given, every re-preparation allowed."""
+
+    name: str | None = None
+    shards_params = False       # FSDP2 stores params sharded in fp32 (they are the masters)
+
+    def device(self, device: str | torch.device | None) -> str | torch.device | None:
+        """This rank's device (joins the process group under a multi-process strategy)."""
+        return device
+
+    def agree_resolution(self, resolution: Resolution, device: torch.device) -> Resolution:
+        """Every rank runs rank 0's policy (``auto`` may measure differently on each)."""
+        return resolution
+
+    def before_casts(self, model: nn.Module, policy: Policy, device: torch.device, keep: dict[str, nn.Module],
+                     optimizer: torch.optim.Optimizer) -> None:
+        """Called after the model moved to ``device``, before the storage plan is applied."""
+
+    def after_casts(self, model: nn.Module, policy: Policy, device: torch.device) -> nn.Module:
+        """Called after the params were cast; returns what users call (``mp.model``)."""
+        return model
+
+    def set_gradient_sync(self, model: nn.Module, *, last_micro_batch: bool, has_masters: bool) -> None:
+        """Before the next micro-batch: whether its backward reduces gradients across ranks."""
+
+    def local(self, grads: list[torch.Tensor]) -> list[torch.Tensor]:
+        """This rank's part of ``grads`` (DTensor shards → local tensors)."""
+        return grads
+
+    def global_norm(self, norm_fp32: torch.Tensor, *, scaled: bool = False) -> torch.Tensor:
+        """The norm over every rank's part, from this rank's ``norm_fp32``; ``scaled``: without squaring
+        a large norm (the overflow-proof path of :mod:`mixprec.engine.clipping`)."""
+        return norm_fp32
+
+    def agree_on(self, choice: str | None, choices: tuple[str, ...], device: torch.device) -> str | None:
+        """The first of ``choices`` any rank chose (:meth:`mixprec.MixedPrecision.agree_on`)."""
+        if choice is not None and choice not in choices:
+            raise ValueError(f"agree_on: choice={choice!r} is not one of {choices}")
+        if self.name is None:   # one process: no collective
+            return choice
+        flags = torch.tensor([c == choice for c in choices], dtype=torch.float32, device=device)
+        agreed = self.agree_flags(flags).tolist()  # syncs
+        return next((c for c, flag in zip(choices, agreed) if flag), None)
+
+    def agree_flags(self, flags: torch.Tensor) -> torch.Tensor:
+        """Elementwise OR of 0/1 fp32 device ``flags`` over ranks (one all-reduce, no sync)."""
+        return flags
+
+    def refuse(self, what: str) -> None:
+        """Raise ValueError if ``what`` (``"unfreeze"``, ``"set_policy"``, ``"to_fp32"``) cannot run."""
+
+    def check_restore(self, old: dict[int, torch.dtype], new: dict[int, torch.dtype], policy: Policy) -> None:
+        """Raise ValueError if re-preparing from stored dtypes ``old`` to ``new`` cannot run here."""
+
+
+class _MultiProcess(SingleProcess):
+    def device(self, device):
+        return distributed.init_process_group_from_env(device)
+
+    def agree_resolution(self, resolution, device):
+        chosen = distributed.from_main_process(str(resolution.policy))
+        if chosen == str(resolution.policy):
+            return resolution
+        resolution = resolve(chosen, device)
+        return dataclasses.replace(resolution, decision=f"{resolution.decision} (rank 0's choice)")
+
+    def before_casts(self, model, policy, device, keep, optimizer):
+        distributed.sync_module_states(model)
+        stochastic = [f"{key}=stochastic" for key in ("rounding", "state_rounding") if getattr(policy, key) == "stochastic"]
+        if stochastic:
+            distributed.check_same_rng(torch.device(device), f"strategy={self.name!r} with policy {policy} "
+                                       f"({' and '.join(stochastic)})")
+
+    def set_gradient_sync(self, model, *, last_micro_batch, has_masters):
+        distributed.set_gradient_sync(model, self.name, last_micro_batch)
+
+    def agree_flags(self, flags):
+        return distributed.any_across_ranks(flags)
+
+    def refuse(self, what):
+        if what == "unfreeze":
+            raise ValueError(f"unfreeze under strategy={self.name!r}: the {self.name.upper()} wrapper was built for "
+                             "the trainable params it saw (it would not reduce the new ones' gradients); save a "
+                             "checkpoint, set requires_grad before building MixedPrecision, and resume")
+        if what == "to_fp32":
+            raise ValueError(f"unwrap(to_fp32=True) under strategy={self.name!r}: the params are wrapped or "
+                             "sharded; save a checkpoint and load it into a plain model instead")
+
+
+class DDP(_MultiProcess):
+    """``DistributedDataParallel`` over the prepared model, fp32 all-reduce (:mod:`mixprec.distributed.process`)."""
+
+    name = "ddp"
+
+    def after_casts(self, model, policy, device):   # after the casts: DDP builds its buckets from the dtypes
+        return distributed.wrap_model(model, policy, "ddp", device)
+
+    def set_gradient_sync(self, model, *, last_micro_batch, has_masters):
+        # fp32 master grads accumulate outside DDP's view: reduce every micro-batch then
+        distributed.set_gradient_sync(model, self.name, last_micro_batch or has_masters)
+
+    def check_restore(self, old, new, policy):
+        if old != new:
+            raise ValueError(f"set_policy: {policy} stores parameters in other dtypes than the current policy, but "
+                             "DDP built its gradient buckets for the current ones; save a checkpoint and resume "
+                             "under it")
+
+
+class FSDP2(_MultiProcess):
+    """``fully_shard`` with params stored sharded in fp32 and cast by FSDP (:mod:`mixprec.distributed.process`)."""
+
+    name = "fsdp2"
+    shards_params = True
+
+    def before_casts(self, model, policy, device, keep, optimizer):
+        super().before_casts(model, policy, device, keep, optimizer)
+        distributed.wrap_model(model, policy, "fsdp2", device, keep_fp32=tuple(keep), optimizer=optimizer,
+                               sharded_found_inf=True)
+
+    def local(self, grads):
+        return distributed.local_tensors(grads)
+
+    def global_norm(self, norm_fp32, *, scaled=False):   # sqrt of the squares summed over the shards
+        if not scaled:
+            return distributed.sum_across_ranks(norm_fp32.square()).sqrt()
+        # each rank's norm over the largest one before squaring (as nrm2): no fp32 overflow for finite norms
+        largest = distributed.any_across_ranks(norm_fp32)   # all-reduce MAX (norms are >= 0)
+        ratio = torch.where(largest > 0, norm_fp32 / largest, torch.zeros_like(norm_fp32))
+        return distributed.sum_across_ranks(ratio.square()).sqrt() * largest
+
+    def refuse(self, what):
+        if what == "set_policy":
+            raise ValueError("set_policy: under strategy='fsdp2' the MixedPrecisionPolicy of each sharded module "
+                             "is fixed by fully_shard; save a checkpoint and resume under the new policy")
+        super().refuse(what)
+
+
+def make_strategy(name: str | None) -> Any:
+    """The strategy object for ``name`` (None, ``"ddp"`` or ``"fsdp2"``).
+
+    Raises:
+        ValueError: another name.
+    """
+    distributed.check_strategy(name)
+    return {None: SingleProcess, "ddp": DDP, "fsdp2": FSDP2}[name]()

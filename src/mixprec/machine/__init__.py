@@ -1,0 +1,1 @@
+"""The machine: measurements cached between processes, one timer and one device sync."""

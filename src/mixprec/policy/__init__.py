@@ -1,0 +1,1 @@
+"""Precision policies: the Policy, its text, presets, resolution on a device, and auto."""

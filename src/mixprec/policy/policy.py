@@ -1,0 +1,572 @@
+"""Precision policies: which dtype holds the parameters, which one computes, and how updates land.
+
+A :class:`Policy` is a frozen dataclass. Build one from a preset name or a ``key=value`` text
+with :meth:`Policy.parse`; ``str(policy)`` gives canonical text that parses back to an equal
+policy. The design follows jmp's ``Policy`` (param / compute / output dtypes, string constructor)
+and adds the fields mixed-precision training needs: master weights, rounding of updates,
+optimizer-state format, loss scaling, modules kept in fp32 and an fp8 recipe.
+
+Presets (bytes per parameter of training state with AdamW: params + grads + masters + the two
+moments + any compensation buffer; :meth:`Policy.bytes_per_param`):
+
+==============  ======  =======  ======  ==========  =====  ==========  ===========
+preset          params  compute  master  rounding    state  loss scale  bytes/param
+==============  ======  =======  ======  ==========  =====  ==========  ===========
+``fp32``        fp32    fp32     --      nearest     fp32   none        16
+``bf16-mixed``  fp32    bf16     --      nearest     fp32   none        16
+``fp16-mixed``  fp32    fp16     --      nearest     fp32   dynamic     16
+``bf16-pure``   bf16    bf16     fp32    nearest     fp32   none        18 (2 + 4 grad_fp32 + 4 + 8)
+``fp16-pure``   fp16    fp16     fp32    nearest     fp32   dynamic     18
+``bf16-kahan``  bf16    bf16     --      kahan       fp32   none        14 (2 + 2 + 8 + 2 compensation)
+``bf16-sr``     bf16    bf16     --      stochastic  fp32   none        12 (2 + 2 + 8)
+``bf16-lean``   bf16    bf16     --      stochastic  int8   none        6.03 (2 + 2 + 2 x (1 + 4/256))
+``fp8-mixed``   fp32    bf16 + fp8 linears  --  nearest  fp32  none     16
+``auto``        resolved per device by :func:`mixprec.resolve_policy`
+==============  ======  =======  ======  ==========  =====  ==========  ===========
+
+``state=int8`` (and ``state=fp8``) store each moment of a large tensor blockwise-quantized: one byte
+per element plus one fp32 absmax per block of 256 (:mod:`mixprec.optim.quantized_state`); tensors
+under 4096 elements and 1-D ones (norms, biases) keep fp32 state, as bitsandbytes and torchao do, so a
+model's measured bytes/param (the bench's tensor census) sits a little above the table's.
+``bf16-kahan,state=int8`` is 8.03.
+
+Text form: a preset name, optionally followed by overrides, e.g. ``"bf16-kahan,state=bf16"``,
+or only keys: ``"params=bf16,compute=bf16,master=fp32"`` (unspecified keys take the ``fp32``
+preset's values). Keys: ``params``, ``compute``, ``output``, ``master``, ``rounding``,
+``state`` (``fp32``, ``bf16``, ``fp16``, ``int8``, ``fp8``), ``state_rounding`` (``nearest``, the default,
+or ``stochastic``: how 8-bit state is rounded when it is stored), ``loss_scale``, ``keep_fp32`` (glob
+patterns joined by ``|``), ``fp8`` (recipe name,
+alias ``recipe``), ``fp8_format`` (``hybrid`` or ``e4m3``), ``fp8_ends`` (``keep``: the network's
+first and last linears stay in the compute dtype, the default; ``fp8``: convert them too), ``ops``
+(``portable``, the default: CUDA's autocast op lists on every device; ``native``: the device's own,
+see :mod:`mixprec.autocast.portable`), ``kernels`` (``measured``, the default: ops with several kernels run in
+the one measured fastest on the device at their shape; ``native``: torch.autocast's; see :mod:`mixprec.autocast.op_plan`).
+"""
+
+from __future__ import annotations
+
+import difflib
+
+import dataclasses
+import math
+import warnings
+from dataclasses import dataclass
+from typing import Any, Union
+
+import torch
+
+from mixprec.formats import get_format
+from mixprec.policy.tree import map_tensors
+
+__all__ = ["Policy", "PRESETS", "ROUNDINGS", "STATE_FORMATS", "QUANTIZED_STATE_DTYPES", "STATE_ROUNDINGS",
+           "FP8_RECIPES", "FP8_FORMATS", "cast_floating", "state_name"]
+
+ROUNDINGS = ("nearest", "kahan", "stochastic")
+# optimizer-state formats by text name. int8 and fp8 are markers for the blockwise 8-bit formats of
+# mixprec.optim.quantized_state (int8: dynamic-map codes, stored as uint8 indices; fp8: E4M3 first moment,
+# E5M2 second), not plain casts: Policy.state_dtype holds torch.int8 / torch.float8_e4m3fn for them
+STATE_FORMATS = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16,
+                 "int8": torch.int8, "fp8": torch.float8_e4m3fn}
+QUANTIZED_STATE_DTYPES = (torch.int8, torch.float8_e4m3fn)
+STATE_ROUNDINGS = ("nearest", "stochastic")   # how 8-bit state is rounded when stored
+FP8_RECIPES = ("tensorwise", "rowwise", "delayed")
+FP8_FORMATS = ("hybrid", "e4m3")
+OPS_MODES = ("portable", "native")     # mixprec.autocast.portable: which autocast op lists mp.autocast() uses
+KERNEL_MODES = ("measured", "native")  # mixprec.autocast.op_plan: whether mp.autocast() runs the measured op plan
+_COMPUTE_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
+_HALF_DTYPES = (torch.bfloat16, torch.float16)
+
+LossScaleSpec = Union[str, float]
+
+
+def cast_floating(tree: Any, dtype: torch.dtype | None, device: torch.device | None = None) -> Any:
+    """Cast floating tensors in ``tree`` to ``dtype`` (and move every tensor to ``device``).
+
+    Integer and bool tensors keep their dtype (token ids stay exact); a ``torch.distributions``
+    object is rebuilt from its cast parameters (:func:`_cast_distribution`). Walks the containers of
+    :mod:`mixprec.policy.tree` (dicts and their subclasses such as transformers' ``ModelOutput``,
+    ``BatchEncoding``, lists, tuples, namedtuples, dataclasses); other leaves are returned unchanged.
+    No host sync.
+    """
+    def cast(t: torch.Tensor) -> torch.Tensor:
+        if t.is_floating_point() and dtype is not None and t.dtype != dtype:
+            return t.to(device=device, dtype=dtype)
+        return t.to(device) if device is not None else t
+
+    def leaf(x: Any) -> Any:
+        if isinstance(x, torch.distributions.Distribution) and dtype is not None:
+            return _cast_distribution(x, cast)
+        return x
+    return map_tensors(tree, cast, leaf=leaf)
+
+
+_uncastable_warned: set[str] = set()
+
+
+def _cast_distribution(dist: Any, cast: Any) -> Any:
+    """``dist`` rebuilt from its constructor arguments (those in ``arg_constraints`` it holds) cast by
+    ``cast``: a ``Categorical`` built from bf16 ``probs`` clamps its logits at bf16's eps (log-probs
+    >= -4.84); rebuilt from fp32 it does not. ``probs``/``logits`` families are rebuilt from the one they
+    were given (``logits`` if held). A type that does not rebuild this way is returned as it is, with one
+    warning naming it."""
+    held = {k: v for k, v in vars(dist).items() if k in getattr(dist, "arg_constraints", {}) and torch.is_tensor(v)}
+    if "logits" in held and "probs" in held:
+        held.pop("probs")
+    if all(v.dtype == cast(v).dtype for v in held.values()):
+        return dist
+    try:
+        extra = {k: getattr(dist, k) for k in ("total_count",) if hasattr(dist, k) and k not in held}
+        return type(dist)(**{k: cast(v) for k, v in held.items()}, **extra, validate_args=False)
+    except (TypeError, ValueError):
+        name = type(dist).__name__
+        if name not in _uncastable_warned:
+            _uncastable_warned.add(name)
+            warnings.warn(f"mixprec: a {name} distribution in the model's output holds 16-bit parameters that "
+                          "mixprec cannot rebuild in fp32; build it from fp32 tensors (e.g. logits.float()) "
+                          "(said once)", stacklevel=4)
+        return dist
+
+
+def _dtype_name(dtype: torch.dtype | None) -> str:
+    return "none" if dtype is None else get_format(dtype).name
+
+
+def state_name(dtype: torch.dtype) -> str:
+    """The text name of an optimizer-state dtype (a :data:`STATE_FORMATS` value): ``"int8"`` for
+    ``torch.int8``, ``"fp8"`` for ``torch.float8_e4m3fn``, ``"fp32"``... Raises ValueError for another dtype."""
+    for name, value in STATE_FORMATS.items():
+        if value == dtype:
+            return name
+    raise ValueError(f"state dtype {dtype!r} is not an optimizer-state format; choose one of {list(STATE_FORMATS)}")
+
+
+def _did_you_mean(text: str, choices) -> str:
+    """`` (did you mean 'x'?)`` for the closest of ``choices`` to a mistyped ``text`` (difflib), else ""."""
+    names = [str(c) for c in choices]
+    close = (difflib.get_close_matches(text.lower(), names, n=1, cutoff=0.6)
+             or difflib.get_close_matches(text.lower().replace("_", "-"), names, n=1, cutoff=0.6))
+    return f" (did you mean {close[0]!r}?)" if close else ""
+
+
+def _parse_dtype(key: str, text: str, allowed: tuple[torch.dtype, ...], allow_none: bool = False):
+    names = [_dtype_name(d) for d in allowed] + (["none"] if allow_none else [])
+    if allow_none and text.strip().lower() in ("none", "-", ""):
+        return None
+    try:
+        dtype = get_format(text).dtype
+    except ValueError:
+        dtype = None
+    if dtype not in allowed:
+        raise ValueError(f"policy key {key}={text!r} is not allowed{_did_you_mean(text, names)}; choose one of {names}")
+    return dtype
+
+
+def _loss_scale_text(value: LossScaleSpec) -> str:
+    return value if isinstance(value, str) else repr(float(value))
+
+
+@dataclass(frozen=True)
+class Policy:
+    """A mixed-precision policy (frozen; use :meth:`replace` to derive a new one).
+
+    Attributes:
+        param_dtype: dtype the model's parameters are stored in (fp32, bf16, fp16).
+        compute_dtype: dtype autocast computes matmuls/convs in (fp32 = autocast off).
+        output_dtype: dtype the model's floating outputs are returned in.
+        master_dtype: ``torch.float32`` to keep an fp32 master copy of 16-bit params
+            (Apex O2 style), or ``None``.
+        rounding: how an fp32 update is written into 16-bit params without a master copy:
+            ``"nearest"``, ``"kahan"`` (compensated summation) or ``"stochastic"`` (bf16 only).
+        state_dtype: format of optimizer state (moments, momentum): fp32 (default), bf16, fp16, or a
+            marker for blockwise 8-bit state (:mod:`mixprec.optim.quantized_state`): ``torch.int8``
+            (text ``state=int8``: dynamic-map codes, one byte per element + one fp32 absmax per 256) or
+            ``torch.float8_e4m3fn`` (``state=fp8``: E4M3 first moment, E5M2 second moment, per-block scales).
+        state_rounding: how 8-bit state is rounded when it is stored: ``"nearest"`` (default) or
+            ``"stochastic"`` (unbiased; needs ``state_dtype`` int8 or fp8).
+        loss_scale: ``"dynamic"``, ``"none"`` or a positive number (static scale). Default ``"auto"``:
+            ``"dynamic"`` when params or compute are fp16 (fp16 unscaled flushes small gradients to zero;
+            torch.amp's GradScaler recipe), else ``"none"``; resolved at construction, so the field always
+            holds one of the three. ``parse`` and :meth:`replace` re-resolve it when they change a dtype
+            and the text/call does not set it; an explicit ``"none"`` under fp16 is kept and
+            :meth:`scaling_note` says so in the engine's decision.
+        keep_fp32: glob patterns of module qualified names that keep fp32 params and run
+            with autocast disabled.
+        fp8: ``None`` or an fp8 recipe name (``"tensorwise"``, ``"rowwise"``, ``"delayed"``)
+            for linears (see :mod:`mixprec.fp8`).
+        fp8_format: ``"hybrid"`` (E4M3 forward, E5M2 gradients; Transformer Engine's HYBRID) or
+            ``"e4m3"`` (E4M3 everywhere); only meaningful with ``fp8`` set.
+        fp8_keep_ends: keep the first and the last linear (registration order: usually the input
+            projection and the LM head, the most quantisation-sensitive GEMMs) out of fp8, as
+            torchao's float8 guidance advises (default True; text key ``fp8_ends=keep|fp8``).
+        ops: ``"portable"`` (default): inside ``mp.autocast()`` every device runs CUDA's autocast op
+            lists (``exp``, ``cumsum``, ``softmax``, norms, losses in fp32); ``"native"``: the device's own
+            lists (:mod:`mixprec.autocast.portable`).
+        kernels: ``"measured"`` (default): inside ``mp.autocast()`` an op with several kernels (attention)
+            runs in the one measured fastest on this device at its shape (:mod:`mixprec.autocast.op_plan`);
+            ``"native"``: the kernels ``torch.autocast`` runs.
+
+    Raises:
+        ValueError: an inconsistent combination, naming the field, the value and the fix.
+    """
+
+    param_dtype: torch.dtype = torch.float32
+    compute_dtype: torch.dtype = torch.float32
+    output_dtype: torch.dtype = torch.float32
+    master_dtype: torch.dtype | None = None
+    rounding: str = "nearest"
+    state_dtype: torch.dtype = torch.float32
+    state_rounding: str = "nearest"
+    loss_scale: LossScaleSpec = "auto"
+    keep_fp32: tuple[str, ...] = ()
+    fp8: str | None = None
+    fp8_format: str = "hybrid"
+    fp8_keep_ends: bool = True
+    ops: str = "portable"
+    kernels: str = "measured"
+
+    def __post_init__(self) -> None:
+        if isinstance(self.loss_scale, str) and self.loss_scale == "auto":
+            object.__setattr__(self, "loss_scale", "dynamic" if torch.float16 in (self.param_dtype, self.compute_dtype)
+                               else "none")
+        for name in ("param_dtype", "compute_dtype", "output_dtype"):
+            value = getattr(self, name)
+            if value not in _COMPUTE_DTYPES:
+                raise ValueError(f"Policy {name}={value!r} is not allowed; "
+                                 f"choose one of {[_dtype_name(d) for d in _COMPUTE_DTYPES]}")
+        self._check_state()
+        if self.param_dtype in _HALF_DTYPES and self.compute_dtype != self.param_dtype:
+            raise ValueError(f"Policy params={_dtype_name(self.param_dtype)} with compute="
+                             f"{_dtype_name(self.compute_dtype)}: 16-bit params must compute in their own dtype "
+                             f"(mixing bf16 and fp16 tensors breaks autocast's promotion); set compute="
+                             f"{_dtype_name(self.param_dtype)}")
+        if self.master_dtype not in (None, torch.float32):
+            raise ValueError(f"Policy master_dtype={self.master_dtype!r} is not allowed; "
+                             "use torch.float32 (fp32 master weights) or None")
+        if self.master_dtype is not None and self.param_dtype == torch.float32:
+            raise ValueError("Policy master_dtype=fp32 with param_dtype=fp32 is redundant: "
+                             "fp32 params are their own masters; set master=none")
+        if self.rounding not in ROUNDINGS:
+            raise ValueError(f"Policy rounding={self.rounding!r} is not allowed; choose one of {ROUNDINGS}")
+        if self.rounding != "nearest":
+            if self.param_dtype not in _HALF_DTYPES:
+                raise ValueError(f"Policy rounding={self.rounding!r} needs 16-bit params, got "
+                                 f"params={_dtype_name(self.param_dtype)}; use rounding=nearest")
+            if self.master_dtype is not None:
+                raise ValueError(f"Policy rounding={self.rounding!r} replaces master weights; "
+                                 "set master=none or rounding=nearest")
+        if self.rounding == "stochastic" and self.param_dtype != torch.bfloat16:
+            raise ValueError("Policy rounding='stochastic' is implemented for bf16 params only; "
+                             f"got params={_dtype_name(self.param_dtype)}; use rounding=kahan")
+        if isinstance(self.loss_scale, bool) or not isinstance(self.loss_scale, (str, int, float)):
+            raise TypeError(f"Policy loss_scale={self.loss_scale!r} must be 'dynamic', 'none' or a number")
+        if isinstance(self.loss_scale, str) and self.loss_scale not in ("dynamic", "none"):
+            raise ValueError(f"Policy loss_scale={self.loss_scale!r} is not allowed; "
+                             "use 'dynamic', 'none' or a positive number")
+        if not isinstance(self.loss_scale, str):
+            fp32 = torch.finfo(torch.float32)
+            if not (math.isfinite(self.loss_scale) and fp32.smallest_normal <= self.loss_scale <= fp32.max):
+                raise ValueError(f"Policy loss_scale={self.loss_scale!r} must be a finite number > 0 and a normal "
+                                 f"fp32 value ({fp32.smallest_normal:g} .. {fp32.max:g}), e.g. 1024")
+        if not isinstance(self.keep_fp32, tuple) or not all(isinstance(p, str) and p for p in self.keep_fp32):
+            raise TypeError(f"Policy keep_fp32={self.keep_fp32!r} must be a tuple of non-empty "
+                            "glob strings, e.g. ('head', 'blocks.*.ln*')")
+        for pattern in self.keep_fp32:
+            if any(c in pattern for c in ",=| "):
+                raise ValueError(f"Policy keep_fp32 pattern {pattern!r} may not contain ',', '=', '|' or spaces")
+        if self.fp8 is not None and self.fp8 not in FP8_RECIPES:
+            raise ValueError(f"Policy fp8={self.fp8!r} is not allowed; choose None or one of {FP8_RECIPES}")
+        if self.fp8_format not in FP8_FORMATS:
+            raise ValueError(f"Policy fp8_format={self.fp8_format!r} is not allowed; choose one of {FP8_FORMATS}")
+        if not isinstance(self.fp8_keep_ends, bool):
+            raise TypeError(f"Policy fp8_keep_ends={self.fp8_keep_ends!r} must be a bool: True keeps the first and "
+                            "last linears out of fp8 (text key fp8_ends=keep), False converts them (fp8_ends=fp8)")
+        if self.ops not in OPS_MODES:
+            raise ValueError(f"Policy ops={self.ops!r} is not allowed; choose one of {OPS_MODES}")
+        if self.kernels not in KERNEL_MODES:
+            raise ValueError(f"Policy kernels={self.kernels!r} is not allowed; choose one of {KERNEL_MODES}")
+        if self.fp8 is None and not self.fp8_keep_ends:
+            raise ValueError("Policy fp8_ends=fp8 (fp8_keep_ends=False) needs fp8 linears; set fp8=tensorwise "
+                             "(or use the fp8-mixed preset)")
+        if self.fp8 is None and self.fp8_format != "hybrid":
+            raise ValueError(f"Policy fp8_format={self.fp8_format!r} needs fp8 linears; set fp8=tensorwise "
+                             "(or use the fp8-mixed preset)")
+        if self.fp8 is not None and self.compute_dtype == torch.float32:
+            raise ValueError(f"Policy fp8={self.fp8!r} with compute=fp32: fp8 linears output in the 16-bit compute "
+                             "dtype; set compute=bf16 (or use the fp8-mixed preset)")
+
+    def _check_state(self) -> None:
+        if self.state_dtype not in STATE_FORMATS.values():
+            raise ValueError(f"Policy state_dtype={self.state_dtype!r} is not allowed; choose one of "
+                             f"{list(STATE_FORMATS.values())} (text state={'|'.join(STATE_FORMATS)})")
+        if self.state_rounding not in STATE_ROUNDINGS:
+            raise ValueError(f"Policy state_rounding={self.state_rounding!r} is not allowed; choose one of "
+                             f"{STATE_ROUNDINGS}")
+        if self.state_rounding != "nearest" and self.state_dtype not in QUANTIZED_STATE_DTYPES:
+            raise ValueError(f"Policy state_rounding={self.state_rounding!r} rounds 8-bit optimizer state, but "
+                             f"state={state_name(self.state_dtype)}; set state=int8 (or fp8), or state_rounding=nearest")
+
+    # ------------------------------------------------------------------ derived facts
+    @property
+    def is_mixed(self) -> bool:
+        """True when the compute dtype differs from fp32 (autocast is on)."""
+        return self.compute_dtype != torch.float32
+
+    @property
+    def has_masters(self) -> bool:
+        return self.master_dtype is not None and self.param_dtype != torch.float32
+
+    @property
+    def quantized_state(self) -> bool:
+        """True when optimizer state is blockwise 8-bit (``state=int8`` or ``state=fp8``)."""
+        return self.state_dtype in QUANTIZED_STATE_DTYPES
+
+    def bytes_per_param(self, optimizer_states: int = 2) -> float:
+        """Training-state bytes per (trainable) parameter, from the policy alone.
+
+        ``optimizer_states`` is the number of state tensors per parameter (AdamW: 2, SGD with
+        momentum: 1, plain SGD: 0). Gradients live in fp32 whenever masters exist (they are
+        accumulated there); compensation buffers add one param-dtype tensor under Kahan. 8-bit
+        state counts one byte per element and moment plus its share of one fp32 absmax per block of
+        256 elements (4/256 = 0.015625 bytes), i.e. as if every tensor were quantized and a whole
+        number of blocks: tensors under 4096 elements and 1-D ones keep fp32 state (4 bytes) and a short
+        last block costs a whole scale, so the bench's tensor census of a real model reads a little higher.
+        """
+        p = self.param_dtype.itemsize
+        if self.has_masters:
+            total = p + 4 + self.master_dtype.itemsize
+        else:
+            total = p + p  # params + grads in param dtype
+        state = 1 + 4 / 256 if self.quantized_state else self.state_dtype.itemsize
+        total += optimizer_states * state
+        if self.rounding == "kahan":
+            total += p
+        return total
+
+    def replace(self, **changes: Any) -> "Policy":
+        """A copy with ``changes`` applied (validated like the constructor); a dtype change without a
+        ``loss_scale`` re-resolves a default one (``"auto"``: dynamic under fp16); a static scale is kept."""
+        default = "dynamic" if torch.float16 in (self.param_dtype, self.compute_dtype) else "none"
+        if "loss_scale" not in changes and {"param_dtype", "compute_dtype"} & set(changes) and self.loss_scale == default:
+            changes["loss_scale"] = "auto"   # the old dtypes' default follows the new dtypes; a chosen scale stays
+        return dataclasses.replace(self, **changes)
+
+    def summary(self) -> str:
+        """What this policy stores and computes in, in words: e.g. bf16-lean's ``"params bf16, compute bf16,
+        no fp32 masters: updates stochastically rounded into bf16, optimizer state int8"`` (the engine's
+        decision starts with it)."""
+        half = self.param_dtype != torch.float32
+        parts = [f"params {_dtype_name(self.param_dtype)}",
+                 f"compute {_dtype_name(self.compute_dtype)}" + (" (autocast)" if self.is_mixed and not half else "")]
+        if self.fp8 is not None:
+            parts[-1] += f", eligible linears fp8 ({self.fp8}, {self.fp8_format})"
+        if half:
+            how = {"stochastic": "stochastically rounded", "kahan": "Kahan-compensated",
+                   "nearest": "rounded to nearest"}[self.rounding]
+            parts.append(f"fp32 masters rounded to nearest into {_dtype_name(self.param_dtype)}" if self.has_masters
+                         else f"no fp32 masters: updates {how} into {_dtype_name(self.param_dtype)}")
+        parts.append(f"optimizer state {state_name(self.state_dtype)}")
+        if self.loss_scale != "none":
+            parts.append(f"{self.loss_scale} loss scale" if self.loss_scale == "dynamic" else
+                         f"static loss scale {self.loss_scale}")
+        if self.keep_fp32:
+            parts.append(f"fp32 modules {'|'.join(self.keep_fp32)}")
+        return ", ".join(parts)
+
+    def scaling_note(self) -> str:
+        """The decision's words when fp16 runs unscaled because ``loss_scale=none`` was written ("" else)."""
+        if self.loss_scale == "none" and torch.float16 in (self.param_dtype, self.compute_dtype):
+            return ("; fp16 without loss scaling (loss_scale=none, as written): gradients below fp16's smallest "
+                    "subnormal (6e-8) flush to zero; drop loss_scale=none for dynamic scaling")
+        return ""
+
+    # ------------------------------------------------------------------ text form
+    @classmethod
+    def parse(cls, text: "str | Policy") -> "Policy":
+        """Parse a preset name and/or ``key=value`` overrides (see the module docstring).
+
+        Raises:
+            ValueError: unknown preset or key, bad value; the message lists what is allowed.
+            TypeError: ``text`` is neither a string nor a Policy.
+        """
+        if isinstance(text, Policy):
+            return text
+        if not isinstance(text, str):
+            raise TypeError(f"policy must be a preset name, 'key=value,...' text or a Policy; got {text!r}")
+        parts = [p.strip() for p in text.split(",") if p.strip()]
+        if not parts:
+            raise ValueError(f"policy {text!r} is empty; choose a preset from {sorted(PRESETS)} or 'key=value,...'")
+        base = PRESETS["fp32"]
+        if "=" not in parts[0]:
+            name = parts.pop(0).lower()
+            if name == "auto" and parts:
+                raise ValueError(f"policy {text!r}: 'auto' takes no overrides; resolve it first, then add them: "
+                                 "mixprec.Policy.parse(str(mixprec.resolve_policy('auto', device, model=..., "
+                                 f"example_batch=...)) + {','.join([''] + parts)!r})")
+            if name == "auto":
+                raise ValueError("policy 'auto' depends on the device; resolve it with "
+                                 "mixprec.resolve_policy('auto', device)")
+            if name not in PRESETS:
+                raise ValueError(f"policy preset {name!r} is not known{_did_you_mean(name, PRESETS)}; choose one of "
+                                 f"{sorted(PRESETS) + ['auto']} or give 'key=value,...'")
+            base = PRESETS[name]
+        changes: dict[str, Any] = {}
+        seen: set[str] = set()
+        for part in parts:
+            if "=" not in part:
+                raise ValueError(f"policy part {part!r} in {text!r} is not 'key=value'; a preset name "
+                                 f"may only come first; keys: {sorted(_KEYS)}")
+            key, _, value = part.partition("=")
+            key, value = key.strip().lower(), value.strip()
+            if key not in _KEYS:
+                raise ValueError(f"policy key {key!r} in {text!r} is not known{_did_you_mean(key, _KEYS)}; "
+                                 f"choose from {sorted(_KEYS)}")
+            field, parse_value = _KEYS[key]
+            if field in seen:
+                raise ValueError(f"policy {text!r} sets {field} twice (key {key!r}); give each key once")
+            seen.add(field)
+            changes[field] = parse_value(key, value)
+        return base.replace(**changes)
+
+    def __str__(self) -> str:
+        """The canonical text: a preset's name, else the closest preset plus the keys that differ (when that text
+        parses back to this policy, e.g. ``"bf16-mixed,kernels=native"``), else every key."""
+        for name, preset in PRESETS.items():
+            if preset == self:
+                return name
+        mine = dict(self._items())
+        for name, preset in sorted(PRESETS.items(), key=lambda kv: sum(v != mine.get(k) for k, v in kv[1]._items())):
+            diffs = [f"{k}={v}" for k, v in self._items() if dict(preset._items()).get(k) != v]
+            text = ",".join([name, *diffs])
+            if len(diffs) <= 3 and Policy.parse(text) == self:
+                return text
+            break
+        return ",".join(f"{k}={v}" for k, v in self._items())
+
+    def _items(self) -> list[tuple[str, str]]:
+        """The policy as text keys and values (the long form's order)."""
+        items = [
+            ("params", _dtype_name(self.param_dtype)),
+            ("compute", _dtype_name(self.compute_dtype)),
+            ("output", _dtype_name(self.output_dtype)),
+            ("master", _dtype_name(self.master_dtype)),
+            ("rounding", self.rounding),
+            ("state", state_name(self.state_dtype)),
+            ("loss_scale", _loss_scale_text(self.loss_scale)),
+            ("keep_fp32", "|".join(self.keep_fp32)),
+            ("fp8", self.fp8 or "none"),
+        ]
+        if self.fp8 is not None:
+            items.append(("fp8_format", self.fp8_format))
+            items.append(("fp8_ends", "keep" if self.fp8_keep_ends else "fp8"))
+        if self.state_rounding != "nearest":
+            items.append(("state_rounding", self.state_rounding))
+        if self.ops != "portable":
+            items.append(("ops", self.ops))
+        if self.kernels != "measured":
+            items.append(("kernels", self.kernels))
+        return items
+
+
+def _parse_loss_scale(key: str, text: str) -> LossScaleSpec:
+    low = text.lower()
+    if low in ("dynamic", "none"):
+        return low
+    try:
+        value = float(text)
+    except ValueError:
+        raise ValueError(f"policy key {key}={text!r} is not allowed; use 'dynamic', 'none' or a number") from None
+    return value
+
+
+def _parse_rounding(key: str, text: str) -> str:
+    if text.lower() not in ROUNDINGS:
+        raise ValueError(f"policy key {key}={text!r} is not allowed; choose one of {ROUNDINGS}")
+    return text.lower()
+
+
+def _parse_state(key: str, text: str) -> torch.dtype:
+    low = text.strip().lower()
+    if low in STATE_FORMATS:
+        return STATE_FORMATS[low]
+    try:   # the 16/32-bit formats' aliases (float32, half, ...)
+        return _parse_dtype(key, text, _COMPUTE_DTYPES)
+    except ValueError:
+        raise ValueError(f"policy key {key}={text!r} is not allowed; choose one of {list(STATE_FORMATS)}") from None
+
+
+def _parse_state_rounding(key: str, text: str) -> str:
+    if text.lower() not in STATE_ROUNDINGS:
+        raise ValueError(f"policy key {key}={text!r} is not allowed; choose one of {STATE_ROUNDINGS}")
+    return text.lower()
+
+
+def _parse_keep(key: str, text: str) -> tuple[str, ...]:
+    return tuple(p for p in text.split("|") if p)
+
+
+def _parse_fp8_format(key: str, text: str) -> str:
+    if text.lower() not in FP8_FORMATS:
+        raise ValueError(f"policy key {key}={text!r} is not allowed; choose one of {FP8_FORMATS}")
+    return text.lower()
+
+
+def _parse_fp8_ends(key: str, text: str) -> bool:
+    low = text.lower()
+    if low not in ("keep", "fp8"):
+        raise ValueError(f"policy key {key}={text!r} is not allowed; choose 'keep' (first and last linears stay in "
+                         "the compute dtype) or 'fp8' (convert them too)")
+    return low == "keep"
+
+
+def _parse_ops(key: str, text: str) -> str:
+    if text.lower() not in OPS_MODES:
+        raise ValueError(f"policy key {key}={text!r} is not allowed; choose one of {OPS_MODES}")
+    return text.lower()
+
+
+def _parse_kernels(key: str, text: str) -> str:
+    if text.lower() not in KERNEL_MODES:
+        raise ValueError(f"policy key {key}={text!r} is not allowed; choose one of {KERNEL_MODES}")
+    return text.lower()
+
+
+def _parse_fp8(key: str, text: str) -> str | None:
+    low = text.lower()
+    if low in ("none", ""):
+        return None
+    if low not in FP8_RECIPES:
+        raise ValueError(f"policy key {key}={text!r} is not allowed; choose one of {FP8_RECIPES} or none")
+    return low
+
+
+_KEYS = {
+    "params": ("param_dtype", lambda k, v: _parse_dtype(k, v, _COMPUTE_DTYPES)),
+    "compute": ("compute_dtype", lambda k, v: _parse_dtype(k, v, _COMPUTE_DTYPES)),
+    "output": ("output_dtype", lambda k, v: _parse_dtype(k, v, _COMPUTE_DTYPES)),
+    "master": ("master_dtype", lambda k, v: _parse_dtype(k, v, (torch.float32,), allow_none=True)),
+    "rounding": ("rounding", _parse_rounding),
+    "state": ("state_dtype", _parse_state),
+    "state_rounding": ("state_rounding", _parse_state_rounding),
+    "loss_scale": ("loss_scale", _parse_loss_scale),
+    "keep_fp32": ("keep_fp32", _parse_keep),
+    "fp8": ("fp8", _parse_fp8),
+    "recipe": ("fp8", _parse_fp8),
+    "fp8_format": ("fp8_format", _parse_fp8_format),
+    "fp8_ends": ("fp8_keep_ends", _parse_fp8_ends),
+    "ops": ("ops", _parse_ops),
+    "kernels": ("kernels", _parse_kernels),
+}
+
+_bf16, _fp16, _fp32 = torch.bfloat16, torch.float16, torch.float32
+PRESETS: dict[str, Policy] = {
+    "fp32": Policy(),
+    "bf16-mixed": Policy(compute_dtype=_bf16),
+    "fp16-mixed": Policy(compute_dtype=_fp16, loss_scale="dynamic"),
+    "bf16-pure": Policy(param_dtype=_bf16, compute_dtype=_bf16, master_dtype=_fp32),
+    "fp16-pure": Policy(param_dtype=_fp16, compute_dtype=_fp16, master_dtype=_fp32, loss_scale="dynamic"),
+    "bf16-kahan": Policy(param_dtype=_bf16, compute_dtype=_bf16, rounding="kahan"),
+    "bf16-sr": Policy(param_dtype=_bf16, compute_dtype=_bf16, rounding="stochastic"),
+    "bf16-lean": Policy(param_dtype=_bf16, compute_dtype=_bf16, rounding="stochastic", state_dtype=torch.int8),
+    "fp8-mixed": Policy(compute_dtype=_bf16, fp8="tensorwise"),
+}
+

@@ -1,0 +1,1 @@
+"""The programs: ``mixprec`` cli, train, bench, doctor, inspect; they import the library only."""

@@ -1,0 +1,144 @@
+"""Interleaved timing: the policies' steps timed in short alternating blocks, so drift cannot fake a speedup.
+
+The quality runs train one policy after another; on a shared machine another job can slow one policy's
+whole run (126 of 300 fp32 steps over 1 s once made bf16 look 1.5x faster than it is). After them, the
+bench times every policy again *interleaved*: one resident worker process per policy (the same engine,
+model, seed and batch stream as its quality run, built by :func:`serve`), then rounds of short blocks
+A B C … A B C … (each round starts one policy later), so drift lands on every policy alike. Each block
+starts with one untimed step: the first step after a worker sat idle wakes its threads and refills caches, a
+fixed cost that would otherwise weigh more on the faster policies. Per policy:
+median, p10 and p90 of all timed steps, and the spread p90/p10. When a policy's spread exceeds
+:data:`SPREAD_LIMIT` the rounds are repeated (at most :data:`RETIMES` times); if it stays above, the timing
+is ``noisy``: the console, report.md and results.json say so and no speed verdict is given.
+
+Source: the A/B interleaving of ``benchmarks/overhead.py``; the threshold is the same order as
+:data:`mixprec.autocast.op_plan.NOISY_SPREAD`. Host syncs: the workers' (one per step for timing).
+"""
+
+from __future__ import annotations
+
+import json
+import statistics
+import subprocess
+import sys
+from dataclasses import asdict
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+from mixprec.programs.bench.measure import percentile, time_steps
+from mixprec.programs.bench.worker import RunSpec, build_engine, train_step
+from mixprec.workloads import get_workload
+
+__all__ = ["SPREAD_LIMIT", "RETIMES", "TIMING_MALLOC_ENV", "time_interleaved", "serve"]
+
+SPREAD_LIMIT = 1.5    # p90/p10 of a policy's interleaved steps above which its timing is noisy
+RETIMES = 1           # extra sets of rounds tried while a policy is noisy
+# The interleaved timing workers' glibc malloc thresholds (unless the environment sets them): a long-lived
+# process keeps its heap, so the step time is compute, not page faults. With glibc's adaptive defaults a lone
+# gpt/mid bf16-mixed worker returned ~40 MB to the OS and faulted it back every step (10.9k minor faults per
+# step, measured with getrusage): bf16-mixed 99 ms instead of 89, fp32 192 instead of 182 (2026-12-01, this
+# 2-core Xeon), which turned a 2.0x speedup into 1.77x. Export the same two variables to get the timed speed
+# in your own runs. Ignored by other C libraries (macOS, musl).
+TIMING_MALLOC_ENV = {"MALLOC_MMAP_THRESHOLD_": str(256 * 2**20), "MALLOC_TRIM_THRESHOLD_": str(2**30)}
+
+
+def serve(spec: RunSpec) -> int:
+    """The worker side (``python -m mixprec.programs.bench --serve SPEC_JSON``): build the policy's engine as its quality
+    run did, print ``{"ready": ...}``, then for each stdin line ``{"steps": k, "untimed": u}`` train u untimed and
+    k timed steps and print ``{"times_ms": [...]}``; ``{"quit": true}`` or end of input stops it. Returns the exit status."""
+    try:
+        workload = get_workload(spec.workload, config=spec.config, data=spec.data, lora=spec.lora)
+        mp = build_engine(workload, spec.policy, steps=max(spec.steps, 1), seed=spec.seed, device=spec.device,
+                          compile=spec.compile)
+        batches = _forever(workload, spec.seed)
+    except Exception as err:   # reported to the runner, which times the others
+        print(json.dumps({"ready": False, "error": f"{type(err).__name__}: {err}"}), flush=True)
+        return 1
+    print(json.dumps({"ready": True, "policy": str(mp.policy)}), flush=True)
+    for line in sys.stdin:
+        command = json.loads(line)
+        if command.get("quit"):
+            break
+        step = lambda: train_step(mp, workload, next(batches))   # noqa: E731
+        time_steps(step, mp.device, int(command.get("untimed", 0)))   # the block's first step wakes threads, caches
+        times = time_steps(step, mp.device, int(command["steps"]))
+        print(json.dumps({"times_ms": times}), flush=True)
+    return 0
+
+
+def _forever(workload: Any, seed: int) -> Iterator[Any]:
+    """The workload's training batches, started again when a finite stream ends."""
+    while True:
+        yield from workload.batches("train", seed)
+
+
+def _ask(proc: subprocess.Popen, command: dict) -> dict:
+    proc.stdin.write(json.dumps(command) + "\n")
+    proc.stdin.flush()
+    line = proc.stdout.readline()
+    if not line:
+        raise RuntimeError(f"the timing worker (pid {proc.pid}) exited (status {proc.wait()})")
+    return json.loads(line)
+
+
+def time_interleaved(specs: dict[str, RunSpec], workdir: Path, env: dict[str, str], *, block_steps: int,
+                     rounds: int, warmup_steps: int) -> dict[str, Any]:
+    """Time every policy of ``specs`` (row name → its quality run's spec) interleaved, as the module says.
+
+    Returns results.json's ``timing``: ``method`` (``"interleaved"``), ``blocks`` (per policy), ``block_steps``,
+    ``step_ms`` (row → ``median``/``p10``/``p90`` in ms, None when its worker failed), ``spread`` (row → p90/p10),
+    ``retimed`` (sets of rounds beyond the first), ``noisy`` (a spread still above :data:`SPREAD_LIMIT`),
+    ``errors`` (row → why it was not timed), ``malloc_env`` (the workers' :data:`TIMING_MALLOC_ENV`; a
+    variable already set in ``env`` wins)."""
+    env = {**env, **{k: env.get(k, v) for k, v in TIMING_MALLOC_ENV.items()}}   # a set variable wins
+    procs: dict[str, subprocess.Popen] = {}
+    errors: dict[str, str] = {}
+    times: dict[str, list[float]] = {}
+    try:
+        for name, spec in specs.items():
+            spec_path = workdir / f"timing-{''.join(c if c.isalnum() or c in '-_' else '_' for c in name)}.spec.json"
+            spec_path.write_text(json.dumps(asdict(spec), indent=1))
+            log = open(spec_path.with_suffix(".log"), "w", encoding="utf-8")
+            procs[name] = subprocess.Popen([sys.executable, "-m", "mixprec.programs.bench", "--serve", str(spec_path)],
+                                           stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=log, text=True,
+                                           env=env)
+            log.close()
+        for name, proc in list(procs.items()):
+            ready = json.loads(proc.stdout.readline() or '{"ready": false, "error": "no reply"}')
+            if not ready.get("ready"):
+                errors[name] = ready.get("error", "the timing worker did not start")
+                continue
+            _ask(proc, {"steps": warmup_steps})
+            times[name] = []
+        live = list(times)
+        retimed = 0
+        for attempt in range(1 + RETIMES):
+            for r in range(rounds):
+                for name in live[r % len(live):] + live[:r % len(live)] if live else []:
+                    try:
+                        times[name] += _ask(procs[name], {"steps": block_steps, "untimed": 1})["times_ms"]
+                    except (RuntimeError, ValueError) as err:
+                        errors[name] = str(err)
+                live = [n for n in live if n not in errors]
+            spread = {n: percentile(times[n], 0.9) / percentile(times[n], 0.1) for n in live}
+            if attempt == RETIMES or all(s <= SPREAD_LIMIT for s in spread.values()):
+                break
+            retimed += 1
+            for n in live:       # a noisy set is not kept: the next one replaces it
+                times[n] = []
+    finally:
+        for proc in procs.values():
+            try:
+                if proc.poll() is None:
+                    proc.stdin.write(json.dumps({"quit": True}) + "\n")
+                    proc.stdin.close()
+                proc.wait(timeout=60)
+            except (OSError, ValueError, subprocess.TimeoutExpired):
+                proc.kill()
+    step_ms = {n: ({"median": statistics.median(t), "p10": percentile(t, 0.1), "p90": percentile(t, 0.9)}
+                   if t and n not in errors else None) for n, t in times.items()}
+    spread = {n: round(v["p90"] / v["p10"], 3) for n, v in step_ms.items() if v}
+    return {"method": "interleaved", "blocks": rounds, "block_steps": block_steps, "step_ms": step_ms,
+            "spread": spread, "retimed": retimed, "noisy": any(s > SPREAD_LIMIT for s in spread.values()),
+            "spread_limit": SPREAD_LIMIT, "errors": errors, "malloc_env": {k: env[k] for k in TIMING_MALLOC_ENV}}

@@ -1,0 +1,564 @@
+"""Bench outputs: ``results.json``, ``report.md``, ``loss_curves.png``, ``speed_memory.png``.
+
+``results.json`` (strict JSON: non-finite numbers are written as null)::
+
+    {"mixprec_bench": 1, "created": ISO time, "command": "mixprec bench ...",
+     "settings": {workload, config, policies, steps, warmup_steps, seed, data, device, force,
+                  eval_every, targets: {max_loss_delta, min_speedup, max_memory_ratio}},
+     "workload": Workload.describe() (model, optimizer, data source and split, vocabulary),
+     "environment": {torch, python, platform, device, torch_threads, capability,
+                     peaks_gflops_per_s: {fp32, bf16, fp16, fp8}, peaks_matmul_n, command,
+                     cpu_name + cpu_flags + cpu_count (CPU) | gpu_name (CUDA)},
+     "reference": "fp32",
+     "policies": {requested name: {POLICY_KEYS...}, ...},   # fp32 first
+     "timing": {method, blocks, block_steps, spread: {policy: p90/p10}, noisy, ...},
+     "seed_noise": {seeds, fp32_eval_losses, relative_spread, fp32_eval_curves} | null,
+     "mfu_peak": {dtype, gflops_per_s} | null, "portable_ops": {...} | null,
+     "parent_pid": int, "wall_s": float}
+
+Per policy (:data:`POLICY_KEYS`; a SKIPPED policy has null measurements): units are in the
+names (``_ms``, ``_mb`` = MiB, ``_per_s``); ``speedup_vs_fp32`` = fp32 median step time / this
+one; ``memory_ratio_vs_fp32`` = peak memory / fp32's; ``eval_loss_delta_vs_fp32`` = relative
+final validation-loss change, ``(loss - loss_fp32) / loss_fp32``; ``eval_curve`` = ``[[step, eval loss], ...]``
+after every ``eval_every``-th step, the final eval last (``loss_unit``, e.g. ``"nats/char"``); ``state_bytes_per_param`` is
+measured from the tensors (:func:`mixprec.programs.bench.measure.state_bytes`); ``decision`` is how the
+engine resolved the policy; ``pid`` is the worker process. Under ``bench --compile`` each policy has
+a second row, ``<policy>+compiled`` (``compiled``: true), trained by ``MixedPrecision(..., compile=True)``;
+its ``compile_time_s`` is the time its warm-up steps took beyond its median step (the compilation,
+in the first step), so ``step_time_ms_median`` is the compiled steady state; ``first_step_ms`` and
+``warmup_excess_s`` are recorded for every row (eager rows: kernel and allocator set-up).
+"""
+
+from __future__ import annotations
+
+import json
+import math
+from pathlib import Path
+from typing import Any
+
+__all__ = ["POLICY_KEYS", "COMPILED_SUFFIX", "write_outputs", "format_table", "auto_lines", "op_plan_lines", "timing_lines", "seed_noise_lines", "eval_curve_lines", "report_markdown",
+           "plot_loss_curves", "plot_speed_memory"]
+
+COMPILED_SUFFIX = "+compiled"   # the row of a policy run under bench --compile
+POLICY_KEYS = (
+    "requested", "policy", "decision", "compute_dtype", "device", "pid", "optimizer", "steps",
+    "step_time_ms_median", "step_time_ms_p10", "step_time_ms_p90", "tokens_per_s", "items_per_s", "item_unit", "speedup_vs_fp32",
+    "gflops_per_s", "peak_gflops_per_s", "mfu", "mfu_own_dtype", "peak_memory_mb", "memory_ratio_vs_fp32", "memory_source",
+    "state_bytes_per_param", "state_bytes", "final_eval", "final_eval_loss", "eval_loss_delta_vs_fp32",
+    "skipped_steps", "skipped_by_reason", "loss_per_step", "loss_scale_history", "grad_norm_per_step",
+    "lr_per_step", "step_time_ms_per_step", "events", "verdict", "reason", "skipped_reason", "error",
+    "compiled", "first_step_ms", "warmup_excess_s", "compile_time_s", "eval_curve", "loss_unit",
+)
+_HOW_TO_READ = """\
+## How to read a verdict
+
+Every policy trains the same model from the same seed on the same batches as fp32 (the
+REFERENCE), each in its own process. Its final validation loss (on fixed validation batches,
+under the policy's own autocast) is compared with fp32's as a relative delta: +1.00 % means
+1 % higher (worse) loss. A policy PASSES when that delta is at most `--max-loss-delta`
+and, where given, its speedup (fp32 median step time / its own) is at least `--min-speedup`
+and its peak-memory ratio to fp32 is at most `--max-memory-ratio`. FAIL lists every target
+missed (or the crash); SKIPPED gives the measured reason the device cannot run the policy
+natively (`--force` runs it anyway). *bytes/param* is the training state read from the
+actual tensors (params, grads, fp32 masters, optimizer state, compensation buffers). On a
+CPU, peak memory is the process's peak RSS, which includes a few hundred MiB of interpreter
+and torch libraries, so its ratio understates state savings; bytes/param shows them. It also
+includes glibc heap fragmentation, which grows with varying tensor sizes (e.g. a masked-LM's
+varying number of masked tokens) and can make a 16-bit policy's peak RSS *exceed* fp32's;
+`MALLOC_MMAP_THRESHOLD_=131072` in the environment removes most of it. That is the opposite of
+the timing workers' setting (the timing line's 256 MiB threshold, which keeps the heap so a step
+does not re-fault it): a low threshold trades step time for peak RSS. Peak memory here comes
+from the training runs, under glibc's defaults.
+"""
+
+
+def _noise_line(policies: dict) -> str:
+    """Step-time spread per policy (p90 / p10) and a warning when it makes speedups unreliable."""
+    spread = {name: e["step_time_ms_p90"] / e["step_time_ms_p10"] for name, e in policies.items()
+              if e.get("step_time_ms_p10") and e.get("step_time_ms_p90")}
+    if not spread:
+        return "Step-time spread: not measured."
+    text = "Step-time spread (p90/p10): " + ", ".join(f"{n} {r:.2f}" for n, r in spread.items()) + "."
+    if max(spread.values()) > 1.5:
+        text += (" **Warning: timings are noisy** (another process sharing the CPU?): the speedups are "
+                 "unreliable; rerun on a quiet machine. Quality verdicts are unaffected.")
+    return text
+
+
+def _event_lines(policies: dict) -> list[str]:
+    """One line per engine/guard event per policy, or a line saying there were none."""
+    lines = [f"- {name}, step {ev.get('step')}: {ev.get('kind')} — {ev.get('cause')}"
+             + (f" (module `{ev['module']}`)" if ev.get("module") else "") + f": {ev.get('detail', '')}"
+             for name, e in policies.items() for ev in (e.get("events") or [])]
+    skipped = [f"- {name}: {e['skipped_steps']} skipped step(s) {e.get('skipped_by_reason') or ''}"
+               for name, e in policies.items() if e.get("skipped_steps")]
+    return lines + skipped or ["- none: every step of every policy applied"]
+
+
+def _advice_lines(results: dict) -> list[str]:
+    """``--policies advised``: what the numerics advisor chose and why, and which row it is (when it
+    equals a policy also asked for by name, that policy runs once)."""
+    advice = results.get("advice")
+    if not advice:
+        return []
+    chosen = advice["policy"]
+    row = f"its row is `{chosen}`" if chosen in results["policies"] else "it did not run"
+    if chosen in results["settings"].get("requested_policies", ()):
+        row += " (also asked for by name: it ran once)"
+    return [f"Advised policy (`mixprec inspect`): `{chosen}`; {row}. Why: " + "; ".join(advice["reasons"]), ""]
+
+
+def _state_lines(policies: dict) -> list[str]:
+    """Per policy: trainable and frozen parameter counts with the training-state bytes of each part
+    (frozen params: storage only, no grad/master/state), and any eval metric besides the loss."""
+    lines = []
+    for name, e in policies.items():
+        sb = e.get("state_bytes") or {}
+        if not sb.get("n_params"):
+            continue
+        n, frozen = sb["n_params"], sb.get("n_frozen", 0)
+        text = (f"- {name}: {n - frozen:,} trainable ({(n - frozen) / n:.2%}) at "
+                f"{_fmt(sb.get('per_trainable_param'), '.2f')} B/param")
+        if frozen:
+            text += f", {frozen:,} frozen at {_fmt(sb.get('per_frozen_param'), '.2f')} B/param"
+        text += f"; whole model {_fmt(sb.get('per_param'), '.2f')} B/param ({sb.get('total', 0) / 2**20:,.1f} MiB)"
+        if sb.get("quantized_state"):   # 8-bit moments: codes + absmax scales, the rest of the state is fp32
+            text += (f"; optimizer state {sb['optimizer_state'] / n:.2f} B/param, of which 8-bit codes and scales "
+                     f"{sb['quantized_state'] / n:.2f} ({sb.get('quantized_elements', 0):,} moment elements)")
+        extra = {k: v for k, v in (e.get("final_eval") or {}).items() if k != "loss"}
+        if extra:
+            text += "; final eval " + ", ".join(f"{k} {_fmt(v, '.4f')}" for k, v in extra.items())
+        lines.append(text)
+    return lines or ["- not measured"]
+
+
+def _compile_lines(results: dict) -> list[str]:
+    """``--compile``: what the ``+compiled`` rows are, and compiled vs eager step time per policy."""
+    if not _has_compiled(results):
+        return []
+    policies = results["policies"]
+    pairs = [(name, policies[name], policies.get(name + COMPILED_SUFFIX)) for name in results["settings"]["policies"]]
+    lines = ["", "Compiled rows (`<policy>+compiled`): the same policy, seed and batches, trained by "
+             "`MixedPrecision(..., compile=True)` (torch.compile, inductor) in its own process. *compile s* is the "
+             "time its warm-up steps took beyond its median step (the compilation, in the first step): it is "
+             "not part of *step ms*, the compiled steady state. Speedups are against eager fp32.", ""]
+    for name, eager, compiled in pairs:
+        if compiled is None or eager.get("step_time_ms_median") is None or compiled.get("step_time_ms_median") is None:
+            continue
+        ratio = eager["step_time_ms_median"] / compiled["step_time_ms_median"]
+        lines.append(f"- {name}: eager {eager['step_time_ms_median']:.1f} ms/step, compiled "
+                     f"{compiled['step_time_ms_median']:.1f} ms/step ({ratio:.2f}x eager), compile "
+                     f"{_fmt(compiled.get('compile_time_s'), '.1f', ' s')} (first step "
+                     f"{_fmt(compiled.get('first_step_ms'), ',.0f', ' ms')})")
+    return lines
+
+
+def _fmt(value: Any, spec: str, suffix: str = "") -> str:
+    if value is None or (isinstance(value, float) and not math.isfinite(value)):
+        return "-"
+    return f"{value:{spec}}{suffix}"
+
+
+def _has_compiled(results: dict) -> bool:
+    return bool(results.get("settings", {}).get("compile"))
+
+
+def _rows(results: dict) -> list[list[str]]:
+    """One row per policy; under ``--compile`` a last column, the compile time in seconds."""
+    rows = []
+    for name, e in results["policies"].items():
+        compiled = [_fmt(e.get("compile_time_s"), ".1f")] if _has_compiled(results) else []
+        rows.append([
+            name, e["verdict"], _fmt(e.get("step_time_ms_median"), ".1f"), _fmt(e.get("speedup_vs_fp32"), ".2f", "x"),
+            _fmt(e.get("items_per_s"), ",.0f"), _fmt(e.get("gflops_per_s"), ".1f"), _fmt(e.get("mfu"), ".1%"),
+            _fmt(e.get("peak_memory_mb"), ",.0f"), _fmt(e.get("memory_ratio_vs_fp32"), ".2f", "x"),
+            _fmt(e.get("state_bytes_per_param"), ".2f"), _fmt(e.get("final_eval_loss"), ".4f"),
+            _fmt(e.get("eval_loss_delta_vs_fp32"), "+.2%"), _fmt(e.get("skipped_steps"), "d"), *compiled,
+        ])
+    return rows
+
+
+def _headers(results: dict) -> list[str]:
+    unit = next((e["item_unit"] for e in results["policies"].values() if e.get("item_unit")), "items")
+    peak = results.get("mfu_peak")
+    mfu = f"MFU vs {peak['dtype']} peak" if peak else "MFU"
+    return ["policy", "verdict", "step ms", "speedup", f"{unit}/s", "GFLOP/s", mfu, "peak MiB",
+            "mem ratio", "bytes/param", "eval loss", "loss delta", "skipped steps"] + \
+        (["compile s"] if _has_compiled(results) else [])
+
+
+def format_table(results: dict) -> str:
+    """The compact plain-text table printed at the end of a bench run."""
+    headers = ["policy", "verdict", "step ms", "speedup", "peak MiB", "B/param", "eval loss", "delta", "skips"]
+    keep = [0, 1, 2, 3, 7, 9, 10, 11, 12]
+    if _has_compiled(results):
+        headers, keep = headers + ["compile s"], keep + [13]
+    rows = [[row[i] for i in keep] for row in _rows(results)]
+    states = [e.get("state_bytes") or {} for e in results["policies"].values()]
+    if any(sb.get("n_frozen") for sb in states):   # LoRA / frozen layers: the two parts' bytes/param
+        headers.insert(6, "train/frozen B/param")
+        for row, sb in zip(rows, states):
+            row.insert(6, f"{_fmt(sb.get('per_trainable_param'), '.2f')} / {_fmt(sb.get('per_frozen_param'), '.2f')}")
+    widths = [max(len(h), *(len(r[i]) for r in rows)) for i, h in enumerate(headers)]
+    line = lambda cells: "  ".join(c.ljust(w) if i < 2 else c.rjust(w) for i, (c, w) in enumerate(zip(cells, widths)))
+    return "\n".join([line(headers), line(["-" * w for w in widths]), *map(line, rows)])
+
+
+def auto_lines(results: dict) -> list[str]:
+    """One line per ``auto`` row: the policy it ran and why (the engine's decision: the ratio measured on
+    the model at its first forward, or the matmul probe's rule)."""
+    return [e["decision"] if e["decision"].startswith("auto →") else f"{name} ran {e.get('policy')}: {e['decision']}"
+            for name, e in results["policies"].items()
+            if str(e.get("requested") or name).lower() == "auto" and e.get("decision")]
+
+
+def _malloc_text(malloc_env: dict | None) -> str:
+    """How the timing workers' malloc was set (their step time is compute, not page faults: interleaved.TIMING_MALLOC_ENV)."""
+    if not malloc_env:
+        return ""
+    return "; malloc: " + " ".join(f"{k}={v}" for k, v in malloc_env.items())
+
+
+def timing_lines(results: dict) -> list[str]:
+    """How the step times were measured, and whether they can carry a speed verdict (console and report.md)."""
+    t = results.get("timing") or {}
+    spread = ", ".join(f"{n} {v:.2f}" for n, v in (t.get("spread") or {}).items())
+    if t.get("method") == "interleaved":
+        how = (f"timing: interleaved ({t['blocks']} rounds of {t['block_steps']} steps per policy in resident "
+               f"workers{', re-timed ' + str(t['retimed']) + 'x' if t.get('retimed') else ''}"
+               f"{_malloc_text(t.get('malloc_env'))}); p90/p10 spread: {spread}")
+    else:
+        how = f"timing: sequential (each policy's quality run); p90/p10 spread: {spread}"
+    lines = [how]
+    if t.get("noisy"):
+        lines.append(f"TIMINGS NOISY: a policy's p90/p10 spread stayed above {t.get('spread_limit', 1.5)} — the "
+                     "machine was busy; the speedups are unreliable and no speed verdict is given")
+    lines += [f"timing: {n} not timed interleaved: {err}" for n, err in (t.get("errors") or {}).items()]
+    return lines
+
+
+def seed_noise_lines(results: dict) -> list[str]:
+    """The seed-noise band: fp32's final eval loss at each seed and their relative spread."""
+    noise = results.get("seed_noise")
+    if not noise:
+        return []
+    losses = ", ".join(f"seed {s}: {v:.4f}" for s, v in zip(noise["seeds"], noise["fp32_eval_losses"]))
+    if noise.get("relative_spread") is None:
+        return [f"seed noise: not measured ({noise.get('error')}); {losses}"]
+    return [f"seed noise: fp32 eval loss {losses}; band ±{noise['relative_spread']:.2%} (a delta inside it is "
+            "indistinguishable from another seed)"]
+
+
+def op_plan_lines(results: dict) -> list[str]:
+    """The console's op plan: each training key once (the first policy that planned it), its choice and the
+    candidates' times; report.md has every key per policy."""
+    seen: dict[str, str] = {}
+    for name, entry in results["policies"].items():
+        for e in entry.get("op_plan") or []:
+            if e["shape"].endswith("fwd+bwd") and e["shape"] not in seen:
+                times = ", ".join(f"{c} {t:.2f} ms" for c, t in e["times_ms"].items() if t is not None)
+                seen[e["shape"]] = f"op plan ({name}): {e['shape']} -> {e['chosen']} ({e['source']}; {times})"
+    return list(seen.values())
+
+
+def _portable_lines(results: dict) -> list[str]:
+    """What ``ops=portable`` (CUDA's autocast op lists on this device) cost: the interleaved A/B timing."""
+    cost = results.get("portable_ops")
+    if not cost:
+        return []
+    ratio = cost["ratio_portable_over_native"]
+    return ["", f"Portable ops (`ops=portable`, the default: CUDA's autocast op lists on this device): "
+            f"{cost['policy']} {cost['portable_step_ms_median']:.1f} ms/step against "
+            f"{cost['native_step_ms_median']:.1f} ms/step with `ops=native` (torch's own lists), ratio {ratio:.3f} "
+            f"(median of {cost['timed_steps_each']} steps each, interleaved in one process; target <= 1.03"
+            f"{'' if ratio <= 1.03 else ': above it here'})."]
+
+
+def _op_plan_lines(results: dict) -> list[str]:
+    """The measured op plan (``kernels=measured``): per policy, each planned op's key, choice and candidate times."""
+    rows = [(name, e) for name, entry in results["policies"].items() for e in entry.get("op_plan") or []]
+    if not rows:
+        return []
+    candidates = sorted({c for _, e in rows for c in e["times_ms"]})
+    lines = ["", "## Op plan (`kernels=measured`: the kernel measured fastest on this device at each shape)", "",
+             "| policy | op | key | chosen | source | " + " | ".join(f"{c} (ms)" for c in candidates) + " |",
+             "|---|---|---|---|---|" + "---:|" * len(candidates)]
+    for name, e in rows:
+        times = [_fmt(e["times_ms"].get(c), ".2f") for c in candidates]
+        lines.append(f"| {name} | {e['op']} | `{e['shape']}` | **{e['chosen']}** | {e['source']} | "
+                     + " | ".join(times) + " |")
+    lines.append("")
+    lines.append("Times: best of interleaved forward (+backward for `fwd+bwd` keys) runs on random inputs of the "
+                 "key's shapes (`mixprec.autocast.op_plan`); the default (`fused`, torch.autocast's kernel) is replaced only "
+                 "by a candidate at least 5 % faster; `cache`: measured by an earlier run on this machine.")
+    return lines
+
+
+def eval_curve_lines(results: dict) -> list[str]:
+    """report.md's eval-curve table: per eval step, each policy's eval loss (and its delta vs fp32) and the
+    fp32 seeds' spread at that step."""
+    ran = _ran(results)
+    reference = _curve(ran.get(results["reference"]))
+    if len(reference) < 2:
+        return []
+    band = _seed_band(results)
+    names = list(ran)
+    curves = {name: _curve(ran[name]) for name in names}
+    lines = [f"## Eval loss over training (every {results['settings'].get('eval_every')} steps, {_loss_unit(results)})",
+             "", "| step | " + " | ".join(names) + (" | seed noise |" if band else " |"),
+             "|---:|" + "---:|" * (len(names) + bool(band))]
+    for step, ref in sorted(reference.items()):
+        cells = []
+        for name in names:
+            value = curves[name].get(step)
+            delta = "" if name == results["reference"] or value is None or not ref else f" ({(value - ref) / ref:+.2%})"
+            cells.append(_fmt(value, ".4f") + delta)
+        seed = [f"±{band[step]:.2%}" if step in band else "-"] if band else []
+        lines.append(f"| {step} | " + " | ".join(cells + seed) + " |")
+    return lines + [""]
+
+
+def report_markdown(results: dict) -> str:
+    """``report.md``: the table, each verdict with its reason, how each policy ran, the command."""
+    s, env, w = results["settings"], results["environment"], results["workload"]
+    t = s["targets"]
+    targets = [f"max loss delta +{t['max_loss_delta']:.2%}"]
+    targets += [f"min speedup {t['min_speedup']}x"] if t["min_speedup"] else []
+    targets += [f"max memory ratio {t['max_memory_ratio']}x"] if t["max_memory_ratio"] else []
+    hardware = env.get("gpu_name") or f"{env.get('cpu_name')}, {env['torch_threads']} threads, flags: " \
+                                        f"{' '.join(env.get('cpu_flags') or []) or 'n/a'}"
+    peaks = ", ".join(f"{k} {_fmt(v, '.1f')}" for k, v in env["peaks_gflops_per_s"].items())
+    headers = _headers(results)
+    lines = [
+        f"# mixprec bench: {s['workload']}/{s['config'] or 'default'}, {s['steps']} steps, seed {s['seed']}, "
+        f"{s['device']}",
+        "",
+        "Command:",
+        "",
+        f"```\n{results['command']}\n```",
+        "",
+        f"Targets: {', '.join(targets)}. Device: {s['device']} ({hardware}); torch {env['torch']}, "
+        f"python {env['python']}. Matmul peaks (GFLOP/s, `mixprec doctor`): {peaks}.",
+        f"Workload: {w.get('workload', s['workload'])}, {json.dumps(w.get('model', {}))}; "
+        f"{w.get('items_per_batch', '?')} {w.get('item_unit', 'items')} per step; data: "
+        f"{(w.get('data') or {}).get('source', 'workload-defined')}. Step time is the median after "
+        f"{s['warmup_steps']} warm-up steps.",
+        *_compile_lines(results),
+        *_portable_lines(results),
+        *(["", *(f"How auto decided: {line}." for line in auto_lines(results))] if auto_lines(results) else []),
+        "",
+        *(f"{line}." for line in timing_lines(results) + seed_noise_lines(results)),
+        "",
+        _noise_line(results["policies"]),
+        "",
+        *_advice_lines(results),
+        "| " + " | ".join(headers) + " |",
+        "|" + "|".join("---" if i < 2 else "---:" for i in range(len(headers))) + "|",
+        *("| " + " | ".join(row) + " |" for row in _rows(results)),
+        "",
+        *_op_plan_lines(results),
+        *eval_curve_lines(results),
+        "## Parameters and training state",
+        "",
+        *(_state_lines(results["policies"])),
+        "",
+        "## Verdicts",
+        "",
+        *(f"- **{name}: {e['verdict']}**: {e['reason']}" for name, e in results["policies"].items()),
+        "",
+        "## How each policy ran",
+        "",
+        *(f"- {name}: `{e.get('policy') or '-'}` ({e.get('decision') or e.get('skipped_reason') or e.get('error')}); "
+          f"optimizer {e.get('optimizer') or '-'}; worker pid {e.get('pid') or '-'}"
+          for name, e in results["policies"].items()),
+        "",
+        "## Events (skips, rollbacks, escalations)",
+        "",
+        *(_event_lines(results["policies"])),
+        "",
+        "![training loss](loss_curves.png)",
+        "",
+        "![speed and memory](speed_memory.png)",
+        "",
+        _HOW_TO_READ,
+    ]
+    return "\n".join(lines)
+
+
+def _ran(results: dict) -> dict[str, dict]:
+    return {n: e for n, e in results["policies"].items() if e.get("loss_per_step")}
+
+
+def _moving_average(values: list[float], window: int) -> list[float]:
+    return [sum(values[max(0, i - window + 1):i + 1]) / len(values[max(0, i - window + 1):i + 1])
+            for i in range(len(values))]
+
+
+_STYLES = ("-", "--", "-.", ":")          # policies that track fp32 overlap: dashes keep each one visible
+_MARKERS = ("o", "s", "^", "D", "v", "P", "X", "*")
+
+
+def _width(index: int, count: int) -> float:
+    """Line width by drawing order, widest first: a curve drawn over an identical one leaves it showing as an outline."""
+    return 1.0 + 0.7 * (count - 1 - index)
+
+
+def _curve(entry: dict | None) -> dict:
+    """A row's ``eval_curve`` as ``{step: eval loss or None}``."""
+    return dict((step, loss) for step, loss in (entry or {}).get("eval_curve") or [])
+
+
+def _loss_unit(results: dict) -> str:
+    return next((e["loss_unit"] for e in _ran(results).values() if e.get("loss_unit")),
+                "unit not set: Workload.loss_unit")
+
+
+def _plot_training(ax: Any, results: dict, window: int) -> None:
+    """Training loss per step: raw (faint) and a trailing moving average, one colour and dash per policy."""
+    for index, (name, e) in enumerate(_ran(results).items()):
+        losses = [math.nan if v is None else v for v in e["loss_per_step"]]
+        steps = range(1, len(losses) + 1)
+        (line,) = ax.plot(steps, _moving_average(losses, window), lw=_width(index, len(_ran(results))),
+                          ls=_STYLES[index % len(_STYLES)],
+                          color=f"C{index}", label=name)
+        ax.plot(steps, losses, lw=0.5, alpha=0.2, color=line.get_color())
+    ax.plot([], [], color="gray", lw=0.5, alpha=0.5, label="raw, per step (faint)")
+    smooth = f"lines: trailing mean over {window} steps" if window > 1 else "per step"
+    ax.set(ylabel=f"training loss ({_loss_unit(results)})", title=f"training loss ({smooth})")
+    ax.legend(fontsize=7, ncol=3)
+    ax.grid(alpha=0.3)
+
+
+def _plot_eval(ax: Any, results: dict) -> None:
+    """Eval loss at each eval point (the row's ``eval_curve``), with markers and dashes so overlaps stay visible."""
+    for index, (name, e) in enumerate(_ran(results).items()):
+        curve = [(st, v) for st, v in e.get("eval_curve") or [] if v is not None]
+        if curve:
+            ax.plot(*zip(*curve), lw=_width(index, len(_ran(results))), ls=_STYLES[index % len(_STYLES)],
+                    marker=_MARKERS[index % len(_MARKERS)], ms=3 + 2 * _width(index, len(_ran(results))), mfc="none", color=f"C{index}", label=f"{name} (final {_fmt(e.get('final_eval_loss'), '.4f')})")
+    ax.set(ylabel=f"eval loss ({_loss_unit(results)})", title="validation loss over training (fixed val batches)")
+    ax.legend(fontsize=7, ncol=2)
+    ax.grid(alpha=0.3)
+
+
+def _seed_band(results: dict) -> dict[int, float]:
+    """Per eval step, the fp32 seeds' relative spread ((max - min) / min) — the band a delta is read against."""
+    curves = [_curve({"eval_curve": c}) for c in (results.get("seed_noise") or {}).get("fp32_eval_curves") or [] if c]
+    if len(curves) < 2:
+        return {}
+    band = {}
+    for step in curves[0]:
+        values = [c.get(step) for c in curves]
+        if all(v is not None for v in values):
+            band[step] = (max(values) - min(values)) / min(values)
+    return band
+
+
+def _plot_eval_delta(ax: Any, results: dict) -> None:
+    """Eval-loss delta vs fp32 (%) at each eval point, the gate (+max loss delta, judged at the final point)
+    and the seed-noise band (shaded ±, per eval point)."""
+    reference = _curve(_ran(results).get(results["reference"]))
+    for index, (name, e) in enumerate(_ran(results).items()):
+        points = [(st, 100 * (v - reference[st]) / reference[st]) for st, v in e.get("eval_curve") or []
+                  if name != results["reference"] and v is not None and reference.get(st)]
+        if points:
+            ax.plot(*zip(*points), lw=_width(index, len(_ran(results))), ls=_STYLES[index % len(_STYLES)],
+                    marker=_MARKERS[index % len(_MARKERS)], ms=3 + 2 * _width(index, len(_ran(results))), mfc="none", color=f"C{index}", label=name)
+    band = _seed_band(results)
+    if band:
+        steps = sorted(band)
+        ax.fill_between(steps, [-100 * band[st] for st in steps], [100 * band[st] for st in steps], color="gray",
+                        alpha=0.2, label=f"seed noise (fp32 at {len([c for c in results['seed_noise']['fp32_eval_curves'] if c])} seeds)")
+    limit_pct = 100 * results["settings"]["targets"]["max_loss_delta"]
+    ax.axhline(0, color="black", lw=0.8)
+    ax.axhline(limit_pct, color="red", lw=0.8, ls="--", label=f"gate: --max-loss-delta +{limit_pct:g}% (final eval)")
+    ax.set(xlabel="step (optimizer steps)", ylabel="eval loss vs fp32 (%)")
+    ax.legend(fontsize=7, ncol=3)
+    ax.grid(alpha=0.3)
+
+
+def plot_loss_curves(results: dict, path: Path) -> Any:
+    """Three panels sharing the step axis: training loss (raw and smoothed), eval loss at each eval point, and
+    each policy's eval-loss delta vs fp32 with the gate and the seed-noise band. Returns the (closed) matplotlib
+    Figure, whose axes can still be read."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    s = results["settings"]
+    fig, (ax, ax_eval, ax_delta) = plt.subplots(3, 1, figsize=(8, 9), sharex=True,
+                                                gridspec_kw={"height_ratios": [2, 1.5, 1.2]})
+    _plot_training(ax, results, max(1, s["steps"] // 20))
+    _plot_eval(ax_eval, results)
+    _plot_eval_delta(ax_delta, results)
+    fig.suptitle(f"{s['workload']}/{s['config'] or 'default'}, {s['steps']} steps, seed {s['seed']}, {s['device']}",
+                 fontsize=10)
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+    return fig
+
+
+def plot_speed_memory(results: dict, path: Path) -> Any:
+    """Bars per policy: median step time with p10/p90 whiskers (label: speedup), peak memory (label: ratio to
+    fp32), training-state bytes/param. Returns the (closed) matplotlib Figure."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    ran = _ran(results)
+    names = list(ran)
+    panels = [("step_time_ms_median", "step time (ms)", "median step time; whiskers p10-p90; label: speedup",
+               "speedup_vs_fp32"),
+              ("peak_memory_mb", "peak memory (MiB)", "peak memory; label: ratio to fp32", "memory_ratio_vs_fp32"),
+              ("state_bytes_per_param", "training state (bytes/param)", "training state per parameter", None)]
+    if (results.get("timing") or {}).get("noisy"):   # no speed verdict was given: the labels must not read as one
+        panels[0] = panels[0][:2] + ("TIMINGS NOISY: step times and speedups unreliable (no speed verdict)",
+                                     panels[0][3])
+    fig, axes = plt.subplots(1, 3, figsize=(13, 4.4))
+    for ax, (key, ylabel, title, ratio_key) in zip(axes, panels):
+        values = [ran[n].get(key) or 0.0 for n in names]
+        whiskers = None
+        if key == "step_time_ms_median":
+            whiskers = [[max(0.0, v - (ran[n].get("step_time_ms_p10") or v)) for v, n in zip(values, names)],
+                        [max(0.0, (ran[n].get("step_time_ms_p90") or v) - v) for v, n in zip(values, names)]]
+        bars = ax.bar(names, values, color=[f"C{i}" for i in range(len(names))], yerr=whiskers, capsize=3)
+        for i, (bar, n) in enumerate(zip(bars, names)):
+            label = _fmt(ran[n].get(ratio_key), ".2f", "x") if ratio_key else _fmt(ran[n].get(key), ".1f")
+            top = bar.get_height() + (whiskers[1][i] if whiskers else 0.0)   # above the whisker
+            ax.annotate(label, (bar.get_x() + bar.get_width() / 2, top), ha="center", va="bottom", fontsize=8)
+        ax.set(title=title, ylabel=ylabel, xlabel="policy")
+        ax.title.set_fontsize(9)
+        ax.tick_params(axis="x", rotation=30, labelsize=8)
+        ax.grid(axis="y", alpha=0.3)
+    method = (results.get("timing") or {}).get("method", "sequential")
+    fig.suptitle(f"speed and memory vs fp32 ({results['settings']['device']}; step time: {method} timing)",
+                 fontsize=10)
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+    return fig
+
+
+def _json_safe(value: Any) -> Any:
+    if isinstance(value, float) and not math.isfinite(value):
+        return None
+    if isinstance(value, dict):
+        return {k: _json_safe(v) for k, v in value.items()}
+    if isinstance(value, (list, tuple)):
+        return [_json_safe(v) for v in value]
+    return value
+
+
+def write_outputs(results: dict, out: Path) -> dict[str, Path]:
+    """Write the four outputs into ``out``; returns their paths by name."""
+    out = Path(out)
+    out.mkdir(parents=True, exist_ok=True)
+    paths = {name: out / name for name in ("results.json", "report.md", "loss_curves.png", "speed_memory.png")}
+    paths["results.json"].write_text(json.dumps(_json_safe(results), indent=1, allow_nan=False, default=str))
+    paths["report.md"].write_text(report_markdown(results))
+    plot_loss_curves(results, paths["loss_curves.png"])
+    plot_speed_memory(results, paths["speed_memory.png"])
+    return paths

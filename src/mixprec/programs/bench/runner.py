@@ -1,0 +1,471 @@
+"""``mixprec bench``: every policy side by side with fp32, one subprocess each, then verdicts.
+
+Plan: fp32 always runs, first, as the reference. Each other policy is resolved for the device
+with the measured capability (:func:`mixprec.policy.resolve.resolve`); a policy the device refuses,
+and fp16 on a CPU whose probe says fp16 is not native, is SKIPPED with the measured reason
+unless ``force=True``. Nothing is run in another precision than asked: each worker records
+the engine's ``policy`` and ``decision`` and the report shows them.
+
+Each runnable policy then trains in ``python -m mixprec.programs.bench``, the worker (its own process: peak
+memory is honest and runs cannot disturb each other) from the same seed and batch order. The
+runner reads each worker's measurements, computes the deltas against fp32 (speedup, memory
+ratio, relative eval-loss delta), judges them (:mod:`mixprec.programs.bench.verdict`) and writes the
+outputs (:mod:`mixprec.programs.bench.report`).
+
+**Default step count** (:data:`DEFAULT_STEPS` = 300, on ``gpt``/``mid``), measured on the
+2-core Xeon (AMX, avx512_bf16) this was written on, torch 2.13:
+
+* Budget: the whole default run must finish in 10 minutes. Median step times there: fp32
+  233 ms, bf16-mixed 160, bf16-pure 146, bf16-kahan 170, bf16-sr 181, i.e. 0.89 s for one
+  step of all five policies, plus 10-30 s per worker for start-up, model build and the final
+  evaluation. The default run took 447 s (7.5 min) with another job sharing the cores part of
+  the time: ~25 % headroom. (On a saturated machine, load 6 on 2 cores, it took 24 min: a
+  benchmark needs a quiet machine. The eval losses of both runs matched bit for bit, except
+  bf16-mixed's: 1.9704 vs 1.9700, not bit-reproducible from run to run on this CPU.)
+* Signal: at 300 steps the model is well past the unigram plateau (eval loss 1.97 nats/char
+  vs 2.56 at step 30). The final eval losses of the four bf16 policies lie within 0.09 % of
+  fp32's, below the fp32 seed-to-seed spread at 300 steps (seeds 0, 1, 2: 1.9698, 1.9810,
+  1.9741; standard deviation 0.29 %), so the 2 % gate sits about 7 standard deviations of
+  run-to-run noise above it: a FAIL means a real precision problem, not chance. At 30 steps
+  the deltas were larger (up to +0.30 %) and measured the steep initial drop, not training.
+
+Testing hook, read ONLY here: the environment variable ``MIXPREC_BENCH_CAPABILITY`` holds a
+JSON object of :class:`mixprec.policy.resolve.Capability` fields that replaces the measured probe when
+planning (e.g. ``{"device": "cpu", "bf16": true, "fp16": true, "bf16_fast": true,
+"fp16_native": false, "detail": "..."}`` makes fp16 SKIPPED on any CPU). The workers still
+run with the real device.
+"""
+
+from __future__ import annotations
+
+
+import json
+import math
+import os
+import platform
+import socket
+import subprocess
+import sys
+import time
+from dataclasses import asdict, dataclass, field, replace
+from pathlib import Path
+from typing import Any
+
+import torch
+from tqdm import tqdm
+
+from mixprec.programs.bench.report import COMPILED_SUFFIX, POLICY_KEYS, write_outputs
+from mixprec.programs.bench.verdict import Targets, judge
+from mixprec.programs.bench.worker import RunSpec
+from mixprec.policy.resolve import Capability, normalize_device, probe, resolve
+from mixprec.distributed.process import from_main_process, init_process_group_from_env, is_main_process, rank, world_size
+from mixprec.programs.doctor import cached_peaks, cpu_flags, cpu_name
+from mixprec.policy.policy import Policy
+from mixprec.workloads import get_workload
+
+__all__ = ["BenchConfig", "DEFAULT_POLICIES", "DEFAULT_STEPS", "DEFAULT_GPT_CONFIG", "CAPABILITY_ENV",
+           "run_bench", "plan_policy", "judge_policies", "warmup_steps_for", "eval_every_for"]
+
+DEFAULT_POLICIES = ("fp32", "bf16-mixed", "bf16-pure", "bf16-kahan", "bf16-sr")
+DEFAULT_STEPS = 300
+DEFAULT_GPT_CONFIG = "mid"
+REFERENCE = "fp32"
+CAPABILITY_ENV = "MIXPREC_BENCH_CAPABILITY"
+
+
+TIMING_METHODS = ("interleaved", "sequential")   # BenchConfig.timing: how step times are measured
+
+
+@dataclass(frozen=True)
+class BenchConfig:
+    """Everything one bench run needs (the CLI builds it from its flags).
+
+    ``config=None`` means ``mid`` for the ``gpt`` workload and the workload's own default
+    otherwise; ``steps=None`` the workload's ``default_steps`` (300 for gpt). ``lora`` (e.g.
+    ``"r=8,alpha=16,targets=query,value"``) fine-tunes LoRA adapters on a transformers workload. ``command`` is the exact command line, recorded in the outputs. ``strategy``
+    (``"ddp"``, ``"fsdp2"``): run under torchrun, one runner per rank (see :func:`run_bench`). ``compile``: each
+    policy also runs compiled (``MixedPrecision(..., compile=True)``, inductor) in its own worker, as
+    the row ``<policy>+compiled`` (:data:`mixprec.programs.bench.report.COMPILED_SUFFIX`), judged against eager fp32 like the others;
+    its compilation time is reported apart from its step time. ``timing``: ``"interleaved"`` (default: after
+    the quality runs, every policy is timed again in alternating blocks, :mod:`mixprec.programs.bench.interleaved`, and
+    its step time, throughput and speedup come from there) or ``"sequential"`` (each quality run's own steps).
+    ``seeds``: the fp32 reference also trains at ``seeds - 1`` more seeds (``seed + 1``, ...): the spread of its
+    final eval loss is the seed-noise band each verdict is read against (1: none; not under a strategy).
+    ``eval_every``: every policy also measures its validation loss after every K-th step (its ``eval_curve``);
+    None: :func:`eval_every_for` (about ten points), 0: only the final eval.
+    """
+
+    out: Path
+    workload: str = "gpt"
+    config: str | None = None
+    policies: tuple[str, ...] = DEFAULT_POLICIES
+    steps: int | None = None
+    seed: int = 0
+    data: str | None = None
+    device: str | None = None
+    force: bool = False
+    targets: Targets = field(default_factory=Targets)
+    command: str = ""
+    strategy: str | None = None
+    lora: str | None = None
+    compile: bool = False
+    timing: str = "interleaved"
+    seeds: int = 2
+    eval_every: int | None = None
+
+    def __post_init__(self) -> None:
+        if isinstance(self.seeds, bool) or not isinstance(self.seeds, int) or self.seeds < 1:
+            raise ValueError(f"bench seeds={self.seeds!r} must be an int >= 1 (1: no seed-noise band)")
+        if self.eval_every is not None and (isinstance(self.eval_every, bool) or not isinstance(self.eval_every, int)
+                                            or self.eval_every < 0):
+            raise ValueError(f"bench eval_every={self.eval_every!r} must be an int >= 0 (0: only the final eval) "
+                             "or None (about ten eval points per run)")
+        if self.timing not in TIMING_METHODS:
+            raise ValueError(f"bench timing={self.timing!r} is not allowed; choose one of {TIMING_METHODS}")
+        if self.steps is not None and (not isinstance(self.steps, int) or self.steps < 5):
+            raise ValueError(f"bench steps={self.steps!r} must be an int >= 5 (warm-up steps are not timed)")
+        if self.compile and self.strategy is not None:
+            raise ValueError(f"bench compile=True with strategy={self.strategy!r}: the engine does not compile a "
+                             "DDP/FSDP2-wrapped model; drop --compile or --strategy")
+        if not self.policies or not all(isinstance(p, str) and p.strip() for p in self.policies):
+            raise ValueError(f"bench policies={self.policies!r} must be non-empty policy names, "
+                             f"e.g. {','.join(DEFAULT_POLICIES)}")
+
+    @property
+    def config_name(self) -> str | None:
+        return DEFAULT_GPT_CONFIG if self.config is None and self.workload == "gpt" else self.config
+
+
+def warmup_steps_for(steps: int) -> int:
+    """Untimed warm-up steps: 10 % of the run, at least 2, at most 20."""
+    return min(20, max(2, steps // 10))
+
+
+def eval_every_for(steps: int) -> int:
+    """Steps between eval points when ``--eval-every`` is not given: ``steps // 10`` (at least 1), so each run
+    has about ten points. An eval is a forward over the fixed validation batches (8 for gpt, about 3
+    training steps' time), so the ten cost about 10 % of a run's training time, not its step time."""
+    return max(1, steps // 10)
+
+
+def _capability(device: torch.device, capability: Capability | None) -> Capability:
+    if capability is not None:
+        return capability
+    text = os.environ.get(CAPABILITY_ENV)
+    if text:
+        try:
+            return Capability(**json.loads(text))
+        except (ValueError, TypeError) as err:
+            raise ValueError(f"{CAPABILITY_ENV}={text!r} is not a JSON object of Capability fields "
+                             f"({list(Capability.__dataclass_fields__)}): {err}") from None
+    return probe(device)
+
+
+def plan_policy(spec: str, device: torch.device, capability: Capability, *, force: bool) -> str | None:
+    """Why ``spec`` is SKIPPED on ``device`` (None: it runs). ``force`` runs non-native fp16."""
+    try:
+        policy = resolve(spec, device, capability=capability).policy
+    except ValueError as err:
+        return str(err)
+    fp16 = torch.float16 in (policy.param_dtype, policy.compute_dtype)
+    if fp16 and device.type == "cpu" and not capability.fp16_native and not force:
+        return (f"fp16 is not native on this CPU ({capability.detail or 'measured: fp16 matmul far slower than fp32'}); "
+                "it would run emulated and slowly: pass --force to run it anyway")
+    return None
+
+
+def _free_port() -> int:
+    """A TCP port free on this host now (for the worker ranks' rendezvous)."""
+    with socket.socket() as s:
+        s.bind(("", 0))
+        return s.getsockname()[1]
+
+
+def _worker_env() -> dict[str, str]:
+    """The parent's environment with the working directory on PYTHONPATH (user workloads)."""
+    env = dict(os.environ)
+    paths = [os.getcwd()] + [p for p in env.get("PYTHONPATH", "").split(os.pathsep) if p]
+    env["PYTHONPATH"] = os.pathsep.join(dict.fromkeys(paths))
+    return env
+
+
+def _run_worker(spec: RunSpec, workdir: Path, name: str, bar: tqdm,
+                env_update: dict[str, str] | None = None) -> dict[str, Any]:
+    """Run one policy in its own process; the worker's results, or an error entry."""
+    spec_path, out_path, log_path = (workdir / f"{name}{suffix}" for suffix in (".spec.json", ".json", ".log"))
+    spec_path.write_text(json.dumps(asdict(spec), indent=1))
+    out_path.unlink(missing_ok=True)
+    done = 0
+    env = _worker_env()
+    if env_update is not None:  # the worker ranks of one policy meet on their own store, not torchrun's
+        env.pop("TORCHELASTIC_USE_AGENT_STORE", None)
+        env.update(env_update)
+    with open(log_path, "w", encoding="utf-8") as log:
+        proc = subprocess.Popen([sys.executable, "-m", "mixprec.programs.bench", str(spec_path), str(out_path)],
+                                stdout=subprocess.PIPE, stderr=log, text=True, env=env)
+        for line in proc.stdout or ():
+            if line.startswith("step ") and line[5:].strip().isdigit():
+                step = int(line[5:])
+                bar.update(step - done)
+                done = step
+        status = proc.wait()
+    bar.update(spec.steps - done)
+    try:
+        return json.loads(out_path.read_text())
+    except (OSError, ValueError):
+        tail = log_path.read_text(errors="replace").strip().splitlines()[-3:]
+        return {"error": f"worker exited with status {status} and no results; log {log_path}: {' | '.join(tail)}",
+                "stage": "train"}
+
+
+def _environment(device: torch.device, capability: Capability, peaks: dict[str, Any], command: str) -> dict:
+    env = {
+        "torch": torch.__version__,
+        "python": sys.version.split()[0],
+        "platform": platform.platform(),
+        "device": str(device),
+        "torch_threads": torch.get_num_threads(),
+        "capability": asdict(capability),
+        "peaks_gflops_per_s": {name: peak.gflops_per_s for name, peak in peaks.items()},
+        "peaks_matmul_n": {name: peak.n for name, peak in peaks.items()},
+        "command": command,
+    }
+    if device.type == "cuda":
+        env["gpu_name"] = torch.cuda.get_device_name(device)
+    else:
+        env.update(cpu_name=cpu_name(), cpu_flags=cpu_flags(), cpu_count=os.cpu_count())
+    return env
+
+
+def _skipped_entry(spec: str, reason: str) -> dict[str, Any]:
+    return {**dict.fromkeys(POLICY_KEYS), "requested": spec, "skipped_reason": reason}
+
+
+def judge_policies(entries: dict[str, dict], targets: Targets, *, noisy: bool = False,
+                   seed_noise: dict | None = None) -> None:
+    """Add the deltas vs fp32 and a verdict to every entry (in place); ``noisy`` timings give no speed verdict;
+    with ``seed_noise`` (results.json's) each reason says whether the loss delta lies within the seed band."""
+    ref = entries[REFERENCE]
+    if ref.get("error") is None and ref.get("skipped_reason") is None and ref.get("final_eval_loss") is None:
+        ref["error"] = "the fp32 eval loss is not finite: the reference diverged"
+    ref_error = ref.get("error") or (ref.get("skipped_reason") and f"fp32 did not run: {ref['skipped_reason']}")
+    for name, e in entries.items():
+        if e.get("step_time_ms_median") is not None and ref_error is None:
+            loss, ref_loss = e["final_eval_loss"], ref["final_eval_loss"]
+            e["speedup_vs_fp32"] = ref["step_time_ms_median"] / e["step_time_ms_median"]
+            e["memory_ratio_vs_fp32"] = e["peak_memory_mb"] / ref["peak_memory_mb"]
+            e["eval_loss_delta_vs_fp32"] = None if loss is None else (loss - ref_loss) / ref_loss
+        skipped, error = e.get("skipped_reason"), e.get("error")
+        if name != REFERENCE and ref_error is not None and error is None and skipped is None:
+            error = f"no fp32 reference to compare with ({ref_error})"
+        diverged = e.get("step_time_ms_median") is not None and e.get("final_eval_loss") is None
+        verdict = judge(targets=targets, loss_delta=math.nan if diverged else e.get("eval_loss_delta_vs_fp32"),
+                        speedup=None if noisy else e.get("speedup_vs_fp32"),
+                        memory_ratio=e.get("memory_ratio_vs_fp32"),
+                        reference=name == REFERENCE, skipped_reason=skipped, error=error)
+        note = "; timings noisy: no speed verdict" if noisy and e.get("speedup_vs_fp32") is not None else ""
+        delta, band = e.get("eval_loss_delta_vs_fp32"), (seed_noise or {}).get("relative_spread")
+        if band is not None and delta is not None and math.isfinite(delta):
+            note += f"; {'within' if abs(delta) <= band else 'outside'} seed noise (±{band:.2%})"
+        e["verdict"], e["reason"] = verdict.verdict, verdict.reason + (note if name != REFERENCE else "")
+
+
+ADVISED = "advised"  # --policies advised: run what `mixprec inspect` recommends for this workload
+
+
+def _portable_cost(config: BenchConfig, device: torch.device, runnable: list[str], progress: bool) -> dict | None:
+    """The step-time cost of ``ops=portable`` for the first runnable ``-mixed`` policy (interleaved against
+    ``ops=native`` in this process: :mod:`mixprec.programs.bench.portable_cost`); None under a strategy or on CUDA
+    (CUDA's autocast has these lists itself) or without such a policy."""
+    from mixprec.programs.bench.portable_cost import measure_portable_cost, ported_policy
+
+    policy = ported_policy(runnable)
+    if policy is None or config.strategy is not None or device.type == "cuda":
+        return None
+    if progress:
+        print(f"timing ops=portable against ops=native for {policy} (interleaved)", file=sys.stderr)
+    return measure_portable_cost(config.workload, policy, device, config=config.config_name, data=config.data,
+                                 lora=config.lora)
+
+
+def _retime(config: BenchConfig, entries: dict[str, dict], specs: dict[str, RunSpec], workdir: Path,
+            progress: bool) -> dict[str, Any]:
+    """``timing="interleaved"``: time the rows that trained, interleaved (:mod:`mixprec.programs.bench.interleaved`), and
+    replace their step time and what derives from it (the quality run's median is kept as
+    ``sequential_step_time_ms_median``); results.json's ``timing`` (with ``malloc_env``: the workers' glibc malloc
+    thresholds, :data:`mixprec.programs.bench.interleaved.TIMING_MALLOC_ENV` unless the environment set them). Sequential under a strategy or with
+    < 2 rows."""
+    rows = [n for n in specs if entries[n].get("step_time_ms_median") is not None]
+    sequential = {"method": "sequential", "noisy": False, "spread": {
+        n: entries[n]["step_time_ms_p90"] / entries[n]["step_time_ms_p10"] for n in rows
+        if entries[n].get("step_time_ms_p10")}}
+    if config.timing != "interleaved" or config.strategy is not None or len(rows) < 2:
+        return sequential
+    from mixprec.programs.bench.interleaved import time_interleaved
+
+    rounds = max(4, min(12, config.steps // 25))
+    if progress:
+        print(f"timing {len(rows)} policies interleaved: {rounds} rounds of 5 steps each", file=sys.stderr)
+    timing = time_interleaved({n: specs[n] for n in rows}, workdir, _worker_env(), block_steps=5, rounds=rounds,
+                              warmup_steps=3)
+    for name, step in timing["step_ms"].items():
+        e = entries[name]
+        if step is None:
+            continue
+        scale = e["step_time_ms_median"] / step["median"]       # throughput scales inversely with step time
+        e["sequential_step_time_ms_median"] = e["step_time_ms_median"]
+        e.update(step_time_ms_median=step["median"], step_time_ms_p10=step["p10"], step_time_ms_p90=step["p90"])
+        for key in ("items_per_s", "tokens_per_s", "gflops_per_s", "mfu"):
+            if e.get(key) is not None:
+                e[key] *= scale
+    return timing
+
+
+def _seed_noise(config: BenchConfig, spec: RunSpec | None, reference: dict, seeds: list[int], workdir: Path,
+                bar: tqdm) -> dict[str, Any] | None:
+    """The fp32 reference trained again at each of ``seeds``: results.json's ``seed_noise`` = ``seeds`` (all,
+    the run's own first), ``fp32_eval_losses``, ``relative_spread`` ((max - min) / min), ``fp32_eval_curves``
+    (each seed's ``eval_curve``, same order), or None (no extra seed, or a reference that did not finish)."""
+    if not seeds or spec is None or reference.get("final_eval_loss") is None:
+        return None
+    losses, curves = [reference["final_eval_loss"]], [reference.get("eval_curve")]
+    for seed in seeds:
+        bar.set_description(f"fp32 at seed {seed} (seed-noise band)")
+        result = _run_worker(replace(spec, seed=seed), workdir, f"seed{seed}-fp32", bar)
+        if result.get("final_eval_loss") is None:
+            return {"seeds": [config.seed, *seeds], "fp32_eval_losses": losses, "relative_spread": None,
+                    "fp32_eval_curves": curves,
+                    "error": result.get("error") or "the fp32 run at another seed did not finish"}
+        losses.append(result["final_eval_loss"])
+        curves.append(result.get("eval_curve"))
+    return {"seeds": [config.seed, *seeds], "fp32_eval_losses": losses,
+            "relative_spread": (max(losses) - min(losses)) / min(losses), "fp32_eval_curves": curves}
+
+
+def _one_mfu_peak(entries: dict[str, dict], peaks_gflops: dict[str, float | None]) -> dict[str, Any] | None:
+    """MFU against one named peak, the device's fastest 16/32-bit matmul dtype (``mixprec doctor``'s, cached per
+    torch version and thread count), so the column compares policies; each row keeps ``mfu_own_dtype`` (against
+    its compute dtype's peak). results.json's ``mfu_peak`` (None without peaks)."""
+    known = {d: v for d, v in peaks_gflops.items() if d in ("fp32", "bf16", "fp16") and v}
+    if not known:
+        return None
+    dtype = max(known, key=known.get)
+    for e in entries.values():
+        if e.get("gflops_per_s") is not None:
+            e["mfu_own_dtype"] = e.get("mfu")
+            e["mfu"] = e["gflops_per_s"] / (known[dtype] * (e.get("world_size") or 1))
+    return {"dtype": dtype, "gflops_per_s": known[dtype]}
+
+
+def run_bench(config: BenchConfig, *, capability: Capability | None = None, progress: bool = True) -> dict[str, Any]:
+    """Run the bench described by ``config``, write its outputs to ``config.out`` and return
+    the results (the content of ``results.json``).
+
+    ``capability`` replaces the device probe when planning which policies run (tests).
+
+    With ``config.strategy``, every torchrun rank calls this: the runners join a gloo group
+    (coordination only), follow rank 0's plan, and for each policy start one worker per rank,
+    which meet on a fresh port rank 0 picks (``MASTER_PORT``) and train as one run; only rank 0
+    writes ``config.out`` (its workers' files; other ranks' under ``workers/rank-<r>``), with
+    throughput summed over the ranks. All ranks return the results.
+
+    Raises:
+        ValueError / ImportError: a bad policy name, workload, config, data path or device
+            (before any run).
+    """
+    start = time.perf_counter()
+    device = normalize_device(config.device)
+    cap = _capability(device, capability)
+    workload = get_workload(config.workload, config=config.config_name, data=config.data, lora=config.lora)
+    description = workload.describe()
+    if config.steps is None:
+        config = replace(config, steps=int(getattr(workload, "default_steps", DEFAULT_STEPS)))
+    del workload
+    peaks = cached_peaks(device)
+    names = list(dict.fromkeys([REFERENCE, *(p.strip() for p in config.policies)]))
+    advice = None
+    if ADVISED in names:  # the numerics advisor's policy, measured like any other
+        from mixprec.programs.inspect import advised_policy
+
+        advised, advice = advised_policy(config.workload, config=config.config_name, data=config.data,
+                                         device=device, lora=config.lora)
+        names = list(dict.fromkeys(str(advised) if n == ADVISED else n for n in names))
+        if progress and is_main_process():
+            print(f"advised policy: {advised}\n  " + "\n  ".join(advice.reasons), file=sys.stderr)
+    for name in names:  # a typo is an error, not a SKIPPED policy: only the device may refuse
+        if name.lower() != "auto":
+            Policy.parse(name)
+    skip = {name: plan_policy(name, device, cap, force=config.force) for name in names}
+    if config.strategy is not None:
+        init_process_group_from_env("cpu")   # the runners' own group: plans and ports, never tensors
+        skip = from_main_process(skip)       # every rank runs the same policies in the same order
+    if skip[REFERENCE] is not None:
+        raise ValueError(f"the fp32 reference cannot run on {device}: {skip[REFERENCE]}")
+    runnable = [n for n in names if skip[n] is None]
+    out = Path(config.out)
+    workdir = out / "workers" if is_main_process() else out / "workers" / f"rank-{rank()}"
+    workdir.mkdir(parents=True, exist_ok=True)
+    warmup = warmup_steps_for(config.steps)
+    eval_every = eval_every_for(config.steps) if config.eval_every is None else config.eval_every
+    peaks_gflops = {name: peak.gflops_per_s for name, peak in peaks.items()}
+    entries: dict[str, dict] = {}
+    specs: dict[str, RunSpec] = {}
+    variants = (False, True) if config.compile else (False,)   # eager, then compiled
+    extra_seeds = [] if config.strategy is not None else [config.seed + k for k in range(1, config.seeds)]
+    with tqdm(total=config.steps * (len(runnable) * len(variants) + len(extra_seeds)), unit="step", disable=not progress or not is_main_process(),
+              dynamic_ncols=True) as bar:
+        for index, name in enumerate(names):
+            for compiled in variants:
+                row = name + COMPILED_SUFFIX if compiled else name
+                if skip[name] is not None:
+                    entries[row] = _skipped_entry(name, skip[name])
+                    continue
+                run_index = sum(1 for n in names[:index] if skip[n] is None) * len(variants) + compiled + 1
+                bar.set_description(f"policy {run_index}/{len(runnable) * len(variants)}: {row}")
+                spec = RunSpec(workload=config.workload, policy=name, steps=config.steps, seed=config.seed,
+                               config=config.config_name, data=config.data, lora=config.lora,
+                               device="cuda" if config.strategy and device.type == "cuda" else str(device),  # LOCAL_RANK's
+                               warmup_steps=warmup, peaks_gflops=peaks_gflops, strategy=config.strategy,
+                               compile=compiled, eval_every=eval_every)
+                env_update = None if config.strategy is None else {
+                    "MASTER_PORT": str(from_main_process(_free_port() if is_main_process() else None))}
+                file_name = f"{index}{'c' if compiled else ''}-{''.join(c if c.isalnum() or c in '-_' else '_' for c in name)}"
+                result = _run_worker(spec, workdir, file_name, bar, env_update)
+                specs[row] = spec
+                if result.get("stage") == "setup":  # the engine refused the policy: it did not run
+                    entries[row] = _skipped_entry(name, f"the engine refused it: {result['error']}")
+                else:
+                    entries[row] = {**dict.fromkeys(POLICY_KEYS), "requested": name, **result}
+        seed_noise = _seed_noise(config, specs.get(REFERENCE), entries[REFERENCE], extra_seeds, workdir, bar)
+    timing = _retime(config, entries, specs, workdir, progress)
+    mfu_peak = _one_mfu_peak(entries, peaks_gflops)
+    judge_policies(entries, config.targets, noisy=timing["noisy"], seed_noise=seed_noise)
+    portable = _portable_cost(config, device, runnable, progress)
+    results = {
+        "mixprec_bench": 1,
+        "created": time.strftime("%Y-%m-%dT%H:%M:%S%z"),
+        "command": config.command,
+        "settings": {"workload": config.workload, "config": config.config_name, "policies": names,
+                     "requested_policies": [p.strip() for p in config.policies],
+                     "steps": config.steps, "warmup_steps": warmup, "compile": config.compile,
+                     "eval_every": eval_every,
+                     "seed": config.seed, "data": config.data,
+                     "lora": config.lora,
+                     "device": str(device), "force": config.force, "targets": asdict(config.targets),
+                     "strategy": config.strategy, "world_size": world_size()},
+        "workload": description,
+        "environment": _environment(device, cap, peaks, config.command),
+        "reference": REFERENCE,
+        "advice": None if advice is None else {"policy": str(advice.policy), "reasons": list(advice.reasons),
+                                               "initial_loss_scale": advice.initial_loss_scale},
+        "policies": entries,
+        "timing": timing,
+        "seed_noise": seed_noise,
+        "mfu_peak": mfu_peak,
+        "portable_ops": portable,
+        "parent_pid": os.getpid(),
+        "wall_s": time.perf_counter() - start,
+    }
+    if is_main_process():
+        write_outputs(results, out)
+    return results

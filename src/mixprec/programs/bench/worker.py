@@ -1,0 +1,321 @@
+"""One policy, one process: train a workload under the engine and measure it.
+
+The bench runner starts ``python -m mixprec.programs.bench SPEC_JSON OUT_JSON`` once per policy,
+so each run has its own process (honest peak memory, no allocator or autocast-cache state
+shared between policies). Every worker seeds torch with the same seed before building the
+model (identical initial weights) and draws training batches from the same seeded stream
+(identical batch order), so the policies differ in precision only.
+
+The worker prints ``step N`` to stdout after every step (the runner's progress bar reads it),
+logs to stderr, and writes its measurements to ``OUT_JSON``; a failure writes
+``{"error": ..., "stage": "setup" | "train"}`` there and exits with status 1 (``setup``: the
+engine refused the policy, e.g. a device that cannot run it; the runner reports it SKIPPED.
+Anything else is ``train`` and a FAIL).
+
+:func:`build_engine` and :func:`train_step` are shared with ``mixprec train``.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import math
+import os
+import sys
+import time
+import traceback
+from collections import Counter
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from datetime import timedelta
+from typing import Any
+
+import torch
+
+from mixprec.programs.bench.measure import MemoryMeter, median_step_ms, percentile, state_bytes, synchronize, warmup_excess_s
+from mixprec.policy.resolve import resolve_policy
+from mixprec.distributed.process import init_process_group_from_env, shard_batches, sum_across_ranks, world_size
+from mixprec.autocast import op_plan
+from mixprec.engine.mixed_precision import MixedPrecision, StepResult
+from mixprec.optim import SGD, AdamW
+from mixprec.policy.policy import Policy, state_name
+from mixprec.workloads import Workload, get_workload
+
+__all__ = ["RunSpec", "SetupError", "build_engine", "precision_optimizer", "train_step", "evaluate", "run_policy", "main"]
+
+_DTYPE_NAMES = {torch.float32: "fp32", torch.bfloat16: "bf16", torch.float16: "fp16"}
+
+
+class SetupError(RuntimeError):
+    """The workload or the engine could not be built (e.g. the device cannot run the policy)."""
+
+
+@dataclass(frozen=True)
+class RunSpec:
+    """What one worker runs (JSON-serialised by the runner).
+
+    ``peaks_gflops`` maps ``fp32``/``bf16``/``fp16`` to the doctor's measured matmul peak
+    (GFLOP/s) for MFU; ``measure_state_at`` is the 0-based step after whose backward the
+    training-state bytes are read (>= 1, so optimizer state exists). ``strategy`` (``"ddp"``,
+    ``"fsdp2"``): this worker is one rank of a torch.distributed run (environment as torchrun
+    sets it); it trains on its share of the batches, and ``items_per_s``, ``tokens_per_s`` and
+    ``gflops_per_s`` are summed over the ranks (``mfu`` against ``world_size`` × the peak).
+    ``compile``: the engine compiles the model (``MixedPrecision(..., compile=True)``, inductor);
+    compilation runs in the first step, which the warm-up keeps out of the step-time median.
+    ``eval_every`` K > 0: the validation loss is also measured after every K-th step (outside the step
+    timing; it changes nothing in training), giving the row's ``eval_curve``; 0: only the final eval.
+    """
+
+    workload: str
+    policy: str
+    steps: int
+    seed: int = 0
+    config: str | None = None
+    data: str | None = None
+    device: str | None = None
+    warmup_steps: int = 2
+    measure_state_at: int = 1
+    peaks_gflops: dict[str, float | None] = field(default_factory=dict)
+    strategy: str | None = None
+    lora: str | None = None
+    compile: bool = False
+    eval_every: int = 0
+
+    def __post_init__(self) -> None:
+        if isinstance(self.eval_every, bool) or not isinstance(self.eval_every, int) or self.eval_every < 0:
+            raise ValueError(f"RunSpec eval_every={self.eval_every!r} must be an int >= 0 (0: only the final eval)")
+        if not (isinstance(self.steps, int) and self.steps > self.warmup_steps >= self.measure_state_at >= 1):
+            raise ValueError(f"RunSpec steps={self.steps!r}, warmup_steps={self.warmup_steps!r}, "
+                             f"measure_state_at={self.measure_state_at!r} must satisfy "
+                             "steps > warmup_steps >= measure_state_at >= 1")
+
+
+def precision_optimizer(optimizer: torch.optim.Optimizer, policy: Policy) -> torch.optim.Optimizer:
+    """``optimizer``, or its :mod:`mixprec.optim` twin (same groups and hyperparameters) when
+    ``policy`` rounds updates (kahan / stochastic) or keeps 16-bit or 8-bit state, which stock
+    ``torch.optim`` optimizers cannot do. Call before any step.
+
+    Raises:
+        ValueError: the policy needs a precision optimizer and ``optimizer`` is neither
+            ``torch.optim.AdamW`` nor ``torch.optim.SGD`` (or uses amsgrad/maximize).
+    """
+    if hasattr(optimizer, "set_precision") or (policy.rounding == "nearest" and policy.state_dtype == torch.float32):
+        return optimizer
+    groups = optimizer.param_groups
+    if type(optimizer) is torch.optim.AdamW and not any(g["amsgrad"] or g["maximize"] for g in groups):
+        keys = ("params", "lr", "betas", "eps", "weight_decay")
+        return AdamW([{k: g[k] for k in keys} for g in groups])
+    if type(optimizer) is torch.optim.SGD and not any(g["maximize"] for g in groups):
+        keys = ("params", "lr", "momentum", "dampening", "weight_decay", "nesterov")
+        return SGD([{k: g[k] for k in keys} for g in groups])
+    raise ValueError(f"policy {policy} writes updates with rounding={policy.rounding!r} and state="
+                     f"{state_name(policy.state_dtype)}, which {type(optimizer).__name__} cannot do; "
+                     "return a mixprec.optim.AdamW or mixprec.optim.SGD from Workload.make_optimizer")
+
+
+def build_engine(workload: Workload, policy: str, *, steps: int, seed: int,
+                 device: str | None = None, strategy: str | None = None, compile: bool = False) -> MixedPrecision:
+    """Seed torch, build the workload's model, optimizer and schedule, and wrap them in the engine.
+
+    ``policy`` is passed to :class:`~mixprec.MixedPrecision` as given (``"auto"`` keeps its
+    reason in ``mp.decision``); nothing falls back: a policy the device cannot run raises.
+    ``strategy`` (None, ``"ddp"``, ``"fsdp2"``) and ``compile`` too; every rank seeds alike.
+    """
+    torch.manual_seed(seed)
+    model = workload.build_model()
+    optimizer = precision_optimizer(workload.make_optimizer(model), resolve_policy(policy, device))
+    scheduler = workload.make_scheduler(optimizer, steps)
+    return MixedPrecision(model, optimizer, policy=policy, device=device, scheduler=scheduler,
+                          max_grad_norm=workload.max_grad_norm, strategy=strategy, compile=compile)
+
+
+def train_step(mp: MixedPrecision, workload: Workload, batch: dict,
+               after_backward: Callable[[], None] | None = None) -> tuple[torch.Tensor, StepResult | None]:
+    """One step: cast inputs, loss under autocast, backward, (``after_backward()``), ``mp.step()``.
+
+    Returns the detached loss (a device tensor: no sync here) and the step's result.
+    """
+    batch = mp.cast_inputs(batch, keep=workload.keep_fp32_inputs)
+    with mp.autocast():
+        loss = workload.loss(mp.model, batch)
+    mp.backward(loss)
+    if after_backward is not None:
+        after_backward()
+    return loss.detach(), mp.step()
+
+
+def evaluate(mp: MixedPrecision, workload: Workload) -> dict[str, float]:
+    """``workload.evaluate`` on its fixed validation batches under the policy's autocast (one sync)."""
+    with mp.autocast():
+        return workload.evaluate(mp.model, (mp.cast_inputs(b, keep=workload.keep_fp32_inputs)
+                                             for b in workload.batches("val")))
+
+
+def _eval_point(mp: MixedPrecision, workload: Workload, spec: RunSpec, step: int, curve: list) -> None:
+    """Append ``[step, eval loss]`` to ``curve`` when ``step`` (1-based, after the step) is a K-th, not the last."""
+    if spec.eval_every and step % spec.eval_every == 0 and step < spec.steps:
+        curve.append([step, _finite_or_none(evaluate(mp, workload)["loss"])])
+
+
+def _finite_or_none(x: float) -> float | None:
+    return x if math.isfinite(x) else None
+
+
+def _spread_ms(times_ms: list[float]) -> dict[str, float | None]:
+    """10th and 90th percentile of the timed steps (ms): how noisy the median is."""
+    if not times_ms:
+        return {"step_time_ms_p10": None, "step_time_ms_p90": None}
+    return {"step_time_ms_p10": percentile(times_ms, 0.1), "step_time_ms_p90": percentile(times_ms, 0.9)}
+
+
+@dataclass
+class _Record:
+    """What one run's training loop recorded (:func:`_train`)."""
+
+    memory: MemoryMeter
+    history: dict[str, list] = field(default_factory=lambda: {k: [] for k in ("loss", "loss_scale", "grad_norm",
+                                                                                "lr", "step_time_ms")})
+    skipped: Counter = field(default_factory=Counter)
+    eval_curve: list[list] = field(default_factory=list)   # [[step, eval loss], ...], the final eval last
+    measured: dict[str, Any] = field(default_factory=dict)
+
+
+def _train(mp: MixedPrecision, workload: Workload, spec: RunSpec, progress: Callable[[int], None] | None) -> _Record:
+    """Train ``spec.steps`` steps, timing each (one host sync per step) and recording the loss, the loss scale,
+    the grad norm, the lr, skipped steps, the eval points and, after ``spec.measure_state_at``'s backward, the
+    training-state bytes."""
+    record = _Record(memory=MemoryMeter(mp.device))
+    history = record.history
+    train_batches = shard_batches(workload.batches("train", spec.seed))  # one process: every batch
+    for step in range(spec.steps):
+        batch = next(train_batches)
+        lr = float(mp.optimizer.param_groups[0]["lr"])   # a tensor in torchao's optimizers, updated in place
+        after = (lambda: record.measured.update(state=state_bytes(mp.model, mp.optimizer))) \
+            if step == spec.measure_state_at else None
+        synchronize(mp.device)
+        t0 = time.perf_counter()
+        loss, result = train_step(mp, workload, batch, after_backward=after)
+        synchronize(mp.device)
+        history["step_time_ms"].append((time.perf_counter() - t0) * 1e3)
+        record.memory.sample()
+        history["loss"].append(_finite_or_none(float(loss)))
+        history["loss_scale"].append(result.loss_scale)
+        history["grad_norm"].append(_finite_or_none(result.grad_norm))
+        history["lr"].append(lr)
+        if not result.applied:
+            record.skipped[result.skipped_reason or "unknown"] += 1
+        _eval_point(mp, workload, spec, step + 1, record.eval_curve)
+        if progress is not None:
+            progress(step + 1)
+    return record
+
+
+def run_policy(spec: RunSpec, progress: Callable[[int], None] | None = None) -> dict[str, Any]:
+    """Train ``spec.steps`` steps of one policy and return its measurements (the per-policy
+    keys of :mod:`mixprec.programs.bench.report`). Host syncs: one per step for timing, plus the engine's, plus one
+    per eval point (``spec.eval_every``), plus a read of the lr per step where an optimizer keeps it as a
+    device tensor (torchao's).
+
+    Raises:
+        SetupError: the engine (or the optimizer) refused the policy for this device or model.
+    """
+    start_wall = time.perf_counter()
+    workload = get_workload(spec.workload, config=spec.config, data=spec.data, lora=spec.lora)
+    if spec.strategy is not None:  # a collective timeout instead of a hang if another rank fails
+        init_process_group_from_env(spec.device, timeout=timedelta(minutes=5))
+    try:
+        mp = build_engine(workload, spec.policy, steps=spec.steps, seed=spec.seed, device=spec.device,
+                          strategy=spec.strategy, compile=spec.compile)
+    except (ValueError, TypeError) as err:
+        raise SetupError(f"{type(err).__name__}: {err}") from err
+    record = _train(mp, workload, spec, progress)
+    memory, history, skipped, eval_curve, measured = (record.memory, record.history, record.skipped,
+                                                      record.eval_curve, record.measured)
+    eval_metrics = evaluate(mp, workload)
+    eval_curve.append([spec.steps, _finite_or_none(eval_metrics["loss"])])
+    step_ms = median_step_ms(history["step_time_ms"], spec.warmup_steps)
+    warmup_excess = warmup_excess_s(history["step_time_ms"], spec.warmup_steps)   # compilation, under compile
+    step_s = step_ms / 1e3
+    flops = float(workload.flops_per_step())
+    compute = _DTYPE_NAMES[mp.policy.compute_dtype]
+    peak = spec.peaks_gflops.get(compute)
+    items_per_s, gflops = workload.items_per_batch / step_s, flops / step_s / 1e9
+    ranks = world_size() if spec.strategy is not None else 1
+    if ranks > 1:  # every rank trained on its own batches: the run's throughput is the sum
+        summed = sum_across_ranks(torch.tensor([items_per_s, gflops], dtype=torch.float64, device=mp.device))
+        items_per_s, gflops = summed.tolist()
+    state = measured["state"]
+    return {
+        "requested": spec.policy,
+        "policy": str(mp.policy),
+        "decision": mp.decision,
+        "op_plan": [dataclasses.asdict(e) for e in op_plan.entries(mp.device.type, policy=mp.policy)],
+        "compute_dtype": compute,
+        "device": str(mp.device),
+        "pid": os.getpid(),
+        "torch_threads": torch.get_num_threads(),
+        "optimizer": f"{type(mp.optimizer).__module__}.{type(mp.optimizer).__name__}",
+        "steps": spec.steps,
+        "warmup_steps": spec.warmup_steps,
+        "step_time_ms_median": step_ms,
+        "compiled": spec.compile,
+        "first_step_ms": history["step_time_ms"][0],
+        "warmup_excess_s": warmup_excess,
+        "compile_time_s": warmup_excess if spec.compile else None,
+        **_spread_ms(history["step_time_ms"][spec.warmup_steps:]),
+        "items_per_batch": workload.items_per_batch,
+        "item_unit": workload.item_unit,
+        "items_per_s": items_per_s,
+        "tokens_per_s": items_per_s if workload.item_unit == "tokens" else None,
+        "flops_per_step": flops,
+        "gflops_per_s": gflops,
+        "peak_gflops_per_s": peak,
+        "mfu": gflops / (peak * ranks) if peak else None,
+        "strategy": spec.strategy,
+        "world_size": ranks,
+        "peak_memory_mb": memory.peak_mb(),
+        "memory_source": memory.source,
+        "state_bytes_per_param": state.per_param,
+        "state_bytes": state.as_dict(),
+        "final_eval": eval_metrics,
+        "final_eval_loss": _finite_or_none(eval_metrics["loss"]),
+        "eval_curve": eval_curve,
+        "loss_unit": workload.loss_unit,
+        "skipped_steps": sum(skipped.values()),
+        "skipped_by_reason": dict(skipped),
+        "loss_per_step": history["loss"],
+        "loss_scale_history": history["loss_scale"],
+        "grad_norm_per_step": history["grad_norm"],
+        "lr_per_step": history["lr"],
+        "step_time_ms_per_step": history["step_time_ms"],
+        "events": mp.events,
+        "wall_s": time.perf_counter() - start_wall,
+    }
+
+
+def main(argv: list[str] | None = None) -> int:
+    """``python -m mixprec.programs.bench SPEC_JSON OUT_JSON``; returns the exit status."""
+    args = sys.argv[1:] if argv is None else argv
+    if len(args) != 2:
+        print("usage: python -m mixprec.programs.bench SPEC_JSON OUT_JSON", file=sys.stderr)
+        return 2
+    spec_path, out_path = args
+    try:
+        with open(spec_path, encoding="utf-8") as f:
+            spec = RunSpec(**json.load(f))
+        result, status = run_policy(spec, lambda step: print(f"step {step}", flush=True)), 0
+    except SetupError as err:
+        traceback.print_exc()
+        result, status = {"error": str(err), "stage": "setup", "pid": os.getpid()}, 1
+    except Exception as err:  # reported to the runner, which turns it into a FAIL verdict
+        traceback.print_exc()
+        result, status = {"error": f"{type(err).__name__}: {err}", "stage": "train", "pid": os.getpid()}, 1
+    tmp = f"{out_path}.tmp"
+    with open(tmp, "w", encoding="utf-8") as f:
+        json.dump(result, f, default=str)
+    os.replace(tmp, out_path)
+    return status
+
+
+if __name__ == "__main__":
+    sys.exit(main())
