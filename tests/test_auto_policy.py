@@ -15,7 +15,8 @@ import mixprec
 from mixprec.policy import auto as auto_policy
 from mixprec.autocast import op_plan
 from mixprec.policy.auto import cache_key, choose, preserved, time_candidates
-from mixprec.policy.resolve import Capability, auto_candidates, resolve
+from mixprec.machine.capability import Capability
+from mixprec.policy.resolve import auto_candidates, resolve
 
 CPU = torch.device("cpu")
 

@@ -17,7 +17,7 @@ from mixprec.programs.bench.report import POLICY_KEYS, eval_curve_lines, plot_lo
 from mixprec.programs.bench.runner import CAPABILITY_ENV, BenchConfig, eval_every_for, judge_policies, plan_policy, warmup_steps_for
 from mixprec.programs.bench.worker import RunSpec, build_engine, precision_optimizer, run_policy, train_step
 from mixprec.programs.cli import main
-from mixprec.policy.resolve import Capability
+from mixprec.machine.capability import Capability
 from mixprec.optim import AdamW
 from mixprec.policy.policy import Policy
 from mixprec.workloads import get_workload

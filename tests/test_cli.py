@@ -16,7 +16,7 @@ from mixprec.programs.bench.worker import build_engine, train_step
 from mixprec.checkpoint.local import load_checkpoint, read_manifest, save_checkpoint
 from mixprec.programs.cli import build_parser, main
 from mixprec.optim import c_kernels
-from mixprec.programs.doctor import measure_matmul
+from mixprec.machine.matmul import measure_matmul
 from mixprec.workloads import get_workload
 
 

@@ -3,7 +3,8 @@ import torch
 from torch.overrides import TorchFunctionMode
 
 from mixprec import MixedPrecision
-from mixprec.policy.resolve import Capability, probe, resolve, resolve_policy
+from mixprec.machine.capability import Capability, probe
+from mixprec.policy.resolve import resolve, resolve_policy
 from mixprec.policy.policy import PRESETS
 from engine_loops import _linear, _one_step
 
@@ -110,7 +111,7 @@ def test_the_matmul_probe_draws_nothing_from_the_callers_rng():
     # a run that measures the probe (first in a process, empty cache) and one that reads it from the cache
     # must see the same random stream: MixedPrecision(policy="auto") probes at build, between model init
     # and the first batch
-    from mixprec.policy import resolve as devices
+    from mixprec.machine import capability as devices
     torch.manual_seed(3)
     before = torch.get_rng_state()
     devices._best_matmul_s(torch.float32, 16, torch.device("cpu"), reps=1)

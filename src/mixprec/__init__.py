@@ -3,7 +3,8 @@ low-precision optimizers, and the evidence to trust them."""
 
 from mixprec import fp8, ops, optim
 from mixprec.checkpoint.local import CheckpointError, load_checkpoint, save_checkpoint
-from mixprec.policy.resolve import probe, resolve_policy
+from mixprec.machine.capability import probe
+from mixprec.policy.resolve import resolve_policy
 from mixprec.ema import EMA
 from mixprec.engine.mixed_precision import DivergenceError, MixedPrecision, StepResult
 from mixprec.formats import Format, get_format

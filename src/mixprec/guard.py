@@ -26,7 +26,7 @@ from typing import Any, Callable
 
 import torch
 
-from mixprec.policy.resolve import probe
+from mixprec.machine.capability import probe
 from mixprec.engine.divergence import DivergenceError
 from mixprec.engine.mixed_precision import StepResult
 from mixprec.numerics.localise import NonFiniteReport, locate_nonfinite

@@ -30,8 +30,8 @@ mode and ``requires_grad``). At the first call with a new key, each candidate is
 those shapes (inside :func:`torch.random.fork_rng` with its own generator, so the caller's random stream is
 untouched; under identity saved-tensor hooks, so a checkpoint or offload around the op sees none of its
 tensors) by :func:`time_candidates`: one warm-up each, then the best of :data:`REPEATS` interleaved
-forward (+ backward) rounds. Host syncs: at measurement only (CUDA:
-``synchronize`` around each run). The plan is cached per process and on disk by machine
+forward (+ backward) rounds. Host syncs: at measurement only (a device sync around each run:
+:func:`mixprec.machine.timing.time_call`). The plan is cached per process and on disk by machine
 (:func:`mixprec.machine.cache.machine_key`: device name, torch version, thread count) and key, so a second run of
 the same model measures nothing and chooses the same; a measurement whose rounds spread over
 :data:`NOISY_SPREAD` (a busy machine) is used in this process only. While torch.compile, a FakeTensor or
@@ -58,10 +58,9 @@ from __future__ import annotations
 import math
 import statistics
 import threading
-import time
 import warnings
 from collections.abc import Iterator
-from contextlib import contextmanager, nullcontext
+from contextlib import AbstractContextManager, contextmanager, nullcontext
 from dataclasses import dataclass, field
 from typing import Any, Callable
 
@@ -69,6 +68,8 @@ import torch
 import torch.nn.functional as F
 
 from mixprec.machine.cache import cache_dir, machine_key, read_json, write_json
+from mixprec.machine.timing import time_call
+from mixprec.autocast.switch import Switch
 
 __all__ = ["PlanEntry", "planned_kernels", "choose", "entries", "summary", "choices", "pin", "cached", "forget", "time_candidates", "describe", "MARGIN",
            "REPEATS", "MATMUL_SCORES_LIMIT", "NOISY_SPREAD", "Timing", "CANDIDATES", "plan_key",
@@ -102,7 +103,6 @@ class PlanEntry:
     note: str = ""
 
 
-_state = threading.local()     # .devices: device types whose planned kernels are on in this thread
 _lock = threading.Lock()
 _libraries: dict[str, torch.library.Library] = {}
 _plans: dict[tuple[str, int], dict[str, PlanEntry]] = {}   # (device type, threads) -> key -> entry (this process)
@@ -196,20 +196,15 @@ def time_candidates(runs: dict[str, Callable[[], Any] | None], *, default: str,
     warm-up time is reported). ``default`` is chosen unless another candidate is at least :data:`MARGIN`
     faster; among the candidates within :data:`MARGIN` of the fastest, the first of ``prefer`` (most exact
     first; else ``runs``' order) wins, so noise cannot trade exactness for nothing. ``spread`` is the median
-    over candidates of each one's slowest/fastest round. Raises ValueError when ``default`` is not offered. Host syncs: CUDA ``synchronize`` around each call."""
+    over candidates of each one's slowest/fastest round. Raises ValueError when ``default`` is not offered. Host syncs: a
+    device sync around each call (:func:`mixprec.machine.timing.time_call`)."""
     device = torch.device(device)
     if runs.get(default) is None:
         raise ValueError(f"time_candidates(default={default!r}): the default must be one of the offered "
                          f"candidates {[n for n, r in runs.items() if r is not None]}")
 
     def once(run: Callable[[], Any]) -> float:
-        if device.type == "cuda":
-            torch.cuda.synchronize(device)
-        start = time.perf_counter()
-        run()
-        if device.type == "cuda":
-            torch.cuda.synchronize(device)
-        return (time.perf_counter() - start) * 1e3
+        return time_call(run, device) * 1e3
     warm = {name: once(run) for name, run in runs.items() if run is not None}
     live = [name for name in warm if warm[name] <= 3 * min(warm.values()) or name == default]
     rounds: dict[str, list[float]] = {name: [] for name in live}
@@ -400,7 +395,7 @@ def _kernel(device_type: str) -> Callable:
         dtype = torch.get_autocast_dtype(device_type)
         args = (q, k, v, attn_mask, dropout_p, is_causal, scale, enable_gqa)
         name = _DEFAULT
-        if device_type in getattr(_state, "devices", ()) and q.dtype in (dtype, torch.float32):
+        if _switch.is_on(device_type) and q.dtype in (dtype, torch.float32):
             grad = torch.is_grad_enabled() and any(isinstance(t, torch.Tensor) and t.requires_grad for t in args[:4])
             name = choose(*args, dtype=dtype, grad=grad).chosen
         with torch.autocast(device_type, enabled=False):
@@ -420,43 +415,28 @@ def _install(device_type: str) -> None:
         _libraries[device_type] = library
 
 
-@contextmanager
-def planned_kernels(device_type: str, *, enabled: bool = True) -> Iterator[None]:
+_switch = Switch(_AUTOCAST_KEYS, _install)   # the device types whose planned kernels are on in each thread
+
+
+def planned_kernels(device_type: str, *, enabled: bool = True) -> AbstractContextManager[None]:
     """Inside, under ``device_type``'s autocast, each planned op runs in the kernel the plan chose for its
     key (a no-op with ``enabled=False`` or for a device type without autocast). Per thread, as autocast;
     ``mp.autocast()`` enters it for ``kernels=measured``; a hand-written loop may enter it to make the same
     choices. No host sync (except at a measurement)."""
-    if not enabled or device_type not in _AUTOCAST_KEYS:
-        yield
-        return
-    _install(device_type)
-    previous = getattr(_state, "devices", ())
-    _state.devices = previous + (device_type,)
-    try:
-        yield
-    finally:
-        _state.devices = previous
+    return _switch.turned_on(device_type, enabled=enabled)
 
 
 def planned_devices() -> tuple[str, ...]:
     """The device types whose planned kernels are on in this thread (:func:`planned_kernels`) now: what
     :func:`mixprec.ops.checkpoint` captures at the forward, so that its recompute (in a backward that may run
     outside ``mp.autocast()``) makes the forward's kernel choices. No host sync."""
-    return tuple(getattr(_state, "devices", ()))
+    return _switch.on()
 
 
-@contextmanager
-def planned_as(devices: tuple[str, ...]) -> Iterator[None]:
+def planned_as(devices: tuple[str, ...]) -> AbstractContextManager[None]:
     """Inside, exactly ``devices`` (:func:`planned_devices` of an earlier moment) have their planned kernels on
     in this thread: planned where the forward was, torch's kernel where it was not. No host sync."""
-    for device_type in devices:
-        _install(device_type)
-    previous = getattr(_state, "devices", ())
-    _state.devices = tuple(d for d in devices if d in _AUTOCAST_KEYS)
-    try:
-        yield
-    finally:
-        _state.devices = previous
+    return _switch.exactly(devices)
 
 
 def describe(policy: Any, device_type: str) -> str:

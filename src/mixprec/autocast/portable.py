@@ -47,11 +47,12 @@ graph. Known limit, not detected; each engine compiles its own model.
 from __future__ import annotations
 
 import threading
-from collections.abc import Iterator
-from contextlib import contextmanager
+from contextlib import AbstractContextManager
 from typing import Any, Callable
 
 import torch
+
+from mixprec.autocast.switch import Switch
 
 __all__ = ["CUDA_OPS", "ported_ops", "portable_ops", "portable_devices", "portable_as", "op_table", "describe"]
 
@@ -89,7 +90,6 @@ _AUTOCAST_KEYS = {"cpu": "AutocastCPU", "mps": "AutocastMPS"}   # CUDA's own lis
 # norm's overloads without a dtype and the ones CUDA's kernel calls instead
 _APPEND_DTYPE_TARGET = {"norm.Scalar": "norm.ScalarOpt_dtype", "norm.ScalarOpt_dim": "norm.ScalarOpt_dim_dtype"}
 
-_state = threading.local()      # .devices: tuple of device types portable in this thread (autocast is per thread)
 _libraries: dict[str, torch.library.Library] = {}   # device type -> the registrations (kept alive)
 _registered: dict[str, frozenset[str]] = {}         # device type -> the ops mixprec registered for its key
 _lock = threading.Lock()
@@ -160,7 +160,7 @@ def _kernel(name: str, category: str, device_type: str, key: torch._C.DispatchKe
     target = _overload(_APPEND_DTYPE_TARGET.get(name, name))
 
     def kernel(keyset: torch._C.DispatchKeySet, *args: Any, **kwargs: Any) -> Any:
-        if device_type not in getattr(_state, "devices", ()):
+        if not _switch.is_on(device_type):
             return op.redispatch(keyset.remove(key), *args, **kwargs)     # native: the fallthrough it replaces
         dtype = torch.float32 if category != "lower_precision" else torch.get_autocast_dtype(device_type)
         if category == "promote":
@@ -189,42 +189,27 @@ def _install(device_type: str) -> None:
         _libraries[device_type], _registered[device_type] = library, frozenset(ported)
 
 
-@contextmanager
-def portable_ops(device_type: str, *, enabled: bool = True) -> Iterator[None]:
+_switch = Switch(_AUTOCAST_KEYS, _install)   # the device types portable in each thread (autocast is per thread)
+
+
+def portable_ops(device_type: str, *, enabled: bool = True) -> AbstractContextManager[None]:
     """Inside, ``device_type``'s autocast runs CUDA's fp32 and lower-precision lists (a no-op for
     ``cuda``, for a device with no autocast key ported, and with ``enabled=False``). Per thread, as
     autocast itself; restores the previous state on exit. No host sync."""
-    if not enabled or device_type not in _AUTOCAST_KEYS:
-        yield
-        return
-    _install(device_type)
-    previous = getattr(_state, "devices", ())
-    _state.devices = previous + (device_type,)
-    try:
-        yield
-    finally:
-        _state.devices = previous
+    return _switch.turned_on(device_type, enabled=enabled)
 
 
 def portable_devices() -> tuple[str, ...]:
     """The device types whose portable ops are on in this thread (:func:`portable_ops`) now: what
     :func:`mixprec.ops.checkpoint` captures at the forward, so that its recompute (in a backward that may run
     outside ``mp.autocast()``) casts as its forward did. No host sync."""
-    return tuple(getattr(_state, "devices", ()))
+    return _switch.on()
 
 
-@contextmanager
-def portable_as(devices: tuple[str, ...]) -> Iterator[None]:
+def portable_as(devices: tuple[str, ...]) -> AbstractContextManager[None]:
     """Inside, exactly ``devices`` (:func:`portable_devices` of an earlier moment) have portable ops on in this
     thread: CUDA's lists where the forward had them, the device's own where it did not. No host sync."""
-    for device_type in devices:
-        _install(device_type)
-    previous = getattr(_state, "devices", ())
-    _state.devices = tuple(devices)
-    try:
-        yield
-    finally:
-        _state.devices = previous
+    return _switch.exactly(devices)
 
 
 def op_table(device_type: str) -> list[tuple[str, str, str]]:

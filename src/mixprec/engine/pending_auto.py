@@ -46,7 +46,8 @@ import torch
 
 from mixprec.policy.auto import TrialFailed, choose
 from mixprec.autocast.compiled import eager_dtypes
-from mixprec.policy.resolve import Resolution, auto_candidates, probe
+from mixprec.machine.capability import probe
+from mixprec.policy.resolve import Resolution, auto_candidates
 from mixprec.autocast.op_plan import describe as describe_kernels
 from mixprec.autocast.op_plan import planned_kernels
 from mixprec.policy.policy import PRESETS

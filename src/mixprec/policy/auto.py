@@ -33,6 +33,7 @@ import statistics
 import time
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
+from functools import partial
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -41,6 +42,7 @@ import torch
 from torch import nn
 
 from mixprec.machine.cache import cache_dir, machine_key, read_json, write_json
+from mixprec.machine.timing import time_calls
 from mixprec.autocast.op_plan import planned_kernels
 from mixprec.policy.policy import PRESETS
 from mixprec.autocast.portable import portable_ops
@@ -189,13 +191,6 @@ def _scalar(output: Any, loss_fn: Callable | None) -> torch.Tensor:
     return torch.stack(floats).sum()
 
 
-def _sync(device: torch.device) -> None:
-    if device.type == "cuda":
-        torch.cuda.synchronize(device)
-    elif device.type == "mps":
-        torch.mps.synchronize()
-
-
 def time_candidates(model: nn.Module, args: tuple, kwargs: dict, device: torch.device, candidates: tuple[str, ...], *,
                     loss_fn: Callable | None = None, timer: Callable[[], float] = time.perf_counter,
                     warmup: int = WARMUP, blocks: int = BLOCKS, steps: int = STEPS) -> dict[str, list[float]]:
@@ -243,12 +238,7 @@ def time_candidates(model: nn.Module, args: tuple, kwargs: dict, device: torch.d
                 step(name)
         for _ in range(blocks):
             for name in candidates:
-                for _ in range(steps):
-                    _sync(device)
-                    start = timer()
-                    step(name)
-                    _sync(device)
-                    times[name].append((timer() - start) * 1e3)
+                times[name] += [s * 1e3 for s in time_calls(partial(step, name), device, steps, clock=timer)]
     return times
 
 

@@ -1,4 +1,4 @@
-"""Device capabilities (measured, cached) and policy resolution: which policy runs where.
+"""Policy resolution: which policy runs where, on a device's :class:`~mixprec.machine.capability.Capability`.
 
 ``resolve_policy(spec, device)`` turns ``"auto"`` or any policy into a concrete
 :class:`~mixprec.policy.policy.Policy` for a device, and :func:`resolve` also returns the
@@ -8,8 +8,9 @@ human-readable decision that :class:`mixprec.MixedPrecision` records. Rules:
 * MPS: bf16-mixed where the installed torch/macOS can create bf16 tensors and autocast to
   bf16 on MPS, else fp16-mixed.
 * CPU: bf16-mixed only where this CPU's bf16 matmul is measured faster than fp32 (a short
-  probe, cached in-process and on disk), else fp32. Never fp16 on a CPU: its fp16 matmul is
-  measured too, and is typically hundreds of times slower than fp32 without native kernels.
+  probe, cached in-process and on disk: :func:`mixprec.machine.capability.probe`), else fp32. Never
+  fp16 on a CPU: its fp16 matmul is measured too, and is typically hundreds of times slower than fp32
+  without native kernels.
 * With ``model=`` and ``example_batch=``, ``auto`` is decided on the model instead of the matmul
   probe: a few forward+backward steps of fp32 and of each 16-bit candidate the device runs
   natively (:func:`auto_candidates`) are timed on it (:mod:`mixprec.policy.auto`), and a 16-bit
@@ -21,41 +22,20 @@ human-readable decision that :class:`mixprec.MixedPrecision` records. Rules:
 
 from __future__ import annotations
 
-import functools
-import json
 import logging
-import platform
-import time
-from dataclasses import asdict, dataclass
-from pathlib import Path
+from dataclasses import dataclass
 from typing import Any
 
 import torch
 
 from mixprec.policy.auto import choose, split_batch
-from mixprec.machine.cache import cache_dir
+from mixprec.machine.capability import Capability, normalize_device, probe
 from mixprec.policy.policy import PRESETS, Policy
 from mixprec.autocast.portable import describe as describe_ops
 
-__all__ = ["Capability", "Resolution", "auto_candidates", "probe", "resolve", "resolve_policy", "normalize_device"]
+__all__ = ["Resolution", "auto_candidates", "resolve", "resolve_policy"]
 
 log = logging.getLogger("mixprec")
-
-_FAST_RATIO = 1.1  # a half dtype counts as fast when its matmul beats fp32 by 10 %
-
-
-@dataclass(frozen=True)
-class Capability:
-    """What a device can run. Ratios are measured matmul throughput relative to fp32."""
-
-    device: str
-    bf16: bool              # bf16 tensors and autocast work
-    fp16: bool              # fp16 tensors and autocast work
-    bf16_fast: bool         # bf16 matmul faster than fp32 (measured on CPU; by generation on CUDA)
-    fp16_native: bool       # fp16 matmul not dramatically slower than fp32
-    bf16_speed_ratio: float | None = None  # fp32 time / bf16 time (CPU probe)
-    fp16_speed_ratio: float | None = None  # fp32 time / fp16 time (CPU probe)
-    detail: str = ""
 
 
 @dataclass(frozen=True)
@@ -66,120 +46,6 @@ class Resolution:
     device: torch.device
     decision: str
     fell_back: bool = False
-
-
-def normalize_device(device: str | torch.device | None) -> torch.device:
-    """``None`` → the best available device (cuda, then mps, then cpu).
-
-    Raises:
-        ValueError: the device string is malformed or the device is not available here.
-    """
-    if device is None:
-        if torch.cuda.is_available():
-            return torch.device("cuda", torch.cuda.current_device())
-        if torch.backends.mps.is_available():
-            return torch.device("mps")
-        return torch.device("cpu")
-    try:
-        dev = torch.device(device)
-    except (RuntimeError, TypeError) as err:
-        raise ValueError(f"device={device!r} is not a device; use 'cpu', 'cuda', 'cuda:1' or 'mps'") from err
-    if dev.type == "cuda":
-        if not torch.cuda.is_available():
-            raise ValueError(f"device={device!r}: CUDA is not available in this torch build/machine; "
-                             "use device='cpu' (or 'mps' on Apple silicon)")
-        if dev.index is not None and dev.index >= torch.cuda.device_count():
-            raise ValueError(f"device={device!r}: only {torch.cuda.device_count()} CUDA device(s) visible")
-    elif dev.type == "mps":
-        if not torch.backends.mps.is_available():
-            raise ValueError(f"device={device!r}: MPS is not available here; use device='cpu'")
-    elif dev.type != "cpu":
-        raise ValueError(f"device={device!r} is not supported; use 'cpu', 'cuda[:N]' or 'mps'")
-    return dev
-
-
-def _best_matmul_s(dtype: torch.dtype, n: int, device: torch.device, reps: int = 5) -> float:
-    gen = torch.Generator(device=device).manual_seed(0)   # its own: probing draws nothing from the caller's RNG
-    a = torch.randn(n, n, device=device, generator=gen).to(dtype)
-    b = torch.randn(n, n, device=device, generator=gen).to(dtype)
-    for _ in range(2):  # warm-up: the first calls initialise kernels and are much slower
-        a @ b
-    times = []
-    for _ in range(reps):
-        start = time.perf_counter()
-        a @ b
-        times.append(time.perf_counter() - start)
-    return min(times)  # the fastest run: other load on the machine only ever slows a run down
-
-
-def _cache_path() -> Path:
-    key = (f"{platform.machine()}-{platform.processor() or 'cpu'}-torch{torch.__version__}"
-           f"-threads{torch.get_num_threads()}").replace("/", "_")
-    return cache_dir() / f"cpu-probe-{key}.json"
-
-
-def _probe_cpu() -> Capability:
-    path = _cache_path()
-    try:
-        return Capability(**json.loads(path.read_text()))
-    except (OSError, ValueError, TypeError):
-        pass
-    # bf16: big enough that the matmul, not the call, dominates (~10 ms in fp32 on 2 cores).
-    t32 = _best_matmul_s(torch.float32, 512, torch.device("cpu"))
-    t_bf16 = _best_matmul_s(torch.bfloat16, 512, torch.device("cpu"))
-    # fp16: small, because without native kernels it can be ~500x slower than fp32.
-    t32_small = _best_matmul_s(torch.float32, 256, torch.device("cpu"))
-    t_fp16 = _best_matmul_s(torch.float16, 256, torch.device("cpu"))
-    bf16_ratio, fp16_ratio = t32 / t_bf16, t32_small / t_fp16
-    cap = Capability(
-        device="cpu", bf16=True, fp16=True,
-        bf16_fast=bf16_ratio >= _FAST_RATIO, fp16_native=fp16_ratio >= 0.5,
-        bf16_speed_ratio=round(bf16_ratio, 3), fp16_speed_ratio=round(fp16_ratio, 5),
-        detail=(f"measured matmul speed vs fp32: bf16 {bf16_ratio:.2f}x (512^3), "
-                f"fp16 {fp16_ratio:.4f}x (256^3)"),
-    )
-    try:
-        path.parent.mkdir(parents=True, exist_ok=True)
-        path.write_text(json.dumps(asdict(cap)))
-    except OSError:
-        log.info("mixprec: could not cache the CPU probe at %s", path)
-    return cap
-
-
-def _probe_mps() -> Capability:
-    try:
-        torch.ones(2, dtype=torch.bfloat16, device="mps") @ torch.ones(2, dtype=torch.bfloat16, device="mps")
-        with torch.autocast("mps", dtype=torch.bfloat16):
-            pass
-        bf16 = True
-    except (RuntimeError, TypeError):
-        bf16 = False
-    return Capability(device="mps", bf16=bf16, fp16=True, bf16_fast=bf16, fp16_native=True,
-                      detail="bf16 on MPS needs macOS 14+ and a recent torch" if not bf16 else "")
-
-
-@functools.cache
-def _probe_cached(device_key: str) -> Capability:
-    dev = torch.device(device_key)
-    if dev.type == "cpu":
-        return _probe_cpu()
-    if dev.type == "mps":
-        return _probe_mps()
-    major, minor = torch.cuda.get_device_capability(dev)
-    bf16 = torch.cuda.is_bf16_supported()
-    return Capability(device=device_key, bf16=bf16, fp16=True, bf16_fast=major >= 8, fp16_native=True,
-                      detail=f"{torch.cuda.get_device_name(dev)}, compute capability {major}.{minor}")
-
-
-def probe(device: str | torch.device | None = None) -> Capability:
-    """Measure (once per process, cached on disk for the CPU) what ``device`` can run.
-
-    The CPU probe times four small matmuls (about 0.1 s in all); its result is cached in
-    ``$MIXPREC_CACHE_DIR`` (default ``~/.cache/mixprec``). Host syncs: yes (timing).
-    """
-    dev = normalize_device(device)
-    key = dev.type if dev.type != "cuda" else f"cuda:{dev.index if dev.index is not None else torch.cuda.current_device()}"
-    return _probe_cached(key)
 
 
 def _can_run(policy: Policy, cap: Capability) -> str | None:
@@ -232,8 +98,6 @@ def _auto_on_model(cap: Capability, dev: torch.device, model: Any, example_batch
     args, kwargs = split_batch(example_batch)
     trial = choose(model, args, kwargs, dev, candidates, loss_fn=loss_fn)
     return trial.choice, trial.decision(dev.type)
-
-
 
 
 def resolve(spec: str | Policy, device: str | torch.device | None = None, *,

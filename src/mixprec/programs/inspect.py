@@ -16,7 +16,7 @@ from pathlib import Path
 
 import torch
 
-from mixprec.policy.resolve import normalize_device
+from mixprec.machine.capability import normalize_device
 from mixprec.numerics.advice import Recommendation
 from mixprec.numerics.inspect import DEFAULT_FORMATS, inspect
 from mixprec.numerics.report import NumericsReport

@@ -23,7 +23,6 @@ from __future__ import annotations
 
 import statistics
 import sys
-import time
 from collections.abc import Callable
 from dataclasses import asdict, dataclass
 
@@ -31,10 +30,10 @@ import torch
 from torch import nn
 from torch.utils._python_dispatch import is_traceable_wrapper_subclass
 
-from mixprec.programs.doctor import synchronize
+from mixprec.machine.timing import time_calls
 from mixprec.optim.quantized_state import ABSMAX_SUFFIX
 
-__all__ = ["StateBytes", "state_bytes", "time_steps", "median_step_ms", "percentile", "warmup_excess_s", "MemoryMeter", "synchronize"]
+__all__ = ["StateBytes", "state_bytes", "time_steps", "median_step_ms", "percentile", "warmup_excess_s", "MemoryMeter"]
 
 
 @dataclass(frozen=True)
@@ -154,18 +153,9 @@ def state_bytes(model: nn.Module, optimizer: torch.optim.Optimizer) -> StateByte
 
 
 def time_steps(step: Callable[[], None], device: torch.device, n: int) -> list[float]:
-    """Wall time of ``n`` calls of ``step()`` in ms, each bracketed by a device sync on CUDA (a host
-    sync per call there; none on the CPU)."""
-    times = []
-    for _ in range(n):
-        if device.type == "cuda":
-            torch.cuda.synchronize(device)
-        start = time.perf_counter()
-        step()
-        if device.type == "cuda":
-            torch.cuda.synchronize(device)
-        times.append((time.perf_counter() - start) * 1e3)
-    return times
+    """Wall time of ``n`` calls of ``step()`` in ms, each bracketed by a device sync on CUDA and MPS
+    (:func:`mixprec.machine.timing.time_call`: a host sync per call there; none on the CPU)."""
+    return [seconds * 1e3 for seconds in time_calls(step, device, n)]
 
 
 def percentile(values: list[float], q: float) -> float:

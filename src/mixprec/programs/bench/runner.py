@@ -57,9 +57,11 @@ from tqdm import tqdm
 from mixprec.programs.bench.report import COMPILED_SUFFIX, POLICY_KEYS, write_outputs
 from mixprec.programs.bench.verdict import Targets, judge
 from mixprec.programs.bench.worker import RunSpec
-from mixprec.policy.resolve import Capability, normalize_device, probe, resolve
+from mixprec.machine.capability import Capability, normalize_device, probe
+from mixprec.policy.resolve import resolve
 from mixprec.distributed.process import from_main_process, init_process_group_from_env, is_main_process, rank, world_size
-from mixprec.programs.doctor import cached_peaks, cpu_flags, cpu_name
+from mixprec.machine.cache import cpu_name
+from mixprec.machine.matmul import cached_peaks, cpu_flags
 from mixprec.policy.policy import Policy
 from mixprec.workloads import get_workload
 

@@ -32,7 +32,8 @@ from typing import Any
 
 import torch
 
-from mixprec.programs.bench.measure import MemoryMeter, median_step_ms, percentile, state_bytes, synchronize, warmup_excess_s
+from mixprec.programs.bench.measure import MemoryMeter, median_step_ms, percentile, state_bytes, warmup_excess_s
+from mixprec.machine.timing import synchronize
 from mixprec.policy.resolve import resolve_policy
 from mixprec.distributed.process import init_process_group_from_env, shard_batches, sum_across_ranks, world_size
 from mixprec.autocast import op_plan
