@@ -2,7 +2,7 @@
 and the doctor.
 
 A device runs queued work asynchronously (CUDA, MPS), so a wall-clock time means something only between two
-syncs: :func:`time_call` waits for the device before reading the clock, runs the call, and waits again before
+syncs: :func:`timed` waits for the device before reading the clock, runs the call, and waits again before
 reading it a second time. On the CPU the syncs are no-ops and the time is the call's own.
 """
 
@@ -10,11 +10,13 @@ from __future__ import annotations
 
 import time
 from collections.abc import Callable
-from typing import Any
+from typing import Any, TypeVar
 
 import torch
 
-__all__ = ["synchronize", "time_call", "time_calls"]
+__all__ = ["synchronize", "timed", "time_call", "time_calls"]
+
+T = TypeVar("T")
 
 
 def synchronize(device: torch.device | str) -> None:
@@ -26,15 +28,21 @@ def synchronize(device: torch.device | str) -> None:
         torch.mps.synchronize()
 
 
-def time_call(call: Callable[[], Any], device: torch.device | str, *,
-              clock: Callable[[], float] = time.perf_counter) -> float:
-    """Seconds one ``call()`` takes on ``device``: sync, read ``clock``, call, sync, read ``clock`` again.
-    ``clock`` returns seconds (injectable for tests). Host syncs: two (CUDA/MPS), none on the CPU."""
+def timed(call: Callable[[], T], device: torch.device | str, *,
+          clock: Callable[[], float] = time.perf_counter) -> tuple[T, float]:
+    """``call()``'s result and the seconds it took on ``device``: sync, read ``clock``, call, sync, read ``clock``
+    again. ``clock`` returns seconds (injectable for tests). Host syncs: two (CUDA/MPS), none on the CPU."""
     synchronize(device)
     start = clock()
-    call()
+    value = call()
     synchronize(device)
-    return clock() - start
+    return value, clock() - start
+
+
+def time_call(call: Callable[[], Any], device: torch.device | str, *,
+              clock: Callable[[], float] = time.perf_counter) -> float:
+    """Seconds one ``call()`` takes on ``device`` (:func:`timed` without the result)."""
+    return timed(call, device, clock=clock)[1]
 
 
 def time_calls(call: Callable[[], Any], device: torch.device | str, n: int, *,

@@ -1,6 +1,6 @@
 """``auto`` decided on the model: time a few training steps of each candidate policy on the model itself.
 
-A 512^3 matmul probe (:func:`mixprec.policy.resolve.probe`) says whether a device's 16-bit matmuls are fast; it
+A 512^3 matmul probe (:func:`mixprec.machine.capability.probe`) says whether a device's 16-bit matmuls are fast; it
 does not say whether *this model* trains faster under autocast (a small model's step is dominated by the
 casts autocast adds and the ops it does not lower; on 2 CPU cores the ``tiny`` GPT ran bf16-mixed at 0.72x
 fp32 although the probe called bf16 fast). :func:`choose` answers that question by measurement:
