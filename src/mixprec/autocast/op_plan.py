@@ -196,8 +196,8 @@ def time_candidates(runs: dict[str, Callable[[], Any] | None], *, default: str,
     warm-up time is reported). ``default`` is chosen unless another candidate is at least :data:`MARGIN`
     faster; among the candidates within :data:`MARGIN` of the fastest, the first of ``prefer`` (most exact
     first; else ``runs``' order) wins, so noise cannot trade exactness for nothing. ``spread`` is the median
-    over candidates of each one's slowest/fastest round. Raises ValueError when ``default`` is not offered. Host syncs: a
-    device sync around each call (:func:`mixprec.machine.timing.time_call`)."""
+    over candidates of each one's slowest/fastest round. Raises ValueError when ``default`` is not offered. Host
+    syncs: a device sync around each call (:func:`mixprec.machine.timing.time_call`)."""
     device = torch.device(device)
     if runs.get(default) is None:
         raise ValueError(f"time_candidates(default={default!r}): the default must be one of the offered "

@@ -21,7 +21,8 @@ import torch
 
 from mixprec.optim import c_kernels
 from mixprec.machine.capability import probe
-from mixprec.machine.matmul import cached_peaks, cpu_flags, device_name, dtype_support, measure_peaks, peaks_path, write_peaks
+from mixprec.machine.matmul import (cached_peaks, cpu_flags, device_name, dtype_support, measure_peaks, peaks_path,
+                                    write_peaks)
 from mixprec.policy.resolve import auto_candidates, resolve
 from mixprec.autocast.op_plan import cached as cached_plan
 from mixprec.optim import quantized_adamw
