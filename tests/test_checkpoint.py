@@ -195,7 +195,7 @@ def _truncate(d: Path) -> None:
 def _edit_hash(d: Path, *, fix_checksum: bool) -> None:
     import hashlib
 
-    from mixprec.checkpoint.local import _canonical
+    from mixprec.checkpoint.tree import canonical as _canonical
 
     manifest = json.loads((d / "manifest.json").read_text())
     manifest["files"]["model.safetensors"]["sha256"] = "0" * 64

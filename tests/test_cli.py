@@ -147,7 +147,7 @@ def test_resume_under_another_policy_names_the_cli_fix(tmp_path, capsys):
 def test_sample_reads_a_dcp_checkpoint_like_a_one_process_one(tmp_path, capsys):
     """`mixprec sample` on a torch.distributed.checkpoint (FSDP2 format) run: the weights are gathered into
     a plain model; the text equals sampling the same weights from a one-process checkpoint."""
-    from mixprec.distributed.process import save_distributed_checkpoint
+    from mixprec.checkpoint.dcp import save as save_distributed_checkpoint
 
     workload = get_workload("gpt", config="tiny")
     mp = build_engine(workload, "fp32", steps=5, seed=0, device="cpu")   # no masters: DCP-saveable

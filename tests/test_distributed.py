@@ -42,6 +42,8 @@ from torch import nn
 import mixprec.optim
 from mixprec import Guard, MixedPrecision, Policy, get_format
 from mixprec.distributed import process as mpd
+from mixprec import checkpoint as ckpt
+from mixprec.checkpoint import dcp as ckdcp
 from mixprec.engine.loss_scale import DynamicLossScale
 from engine_loops import _one_step
 
@@ -152,7 +154,7 @@ def _train_mlp(policy: str, accumulation: int, strategy: str | None, batches, sa
     mp = _mlp_engine(policy, accumulation, strategy)
     for batch in batches:
         _mse_step(mp, batch)
-    saved = None if save_to is None else mpd.save_distributed_checkpoint(save_to, mp)
+    saved = None if save_to is None else ckpt.save_checkpoint(save_to, mp)
     return {"params": _params(mp), "reduce_dtypes": mpd.gradient_reduce_dtypes(mp.model),
             "applied": mp.applied_steps, "saved": saved,
             "momentum": [mp.optimizer.state[t]["momentum_buffer"].clone() for t in mp.master_parameters()]}
@@ -188,10 +190,10 @@ def test_ddp_two_ranks_equal_one_process_on_the_global_batch(tmp_path):
     # rank 0 alone saved the bf16-pure run in the one-process format; it loads into a one-process engine
     saved = ranks[0][("bf16-pure", 2)]
     assert saved["saved"] == ranks[1][("bf16-pure", 2)]["saved"] == tmp_path / "ck" / f"step-{STEPS}"
-    manifest = mpd.read_distributed_manifest(tmp_path / "ck")
+    manifest = ckpt.read_manifest(tmp_path / "ck")
     assert manifest["extra"]["distributed"] == {"strategy": "ddp", "world_size": 2}
     mp = _mlp_engine("bf16-pure", 2)
-    mpd.load_distributed_checkpoint(tmp_path / "ck", mp)
+    ckpt.load_checkpoint(tmp_path / "ck", mp)
     assert mp.applied_steps == STEPS
     for name, value in _params(mp).items():  # no "module." prefix: the names are the model's own
         assert torch.equal(value, saved["params"][name]), name
@@ -417,7 +419,7 @@ def _checkpoint_worker(rank: int, out: Path) -> dict:
     batches = mpd.shard_batches(workload.batches("train", 0))
     for _ in range(SAVE_AT):
         _gpt_step(mp, workload, next(batches))
-    saved = mpd.save_distributed_checkpoint(out / "ck", mp, extra={"note": "two ranks"})
+    saved = ckpt.save_checkpoint(out / "ck", mp, extra={"note": "two ranks"})
     at_save = {"params": _params(mp), "momentum": {n: _full(mp.optimizer.state[p]["momentum_buffer"])
                                                    for n, p in mp.module.named_parameters()},
                "lr": mp.optimizer.param_groups[0]["lr"], "counters": mp.state_dict()["counters"]}
@@ -430,9 +432,9 @@ def test_fsdp2_checkpoint_from_two_ranks_resumes_in_one_process(tmp_path):
     r0, r1 = _run_ranks(_checkpoint_worker, tmp_path)
     workload, mp = _gpt_engine(None, "bf16-mixed", seed=123, sgd=True)  # other weights: all must come from the file
     assert r0["saved"] == r1["saved"] == str(tmp_path / "ck" / f"step-{SAVE_AT}")
-    extra = mpd.load_distributed_checkpoint(tmp_path / "ck", mp)  # the root: follows `latest`
+    extra = ckpt.load_checkpoint(tmp_path / "ck", mp)  # the root: follows `latest`
     assert extra == {"note": "two ranks"}
-    manifest = mpd.read_distributed_manifest(tmp_path / "ck")
+    manifest = ckpt.read_manifest(tmp_path / "ck")
     assert (manifest["strategy"], manifest["world_size"], manifest["policy"]) == ("fsdp2", 2, "bf16-mixed")
     assert manifest["data_position"] == {"boundaries": SAVE_AT, "world_size": 2}
     at_save = r0["at_save"]
@@ -521,7 +523,7 @@ def test_dcp_save_fsyncs_every_file_and_directory_before_the_rename_then_latest(
     monkeypatch.setattr(os, "rename", lambda a, b: (log.append(("rename", str(a), str(b))), real_rename(a, b))[1])
     monkeypatch.setattr(os, "replace", lambda a, b: (log.append(("replace", str(a), str(b))), real_replace(a, b))[1])
     root = tmp_path / "ck"
-    saved = mpd.save_distributed_checkpoint(root, _dcp_run(2))
+    saved = ckdcp.save(root, _dcp_run(2))
     monkeypatch.undo()
 
     assert saved == root / "step-2" and checkpoint_dir.resolve_checkpoint(root) == saved
@@ -548,7 +550,7 @@ point = {point!r}
 def die(*args, **kwargs):
     os.kill(os.getpid(), signal.SIGKILL)
 if point == "commit":   # the temporary directory is written (shards and manifest), nothing committed yet
-    T.mpd.commit_checkpoint = die
+    T.ckdcp.commit_checkpoint = die
 else:                   # os.rename of .tmp to step-N, or os.replace of .latest-... to latest
     real = getattr(os, point)
     def die_at_commit(src, dst, *args, **kwargs):
@@ -556,7 +558,7 @@ else:                   # os.rename of .tmp to step-N, or os.replace of .latest-
             die()
         return real(src, dst, *args, **kwargs)
     setattr(os, point, die_at_commit)
-T.mpd.save_distributed_checkpoint({root!r}, T._dcp_run(5), keep=1)
+T.ckdcp.save({root!r}, T._dcp_run(5), keep=1)
 os._exit(3)
 """
 
@@ -568,7 +570,7 @@ def test_dcp_save_killed_mid_way_leaves_latest_naming_the_previous_loadable_chec
 
     root = tmp_path / "ck"
     before = _dcp_run(2)
-    mpd.save_distributed_checkpoint(root, before, keep=1)
+    ckdcp.save(root, before, keep=1)
     code = _KILLED_SAVE.format(tests=str(Path(__file__).parent), root=str(root), point=point)
     done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
     assert done.returncode == -9, done.stderr[-2000:]
@@ -577,18 +579,18 @@ def test_dcp_save_killed_mid_way_leaves_latest_naming_the_previous_loadable_chec
     assert ("step-5" in left) == (point == "replace"), left   # renamed: complete, but latest not yet moved
     assert (root / "latest").read_text() == "step-2\n"
     fresh = _mlp_engine("fp32")
-    mpd.load_distributed_checkpoint(root, fresh)
+    ckpt.load_checkpoint(root, fresh)
     assert fresh.boundaries == 2
     for (name, p), q in zip(fresh.module.named_parameters(), before.module.parameters()):
         assert torch.equal(p, q), name
-    mpd.save_distributed_checkpoint(root, fresh, keep=1)   # the next save clears what the killed one left
+    ckdcp.save(root, fresh, keep=1)   # the next save clears what the killed one left
     assert sorted(p.name for p in root.iterdir()) == ["latest", "step-2.1"]
 
 
 def test_dcp_save_that_raises_after_writing_removes_its_temporary_directory(tmp_path, monkeypatch):
     from mixprec.checkpoint import layout as checkpoint_dir
     root = tmp_path / "ck"
-    mpd.save_distributed_checkpoint(root, _dcp_run(2))
+    ckdcp.save(root, _dcp_run(2))
 
     real_rename = os.rename
 
@@ -599,19 +601,18 @@ def test_dcp_save_that_raises_after_writing_removes_its_temporary_directory(tmp_
 
     monkeypatch.setattr(checkpoint_dir.os, "rename", fail_at_commit)
     with pytest.raises(OSError, match="simulated"):
-        mpd.save_distributed_checkpoint(root, _dcp_run(3))
+        ckdcp.save(root, _dcp_run(3))
     monkeypatch.undo()
     assert sorted(p.name for p in root.iterdir()) == ["latest", "step-2"]
-    assert mpd.read_distributed_manifest(root)["step"] == 2
+    assert ckpt.read_manifest(root)["step"] == 2
 
 
-@pytest.mark.parametrize("save", ["save_checkpoint", "save_distributed_checkpoint"])
+@pytest.mark.parametrize("save", ["local", "dcp"])
 def test_both_formats_keep_exactly_k_checkpoints_the_new_one_and_the_newest_others(tmp_path, save):
     from mixprec.checkpoint import local as checkpoint
     from mixprec.checkpoint.layout import step_dirs
 
-    save_fn = {"save_checkpoint": checkpoint.save_checkpoint, "save_distributed_checkpoint":
-               mpd.save_distributed_checkpoint}[save]
+    save_fn = {"local": checkpoint.save_checkpoint, "dcp": ckdcp.save}[save]
     root = tmp_path / "ck"
     mp = _mlp_engine("fp32")
     for batch in _stream(4):
@@ -622,7 +623,7 @@ def test_both_formats_keep_exactly_k_checkpoints_the_new_one_and_the_newest_othe
     assert [d.name for d in step_dirs(root)] == ["step-0", "step-4"]
     assert (root / "latest").read_text() == "step-0\n"
     assert [p.name for p in root.iterdir() if p.name.startswith(".")] == []
-    with pytest.raises(ValueError, match=f"{save} keep=0 is not allowed"):
+    with pytest.raises(ValueError, match="save_checkpoint keep=0 is not allowed"):
         save_fn(root, mp, keep=0)
 
 
@@ -641,7 +642,7 @@ def test_train_under_torchrun_with_fsdp2_then_resume_in_one_process(tmp_path):
               "--master-port", str(_free_port())]
     done = subprocess.run([*launch, *common, "--steps", "2"], env=env, capture_output=True, text=True, timeout=100)
     assert done.returncode == 0, done.stderr[-3000:]
-    manifest = mpd.read_distributed_manifest(out / "checkpoints")
+    manifest = ckpt.read_manifest(out / "checkpoints")
     assert (manifest["format"], manifest["strategy"], manifest["world_size"]) == ("mixprec-dcp", "fsdp2", 2)
     assert manifest["data_position"]["batches"] == 2 and manifest["data_position"]["world_size"] == 2
     for log in (out / "metrics.jsonl", out / "rank-1" / "metrics.jsonl"):  # rank 0 at the top, rank 1 apart
@@ -653,7 +654,7 @@ def test_train_under_torchrun_with_fsdp2_then_resume_in_one_process(tmp_path):
     assert "resuming from" in done.stderr and "step-2" in done.stderr
     records = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
     assert [r["step"] for r in records if r["kind"] == "train"] == [1, 2, 3]
-    assert mpd.read_distributed_manifest(out / "checkpoints")["world_size"] == 1
+    assert ckpt.read_manifest(out / "checkpoints")["world_size"] == 1
 
 
 @pytest.mark.timeout(120)

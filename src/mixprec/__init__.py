@@ -2,7 +2,7 @@
 low-precision optimizers, and the evidence to trust them."""
 
 from mixprec import fp8, ops, optim
-from mixprec.checkpoint.local import CheckpointError, load_checkpoint, save_checkpoint
+from mixprec.checkpoint import CheckpointError, load_checkpoint, save_checkpoint
 from mixprec.machine.capability import probe
 from mixprec.policy.resolve import resolve_policy
 from mixprec.ema import EMA

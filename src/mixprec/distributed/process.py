@@ -75,12 +75,8 @@ Cost per accumulation boundary, besides the gradient reductions: one all-reduce 
 (engine), one more of the guard's causes when a guard is attached, and under FSDP2 one of the
 squared gradient norm (the global norm over all shards, for clipping and ``StepResult``).
 
-**Checkpoints.** :func:`save_distributed_checkpoint` writes ``root/step-N`` and ``root/latest``
-through :mod:`mixprec.checkpoint.layout`, as :mod:`mixprec.checkpoint.local` does (same names, fsyncs,
-atomic renames, ``latest`` pointer and pruning): FSDP2 with ``torch.distributed.checkpoint``
-(every rank writes its shards into rank 0's temporary directory, rank 0 commits it; any number
-of ranks loads it, :func:`load_distributed_checkpoint`); DDP once, from rank 0, in the
-one-process format. Both record the strategy and world size.
+**Checkpoints.** :func:`mixprec.save_checkpoint` writes what the strategy needs (:mod:`mixprec.checkpoint`:
+the one-process format from rank 0 under DDP, DCP shards under FSDP2) and records the strategy and world size.
 
 **Limits.** ``set_policy`` (and so the guard's escalation) is refused under FSDP2, and under
 DDP when it would change a parameter's stored dtype (DDP's buckets are built for them): the
@@ -91,42 +87,28 @@ under a strategy. fp8 policies are not tested under a strategy. Only 1-D data pa
 
 from __future__ import annotations
 
-import contextlib
 import itertools
-import json
 import logging
 import os
-import sys
-import warnings
 import weakref
 from collections.abc import Callable, Iterable, Iterator
 from dataclasses import dataclass, field
 from datetime import timedelta
-from importlib import metadata
-from pathlib import Path
 from typing import Any
 
 import torch
 import torch.distributed as dist
 from torch import nn
 
-from mixprec.autocast import op_plan
-from mixprec.checkpoint.local import load_checkpoint, read_manifest, read_weights, save_checkpoint
-from mixprec.checkpoint.layout import (MANIFEST, PendingCheckpoint, abort_checkpoint, begin_checkpoint, commit_checkpoint,
-                                    read_manifest_json)
 from mixprec.policy.policy import Policy
 
 __all__ = ["STRATEGIES", "check_strategy", "init_process_group_from_env", "leave_process_group", "is_main_process", "rank", "world_size",
            "any_across_ranks", "sum_across_ranks", "from_main_process", "shard_batches", "sync_module_states", "check_same_rng", "wrap_model",
-           "set_gradient_sync", "local_tensors", "gradient_reduce_dtypes",
-           "save_distributed_checkpoint", "load_distributed_checkpoint", "read_distributed_manifest",
-           "load_model_weights", "DCP_MANIFEST"]
+           "set_gradient_sync", "local_tensors", "gradient_reduce_dtypes"]
 
 log = logging.getLogger("mixprec")
 
 STRATEGIES = ("ddp", "fsdp2")
-DCP_MANIFEST = MANIFEST
-_DCP_FORMAT = "mixprec-dcp"
 _REDUCE_DTYPE = torch.float32   # every gradient collective, every policy (none asks otherwise)
 
 
@@ -401,14 +383,14 @@ def wrap_model(model: nn.Module, policy: Policy, strategy: str, device: torch.de
         _RECORDS[ddp] = record
         return ddp
 
-    from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
+    return _shard_fsdp2(model, policy, record, block_filter=block_filter, keep_fp32=tuple(keep_fp32),
+                        optimizer=optimizer, sharded_found_inf=sharded_found_inf)
 
-    param_dtype = _fsdp_param_dtype(policy, sharded_found_inf=sharded_found_inf)
-    if optimizer is not None and len(optimizer.state) > 0:
-        raise ValueError("wrap_model(strategy='fsdp2') replaces the parameters; build the optimizer's state after "
-                         "wrapping (the optimizer already stepped)")
-    old_by_name = dict(model.named_parameters())
-    keep = tuple(keep_fp32)
+
+def _fsdp2_blocks(model: nn.Module, block_filter: Callable[[str, nn.Module], bool] | None,
+                  keep: tuple[str, ...]) -> list[str]:
+    """The modules sharded as blocks (``block_filter`` or the default); raises ValueError for a ``keep`` name
+    that is no submodule."""
     for name in keep:
         try:
             model.get_submodule(name)
@@ -416,16 +398,29 @@ def wrap_model(model: nn.Module, policy: Policy, strategy: str, device: torch.de
             raise ValueError(f"wrap_model: keep_fp32 name {name!r} is not a submodule of the model; names look "
                              f"like {[n for n, _ in model.named_modules() if n][:8]}") from None
     if block_filter is None:
-        blocks = _default_blocks(model)
-    else:
-        blocks = [name for name, m in model.named_modules() if name and block_filter(name, m)]
+        return _default_blocks(model)
+    return [name for name, m in model.named_modules() if name and block_filter(name, m)]
+
+
+def _shard_fsdp2(model: nn.Module, policy: Policy, record: _ReduceRecord, *,
+                 block_filter: Callable[[str, nn.Module], bool] | None, keep_fp32: tuple[str, ...],
+                 optimizer: torch.optim.Optimizer | None, sharded_found_inf: bool) -> nn.Module:
+    """:func:`wrap_model`'s ``"fsdp2"``: ``fully_shard`` on the blocks, the ``keep_fp32`` modules and the root."""
+    from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
+
+    param_dtype = _fsdp_param_dtype(policy, sharded_found_inf=sharded_found_inf)
+    if optimizer is not None and len(optimizer.state) > 0:
+        raise ValueError("wrap_model(strategy='fsdp2') replaces the parameters; build the optimizer's state after "
+                         "wrapping (the optimizer already stepped)")
+    old_by_name = dict(model.named_parameters())
+    blocks = _fsdp2_blocks(model, block_filter, keep_fp32)
     # FSDP's cast_forward_inputs would cast every floating input to param_dtype, side inputs too (a RoPE
     # table, an additive mask): a block's hidden state (its first positional input) is cast, nothing else
     mp_fp32 = MixedPrecisionPolicy(param_dtype=None, reduce_dtype=_REDUCE_DTYPE)
     mp_block = MixedPrecisionPolicy(param_dtype=param_dtype, reduce_dtype=_REDUCE_DTYPE, cast_forward_inputs=False)
     mp_root = MixedPrecisionPolicy(param_dtype=param_dtype, reduce_dtype=_REDUCE_DTYPE,
                                    output_dtype=policy.output_dtype, cast_forward_inputs=False)
-    targets = {name: mp_fp32 for name in keep}
+    targets = {name: mp_fp32 for name in keep_fp32}
     targets.update({name: mp_block for name in blocks if name not in targets})
     for name in sorted(targets, key=lambda n: -n.count(".")):  # innermost first
         if targets[name] is mp_block and param_dtype is not None:
@@ -467,23 +462,6 @@ def local_tensors(tensors: list[torch.Tensor]) -> list[torch.Tensor]:
     return out
 
 
-# ---------------------------------------------------------------------- checkpoints
-def _dcp_state(mp: Any) -> dict[str, Any]:
-    """What DCP saves and loads in place: model and optimizer by parameter name (DTensor shards
-    under FSDP2), the loss-scale state tensors and the scheduler's state."""
-    from torch.distributed.checkpoint.state_dict import get_state_dict
-
-    if mp.masters.pairs:
-        raise ValueError(f"a DCP checkpoint holds the fp32 values of the parameters the optimizer steps, but this "
-                         f"engine steps separate fp32 masters (policy {mp.policy}, strategy={mp.strategy!r}); "
-                         "use strategy='fsdp2' (any number of processes, also one) or a policy without masters")
-    model_sd, optim_sd = get_state_dict(mp.module, mp.optimizer)
-    engine: dict[str, Any] = {"loss_scale": mp.loss_scale.state_dict()["state"]}
-    if mp.scheduler is not None:
-        engine["scheduler"] = mp.scheduler.state_dict()
-    return {"model": model_sd, "optim": optim_sd, "engine": engine}
-
-
 def from_main_process(obj: Any) -> Any:
     """Rank 0's ``obj`` on every rank (a collective broadcast; ``obj`` must pickle). Without a
     group, or with one rank, ``obj`` itself."""
@@ -507,197 +485,3 @@ def check_same_rng(device: torch.device, what: str) -> None:
                          "ranks (e.g. torch.manual_seed(seed + rank)), so the replicas would drift apart; call "
                          "torch.manual_seed(seed) with one seed on every rank before building MixedPrecision, or "
                          "use a policy without stochastic rounding (e.g. bf16-pure)")
-
-
-@contextlib.contextmanager
-def _one_process_ok() -> Iterator[None]:
-    """Silence DCP's warning that it runs in one process without a group: that is meant here."""
-    with warnings.catch_warnings():
-        warnings.filterwarnings("ignore", message="torch.distributed is disabled, unavailable or uninitialized")
-        yield
-
-
-def _barrier() -> None:
-    if world_size() > 1:
-        dist.barrier()
-
-
-def _on_main_process(fn: Callable[[], Any], what: str) -> Any:
-    """``fn()`` run on rank 0, its result on every rank (a broadcast). When it raises, rank 0
-    re-raises and every other rank raises RuntimeError naming the error, instead of waiting in
-    the next collective."""
-    result, error, failure = None, None, None
-    if is_main_process():
-        try:
-            result = fn()
-        except Exception as err:
-            failure, error = err, f"{type(err).__name__}: {err}"
-    result, error = from_main_process((result, error))
-    if failure is not None:
-        raise failure
-    if error is not None:
-        raise RuntimeError(f"{what} failed on rank 0: {error}")
-    return result
-
-
-def save_distributed_checkpoint(root: str | Path, mp: Any, extra: dict | None = None, *, keep: int | None = None,
-                                data_position: dict | None = None) -> Path:
-    """Save ``mp`` (a :class:`mixprec.MixedPrecision`) as ``root/step-N``; call it on every rank.
-
-    The layout and crash safety are :mod:`mixprec.checkpoint.layout`'s, as for
-    :func:`mixprec.checkpoint.local.save_checkpoint`: ``root/step-N`` directories (N = ``mp.boundaries``)
-    and a ``root/latest`` pointer, replaced only once the new checkpoint is complete and fsynced;
-    ``keep`` keeps exactly that many (the new one and the newest ``keep - 1`` others). ``root``
-    must be on a filesystem every rank sees.
-
-    * ``strategy="ddp"``: replicas are identical, so rank 0 alone saves the unwrapped model with
-      :func:`mixprec.checkpoint.local.save_checkpoint` (the one-process format: every state, bit-exact
-      resume, RNG of rank 0), adding ``{"distributed": {"strategy", "world_size"}}`` to ``extra``.
-    * ``strategy="fsdp2"`` (or one process whose optimizer steps the model's own parameters):
-      rank 0 starts the checkpoint's temporary directory, every rank writes its shards into it
-      with ``torch.distributed.checkpoint`` (``dcp/``: model, optimizer, loss-scale state,
-      scheduler), and after a barrier rank 0 writes ``manifest.json``, fsyncs every file and
-      directory, renames it to ``step-N``, replaces ``latest`` and prunes::
-
-        format, version    "mixprec-dcp", 1
-        name, step         "step-N", mp.boundaries
-        strategy, world_size, policy, device, versions, counters (micro_step 0, applied_steps, ...)
-        guard              mp.guard.state_dict() or null;   events   mp.events
-        data_position      {"boundaries", "world_size", ...what the caller passed}
-        extra              the caller's JSON
-
-      Any number of ranks can load it (:func:`load_distributed_checkpoint`). RNG states are not
-      saved (each rank has its own).
-
-    Collective (barriers, broadcasts); copies tensors to the host (syncs). Returns ``root/step-N``.
-
-    Raises:
-        RuntimeError: called between ``backward()`` and the accumulation boundary; on ranks other
-            than 0, when rank 0 failed to start or finish the checkpoint (rank 0 raises its error).
-        ValueError: ``keep`` is not a positive int or None; (DCP) an engine that steps separate
-            fp32 masters.
-    """
-    if mp.micro_step != 0:
-        raise RuntimeError(f"save_distributed_checkpoint called after {mp.micro_step} micro-batch(es) of "
-                           "backward() without reaching the step boundary; save at an accumulation boundary (after mp.step() returns a result)")
-    info = {"strategy": mp.strategy, "world_size": world_size()}
-    position = {"world_size": world_size(), **(data_position or {})}
-    if mp.strategy == "ddp":
-        saved = _on_main_process(lambda: str(save_checkpoint(root, mp, extra={**(extra or {}), "distributed": info},
-                                                             keep=keep, data_position=position)),
-                                 "save_distributed_checkpoint")
-        return Path(saved)
-    import torch.distributed.checkpoint as dcp
-
-    parts = _dcp_state(mp)
-    pending: PendingCheckpoint = _on_main_process(
-        lambda: begin_checkpoint(root, mp.boundaries, keep=keep, caller="save_distributed_checkpoint"),
-        "save_distributed_checkpoint")
-    try:
-        with _one_process_ok():
-            dcp.save(parts, checkpoint_id=str(pending.tmp / "dcp"), no_dist=not dist.is_initialized())
-    except BaseException:
-        if is_main_process():
-            abort_checkpoint(pending)
-        raise
-    _barrier()   # every rank's shards are written before rank 0 fsyncs and renames them
-
-    def finish() -> Path:
-        guard = getattr(mp, "guard", None)
-        manifest = {"format": _DCP_FORMAT, "version": 1, "name": pending.name, "step": mp.boundaries, **info,
-                    "policy": str(mp.policy), "device": str(mp.device),
-                    "versions": {"mixprec": metadata.version("mixprec"), "torch": torch.__version__,
-                                 "python": sys.version.split()[0]},
-                    "counters": mp.state_dict()["counters"],
-                    "guard": None if guard is None else guard.state_dict(),
-                    "events": json.loads(json.dumps(list(mp.events), default=str)),
-                    "op_plan": op_plan.choices(mp.device.type, policy=mp.policy),   # rank 0's kernel choices, pinned on resume
-                    "data_position": {"boundaries": mp.boundaries, **position},
-                    "extra": extra or {}}
-        try:
-            (pending.tmp / DCP_MANIFEST).write_text(json.dumps(manifest, indent=1, allow_nan=True))
-        except BaseException:
-            abort_checkpoint(pending)
-            raise
-        return commit_checkpoint(pending)   # fsyncs, rename, latest, keep
-
-    return _on_main_process(finish, "save_distributed_checkpoint")
-
-
-def _is_dcp(manifest: Any) -> bool:
-    """Whether a parsed manifest is a DCP one (else it is for :mod:`mixprec.checkpoint.local` to verify)."""
-    return isinstance(manifest, dict) and manifest.get("format") == _DCP_FORMAT
-
-
-def read_distributed_manifest(path: str | Path) -> dict:
-    """The manifest of the checkpoint at ``path`` (a root: follows ``latest``; or a ``step-N``
-    directory), DCP or one-process format (the latter verified by :func:`mixprec.checkpoint.local.read_manifest`)."""
-    directory, manifest = read_manifest_json(path)
-    return manifest if _is_dcp(manifest) else read_manifest(directory)
-
-
-def load_model_weights(path: str | Path, model: nn.Module) -> dict:
-    """Load only the model weights of the checkpoint at ``path`` (root or ``step-N``) into a plain,
-    unwrapped ``model`` in one process, in place (values cast to each tensor's dtype); returns the
-    manifest. For inference (``mixprec sample``): a DCP checkpoint (FSDP2, any number of ranks) is
-    resharded into the full tensors (its params are the fp32 values the optimizer stepped); a
-    one-process-format checkpoint takes the fp32 masters where saved, else the params.
-
-    Raises:
-        FileNotFoundError / CheckpointError: no (complete) checkpoint at ``path``.
-        RuntimeError: the model's keys or shapes do not match the saved ones (torch's message).
-    """
-    directory, manifest = read_manifest_json(path)
-    if not _is_dcp(manifest):
-        model.load_state_dict(read_weights(directory))   # verifies this manifest, the hashes and shapes
-        return manifest
-    import torch.distributed.checkpoint as dcp
-
-    state = model.state_dict()
-    dcp.load({"model": state}, checkpoint_id=str(directory / "dcp"), no_dist=not dist.is_initialized())
-    model.load_state_dict(state)
-    return manifest
-
-
-def load_distributed_checkpoint(path: str | Path, mp: Any, *, adopt_policy: bool = False) -> dict:
-    """Load the checkpoint at ``path`` (root or ``step-N``) into ``mp``; returns its ``extra``. Every rank calls it.
-
-    A DCP checkpoint loads into an engine of the same policy with any strategy and number of
-    ranks (DCP reshards: 2 FSDP2 ranks → 1 process, 4 → 2, ...), as long as the engine's
-    optimizer steps the model's own parameters (FSDP2 always; in one process, a policy without
-    masters). Restored: model, optimizer, loss scale, scheduler, counters, events and the guard's
-    counts. A one-process-format checkpoint (saved under DDP) is loaded by every rank with
-    :func:`mixprec.checkpoint.local.load_checkpoint` (``adopt_policy`` passed on).
-
-    Raises:
-        FileNotFoundError: no checkpoint at ``path``.
-        ValueError: (DCP) another policy than ``mp``'s; an engine with separate masters.
-        RuntimeError: called between ``backward()`` and the accumulation boundary.
-    """
-    if mp.micro_step != 0:
-        raise RuntimeError(f"load_distributed_checkpoint called after {mp.micro_step} micro-batch(es) of "
-                           "backward() without reaching the step boundary; load at an accumulation boundary")
-    directory, manifest = read_manifest_json(path)
-    if not _is_dcp(manifest):
-        return load_checkpoint(directory, mp, adopt_policy=adopt_policy)
-    if manifest["policy"] != str(mp.policy):
-        raise ValueError(f"checkpoint {str(directory)!r} was saved under policy {manifest['policy']!r}, this engine "
-                         f"runs {mp.policy}; build the engine with policy={manifest['policy']!r} (a sharded run "
-                         "cannot change policy while loading)")
-    import torch.distributed.checkpoint as dcp
-    from torch.distributed.checkpoint.state_dict import set_state_dict
-
-    parts = _dcp_state(mp)
-    with _one_process_ok():
-        dcp.load(parts, checkpoint_id=str(directory / "dcp"), no_dist=not dist.is_initialized())
-    set_state_dict(mp.module, mp.optimizer, model_state_dict=parts["model"], optim_state_dict=parts["optim"])
-    mp.loss_scale.load_state_dict({**mp.loss_scale.state_dict(), "state": parts["engine"]["loss_scale"]})
-    if mp.scheduler is not None:
-        mp.scheduler.load_state_dict(parts["engine"]["scheduler"])
-    mp.restore_progress(manifest["counters"], manifest["events"])  # saved at a boundary, as here
-    guard = getattr(mp, "guard", None)
-    if guard is not None and manifest["guard"] is not None:
-        guard.load_state_dict(manifest["guard"])
-    if manifest.get("device", "").split(":")[0] == mp.device.type:
-        op_plan.pin(manifest.get("op_plan") or {}, mp.device.type)
-    return manifest["extra"]

@@ -227,7 +227,7 @@ def _cmd_sample(args: argparse.Namespace) -> int:
     import torch
 
     from mixprec.checkpoint.local import resolve_checkpoint
-    from mixprec.distributed.process import load_model_weights, read_distributed_manifest
+    from mixprec.checkpoint import load_model_weights, read_manifest as read_distributed_manifest
     from mixprec.engine.mixed_precision import MixedPrecision
     from mixprec.optim import SGD
     from mixprec.workloads import GPT, Corpus, GPTConfig, generate
@@ -260,7 +260,7 @@ def _sample_minilm(path: Path, description: dict, args: argparse.Namespace) -> i
     """Fill each ``[MASK]`` of ``--prompt`` with the trained MiniLM's five most likely tokens."""
     import torch
 
-    from mixprec.distributed.process import load_model_weights
+    from mixprec.checkpoint import load_model_weights
     from mixprec.engine.mixed_precision import MixedPrecision
     from mixprec.optim import SGD
     from mixprec.workloads import get_workload

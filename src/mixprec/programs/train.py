@@ -6,7 +6,7 @@
                          with ema: eval_ema_<metric> next to eval_<metric>)
     events.jsonl         with guard=True: mp.events (rollbacks, escalations, ...), one per line
     tensorboard/         when tensorboard is installed
-    checkpoints/         a checkpoint root (mixprec.checkpoint.local): step-N/ directories and `latest`
+    checkpoints/         a checkpoint root (mixprec.checkpoint): step-N/ directories and `latest`
     trainable.safetensors  when params are frozen (LoRA): the trainable ones only, fp32, at the end
                          (MixedPrecision.trainable_state_dict; load with load_state_dict(strict=False))
 
@@ -32,21 +32,23 @@ import math
 import signal
 import sys
 import threading
-import time
 import warnings
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 
 from mixprec.autocast import op_plan
-from mixprec.checkpoint.local import LATEST, load_checkpoint, read_manifest, resolve_checkpoint, save_checkpoint
-from mixprec.distributed.process import (any_across_ranks, is_main_process, load_distributed_checkpoint, rank,
-                                 read_distributed_manifest, save_distributed_checkpoint, shard_batches)
+from mixprec.checkpoint import LATEST, load_checkpoint, read_manifest, resolve_checkpoint, save_checkpoint
+from mixprec.distributed.process import any_across_ranks, is_main_process, rank, shard_batches
+from mixprec.engine.records import Event
 
-__all__ = ["TrainOutcome", "run_training", "CHECKPOINTS"]
+if TYPE_CHECKING:
+    from mixprec.engine.mixed_precision import MixedPrecision
+
+__all__ = ["TrainOutcome", "TrainConfig", "run_training", "train", "CHECKPOINTS"]
 
 CHECKPOINTS = "checkpoints"
 TRAINABLE_FILE = "trainable.safetensors"
@@ -149,6 +151,46 @@ def _check_same_run(manifest: dict, workload: Any, seed: int, where: Path, steps
                          f"this run has --seed {seed}; the batch stream would differ: pass --seed {position.get('seed')}")
 
 
+@dataclass(frozen=True)
+class TrainConfig:
+    """:func:`run_training`'s arguments after the workload (documented there); :meth:`check` validates them."""
+
+    steps: int
+    out: Path
+    policy: str = "auto"
+    seed: int = 0
+    eval_every: int = 0
+    checkpoint_every: int = 0
+    keep: int | None = None
+    resume: bool = False
+    device: str | None = None
+    guard: bool = False
+    command: str = ""
+    workload_spec: str | None = None
+    progress: bool = True
+    on_step: Callable[[int, dict], None] | None = None
+    strategy: str | None = None
+    ema: float | None = None
+    compile: bool = False
+
+    def check(self) -> None:
+        """Raise ValueError for a bad argument (naming it, the value and what is allowed)."""
+        for name, value in (("eval_every", self.eval_every), ("checkpoint_every", self.checkpoint_every)):
+            if isinstance(value, bool) or not isinstance(value, int) or value < 0:
+                raise ValueError(f"run_training {name}={value!r} is not allowed; pass an int >= 0 (0: off)")
+        keep = self.keep
+        if keep is not None and (isinstance(keep, bool) or not isinstance(keep, int) or keep < 1):
+            raise ValueError(f"run_training keep={keep!r} is not allowed; pass an int >= 1 or None (keep all)")
+        if self.ema is not None and self.strategy is not None:
+            raise ValueError(f"run_training ema={self.ema!r} with strategy={self.strategy!r} is not supported (the "
+                             "distributed checkpoints do not carry an EMA yet); drop --ema or --strategy")
+
+    @property
+    def root(self) -> Path:
+        """The run's checkpoint root."""
+        return self.out / CHECKPOINTS
+
+
 def run_training(workload: Any, *, policy: str = "auto", steps: int, out: str | Path, seed: int = 0,
                  eval_every: int = 0, checkpoint_every: int = 0, keep: int | None = None, resume: bool = False,
                  device: str | None = None, guard: bool = False, command: str = "",
@@ -174,7 +216,7 @@ def run_training(workload: Any, *, policy: str = "auto", steps: int, out: str | 
         strategy: None, ``"ddp"`` or ``"fsdp2"`` (launched by torchrun; :mod:`mixprec.distributed.process`).
             Rank ``r`` of ``W`` trains on batches ``r, r + W, ...`` of the stream; ``step`` counts
             global steps. Rank 0 writes ``out``'s logs, other ranks ``out/rank-<r>/``; checkpoints
-            are :func:`mixprec.distributed.process.save_distributed_checkpoint`'s (DCP under FSDP2), and a
+            are :func:`mixprec.save_checkpoint`'s for the strategy (DCP under FSDP2), and a
             stop signal on any rank stops every rank at the same step.
         ema: keep a :class:`mixprec.EMA` with this decay (e.g. 0.999): each evaluation also runs on the
             averaged weights (``ema_<metric>`` in ``final_eval``), and it is saved in the checkpoints and
@@ -189,170 +231,220 @@ def run_training(workload: Any, *, policy: str = "auto", steps: int, out: str | 
     Raises:
         ValueError: bad arguments; ``out`` holds a run's checkpoints and ``resume`` is False; on
             ``resume``, a checkpoint from another workload, seed or policy
-            (:class:`mixprec.checkpoint.local.CheckpointError` for a damaged one).
+            (:class:`mixprec.CheckpointError` for a damaged one).
         DivergenceError: the guard gave up (``events.jsonl`` is written first).
     """
-    from tqdm import tqdm
+    config = TrainConfig(steps=steps, out=Path(out), policy=policy, seed=seed, eval_every=eval_every,
+                         checkpoint_every=checkpoint_every, keep=keep, resume=resume, device=device, guard=guard,
+                         command=command, workload_spec=workload_spec, progress=progress, on_step=on_step,
+                         strategy=strategy, ema=ema, compile=compile)
+    return train(workload, config)
 
-    from mixprec.machine.timing import synchronize
-    from mixprec.programs.bench.worker import build_engine, evaluate, train_step
+
+def train(workload: Any, config: TrainConfig) -> TrainOutcome:
+    """:func:`run_training` with its arguments in ``config``."""
     from mixprec.ema import EMA
     from mixprec.guard import Guard
+    from mixprec.programs.bench.worker import build_engine
 
-    for name, value in (("eval_every", eval_every), ("checkpoint_every", checkpoint_every)):
-        if isinstance(value, bool) or not isinstance(value, int) or value < 0:
-            raise ValueError(f"run_training {name}={value!r} is not allowed; pass an int >= 0 (0: off)")
-    if keep is not None and (isinstance(keep, bool) or not isinstance(keep, int) or keep < 1):
-        raise ValueError(f"run_training keep={keep!r} is not allowed; pass an int >= 1 or None (keep all)")
-    if ema is not None and strategy is not None:
-        raise ValueError(f"run_training ema={ema!r} with strategy={strategy!r} is not supported (the distributed "
-                         "checkpoints do not carry an EMA yet); drop --ema or --strategy")
-    out = Path(out)
-    root = out / CHECKPOINTS
-    if not resume and (root / LATEST).is_file():
-        raise ValueError(f"{str(out)!r} holds the checkpoints of a run already; pass --resume to continue it, or "
-                         "choose another --out")
-    out.mkdir(parents=True, exist_ok=True)
-    mp = build_engine(workload, policy, steps=steps, seed=seed, device=device, strategy=strategy, compile=compile)
-    policy_requested = str(mp.policy)
-    if guard:
-        mp.guard = Guard(loss_fn=workload.loss)
-    averager = None if ema is None else EMA(mp, decay=ema)
-
-    start, saved_world, schedule_steps = 0, 1, steps
-    if resume and (root / LATEST).is_file():
-        checkpoint = resolve_checkpoint(root)
-        manifest = (read_distributed_manifest if strategy else read_manifest)(checkpoint)
-        schedule_steps = manifest.get("extra", {}).get("schedule_steps", manifest.get("extra", {}).get("steps", steps))
-        _check_same_run(manifest, workload, seed, checkpoint, steps)
-        if manifest.get("extra", {}).get("ema") != ema:
-            raise ValueError(f"--resume: the run in {str(checkpoint)!r} was trained with --ema "
-                             f"{manifest.get('extra', {}).get('ema')}, this run has --ema {ema}; pass the run's --ema")
-        saved_policy = manifest["policy"]
-        # a run whose guard escalated precision continues under the escalated policy
-        adopt = saved_policy != policy_requested and manifest["extra"].get("policy_requested") == policy_requested
-        if saved_policy != policy_requested and not adopt:
-            raise ValueError(f"--resume: {checkpoint} was saved under policy {saved_policy!r} but this run asks for "
-                             f"{policy_requested!r}; resume with --policy '{saved_policy}' (converting a run to "
-                             "another policy is done in Python: mixprec.load_checkpoint(..., convert=True))")
-        if strategy:
-            load_distributed_checkpoint(checkpoint, mp, adopt_policy=adopt)
-        else:
-            load_checkpoint(checkpoint, mp, adopt_policy=adopt, ema=averager)
-        start = manifest["data_position"]["batches"]
-        saved_world = manifest["data_position"].get("world_size", 1)
-        print(f"mixprec train: resuming from {checkpoint} (step {start}, policy {mp.policy})", file=sys.stderr)
-    elif resume:
-        print(f"mixprec train: --resume: no checkpoint in {root} yet; starting from step 0", file=sys.stderr)
-    if start > steps:
-        raise ValueError(f"--resume: the checkpoint is at step {start}, past --steps {steps}; pass --steps >= {start}")
+    config.check()
+    if not config.resume and (config.root / LATEST).is_file():
+        raise ValueError(f"{str(config.out)!r} holds the checkpoints of a run already; pass --resume to continue "
+                         "it, or choose another --out")
+    config.out.mkdir(parents=True, exist_ok=True)
+    mp = build_engine(workload, config.policy, steps=config.steps, seed=config.seed, device=config.device,
+                      strategy=config.strategy, compile=config.compile,
+                      guard=Guard(loss_fn=workload.loss) if config.guard else None)
+    averager = None if config.ema is None else EMA(mp, decay=config.ema)
+    run = _Run(workload, config, mp, averager)
+    _resume(run)
+    if run.start > config.steps:
+        raise ValueError(f"--resume: the checkpoint is at step {run.start}, past --steps {config.steps}; pass "
+                         f"--steps >= {run.start}")
     print(f"mixprec train: {workload.name}/{workload.config_name}, policy {mp.policy} ({mp.decision}), "
-          f"{steps} steps -> {out}", file=sys.stderr)
+          f"{config.steps} steps -> {config.out}", file=sys.stderr)
+    step, stopped = run.loop()
+    return _finish(run, step, stopped)
 
-    batches = workload.batches("train", seed)
-    for _ in range(start * saved_world):   # replay the stream to the data position (drawn, not trained)
-        next(batches)
-    batches = shard_batches(batches)       # this rank's share (one process: all of it)
-    logs = out if is_main_process() else out / f"rank-{rank()}"
-    logs.mkdir(exist_ok=True)
-    metrics_path, events_path = logs / "metrics.jsonl", logs / "events.jsonl"
-    if start:
-        _keep_records_until(metrics_path, start)
-    elif metrics_path.exists():
-        metrics_path.unlink()
-    if guard:
-        events_path.write_text("".join(json.dumps(e, default=str) + "\n" for e in mp.events), encoding="utf-8")
-    events_written = len(mp.events)
 
-    def extra(eval_metrics: dict) -> dict:
-        return {"workload": workload.describe(), "workload_spec": workload_spec or workload.name, "seed": seed,
-                "steps": steps, "schedule_steps": schedule_steps, "command": command, "decision": mp.decision,
-                "policy_requested": policy_requested, "final_eval": eval_metrics, "ema": ema}
+def _resume(run: _Run) -> None:
+    """With ``resume`` and a checkpoint in the run's root: check it is this run's, load it (either format,
+    as the strategy wrote it) and set the data position; else a fresh start."""
+    config, mp = run.config, run.mp
+    if not (config.resume and (config.root / LATEST).is_file()):
+        if config.resume:
+            print(f"mixprec train: --resume: no checkpoint in {config.root} yet; starting from step 0", file=sys.stderr)
+        return
+    checkpoint = resolve_checkpoint(config.root)
+    manifest = read_manifest(checkpoint)
+    saved_extra = manifest.get("extra", {})
+    run.schedule_steps = saved_extra.get("schedule_steps", saved_extra.get("steps", config.steps))
+    _check_same_run(manifest, run.workload, config.seed, checkpoint, config.steps)
+    if saved_extra.get("ema") != config.ema:
+        raise ValueError(f"--resume: the run in {str(checkpoint)!r} was trained with --ema {saved_extra.get('ema')}, "
+                         f"this run has --ema {config.ema}; pass the run's --ema")
+    saved_policy, requested = manifest["policy"], run.policy_requested
+    # a run whose guard escalated precision continues under the escalated policy
+    adopt = saved_policy != requested and manifest["extra"].get("policy_requested") == requested
+    if saved_policy != requested and not adopt:
+        raise ValueError(f"--resume: {checkpoint} was saved under policy {saved_policy!r} but this run asks for "
+                         f"{requested!r}; resume with --policy '{saved_policy}' (converting a run to "
+                         "another policy is done in Python: mixprec.load_checkpoint(..., convert=True))")
+    load_checkpoint(checkpoint, mp, adopt_policy=adopt, ema=run.averager)
+    run.start = manifest["data_position"]["batches"]
+    run.saved_world = manifest["data_position"].get("world_size", 1)
+    print(f"mixprec train: resuming from {checkpoint} (step {run.start}, policy {mp.policy})", file=sys.stderr)
 
-    def save(step: int, eval_metrics: dict) -> Path:
-        position = {"split": "train", "seed": seed, "batches": step}
-        if strategy:
-            return save_distributed_checkpoint(root, mp, extra=extra(eval_metrics), keep=keep, data_position=position)
-        return save_checkpoint(root, mp, extra=extra(eval_metrics), keep=keep, data_position=position, ema=averager)
 
-    def evaluate_all() -> dict[str, float]:
-        metrics = evaluate(mp, workload)
-        if averager is not None:
-            with averager.swapped():
-                metrics.update({f"ema_{k}": v for k, v in evaluate(mp, workload).items()})
+def _event_lines(events: list) -> list[str]:
+    return [json.dumps(Event.of(e).to_dict(), default=str) + "\n" for e in events]
+
+
+class _Run:
+    """One training run in progress: the engine, the data stream, the logs and what was saved last."""
+
+    def __init__(self, workload: Any, config: TrainConfig, mp: MixedPrecision, averager: Any) -> None:
+        self.workload, self.config, self.mp, self.averager = workload, config, mp, averager
+        self.policy_requested = str(mp.policy)
+        self.start, self.saved_world, self.schedule_steps = 0, 1, config.steps
+        self.eval_metrics: dict[str, float] = {}
+        self.last_saved: tuple[int, Path] | None = None
+
+    def open_logs(self) -> None:
+        """This rank's log directory; ``metrics.jsonl`` kept up to the data position; ``events.jsonl`` started."""
+        self.logs = self.config.out if is_main_process() else self.config.out / f"rank-{rank()}"
+        self.logs.mkdir(exist_ok=True)
+        self.metrics_path, self.events_path = self.logs / "metrics.jsonl", self.logs / "events.jsonl"
+        if self.start:
+            _keep_records_until(self.metrics_path, self.start)
+        elif self.metrics_path.exists():
+            self.metrics_path.unlink()
+        if self.config.guard:
+            self.events_path.write_text("".join(_event_lines(self.mp.events)), encoding="utf-8")
+        self.events_written = len(self.mp.events)
+
+    def write_events(self) -> None:
+        """Append the events recorded since the last call to ``events.jsonl`` (with a guard)."""
+        if self.config.guard and len(self.mp.events) > self.events_written:
+            with open(self.events_path, "a", encoding="utf-8") as events:
+                events.writelines(_event_lines(self.mp.events[self.events_written:]))
+            self.events_written = len(self.mp.events)
+
+    def extra(self) -> dict:
+        c = self.config
+        return {"workload": self.workload.describe(), "workload_spec": c.workload_spec or self.workload.name,
+                "seed": c.seed, "steps": c.steps, "schedule_steps": self.schedule_steps, "command": c.command,
+                "decision": self.mp.decision, "policy_requested": self.policy_requested,
+                "final_eval": self.eval_metrics, "ema": c.ema}
+
+    def save(self, step: int) -> None:
+        """A checkpoint at ``step`` in the format the strategy needs (every rank calls it)."""
+        position = {"split": "train", "seed": self.config.seed, "batches": step}
+        self.last_saved = (step, save_checkpoint(self.config.root, self.mp, extra=self.extra(), keep=self.config.keep,
+                                                 data_position=position, ema=self.averager))
+
+    def evaluate(self) -> dict[str, float]:
+        from mixprec.programs.bench.worker import evaluate
+
+        metrics = evaluate(self.mp, self.workload)
+        if self.averager is not None:
+            with self.averager.swapped():
+                metrics.update({f"ema_{k}": v for k, v in evaluate(self.mp, self.workload).items()})
         return metrics
 
-    writer = _tensorboard(out) if is_main_process() else None
-    eval_metrics: dict[str, float] = {}
-    last_saved: tuple[int, Path] | None = None
-    step, stopped = start, None
-    shown = mp.decision   # printed above; auto decides at the first forward, a guard may escalate
-    try:
-        with _StopSignals() as signals, open(metrics_path, "a", encoding="utf-8") as log, \
-                tqdm(total=steps, initial=start, unit="step", disable=not progress or not is_main_process()) as bar:
-            for step in range(start + 1, steps + 1):
-                batch, lr = next(batches), float(mp.optimizer.param_groups[0]["lr"])  # a tensor lr (torchao) logs as a number
-                synchronize(mp.device)
-                t0 = time.perf_counter()
-                loss, result = train_step(mp, workload, batch)
-                synchronize(mp.device)
-                if mp.decision != shown and is_main_process():
-                    shown = mp.decision
-                    bar.write(f"mixprec train: step {step}: policy {mp.policy} ({mp.decision})", file=sys.stderr)
-                record = {"kind": "train", "step": step, "loss": _finite(float(loss)), "applied": result.applied,
-                          "skipped_reason": result.skipped_reason, "loss_scale": result.loss_scale,
-                          "grad_norm": _finite(result.grad_norm), "lr": lr,
-                          "step_time_ms": (time.perf_counter() - t0) * 1e3}
-                log.write(json.dumps(record) + "\n")
-                _add_scalars(writer, "train", record, step)
-                if step == steps or (eval_every > 0 and step % eval_every == 0):
-                    eval_metrics = evaluate_all()
-                    log.write(json.dumps({"kind": "eval", "step": step,
-                                          **{f"eval_{k}": _finite(v) for k, v in eval_metrics.items()}}) + "\n")
-                    _add_scalars(writer, "eval", eval_metrics, step)
-                    bar.set_postfix(eval_loss=f"{eval_metrics['loss']:.4f}")
-                log.flush()
-                if guard and len(mp.events) > events_written:
-                    with open(events_path, "a", encoding="utf-8") as events:
-                        events.writelines(json.dumps(e, default=str) + "\n" for e in mp.events[events_written:])
-                    events_written = len(mp.events)
-                bar.update(1)
-                if checkpoint_every and step % checkpoint_every == 0 and step != steps:
-                    last_saved = (step, save(step, eval_metrics))
-                if on_step is not None:
-                    on_step(step, record)
-                stop = signals.received is not None
-                if strategy:  # every rank stops at the same step, or the next collective hangs
-                    stop = bool(any_across_ranks(torch.tensor(stop, device=mp.device)))
-                if stop:
-                    stopped = signal.Signals(signals.received or signal.SIGTERM).name
-                    last_saved = (step, save(step, eval_metrics))
-                    break
-            else:
-                if step > start:   # periodic saves skip the last step: this is the one save there
-                    last_saved = (step, save(step, eval_metrics))
-    finally:
-        if writer is not None:
-            writer.close()
-        if guard and len(mp.events) > events_written:   # e.g. the "diverged" event before DivergenceError
-            with open(events_path, "a", encoding="utf-8") as events:
-                events.writelines(json.dumps(e, default=str) + "\n" for e in mp.events[events_written:])
-    path = last_saved[1] if last_saved else None
+    def eval_due(self, step: int) -> bool:
+        return step == self.config.steps or (self.config.eval_every > 0 and step % self.config.eval_every == 0)
+
+    def batches(self) -> Any:
+        """This rank's share of the stream, replayed to the data position (drawn, not trained)."""
+        batches = self.workload.batches("train", self.config.seed)
+        for _ in range(self.start * self.saved_world):
+            next(batches)
+        return shard_batches(batches)
+
+    def train_one(self, step: int, batch: dict, log: Any, writer: Any) -> dict:
+        """One step and its record (written to ``log`` and TensorBoard); evaluates when due."""
+        from mixprec.machine.timing import timed
+        from mixprec.programs.bench.worker import train_step
+
+        mp = self.mp
+        lr = float(mp.optimizer.param_groups[0]["lr"])  # a tensor lr (torchao) logs as a number
+        (loss, result), step_s = timed(lambda: train_step(mp, self.workload, batch), mp.device)
+        record = {"kind": "train", "step": step, "loss": _finite(float(loss)), "applied": result.applied,
+                  "skipped_reason": result.skipped_reason, "loss_scale": result.loss_scale,
+                  "grad_norm": _finite(result.grad_norm), "lr": lr, "step_time_ms": step_s * 1e3}
+        log.write(json.dumps(record) + "\n")
+        _add_scalars(writer, "train", record, step)
+        if self.eval_due(step):
+            self.eval_metrics = self.evaluate()
+            log.write(json.dumps({"kind": "eval", "step": step,
+                                  **{f"eval_{k}": _finite(v) for k, v in self.eval_metrics.items()}}) + "\n")
+            _add_scalars(writer, "eval", self.eval_metrics, step)
+        log.flush()
+        self.write_events()
+        return record
+
+    def loop(self) -> tuple[int, str | None]:
+        """Train from the data position to ``steps``, saving as configured; returns the last step and the
+        signal that stopped it (None). Every rank stops at the same step."""
+        from tqdm import tqdm
+
+        mp, c = self.mp, self.config
+        batches = self.batches()
+        self.open_logs()
+        writer = _tensorboard(c.out) if is_main_process() else None
+        step, shown = self.start, mp.decision   # printed already; auto decides at the first forward, a guard may escalate
+        try:
+            with _StopSignals() as signals, open(self.metrics_path, "a", encoding="utf-8") as log, \
+                    tqdm(total=c.steps, initial=self.start, unit="step",
+                         disable=not c.progress or not is_main_process()) as bar:
+                for step in range(self.start + 1, c.steps + 1):
+                    record = self.train_one(step, next(batches), log, writer)
+                    if mp.decision != shown and is_main_process():
+                        shown = mp.decision
+                        bar.write(f"mixprec train: step {step}: policy {mp.policy} ({mp.decision})", file=sys.stderr)
+                    if self.eval_due(step):
+                        bar.set_postfix(eval_loss=f"{self.eval_metrics['loss']:.4f}")
+                    bar.update(1)
+                    if c.checkpoint_every and step % c.checkpoint_every == 0 and step != c.steps:
+                        self.save(step)
+                    if c.on_step is not None:
+                        c.on_step(step, record)
+                    stop = signals.received is not None
+                    if c.strategy:  # every rank stops at the same step, or the next collective hangs
+                        stop = bool(any_across_ranks(torch.tensor(stop, device=mp.device)))
+                    if stop:
+                        self.save(step)
+                        return step, signal.Signals(signals.received or signal.SIGTERM).name
+                if step > self.start:   # periodic saves skip the last step: this is the one save there
+                    self.save(step)
+                return step, None
+        finally:
+            if writer is not None:
+                writer.close()
+            self.write_events()   # e.g. the "diverged" event before DivergenceError
+
+
+def _finish(run: _Run, step: int, stopped: str | None) -> TrainOutcome:
+    """Report the run's end; with frozen params (LoRA) also write the trainable ones alone."""
+    mp, config, eval_metrics = run.mp, run.config, run.eval_metrics
+    path = run.last_saved[1] if run.last_saved else None
     if stopped is not None:
         print(f"mixprec train: {stopped} at step {step}: saved {path}; continue with --resume", file=sys.stderr)
         return TrainOutcome(128 + signal.Signals[stopped].value, step, eval_metrics, path, stopped)
-    if step == start:
-        print(f"mixprec train: the run in {out} is complete already (step {step} of {steps})", file=sys.stderr)
-    else:
-        ema_note = f" (EMA {eval_metrics['ema_loss']:.4f})" if averager is not None else ""
-        print(f"final eval loss {eval_metrics['loss']:.4f}{ema_note}; wrote {metrics_path} and {path}")
-        print("".join(f"op plan: {line}\n" for line in op_plan.summary(mp.device.type, policy=mp.policy)), end="")
-        if strategy is None and mp.frozen_names():   # LoRA / partly frozen: the trained params alone, small
-            from safetensors.torch import save_file
+    if step == run.start:
+        print(f"mixprec train: the run in {config.out} is complete already (step {step} of {config.steps})",
+              file=sys.stderr)
+        return TrainOutcome(0, step, eval_metrics, path, None)
+    ema_note = f" (EMA {eval_metrics['ema_loss']:.4f})" if run.averager is not None else ""
+    print(f"final eval loss {eval_metrics['loss']:.4f}{ema_note}; wrote {run.metrics_path} and {path}")
+    print("".join(f"op plan: {line}\n" for line in op_plan.summary(mp.device.type, policy=mp.policy)), end="")
+    if config.strategy is None and mp.frozen_names():   # LoRA / partly frozen: the trained params alone, small
+        from safetensors.torch import save_file
 
-            trainable_path = out / TRAINABLE_FILE
-            save_file(mp.trainable_state_dict(), str(trainable_path), metadata={"policy": str(mp.policy),
-                                                                                 "step": str(step)})
-            print(f"wrote {trainable_path} (the trainable parameters only, fp32: "
-                  f"{trainable_path.stat().st_size / 2**20:.1f} MiB)")
+        trainable_path = config.out / TRAINABLE_FILE
+        save_file(mp.trainable_state_dict(), str(trainable_path), metadata={"policy": str(mp.policy),
+                                                                             "step": str(step)})
+        print(f"wrote {trainable_path} (the trainable parameters only, fp32: "
+              f"{trainable_path.stat().st_size / 2**20:.1f} MiB)")
     return TrainOutcome(0, step, eval_metrics, path, None)
