@@ -11,9 +11,12 @@ A ``Guard`` replaces it (rollback, escalation, then its own ``DivergenceError``)
 
 from __future__ import annotations
 
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
+
+if TYPE_CHECKING:
+    from mixprec.engine.mixed_precision import MixedPrecision
 
 __all__ = ["DivergenceError", "StopWhenStuck", "stuck_if_skipped"]
 
@@ -52,7 +55,7 @@ class StopWhenStuck:
         self.max_stuck_skips = max_stuck_skips
         self.nonfinite_streak = 0   # consecutive boundaries whose loss itself was non-finite
 
-    def after_step(self, mp: Any, result: Any) -> Any:
+    def after_step(self, mp: MixedPrecision, result: Any) -> Any:
         self.nonfinite_streak = 0 if result.loss_finite else self.nonfinite_streak + 1
         stuck = result.stuck_skips if result.loss_finite else self.nonfinite_streak
         if result.applied or stuck < self.max_stuck_skips:
@@ -67,7 +70,7 @@ def _grad_kinds(grads: list[torch.Tensor]) -> str:
     return " and ".join(k for k, v in (("NaN", has_nan), ("inf", has_inf)) if v) or "no non-finite values"
 
 
-def _message(stuck: int, result: Any, mp: Any, kinds: str) -> str:
+def _message(stuck: int, result: Any, mp: MixedPrecision, kinds: str) -> str:
     ls = mp.loss_scale
     scale = result.loss_scale
     if not result.loss_finite:

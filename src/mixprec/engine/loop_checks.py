@@ -39,6 +39,7 @@ from typing import Any
 import torch
 from torch import nn
 
+from mixprec.engine.records import Event
 from mixprec.policy.tree import field_names
 
 __all__ = ["LoopChecks", "TARGET_NAMES"]
@@ -96,13 +97,19 @@ class LoopChecks:
         self._tensors_list: list[torch.Tensor] = []
 
     def install(self) -> None:
-        """The optimizer's step pre-hook, and (unless the policy is plain fp32: no hook on the model
-        then, and an edit is found at ``backward()``) the model's forward pre-hook."""
+        """The model's forward pre-hook, unless the policy is plain fp32 (no hook on the model then, and an
+        edit is found at ``backward()``)."""
         policy = self.owner.policy
-        self._handles = [self.owner.optimizer.register_step_pre_hook(_StepHook(self))]
         if policy.is_mixed or policy.param_dtype != torch.float32:
-            self._handles.append(self.owner.module.register_forward_pre_hook(_ForwardHook(self)))
-        weakref.finalize(self, _remove_all, list(self._handles))   # a dropped engine takes its hooks along
+            self._add(self.owner.module.register_forward_pre_hook(_ForwardHook(self)))
+
+    def watch(self, optimizer: torch.optim.Optimizer) -> None:
+        """The step pre-hook of ``optimizer`` (the engine's, at ``mp.attach``)."""
+        self._add(optimizer.register_step_pre_hook(_StepHook(self)))
+
+    def _add(self, handle: Any) -> None:
+        self._handles.append(handle)
+        weakref.finalize(self, _remove_all, [handle])   # a dropped engine takes its hooks along
 
     def remove(self) -> None:
         for handle in self._handles:
@@ -277,8 +284,7 @@ class LoopChecks:
 
     def _event(self, kind: str, detail: str) -> None:
         mp = self.owner
-        mp.events.append({"step": mp.boundaries, "kind": kind, "cause": "training loop", "module": None,
-                          "detail": detail})
+        mp.record(Event(step=mp.boundaries, kind=kind, cause="training loop", module=None, detail=detail))
 
     def _once(self, key: str, kind: str, detail: str) -> None:
         if key in self.spoken:

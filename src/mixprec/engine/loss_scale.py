@@ -25,6 +25,7 @@ from __future__ import annotations
 
 import dataclasses
 import math
+import warnings
 from dataclasses import dataclass
 from typing import Any, ClassVar
 
@@ -32,7 +33,7 @@ import torch
 
 from mixprec.engine.gradients import grouped_values, summed_values
 
-__all__ = ["LossScale", "NoLossScale", "StaticLossScale", "DynamicLossScale", "from_spec", "from_state_dict"]
+__all__ = ["LossScale", "NoLossScale", "StaticLossScale", "DynamicLossScale", "from_spec", "from_state_dict", "for_policy"]
 
 _FP32 = torch.finfo(torch.float32)
 
@@ -386,3 +387,15 @@ def from_state_dict(state: dict[str, Any]) -> LossScale:
     ls = kind() if kind is not StaticLossScale else StaticLossScale(float(state["config"].get("scale", 1.0)))
     ls.load_state_dict(state)
     return ls
+
+
+def for_policy(policy: Any, override: Any, device: torch.device) -> LossScale:
+    """The loss scale ``policy`` (a :class:`mixprec.Policy`) names, or ``override`` (a spec as :func:`from_spec`
+    takes, or a LossScale), on ``device``; warns when scaling is on under bf16 compute (it does nothing useful)."""
+    spec = policy.loss_scale if override is None else override
+    ls = spec if hasattr(spec, "unscale_") else from_spec(spec)
+    if ls.enabled and policy.compute_dtype == torch.bfloat16 and policy.param_dtype != torch.float16:
+        warnings.warn(f"loss scaling is on ({type(ls).__name__}) under a bf16 policy ({policy}): bf16 has "
+                      "fp32's exponent range, so scaling does nothing useful; drop loss_scale=...", stacklevel=3)
+    return ls.to(device)
+

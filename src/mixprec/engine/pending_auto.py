@@ -40,7 +40,7 @@ import warnings
 import weakref
 from collections.abc import Iterator
 from contextlib import ExitStack, contextmanager
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 
@@ -49,9 +49,13 @@ from mixprec.autocast.compiled import eager_dtypes
 from mixprec.policy.resolve import Resolution, auto_candidates, probe
 from mixprec.autocast.op_plan import describe as describe_kernels
 from mixprec.autocast.op_plan import planned_kernels
-from mixprec.policy.policy import PRESETS
+from mixprec.engine.records import Event
+from mixprec.policy.policy import PRESETS, Policy
 from mixprec.autocast.portable import describe as describe_ops
 from mixprec.autocast.portable import portable_ops
+
+if TYPE_CHECKING:
+    from mixprec.engine.mixed_precision import MixedPrecision
 
 __all__ = ["PENDING", "PendingAuto", "pending_resolution"]
 
@@ -99,7 +103,7 @@ class PendingAuto:
     def __getstate__(self) -> dict:
         return {**self.__dict__, "_ref": None, "_handle": None, "_blocks": [], "state": "off"}
 
-    def install(self, mp: Any) -> None:
+    def install(self, mp: MixedPrecision) -> None:
         """Register the pre-hook on ``mp.model`` (after the engine is built; nothing when not pending)."""
         if self.state != "pending":
             return
@@ -163,29 +167,32 @@ class PendingAuto:
                       f"from the next one the matmul probe's choice applies ({self.probe.policy}). Call the model as "
                       "mp.model(...) for auto to decide on it", stacklevel=3)
 
-    def at_boundary(self, mp: Any) -> None:
+    def at_boundary(self, mp: MixedPrecision) -> None:
         """Called at the end of each step boundary: applies the probe's choice after :meth:`before_backward`."""
         if self.state == "probe-at-boundary":
             self._decide(mp, str(self.probe.policy), f"{self.probe.decision} (auto fell back to the matmul probe: "
                          "mp.backward() came before any training forward of mp.model)",
                          "auto: matmul probe (no forward through mp.model before backward)")
 
-    def cancel(self, mp: Any, new: Any) -> None:
-        """Called by ``set_policy``: switching to another policy than the pending fp32 ends the decision."""
-        if self.state in ("pending", "probe-at-boundary") and new != mp.policy:
+    def cancel(self, current: Policy, new: Policy) -> None:
+        """Called by ``set_policy`` from ``current``: switching to another policy than the pending fp32 ends the
+        decision."""
+        if self.state in ("pending", "probe-at-boundary") and new != current:
             self.state = "cancelled"
             self.remove()
 
-    def after_load(self, mp: Any, events: list[dict] | None) -> None:
-        """Called after a state of the pending policy (fp32) was loaded: when the saved run had taken its
-        ``auto`` decision (an ``"auto"`` event), the continued run keeps it instead of timing again."""
+    def after_load(self, policy: Policy, events: list[Event] | list[dict] | None) -> str | None:
+        """Called after a state of the pending ``policy`` (fp32) was loaded: when the saved run had taken its
+        ``auto`` decision (an ``"auto"`` event), the continued run keeps it instead of timing again. Returns
+        the engine's new decision line then, else None."""
         decided = [e for e in events or [] if e.get("kind") == "auto"]
-        if self.state == "pending" and decided:
-            self.state = "cancelled"
-            self.remove()
-            mp.decision = f"{mp.policy} as loaded: the saved run's decision ({decided[-1].get('detail')})"
+        if not (self.state == "pending" and decided):
+            return None
+        self.state = "cancelled"
+        self.remove()
+        return f"{policy} as loaded: the saved run's decision ({decided[-1].get('detail')})"
 
-    def _decide(self, mp: Any, choice: str, text: str, cause: str) -> None:
+    def _decide(self, mp: MixedPrecision, choice: str, text: str, cause: str) -> None:
         self.state = "decided"
         self.remove()
         before = str(mp.policy)
@@ -200,11 +207,11 @@ class PendingAuto:
                 stack.enter_context(planned_kernels(mp.device.type, enabled=policy.kernels == "measured"))
             if mp.guard is not None and hasattr(mp.guard, "take_snapshot"):
                 mp.guard.take_snapshot(mp)   # its snapshot holds the fp32 build
-            mp.decision = (text + describe_ops(policy.ops, mp.device.type, mixed=policy.is_mixed)
-                           + describe_kernels(policy, mp.device.type)
-                           + f"; the fp32 build re-prepared as {choice} (set_policy) before the first step" + notes)
+            decision = (text + describe_ops(policy.ops, mp.device.type, mixed=policy.is_mixed)
+                        + describe_kernels(policy, mp.device.type)
+                        + f"; the fp32 build re-prepared as {choice} (set_policy) before the first step" + notes)
         else:
-            mp.decision = text + self._notes
-        mp.events.append({"step": mp.boundaries, "kind": "auto", "cause": cause, "module": None, "detail": text,
-                          "from": before, "to": choice})
+            decision = text + self._notes
+        mp.record(Event(step=mp.boundaries, kind="auto", cause=cause, module=None, detail=text, from_policy=before,
+                        to_policy=choice), decision=decision)
         log.info("mixprec: %s", mp.decision)
