@@ -86,6 +86,7 @@ import torch
 
 from mixprec.autocast import op_plan
 from mixprec.optim.quantized_state import state_shape
+from mixprec.engine.records import Event
 from mixprec.checkpoint.layout import (LATEST, MANIFEST, CheckpointError, new_checkpoint, read_manifest_json,
                                     resolve_checkpoint)
 
@@ -388,7 +389,7 @@ def save_checkpoint(path: str | Path, mp: Any, extra: dict | None = None, *, gua
         {"class": _qualname(mp.scheduler), "state": _encode(sd["scheduler"], "scheduler", state)},
         "guard": None if guard is None else _encode(guard.state_dict(), "guard", state),
         "ema": None if ema is None else _encode(ema.state_dict(), "ema", state),
-        "events": json.loads(json.dumps(list(mp.events), default=str)),
+        "events": json.loads(json.dumps([Event.of(e).to_dict() for e in mp.events], default=str)),
         "rng": _rng_state(mp.device, state),
         "op_plan": op_plan.choices(mp.device.type, policy=mp.policy),   # the kernels chosen: a resumed run pins them (bitwise resume)
         "data_position": {"boundaries": mp.boundaries, **(data_position or {})},

@@ -115,6 +115,7 @@ from mixprec.checkpoint.local import load_checkpoint, read_manifest, read_weight
 from mixprec.checkpoint.layout import (MANIFEST, PendingCheckpoint, abort_checkpoint, begin_checkpoint, commit_checkpoint,
                                     read_manifest_json)
 from mixprec.policy.policy import Policy
+from mixprec.engine.records import Event
 
 __all__ = ["STRATEGIES", "check_strategy", "init_process_group_from_env", "leave_process_group", "is_main_process", "rank", "world_size",
            "any_across_ranks", "sum_across_ranks", "from_main_process", "shard_batches", "sync_module_states", "check_same_rng", "wrap_model",
@@ -610,7 +611,7 @@ def save_distributed_checkpoint(root: str | Path, mp: Any, extra: dict | None = 
                                  "python": sys.version.split()[0]},
                     "counters": mp.state_dict()["counters"],
                     "guard": None if guard is None else guard.state_dict(),
-                    "events": json.loads(json.dumps(list(mp.events), default=str)),
+                    "events": json.loads(json.dumps([Event.of(e).to_dict() for e in mp.events], default=str)),
                     "op_plan": op_plan.choices(mp.device.type, policy=mp.policy),   # rank 0's kernel choices, pinned on resume
                     "data_position": {"boundaries": mp.boundaries, **position},
                     "extra": extra or {}}

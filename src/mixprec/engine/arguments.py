@@ -14,7 +14,15 @@ from torch import nn
 from mixprec.policy.policy import cast_floating
 from mixprec.policy.tree import field_names, map_fields, map_tensors
 
-__all__ = ["check_args", "check_optimizer", "check_loss", "needs_closure", "as_tensors", "cast_batch"]
+__all__ = ["RETAINED", "TOO_MANY", "MID_ACCUMULATION", "check_args", "check_optimizer", "check_loss", "needs_closure", "as_tensors", "cast_batch"]
+
+
+RETAINED = 2   # the engine's ``_step_pending`` after a backward(retain_graph=True): a further backward() joins its micro-batch
+TOO_MANY = ("backward() called for micro-batch {n} since the last step() with accumulation_steps={a}; call mp.step() "
+             "after each micro-batch's backward() (it returns None until the boundary). Two losses of one micro-batch: "
+             "pass retain_graph=True to the first backward(), or backpropagate their sum")
+MID_ACCUMULATION = ("{call} called after {n} micro-batch(es) of backward() without reaching the step boundary; "
+                     "{what} at an accumulation boundary (after mp.step() returns a result)")
 
 
 def check_args(model: Any, max_grad_norm: Any, accumulation_steps: Any) -> None:

@@ -1,6 +1,7 @@
-"""One step boundary's records and its check: :class:`StepCheck` (what ``mp.unscale_and_check()`` found),
-:class:`StepResult` (what ``mp.apply_or_skip(check)`` did) and :func:`check_grads`, the unscaled grads'
-fp32 norm, the ranks' agreement and the step's one host read.
+"""One step boundary: :class:`BoundaryLosses` (its micro-batches' losses and penalty overflows),
+:class:`StepCheck` (what ``mp.unscale_and_check()`` found), :class:`StepResult` (what
+``mp.apply_or_skip(check)`` did) and :func:`check_grads`, the unscaled grads' fp32 norm, the ranks'
+agreement and the step's one host read.
 """
 
 from __future__ import annotations
@@ -13,7 +14,46 @@ import torch
 from mixprec.engine.clipping import global_norm_fp32
 from mixprec.engine.divergence import stuck_if_skipped
 
-__all__ = ["StepCheck", "StepResult", "check_grads"]
+__all__ = ["BoundaryLosses", "StepCheck", "StepResult", "check_grads"]
+
+
+class BoundaryLosses:
+    """The engine's tally of the current boundary (device tensors; no method syncs): ``last``, the last
+    micro-batch's loss (detached); ``total`` (fp32) and ``finite`` (bool 0-dim) over the boundary's
+    micro-batches; ``mean``, the last closed boundary's fp32 mean loss (None before one); ``extra_inf``,
+    the overflow flag of gradients ``mp.unscale()`` met this boundary (fp32 0-dim, None when none)."""
+
+    def __init__(self) -> None:
+        self.last: torch.Tensor | None = None
+        self.total: torch.Tensor | None = None
+        self.mean: torch.Tensor | None = None
+        self.finite = torch.ones((), dtype=torch.bool)
+        self.extra_inf: torch.Tensor | None = None
+
+    def add(self, loss: torch.Tensor, *, first: bool) -> None:
+        """Count ``loss`` (detached); ``first``: it starts the boundary."""
+        self.last = loss
+        self.total = loss.float() if first else self.total + loss.float()
+        finite = torch.isfinite(loss).all()
+        self.finite = finite if first else self.finite & finite
+
+    def add_overflow(self, found: torch.Tensor) -> None:
+        """Join ``found`` (fp32 0-dim, 1.0: a non-finite unscaled penalty gradient) into :attr:`extra_inf`."""
+        self.extra_inf = found if self.extra_inf is None else torch.maximum(self.extra_inf, found)
+
+    def close(self, accumulation_steps: int) -> None:
+        """The boundary is reached: :attr:`mean` over its ``accumulation_steps`` micro-batches."""
+        self.mean = self.total / accumulation_steps
+
+    def unscale_(self, loss_scale: Any, grads: list[torch.Tensor]) -> torch.Tensor:
+        """Unscale ``grads`` in place; the overflow flag, with :attr:`extra_inf`'s joined (a NaN from an
+        overflowed penalty also marks the loss non-finite) and reset."""
+        found_inf = loss_scale.unscale_(grads)
+        extra, self.extra_inf = self.extra_inf, None
+        if extra is None:
+            return found_inf
+        self.finite = self.finite | extra.bool().to(self.finite.device)
+        return torch.maximum(found_inf, extra.to(found_inf.device))
 
 
 @dataclass(frozen=True)

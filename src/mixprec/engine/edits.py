@@ -15,7 +15,7 @@ from __future__ import annotations
 
 import warnings
 from dataclasses import dataclass, replace
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 import torch
 from torch import nn
@@ -23,11 +23,10 @@ from torch import nn
 from mixprec.engine.masters import MasterWeights
 from mixprec.engine.storage import FrozenSet
 from mixprec.policy.policy import Policy
+from mixprec.engine.protocol import Engine
+from mixprec.engine.records import Event
 
-if TYPE_CHECKING:
-    from mixprec.engine.mixed_precision import MixedPrecision
-
-__all__ = ["ModelEdit", "ModelLayout", "adopt_model_edits", "finish_model_edit"]
+__all__ = ["ModelEdit", "ModelLayout", "adopt_model_edits", "finish_model_edit", "edited_params_event"]
 
 
 @dataclass(frozen=True)
@@ -190,7 +189,7 @@ def adopt_model_edits(layout: ModelLayout | None, policy: Policy, strategy: str 
     return edit, new_masters
 
 
-def finish_model_edit(mp: MixedPrecision, edit: ModelEdit, layout: ModelLayout) -> None:
+def finish_model_edit(mp: Engine, edit: ModelEdit, layout: ModelLayout) -> None:
     """The second half, through ``mp``'s public methods once it holds the new masters: every param
     re-prepared under its policy (:meth:`mixprec.MixedPrecision.set_policy`), one ``model-edit`` event
     and one warning, the layout recorded, a guard re-snapshotted."""
@@ -202,3 +201,12 @@ def finish_model_edit(mp: MixedPrecision, edit: ModelEdit, layout: ModelLayout) 
     masters = ", with fresh fp32 masters from their values" if mp.policy.has_masters else ""
     warnings.warn(f"mixprec: the model was edited after MixedPrecision was built ({edit.text()}); adopted: new "
                   f"parameters are stored as {mp.policy} says{masters}, without optimizer state", stacklevel=5)
+
+
+def edited_params_event(step: int, detail: str) -> Event:
+    """The ``adopt`` event of params written outside the engine whose masters adopted the new values
+    (``detail``: :meth:`mixprec.engine.masters.MasterWeights.adopt_edits`' words), with its one warning."""
+    warnings.warn(f"{detail}. To keep full fp32 precision, load weights before building MixedPrecision, "
+                  "or with mixprec.load_checkpoint / mp.load_state_dict", stacklevel=4)
+    return Event(step=step, kind="adopt", cause="params edited outside the optimizer", module=None, detail=detail)
+

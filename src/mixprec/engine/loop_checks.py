@@ -31,6 +31,8 @@ is made, must not report to the engine of the original).
 from __future__ import annotations
 
 import collections
+from collections.abc import Iterator
+from contextlib import contextmanager
 import warnings
 import weakref
 from itertools import chain
@@ -110,6 +112,15 @@ class LoopChecks:
     def _add(self, handle: Any) -> None:
         self._handles.append(handle)
         weakref.finalize(self, _remove_all, [handle])   # a dropped engine takes its hooks along
+
+    @contextmanager
+    def stepping(self) -> Iterator[None]:
+        """Around the engine's own ``optimizer.step()``, which the step pre-hook lets through."""
+        self.applying = True
+        try:
+            yield
+        finally:
+            self.applying = False
 
     def remove(self) -> None:
         for handle in self._handles:

@@ -1,18 +1,15 @@
-"""The training-step engine: ``MixedPrecision`` and ``StepResult``.
+"""The training-step engine: ``MixedPrecision``, in phases (docs/engine.md).
 
-One object owns the whole mixed-precision step so that no call can come twice or be forgotten (the
-classic ``unscale_``/``update`` misuse of torch.amp.GradScaler). What it needs lives in collaborators
-named for their concept: :mod:`mixprec.engine.storage` (which dtype each parameter is stored in, the frozen
-set), :mod:`mixprec.engine.regions` (fp32 regions, the output cast), :mod:`mixprec.engine.masters` (fp32 masters),
-:mod:`mixprec.engine.reprepare` (a new policy mid-run), :mod:`mixprec.distributed.strategy` (one process, DDP, FSDP2),
-:mod:`mixprec.optim.contract` (what the optimizer must do) and :mod:`mixprec.engine.divergence` (the default
-guard). docs/architecture.md draws the map.
+One object owns the whole mixed-precision step so that no call can come twice or be forgotten (the classic
+``unscale_``/``update`` misuse of torch.amp.GradScaler): prepare (:mod:`mixprec.engine.prepare`: storage,
+fp32 regions, masters) → attach (optimizer, scheduler) → per boundary unscale_and_check → apply_or_skip
+(:mod:`mixprec.engine.boundary`). Collaborators return what the engine assigns; those that call back take
+:class:`mixprec.engine.protocol.Engine`. docs/architecture.md draws the map.
 """
 
 from __future__ import annotations
 
 import logging
-import warnings
 from collections import deque
 from collections.abc import Iterator
 from contextlib import contextmanager
@@ -27,17 +24,18 @@ from mixprec.autocast.op_plan import describe as describe_kernels
 from mixprec.autocast.op_plan import planned_kernels
 from mixprec.autocast.portable import portable_ops
 from mixprec.distributed.strategy import make_strategy
-from mixprec.engine.arguments import as_tensors, cast_batch, check_args, check_loss, check_optimizer
-from mixprec.engine.boundary import StepCheck, StepResult, check_grads
+from mixprec.engine.arguments import (MID_ACCUMULATION, RETAINED, TOO_MANY, as_tensors, cast_batch, check_args,
+                                      check_loss, check_optimizer)
+from mixprec.engine.boundary import BoundaryLosses, StepCheck, StepResult, check_grads
 from mixprec.engine.clipping import clip_ as _clip_
 from mixprec.engine.divergence import DivergenceError, StopWhenStuck
-from mixprec.engine.edits import ModelLayout, adopt_model_edits, finish_model_edit
+from mixprec.engine.edits import ModelLayout, adopt_model_edits, edited_params_event, finish_model_edit
 from mixprec.engine.loop_checks import LoopChecks
-from mixprec.engine.loss_scale import for_policy as loss_scale_for_policy
+from mixprec.engine.loss_scale import for_policy as loss_scale_for_policy, for_switch as loss_scale_for_switch, unscale_grads
 from mixprec.engine.masters import claim, release
-from mixprec.engine.pending_auto import PendingAuto, pending_resolution
+from mixprec.engine.pending_auto import resolve_for_engine
 from mixprec.engine.prepare import prepare
-from mixprec.engine.records import Event, policy_event
+from mixprec.engine.records import Decision, Event, policy_event
 from mixprec.engine.regions import Regions
 from mixprec.engine.reprepare import (check_fp8_unchanged, frozen_to_match, load_across_policies, load_state,
                                       unfreeze_params)
@@ -49,30 +47,20 @@ __all__ = ["MixedPrecision", "StepCheck", "StepResult", "DivergenceError", "cast
 
 log = logging.getLogger("mixprec")
 
-_RETAINED = 2   # ``_step_pending`` after a backward(retain_graph=True): a further backward() joins its micro-batch
-_TOO_MANY = ("backward() called for micro-batch {n} since the last step() with accumulation_steps={a}; call mp.step() "
-             "after each micro-batch's backward() (it returns None until the boundary). Two losses of one micro-batch: "
-             "pass retain_graph=True to the first backward(), or backpropagate their sum")
-_MID_ACCUMULATION = ("{call} called after {n} micro-batch(es) of backward() without reaching the step boundary; "
-                     "{what} at an accumulation boundary (after mp.step() returns a result)")
-
 
 class MixedPrecision:
-    """Train ``model`` with ``optimizer`` under a precision policy: one object owns autocast, loss
-    scaling, fp32 masters, the optimizer-precision contract and the step lifecycle. ``model`` (fp32
-    params, cast in place) and ``optimizer`` (built on ``model.parameters()``, rebound to fp32 masters
-    under ``-pure`` policies) are prepared once; ``policy`` is ``"auto"`` (timed on the model at its first
-    training forward: :mod:`mixprec.engine.pending_auto`), a preset, ``key=value`` text or a :class:`~mixprec.Policy`;
-    ``scheduler`` steps once per *applied* step; ``max_grad_norm`` clips the fp32 norm of the unscaled grads;
-    ``guard`` has ``after_step(mp, result)`` (:class:`mixprec.Guard`; default
-    :class:`~mixprec.engine.divergence.StopWhenStuck`); ``strategy``: None, ``"ddp"``, ``"fsdp2"``;
-    ``compile``: True or a dict of ``torch.compile`` kwargs compiles the prepared model (a model already
-    compiled is prepared inside its wrapper; :mod:`mixprec.autocast.compiled`). Public attributes: ``model`` (what
-    to call, compiled if asked), ``module`` (the user's model), ``optimizer``, ``scheduler``, ``policy``,
-    ``device``, ``strategy``, ``decision``, ``events``, ``masters``, ``loss_scale``, ``applied_steps``,
-    ``skipped_total``, ``boundaries``, ``micro_step``. Errors: ValueError/TypeError for bad arguments
-    (named, with the fix), RuntimeError for an optimizer that already stepped; docs/engine.md explains more.
-    """
+    """Train ``model`` with ``optimizer`` under a precision policy: one object owns autocast, loss scaling, fp32
+    masters, the optimizer-precision contract and the step lifecycle, in phases (docs/engine.md): prepare
+    ``model`` (fp32 params, cast in place), :meth:`attach` ``optimizer`` (None: an evaluation engine) and
+    ``scheduler`` (steps once per *applied* step), then per boundary :meth:`unscale_and_check` and
+    :meth:`apply_or_skip` (:meth:`step` does both). ``policy``: ``"auto"`` (:mod:`mixprec.engine.pending_auto`),
+    a preset, ``key=value`` text or a :class:`~mixprec.Policy`; ``max_grad_norm`` clips the unscaled fp32 norm;
+    ``guard`` has ``after_step(mp, result)`` (:class:`mixprec.Guard`; default :class:`~mixprec.engine.divergence.
+    StopWhenStuck`); ``strategy``: None, ``"ddp"``, ``"fsdp2"``; ``compile``: True or ``torch.compile`` kwargs.
+    Public attributes: ``model`` (what to call), ``module`` (the user's model), ``optimizer``, ``scheduler``,
+    ``policy``, ``device``, ``strategy``, ``decision``, ``events``, ``masters``, ``loss_scale``, ``applied_steps``,
+    ``skipped_total``, ``boundaries``, ``micro_step``. Errors: ValueError/TypeError for bad arguments (named,
+    with the fix), RuntimeError for a call out of order."""
 
     def __init__(self, model: nn.Module, optimizer: torch.optim.Optimizer | None, policy: str | Policy = "auto", *,
                  device: str | torch.device | None = None, scheduler: Any = None,
@@ -84,12 +72,9 @@ class MixedPrecision:
             check_optimizer(model, optimizer, scheduler)   # before anything changes
         model, self._compile = compile_request(model, compile, strategy)
         self._strategy = make_strategy(strategy)
-        device = self._strategy.device(device)
-        resolution = resolve(policy, device, allow_fallback=allow_fallback)
-        resolution = self._strategy.agree_resolution(resolution, resolution.device)
-        probe_resolution, (resolution, candidates) = resolution, pending_resolution(
-            policy, resolution, strategy=strategy, compiled_in_place=self._compile.compiled_in_place)
-        self._auto = PendingAuto(candidates, probe_resolution, loss_scale)   # auto timed at the first forward
+        resolution, self._auto = resolve_for_engine(
+            policy, self._strategy.device(device), self._strategy, strategy_name=strategy,
+            allow_fallback=allow_fallback, compiled_in_place=self._compile.compiled_in_place, loss_scale=loss_scale)
         self.policy: Policy = resolution.policy
         self.device: torch.device = resolution.device
         self.model = self.module = model
@@ -108,26 +93,20 @@ class MixedPrecision:
         self.fp8_report, self._frozen, self.masters = prepared.fp8_report, prepared.frozen, prepared.masters
         self._frozen.store(prepared.plan)
         self._kahan_from = prepared.kahan_from   # for attach()
-        self.decision: str = (resolution.decision + prepared.fp8_note + prepared.plan.note() + self._compile.note(
-            self.policy) + self.policy.scaling_note() + prepared.upcast_note + describe_kernels(self.policy, self.device.type))
         self._checks = LoopChecks(self, self._adopt_model_edits)
-        if optimizer is not None:
-            self.attach(optimizer, scheduler)
+        state_note = "" if optimizer is None else self._attach(optimizer, scheduler)
         claim(self, list(model.named_parameters()), set(prepared.plan.half))
-        self.decision += self._regions.install(model, self.policy, self.device.type, prepared.keep,
-                                               set(prepared.plan.frozen16))
+        regions = self._regions.install(model, self.policy, self.device.type, prepared.keep, set(prepared.plan.frozen16))
+        self.decision = str(Decision(resolution.decision, (
+            prepared.fp8_note, prepared.plan.note(), self._compile.note(self.policy), self.policy.scaling_note(),
+            prepared.upcast_note, describe_kernels(self.policy, self.device.type), state_note, regions)))
         self.model = self._compile.apply(self._strategy.after_casts(model, self.policy, self.device))
         self.masters.record_versions()   # DDP's broadcast of rank 0's params is not a user edit
-        self.micro_step = 0          # backward() calls since the last boundary
-        self.applied_steps = self.skipped_total = 0
-        self.boundaries = 0          # step() boundaries reached (applied + skipped)
-        self._last_loss: torch.Tensor | None = None
-        self._loss_sum: torch.Tensor | None = None       # over this boundary's micro-batches (device)
-        self._boundary_loss: torch.Tensor | None = None
-        self._loss_finite = torch.ones((), dtype=torch.bool)
+        # micro_step: backward() calls since the last boundary; boundaries: step() boundaries (applied + skipped)
+        self.micro_step = self.applied_steps = self.skipped_total = self.boundaries = 0
+        self._losses = BoundaryLosses()
         self._step_pending = False   # a backward() awaits its step()
         self._open_check: StepCheck | None = None   # unscale_and_check() ran, apply_or_skip() not yet
-        self._extra_inf: torch.Tensor | None = None   # non-finite gradients met by unscale() this boundary
         self._layout = None if self._strategy.shards_params else ModelLayout(model)   # FSDP2 swaps params itself
         self._checks.install()
         self._set_gradient_sync()
@@ -137,30 +116,32 @@ class MixedPrecision:
     def attach(self, optimizer: torch.optim.Optimizer, scheduler: Any = None) -> None:
         """Attach ``optimizer`` (built on ``model.parameters()``, before or after the engine; rebound to the fp32
         masters under ``-pure``) and ``scheduler`` (steps once per applied step) to an engine built with
-        ``optimizer=None``; ``MixedPrecision(model, optimizer, ...)`` calls it. Checks the optimizer's precision
-        contract and lays out its state (the decision says how). No host sync. Raises TypeError/ValueError as
-        the constructor (nothing changed then); RuntimeError when an optimizer is attached already."""
+        ``optimizer=None`` (``MixedPrecision(model, optimizer)`` calls it); checks its precision contract, lays out
+        its state. No host sync. TypeError/ValueError as the constructor; RuntimeError if one is attached."""
         if self.optimizer is not None:
             raise RuntimeError("mp.attach(...) on an engine that has an optimizer already (MixedPrecision(model, "
                                "optimizer, ...) or an earlier mp.attach); build a new MixedPrecision for another one")
+        self.decision += self._attach(optimizer, scheduler)
+
+    def _attach(self, optimizer: torch.optim.Optimizer, scheduler: Any) -> str:
         check_optimizer(self.module, optimizer, scheduler)
         stored16 = {id(p) for p in self._frozen.stored16}
         if self.policy.has_masters:
             self.masters.rebind(optimizer)
         contract.check(optimizer, self.policy, {p.dtype for g in optimizer.param_groups for p in g["params"]
                                                 if id(p) not in stored16})
-        self.decision += contract.configure(optimizer, self.policy)   # how 8-bit state lays out ("" else)
+        state_note = contract.configure(optimizer, self.policy)   # how 8-bit state lays out ("" else)
         contract.start_compensation(optimizer, self.policy, list(self._kahan_from))
         self._kahan_from = ()
         self.optimizer, self.scheduler = optimizer, scheduler
         self._checks.watch(optimizer)
+        return state_note
 
     # ------------------------------------------------------------------ the step
     @contextmanager
     def autocast(self) -> Iterator[None]:
-        """``torch.autocast`` for this device type and the policy's compute dtype (off for fp32), the op lists and
-        kernels its ``ops`` and ``kernels`` keys name (:mod:`mixprec.autocast.portable`, :mod:`mixprec.autocast.op_plan`) and
-        compile settings giving a compiled forward eager's dtypes. ``mp.model(x)`` returns ``output_dtype``."""
+        """``torch.autocast`` in the compute dtype (off for fp32), the ``ops`` and ``kernels`` the policy names
+        (:mod:`mixprec.autocast`) and eager dtypes for a compiled forward. ``mp.model(x)`` gives ``output_dtype``."""
         self._check_usable("mp.autocast()")
         with torch.autocast(self.device.type, dtype=self.policy.compute_dtype, enabled=self.policy.is_mixed), \
                 portable_ops(self.device.type, enabled=self.policy.ops == "portable"), eager_dtypes(self.policy), \
@@ -169,12 +150,10 @@ class MixedPrecision:
             yield
 
     def cast_inputs(self, batch: Any, *, keep: tuple[str, ...] = ()) -> Any:
-        """Move ``batch`` to the device and cast its floating tensors to the param dtype (ints and bools
-        unchanged; numpy arrays become tensors; containers as :mod:`mixprec.policy.tree`; the caller's batch is not
-        modified). ``keep``: top-level keys, fields or (tuples, lists) indices moved but not cast (e.g. a float
-        target; ValueError if absent); a float field that looks like a target, rounded to 16 bits, is warned
-        about once. With a guard the cast micro-batches are kept until the boundary (:attr:`step_batches`).
-        No host sync."""
+        """``batch`` moved to the device, floating tensors cast to the param dtype (numpy becomes tensors;
+        containers as :mod:`mixprec.policy.tree`; the caller's batch unchanged). ``keep``: top-level keys, fields
+        or indices moved only (ValueError if absent); a float field that looks like a target is warned about
+        once. Kept until the boundary with a guard (:attr:`step_batches`). No host sync."""
         batch = as_tensors(batch)
         self._checks.check_cast(batch, self.policy.param_dtype, keep)
         batch = cast_batch(batch, self.policy.param_dtype, self.device, keep)
@@ -184,36 +163,29 @@ class MixedPrecision:
 
     def backward(self, loss: torch.Tensor, *, retain_graph: bool = False, inputs: Any = None) -> None:
         """Scale ``loss``, divide by ``accumulation_steps`` and backpropagate (``retain_graph``, ``inputs`` as
-        ``Tensor.backward``); no host sync. A call after one with ``retain_graph=True``, before ``step()``, is the
-        same micro-batch (two losses through one graph add up); any other call is a new micro-batch. Under
-        ``-pure`` the 16-bit grads go into the fp32 masters' grads. Foreign gradients and model edits are handled
-        first (:mod:`mixprec.engine.loop_checks`, :mod:`mixprec.engine.edits`). Raises ValueError for a loss that is not a
-        scalar floating tensor requiring grad; RuntimeError for more micro-batches than ``accumulation_steps``
-        without ``step()``, or a frozen param made trainable by hand (:meth:`unfreeze`). Inputs' ``.grad`` keep
-        the loss scale (docs/loops.md)."""
+        ``Tensor.backward``; after ``retain_graph=True`` the next call joins the same micro-batch); under ``-pure``
+        the 16-bit grads go into the masters' grads; inputs' ``.grad`` keep the scale (docs/loops.md). No host
+        sync. Raises ValueError for a loss not a scalar floating tensor requiring grad; RuntimeError for more
+        micro-batches than ``accumulation_steps`` without ``step()``, or a frozen param thawed by hand."""
         check_loss(loss)
         self._check_usable("mp.backward()")
         self._check_no_open_check("mp.backward()")
         self._frozen.check_not_thawed()
         self._auto.before_backward()
-        new_micro_batch = self._step_pending != _RETAINED   # a retained graph's next loss: the same micro-batch
+        new_micro_batch = self._step_pending != RETAINED   # a retained graph's next loss: the same micro-batch
         if new_micro_batch and self.micro_step >= self.accumulation_steps:
-            raise RuntimeError(_TOO_MANY.format(n=self.micro_step + 1, a=self.accumulation_steps))
+            raise RuntimeError(TOO_MANY.format(n=self.micro_step + 1, a=self.accumulation_steps))
         if new_micro_batch and self.micro_step == 0:
             self._adopt_model_edits()
         self._checks.before_backward(first=new_micro_batch and self.micro_step == 0)
         self.micro_step += new_micro_batch
-        self._last_loss = loss.detach()
-        first = new_micro_batch and self.micro_step == 1
-        self._loss_sum = self._last_loss.float() if first else self._loss_sum + self._last_loss.float()
-        finite = torch.isfinite(self._last_loss).all()
-        self._loss_finite = finite if first else self._loss_finite & finite
+        self._losses.add(loss.detach(), first=new_micro_batch and self.micro_step == 1)
         if self.accumulation_steps > 1:
             loss = loss / self.accumulation_steps
         with portable_ops(self.device.type, enabled=self.policy.ops == "portable"), \
                 planned_kernels(self.device.type, enabled=self.policy.kernels == "measured"):   # torch.utils.checkpoint
             self.loss_scale.scale_loss(loss).backward(retain_graph=retain_graph, inputs=inputs)   # recomputes as fwd
-        self._step_pending = _RETAINED if retain_graph else True
+        self._step_pending = RETAINED if retain_graph else True
         self.masters.accumulate_grads()
         self._checks.after_backward()
 
@@ -223,26 +195,18 @@ class MixedPrecision:
         return self.loss_scale.scale_loss(loss)
 
     def unscale(self, grads: Any) -> list[torch.Tensor | None]:
-        """The true gradients of ``grads`` (``torch.autograd.grad`` of :meth:`scale_loss`), as fp32 tensors
-        ``g.float() * (1/scale)``: differentiable, so with ``create_graph=True`` a penalty built from them
-        trains. A non-finite value counts as an overflow at this step's boundary (the step is skipped, the
-        scale backs off), as for the parameters' gradients. None entries stay None. No host sync. Source:
-        torch.amp's gradient-penalty recipe (``scaler.scale(loss)``, then ``grads / scaler.get_scale()``)."""
-        inv_scale = self.loss_scale.scale.detach().reciprocal()
-        out = [None if g is None else g.float() * inv_scale.to(g.device) for g in grads]
-        checked = [torch.isfinite(g).all().to(inv_scale.device) for g in out if g is not None]
-        if checked:
-            found = (~torch.stack(checked).all()).float()
-            self._extra_inf = found if self._extra_inf is None else torch.maximum(self._extra_inf, found)
+        """The true gradients of ``grads`` (``torch.autograd.grad`` of :meth:`scale_loss`; None stays None) as
+        fp32 ``g.float() * (1/scale)``, differentiable (a penalty built from them trains); a non-finite one is an
+        overflow at this boundary, as for the params' grads. No host sync (torch.amp's penalty recipe)."""
+        out, found = unscale_grads(grads, self.loss_scale.scale)
+        if found is not None:
+            self._losses.add_overflow(found)
         return out
 
     def step(self) -> StepResult | None:
-        """Finish a micro-batch; at a boundary ``apply_or_skip(unscale_and_check())``: unscale → fp32 norm →
-        agree across ranks → one host read → clip (by the scaled norm if it overflowed: :mod:`mixprec.engine.
-        clipping`) → optimizer and scheduler step, or skip → loss-scale update → masters into the params →
-        grads zeroed → guard. None between boundaries. Host syncs: one per boundary (flags, stuck count, norm
-        finite), one per param edited outside (adopted). Raises RuntimeError without a ``backward()``; the
-        guard may raise :class:`DivergenceError`."""
+        """Finish a micro-batch: None between boundaries, at one ``apply_or_skip(unscale_and_check())``. Host
+        syncs: one per boundary, one per param edited outside. Raises RuntimeError without a ``backward()``;
+        the guard may raise :class:`DivergenceError`."""
         self._check_usable("mp.step()")
         self._check_no_open_check("mp.step()")
         if not self._step_pending:
@@ -254,12 +218,10 @@ class MixedPrecision:
         return self.apply_or_skip(self.unscale_and_check())
 
     def unscale_and_check(self) -> StepCheck:
-        """The first phase of a boundary's step: adopt params edited outside, unscale the grads in place
-        (fp32 grads on the params, or the masters under ``-pure``, visible to the caller from here on, e.g.
-        for logging their norm or clipping them by hand), their fp32 norm, the ranks' agreement and the
-        step's one host read. Returns the :class:`StepCheck` to pass to :meth:`apply_or_skip`. Raises
-        RuntimeError without a ``backward()``, before the accumulation boundary (call :meth:`step` then),
-        or twice without :meth:`apply_or_skip` in between."""
+        """A boundary's first phase: adopt params edited outside, unscale the grads in place (fp32 on the params
+        or ``-pure``'s masters, for the caller to log or clip from here on), their fp32 norm (by the scaled norm
+        if it overflowed), the ranks' agreement, the one host read. Returns the :class:`StepCheck` for
+        :meth:`apply_or_skip`. RuntimeError without ``backward()``, before the boundary or twice."""
         self._check_usable("mp.unscale_and_check()")
         self._check_no_open_check("mp.unscale_and_check()")
         if not self._step_pending:
@@ -271,25 +233,22 @@ class MixedPrecision:
                                "earlier micro-batch (it returns None), or mp.step() for the whole step")
         self._step_pending = False
         self._adopt_edited_params()
-        self._boundary_loss = self._loss_sum / self.accumulation_steps
+        self._losses.close(self.accumulation_steps)
         grads = self._strategy.local(self._checks.at_boundary())
-        found_inf = self._unscale_(grads)
-        self._open_check = check_grads(grads, found_inf, self._loss_finite, self.loss_scale, self._strategy,
+        found_inf = self._losses.unscale_(self.loss_scale, grads)
+        self._open_check = check_grads(grads, found_inf, self._losses.finite, self.loss_scale, self._strategy,
                                        self.device)
         return self._open_check
 
     def apply_or_skip(self, check: StepCheck) -> StepResult:
-        """The second phase: clip ``check``'s grads (``max_grad_norm``), step the optimizer and scheduler or
-        skip, update the loss scale, write the masters into the params, zero the grads and call the guard.
-        ``check``: what :meth:`unscale_and_check` just returned. No host sync (but the guard's). Raises
-        RuntimeError for any other ``check`` (call ``mp.unscale_and_check()`` first, once per boundary)."""
+        """The second phase, on what :meth:`unscale_and_check` just returned: clip (``max_grad_norm``), step the
+        optimizer and scheduler or skip, update the loss scale, masters into the params, grads zeroed, guard.
+        No host sync (but the guard's). RuntimeError for any other ``check``."""
         if check is None or check is not self._open_check:
             raise RuntimeError("apply_or_skip(check) takes the StepCheck that mp.unscale_and_check() just returned at "
                                "this boundary; call mp.unscale_and_check() first, then mp.apply_or_skip(check) once")
-        self._open_check = None
-        grads = list(check.grads)
+        self._open_check, grads, applied = None, list(check.grads), not check.skipped
         _clip_(grads, check.grad_norm_t, self.max_grad_norm)   # None: no clipping
-        applied = not check.skipped
         if applied:
             self._apply_update()
         self.skipped_total += not applied
@@ -315,20 +274,9 @@ class MixedPrecision:
             raise RuntimeError(f"{call} after mp.unscale_and_check() at this boundary; call mp.apply_or_skip(check) "
                                "first to finish the step")
 
-    def _unscale_(self, grads: list[torch.Tensor]) -> torch.Tensor:
-        found_inf = self.loss_scale.unscale_(grads)
-        extra, self._extra_inf = self._extra_inf, None
-        if extra is None:
-            return found_inf
-        self._loss_finite = self._loss_finite | extra.bool().to(self._loss_finite.device)  # NaN from an overflowed
-        return torch.maximum(found_inf, extra.to(found_inf.device))                      # penalty: an overflow
-
     def _apply_update(self) -> None:
-        self._checks.applying = True
-        try:
+        with self._checks.stepping():
             self.optimizer.step()
-        finally:
-            self._checks.applying = False
         self.applied_steps += 1
         if self.scheduler is not None:
             self.scheduler.step()
@@ -341,26 +289,22 @@ class MixedPrecision:
 
     @property
     def step_gradients(self) -> tuple[torch.Tensor, ...]:
-        """Inside ``guard.after_step``: the unscaled gradients of the boundary being judged (this rank's
-        shards), already detached from the params; empty at any other time."""
+        """Inside ``guard.after_step``: the boundary's unscaled gradients (this rank's shards); else empty."""
         return tuple(self._step_grads)
 
     def agree_on(self, choice: str | None, choices: tuple[str, ...]) -> str | None:
-        """The decision every rank takes: the first of ``choices`` any rank chose (None if none; ValueError
-        for a ``choice`` not in ``choices``). One process: ``choice``, no collective; else one all-reduce
-        every rank must call at the same point, and one sync. :class:`mixprec.Guard` calls it each boundary."""
+        """The first of ``choices`` any rank chose (None if none; ValueError for another ``choice``): one process,
+        ``choice``; else one all-reduce every rank calls at the same point, one sync (the guard's, each boundary)."""
         return self._strategy.agree_on(choice, choices, self.device)
 
     # ------------------------------------------------------------------ changing the policy or the frozen set
     def set_policy(self, policy: str | Policy, *, cause: str = "requested", module: str | None = None,
                    loss_scale: Any = None, record: bool = True, kind: str = "set_policy") -> dict:
-        """Re-prepare the model under ``policy`` at a boundary, keeping the training state (what carries
-        over: :mod:`mixprec.engine.reprepare`; the loss scale is ``loss_scale`` if given, else kept when both
-        policies name the same scaling). :class:`mixprec.Guard` calls it to escalate (``kind="escalate"``).
-        Returns the event (``kind``: ``"set_policy"`` when asked for, ``"escalate"`` from the guard),
-        appended to :attr:`events` when ``record``. No host sync. Raises RuntimeError
-        mid-accumulation; ValueError (nothing changed) when the device, optimizer or strategy cannot run
-        ``policy`` or it changes the fp8 linears."""
+        """Re-prepare the model under ``policy`` at a boundary through :func:`~mixprec.engine.prepare.prepare`,
+        keeping the training state (the loss scale is ``loss_scale`` if given, else kept when both policies
+        name the same scaling). Returns the :class:`~mixprec.engine.records.Event` of ``kind`` (the guard's:
+        ``"escalate"``), recorded when ``record``. No host sync. RuntimeError mid-accumulation; ValueError
+        (nothing changed) when the device, optimizer or strategy cannot run ``policy``, or it changes fp8."""
         self._check_boundary("set_policy()", "change the policy")
         new = resolve(policy, self.device).policy
         check_fp8_unchanged(self.policy, new)
@@ -371,26 +315,23 @@ class MixedPrecision:
         self._regions.remove()
         old, self.policy, self.masters, self._kahan_from = self.policy, new, prepared.masters, prepared.kahan_from
         self._frozen.store(prepared.plan)
-        scale_note = "loss scale kept"
-        if loss_scale is not None or new.loss_scale != old.loss_scale:
-            self.loss_scale = loss_scale_for_policy(new, loss_scale, self.device)
-            scale_note = f"loss scale now {type(self.loss_scale).__name__}"
-        note = self._regions.install(self.module, new, self.device.type, prepared.keep, set(prepared.plan.frozen16))
+        self.loss_scale, scale_note = loss_scale_for_switch(old, new, loss_scale, self.loss_scale, self.device)
+        regions = self._regions.install(self.module, new, self.device.type, prepared.keep, set(prepared.plan.frozen16))
         self.model.zero_grad(set_to_none=True)
-        self.decision = (f"{new} on {self.device} ({new.summary()}; set_policy at boundary {self.boundaries}: {cause}; "
-                         f"was {old})" + self._compile.note(new) + note + contract.state_note(self.optimizer))
+        self.decision = str(Decision(f"{new} on {self.device} ({new.summary()}; set_policy at boundary {self.boundaries}: "
+                                     f"{cause}; was {old})", (self._compile.note(new), regions,
+                                                              contract.state_note(self.optimizer))))
         event = policy_event(self.boundaries, kind, cause, module, old, new, prepared.carried, scale_note)
         self.events.extend([event] if record else [])
         (log.warning if new != old else log.info)("mixprec: policy %s → %s at boundary %d (%s)", old, new,
                                                    self.boundaries, cause)
         return event
 
-    def unfreeze(self, *patterns: str, **group_options: Any) -> dict:
-        """Train the frozen params whose names match a pattern (``fnmatch``) from this boundary on, stored
-        as the policy stores trainable ones, masters built **from the stored 16-bit values**. Params the
-        optimizer holds train in their group; others get a new group with ``group_options`` (e.g.
-        ``lr=1e-5``; refused under a scheduler). A guard re-snapshots. Returns the ``"unfreeze"`` event.
-        Raises ValueError (nothing changed: see :mod:`mixprec.engine.storage`), RuntimeError mid-accumulation."""
+    def unfreeze(self, *patterns: str, **group_options: Any) -> Event:
+        """Train the frozen params whose names match a pattern (``fnmatch``) from this boundary on, stored as
+        the policy stores trainable ones, masters **from the stored 16-bit values**; those the optimizer lacks
+        get a new group with ``group_options`` (e.g. ``lr=1e-5``; refused under a scheduler). Returns the
+        ``"unfreeze"`` event. ValueError (nothing changed: :mod:`mixprec.engine.storage`), RuntimeError mid-step."""
         if not patterns:
             raise ValueError("unfreeze() needs at least one parameter-name pattern, e.g. mp.unfreeze('encoder.layer.5.*')")
         self._check_boundary("unfreeze()", "unfreeze")
@@ -403,18 +344,15 @@ class MixedPrecision:
         if not names:
             return
         named = dict(self.module.named_parameters())
-        events_before = len(self.events)
         self._frozen.refreeze([named[n] for n in names])
-        self.set_policy(self.policy, cause="refreeze after a refused load")
-        del self.events[events_before:]
+        self.set_policy(self.policy, cause="refreeze after a refused load", record=False)
         if self.events and self.events[-1].get("kind") == "unfreeze":
             self.events.pop()
 
     def match_frozen(self, saved: list[str], *, check_only: bool = False) -> None:
-        """Make this engine's frozen set equal ``saved`` (a run's :meth:`frozen_names`) before its state is
-        loaded: what that run unfroze is unfrozen here too (:meth:`unfreeze`). Raises ValueError when
-        ``saved`` keeps frozen a param trained here, names an unknown one, or unfroze one into a param
-        group this optimizer lacks; ``check_only``: raise, change nothing."""
+        """Make the frozen set equal ``saved`` (a run's :meth:`frozen_names`) before its state is loaded, by
+        :meth:`unfreeze`. ValueError when ``saved`` keeps frozen a param trained here, names an unknown one, or
+        unfroze one into a param group this optimizer lacks; ``check_only``: raise, change nothing."""
         patterns = frozen_to_match(self._frozen, saved, self.module, self.optimizer, self.masters)
         if patterns and not check_only:
             self.unfreeze(*patterns)
@@ -438,13 +376,9 @@ class MixedPrecision:
             if self.micro_step != 0:
                 raise RuntimeError("unwrap(to_fp32=True) mid-accumulation; call it after mp.step() returns a result")
             self._adopt_edited_params()
-            has_master = {id(p) for p, _ in self.masters.pairs}
-            for p, value_fp32 in zip(self.masters.params, self._fp32_values()):
-                if p.is_floating_point() and (p.dtype != torch.float32 or id(p) in has_master):
-                    p.data = value_fp32
-        self._regions.remove()
-        self._checks.remove()
-        self._auto.remove()
+            self.masters.write_fp32(self._fp32_values())
+        for hooks in (self._regions, self._checks, self._auto):
+            hooks.remove()
         release(self)
         self._unwrapped = True
         return self.module
@@ -454,12 +388,12 @@ class MixedPrecision:
     def boundary_loss(self) -> torch.Tensor | None:
         """Mean fp32 loss over the last boundary's micro-batches (a device tensor; None before the first
         boundary; non-finite if any micro-batch loss was). Reading its value syncs."""
-        return self._boundary_loss
+        return self._losses.mean
 
     @property
     def last_loss(self) -> torch.Tensor | None:
         """The loss of the last ``backward()`` (detached, unscaled, on the device). Reading it syncs."""
-        return self._last_loss
+        return self._losses.last
 
     @property
     def step_batches(self) -> tuple:
@@ -478,9 +412,8 @@ class MixedPrecision:
                 for name, p in self.module.named_parameters() if p.requires_grad}
 
     def state_dict(self) -> dict[str, Any]:
-        """Everything needed to continue bit-exactly: policy text, frozen set, model params, masters,
-        optimizer, scheduler, loss-scale state (every field) and counters; tensors are references.
-        RuntimeError mid-accumulation (the accumulated gradients are not part of the state)."""
+        """Everything to continue bit-exactly: policy text, frozen set, model, masters, optimizer, scheduler, loss
+        scale and counters (tensors are references). RuntimeError mid-accumulation (grads are not in it)."""
         self._check_boundary("state_dict()", "take it")
         self._adopt_model_edits()
         self._adopt_edited_params()
@@ -492,16 +425,14 @@ class MixedPrecision:
             "optimizer": self.optimizer.state_dict(),
             "scheduler": None if self.scheduler is None else self.scheduler.state_dict(),
             "loss_scale": self.loss_scale.state_dict(),
-            "counters": {"micro_step": self.micro_step, "applied_steps": self.applied_steps,
-                         "skipped_total": self.skipped_total, "boundaries": self.boundaries},
-        }
+            "counters": dict(micro_step=self.micro_step, applied_steps=self.applied_steps,
+                             skipped_total=self.skipped_total, boundaries=self.boundaries)}
 
     def load_state_dict(self, state: dict[str, Any], *, convert: bool = False, adopt_policy: bool = False) -> None:
-        """Restore a :meth:`state_dict`; continuing equals an uninterrupted run (an ``"events"`` list, as
-        checkpoints carry, replaces :attr:`events`). A state of another policy needs ``convert=True`` (to
-        this policy, a ``"convert"`` event) or ``adopt_policy=True`` (switch to it): :func:`mixprec.engine.reprepare.
-        load_across_policies`. Raises ValueError, before anything changes, for another policy without
-        either, other masters or loss-scale type, a frozen set that cannot be matched or unfit fp16 values."""
+        """Restore a :meth:`state_dict` exactly (its ``"events"``, as checkpoints carry, replace :attr:`events`).
+        Another policy's needs ``convert=True`` (to this policy, a ``"convert"`` event) or ``adopt_policy=True``
+        (:func:`mixprec.engine.reprepare.load_across_policies`). ValueError, before anything changes, without
+        either, for other masters or loss-scale type, an unmatched frozen set or unfit fp16 values."""
         if state["policy"] != str(self.policy):
             return load_across_policies(self, state, convert=convert, adopt_policy=adopt_policy)
         load_state(self, state)
@@ -513,13 +444,12 @@ class MixedPrecision:
         if self.optimizer is not None:
             self.optimizer.zero_grad(set_to_none=True)
         self.module.zero_grad(set_to_none=True) if self._layout is None else self._layout.zero_grad()
-        self._step_pending, self.micro_step, self._extra_inf = False, 0, None
+        self._step_pending, self.micro_step, self._losses.extra_inf = False, 0, None
         self._set_gradient_sync()
 
     def restore_progress(self, counters: dict[str, int], events: list[dict] | None) -> None:
-        """Set the counters and event log (None: keep it) of a saved run, for loaders that restore the model,
-        optimizer, scheduler and loss scale themselves (:func:`mixprec.engine.reprepare.load_state`,
-        :func:`mixprec.distributed.process.load_distributed_checkpoint`)."""
+        """Set the counters and event log (None: keep it) of a saved run, for loaders that restore the rest
+        themselves (:func:`mixprec.engine.reprepare.load_state`, the DCP loader)."""
         self._check_boundary("restore_progress()", "restore")
         self.applied_steps, self.skipped_total = counters["applied_steps"], counters["skipped_total"]
         self.boundaries = counters["boundaries"]
@@ -544,12 +474,8 @@ class MixedPrecision:
         """Params written outside the engine (16-bit ones with fp32 masters) keep the edit: their masters
         adopt the new value, with one warning and an ``adopt`` event, instead of being overwritten."""
         detail = self.masters.adopt_edits(lambda: {id(p): n for n, p in self.module.named_parameters()})
-        if not detail:
-            return
-        self.record(Event(step=self.boundaries, kind="adopt", cause="params edited outside the optimizer",
-                          module=None, detail=detail))
-        warnings.warn(f"{detail}. To keep full fp32 precision, load weights before building MixedPrecision, "
-                      "or with mixprec.load_checkpoint / mp.load_state_dict", stacklevel=3)
+        if detail:
+            self.record(edited_params_event(self.boundaries, detail))
 
     def _adopt_model_edits(self) -> None:
         adopted = adopt_model_edits(self._layout, self.policy, self.strategy, self.micro_step, self.optimizer,
@@ -560,7 +486,7 @@ class MixedPrecision:
 
     def _check_boundary(self, call: str, what: str) -> None:
         if self.micro_step != 0:
-            raise RuntimeError(_MID_ACCUMULATION.format(call=call, n=self.micro_step, what=what))
+            raise RuntimeError(MID_ACCUMULATION.format(call=call, n=self.micro_step, what=what))
 
     def _check_usable(self, call: str) -> None:
         if self.optimizer is None and call in ("mp.backward()", "mp.step()", "mp.unscale_and_check()"):

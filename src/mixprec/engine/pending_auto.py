@@ -40,24 +40,22 @@ import warnings
 import weakref
 from collections.abc import Iterator
 from contextlib import ExitStack, contextmanager
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 import torch
 
 from mixprec.policy.auto import TrialFailed, choose
 from mixprec.autocast.compiled import eager_dtypes
-from mixprec.policy.resolve import Resolution, auto_candidates, probe
+from mixprec.policy.resolve import Resolution, auto_candidates, probe, resolve
 from mixprec.autocast.op_plan import describe as describe_kernels
 from mixprec.autocast.op_plan import planned_kernels
 from mixprec.engine.records import Event
 from mixprec.policy.policy import PRESETS, Policy
 from mixprec.autocast.portable import describe as describe_ops
 from mixprec.autocast.portable import portable_ops
+from mixprec.engine.protocol import Engine
 
-if TYPE_CHECKING:
-    from mixprec.engine.mixed_precision import MixedPrecision
-
-__all__ = ["PENDING", "PendingAuto", "pending_resolution"]
+__all__ = ["resolve_for_engine", "PENDING", "PendingAuto", "pending_resolution"]
 
 log = logging.getLogger("mixprec")
 
@@ -85,6 +83,18 @@ def pending_resolution(spec: Any, resolution: Resolution, *, strategy: str | Non
     return Resolution(PRESETS["fp32"], resolution.device, decision), candidates
 
 
+def resolve_for_engine(spec: Any, device: Any, strategy: Any, *, strategy_name: str | None, allow_fallback: bool,
+                       compiled_in_place: bool, loss_scale: Any) -> tuple[Resolution, PendingAuto]:
+    """The engine's policy resolution: ``spec`` resolved on ``device``, agreed across ranks by ``strategy``
+    (:mod:`mixprec.distributed.strategy`), and its :class:`PendingAuto` (``loss_scale``: the engine's
+    override). Returns (the resolution to build with, the pending decision). No host sync but the probe's."""
+    resolution = resolve(spec, device, allow_fallback=allow_fallback)
+    resolution = strategy.agree_resolution(resolution, resolution.device)
+    chosen, candidates = pending_resolution(spec, resolution, strategy=strategy_name,
+                                            compiled_in_place=compiled_in_place)
+    return chosen, PendingAuto(candidates, resolution, loss_scale)   # auto timed at the first forward
+
+
 class PendingAuto:
     """The engine's pending ``auto`` (module docstring): ``state`` is ``"off"`` (nothing pending),
     ``"pending"``, ``"probe-at-boundary"`` (backward came first), ``"decided"`` or ``"cancelled"``.
@@ -103,7 +113,7 @@ class PendingAuto:
     def __getstate__(self) -> dict:
         return {**self.__dict__, "_ref": None, "_handle": None, "_blocks": [], "state": "off"}
 
-    def install(self, mp: MixedPrecision) -> None:
+    def install(self, mp: Engine) -> None:
         """Register the pre-hook on ``mp.model`` (after the engine is built; nothing when not pending)."""
         if self.state != "pending":
             return
@@ -167,7 +177,7 @@ class PendingAuto:
                       f"from the next one the matmul probe's choice applies ({self.probe.policy}). Call the model as "
                       "mp.model(...) for auto to decide on it", stacklevel=3)
 
-    def at_boundary(self, mp: MixedPrecision) -> None:
+    def at_boundary(self, mp: Engine) -> None:
         """Called at the end of each step boundary: applies the probe's choice after :meth:`before_backward`."""
         if self.state == "probe-at-boundary":
             self._decide(mp, str(self.probe.policy), f"{self.probe.decision} (auto fell back to the matmul probe: "
@@ -192,7 +202,7 @@ class PendingAuto:
         self.remove()
         return f"{policy} as loaded: the saved run's decision ({decided[-1].get('detail')})"
 
-    def _decide(self, mp: MixedPrecision, choice: str, text: str, cause: str) -> None:
+    def _decide(self, mp: Engine, choice: str, text: str, cause: str) -> None:
         self.state = "decided"
         self.remove()
         before = str(mp.policy)

@@ -15,7 +15,7 @@ from typing import Any
 
 from mixprec.policy.policy import state_name
 
-__all__ = ["Event", "policy_event"]
+__all__ = ["Decision", "Event", "policy_event"]
 
 # JSON key -> field, for the keys whose field name differs (``from`` is a Python keyword)
 _KEYS = {"step": "step", "kind": "kind", "cause": "cause", "module": "module", "detail": "detail",
@@ -78,6 +78,19 @@ class Event:
 
     def keys(self) -> Iterator[str]:
         return iter(self.to_dict())
+
+
+@dataclass(frozen=True)
+class Decision:
+    """The engine's decision line (``mp.decision`` is its text): ``head``, what the policy resolved to on the
+    device (or the switch it made), and ``clauses``, each ``"; ..."`` or "" (storage, fp8, compile, loss
+    scaling, upcasts, kernels, optimizer state, fp32 regions), in the order they are read."""
+
+    head: str
+    clauses: tuple[str, ...] = ()
+
+    def __str__(self) -> str:
+        return self.head + "".join(self.clauses)
 
 
 def policy_event(step: int, kind: str, cause: str | None, module: str | None, old: Any, new: Any, carried: int,

@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import re
 from dataclasses import replace
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 import torch
 from torch import nn
@@ -18,9 +18,7 @@ from mixprec.engine.masters import MasterWeights
 from mixprec.engine.records import Event
 from mixprec.engine.storage import FrozenSet, check_held, check_new_group, dtype_text, held_by
 from mixprec.policy.policy import Policy
-
-if TYPE_CHECKING:
-    from mixprec.engine.mixed_precision import MixedPrecision
+from mixprec.engine.protocol import Engine
 
 __all__ = ["check_fp8_unchanged", "load_across_policies", "load_state", "frozen_to_match", "unfreeze_params"]
 
@@ -34,7 +32,7 @@ def check_fp8_unchanged(old: Policy, new: Policy) -> None:
                          "MixedPrecision from a checkpoint")
 
 
-def load_across_policies(mp: MixedPrecision, state: dict[str, Any], *, convert: bool, adopt_policy: bool) -> None:
+def load_across_policies(mp: Engine, state: dict[str, Any], *, convert: bool, adopt_policy: bool) -> None:
     """Load ``state``, saved under another policy, into the engine ``mp`` through its public methods: switch
     to the saved policy (with the saved loss scale), load exactly, and with ``convert`` switch back to
     ``mp``'s policy, whose rules then apply (a ``"convert"`` event). A refused load switches back and
@@ -58,7 +56,7 @@ def load_across_policies(mp: MixedPrecision, state: dict[str, Any], *, convert: 
         mp.set_policy(target, cause=f"load_checkpoint(convert=True) from {saved}", kind="convert")
 
 
-def load_state(mp: MixedPrecision, state: dict[str, Any]) -> None:
+def load_state(mp: Engine, state: dict[str, Any]) -> None:
     """Load ``state`` (a :meth:`mixprec.MixedPrecision.state_dict` of ``mp``'s policy) into ``mp`` exactly,
     through its public methods; an unfinished accumulation is discarded. Every check runs first.
 
@@ -88,7 +86,7 @@ def load_state(mp: MixedPrecision, state: dict[str, Any]) -> None:
     mp.restore_progress(state["counters"], state.get("events"))
 
 
-def unfreeze_params(mp: MixedPrecision, frozen: FrozenSet, patterns: tuple[str, ...], group_options: dict) -> Event:
+def unfreeze_params(mp: Engine, frozen: FrozenSet, patterns: tuple[str, ...], group_options: dict) -> Event:
     """:meth:`mixprec.MixedPrecision.unfreeze` after its boundary checks, through ``mp``'s public methods: thaw
     the matching members of ``frozen`` (the engine's), add a param group for those the optimizer lacks,
     re-prepare under the same policy (:meth:`~mixprec.MixedPrecision.set_policy`) and record the

@@ -43,6 +43,7 @@ import torch
 
 from mixprec.autocast import op_plan
 from mixprec.checkpoint.local import LATEST, load_checkpoint, read_manifest, resolve_checkpoint, save_checkpoint
+from mixprec.engine.records import Event
 from mixprec.distributed.process import (any_across_ranks, is_main_process, load_distributed_checkpoint, rank,
                                  read_distributed_manifest, save_distributed_checkpoint, shard_batches)
 
@@ -261,7 +262,7 @@ def run_training(workload: Any, *, policy: str = "auto", steps: int, out: str | 
     elif metrics_path.exists():
         metrics_path.unlink()
     if guard:
-        events_path.write_text("".join(json.dumps(e, default=str) + "\n" for e in mp.events), encoding="utf-8")
+        events_path.write_text("".join(json.dumps(Event.of(e).to_dict(), default=str) + "\n" for e in mp.events), encoding="utf-8")
     events_written = len(mp.events)
 
     def extra(eval_metrics: dict) -> dict:
@@ -314,7 +315,7 @@ def run_training(workload: Any, *, policy: str = "auto", steps: int, out: str | 
                 log.flush()
                 if guard and len(mp.events) > events_written:
                     with open(events_path, "a", encoding="utf-8") as events:
-                        events.writelines(json.dumps(e, default=str) + "\n" for e in mp.events[events_written:])
+                        events.writelines(json.dumps(Event.of(e).to_dict(), default=str) + "\n" for e in mp.events[events_written:])
                     events_written = len(mp.events)
                 bar.update(1)
                 if checkpoint_every and step % checkpoint_every == 0 and step != steps:
@@ -336,7 +337,7 @@ def run_training(workload: Any, *, policy: str = "auto", steps: int, out: str | 
             writer.close()
         if guard and len(mp.events) > events_written:   # e.g. the "diverged" event before DivergenceError
             with open(events_path, "a", encoding="utf-8") as events:
-                events.writelines(json.dumps(e, default=str) + "\n" for e in mp.events[events_written:])
+                events.writelines(json.dumps(Event.of(e).to_dict(), default=str) + "\n" for e in mp.events[events_written:])
     path = last_saved[1] if last_saved else None
     if stopped is not None:
         print(f"mixprec train: {stopped} at step {step}: saved {path}; continue with --resume", file=sys.stderr)
