@@ -31,16 +31,17 @@ is made, must not report to the engine of the original).
 from __future__ import annotations
 
 import collections
-from collections.abc import Iterator
-from contextlib import contextmanager
 import warnings
 import weakref
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
 from itertools import chain
 from typing import Any
 
 import torch
 from torch import nn
 
+from mixprec.engine.protocol import Engine
 from mixprec.engine.records import Event
 from mixprec.policy.tree import field_names
 
@@ -84,11 +85,10 @@ class _StepHook(_Hook):
 
 
 class LoopChecks:
-    """The checks of one engine (module docstring). ``owner`` has ``module``, ``optimizer``, ``policy``,
-    ``device``, ``masters``, ``events``, ``boundaries`` and ``micro_step``; ``on_forward``
+    """The checks of one engine (module docstring): ``owner``, the engine (its public face); ``on_forward``
     is called before each eager forward of ``owner.module`` (model-edit detection)."""
 
-    def __init__(self, owner: Any, on_forward: Any) -> None:
+    def __init__(self, owner: Engine, on_forward: Callable[[], None]) -> None:
         self.owner, self.on_forward = owner, on_forward
         self.applying = False          # True while the engine itself steps the optimizer
         self.marks: dict[int, tuple[int, int]] = {}

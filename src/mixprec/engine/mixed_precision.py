@@ -299,7 +299,7 @@ class MixedPrecision:
 
     # ------------------------------------------------------------------ changing the policy or the frozen set
     def set_policy(self, policy: str | Policy, *, cause: str = "requested", module: str | None = None,
-                   loss_scale: Any = None, record: bool = True, kind: str = "set_policy") -> dict:
+                   loss_scale: Any = None, record: bool = True, kind: str = "set_policy") -> Event:
         """Re-prepare the model under ``policy`` at a boundary through :func:`~mixprec.engine.prepare.prepare`,
         keeping the training state (the loss scale is ``loss_scale`` if given, else kept when both policies
         name the same scaling). Returns the :class:`~mixprec.engine.records.Event` of ``kind`` (the guard's:
