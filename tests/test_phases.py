@@ -124,10 +124,8 @@ def test_eval_only_engine_and_attach_later():
     model = tiny()
     mp = MixedPrecision(model, None, "bf16-mixed", device="cpu")
     x, y = batches(1)[0]
-    with torch.no_grad():
-        out = mp.model(mp.cast_inputs(x)) if False else None
-        with mp.autocast():
-            out = mp.model(mp.cast_inputs(x))
+    with torch.no_grad(), mp.autocast():
+        out = mp.model(mp.cast_inputs(x))
     assert out.shape == (3, 2)
     with pytest.raises(RuntimeError, match=r"mp\.attach\("):
         mp.backward(loss_of(mp, x, y))
@@ -149,3 +147,24 @@ def test_optimizer_none_keeps_the_other_argument_checks():
         MixedPrecision(object(), None, "fp32")
     with pytest.raises(TypeError, match="optimizer"):
         MixedPrecision(tiny(), "sgd", "fp32")
+    model = tiny()
+    with pytest.raises(ValueError, match=r"mp\.attach\(optimizer, scheduler\)"):
+        MixedPrecision(model, None, "fp32", scheduler=torch.optim.lr_scheduler.StepLR(
+            torch.optim.SGD(model.parameters(), lr=0.1), 1))
+    with pytest.raises(ValueError, match="none of the model's parameters"):
+        MixedPrecision(model, None, "fp32").attach(torch.optim.SGD(tiny(1).parameters(), lr=0.1))
+
+
+def test_eval_engine_under_pure_policy_attaches_masters():
+    model = tiny()
+    mp = MixedPrecision(model, None, "bf16-pure", device="cpu")
+    assert all(p.dtype == torch.bfloat16 for p in model.parameters())
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
+    mp.attach(opt)
+    assert all(t.dtype == torch.float32 for g in opt.param_groups for t in g["params"])
+    reference = build("bf16-pure")
+    for engine in (mp, reference):
+        for x, y in batches(3):
+            engine.backward(loss_of(engine, x, y))
+            engine.step()
+    assert same(mp.master_parameters(), reference.master_parameters())

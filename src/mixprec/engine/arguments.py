@@ -35,6 +35,9 @@ def check_args(model: Any, max_grad_norm: Any, accumulation_steps: Any) -> None:
 
 
 def check_optimizer(model: nn.Module, optimizer: Any, scheduler: Any) -> None:
+    if optimizer is None:
+        raise ValueError(f"scheduler={type(scheduler).__name__} given without an optimizer; pass both, or attach them "
+                         "together later: mp.attach(optimizer, scheduler)")
     if not isinstance(optimizer, torch.optim.Optimizer):
         raise TypeError(f"optimizer must be a torch.optim.Optimizer (or None: an evaluation engine, mp.attach(...) "
                         f"later), got {type(optimizer).__name__}")
