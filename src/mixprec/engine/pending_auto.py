@@ -49,7 +49,7 @@ from mixprec.autocast.compiled import eager_dtypes
 from mixprec.policy.resolve import Resolution, auto_candidates, probe, resolve
 from mixprec.autocast.op_plan import describe as describe_kernels
 from mixprec.autocast.op_plan import planned_kernels
-from mixprec.engine.records import Event
+from mixprec.engine.records import Decision, Event
 from mixprec.policy.policy import PRESETS, Policy
 from mixprec.autocast.portable import describe as describe_ops
 from mixprec.autocast.portable import portable_ops
@@ -217,11 +217,12 @@ class PendingAuto:
                 stack.enter_context(planned_kernels(mp.device.type, enabled=policy.kernels == "measured"))
             if mp.guard is not None and hasattr(mp.guard, "take_snapshot"):
                 mp.guard.take_snapshot(mp)   # its snapshot holds the fp32 build
-            decision = (text + describe_ops(policy.ops, mp.device.type, mixed=policy.is_mixed)
-                        + describe_kernels(policy, mp.device.type)
-                        + f"; the fp32 build re-prepared as {choice} (set_policy) before the first step" + notes)
+            decision = Decision(text, (describe_ops(policy.ops, mp.device.type, mixed=policy.is_mixed),
+                                       describe_kernels(policy, mp.device.type),
+                                       f"; the fp32 build re-prepared as {choice} (set_policy) before the first step",
+                                       notes))
         else:
-            decision = text + self._notes
+            decision = Decision(text, (self._notes,))
         mp.record(Event(step=mp.boundaries, kind="auto", cause=cause, module=None, detail=text, from_policy=before,
-                        to_policy=choice), decision=decision)
+                        to_policy=choice), decision=str(decision))
         log.info("mixprec: %s", mp.decision)
