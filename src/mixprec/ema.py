@@ -32,7 +32,7 @@ __all__ = ["EMA"]
 _STATE_KEYS = ("decay", "every", "steps_seen", "updates", "engine_step", "shadow")
 
 
-def _check_args(mp: Any, decay: Any, every: Any) -> None:
+def _check_args(mp: MixedPrecision, decay: Any, every: Any) -> None:
     if not isinstance(mp, MixedPrecision):
         raise TypeError(f"EMA(mp=...) needs a mixprec.MixedPrecision, got {type(mp).__name__}; build the engine "
                         "first: mp = MixedPrecision(model, optimizer, policy); ema = EMA(mp)")

@@ -22,16 +22,20 @@ import logging
 import math
 import statistics
 from dataclasses import dataclass, field
-from typing import Any, Callable
+from typing import TYPE_CHECKING, Any, Callable
 
 import torch
 
 from mixprec.machine.capability import probe
 from mixprec.engine.divergence import DivergenceError
 from mixprec.engine.mixed_precision import StepResult
+from mixprec.engine.records import Event
 from mixprec.numerics.localise import NonFiniteReport, locate_nonfinite
 from mixprec.policy.policy import PRESETS, QUANTIZED_STATE_DTYPES, Policy
 from mixprec.policy.tree import map_tensors
+
+if TYPE_CHECKING:
+    from mixprec.engine.mixed_precision import MixedPrecision
 
 __all__ = ["Guard", "GuardConfig", "GuardState", "next_policy"]
 
@@ -249,7 +253,7 @@ class Guard:
         return self.state.counts
 
     # ------------------------------------------------------------------ the engine's entry point
-    def after_step(self, mp: Any, result: StepResult) -> StepResult:
+    def after_step(self, mp: MixedPrecision, result: StepResult) -> StepResult:
         """Judge the step ``mp`` just finished; act on a failure; return the (updated) result.
 
         Raises:
@@ -277,12 +281,12 @@ class Guard:
         return result
 
     # ------------------------------------------------------------------ detection
-    def _snapshot_due(self, mp: Any) -> bool:
+    def _snapshot_due(self, mp: MixedPrecision) -> bool:
         snap = self.snapshot
         return (snap is None or snap.policy != str(mp.policy)
                 or mp.applied_steps - snap.applied_steps >= self.config.snapshot_every)
 
-    def _detect(self, mp: Any, result: StepResult) -> tuple[str | None, str, float | None]:
+    def _detect(self, mp: MixedPrecision, result: StepResult) -> tuple[str | None, str, float | None]:
         """(cause or None, detail, the loss if it was read and found healthy)."""
         c, s = self.config, self.state
         if not result.applied:
@@ -330,7 +334,7 @@ class Guard:
         return ""
 
     # ------------------------------------------------------------------ acting
-    def _fail(self, mp: Any, result: StepResult, cause: str, detail: str) -> StepResult:
+    def _fail(self, mp: MixedPrecision, result: StepResult, cause: str, detail: str) -> StepResult:
         c, s = self.config, self.state
         s.counts[cause] += 1
         s.failures_here += 1
@@ -347,9 +351,8 @@ class Guard:
         where = f"; {report}" if report is not None else ""
         back = (f"rolled back to applied step {to_step}" if rolled_back else
                 "no snapshot yet: the skipped step left the state as it was")
-        mp.events.append({"step": mp.boundaries, "kind": kind, "cause": cause, "module": module,
-                          "detail": f"{detail}{where}; {back}; failure {s.failures_here} here",
-                          "to_step": to_step})
+        mp.record(Event(step=mp.boundaries, kind=kind, cause=cause, module=module,
+                        detail=f"{detail}{where}; {back}; failure {s.failures_here} here", to_step=to_step))
         log.warning("mixprec guard: step %d: %s (%s)%s; %s", mp.boundaries, cause, detail, where, back)
         escalated = False
         if s.failures_here % c.escalate_after == 0:
@@ -361,7 +364,7 @@ class Guard:
                                    step=mp.applied_steps, skipped_total=mp.skipped_total, rolled_back=True,
                                    escalated=escalated)
 
-    def _localise(self, mp: Any, result: StepResult) -> NonFiniteReport | None:
+    def _localise(self, mp: MixedPrecision, result: StepResult) -> NonFiniteReport | None:
         if self.loss_fn is None or not mp.step_batches:
             return None
         scale = (float(result.loss_scale_t) if mp.loss_scale.enabled else 1.0) / mp.accumulation_steps
@@ -375,7 +378,7 @@ class Guard:
                 return report
         return None
 
-    def _roll_back(self, mp: Any) -> tuple[bool, int | None]:
+    def _roll_back(self, mp: MixedPrecision) -> tuple[bool, int | None]:
         snap = self.snapshot
         if snap is None or snap.policy != str(mp.policy):
             return False, None
@@ -387,7 +390,7 @@ class Guard:
         self.state.losses = list(snap.losses)
         return True, snap.applied_steps
 
-    def _escalate(self, mp: Any, cause: str, report: NonFiniteReport | None) -> bool:
+    def _escalate(self, mp: MixedPrecision, cause: str, report: NonFiniteReport | None) -> bool:
         if report is not None and report.where == "input":
             self._note("none: the batch itself holds non-finite values")
             return False
@@ -398,12 +401,12 @@ class Guard:
             return False
         old = str(mp.policy)
         try:
-            event = mp.set_policy(new, cause=cause, module=module, kind="escalate")
+            event = mp.set_policy(new, cause=cause, module=module, kind="escalate", record=False)
         except ValueError as err:  # e.g. an optimizer built for one rounding: say so, keep going
             self._note(f"{why}: refused ({err})")
             log.warning("mixprec guard: escalation %s → %s refused: %s", old, new, err)
             return False
-        event["detail"] = f"{why}; {event['detail']}"
+        mp.record(dataclasses.replace(event, detail=f"{why}; {event.detail}"))
         self.state.escalations.append(why)
         self.state.counts["escalate"] += 1
         self.take_snapshot(mp)  # the same place, under the new policy: failures_here is kept
@@ -414,7 +417,7 @@ class Guard:
         if not self.state.escalations or self.state.escalations[-1] != text:
             self.state.escalations.append(text)
 
-    def _give_up(self, mp: Any, cause: str, detail: str, report: NonFiniteReport | None) -> None:
+    def _give_up(self, mp: MixedPrecision, cause: str, detail: str, report: NonFiniteReport | None) -> None:
         s, snap = self.state, self.snapshot
         first = (f"first non-finite: {report}" if report is not None else
                  "first non-finite module: unknown (give Guard(loss_fn=...) and pass batches through "
@@ -429,11 +432,11 @@ class Guard:
         message = (f"mixprec.Guard gave up at step {mp.boundaries} ({mp.applied_steps} applied): {cause}: {detail}; "
                    f"{first}. Tried: {s.failures_here - 1} {place}; escalations: {tried}. "
                    f"Fix: {fix}")
-        mp.events.append({"step": mp.boundaries, "kind": "diverged", "cause": cause,
-                          "module": None if report is None else report.module, "detail": message})
+        mp.record(Event(step=mp.boundaries, kind="diverged", cause=cause,
+                        module=None if report is None else report.module, detail=message))
         raise DivergenceError(message)
 
-    def take_snapshot(self, mp: Any) -> None:
+    def take_snapshot(self, mp: MixedPrecision) -> None:
         """Deep-copy ``mp``'s state to the CPU now, as the guard does every ``snapshot_every``
         applied steps (a device→host copy: syncs). Rollbacks restore the latest snapshot."""
         self.snapshot = _Snapshot(applied_steps=mp.applied_steps, boundary=mp.boundaries, policy=str(mp.policy),

@@ -15,6 +15,8 @@ from typing import Any
 
 import torch
 
+from mixprec.engine.protocol import Engine
+
 __all__ = ["DivergenceError", "StopWhenStuck", "stuck_if_skipped"]
 
 
@@ -52,7 +54,7 @@ class StopWhenStuck:
         self.max_stuck_skips = max_stuck_skips
         self.nonfinite_streak = 0   # consecutive boundaries whose loss itself was non-finite
 
-    def after_step(self, mp: Any, result: Any) -> Any:
+    def after_step(self, mp: Engine, result: Any) -> Any:
         self.nonfinite_streak = 0 if result.loss_finite else self.nonfinite_streak + 1
         stuck = result.stuck_skips if result.loss_finite else self.nonfinite_streak
         if result.applied or stuck < self.max_stuck_skips:
@@ -67,7 +69,7 @@ def _grad_kinds(grads: list[torch.Tensor]) -> str:
     return " and ".join(k for k, v in (("NaN", has_nan), ("inf", has_inf)) if v) or "no non-finite values"
 
 
-def _message(stuck: int, result: Any, mp: Any, kinds: str) -> str:
+def _message(stuck: int, result: Any, mp: Engine, kinds: str) -> str:
     ls = mp.loss_scale
     scale = result.loss_scale
     if not result.loss_finite:

@@ -6,7 +6,7 @@ and a parameter whose ``.data`` changed shape. :meth:`ModelLayout.rebind` points
 model's current parameters — a new parameter takes the optimizer slot (param group, no state) of the
 removed one of the same name; a new name joins the optimizer's only param group, or the one group the
 removed parameters shared — and returns masters for that layout, so the engine can re-prepare every
-parameter under its policy (:func:`mixprec.engine.reprepare.reprepare`: casts, fresh fp32 masters from the new
+parameter under its policy (:func:`mixprec.engine.prepare.prepare`: casts, fresh fp32 masters from the new
 values, regions for new modules). Without it, a 16-bit parameter with no master silently never trains,
 or a master of the old shape crashes the copy back.
 """
@@ -14,15 +14,19 @@ or a master of the old shape crashes the copy back.
 from __future__ import annotations
 
 import warnings
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Any
 
 import torch
 from torch import nn
 
 from mixprec.engine.masters import MasterWeights
+from mixprec.engine.storage import FrozenSet
+from mixprec.policy.policy import Policy
+from mixprec.engine.protocol import Engine
+from mixprec.engine.records import Event
 
-__all__ = ["ModelEdit", "ModelLayout", "adopt_model_edits"]
+__all__ = ["ModelEdit", "ModelLayout", "adopt_model_edits", "finish_model_edit", "edited_params_event"]
 
 
 @dataclass(frozen=True)
@@ -110,10 +114,11 @@ class ModelLayout:
                          resized=tuple(n for n, p in current if id(p) in old and p.shape != shape_of[id(p)]))
 
     @torch.no_grad()
-    def rebind(self, optimizer: torch.optim.Optimizer, masters: MasterWeights) -> MasterWeights:
+    def rebind(self, optimizer: torch.optim.Optimizer | None, masters: MasterWeights) -> MasterWeights:
         """Point ``optimizer`` at the model's current params (module docstring) and return masters for
         them: the kept pairs keep their fp32 masters, new and resized params are their own masters until
-        the engine re-prepares. Optimizer state of removed and resized params is dropped.
+        the engine re-prepares. Optimizer state of removed and resized params is dropped (``optimizer``
+        None: an evaluation engine, nothing to rebind).
 
         Raises:
             ValueError: a new parameter name, and the optimizer has several param groups none of which
@@ -123,20 +128,21 @@ class ModelLayout:
         named_now = dict(current)
         edit = self.edit()
         stepped_of = {id(p): t for p, t in zip(masters.params, masters.masters)}
-        where = {id(t): (gi, i) for gi, g in enumerate(optimizer.param_groups) for i, t in enumerate(g["params"])}
+        param_groups = [] if optimizer is None else optimizer.param_groups
+        where = {id(t): (gi, i) for gi, g in enumerate(param_groups) for i, t in enumerate(g["params"])}
         name_at = {where[id(stepped_of.get(id(p), p))]: n for n, p in self.named
                    if id(stepped_of.get(id(p), p)) in where}
         held = set(name_at.values())
         gone = set(edit.removed) | set(edit.resized)
         fresh = [n for n in edit.added if n not in held and named_now[n].requires_grad]
         groups = {gi for (gi, _), n in name_at.items() if n in gone}
-        target = 0 if len(optimizer.param_groups) == 1 else (groups.pop() if len(groups) == 1 else None)
-        if fresh and target is None:
+        target = 0 if len(param_groups) == 1 else (groups.pop() if len(groups) == 1 else None)
+        if fresh and target is None and optimizer is not None:
             raise ValueError(f"the model gained parameter(s) {fresh[:4]} after MixedPrecision was built, and the "
                              f"optimizer has {len(optimizer.param_groups)} param groups: which one trains them is "
                              "not clear. Add the layer before building MixedPrecision, or freeze it "
                              "(requires_grad_(False))")
-        for gi, group in enumerate(optimizer.param_groups):
+        for gi, group in enumerate(param_groups):
             params = []
             for i, t in enumerate(group["params"]):
                 n = name_at.get((gi, i))
@@ -152,38 +158,55 @@ class ModelLayout:
 
 
 
-def adopt_model_edits(mp: Any, layout: ModelLayout | None, frozen: Any) -> None:
-    """Adopt an edit of ``mp.module`` since ``layout`` was recorded (module docstring): the optimizer is
-    rebound, every param re-prepared under the engine's policy (:meth:`mixprec.MixedPrecision.set_policy`),
-    ``frozen`` (the engine's :class:`mixprec.engine.storage.FrozenSet`) follows; one warning and a ``model-edit``
-    event. Nothing happens for an unedited model (a Python walk over the params, no host sync), or
-    without a ``layout`` (FSDP2, which swaps sharded and unsharded params around every forward).
+def adopt_model_edits(layout: ModelLayout | None, policy: Policy, strategy: str | None, micro_step: int,
+                      optimizer: torch.optim.Optimizer | None, masters: MasterWeights, frozen: FrozenSet,
+                      module: nn.Module) -> tuple[ModelEdit, MasterWeights] | None:
+    """The first half of adopting an edit of ``module`` since ``layout`` was recorded (module docstring):
+    the checks, ``optimizer`` rebound to the current params, ``frozen`` (the engine's) following the new
+    ones. Returns the edit and the masters for the new layout, for the engine to assign and finish with
+    :func:`finish_model_edit`; None for an unedited model (a Python walk over the params, no host sync)
+    or without a ``layout`` (FSDP2, which swaps sharded and unsharded params around every forward).
 
     Raises:
-        RuntimeError: the edit came mid-accumulation, or under a multi-process strategy.
+        RuntimeError: the edit came mid-accumulation, under a multi-process strategy or an fp8 policy.
         ValueError: new parameter names and several param groups (:meth:`ModelLayout.rebind`).
     """
     if layout is None or not layout.changed():
-        return
+        return None
     edit = layout.edit()
-    if mp.policy.fp8 is not None:
+    if policy.fp8 is not None:
         raise RuntimeError(f"the model was edited after MixedPrecision was built ({edit.text()}) under an fp8 policy "
-                           f"({mp.policy}): its linears were converted to fp8 at build and a new layer would run in "
-                           f"{str(mp.policy.compute_dtype)[6:]} while the fp8 report says otherwise; edit the model "
+                           f"({policy}): its linears were converted to fp8 at build and a new layer would run in "
+                           f"{str(policy.compute_dtype)[6:]} while the fp8 report says otherwise; edit the model "
                            "before building MixedPrecision")
-    if mp.strategy is not None or mp.micro_step != 0:
+    if strategy is not None or micro_step != 0:
         raise RuntimeError(f"the model was edited after MixedPrecision was built ({edit.text()}) "
-                           f"{'under strategy=' + repr(mp.strategy) if mp.strategy else 'mid-accumulation'}, "
+                           f"{'under strategy=' + repr(strategy) if strategy else 'mid-accumulation'}, "
                            "which the engine cannot adopt; edit it before building MixedPrecision")
-    mp.masters = layout.rebind(mp.optimizer, mp.masters)
-    named = dict(mp.module.named_parameters())
+    new_masters = layout.rebind(optimizer, masters)
+    named = dict(module.named_parameters())
     frozen.follow([named[n] for n in edit.added])
-    event = mp.set_policy(mp.policy, cause=f"model edited after build: {edit.text()}")
-    event["kind"] = "model-edit"
-    event["detail"] = f"{edit.text()}; {event['detail']}"
+    return edit, new_masters
+
+
+def finish_model_edit(mp: Engine, edit: ModelEdit, layout: ModelLayout) -> None:
+    """The second half, through ``mp``'s public methods once it holds the new masters: every param
+    re-prepared under its policy (:meth:`mixprec.MixedPrecision.set_policy`), one ``model-edit`` event
+    and one warning, the layout recorded, a guard re-snapshotted."""
+    event = mp.set_policy(mp.policy, cause=f"model edited after build: {edit.text()}", record=False)
+    mp.record(replace(event, kind="model-edit", detail=f"{edit.text()}; {event.detail}"))
     layout.record()
     if mp.guard is not None and hasattr(mp.guard, "take_snapshot"):
         mp.guard.take_snapshot(mp)   # the old snapshot holds the old layout: no rollback into it
     masters = ", with fresh fp32 masters from their values" if mp.policy.has_masters else ""
     warnings.warn(f"mixprec: the model was edited after MixedPrecision was built ({edit.text()}); adopted: new "
                   f"parameters are stored as {mp.policy} says{masters}, without optimizer state", stacklevel=5)
+
+
+def edited_params_event(step: int, detail: str) -> Event:
+    """The ``adopt`` event of params written outside the engine whose masters adopted the new values
+    (``detail``: :meth:`mixprec.engine.masters.MasterWeights.adopt_edits`' words), with its one warning."""
+    warnings.warn(f"{detail}. To keep full fp32 precision, load weights before building MixedPrecision, "
+                  "or with mixprec.load_checkpoint / mp.load_state_dict", stacklevel=4)
+    return Event(step=step, kind="adopt", cause="params edited outside the optimizer", module=None, detail=detail)
+

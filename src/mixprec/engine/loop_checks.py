@@ -33,12 +33,16 @@ from __future__ import annotations
 import collections
 import warnings
 import weakref
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
 from itertools import chain
 from typing import Any
 
 import torch
 from torch import nn
 
+from mixprec.engine.protocol import Engine
+from mixprec.engine.records import Event
 from mixprec.policy.tree import field_names
 
 __all__ = ["LoopChecks", "TARGET_NAMES"]
@@ -81,11 +85,10 @@ class _StepHook(_Hook):
 
 
 class LoopChecks:
-    """The checks of one engine (module docstring). ``owner`` has ``module``, ``optimizer``, ``policy``,
-    ``device``, ``masters``, ``events``, ``boundaries`` and ``micro_step``; ``on_forward``
+    """The checks of one engine (module docstring): ``owner``, the engine (its public face); ``on_forward``
     is called before each eager forward of ``owner.module`` (model-edit detection)."""
 
-    def __init__(self, owner: Any, on_forward: Any) -> None:
+    def __init__(self, owner: Engine, on_forward: Callable[[], None]) -> None:
         self.owner, self.on_forward = owner, on_forward
         self.applying = False          # True while the engine itself steps the optimizer
         self.marks: dict[int, tuple[int, int]] = {}
@@ -96,13 +99,28 @@ class LoopChecks:
         self._tensors_list: list[torch.Tensor] = []
 
     def install(self) -> None:
-        """The optimizer's step pre-hook, and (unless the policy is plain fp32: no hook on the model
-        then, and an edit is found at ``backward()``) the model's forward pre-hook."""
+        """The model's forward pre-hook, unless the policy is plain fp32 (no hook on the model then, and an
+        edit is found at ``backward()``)."""
         policy = self.owner.policy
-        self._handles = [self.owner.optimizer.register_step_pre_hook(_StepHook(self))]
         if policy.is_mixed or policy.param_dtype != torch.float32:
-            self._handles.append(self.owner.module.register_forward_pre_hook(_ForwardHook(self)))
-        weakref.finalize(self, _remove_all, list(self._handles))   # a dropped engine takes its hooks along
+            self._add(self.owner.module.register_forward_pre_hook(_ForwardHook(self)))
+
+    def watch(self, optimizer: torch.optim.Optimizer) -> None:
+        """The step pre-hook of ``optimizer`` (the engine's, at ``mp.attach``)."""
+        self._add(optimizer.register_step_pre_hook(_StepHook(self)))
+
+    def _add(self, handle: Any) -> None:
+        self._handles.append(handle)
+        weakref.finalize(self, _remove_all, [handle])   # a dropped engine takes its hooks along
+
+    @contextmanager
+    def stepping(self) -> Iterator[None]:
+        """Around the engine's own ``optimizer.step()``, which the step pre-hook lets through."""
+        self.applying = True
+        try:
+            yield
+        finally:
+            self.applying = False
 
     def remove(self) -> None:
         for handle in self._handles:
@@ -277,8 +295,7 @@ class LoopChecks:
 
     def _event(self, kind: str, detail: str) -> None:
         mp = self.owner
-        mp.events.append({"step": mp.boundaries, "kind": kind, "cause": "training loop", "module": None,
-                          "detail": detail})
+        mp.record(Event(step=mp.boundaries, kind=kind, cause="training loop", module=None, detail=detail))
 
     def _once(self, key: str, kind: str, detail: str) -> None:
         if key in self.spoken:

@@ -25,6 +25,7 @@ from __future__ import annotations
 
 import dataclasses
 import math
+import warnings
 from dataclasses import dataclass
 from typing import Any, ClassVar
 
@@ -32,7 +33,8 @@ import torch
 
 from mixprec.engine.gradients import grouped_values, summed_values
 
-__all__ = ["LossScale", "NoLossScale", "StaticLossScale", "DynamicLossScale", "from_spec", "from_state_dict"]
+__all__ = ["LossScale", "NoLossScale", "StaticLossScale", "DynamicLossScale", "from_spec", "from_state_dict", "for_policy", "for_switch",
+           "unscale_grads"]
 
 _FP32 = torch.finfo(torch.float32)
 
@@ -386,3 +388,34 @@ def from_state_dict(state: dict[str, Any]) -> LossScale:
     ls = kind() if kind is not StaticLossScale else StaticLossScale(float(state["config"].get("scale", 1.0)))
     ls.load_state_dict(state)
     return ls
+
+
+def for_policy(policy: Any, override: Any, device: torch.device) -> LossScale:
+    """The loss scale ``policy`` (a :class:`mixprec.Policy`) names, or ``override`` (a spec as :func:`from_spec`
+    takes, or a LossScale), on ``device``; warns when scaling is on under bf16 compute (it does nothing useful)."""
+    spec = policy.loss_scale if override is None else override
+    ls = spec if hasattr(spec, "unscale_") else from_spec(spec)
+    if ls.enabled and policy.compute_dtype == torch.bfloat16 and policy.param_dtype != torch.float16:
+        warnings.warn(f"loss scaling is on ({type(ls).__name__}) under a bf16 policy ({policy}): bf16 has "
+                      "fp32's exponent range, so scaling does nothing useful; drop loss_scale=...", stacklevel=3)
+    return ls.to(device)
+
+
+def for_switch(old: Any, new: Any, override: Any, current: LossScale, device: torch.device) -> tuple[LossScale, str]:
+    """The loss scale after a policy change ``old`` → ``new`` (:class:`mixprec.Policy`): ``override`` if given,
+    else ``current`` kept when both policies name the same scaling, else ``new``'s; with the event's words."""
+    if override is None and new.loss_scale == old.loss_scale:
+        return current, "loss scale kept"
+    scale = for_policy(new, override, device)
+    return scale, f"loss scale now {type(scale).__name__}"
+
+
+def unscale_grads(grads: Any, scale: torch.Tensor) -> tuple[list[torch.Tensor | None], torch.Tensor | None]:
+    """``g.float() * (1/scale)`` for each gradient of ``grads`` (None stays None; differentiable) and the
+    overflow flag of the results (fp32 0-dim on ``scale``'s device, 1.0 if any is non-finite; None without
+    a gradient). No host sync. Source: torch.amp's gradient-penalty recipe."""
+    inv_scale = scale.detach().reciprocal()
+    out = [None if g is None else g.float() * inv_scale.to(g.device) for g in grads]
+    checked = [torch.isfinite(g).all().to(inv_scale.device) for g in out if g is not None]
+    return out, (~torch.stack(checked).all()).float() if checked else None
+

@@ -203,6 +203,14 @@ class MasterWeights:
                 f"written outside the engine (e.g. model.load_state_dict after MixedPrecision was built); their "
                 f"fp32 masters now take those values, as stored in {dtype}")
 
+    def write_fp32(self, values_fp32: list[torch.Tensor]) -> None:
+        """Make every floating param fp32 in place with its value in ``values_fp32`` (:meth:`fp32_values`
+        order), where it is 16-bit or has a master (the engine's ``unwrap(to_fp32=True)``). No host sync."""
+        has_master = {id(p) for p, _ in self.pairs}
+        for p, value_fp32 in zip(self.params, values_fp32):
+            if p.is_floating_point() and (p.dtype != torch.float32 or id(p) in has_master):
+                p.data = value_fp32
+
     def named(self, named_parameters: Any) -> dict[str, torch.Tensor]:
         """The masters by their param's name (``model.named_parameters()``), detached references."""
         names = {id(p): n for n, p in named_parameters}

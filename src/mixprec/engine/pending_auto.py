@@ -47,14 +47,16 @@ import torch
 from mixprec.policy.auto import TrialFailed, choose
 from mixprec.autocast.compiled import eager_dtypes
 from mixprec.machine.capability import probe
-from mixprec.policy.resolve import Resolution, auto_candidates
+from mixprec.policy.resolve import Resolution, auto_candidates, resolve
 from mixprec.autocast.op_plan import describe as describe_kernels
 from mixprec.autocast.op_plan import planned_kernels
-from mixprec.policy.policy import PRESETS
+from mixprec.engine.records import Decision, Event
+from mixprec.policy.policy import PRESETS, Policy
 from mixprec.autocast.portable import describe as describe_ops
 from mixprec.autocast.portable import portable_ops
+from mixprec.engine.protocol import Engine
 
-__all__ = ["PENDING", "PendingAuto", "pending_resolution"]
+__all__ = ["resolve_for_engine", "PENDING", "PendingAuto", "pending_resolution"]
 
 log = logging.getLogger("mixprec")
 
@@ -82,6 +84,18 @@ def pending_resolution(spec: Any, resolution: Resolution, *, strategy: str | Non
     return Resolution(PRESETS["fp32"], resolution.device, decision), candidates
 
 
+def resolve_for_engine(spec: Any, device: Any, strategy: Any, *, strategy_name: str | None, allow_fallback: bool,
+                       compiled_in_place: bool, loss_scale: Any) -> tuple[Resolution, PendingAuto]:
+    """The engine's policy resolution: ``spec`` resolved on ``device``, agreed across ranks by ``strategy``
+    (:mod:`mixprec.distributed.strategy`), and its :class:`PendingAuto` (``loss_scale``: the engine's
+    override). Returns (the resolution to build with, the pending decision). No host sync but the probe's."""
+    resolution = resolve(spec, device, allow_fallback=allow_fallback)
+    resolution = strategy.agree_resolution(resolution, resolution.device)
+    chosen, candidates = pending_resolution(spec, resolution, strategy=strategy_name,
+                                            compiled_in_place=compiled_in_place)
+    return chosen, PendingAuto(candidates, resolution, loss_scale)   # auto timed at the first forward
+
+
 class PendingAuto:
     """The engine's pending ``auto`` (module docstring): ``state`` is ``"off"`` (nothing pending),
     ``"pending"``, ``"probe-at-boundary"`` (backward came first), ``"decided"`` or ``"cancelled"``.
@@ -100,7 +114,7 @@ class PendingAuto:
     def __getstate__(self) -> dict:
         return {**self.__dict__, "_ref": None, "_handle": None, "_blocks": [], "state": "off"}
 
-    def install(self, mp: Any) -> None:
+    def install(self, mp: Engine) -> None:
         """Register the pre-hook on ``mp.model`` (after the engine is built; nothing when not pending)."""
         if self.state != "pending":
             return
@@ -164,29 +178,32 @@ class PendingAuto:
                       f"from the next one the matmul probe's choice applies ({self.probe.policy}). Call the model as "
                       "mp.model(...) for auto to decide on it", stacklevel=3)
 
-    def at_boundary(self, mp: Any) -> None:
+    def at_boundary(self, mp: Engine) -> None:
         """Called at the end of each step boundary: applies the probe's choice after :meth:`before_backward`."""
         if self.state == "probe-at-boundary":
             self._decide(mp, str(self.probe.policy), f"{self.probe.decision} (auto fell back to the matmul probe: "
                          "mp.backward() came before any training forward of mp.model)",
                          "auto: matmul probe (no forward through mp.model before backward)")
 
-    def cancel(self, mp: Any, new: Any) -> None:
-        """Called by ``set_policy``: switching to another policy than the pending fp32 ends the decision."""
-        if self.state in ("pending", "probe-at-boundary") and new != mp.policy:
+    def cancel(self, current: Policy, new: Policy) -> None:
+        """Called by ``set_policy`` from ``current``: switching to another policy than the pending fp32 ends the
+        decision."""
+        if self.state in ("pending", "probe-at-boundary") and new != current:
             self.state = "cancelled"
             self.remove()
 
-    def after_load(self, mp: Any, events: list[dict] | None) -> None:
-        """Called after a state of the pending policy (fp32) was loaded: when the saved run had taken its
-        ``auto`` decision (an ``"auto"`` event), the continued run keeps it instead of timing again."""
+    def after_load(self, policy: Policy, events: list[Event] | list[dict] | None) -> str | None:
+        """Called after a state of the pending ``policy`` (fp32) was loaded: when the saved run had taken its
+        ``auto`` decision (an ``"auto"`` event), the continued run keeps it instead of timing again. Returns
+        the engine's new decision line then, else None."""
         decided = [e for e in events or [] if e.get("kind") == "auto"]
-        if self.state == "pending" and decided:
-            self.state = "cancelled"
-            self.remove()
-            mp.decision = f"{mp.policy} as loaded: the saved run's decision ({decided[-1].get('detail')})"
+        if not (self.state == "pending" and decided):
+            return None
+        self.state = "cancelled"
+        self.remove()
+        return f"{policy} as loaded: the saved run's decision ({decided[-1].get('detail')})"
 
-    def _decide(self, mp: Any, choice: str, text: str, cause: str) -> None:
+    def _decide(self, mp: Engine, choice: str, text: str, cause: str) -> None:
         self.state = "decided"
         self.remove()
         before = str(mp.policy)
@@ -201,11 +218,12 @@ class PendingAuto:
                 stack.enter_context(planned_kernels(mp.device.type, enabled=policy.kernels == "measured"))
             if mp.guard is not None and hasattr(mp.guard, "take_snapshot"):
                 mp.guard.take_snapshot(mp)   # its snapshot holds the fp32 build
-            mp.decision = (text + describe_ops(policy.ops, mp.device.type, mixed=policy.is_mixed)
-                           + describe_kernels(policy, mp.device.type)
-                           + f"; the fp32 build re-prepared as {choice} (set_policy) before the first step" + notes)
+            decision = Decision(text, (describe_ops(policy.ops, mp.device.type, mixed=policy.is_mixed),
+                                       describe_kernels(policy, mp.device.type),
+                                       f"; the fp32 build re-prepared as {choice} (set_policy) before the first step",
+                                       notes))
         else:
-            mp.decision = text + self._notes
-        mp.events.append({"step": mp.boundaries, "kind": "auto", "cause": cause, "module": None, "detail": text,
-                          "from": before, "to": choice})
+            decision = Decision(text, (self._notes,))
+        mp.record(Event(step=mp.boundaries, kind="auto", cause=cause, module=None, detail=text, from_policy=before,
+                        to_policy=choice), decision=str(decision))
         log.info("mixprec: %s", mp.decision)

@@ -13,7 +13,9 @@ from collections.abc import Iterator, Mapping
 from dataclasses import dataclass
 from typing import Any
 
-__all__ = ["Event"]
+from mixprec.policy.policy import state_name
+
+__all__ = ["Decision", "Event", "policy_event"]
 
 # JSON key -> field, for the keys whose field name differs (``from`` is a Python keyword)
 _KEYS = {"step": "step", "kind": "kind", "cause": "cause", "module": "module", "detail": "detail",
@@ -76,3 +78,29 @@ class Event:
 
     def keys(self) -> Iterator[str]:
         return iter(self.to_dict())
+
+
+@dataclass(frozen=True)
+class Decision:
+    """The engine's decision line (``mp.decision`` is its text): ``head``, what the policy resolved to on the
+    device (or the switch it made), and ``clauses``, each ``"; ..."`` or "" (storage, fp8, compile, loss
+    scaling, upcasts, kernels, optimizer state, fp32 regions), in the order they are read."""
+
+    head: str
+    clauses: tuple[str, ...] = ()
+
+    def __str__(self) -> str:
+        return self.head + "".join(self.clauses)
+
+
+def policy_event(step: int, kind: str, cause: str | None, module: str | None, old: Any, new: Any, carried: int,
+                 scale_note: str) -> Event:
+    """The event of a policy change at boundary ``step`` from ``old`` to ``new`` (:class:`mixprec.Policy`):
+    ``carried`` optimizer-state tensors moved, ``scale_note`` what became of the loss scale."""
+    formats = (state_name(old.state_dtype), state_name(new.state_dtype))
+    state_move = f" (converted {formats[0]} → {formats[1]})" if formats[0] != formats[1] else ""
+    return Event(step=step, kind=kind, cause=cause, module=module,
+                 detail=f"{old} → {new}: params re-cast from their fp32 values (frozen and just-unfrozen ones from "
+                        f"their stored values), optimizer state of {carried} tensor(s) carried over{state_move}, "
+                        f"{scale_note}", from_policy=str(old), to_policy=str(new))
+

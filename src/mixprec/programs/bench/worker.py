@@ -41,6 +41,7 @@ from mixprec.engine.mixed_precision import MixedPrecision, StepResult
 from mixprec.optim import SGD, AdamW
 from mixprec.policy.policy import Policy, state_name
 from mixprec.workloads import Workload, get_workload
+from mixprec.engine.records import Event
 
 __all__ = ["RunSpec", "SetupError", "build_engine", "precision_optimizer", "train_step", "evaluate", "run_policy", "main"]
 
@@ -290,7 +291,7 @@ def run_policy(spec: RunSpec, progress: Callable[[int], None] | None = None) -> 
         "grad_norm_per_step": history["grad_norm"],
         "lr_per_step": history["lr"],
         "step_time_ms_per_step": history["step_time_ms"],
-        "events": mp.events,
+        "events": [Event.of(e).to_dict() for e in mp.events],
         "wall_s": time.perf_counter() - start_wall,
     }
 

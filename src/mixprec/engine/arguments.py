@@ -1,0 +1,103 @@
+"""The engine's checks of its arguments and inputs: what ``MixedPrecision(...)``, ``mp.attach(...)``,
+``mp.backward(loss)`` and ``mp.cast_inputs(batch)`` take. Errors name the argument, the value and the fix
+(TypeError/ValueError); nothing here syncs the host with the device.
+"""
+
+from __future__ import annotations
+
+import inspect
+from typing import Any
+
+import torch
+from torch import nn
+
+from mixprec.policy.policy import cast_floating
+from mixprec.policy.tree import field_names, map_fields, map_tensors
+
+__all__ = ["RETAINED", "TOO_MANY", "MID_ACCUMULATION", "check_args", "check_optimizer", "check_loss", "needs_closure", "as_tensors", "cast_batch"]
+
+
+RETAINED = 2   # the engine's ``_step_pending`` after a backward(retain_graph=True): a further backward() joins its micro-batch
+TOO_MANY = ("backward() called for micro-batch {n} since the last step() with accumulation_steps={a}; call mp.step() "
+             "after each micro-batch's backward() (it returns None until the boundary). Two losses of one micro-batch: "
+             "pass retain_graph=True to the first backward(), or backpropagate their sum")
+MID_ACCUMULATION = ("{call} called after {n} micro-batch(es) of backward() without reaching the step boundary; "
+                     "{what} at an accumulation boundary (after mp.step() returns a result)")
+
+
+def check_args(model: Any, max_grad_norm: Any, accumulation_steps: Any) -> None:
+    if not isinstance(model, nn.Module):
+        raise TypeError(f"model must be a torch.nn.Module, got {type(model).__name__}")
+    if isinstance(accumulation_steps, bool) or not isinstance(accumulation_steps, int) or accumulation_steps < 1:
+        raise ValueError(f"accumulation_steps={accumulation_steps!r} must be an int >= 1")
+    if max_grad_norm is not None and not (float(max_grad_norm) > 0):
+        raise ValueError(f"max_grad_norm={max_grad_norm!r} must be > 0 or None (no clipping)")
+
+
+def check_optimizer(model: nn.Module, optimizer: Any, scheduler: Any) -> None:
+    if optimizer is None:
+        raise ValueError(f"scheduler={type(scheduler).__name__} given without an optimizer; pass both, or attach them "
+                         "together later: mp.attach(optimizer, scheduler)")
+    if not isinstance(optimizer, torch.optim.Optimizer):
+        raise TypeError(f"optimizer must be a torch.optim.Optimizer (or None: an evaluation engine, mp.attach(...) "
+                        f"later), got {type(optimizer).__name__}")
+    if needs_closure(optimizer):
+        raise TypeError(f"optimizer={type(optimizer).__name__} needs a closure in step() (it re-evaluates the loss, "
+                        "as LBFGS does), which the engine's one-backward step cannot give; use a first-order "
+                        "optimizer (mixprec.optim.AdamW, torch.optim.SGD/Adam), or train it without MixedPrecision")
+    if isinstance(scheduler, torch.optim.lr_scheduler.ReduceLROnPlateau):
+        raise TypeError("scheduler=ReduceLROnPlateau needs a metric at each step, which the engine does not "
+                        "have; pass scheduler=None and call it yourself: `if result and result.applied: "
+                        "plateau.step(val_loss)`")
+    model_params = {id(p) for p in model.parameters()}
+    if model_params and not any(id(p) in model_params for g in optimizer.param_groups for p in g["params"]):
+        raise ValueError("optimizer holds none of the model's parameters; build it on model.parameters() "
+                         "(before MixedPrecision) so the engine can step and, where needed, rebind it")
+
+
+def needs_closure(optimizer: torch.optim.Optimizer) -> bool:
+    """True when ``optimizer.step`` has a required ``closure`` argument (LBFGS)."""
+    try:
+        closure = inspect.signature(optimizer.step).parameters.get("closure")
+    except (TypeError, ValueError):
+        return False
+    return closure is not None and closure.default is inspect.Parameter.empty
+
+
+def check_loss(loss: Any) -> None:
+    if not isinstance(loss, torch.Tensor) or loss.numel() != 1 or not loss.is_floating_point():
+        raise ValueError(f"loss must be a scalar floating tensor, got {type(loss).__name__} of shape "
+                         f"{tuple(getattr(loss, 'shape', ()))} and dtype {getattr(loss, 'dtype', None)}; reduce it "
+                         "(.mean()) and compute it in floating point")
+    if not loss.requires_grad:
+        raise ValueError("loss does not require grad, so nothing can be trained from it. Likely causes: it was "
+                         "computed under torch.no_grad() or torch.inference_mode(); from detached tensors "
+                         "(.detach(), .item(), .data, numpy); every parameter it depends on is frozen "
+                         "(requires_grad=False); or reentrant activation checkpointing (use_reentrant=True) "
+                         "whose inputs do not require grad cut the graph (pass use_reentrant=False). Compute it "
+                         "from mp.model's output with autograd enabled")
+
+
+def as_tensors(batch: Any) -> Any:
+    """``batch`` with numpy arrays and scalars as tensors (``torch.as_tensor``); containers rebuilt, as
+    :mod:`mixprec.policy.tree` does, so the caller's batch is not modified."""
+    return map_tensors(batch, lambda t: t, leaf=_from_numpy)
+
+
+def cast_batch(batch: Any, dtype: torch.dtype, device: torch.device, keep: tuple[str, ...]) -> Any:
+    """``batch`` on ``device``, its floating tensors cast to ``dtype`` but those under the top-level keys,
+    fields or indices ``keep`` (moved only). Raises ValueError for a ``keep`` entry the batch lacks."""
+    if not keep:
+        return cast_floating(batch, dtype, device)
+    names = field_names(batch) or []
+    missing = [k for k in keep if k not in names]
+    if missing:
+        raise ValueError(f"cast_inputs(keep={keep!r}): {missing} not found; batch keys are {sorted(names)}")
+    return map_fields(batch, lambda k, v: cast_floating(v, None if k in keep else dtype, device))
+
+
+def _from_numpy(leaf: Any) -> Any:
+    """A numpy array or scalar as a tensor (``torch.as_tensor``); any other leaf unchanged."""
+    if type(leaf).__module__ == "numpy" and hasattr(leaf, "dtype") and hasattr(leaf, "shape"):
+        return torch.as_tensor(leaf)
+    return leaf

@@ -1,0 +1,133 @@
+"""One step boundary: :class:`BoundaryLosses` (its micro-batches' losses and penalty overflows),
+:class:`StepCheck` (what ``mp.unscale_and_check()`` found), :class:`StepResult` (what
+``mp.apply_or_skip(check)`` did) and :func:`check_grads`, the unscaled grads' fp32 norm, the ranks'
+agreement and the step's one host read.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+
+from mixprec.engine.clipping import global_norm_fp32
+from mixprec.engine.divergence import stuck_if_skipped
+
+__all__ = ["BoundaryLosses", "StepCheck", "StepResult", "check_grads"]
+
+
+class BoundaryLosses:
+    """The engine's tally of the current boundary (device tensors; no method syncs): ``last``, the last
+    micro-batch's loss (detached); ``total`` (fp32) and ``finite`` (bool 0-dim) over the boundary's
+    micro-batches; ``mean``, the last closed boundary's fp32 mean loss (None before one); ``extra_inf``,
+    the overflow flag of gradients ``mp.unscale()`` met this boundary (fp32 0-dim, None when none)."""
+
+    def __init__(self) -> None:
+        self.last: torch.Tensor | None = None
+        self.total: torch.Tensor | None = None
+        self.mean: torch.Tensor | None = None
+        self.finite = torch.ones((), dtype=torch.bool)
+        self.extra_inf: torch.Tensor | None = None
+
+    def add(self, loss: torch.Tensor, *, first: bool) -> None:
+        """Count ``loss`` (detached); ``first``: it starts the boundary."""
+        self.last = loss
+        self.total = loss.float() if first else self.total + loss.float()
+        finite = torch.isfinite(loss).all()
+        self.finite = finite if first else self.finite & finite
+
+    def add_overflow(self, found: torch.Tensor) -> None:
+        """Join ``found`` (fp32 0-dim, 1.0: a non-finite unscaled penalty gradient) into :attr:`extra_inf`."""
+        self.extra_inf = found if self.extra_inf is None else torch.maximum(self.extra_inf, found)
+
+    def close(self, accumulation_steps: int) -> None:
+        """The boundary is reached: :attr:`mean` over its ``accumulation_steps`` micro-batches."""
+        self.mean = self.total / accumulation_steps
+
+    def unscale_(self, loss_scale: Any, grads: list[torch.Tensor]) -> torch.Tensor:
+        """Unscale ``grads`` in place; the overflow flag, with :attr:`extra_inf`'s joined (a NaN from an
+        overflowed penalty also marks the loss non-finite) and reset."""
+        found_inf = loss_scale.unscale_(grads)
+        extra, self.extra_inf = self.extra_inf, None
+        if extra is None:
+            return found_inf
+        self.finite = self.finite | extra.bool().to(self.finite.device)
+        return torch.maximum(found_inf, extra.to(found_inf.device))
+
+
+@dataclass(frozen=True)
+class StepCheck:
+    """What :meth:`MixedPrecision.unscale_and_check` found at a boundary, for :meth:`~MixedPrecision.apply_or_skip`.
+
+    ``skipped``, ``loss_finite`` and ``stuck_skips`` are host values (the step's one sync): ``skipped``,
+    the step will be skipped (non-finite grads, or a non-finite loss); ``loss_finite``, False when it
+    is skipped for a non-finite loss; ``stuck_skips`` as :class:`StepResult`'s. ``grad_norm_t``: fp32
+    norm of the unscaled grads (0-dim, device); ``loss_scale_t``: the scale this step used;
+    ``found_inf_t``: the agreed overflow flag the loss scale updates from; ``grads``: the unscaled fp32
+    grads (this rank's shards) the optimizer steps. Reading the tensors' values syncs.
+    """
+
+    skipped: bool
+    loss_finite: bool
+    stuck_skips: int
+    grad_norm_t: torch.Tensor = field(repr=False)
+    loss_scale_t: torch.Tensor = field(repr=False)
+    found_inf_t: torch.Tensor = field(repr=False)
+    grads: tuple[torch.Tensor, ...] = field(repr=False)
+
+
+@dataclass(frozen=True)
+class StepResult:
+    """What one optimizer-step boundary did.
+
+    ``applied``, ``loss_finite`` and ``stuck_skips`` are host values (read by ``step()``'s one sync).
+    ``stuck_skips``: consecutive skipped steps that loss scaling can no longer help (scale at its floor,
+    or fixed/none), this one included; 0 when applied. ``loss_scale`` (the scale this step used) and
+    ``grad_norm`` (fp32, of the unscaled gradients, before clipping) are read from device tensors on
+    access: **reading them syncs the host with the device**.
+    """
+
+    applied: bool
+    skipped_reason: str | None      # None, "overflow" (loss scaling backs off) or "nonfinite"
+    step: int                       # applied optimizer steps so far
+    skipped_total: int
+    loss_scale_t: torch.Tensor = field(repr=False)
+    grad_norm_t: torch.Tensor = field(repr=False)
+    rolled_back: bool = False
+    escalated: bool = False
+    loss_finite: bool = True
+    stuck_skips: int = 0
+
+    @property
+    def loss_scale(self) -> float:
+        return float(self.loss_scale_t)
+
+    @property
+    def grad_norm(self) -> float:
+        return float(self.grad_norm_t)
+
+
+def check_grads(grads: list[torch.Tensor], found_inf: torch.Tensor, loss_finite: torch.Tensor, loss_scale: Any,
+                strategy: Any, device: torch.device) -> StepCheck:
+    """The check of a boundary's unscaled fp32 ``grads`` (this rank's shards): their global fp32 norm, the
+    flags (``found_inf``: the unscale's overflow flag; ``loss_finite``: every micro-batch's loss finite,
+    bool 0-dim) agreed across ranks by ``strategy``, and one host read of flags, stuck count and whether
+    the norm is finite; a norm whose squares overflow fp32 is taken again scaled (:mod:`mixprec.engine.
+    clipping`). ``loss_scale``: the scale the grads were unscaled from. One host sync."""
+    grad_norm = strategy.global_norm(global_norm_fp32(grads, device))
+    flags = strategy.agree_flags(torch.stack([found_inf, (~loss_finite).to(found_inf)]))
+    scale_before = loss_scale.scale.detach().clone()
+    skipped, loss_nonfinite, stuck, norm_finite = _host_read(flags, loss_scale, grad_norm)
+    if not (norm_finite or skipped):   # finite grads whose squares overflow fp32: the scaled norm
+        grad_norm = strategy.global_norm(global_norm_fp32(grads, device, scaled=True), scaled=True)
+    loss_finite_host = not (skipped and loss_nonfinite)
+    return StepCheck(skipped=bool(skipped), loss_finite=loss_finite_host,
+                     stuck_skips=0 if not skipped or not loss_finite_host else int(stuck),
+                     grad_norm_t=grad_norm, loss_scale_t=scale_before, found_inf_t=flags[0], grads=tuple(grads))
+
+
+def _host_read(flags: torch.Tensor, loss_scale: Any, grad_norm: torch.Tensor) -> list[float]:
+    """The step's one host read: ``flags`` (skip, loss non-finite), the stuck count and whether
+    ``grad_norm`` is finite, read together (one sync)."""
+    return torch.cat([flags, stuck_if_skipped(loss_scale).to(flags), grad_norm.isfinite().reshape(1).to(flags)]).tolist()

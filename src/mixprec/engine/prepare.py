@@ -1,0 +1,206 @@
+"""Preparing a model under a policy: the one path of the first build and of a new policy mid-run.
+
+:func:`prepare` decides which dtype each parameter is stored in (:mod:`mixprec.engine.storage`), which
+modules stay fp32 (:mod:`mixprec.engine.regions`), builds the fp32 masters (:mod:`mixprec.engine.masters`)
+and casts the params in place. At the first build it also checks the model's dtypes, moves it to the
+device, swaps fp8 linears and lets the strategy prepare (FSDP2 shards here); mid-run
+(:meth:`mixprec.MixedPrecision.set_policy`) it starts from each param's best fp32 value and moves the
+attached optimizer's state to the tensors it steps now. What carries over mid-run, per parameter: its best
+fp32 value (:meth:`mixprec.engine.masters.MasterWeights.fp32_values`) becomes the param, stored as the
+new plan says, and the new master where the new policy has masters (moving to a wider format loses
+nothing, moving down rounds once to nearest); optimizer state moves from the tensor the optimizer stepped
+to the one it steps now (:func:`mixprec.optim.contract.move_state`), and frozen params keep none. Every
+check runs before anything changes. The engine assigns what :class:`Prepared` holds.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+from torch import nn
+
+from mixprec.engine.masters import MasterWeights
+from mixprec.engine.regions import keep_fp32_modules
+from mixprec.engine.storage import FrozenSet, StoragePlan, dtype_text, plan_storage
+from mixprec.optim import contract
+from mixprec.policy.policy import Policy
+
+__all__ = ["Prepared", "prepare"]
+
+_SHORT = {"float16": "fp16", "bfloat16": "bf16"}
+
+
+@dataclass(frozen=True)
+class Prepared:
+    """The outcome of :func:`prepare`: the storage ``plan``, the fp32 ``masters``, the fp32 regions
+    ``keep`` (name → module), the ``frozen`` set (the engine's, or a new one at the first build),
+    ``kahan_from`` ((param, fp32 value before its cast) pairs a Kahan policy's compensation starts
+    from; empty otherwise), the fp8 report and the decision's fp8 and upcast clauses (first build only,
+    "" else) and how many optimizer-state entries were carried over (mid-run)."""
+
+    plan: StoragePlan
+    masters: MasterWeights
+    keep: dict[str, nn.Module]
+    frozen: FrozenSet
+    kahan_from: tuple[tuple[torch.Tensor, torch.Tensor], ...] = ()
+    fp8_report: Any = None
+    fp8_note: str = ""
+    upcast_note: str = ""
+    carried: int = 0
+
+
+def prepare(model: nn.Module, policy: Policy, device: torch.device, strategy: Any, *,
+            optimizer: torch.optim.Optimizer | None = None, masters: MasterWeights | None = None,
+            frozen: FrozenSet | None = None) -> Prepared:
+    """Prepare ``model`` (fp32 params at the first build) under ``policy``, casting params in place.
+
+    First build (``masters`` None): check dtypes, move to ``device``, fp8 swaps, the strategy's
+    ``before_casts`` (``optimizer``: the one to rebind when FSDP2 swaps params; None without one).
+    Mid-run (``masters``: the current ones, ``frozen``: the engine's set): start from the best fp32
+    values and move ``optimizer``'s state (None: an evaluation engine, nothing to move). The caller
+    removes its hooks before and installs the new regions after. No host sync (one per frozen param
+    checked against fp16).
+
+    Raises:
+        ValueError: a param in a dtype the policy does not store; ``policy``'s keep_fp32 patterns match
+            no module; a frozen value does not fit a pure fp16 policy; the strategy cannot re-cast;
+            unfrozen params the optimizer does not hold; the optimizer cannot run ``policy``. Mid-run,
+            nothing has changed then.
+    """
+    first = masters is None
+    fp8_report, fp8_note, upcast = None, "", ""
+    if first:
+        check_param_dtypes(model, policy)
+        model.to(device)
+    keep = keep_fp32_modules(model, policy)
+    if first:
+        fp8_report, fp8_note = convert_fp8(model, policy, device, keep)
+        strategy.before_casts(model, policy, device, keep, optimizer)
+        frozen, params = FrozenSet(model), list(model.parameters())
+        upcast = upcast_note(model, policy)
+    else:
+        params = masters.params
+    plan = plan_storage(model, policy, params, keep, frozen.ids(), sharded=strategy.shards_params)
+    if not first:
+        strategy.check_restore({id(p): p.dtype for p in params if p.is_floating_point()},
+                               {id(p): plan.dtype_of(p) for p in params if p.is_floating_point()}, policy)
+        if optimizer is not None:
+            _check_optimizer(model, optimizer, masters, frozen, plan, policy)
+    kahan = not policy.has_masters and policy.rounding == "kahan"
+    if first:
+        values_fp32 = [p.detach().float().clone() if kahan and id(p) in plan.half else None for p in params]
+        new_masters = MasterWeights(params, set(plan.half) if policy.has_masters else set())
+    else:
+        values_fp32 = masters.fp32_values(lambda p: None if optimizer is None else contract.compensation(optimizer, p))
+        with torch.no_grad():
+            for p, value_fp32 in zip(params, values_fp32):
+                if p.is_floating_point():
+                    p.data = value_fp32
+            new_masters = MasterWeights(params, set(plan.half) if policy.has_masters else set())
+    kahan_from = tuple((p, v) for p, v in zip(params, values_fp32) if kahan and id(p) in plan.half)
+    plan.apply(params)
+    carried = 0
+    if not first and optimizer is not None:
+        carried = _move_optimizer(optimizer, masters, new_masters, plan, policy)
+        contract.start_compensation(optimizer, policy, list(kahan_from))
+    new_masters.record_versions()
+    return Prepared(plan=plan, masters=new_masters, keep=keep, frozen=frozen, kahan_from=kahan_from,
+                    fp8_report=fp8_report, fp8_note=fp8_note, upcast_note=upcast, carried=carried)
+
+
+def _check_optimizer(model: nn.Module, optimizer: torch.optim.Optimizer, masters: MasterWeights, frozen: FrozenSet,
+                     plan: StoragePlan, new: Policy) -> None:
+    """Mid-run, before anything changes: ValueError for unfrozen params ``optimizer`` does not hold, or an
+    ``optimizer`` that cannot step the tensors ``plan`` gives it under ``new``."""
+    params, old_stepped = masters.params, list(masters.masters)   # per param: the tensor the optimizer steps now
+    index = {id(t): i for i, t in enumerate(old_stepped)}
+    stepped = [t for g in optimizer.param_groups for t in g["params"]]
+    stepped_ids = {id(t) for t in stepped}
+    was_frozen = {id(p) for p in frozen.members}
+    orphans = [n for n, p in model.named_parameters()
+               if id(p) in was_frozen and p.requires_grad and id(old_stepped[index[id(p)]]) not in stepped_ids]
+    if orphans:
+        raise ValueError(f"set_policy: parameter(s) {orphans[:5]} were unfrozen but the optimizer does not hold "
+                         "them, so they would never train; add them first (optimizer.add_param_group"
+                         "({'params': [...]})) or use mp.unfreeze(pattern), which does both")
+
+    def stepped_dtype(t: torch.Tensor) -> torch.dtype:
+        if id(t) not in index:          # not a model param: left as it is
+            return t.dtype
+        half = id(params[index[id(t)]]) in plan.half
+        return new.param_dtype if half and not new.has_masters else torch.float32
+    contract.check(optimizer, new, {stepped_dtype(t) for t in stepped
+                                    if id(t) not in index or id(params[index[id(t)]]) not in plan.frozen16})
+
+
+def _move_optimizer(optimizer: torch.optim.Optimizer, old: MasterWeights, new: MasterWeights, plan: StoragePlan,
+                    policy: Policy) -> int:
+    """Point ``optimizer``'s groups at ``new``'s stepped tensors and move their state (a frozen param keeps
+    none). Returns how many state entries were carried over."""
+    old_stepped = list(old.masters)
+    index = {id(t): i for i, t in enumerate(old_stepped)}
+    for group in optimizer.param_groups:
+        group["params"] = [new.masters[index[id(t)]] if id(t) in index else t for t in group["params"]]
+    moves = [(t_old, None if id(p) in plan.frozen16 else t_new)
+             for p, t_old, t_new in zip(old.params, old_stepped, new.masters)]
+    carried = sum(1 for (t_old, t_new) in moves if t_new is not None and optimizer.state.get(t_old))
+    contract.move_state(optimizer, moves, policy)
+    return carried
+
+
+def check_param_dtypes(model: nn.Module, policy: Policy) -> None:
+    """Raise ValueError for a param or buffer in a dtype the policy does not store (named, with the fix).
+    Complex params are kept as they are (complex64 is two fp32 numbers: :mod:`mixprec.engine.storage`), except
+    16-bit complex32, which has no fp32 master and no 16-bit-aware optimizer."""
+    chalf = [n for n, p in model.named_parameters() if p.dtype == torch.complex32]
+    if chalf:
+        raise ValueError(f"parameter(s) {chalf[:5]} are complex32 (16-bit complex), which no policy can train (no "
+                         "fp32 master, optimizer state in 16 bits); make them complex64 (p.data = p.data.to("
+                         "torch.complex64)) before building MixedPrecision: complex64 params are kept as they are")
+    allowed = {torch.float32, policy.param_dtype}
+    frozen_ok = allowed | {policy.compute_dtype}   # a frozen param may come in the compute dtype
+    if policy.param_dtype == torch.float32:        # fp32 params: trainable 16-bit ones are upcast (recorded)
+        allowed = allowed | {torch.bfloat16, torch.float16}
+    wrong = [(n, p.dtype) for n, p in model.named_parameters()
+             if p.is_floating_point() and p.dtype not in (allowed if p.requires_grad else frozen_ok)]
+    wrong += [(n, b.dtype) for n, b in model.named_buffers()   # e.g. an fp16 mask under bf16
+              if b.is_floating_point() and b.dtype in (torch.float16, torch.bfloat16) and b.dtype not in frozen_ok]
+    if wrong:
+        names = ", ".join(f"{n} ({dtype_text(d)})" for n, d in wrong[:5])
+        more = f" and {len(wrong) - 5} more" if len(wrong) > 5 else ""
+        other = sorted({dtype_text(d) for _, d in wrong})
+        raise ValueError(f"policy {policy} stores parameters in {dtype_text(policy.param_dtype)} and casts them "
+                         f"itself, but the model holds {names}{more} in {', '.join(other)}. Fix: call model.float() "
+                         "before building MixedPrecision (the policy then stores each tensor as it says), or pick "
+                         f"the policy of the model's own format (e.g. {_SHORT.get(other[0], 'fp32')}-pure for a model held "
+                         f"in {other[0]})")
+
+
+def upcast_note(model: nn.Module, policy: Policy) -> str:
+    """The decision's words on trainable 16-bit params a policy with fp32 params stores in fp32 (LoRA
+    adapters cast with their base before wrapping: peft's ``get_peft_model`` upcasts them too)."""
+    names = [n for n, p in model.named_parameters()
+             if p.requires_grad and p.dtype in (torch.bfloat16, torch.float16) and policy.param_dtype == torch.float32]
+    if not names:
+        return ""
+    return (f"; {len(names)} trainable 16-bit param(s) stored in fp32, as {policy} trains them "
+            f"({', '.join(names[:3])}{', ...' if len(names) > 3 else ''})")
+
+
+def convert_fp8(model: nn.Module, policy: Policy, device: torch.device, keep: dict[str, nn.Module]
+                ) -> tuple[Any, str]:
+    """Swap eligible linears for :class:`mixprec.fp8.Float8Linear` (the same Parameter objects); fp32
+    regions are never converted. Returns the report and the decision's note ("" without fp8)."""
+    if policy.fp8 is None:
+        return None, ""
+    from mixprec.fp8 import convert_to_float8, fp8_available
+
+    report = convert_to_float8(
+        model, recipe=policy.fp8, fp8_format=policy.fp8_format, keep_first_last=policy.fp8_keep_ends,
+        module_filter=lambda module, name: not any(name == k or name.startswith(k + ".") for k in keep))
+    fast, why = fp8_available(device)
+    return report, (f"; fp8 linears ({policy.fp8}, {policy.fp8_format}): {len(report.converted)} converted, "
+                    f"{len(report.skipped)} kept in {str(policy.compute_dtype)[6:]}; "
+                    + ("torch._scaled_mm" if fast else "emulated: " + why))
