@@ -262,41 +262,52 @@ def locate_nonfinite(model: nn.Module, batch: Any, loss_fn: Callable[[nn.Module,
     batch = cast_floating(batch, policy.param_dtype, device)
     batch_finite, _, _ = _stats(_floats(batch))
     recorder = _Recorder(model, device.type)
-    buffers = [(b, b.detach().clone()) for b in model.buffers()]
     fork_devices = [device.index if device.index is not None else torch.cuda.current_device()] \
         if device.type == "cuda" else []
     with torch.random.fork_rng(devices=fork_devices):
-        handles = recorder.install()
-        try:
-            with torch.enable_grad(), torch.autocast(device.type, dtype=policy.compute_dtype,
-                                                     enabled=policy.is_mixed):
-                loss = loss_fn(model, batch)
-        finally:
-            for handle in handles:
-                handle.remove()
-            with torch.no_grad():
-                for b, saved in buffers:
-                    b.copy_(saved)
-        loss_t = loss.detach() if isinstance(loss, torch.Tensor) else torch.tensor(float(loss))
-        loss_finite = bool(torch.isfinite(loss_t).all())
-        if not batch_finite:
-            readers = [c for c in recorder.calls if not c.in_finite]
-            first = readers[0] if readers else None
-            return NonFiniteReport("input", None if first is None else first.name,
-                                   "" if first is None else type(first.module).__name__,
-                                   kind=_kind(_floats(batch)), input_amax=None if first is None else first.in_amax,
-                                   loss_finite=loss_finite, loss_scale=float(loss_scale))
-        if recorder.culprit is not None:
-            c = recorder.culprit
-            return NonFiniteReport("forward", c.name, type(c.module).__name__, c.out_dtype, c.in_amax, c.out_amax,
-                                   c.out_fp32_amax, c.kind, loss_finite, float(loss_scale))
-        if not loss_finite:
-            return NonFiniteReport("loss", None, kind=_kind([loss_t]), loss_finite=False,
-                                   loss_scale=float(loss_scale))
-        if not (isinstance(loss, torch.Tensor) and loss.requires_grad):
-            return None
-        return _locate_backward(model, loss, recorder.calls, float(loss_scale))
+        loss = _rerun_forward(model, batch, loss_fn, policy, device, recorder)
+        return _verdict(model, batch, batch_finite, loss, recorder, float(loss_scale))
 
+
+def _rerun_forward(model: nn.Module, batch: Any, loss_fn: Callable[[nn.Module, Any], torch.Tensor], policy: Policy,
+                   device: torch.device, recorder: _Recorder) -> Any:
+    """``loss_fn(model, batch)`` under ``policy``'s autocast with ``recorder``'s hooks, grad enabled; the hooks
+    are removed and the buffers restored afterwards, even when ``loss_fn`` raises."""
+    buffers = [(b, b.detach().clone()) for b in model.buffers()]
+    handles = recorder.install()
+    try:
+        with torch.enable_grad(), torch.autocast(device.type, dtype=policy.compute_dtype,
+                                                 enabled=policy.is_mixed):
+            return loss_fn(model, batch)
+    finally:
+        for handle in handles:
+            handle.remove()
+        with torch.no_grad():
+            for b, saved in buffers:
+                b.copy_(saved)
+
+
+def _verdict(model: nn.Module, batch: Any, batch_finite: bool, loss: Any, recorder: _Recorder,
+             loss_scale: float) -> NonFiniteReport | None:
+    """Checks 1-4 of the module docstring in order (input, forward, loss, backward) on the recorded re-run."""
+    loss_t = loss.detach() if isinstance(loss, torch.Tensor) else torch.tensor(float(loss))
+    loss_finite = bool(torch.isfinite(loss_t).all())
+    if not batch_finite:
+        readers = [c for c in recorder.calls if not c.in_finite]
+        first = readers[0] if readers else None
+        return NonFiniteReport("input", None if first is None else first.name,
+                               "" if first is None else type(first.module).__name__,
+                               kind=_kind(_floats(batch)), input_amax=None if first is None else first.in_amax,
+                               loss_finite=loss_finite, loss_scale=loss_scale)
+    if recorder.culprit is not None:
+        c = recorder.culprit
+        return NonFiniteReport("forward", c.name, type(c.module).__name__, c.out_dtype, c.in_amax, c.out_amax,
+                               c.out_fp32_amax, c.kind, loss_finite, loss_scale)
+    if not loss_finite:
+        return NonFiniteReport("loss", None, kind=_kind([loss_t]), loss_finite=False, loss_scale=loss_scale)
+    if not (isinstance(loss, torch.Tensor) and loss.requires_grad):
+        return None
+    return _locate_backward(model, loss, recorder.calls, loss_scale)
 
 def _locate_backward(model: nn.Module, loss: torch.Tensor, calls: list[_Call],
                      loss_scale: float) -> NonFiniteReport | None:

@@ -8,7 +8,8 @@ import torch
 
 from mixprec.optim import quantized_adamw
 from mixprec.optim import quantized_state as qs
-from mixprec.optim.rounding import PrecisionOptimizer, _as_fp32, check_number, check_torch_options, grad_fp32
+from mixprec.optim.arguments import check_number, check_torch_options
+from mixprec.optim.precision_optimizer import PrecisionOptimizer, _as_fp32, grad_fp32
 
 __all__ = ["AdamW", "adamw_update_"]
 

@@ -6,7 +6,8 @@ from typing import Any
 
 import torch
 
-from mixprec.optim.rounding import PrecisionOptimizer, _as_fp32, check_number, check_torch_options, grad_fp32
+from mixprec.optim.arguments import check_number, check_torch_options
+from mixprec.optim.precision_optimizer import PrecisionOptimizer, _as_fp32, grad_fp32
 
 __all__ = ["SGD", "sgd_update_"]
 

@@ -45,124 +45,21 @@ the one measured fastest on the device at their shape; ``native``: torch.autocas
 
 from __future__ import annotations
 
-import difflib
-
 import dataclasses
 import math
-import warnings
 from dataclasses import dataclass
-from typing import Any, Union
+from typing import Any
 
 import torch
 
-from mixprec.formats import get_format
-from mixprec.policy.tree import map_tensors
+from mixprec.policy.cast import cast_floating
+from mixprec.policy.choices import (_COMPUTE_DTYPES, _HALF_DTYPES, FP8_FORMATS, FP8_RECIPES, KERNEL_MODES, OPS_MODES,
+                                    QUANTIZED_STATE_DTYPES, ROUNDINGS, STATE_FORMATS, STATE_ROUNDINGS, LossScaleSpec,
+                                    _dtype_name, state_name)
+from mixprec.policy.text import canonical_text, parse_parts
 
 __all__ = ["Policy", "PRESETS", "ROUNDINGS", "STATE_FORMATS", "QUANTIZED_STATE_DTYPES", "STATE_ROUNDINGS",
            "FP8_RECIPES", "FP8_FORMATS", "cast_floating", "state_name"]
-
-ROUNDINGS = ("nearest", "kahan", "stochastic")
-# optimizer-state formats by text name. int8 and fp8 are markers for the blockwise 8-bit formats of
-# mixprec.optim.quantized_state (int8: dynamic-map codes, stored as uint8 indices; fp8: E4M3 first moment,
-# E5M2 second), not plain casts: Policy.state_dtype holds torch.int8 / torch.float8_e4m3fn for them
-STATE_FORMATS = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16,
-                 "int8": torch.int8, "fp8": torch.float8_e4m3fn}
-QUANTIZED_STATE_DTYPES = (torch.int8, torch.float8_e4m3fn)
-STATE_ROUNDINGS = ("nearest", "stochastic")   # how 8-bit state is rounded when stored
-FP8_RECIPES = ("tensorwise", "rowwise", "delayed")
-FP8_FORMATS = ("hybrid", "e4m3")
-OPS_MODES = ("portable", "native")     # mixprec.autocast.portable: which autocast op lists mp.autocast() uses
-KERNEL_MODES = ("measured", "native")  # mixprec.autocast.op_plan: whether mp.autocast() runs the measured op plan
-_COMPUTE_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
-_HALF_DTYPES = (torch.bfloat16, torch.float16)
-
-LossScaleSpec = Union[str, float]
-
-
-def cast_floating(tree: Any, dtype: torch.dtype | None, device: torch.device | None = None) -> Any:
-    """Cast floating tensors in ``tree`` to ``dtype`` (and move every tensor to ``device``).
-
-    Integer and bool tensors keep their dtype (token ids stay exact); a ``torch.distributions``
-    object is rebuilt from its cast parameters (:func:`_cast_distribution`). Walks the containers of
-    :mod:`mixprec.policy.tree` (dicts and their subclasses such as transformers' ``ModelOutput``,
-    ``BatchEncoding``, lists, tuples, namedtuples, dataclasses); other leaves are returned unchanged.
-    No host sync.
-    """
-    def cast(t: torch.Tensor) -> torch.Tensor:
-        if t.is_floating_point() and dtype is not None and t.dtype != dtype:
-            return t.to(device=device, dtype=dtype)
-        return t.to(device) if device is not None else t
-
-    def leaf(x: Any) -> Any:
-        if isinstance(x, torch.distributions.Distribution) and dtype is not None:
-            return _cast_distribution(x, cast)
-        return x
-    return map_tensors(tree, cast, leaf=leaf)
-
-
-_uncastable_warned: set[str] = set()
-
-
-def _cast_distribution(dist: Any, cast: Any) -> Any:
-    """``dist`` rebuilt from its constructor arguments (those in ``arg_constraints`` it holds) cast by
-    ``cast``: a ``Categorical`` built from bf16 ``probs`` clamps its logits at bf16's eps (log-probs
-    >= -4.84); rebuilt from fp32 it does not. ``probs``/``logits`` families are rebuilt from the one they
-    were given (``logits`` if held). A type that does not rebuild this way is returned as it is, with one
-    warning naming it."""
-    held = {k: v for k, v in vars(dist).items() if k in getattr(dist, "arg_constraints", {}) and torch.is_tensor(v)}
-    if "logits" in held and "probs" in held:
-        held.pop("probs")
-    if all(v.dtype == cast(v).dtype for v in held.values()):
-        return dist
-    try:
-        extra = {k: getattr(dist, k) for k in ("total_count",) if hasattr(dist, k) and k not in held}
-        return type(dist)(**{k: cast(v) for k, v in held.items()}, **extra, validate_args=False)
-    except (TypeError, ValueError):
-        name = type(dist).__name__
-        if name not in _uncastable_warned:
-            _uncastable_warned.add(name)
-            warnings.warn(f"mixprec: a {name} distribution in the model's output holds 16-bit parameters that "
-                          "mixprec cannot rebuild in fp32; build it from fp32 tensors (e.g. logits.float()) "
-                          "(said once)", stacklevel=4)
-        return dist
-
-
-def _dtype_name(dtype: torch.dtype | None) -> str:
-    return "none" if dtype is None else get_format(dtype).name
-
-
-def state_name(dtype: torch.dtype) -> str:
-    """The text name of an optimizer-state dtype (a :data:`STATE_FORMATS` value): ``"int8"`` for
-    ``torch.int8``, ``"fp8"`` for ``torch.float8_e4m3fn``, ``"fp32"``... Raises ValueError for another dtype."""
-    for name, value in STATE_FORMATS.items():
-        if value == dtype:
-            return name
-    raise ValueError(f"state dtype {dtype!r} is not an optimizer-state format; choose one of {list(STATE_FORMATS)}")
-
-
-def _did_you_mean(text: str, choices) -> str:
-    """`` (did you mean 'x'?)`` for the closest of ``choices`` to a mistyped ``text`` (difflib), else ""."""
-    names = [str(c) for c in choices]
-    close = (difflib.get_close_matches(text.lower(), names, n=1, cutoff=0.6)
-             or difflib.get_close_matches(text.lower().replace("_", "-"), names, n=1, cutoff=0.6))
-    return f" (did you mean {close[0]!r}?)" if close else ""
-
-
-def _parse_dtype(key: str, text: str, allowed: tuple[torch.dtype, ...], allow_none: bool = False):
-    names = [_dtype_name(d) for d in allowed] + (["none"] if allow_none else [])
-    if allow_none and text.strip().lower() in ("none", "-", ""):
-        return None
-    try:
-        dtype = get_format(text).dtype
-    except ValueError:
-        dtype = None
-    if dtype not in allowed:
-        raise ValueError(f"policy key {key}={text!r} is not allowed{_did_you_mean(text, names)}; choose one of {names}")
-    return dtype
-
-
-def _loss_scale_text(value: LossScaleSpec) -> str:
-    return value if isinstance(value, str) else repr(float(value))
 
 
 @dataclass(frozen=True)
@@ -228,6 +125,16 @@ class Policy:
         if isinstance(self.loss_scale, str) and self.loss_scale == "auto":
             object.__setattr__(self, "loss_scale", "dynamic" if torch.float16 in (self.param_dtype, self.compute_dtype)
                                else "none")
+        self._check_dtypes()
+        self._check_rounding()
+        self._check_loss_scale()
+        self._check_keep_fp32()
+        self._check_fp8_fields()
+        self._check_modes()
+        self._check_fp8_needs()
+
+    # ------------------------------------------------------------------ validation (in this order)
+    def _check_dtypes(self) -> None:
         for name in ("param_dtype", "compute_dtype", "output_dtype"):
             value = getattr(self, name)
             if value not in _COMPUTE_DTYPES:
@@ -245,6 +152,8 @@ class Policy:
         if self.master_dtype is not None and self.param_dtype == torch.float32:
             raise ValueError("Policy master_dtype=fp32 with param_dtype=fp32 is redundant: "
                              "fp32 params are their own masters; set master=none")
+
+    def _check_rounding(self) -> None:
         if self.rounding not in ROUNDINGS:
             raise ValueError(f"Policy rounding={self.rounding!r} is not allowed; choose one of {ROUNDINGS}")
         if self.rounding != "nearest":
@@ -257,6 +166,8 @@ class Policy:
         if self.rounding == "stochastic" and self.param_dtype != torch.bfloat16:
             raise ValueError("Policy rounding='stochastic' is implemented for bf16 params only; "
                              f"got params={_dtype_name(self.param_dtype)}; use rounding=kahan")
+
+    def _check_loss_scale(self) -> None:
         if isinstance(self.loss_scale, bool) or not isinstance(self.loss_scale, (str, int, float)):
             raise TypeError(f"Policy loss_scale={self.loss_scale!r} must be 'dynamic', 'none' or a number")
         if isinstance(self.loss_scale, str) and self.loss_scale not in ("dynamic", "none"):
@@ -267,12 +178,16 @@ class Policy:
             if not (math.isfinite(self.loss_scale) and fp32.smallest_normal <= self.loss_scale <= fp32.max):
                 raise ValueError(f"Policy loss_scale={self.loss_scale!r} must be a finite number > 0 and a normal "
                                  f"fp32 value ({fp32.smallest_normal:g} .. {fp32.max:g}), e.g. 1024")
+
+    def _check_keep_fp32(self) -> None:
         if not isinstance(self.keep_fp32, tuple) or not all(isinstance(p, str) and p for p in self.keep_fp32):
             raise TypeError(f"Policy keep_fp32={self.keep_fp32!r} must be a tuple of non-empty "
                             "glob strings, e.g. ('head', 'blocks.*.ln*')")
         for pattern in self.keep_fp32:
             if any(c in pattern for c in ",=| "):
                 raise ValueError(f"Policy keep_fp32 pattern {pattern!r} may not contain ',', '=', '|' or spaces")
+
+    def _check_fp8_fields(self) -> None:
         if self.fp8 is not None and self.fp8 not in FP8_RECIPES:
             raise ValueError(f"Policy fp8={self.fp8!r} is not allowed; choose None or one of {FP8_RECIPES}")
         if self.fp8_format not in FP8_FORMATS:
@@ -280,10 +195,14 @@ class Policy:
         if not isinstance(self.fp8_keep_ends, bool):
             raise TypeError(f"Policy fp8_keep_ends={self.fp8_keep_ends!r} must be a bool: True keeps the first and "
                             "last linears out of fp8 (text key fp8_ends=keep), False converts them (fp8_ends=fp8)")
+
+    def _check_modes(self) -> None:
         if self.ops not in OPS_MODES:
             raise ValueError(f"Policy ops={self.ops!r} is not allowed; choose one of {OPS_MODES}")
         if self.kernels not in KERNEL_MODES:
             raise ValueError(f"Policy kernels={self.kernels!r} is not allowed; choose one of {KERNEL_MODES}")
+
+    def _check_fp8_needs(self) -> None:
         if self.fp8 is None and not self.fp8_keep_ends:
             raise ValueError("Policy fp8_ends=fp8 (fp8_keep_ends=False) needs fp8 linears; set fp8=tensorwise "
                              "(or use the fp8-mixed preset)")
@@ -379,7 +298,7 @@ class Policy:
                     "subnormal (6e-8) flush to zero; drop loss_scale=none for dynamic scaling")
         return ""
 
-    # ------------------------------------------------------------------ text form
+    # ------------------------------------------------------------------ text form (mixprec.policy.text)
     @classmethod
     def parse(cls, text: "str | Policy") -> "Policy":
         """Parse a preset name and/or ``key=value`` overrides (see the module docstring).
@@ -392,170 +311,14 @@ class Policy:
             return text
         if not isinstance(text, str):
             raise TypeError(f"policy must be a preset name, 'key=value,...' text or a Policy; got {text!r}")
-        parts = [p.strip() for p in text.split(",") if p.strip()]
-        if not parts:
-            raise ValueError(f"policy {text!r} is empty; choose a preset from {sorted(PRESETS)} or 'key=value,...'")
-        base = PRESETS["fp32"]
-        if "=" not in parts[0]:
-            name = parts.pop(0).lower()
-            if name == "auto" and parts:
-                raise ValueError(f"policy {text!r}: 'auto' takes no overrides; resolve it first, then add them: "
-                                 "mixprec.Policy.parse(str(mixprec.resolve_policy('auto', device, model=..., "
-                                 f"example_batch=...)) + {','.join([''] + parts)!r})")
-            if name == "auto":
-                raise ValueError("policy 'auto' depends on the device; resolve it with "
-                                 "mixprec.resolve_policy('auto', device)")
-            if name not in PRESETS:
-                raise ValueError(f"policy preset {name!r} is not known{_did_you_mean(name, PRESETS)}; choose one of "
-                                 f"{sorted(PRESETS) + ['auto']} or give 'key=value,...'")
-            base = PRESETS[name]
-        changes: dict[str, Any] = {}
-        seen: set[str] = set()
-        for part in parts:
-            if "=" not in part:
-                raise ValueError(f"policy part {part!r} in {text!r} is not 'key=value'; a preset name "
-                                 f"may only come first; keys: {sorted(_KEYS)}")
-            key, _, value = part.partition("=")
-            key, value = key.strip().lower(), value.strip()
-            if key not in _KEYS:
-                raise ValueError(f"policy key {key!r} in {text!r} is not known{_did_you_mean(key, _KEYS)}; "
-                                 f"choose from {sorted(_KEYS)}")
-            field, parse_value = _KEYS[key]
-            if field in seen:
-                raise ValueError(f"policy {text!r} sets {field} twice (key {key!r}); give each key once")
-            seen.add(field)
-            changes[field] = parse_value(key, value)
+        base, changes = parse_parts(text, PRESETS)
         return base.replace(**changes)
 
     def __str__(self) -> str:
         """The canonical text: a preset's name, else the closest preset plus the keys that differ (when that text
         parses back to this policy, e.g. ``"bf16-mixed,kernels=native"``), else every key."""
-        for name, preset in PRESETS.items():
-            if preset == self:
-                return name
-        mine = dict(self._items())
-        for name, preset in sorted(PRESETS.items(), key=lambda kv: sum(v != mine.get(k) for k, v in kv[1]._items())):
-            diffs = [f"{k}={v}" for k, v in self._items() if dict(preset._items()).get(k) != v]
-            text = ",".join([name, *diffs])
-            if len(diffs) <= 3 and Policy.parse(text) == self:
-                return text
-            break
-        return ",".join(f"{k}={v}" for k, v in self._items())
+        return canonical_text(self, PRESETS)
 
-    def _items(self) -> list[tuple[str, str]]:
-        """The policy as text keys and values (the long form's order)."""
-        items = [
-            ("params", _dtype_name(self.param_dtype)),
-            ("compute", _dtype_name(self.compute_dtype)),
-            ("output", _dtype_name(self.output_dtype)),
-            ("master", _dtype_name(self.master_dtype)),
-            ("rounding", self.rounding),
-            ("state", state_name(self.state_dtype)),
-            ("loss_scale", _loss_scale_text(self.loss_scale)),
-            ("keep_fp32", "|".join(self.keep_fp32)),
-            ("fp8", self.fp8 or "none"),
-        ]
-        if self.fp8 is not None:
-            items.append(("fp8_format", self.fp8_format))
-            items.append(("fp8_ends", "keep" if self.fp8_keep_ends else "fp8"))
-        if self.state_rounding != "nearest":
-            items.append(("state_rounding", self.state_rounding))
-        if self.ops != "portable":
-            items.append(("ops", self.ops))
-        if self.kernels != "measured":
-            items.append(("kernels", self.kernels))
-        return items
-
-
-def _parse_loss_scale(key: str, text: str) -> LossScaleSpec:
-    low = text.lower()
-    if low in ("dynamic", "none"):
-        return low
-    try:
-        value = float(text)
-    except ValueError:
-        raise ValueError(f"policy key {key}={text!r} is not allowed; use 'dynamic', 'none' or a number") from None
-    return value
-
-
-def _parse_rounding(key: str, text: str) -> str:
-    if text.lower() not in ROUNDINGS:
-        raise ValueError(f"policy key {key}={text!r} is not allowed; choose one of {ROUNDINGS}")
-    return text.lower()
-
-
-def _parse_state(key: str, text: str) -> torch.dtype:
-    low = text.strip().lower()
-    if low in STATE_FORMATS:
-        return STATE_FORMATS[low]
-    try:   # the 16/32-bit formats' aliases (float32, half, ...)
-        return _parse_dtype(key, text, _COMPUTE_DTYPES)
-    except ValueError:
-        raise ValueError(f"policy key {key}={text!r} is not allowed; choose one of {list(STATE_FORMATS)}") from None
-
-
-def _parse_state_rounding(key: str, text: str) -> str:
-    if text.lower() not in STATE_ROUNDINGS:
-        raise ValueError(f"policy key {key}={text!r} is not allowed; choose one of {STATE_ROUNDINGS}")
-    return text.lower()
-
-
-def _parse_keep(key: str, text: str) -> tuple[str, ...]:
-    return tuple(p for p in text.split("|") if p)
-
-
-def _parse_fp8_format(key: str, text: str) -> str:
-    if text.lower() not in FP8_FORMATS:
-        raise ValueError(f"policy key {key}={text!r} is not allowed; choose one of {FP8_FORMATS}")
-    return text.lower()
-
-
-def _parse_fp8_ends(key: str, text: str) -> bool:
-    low = text.lower()
-    if low not in ("keep", "fp8"):
-        raise ValueError(f"policy key {key}={text!r} is not allowed; choose 'keep' (first and last linears stay in "
-                         "the compute dtype) or 'fp8' (convert them too)")
-    return low == "keep"
-
-
-def _parse_ops(key: str, text: str) -> str:
-    if text.lower() not in OPS_MODES:
-        raise ValueError(f"policy key {key}={text!r} is not allowed; choose one of {OPS_MODES}")
-    return text.lower()
-
-
-def _parse_kernels(key: str, text: str) -> str:
-    if text.lower() not in KERNEL_MODES:
-        raise ValueError(f"policy key {key}={text!r} is not allowed; choose one of {KERNEL_MODES}")
-    return text.lower()
-
-
-def _parse_fp8(key: str, text: str) -> str | None:
-    low = text.lower()
-    if low in ("none", ""):
-        return None
-    if low not in FP8_RECIPES:
-        raise ValueError(f"policy key {key}={text!r} is not allowed; choose one of {FP8_RECIPES} or none")
-    return low
-
-
-_KEYS = {
-    "params": ("param_dtype", lambda k, v: _parse_dtype(k, v, _COMPUTE_DTYPES)),
-    "compute": ("compute_dtype", lambda k, v: _parse_dtype(k, v, _COMPUTE_DTYPES)),
-    "output": ("output_dtype", lambda k, v: _parse_dtype(k, v, _COMPUTE_DTYPES)),
-    "master": ("master_dtype", lambda k, v: _parse_dtype(k, v, (torch.float32,), allow_none=True)),
-    "rounding": ("rounding", _parse_rounding),
-    "state": ("state_dtype", _parse_state),
-    "state_rounding": ("state_rounding", _parse_state_rounding),
-    "loss_scale": ("loss_scale", _parse_loss_scale),
-    "keep_fp32": ("keep_fp32", _parse_keep),
-    "fp8": ("fp8", _parse_fp8),
-    "recipe": ("fp8", _parse_fp8),
-    "fp8_format": ("fp8_format", _parse_fp8_format),
-    "fp8_ends": ("fp8_keep_ends", _parse_fp8_ends),
-    "ops": ("ops", _parse_ops),
-    "kernels": ("kernels", _parse_kernels),
-}
 
 _bf16, _fp16, _fp32 = torch.bfloat16, torch.float16, torch.float32
 PRESETS: dict[str, Policy] = {

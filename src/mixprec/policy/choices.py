@@ -1,0 +1,47 @@
+"""The allowed values of a :class:`~mixprec.policy.policy.Policy`'s fields, and the text names of dtypes.
+
+``STATE_FORMATS`` maps the text names of optimizer-state formats to dtypes; :func:`state_name` reads it
+back. The other tuples are the allowed strings of ``rounding``, ``state_rounding``, ``fp8``, ``fp8_format``,
+``ops`` and ``kernels``.
+"""
+
+from __future__ import annotations
+
+from typing import Union
+
+import torch
+
+from mixprec.formats import get_format
+
+__all__ = ["ROUNDINGS", "STATE_FORMATS", "QUANTIZED_STATE_DTYPES", "STATE_ROUNDINGS", "FP8_RECIPES", "FP8_FORMATS",
+           "OPS_MODES", "KERNEL_MODES", "LossScaleSpec", "state_name"]
+
+ROUNDINGS = ("nearest", "kahan", "stochastic")
+# optimizer-state formats by text name. int8 and fp8 are markers for the blockwise 8-bit formats of
+# mixprec.optim.quantized_state (int8: dynamic-map codes, stored as uint8 indices; fp8: E4M3 first moment,
+# E5M2 second), not plain casts: Policy.state_dtype holds torch.int8 / torch.float8_e4m3fn for them
+STATE_FORMATS = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16,
+                 "int8": torch.int8, "fp8": torch.float8_e4m3fn}
+QUANTIZED_STATE_DTYPES = (torch.int8, torch.float8_e4m3fn)
+STATE_ROUNDINGS = ("nearest", "stochastic")   # how 8-bit state is rounded when stored
+FP8_RECIPES = ("tensorwise", "rowwise", "delayed")
+FP8_FORMATS = ("hybrid", "e4m3")
+OPS_MODES = ("portable", "native")     # mixprec.autocast.portable: which autocast op lists mp.autocast() uses
+KERNEL_MODES = ("measured", "native")  # mixprec.autocast.op_plan: whether mp.autocast() runs the measured op plan
+_COMPUTE_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
+_HALF_DTYPES = (torch.bfloat16, torch.float16)
+
+LossScaleSpec = Union[str, float]
+
+def _dtype_name(dtype: torch.dtype | None) -> str:
+    return "none" if dtype is None else get_format(dtype).name
+
+
+def state_name(dtype: torch.dtype) -> str:
+    """The text name of an optimizer-state dtype (a :data:`STATE_FORMATS` value): ``"int8"`` for
+    ``torch.int8``, ``"fp8"`` for ``torch.float8_e4m3fn``, ``"fp32"``... Raises ValueError for another dtype."""
+    for name, value in STATE_FORMATS.items():
+        if value == dtype:
+            return name
+    raise ValueError(f"state dtype {dtype!r} is not an optimizer-state format; choose one of {list(STATE_FORMATS)}")
+
