@@ -32,7 +32,7 @@ _FULL_PRECISION = {torch.float32, torch.complex64, torch.complex128}
 
 @runtime_checkable
 class PrecisionAware(Protocol):
-    """An optimizer that does its own precision (see :class:`mixprec.optim.rounding.PrecisionOptimizer`)."""
+    """An optimizer that does its own precision (see :class:`mixprec.optim.precision_optimizer.PrecisionOptimizer`)."""
 
     rounding: str
     state_dtype: torch.dtype
