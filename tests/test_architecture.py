@@ -10,6 +10,11 @@
   is one file). Both ``from mixprec.x import _name`` and ``x._name`` on an imported mixprec module
   count.
 * The engine's step stays readable: ``MixedPrecision`` at most 450 lines, its ``step`` at most 45.
+* Imports point down the layers of docs/architecture.md; a program (``mixprec.programs.<name>``) imports
+  the library, ``programs.session`` and nothing of another program (``cli`` dispatches to all).
+* The root package holds only the public entry points; no function over 60 lines, no module over 500.
+* The engine's state is the engine's: outside ``MixedPrecision`` no function takes an untyped engine
+  (``mp`` unannotated or ``Any``) or assigns ``mp.<attribute>``.
 
 """
 
@@ -259,13 +264,13 @@ def _mixed_precision() -> ast.ClassDef:
     for node in _tree("mixprec.engine.mixed_precision").body:
         if isinstance(node, ast.ClassDef) and node.name == "MixedPrecision":
             return node
-    raise AssertionError("src/mixprec/engine.py defines no class MixedPrecision")
+    raise AssertionError("src/mixprec/engine/mixed_precision.py defines no class MixedPrecision")
 
 
 def test_mixed_precision_class_is_short():
     cls = _mixed_precision()
     assert _lines(cls) <= CLASS_LINES_LIMIT, (
-        f"MixedPrecision spans {_lines(cls)} lines (engine.py:{cls.lineno}-{cls.end_lineno}), "
+        f"MixedPrecision spans {_lines(cls)} lines (mixed_precision.py:{cls.lineno}-{cls.end_lineno}), "
         f"more than {CLASS_LINES_LIMIT}: move what it needs into collaborators")
 
 
@@ -274,7 +279,7 @@ def test_mixed_precision_step_is_short():
     step = next((n for n in cls.body if isinstance(n, ast.FunctionDef) and n.name == "step"), None)
     assert step is not None, "MixedPrecision has no step method"
     assert _lines(step) <= STEP_LINES_LIMIT, (
-        f"MixedPrecision.step spans {_lines(step)} lines (engine.py:{step.lineno}-{step.end_lineno}), "
+        f"MixedPrecision.step spans {_lines(step)} lines (mixed_precision.py:{step.lineno}-{step.end_lineno}), "
         f"more than {STEP_LINES_LIMIT}: let it read as its documented sequence of calls")
 
 
@@ -286,3 +291,113 @@ def test_the_graph_sees_every_kind_of_import():
     assert "mixprec.numerics.inspect" in graph["mixprec.numerics"]       # a package importing its module
     assert "mixprec.programs.inspect" in graph["mixprec.programs.cli"]            # inside a function
     assert len(graph) == len(_modules()) > 30
+
+
+# ---------------------------------------------------------------------- (d) layering
+# Dependencies point one way, from data toward programs (docs/architecture.md). A module belongs to the
+# layer of its longest matching prefix and imports only from its own layer or lower ones.
+LAYERS = (
+    ("data", ("mixprec.formats", "mixprec.machine", "mixprec.workloads")),
+    ("the policy as data", ("mixprec.policy",)),
+    ("kernels and ops", ("mixprec.autocast", "mixprec.fp8", "mixprec.optim", "mixprec.ops")),
+    ("resolution", ("mixprec.policy.resolve", "mixprec.policy.auto")),
+    ("processes", ("mixprec.distributed",)),
+    ("engine", ("mixprec.engine",)),
+    ("around the engine", ("mixprec.checkpoint", "mixprec.guard", "mixprec.ema", "mixprec.numerics",
+                           "mixprec.integrations")),
+    ("programs", ("mixprec.programs", "mixprec.__main__")),
+    ("public API", ("mixprec",)),
+)
+
+
+def _layer(module: str) -> int:
+    best, level = -1, None
+    for index, (_, prefixes) in enumerate(LAYERS):
+        for prefix in prefixes:
+            if (module == prefix or module.startswith(prefix + ".")) and len(prefix) > best:
+                best, level = len(prefix), index
+    if level is None:
+        raise AssertionError(f"{module} is in no layer of LAYERS: add it where it belongs")
+    return level
+
+
+def test_imports_point_down_the_layers():
+    graph = import_graph()
+    upward = [f"{m} ({LAYERS[_layer(m)][0]}) imports {t} ({LAYERS[_layer(t)][0]}) at line {line}"
+              for m, targets in graph.items() for t, line in targets.items() if _layer(t) > _layer(m)]
+    assert not upward, "imports against the layering:\n" + "\n".join(sorted(upward))
+
+
+def _program(module: str) -> str | None:
+    """The program a module belongs to (``mixprec.programs.bench``, ``mixprec.programs.cli``, ...)."""
+    parts = module.split(".")
+    return ".".join(parts[:3]) if len(parts) >= 3 and parts[1] == "programs" else None
+
+
+def test_programs_never_import_each_others_internals():
+    """cli dispatches to every program's entry point; ``programs.session`` (a workload under an engine) is
+    shared by the programs; otherwise a program imports the library only."""
+    shared = {"mixprec.programs.session", "mixprec.programs.cli"}
+    graph = import_graph()
+    crossing = [f"{m} imports {t} (line {line})" for m, targets in graph.items() for t, line in targets.items()
+                if _program(m) and _program(t) and _program(m) != _program(t)
+                and _program(t) != "mixprec.programs.session" and _program(m) not in shared]
+    assert not crossing, "a program importing another program's module:\n" + "\n".join(sorted(crossing))
+
+
+# ---------------------------------------------------------------------- (e) the root and the sizes
+ROOT_MODULES = {"mixprec", "mixprec.__main__", "mixprec.formats", "mixprec.ops", "mixprec.guard", "mixprec.ema"}
+FUNCTION_LINES_LIMIT = 60
+MODULE_LINES_LIMIT = 500
+
+
+def test_the_root_holds_only_public_entry_points():
+    """Top-level modules are the public API's: each is imported by ``mixprec/__init__.py`` (or is
+    ``__main__``); the rest lives in subpackages by concept."""
+    root = {m for m, path in _modules().items() if path.parent == SRC / PACKAGE}
+    assert root == ROOT_MODULES, f"top-level modules {sorted(root - ROOT_MODULES)} belong in a subpackage"
+    public = set(import_graph()["mixprec"])
+    assert ROOT_MODULES - {"mixprec", "mixprec.__main__"} <= public
+
+
+def test_no_long_functions_or_modules():
+    long = []
+    for module, path in _modules().items():
+        text = path.read_text(encoding="utf-8")
+        if text.count("\n") > MODULE_LINES_LIMIT:
+            long.append(f"{path.relative_to(SRC)}: {text.count(chr(10))} lines")
+        for node in ast.walk(_tree(module)):
+            if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef)) and _lines(node) > FUNCTION_LINES_LIMIT:
+                long.append(f"{path.relative_to(SRC)}:{node.lineno} {node.name}: {_lines(node)} lines")
+    assert not long, (f"over {MODULE_LINES_LIMIT} lines a module or {FUNCTION_LINES_LIMIT} a function:\n"
+                      + "\n".join(long))
+
+
+# ---------------------------------------------------------------------- (f) the engine's state is the engine's
+def _engine_reach_ins() -> list[str]:
+    """Functions outside ``MixedPrecision`` taking an untyped engine (``mp`` unannotated or ``Any``), and
+    assignments to an engine attribute (``mp.x = ...``) outside it."""
+    found = []
+    for module, path in _modules().items():
+        tree = _tree(module)
+        inside = set()
+        if module == "mixprec.engine.mixed_precision":
+            inside = {id(n) for n in ast.walk(_mixed_precision())}
+        for node in ast.walk(tree):
+            if id(node) in inside:
+                continue
+            if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef)):
+                for arg in node.args.posonlyargs + node.args.args + node.args.kwonlyargs:
+                    if arg.arg == "mp" and (arg.annotation is None or ast.unparse(arg.annotation) in ("Any", "typing.Any")):
+                        found.append(f"{path.relative_to(SRC)}:{node.lineno} {node.name}(mp) is untyped")
+            targets = node.targets if isinstance(node, ast.Assign) else (
+                [node.target] if isinstance(node, (ast.AugAssign, ast.AnnAssign)) else [])
+            for target in targets:
+                if isinstance(target, ast.Attribute) and isinstance(target.value, ast.Name) and target.value.id == "mp":
+                    found.append(f"{path.relative_to(SRC)}:{node.lineno} assigns mp.{target.attr}")
+    return found
+
+
+def test_only_the_engine_assigns_its_state():
+    found = _engine_reach_ins()
+    assert not found, "collaborators reaching into the engine:\n" + "\n".join(sorted(found))
