@@ -15,7 +15,8 @@ from mixprec.programs.bench import Targets, judge
 from mixprec.programs.bench.measure import median_step_ms, state_bytes, warmup_excess_s
 from mixprec.programs.bench.report import POLICY_KEYS, eval_curve_lines, plot_loss_curves, plot_speed_memory
 from mixprec.programs.bench.runner import CAPABILITY_ENV, BenchConfig, eval_every_for, judge_policies, plan_policy, warmup_steps_for
-from mixprec.programs.bench.worker import RunSpec, build_engine, precision_optimizer, run_policy, train_step
+from mixprec.programs.bench.worker import RunSpec, run_policy
+from mixprec.programs.session import build_engine, precision_optimizer, train_step
 from mixprec.programs.cli import main
 from mixprec.policy.resolve import Capability
 from mixprec.optim import AdamW

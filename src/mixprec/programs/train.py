@@ -195,7 +195,7 @@ def run_training(workload: Any, *, policy: str = "auto", steps: int, out: str | 
     from tqdm import tqdm
 
     from mixprec.programs.bench.measure import synchronize
-    from mixprec.programs.bench.worker import build_engine, evaluate, train_step
+    from mixprec.programs.session import build_engine, evaluate, train_step
     from mixprec.ema import EMA
     from mixprec.guard import Guard
 

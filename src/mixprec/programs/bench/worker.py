@@ -12,7 +12,7 @@ logs to stderr, and writes its measurements to ``OUT_JSON``; a failure writes
 engine refused the policy, e.g. a device that cannot run it; the runner reports it SKIPPED.
 Anything else is ``train`` and a FAIL).
 
-:func:`build_engine` and :func:`train_step` are shared with ``mixprec train``.
+:func:`mixprec.programs.session.build_engine` and ``train_step`` are shared with ``mixprec train``.
 """
 
 from __future__ import annotations
@@ -33,15 +33,13 @@ from typing import Any
 import torch
 
 from mixprec.programs.bench.measure import MemoryMeter, median_step_ms, percentile, state_bytes, synchronize, warmup_excess_s
-from mixprec.policy.resolve import resolve_policy
 from mixprec.distributed.process import init_process_group_from_env, shard_batches, sum_across_ranks, world_size
 from mixprec.autocast import op_plan
-from mixprec.engine.mixed_precision import MixedPrecision, StepResult
-from mixprec.optim import SGD, AdamW
-from mixprec.policy.policy import Policy, state_name
+from mixprec.engine.mixed_precision import MixedPrecision
+from mixprec.programs.session import build_engine, evaluate, train_step
 from mixprec.workloads import Workload, get_workload
 
-__all__ = ["RunSpec", "SetupError", "build_engine", "precision_optimizer", "train_step", "evaluate", "run_policy", "main"]
+__all__ = ["RunSpec", "SetupError", "run_policy", "main"]
 
 _DTYPE_NAMES = {torch.float32: "fp32", torch.bfloat16: "bf16", torch.float16: "fp16"}
 
@@ -88,67 +86,6 @@ class RunSpec:
             raise ValueError(f"RunSpec steps={self.steps!r}, warmup_steps={self.warmup_steps!r}, "
                              f"measure_state_at={self.measure_state_at!r} must satisfy "
                              "steps > warmup_steps >= measure_state_at >= 1")
-
-
-def precision_optimizer(optimizer: torch.optim.Optimizer, policy: Policy) -> torch.optim.Optimizer:
-    """``optimizer``, or its :mod:`mixprec.optim` twin (same groups and hyperparameters) when
-    ``policy`` rounds updates (kahan / stochastic) or keeps 16-bit or 8-bit state, which stock
-    ``torch.optim`` optimizers cannot do. Call before any step.
-
-    Raises:
-        ValueError: the policy needs a precision optimizer and ``optimizer`` is neither
-            ``torch.optim.AdamW`` nor ``torch.optim.SGD`` (or uses amsgrad/maximize).
-    """
-    if hasattr(optimizer, "set_precision") or (policy.rounding == "nearest" and policy.state_dtype == torch.float32):
-        return optimizer
-    groups = optimizer.param_groups
-    if type(optimizer) is torch.optim.AdamW and not any(g["amsgrad"] or g["maximize"] for g in groups):
-        keys = ("params", "lr", "betas", "eps", "weight_decay")
-        return AdamW([{k: g[k] for k in keys} for g in groups])
-    if type(optimizer) is torch.optim.SGD and not any(g["maximize"] for g in groups):
-        keys = ("params", "lr", "momentum", "dampening", "weight_decay", "nesterov")
-        return SGD([{k: g[k] for k in keys} for g in groups])
-    raise ValueError(f"policy {policy} writes updates with rounding={policy.rounding!r} and state="
-                     f"{state_name(policy.state_dtype)}, which {type(optimizer).__name__} cannot do; "
-                     "return a mixprec.optim.AdamW or mixprec.optim.SGD from Workload.make_optimizer")
-
-
-def build_engine(workload: Workload, policy: str, *, steps: int, seed: int,
-                 device: str | None = None, strategy: str | None = None, compile: bool = False) -> MixedPrecision:
-    """Seed torch, build the workload's model, optimizer and schedule, and wrap them in the engine.
-
-    ``policy`` is passed to :class:`~mixprec.MixedPrecision` as given (``"auto"`` keeps its
-    reason in ``mp.decision``); nothing falls back: a policy the device cannot run raises.
-    ``strategy`` (None, ``"ddp"``, ``"fsdp2"``) and ``compile`` too; every rank seeds alike.
-    """
-    torch.manual_seed(seed)
-    model = workload.build_model()
-    optimizer = precision_optimizer(workload.make_optimizer(model), resolve_policy(policy, device))
-    scheduler = workload.make_scheduler(optimizer, steps)
-    return MixedPrecision(model, optimizer, policy=policy, device=device, scheduler=scheduler,
-                          max_grad_norm=workload.max_grad_norm, strategy=strategy, compile=compile)
-
-
-def train_step(mp: MixedPrecision, workload: Workload, batch: dict,
-               after_backward: Callable[[], None] | None = None) -> tuple[torch.Tensor, StepResult | None]:
-    """One step: cast inputs, loss under autocast, backward, (``after_backward()``), ``mp.step()``.
-
-    Returns the detached loss (a device tensor: no sync here) and the step's result.
-    """
-    batch = mp.cast_inputs(batch, keep=workload.keep_fp32_inputs)
-    with mp.autocast():
-        loss = workload.loss(mp.model, batch)
-    mp.backward(loss)
-    if after_backward is not None:
-        after_backward()
-    return loss.detach(), mp.step()
-
-
-def evaluate(mp: MixedPrecision, workload: Workload) -> dict[str, float]:
-    """``workload.evaluate`` on its fixed validation batches under the policy's autocast (one sync)."""
-    with mp.autocast():
-        return workload.evaluate(mp.model, (mp.cast_inputs(b, keep=workload.keep_fp32_inputs)
-                                             for b in workload.batches("val")))
 
 
 def _eval_point(mp: MixedPrecision, workload: Workload, spec: RunSpec, step: int, curve: list) -> None:
