@@ -385,7 +385,7 @@ def run_bench(config: BenchConfig, *, capability: Capability | None = None, prog
     names = list(dict.fromkeys([REFERENCE, *(p.strip() for p in config.policies)]))
     advice = None
     if ADVISED in names:  # the numerics advisor's policy, measured like any other
-        from mixprec.programs.inspect import advised_policy
+        from mixprec.numerics.workload import advised_policy
 
         advised, advice = advised_policy(config.workload, config=config.config_name, data=config.data,
                                          device=device, lora=config.lora)
