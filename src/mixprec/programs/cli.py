@@ -201,7 +201,7 @@ def _cmd_bench(args: argparse.Namespace, command: str) -> int:
                          targets=targets, command=command, strategy=args.strategy, lora=args.lora,
                          compile=args.compile, timing=args.timing, seeds=args.seeds,
                          eval_every=args.eval_every)
-    results = run_bench(config)
+    results = run_bench(config).to_json()
     if config.strategy is not None and results["settings"]["world_size"] > 1 and not _main_process():
         return 1 if any(e["verdict"] == "FAIL" for e in results["policies"].values()) else 0  # rank 0 reports
     print(format_table(results))

@@ -36,6 +36,8 @@ from mixprec.programs.bench.measure import MemoryMeter, median_step_ms, percenti
 from mixprec.distributed.process import init_process_group_from_env, shard_batches, sum_across_ranks, world_size
 from mixprec.autocast import op_plan
 from mixprec.engine.mixed_precision import MixedPrecision
+from mixprec.engine.records import Event
+from mixprec.programs.bench.results import PolicyRun
 from mixprec.programs.session import build_engine, evaluate, train_step
 from mixprec.workloads import Workload, get_workload
 
@@ -147,11 +149,11 @@ def _train(mp: MixedPrecision, workload: Workload, spec: RunSpec, progress: Call
     return record
 
 
-def run_policy(spec: RunSpec, progress: Callable[[int], None] | None = None) -> dict[str, Any]:
-    """Train ``spec.steps`` steps of one policy and return its measurements (the per-policy
-    keys of :mod:`mixprec.programs.bench.report`). Host syncs: one per step for timing, plus the engine's, plus one
-    per eval point (``spec.eval_every``), plus a read of the lr per step where an optimizer keeps it as a
-    device tensor (torchao's).
+def run_policy(spec: RunSpec, progress: Callable[[int], None] | None = None) -> PolicyRun:
+    """Train ``spec.steps`` steps of one policy and return its measurements (a :class:`PolicyRun` that trained,
+    no verdict yet). Host syncs: one per step for timing, plus the engine's, plus one per eval point
+    (``spec.eval_every``), plus a read of the lr per step where an optimizer keeps it as a device tensor
+    (torchao's).
 
     Raises:
         SetupError: the engine (or the optimizer) refused the policy for this device or model.
@@ -166,68 +168,55 @@ def run_policy(spec: RunSpec, progress: Callable[[int], None] | None = None) -> 
     except (ValueError, TypeError) as err:
         raise SetupError(f"{type(err).__name__}: {err}") from err
     record = _train(mp, workload, spec, progress)
-    memory, history, skipped, eval_curve, measured = (record.memory, record.history, record.skipped,
-                                                      record.eval_curve, record.measured)
     eval_metrics = evaluate(mp, workload)
-    eval_curve.append([spec.steps, _finite_or_none(eval_metrics["loss"])])
-    step_ms = median_step_ms(history["step_time_ms"], spec.warmup_steps)
-    warmup_excess = warmup_excess_s(history["step_time_ms"], spec.warmup_steps)   # compilation, under compile
-    step_s = step_ms / 1e3
+    record.eval_curve.append([spec.steps, _finite_or_none(eval_metrics["loss"])])
+    return _policy_run(mp, workload, spec, record, eval_metrics, start_wall)
+
+
+def _throughput(mp: MixedPrecision, workload: Workload, spec: RunSpec, step_s: float) -> dict[str, Any]:
+    """Items/s, tokens/s, GFLOP/s and MFU at ``step_s`` seconds per step, summed over the ranks under a strategy
+    (one collective)."""
     flops = float(workload.flops_per_step())
-    compute = _DTYPE_NAMES[mp.policy.compute_dtype]
-    peak = spec.peaks_gflops.get(compute)
+    peak = spec.peaks_gflops.get(_DTYPE_NAMES[mp.policy.compute_dtype])
     items_per_s, gflops = workload.items_per_batch / step_s, flops / step_s / 1e9
     ranks = world_size() if spec.strategy is not None else 1
     if ranks > 1:  # every rank trained on its own batches: the run's throughput is the sum
         summed = sum_across_ranks(torch.tensor([items_per_s, gflops], dtype=torch.float64, device=mp.device))
         items_per_s, gflops = summed.tolist()
-    state = measured["state"]
-    return {
-        "requested": spec.policy,
-        "policy": str(mp.policy),
-        "decision": mp.decision,
-        "op_plan": [dataclasses.asdict(e) for e in op_plan.entries(mp.device.type, policy=mp.policy)],
-        "compute_dtype": compute,
-        "device": str(mp.device),
-        "pid": os.getpid(),
-        "torch_threads": torch.get_num_threads(),
-        "optimizer": f"{type(mp.optimizer).__module__}.{type(mp.optimizer).__name__}",
-        "steps": spec.steps,
-        "warmup_steps": spec.warmup_steps,
-        "step_time_ms_median": step_ms,
-        "compiled": spec.compile,
-        "first_step_ms": history["step_time_ms"][0],
-        "warmup_excess_s": warmup_excess,
-        "compile_time_s": warmup_excess if spec.compile else None,
-        **_spread_ms(history["step_time_ms"][spec.warmup_steps:]),
-        "items_per_batch": workload.items_per_batch,
-        "item_unit": workload.item_unit,
-        "items_per_s": items_per_s,
-        "tokens_per_s": items_per_s if workload.item_unit == "tokens" else None,
-        "flops_per_step": flops,
-        "gflops_per_s": gflops,
-        "peak_gflops_per_s": peak,
-        "mfu": gflops / (peak * ranks) if peak else None,
-        "strategy": spec.strategy,
-        "world_size": ranks,
-        "peak_memory_mb": memory.peak_mb(),
-        "memory_source": memory.source,
-        "state_bytes_per_param": state.per_param,
-        "state_bytes": state.as_dict(),
-        "final_eval": eval_metrics,
-        "final_eval_loss": _finite_or_none(eval_metrics["loss"]),
-        "eval_curve": eval_curve,
-        "loss_unit": workload.loss_unit,
-        "skipped_steps": sum(skipped.values()),
-        "skipped_by_reason": dict(skipped),
-        "loss_per_step": history["loss"],
-        "loss_scale_history": history["loss_scale"],
-        "grad_norm_per_step": history["grad_norm"],
-        "lr_per_step": history["lr"],
-        "step_time_ms_per_step": history["step_time_ms"],
-        "events": mp.events,
-        "wall_s": time.perf_counter() - start_wall,
-    }
+    return {"items_per_s": items_per_s, "tokens_per_s": items_per_s if workload.item_unit == "tokens" else None,
+            "flops_per_step": flops, "gflops_per_s": gflops, "peak_gflops_per_s": peak,
+            "mfu": gflops / (peak * ranks) if peak else None, "world_size": ranks}
+
+
+def _policy_run(mp: MixedPrecision, workload: Workload, spec: RunSpec, record: _Record,
+                eval_metrics: dict[str, float], start_wall: float) -> PolicyRun:
+    """The row of one trained run, from the engine, the training record and the final eval."""
+    history, times = record.history, record.history["step_time_ms"]
+    step_ms = median_step_ms(times, spec.warmup_steps)
+    warmup_excess = warmup_excess_s(times, spec.warmup_steps)   # compilation, under compile
+    throughput = _throughput(mp, workload, spec, step_ms / 1e3)
+    state = record.measured["state"]
+    return PolicyRun(
+        requested=spec.policy, policy=str(mp.policy), decision=mp.decision,
+        op_plan=[dataclasses.asdict(e) for e in op_plan.entries(mp.device.type, policy=mp.policy)],
+        compute_dtype=_DTYPE_NAMES[mp.policy.compute_dtype], device=str(mp.device), pid=os.getpid(),
+        torch_threads=torch.get_num_threads(),
+        optimizer=f"{type(mp.optimizer).__module__}.{type(mp.optimizer).__name__}",
+        steps=spec.steps, warmup_steps=spec.warmup_steps, step_time_ms_median=step_ms, compiled=spec.compile,
+        first_step_ms=times[0], warmup_excess_s=warmup_excess,
+        compile_time_s=warmup_excess if spec.compile else None, **_spread_ms(times[spec.warmup_steps:]),
+        items_per_batch=workload.items_per_batch, item_unit=workload.item_unit,
+        strategy=spec.strategy, **throughput,
+        peak_memory_mb=record.memory.peak_mb(), memory_source=record.memory.source,
+        state_bytes_per_param=state.per_param, state_bytes=state.as_dict(),
+        final_eval=eval_metrics, final_eval_loss=_finite_or_none(eval_metrics["loss"]),
+        eval_curve=record.eval_curve, loss_unit=workload.loss_unit,
+        skipped_steps=sum(record.skipped.values()), skipped_by_reason=dict(record.skipped),
+        loss_per_step=history["loss"], loss_scale_history=history["loss_scale"],
+        grad_norm_per_step=history["grad_norm"], lr_per_step=history["lr"], step_time_ms_per_step=times,
+        events=[e.to_dict() if isinstance(e, Event) else e for e in mp.events],
+        wall_s=time.perf_counter() - start_wall,
+    )
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -240,7 +229,7 @@ def main(argv: list[str] | None = None) -> int:
     try:
         with open(spec_path, encoding="utf-8") as f:
             spec = RunSpec(**json.load(f))
-        result, status = run_policy(spec, lambda step: print(f"step {step}", flush=True)), 0
+        result, status = run_policy(spec, lambda step: print(f"step {step}", flush=True)).to_json(), 0
     except SetupError as err:
         traceback.print_exc()
         result, status = {"error": str(err), "stage": "setup", "pid": os.getpid()}, 1
