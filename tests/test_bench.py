@@ -13,9 +13,11 @@ import torch
 
 from mixprec.programs.bench import Targets, judge
 from mixprec.programs.bench.measure import median_step_ms, state_bytes, warmup_excess_s
+from mixprec.programs.bench.results import PolicyRun
 from mixprec.programs.bench.report import POLICY_KEYS, eval_curve_lines, plot_loss_curves, plot_speed_memory
 from mixprec.programs.bench.runner import CAPABILITY_ENV, BenchConfig, eval_every_for, judge_policies, plan_policy, warmup_steps_for
-from mixprec.programs.bench.worker import RunSpec, build_engine, precision_optimizer, run_policy, train_step
+from mixprec.programs.bench.worker import RunSpec, run_policy
+from mixprec.programs.session import build_engine, precision_optimizer, train_step
 from mixprec.programs.cli import main
 from mixprec.machine.capability import Capability
 from mixprec.optim import AdamW
@@ -70,11 +72,17 @@ def _entry(**measured):
     return {**dict.fromkeys(POLICY_KEYS), **measured}
 
 
+def _judged(entries, targets):
+    """judge_policies on rows given as results.json dicts; the judged rows as dicts again."""
+    rows = judge_policies({name: PolicyRun.from_json(e) for name, e in entries.items()}, targets)
+    return {name: row.to_json() for name, row in rows.items()}
+
+
 def test_judge_policies_computes_deltas_against_fp32():
     entries = {"fp32": _entry(step_time_ms_median=300.0, peak_memory_mb=500.0, final_eval_loss=2.0),
                "bf16-mixed": _entry(step_time_ms_median=200.0, peak_memory_mb=450.0, final_eval_loss=2.01),
                "bf16-sr": _entry(step_time_ms_median=250.0, peak_memory_mb=440.0, final_eval_loss=None)}
-    judge_policies(entries, Targets(min_speedup=1.3))
+    entries = _judged(entries, Targets(min_speedup=1.3))
     bf16 = entries["bf16-mixed"]
     assert bf16["speedup_vs_fp32"] == 1.5 and bf16["memory_ratio_vs_fp32"] == 0.9
     assert bf16["eval_loss_delta_vs_fp32"] == pytest.approx(0.005)
@@ -85,7 +93,7 @@ def test_judge_policies_computes_deltas_against_fp32():
 def test_without_a_finished_fp32_run_nothing_passes():
     entries = {"fp32": _entry(error="RuntimeError: boom", stage="train"),
                "bf16-mixed": _entry(step_time_ms_median=200.0, peak_memory_mb=450.0, final_eval_loss=2.01)}
-    judge_policies(entries, Targets())
+    entries = _judged(entries, Targets())
     assert entries["fp32"]["verdict"] == "FAIL"
     assert entries["bf16-mixed"]["verdict"] == "FAIL" and "no fp32 reference" in entries["bf16-mixed"]["reason"]
 
@@ -274,7 +282,7 @@ def test_eval_points_change_nothing_in_training(policy):
     """Evaluating every 3 steps (eval mode, no_grad, under the policy's autocast) leaves the training trajectory
     bit for bit as without; the curve's last point is the final eval."""
     spec = RunSpec(workload="gpt", config="tiny", policy=policy, steps=8, seed=0, device="cpu")
-    plain, curved = run_policy(spec), run_policy(RunSpec(**{**asdict(spec), "eval_every": 3}))
+    plain, curved = run_policy(spec).to_json(), run_policy(RunSpec(**{**asdict(spec), "eval_every": 3})).to_json()
     assert curved["loss_per_step"] == plain["loss_per_step"]
     assert curved["final_eval_loss"] == plain["final_eval_loss"]
     assert [st for st, _ in curved["eval_curve"]] == [3, 6, 8] and curved["eval_curve"][-1][1] == plain["final_eval_loss"]

@@ -12,7 +12,7 @@ import torch
 
 from mixprec.programs.bench.runner import DEFAULT_POLICIES, DEFAULT_STEPS
 from mixprec.workloads import GPTWorkload
-from mixprec.programs.bench.worker import build_engine, train_step
+from mixprec.programs.session import build_engine, train_step
 from mixprec.checkpoint.local import load_checkpoint, read_manifest, save_checkpoint
 from mixprec.programs.cli import build_parser, main
 from mixprec.optim import c_kernels

@@ -66,7 +66,6 @@ def _positive_int(text: str) -> int:
 
 
 def build_parser() -> argparse.ArgumentParser:
-    from mixprec.programs.bench.runner import DEFAULT_GPT_CONFIG, DEFAULT_POLICIES, DEFAULT_STEPS
     from mixprec.policy.policy import PRESETS
 
     presets = ", ".join(PRESETS)   # e.g. bf16-lean (8-bit optimizer state) is opt-in: not in the default list
@@ -74,24 +73,41 @@ def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="mixprec", description="Mixed-precision training for PyTorch, "
                                      "with the evidence: speed, memory and quality against fp32.")
     sub = parser.add_subparsers(dest="command", required=True, metavar="{bench,train,sample,doctor,inspect}")
+    _add_bench_parser(sub, presets)
+    _add_train_parser(sub, presets)
+    _add_sample_parser(sub)
 
-    def workload_args(p: argparse.ArgumentParser, config_help: str) -> None:
-        p.add_argument("--workload", default="gpt", help="built-in workload (gpt, digits, minilm) or "
-                       "package.module:function returning a mixprec.workloads.Workload (default: gpt)")
-        p.add_argument("--config", default=None, help=config_help)
-        p.add_argument("--data", default=None, help="UTF-8 text file for gpt or minilm (default: the embedded pydoc "
-                       "corpus)")
-        p.add_argument("--lora", default=None, metavar="SPEC",
-                       help="fine-tune LoRA adapters (the peft library) instead of every weight, e.g. "
-                       "r=8,alpha=16,targets=query,value; the frozen base is stored in the compute dtype "
-                       "(minilm workload; needs mixprec[hf])")
-        p.add_argument("--seed", type=int, default=0, help="seed for weights and batch order (default: 0)")
-        p.add_argument("--device", default=None, help="cpu, cuda, cuda:N or mps (default: the best available)")
+    from mixprec.programs.inspect import add_inspect_parser
+
+    add_inspect_parser(sub)
+    doctor = sub.add_parser("doctor", help="devices, dtype support, measured matmul peaks, what auto picks")
+    doctor.add_argument("--json", action="store_true", help="print the report as JSON")
+    return parser
+
+
+def _workload_args(p: argparse.ArgumentParser, config_help: str) -> None:
+    """The workload arguments ``bench`` and ``train`` share."""
+    p.add_argument("--workload", default="gpt", help="built-in workload (gpt, digits, minilm) or "
+                   "package.module:function returning a mixprec.workloads.Workload (default: gpt)")
+    p.add_argument("--config", default=None, help=config_help)
+    p.add_argument("--data", default=None, help="UTF-8 text file for gpt or minilm (default: the embedded pydoc "
+                   "corpus)")
+    p.add_argument("--lora", default=None, metavar="SPEC",
+                   help="fine-tune LoRA adapters (the peft library) instead of every weight, e.g. "
+                   "r=8,alpha=16,targets=query,value; the frozen base is stored in the compute dtype "
+                   "(minilm workload; needs mixprec[hf])")
+    p.add_argument("--seed", type=int, default=0, help="seed for weights and batch order (default: 0)")
+    p.add_argument("--device", default=None, help="cpu, cuda, cuda:N or mps (default: the best available)")
+
+
+def _add_bench_parser(sub: argparse._SubParsersAction, presets: str) -> None:
+    """``mixprec bench``'s arguments."""
+    from mixprec.programs.bench.runner import DEFAULT_GPT_CONFIG, DEFAULT_POLICIES, DEFAULT_STEPS
 
     bench = sub.add_parser("bench", help="compare policies with fp32 on a workload and judge them",
                            description="Compare precision policies with fp32 on one workload.", epilog=_BENCH_EPILOG,
                            formatter_class=argparse.RawDescriptionHelpFormatter)
-    workload_args(bench, f"workload config: gpt has tiny, baby, mid, small (default: {DEFAULT_GPT_CONFIG}); "
+    _workload_args(bench, f"workload config: gpt has tiny, baby, mid, small (default: {DEFAULT_GPT_CONFIG}); "
                   "minilm has tiny, default; digits has default")
     bench.add_argument("--policies", default=",".join(DEFAULT_POLICIES), type=_split_policies,
                        help=f"comma-separated policies: presets ({presets}) or key=value text such as "
@@ -122,10 +138,13 @@ def build_parser() -> argparse.ArgumentParser:
                        help="interleaved (default): after the quality runs, time the policies again in alternating "
                        "blocks in resident workers, so machine drift hits all alike; sequential: each run's own steps")
 
+
+def _add_train_parser(sub: argparse._SubParsersAction, presets: str) -> None:
+    """``mixprec train``'s arguments."""
     train = sub.add_parser("train", help="train one policy; log metrics; save a checkpoint",
                            description="Train a workload under one policy, with metrics, checkpoints, resume and "
                            "an optional divergence guard.")
-    workload_args(train, "workload config (default: the workload's own, baby for gpt)")
+    _workload_args(train, "workload config (default: the workload's own, baby for gpt)")
     train.add_argument("--policy", default="auto", help=f"policy preset ({presets}, auto) or key=value text "
                        "(default: auto)")
     train.add_argument("--steps", type=_positive_int, default=200, help="optimizer steps (default: 200)")
@@ -151,6 +170,9 @@ def build_parser() -> argparse.ArgumentParser:
     train.add_argument("--compile", action="store_true",
                        help="compile the model (torch.compile, inductor); step 1's step_time_ms includes compiling")
 
+
+def _add_sample_parser(sub: argparse._SubParsersAction) -> None:
+    """``mixprec sample``'s arguments."""
     sample = sub.add_parser("sample", help="generate text from a gpt checkpoint (fill [MASK] for minilm) written by "
                             "mixprec train")
     sample.add_argument("dir", help="the train --out directory, its checkpoints/ directory or one step-N directory")
@@ -162,13 +184,6 @@ def build_parser() -> argparse.ArgumentParser:
     sample.add_argument("--policy", default="fp32", help="policy the model runs under while sampling (default: fp32; "
                         "16-bit weights load exactly, saved fp32 masters are used where present)")
     sample.add_argument("--device", default=None, help="cpu, cuda, cuda:N or mps (default: the best available)")
-
-    from mixprec.programs.inspect import add_inspect_parser
-
-    add_inspect_parser(sub)
-    doctor = sub.add_parser("doctor", help="devices, dtype support, measured matmul peaks, what auto picks")
-    doctor.add_argument("--json", action="store_true", help="print the report as JSON")
-    return parser
 
 
 def _cmd_bench(args: argparse.Namespace, command: str) -> int:
@@ -186,7 +201,7 @@ def _cmd_bench(args: argparse.Namespace, command: str) -> int:
                          targets=targets, command=command, strategy=args.strategy, lora=args.lora,
                          compile=args.compile, timing=args.timing, seeds=args.seeds,
                          eval_every=args.eval_every)
-    results = run_bench(config)
+    results = run_bench(config).to_json()
     if config.strategy is not None and results["settings"]["world_size"] > 1 and not _main_process():
         return 1 if any(e["verdict"] == "FAIL" for e in results["policies"].values()) else 0  # rank 0 reports
     print(format_table(results))

@@ -245,7 +245,7 @@ def train(workload: Any, config: TrainConfig) -> TrainOutcome:
     """:func:`run_training` with its arguments in ``config``."""
     from mixprec.ema import EMA
     from mixprec.guard import Guard
-    from mixprec.programs.bench.worker import build_engine
+    from mixprec.programs.session import build_engine
 
     config.check()
     if not config.resume and (config.root / LATEST).is_file():
@@ -344,7 +344,7 @@ class _Run:
                                                  data_position=position, ema=self.averager))
 
     def evaluate(self) -> dict[str, float]:
-        from mixprec.programs.bench.worker import evaluate
+        from mixprec.programs.session import evaluate
 
         metrics = evaluate(self.mp, self.workload)
         if self.averager is not None:
@@ -365,7 +365,7 @@ class _Run:
     def train_one(self, step: int, batch: dict, log: Any, writer: Any) -> dict:
         """One step and its record (written to ``log`` and TensorBoard); evaluates when due."""
         from mixprec.machine.timing import timed
-        from mixprec.programs.bench.worker import train_step
+        from mixprec.programs.session import train_step
 
         mp = self.mp
         lr = float(mp.optimizer.param_groups[0]["lr"])  # a tensor lr (torchao) logs as a number

@@ -27,7 +27,8 @@ from pathlib import Path
 from typing import Any
 
 from mixprec.programs.bench.measure import percentile, time_steps
-from mixprec.programs.bench.worker import RunSpec, build_engine, train_step
+from mixprec.programs.bench.worker import RunSpec
+from mixprec.programs.session import build_engine, train_step
 from mixprec.workloads import get_workload
 
 __all__ = ["SPREAD_LIMIT", "RETIMES", "TIMING_MALLOC_ENV", "time_interleaved", "serve"]

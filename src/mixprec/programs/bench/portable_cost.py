@@ -16,7 +16,7 @@ from typing import Any
 import torch
 
 from mixprec.programs.bench.measure import time_steps
-from mixprec.programs.bench.worker import precision_optimizer
+from mixprec.programs.session import precision_optimizer
 from mixprec.policy.resolve import resolve_policy
 from mixprec.engine.mixed_precision import MixedPrecision
 from mixprec.policy.policy import Policy

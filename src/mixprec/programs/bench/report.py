@@ -36,19 +36,13 @@ import math
 from pathlib import Path
 from typing import Any
 
+from mixprec.programs.bench.results import POLICY_KEYS
+from mixprec.programs.bench.figures import eval_curve_of, fmt, loss_unit, plot_loss_curves, plot_speed_memory, ran_rows, seed_band
+
 __all__ = ["POLICY_KEYS", "COMPILED_SUFFIX", "write_outputs", "format_table", "auto_lines", "op_plan_lines", "timing_lines", "seed_noise_lines", "eval_curve_lines", "report_markdown",
            "plot_loss_curves", "plot_speed_memory"]
 
 COMPILED_SUFFIX = "+compiled"   # the row of a policy run under bench --compile
-POLICY_KEYS = (
-    "requested", "policy", "decision", "compute_dtype", "device", "pid", "optimizer", "steps",
-    "step_time_ms_median", "step_time_ms_p10", "step_time_ms_p90", "tokens_per_s", "items_per_s", "item_unit", "speedup_vs_fp32",
-    "gflops_per_s", "peak_gflops_per_s", "mfu", "mfu_own_dtype", "peak_memory_mb", "memory_ratio_vs_fp32", "memory_source",
-    "state_bytes_per_param", "state_bytes", "final_eval", "final_eval_loss", "eval_loss_delta_vs_fp32",
-    "skipped_steps", "skipped_by_reason", "loss_per_step", "loss_scale_history", "grad_norm_per_step",
-    "lr_per_step", "step_time_ms_per_step", "events", "verdict", "reason", "skipped_reason", "error",
-    "compiled", "first_step_ms", "warmup_excess_s", "compile_time_s", "eval_curve", "loss_unit",
-)
 _HOW_TO_READ = """\
 ## How to read a verdict
 
@@ -118,16 +112,16 @@ def _state_lines(policies: dict) -> list[str]:
             continue
         n, frozen = sb["n_params"], sb.get("n_frozen", 0)
         text = (f"- {name}: {n - frozen:,} trainable ({(n - frozen) / n:.2%}) at "
-                f"{_fmt(sb.get('per_trainable_param'), '.2f')} B/param")
+                f"{fmt(sb.get('per_trainable_param'), '.2f')} B/param")
         if frozen:
-            text += f", {frozen:,} frozen at {_fmt(sb.get('per_frozen_param'), '.2f')} B/param"
-        text += f"; whole model {_fmt(sb.get('per_param'), '.2f')} B/param ({sb.get('total', 0) / 2**20:,.1f} MiB)"
+            text += f", {frozen:,} frozen at {fmt(sb.get('per_frozen_param'), '.2f')} B/param"
+        text += f"; whole model {fmt(sb.get('per_param'), '.2f')} B/param ({sb.get('total', 0) / 2**20:,.1f} MiB)"
         if sb.get("quantized_state"):   # 8-bit moments: codes + absmax scales, the rest of the state is fp32
             text += (f"; optimizer state {sb['optimizer_state'] / n:.2f} B/param, of which 8-bit codes and scales "
                      f"{sb['quantized_state'] / n:.2f} ({sb.get('quantized_elements', 0):,} moment elements)")
         extra = {k: v for k, v in (e.get("final_eval") or {}).items() if k != "loss"}
         if extra:
-            text += "; final eval " + ", ".join(f"{k} {_fmt(v, '.4f')}" for k, v in extra.items())
+            text += "; final eval " + ", ".join(f"{k} {fmt(v, '.4f')}" for k, v in extra.items())
         lines.append(text)
     return lines or ["- not measured"]
 
@@ -148,15 +142,9 @@ def _compile_lines(results: dict) -> list[str]:
         ratio = eager["step_time_ms_median"] / compiled["step_time_ms_median"]
         lines.append(f"- {name}: eager {eager['step_time_ms_median']:.1f} ms/step, compiled "
                      f"{compiled['step_time_ms_median']:.1f} ms/step ({ratio:.2f}x eager), compile "
-                     f"{_fmt(compiled.get('compile_time_s'), '.1f', ' s')} (first step "
-                     f"{_fmt(compiled.get('first_step_ms'), ',.0f', ' ms')})")
+                     f"{fmt(compiled.get('compile_time_s'), '.1f', ' s')} (first step "
+                     f"{fmt(compiled.get('first_step_ms'), ',.0f', ' ms')})")
     return lines
-
-
-def _fmt(value: Any, spec: str, suffix: str = "") -> str:
-    if value is None or (isinstance(value, float) and not math.isfinite(value)):
-        return "-"
-    return f"{value:{spec}}{suffix}"
 
 
 def _has_compiled(results: dict) -> bool:
@@ -167,13 +155,13 @@ def _rows(results: dict) -> list[list[str]]:
     """One row per policy; under ``--compile`` a last column, the compile time in seconds."""
     rows = []
     for name, e in results["policies"].items():
-        compiled = [_fmt(e.get("compile_time_s"), ".1f")] if _has_compiled(results) else []
+        compiled = [fmt(e.get("compile_time_s"), ".1f")] if _has_compiled(results) else []
         rows.append([
-            name, e["verdict"], _fmt(e.get("step_time_ms_median"), ".1f"), _fmt(e.get("speedup_vs_fp32"), ".2f", "x"),
-            _fmt(e.get("items_per_s"), ",.0f"), _fmt(e.get("gflops_per_s"), ".1f"), _fmt(e.get("mfu"), ".1%"),
-            _fmt(e.get("peak_memory_mb"), ",.0f"), _fmt(e.get("memory_ratio_vs_fp32"), ".2f", "x"),
-            _fmt(e.get("state_bytes_per_param"), ".2f"), _fmt(e.get("final_eval_loss"), ".4f"),
-            _fmt(e.get("eval_loss_delta_vs_fp32"), "+.2%"), _fmt(e.get("skipped_steps"), "d"), *compiled,
+            name, e["verdict"], fmt(e.get("step_time_ms_median"), ".1f"), fmt(e.get("speedup_vs_fp32"), ".2f", "x"),
+            fmt(e.get("items_per_s"), ",.0f"), fmt(e.get("gflops_per_s"), ".1f"), fmt(e.get("mfu"), ".1%"),
+            fmt(e.get("peak_memory_mb"), ",.0f"), fmt(e.get("memory_ratio_vs_fp32"), ".2f", "x"),
+            fmt(e.get("state_bytes_per_param"), ".2f"), fmt(e.get("final_eval_loss"), ".4f"),
+            fmt(e.get("eval_loss_delta_vs_fp32"), "+.2%"), fmt(e.get("skipped_steps"), "d"), *compiled,
         ])
     return rows
 
@@ -198,7 +186,7 @@ def format_table(results: dict) -> str:
     if any(sb.get("n_frozen") for sb in states):   # LoRA / frozen layers: the two parts' bytes/param
         headers.insert(6, "train/frozen B/param")
         for row, sb in zip(rows, states):
-            row.insert(6, f"{_fmt(sb.get('per_trainable_param'), '.2f')} / {_fmt(sb.get('per_frozen_param'), '.2f')}")
+            row.insert(6, f"{fmt(sb.get('per_trainable_param'), '.2f')} / {fmt(sb.get('per_frozen_param'), '.2f')}")
     widths = [max(len(h), *(len(r[i]) for r in rows)) for i, h in enumerate(headers)]
     line = lambda cells: "  ".join(c.ljust(w) if i < 2 else c.rjust(w) for i, (c, w) in enumerate(zip(cells, widths)))
     return "\n".join([line(headers), line(["-" * w for w in widths]), *map(line, rows)])
@@ -284,7 +272,7 @@ def _op_plan_lines(results: dict) -> list[str]:
              "| policy | op | key | chosen | source | " + " | ".join(f"{c} (ms)" for c in candidates) + " |",
              "|---|---|---|---|---|" + "---:|" * len(candidates)]
     for name, e in rows:
-        times = [_fmt(e["times_ms"].get(c), ".2f") for c in candidates]
+        times = [fmt(e["times_ms"].get(c), ".2f") for c in candidates]
         lines.append(f"| {name} | {e['op']} | `{e['shape']}` | **{e['chosen']}** | {e['source']} | "
                      + " | ".join(times) + " |")
     lines.append("")
@@ -297,14 +285,14 @@ def _op_plan_lines(results: dict) -> list[str]:
 def eval_curve_lines(results: dict) -> list[str]:
     """report.md's eval-curve table: per eval step, each policy's eval loss (and its delta vs fp32) and the
     fp32 seeds' spread at that step."""
-    ran = _ran(results)
-    reference = _curve(ran.get(results["reference"]))
+    ran = ran_rows(results)
+    reference = eval_curve_of(ran.get(results["reference"]))
     if len(reference) < 2:
         return []
-    band = _seed_band(results)
+    band = seed_band(results)
     names = list(ran)
-    curves = {name: _curve(ran[name]) for name in names}
-    lines = [f"## Eval loss over training (every {results['settings'].get('eval_every')} steps, {_loss_unit(results)})",
+    curves = {name: eval_curve_of(ran[name]) for name in names}
+    lines = [f"## Eval loss over training (every {results['settings'].get('eval_every')} steps, {loss_unit(results)})",
              "", "| step | " + " | ".join(names) + (" | seed noise |" if band else " |"),
              "|---:|" + "---:|" * (len(names) + bool(band))]
     for step, ref in sorted(reference.items()):
@@ -312,14 +300,14 @@ def eval_curve_lines(results: dict) -> list[str]:
         for name in names:
             value = curves[name].get(step)
             delta = "" if name == results["reference"] or value is None or not ref else f" ({(value - ref) / ref:+.2%})"
-            cells.append(_fmt(value, ".4f") + delta)
+            cells.append(fmt(value, ".4f") + delta)
         seed = [f"±{band[step]:.2%}" if step in band else "-"] if band else []
         lines.append(f"| {step} | " + " | ".join(cells + seed) + " |")
     return lines + [""]
 
 
-def report_markdown(results: dict) -> str:
-    """``report.md``: the table, each verdict with its reason, how each policy ran, the command."""
+def _header_lines(results: dict) -> list[str]:
+    """report.md's title, the command, the targets, the device and the workload."""
     s, env, w = results["settings"], results["environment"], results["workload"]
     t = s["targets"]
     targets = [f"max loss delta +{t['max_loss_delta']:.2%}"]
@@ -327,9 +315,8 @@ def report_markdown(results: dict) -> str:
     targets += [f"max memory ratio {t['max_memory_ratio']}x"] if t["max_memory_ratio"] else []
     hardware = env.get("gpu_name") or f"{env.get('cpu_name')}, {env['torch_threads']} threads, flags: " \
                                         f"{' '.join(env.get('cpu_flags') or []) or 'n/a'}"
-    peaks = ", ".join(f"{k} {_fmt(v, '.1f')}" for k, v in env["peaks_gflops_per_s"].items())
-    headers = _headers(results)
-    lines = [
+    peaks = ", ".join(f"{k} {fmt(v, '.1f')}" for k, v in env["peaks_gflops_per_s"].items())
+    return [
         f"# mixprec bench: {s['workload']}/{s['config'] or 'default'}, {s['steps']} steps, seed {s['seed']}, "
         f"{s['device']}",
         "",
@@ -343,6 +330,14 @@ def report_markdown(results: dict) -> str:
         f"{w.get('items_per_batch', '?')} {w.get('item_unit', 'items')} per step; data: "
         f"{(w.get('data') or {}).get('source', 'workload-defined')}. Step time is the median after "
         f"{s['warmup_steps']} warm-up steps.",
+    ]
+
+
+def report_markdown(results: dict) -> str:
+    """``report.md``: the table, each verdict with its reason, how each policy ran, the command."""
+    headers = _headers(results)
+    lines = [
+        *_header_lines(results),
         *_compile_lines(results),
         *_portable_lines(results),
         *(["", *(f"How auto decided: {line}." for line in auto_lines(results))] if auto_lines(results) else []),
@@ -383,163 +378,6 @@ def report_markdown(results: dict) -> str:
         _HOW_TO_READ,
     ]
     return "\n".join(lines)
-
-
-def _ran(results: dict) -> dict[str, dict]:
-    return {n: e for n, e in results["policies"].items() if e.get("loss_per_step")}
-
-
-def _moving_average(values: list[float], window: int) -> list[float]:
-    return [sum(values[max(0, i - window + 1):i + 1]) / len(values[max(0, i - window + 1):i + 1])
-            for i in range(len(values))]
-
-
-_STYLES = ("-", "--", "-.", ":")          # policies that track fp32 overlap: dashes keep each one visible
-_MARKERS = ("o", "s", "^", "D", "v", "P", "X", "*")
-
-
-def _width(index: int, count: int) -> float:
-    """Line width by drawing order, widest first: a curve drawn over an identical one leaves it showing as an outline."""
-    return 1.0 + 0.7 * (count - 1 - index)
-
-
-def _curve(entry: dict | None) -> dict:
-    """A row's ``eval_curve`` as ``{step: eval loss or None}``."""
-    return dict((step, loss) for step, loss in (entry or {}).get("eval_curve") or [])
-
-
-def _loss_unit(results: dict) -> str:
-    return next((e["loss_unit"] for e in _ran(results).values() if e.get("loss_unit")),
-                "unit not set: Workload.loss_unit")
-
-
-def _plot_training(ax: Any, results: dict, window: int) -> None:
-    """Training loss per step: raw (faint) and a trailing moving average, one colour and dash per policy."""
-    for index, (name, e) in enumerate(_ran(results).items()):
-        losses = [math.nan if v is None else v for v in e["loss_per_step"]]
-        steps = range(1, len(losses) + 1)
-        (line,) = ax.plot(steps, _moving_average(losses, window), lw=_width(index, len(_ran(results))),
-                          ls=_STYLES[index % len(_STYLES)],
-                          color=f"C{index}", label=name)
-        ax.plot(steps, losses, lw=0.5, alpha=0.2, color=line.get_color())
-    ax.plot([], [], color="gray", lw=0.5, alpha=0.5, label="raw, per step (faint)")
-    smooth = f"lines: trailing mean over {window} steps" if window > 1 else "per step"
-    ax.set(ylabel=f"training loss ({_loss_unit(results)})", title=f"training loss ({smooth})")
-    ax.legend(fontsize=7, ncol=3)
-    ax.grid(alpha=0.3)
-
-
-def _plot_eval(ax: Any, results: dict) -> None:
-    """Eval loss at each eval point (the row's ``eval_curve``), with markers and dashes so overlaps stay visible."""
-    for index, (name, e) in enumerate(_ran(results).items()):
-        curve = [(st, v) for st, v in e.get("eval_curve") or [] if v is not None]
-        if curve:
-            ax.plot(*zip(*curve), lw=_width(index, len(_ran(results))), ls=_STYLES[index % len(_STYLES)],
-                    marker=_MARKERS[index % len(_MARKERS)], ms=3 + 2 * _width(index, len(_ran(results))), mfc="none", color=f"C{index}", label=f"{name} (final {_fmt(e.get('final_eval_loss'), '.4f')})")
-    ax.set(ylabel=f"eval loss ({_loss_unit(results)})", title="validation loss over training (fixed val batches)")
-    ax.legend(fontsize=7, ncol=2)
-    ax.grid(alpha=0.3)
-
-
-def _seed_band(results: dict) -> dict[int, float]:
-    """Per eval step, the fp32 seeds' relative spread ((max - min) / min) — the band a delta is read against."""
-    curves = [_curve({"eval_curve": c}) for c in (results.get("seed_noise") or {}).get("fp32_eval_curves") or [] if c]
-    if len(curves) < 2:
-        return {}
-    band = {}
-    for step in curves[0]:
-        values = [c.get(step) for c in curves]
-        if all(v is not None for v in values):
-            band[step] = (max(values) - min(values)) / min(values)
-    return band
-
-
-def _plot_eval_delta(ax: Any, results: dict) -> None:
-    """Eval-loss delta vs fp32 (%) at each eval point, the gate (+max loss delta, judged at the final point)
-    and the seed-noise band (shaded ±, per eval point)."""
-    reference = _curve(_ran(results).get(results["reference"]))
-    for index, (name, e) in enumerate(_ran(results).items()):
-        points = [(st, 100 * (v - reference[st]) / reference[st]) for st, v in e.get("eval_curve") or []
-                  if name != results["reference"] and v is not None and reference.get(st)]
-        if points:
-            ax.plot(*zip(*points), lw=_width(index, len(_ran(results))), ls=_STYLES[index % len(_STYLES)],
-                    marker=_MARKERS[index % len(_MARKERS)], ms=3 + 2 * _width(index, len(_ran(results))), mfc="none", color=f"C{index}", label=name)
-    band = _seed_band(results)
-    if band:
-        steps = sorted(band)
-        ax.fill_between(steps, [-100 * band[st] for st in steps], [100 * band[st] for st in steps], color="gray",
-                        alpha=0.2, label=f"seed noise (fp32 at {len([c for c in results['seed_noise']['fp32_eval_curves'] if c])} seeds)")
-    limit_pct = 100 * results["settings"]["targets"]["max_loss_delta"]
-    ax.axhline(0, color="black", lw=0.8)
-    ax.axhline(limit_pct, color="red", lw=0.8, ls="--", label=f"gate: --max-loss-delta +{limit_pct:g}% (final eval)")
-    ax.set(xlabel="step (optimizer steps)", ylabel="eval loss vs fp32 (%)")
-    ax.legend(fontsize=7, ncol=3)
-    ax.grid(alpha=0.3)
-
-
-def plot_loss_curves(results: dict, path: Path) -> Any:
-    """Three panels sharing the step axis: training loss (raw and smoothed), eval loss at each eval point, and
-    each policy's eval-loss delta vs fp32 with the gate and the seed-noise band. Returns the (closed) matplotlib
-    Figure, whose axes can still be read."""
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
-    s = results["settings"]
-    fig, (ax, ax_eval, ax_delta) = plt.subplots(3, 1, figsize=(8, 9), sharex=True,
-                                                gridspec_kw={"height_ratios": [2, 1.5, 1.2]})
-    _plot_training(ax, results, max(1, s["steps"] // 20))
-    _plot_eval(ax_eval, results)
-    _plot_eval_delta(ax_delta, results)
-    fig.suptitle(f"{s['workload']}/{s['config'] or 'default'}, {s['steps']} steps, seed {s['seed']}, {s['device']}",
-                 fontsize=10)
-    fig.tight_layout()
-    fig.savefig(path, dpi=110)
-    plt.close(fig)
-    return fig
-
-
-def plot_speed_memory(results: dict, path: Path) -> Any:
-    """Bars per policy: median step time with p10/p90 whiskers (label: speedup), peak memory (label: ratio to
-    fp32), training-state bytes/param. Returns the (closed) matplotlib Figure."""
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
-    ran = _ran(results)
-    names = list(ran)
-    panels = [("step_time_ms_median", "step time (ms)", "median step time; whiskers p10-p90; label: speedup",
-               "speedup_vs_fp32"),
-              ("peak_memory_mb", "peak memory (MiB)", "peak memory; label: ratio to fp32", "memory_ratio_vs_fp32"),
-              ("state_bytes_per_param", "training state (bytes/param)", "training state per parameter", None)]
-    if (results.get("timing") or {}).get("noisy"):   # no speed verdict was given: the labels must not read as one
-        panels[0] = panels[0][:2] + ("TIMINGS NOISY: step times and speedups unreliable (no speed verdict)",
-                                     panels[0][3])
-    fig, axes = plt.subplots(1, 3, figsize=(13, 4.4))
-    for ax, (key, ylabel, title, ratio_key) in zip(axes, panels):
-        values = [ran[n].get(key) or 0.0 for n in names]
-        whiskers = None
-        if key == "step_time_ms_median":
-            whiskers = [[max(0.0, v - (ran[n].get("step_time_ms_p10") or v)) for v, n in zip(values, names)],
-                        [max(0.0, (ran[n].get("step_time_ms_p90") or v) - v) for v, n in zip(values, names)]]
-        bars = ax.bar(names, values, color=[f"C{i}" for i in range(len(names))], yerr=whiskers, capsize=3)
-        for i, (bar, n) in enumerate(zip(bars, names)):
-            label = _fmt(ran[n].get(ratio_key), ".2f", "x") if ratio_key else _fmt(ran[n].get(key), ".1f")
-            top = bar.get_height() + (whiskers[1][i] if whiskers else 0.0)   # above the whisker
-            ax.annotate(label, (bar.get_x() + bar.get_width() / 2, top), ha="center", va="bottom", fontsize=8)
-        ax.set(title=title, ylabel=ylabel, xlabel="policy")
-        ax.title.set_fontsize(9)
-        ax.tick_params(axis="x", rotation=30, labelsize=8)
-        ax.grid(axis="y", alpha=0.3)
-    method = (results.get("timing") or {}).get("method", "sequential")
-    fig.suptitle(f"speed and memory vs fp32 ({results['settings']['device']}; step time: {method} timing)",
-                 fontsize=10)
-    fig.tight_layout()
-    fig.savefig(path, dpi=110)
-    plt.close(fig)
-    return fig
 
 
 def _json_safe(value: Any) -> Any:

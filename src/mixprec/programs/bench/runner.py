@@ -6,11 +6,10 @@ and fp16 on a CPU whose probe says fp16 is not native, is SKIPPED with the measu
 unless ``force=True``. Nothing is run in another precision than asked: each worker records
 the engine's ``policy`` and ``decision`` and the report shows them.
 
-Each runnable policy then trains in ``python -m mixprec.programs.bench``, the worker (its own process: peak
-memory is honest and runs cannot disturb each other) from the same seed and batch order. The
-runner reads each worker's measurements, computes the deltas against fp32 (speedup, memory
-ratio, relative eval-loss delta), judges them (:mod:`mixprec.programs.bench.verdict`) and writes the
-outputs (:mod:`mixprec.programs.bench.report`).
+Each runnable policy then trains in the worker, ``python -m mixprec.programs.bench`` (its own process:
+honest peak memory, no disturbance between runs), from the same seed and batch order. The runner reads
+the measurements, computes the deltas against fp32 (speedup, memory ratio, relative eval-loss delta),
+judges them (:mod:`~mixprec.programs.bench.verdict`), writes the outputs (:mod:`~mixprec.programs.bench.report`).
 
 **Default step count** (:data:`DEFAULT_STEPS` = 300, on ``gpt``/``mid``), measured on the
 2-core Xeon (AMX, avx512_bf16) this was written on, torch 2.13:
@@ -29,15 +28,13 @@ outputs (:mod:`mixprec.programs.bench.report`).
   run-to-run noise above it: a FAIL means a real precision problem, not chance. At 30 steps
   the deltas were larger (up to +0.30 %) and measured the steep initial drop, not training.
 
-Testing hook, read ONLY here: the environment variable ``MIXPREC_BENCH_CAPABILITY`` holds a
-JSON object of :class:`mixprec.policy.resolve.Capability` fields that replaces the measured probe when
-planning (e.g. ``{"device": "cpu", "bf16": true, "fp16": true, "bf16_fast": true,
-"fp16_native": false, "detail": "..."}`` makes fp16 SKIPPED on any CPU). The workers still
-run with the real device.
+Testing hook, read ONLY here: ``MIXPREC_BENCH_CAPABILITY`` holds a JSON object of
+:class:`mixprec.machine.capability.Capability` fields that replaces the measured probe when planning
+(``{"device": "cpu", "bf16": true, "fp16": true, "bf16_fast": true, "fp16_native": false, "detail":
+"..."}`` makes fp16 SKIPPED on any CPU); the workers still run with the real device.
 """
 
 from __future__ import annotations
-
 
 import json
 import math
@@ -49,21 +46,25 @@ import sys
 import time
 from dataclasses import asdict, dataclass, field, replace
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 from tqdm import tqdm
 
-from mixprec.programs.bench.report import COMPILED_SUFFIX, POLICY_KEYS, write_outputs
+from mixprec.programs.bench.report import COMPILED_SUFFIX, write_outputs
+from mixprec.programs.bench.results import BenchResults, PolicyRun
 from mixprec.programs.bench.verdict import Targets, judge
 from mixprec.programs.bench.worker import RunSpec
 from mixprec.machine.capability import Capability, normalize_device, probe
+from mixprec.machine.cache import cpu_name
 from mixprec.policy.resolve import resolve
 from mixprec.distributed.process import from_main_process, init_process_group_from_env, is_main_process, rank, world_size
-from mixprec.machine.cache import cpu_name
 from mixprec.machine.matmul import cached_peaks, cpu_flags
 from mixprec.policy.policy import Policy
 from mixprec.workloads import get_workload
+
+if TYPE_CHECKING:
+    from mixprec.numerics.advice import Recommendation
 
 __all__ = ["BenchConfig", "DEFAULT_POLICIES", "DEFAULT_STEPS", "DEFAULT_GPT_CONFIG", "CAPABILITY_ENV",
            "run_bench", "plan_policy", "judge_policies", "warmup_steps_for", "eval_every_for"]
@@ -73,8 +74,6 @@ DEFAULT_STEPS = 300
 DEFAULT_GPT_CONFIG = "mid"
 REFERENCE = "fp32"
 CAPABILITY_ENV = "MIXPREC_BENCH_CAPABILITY"
-
-
 TIMING_METHODS = ("interleaved", "sequential")   # BenchConfig.timing: how step times are measured
 
 
@@ -192,8 +191,8 @@ def _worker_env() -> dict[str, str]:
 
 
 def _run_worker(spec: RunSpec, workdir: Path, name: str, bar: tqdm,
-                env_update: dict[str, str] | None = None) -> dict[str, Any]:
-    """Run one policy in its own process; the worker's results, or an error entry."""
+                env_update: dict[str, str] | None = None) -> PolicyRun:
+    """Run one policy in its own process; the row its OUT_JSON holds (measurements, or an error and its stage)."""
     spec_path, out_path, log_path = (workdir / f"{name}{suffix}" for suffix in (".spec.json", ".json", ".log"))
     spec_path.write_text(json.dumps(asdict(spec), indent=1))
     out_path.unlink(missing_ok=True)
@@ -213,11 +212,12 @@ def _run_worker(spec: RunSpec, workdir: Path, name: str, bar: tqdm,
         status = proc.wait()
     bar.update(spec.steps - done)
     try:
-        return json.loads(out_path.read_text())
+        result = json.loads(out_path.read_text())
     except (OSError, ValueError):
         tail = log_path.read_text(errors="replace").strip().splitlines()[-3:]
-        return {"error": f"worker exited with status {status} and no results; log {log_path}: {' | '.join(tail)}",
-                "stage": "train"}
+        result = {"error": f"worker exited with status {status} and no results; log {log_path}: {' | '.join(tail)}",
+                  "stage": "train"}
+    return PolicyRun.from_json({"requested": spec.policy, **result})
 
 
 def _environment(device: torch.device, capability: Capability, peaks: dict[str, Any], command: str) -> dict:
@@ -239,37 +239,35 @@ def _environment(device: torch.device, capability: Capability, peaks: dict[str, 
     return env
 
 
-def _skipped_entry(spec: str, reason: str) -> dict[str, Any]:
-    return {**dict.fromkeys(POLICY_KEYS), "requested": spec, "skipped_reason": reason}
-
-
-def judge_policies(entries: dict[str, dict], targets: Targets, *, noisy: bool = False,
-                   seed_noise: dict | None = None) -> None:
-    """Add the deltas vs fp32 and a verdict to every entry (in place); ``noisy`` timings give no speed verdict;
-    with ``seed_noise`` (results.json's) each reason says whether the loss delta lies within the seed band."""
+def judge_policies(entries: dict[str, PolicyRun], targets: Targets, *, noisy: bool = False,
+                   seed_noise: dict | None = None) -> dict[str, PolicyRun]:
+    """``entries`` with the deltas vs fp32 and a verdict added to every row; ``noisy`` timings give no speed
+    verdict; with ``seed_noise`` (results.json's) each reason says whether the loss delta lies within the seed band."""
     ref = entries[REFERENCE]
-    if ref.get("error") is None and ref.get("skipped_reason") is None and ref.get("final_eval_loss") is None:
-        ref["error"] = "the fp32 eval loss is not finite: the reference diverged"
-    ref_error = ref.get("error") or (ref.get("skipped_reason") and f"fp32 did not run: {ref['skipped_reason']}")
+    if ref.error is None and ref.skipped_reason is None and ref.final_eval_loss is None:
+        ref = replace(ref, error="the fp32 eval loss is not finite: the reference diverged")
+        entries = {**entries, REFERENCE: ref}
+    ref_error = ref.error or (ref.skipped_reason and f"fp32 did not run: {ref.skipped_reason}")
+    judged = {}
     for name, e in entries.items():
-        if e.get("step_time_ms_median") is not None and ref_error is None:
-            loss, ref_loss = e["final_eval_loss"], ref["final_eval_loss"]
-            e["speedup_vs_fp32"] = ref["step_time_ms_median"] / e["step_time_ms_median"]
-            e["memory_ratio_vs_fp32"] = e["peak_memory_mb"] / ref["peak_memory_mb"]
-            e["eval_loss_delta_vs_fp32"] = None if loss is None else (loss - ref_loss) / ref_loss
-        skipped, error = e.get("skipped_reason"), e.get("error")
-        if name != REFERENCE and ref_error is not None and error is None and skipped is None:
+        if e.step_time_ms_median is not None and ref_error is None:
+            loss, ref_loss = e.final_eval_loss, ref.final_eval_loss
+            e = replace(e, speedup_vs_fp32=ref.step_time_ms_median / e.step_time_ms_median,
+                        memory_ratio_vs_fp32=e.peak_memory_mb / ref.peak_memory_mb,
+                        eval_loss_delta_vs_fp32=None if loss is None else (loss - ref_loss) / ref_loss)
+        error = e.error
+        if name != REFERENCE and ref_error is not None and error is None and e.skipped_reason is None:
             error = f"no fp32 reference to compare with ({ref_error})"
-        diverged = e.get("step_time_ms_median") is not None and e.get("final_eval_loss") is None
-        verdict = judge(targets=targets, loss_delta=math.nan if diverged else e.get("eval_loss_delta_vs_fp32"),
-                        speedup=None if noisy else e.get("speedup_vs_fp32"),
-                        memory_ratio=e.get("memory_ratio_vs_fp32"),
-                        reference=name == REFERENCE, skipped_reason=skipped, error=error)
-        note = "; timings noisy: no speed verdict" if noisy and e.get("speedup_vs_fp32") is not None else ""
-        delta, band = e.get("eval_loss_delta_vs_fp32"), (seed_noise or {}).get("relative_spread")
+        diverged = e.step_time_ms_median is not None and e.final_eval_loss is None
+        verdict = judge(targets=targets, loss_delta=math.nan if diverged else e.eval_loss_delta_vs_fp32,
+                        speedup=None if noisy else e.speedup_vs_fp32, memory_ratio=e.memory_ratio_vs_fp32,
+                        reference=name == REFERENCE, skipped_reason=e.skipped_reason, error=error)
+        note = "; timings noisy: no speed verdict" if noisy and e.speedup_vs_fp32 is not None else ""
+        delta, band = e.eval_loss_delta_vs_fp32, (seed_noise or {}).get("relative_spread")
         if band is not None and delta is not None and math.isfinite(delta):
             note += f"; {'within' if abs(delta) <= band else 'outside'} seed noise (±{band:.2%})"
-        e["verdict"], e["reason"] = verdict.verdict, verdict.reason + (note if name != REFERENCE else "")
+        judged[name] = replace(e, verdict=verdict.verdict, reason=verdict.reason + (note if name != REFERENCE else ""))
+    return judged
 
 
 ADVISED = "advised"  # --policies advised: run what `mixprec inspect` recommends for this workload
@@ -290,19 +288,18 @@ def _portable_cost(config: BenchConfig, device: torch.device, runnable: list[str
                                  lora=config.lora)
 
 
-def _retime(config: BenchConfig, entries: dict[str, dict], specs: dict[str, RunSpec], workdir: Path,
-            progress: bool) -> dict[str, Any]:
+def _retime(config: BenchConfig, entries: dict[str, PolicyRun], specs: dict[str, RunSpec], workdir: Path,
+            progress: bool) -> tuple[dict[str, Any], dict[str, PolicyRun]]:
     """``timing="interleaved"``: time the rows that trained, interleaved (:mod:`mixprec.programs.bench.interleaved`), and
     replace their step time and what derives from it (the quality run's median is kept as
-    ``sequential_step_time_ms_median``); results.json's ``timing`` (with ``malloc_env``: the workers' glibc malloc
-    thresholds, :data:`mixprec.programs.bench.interleaved.TIMING_MALLOC_ENV` unless the environment set them). Sequential under a strategy or with
-    < 2 rows."""
-    rows = [n for n in specs if entries[n].get("step_time_ms_median") is not None]
+    ``sequential_step_time_ms_median``); returns results.json's ``timing`` (with ``malloc_env``: the workers' glibc malloc
+    thresholds, :data:`mixprec.programs.bench.interleaved.TIMING_MALLOC_ENV` unless the environment set them) and the
+    rows. Sequential under a strategy or with < 2 rows."""
+    rows = [n for n in specs if entries[n].step_time_ms_median is not None]
     sequential = {"method": "sequential", "noisy": False, "spread": {
-        n: entries[n]["step_time_ms_p90"] / entries[n]["step_time_ms_p10"] for n in rows
-        if entries[n].get("step_time_ms_p10")}}
+        n: entries[n].step_time_ms_p90 / entries[n].step_time_ms_p10 for n in rows if entries[n].step_time_ms_p10}}
     if config.timing != "interleaved" or config.strategy is not None or len(rows) < 2:
-        return sequential
+        return sequential, entries
     from mixprec.programs.bench.interleaved import time_interleaved
 
     rounds = max(4, min(12, config.steps // 25))
@@ -310,58 +307,59 @@ def _retime(config: BenchConfig, entries: dict[str, dict], specs: dict[str, RunS
         print(f"timing {len(rows)} policies interleaved: {rounds} rounds of 5 steps each", file=sys.stderr)
     timing = time_interleaved({n: specs[n] for n in rows}, workdir, _worker_env(), block_steps=5, rounds=rounds,
                               warmup_steps=3)
+    entries = dict(entries)
     for name, step in timing["step_ms"].items():
         e = entries[name]
         if step is None:
             continue
-        scale = e["step_time_ms_median"] / step["median"]       # throughput scales inversely with step time
-        e["sequential_step_time_ms_median"] = e["step_time_ms_median"]
-        e.update(step_time_ms_median=step["median"], step_time_ms_p10=step["p10"], step_time_ms_p90=step["p90"])
-        for key in ("items_per_s", "tokens_per_s", "gflops_per_s", "mfu"):
-            if e.get(key) is not None:
-                e[key] *= scale
-    return timing
+        scale = e.step_time_ms_median / step["median"]       # throughput scales inversely with step time
+        rescaled = {key: getattr(e, key) * scale for key in ("items_per_s", "tokens_per_s", "gflops_per_s", "mfu")
+                    if getattr(e, key) is not None}
+        entries[name] = replace(e, sequential_step_time_ms_median=e.step_time_ms_median,
+                                step_time_ms_median=step["median"], step_time_ms_p10=step["p10"],
+                                step_time_ms_p90=step["p90"], **rescaled)
+    return timing, entries
 
 
-def _seed_noise(config: BenchConfig, spec: RunSpec | None, reference: dict, seeds: list[int], workdir: Path,
+def _seed_noise(config: BenchConfig, spec: RunSpec | None, reference: PolicyRun, seeds: list[int], workdir: Path,
                 bar: tqdm) -> dict[str, Any] | None:
     """The fp32 reference trained again at each of ``seeds``: results.json's ``seed_noise`` = ``seeds`` (all,
     the run's own first), ``fp32_eval_losses``, ``relative_spread`` ((max - min) / min), ``fp32_eval_curves``
     (each seed's ``eval_curve``, same order), or None (no extra seed, or a reference that did not finish)."""
-    if not seeds or spec is None or reference.get("final_eval_loss") is None:
+    if not seeds or spec is None or reference.final_eval_loss is None:
         return None
-    losses, curves = [reference["final_eval_loss"]], [reference.get("eval_curve")]
+    losses, curves = [reference.final_eval_loss], [reference.eval_curve]
     for seed in seeds:
         bar.set_description(f"fp32 at seed {seed} (seed-noise band)")
         result = _run_worker(replace(spec, seed=seed), workdir, f"seed{seed}-fp32", bar)
-        if result.get("final_eval_loss") is None:
+        if result.final_eval_loss is None:
             return {"seeds": [config.seed, *seeds], "fp32_eval_losses": losses, "relative_spread": None,
                     "fp32_eval_curves": curves,
-                    "error": result.get("error") or "the fp32 run at another seed did not finish"}
-        losses.append(result["final_eval_loss"])
-        curves.append(result.get("eval_curve"))
+                    "error": result.error or "the fp32 run at another seed did not finish"}
+        losses.append(result.final_eval_loss)
+        curves.append(result.eval_curve)
     return {"seeds": [config.seed, *seeds], "fp32_eval_losses": losses,
             "relative_spread": (max(losses) - min(losses)) / min(losses), "fp32_eval_curves": curves}
 
 
-def _one_mfu_peak(entries: dict[str, dict], peaks_gflops: dict[str, float | None]) -> dict[str, Any] | None:
+def _one_mfu_peak(entries: dict[str, PolicyRun], peaks_gflops: dict[str, float | None]
+                  ) -> tuple[dict[str, Any] | None, dict[str, PolicyRun]]:
     """MFU against one named peak, the device's fastest 16/32-bit matmul dtype (``mixprec doctor``'s, cached per
     torch version and thread count), so the column compares policies; each row keeps ``mfu_own_dtype`` (against
-    its compute dtype's peak). results.json's ``mfu_peak`` (None without peaks)."""
+    its compute dtype's peak). Returns results.json's ``mfu_peak`` (None without peaks) and the rows."""
     known = {d: v for d, v in peaks_gflops.items() if d in ("fp32", "bf16", "fp16") and v}
     if not known:
-        return None
+        return None, entries
     dtype = max(known, key=known.get)
-    for e in entries.values():
-        if e.get("gflops_per_s") is not None:
-            e["mfu_own_dtype"] = e.get("mfu")
-            e["mfu"] = e["gflops_per_s"] / (known[dtype] * (e.get("world_size") or 1))
-    return {"dtype": dtype, "gflops_per_s": known[dtype]}
+    entries = {name: e if e.gflops_per_s is None else
+               replace(e, mfu_own_dtype=e.mfu, mfu=e.gflops_per_s / (known[dtype] * (e.world_size or 1)))
+               for name, e in entries.items()}
+    return {"dtype": dtype, "gflops_per_s": known[dtype]}, entries
 
 
-def run_bench(config: BenchConfig, *, capability: Capability | None = None, progress: bool = True) -> dict[str, Any]:
+def run_bench(config: BenchConfig, *, capability: Capability | None = None, progress: bool = True) -> BenchResults:
     """Run the bench described by ``config``, write its outputs to ``config.out`` and return
-    the results (the content of ``results.json``).
+    the results (``results.json`` is their :meth:`~BenchResults.to_json`).
 
     ``capability`` replaces the device probe when planning which policies run (tests).
 
@@ -384,10 +382,40 @@ def run_bench(config: BenchConfig, *, capability: Capability | None = None, prog
         config = replace(config, steps=int(getattr(workload, "default_steps", DEFAULT_STEPS)))
     del workload
     peaks = cached_peaks(device)
+    names, skip, advice = _plan(config, device, cap, progress)
+    runnable = [n for n in names if skip[n] is None]
+    out = Path(config.out)
+    workdir = out / "workers" if is_main_process() else out / "workers" / f"rank-{rank()}"
+    workdir.mkdir(parents=True, exist_ok=True)
+    run = _Run(config, device, workdir, {name: peak.gflops_per_s for name, peak in peaks.items()},
+               warmup_steps_for(config.steps),
+               eval_every_for(config.steps) if config.eval_every is None else config.eval_every)
+    entries, specs, seed_noise = _train_rows(run, names, skip, progress)
+    timing, entries = _retime(config, entries, specs, workdir, progress)
+    mfu_peak, entries = _one_mfu_peak(entries, run.peaks_gflops)
+    entries = judge_policies(entries, config.targets, noisy=timing["noisy"], seed_noise=seed_noise)
+    portable = _portable_cost(config, device, runnable, progress)
+    results = BenchResults(
+        created=time.strftime("%Y-%m-%dT%H:%M:%S%z"), command=config.command,
+        settings=_settings(run, names), workload=description,
+        environment=_environment(device, cap, peaks, config.command), reference=REFERENCE,
+        advice=None if advice is None else {"policy": str(advice.policy), "reasons": list(advice.reasons),
+                                            "initial_loss_scale": advice.initial_loss_scale},
+        policies=entries, timing=timing, seed_noise=seed_noise, mfu_peak=mfu_peak, portable_ops=portable,
+        parent_pid=os.getpid(), wall_s=time.perf_counter() - start)
+    if is_main_process():
+        write_outputs(results.to_json(), out)
+    return results
+
+
+def _plan(config: BenchConfig, device: torch.device, cap: Capability, progress: bool
+          ) -> tuple[list[str], dict[str, str | None], Recommendation | None]:
+    """The rows' policy names (fp32 first, ``advised`` replaced by the advisor's policy), why each is SKIPPED
+    (None: it runs; rank 0's plan under a strategy) and the advice (None unless asked for)."""
     names = list(dict.fromkeys([REFERENCE, *(p.strip() for p in config.policies)]))
     advice = None
     if ADVISED in names:  # the numerics advisor's policy, measured like any other
-        from mixprec.programs.inspect import advised_policy
+        from mixprec.numerics.workload import advised_policy
 
         advised, advice = advised_policy(config.workload, config=config.config_name, data=config.data,
                                          device=device, lora=config.lora)
@@ -403,14 +431,37 @@ def run_bench(config: BenchConfig, *, capability: Capability | None = None, prog
         skip = from_main_process(skip)       # every rank runs the same policies in the same order
     if skip[REFERENCE] is not None:
         raise ValueError(f"the fp32 reference cannot run on {device}: {skip[REFERENCE]}")
+    return names, skip, advice
+
+
+@dataclass(frozen=True)
+class _Run:
+    """What every row of one bench run shares (:func:`run_bench` fills it once the plan is known)."""
+
+    config: BenchConfig
+    device: torch.device
+    workdir: Path
+    peaks_gflops: dict[str, float | None]
+    warmup_steps: int
+    eval_every: int
+
+    def spec(self, name: str, compiled: bool) -> RunSpec:
+        """The worker's spec for policy ``name`` (eager or compiled)."""
+        config = self.config
+        return RunSpec(workload=config.workload, policy=name, steps=config.steps, seed=config.seed,
+                       config=config.config_name, data=config.data, lora=config.lora,
+                       device="cuda" if config.strategy and self.device.type == "cuda" else str(self.device),  # LOCAL_RANK's
+                       warmup_steps=self.warmup_steps, peaks_gflops=self.peaks_gflops, strategy=config.strategy,
+                       compile=compiled, eval_every=self.eval_every)
+
+
+def _train_rows(run: _Run, names: list[str], skip: dict[str, str | None], progress: bool
+                ) -> tuple[dict[str, PolicyRun], dict[str, RunSpec], dict[str, Any] | None]:
+    """Train every runnable policy (eager, then compiled under ``--compile``) in its own worker, then the fp32
+    reference at the extra seeds: the rows (no verdicts yet), the specs of the rows that ran, and ``seed_noise``."""
+    config = run.config
     runnable = [n for n in names if skip[n] is None]
-    out = Path(config.out)
-    workdir = out / "workers" if is_main_process() else out / "workers" / f"rank-{rank()}"
-    workdir.mkdir(parents=True, exist_ok=True)
-    warmup = warmup_steps_for(config.steps)
-    eval_every = eval_every_for(config.steps) if config.eval_every is None else config.eval_every
-    peaks_gflops = {name: peak.gflops_per_s for name, peak in peaks.items()}
-    entries: dict[str, dict] = {}
+    entries: dict[str, PolicyRun] = {}
     specs: dict[str, RunSpec] = {}
     variants = (False, True) if config.compile else (False,)   # eager, then compiled
     extra_seeds = [] if config.strategy is not None else [config.seed + k for k in range(1, config.seeds)]
@@ -420,54 +471,30 @@ def run_bench(config: BenchConfig, *, capability: Capability | None = None, prog
             for compiled in variants:
                 row = name + COMPILED_SUFFIX if compiled else name
                 if skip[name] is not None:
-                    entries[row] = _skipped_entry(name, skip[name])
+                    entries[row] = PolicyRun.skipped(name, skip[name])
                     continue
                 run_index = sum(1 for n in names[:index] if skip[n] is None) * len(variants) + compiled + 1
                 bar.set_description(f"policy {run_index}/{len(runnable) * len(variants)}: {row}")
-                spec = RunSpec(workload=config.workload, policy=name, steps=config.steps, seed=config.seed,
-                               config=config.config_name, data=config.data, lora=config.lora,
-                               device="cuda" if config.strategy and device.type == "cuda" else str(device),  # LOCAL_RANK's
-                               warmup_steps=warmup, peaks_gflops=peaks_gflops, strategy=config.strategy,
-                               compile=compiled, eval_every=eval_every)
+                spec = run.spec(name, compiled)
                 env_update = None if config.strategy is None else {
                     "MASTER_PORT": str(from_main_process(_free_port() if is_main_process() else None))}
                 file_name = f"{index}{'c' if compiled else ''}-{''.join(c if c.isalnum() or c in '-_' else '_' for c in name)}"
-                result = _run_worker(spec, workdir, file_name, bar, env_update)
+                result = _run_worker(spec, run.workdir, file_name, bar, env_update)
                 specs[row] = spec
-                if result.get("stage") == "setup":  # the engine refused the policy: it did not run
-                    entries[row] = _skipped_entry(name, f"the engine refused it: {result['error']}")
+                if result.stage == "setup":  # the engine refused the policy: it did not run
+                    entries[row] = PolicyRun.skipped(name, f"the engine refused it: {result.error}")
                 else:
-                    entries[row] = {**dict.fromkeys(POLICY_KEYS), "requested": name, **result}
-        seed_noise = _seed_noise(config, specs.get(REFERENCE), entries[REFERENCE], extra_seeds, workdir, bar)
-    timing = _retime(config, entries, specs, workdir, progress)
-    mfu_peak = _one_mfu_peak(entries, peaks_gflops)
-    judge_policies(entries, config.targets, noisy=timing["noisy"], seed_noise=seed_noise)
-    portable = _portable_cost(config, device, runnable, progress)
-    results = {
-        "mixprec_bench": 1,
-        "created": time.strftime("%Y-%m-%dT%H:%M:%S%z"),
-        "command": config.command,
-        "settings": {"workload": config.workload, "config": config.config_name, "policies": names,
-                     "requested_policies": [p.strip() for p in config.policies],
-                     "steps": config.steps, "warmup_steps": warmup, "compile": config.compile,
-                     "eval_every": eval_every,
-                     "seed": config.seed, "data": config.data,
-                     "lora": config.lora,
-                     "device": str(device), "force": config.force, "targets": asdict(config.targets),
-                     "strategy": config.strategy, "world_size": world_size()},
-        "workload": description,
-        "environment": _environment(device, cap, peaks, config.command),
-        "reference": REFERENCE,
-        "advice": None if advice is None else {"policy": str(advice.policy), "reasons": list(advice.reasons),
-                                               "initial_loss_scale": advice.initial_loss_scale},
-        "policies": entries,
-        "timing": timing,
-        "seed_noise": seed_noise,
-        "mfu_peak": mfu_peak,
-        "portable_ops": portable,
-        "parent_pid": os.getpid(),
-        "wall_s": time.perf_counter() - start,
-    }
-    if is_main_process():
-        write_outputs(results, out)
-    return results
+                    entries[row] = replace(result, requested=name)
+        seed_noise = _seed_noise(config, specs.get(REFERENCE), entries[REFERENCE], extra_seeds, run.workdir, bar)
+    return entries, specs, seed_noise
+
+
+def _settings(run: _Run, names: list[str]) -> dict[str, Any]:
+    """results.json's ``settings``."""
+    config = run.config
+    return {"workload": config.workload, "config": config.config_name, "policies": names,
+            "requested_policies": [p.strip() for p in config.policies],
+            "steps": config.steps, "warmup_steps": run.warmup_steps, "compile": config.compile,
+            "eval_every": run.eval_every, "seed": config.seed, "data": config.data, "lora": config.lora,
+            "device": str(run.device), "force": config.force, "targets": asdict(config.targets),
+            "strategy": config.strategy, "world_size": world_size()}

@@ -12,7 +12,7 @@ logs to stderr, and writes its measurements to ``OUT_JSON``; a failure writes
 engine refused the policy, e.g. a device that cannot run it; the runner reports it SKIPPED.
 Anything else is ``train`` and a FAIL).
 
-:func:`build_engine` and :func:`train_step` are shared with ``mixprec train``.
+:func:`mixprec.programs.session.build_engine` and ``train_step`` are shared with ``mixprec train``.
 """
 
 from __future__ import annotations
@@ -33,17 +33,16 @@ from typing import Any
 import torch
 
 from mixprec.programs.bench.measure import MemoryMeter, median_step_ms, percentile, state_bytes, warmup_excess_s
-from mixprec.machine.timing import synchronize
-from mixprec.policy.resolve import resolve_policy
+from mixprec.machine.timing import timed
 from mixprec.distributed.process import init_process_group_from_env, shard_batches, sum_across_ranks, world_size
 from mixprec.autocast import op_plan
-from mixprec.engine.mixed_precision import MixedPrecision, StepResult
-from mixprec.optim import SGD, AdamW
-from mixprec.policy.policy import Policy, state_name
-from mixprec.workloads import Workload, get_workload
+from mixprec.engine.mixed_precision import MixedPrecision
 from mixprec.engine.records import Event
+from mixprec.programs.bench.results import PolicyRun
+from mixprec.programs.session import build_engine, evaluate, train_step
+from mixprec.workloads import Workload, get_workload
 
-__all__ = ["RunSpec", "SetupError", "build_engine", "precision_optimizer", "train_step", "evaluate", "run_policy", "main"]
+__all__ = ["RunSpec", "SetupError", "run_policy", "main"]
 
 _DTYPE_NAMES = {torch.float32: "fp32", torch.bfloat16: "bf16", torch.float16: "fp16"}
 
@@ -92,68 +91,6 @@ class RunSpec:
                              "steps > warmup_steps >= measure_state_at >= 1")
 
 
-def precision_optimizer(optimizer: torch.optim.Optimizer, policy: Policy) -> torch.optim.Optimizer:
-    """``optimizer``, or its :mod:`mixprec.optim` twin (same groups and hyperparameters) when
-    ``policy`` rounds updates (kahan / stochastic) or keeps 16-bit or 8-bit state, which stock
-    ``torch.optim`` optimizers cannot do. Call before any step.
-
-    Raises:
-        ValueError: the policy needs a precision optimizer and ``optimizer`` is neither
-            ``torch.optim.AdamW`` nor ``torch.optim.SGD`` (or uses amsgrad/maximize).
-    """
-    if hasattr(optimizer, "set_precision") or (policy.rounding == "nearest" and policy.state_dtype == torch.float32):
-        return optimizer
-    groups = optimizer.param_groups
-    if type(optimizer) is torch.optim.AdamW and not any(g["amsgrad"] or g["maximize"] for g in groups):
-        keys = ("params", "lr", "betas", "eps", "weight_decay")
-        return AdamW([{k: g[k] for k in keys} for g in groups])
-    if type(optimizer) is torch.optim.SGD and not any(g["maximize"] for g in groups):
-        keys = ("params", "lr", "momentum", "dampening", "weight_decay", "nesterov")
-        return SGD([{k: g[k] for k in keys} for g in groups])
-    raise ValueError(f"policy {policy} writes updates with rounding={policy.rounding!r} and state="
-                     f"{state_name(policy.state_dtype)}, which {type(optimizer).__name__} cannot do; "
-                     "return a mixprec.optim.AdamW or mixprec.optim.SGD from Workload.make_optimizer")
-
-
-def build_engine(workload: Workload, policy: str, *, steps: int, seed: int,
-                 device: str | None = None, strategy: str | None = None, compile: bool = False,
-                 guard: Any = None) -> MixedPrecision:
-    """Seed torch, build the workload's model, optimizer and schedule, and wrap them in the engine.
-
-    ``policy`` is passed to :class:`~mixprec.MixedPrecision` as given (``"auto"`` keeps its
-    reason in ``mp.decision``); nothing falls back: a policy the device cannot run raises.
-    ``strategy`` (None, ``"ddp"``, ``"fsdp2"``), ``compile`` and ``guard`` too; every rank seeds alike.
-    """
-    torch.manual_seed(seed)
-    model = workload.build_model()
-    optimizer = precision_optimizer(workload.make_optimizer(model), resolve_policy(policy, device))
-    scheduler = workload.make_scheduler(optimizer, steps)
-    return MixedPrecision(model, optimizer, policy=policy, device=device, scheduler=scheduler,
-                          max_grad_norm=workload.max_grad_norm, strategy=strategy, compile=compile, guard=guard)
-
-
-def train_step(mp: MixedPrecision, workload: Workload, batch: dict,
-               after_backward: Callable[[], None] | None = None) -> tuple[torch.Tensor, StepResult | None]:
-    """One step: cast inputs, loss under autocast, backward, (``after_backward()``), ``mp.step()``.
-
-    Returns the detached loss (a device tensor: no sync here) and the step's result.
-    """
-    batch = mp.cast_inputs(batch, keep=workload.keep_fp32_inputs)
-    with mp.autocast():
-        loss = workload.loss(mp.model, batch)
-    mp.backward(loss)
-    if after_backward is not None:
-        after_backward()
-    return loss.detach(), mp.step()
-
-
-def evaluate(mp: MixedPrecision, workload: Workload) -> dict[str, float]:
-    """``workload.evaluate`` on its fixed validation batches under the policy's autocast (one sync)."""
-    with mp.autocast():
-        return workload.evaluate(mp.model, (mp.cast_inputs(b, keep=workload.keep_fp32_inputs)
-                                             for b in workload.batches("val")))
-
-
 def _eval_point(mp: MixedPrecision, workload: Workload, spec: RunSpec, step: int, curve: list) -> None:
     """Append ``[step, eval loss]`` to ``curve`` when ``step`` (1-based, after the step) is a K-th, not the last."""
     if spec.eval_every and step % spec.eval_every == 0 and step < spec.steps:
@@ -195,11 +132,8 @@ def _train(mp: MixedPrecision, workload: Workload, spec: RunSpec, progress: Call
         lr = float(mp.optimizer.param_groups[0]["lr"])   # a tensor in torchao's optimizers, updated in place
         after = (lambda: record.measured.update(state=state_bytes(mp.model, mp.optimizer))) \
             if step == spec.measure_state_at else None
-        synchronize(mp.device)
-        t0 = time.perf_counter()
-        loss, result = train_step(mp, workload, batch, after_backward=after)
-        synchronize(mp.device)
-        history["step_time_ms"].append((time.perf_counter() - t0) * 1e3)
+        (loss, result), step_s = timed(lambda: train_step(mp, workload, batch, after_backward=after), mp.device)
+        history["step_time_ms"].append(step_s * 1e3)
         record.memory.sample()
         history["loss"].append(_finite_or_none(float(loss)))
         history["loss_scale"].append(result.loss_scale)
@@ -213,11 +147,11 @@ def _train(mp: MixedPrecision, workload: Workload, spec: RunSpec, progress: Call
     return record
 
 
-def run_policy(spec: RunSpec, progress: Callable[[int], None] | None = None) -> dict[str, Any]:
-    """Train ``spec.steps`` steps of one policy and return its measurements (the per-policy
-    keys of :mod:`mixprec.programs.bench.report`). Host syncs: one per step for timing, plus the engine's, plus one
-    per eval point (``spec.eval_every``), plus a read of the lr per step where an optimizer keeps it as a
-    device tensor (torchao's).
+def run_policy(spec: RunSpec, progress: Callable[[int], None] | None = None) -> PolicyRun:
+    """Train ``spec.steps`` steps of one policy and return its measurements (a :class:`PolicyRun` that trained,
+    no verdict yet). Host syncs: one per step for timing, plus the engine's, plus one per eval point
+    (``spec.eval_every``), plus a read of the lr per step where an optimizer keeps it as a device tensor
+    (torchao's).
 
     Raises:
         SetupError: the engine (or the optimizer) refused the policy for this device or model.
@@ -232,68 +166,55 @@ def run_policy(spec: RunSpec, progress: Callable[[int], None] | None = None) -> 
     except (ValueError, TypeError) as err:
         raise SetupError(f"{type(err).__name__}: {err}") from err
     record = _train(mp, workload, spec, progress)
-    memory, history, skipped, eval_curve, measured = (record.memory, record.history, record.skipped,
-                                                      record.eval_curve, record.measured)
     eval_metrics = evaluate(mp, workload)
-    eval_curve.append([spec.steps, _finite_or_none(eval_metrics["loss"])])
-    step_ms = median_step_ms(history["step_time_ms"], spec.warmup_steps)
-    warmup_excess = warmup_excess_s(history["step_time_ms"], spec.warmup_steps)   # compilation, under compile
-    step_s = step_ms / 1e3
+    record.eval_curve.append([spec.steps, _finite_or_none(eval_metrics["loss"])])
+    return _policy_run(mp, workload, spec, record, eval_metrics, start_wall)
+
+
+def _throughput(mp: MixedPrecision, workload: Workload, spec: RunSpec, step_s: float) -> dict[str, Any]:
+    """Items/s, tokens/s, GFLOP/s and MFU at ``step_s`` seconds per step, summed over the ranks under a strategy
+    (one collective)."""
     flops = float(workload.flops_per_step())
-    compute = _DTYPE_NAMES[mp.policy.compute_dtype]
-    peak = spec.peaks_gflops.get(compute)
+    peak = spec.peaks_gflops.get(_DTYPE_NAMES[mp.policy.compute_dtype])
     items_per_s, gflops = workload.items_per_batch / step_s, flops / step_s / 1e9
     ranks = world_size() if spec.strategy is not None else 1
     if ranks > 1:  # every rank trained on its own batches: the run's throughput is the sum
         summed = sum_across_ranks(torch.tensor([items_per_s, gflops], dtype=torch.float64, device=mp.device))
         items_per_s, gflops = summed.tolist()
-    state = measured["state"]
-    return {
-        "requested": spec.policy,
-        "policy": str(mp.policy),
-        "decision": mp.decision,
-        "op_plan": [dataclasses.asdict(e) for e in op_plan.entries(mp.device.type, policy=mp.policy)],
-        "compute_dtype": compute,
-        "device": str(mp.device),
-        "pid": os.getpid(),
-        "torch_threads": torch.get_num_threads(),
-        "optimizer": f"{type(mp.optimizer).__module__}.{type(mp.optimizer).__name__}",
-        "steps": spec.steps,
-        "warmup_steps": spec.warmup_steps,
-        "step_time_ms_median": step_ms,
-        "compiled": spec.compile,
-        "first_step_ms": history["step_time_ms"][0],
-        "warmup_excess_s": warmup_excess,
-        "compile_time_s": warmup_excess if spec.compile else None,
-        **_spread_ms(history["step_time_ms"][spec.warmup_steps:]),
-        "items_per_batch": workload.items_per_batch,
-        "item_unit": workload.item_unit,
-        "items_per_s": items_per_s,
-        "tokens_per_s": items_per_s if workload.item_unit == "tokens" else None,
-        "flops_per_step": flops,
-        "gflops_per_s": gflops,
-        "peak_gflops_per_s": peak,
-        "mfu": gflops / (peak * ranks) if peak else None,
-        "strategy": spec.strategy,
-        "world_size": ranks,
-        "peak_memory_mb": memory.peak_mb(),
-        "memory_source": memory.source,
-        "state_bytes_per_param": state.per_param,
-        "state_bytes": state.as_dict(),
-        "final_eval": eval_metrics,
-        "final_eval_loss": _finite_or_none(eval_metrics["loss"]),
-        "eval_curve": eval_curve,
-        "loss_unit": workload.loss_unit,
-        "skipped_steps": sum(skipped.values()),
-        "skipped_by_reason": dict(skipped),
-        "loss_per_step": history["loss"],
-        "loss_scale_history": history["loss_scale"],
-        "grad_norm_per_step": history["grad_norm"],
-        "lr_per_step": history["lr"],
-        "step_time_ms_per_step": history["step_time_ms"],
-        "events": [Event.of(e).to_dict() for e in mp.events],
-        "wall_s": time.perf_counter() - start_wall,
-    }
+    return {"items_per_s": items_per_s, "tokens_per_s": items_per_s if workload.item_unit == "tokens" else None,
+            "flops_per_step": flops, "gflops_per_s": gflops, "peak_gflops_per_s": peak,
+            "mfu": gflops / (peak * ranks) if peak else None, "world_size": ranks}
+
+
+def _policy_run(mp: MixedPrecision, workload: Workload, spec: RunSpec, record: _Record,
+                eval_metrics: dict[str, float], start_wall: float) -> PolicyRun:
+    """The row of one trained run, from the engine, the training record and the final eval."""
+    history, times = record.history, record.history["step_time_ms"]
+    step_ms = median_step_ms(times, spec.warmup_steps)
+    warmup_excess = warmup_excess_s(times, spec.warmup_steps)   # compilation, under compile
+    throughput = _throughput(mp, workload, spec, step_ms / 1e3)
+    state = record.measured["state"]
+    return PolicyRun(
+        requested=spec.policy, policy=str(mp.policy), decision=mp.decision,
+        op_plan=[dataclasses.asdict(e) for e in op_plan.entries(mp.device.type, policy=mp.policy)],
+        compute_dtype=_DTYPE_NAMES[mp.policy.compute_dtype], device=str(mp.device), pid=os.getpid(),
+        torch_threads=torch.get_num_threads(),
+        optimizer=f"{type(mp.optimizer).__module__}.{type(mp.optimizer).__name__}",
+        steps=spec.steps, warmup_steps=spec.warmup_steps, step_time_ms_median=step_ms, compiled=spec.compile,
+        first_step_ms=times[0], warmup_excess_s=warmup_excess,
+        compile_time_s=warmup_excess if spec.compile else None, **_spread_ms(times[spec.warmup_steps:]),
+        items_per_batch=workload.items_per_batch, item_unit=workload.item_unit,
+        strategy=spec.strategy, **throughput,
+        peak_memory_mb=record.memory.peak_mb(), memory_source=record.memory.source,
+        state_bytes_per_param=state.per_param, state_bytes=state.as_dict(),
+        final_eval=eval_metrics, final_eval_loss=_finite_or_none(eval_metrics["loss"]),
+        eval_curve=record.eval_curve, loss_unit=workload.loss_unit,
+        skipped_steps=sum(record.skipped.values()), skipped_by_reason=dict(record.skipped),
+        loss_per_step=history["loss"], loss_scale_history=history["loss_scale"],
+        grad_norm_per_step=history["grad_norm"], lr_per_step=history["lr"], step_time_ms_per_step=times,
+        events=[Event.of(e).to_dict() for e in mp.events],
+        wall_s=time.perf_counter() - start_wall,
+    )
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -306,7 +227,7 @@ def main(argv: list[str] | None = None) -> int:
     try:
         with open(spec_path, encoding="utf-8") as f:
             spec = RunSpec(**json.load(f))
-        result, status = run_policy(spec, lambda step: print(f"step {step}", flush=True)), 0
+        result, status = run_policy(spec, lambda step: print(f"step {step}", flush=True)).to_json(), 0
     except SetupError as err:
         traceback.print_exc()
         result, status = {"error": str(err), "stage": "setup", "pid": os.getpid()}, 1

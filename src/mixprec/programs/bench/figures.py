@@ -1,0 +1,179 @@
+"""The bench's figures, ``loss_curves.png`` and ``speed_memory.png``, and the readings of a results.json that they
+share with ``report.md`` (the rows that trained, eval curves, the seed band, number formatting).
+
+Every function takes the results.json content (a dict); matplotlib is imported only to plot (Agg backend).
+"""
+
+from __future__ import annotations
+
+import math
+from pathlib import Path
+from typing import Any
+
+__all__ = ["plot_loss_curves", "plot_speed_memory", "fmt", "ran_rows", "eval_curve_of", "loss_unit", "seed_band"]
+
+
+def fmt(value: Any, spec: str, suffix: str = "") -> str:
+    """``value`` formatted with ``spec`` and ``suffix``; ``-`` for None or a non-finite float."""
+    if value is None or (isinstance(value, float) and not math.isfinite(value)):
+        return "-"
+    return f"{value:{spec}}{suffix}"
+
+
+def ran_rows(results: dict) -> dict[str, dict]:
+    """The rows that trained (they have a training loss per step), in results.json order."""
+    return {n: e for n, e in results["policies"].items() if e.get("loss_per_step")}
+
+
+def _moving_average(values: list[float], window: int) -> list[float]:
+    return [sum(values[max(0, i - window + 1):i + 1]) / len(values[max(0, i - window + 1):i + 1])
+            for i in range(len(values))]
+
+
+_STYLES = ("-", "--", "-.", ":")          # policies that track fp32 overlap: dashes keep each one visible
+_MARKERS = ("o", "s", "^", "D", "v", "P", "X", "*")
+
+
+def _width(index: int, count: int) -> float:
+    """Line width by drawing order, widest first: a curve drawn over an identical one leaves it showing as an outline."""
+    return 1.0 + 0.7 * (count - 1 - index)
+
+
+def eval_curve_of(entry: dict | None) -> dict:
+    """A row's ``eval_curve`` as ``{step: eval loss or None}``."""
+    return dict((step, loss) for step, loss in (entry or {}).get("eval_curve") or [])
+
+
+def loss_unit(results: dict) -> str:
+    """The workload's loss unit (``Workload.loss_unit``), read from the first row that trained."""
+    return next((e["loss_unit"] for e in ran_rows(results).values() if e.get("loss_unit")),
+                "unit not set: Workload.loss_unit")
+
+
+def _plot_training(ax: Any, results: dict, window: int) -> None:
+    """Training loss per step: raw (faint) and a trailing moving average, one colour and dash per policy."""
+    for index, (name, e) in enumerate(ran_rows(results).items()):
+        losses = [math.nan if v is None else v for v in e["loss_per_step"]]
+        steps = range(1, len(losses) + 1)
+        (line,) = ax.plot(steps, _moving_average(losses, window), lw=_width(index, len(ran_rows(results))),
+                          ls=_STYLES[index % len(_STYLES)],
+                          color=f"C{index}", label=name)
+        ax.plot(steps, losses, lw=0.5, alpha=0.2, color=line.get_color())
+    ax.plot([], [], color="gray", lw=0.5, alpha=0.5, label="raw, per step (faint)")
+    smooth = f"lines: trailing mean over {window} steps" if window > 1 else "per step"
+    ax.set(ylabel=f"training loss ({loss_unit(results)})", title=f"training loss ({smooth})")
+    ax.legend(fontsize=7, ncol=3)
+    ax.grid(alpha=0.3)
+
+
+def _plot_eval(ax: Any, results: dict) -> None:
+    """Eval loss at each eval point (the row's ``eval_curve``), with markers and dashes so overlaps stay visible."""
+    for index, (name, e) in enumerate(ran_rows(results).items()):
+        curve = [(st, v) for st, v in e.get("eval_curve") or [] if v is not None]
+        if curve:
+            ax.plot(*zip(*curve), lw=_width(index, len(ran_rows(results))), ls=_STYLES[index % len(_STYLES)],
+                    marker=_MARKERS[index % len(_MARKERS)], ms=3 + 2 * _width(index, len(ran_rows(results))), mfc="none", color=f"C{index}", label=f"{name} (final {fmt(e.get('final_eval_loss'), '.4f')})")
+    ax.set(ylabel=f"eval loss ({loss_unit(results)})", title="validation loss over training (fixed val batches)")
+    ax.legend(fontsize=7, ncol=2)
+    ax.grid(alpha=0.3)
+
+
+def seed_band(results: dict) -> dict[int, float]:
+    """Per eval step, the fp32 seeds' relative spread ((max - min) / min) — the band a delta is read against."""
+    curves = [eval_curve_of({"eval_curve": c}) for c in (results.get("seed_noise") or {}).get("fp32_eval_curves") or [] if c]
+    if len(curves) < 2:
+        return {}
+    band = {}
+    for step in curves[0]:
+        values = [c.get(step) for c in curves]
+        if all(v is not None for v in values):
+            band[step] = (max(values) - min(values)) / min(values)
+    return band
+
+
+def _plot_eval_delta(ax: Any, results: dict) -> None:
+    """Eval-loss delta vs fp32 (%) at each eval point, the gate (+max loss delta, judged at the final point)
+    and the seed-noise band (shaded ±, per eval point)."""
+    reference = eval_curve_of(ran_rows(results).get(results["reference"]))
+    for index, (name, e) in enumerate(ran_rows(results).items()):
+        points = [(st, 100 * (v - reference[st]) / reference[st]) for st, v in e.get("eval_curve") or []
+                  if name != results["reference"] and v is not None and reference.get(st)]
+        if points:
+            ax.plot(*zip(*points), lw=_width(index, len(ran_rows(results))), ls=_STYLES[index % len(_STYLES)],
+                    marker=_MARKERS[index % len(_MARKERS)], ms=3 + 2 * _width(index, len(ran_rows(results))), mfc="none", color=f"C{index}", label=name)
+    band = seed_band(results)
+    if band:
+        steps = sorted(band)
+        ax.fill_between(steps, [-100 * band[st] for st in steps], [100 * band[st] for st in steps], color="gray",
+                        alpha=0.2, label=f"seed noise (fp32 at {len([c for c in results['seed_noise']['fp32_eval_curves'] if c])} seeds)")
+    limit_pct = 100 * results["settings"]["targets"]["max_loss_delta"]
+    ax.axhline(0, color="black", lw=0.8)
+    ax.axhline(limit_pct, color="red", lw=0.8, ls="--", label=f"gate: --max-loss-delta +{limit_pct:g}% (final eval)")
+    ax.set(xlabel="step (optimizer steps)", ylabel="eval loss vs fp32 (%)")
+    ax.legend(fontsize=7, ncol=3)
+    ax.grid(alpha=0.3)
+
+
+def plot_loss_curves(results: dict, path: Path) -> Any:
+    """Three panels sharing the step axis: training loss (raw and smoothed), eval loss at each eval point, and
+    each policy's eval-loss delta vs fp32 with the gate and the seed-noise band. Returns the (closed) matplotlib
+    Figure, whose axes can still be read."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    s = results["settings"]
+    fig, (ax, ax_eval, ax_delta) = plt.subplots(3, 1, figsize=(8, 9), sharex=True,
+                                                gridspec_kw={"height_ratios": [2, 1.5, 1.2]})
+    _plot_training(ax, results, max(1, s["steps"] // 20))
+    _plot_eval(ax_eval, results)
+    _plot_eval_delta(ax_delta, results)
+    fig.suptitle(f"{s['workload']}/{s['config'] or 'default'}, {s['steps']} steps, seed {s['seed']}, {s['device']}",
+                 fontsize=10)
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+    return fig
+
+
+def plot_speed_memory(results: dict, path: Path) -> Any:
+    """Bars per policy: median step time with p10/p90 whiskers (label: speedup), peak memory (label: ratio to
+    fp32), training-state bytes/param. Returns the (closed) matplotlib Figure."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    ran = ran_rows(results)
+    names = list(ran)
+    panels = [("step_time_ms_median", "step time (ms)", "median step time; whiskers p10-p90; label: speedup",
+               "speedup_vs_fp32"),
+              ("peak_memory_mb", "peak memory (MiB)", "peak memory; label: ratio to fp32", "memory_ratio_vs_fp32"),
+              ("state_bytes_per_param", "training state (bytes/param)", "training state per parameter", None)]
+    if (results.get("timing") or {}).get("noisy"):   # no speed verdict was given: the labels must not read as one
+        panels[0] = panels[0][:2] + ("TIMINGS NOISY: step times and speedups unreliable (no speed verdict)",
+                                     panels[0][3])
+    fig, axes = plt.subplots(1, 3, figsize=(13, 4.4))
+    for ax, (key, ylabel, title, ratio_key) in zip(axes, panels):
+        values = [ran[n].get(key) or 0.0 for n in names]
+        whiskers = None
+        if key == "step_time_ms_median":
+            whiskers = [[max(0.0, v - (ran[n].get("step_time_ms_p10") or v)) for v, n in zip(values, names)],
+                        [max(0.0, (ran[n].get("step_time_ms_p90") or v) - v) for v, n in zip(values, names)]]
+        bars = ax.bar(names, values, color=[f"C{i}" for i in range(len(names))], yerr=whiskers, capsize=3)
+        for i, (bar, n) in enumerate(zip(bars, names)):
+            label = fmt(ran[n].get(ratio_key), ".2f", "x") if ratio_key else fmt(ran[n].get(key), ".1f")
+            top = bar.get_height() + (whiskers[1][i] if whiskers else 0.0)   # above the whisker
+            ax.annotate(label, (bar.get_x() + bar.get_width() / 2, top), ha="center", va="bottom", fontsize=8)
+        ax.set(title=title, ylabel=ylabel, xlabel="policy")
+        ax.title.set_fontsize(9)
+        ax.tick_params(axis="x", rotation=30, labelsize=8)
+        ax.grid(axis="y", alpha=0.3)
+    method = (results.get("timing") or {}).get("method", "sequential")
+    fig.suptitle(f"speed and memory vs fp32 ({results['settings']['device']}; step time: {method} timing)",
+                 fontsize=10)
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+    return fig
