@@ -553,6 +553,45 @@ def test_clamped_scales_count_zero_operands_per_role(recipe):
     assert "1" not in clamped_scales(model) or clamped_scales(model)["1"]["weight"] == 0
 
 
+@pytest.mark.parametrize("recipe", ["tensorwise", "delayed"])
+def test_to_empty_of_a_meta_model_starts_its_scaling_state_fresh(recipe):
+    """Issue 25: after ``to_empty`` the non-persistent ``clamped`` counters held uninitialised memory
+    (clamped_scales reported ~1e14) and delayed scaling's state was garbage marked initialised."""
+    from mixprec.fp8 import clamped_scales
+
+    torch.empty(1 << 16, dtype=torch.int64).fill_(123456789)   # dirty memory for torch.empty to reuse
+    with torch.device("meta"):
+        model = nn.Sequential(nn.Linear(32, 16), nn.Linear(16, 16))
+    convert_to_float8(model, recipe=recipe, keep_first_last=False)
+    model.to_empty(device="cpu")
+    assert clamped_scales(model) == {}
+    torch.manual_seed(0)
+    reference = nn.Sequential(nn.Linear(32, 16), nn.Linear(16, 16))
+    with torch.no_grad():
+        reference[1].weight.zero_()
+    convert_to_float8(reference, recipe=recipe, keep_first_last=False)
+    model.load_state_dict({k: v for k, v in reference.state_dict().items() if "scaling" not in k}, strict=False)
+    assert all(torch.equal(a, b) for a, b in zip(model.state_dict().values(), reference.state_dict().values()))
+    x = torch.randn(4, 32)
+    assert torch.equal(model(x), reference(x))   # the same (fresh) scales as a model built on the CPU
+    assert clamped_scales(model) == clamped_scales(reference) == {"1": {"input": 0, "weight": 1, "grad_output": 0}}
+
+
+def test_to_empty_and_to_keep_the_counts_of_a_materialised_model():
+    from mixprec.fp8 import clamped_scales
+
+    model = nn.Sequential(nn.Linear(16, 16), nn.Linear(16, 16))
+    convert_to_float8(model, recipe="delayed", keep_first_last=False)
+    with torch.no_grad():
+        model[1].weight.zero_()
+    model(torch.randn(4, 16)).sum().backward()
+    counts, state = clamped_scales(model), {k: v.clone() for k, v in model.state_dict().items()}
+    assert counts["1"]["weight"] == 1
+    model.to_empty(device="cpu")
+    assert clamped_scales(model) == counts
+    assert all(torch.equal(state[k], v) for k, v in model.state_dict().items() if ".scaling." in k)
+
+
 # ================================================================ case 30 through the engine
 
 

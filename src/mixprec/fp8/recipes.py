@@ -19,7 +19,9 @@ Formats: ``hybrid`` (default) = E4M3 (e4m3fn) for inputs and weights, E5M2 for g
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
+from typing import ClassVar
 
 import torch
 from torch import nn
@@ -105,11 +107,38 @@ class Float8Recipe:
         return f"{self.name}(format={self.fp8_format},margin={self.margin}{extra})"
 
 
-class _ClampCounter(nn.Module):
+class _NeverEmpty(nn.Module):
+    """Scaling state that never holds uninitialised memory. ``model.to_empty(device=...)`` (materialising a
+    model built on the meta device, or moving one without copying) gives each buffer of this module its
+    value back instead of ``torch.empty``'s: the fresh value (``_FRESH``) where it was a meta tensor, else
+    the value it held. Without it a counter read ~1e14 and a delayed scale was garbage, marked initialised.
+    A ``load_state_dict`` afterwards sets the persistent buffers as usual; ``state_dict`` keys are unchanged."""
+
+    _FRESH: ClassVar[dict[str, float]] = {}
+
+    def _apply(self, fn: Callable[[torch.Tensor], torch.Tensor], recurse: bool = True) -> _NeverEmpty:
+        before = dict(self._buffers)
+        super()._apply(fn, recurse)
+        with torch.no_grad():
+            for name, old in before.items():
+                new = self._buffers.get(name)
+                if old is None or new is None or new is old or new.is_meta:
+                    continue
+                if old.is_meta:
+                    new.fill_(self._FRESH[name])
+                else:
+                    new.copy_(old)   # .to(): the same values again; to_empty: the values, not empty memory
+        return self
+
+
+class _ClampCounter(_NeverEmpty):
     """Diagnostics shared by the scaling classes: ``clamped``, an int64 ``(3,)`` buffer (one entry
     per role of :data:`ROLES`) counting the scales that the amax floor clamped -- casts of an
     all-zero or subnormal tensor (per row under rowwise) since the counter was built or
-    :meth:`reset_clamped`. Not persistent (never in ``state_dict``); updated on device, no sync."""
+    :meth:`reset_clamped` (0 after ``to_empty`` of a meta model). Not persistent (never in ``state_dict``);
+    updated on device, no sync."""
+
+    _FRESH = {"clamped": 0}
 
     def _init_counter(self, device: torch.device | str | None) -> None:
         self.register_buffer("clamped", torch.zeros(len(ROLES), dtype=torch.int64, device=device), persistent=False)
@@ -150,14 +179,17 @@ class CurrentScaling(_ClampCounter):
         return str(self.recipe)
 
 
-class AmaxHistory(nn.Module):
+class AmaxHistory(_NeverEmpty):
     """Delayed-scaling state of one operand role: amax history, the scale for the next cast.
 
     Buffers (all in ``state_dict``): ``amax_history`` ``(history_len,)`` fp32, newest first;
     ``scale`` ``()`` fp32, computed from the history after the last record; ``initialized``
     ``()`` bool. Until the first record the cast uses the current amax (as torchao's delayed
-    scaling did), so step one is not cast with an arbitrary scale.
+    scaling did), so step one is not cast with an arbitrary scale. Fresh again after ``to_empty``
+    of a meta model (:class:`_NeverEmpty`).
     """
+
+    _FRESH = {"amax_history": 0.0, "scale": 1.0, "initialized": False}
 
     def __init__(self, fmt: Format, recipe: Float8Recipe, device: torch.device | str | None = None) -> None:
         super().__init__()
