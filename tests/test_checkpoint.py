@@ -281,6 +281,24 @@ def test_optimizer_state_saved_for_other_params_at_its_indices_is_refused(policy
                for t, u in zip(same.master_parameters(), mp.master_parameters()))
 
 
+def test_load_checkpoint_returns_the_saved_data_position_in_either_format(tmp_path):
+    """Issue 25: save_checkpoint(..., data_position={"batches": 7}) then load_checkpoint returned {}: the
+    data position was lost. It comes back as the returned extra's ``data_position``, one-process and DCP."""
+    from mixprec.checkpoint import dcp
+
+    mp = build("fp32")
+    train(mp, 0, 2)
+    mixprec.save_checkpoint(tmp_path / "local", mp, data_position={"batches": 7})
+    dcp.save(tmp_path / "dcp", mp, extra={"run": "a"}, data_position={"batches": 7})   # what FSDP2 ranks write
+    loaded = mixprec.load_checkpoint(tmp_path / "local", build("fp32"))
+    assert loaded == {} and loaded.data_position == {"boundaries": 2, "batches": 7}
+    loaded = mixprec.load_checkpoint(tmp_path / "local", build("fp32"), weights_only=True)
+    assert loaded.data_position == {"boundaries": 2, "batches": 7}
+    loaded = mixprec.load_checkpoint(tmp_path / "dcp", build("fp32"))
+    assert loaded == {"run": "a"} and loaded.data_position == {"boundaries": 2, "world_size": 1, "batches": 7}
+    assert loaded.data_position == mixprec.checkpoint.read_manifest(tmp_path / "dcp")["data_position"]
+
+
 def test_read_weights_prefers_masters_fills_tied_names_and_verifies(tmp_path):
     from mixprec.checkpoint.local import read_weights
 

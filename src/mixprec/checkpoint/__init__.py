@@ -15,7 +15,7 @@ from torch import nn
 
 from mixprec.checkpoint import dcp, local
 from mixprec.checkpoint.layout import LATEST, MANIFEST, CheckpointError, read_manifest_json, resolve_checkpoint
-from mixprec.checkpoint.manifest import is_dcp
+from mixprec.checkpoint.manifest import LoadedExtra, is_dcp
 from mixprec.checkpoint.verify import read_weights
 from mixprec.distributed.process import world_size
 
@@ -23,7 +23,7 @@ if TYPE_CHECKING:
     from mixprec.engine.mixed_precision import MixedPrecision
 
 __all__ = ["CheckpointError", "save_checkpoint", "load_checkpoint", "read_manifest", "read_weights",
-           "load_model_weights", "resolve_checkpoint", "MANIFEST", "LATEST"]
+           "load_model_weights", "resolve_checkpoint", "LoadedExtra", "MANIFEST", "LATEST"]
 
 
 def save_checkpoint(path: str | Path, mp: MixedPrecision, extra: dict | None = None, *, guard: Any = None,
@@ -38,7 +38,8 @@ def save_checkpoint(path: str | Path, mp: MixedPrecision, extra: dict | None = N
         keep: keep exactly ``keep`` checkpoints: the new one (which ``latest`` names) and the newest
             ``keep - 1`` others (None: keep all).
         data_position: JSON dict saying where the data stream is (e.g. ``{"batches": 1200}``); stored
-            in the manifest's ``data_position`` next to ``boundaries``.
+            in the manifest's ``data_position`` next to ``boundaries``, and given back by
+            :func:`load_checkpoint` (the ``data_position`` of what it returns).
         ema: a :class:`mixprec.EMA` of ``mp`` to save with it (its fp32 shadow and counters), or None.
 
     The format follows ``mp.strategy``: None, the one-process format (:mod:`mixprec.checkpoint.local`);
@@ -72,8 +73,11 @@ def save_checkpoint(path: str | Path, mp: MixedPrecision, extra: dict | None = N
 
 def load_checkpoint(path: str | Path, mp: MixedPrecision, *, guard: Any = None, convert: bool = False,
                     adopt_policy: bool = False, weights_only: bool = False, restore_rng: bool = True,
-                    ema: Any = None) -> dict:
-    """Verify the checkpoint at ``path`` and load it into ``mp``; returns the manifest's ``extra``.
+                    ema: Any = None) -> LoadedExtra:
+    """Verify the checkpoint at ``path`` and load it into ``mp``; returns what :func:`save_checkpoint` stored
+    for the caller, either format, as a :class:`~mixprec.checkpoint.manifest.LoadedExtra`: a dict equal to the
+    saved ``extra``, whose ``.data_position`` is the saved ``data_position`` (the caller's dict with the
+    ``boundaries`` the save added, and ``world_size`` from a distributed save), to continue the data stream.
 
     ``path`` is a checkpoint root (follows ``latest``) or a ``step-N`` directory, of either format:
     a DCP checkpoint (:mod:`mixprec.checkpoint.dcp`) loads into an engine of the same policy with any

@@ -24,7 +24,7 @@ from torch import nn
 
 from mixprec.checkpoint.layout import (MANIFEST, PendingCheckpoint, abort_checkpoint, begin_checkpoint,
                                        commit_checkpoint)
-from mixprec.checkpoint.manifest import DCP_FORMAT, Manifest, pin_op_plan
+from mixprec.checkpoint.manifest import DCP_FORMAT, LoadedExtra, Manifest, pin_op_plan
 from mixprec.distributed.process import from_main_process, is_main_process, world_size
 
 if TYPE_CHECKING:
@@ -132,8 +132,9 @@ def check_boundary(mp: MixedPrecision, call: str) -> None:
                            "a result)")
 
 
-def load(directory: Path, manifest: dict, mp: MixedPrecision, *, guard: Any = None) -> dict:
-    """Load the DCP checkpoint in ``directory`` (its parsed ``manifest``) into ``mp``; returns its ``extra``.
+def load(directory: Path, manifest: dict, mp: MixedPrecision, *, guard: Any = None) -> LoadedExtra:
+    """Load the DCP checkpoint in ``directory`` (its parsed ``manifest``) into ``mp``; returns its ``extra`` with
+    its ``data_position`` (:class:`~mixprec.checkpoint.manifest.LoadedExtra`).
     Every rank calls it. Restored: model, optimizer, loss scale, scheduler, counters, events, the guard's
     counts (``guard``, default ``mp.guard``) and the op-plan pin.
 
@@ -162,7 +163,7 @@ def load(directory: Path, manifest: dict, mp: MixedPrecision, *, guard: Any = No
     if guard is not None and saved.guard is not None:
         guard.load_state_dict(saved.guard)
     pin_op_plan(manifest, mp.device.type)
-    return saved.extra
+    return LoadedExtra(saved.extra, saved.data_position)
 
 
 def load_model_weights(directory: Path, model: nn.Module) -> None:

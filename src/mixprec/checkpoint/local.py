@@ -80,7 +80,7 @@ import safetensors.torch
 import torch
 
 from mixprec.checkpoint.layout import LATEST, MANIFEST, CheckpointError, new_checkpoint, resolve_checkpoint
-from mixprec.checkpoint.manifest import FORMAT, Manifest, pin_op_plan
+from mixprec.checkpoint.manifest import FORMAT, LoadedExtra, Manifest, pin_op_plan
 from mixprec.checkpoint.rng import rng_state, set_rng_state
 from mixprec.checkpoint.tree import STATE_FILE, canonical, decode, dtype_name, encode, write_file
 from mixprec.checkpoint.verify import (MASTERS_FILE, MODEL_FILE, Checkpoint, best_weights, check_fits,
@@ -177,8 +177,9 @@ def _load_weights(ck: Checkpoint, mp: MixedPrecision) -> None:
 
 def load_checkpoint(path: str | Path, mp: MixedPrecision, *, guard: Any = None, convert: bool = False,
                     adopt_policy: bool = False, weights_only: bool = False, restore_rng: bool = True,
-                    ema: Any = None) -> dict:
-    """Verify the one-process checkpoint at ``path`` and load it into ``mp``; returns the manifest's ``extra``.
+                    ema: Any = None) -> LoadedExtra:
+    """Verify the one-process checkpoint at ``path`` and load it into ``mp``; returns the manifest's ``extra``
+    with its ``data_position`` (:class:`~mixprec.checkpoint.manifest.LoadedExtra`).
     Documented at :func:`mixprec.checkpoint.load_checkpoint`, which routes here."""
     _check_load_args(mp, convert=convert, adopt_policy=adopt_policy, weights_only=weights_only, ema=ema)
     ck = read(path)
@@ -200,7 +201,7 @@ def load_checkpoint(path: str | Path, mp: MixedPrecision, *, guard: Any = None, 
         raise
     if ema is not None:
         ema.load_state_dict(ema_state)
-    return extra
+    return LoadedExtra(extra, ck.manifest.get("data_position"))
 
 
 def _check_load_args(mp: MixedPrecision, *, convert: bool, adopt_policy: bool, weights_only: bool, ema: Any) -> None:

@@ -88,6 +88,19 @@ class Manifest:
         return cls(**common, strategy=data.get("strategy"), state=state)
 
 
+class LoadedExtra(dict):
+    """What :func:`mixprec.load_checkpoint` returns: the saved ``extra`` (this dict: its items, and equal to
+    it) and, as ``.data_position``, the saved data position: ``save_checkpoint``'s ``data_position`` with the
+    ``boundaries`` (and, from a distributed save, ``world_size``) it added, ``{}`` from a manifest without one."""
+
+    def __init__(self, extra: Mapping[str, Any] | None = None, data_position: Mapping[str, Any] | None = None) -> None:
+        super().__init__(extra or {})
+        self.data_position: dict[str, Any] = dict(data_position or {})
+
+    def __repr__(self) -> str:
+        return f"LoadedExtra({dict.__repr__(self)}, data_position={self.data_position!r})"
+
+
 def is_dcp(manifest: Any) -> bool:
     """Whether a parsed ``manifest.json`` is a DCP one (else the one-process format's, verified by its reader)."""
     return isinstance(manifest, Mapping) and manifest.get("format") == DCP_FORMAT
