@@ -333,6 +333,56 @@ def test_a_loaded_run_keeps_its_auto_decision():
     assert [e["kind"] for e in mp.events] == ["auto"]
 
 
+def _continue(mp, x):
+    with mp.autocast():
+        loss = mp.model(x).float().pow(2).mean()
+    mp.backward(loss)
+    mp.step()
+    return loss.detach()
+
+
+@pytest.mark.usefixtures("fake_time")
+def test_a_pending_auto_engine_adopts_the_policy_of_a_run_that_decided(tmp_path):
+    """Issue 25: resuming a run whose auto chose bf16-mixed into MixedPrecision(model, opt, policy="auto") was
+    refused as "the engine runs 'fp32'" while its own decision was pending. Both loads adopt the saved policy,
+    say so, time nothing again and continue as an engine built under that policy."""
+    first, _, _, _ = _first_step(FastUnderAutocast, "auto")
+    assert str(first.policy) == "bf16-mixed"
+    mixprec.save_checkpoint(tmp_path / "ck", first)
+    state = {**first.state_dict(), "events": list(first.events)}
+    x = torch.randn(4, 8)
+    for load in (lambda mp: mixprec.load_checkpoint(tmp_path / "ck", mp), lambda mp: mp.load_state_dict(state)):
+        engines = []
+        for policy in ("auto", "bf16-mixed"):
+            model = FastUnderAutocast()
+            engines.append(mixprec.MixedPrecision(model, torch.optim.SGD(model.parameters(), lr=0.1), policy=policy,
+                                                  device="cpu"))
+            load(engines[-1])
+        resumed, reference = engines
+        assert str(resumed.policy) == "bf16-mixed" and resumed.decision.startswith(
+            "bf16-mixed as loaded: the saved run's decision (auto → bf16-mixed: measured on this model")
+        assert torch.equal(_continue(resumed, x), _continue(reference, x))
+        assert all(torch.equal(a, b) for a, b in zip(resumed.module.parameters(), reference.module.parameters()))
+        assert [e["kind"] for e in resumed.events] == ["auto"] and str(resumed.policy) == "bf16-mixed"
+
+
+@pytest.mark.usefixtures("fake_time")
+def test_a_pending_auto_engine_refuses_another_policy_naming_the_pending_decision(tmp_path):
+    torch.manual_seed(0)
+    model = FastUnderAutocast()
+    chosen = mixprec.MixedPrecision(model, torch.optim.SGD(model.parameters(), lr=0.1), "bf16-mixed", device="cpu")
+    mixprec.save_checkpoint(tmp_path / "ck", chosen)   # no auto decision in its events: nothing to adopt
+    model = FastUnderAutocast()
+    mp = mixprec.MixedPrecision(model, torch.optim.SGD(model.parameters(), lr=0.1), device="cpu")
+    with pytest.raises(mixprec.CheckpointError, match="runs 'fp32' only until its policy='auto' decides .still"):
+        mixprec.load_checkpoint(tmp_path / "ck", mp)
+    with pytest.raises(ValueError, match="runs fp32 only until its policy='auto' decides"):
+        mp.load_state_dict(chosen.state_dict())
+    assert str(mp.policy) == "fp32" and mp.decision.startswith("auto: pending")
+    mixprec.load_checkpoint(tmp_path / "ck", mp, adopt_policy=True)
+    assert str(mp.policy) == "bf16-mixed" and mp.decision.startswith("bf16-mixed on cpu")
+
+
 @pytest.mark.usefixtures("fake_time")
 def test_a_candidate_failing_on_the_model_leaves_fp32():
     class NoBf16(SleepNet):

@@ -26,6 +26,7 @@ from mixprec.checkpoint.layout import (MANIFEST, PendingCheckpoint, abort_checkp
                                        commit_checkpoint)
 from mixprec.checkpoint.manifest import DCP_FORMAT, LoadedExtra, Manifest, pin_op_plan
 from mixprec.distributed.process import from_main_process, is_main_process, world_size
+from mixprec.engine.pending_auto import pending_note
 
 if TYPE_CHECKING:
     from mixprec.engine.mixed_precision import MixedPrecision
@@ -148,8 +149,8 @@ def load(directory: Path, manifest: dict, mp: MixedPrecision, *, guard: Any = No
     check_boundary(mp, "load_checkpoint")
     if manifest["policy"] != str(mp.policy):
         raise ValueError(f"checkpoint {str(directory)!r} was saved under policy {manifest['policy']!r}, this engine "
-                         f"runs {mp.policy}; build the engine with policy={manifest['policy']!r} (a sharded run "
-                         "cannot change policy while loading)")
+                         f"runs {mp.policy}{pending_note(mp.decision)}; build the engine with "
+                         f"policy={manifest['policy']!r} (a sharded run cannot change policy while loading)")
     parts = _state(mp)
     with _one_process_ok():
         dcp.load(parts, checkpoint_id=str(directory / "dcp"), no_dist=not dist.is_initialized())

@@ -85,6 +85,7 @@ from mixprec.checkpoint.rng import rng_state, set_rng_state
 from mixprec.checkpoint.tree import STATE_FILE, canonical, decode, dtype_name, encode, write_file
 from mixprec.checkpoint.verify import (MASTERS_FILE, MODEL_FILE, Checkpoint, best_weights, check_fits,
                                        model_state, qualname, read, read_manifest, read_weights, stepped_names)
+from mixprec.engine.pending_auto import adopted_decision, pending_note
 
 if TYPE_CHECKING:
     from mixprec.engine.mixed_precision import MixedPrecision
@@ -221,11 +222,12 @@ def _check_unchanged(ck: Checkpoint, mp: MixedPrecision, *, convert: bool, adopt
     vs fp16. Raises CheckpointError."""
     m = ck.manifest
     saved_policy, target = m["policy"], str(mp.policy)
-    if saved_policy != target and not (convert or adopt_policy):
+    adopted = not weights_only and adopted_decision(mp.decision, target, saved_policy, m.get("events"), convert=convert)
+    if saved_policy != target and not (convert or adopt_policy or adopted):   # pending auto adopts a decided run's
         raise CheckpointError(f"checkpoint {str(ck.path)!r} was saved under policy {saved_policy!r}, the engine "
-                              f"runs {target!r}; build the engine with policy={saved_policy!r}, or pass convert=True "
-                              f"to convert the state to {target!r} (adopt_policy=True to switch the engine to "
-                              f"{saved_policy!r})")
+                              f"runs {target!r}{pending_note(mp.decision)}; build the engine with "
+                              f"policy={saved_policy!r}, or pass convert=True to convert the state to {target!r} "
+                              f"(adopt_policy=True to switch the engine to {saved_policy!r})")
     try:
         if not weights_only and m["model"].get("frozen") is not None:
             mp.match_frozen(m["model"]["frozen"], check_only=True)

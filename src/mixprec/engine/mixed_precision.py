@@ -37,8 +37,7 @@ from mixprec.engine.pending_auto import resolve_for_engine
 from mixprec.engine.prepare import prepare
 from mixprec.engine.records import Decision, Event, policy_event
 from mixprec.engine.regions import Regions
-from mixprec.engine.reprepare import (check_fp8_unchanged, frozen_to_match, load_across_policies, load_state,
-                                      unfreeze_params)
+from mixprec.engine.reprepare import check_fp8_unchanged, frozen_to_match, load_engine_state, unfreeze_params
 from mixprec.optim import contract
 from mixprec.policy.policy import Policy, cast_floating
 from mixprec.policy.resolve import resolve
@@ -431,12 +430,11 @@ class MixedPrecision:
     def load_state_dict(self, state: dict[str, Any], *, convert: bool = False, adopt_policy: bool = False) -> None:
         """Restore a :meth:`state_dict` exactly (its ``"events"``, as checkpoints carry, replace :attr:`events`).
         Another policy's needs ``convert=True`` (to this policy, a ``"convert"`` event) or ``adopt_policy=True``
-        (:func:`mixprec.engine.reprepare.load_across_policies`). ValueError, before anything changes, without
-        either, for other masters or loss-scale type, an unmatched frozen set or unfit fp16 values."""
-        if state["policy"] != str(self.policy):
-            return load_across_policies(self, state, convert=convert, adopt_policy=adopt_policy)
-        load_state(self, state)
-        self.decision = self._auto.after_load(self.policy, state.get("events")) or self.decision
+        (:func:`mixprec.engine.reprepare.load_engine_state`); ``auto`` still pending adopts a run that took its
+        auto decision. ValueError, before anything changes, without either, for other masters or loss-scale type,
+        an unmatched frozen set or unfit fp16 values."""
+        decision = load_engine_state(self, state, self._auto, convert=convert, adopt_policy=adopt_policy)
+        self.decision = decision or self.decision
 
     def discard_gradients(self) -> None:
         """Drop an unfinished accumulation: every gradient (params and masters) and the pending micro-batches;

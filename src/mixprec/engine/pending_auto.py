@@ -19,6 +19,10 @@ at the first forward with grad enabled (not under ``torch.no_grad()``/``inferenc
 If ``mp.backward()`` comes while still pending (no training forward went through ``mp.model``), the
 matmul probe's rule decides instead, applied at the next step boundary (``set_policy``), with one warning.
 An explicit ``set_policy`` to another policy (a loaded checkpoint's, say) ends the pending decision.
+A state loaded while pending (``mp.load_state_dict``, ``mixprec.load_checkpoint``) whose run took its own
+``auto`` decision (an ``"auto"`` event) ends it too: the engine continues under the saved policy, adopted
+(as ``mixprec train --resume`` does), and ``mp.decision`` says so; a state of another policy without that
+event is refused naming the pending decision (:func:`pending_note`), unless ``convert``/``adopt_policy``.
 
 Decided at build by the matmul probe instead (the decision says why): under ``strategy="ddp"``/
 ``"fsdp2"`` (every rank runs rank 0's probe choice; FSDP2 cannot re-prepare at all; to decide on the
@@ -56,7 +60,7 @@ from mixprec.autocast.portable import describe as describe_ops
 from mixprec.autocast.portable import portable_ops
 from mixprec.engine.protocol import Engine
 
-__all__ = ["resolve_for_engine", "PENDING", "PendingAuto", "pending_resolution"]
+__all__ = ["resolve_for_engine", "PENDING", "PendingAuto", "pending_resolution", "adopted_decision", "pending_note"]
 
 log = logging.getLogger("mixprec")
 
@@ -82,6 +86,38 @@ def pending_resolution(spec: Any, resolution: Resolution, *, strategy: str | Non
         return dataclasses.replace(resolution, decision=resolution.decision + note), ()
     decision = f"{PENDING} ({' vs '.join(candidates)}); fp32 until then"
     return Resolution(PRESETS["fp32"], resolution.device, decision), candidates
+
+
+def adopted_decision(decision: str, policy: Policy | str, saved_policy: str, events: list | None, *,
+                     convert: bool = False) -> str | None:
+    """The decision line of an engine whose ``decision`` is still :data:`PENDING` (``policy``: its fp32 build) after
+    it loads a state saved under ``saved_policy`` by a run that took its ``auto`` decision (an ``"auto"`` event
+    in ``events``): it adopts the saved policy. None where it does not: not pending, the same policy, no such
+    event, or ``convert`` (the caller asked for this engine's own policy)."""
+    return _adopted(policy, saved_policy, events, convert=convert) if decision.startswith(PENDING) else None
+
+
+def _adopted(policy: Policy | str, saved_policy: str, events: list | None, *, convert: bool) -> str | None:
+    return None if convert or saved_policy == str(policy) else _as_loaded(saved_policy, events)
+
+
+def pending_note(decision: str) -> str:
+    """What a refusal adds after "the engine runs <policy>" where its ``decision`` is still :data:`PENDING`
+    (else "")."""
+    if not decision.startswith(PENDING):
+        return ""
+    return (" only until its policy='auto' decides (still pending: the candidates are timed at the first training "
+            "forward; a state whose run took its auto decision is adopted)")
+
+
+def _as_loaded(policy: str, events: list | None) -> str | None:
+    """``policy as loaded: the saved run's decision (...)``, from the last ``"auto"`` event of ``events``; None
+    without one."""
+    decided = [e for e in events or [] if e.get("kind") == "auto"]
+    if not decided:
+        return None
+    after = "" if decided[-1].get("to") in (None, policy) else f"; then the run switched to {policy}"
+    return f"{policy} as loaded: the saved run's decision ({decided[-1].get('detail')}{after})"
 
 
 def resolve_for_engine(spec: Any, device: Any, strategy: Any, *, strategy_name: str | None, allow_fallback: bool,
@@ -192,16 +228,25 @@ class PendingAuto:
             self.state = "cancelled"
             self.remove()
 
+    def adopts(self, policy: Policy, state: dict[str, Any], *, convert: bool) -> str | None:
+        """Called before a ``state`` is loaded into the engine of ``policy``: while pending, a state of another
+        policy whose run took its ``auto`` decision continues under that policy, adopted (the load's
+        ``set_policy`` ends the pending decision); :func:`adopted_decision`. Returns the engine's decision line
+        for after the load then, else None."""
+        if self.state not in ("pending", "probe-at-boundary"):
+            return None
+        return _adopted(policy, state["policy"], state.get("events"), convert=convert)
+
     def after_load(self, policy: Policy, events: list[Event] | list[dict] | None) -> str | None:
         """Called after a state of the pending ``policy`` (fp32) was loaded: when the saved run had taken its
         ``auto`` decision (an ``"auto"`` event), the continued run keeps it instead of timing again. Returns
         the engine's new decision line then, else None."""
-        decided = [e for e in events or [] if e.get("kind") == "auto"]
-        if not (self.state == "pending" and decided):
+        line = _as_loaded(str(policy), events)
+        if not (self.state in ("pending", "probe-at-boundary") and line):
             return None
         self.state = "cancelled"
         self.remove()
-        return f"{policy} as loaded: the saved run's decision ({decided[-1].get('detail')})"
+        return line
 
     def _decide(self, mp: Engine, choice: str, text: str, cause: str) -> None:
         self.state = "decided"

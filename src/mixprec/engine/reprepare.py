@@ -8,19 +8,24 @@ from __future__ import annotations
 
 import re
 from dataclasses import replace
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 from torch import nn
 
 from mixprec.engine.loss_scale import from_state_dict as loss_scale_from_state
 from mixprec.engine.masters import MasterWeights
+from mixprec.engine.pending_auto import pending_note
 from mixprec.engine.records import Event
 from mixprec.engine.storage import FrozenSet, check_held, check_new_group, dtype_text, held_by
 from mixprec.policy.policy import Policy
 from mixprec.engine.protocol import Engine
 
-__all__ = ["check_fp8_unchanged", "load_across_policies", "load_state", "frozen_to_match", "unfreeze_params"]
+if TYPE_CHECKING:
+    from mixprec.engine.pending_auto import PendingAuto
+
+__all__ = ["check_fp8_unchanged", "load_engine_state", "load_across_policies", "load_state", "frozen_to_match",
+           "unfreeze_params"]
 
 
 def check_fp8_unchanged(old: Policy, new: Policy) -> None:
@@ -30,6 +35,20 @@ def check_fp8_unchanged(old: Policy, new: Policy) -> None:
                          f"{new.fp8_format!r}, fp8_ends={'keep' if new.fp8_keep_ends else 'fp8'!r}), which cannot "
                          "be swapped mid-run; keep fp8/fp8_format/fp8_ends as they are, or build a new "
                          "MixedPrecision from a checkpoint")
+
+
+def load_engine_state(mp: Engine, state: dict[str, Any], auto: PendingAuto, *, convert: bool,
+                      adopt_policy: bool) -> str | None:
+    """:meth:`mixprec.MixedPrecision.load_state_dict` for the engine ``mp`` and its pending ``auto``: ``state``
+    of ``mp``'s policy loads exactly (:func:`load_state`), another policy's through :func:`load_across_policies`,
+    adopted without ``adopt_policy`` where ``auto`` is still pending and the saved run took its auto decision
+    (:meth:`~mixprec.engine.pending_auto.PendingAuto.adopts`). Returns ``mp``'s new decision line, or None (keep it)."""
+    if state["policy"] == str(mp.policy):
+        load_state(mp, state)
+        return auto.after_load(mp.policy, state.get("events"))
+    adopted = auto.adopts(mp.policy, state, convert=convert)
+    load_across_policies(mp, state, convert=convert, adopt_policy=adopt_policy or adopted is not None)
+    return adopted
 
 
 def load_across_policies(mp: Engine, state: dict[str, Any], *, convert: bool, adopt_policy: bool) -> None:
@@ -43,8 +62,9 @@ def load_across_policies(mp: Engine, state: dict[str, Any], *, convert: bool, ad
     """
     saved, target, target_scale = state["policy"], str(mp.policy), mp.loss_scale
     if convert == adopt_policy:
-        raise ValueError(f"state was saved under policy {saved!r}, this engine runs {target}; pass "
-                         f"convert=True (to {target!r}) or adopt_policy=True (to {saved!r}), one of them")
+        raise ValueError(f"state was saved under policy {saved!r}, this engine runs {target}"
+                         f"{pending_note(mp.decision)}; pass convert=True (to {target!r}) or adopt_policy=True "
+                         f"(to {saved!r}), one of them")
     loss_scale = loss_scale_from_state(state["loss_scale"])   # validates before anything changes
     mp.set_policy(saved, cause="load_checkpoint", loss_scale=loss_scale, record=False)
     try:
