@@ -6,7 +6,7 @@ import json
 import math
 import os
 import textwrap
-from dataclasses import asdict
+from dataclasses import asdict, replace
 
 import pytest
 import torch
@@ -357,6 +357,72 @@ def test_speed_plot_says_timings_noisy_where_no_speed_verdict_is_given(tmp_path)
     assert "NOISY" not in plot_speed_memory(results, tmp_path / "quiet.png").axes[0].get_title()
 
 
+def _report_results(timing, fp32_p90=12.0):
+    """A whole results.json as report.md reads it: fp32 and bf16-mixed, fp32's p10..p90 9..``fp32_p90`` ms."""
+    results = _curve_results([[3, 1.6]], [[3, 1.6]], [])
+    results.update(command="mixprec bench --config tiny", timing=timing, workload={}, seed_noise=None,
+                   environment={"torch": "2", "python": "3", "cpu_name": "cpu", "torch_threads": 2, "cpu_flags": [],
+                                "peaks_gflops_per_s": {"fp32": 10.0}})
+    results["settings"].update(warmup_steps=20, targets={"max_loss_delta": 0.02, "min_speedup": None,
+                                                         "max_memory_ratio": None})
+    for name, e in results["policies"].items():
+        e.update(verdict="REFERENCE" if name == "fp32" else "PASS", reason="-")
+    results["policies"]["fp32"]["step_time_ms_p90"] = fp32_p90
+    return results
+
+
+_INTERLEAVED = {"method": "interleaved", "blocks": 4, "block_steps": 5, "retimed": 0, "errors": {},
+                "spread_limit": 1.5, "spread": {"fp32": 1.333, "bf16-mixed": 1.333}, "noisy": False}
+
+
+@pytest.mark.parametrize("noisy", [False, True])
+def test_noisy_is_one_decision_that_console_report_and_plot_read(noisy, tmp_path):
+    """Issue 25: report.md decided "noisy" again from the rows' p90/p10 (its own 1.5) while the console read
+    ``timing.noisy``: a run was flagged in report.md and not on the console. Now all of them read ``timing.noisy``."""
+    from mixprec.programs.bench.report import report_markdown, timing_lines
+
+    results = _report_results({**_INTERLEAVED, "spread": {"fp32": 5.33, "bf16-mixed": 1.333}, "noisy": noisy},
+                              fp32_p90=48.0)
+    console, report = "\n".join(timing_lines(results)), report_markdown(results)
+    title = plot_speed_memory(results, tmp_path / "s.png").axes[0].get_title()
+    assert ("TIMINGS NOISY" in console) is ("TIMINGS NOISY" in report) is ("TIMINGS NOISY" in title) is noisy
+    assert "timings are noisy" not in report.lower()          # no second decision
+
+
+def test_sequential_spreads_that_say_noisy_make_the_timing_noisy():
+    """Issue 25: results.json said ``"noisy": false`` with fp32's p90/p10 at 47.94 (the sequential path hard-coded
+    False). The rows' spreads decide, whichever way they were timed, and the verdict gives no speed judgement."""
+    from mixprec.programs.bench.noise import SPREAD_LIMIT, settle_noise
+
+    rows = {"fp32": PolicyRun(step_time_ms_median=10.0, step_time_ms_p10=2.0, step_time_ms_p90=95.88),
+            "bf16-mixed": PolicyRun(step_time_ms_median=5.0, step_time_ms_p10=4.9, step_time_ms_p90=5.1),
+            "fp16-mixed": PolicyRun.skipped("fp16-mixed", "not native")}
+    timing = settle_noise({"method": "sequential"}, rows)
+    assert timing == {"method": "sequential", "spread": {"fp32": 47.94, "bf16-mixed": 1.041}, "noisy": True,
+                      "spread_limit": SPREAD_LIMIT}
+    retimed = settle_noise({**_INTERLEAVED, "errors": {"fp32": "worker exited"}}, rows)   # fp32 kept its own timing
+    assert retimed["noisy"] and retimed["spread"]["fp32"] == 47.94 and retimed["method"] == "interleaved"
+    quiet = {**rows, "fp32": replace(rows["fp32"], step_time_ms_p10=9.0, step_time_ms_p90=11.0)}
+    assert settle_noise({"method": "sequential"}, quiet)["noisy"] is False
+
+
+@pytest.mark.parametrize("method", ["interleaved", "sequential"])
+def test_report_describes_the_timing_its_table_comes_from_and_its_spread_once(method):
+    """Issue 25: report.md said "median after 20 warm-up steps" above a table from the interleaved timing, and
+    printed the p90/p10 spread twice, with different values (the timing's and the rows')."""
+    from mixprec.programs.bench.report import report_markdown
+
+    timing = _INTERLEAVED if method == "interleaved" else {"method": "sequential", "spread": {"fp32": 1.333},
+                                                           "noisy": False, "spread_limit": 1.5}
+    report = report_markdown(_report_results(timing))
+    assert report.count("p90/p10") == 1 and "fp32 1.33" in report
+    if method == "interleaved":
+        assert "warm-up" not in report and "4 rounds of 5 steps per policy in resident workers" in report
+        assert "step time is the median of each policy's 20 timed steps" in report
+    else:
+        assert "interleaved" not in report and "step time is the median after 20 warm-up steps" in report
+
+
 # --- end to end through the CLI ---------------------------------------------------------------
 
 @pytest.fixture(scope="module")
@@ -440,9 +506,9 @@ def test_tiny_bench_times_the_policies_interleaved(tiny_bench):
 
 
 def test_noisy_interleaved_timing_is_said_and_gives_no_speed_verdict(tmp_path, capsys, monkeypatch):
-    from mixprec.programs.bench import interleaved
+    from mixprec.programs.bench import interleaved, noise
 
-    monkeypatch.setattr(interleaved, "SPREAD_LIMIT", 1.0)   # any spread is "noisy": the path, deterministically
+    monkeypatch.setattr(noise, "SPREAD_LIMIT", 1.0)   # any spread is "noisy": the path, deterministically
     out = tmp_path / "out"
     status = main(["bench", "--config", "tiny", "--policies", "bf16-mixed", "--steps", "5", "--out", str(out),
                    "--device", "cpu", "--min-speedup", "0.01"])
@@ -487,6 +553,24 @@ def test_a_real_noisy_neighbour_is_said_and_gives_no_speed_verdict(tmp_path, cap
     assert timing["noisy"] and max(timing["spread"].values()) > timing["spread_limit"], timing["spread"]
     assert status == 1 and "speedup not measured" in bf16["reason"] and "no speed verdict" in bf16["reason"]
     assert "TIMINGS NOISY" in capsys.readouterr().out
+
+
+def test_noisy_sequential_timing_is_said_everywhere_and_gives_no_speed_verdict(tmp_path, capsys, monkeypatch):
+    """Issue 25: the sequential path wrote ``"noisy": false`` whatever its spreads (fp32's was 47.94 once)."""
+    from mixprec.programs.bench import noise
+
+    monkeypatch.setattr(noise, "SPREAD_LIMIT", 1.0)   # any spread is "noisy": the path, deterministically
+    out = tmp_path / "out"
+    status = main(["bench", "--config", "tiny", "--policies", "bf16-mixed", "--steps", "6", "--out", str(out),
+                   "--device", "cpu", "--timing", "sequential", "--seeds", "1", "--eval-every", "0",
+                   "--min-speedup", "0.01"])
+    results = json.loads((out / "results.json").read_text())
+    timing, bf16 = results["timing"], results["policies"]["bf16-mixed"]
+    assert timing["method"] == "sequential" and timing["noisy"] and timing["spread_limit"] == 1.0
+    assert timing["spread"]["fp32"] == pytest.approx(results["policies"]["fp32"]["step_time_ms_p90"]
+                                                     / results["policies"]["fp32"]["step_time_ms_p10"], abs=1e-3)
+    assert status == 1 and "timings noisy: no speed verdict" in bf16["reason"]
+    assert "TIMINGS NOISY" in capsys.readouterr().out and "TIMINGS NOISY" in (out / "report.md").read_text()
 
 
 def test_sequential_timing_keeps_the_quality_runs_step_times(tmp_path):

@@ -27,6 +27,33 @@ def test_python_dash_m_mixprec_help():
         assert command in done.stdout
 
 
+def test_version_prints_the_package_version(capsys):
+    import mixprec
+
+    with pytest.raises(SystemExit) as done:
+        main(["--version"])
+    assert done.value.code == 0 and capsys.readouterr().out == f"mixprec {mixprec.__version__}\n"
+
+
+@pytest.mark.parametrize("argv, command, option", [
+    (["bench", "--polices", "x"], "bench", "--policies"),
+    (["train", "--stepz", "3"], "train", "--steps"),
+    (["doctor", "--jsn"], "doctor", "--json"),
+])
+def test_a_misspelled_subcommand_flag_gets_that_subcommands_usage(argv, command, option, capsys):
+    """Issue 25: `mixprec bench --polices x` printed the top-level usage (`usage: mixprec [-h] {bench,...}`)
+    and `mixprec: error`, so the user never saw bench's options."""
+    with pytest.raises(SystemExit) as done:
+        main(argv)
+    err = capsys.readouterr().err
+    assert done.value.code == 2
+    assert err.startswith(f"usage: mixprec {command} [-h]"), err
+    assert f"mixprec {command}: error: unrecognized arguments:" in err and f"did you mean {option}?" in err
+    with pytest.raises(SystemExit):          # an unknown option before the subcommand stays the top level's
+        main(["--polices", "bench"])
+    assert capsys.readouterr().err.startswith("usage: mixprec [-h] [--version] {bench,")
+
+
 def test_bench_defaults_and_policy_list_parsing():
     args = build_parser().parse_args(["bench"])
     assert (args.workload, args.config, args.steps, args.lora) == ("gpt", None, None, None)  # steps: the workload's

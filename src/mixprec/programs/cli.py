@@ -11,6 +11,7 @@ on ``sys.path`` (and on the bench workers' ``PYTHONPATH``).
 from __future__ import annotations
 
 import argparse
+import difflib
 import json
 import os
 import shlex
@@ -65,6 +66,26 @@ def _positive_int(text: str) -> int:
     return value
 
 
+class _SubcommandParser(argparse.ArgumentParser):
+    """A subcommand's parser: an argument it does not know is its error, with its usage (``mixprec bench
+    --polices x`` prints bench's usage and the nearest option), not the top-level parser's."""
+
+    def parse_known_args(self, args=None, namespace=None):
+        namespace, extras = super().parse_known_args(args, namespace)
+        if extras:
+            options = [o for action in self._actions for o in action.option_strings]
+            near = [difflib.get_close_matches(e.split("=")[0], options, n=1) for e in extras if e.startswith("-")]
+            hint = "; did you mean " + ", ".join(m[0] for m in near if m) + "?" if any(near) else ""
+            self.error(f"unrecognized arguments: {' '.join(extras)}{hint}")
+        return namespace, extras
+
+
+def _version() -> str:
+    """``mixprec.__version__``, read from the package every ``mixprec.*`` module runs inside (an import of the
+    public API from a program would point up the layers; the package is always imported first)."""
+    return sys.modules["mixprec"].__version__
+
+
 def build_parser() -> argparse.ArgumentParser:
     from mixprec.policy.policy import PRESETS
 
@@ -72,7 +93,9 @@ def build_parser() -> argparse.ArgumentParser:
 
     parser = argparse.ArgumentParser(prog="mixprec", description="Mixed-precision training for PyTorch, "
                                      "with the evidence: speed, memory and quality against fp32.")
-    sub = parser.add_subparsers(dest="command", required=True, metavar="{bench,train,sample,doctor,inspect}")
+    parser.add_argument("--version", action="version", version=f"mixprec {_version()}")
+    sub = parser.add_subparsers(dest="command", required=True, metavar="{bench,train,sample,doctor,inspect}",
+                                parser_class=_SubcommandParser)
     _add_bench_parser(sub, presets)
     _add_train_parser(sub, presets)
     _add_sample_parser(sub)

@@ -7,9 +7,9 @@ model, seed and batch stream as its quality run, built by :func:`serve`), then r
 A B C … A B C … (each round starts one policy later), so drift lands on every policy alike. Each block
 starts with one untimed step: the first step after a worker sat idle wakes its threads and refills caches, a
 fixed cost that would otherwise weigh more on the faster policies. Per policy:
-median, p10 and p90 of all timed steps, and the spread p90/p10. When a policy's spread exceeds
-:data:`SPREAD_LIMIT` the rounds are repeated (at most :data:`RETIMES` times); if it stays above, the timing
-is ``noisy``: the console, report.md and results.json say so and no speed verdict is given.
+median, p10 and p90 of all timed steps, and the spread p90/p10. While a policy's spread exceeds
+:data:`mixprec.programs.bench.noise.SPREAD_LIMIT` the rounds are repeated (at most :data:`RETIMES` times); whether
+the timing is ``noisy`` in the end is decided once, for every row, by :func:`mixprec.programs.bench.noise.settle_noise`.
 
 Source: the A/B interleaving of ``benchmarks/overhead.py``; the threshold is the same order as
 :data:`mixprec.autocast.op_plan.NOISY_SPREAD`. Host syncs: the workers' (one per step for timing).
@@ -27,13 +27,13 @@ from pathlib import Path
 from typing import Any
 
 from mixprec.programs.bench.measure import percentile, time_steps
+from mixprec.programs.bench import noise
 from mixprec.programs.bench.worker import RunSpec
 from mixprec.programs.session import build_engine, train_step
 from mixprec.workloads import get_workload
 
-__all__ = ["SPREAD_LIMIT", "RETIMES", "TIMING_MALLOC_ENV", "time_interleaved", "serve"]
+__all__ = ["RETIMES", "TIMING_MALLOC_ENV", "time_interleaved", "serve"]
 
-SPREAD_LIMIT = 1.5    # p90/p10 of a policy's interleaved steps above which its timing is noisy
 RETIMES = 1           # extra sets of rounds tried while a policy is noisy
 # The interleaved timing workers' glibc malloc thresholds (unless the environment sets them): a long-lived
 # process keeps its heap, so the step time is compute, not page faults. With glibc's adaptive defaults a lone
@@ -89,7 +89,7 @@ def time_interleaved(specs: dict[str, RunSpec], workdir: Path, env: dict[str, st
 
     Returns results.json's ``timing``: ``method`` (``"interleaved"``), ``blocks`` (per policy), ``block_steps``,
     ``step_ms`` (row → ``median``/``p10``/``p90`` in ms, None when its worker failed), ``spread`` (row → p90/p10),
-    ``retimed`` (sets of rounds beyond the first), ``noisy`` (a spread still above :data:`SPREAD_LIMIT`),
+    ``retimed`` (sets of rounds beyond the first), ``noisy`` (``noise.is_noisy(spread)``; the runner's is ``settle_noise``'s),
     ``errors`` (row → why it was not timed), ``malloc_env`` (the workers' :data:`TIMING_MALLOC_ENV`; a
     variable already set in ``env`` wins)."""
     env = {**env, **{k: env.get(k, v) for k, v in TIMING_MALLOC_ENV.items()}}   # a set variable wins
@@ -123,7 +123,7 @@ def time_interleaved(specs: dict[str, RunSpec], workdir: Path, env: dict[str, st
                         errors[name] = str(err)
                 live = [n for n in live if n not in errors]
             spread = {n: percentile(times[n], 0.9) / percentile(times[n], 0.1) for n in live}
-            if attempt == RETIMES or all(s <= SPREAD_LIMIT for s in spread.values()):
+            if attempt == RETIMES or not noise.is_noisy(spread):
                 break
             retimed += 1
             for n in live:       # a noisy set is not kept: the next one replaces it
@@ -141,5 +141,5 @@ def time_interleaved(specs: dict[str, RunSpec], workdir: Path, env: dict[str, st
                    if t and n not in errors else None) for n, t in times.items()}
     spread = {n: round(v["p90"] / v["p10"], 3) for n, v in step_ms.items() if v}
     return {"method": "interleaved", "blocks": rounds, "block_steps": block_steps, "step_ms": step_ms,
-            "spread": spread, "retimed": retimed, "noisy": any(s > SPREAD_LIMIT for s in spread.values()),
-            "spread_limit": SPREAD_LIMIT, "errors": errors, "malloc_env": {k: env[k] for k in TIMING_MALLOC_ENV}}
+            "spread": spread, "retimed": retimed, "noisy": noise.is_noisy(spread),
+            "spread_limit": noise.SPREAD_LIMIT, "errors": errors, "malloc_env": {k: env[k] for k in TIMING_MALLOC_ENV}}

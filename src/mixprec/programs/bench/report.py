@@ -11,7 +11,8 @@
                      cpu_name + cpu_flags + cpu_count (CPU) | gpu_name (CUDA)},
      "reference": "fp32",
      "policies": {requested name: {POLICY_KEYS...}, ...},   # fp32 first
-     "timing": {method, blocks, block_steps, spread: {policy: p90/p10}, noisy, ...},
+     "timing": {method, blocks, block_steps, spread: {policy: p90/p10}, noisy, spread_limit, ...},
+               # spread/noisy: one decision over the table's step times (programs/bench/noise.py)
      "seed_noise": {seeds, fp32_eval_losses, relative_spread, fp32_eval_curves} | null,
      "mfu_peak": {dtype, gflops_per_s} | null, "portable_ops": {...} | null,
      "parent_pid": int, "wall_s": float}
@@ -64,19 +65,6 @@ the timing workers' setting (the timing line's 256 MiB threshold, which keeps th
 does not re-fault it): a low threshold trades step time for peak RSS. Peak memory here comes
 from the training runs, under glibc's defaults.
 """
-
-
-def _noise_line(policies: dict) -> str:
-    """Step-time spread per policy (p90 / p10) and a warning when it makes speedups unreliable."""
-    spread = {name: e["step_time_ms_p90"] / e["step_time_ms_p10"] for name, e in policies.items()
-              if e.get("step_time_ms_p10") and e.get("step_time_ms_p90")}
-    if not spread:
-        return "Step-time spread: not measured."
-    text = "Step-time spread (p90/p10): " + ", ".join(f"{n} {r:.2f}" for n, r in spread.items()) + "."
-    if max(spread.values()) > 1.5:
-        text += (" **Warning: timings are noisy** (another process sharing the CPU?): the speedups are "
-                 "unreliable; rerun on a quiet machine. Quality verdicts are unaffected.")
-    return text
 
 
 def _event_lines(policies: dict) -> list[str]:
@@ -207,21 +195,33 @@ def _malloc_text(malloc_env: dict | None) -> str:
     return "; malloc: " + " ".join(f"{k}={v}" for k, v in malloc_env.items())
 
 
+def _spread_text(t: dict) -> str:
+    """The p90/p10 spread of each row's table step time (results.json's ``timing.spread``, decided once by
+    :func:`mixprec.programs.bench.noise.settle_noise`); a row the interleaved timing could not time is marked."""
+    errors = t.get("errors") or {}
+    spread = ", ".join(f"{n} {v:.2f}" + (" (quality run)" if n in errors else "")
+                       for n, v in (t.get("spread") or {}).items())
+    return f"p90/p10 spread: {spread or 'not measured'} (noisy above {t.get('spread_limit', 1.5)})"
+
+
 def timing_lines(results: dict) -> list[str]:
-    """How the step times were measured, and whether they can carry a speed verdict (console and report.md)."""
+    """How the table's step times were measured, their spread, and whether they carry a speed verdict: the
+    console and report.md print these lines, and only these, about the timing; "noisy" is ``timing.noisy``."""
     t = results.get("timing") or {}
-    spread = ", ".join(f"{n} {v:.2f}" for n, v in (t.get("spread") or {}).items())
     if t.get("method") == "interleaved":
+        retimed = f", re-timed {t['retimed']}x" if t.get("retimed") else ""
         how = (f"timing: interleaved ({t['blocks']} rounds of {t['block_steps']} steps per policy in resident "
-               f"workers{', re-timed ' + str(t['retimed']) + 'x' if t.get('retimed') else ''}"
-               f"{_malloc_text(t.get('malloc_env'))}); p90/p10 spread: {spread}")
+               f"workers, each block after one untimed step{retimed}{_malloc_text(t.get('malloc_env'))}): step time "
+               f"is the median of each policy's {t['blocks'] * t['block_steps']} timed steps")
     else:
-        how = f"timing: sequential (each policy's quality run); p90/p10 spread: {spread}"
-    lines = [how]
+        warmup = (results.get("settings") or {}).get("warmup_steps")
+        how = f"timing: sequential (each policy's quality run): step time is the median after {warmup} warm-up steps"
+    lines = [f"{how}; {_spread_text(t)}"]
     if t.get("noisy"):
         lines.append(f"TIMINGS NOISY: a policy's p90/p10 spread stayed above {t.get('spread_limit', 1.5)} — the "
                      "machine was busy; the speedups are unreliable and no speed verdict is given")
-    lines += [f"timing: {n} not timed interleaved: {err}" for n, err in (t.get("errors") or {}).items()]
+    lines += [f"timing: {n} not timed interleaved ({err}): its step time is its quality run's"
+              for n, err in (t.get("errors") or {}).items()]
     return lines
 
 
@@ -328,8 +328,7 @@ def _header_lines(results: dict) -> list[str]:
         f"python {env['python']}. Matmul peaks (GFLOP/s, `mixprec doctor`): {peaks}.",
         f"Workload: {w.get('workload', s['workload'])}, {json.dumps(w.get('model', {}))}; "
         f"{w.get('items_per_batch', '?')} {w.get('item_unit', 'items')} per step; data: "
-        f"{(w.get('data') or {}).get('source', 'workload-defined')}. Step time is the median after "
-        f"{s['warmup_steps']} warm-up steps.",
+        f"{(w.get('data') or {}).get('source', 'workload-defined')}.",
     ]
 
 
@@ -343,8 +342,6 @@ def report_markdown(results: dict) -> str:
         *(["", *(f"How auto decided: {line}." for line in auto_lines(results))] if auto_lines(results) else []),
         "",
         *(f"{line}." for line in timing_lines(results) + seed_noise_lines(results)),
-        "",
-        _noise_line(results["policies"]),
         "",
         *_advice_lines(results),
         "| " + " | ".join(headers) + " |",

@@ -52,6 +52,7 @@ import torch
 from tqdm import tqdm
 
 from mixprec.programs.bench.report import COMPILED_SUFFIX, write_outputs
+from mixprec.programs.bench.noise import settle_noise
 from mixprec.programs.bench.results import BenchResults, PolicyRun
 from mixprec.programs.bench.verdict import Targets, judge
 from mixprec.programs.bench.worker import RunSpec
@@ -293,13 +294,12 @@ def _retime(config: BenchConfig, entries: dict[str, PolicyRun], specs: dict[str,
     """``timing="interleaved"``: time the rows that trained, interleaved (:mod:`mixprec.programs.bench.interleaved`), and
     replace their step time and what derives from it (the quality run's median is kept as
     ``sequential_step_time_ms_median``); returns results.json's ``timing`` (with ``malloc_env``: the workers' glibc malloc
-    thresholds, :data:`mixprec.programs.bench.interleaved.TIMING_MALLOC_ENV` unless the environment set them) and the
-    rows. Sequential under a strategy or with < 2 rows."""
+    thresholds, :data:`mixprec.programs.bench.interleaved.TIMING_MALLOC_ENV` unless the environment set them; ``spread``
+    and ``noisy`` decided over every row by :func:`~mixprec.programs.bench.noise.settle_noise`) and the rows.
+    Sequential under a strategy or with < 2 rows."""
     rows = [n for n in specs if entries[n].step_time_ms_median is not None]
-    sequential = {"method": "sequential", "noisy": False, "spread": {
-        n: entries[n].step_time_ms_p90 / entries[n].step_time_ms_p10 for n in rows if entries[n].step_time_ms_p10}}
     if config.timing != "interleaved" or config.strategy is not None or len(rows) < 2:
-        return sequential, entries
+        return settle_noise({"method": "sequential"}, entries), entries
     from mixprec.programs.bench.interleaved import time_interleaved
 
     rounds = max(4, min(12, config.steps // 25))
@@ -318,7 +318,7 @@ def _retime(config: BenchConfig, entries: dict[str, PolicyRun], specs: dict[str,
         entries[name] = replace(e, sequential_step_time_ms_median=e.step_time_ms_median,
                                 step_time_ms_median=step["median"], step_time_ms_p10=step["p10"],
                                 step_time_ms_p90=step["p90"], **rescaled)
-    return timing, entries
+    return settle_noise(timing, entries), entries
 
 
 def _seed_noise(config: BenchConfig, spec: RunSpec | None, reference: PolicyRun, seeds: list[int], workdir: Path,
