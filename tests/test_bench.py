@@ -335,7 +335,7 @@ def test_seed_band_label_counts_the_seeds_that_finished(tmp_path):
     results["seed_noise"].update(seeds=[0, 1, 2], error="the fp32 run at another seed did not finish")
     delta = plot_loss_curves(results, tmp_path / "l.png").axes[2]
     labels = [t.get_text() for t in delta.get_legend().get_texts()]
-    assert "seed noise (fp32 at 2 seeds)" in labels, labels
+    assert "seed noise (fp32 at 2 seeds), beyond the axis at some steps" in labels, labels   # ±5 %, deltas 0
 
 
 def test_speed_plot_has_p10_p90_whiskers_and_axis_labels(tmp_path):
@@ -474,7 +474,10 @@ def test_tiny_bench_results_schema(tiny_bench):
     assert fp32["op_plan"] == []   # autocast off: nothing planned
     peaks = {d: v for d, v in env["peaks_gflops_per_s"].items() if d in ("fp32", "bf16", "fp16") and v}
     best = max(peaks, key=peaks.get)    # MFU against one named peak, the device's fastest dtype, for every row
-    assert results["mfu_peak"] == {"dtype": best, "gflops_per_s": peaks[best]}
+    mfu_peak = results["mfu_peak"]   # and where that peak comes from: this process or a cache file (issue 25)
+    assert {k: mfu_peak[k] for k in ("dtype", "gflops_per_s")} == {"dtype": best, "gflops_per_s": peaks[best]}
+    assert mfu_peak["source"] == env["peaks_origin"][best] and mfu_peak["n"] == env["peaks_matmul_n"][best]
+    assert mfu_peak["source"].startswith(("measured by this process", "cached"))
     for e in (fp32, bf16):
         assert e["mfu"] == pytest.approx(e["gflops_per_s"] / peaks[best]) and e["mfu_own_dtype"] is not None
     plan = {e["shape"].split()[-1]: e for e in bf16["op_plan"]}   # the tiny GPT's attention: training and eval keys
@@ -605,7 +608,7 @@ def test_same_seed_same_batches_same_start(tiny_bench):
 
 def test_tiny_bench_writes_report_and_plots(tiny_bench):
     _, out, results = tiny_bench
-    for name in ("loss_curves.png", "speed_memory.png"):
+    for name in ("loss_curves.png", "loss_wallclock.png", "speed_memory.png"):
         data = (out / name).read_bytes()
         assert data[:8] == b"\x89PNG\r\n\x1a\n" and len(data) > 10_000
     report = (out / "report.md").read_text()
@@ -615,6 +618,7 @@ def test_tiny_bench_writes_report_and_plots(tiny_bench):
     assert "Portable ops (`ops=portable`, the default" in report and "with `ops=native`" in report
     assert "## Op plan" in report and "| bf16-mixed | scaled_dot_product_attention |" in report
     assert "## Eval loss over training (every 1 steps, nats/char)" in report and "| seed noise |" in report
+    assert "![eval loss vs training time](loss_wallclock.png)" in report and " MFU is against " in report
 
 
 USER_WORKLOAD = textwrap.dedent('''
@@ -744,3 +748,73 @@ def test_how_to_read_says_the_rss_malloc_hint_is_the_opposite_of_the_timing_sett
     text = " ".join(report._HOW_TO_READ.split())
     assert "MALLOC_MMAP_THRESHOLD_=131072" in text and "opposite of the timing workers' setting" in text
     assert "trades step time for peak RSS" in text
+
+
+def test_delta_panel_is_scaled_to_the_deltas_with_the_gate_marked_outside(tmp_path):
+    """±0.2 % deltas under a 2 % gate: the Δ axis spans the deltas (issue 25: a ±2 % axis squashed them onto 0);
+    the gate, far outside, is still a line and is marked at the panel's edge and in its legend."""
+    from mixprec.programs.bench.figures import delta_axis_limits
+    lo, hi = delta_axis_limits([0.2, -0.1, 0.05])
+    assert -0.3 < lo < -0.1 and 0.2 < hi < 0.35          # the data and 0, padded, not ±2 %
+    assert delta_axis_limits([]) == pytest.approx((-0.003, 0.003))   # nothing but 0: a small span round it
+    fp32, bf16, seed1 = [[1, 2.0], [3, 1.6]], [[1, 2.004], [3, 1.5968]], [[1, 2.001], [3, 1.6016]]
+    delta = plot_loss_curves(_curve_results(fp32, bf16, [fp32, seed1]), tmp_path / "l.png").axes[2]
+    lo, hi = delta.get_ylim()
+    assert -0.3 < lo < -0.2 and 0.2 < hi < 0.35, (lo, hi)   # deltas +0.2 % and -0.2 %
+    labels = [t.get_text() for t in delta.get_legend().get_texts()]
+    assert "gate: --max-loss-delta +2% (final eval), above the axis" in labels, labels
+    assert any("gate +2% above the axis" in t.get_text() for t in delta.texts)
+    assert "seed noise (fp32 at 2 seeds)" in labels       # ±0.1 % at most: inside, drawn as is
+
+
+def test_loss_against_wall_clock_is_written_with_cumulative_seconds(tmp_path):
+    from mixprec.programs.bench.figures import plot_loss_wallclock, wallclock_curve
+    row = _entry(eval_curve=[[1, 2.5], [3, 2.0]], step_time_ms_per_step=[100.0, 200.0, 300.0])
+    assert [x for x, _ in wallclock_curve(row)] == pytest.approx([0.1, 0.6])    # seconds after steps 1 and 3
+    assert [v for _, v in wallclock_curve(row)] == [2.5, 2.0]
+    fp32, bf16 = [[1, 2.0], [3, 1.6]], [[1, 2.02], [3, 1.6]]
+    results = _curve_results(fp32, bf16, [fp32])
+    results["policies"]["fp32"]["step_time_ms_per_step"] = [100.0, 100.0, 100.0]
+    results["policies"]["bf16-mixed"]["step_time_ms_per_step"] = [50.0, None, 40.0]   # None: counts at the median
+    fig = plot_loss_wallclock(results, tmp_path / "w.png")
+    assert (tmp_path / "w.png").read_bytes()[:4] == b"\x89PNG"
+    (ax,) = fig.axes
+    assert ax.get_xlabel().startswith("cumulative training seconds") and ax.get_ylabel() == "eval loss (nats/char)"
+    assert [list(line.get_xdata()) for line in ax.lines] == [pytest.approx([0.1, 0.3]), pytest.approx([0.05, 0.1])]
+    assert [list(line.get_ydata()) for line in ax.lines] == [[2.0, 1.6], [2.02, 1.6]]
+
+
+def test_mfu_peak_and_report_say_where_each_peak_comes_from():
+    """A peak read from a cache another process wrote is labelled so (when, by which pid and torch) in results.json
+    (``mfu_peak``, ``environment.peaks_origin``) and report.md; one measured by this process says that."""
+    from mixprec.machine.matmul import MatmulPeak
+    from mixprec.programs.bench.mfu import one_mfu_peak, peaks_environment
+    from mixprec.programs.bench.report import peaks_line
+    peaks = {"fp32": MatmulPeak("fp32", 202.7, 128, measured_at="2026-12-01T10:00:00Z", pid=1, torch="2.13.0"),
+             "bf16": MatmulPeak("bf16", 860.5, 512, measured_at="2026-12-01T10:00:01Z", pid=1, torch="2.13.0"),
+             "fp16": MatmulPeak("fp16", 0.5, 128, measured_at="2026-12-01T11:00:00Z", pid=os.getpid(), torch="x"),
+             "fp8": MatmulPeak("fp8", 0.1, 128)}
+    rows = {"fp32": PolicyRun(gflops_per_s=43.0, mfu=0.2)}
+    mfu_peak, rows = one_mfu_peak(rows, peaks)
+    assert mfu_peak == {"dtype": "bf16", "gflops_per_s": 860.5, "n": 512, "measured_at": "2026-12-01T10:00:01Z",
+                        "measured_by_pid": 1, "torch": "2.13.0",
+                        "source": "cached: measured 2026-12-01T10:00:01Z by pid 1, torch 2.13.0"}
+    assert rows["fp32"].mfu == pytest.approx(43.0 / 860.5) and rows["fp32"].mfu_own_dtype == 0.2
+    env = peaks_environment(peaks)
+    assert env["peaks_gflops_per_s"]["fp32"] == 202.7 and env["peaks_matmul_n"]["bf16"] == 512
+    assert env["peaks_origin"]["fp16"] == "measured by this process at 2026-12-01T11:00:00Z"
+    assert env["peaks_origin"]["fp8"] == "cached; when and by which process not recorded (an older cache file)"
+    line = peaks_line({"environment": env, "mfu_peak": mfu_peak})
+    assert "fp32 202.7 at 128³ (cached: measured 2026-12-01T10:00:00Z by pid 1, torch 2.13.0)" in line
+    assert "MFU is against bf16's 860.5 (cached: measured 2026-12-01T10:00:01Z by pid 1, torch 2.13.0)." in line
+
+
+def test_cached_peaks_keep_when_and_by_whom_they_were_measured(tmp_path, monkeypatch):
+    from mixprec.machine import matmul
+    monkeypatch.setenv("MIXPREC_CACHE_DIR", str(tmp_path))
+    monkeypatch.setattr(matmul, "measure_peaks", lambda device: {"fp32": matmul.measure_matmul("fp32", device, n=128)})
+    fresh = matmul.cached_peaks("cpu")["fp32"]
+    assert fresh.n == 128 and fresh.pid == os.getpid() and fresh.torch == torch.__version__ and fresh.measured_at
+    assert matmul.cached_peaks("cpu")["fp32"] == fresh                  # read back from the file, provenance kept
+    assert matmul.peak_origin(fresh).startswith("measured by this process")
+    assert matmul.peak_origin(replace(fresh, pid=fresh.pid + 1)).startswith(f"cached: measured {fresh.measured_at} by pid")

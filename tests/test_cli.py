@@ -207,3 +207,33 @@ def test_cli_warnings_are_one_line_without_the_source_echo(capsys):
     from mixprec.programs.cli import main
     assert main(["bench", "--steps", "2"]) == 2   # a bad argument: the error path
     assert warnings.formatwarning is before       # restored after the command
+
+
+def test_doctor_prints_one_bf16_ratio_at_one_size(monkeypatch, capsys):
+    """Issue 25: the table's bf16 ratio was bf16 at 512³ over fp32 at 128³ (5.13) and the auto line said 4.22×
+    (both at 512³). Now the table's ratio is the probe's, both dtypes at 512³, and the auto line repeats no number."""
+    from mixprec.machine import capability
+    from mixprec.machine.matmul import MatmulPeak
+    from mixprec.programs import doctor
+    cap = capability.Capability(device="cpu", bf16=True, fp16=True, bf16_fast=True, fp16_native=False,
+                                bf16_speed_ratio=4.22, fp16_speed_ratio=0.003,
+                                detail="measured matmul speed vs fp32: bf16 4.22x (512^3), fp16 0.0030x (256^3)")
+    peaks = {"fp32": MatmulPeak("fp32", 145.7, 128), "bf16": MatmulPeak("bf16", 747.5, 512),
+             "fp16": MatmulPeak("fp16", 0.44, 128), "fp8": MatmulPeak("fp8", 0.1, 256)}
+    timed = []
+    monkeypatch.setattr(capability, "_probe_cached", lambda key: cap)
+    monkeypatch.setattr(doctor, "_visible_devices", lambda: [torch.device("cpu")])
+    monkeypatch.setattr(doctor, "cached_peaks", lambda device: peaks)
+    monkeypatch.setattr(doctor, "measure_matmul", lambda name, device, n: timed.append((name, n)) or
+                        MatmulPeak(name, 200.0, n))
+    report = doctor.run_doctor(measure=False)
+    ratios = report["devices"][0]["matmul_vs_fp32"]
+    assert ratios["bf16"]["ratio"] == 4.22 and ratios["bf16"]["n"] == 512
+    assert ratios["fp8"] == {"ratio": 0.0005, "n": 256, "source": "fp32 timed at the same size"}
+    assert timed == [("fp32", 256)]                        # fp32 again at fp8's size, nothing else
+    text = doctor.format_doctor(report)
+    assert "5.13" not in text and text.count("4.22") == 1, text
+    bf16_row = next(line for line in text.splitlines() if line.strip().startswith("bf16"))
+    assert bf16_row.split()[-2:] == ["4.22", "512³"]
+    assert "policy auto without a model: bf16-mixed (auto → bf16-mixed: this CPU's bf16 and fp16 matmul speed vs " \
+           "fp32 as in x fp32 above (matmul probe)" in text

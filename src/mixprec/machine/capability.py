@@ -24,7 +24,7 @@ import torch
 from mixprec.machine.cache import cache_dir
 from mixprec.machine.timing import time_calls
 
-__all__ = ["Capability", "normalize_device", "probe"]
+__all__ = ["Capability", "normalize_device", "probe", "reprobe"]
 
 log = logging.getLogger("mixprec")
 
@@ -153,3 +153,12 @@ def probe(device: str | torch.device | None = None) -> Capability:
     dev = normalize_device(device)
     key = dev.type if dev.type != "cuda" else f"cuda:{dev.index if dev.index is not None else torch.cuda.current_device()}"
     return _probe_cached(key)
+
+
+def reprobe(device: str | torch.device | None = None) -> Capability:
+    """:func:`probe` measured again: the CPU probe's cache file and this process's cached result are dropped first
+    (``mixprec doctor``, which re-measures everything it shows)."""
+    if normalize_device(device).type == "cpu":
+        _cache_path().unlink(missing_ok=True)
+    _probe_cached.cache_clear()
+    return probe(device)

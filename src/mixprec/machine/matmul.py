@@ -19,6 +19,7 @@ import json
 import os
 import platform
 import statistics
+import time
 from collections.abc import Callable
 from dataclasses import asdict, dataclass
 from pathlib import Path
@@ -31,7 +32,7 @@ from mixprec.machine.capability import normalize_device
 from mixprec.machine.timing import time_call
 
 __all__ = ["MatmulPeak", "DTYPES", "cpu_flags", "device_name", "matmul_call", "measure_matmul", "measure_peaks",
-           "peaks_path", "write_peaks", "cached_peaks", "dtype_support"]
+           "peaks_path", "write_peaks", "cached_peaks", "dtype_support", "peak_origin"]
 
 DTYPES: dict[str, torch.dtype] = {
     "fp32": torch.float32,
@@ -51,7 +52,8 @@ class MatmulPeak:
     """Measured matmul throughput of one dtype on one device.
 
     ``gflops_per_s`` is ``2 * n**3 / median_ms / 1e6`` (None when the dtype cannot run a
-    matmul there, with the error in ``note``).
+    matmul there, with the error in ``note``). ``measured_at`` (UTC, ISO 8601), ``pid`` and ``torch`` say when, by
+    which process and under which torch it was measured (empty / None in a cache file from before they were kept).
     """
 
     dtype: str
@@ -59,6 +61,18 @@ class MatmulPeak:
     n: int = 0
     median_ms: float | None = None
     note: str = ""
+    measured_at: str = ""
+    pid: int | None = None
+    torch: str = ""
+
+
+def peak_origin(peak: MatmulPeak) -> str:
+    """Where ``peak`` comes from, in words: measured by this process, or cached (when, by which process and torch)."""
+    if peak.pid == os.getpid():
+        return f"measured by this process at {peak.measured_at or '?'}"
+    if not peak.measured_at:
+        return "cached; when and by which process not recorded (an older cache file)"
+    return f"cached: measured {peak.measured_at} by pid {peak.pid}, torch {peak.torch or '?'}"
 
 
 def cpu_flags() -> list[str]:
@@ -91,20 +105,22 @@ def matmul_call(dtype_name: str, n: int, device: torch.device) -> Callable[[], t
 
 
 def measure_matmul(dtype_name: str, device: torch.device | str = "cpu", *, budget_s: float | None = None,
-                   max_n: int | None = None) -> MatmulPeak:
+                   max_n: int | None = None, n: int | None = None) -> MatmulPeak:
     """Measure matmul GFLOP/s of ``dtype_name`` (``fp32``, ``bf16``, ``fp16``, ``fp8``) on ``device``.
 
     ``n`` doubles from 128 while eight times the last product's time stays under ``budget_s / 4``
     (so the next, 8x larger product would still fit) and ``n < max_n``; then the median of 3 to 20
-    timed products at that ``n``. Total time is about ``2 * budget_s`` at most. Host syncs:
-    around every timed product.
+    timed products at that ``n``. Total time is about ``2 * budget_s`` at most. A given ``n`` is measured at that
+    size only (to compare two dtypes like with like). Host syncs: around every timed product.
     """
     device = normalize_device(device)
     if dtype_name not in DTYPES:
         raise ValueError(f"measure_matmul dtype_name={dtype_name!r} is not allowed; choose one of {list(DTYPES)}")
     budget_s = _BUDGET_S[device.type] if budget_s is None else budget_s
-    max_n = _MAX_N[device.type] if max_n is None else max_n
-    n = 128
+    max_n = (_MAX_N[device.type] if max_n is None else max_n) if n is None else n
+    n = 128 if n is None else n
+    stamp = {"measured_at": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()), "pid": os.getpid(),
+             "torch": torch.__version__}
     try:
         while True:
             call = matmul_call(dtype_name, n, device)
@@ -116,8 +132,8 @@ def measure_matmul(dtype_name: str, device: torch.device | str = "cpu", *, budge
         reps = max(3, min(20, int(budget_s / 2 / max(one_s, 1e-9))))
         median_s = statistics.median(time_call(call, device) for _ in range(reps))
     except (RuntimeError, TypeError, NotImplementedError) as err:
-        return MatmulPeak(dtype_name, None, note=f"{type(err).__name__}: {str(err).splitlines()[0][:200]}")
-    return MatmulPeak(dtype_name, round(2 * n**3 / median_s / 1e9, 3), n, round(median_s * 1e3, 4))
+        return MatmulPeak(dtype_name, None, note=f"{type(err).__name__}: {str(err).splitlines()[0][:200]}", **stamp)
+    return MatmulPeak(dtype_name, round(2 * n**3 / median_s / 1e9, 3), n, round(median_s * 1e3, 4), **stamp)
 
 
 def measure_peaks(device: torch.device | str = "cpu") -> dict[str, MatmulPeak]:

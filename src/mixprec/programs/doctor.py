@@ -7,7 +7,10 @@ For every visible device (the CPU, each CUDA GPU, MPS) the doctor reports:
 * the policy ``auto`` resolves to, with the reason (:func:`mixprec.policy.resolve.resolve`).
 
 ``mixprec doctor`` always re-measures the matmul peaks and rewrites their cache
-(:func:`mixprec.machine.matmul.cached_peaks`, which ``mixprec bench`` reads for MFU).
+(:func:`mixprec.machine.matmul.cached_peaks`, which ``mixprec bench`` reads for MFU), and re-runs the CPU probe
+``auto`` decides by. Each dtype's speed relative to fp32 (``x fp32``) is one ratio, taken at one size for both
+dtypes: on the CPU, bf16's and fp16's are the probe's (the numbers ``auto`` decided by); otherwise fp32 is timed
+again at the dtype's own size.
 """
 
 from __future__ import annotations
@@ -20,9 +23,9 @@ from dataclasses import asdict
 import torch
 
 from mixprec.optim import c_kernels
-from mixprec.machine.capability import probe
-from mixprec.machine.matmul import (cached_peaks, cpu_flags, device_name, dtype_support, measure_peaks, peaks_path,
-                                    write_peaks)
+from mixprec.machine.capability import Capability, probe, reprobe
+from mixprec.machine.matmul import (MatmulPeak, cached_peaks, cpu_flags, device_name, dtype_support, measure_matmul,
+                                    measure_peaks, peaks_path, write_peaks)
 from mixprec.policy.resolve import auto_candidates, resolve
 from mixprec.autocast.op_plan import cached as cached_plan
 from mixprec.optim import quantized_adamw
@@ -39,15 +42,34 @@ def _visible_devices() -> list[torch.device]:
     return devices
 
 
+def _ratios(device: torch.device, peaks: dict[str, MatmulPeak], cap: Capability) -> dict[str, dict]:
+    """Per dtype but fp32: ``{ratio, n, source}``, its matmul speed over fp32's at one size ``n`` for both."""
+    probed = {"bf16": (cap.bf16_speed_ratio, 512), "fp16": (cap.fp16_speed_ratio, 256)} if device.type == "cpu" else {}
+    ratios = {}
+    for name, peak in peaks.items():
+        if name == "fp32" or not peak.gflops_per_s:
+            continue
+        if probed.get(name, (None,))[0]:
+            ratio, n = probed[name]
+            ratios[name] = {"ratio": ratio, "n": n, "source": "the CPU probe auto decides by (best of 5)"}
+            continue
+        fp32 = peaks["fp32"] if peaks["fp32"].n == peak.n else measure_matmul("fp32", device, n=peak.n)
+        if fp32.gflops_per_s:
+            ratios[name] = {"ratio": round(peak.gflops_per_s / fp32.gflops_per_s, 4), "n": peak.n,
+                            "source": "fp32 timed at the same size"}
+    return ratios
+
+
 def _device_report(device: torch.device, *, measure: bool) -> dict:
     peaks = measure_peaks(device) if measure else cached_peaks(device)
     cache = write_peaks(device, peaks) if measure else peaks_path(device)
+    cap = reprobe(device) if measure else probe(device)
     try:
         resolution = resolve("auto", device)
         auto_policy, auto_reason = str(resolution.policy), resolution.decision
     except ValueError as err:
         auto_policy, auto_reason = None, str(err)
-    candidates = list(auto_candidates(probe(device)))
+    candidates = list(auto_candidates(cap))
     report = {"device": str(device), "name": device_name(device)}
     if device.type == "cpu":
         report.update(threads=torch.get_num_threads(), cpu_count=os.cpu_count(), cpu_flags=cpu_flags())
@@ -55,7 +77,10 @@ def _device_report(device: torch.device, *, measure: bool) -> dict:
         props = torch.cuda.get_device_properties(device)
         report.update(compute_capability=f"{props.major}.{props.minor}", memory_gb=round(props.total_memory / 2**30, 1))
     report.update(dtypes=dtype_support(device), matmul={k: asdict(v) for k, v in peaks.items()},
+                  matmul_vs_fp32=_ratios(device, peaks, cap),
                   auto_policy=auto_policy, auto_reason=auto_reason, auto_candidates=candidates,
+                  auto_reason_brief=auto_reason.replace(cap.detail, "bf16 and fp16 matmul speed vs fp32 as in x fp32 above")
+                  if device.type == "cpu" and cap.detail else auto_reason,
                   peaks_cache=str(cache) if cache else None,
                   autocast_ops=_autocast_ops(device))
     plan_path, plan = cached_plan(device)
@@ -110,16 +135,19 @@ def format_doctor(report: dict) -> str:
         elif "compute_capability" in dev:
             extra = f", compute capability {dev['compute_capability']}, {dev['memory_gb']} GB"
         lines += ["", f"device {dev['device']}: {dev['name']}{extra}",
-                  f"  {'dtype':<6}{'autocast':>9}{'matmul':>8}{'GFLOP/s':>11}{'size':>7}{'x fp32':>9}"]
-        fp32 = dev["matmul"]["fp32"]["gflops_per_s"]
+                  f"  {'dtype':<6}{'autocast':>9}{'matmul':>8}{'GFLOP/s':>11}{'size':>7}{'x fp32':>9}{'at':>6}"]
         for name, support in dev["dtypes"].items():
             peak = dev["matmul"][name]
             gflops = peak["gflops_per_s"]
-            ratio = f"{gflops / fp32:.3g}" if gflops and fp32 else "-"
+            same = dev["matmul_vs_fp32"].get(name)   # one ratio, both dtypes at one size
+            ratio = "1" if name == "fp32" else f"{same['ratio']:.3g}" if same else "-"
+            at = f"{same['n']}³" if same else (f"{peak['n']}³" if name == "fp32" and peak["n"] else "-")
             shown = f"{gflops:.4g}" if gflops is not None else "-"
             lines.append(f"  {name:<6}{_yes_no(support['autocast']):>9}{_yes_no(support['matmul']):>8}"
-                         f"{shown:>11}{peak['n'] or '-':>7}{ratio:>9}" + (f"  ({peak['note']})" if peak["note"] else ""))
-        lines.append(f"  policy auto without a model: {dev['auto_policy']} ({dev['auto_reason']})")
+                         f"{shown:>11}{peak['n'] or '-':>7}{ratio:>9}{at:>6}" + (f"  ({peak['note']})" if peak["note"] else ""))
+        lines.append("  x fp32: the dtype's matmul speed over fp32's with both at the size in 'at' "
+                     "(on the CPU, bf16's and fp16's are the probe auto decides by)")
+        lines.append(f"  policy auto without a model: {dev['auto_policy']} ({dev['auto_reason_brief']})")
         if len(dev.get("auto_candidates") or []) > 1:
             lines.append(f"  policy auto with a model (MixedPrecision(policy='auto'), resolve(..., model=...)): "
                          f"{' vs '.join(dev['auto_candidates'])} timed on the model at its first forward")

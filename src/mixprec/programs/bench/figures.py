@@ -1,4 +1,4 @@
-"""The bench's figures, ``loss_curves.png`` and ``speed_memory.png``, and the readings of a results.json that they
+"""The bench's figures, ``loss_curves.png``, ``loss_wallclock.png`` and ``speed_memory.png``, and the readings of a results.json that they
 share with ``report.md`` (the rows that trained, eval curves, the seed band, number formatting).
 
 Every function takes the results.json content (a dict); matplotlib is imported only to plot (Agg backend).
@@ -10,7 +10,8 @@ import math
 from pathlib import Path
 from typing import Any
 
-__all__ = ["plot_loss_curves", "plot_speed_memory", "fmt", "ran_rows", "eval_curve_of", "loss_unit", "seed_band"]
+__all__ = ["plot_loss_curves", "plot_loss_wallclock", "plot_speed_memory", "fmt", "ran_rows", "eval_curve_of", "loss_unit",
+           "seed_band", "delta_axis_limits", "wallclock_curve"]
 
 
 def fmt(value: Any, spec: str, suffix: str = "") -> str:
@@ -91,27 +92,104 @@ def seed_band(results: dict) -> dict[int, float]:
     return band
 
 
+def delta_axis_limits(deltas_pct: list[float], min_span_pct: float = 0.02) -> tuple[float, float]:
+    """The Δ panel's y limits (percent): the policies' deltas and 0, padded by 15 % of their span (at least
+    ``min_span_pct``), so ±0.2 % differences fill the panel instead of lying flat under a ±2 % gate."""
+    values = [0.0, *(v for v in deltas_pct if math.isfinite(v))]
+    lo, hi = min(values), max(values)
+    pad = 0.15 * max(hi - lo, min_span_pct)
+    return lo - pad, hi + pad
+
+
+def _mark_outside(ax: Any, value: float, limits: tuple[float, float], text: str, color: str) -> str:
+    """A note at the panel's top or bottom edge for a line at ``value`` that lies outside ``limits``; returns the
+    legend's suffix ("" when it lies inside)."""
+    if limits[0] <= value <= limits[1]:
+        return ""
+    above = value > limits[1]
+    ax.annotate(f"{text} {'above' if above else 'below'} the axis ({value:+.3g}%) {'↑' if above else '↓'}",
+                (0.99, 0.97 if above else 0.03), xycoords="axes fraction", ha="right", va="top" if above else "bottom",
+                fontsize=7, color=color)
+    return f", {'above' if above else 'below'} the axis"
+
+
 def _plot_eval_delta(ax: Any, results: dict) -> None:
-    """Eval-loss delta vs fp32 (%) at each eval point, the gate (+max loss delta, judged at the final point)
-    and the seed-noise band (shaded ±, per eval point)."""
+    """Eval-loss delta vs fp32 (%) at each eval point, the y axis scaled to the deltas (:func:`delta_axis_limits`);
+    the gate (+max loss delta, judged at the final point) and the seed-noise band (shaded ±, per eval point) are
+    drawn where they fall inside it and marked at the edge where they do not."""
     reference = eval_curve_of(ran_rows(results).get(results["reference"]))
+    deltas: list[float] = []
     for index, (name, e) in enumerate(ran_rows(results).items()):
         points = [(st, 100 * (v - reference[st]) / reference[st]) for st, v in e.get("eval_curve") or []
                   if name != results["reference"] and v is not None and reference.get(st)]
         if points:
+            deltas += [d for _, d in points]
             ax.plot(*zip(*points), lw=_width(index, len(ran_rows(results))), ls=_STYLES[index % len(_STYLES)],
                     marker=_MARKERS[index % len(_MARKERS)], ms=3 + 2 * _width(index, len(ran_rows(results))), mfc="none", color=f"C{index}", label=name)
+    limits = delta_axis_limits(deltas)
     band = seed_band(results)
     if band:
         steps = sorted(band)
+        widest = 100 * max(band.values())
+        beyond = ", beyond the axis at some steps" if widest > max(abs(limits[0]), abs(limits[1])) else ""
         ax.fill_between(steps, [-100 * band[st] for st in steps], [100 * band[st] for st in steps], color="gray",
-                        alpha=0.2, label=f"seed noise (fp32 at {len([c for c in results['seed_noise']['fp32_eval_curves'] if c])} seeds)")
+                        alpha=0.2, label=f"seed noise (fp32 at {len([c for c in results['seed_noise']['fp32_eval_curves'] if c])} seeds){beyond}")
     limit_pct = 100 * results["settings"]["targets"]["max_loss_delta"]
+    outside = _mark_outside(ax, limit_pct, limits, f"gate +{limit_pct:g}%", "red")
     ax.axhline(0, color="black", lw=0.8)
-    ax.axhline(limit_pct, color="red", lw=0.8, ls="--", label=f"gate: --max-loss-delta +{limit_pct:g}% (final eval)")
+    ax.axhline(limit_pct, color="red", lw=0.8, ls="--", label=f"gate: --max-loss-delta +{limit_pct:g}% (final eval){outside}")
+    ax.set_ylim(*limits)
     ax.set(xlabel="step (optimizer steps)", ylabel="eval loss vs fp32 (%)")
     ax.legend(fontsize=7, ncol=3)
     ax.grid(alpha=0.3)
+
+
+def wallclock_curve(entry: dict) -> list[tuple[float, float]]:
+    """A row's eval curve against cumulative training seconds: ``(seconds after step s, eval loss at s)``, the
+    seconds summed over the row's measured per-step times (``step_time_ms_per_step``, eval excluded; a step
+    without a time counts at the median). Empty without an eval curve or step times."""
+    times = entry.get("step_time_ms_per_step") or []
+    fill = entry.get("step_time_ms_median")
+    if fill is None:
+        known = sorted(t for t in times if t is not None)
+        fill = known[len(known) // 2] if known else None
+    if fill is None:
+        return []
+    cumulative, total = [], 0.0
+    for t in times:
+        total += (fill if t is None else t) / 1000
+        cumulative.append(total)
+    return [(cumulative[st - 1] if st <= len(cumulative) else total + (st - len(cumulative)) * fill / 1000, v)
+            for st, v in entry.get("eval_curve") or [] if v is not None and st >= 1]
+
+
+def plot_loss_wallclock(results: dict, path: Path) -> Any:
+    """Eval loss against cumulative training seconds per policy (:func:`wallclock_curve`): the trade-off mixed
+    precision is about, lower-left is better. Returns the (closed) matplotlib Figure."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, ax = plt.subplots(figsize=(8, 4.6))
+    ran = ran_rows(results)
+    for index, (name, e) in enumerate(ran.items()):
+        curve = wallclock_curve(e)
+        if curve:
+            ax.plot(*zip(*curve), lw=_width(index, len(ran)), ls=_STYLES[index % len(_STYLES)],
+                    marker=_MARKERS[index % len(_MARKERS)], ms=4, mfc="none", color=f"C{index}",
+                    label=f"{name} ({fmt(curve[-1][0], '.1f')} s, final {fmt(curve[-1][1], '.4f')})")
+    s = results["settings"]
+    ax.set(xlabel="cumulative training seconds (the quality run's measured step times; eval excluded)",
+           ylabel=f"eval loss ({loss_unit(results)})",
+           title=f"eval loss vs training time: {s['workload']}/{s['config'] or 'default'}, {s['device']}")
+    ax.title.set_fontsize(10)
+    ax.legend(fontsize=7)
+    ax.grid(alpha=0.3)
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+    return fig
 
 
 def plot_loss_curves(results: dict, path: Path) -> Any:

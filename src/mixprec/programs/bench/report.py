@@ -1,4 +1,4 @@
-"""Bench outputs: ``results.json``, ``report.md``, ``loss_curves.png``, ``speed_memory.png``.
+"""Bench outputs: ``results.json``, ``report.md``, ``loss_curves.png``, ``loss_wallclock.png``, ``speed_memory.png``.
 
 ``results.json`` (strict JSON: non-finite numbers are written as null)::
 
@@ -7,14 +7,14 @@
                   eval_every, targets: {max_loss_delta, min_speedup, max_memory_ratio}},
      "workload": Workload.describe() (model, optimizer, data source and split, vocabulary),
      "environment": {torch, python, platform, device, torch_threads, capability,
-                     peaks_gflops_per_s: {fp32, bf16, fp16, fp8}, peaks_matmul_n, command,
+                     peaks_gflops_per_s: {fp32, bf16, fp16, fp8}, peaks_matmul_n, peaks_origin, command,
                      cpu_name + cpu_flags + cpu_count (CPU) | gpu_name (CUDA)},
      "reference": "fp32",
      "policies": {requested name: {POLICY_KEYS...}, ...},   # fp32 first
      "timing": {method, blocks, block_steps, spread: {policy: p90/p10}, noisy, spread_limit, ...},
                # spread/noisy: one decision over the table's step times (programs/bench/noise.py)
      "seed_noise": {seeds, fp32_eval_losses, relative_spread, fp32_eval_curves} | null,
-     "mfu_peak": {dtype, gflops_per_s} | null, "portable_ops": {...} | null,
+     "mfu_peak": {dtype, gflops_per_s, n, source, measured_at, measured_by_pid, torch} | null, "portable_ops": {...} | null,
      "parent_pid": int, "wall_s": float}
 
 Per policy (:data:`POLICY_KEYS`; a SKIPPED policy has null measurements): units are in the
@@ -38,10 +38,11 @@ from pathlib import Path
 from typing import Any
 
 from mixprec.programs.bench.results import POLICY_KEYS
-from mixprec.programs.bench.figures import eval_curve_of, fmt, loss_unit, plot_loss_curves, plot_speed_memory, ran_rows, seed_band
+from mixprec.programs.bench.figures import (eval_curve_of, fmt, loss_unit, plot_loss_curves, plot_loss_wallclock,
+                                            plot_speed_memory, ran_rows, seed_band)
 
 __all__ = ["POLICY_KEYS", "COMPILED_SUFFIX", "write_outputs", "format_table", "auto_lines", "op_plan_lines", "timing_lines", "seed_noise_lines", "eval_curve_lines", "report_markdown",
-           "plot_loss_curves", "plot_speed_memory"]
+           "plot_loss_curves", "plot_loss_wallclock", "plot_speed_memory", "peaks_line"]
 
 COMPILED_SUFFIX = "+compiled"   # the row of a policy run under bench --compile
 _HOW_TO_READ = """\
@@ -315,7 +316,6 @@ def _header_lines(results: dict) -> list[str]:
     targets += [f"max memory ratio {t['max_memory_ratio']}x"] if t["max_memory_ratio"] else []
     hardware = env.get("gpu_name") or f"{env.get('cpu_name')}, {env['torch_threads']} threads, flags: " \
                                         f"{' '.join(env.get('cpu_flags') or []) or 'n/a'}"
-    peaks = ", ".join(f"{k} {fmt(v, '.1f')}" for k, v in env["peaks_gflops_per_s"].items())
     return [
         f"# mixprec bench: {s['workload']}/{s['config'] or 'default'}, {s['steps']} steps, seed {s['seed']}, "
         f"{s['device']}",
@@ -325,11 +325,24 @@ def _header_lines(results: dict) -> list[str]:
         f"```\n{results['command']}\n```",
         "",
         f"Targets: {', '.join(targets)}. Device: {s['device']} ({hardware}); torch {env['torch']}, "
-        f"python {env['python']}. Matmul peaks (GFLOP/s, `mixprec doctor`): {peaks}.",
+        f"python {env['python']}. {peaks_line(results)}",
         f"Workload: {w.get('workload', s['workload'])}, {json.dumps(w.get('model', {}))}; "
         f"{w.get('items_per_batch', '?')} {w.get('item_unit', 'items')} per step; data: "
         f"{(w.get('data') or {}).get('source', 'workload-defined')}.",
     ]
+
+
+def peaks_line(results: dict) -> str:
+    """report.md's sentence on the matmul peaks (the MFU denominators): each dtype's GFLOP/s at its size and where
+    it comes from (measured by this run, or a cache file: when, by which process, under which torch)."""
+    env = results["environment"]
+    origin, sizes = env.get("peaks_origin") or {}, env.get("peaks_matmul_n") or {}
+    peaks = "; ".join(f"{k} {fmt(v, '.1f')}" + (f" at {sizes[k]}³" if sizes.get(k) else "")
+                      + (f" ({origin[k]})" if origin.get(k) else "") for k, v in env["peaks_gflops_per_s"].items())
+    mfu = results.get("mfu_peak")
+    against = f" MFU is against {mfu['dtype']}'s {fmt(mfu['gflops_per_s'], '.1f')} ({mfu.get('source', 'origin not recorded')})." \
+        if mfu else ""
+    return f"Matmul peaks (GFLOP/s, `mixprec doctor`; `mixprec doctor` re-measures them): {peaks}.{against}"
 
 
 def report_markdown(results: dict) -> str:
@@ -370,6 +383,8 @@ def report_markdown(results: dict) -> str:
         "",
         "![training loss](loss_curves.png)",
         "",
+        "![eval loss vs training time](loss_wallclock.png)",
+        "",
         "![speed and memory](speed_memory.png)",
         "",
         _HOW_TO_READ,
@@ -388,12 +403,14 @@ def _json_safe(value: Any) -> Any:
 
 
 def write_outputs(results: dict, out: Path) -> dict[str, Path]:
-    """Write the four outputs into ``out``; returns their paths by name."""
+    """Write the five outputs into ``out``; returns their paths by name."""
     out = Path(out)
     out.mkdir(parents=True, exist_ok=True)
-    paths = {name: out / name for name in ("results.json", "report.md", "loss_curves.png", "speed_memory.png")}
+    paths = {name: out / name for name in ("results.json", "report.md", "loss_curves.png", "loss_wallclock.png",
+                                              "speed_memory.png")}
     paths["results.json"].write_text(json.dumps(_json_safe(results), indent=1, allow_nan=False, default=str))
     paths["report.md"].write_text(report_markdown(results))
     plot_loss_curves(results, paths["loss_curves.png"])
+    plot_loss_wallclock(results, paths["loss_wallclock.png"])
     plot_speed_memory(results, paths["speed_memory.png"])
     return paths

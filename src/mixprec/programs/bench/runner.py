@@ -51,6 +51,7 @@ from typing import TYPE_CHECKING, Any
 import torch
 from tqdm import tqdm
 
+from mixprec.programs.bench.mfu import one_mfu_peak, peaks_environment
 from mixprec.programs.bench.report import COMPILED_SUFFIX, write_outputs
 from mixprec.programs.bench.noise import settle_noise
 from mixprec.programs.bench.results import BenchResults, PolicyRun
@@ -229,8 +230,7 @@ def _environment(device: torch.device, capability: Capability, peaks: dict[str, 
         "device": str(device),
         "torch_threads": torch.get_num_threads(),
         "capability": asdict(capability),
-        "peaks_gflops_per_s": {name: peak.gflops_per_s for name, peak in peaks.items()},
-        "peaks_matmul_n": {name: peak.n for name, peak in peaks.items()},
+        **peaks_environment(peaks),
         "command": command,
     }
     if device.type == "cuda":
@@ -342,21 +342,6 @@ def _seed_noise(config: BenchConfig, spec: RunSpec | None, reference: PolicyRun,
             "relative_spread": (max(losses) - min(losses)) / min(losses), "fp32_eval_curves": curves}
 
 
-def _one_mfu_peak(entries: dict[str, PolicyRun], peaks_gflops: dict[str, float | None]
-                  ) -> tuple[dict[str, Any] | None, dict[str, PolicyRun]]:
-    """MFU against one named peak, the device's fastest 16/32-bit matmul dtype (``mixprec doctor``'s, cached per
-    torch version and thread count), so the column compares policies; each row keeps ``mfu_own_dtype`` (against
-    its compute dtype's peak). Returns results.json's ``mfu_peak`` (None without peaks) and the rows."""
-    known = {d: v for d, v in peaks_gflops.items() if d in ("fp32", "bf16", "fp16") and v}
-    if not known:
-        return None, entries
-    dtype = max(known, key=known.get)
-    entries = {name: e if e.gflops_per_s is None else
-               replace(e, mfu_own_dtype=e.mfu, mfu=e.gflops_per_s / (known[dtype] * (e.world_size or 1)))
-               for name, e in entries.items()}
-    return {"dtype": dtype, "gflops_per_s": known[dtype]}, entries
-
-
 def run_bench(config: BenchConfig, *, capability: Capability | None = None, progress: bool = True) -> BenchResults:
     """Run the bench described by ``config``, write its outputs to ``config.out`` and return
     the results (``results.json`` is their :meth:`~BenchResults.to_json`).
@@ -392,7 +377,7 @@ def run_bench(config: BenchConfig, *, capability: Capability | None = None, prog
                eval_every_for(config.steps) if config.eval_every is None else config.eval_every)
     entries, specs, seed_noise = _train_rows(run, names, skip, progress)
     timing, entries = _retime(config, entries, specs, workdir, progress)
-    mfu_peak, entries = _one_mfu_peak(entries, run.peaks_gflops)
+    mfu_peak, entries = one_mfu_peak(entries, peaks)
     entries = judge_policies(entries, config.targets, noisy=timing["noisy"], seed_noise=seed_noise)
     portable = _portable_cost(config, device, runnable, progress)
     results = BenchResults(
