@@ -26,7 +26,7 @@ _BENCH_EPILOG = """\
 Each policy trains in its own process from the same seed and batch order as the fp32
 reference (always run first). Verdicts: PASS / FAIL / SKIPPED / REFERENCE, against the
 targets; exit status 1 when any policy FAILs. Outputs in --out: results.json, report.md,
-loss_curves.png, speed_memory.png. Defaults (no flags) take under 10 minutes on 2 CPU cores.
+loss_curves.png, loss_wallclock.png, speed_memory.png. Defaults (no flags) take under 10 minutes on 2 CPU cores.
 """
 
 
@@ -233,7 +233,8 @@ def _cmd_bench(args: argparse.Namespace, command: str) -> int:
     for name, entry in results["policies"].items():
         if entry["verdict"] in ("FAIL", "SKIPPED"):
             print(f"{name}: {entry['verdict']}: {entry['reason']}")
-    print(f"wrote {out}/results.json, report.md, loss_curves.png, speed_memory.png ({results['wall_s']:.0f} s)")
+    print(f"wrote {out}/results.json, report.md, loss_curves.png, loss_wallclock.png, speed_memory.png "
+          f"({results['wall_s']:.0f} s)")
     return 1 if any(e["verdict"] == "FAIL" for e in results["policies"].values()) else 0
 
 

@@ -135,7 +135,7 @@ def format_doctor(report: dict) -> str:
         elif "compute_capability" in dev:
             extra = f", compute capability {dev['compute_capability']}, {dev['memory_gb']} GB"
         lines += ["", f"device {dev['device']}: {dev['name']}{extra}",
-                  f"  {'dtype':<6}{'autocast':>9}{'matmul':>8}{'GFLOP/s':>11}{'size':>7}{'x fp32':>9}{'at':>6}"]
+                  f"  {'dtype':<6}{'autocast':>9}{'matmul':>8}{'GFLOP/s':>11}{'size':>7}{'x fp32':>9}{'at':>7}"]
         for name, support in dev["dtypes"].items():
             peak = dev["matmul"][name]
             gflops = peak["gflops_per_s"]
@@ -144,7 +144,7 @@ def format_doctor(report: dict) -> str:
             at = f"{same['n']}³" if same else (f"{peak['n']}³" if name == "fp32" and peak["n"] else "-")
             shown = f"{gflops:.4g}" if gflops is not None else "-"
             lines.append(f"  {name:<6}{_yes_no(support['autocast']):>9}{_yes_no(support['matmul']):>8}"
-                         f"{shown:>11}{peak['n'] or '-':>7}{ratio:>9}{at:>6}" + (f"  ({peak['note']})" if peak["note"] else ""))
+                         f"{shown:>11}{peak['n'] or '-':>7}{ratio:>9}{at:>7}" + (f"  ({peak['note']})" if peak["note"] else ""))
         lines.append("  x fp32: the dtype's matmul speed over fp32's with both at the size in 'at' "
                      "(on the CPU, bf16's and fp16's are the probe auto decides by)")
         lines.append(f"  policy auto without a model: {dev['auto_policy']} ({dev['auto_reason_brief']})")

@@ -1,7 +1,7 @@
 """``mixprec bench``: policies side by side with fp32 on a real workload, with verdicts.
 
 :func:`run_bench` runs a :class:`BenchConfig` (one subprocess per policy, fp32 first) and writes
-``results.json``, ``report.md``, ``loss_curves.png`` and ``speed_memory.png``, and returns the run as a
+``results.json``, ``report.md``, ``loss_curves.png``, ``loss_wallclock.png`` and ``speed_memory.png``, and returns the run as a
 :class:`BenchResults` of :class:`PolicyRun` rows.
 """
 

@@ -101,16 +101,9 @@ def delta_axis_limits(deltas_pct: list[float], min_span_pct: float = 0.02) -> tu
     return lo - pad, hi + pad
 
 
-def _mark_outside(ax: Any, value: float, limits: tuple[float, float], text: str, color: str) -> str:
-    """A note at the panel's top or bottom edge for a line at ``value`` that lies outside ``limits``; returns the
-    legend's suffix ("" when it lies inside)."""
-    if limits[0] <= value <= limits[1]:
-        return ""
-    above = value > limits[1]
-    ax.annotate(f"{text} {'above' if above else 'below'} the axis ({value:+.3g}%) {'↑' if above else '↓'}",
-                (0.99, 0.97 if above else 0.03), xycoords="axes fraction", ha="right", va="top" if above else "bottom",
-                fontsize=7, color=color)
-    return f", {'above' if above else 'below'} the axis"
+def _outside(value: float, limits: tuple[float, float]) -> str:
+    """"" when ``value`` lies within ``limits``, else "above the axis" / "below the axis"."""
+    return "" if limits[0] <= value <= limits[1] else ("above the axis" if value > limits[1] else "below the axis")
 
 
 def _plot_eval_delta(ax: Any, results: dict) -> None:
@@ -135,11 +128,15 @@ def _plot_eval_delta(ax: Any, results: dict) -> None:
         ax.fill_between(steps, [-100 * band[st] for st in steps], [100 * band[st] for st in steps], color="gray",
                         alpha=0.2, label=f"seed noise (fp32 at {len([c for c in results['seed_noise']['fp32_eval_curves'] if c])} seeds){beyond}")
     limit_pct = 100 * results["settings"]["targets"]["max_loss_delta"]
-    outside = _mark_outside(ax, limit_pct, limits, f"gate +{limit_pct:g}%", "red")
+    outside = _outside(limit_pct, limits)
     ax.axhline(0, color="black", lw=0.8)
-    ax.axhline(limit_pct, color="red", lw=0.8, ls="--", label=f"gate: --max-loss-delta +{limit_pct:g}% (final eval){outside}")
+    ax.axhline(limit_pct, color="red", lw=0.8, ls="--",
+               label=f"gate: --max-loss-delta +{limit_pct:g}% (final eval)" + (f", {outside}" if outside else ""))
     ax.set_ylim(*limits)
-    ax.set(xlabel="step (optimizer steps)", ylabel="eval loss vs fp32 (%)")
+    ax.set(xlabel="step (optimizer steps)", ylabel="eval loss vs fp32 (%)",
+           title="eval-loss delta vs fp32, axis scaled to the deltas" +
+                 (f"; the gate (+{limit_pct:g}%) lies {outside}" if outside else ""))
+    ax.title.set_fontsize(9)
     ax.legend(fontsize=7, ncol=3)
     ax.grid(alpha=0.3)
 
