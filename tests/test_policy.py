@@ -82,7 +82,7 @@ def test_parse_preset_with_overrides():
     ("bf16-mixed,state=bf16,state=fp32", r"sets state_dtype twice"),
     ("bf16-lean,state=int4", r"state='int4' is not allowed; choose one of \['fp32', 'bf16', 'fp16', 'int8', 'fp8'\]"),
     ("bf16-lean,state_rounding=up", r"state_rounding='up' is not allowed; choose one of \('nearest', 'stochastic'\)"),
-    ("bf16-sr,state_rounding=stochastic", r"rounds 8-bit optimizer state, but state=fp32; set state=int8"),
+    ("bf16-sr,state_rounding=stochastic", r"rounds bf16 or 8-bit optimizer state, but state=fp32; set state=bf16"),
     ("bf16-mixed,fp8=blockwise", r"fp8='blockwise' is not allowed"),
     ("bf16-mixed,fp8_format=e4m3", r"needs fp8 linears"),
     ("bf16-mixed,fp8_ends=fp8", r"needs fp8 linears"),

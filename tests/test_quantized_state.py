@@ -265,8 +265,8 @@ def test_bad_inputs_name_the_argument_and_the_fix():
     p = nn.Parameter(torch.zeros(BIG))
     with pytest.raises(ValueError, match=r"AdamW state_dtype='int4' is not allowed; choose one of .*'int8'"):
         mo.AdamW([p], state_dtype="int4")
-    with pytest.raises(ValueError, match=r"SGD state_rounding='stochastic' rounds 8-bit state, but state_dtype="
-                                         r"torch.float32; pass state_dtype='int8'"):
+    with pytest.raises(ValueError, match=r"SGD state_rounding='stochastic' rounds bf16 or 8-bit state, but "
+                                         r"state_dtype=torch.float32; pass state_dtype='bf16' \(or 'int8'"):
         mo.SGD([p], momentum=0.9, state_rounding="stochastic")
     with pytest.raises(ValueError, match=r"state_rounding='round' is not allowed"):
         mo.AdamW([p], state_dtype="int8", state_rounding="round")

@@ -69,12 +69,14 @@ class AdamW(PrecisionOptimizer):
             blockwise: ``torch.int8`` / ``"int8"`` (dynamic-map codes: the signed map for ``exp_avg``, the
             unsigned map of ``sqrt(exp_avg_sq)`` for ``exp_avg_sq``) or ``torch.float8_e4m3fn`` / ``"fp8"``
             (E4M3 ``exp_avg``, E5M2 ``exp_avg_sq``).
-        state_rounding: how 8-bit state is rounded when stored: ``"nearest"`` (default when None) or
-            ``"stochastic"`` (unbiased; draws from torch's global RNG).
+        state_rounding: how bf16 and 8-bit state is rounded when stored: ``"nearest"`` or ``"stochastic"``
+            (unbiased, so bf16 moments track fp32 ones; draws from torch's global RNG). Default when None:
+            ``"stochastic"`` for bf16 state, else ``"nearest"``. 16-bit state takes no
+            extra buffer (the random bits are temporaries); fp16 state is rounded to nearest only.
 
     State: ``step`` (float32 scalar, CPU), ``exp_avg`` and ``exp_avg_sq`` in ``state_dtype`` (complex64
     for a complex64 param, as torch.optim)
-    (upcast to fp32 for the math, stored back rounded to nearest), ``kahan_comp`` in the param
+    (upcast to fp32 for the math, stored back with ``state_rounding``), ``kahan_comp`` in the param
     dtype for 16-bit params under ``'kahan'``. Under 8-bit state a param with at least 4096 elements
     and 2 dimensions holds ``exp_avg`` / ``exp_avg_sq`` as codes (its shape, 1 byte each) plus
     ``exp_avg_absmax`` / ``exp_avg_sq_absmax`` (fp32, one per 256 elements); other params keep fp32

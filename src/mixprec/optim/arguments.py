@@ -10,6 +10,7 @@ from typing import Any
 
 import torch
 
+from mixprec.policy.choices import SR_STATE_DTYPES, default_state_rounding
 from mixprec.policy.policy import QUANTIZED_STATE_DTYPES, ROUNDINGS, STATE_FORMATS, STATE_ROUNDINGS
 
 __all__ = ["STATE_DTYPES", "check_torch_options", "check_number"]
@@ -42,14 +43,16 @@ def _check_state_dtype(owner: str, state_dtype: torch.dtype | str | None) -> tor
 
 
 def _check_state_rounding(owner: str, state_rounding: str | None, state_dtype: torch.dtype) -> str:
+    """``state_rounding`` checked; None is the state format's default (:func:`default_state_rounding`:
+    ``"stochastic"`` for bf16 state, else ``"nearest"``)."""
     if state_rounding is None:
-        return "nearest"
+        return default_state_rounding(state_dtype)
     if state_rounding not in STATE_ROUNDINGS:
         raise ValueError(f"{owner} state_rounding={state_rounding!r} is not allowed; choose one of "
-                         f"{STATE_ROUNDINGS} or None (= 'nearest')")
-    if state_rounding != "nearest" and state_dtype not in QUANTIZED_STATE_DTYPES:
-        raise ValueError(f"{owner} state_rounding={state_rounding!r} rounds 8-bit state, but state_dtype="
-                         f"{state_dtype}; pass state_dtype='int8' (or 'fp8'), or state_rounding='nearest'")
+                         f"{STATE_ROUNDINGS} or None (= 'stochastic' for bf16 state, else 'nearest')")
+    if state_rounding != "nearest" and state_dtype not in SR_STATE_DTYPES:
+        raise ValueError(f"{owner} state_rounding={state_rounding!r} rounds bf16 or 8-bit state, but state_dtype="
+                         f"{state_dtype}; pass state_dtype='bf16' (or 'int8', 'fp8'), or state_rounding='nearest'")
     return state_rounding
 
 

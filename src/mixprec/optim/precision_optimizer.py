@@ -18,7 +18,7 @@ import torch
 
 from mixprec.optim import quantized_state as qs
 from mixprec.optim.arguments import _FLOAT_DTYPES, _check_rounding, _check_state_dtype, _check_state_rounding
-from mixprec.optim.rounding import lost_update_counts, write_back_
+from mixprec.optim.rounding import lost_update_counts, stochastic_round_to_bf16, write_back_
 from mixprec.policy.policy import QUANTIZED_STATE_DTYPES, state_name
 
 __all__ = ["grad_fp32", "PrecisionOptimizer"]
@@ -95,8 +95,8 @@ class PrecisionOptimizer(torch.optim.Optimizer):
         checked values): a policy must agree with these; the others are the policy's to set."""
         return dict(self._explicit)
 
-    def _with_explicit(self, rounding: str, state_dtype: torch.dtype | str, state_rounding: str
-                       ) -> tuple[str, torch.dtype | str, str]:
+    def _with_explicit(self, rounding: str, state_dtype: torch.dtype | str, state_rounding: str | None
+                       ) -> tuple[str, torch.dtype | str, str | None]:
         """A policy's settings with the constructor's explicit ones in their place."""
         e = self._explicit
         return (e.get("rounding", rounding), e.get("state_dtype", state_dtype), e.get("state_rounding", state_rounding))
@@ -116,7 +116,7 @@ class PrecisionOptimizer(torch.optim.Optimizer):
                 raise ValueError(f"{owner} rounding='stochastic' needs bf16 params, got param dtype "
                                  f"{p.dtype}; use rounding='kahan' (or cast the params to bf16)")
 
-    def _checked(self, rounding: str, state_dtype: torch.dtype | str, state_rounding: str
+    def _checked(self, rounding: str, state_dtype: torch.dtype | str, state_rounding: str | None
                  ) -> tuple[str, torch.dtype, str]:
         owner = type(self).__name__
         rounding = _check_rounding(owner, rounding)
@@ -124,7 +124,7 @@ class PrecisionOptimizer(torch.optim.Optimizer):
         state_dtype = _check_state_dtype(owner, state_dtype)
         return rounding, state_dtype, _check_state_rounding(owner, state_rounding, state_dtype)
 
-    def set_precision(self, *, rounding: str, state_dtype: torch.dtype | str, state_rounding: str = "nearest") -> None:
+    def set_precision(self, *, rounding: str, state_dtype: torch.dtype | str, state_rounding: str | None = None) -> None:
         """Adopt a policy's ``rounding``, ``state_dtype`` and ``state_rounding``; call before the first step.
 
         Raises:
@@ -143,7 +143,7 @@ class PrecisionOptimizer(torch.optim.Optimizer):
         return self.state[p].get("kahan_comp") if p in self.state else None
 
     def move_state(self, moves: list[tuple[torch.Tensor, torch.Tensor | None]], *, rounding: str,
-                   state_dtype: torch.dtype | str, state_rounding: str = "nearest") -> None:
+                   state_dtype: torch.dtype | str, state_rounding: str | None = None) -> None:
         """Re-key state after the engine swapped the tensors this optimizer steps, and adopt a new precision.
 
         ``moves``: ``(old, new)`` per tensor; ``new=None`` drops ``old``'s state. Moments keep their
@@ -259,12 +259,18 @@ class PrecisionOptimizer(torch.optim.Optimizer):
 
     def _store(self, state: dict[str, Any], key: str, value_fp32: torch.Tensor) -> None:
         """Write ``value_fp32`` back into moment ``key``'s storage: requantized (``state_rounding``) into its
-        codes and scales, else rounded to nearest into its dtype (nothing to do for an fp32 alias)."""
+        codes and scales, stochastically rounded into bf16 under ``state_rounding='stochastic'`` (torch's
+        global RNG, one draw per element, in step order: bitwise reproducible from its state), else rounded
+        to nearest into its dtype (nothing to do for an fp32 alias)."""
         absmax = state.get(key + qs.ABSMAX_SUFFIX)
         if absmax is not None:
             code = qs.code_of(state[key], nonnegative=key in self._NONNEGATIVE)
             qs.quantize(value_fp32, code, rounding=self.state_rounding, out=(state[key], absmax))
-        elif state[key] is not value_fp32 and not state[key].is_complex():   # complex: updated through its real view
+        elif state[key] is value_fp32 or state[key].is_complex():   # fp32 alias; complex: through its real view
+            return
+        elif state[key].dtype == torch.bfloat16 and self.state_rounding == "stochastic":
+            state[key].copy_(stochastic_round_to_bf16(value_fp32))   # unbiased: E[stored] = value_fp32
+        else:
             state[key].copy_(value_fp32)  # round to nearest into the storage dtype
 
     def _restored(self, p: torch.Tensor, saved: dict[str, Any], *, copy: bool) -> dict[str, Any]:

@@ -63,8 +63,10 @@ class SGD(PrecisionOptimizer):
         rounding: ``"nearest"`` (default when None), ``"kahan"`` or ``"stochastic"`` (bf16 only).
         state_dtype: format of ``momentum_buffer``: fp32 (default when None), bf16, fp16, or 8-bit blockwise
             (``"int8"``: the signed dynamic map; ``"fp8"``: E4M3; :mod:`mixprec.optim.quantized_state`).
-        state_rounding: how 8-bit state is rounded when stored: ``"nearest"`` (default when None) or
-            ``"stochastic"``.
+        state_rounding: how bf16 and 8-bit state is rounded when stored: ``"nearest"`` or ``"stochastic"``
+            (unbiased, so bf16 moments track fp32 ones; draws from torch's global RNG). Default when None:
+            ``"stochastic"`` for bf16 state, else ``"nearest"``. 16-bit state takes no
+            extra buffer (the random bits are temporaries); fp16 state is rounded to nearest only.
 
     State: ``step`` (float32 scalar, CPU; counts steps for the first-step check),
     ``momentum_buffer`` in ``state_dtype`` when ``momentum != 0`` (complex64 for a complex64 param,

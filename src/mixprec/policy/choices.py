@@ -14,7 +14,8 @@ import torch
 from mixprec.formats import get_format
 
 __all__ = ["ROUNDINGS", "STATE_FORMATS", "QUANTIZED_STATE_DTYPES", "STATE_ROUNDINGS", "FP8_RECIPES", "FP8_FORMATS",
-           "OPS_MODES", "KERNEL_MODES", "LossScaleSpec", "state_name"]
+           "OPS_MODES", "KERNEL_MODES", "LossScaleSpec", "state_name",
+           "default_state_rounding", "SR_STATE_DTYPES"]
 
 ROUNDINGS = ("nearest", "kahan", "stochastic")
 # optimizer-state formats by text name. int8 and fp8 are markers for the blockwise 8-bit formats of
@@ -23,7 +24,8 @@ ROUNDINGS = ("nearest", "kahan", "stochastic")
 STATE_FORMATS = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16,
                  "int8": torch.int8, "fp8": torch.float8_e4m3fn}
 QUANTIZED_STATE_DTYPES = (torch.int8, torch.float8_e4m3fn)
-STATE_ROUNDINGS = ("nearest", "stochastic")   # how 8-bit state is rounded when stored
+STATE_ROUNDINGS = ("nearest", "stochastic")   # how 8-bit and bf16 state is rounded when stored
+SR_STATE_DTYPES = QUANTIZED_STATE_DTYPES + (torch.bfloat16,)   # the state formats state_rounding applies to
 FP8_RECIPES = ("tensorwise", "rowwise", "delayed")
 FP8_FORMATS = ("hybrid", "e4m3")
 OPS_MODES = ("portable", "native")     # mixprec.autocast.portable: which autocast op lists mp.autocast() uses
@@ -45,3 +47,10 @@ def state_name(dtype: torch.dtype) -> str:
             return name
     raise ValueError(f"state dtype {dtype!r} is not an optimizer-state format; choose one of {list(STATE_FORMATS)}")
 
+
+
+def default_state_rounding(dtype: torch.dtype) -> str:
+    """How state of format ``dtype`` is rounded when a policy or optimizer leaves ``state_rounding`` unset:
+    ``"stochastic"`` for bf16 (round-to-nearest loses Adam's second-moment increments below half a bf16
+    ulp: with beta2 = 0.999, ``exp_avg_sq`` stops growing at ~1/4 of its fp32 value), else ``"nearest"``."""
+    return "stochastic" if dtype == torch.bfloat16 else "nearest"

@@ -33,8 +33,9 @@ model's measured bytes/param (the bench's tensor census) sits a little above the
 Text form: a preset name, optionally followed by overrides, e.g. ``"bf16-kahan,state=bf16"``,
 or only keys: ``"params=bf16,compute=bf16,master=fp32"`` (unspecified keys take the ``fp32``
 preset's values). Keys: ``params``, ``compute``, ``output``, ``master``, ``rounding``,
-``state`` (``fp32``, ``bf16``, ``fp16``, ``int8``, ``fp8``), ``state_rounding`` (``nearest``, the default,
-or ``stochastic``: how 8-bit state is rounded when it is stored), ``loss_scale``, ``keep_fp32`` (glob
+``state`` (``fp32``, ``bf16``, ``fp16``, ``int8``, ``fp8``), ``state_rounding`` (``nearest`` or
+``stochastic``: how bf16 and 8-bit state is rounded when it is stored; default ``stochastic`` for
+``state=bf16``, else ``nearest``), ``loss_scale``, ``keep_fp32`` (glob
 patterns joined by ``|``), ``fp8`` (recipe name,
 alias ``recipe``), ``fp8_format`` (``hybrid`` or ``e4m3``), ``fp8_ends`` (``keep``: the network's
 first and last linears stay in the compute dtype, the default; ``fp8``: convert them too), ``ops``
@@ -54,8 +55,8 @@ import torch
 
 from mixprec.policy.cast import cast_floating
 from mixprec.policy.choices import (_COMPUTE_DTYPES, _HALF_DTYPES, FP8_FORMATS, FP8_RECIPES, KERNEL_MODES, OPS_MODES,
-                                    QUANTIZED_STATE_DTYPES, ROUNDINGS, STATE_FORMATS, STATE_ROUNDINGS, LossScaleSpec,
-                                    _dtype_name, state_name)
+                                    QUANTIZED_STATE_DTYPES, ROUNDINGS, SR_STATE_DTYPES, STATE_FORMATS, STATE_ROUNDINGS,
+                                    LossScaleSpec, _dtype_name, default_state_rounding, state_name)
 from mixprec.policy.text import canonical_text, parse_parts
 
 __all__ = ["Policy", "PRESETS", "ROUNDINGS", "STATE_FORMATS", "QUANTIZED_STATE_DTYPES", "STATE_ROUNDINGS",
@@ -78,8 +79,12 @@ class Policy:
             marker for blockwise 8-bit state (:mod:`mixprec.optim.quantized_state`): ``torch.int8``
             (text ``state=int8``: dynamic-map codes, one byte per element + one fp32 absmax per 256) or
             ``torch.float8_e4m3fn`` (``state=fp8``: E4M3 first moment, E5M2 second moment, per-block scales).
-        state_rounding: how 8-bit state is rounded when it is stored: ``"nearest"`` (default) or
-            ``"stochastic"`` (unbiased; needs ``state_dtype`` int8 or fp8).
+        state_rounding: how bf16 and 8-bit state is rounded when it is stored: ``"nearest"`` or
+            ``"stochastic"`` (unbiased: its expectation tracks fp32 state; needs ``state_dtype`` bf16, int8 or
+            fp8). Default None: ``"stochastic"`` for bf16 state (round-to-nearest loses Adam's second-moment
+            increments below half a bf16 ulp, so ``exp_avg_sq`` stalls), else ``"nearest"``; resolved at
+            construction. ``parse`` and :meth:`replace` re-resolve it when they change ``state_dtype`` and the
+            text/call does not set it (a non-default rounding is kept).
         loss_scale: ``"dynamic"``, ``"none"`` or a positive number (static scale). Default ``"auto"``:
             ``"dynamic"`` when params or compute are fp16 (fp16 unscaled flushes small gradients to zero;
             torch.amp's GradScaler recipe), else ``"none"``; resolved at construction, so the field always
@@ -112,7 +117,7 @@ class Policy:
     master_dtype: torch.dtype | None = None
     rounding: str = "nearest"
     state_dtype: torch.dtype = torch.float32
-    state_rounding: str = "nearest"
+    state_rounding: str | None = None
     loss_scale: LossScaleSpec = "auto"
     keep_fp32: tuple[str, ...] = ()
     fp8: str | None = None
@@ -125,6 +130,8 @@ class Policy:
         if isinstance(self.loss_scale, str) and self.loss_scale == "auto":
             object.__setattr__(self, "loss_scale", "dynamic" if torch.float16 in (self.param_dtype, self.compute_dtype)
                                else "none")
+        if self.state_rounding is None:   # unset: the state format's default (stochastic for bf16)
+            object.__setattr__(self, "state_rounding", default_state_rounding(self.state_dtype))
         self._check_dtypes()
         self._check_rounding()
         self._check_loss_scale()
@@ -220,9 +227,10 @@ class Policy:
         if self.state_rounding not in STATE_ROUNDINGS:
             raise ValueError(f"Policy state_rounding={self.state_rounding!r} is not allowed; choose one of "
                              f"{STATE_ROUNDINGS}")
-        if self.state_rounding != "nearest" and self.state_dtype not in QUANTIZED_STATE_DTYPES:
-            raise ValueError(f"Policy state_rounding={self.state_rounding!r} rounds 8-bit optimizer state, but "
-                             f"state={state_name(self.state_dtype)}; set state=int8 (or fp8), or state_rounding=nearest")
+        if self.state_rounding != "nearest" and self.state_dtype not in SR_STATE_DTYPES:
+            raise ValueError(f"Policy state_rounding={self.state_rounding!r} rounds bf16 or 8-bit optimizer state, but "
+                             f"state={state_name(self.state_dtype)}; set state=bf16 (or int8, fp8), or "
+                             "state_rounding=nearest")
 
     # ------------------------------------------------------------------ derived facts
     @property
@@ -267,6 +275,9 @@ class Policy:
         default = "dynamic" if torch.float16 in (self.param_dtype, self.compute_dtype) else "none"
         if "loss_scale" not in changes and {"param_dtype", "compute_dtype"} & set(changes) and self.loss_scale == default:
             changes["loss_scale"] = "auto"   # the old dtypes' default follows the new dtypes; a chosen scale stays
+        if ("state_rounding" not in changes and "state_dtype" in changes
+                and self.state_rounding == default_state_rounding(self.state_dtype)):
+            changes["state_rounding"] = None   # likewise the state format's default rounding; a chosen one stays
         return dataclasses.replace(self, **changes)
 
     def summary(self) -> str:
@@ -283,7 +294,9 @@ class Policy:
                    "nearest": "rounded to nearest"}[self.rounding]
             parts.append(f"fp32 masters rounded to nearest into {_dtype_name(self.param_dtype)}" if self.has_masters
                          else f"no fp32 masters: updates {how} into {_dtype_name(self.param_dtype)}")
-        parts.append(f"optimizer state {state_name(self.state_dtype)}")
+        parts.append(f"optimizer state {state_name(self.state_dtype)}" + (
+            "" if self.state_dtype != torch.bfloat16 else " (stochastically rounded)" if self.state_rounding == "stochastic"
+            else " (rounded to nearest: second-moment increments under half a bf16 ulp are lost)"))
         if self.loss_scale != "none":
             parts.append(f"{self.loss_scale} loss scale" if self.loss_scale == "dynamic" else
                          f"static loss scale {self.loss_scale}")

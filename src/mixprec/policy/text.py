@@ -14,7 +14,8 @@ import torch
 
 from mixprec.formats import get_format
 from mixprec.policy.choices import (_COMPUTE_DTYPES, FP8_FORMATS, FP8_RECIPES, KERNEL_MODES, OPS_MODES, ROUNDINGS,
-                                    STATE_FORMATS, STATE_ROUNDINGS, LossScaleSpec, _dtype_name, state_name)
+                                    STATE_FORMATS, STATE_ROUNDINGS, LossScaleSpec, _dtype_name, default_state_rounding,
+                                    state_name)
 
 __all__ = ["parse_parts", "canonical_text", "text_items"]
 
@@ -211,7 +212,7 @@ def text_items(policy: Any) -> list[tuple[str, str]]:
     if policy.fp8 is not None:
         items.append(("fp8_format", policy.fp8_format))
         items.append(("fp8_ends", "keep" if policy.fp8_keep_ends else "fp8"))
-    if policy.state_rounding != "nearest":
+    if policy.state_rounding != default_state_rounding(policy.state_dtype):
         items.append(("state_rounding", policy.state_rounding))
     if policy.ops != "portable":
         items.append(("ops", policy.ops))
