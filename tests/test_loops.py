@@ -734,3 +734,105 @@ def test_a_backward_per_micro_batch_then_one_step_still_accumulates():
         opt.step()
         assert result is not None and result.applied
         assert _params_equal(mp.module, ref)
+
+
+# ---------------------------------------------------------------- a model cast mid-run (issue 25)
+def _cast_run(policy, steps, between=None, lr=0.05, freeze=False):
+    """``steps`` SGD steps of a tiny MLP under ``policy``; ``between(model, mp)`` runs after the second."""
+    model = _mlp(4, 2, seed=3)
+    if freeze:
+        model[0].requires_grad_(False)
+    mp = MixedPrecision(model, torch.optim.SGD([p for p in model.parameters() if p.requires_grad], lr=lr),
+                        policy=policy, device="cpu", loss_scale=SCALE if policy.startswith("fp16") else None)
+    torch.manual_seed(7)
+    xs = [torch.randn(3, 4) for _ in range(steps)]
+    for i, x in enumerate(xs):
+        if i == 2 and between is not None:
+            between(model, mp)
+        with mp.autocast():
+            loss = mp.model(mp.cast_inputs(x)).float().square().mean()
+        mp.backward(loss)
+        mp.step()
+    return model, mp
+
+
+@pytest.mark.parametrize("policy", ["bf16-mixed", "fp16-mixed"])
+def test_model_half_between_steps_under_mixed_is_refused_by_name(policy):
+    with pytest.raises(RuntimeError) as err:
+        _cast_run(policy, 3, between=lambda model, mp: model.half())
+    text = str(err.value)
+    for part in ("4 parameter(s)", "0.weight", "are float16 but", f"{policy} stores them in float32",
+                 "model.float()", "low bits", "copy.deepcopy(model).half()"):
+        assert part in text, part
+
+
+def test_model_to_bf16_under_bf16_mixed_warns_at_evaluation_and_refuses_training():
+    model, mp = _cast_run("bf16-mixed", 2)
+    model.to(torch.bfloat16)
+    with pytest.warns(UserWarning, match="stores them in float32"), torch.no_grad(), mp.autocast():
+        mp.model(torch.randn(3, 4, dtype=torch.bfloat16))
+    assert [e.kind for e in mp.events].count("model-cast") == 1
+    with mp.autocast():
+        out = None
+        with pytest.raises(RuntimeError, match=r"are bfloat16 but bf16-mixed stores them in float32"):
+            out = mp.model(torch.randn(3, 4))
+    assert out is None
+    model.float()   # cast back: training goes on (from the rounded values)
+    with mp.autocast():
+        loss = mp.model(torch.randn(3, 4)).float().square().mean()
+    mp.backward(loss)
+    assert mp.step().applied
+
+
+def test_a_cast_between_backward_and_step_is_refused_and_the_step_discarded():
+    model, mp = _cast_run("bf16-mixed", 1)
+    with mp.autocast():
+        loss = mp.model(torch.randn(3, 4)).float().square().mean()
+    mp.backward(loss)
+    model.half()
+    with pytest.raises(RuntimeError, match="cast after MixedPrecision was built"):
+        mp.step()
+    assert all(p.grad is None for p in model.parameters()) and mp.micro_step == 0
+    model.float()
+    with mp.autocast():
+        loss = mp.model(torch.randn(3, 4)).float().square().mean()
+    with pytest.raises(RuntimeError, match="without backward"):
+        mp.step()
+    mp.backward(loss)
+    assert mp.step().applied
+
+
+@pytest.mark.parametrize("cast, found, fix", [(lambda m: m.half(), "float16", "model.to(torch.bfloat16)"),
+                                              (lambda m: m.float(), "float32", "model.to(torch.bfloat16)")])
+def test_a_cast_under_bf16_pure_is_refused_by_name(cast, found, fix):
+    with pytest.raises(RuntimeError) as err:
+        _cast_run("bf16-pure", 3, between=lambda model, mp: cast(model))
+    assert f"are {found} but bf16-pure stores them in bfloat16" in str(err.value)
+    assert fix in str(err.value) and "low bits" not in str(err.value)
+
+
+def test_a_cast_of_frozen_params_is_refused_with_a_per_param_fix():
+    # bf16-mixed stores frozen params in bf16 and trainable ones in fp32: model.float() casts the frozen ones
+    with pytest.raises(RuntimeError) as err:
+        _cast_run("bf16-mixed", 3, between=lambda model, mp: model.float(), freeze=True)
+    text = str(err.value)
+    assert "2 parameter(s) of the model (0.weight, 0.bias) are float32 but bf16-mixed stores them in bfloat16" in text
+    assert "p.data = p.data.to(dtype)" in text
+
+
+@pytest.mark.parametrize("policy, there, back", [
+    ("bf16-mixed", lambda m: m.double(), lambda m: m.float()),
+    ("bf16-pure", lambda m: m.float(), lambda m: m.to(torch.bfloat16))])
+def test_an_evaluation_cast_undone_before_the_next_step_trains_bit_identically(policy, there, back):
+    def evaluate(model, mp):
+        there(model)
+        with warnings.catch_warnings(record=True) as said, torch.no_grad(), mp.autocast():
+            warnings.simplefilter("always")
+            mp.model(torch.randn(3, 4, dtype=next(model.parameters()).dtype))
+        assert any("evaluation forward runs on the cast params" in str(w.message) for w in said)
+        back(model)
+
+    reference, _ = _cast_run(policy, 4)
+    model, mp = _cast_run(policy, 4, between=evaluate)
+    assert _params_equal(model, reference)
+    assert [e.kind for e in mp.events].count("model-cast") == 1

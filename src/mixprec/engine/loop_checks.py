@@ -21,6 +21,12 @@ Each check is cheap (Python loops over the parameters, no host sync) and speaks 
 * **a training forward outside ``mp.autocast()``** under a ``-mixed`` policy runs in fp32: one warning.
 * **a forward outside ``mp.autocast()`` with an fp32 input** under 16-bit params (``-pure``, ``-kahan``,
   ``-sr``, ``-lean``; evaluation included): one warning naming the fix before torch's dtype error.
+* **a model cast after build** (``model.half()``, ``model.to(torch.bfloat16)``, ``model.float()`` under
+  ``-pure``; an evaluation callback's line): the params' dtypes are compared with the ones the storage plan
+  left (one Python pass over dtypes, no host sync). A training forward, ``backward()`` or the boundary
+  refuses it by name (RuntimeError: the params, the dtype found and the one stored, the fix); an evaluation
+  forward (no grad) runs on, with one warning. It is not restored: a 16-bit cast of fp32 values already
+  dropped their low bits, so casting back could only upcast the rounded values.
 * **a float field rounded by ``cast_inputs``** under 16-bit params (a regression target, say): one
   warning naming the field and the ``keep=`` fix.
 
@@ -43,6 +49,7 @@ from torch import nn
 
 from mixprec.engine.protocol import Engine
 from mixprec.engine.records import Event
+from mixprec.engine.storage import FrozenSet
 from mixprec.policy.tree import field_names
 
 __all__ = ["LoopChecks", "TARGET_NAMES"]
@@ -88,8 +95,8 @@ class LoopChecks:
     """The checks of one engine (module docstring): ``owner``, the engine (its public face); ``on_forward``
     is called before each eager forward of ``owner.module`` (model-edit detection)."""
 
-    def __init__(self, owner: Engine, on_forward: Callable[[], None]) -> None:
-        self.owner, self.on_forward = owner, on_forward
+    def __init__(self, owner: Engine, on_forward: Callable[[], None], frozen: FrozenSet) -> None:
+        self.owner, self.on_forward, self.frozen = owner, on_forward, frozen   # frozen: the stored dtypes too
         self.applying = False          # True while the engine itself steps the optimizer
         self.marks: dict[int, tuple[int, int]] = {}
         self.reported_missing: set[int] = set()
@@ -132,6 +139,7 @@ class LoopChecks:
         if module is not self.owner.module:
             return
         self.on_forward()
+        self.check_storage(training=torch.is_grad_enabled())
         mp = self.owner
         if torch.is_autocast_enabled(mp.device.type):
             return
@@ -172,7 +180,9 @@ class LoopChecks:
     def before_backward(self, first: bool) -> None:
         """Before each of the engine's ``backward()`` calls: at a boundary's first (``first``), discard every
         gradient on its params (none is its own); later, discard gradients on params it left without one,
-        and refuse gradients it produced that changed since (another engine's backward added to them)."""
+        and refuse gradients it produced that changed since (another engine's backward added to them), or a
+        model cast since it was stored."""
+        self.check_storage(training=True)
         foreign, changed = self._foreign(everything=first)
         self._discard(foreign)
         if changed:
@@ -187,6 +197,7 @@ class LoopChecks:
         produced were zeroed or changed since its last backward(), and naming (once) the trainable params
         that have none."""
         mp = self.owner
+        self.check_storage(training=True)
         foreign, changed = self._foreign(everything=False)
         self._discard(foreign)
         marks = self.marks
@@ -268,6 +279,22 @@ class LoopChecks:
             "keep the other backward off these parameters: other_mp.backward(loss, inputs=list(other_model."
             "parameters())), or detach this model's output where the other loss uses it")
 
+    def check_storage(self, *, training: bool) -> None:
+        """Params cast since the engine stored them (module docstring): RuntimeError when ``training`` (the
+        step's gradients discarded, so casting back and going on is clean), else one warning and an event."""
+        recast = self.frozen.recast()
+        if not recast:
+            return
+        mp = self.owner
+        text = _cast_text(self._names([p for p, _ in recast]), recast, str(mp.policy), set(self.frozen.stored_dtypes))
+        if training:
+            mp.discard_gradients()
+            raise RuntimeError(f"{text}. Refused (this step's gradients discarded): training on would step the cast "
+                               "values with no fp32 copy under '-mixed' policies, or apart from their fp32 masters "
+                               "under '-pure' ones")
+        self._once("model-cast", "model-cast", f"{text}. This evaluation forward runs on the cast params; the next "
+                   "training forward, backward() or step() refuses them until they are cast back")
+
     def check_cast(self, batch: Any, dtype: torch.dtype, keep: tuple) -> None:
         """Warn once when ``cast_inputs`` rounds a float field that may be a target to a 16-bit ``dtype``."""
         if dtype == torch.float32 or "cast-target" in self.spoken:
@@ -314,6 +341,30 @@ def _float_input_not_in(args: tuple, dtype: torch.dtype) -> torch.dtype | None:
             if isinstance(t, torch.Tensor) and t.is_floating_point() and t.dtype != dtype:
                 return t.dtype
     return None
+
+
+def _dtype(dtype: torch.dtype) -> str:
+    return str(dtype).removeprefix("torch.")
+
+
+def _cast_text(names: list[str], recast: list[tuple[torch.Tensor, torch.dtype]], policy: str,
+               every: set[torch.dtype]) -> str:
+    """What a cast model is told: the params, the dtypes found and stored, what was lost, the fix (a cast of
+    the whole model when ``every`` param is stored in one dtype, else one per param)."""
+    found = "/".join(sorted({_dtype(p.dtype) for p, _ in recast}))
+    stored = sorted({d for _, d in recast}, key=str)
+    back = ("model.float()" if every == {torch.float32} else f"model.to(torch.{_dtype(stored[0])})"
+            if len(every) == 1 else "each param back to the dtype named here (p.data = p.data.to(dtype)); "
+            "model-wide casts would break the params the policy stores in another dtype")
+    lost = any(d == torch.float32 and p.dtype.itemsize < 4 for p, d in recast)
+    return (f"{len(names)} parameter(s) of the model ({', '.join(names[:4])}{', ...' if len(names) > 4 else ''}) are "
+            f"{found} but {policy} stores them in {'/'.join(map(_dtype, stored))}: the model was cast after "
+            "MixedPrecision was built (model.half(), model.to(dtype), model.float(): an evaluation callback's line?). "
+            f"Cast them back before the next training step: {back}"
+            + ("; the 16-bit cast already rounded their fp32 values, and casting back restores the dtype, not the "
+               "lost low bits (training goes on from the rounded values)" if lost else "")
+            + ". Do evaluation casts on a copy (copy.deepcopy(model).half()), or evaluate under mp.autocast() "
+            "without casting")
 
 
 def _remove_all(handles: list[Any]) -> None:

@@ -92,7 +92,7 @@ class MixedPrecision:
         self.fp8_report, self._frozen, self.masters = prepared.fp8_report, prepared.frozen, prepared.masters
         self._frozen.store(prepared.plan)
         self._kahan_from = prepared.kahan_from   # for attach()
-        self._checks = LoopChecks(self, self._adopt_model_edits)
+        self._checks = LoopChecks(self, self._adopt_model_edits, self._frozen)
         state_note = "" if optimizer is None else self._attach(optimizer, scheduler)
         claim(self, list(model.named_parameters()), set(prepared.plan.half))
         regions = self._regions.install(model, self.policy, self.device.type, prepared.keep, set(prepared.plan.frozen16))

@@ -78,7 +78,7 @@ def prepare(model: nn.Module, policy: Policy, device: torch.device, strategy: An
     if first:
         fp8_report, fp8_note = convert_fp8(model, policy, device, keep)
         strategy.before_casts(model, policy, device, keep, optimizer)
-        frozen, params = FrozenSet(model), list(model.parameters())
+        frozen, params = FrozenSet(model, watch_casts=not strategy.shards_params), list(model.parameters())
         upcast = upcast_note(model, policy)
     else:
         params = masters.params

@@ -206,10 +206,12 @@ class FrozenSet:
     """The parameters frozen when the engine was built (``requires_grad=False``), less those unfrozen
     since through the engine, and which of them are stored in 16 bits (no fp32 master)."""
 
-    def __init__(self, model: nn.Module) -> None:
-        self.model = model
+    def __init__(self, model: nn.Module, *, watch_casts: bool = True) -> None:
+        self.model, self.watch_casts = model, watch_casts   # False under FSDP2: it replaces the params itself
         self.members = [p for p in model.parameters() if p.is_floating_point() and not p.requires_grad]
         self.stored16: list[nn.Parameter] = []
+        self.stored: list[nn.Parameter] = []
+        self.stored_dtypes: list[torch.dtype] = []
 
     def ids(self) -> set[int]:
         """Ids of the members still frozen (a member made trainable by hand is not)."""
@@ -221,8 +223,19 @@ class FrozenSet:
         return [n for n, p in self.model.named_parameters() if id(p) in frozen]
 
     def store(self, plan: StoragePlan) -> None:
-        """Record which members ``plan`` stores in 16 bits."""
+        """Record which members ``plan`` stores in 16 bits, and the dtype every floating param of the model
+        is stored in now that ``plan`` is applied (for :meth:`recast`; none when not ``watch_casts``)."""
         self.stored16 = [p for p in self.model.parameters() if id(p) in plan.frozen16]
+        self.stored = [p for p in self.model.parameters() if p.is_floating_point() and self.watch_casts]
+        self.stored_dtypes = [p.dtype for p in self.stored]
+
+    def recast(self) -> list[tuple[nn.Parameter, torch.dtype]]:
+        """The params (trainable and frozen) whose dtype is no longer the one :meth:`store` recorded, each with
+        that dtype: the model was cast since (``model.half()``, ``model.to(torch.bfloat16)``, ``model.float()``).
+        One Python pass over the dtypes, no host sync."""
+        if [p.dtype for p in self.stored] == self.stored_dtypes:
+            return []
+        return [(p, d) for p, d in zip(self.stored, self.stored_dtypes) if p.dtype != d]
 
     def follow(self, added: list[nn.Parameter]) -> None:
         """After a model edit: drop the members no longer in the model, and take ``added`` params that
