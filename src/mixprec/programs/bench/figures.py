@@ -183,10 +183,7 @@ def plot_loss_wallclock(results: dict, path: Path) -> Any:
     ax.title.set_fontsize(10)
     ax.legend(fontsize=7)
     ax.grid(alpha=0.3)
-    fig.tight_layout()
-    fig.savefig(path, dpi=110)
-    plt.close(fig)
-    return fig
+    return _save(fig, path)
 
 
 def plot_loss_curves(results: dict, path: Path) -> Any:
@@ -206,10 +203,7 @@ def plot_loss_curves(results: dict, path: Path) -> Any:
     _plot_eval_delta(ax_delta, results)
     fig.suptitle(f"{s['workload']}/{s['config'] or 'default'}, {s['steps']} steps, seed {s['seed']}, {s['device']}",
                  fontsize=10)
-    fig.tight_layout()
-    fig.savefig(path, dpi=110)
-    plt.close(fig)
-    return fig
+    return _save(fig, path)
 
 
 def plot_speed_memory(results: dict, path: Path) -> Any:
@@ -248,6 +242,13 @@ def plot_speed_memory(results: dict, path: Path) -> Any:
     method = (results.get("timing") or {}).get("method", "sequential")
     fig.suptitle(f"speed and memory vs fp32 ({results['settings']['device']}; step time: {method} timing)",
                  fontsize=10)
+    return _save(fig, path)
+
+
+def _save(fig: Any, path: Path) -> Any:
+    """Lay out, write ``path`` (PNG, 110 dpi) and close ``fig``; returns it (closed)."""
+    import matplotlib.pyplot as plt
+
     fig.tight_layout()
     fig.savefig(path, dpi=110)
     plt.close(fig)
