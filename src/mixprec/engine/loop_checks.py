@@ -47,6 +47,7 @@ from typing import Any
 import torch
 from torch import nn
 
+from mixprec.engine.autocast_scope import AutocastScope
 from mixprec.engine.protocol import Engine
 from mixprec.engine.records import Event
 from mixprec.engine.storage import FrozenSet
@@ -77,9 +78,23 @@ class _ForwardHook(_Hook):
     """The root module's forward pre-hook: the engine's checks before each eager forward."""
 
     def __call__(self, module: nn.Module, args: tuple) -> None:
+        if torch.compiler.is_compiling():   # first: dynamo then traces nothing else of it
+            return
         checks = self.checks()
-        if checks is not None and not torch.compiler.is_compiling():
+        if checks is not None:
             checks.before_forward(module, args)
+
+
+class _OutputHook(_Hook):
+    """The root module's forward hook: the outputs of each eager forward hold its op lists in their backward
+    passes (:meth:`mixprec.engine.autocast_scope.AutocastScope.after_forward`)."""
+
+    def __call__(self, module: nn.Module, args: tuple, output: Any) -> None:
+        if torch.compiler.is_compiling():
+            return
+        checks = self.checks()
+        if checks is not None and checks.scope is not None and module is checks.owner.module:
+            checks.scope.after_forward(output)
 
 
 class _StepHook(_Hook):
@@ -93,10 +108,14 @@ class _StepHook(_Hook):
 
 class LoopChecks:
     """The checks of one engine (module docstring): ``owner``, the engine (its public face); ``on_forward``
-    is called before each eager forward of ``owner.module`` (model-edit detection)."""
+    is called before each eager forward of ``owner.module`` (model-edit detection); ``scope``, the engine's
+    :class:`~mixprec.engine.autocast_scope.AutocastScope`, refreshes the cast cache before each eager forward
+    and holds the op lists in the outputs' backward passes after it."""
 
-    def __init__(self, owner: Engine, on_forward: Callable[[], None], frozen: FrozenSet) -> None:
+    def __init__(self, owner: Engine, on_forward: Callable[[], None], frozen: FrozenSet,
+                 scope: AutocastScope | None = None) -> None:
         self.owner, self.on_forward, self.frozen = owner, on_forward, frozen   # frozen: the stored dtypes too
+        self.scope = scope
         self.applying = False          # True while the engine itself steps the optimizer
         self.marks: dict[int, tuple[int, int]] = {}
         self.reported_missing: set[int] = set()
@@ -106,11 +125,12 @@ class LoopChecks:
         self._tensors_list: list[torch.Tensor] = []
 
     def install(self) -> None:
-        """The model's forward pre-hook, unless the policy is plain fp32 (no hook on the model then, and an
-        edit is found at ``backward()``)."""
+        """The model's forward pre-hook and forward hook, unless the policy is plain fp32 (no hook on the model
+        then: no autocast, and an edit is found at ``backward()``)."""
         policy = self.owner.policy
         if policy.is_mixed or policy.param_dtype != torch.float32:
             self._add(self.owner.module.register_forward_pre_hook(_ForwardHook(self)))
+            self._add(self.owner.module.register_forward_hook(_OutputHook(self)))
 
     def watch(self, optimizer: torch.optim.Optimizer) -> None:
         """The step pre-hook of ``optimizer`` (the engine's, at ``mp.attach``)."""
@@ -140,6 +160,8 @@ class LoopChecks:
             return
         self.on_forward()
         self.check_storage(training=torch.is_grad_enabled())
+        if self.scope is not None:
+            self.scope.refresh_casts()
         mp = self.owner
         if torch.is_autocast_enabled(mp.device.type):
             return

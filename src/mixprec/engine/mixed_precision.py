@@ -19,13 +19,12 @@ from typing import Any
 import torch
 from torch import nn
 
-from mixprec.autocast.compiled import compile_request, eager_dtypes
+from mixprec.autocast.compiled import compile_request
 from mixprec.autocast.op_plan import describe as describe_kernels
-from mixprec.autocast.op_plan import planned_kernels
-from mixprec.autocast.portable import portable_ops
 from mixprec.distributed.strategy import make_strategy
 from mixprec.engine.arguments import (MID_ACCUMULATION, RETAINED, TOO_MANY, as_tensors, cast_batch, check_args,
                                       check_loss, check_optimizer)
+from mixprec.engine.autocast_scope import AutocastScope
 from mixprec.engine.boundary import BoundaryLosses, StepCheck, StepResult, check_grads
 from mixprec.engine.clipping import clip_ as _clip_
 from mixprec.engine.divergence import DivergenceError, StopWhenStuck
@@ -92,7 +91,8 @@ class MixedPrecision:
         self.fp8_report, self._frozen, self.masters = prepared.fp8_report, prepared.frozen, prepared.masters
         self._frozen.store(prepared.plan)
         self._kahan_from = prepared.kahan_from   # for attach()
-        self._checks = LoopChecks(self, self._adopt_model_edits, self._frozen)
+        self._scope = AutocastScope(self)   # mp.autocast()'s settings in backward passes and traced graphs
+        self._checks = LoopChecks(self, self._adopt_model_edits, self._frozen, self._scope)
         state_note = "" if optimizer is None else self._attach(optimizer, scheduler)
         claim(self, list(model.named_parameters()), set(prepared.plan.half))
         regions = self._regions.install(model, self.policy, self.device.type, prepared.keep, set(prepared.plan.frozen16))
@@ -140,12 +140,10 @@ class MixedPrecision:
     @contextmanager
     def autocast(self) -> Iterator[None]:
         """``torch.autocast`` in the compute dtype (off for fp32), the ``ops`` and ``kernels`` the policy names
-        (:mod:`mixprec.autocast`) and eager dtypes for a compiled forward. ``mp.model(x)`` gives ``output_dtype``."""
-        self._check_usable("mp.autocast()")
-        with torch.autocast(self.device.type, dtype=self.policy.compute_dtype, enabled=self.policy.is_mixed), \
-                portable_ops(self.device.type, enabled=self.policy.ops == "portable"), eager_dtypes(self.policy), \
-                planned_kernels(self.device.type, enabled=self.policy.kernels == "measured"), \
-                self._auto.block():   # auto pending: its decision at the first forward may switch autocast on
+        (:mod:`mixprec.autocast`; held in every backward pass of its outputs) and eager dtypes for a compiled
+        forward; traced by torch.compile with no graph break (:mod:`mixprec.engine.autocast_scope`)."""
+        self._check_usable("mp.autocast()")   # auto pending: its decision at the first forward may switch autocast on
+        with self._scope.autocast(self._auto.block() if self._auto.state == "pending" else None):
             yield
 
     def cast_inputs(self, batch: Any, *, keep: tuple[str, ...] = ()) -> Any:
@@ -181,17 +179,17 @@ class MixedPrecision:
         self._losses.add(loss.detach(), first=new_micro_batch and self.micro_step == 1)
         if self.accumulation_steps > 1:
             loss = loss / self.accumulation_steps
-        with portable_ops(self.device.type, enabled=self.policy.ops == "portable"), \
-                planned_kernels(self.device.type, enabled=self.policy.kernels == "measured"):   # torch.utils.checkpoint
-            self.loss_scale.scale_loss(loss).backward(retain_graph=retain_graph, inputs=inputs)   # recomputes as fwd
+        with self._scope.op_lists():   # a torch.utils.checkpoint recompute casts as the forward did
+            self._scope.hold(self.loss_scale.scale_loss(loss)).backward(retain_graph=retain_graph, inputs=inputs)
         self._step_pending = RETAINED if retain_graph else True
         self.masters.accumulate_grads()
         self._checks.after_backward()
 
     def scale_loss(self, loss: torch.Tensor) -> torch.Tensor:
         """``loss`` times the current loss scale (differentiable), for ``torch.autograd.grad`` on a loss the engine
-        does not backpropagate (a gradient penalty); pair with :meth:`unscale` (docs/loops.md recipe). No host sync."""
-        return self.loss_scale.scale_loss(loss)
+        does not backpropagate (a gradient penalty; its checkpoint recomputes keep the policy's op lists); pair
+        with :meth:`unscale` (docs/loops.md recipe). No host sync."""
+        return self._scope.hold(self.loss_scale.scale_loss(loss))
 
     def unscale(self, grads: Any) -> list[torch.Tensor | None]:
         """The true gradients of ``grads`` (``torch.autograd.grad`` of :meth:`scale_loss`; None stays None) as

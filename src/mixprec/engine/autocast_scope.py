@@ -1,0 +1,145 @@
+"""The engine's autocast scope: ``mp.autocast()``'s settings wherever the engine's graphs run, and fresh casts.
+
+``mp.autocast()`` enters ``torch.autocast`` in the policy's compute dtype (off for fp32), the policy's op lists
+(``ops=portable``: :mod:`mixprec.autocast.portable`; ``kernels=measured``: :mod:`mixprec.autocast.op_plan`),
+the compile settings of :func:`mixprec.autocast.compiled.eager_dtypes` and, while ``policy="auto"`` is
+pending, its block. :class:`AutocastScope` makes those settings hold wherever the engine's graphs run:
+
+* **Every backward pass** through the model's outputs, ``mp.scale_loss(loss)`` or ``mp.backward(loss)`` runs a
+  ``torch.utils.checkpoint`` recompute with the forward's op lists (:func:`mixprec.autocast.switch.
+  hold_in_backward`): ``torch.autograd.grad`` of a gradient penalty, a plain ``loss.backward()``, and on CUDA
+  the backward in autograd's device thread. Before, only ``mp.backward`` turned them on (in its own thread),
+  so a penalty through checkpointed blocks recomputed with torch's per-device lists and raised
+  ``CheckpointError: Recomputed values ... have different metadata`` (an fp32 layer_norm saved, a bf16 one
+  recomputed).
+* **A compiled function** that enters ``mp.autocast()`` traces it with no graph break: ``torch.autocast`` (which
+  dynamo captures in the graph) and a ``torch.fx.traceback.annotate`` of the op lists, under which the
+  kernels that run while dynamo and AOTAutograd trace the graph make the eager choices
+  (:func:`mixprec.autocast.switch.traced_annotation`). The eager-only settings are left out there: the compile
+  options of ``eager_dtypes`` (the backward of such a function is traced after the ``with`` block, under the
+  caller's autocast state, as eager's), and the call falls back to the eager path (a graph break) while
+  ``auto`` is pending or the policy's op lists were never entered eagerly (a ``set_policy`` just before).
+  Backends that run dynamo's graph without AOTAutograd (``backend="eager"``) do not trace the kernels: their
+  op lists are those of the calling thread.
+* **The cast cache**: ``torch.autocast`` keeps the 16-bit cast of each fp32 leaf that requires grad (a
+  ``-mixed`` policy's parameters) until its outermost block exits. A parameter written in place inside
+  the block (``model.load_state_dict``, ``p.copy_`` under ``no_grad``) kept its old cast: the next forward
+  was the old weights' bit for bit. :meth:`AutocastScope.refresh_casts`, called before each eager forward of
+  the model, compares the parameters' version counters with the last forward's and clears torch's cache
+  when one moved (an ``autocast-cache`` event, once). Writes through ``p.data`` bump no version counter and
+  are not seen (nor by the masters' edit adoption): write under ``torch.no_grad()`` instead, or call
+  ``torch.clear_autocast_cache()``.
+
+No host sync anywhere (version counters and hooks are host-side).
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Iterator
+from contextlib import AbstractContextManager, contextmanager
+from typing import Any
+
+import torch
+import torch.fx.traceback as fx_traceback
+from torch.utils._pytree import tree_leaves
+
+from mixprec.autocast.compiled import eager_dtypes
+from mixprec.autocast.op_plan import planned_as, planned_kernels
+from mixprec.autocast.portable import portable_as, portable_ops
+from mixprec.autocast.switch import SwitchState, captured, hold_in_backward, traced_annotation
+from mixprec.engine.protocol import Engine
+from mixprec.engine.records import Event
+
+__all__ = ["AutocastScope"]
+
+log = logging.getLogger("mixprec")
+
+
+class AutocastScope:
+    """The autocast scope of ``owner`` (the engine; module docstring). Builds the policy's op-list state once
+    per (ops, kernels, device type), eagerly: entering them installs their kernels, so a graph traced before
+    any eager ``mp.autocast()`` has them."""
+
+    def __init__(self, owner: Engine) -> None:
+        self.owner = owner
+        self._states: dict[tuple[str, str, str], SwitchState] = {}
+        self._annotations: dict[tuple[str, str, str], dict] = {}
+        self._versions: list[int] | None = None   # the params' version counters at the last eager forward
+        self._steps = 0                            # and the engine's applied steps then
+        self._spoken = False
+        self.state()
+
+    def _key(self) -> tuple[str, str, str]:
+        policy = self.owner.policy
+        return policy.ops, policy.kernels, self.owner.device.type
+
+    def state(self) -> SwitchState:
+        """The switches the policy's op lists turn on (just those: entered inside an empty state)."""
+        key = self._key()
+        state = self._states.get(key)
+        if state is None:
+            with portable_as(()), planned_as(()), self.op_lists():
+                state = self._states[key] = captured()
+            self._annotations[key] = traced_annotation(state)
+        return state
+
+    def op_lists(self) -> AbstractContextManager[None]:
+        """The policy's op lists on in this thread (``mp.backward()``'s context)."""
+        return _op_lists(self.owner.policy, self.owner.device.type)
+
+    @contextmanager
+    def autocast(self, pending: AbstractContextManager[None] | None) -> Iterator[None]:
+        """``mp.autocast()``: eager, or traced with no graph break (module docstring). ``pending``: auto's
+        block while its decision is pending, else None."""
+        policy, device_type = self.owner.policy, self.owner.device.type
+        annotation = self._annotations.get(self._key()) if pending is None else None
+        if annotation is not None and torch.compiler.is_compiling():
+            with torch.autocast(device_type, dtype=policy.compute_dtype, enabled=policy.is_mixed), \
+                    fx_traceback.annotate(annotation):
+                yield
+            return
+        self.state()
+        with torch.autocast(device_type, dtype=policy.compute_dtype, enabled=policy.is_mixed), \
+                _op_lists(policy, device_type), eager_dtypes(policy), pending or _nothing():
+            yield
+
+    def hold(self, tensor: torch.Tensor) -> torch.Tensor:
+        """``tensor``, its backward passes holding the policy's op lists (``scale_loss``, ``backward``)."""
+        hold_in_backward(self.state(), [tensor])
+        return tensor
+
+    def after_forward(self, output: Any) -> None:
+        """After an eager forward of the model: its outputs' backward passes hold the op lists it ran with."""
+        if torch.is_grad_enabled():
+            hold_in_backward(captured(), [t for t in tree_leaves(output) if isinstance(t, torch.Tensor)])
+
+    def refresh_casts(self) -> None:
+        """Before an eager forward of the model: clear torch's autocast cache if a parameter was written in
+        place since the last forward (module docstring)."""
+        if not (torch.is_autocast_enabled(self.owner.device.type) and torch.is_autocast_cache_enabled()):
+            return
+        versions, steps = [p._version for p in self.owner.masters.params], self.owner.applied_steps
+        if self._versions is not None and versions != self._versions:
+            torch.clear_autocast_cache()
+            if steps == self._steps and not self._spoken:   # not the engine's own step (it clears the cache itself)
+                self._spoken = True
+                detail = ("parameters were written in place since the model's last forward (model.load_state_dict, "
+                          "p.copy_ under no_grad): torch.autocast's cached 16-bit casts, kept until the outermost "
+                          "autocast block exits, were dropped so that this forward uses the new values (said once)")
+                self.owner.record(Event(step=self.owner.boundaries, kind="autocast-cache", cause="parameter write",
+                                        module=None, detail=detail))
+                log.info("mixprec: %s", detail)
+        self._versions, self._steps = versions, steps
+
+
+@contextmanager
+def _op_lists(policy: Any, device_type: str) -> Iterator[None]:
+    with portable_ops(device_type, enabled=policy.ops == "portable"), \
+            planned_kernels(device_type, enabled=policy.kernels == "measured"):
+        yield
+
+
+@contextmanager
+def _nothing() -> Iterator[None]:
+    yield
