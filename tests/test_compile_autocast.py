@@ -124,3 +124,22 @@ def test_a_compiled_training_step_with_aot_eager_trains_as_eager_bit_for_bit():
             assert mp.step().applied
         runs.append([p.detach().clone() for p in mp.module.parameters()])
     assert all(torch.equal(a, b) for a, b in zip(*runs))
+
+
+def test_under_fp16_mp_autocast_breaks_the_graph_so_inductor_emulates_eagers_fp16_roundings():
+    """fp16 keeps the eager path (a graph break at mp.autocast()): the body then compiles inside it, under
+    ``eager_dtypes``' inductor option ``emulate_precision_casts`` (fused kernels overflow where eager does),
+    which a traced block could not set; the output is eager's."""
+    import torch._inductor.config as inductor_config
+
+    seen = []
+
+    def backend(gm, example_inputs):
+        seen.append(inductor_config.emulate_precision_casts)
+        return gm.forward
+
+    mp = _engine("fp16-mixed")
+    step = _step(mp)
+    eager = step(_x())
+    assert torch.equal(torch.compile(step, backend=backend)(_x()), eager)
+    assert seen and all(seen)

@@ -268,7 +268,9 @@ def checkpoint(fn: Callable[..., Any], *args: Any, preserve_rng_state: bool = Tr
     choices and casts) innermost during recompute, verifying that they took effect (``RuntimeError`` if not).
 
     So a recompute in a backward that runs outside the autocast region, under a different
-    dtype, or after nested regions were left, computes in the forward's dtypes. Without it, a
+    dtype, or after nested regions were left, computes in the forward's dtypes. (Under the engine, a plain
+    ``torch.utils.checkpoint`` recomputes with the engine's op lists in the backward passes it holds, see
+    :mod:`mixprec.engine.autocast_scope`; this function carries its forward's state in any backward.) Without it, a
     naive recompute outside autocast ran bf16 layers in fp32 (dtype-mismatch error or metadata
     mismatch), and fairscale re-entered autocast with the default fp16 instead of bf16.
 

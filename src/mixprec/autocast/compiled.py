@@ -21,6 +21,11 @@ the engine's decision (:meth:`CompileRequest.note`).
   ``torch._functorch.config.force_non_lazy_backward_lowering = True`` so the backward is compiled
   with the forward, under this same setting, instead of lazily at the first backward outside it.
 
+A function compiled around ``mp.autocast()`` (``torch.compile(step)`` with the ``with`` block inside) does not
+enter this context: its backward is traced after the block, under the caller's autocast state, which is eager's;
+under fp16 the engine keeps the eager path there (a graph break at ``mp.autocast()``), so that the body compiles
+inside this context with ``emulate_precision_casts`` (:mod:`mixprec.engine.autocast_scope`).
+
 A ``torch.compile`` option the user passes (``options={"emulate_precision_casts": ...}``) wins over
 ours and is named in the decision. The settings are patched only while ``torch._dynamo`` is loaded
 (no compiled model can exist before), so an eager run imports nothing. Shapes, dtypes and host syncs

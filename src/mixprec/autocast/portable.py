@@ -39,7 +39,8 @@ autocast already casts); measured at ``mid`` by ``benchmarks/portable_ops.py`` (
 
 torch.compile: the kernels run while dynamo and AOTAutograd trace (fake and proxy tensors go
 through the autocast key as real ones do), so a forward compiled inside ``mp.autocast()`` has the
-portable dtypes (tested). Dynamo does not guard on :func:`portable_ops`' state: one function compiled
+portable dtypes (tested), and so does a function that enters ``mp.autocast()`` itself (the traced block
+annotates its nodes, :func:`mixprec.autocast.switch.traced_annotation`). Dynamo does not guard on :func:`portable_ops`' state: one function compiled
 under ``ops=portable`` and called by an engine with ``ops=native`` (or the reverse) reuses the first
 graph. Known limit, not detected; each engine compiles its own model.
 """

@@ -15,10 +15,11 @@ pending, its block. :class:`AutocastScope` makes those settings hold wherever th
 * **A compiled function** that enters ``mp.autocast()`` traces it with no graph break: ``torch.autocast`` (which
   dynamo captures in the graph) and a ``torch.fx.traceback.annotate`` of the op lists, under which the
   kernels that run while dynamo and AOTAutograd trace the graph make the eager choices
-  (:func:`mixprec.autocast.switch.traced_annotation`). The eager-only settings are left out there: the compile
-  options of ``eager_dtypes`` (the backward of such a function is traced after the ``with`` block, under the
-  caller's autocast state, as eager's), and the call falls back to the eager path (a graph break) while
-  ``auto`` is pending or the policy's op lists were never entered eagerly (a ``set_policy`` just before).
+  (:func:`mixprec.autocast.switch.traced_annotation`). ``eager_dtypes``' backward setting is not needed there
+  (the backward of such a function is traced after the ``with`` block, under the caller's autocast state, as
+  eager's runs); the call keeps the eager path (a graph break, as before) where the traced block cannot give
+  eager's numerics: under fp16 (inductor's ``emulate_precision_casts`` can only be set around a compilation),
+  while ``auto`` is pending, or for op lists never entered eagerly (a ``set_policy`` just before).
   Backends that run dynamo's graph without AOTAutograd (``backend="eager"``) do not trace the kernels: their
   op lists are those of the calling thread.
 * **The cast cache**: ``torch.autocast`` keeps the 16-bit cast of each fp32 leaf that requires grad (a
@@ -93,7 +94,8 @@ class AutocastScope:
         """``mp.autocast()``: eager, or traced with no graph break (module docstring). ``pending``: auto's
         block while its decision is pending, else None."""
         policy, device_type = self.owner.policy, self.owner.device.type
-        annotation = self._annotations.get(self._key()) if pending is None else None
+        traceable = pending is None and policy.compute_dtype != torch.float16   # fp16: eager_dtypes' inductor option
+        annotation = self._annotations.get(self._key()) if traceable else None
         if annotation is not None and torch.compiler.is_compiling():
             with torch.autocast(device_type, dtype=policy.compute_dtype, enabled=policy.is_mixed), \
                     fx_traceback.annotate(annotation):
