@@ -37,3 +37,51 @@ def test_the_switch_is_per_thread():
         thread.start()
         thread.join()
     assert seen == [()]
+
+
+def test_a_held_backward_pass_has_the_captured_switches_on_until_it_ends_in_any_thread():
+    import torch
+
+    from mixprec.autocast.switch import captured, hold_in_backward
+
+    switch = Switch(("cpu",), lambda device_type: None)
+    with switch.turned_on("cpu"):
+        state = captured()
+    assert (switch, ("cpu",)) in state
+    seen = []
+
+    class Probe(torch.autograd.Function):   # its backward asks the switch, as a recompute's kernels do
+        @staticmethod
+        def forward(ctx, x):
+            return x * 2
+
+        @staticmethod
+        def backward(ctx, g):
+            seen.append(switch.is_on("cpu"))
+            with switch.exactly(()):        # exactly() wins over a held pass (ops.checkpoint's restore)
+                seen.append(switch.is_on("cpu"))
+            return g * 2
+
+    x = torch.ones(3, requires_grad=True)
+    y = Probe.apply(x).sum()
+    assert hold_in_backward(state, [y, y]) == 1   # one hook per grad_fn
+    thread = threading.Thread(target=lambda: torch.autograd.grad(y, x, retain_graph=True))
+    thread.start()
+    thread.join()
+    assert seen == [True, False]
+    assert not switch.is_on("cpu") and switch.on() == ()   # off again here and after the pass
+    Probe.apply(x).sum().backward()                         # an unheld pass: off
+    assert seen == [True, False, False, False]
+
+
+def test_a_traced_annotation_turns_the_switch_on_for_the_nodes_under_it():
+    import torch.fx.traceback as fx_traceback
+
+    from mixprec.autocast.switch import traced_annotation
+
+    switch = Switch(("cpu",), lambda device_type: None)
+    with fx_traceback.annotate(traced_annotation(((switch, ("cpu",)),))):
+        assert switch.is_on("cpu") and switch.on() == ("cpu",)
+        with switch.exactly(()):
+            assert not switch.is_on("cpu")
+    assert not switch.is_on("cpu")

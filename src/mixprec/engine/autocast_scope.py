@@ -67,7 +67,7 @@ class AutocastScope:
         self._states: dict[tuple[str, str, str], SwitchState] = {}
         self._annotations: dict[tuple[str, str, str], dict] = {}
         self._versions: list[int] | None = None   # the params' version counters at the last eager forward
-        self._steps = 0                            # and the engine's applied steps then
+        self._epoch: tuple[int, int, int] = (0, 0, 0)   # and the engine's boundaries, events and masters then
         self._spoken = False
         self.state()
 
@@ -121,18 +121,19 @@ class AutocastScope:
         place since the last forward (module docstring)."""
         if not (torch.is_autocast_enabled(self.owner.device.type) and torch.is_autocast_cache_enabled()):
             return
-        versions, steps = [p._version for p in self.owner.masters.params], self.owner.applied_steps
+        mp = self.owner
+        versions, epoch = [p._version for p in mp.masters.params], (mp.boundaries, len(mp.events), id(mp.masters))
         if self._versions is not None and versions != self._versions:
             torch.clear_autocast_cache()
-            if steps == self._steps and not self._spoken:   # not the engine's own step (it clears the cache itself)
+            if epoch == self._epoch and not self._spoken:   # not the engine's own write (a step, a set_policy)
                 self._spoken = True
                 detail = ("parameters were written in place since the model's last forward (model.load_state_dict, "
                           "p.copy_ under no_grad): torch.autocast's cached 16-bit casts, kept until the outermost "
                           "autocast block exits, were dropped so that this forward uses the new values (said once)")
-                self.owner.record(Event(step=self.owner.boundaries, kind="autocast-cache", cause="parameter write",
-                                        module=None, detail=detail))
+                mp.record(Event(step=mp.boundaries, kind="autocast-cache", cause="parameter write", module=None,
+                                detail=detail))
                 log.info("mixprec: %s", detail)
-        self._versions, self._steps = versions, steps
+        self._versions, self._epoch = versions, epoch
 
 
 @contextmanager
