@@ -107,8 +107,10 @@ class AutocastScope:
             yield
 
     def hold(self, tensor: torch.Tensor) -> torch.Tensor:
-        """``tensor``, its backward passes holding the policy's op lists (``scale_loss``, ``backward``)."""
-        hold_in_backward(self.state(), [tensor])
+        """``tensor``, its backward passes holding the policy's op lists (``scale_loss``, ``backward``; a traced
+        call holds nothing: a compiled graph's backward recomputes nothing eagerly)."""
+        if not torch.compiler.is_compiling():
+            hold_in_backward(self.state(), [tensor])
         return tensor
 
     def after_forward(self, output: Any) -> None:
