@@ -235,3 +235,55 @@ def test_under_ddp_the_closing_micro_batch_syncs_and_an_undeclared_end_is_refuse
                                            r"mp.end_group_next\(\)"):
         mp.step(end_group=True)
     assert mp.micro_step == 1 and mp.applied_steps == 2
+
+
+# ---------------------------------------------------------------- two ranks: the short group is reduced
+def stream12():
+    return [pair for epoch in epochs() for pair in epoch][:12]
+
+
+def _short_group_worker(rank, out):
+    """Each rank trains 6 micro-batches (groups of 4 and 2) of its shard under DDP and FSDP2 (fp32: no masters,
+    so gradients are reduced on a group's closing micro-batch only), ending the short one with end_group_next()."""
+    from mixprec.distributed import process as mpd
+
+    results = {}
+    for strategy in ("ddp", "fsdp2"):
+        model = tiny()
+        mp = MixedPrecision(model, sgd(model.parameters()), "fp32", device="cpu", accumulation_steps=N,
+                            strategy=strategy)
+        for i, (x, y) in enumerate(mpd.shard_batches(iter(stream12()))):
+            if i == 5:
+                mp.end_group_next()
+            mp.backward(loss_of(mp, x, y))
+            mp.step()
+        full = [p.full_tensor() if hasattr(p, "full_tensor") else p for p in mp.master_parameters()]
+        results[strategy] = ([p.detach().clone() for p in full], mp.applied_steps)
+    return results
+
+
+@pytest.mark.timeout(240)
+def test_two_ranks_reduce_the_short_group_and_equal_one_process_on_the_global_batch(tmp_path):
+    """Without the reduction on the closing micro-batch the ranks would step on their own gradients and the
+    replicas drift apart. Tolerance as tests/test_distributed.py's for fp32 (only the order of sums differs):
+    4 * 40 * eps_fp32 of the whole update, 2 updates here."""
+    from mixprec import get_format
+    from test_distributed import _run_ranks
+
+    ranks = _run_ranks(_short_group_worker, tmp_path, timeout_s=200)
+    pairs = stream12()   # rank r trains micro-batches r, r + 2, ...: the global one is each pair's rows together
+    global_batches = [(torch.cat([a[0], b[0]]), torch.cat([a[1], b[1]])) for a, b in zip(pairs[0::2], pairs[1::2])]
+    reference = build("fp32")
+    for i, (x, y) in enumerate(global_batches):
+        reference.backward(loss_of(reference, x, y))
+        reference.step(end_group=i == 5)
+    init = [p.detach() for p in tiny().parameters()]
+    want = params(reference)
+    tolerance = 4 * 40 * get_format("fp32").eps
+    for strategy in ("ddp", "fsdp2"):
+        (got0, applied0), (got1, applied1) = ranks[0][strategy], ranks[1][strategy]
+        assert applied0 == applied1 == 2 == reference.applied_steps
+        assert same_bits(got0, got1), strategy                      # the replicas agree bit for bit
+        num = sum(((g - w) ** 2).sum() for g, w in zip(got0, want)) ** 0.5
+        den = sum(((w - i) ** 2).sum() for w, i in zip(want, init)) ** 0.5
+        assert float(num / den) <= tolerance, strategy
