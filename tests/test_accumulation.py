@@ -194,6 +194,18 @@ def test_state_dict_mid_group_names_the_way_to_end_it():
         mp.state_dict()
 
 
+def test_save_checkpoint_mid_group_names_the_way_to_end_it(tmp_path):
+    import mixprec
+    mp = build("fp32")
+    x, y = epochs()[0][0]
+    mp.backward(loss_of(mp, x, y))
+    mp.step()
+    with pytest.raises(RuntimeError, match=r"save_checkpoint\(\) called after 1 micro-batch.*save at an accumulation "
+                                           r"boundary.*mp.step\(end_group=True\)"):
+        mixprec.save_checkpoint(tmp_path / "ck", mp)
+    assert not (tmp_path / "ck").exists()   # refused before anything is written
+
+
 # ---------------------------------------------------------------- DDP: the closing micro-batch reduces
 @pytest.fixture
 def gloo_world_of_one(monkeypatch):
@@ -287,3 +299,4 @@ def test_two_ranks_reduce_the_short_group_and_equal_one_process_on_the_global_ba
         num = sum(((g - w) ** 2).sum() for g, w in zip(got0, want)) ** 0.5
         den = sum(((w - i) ** 2).sum() for w, i in zip(want, init)) ** 0.5
         assert float(num / den) <= tolerance, strategy
+
