@@ -400,3 +400,11 @@ def test_train_stopped_by_sigterm_then_resumed_equals_an_uninterrupted_run(tmp_p
     capsys.readouterr()
     assert main(["sample", str(tmp_path / "b"), "--tokens", "10", "--prompt", "a"]) == 0
     assert capsys.readouterr().out.startswith("a")
+
+
+def test_checkpoint_calls_with_path_and_engine_swapped_are_refused_by_name(tmp_path):
+    import mixprec
+    mp = mixprec.MixedPrecision(nn.Linear(2, 2), None, "fp32")
+    for call in (mixprec.save_checkpoint, mixprec.load_checkpoint):
+        with pytest.raises(TypeError, match=r"takes the checkpoint directory first.*mp=PosixPath"):
+            call(mp, tmp_path / "ck")

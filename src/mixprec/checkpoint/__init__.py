@@ -53,8 +53,10 @@ def save_checkpoint(path: str | Path, mp: MixedPrecision, extra: dict | None = N
     Raises:
         RuntimeError: called between ``backward()`` and the accumulation boundary.
         ValueError: ``keep`` is not a positive int; ``ema`` is not an EMA of ``mp``.
-        TypeError: ``extra`` / ``data_position`` are not JSON, or some state cannot be stored without pickle.
+        TypeError: ``extra`` / ``data_position`` are not JSON, or some state cannot be stored without pickle;
+            ``path``/``mp`` swapped or not a path and an engine.
     """
+    _check_path_and_engine("save_checkpoint", path, mp)
     if mp.strategy is None:
         return local.save_checkpoint(path, mp, extra, guard=guard, keep=keep, data_position=data_position, ema=ema)
     if ema is not None:
@@ -69,6 +71,14 @@ def save_checkpoint(path: str | Path, mp: MixedPrecision, extra: dict | None = N
         path, mp, extra={**(extra or {}), "distributed": info}, guard=guard, keep=keep, data_position=position)),
         "save_checkpoint")
     return Path(saved)
+
+
+def _check_path_and_engine(call: str, path: Any, mp: MixedPrecision) -> None:
+    from mixprec.engine.mixed_precision import MixedPrecision   # checkpoint sits above the engine; lazy for import time
+    if not isinstance(path, (str, Path)) or not isinstance(mp, MixedPrecision):
+        raise TypeError(f"{call}(path, mp, ...) takes the checkpoint directory first and the MixedPrecision engine "
+                        f"second; got path={type(path).__name__}, mp={type(mp).__name__} (swapped? call "
+                        f"{call}('runs/ckpt', mp))")
 
 
 def load_checkpoint(path: str | Path, mp: MixedPrecision, *, guard: Any = None, convert: bool = False,
@@ -117,7 +127,9 @@ def load_checkpoint(path: str | Path, mp: MixedPrecision, *, guard: Any = None, 
             every, params).
         ValueError: ``convert`` and ``adopt_policy`` together; ``ema`` with ``weights_only``; ``mp``'s device cannot run the saved
             policy (conversion); ``mp`` changes nothing then.
+        TypeError: ``path``/``mp`` swapped or not a path and an engine.
     """
+    _check_path_and_engine("load_checkpoint", path, mp)
     directory, manifest = read_manifest_json(path)
     if not is_dcp(manifest):
         return local.load_checkpoint(directory, mp, guard=guard, convert=convert, adopt_policy=adopt_policy,

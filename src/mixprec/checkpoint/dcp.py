@@ -26,6 +26,7 @@ from mixprec.checkpoint.layout import (MANIFEST, PendingCheckpoint, abort_checkp
                                        commit_checkpoint)
 from mixprec.checkpoint.manifest import DCP_FORMAT, LoadedExtra, Manifest, pin_op_plan
 from mixprec.distributed.process import from_main_process, is_main_process, world_size
+from mixprec.engine.arguments import MID_ACCUMULATION
 from mixprec.engine.pending_auto import pending_note
 
 if TYPE_CHECKING:
@@ -128,9 +129,7 @@ def save(root: str | Path, mp: MixedPrecision, extra: dict | None = None, *, gua
 def check_boundary(mp: MixedPrecision, call: str) -> None:
     """Raise RuntimeError unless ``mp`` is at an accumulation boundary."""
     if mp.micro_step != 0:
-        raise RuntimeError(f"{call} called after {mp.micro_step} micro-batch(es) of backward() without reaching "
-                           "the step boundary; save or load at an accumulation boundary (after mp.step() returns "
-                           "a result)")
+        raise RuntimeError(MID_ACCUMULATION.format(call=call, n=mp.micro_step, what="save or load"))
 
 
 def load(directory: Path, manifest: dict, mp: MixedPrecision, *, guard: Any = None) -> LoadedExtra:

@@ -85,6 +85,7 @@ from mixprec.checkpoint.rng import rng_state, set_rng_state
 from mixprec.checkpoint.tree import STATE_FILE, canonical, decode, dtype_name, encode, write_file
 from mixprec.checkpoint.verify import (MASTERS_FILE, MODEL_FILE, Checkpoint, best_weights, check_fits,
                                        model_state, qualname, read, read_manifest, read_weights, stepped_names)
+from mixprec.engine.arguments import MID_ACCUMULATION
 from mixprec.engine.pending_auto import adopted_decision, pending_note
 
 if TYPE_CHECKING:
@@ -130,8 +131,7 @@ def save_checkpoint(path: str | Path, mp: MixedPrecision, extra: dict | None = N
 
 def _check_save_args(mp: MixedPrecision, extra: Any, data_position: Any, ema: Any) -> None:
     if mp.micro_step != 0:
-        raise RuntimeError(f"save_checkpoint() called after {mp.micro_step} micro-batch(es) of backward() without "
-                           "reaching the step boundary; save at an accumulation boundary (after mp.step() returns a result)")
+        raise RuntimeError(MID_ACCUMULATION.format(call="save_checkpoint()", n=mp.micro_step, what="save"))
     for label, value in (("extra", extra), ("data_position", data_position)):
         if value is not None and not isinstance(value, dict):
             raise TypeError(f"save_checkpoint {label} must be a dict or None, got {type(value).__name__}")

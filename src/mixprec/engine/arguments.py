@@ -14,7 +14,8 @@ from torch import nn
 from mixprec.policy.policy import cast_floating
 from mixprec.policy.tree import field_names, map_fields, map_tensors
 
-__all__ = ["RETAINED", "TOO_MANY", "MID_ACCUMULATION", "check_args", "check_optimizer", "check_loss", "needs_closure", "as_tensors", "cast_batch"]
+__all__ = ["RETAINED", "TOO_MANY", "MID_ACCUMULATION", "NO_BACKWARD", "BEFORE_BOUNDARY", "UNSYNCED_END",
+           "END_NEXT_PENDING", "check_args", "check_optimizer", "check_loss", "needs_closure", "as_tensors", "cast_batch"]
 
 
 RETAINED = 2   # the engine's ``_step_pending`` after a backward(retain_graph=True): a further backward() joins its micro-batch
@@ -22,7 +23,18 @@ TOO_MANY = ("backward() called for micro-batch {n} since the last step() with ac
              "after each micro-batch's backward() (it returns None until the boundary). Two losses of one micro-batch: "
              "pass retain_graph=True to the first backward(), or backpropagate their sum")
 MID_ACCUMULATION = ("{call} called after {n} micro-batch(es) of backward() without reaching the step boundary; "
-                     "{what} at an accumulation boundary (after mp.step() returns a result)")
+                     "{what} at an accumulation boundary (after mp.step() returns a result; to end a short group, "
+                     "the last one of an epoch, call mp.step(end_group=True) after its last backward())")
+NO_BACKWARD = "{call} called without backward() since the last step{note}; call mp.backward(loss) first"
+BEFORE_BOUNDARY = ("unscale_and_check() after micro-batch {k} of accumulation_steps={n}: it runs at the boundary "
+                   "only; call mp.step() after each earlier micro-batch (it returns None), or mp.step() for the "
+                   "whole step; to end a short group here (the last one of an epoch), pass end_group=True")
+UNSYNCED_END = ("{call} with end_group=True ends a short group under strategy={strategy!r}, but its last micro-batch's "
+                "backward did not reduce gradients across ranks (the wrapper decides that at the forward); call "
+                "mp.end_group_next() after the previous micro-batch's mp.step() and before the closing micro-batch's "
+                "forward (then mp.step() ends the group by itself)")
+END_NEXT_PENDING = ("end_group_next() called after a backward() whose mp.step() has not run; call it after that "
+                    "mp.step() and before the forward of the micro-batch that ends the group")
 
 
 def check_args(model: Any, max_grad_norm: Any, accumulation_steps: Any) -> None:

@@ -1,6 +1,7 @@
-"""One step boundary: :class:`BoundaryLosses` (its micro-batches' losses and penalty overflows),
-:class:`StepCheck` (what ``mp.unscale_and_check()`` found), :class:`StepResult` (what
-``mp.apply_or_skip(check)`` did) and :func:`check_grads`, the unscaled grads' fp32 norm, the ranks'
+"""One step boundary: :class:`AccumulationGroup` (where the group of micro-batches ends: after
+``accumulation_steps`` of them, or earlier when the loop ends it), :class:`BoundaryLosses` (its micro-batches'
+losses and penalty overflows), :class:`StepCheck` (what ``mp.unscale_and_check()`` found), :class:`StepResult`
+(what ``mp.apply_or_skip(check)`` did) and :func:`check_grads`, the unscaled grads' fp32 norm, the ranks'
 agreement and the step's one host read.
 """
 
@@ -11,10 +12,56 @@ from typing import Any
 
 import torch
 
+from mixprec.engine.arguments import BEFORE_BOUNDARY, END_NEXT_PENDING, NO_BACKWARD, UNSYNCED_END
 from mixprec.engine.clipping import global_norm_fp32
 from mixprec.engine.divergence import stuck_if_skipped
 
-__all__ = ["BoundaryLosses", "StepCheck", "StepResult", "check_grads"]
+__all__ = ["AccumulationGroup", "BoundaryLosses", "StepCheck", "StepResult", "check_grads"]
+
+
+class AccumulationGroup:
+    """Where the engine's accumulation group ends: after ``accumulation_steps`` (N) micro-batches, or after
+    k < N when the loop ends it early (``mp.step(end_group=True)``, or :attr:`end_next`, set by
+    ``mp.end_group_next()`` before the closing micro-batch's forward so that its backward reduces gradients
+    across ranks). ``backward()`` divided each loss by N, so a group of k is unscaled by :meth:`factor`
+    N/k: its gradients are the mean over its k micro-batches (the weighting of Accelerate's and Lightning's
+    end-of-epoch step). Host values only; nothing here syncs."""
+
+    def __init__(self, accumulation_steps: int) -> None:
+        self.accumulation_steps = accumulation_steps
+        self.end_next = False   # the micro-batch after the last step() ends the group
+
+    def closes(self, call: str, pending: Any, micro_step: int, *, end_group: bool, strategy: str | None) -> bool:
+        """Whether the micro-batch just backpropagated (the ``micro_step``-th) ends the group. RuntimeError
+        naming ``call`` when no ``backward()`` is ``pending`` since the last step (nothing to end), or when a
+        short group ends under ``strategy`` without :attr:`end_next` (its last backward did not sync)."""
+        if not pending:
+            raise RuntimeError(NO_BACKWARD.format(call=call, note=(
+                " (end_group=True ends a group after its last micro-batch's backward; none is open)"
+                if end_group else "")))
+        short = micro_step < self.accumulation_steps
+        if end_group and short and strategy is not None and not self.end_next:
+            raise RuntimeError(UNSYNCED_END.format(call=call, strategy=strategy))
+        return not short or end_group or self.end_next
+
+    def check_closes(self, pending: Any, micro_step: int, *, end_group: bool, strategy: str | None) -> None:
+        """``mp.unscale_and_check()``'s check: RuntimeError unless the group ends here (:meth:`closes`)."""
+        if not self.closes("unscale_and_check()", pending, micro_step, end_group=end_group, strategy=strategy):
+            raise RuntimeError(BEFORE_BOUNDARY.format(k=micro_step, n=self.accumulation_steps))
+
+    def end_after_next(self, pending: Any) -> None:
+        """Set :attr:`end_next` (``mp.end_group_next()``); RuntimeError while a ``backward()`` awaits its step."""
+        if pending:
+            raise RuntimeError(END_NEXT_PENDING)
+        self.end_next = True
+
+    def last_micro_batch(self, micro_step: int) -> bool:
+        """Whether the next micro-batch (after ``micro_step``) ends the group: the one whose backward syncs."""
+        return micro_step == self.accumulation_steps - 1 or self.end_next
+
+    def factor(self, micro_step: int) -> float:
+        """N/k for a group ended after k = ``micro_step`` micro-batches (1.0 for a full group)."""
+        return self.accumulation_steps / micro_step
 
 
 class BoundaryLosses:
@@ -41,14 +88,15 @@ class BoundaryLosses:
         """Join ``found`` (fp32 0-dim, 1.0: a non-finite unscaled penalty gradient) into :attr:`extra_inf`."""
         self.extra_inf = found if self.extra_inf is None else torch.maximum(self.extra_inf, found)
 
-    def close(self, accumulation_steps: int) -> None:
-        """The boundary is reached: :attr:`mean` over its ``accumulation_steps`` micro-batches."""
-        self.mean = self.total / accumulation_steps
+    def close(self, micro_batches: int) -> None:
+        """The boundary is reached: :attr:`mean` over its ``micro_batches`` (k of a group ended early)."""
+        self.mean = self.total / micro_batches
 
-    def unscale_(self, loss_scale: Any, grads: list[torch.Tensor]) -> torch.Tensor:
-        """Unscale ``grads`` in place; the overflow flag, with :attr:`extra_inf`'s joined (a NaN from an
-        overflowed penalty also marks the loss non-finite) and reset."""
-        found_inf = loss_scale.unscale_(grads)
+    def unscale_(self, loss_scale: Any, grads: list[torch.Tensor], factor: float = 1.0) -> torch.Tensor:
+        """Unscale ``grads`` in place, times ``factor`` in the same multiply (:meth:`AccumulationGroup.factor`);
+        the overflow flag, with :attr:`extra_inf`'s joined (a NaN from an overflowed penalty also marks the loss
+        non-finite) and reset."""
+        found_inf = loss_scale.unscale_(grads) if factor == 1.0 else loss_scale.unscale_(grads, factor)
         extra, self.extra_inf = self.extra_inf, None
         if extra is None:
             return found_inf
@@ -98,6 +146,16 @@ class StepResult:
     escalated: bool = False
     loss_finite: bool = True
     stuck_skips: int = 0
+
+    @classmethod
+    def of(cls, check: StepCheck, *, step: int, skipped_total: int, scaling: bool) -> StepResult:
+        """What a boundary did after ``check``: applied unless it is skipped, then "overflow" where loss
+        ``scaling`` backs off from a finite loss, else "nonfinite"; ``step``/``skipped_total``: the counts after it."""
+        applied = not check.skipped
+        reason = None if applied else "overflow" if (scaling and check.loss_finite) else "nonfinite"
+        return cls(applied=applied, skipped_reason=reason, step=step, skipped_total=skipped_total,
+                   loss_scale_t=check.loss_scale_t, grad_norm_t=check.grad_norm_t, loss_finite=check.loss_finite,
+                   stuck_skips=check.stuck_skips)
 
     @property
     def loss_scale(self) -> float:

@@ -157,14 +157,15 @@ class LossScale:
         """The lowest value the scale can take (host-side, from the config)."""
         raise NotImplementedError
 
-    def unscale_(self, grads: list[torch.Tensor | None]) -> torch.Tensor:
-        """Multiply ``grads`` in place by the fp32 ``1/scale``; return ``found_inf``.
+    def unscale_(self, grads: list[torch.Tensor | None], factor: float = 1.0) -> torch.Tensor:
+        """Multiply ``grads`` in place by the fp32 ``factor/scale`` (``factor``: the engine's N/k for an
+        accumulation group ended after k of N micro-batches, in the same multiply); return ``found_inf``.
 
         ``found_inf`` is an fp32 ``()`` tensor on the scale's device, 1.0 if any element of any
         grad is non-finite. ``None`` entries are skipped. Grads are grouped by (device, dtype) for
         torch's fused ``_amp_foreach_non_finite_check_and_unscale_`` (a plain foreach fallback
         runs where it is missing). The fused op checks *before* multiplying, so when the scale
-        can go below 1 each group is checked again after unscaling. No host sync.
+        can go below ``factor`` each group is checked again after unscaling. No host sync.
 
         Sparse COO grads are unscaled through their values and complex ones through their real
         view (:mod:`mixprec.engine.gradients`; the fused op takes neither). An fp16 sparse grad is also
@@ -175,7 +176,9 @@ class LossScale:
         home = self.state.scale.device
         found_inf = torch.zeros((), dtype=torch.float32, device=home)
         inv_scale = self.state.scale.reciprocal()  # fp32: exact for powers of two
-        recheck = self._lowest_scale() < 1.0
+        if factor != 1.0:
+            inv_scale = inv_scale * factor   # fp32(factor) times a power of two: exact
+        recheck = self._lowest_scale() < factor
         for (device, _), group in grouped_values(grads).items():
             here = device == home   # the check only ever sets its flag: the groups on the scale's device share one
             found_dev = found_inf if here else torch.zeros((), dtype=torch.float32, device=device)

@@ -25,7 +25,7 @@ from mixprec.distributed.strategy import make_strategy
 from mixprec.engine.arguments import (MID_ACCUMULATION, RETAINED, TOO_MANY, as_tensors, cast_batch, check_args,
                                       check_loss, check_optimizer)
 from mixprec.engine.autocast_scope import AutocastScope
-from mixprec.engine.boundary import BoundaryLosses, StepCheck, StepResult, check_grads
+from mixprec.engine.boundary import AccumulationGroup, BoundaryLosses, StepCheck, StepResult, check_grads
 from mixprec.engine.clipping import clip_ as _clip_
 from mixprec.engine.divergence import DivergenceError, StopWhenStuck
 from mixprec.engine.edits import ModelLayout, adopt_model_edits, edited_params_event, finish_model_edit
@@ -103,7 +103,7 @@ class MixedPrecision:
         self.masters.record_versions()   # DDP's broadcast of rank 0's params is not a user edit
         # micro_step: backward() calls since the last boundary; boundaries: step() boundaries (applied + skipped)
         self.micro_step = self.applied_steps = self.skipped_total = self.boundaries = 0
-        self._losses = BoundaryLosses()
+        self._losses, self._group = BoundaryLosses(), AccumulationGroup(accumulation_steps)
         self._step_pending = False   # a backward() awaits its step()
         self._open_check: StepCheck | None = None   # unscale_and_check() ran, apply_or_skip() not yet
         self._layout = None if self._strategy.shards_params else ModelLayout(model)   # FSDP2 swaps params itself
@@ -200,39 +200,41 @@ class MixedPrecision:
             self._losses.add_overflow(found)
         return out
 
-    def step(self) -> StepResult | None:
-        """Finish a micro-batch: None between boundaries, at one ``apply_or_skip(unscale_and_check())``. Host
-        syncs: one per boundary, one per param edited outside. Raises RuntimeError without a ``backward()``;
-        the guard may raise :class:`DivergenceError`."""
+    def step(self, *, end_group: bool = False) -> StepResult | None:
+        """Finish a micro-batch: None between boundaries, at one ``apply_or_skip(unscale_and_check())``;
+        ``end_group=True`` ends a short group here (an epoch's last; :class:`~mixprec.engine.boundary.
+        AccumulationGroup`). Host syncs: one per boundary, one per param edited outside. Raises RuntimeError
+        without a ``backward()``; the guard may raise :class:`DivergenceError`."""
         self._check_usable("mp.step()")
         self._check_no_open_check("mp.step()")
-        if not self._step_pending:
-            raise RuntimeError("step() called without backward() since the last step; call mp.backward(loss) first")
-        if self.micro_step < self.accumulation_steps:
+        if not self._group.closes("step()", self._step_pending, self.micro_step, end_group=end_group,
+                                  strategy=self.strategy):
             self._step_pending = False
             self._set_gradient_sync()
             return None
-        return self.apply_or_skip(self.unscale_and_check())
+        return self.apply_or_skip(self.unscale_and_check(end_group=True))
 
-    def unscale_and_check(self) -> StepCheck:
+    def end_group_next(self) -> None:
+        """The next micro-batch ends the accumulation group: call after the previous ``mp.step()``, before its
+        forward (under ``strategy="ddp"``/``"fsdp2"`` its backward then reduces gradients); ``mp.step()`` after
+        it returns the group's result. No host sync. RuntimeError while a ``backward()`` awaits its step."""
+        self._group.end_after_next(self._step_pending)
+        self._set_gradient_sync()
+
+    def unscale_and_check(self, *, end_group: bool = False) -> StepCheck:
         """A boundary's first phase: adopt params edited outside, unscale the grads in place (fp32 on the params
-        or ``-pure``'s masters, for the caller to log or clip from here on), their fp32 norm (by the scaled norm
+        or ``-pure``'s masters, for the caller to log or clip from here on; a group of k < ``accumulation_steps``
+        ended by ``end_group=True`` or :meth:`end_group_next`: their mean), their fp32 norm (by the scaled norm
         if it overflowed), the ranks' agreement, the one host read. Returns the :class:`StepCheck` for
         :meth:`apply_or_skip`. RuntimeError without ``backward()``, before the boundary or twice."""
         self._check_usable("mp.unscale_and_check()")
         self._check_no_open_check("mp.unscale_and_check()")
-        if not self._step_pending:
-            raise RuntimeError("unscale_and_check() called without backward() since the last step; call "
-                               "mp.backward(loss) first")
-        if self.micro_step < self.accumulation_steps:
-            raise RuntimeError(f"unscale_and_check() after micro-batch {self.micro_step} of accumulation_steps="
-                               f"{self.accumulation_steps}: it runs at the boundary only; call mp.step() after each "
-                               "earlier micro-batch (it returns None), or mp.step() for the whole step")
+        self._group.check_closes(self._step_pending, self.micro_step, end_group=end_group, strategy=self.strategy)
         self._step_pending = False
         self._adopt_edited_params()
-        self._losses.close(self.accumulation_steps)
+        self._losses.close(self.micro_step)
         grads = self._strategy.local(self._checks.at_boundary())
-        found_inf = self._losses.unscale_(self.loss_scale, grads)
+        found_inf = self._losses.unscale_(self.loss_scale, grads, self._group.factor(self.micro_step))
         self._open_check = check_grads(grads, found_inf, self._losses.finite, self.loss_scale, self._strategy,
                                        self.device)
         return self._open_check
@@ -253,10 +255,8 @@ class MixedPrecision:
             self.loss_scale.update(check.found_inf_t)
         self.micro_step, self.boundaries = 0, self.boundaries + 1
         self._set_gradient_sync()
-        reason = None if applied else "overflow" if (self.loss_scale.enabled and check.loss_finite) else "nonfinite"
-        result = StepResult(applied=applied, skipped_reason=reason, step=self.applied_steps,
-                            skipped_total=self.skipped_total, loss_scale_t=check.loss_scale_t,
-                            grad_norm_t=check.grad_norm_t, loss_finite=check.loss_finite, stuck_skips=check.stuck_skips)
+        result = StepResult.of(check, step=self.applied_steps, skipped_total=self.skipped_total,
+                               scaling=self.loss_scale.enabled)
         self._step_grads = grads
         self.discard_gradients()
         self._auto.at_boundary(self)
@@ -440,7 +440,7 @@ class MixedPrecision:
         if self.optimizer is not None:
             self.optimizer.zero_grad(set_to_none=True)
         self.module.zero_grad(set_to_none=True) if self._layout is None else self._layout.zero_grad()
-        self._step_pending, self.micro_step, self._losses.extra_inf = False, 0, None
+        self._step_pending, self.micro_step, self._losses.extra_inf, self._group.end_next = False, 0, None, False
         self._set_gradient_sync()
 
     def restore_progress(self, counters: dict[str, int], events: list[dict] | None) -> None:
@@ -463,7 +463,7 @@ class MixedPrecision:
         return self.masters.fp32_values(lambda p: contract.compensation(self.optimizer, p))
 
     def _set_gradient_sync(self) -> None:
-        self._strategy.set_gradient_sync(self.model, last_micro_batch=self.micro_step == self.accumulation_steps - 1,
+        self._strategy.set_gradient_sync(self.model, last_micro_batch=self._group.last_micro_batch(self.micro_step),
                                          has_masters=bool(self.masters.pairs))
 
     def _adopt_edited_params(self) -> None:

@@ -43,6 +43,7 @@ import torch
 from mixprec.autocast import op_plan
 from mixprec.checkpoint import LATEST, load_checkpoint, read_manifest, resolve_checkpoint, save_checkpoint
 from mixprec.distributed.process import any_across_ranks, is_main_process, rank, shard_batches
+from mixprec.engine.pending_auto import PENDING
 from mixprec.engine.records import Event
 
 if TYPE_CHECKING:
@@ -50,6 +51,7 @@ if TYPE_CHECKING:
 
 __all__ = ["TrainOutcome", "TrainConfig", "run_training", "train", "CHECKPOINTS"]
 
+AUTO = "auto"
 CHECKPOINTS = "checkpoints"
 TRAINABLE_FILE = "trainable.safetensors"
 _STOP_SIGNALS = (signal.SIGTERM, signal.SIGINT)
@@ -261,7 +263,8 @@ def train(workload: Any, config: TrainConfig) -> TrainOutcome:
     if run.start > config.steps:
         raise ValueError(f"--resume: the checkpoint is at step {run.start}, past --steps {config.steps}; pass "
                          f"--steps >= {run.start}")
-    print(f"mixprec train: {workload.name}/{workload.config_name}, policy {mp.policy} ({mp.decision}), "
+    shown = AUTO if mp.decision.startswith(PENDING) else mp.policy   # pending: fp32 only until auto decides
+    print(f"mixprec train: {workload.name}/{workload.config_name}, policy {shown} ({mp.decision}), "
           f"{config.steps} steps -> {config.out}", file=sys.stderr)
     step, stopped = run.loop()
     return _finish(run, step, stopped)
@@ -284,16 +287,34 @@ def _resume(run: _Run) -> None:
         raise ValueError(f"--resume: the run in {str(checkpoint)!r} was trained with --ema {saved_extra.get('ema')}, "
                          f"this run has --ema {config.ema}; pass the run's --ema")
     saved_policy, requested = manifest["policy"], run.policy_requested
-    # a run whose guard escalated precision continues under the escalated policy
-    adopt = saved_policy != requested and manifest["extra"].get("policy_requested") == requested
+    # a run whose guard escalated precision continues under the escalated policy; an auto run under its decision
+    adopt = saved_policy != requested and _same_request(manifest, requested)
     if saved_policy != requested and not adopt:
+        ran = manifest["extra"].get("policy_requested")
+        own = f" (or the run's own --policy '{ran}')" if ran not in (None, saved_policy) else ""
         raise ValueError(f"--resume: {checkpoint} was saved under policy {saved_policy!r} but this run asks for "
-                         f"{requested!r}; resume with --policy '{saved_policy}' (converting a run to "
+                         f"{requested!r}; resume with --policy '{saved_policy}'{own} (converting a run to "
                          "another policy is done in Python: mixprec.load_checkpoint(..., convert=True))")
     load_checkpoint(checkpoint, mp, adopt_policy=adopt, ema=run.averager)
     run.start = manifest["data_position"]["batches"]
     run.saved_world = manifest["data_position"].get("world_size", 1)
     print(f"mixprec train: resuming from {checkpoint} (step {run.start}, policy {mp.policy})", file=sys.stderr)
+
+
+def _same_request(manifest: dict, requested: str) -> bool:
+    """Whether the checkpoint's run asked for the policy this run asks for (``requested``: its ``--policy``, "auto"
+    for auto): its recorded ``policy_requested``, or for "auto" a run that took its auto decision (an ``"auto"``
+    event: checkpoints written before "auto" was recorded as asked)."""
+    if manifest["extra"].get("policy_requested") == requested:
+        return True
+    return requested == AUTO and any(e.get("kind") == "auto" for e in manifest.get("events") or [])
+
+
+def _requested_policy(policy: Any, mp: MixedPrecision) -> str:
+    """What a run asks for, as its checkpoints record it (``policy_requested``): "auto" for ``policy="auto"``
+    (decided or still pending: the engine runs fp32 until auto's first forward), else the policy ``mp`` was
+    built under, as text."""
+    return AUTO if isinstance(policy, str) and policy.strip().lower() == AUTO else str(mp.policy)
 
 
 def _event_lines(events: list) -> list[str]:
@@ -305,7 +326,7 @@ class _Run:
 
     def __init__(self, workload: Any, config: TrainConfig, mp: MixedPrecision, averager: Any) -> None:
         self.workload, self.config, self.mp, self.averager = workload, config, mp, averager
-        self.policy_requested = str(mp.policy)
+        self.policy_requested = _requested_policy(config.policy, mp)
         self.start, self.saved_world, self.schedule_steps = 0, 1, config.steps
         self.eval_metrics: dict[str, float] = {}
         self.last_saved: tuple[int, Path] | None = None
