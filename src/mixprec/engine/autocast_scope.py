@@ -25,7 +25,7 @@ pending, its block. :class:`AutocastScope` makes those settings hold wherever th
 * **The cast cache**: ``torch.autocast`` keeps the 16-bit cast of each fp32 leaf that requires grad (a
   ``-mixed`` policy's parameters) until its outermost block exits. A parameter written in place inside
   the block (``model.load_state_dict``, ``p.copy_`` under ``no_grad``) kept its old cast: the next forward
-  was the old weights' bit for bit. :meth:`AutocastScope.refresh_casts`, called before each eager forward of
+  computed with the old weights where autocast casts them (a mix of old and new). :meth:`AutocastScope.refresh_casts`, called before each eager forward of
   the model, compares the parameters' version counters with the last forward's and clears torch's cache
   when one moved (an ``autocast-cache`` event, once). Writes through ``p.data`` bump no version counter and
   are not seen (nor by the masters' edit adoption): write under ``torch.no_grad()`` instead, or call
