@@ -94,7 +94,8 @@ class AutocastScope:
         """``mp.autocast()``: eager, or traced with no graph break (module docstring). ``pending``: auto's
         block while its decision is pending, else None."""
         policy, device_type = self.owner.policy, self.owner.device.type
-        traceable = pending is None and policy.compute_dtype != torch.float16   # fp16: eager_dtypes' inductor option
+        traceable = (pending is None and policy.compute_dtype != torch.float16   # fp16: eager_dtypes' inductor option
+                     and hasattr(fx_traceback, "annotate"))   # older torch: the eager path (one graph break)
         annotation = self._annotations.get(self._key()) if traceable else None
         if annotation is not None and torch.compiler.is_compiling():
             with torch.autocast(device_type, dtype=policy.compute_dtype, enabled=policy.is_mixed), \
