@@ -688,7 +688,8 @@ def test_tiny_bench_writes_report_and_plots(tiny_bench):
     assert results["command"] in report
     assert "**fp16-mixed: SKIPPED**" in report and "**bf16-mixed: PASS**" in report
     assert "Portable ops (`ops=portable`, the default" in report and "with `ops=native`" in report
-    assert "## Op plan" in report and "| bf16-mixed | scaled_dot_product_attention |" in report
+    assert "## Op plan" in report and "| scaled_dot_product_attention | `sdpa q[" in report   # the bench's one plan
+    assert "every worker ran this plan" in report
     assert "## Eval loss over training (every 1 steps, nats/char)" in report and "| seed noise |" in report
     assert "![eval loss vs training time](loss_wallclock.png)" in report and " MFU is against " in report
 

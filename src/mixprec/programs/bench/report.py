@@ -320,7 +320,7 @@ def _op_plan_lines(results: dict) -> list[str]:
     lines.append("Times: best of interleaved forward (+backward for `fwd+bwd` keys) runs on random inputs of the "
                  "key's shapes (`mixprec.autocast.op_plan`); the default (`fused`, torch.autocast's kernel) is replaced only "
                  "by a candidate at least 5 % faster; `cache`: measured by an earlier run on this machine.")
-    return lines
+    return lines + [""]
 
 
 def eval_curve_lines(results: dict) -> list[str]:
