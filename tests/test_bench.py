@@ -890,3 +890,25 @@ def test_cached_peaks_keep_when_and_by_whom_they_were_measured(tmp_path, monkeyp
     assert matmul.cached_peaks("cpu")["fp32"] == fresh                  # read back from the file, provenance kept
     assert matmul.peak_origin(fresh).startswith("measured by this process")
     assert matmul.peak_origin(replace(fresh, pid=fresh.pid + 1)).startswith(f"cached: measured {fresh.measured_at} by pid")
+
+
+def test_a_policy_in_another_dtype_pins_the_plan_at_its_own_keys_and_says_what_it_cannot_use():
+    """The bench's one plan, measured under bf16, pinned for an fp16 policy (issue 25): the same choices at its fp16
+    keys (:func:`op_plan.retarget`), and where a choice is bf16-only (``matmul``) the console and report.md say so."""
+    from mixprec.autocast import op_plan
+    from mixprec.programs.bench.pinned_plan import measure_bench_plan, pinned_for
+    from mixprec.programs.bench.report import op_plan_lines
+
+    config = BenchConfig(out=None, config="tiny", steps=5, policies=("bf16-mixed", "fp16-mixed", "bf16-pure"))
+    names = ["fp32", "bf16-mixed", "fp16-mixed", "bf16-pure"]
+    plan = measure_bench_plan(config, torch.device("cpu"), NO_FP16_CPU, names, dict.fromkeys(names), False)
+    chosen = {e["shape"]: e["chosen"] for e in plan["entries"]}
+    assert plan["measured_with"] == "bf16-mixed" and set(plan["policies"]) == {"bf16-mixed", "fp16-mixed", "bf16-pure"}
+    assert pinned_for(plan, "bf16-pure") == pinned_for(plan, "bf16-mixed") == chosen and pinned_for(plan, "fp32") == {}
+    fp16, refused = op_plan.retarget(chosen, torch.float16)
+    assert plan["policies"]["fp16-mixed"] == {"dtype": "float16", "pinned": fp16, "not_offered": refused}
+    assert all(" float16 " in key for key in fp16) and len(fp16) == len(chosen) == 2
+    key = next(iter(fp16))
+    plan["policies"]["fp16-mixed"]["not_offered"] = {key: "matmul not offered under fp16 (...): runs fused"}
+    lines = op_plan_lines({"op_plan": plan, "policies": {}})
+    assert f"  fp16-mixed at {key.split(' causal=')[0]}: matmul not offered under fp16 (...): runs fused" in lines
