@@ -6,7 +6,8 @@ writes ``DIR/numerics.md``, ``DIR/numerics.json`` and ``DIR/numerics.png`` and p
 recommendation and the speed it read: ``auto``'s own measurement of the model (the same trial and cache as
 ``policy="auto"``: :func:`mixprec.numerics.workload.measure_speed`), whose rule picks fp32 or a 16-bit policy.
 ``--workload package.module:function`` inspects a user workload (:func:`mixprec.workloads.get_workload`).
-Bad arguments raise ``ValueError`` / ``TypeError`` / ``ImportError`` with the reason; the ``mixprec`` front end turns them into exit status 2.
+Bad arguments raise ``ValueError`` / ``TypeError`` / ``ImportError`` with the reason; the ``mixprec`` front end
+turns them into exit status 2.
 """
 
 from __future__ import annotations
