@@ -409,3 +409,38 @@ def test_torch_checkpoint_under_mp_backward_recomputes_in_the_forwards_kernel(re
         grads.append([p.grad.clone() for p in model.parameters()])
     for plain, checkpointed in zip(*grads):
         assert torch.equal(plain, checkpointed)
+
+
+def test_measured_afresh_measures_again_whatever_the_process_and_the_cache_hold(tmp_path):
+    """The bench measures its one plan afresh (issue 25): neither this process's plan (a pin) nor the cache file
+    (an earlier run's choice) is read inside the block; the new measurement is written to the cache."""
+    q = torch.randn(1, 2, 16, 8)
+    key = op_plan.plan_key(q, q, q, is_causal=True, dtype=torch.bfloat16, grad=False)
+    op_plan.pin({key: "fused-fp32"}, "cpu", source="bench")
+    assert op_plan.choose(q, q, q, is_causal=True, dtype=torch.bfloat16, grad=False).source == "bench"
+    cache = tmp_path / f"op-plan-{machine_key(torch.device('cpu'))}.json"
+    cache.write_text(json.dumps({key: {"chosen": "matmul", "times_ms": {"fused": 9.0, "fused-fp32": 9.0,
+                                                                        "matmul": 1.0}}}))
+    with op_plan.measured_afresh():
+        entry = op_plan.choose(q, q, q, is_causal=True, dtype=torch.bfloat16, grad=False)
+    assert entry.source == "measured" and all(entry.times_ms[c] > 0 for c in op_plan.CANDIDATES)
+    assert json.loads(cache.read_text())[key]["times_ms"] == entry.times_ms     # this measurement, cached
+    assert op_plan.entries("cpu") == [entry]                                    # and this process's plan after it
+    op_plan.forget()
+    assert op_plan.choose(q, q, q, is_causal=True, dtype=torch.bfloat16, grad=False).source == "cache"
+
+
+def test_a_plan_moves_to_another_dtype_and_says_what_it_cannot_use_there():
+    """A bench's one plan, measured in bf16, pinned for an fp16 policy (issue 25): the same choices at the fp16
+    keys, except ``matmul`` (bf16 only: fp16 scores could overflow), which runs ``fused`` there, said."""
+    q = torch.randn(2, 4, 8, 16)
+    key = {d: op_plan.plan_key(q, q, q, is_causal=True, dtype=d, grad=True) for d in (torch.bfloat16, torch.float16)}
+    assert key[torch.bfloat16].replace(" bfloat16 ", " float16 ") == key[torch.float16]
+    moved, refused = op_plan.retarget({key[torch.bfloat16]: "matmul"}, torch.float16)
+    assert moved == {key[torch.float16]: "fused"}
+    assert refused[key[torch.float16]].startswith("matmul not offered under fp16") and "runs fused" in \
+        refused[key[torch.float16]]
+    for chosen in ("fused", "fused-fp32"):
+        assert op_plan.retarget({key[torch.bfloat16]: chosen}, torch.float16) == ({key[torch.float16]: chosen}, {})
+    assert op_plan.retarget({key[torch.float16]: "fused-fp32"}, torch.bfloat16) == (
+        {key[torch.bfloat16]: "fused-fp32"}, {})

@@ -39,6 +39,8 @@ another dispatch mode traces the op, the measurement runs on real stand-ins of t
 the modes) and the graph keeps the chosen kernel; with symbolic shapes nothing is measured (``fused``, and
 the entry says so). :func:`entries` lists what was chosen in this process (op, shape, choice, every candidate's time):
 the engine's decision names the mechanism, the bench's report.md prints the table.
+:func:`measured_afresh` measures every key again (the bench's one plan per run, pinned for all its workers:
+:mod:`mixprec.programs.bench.pinned_plan`); :func:`retarget` moves choices to another autocast dtype's keys.
 
 Activation checkpointing: a recompute must run the kernel its forward ran. :func:`mixprec.ops.checkpoint`
 re-enters the forward's planned state; ``mp.backward()`` runs inside :func:`planned_kernels` (so a
@@ -71,7 +73,8 @@ from mixprec.machine.cache import cache_dir, machine_key, read_json, write_json
 from mixprec.machine.timing import time_call
 from mixprec.autocast.switch import Switch
 
-__all__ = ["PlanEntry", "planned_kernels", "choose", "entries", "summary", "choices", "pin", "cached", "forget", "time_candidates", "describe", "MARGIN",
+__all__ = ["PlanEntry", "planned_kernels", "choose", "entries", "summary", "choices", "pin", "retarget", "measured_afresh",
+           "cached", "forget", "time_candidates", "describe", "MARGIN",
            "REPEATS", "MATMUL_SCORES_LIMIT", "NOISY_SPREAD", "Timing", "CANDIDATES", "plan_key",
            "planned_devices", "planned_as"]
 
@@ -86,13 +89,15 @@ _EXACTNESS = ("fused-fp32", "fused", "matmul")   # most exact first: fp32 attent
 # where torch's autocast has its own sdpa kernel (lower precision) for this one to replace; MPS: not planned
 _AUTOCAST_KEYS = {"cpu": "AutocastCPU", "cuda": "AutocastCUDA"}
 _SDPA = torch.ops.aten.scaled_dot_product_attention.default
+_NOT_FP16 = "not offered under fp16 (its fp16 scores could overflow at 65504)"
 
 
 @dataclass(frozen=True)
 class PlanEntry:
     """One planned op at one key: ``chosen`` among ``times_ms`` (candidate → best forward(+backward) time in
     ms, None where not timed), ``source`` ``"measured"``, ``"cache"`` (measured by an earlier process on
-    this machine), ``"checkpoint"`` (pinned by a resumed checkpoint: :func:`pin`),
+    this machine), ``"checkpoint"`` (pinned by a resumed checkpoint: :func:`pin`), ``"bench"`` (a bench worker's pin of
+    the plan its runner measured once),
     ``"measured (noisy: ...)"`` (used in this process only) or ``"default (traced, not measured)"``; ``shape`` is the key in words."""
 
     op: str
@@ -107,6 +112,7 @@ _lock = threading.Lock()
 _libraries: dict[str, torch.library.Library] = {}
 _plans: dict[tuple[str, int], dict[str, PlanEntry]] = {}   # (device type, threads) -> key -> entry (this process)
 _disk: dict[tuple[str, int], dict] = {}                    # the same -> what its cache file held when first read
+_afresh: list[bool] = [False]                              # inside measured_afresh(): the cache file is not read
 
 
 # ---------------------------------------------------------------------- the candidates
@@ -155,7 +161,7 @@ def _offered(q, k, attn_mask, dtype: torch.dtype) -> dict[str, str]:
     scores = 4 * math.prod(q.shape[:-1]) * k.size(-2)
     why_not = {name: "" for name in CANDIDATES}
     if dtype == torch.float16:
-        why_not["matmul"] = "not offered under fp16 (its fp16 scores could overflow at 65504)"
+        why_not["matmul"] = _NOT_FP16
     elif attn_mask is not None:
         why_not["matmul"] = "not offered with attn_mask"
     elif scores > MATMUL_SCORES_LIMIT:
@@ -317,7 +323,7 @@ def choose(q, k, v, attn_mask=None, dropout_p=0.0, is_causal=False, scale=None, 
     with _lock:
         if where not in _disk:
             _disk[where] = read_json(_cache_file(device))
-        cached = _disk[where].get(key)
+        cached = None if _afresh[0] else _disk[where].get(key)
     if _usable(cached):
         entry = PlanEntry("scaled_dot_product_attention", key, cached["chosen"], dict(cached.get("times_ms") or {}),
                           "cache", str(cached.get("note", "")))
@@ -365,13 +371,47 @@ def choices(device_type: str, *, policy: Any = None) -> dict[str, str]:
     return {e.shape: e.chosen for e in entries(device_type, policy=policy) if e.source != _TRACED}
 
 
-def pin(saved: dict[str, str], device_type: str) -> None:
-    """Use ``saved`` (:func:`choices` of an earlier run) for these keys in this process: the entries' source is
-    ``"checkpoint"``; keys that are not planned or name an unknown candidate are ignored."""
+def pin(saved: dict[str, str], device_type: str, *, source: str = "checkpoint") -> None:
+    """Use ``saved`` (:func:`choices` of an earlier run, or of the bench's one measurement) for these keys in this
+    process: the entries' source is ``source`` (``"checkpoint"`` for a resumed run, ``"bench"`` for a bench
+    worker); keys that are not planned or name an unknown candidate are ignored. No host sync."""
     plan = _plans.setdefault((device_type, torch.get_num_threads()), {})
     for key, chosen in (saved or {}).items():
         if isinstance(key, str) and key.startswith("sdpa ") and chosen in CANDIDATES:
-            plan[key] = PlanEntry("scaled_dot_product_attention", key, chosen, {}, "checkpoint")
+            plan[key] = PlanEntry("scaled_dot_product_attention", key, chosen, {}, source)
+
+
+def retarget(saved: dict[str, str], dtype: torch.dtype) -> tuple[dict[str, str], dict[str, str]]:
+    """``saved`` (key -> chosen, :func:`choices`) moved to the keys of autocast ``dtype`` (bf16 or fp16: the same
+    shapes and flags, another dtype), so a policy computing in ``dtype`` makes the same kernel choices. Returns
+    (the moved choices, key -> why the saved choice is not offered under ``dtype``): ``matmul`` under fp16 runs
+    the default, ``fused``, instead (not measured) and the second dict says so. No host sync."""
+    name = str(dtype)[6:]
+    moved: dict[str, str] = {}
+    refused: dict[str, str] = {}
+    for key, chosen in (saved or {}).items():
+        head, sep, tail = key.partition(" causal=")
+        new_key = f"{head.rsplit(' ', 1)[0]} {name}{sep}{tail}" if sep else key
+        if chosen == "matmul" and dtype == torch.float16:
+            moved[new_key] = _DEFAULT
+            refused[new_key] = f"matmul {_NOT_FP16}: runs {_DEFAULT}, the default (not measured at this key)"
+        else:
+            moved[new_key] = chosen
+    return moved, refused
+
+
+@contextmanager
+def measured_afresh() -> Iterator[None]:
+    """Inside, each key is measured again, whatever this process or the cache file holds: the process's plan is
+    dropped on entry (:func:`forget`) and the cache file is not read (a quiet measurement is still written to it).
+    What was measured stays this process's plan after the block. Process-wide, not per thread. No host sync of
+    its own (the measurements': :func:`choose`)."""
+    forget()
+    _afresh[0] = True
+    try:
+        yield
+    finally:
+        _afresh[0] = False
 
 
 def cached(device: torch.device | str = "cpu") -> tuple[str, dict[str, dict]]:

@@ -24,8 +24,11 @@ Rules (thresholds are the module constants below; formats come from :mod:`mixpre
   skipped step per halving of the dynamic scale.
 
 * **Recommendation** (:func:`recommend`): start from the policy under study, or, when that is
-  fp32, from ``bf16-mixed`` (bf16 has fp32's exponent range) if bf16 was inspected, else
-  ``fp16-mixed``; keep the modules flagged in the compute format in fp32 (``keep_fp32``
+  fp32 (no preference), from what ``auto`` picks by its own rule on its own measurement of this model
+  (``report.speed``, :func:`mixprec.numerics.workload.measure_speed`: fp32 when no 16-bit candidate
+  trains faster by ``auto``'s margin, else that candidate), so the advice and ``auto`` never contradict each
+  other on one workload and machine; without that measurement, from ``bf16-mixed`` (bf16 has fp32's
+  exponent range) if bf16 was inspected, else ``fp16-mixed``; keep the modules flagged in the compute format in fp32 (``keep_fp32``
   patterns); under fp16 use dynamic loss scaling starting at the recommended scale; keep fp32
   master weights when more than :data:`LOST_UPDATE_LIMIT` of all updates, or more than
   :data:`PARAM_LOST_UPDATE_LIMIT` of one parameter's, would be lost in the parameters' 16-bit
@@ -233,13 +236,35 @@ def keep_fp32_patterns(flagged: list[str], module_names: tuple[str, ...]) -> tup
     return tuple(patterns)
 
 
+_BF16_RANGE = "bf16 keeps fp32's exponent range, so activations cannot overflow and no loss scaling is needed"
+
+
+def _speed_base(report: NumericsStats) -> tuple[Policy, str] | None:
+    """The base policy by auto's rule on ``report.speed`` (None: not measured, or its choice computes in a format
+    that was not inspected): fp32 where no 16-bit candidate was faster by auto's margin, else auto's choice."""
+    speed = report.speed
+    if speed is None or speed.choice not in PRESETS:
+        return None
+    policy = PRESETS[speed.choice]
+    measured = f"as auto measured it on this model ({speed.decision})"
+    if not policy.is_mixed:
+        return policy, f"{speed.choice}: no 16-bit policy trains this model faster than fp32 here, {measured}"
+    if get_format(policy.compute_dtype).name not in report.formats:
+        return None
+    bf16 = f"; {_BF16_RANGE}" if policy.compute_dtype == torch.bfloat16 else ""
+    return policy, f"{speed.choice}: faster than fp32 on this model, {measured}{bf16}"
+
+
 def _choose_base(report: NumericsStats) -> tuple[Policy, str]:
     policy = report.policy
     if policy.is_mixed or policy.param_dtype != torch.float32:
-        return policy, f"starting from the policy under study, {policy}"
+        speed = "" if report.speed is None else f" (auto measured on this model: {report.speed.decision})"
+        return policy, f"starting from the policy under study, {policy}{speed}"
+    by_speed = _speed_base(report)
+    if by_speed is not None:
+        return by_speed
     if "bf16" in report.formats:
-        return PRESETS["bf16-mixed"], ("bf16-mixed: bf16 keeps fp32's exponent range, so activations cannot "
-                                       "overflow and no loss scaling is needed")
+        return PRESETS["bf16-mixed"], f"bf16-mixed: {_BF16_RANGE}"
     if "fp16" in report.formats:
         return PRESETS["fp16-mixed"], "fp16-mixed: bf16 was not inspected"
     return policy, "fp32: neither bf16 nor fp16 was inspected"

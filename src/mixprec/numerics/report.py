@@ -82,6 +82,9 @@ class NumericsReport(NumericsStats):
             ``[min_scale, max_scale]``.
         module_names: every module name of the model (``named_modules``), to check glob patterns.
         modules, params: per leaf module and per trainable parameter, in model order.
+        speed: how fast the model trains under each policy ``auto`` times, as ``auto`` measured it
+            (:class:`~mixprec.numerics.stats.MeasuredSpeed`; None: not measured, e.g. :func:`mixprec.numerics.inspect`
+            called directly). The advice follows auto's rule on it (:func:`mixprec.numerics.advice.recommend`).
     """
 
     # ------------------------------------------------------------------ advice
@@ -278,7 +281,8 @@ def _decode(tp: Any, value: Any) -> Any:
         return Policy.parse(value)
     if dataclasses.is_dataclass(tp):
         hints = typing.get_type_hints(tp)
-        return tp(**{f.name: _decode(hints[f.name], value[f.name]) for f in dataclasses.fields(tp)})
+        return tp(**{f.name: _decode(hints[f.name], value[f.name]) for f in dataclasses.fields(tp)
+                     if f.name in value or f.default is dataclasses.MISSING})   # a later field: its default
     if tp is float:
         return float(value)
     if origin is dict:

@@ -19,7 +19,7 @@ from typing import Any
 from mixprec.formats import get_format
 from mixprec.policy.policy import Policy
 
-__all__ = ["RangeStats", "ModuleError", "ModuleStats", "ParamStats", "NumericsStats"]
+__all__ = ["RangeStats", "ModuleError", "ModuleStats", "ParamStats", "MeasuredSpeed", "NumericsStats"]
 
 
 @dataclass(frozen=True)
@@ -108,6 +108,18 @@ def _key(fmt: str, table: dict[str, Any], what: str) -> str:
 
 
 @dataclass(frozen=True)
+class MeasuredSpeed:
+    """How fast the model trains under each policy ``auto`` times on this device, as ``auto`` measured it
+    (:func:`mixprec.policy.auto.choose`, its cache included: :func:`mixprec.numerics.workload.measure_speed`):
+    ``choice`` the policy ``auto`` picks by its rule, ``ratios`` candidate -> fp32's median step time over its
+    own (> 1: faster than fp32), ``decision`` auto's decision line (what it measured, in words)."""
+
+    choice: str
+    ratios: dict[str, float]
+    decision: str
+
+
+@dataclass(frozen=True)
 class NumericsStats:
     """The fields and queries of a :class:`~mixprec.numerics.NumericsReport` (its docstring lists
     the attributes), without the views: what :mod:`mixprec.numerics.advice` reads."""
@@ -128,6 +140,7 @@ class NumericsStats:
     module_names: tuple[str, ...]
     modules: dict[str, ModuleStats]
     params: dict[str, ParamStats]
+    speed: MeasuredSpeed | None = None
 
     # ------------------------------------------------------------------ queries
     def scale_index(self, loss_scale: float) -> int:

@@ -3,9 +3,11 @@ for ``mixprec bench --policies advised``.
 
 ``mixprec inspect --workload gpt --config baby [--data PATH] [--steps K] [--device D] --out DIR``
 writes ``DIR/numerics.md``, ``DIR/numerics.json`` and ``DIR/numerics.png`` and prints the
-recommendation. ``--workload package.module:function`` inspects a user workload
-(:func:`mixprec.workloads.get_workload`). Bad arguments raise ``ValueError`` / ``TypeError`` /
-``ImportError`` with the reason; the ``mixprec`` front end turns them into exit status 2.
+recommendation and the speed it read: ``auto``'s own measurement of the model (the same trial and cache as
+``policy="auto"``: :func:`mixprec.numerics.workload.measure_speed`), whose rule picks fp32 or a 16-bit policy.
+``--workload package.module:function`` inspects a user workload (:func:`mixprec.workloads.get_workload`).
+Bad arguments raise ``ValueError`` / ``TypeError`` / ``ImportError`` with the reason; the ``mixprec`` front end
+turns them into exit status 2.
 """
 
 from __future__ import annotations
@@ -27,7 +29,8 @@ Trains a copy of the workload's model for a few fp32 steps (its own AdamW recipe
 learning rate, no scheduler) and measures, per leaf module and format: activation and gradient
 range (overflow, subnormal, flushed to zero; fp8 also at the best per-tensor scale), the error
 of running the module in the format (SQNR), the largest safe fp16 loss scale and the share of
-optimizer updates lost without fp32 master weights. Writes numerics.md, numerics.json (read it
+optimizer updates lost without fp32 master weights. The advised precision follows what
+policy=auto measures on this model (fp32 where 16-bit is not faster here). Writes numerics.md, numerics.json (read it
 back with mixprec.numerics.NumericsReport.from_json) and numerics.png (modules x formats).
 """
 
@@ -91,6 +94,8 @@ def run_inspect(args: argparse.Namespace) -> int:
                                              if rec.initial_loss_scale is not None else ""))
     for reason in rec.reasons:
         print(f"- {reason}")
+    if report.speed is not None:   # the evidence the choice of precision read: auto's own measurement
+        print(f"speed (auto's measurement on this model, which the advice follows): {report.speed.decision}")
     for fmt in report.formats:
         flagged = sorted({f.module for f in report.flagged(fmt)})
         print(f"{fmt}: {len(flagged)} modules flagged" + (f" ({', '.join(flagged[:5])}"

@@ -28,6 +28,8 @@ from typing import Any
 
 from mixprec.programs.bench.measure import percentile, time_steps
 from mixprec.programs.bench import noise
+from mixprec.autocast import op_plan
+from mixprec.programs.bench.pinned_plan import pin_in_worker
 from mixprec.programs.bench.worker import RunSpec
 from mixprec.programs.session import build_engine, train_step
 from mixprec.workloads import get_workload
@@ -50,6 +52,7 @@ def serve(spec: RunSpec) -> int:
     k timed steps and print ``{"times_ms": [...]}``; ``{"quit": true}`` or end of input stops it. Returns the exit status."""
     try:
         workload = get_workload(spec.workload, config=spec.config, data=spec.data, lora=spec.lora)
+        pin_in_worker(spec.op_plan, spec.device)   # the bench's one attention plan, as in the quality run
         mp = build_engine(workload, spec.policy, steps=max(spec.steps, 1), seed=spec.seed, device=spec.device,
                           compile=spec.compile)
         batches = _forever(workload, spec.seed)
@@ -61,6 +64,11 @@ def serve(spec: RunSpec) -> int:
         command = json.loads(line)
         if command.get("quit"):
             break
+        if command.get("plan"):   # what this worker's engine planned: key, choice, source
+            found = op_plan.entries(mp.device.type, policy=mp.policy)
+            print(json.dumps({"op_plan": [{"shape": e.shape, "chosen": e.chosen, "source": e.source} for e in found]}),
+                  flush=True)
+            continue
         step = lambda: train_step(mp, workload, next(batches))   # noqa: E731
         time_steps(step, mp.device, int(command.get("untimed", 0)))   # the block's first step wakes threads, caches
         times = time_steps(step, mp.device, int(command["steps"]))
@@ -91,20 +99,15 @@ def time_interleaved(specs: dict[str, RunSpec], workdir: Path, env: dict[str, st
     ``step_ms`` (row → ``median``/``p10``/``p90`` in ms, None when its worker failed), ``spread`` (row → p90/p10),
     ``retimed`` (sets of rounds beyond the first), ``noisy`` (``noise.is_noisy(spread)``; the runner's is ``settle_noise``'s),
     ``errors`` (row → why it was not timed), ``malloc_env`` (the workers' :data:`TIMING_MALLOC_ENV`; a
-    variable already set in ``env`` wins)."""
+    variable already set in ``env`` wins), ``op_plan`` (row → what its worker's engine planned:
+    ``shape`` (the key), ``chosen``, ``source``; ``"bench"`` where it pinned the bench's one plan)."""
     env = {**env, **{k: env.get(k, v) for k, v in TIMING_MALLOC_ENV.items()}}   # a set variable wins
     procs: dict[str, subprocess.Popen] = {}
     errors: dict[str, str] = {}
     times: dict[str, list[float]] = {}
     try:
         for name, spec in specs.items():
-            spec_path = workdir / f"timing-{''.join(c if c.isalnum() or c in '-_' else '_' for c in name)}.spec.json"
-            spec_path.write_text(json.dumps(asdict(spec), indent=1))
-            log = open(spec_path.with_suffix(".log"), "w", encoding="utf-8")
-            procs[name] = subprocess.Popen([sys.executable, "-m", "mixprec.programs.bench", "--serve", str(spec_path)],
-                                           stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=log, text=True,
-                                           env=env)
-            log.close()
+            procs[name] = _start(name, spec, workdir, env)
         for name, proc in list(procs.items()):
             ready = json.loads(proc.stdout.readline() or '{"ready": false, "error": "no reply"}')
             if not ready.get("ready"):
@@ -128,6 +131,7 @@ def time_interleaved(specs: dict[str, RunSpec], workdir: Path, env: dict[str, st
             retimed += 1
             for n in live:       # a noisy set is not kept: the next one replaces it
                 times[n] = []
+        plans = _plans(procs, [n for n in live if n not in errors])
     finally:
         for proc in procs.values():
             try:
@@ -142,4 +146,25 @@ def time_interleaved(specs: dict[str, RunSpec], workdir: Path, env: dict[str, st
     spread = {n: round(v["p90"] / v["p10"], 3) for n, v in step_ms.items() if v}
     return {"method": "interleaved", "blocks": rounds, "block_steps": block_steps, "step_ms": step_ms,
             "spread": spread, "retimed": retimed, "noisy": noise.is_noisy(spread),
-            "spread_limit": noise.SPREAD_LIMIT, "errors": errors, "malloc_env": {k: env[k] for k in TIMING_MALLOC_ENV}}
+            "spread_limit": noise.SPREAD_LIMIT, "errors": errors, "malloc_env": {k: env[k] for k in TIMING_MALLOC_ENV},
+            "op_plan": plans}
+
+
+def _start(name: str, spec: RunSpec, workdir: Path, env: dict[str, str]) -> subprocess.Popen:
+    """Start row ``name``'s resident timing worker (:func:`serve`), its spec and log in ``workdir``."""
+    spec_path = workdir / f"timing-{''.join(c if c.isalnum() or c in '-_' else '_' for c in name)}.spec.json"
+    spec_path.write_text(json.dumps(asdict(spec), indent=1))
+    with open(spec_path.with_suffix(".log"), "w", encoding="utf-8") as log:
+        return subprocess.Popen([sys.executable, "-m", "mixprec.programs.bench", "--serve", str(spec_path)],
+                                stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=log, text=True, env=env)
+
+
+def _plans(procs: dict[str, subprocess.Popen], rows: list[str]) -> dict[str, list[dict]]:
+    """Row -> what its timing worker's engine planned (key, choice, source): the check that it ran the bench's plan."""
+    plans = {}
+    for name in rows:
+        try:
+            plans[name] = _ask(procs[name], {"plan": True})["op_plan"]
+        except (RuntimeError, ValueError, KeyError) as err:   # said as a row that did not report the bench's plan
+            plans[name] = [{"shape": "-", "chosen": "-", "source": f"not reported ({err})"}]
+    return plans

@@ -15,7 +15,11 @@
                # spread/noisy: one decision over the table's step times (programs/bench/noise.py)
      "seed_noise": {seeds, fp32_eval_losses, relative_spread, fp32_eval_curves} | null,
      "mfu_peak": {dtype, gflops_per_s, n, source, measured_at, measured_by_pid, torch} | null, "portable_ops": {...} | null,
-     "parent_pid": int, "wall_s": float}
+     "parent_pid": int, "wall_s": float,
+     "op_plan": {measured_with, dtype, pid, entries: [{op, shape, chosen, times_ms, source, note}],
+                 policies: {name: {dtype, pinned: {key: choice}, not_offered: {key: why}}}, error?} | null}
+               # the bench's one attention plan, measured once and pinned for every worker (pinned_plan.py);
+               # each row's op_plan and timing.op_plan say what its workers ran (source "bench": the pinned plan)
 
 Per policy (:data:`POLICY_KEYS`; a SKIPPED policy has null measurements): units are in the
 names (``_ms``, ``_mb`` = MiB, ``_per_s``); ``speedup_vs_fp32`` = fp32 median step time / this
@@ -37,11 +41,12 @@ import math
 from pathlib import Path
 from typing import Any
 
+from mixprec.programs.bench.pinned_plan import SOURCE as PINNED_SOURCE
 from mixprec.programs.bench.results import POLICY_KEYS
 from mixprec.programs.bench.figures import (eval_curve_of, fmt, loss_unit, plot_loss_curves, plot_loss_wallclock,
                                             plot_speed_memory, ran_rows, seed_band)
 
-__all__ = ["POLICY_KEYS", "COMPILED_SUFFIX", "write_outputs", "format_table", "auto_lines", "op_plan_lines", "timing_lines", "seed_noise_lines", "eval_curve_lines", "report_markdown",
+__all__ = ["POLICY_KEYS", "COMPILED_SUFFIX", "write_outputs", "format_table", "auto_lines", "op_plan_lines", "plan_deviations", "timing_lines", "seed_noise_lines", "eval_curve_lines", "report_markdown",
            "plot_loss_curves", "plot_loss_wallclock", "plot_speed_memory", "peaks_line"]
 
 COMPILED_SUFFIX = "+compiled"   # the row of a policy run under bench --compile
@@ -238,16 +243,44 @@ def seed_noise_lines(results: dict) -> list[str]:
             "indistinguishable from another seed)"]
 
 
+def _plan_times(e: dict) -> str:
+    """An entry's source and each timed candidate's best time."""
+    times = ", ".join(f"{c} {t:.2f} ms" for c, t in (e.get("times_ms") or {}).items() if t is not None)
+    return f"{e['source']}; {times}" if times else e["source"]
+
+
+def plan_deviations(results: dict) -> list[str]:
+    """One line per key where a row's worker (its quality run, or its interleaved timing worker) did not run the
+    bench's one attention plan (results.json ``op_plan``): a key it planned itself, or another choice. Empty: every
+    worker ran the pinned plan."""
+    pinned = {n: p.get("pinned") or {} for n, p in ((results.get("op_plan") or {}).get("policies") or {}).items()}
+    ran = [(row, "", e.get("op_plan") or []) for row, e in results["policies"].items()]
+    ran += [(row, " (its timing worker)", found)
+            for row, found in ((results.get("timing") or {}).get("op_plan") or {}).items()]
+    return [f"{row}{where} did not run the bench's plan at `{e['shape']}`: {e['chosen']} ({e['source']})"
+            for row, where, found in ran for e in found
+            if e["source"] != PINNED_SOURCE or pinned.get(row.removesuffix(COMPILED_SUFFIX), {}).get(e["shape"])
+            != e["chosen"]]
+
+
 def op_plan_lines(results: dict) -> list[str]:
-    """The console's op plan: each training key once (the first policy that planned it), its choice and the
-    candidates' times; report.md has every key per policy."""
-    seen: dict[str, str] = {}
-    for name, entry in results["policies"].items():
-        for e in entry.get("op_plan") or []:
-            if e["shape"].endswith("fwd+bwd") and e["shape"] not in seen:
-                times = ", ".join(f"{c} {t:.2f} ms" for c, t in e["times_ms"].items() if t is not None)
-                seen[e["shape"]] = f"op plan ({name}): {e['shape']} -> {e['chosen']} ({e['source']}; {times})"
-    return list(seen.values())
+    """The bench's one attention plan (results.json ``op_plan``), as the console and report.md say it: where and
+    under which policy it was measured, each key's choice with every candidate's time, the policies it was pinned
+    for, what a policy computing in another dtype cannot use, and :func:`plan_deviations`."""
+    plan = results.get("op_plan")
+    if not plan:
+        return []
+    if plan.get("error"):
+        return [f"attention plan: not measured once ({plan['error']})"]
+    lines = [f"attention plan: measured once under {plan['measured_with']} by the bench (pid {plan['pid']}) before "
+             f"the timed runs, pinned for every policy that plans ({', '.join(plan['policies'])})"
+             + ("" if plan["entries"] else ": no planned op ran")]
+    lines += [f"  {e['shape']} -> {e['chosen']} ({_plan_times(e)})" for e in plan["entries"]]
+    lines += [f"  {name} at {key.split(' causal=')[0]}: {why}" for name, p in plan["policies"].items()
+              for key, why in (p.get("not_offered") or {}).items()]
+    ran = ["  every worker ran this plan (checked in each quality run's and timing worker's engine)"]
+    deviations = [f"  {line}" for line in plan_deviations(results)]
+    return lines + (deviations or (ran if plan["entries"] else []))
 
 
 def _portable_lines(results: dict) -> list[str]:
@@ -264,23 +297,30 @@ def _portable_lines(results: dict) -> list[str]:
 
 
 def _op_plan_lines(results: dict) -> list[str]:
-    """The measured op plan (``kernels=measured``): per policy, each planned op's key, choice and candidate times."""
-    rows = [(name, e) for name, entry in results["policies"].items() for e in entry.get("op_plan") or []]
+    """report.md's op plan (``kernels=measured``): the bench's one plan as a table (key, choice, source, each
+    candidate's time) and :func:`op_plan_lines`' words; without one (measured by no policy, or failed), each
+    policy's own entries."""
+    plan = results.get("op_plan") or {}
+    one = bool(plan.get("entries"))
+    rows = [("", e) for e in plan["entries"]] if one else \
+        [(name, e) for name, entry in results["policies"].items() for e in entry.get("op_plan") or []]
     if not rows:
-        return []
+        return ["", *(f"{line.strip()}." for line in op_plan_lines(results))] if plan else []
     candidates = sorted({c for _, e in rows for c in e["times_ms"]})
+    first = "" if one else "policy | "
     lines = ["", "## Op plan (`kernels=measured`: the kernel measured fastest on this device at each shape)", "",
-             "| policy | op | key | chosen | source | " + " | ".join(f"{c} (ms)" for c in candidates) + " |",
-             "|---|---|---|---|---|" + "---:|" * len(candidates)]
+             *(f"- {line.strip()}" for line in op_plan_lines(results)), "",
+             f"| {first}op | key | chosen | source | " + " | ".join(f"{c} (ms)" for c in candidates) + " |",
+             f"|{'---|' if first else ''}---|---|---|---|" + "---:|" * len(candidates)]
     for name, e in rows:
         times = [fmt(e["times_ms"].get(c), ".2f") for c in candidates]
-        lines.append(f"| {name} | {e['op']} | `{e['shape']}` | **{e['chosen']}** | {e['source']} | "
+        lines.append(f"| {name + ' | ' if first else ''}{e['op']} | `{e['shape']}` | **{e['chosen']}** | {e['source']} | "
                      + " | ".join(times) + " |")
     lines.append("")
     lines.append("Times: best of interleaved forward (+backward for `fwd+bwd` keys) runs on random inputs of the "
                  "key's shapes (`mixprec.autocast.op_plan`); the default (`fused`, torch.autocast's kernel) is replaced only "
                  "by a candidate at least 5 % faster; `cache`: measured by an earlier run on this machine.")
-    return lines
+    return lines + [""]
 
 
 def eval_curve_lines(results: dict) -> list[str]:

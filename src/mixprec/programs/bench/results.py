@@ -131,7 +131,8 @@ _FIELDS = frozenset(f.name for f in fields(PolicyRun))
 @dataclass(frozen=True)
 class BenchResults:
     """One bench run: results.json's content, its rows typed. ``settings``, ``workload``, ``environment``,
-    ``advice``, ``timing``, ``seed_noise``, ``mfu_peak`` and ``portable_ops`` keep their JSON form
+    ``advice``, ``timing``, ``seed_noise``, ``mfu_peak``, ``portable_ops`` and ``op_plan`` (the bench's one attention plan,
+    :func:`mixprec.programs.bench.pinned_plan.measure_bench_plan`; None when no policy plans) keep their JSON form
     (see :mod:`mixprec.programs.bench.report` for their keys)."""
 
     created: str
@@ -149,6 +150,7 @@ class BenchResults:
     parent_pid: int
     wall_s: float
     mixprec_bench: int = field(default=1)
+    op_plan: dict[str, Any] | None = None
 
     def to_json(self) -> dict[str, Any]:
         """results.json's object (before non-finite floats become null), keys in results.json's order."""

@@ -54,6 +54,7 @@ from tqdm import tqdm
 from mixprec.programs.bench.mfu import one_mfu_peak, peaks_environment
 from mixprec.programs.bench.report import COMPILED_SUFFIX, write_outputs
 from mixprec.programs.bench.noise import settle_noise
+from mixprec.programs.bench.pinned_plan import measure_bench_plan, pinned_for
 from mixprec.programs.bench.results import BenchResults, PolicyRun
 from mixprec.programs.bench.verdict import Targets, judge
 from mixprec.programs.bench.worker import RunSpec
@@ -368,13 +369,14 @@ def run_bench(config: BenchConfig, *, capability: Capability | None = None, prog
     del workload
     peaks = cached_peaks(device)
     names, skip, advice = _plan(config, device, cap, progress)
+    plan = measure_bench_plan(config, device, cap, names, skip, progress)   # one attention plan, pinned for all
     runnable = [n for n in names if skip[n] is None]
     out = Path(config.out)
     workdir = out / "workers" if is_main_process() else out / "workers" / f"rank-{rank()}"
     workdir.mkdir(parents=True, exist_ok=True)
     run = _Run(config, device, workdir, {name: peak.gflops_per_s for name, peak in peaks.items()},
                warmup_steps_for(config.steps),
-               eval_every_for(config.steps) if config.eval_every is None else config.eval_every)
+               eval_every_for(config.steps) if config.eval_every is None else config.eval_every, plan)
     entries, specs, seed_noise = _train_rows(run, names, skip, progress)
     timing, entries = _retime(config, entries, specs, workdir, progress)
     mfu_peak, entries = one_mfu_peak(entries, peaks)
@@ -387,7 +389,7 @@ def run_bench(config: BenchConfig, *, capability: Capability | None = None, prog
         advice=None if advice is None else {"policy": str(advice.policy), "reasons": list(advice.reasons),
                                             "initial_loss_scale": advice.initial_loss_scale},
         policies=entries, timing=timing, seed_noise=seed_noise, mfu_peak=mfu_peak, portable_ops=portable,
-        parent_pid=os.getpid(), wall_s=time.perf_counter() - start)
+        parent_pid=os.getpid(), wall_s=time.perf_counter() - start, op_plan=plan)
     if is_main_process():
         write_outputs(results.to_json(), out)
     return results
@@ -429,6 +431,7 @@ class _Run:
     peaks_gflops: dict[str, float | None]
     warmup_steps: int
     eval_every: int
+    op_plan: dict[str, Any] | None   # the bench's one attention plan (pinned_plan.measure_bench_plan)
 
     def spec(self, name: str, compiled: bool) -> RunSpec:
         """The worker's spec for policy ``name`` (eager or compiled)."""
@@ -437,7 +440,7 @@ class _Run:
                        config=config.config_name, data=config.data, lora=config.lora,
                        device="cuda" if config.strategy and self.device.type == "cuda" else str(self.device),  # LOCAL_RANK's
                        warmup_steps=self.warmup_steps, peaks_gflops=self.peaks_gflops, strategy=config.strategy,
-                       compile=compiled, eval_every=self.eval_every)
+                       compile=compiled, eval_every=self.eval_every, op_plan=pinned_for(self.op_plan, name))
 
 
 def _train_rows(run: _Run, names: list[str], skip: dict[str, str | None], progress: bool

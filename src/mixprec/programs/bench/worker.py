@@ -38,6 +38,7 @@ from mixprec.distributed.process import init_process_group_from_env, shard_batch
 from mixprec.autocast import op_plan
 from mixprec.engine.mixed_precision import MixedPrecision
 from mixprec.engine.records import Event
+from mixprec.programs.bench.pinned_plan import pin_in_worker
 from mixprec.programs.bench.results import PolicyRun
 from mixprec.programs.session import build_engine, evaluate, train_step
 from mixprec.workloads import Workload, get_workload
@@ -65,6 +66,8 @@ class RunSpec:
     compilation runs in the first step, which the warm-up keeps out of the step-time median.
     ``eval_every`` K > 0: the validation loss is also measured after every K-th step (outside the step
     timing; it changes nothing in training), giving the row's ``eval_curve``; 0: only the final eval.
+    ``op_plan``: the bench's one attention plan for this policy (key -> candidate, measured once by the runner:
+    :mod:`mixprec.programs.bench.pinned_plan`), pinned before the engine is built; empty: the worker plans itself.
     """
 
     workload: str
@@ -81,6 +84,7 @@ class RunSpec:
     lora: str | None = None
     compile: bool = False
     eval_every: int = 0
+    op_plan: dict[str, str] = field(default_factory=dict)
 
     def __post_init__(self) -> None:
         if isinstance(self.eval_every, bool) or not isinstance(self.eval_every, int) or self.eval_every < 0:
@@ -160,6 +164,7 @@ def run_policy(spec: RunSpec, progress: Callable[[int], None] | None = None) -> 
     workload = get_workload(spec.workload, config=spec.config, data=spec.data, lora=spec.lora)
     if spec.strategy is not None:  # a collective timeout instead of a hang if another rank fails
         init_process_group_from_env(spec.device, timeout=timedelta(minutes=5))
+    pin_in_worker(spec.op_plan, spec.device)   # the bench's one attention plan, not this process's own measurement
     try:
         mp = build_engine(workload, spec.policy, steps=spec.steps, seed=spec.seed, device=spec.device,
                           strategy=spec.strategy, compile=spec.compile)
