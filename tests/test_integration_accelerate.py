@@ -102,7 +102,8 @@ def test_accelerator_bf16_autocast_around_an_fp32_policy_is_reported():
 
 @pytest.mark.parametrize("policy, dtype, reported", [
     ("fp32", torch.bfloat16, True),          # the policy opens no autocast
-    ("bf16-pure", torch.bfloat16, True),     # -pure runs without autocast (its fp32-list ops stay bf16)
+    ("bf16-pure", torch.float16, True),      # another compute dtype than the policy's autocast
+    ("bf16-pure", torch.bfloat16, False),    # the policy's own autocast dtype
     ("bf16-mixed", torch.float16, True),     # another compute dtype
     ("bf16-mixed", torch.bfloat16, False),   # the policy's own dtype: nothing contradicts it
 ])

@@ -39,18 +39,17 @@ def _args(out, **overrides) -> transformers.TrainingArguments:
     return transformers.TrainingArguments(**{**options, **overrides})
 
 
-class _SeedAtFirstStep(transformers.TrainerCallback):
-    """Seeds the global RNG right before the first step, where the hand loop seeds it: stochastic rounding
-    (bf16-lean) draws from the global RNG, which the Trainer's dataloader has advanced."""
+class _SeedEachStep(transformers.TrainerCallback):
+    """Seeds the global RNG before each step, where the hand loop seeds it: stochastic rounding (bf16-lean)
+    draws from the global RNG, which the Trainer's dataloader also draws from."""
 
     def on_step_begin(self, args, state, control, **kwargs):
-        if state.global_step == 0:
-            torch.manual_seed(SEED)
+        torch.manual_seed(SEED + state.global_step)
 
 
-def _trainer(out, policy, *, loss_scale=None, **overrides) -> MixprecTrainer:
+def _trainer(out, policy, *, loss_scale=None, seeded=True, **overrides) -> MixprecTrainer:
     return MixprecTrainer(_gpt2(), _args(out, **overrides), train_dataset=_data(), policy=policy,
-                          loss_scale=loss_scale, callbacks=[_SeedAtFirstStep()])
+                          loss_scale=loss_scale, callbacks=[_SeedEachStep()] if seeded else [])
 
 
 def _hand_loop(policy, decay_names, *, loss_scale=None, steps=STEPS):
@@ -63,8 +62,8 @@ def _hand_loop(policy, decay_names, *, loss_scale=None, steps=STEPS):
     sched = transformers.get_scheduler("linear", opt, num_warmup_steps=0, num_training_steps=STEPS)
     mp = mixprec.MixedPrecision(model, opt, policy, scheduler=sched, max_grad_norm=1.0, loss_scale=loss_scale)
     data, norms = _data(), []
-    torch.manual_seed(SEED)
     for i in range(steps):
+        torch.manual_seed(SEED + i)
         batch = transformers.default_data_collator(data[i * BATCH:(i + 1) * BATCH])
         model.train()
         with mp.autocast():
@@ -117,13 +116,13 @@ RESUMED = [*PRESETS, pytest.param("bf16-sr", marks=pytest.mark.xfail(
 def test_resume_from_checkpoint_is_bit_exact(tmp_path, policy):
     fp16 = policy.startswith("fp16")
     scale = (lambda: DynamicLossScale(init_scale=2.0**24)) if fp16 else (lambda: None)   # skipped steps too
-    whole = _trainer(tmp_path / "a", policy, loss_scale=scale(), save_strategy="steps", save_steps=10)
+    whole = _trainer(tmp_path / "a", policy, loss_scale=scale(), seeded=False, save_strategy="steps", save_steps=10)
     whole.train()   # saves checkpoint-10 on the way: 20 uninterrupted steps
     folder = tmp_path / "a" / "checkpoint-10"
     assert (folder / PRECISION_STATE_NAME).is_file() and (folder / "optimizer.pt").is_file()
     saved = torch.load(folder / PRECISION_STATE_NAME, weights_only=True)
     assert not {"model", "optimizer", "scheduler"} & saved.keys()   # no second copy of what the Trainer saves
-    resumed = _trainer(tmp_path / "b", policy, loss_scale=scale())
+    resumed = _trainer(tmp_path / "b", policy, loss_scale=scale(), seeded=False)
     resumed.train(resume_from_checkpoint=str(folder))
     assert resumed.engine.applied_steps == whole.engine.applied_steps
     assert resumed.engine.skipped_total == whole.engine.skipped_total and (not fp16 or whole.engine.skipped_total)

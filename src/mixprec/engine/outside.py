@@ -5,7 +5,7 @@ an engine it silently contradicts the policy. Three checks, each cheap (no host 
 
 * **someone else's autocast**: a forward of the engine's model that runs under a ``torch.autocast`` the
   policy does not open (``Accelerator(mixed_precision="bf16")`` or ``TrainingArguments(bf16=True)`` around an
-  ``fp32`` or ``-pure`` policy; an fp16 autocast around a bf16 one). Accelerate opens its autocast *inside*
+  ``fp32`` policy; an fp16 autocast around a bf16 one). Accelerate opens its autocast *inside*
   ``model.forward``, after the root's forward pre-hooks ran, so the check is a forward pre-hook on the root
   and on each of its direct children. Said once: a warning, a ``"foreign-autocast"`` event and a clause
   on :attr:`mixprec.MixedPrecision.decision` naming what the forward really computed in (the decision
@@ -87,16 +87,19 @@ def foreign_autocast(mp: Engine) -> torch.dtype | None:
     if not torch.is_autocast_enabled(device_type) or mp.decision.startswith(PENDING):
         return None
     dtype = torch.get_autocast_dtype(device_type)
-    if mp.policy.is_mixed and mp.policy.param_dtype == torch.float32 and dtype == mp.policy.compute_dtype:
+    if mp.policy.is_mixed and dtype == mp.policy.compute_dtype:
         return None
     return dtype
 
 
+def _short(dtype: torch.dtype) -> str:
+    return {torch.bfloat16: "bf16", torch.float16: "fp16", torch.float32: "fp32"}.get(dtype, str(dtype).removeprefix("torch."))
+
+
 def _report(mp: Engine, dtype: torch.dtype, where: str) -> None:
-    found = str(dtype).removeprefix("torch.")
+    found = _short(dtype)
     policy = mp.policy
-    runs = (f"autocast in {str(policy.compute_dtype).removeprefix('torch.')}" if policy.is_mixed and
-            policy.param_dtype == torch.float32 else "no autocast")
+    runs = f"autocast in {_short(policy.compute_dtype)}" if policy.is_mixed else "no autocast"
     detail = (f"the forward of {where} ran under a {found} torch.autocast on {mp.device.type} that this engine did "
               f"not open (policy {policy} runs {runs}): Accelerator(mixed_precision=...), TrainingArguments("
               "bf16=True/fp16=True) or a `with torch.autocast(...)` around the model. That forward computed in "
