@@ -67,7 +67,8 @@ def _hand_loop(policy, decay_names, *, loss_scale=None, steps=STEPS):
         batch = transformers.default_data_collator(data[i * BATCH:(i + 1) * BATCH])
         model.train()
         with mp.autocast():
-            loss = mp.model(**mp.cast_inputs(batch)).loss
+            # the Trainer's loss: summed over tokens, divided by its count of labels (num_items_in_batch)
+            loss = mp.model(**mp.cast_inputs(batch), num_items_in_batch=(batch["labels"] != -100).sum()).loss
         mp.backward(loss)
         norms.append(mp.step().grad_norm_t.item())
     return mp, norms
