@@ -5,12 +5,17 @@ an engine it silently contradicts the policy. Three checks, each cheap (no host 
 
 * **someone else's autocast**: a forward of the engine's model that runs under a ``torch.autocast`` the
   policy does not open (``Accelerator(mixed_precision="bf16")`` or ``TrainingArguments(bf16=True)`` around an
-  ``fp32`` policy; an fp16 autocast around a bf16 one). Accelerate opens its autocast *inside*
-  ``model.forward``, after the root's forward pre-hooks ran, so the check is a forward pre-hook on the root
-  and on each of its direct children. Said once: a warning, a ``"foreign-autocast"`` event and a clause
-  on :attr:`mixprec.MixedPrecision.decision` naming what the forward really computed in (the decision
-  line never claims a precision the run does not have). Not refused: an evaluation under someone else's
-  autocast is legitimate, and the event makes the run's numbers honest.
+  ``fp32`` policy; an fp16 autocast around a bf16 one). Where the engine hooks the forward (every policy but
+  plain fp32, which adds no hook to the model), forward pre-hooks on the root and on each of its direct
+  children check ``torch.is_autocast_enabled``/``torch.get_autocast_dtype`` (the children, because Accelerate
+  opens its autocast *inside* ``model.forward``, after the root's pre-hooks ran). Every policy, fp32
+  included, also looks for a ``torch.autocast`` held by a replaced ``model.forward`` (what Accelerate's
+  ``prepare`` installs) before the engine's own optimizer step, so the decision is corrected before the first
+  update. Said once: a warning, a ``"foreign-autocast"`` event and a clause on
+  :attr:`mixprec.MixedPrecision.decision` naming what the forward really computed in (the decision line never
+  claims a precision the run does not have). Not refused: an evaluation under someone else's autocast is
+  legitimate, and the event makes the run's numbers honest. Not seen: a ``with torch.autocast(...)`` of your
+  own around an fp32 engine's model (no hook there).
 * **someone else's loop stepping the optimizer**: the engine's optimizer stepped outside ``mp.step()``
   while its parameters hold gradients that no ``mp.backward()`` produced (a framework's own
   ``loss.backward()`` + ``optimizer.step()``, with the engine built in a callback). Under ``-pure`` that
@@ -27,6 +32,7 @@ under); accelerate 1.15 ``Accelerator.prepare_model`` (wraps ``model.forward`` i
 
 from __future__ import annotations
 
+import types
 import warnings
 import weakref
 from typing import Any
@@ -37,7 +43,8 @@ from mixprec.engine.pending_auto import PENDING
 from mixprec.engine.protocol import Engine
 from mixprec.engine.records import Event
 
-__all__ = ["watch_autocast", "check_outside_step", "check_not_wrapped", "INTEGRATIONS"]
+__all__ = ["watch_autocast", "before_optimizer_step", "check_outside_step", "check_not_wrapped", "wrapped_autocast",
+           "INTEGRATIONS"]
 
 #: What to use instead of driving an engine from a framework's own loop (named in the errors).
 INTEGRATIONS = ("the Hugging Face Trainer: mixprec.integrations.transformers.MixprecTrainer(model, args, policy=...); "
@@ -49,6 +56,7 @@ INTEGRATIONS = ("the Hugging Face Trainer: mixprec.integrations.transformers.Mix
 _MARK = "under someone else's"   # in the decision clause: the check is silent while the decision says it
 _WARNED: weakref.WeakSet = weakref.WeakSet()   # engines that warned (once each; the event and clause come again
 #                                               after a set_policy rewrote the decision line)
+_CHECKED: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()   # engine -> the wrapped forward last searched
 
 
 class _AutocastHook:
@@ -87,9 +95,12 @@ def foreign_autocast(mp: Engine) -> torch.dtype | None:
     if not torch.is_autocast_enabled(device_type) or mp.decision.startswith(PENDING):
         return None
     dtype = torch.get_autocast_dtype(device_type)
-    if mp.policy.is_mixed and dtype == mp.policy.compute_dtype:
-        return None
-    return dtype
+    return None if _expected(mp, dtype) else dtype
+
+
+def _expected(mp: Engine, dtype: torch.dtype) -> bool:
+    """True when ``dtype`` is the autocast ``mp.policy`` opens itself (its compute dtype; fp32 opens none)."""
+    return mp.policy.is_mixed and dtype == mp.policy.compute_dtype
 
 
 def _short(dtype: torch.dtype) -> str:
@@ -112,6 +123,50 @@ def _report(mp: Engine, dtype: torch.dtype, where: str) -> None:
     if mp not in _WARNED:
         _WARNED.add(mp)
         warnings.warn(f"mixprec: {detail} (said once)", stacklevel=4)
+
+
+def before_optimizer_step(mp: Engine, *, engine_step: bool) -> None:
+    """The engine's optimizer step pre-hook, after its own checks: a step outside ``mp.step()``
+    (``engine_step`` False) goes through :func:`check_outside_step`; the engine's own step first looks for an
+    autocast wrapped around ``mp.module.forward`` (:func:`wrapped_autocast`; fp32 policies have no forward
+    hooks), so the decision is corrected before the first update."""
+    if not engine_step:
+        check_outside_step(mp)
+        return
+    forward = mp.module.__dict__.get("forward")
+    if forward is None or _MARK in mp.decision or _CHECKED.get(mp) is forward:
+        return
+    _CHECKED[mp] = forward
+    found = wrapped_autocast(forward)
+    if found is not None and found.device == mp.device.type and not _expected(mp, found.fast_dtype):
+        _report(mp, found.fast_dtype, f"{type(mp.module).__name__}.forward, wrapped (Accelerator.prepare?)")
+
+
+def wrapped_autocast(forward: Any) -> torch.autocast | None:
+    """The ``torch.autocast`` a replaced ``forward`` holds (Accelerate's ``prepare_model`` sets ``model.forward``
+    to its autocast decorator, behind ``convert_outputs_to_fp32``): found through bound methods' ``__func__``,
+    ``__wrapped__``, closure cells and callable wrapper objects' attributes (64 objects at most; never a module)."""
+    todo, seen = [forward], set()
+    while todo and len(seen) < 64:
+        obj = todo.pop()
+        if id(obj) in seen or isinstance(obj, torch.nn.Module):
+            continue
+        seen.add(id(obj))
+        if isinstance(obj, torch.autocast):
+            return obj
+        todo.extend(x for x in (getattr(obj, "__func__", None), getattr(obj, "__wrapped__", None)) if x is not None)
+        todo.extend(_cell(c) for c in (getattr(obj, "__closure__", None) or ()))
+        if hasattr(obj, "__dict__") and callable(obj) and not isinstance(obj, (types.FunctionType, types.MethodType,
+                                                                                type)):
+            todo.extend(v for v in vars(obj).values() if callable(v))   # a wrapper object's wrapped callable
+    return None
+
+
+def _cell(cell: Any) -> Any:
+    try:
+        return cell.cell_contents
+    except ValueError:   # an empty cell
+        return None
 
 
 def check_outside_step(mp: Engine) -> None:
