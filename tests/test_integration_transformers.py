@@ -52,25 +52,29 @@ def _trainer(out, policy, *, loss_scale=None, seeded=True, **overrides) -> Mixpr
                           loss_scale=loss_scale, callbacks=[_SeedEachStep()] if seeded else [])
 
 
-def _hand_loop(policy, decay_names, *, loss_scale=None, steps=STEPS):
+def _hand_loop(policy, decay_names, *, loss_scale=None, steps=STEPS, accumulation=1):
     """The loop a user writes with MixedPrecision: the Trainer's groups, AdamW hyperparameters, linear
     schedule and max_grad_norm (1.0, its default), on the same batches in the same order."""
     model = _gpt2()
     groups = [{"params": [p for n, p in model.named_parameters() if n in decay_names], "weight_decay": 0.01},
               {"params": [p for n, p in model.named_parameters() if n not in decay_names], "weight_decay": 0.0}]
     opt = mixprec.optim.AdamW(groups, lr=LR, betas=(0.9, 0.999), eps=1e-8)
-    sched = transformers.get_scheduler("linear", opt, num_warmup_steps=0, num_training_steps=STEPS)
-    mp = mixprec.MixedPrecision(model, opt, policy, scheduler=sched, max_grad_norm=1.0, loss_scale=loss_scale)
+    sched = transformers.get_scheduler("linear", opt, num_warmup_steps=0, num_training_steps=steps)
+    mp = mixprec.MixedPrecision(model, opt, policy, scheduler=sched, max_grad_norm=1.0, loss_scale=loss_scale,
+                                accumulation_steps=accumulation)
     data, norms = _data(), []
-    for i in range(steps):
-        torch.manual_seed(SEED + i)
+    for i in range(steps * accumulation):
+        if i % accumulation == 0:
+            torch.manual_seed(SEED + i // accumulation)
         batch = transformers.default_data_collator(data[i * BATCH:(i + 1) * BATCH])
         model.train()
         with mp.autocast():
             # the Trainer's loss: summed over tokens, divided by its count of labels (num_items_in_batch)
             loss = mp.model(**mp.cast_inputs(batch), num_items_in_batch=(batch["labels"] != -100).sum()).loss
         mp.backward(loss)
-        norms.append(mp.step().grad_norm_t.item())
+        result = mp.step()
+        if result is not None:
+            norms.append(result.grad_norm_t.item())
     return mp, norms
 
 
@@ -93,6 +97,20 @@ def test_trainer_matches_hand_loop_bit_for_bit(tmp_path, policy):
     logged = [log["grad_norm"] for log in trainer.state.log_history if "grad_norm" in log]
     assert logged == [norms[s - 1] for s in range(5, STEPS + 1, 5)]   # the engine's unscaled fp32 norm
     assert trainer.args.max_grad_norm == 0 and mp.max_grad_norm == 1.0   # clipping moved into the engine
+
+
+def test_gradient_accumulation_divides_the_loss_once(tmp_path):
+    """The Trainer normalises each micro-batch's loss over the whole accumulation (num_items_in_batch) and the
+    engine divides by accumulation_steps: MixprecTrainer undoes the first, so the step equals a hand loop
+    with accumulation_steps=2 on per-micro-batch losses (every factor a power of two: exact)."""
+    trainer = _trainer(tmp_path, "bf16-mixed", max_steps=STEPS // 2, gradient_accumulation_steps=2)
+    trainer.train()
+    assert trainer.engine.accumulation_steps == 2 and trainer.engine.applied_steps == STEPS // 2
+    hand, norms = _hand_loop("bf16-mixed", set(trainer.get_decay_parameter_names(trainer.model)), steps=STEPS // 2,
+                             accumulation=2)
+    _same_weights(trainer.engine, hand)
+    logged = [log["grad_norm"] for log in trainer.state.log_history if "grad_norm" in log]
+    assert logged == [norms[s - 1] for s in range(5, STEPS // 2 + 1, 5)]
 
 
 def test_fp16_overflow_skips_never_step_the_scheduler(tmp_path):
