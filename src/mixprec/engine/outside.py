@@ -172,9 +172,12 @@ def _cell(cell: Any) -> Any:
 def check_outside_step(mp: Engine) -> None:
     """Called before the engine's optimizer steps outside ``mp.step()`` at a boundary (no micro-batch pending):
     RuntimeError when its parameters or the tensors it steps hold gradients (module docstring); a step with
-    no gradients is a no-op and passes."""
-    params = list(mp.masters.params) + [p for g in mp.optimizer.param_groups for p in g["params"]]
-    held = [p for p in params if p.grad is not None]
+    no gradients, or with every learning rate 0 (``torch.distributed.checkpoint``'s state layout), changes
+    nothing and passes."""
+    groups = mp.optimizer.param_groups
+    if all(float(g.get("lr", 1.0)) == 0.0 for g in groups):   # torch.distributed.checkpoint lays out optimizer
+        return                                                   # state with zero grads and lr 0: a no-op step
+    held = [p for p in (*mp.masters.params, *(p for g in groups for p in g["params"])) if p.grad is not None]
     if not held:
         return
     raise RuntimeError(
