@@ -209,3 +209,19 @@ def test_evaluate_and_predict_run_under_the_engine(tmp_path):
         assert logits.shape == (4, SEQ, VOCAB), when
         if when == "before":
             trainer.train()
+
+
+def test_unsupported_arguments_and_a_second_train_are_refused(tmp_path):
+    model = _gpt2()
+    with pytest.raises(ValueError, match=r"bf16_full_eval=True\): it casts the model"):
+        MixprecTrainer(model, _args(tmp_path, bf16_full_eval=True), train_dataset=_data(), policy="bf16-mixed")
+    assert all(p.dtype == torch.float32 for p in model.parameters())
+    trainer = MixprecTrainer(model, _args(tmp_path, max_steps=1), train_dataset=_data(), policy="bf16-mixed")
+    trainer.train()
+    with pytest.raises(RuntimeError, match="a second time"):
+        trainer.train()
+    short = MixprecTrainer(_gpt2(), _args(tmp_path, max_steps=-1, num_train_epochs=1, gradient_accumulation_steps=3),
+                           train_dataset=_data(8), policy="bf16-mixed")   # 4 batches: 3 + a short step of 1
+    with pytest.raises(RuntimeError, match="dataloader_drop_last"):
+        short.train()
+    assert short.engine.applied_steps == 1
