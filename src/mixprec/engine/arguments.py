@@ -11,6 +11,7 @@ from typing import Any
 import torch
 from torch import nn
 
+from mixprec.engine.outside import check_not_wrapped
 from mixprec.policy.policy import cast_floating
 from mixprec.policy.tree import field_names, map_fields, map_tensors
 
@@ -53,6 +54,7 @@ def check_optimizer(model: nn.Module, optimizer: Any, scheduler: Any) -> None:
     if not isinstance(optimizer, torch.optim.Optimizer):
         raise TypeError(f"optimizer must be a torch.optim.Optimizer (or None: an evaluation engine, mp.attach(...) "
                         f"later), got {type(optimizer).__name__}")
+    check_not_wrapped(optimizer)   # accelerate's AcceleratedOptimizer: build the engine before prepare()
     if needs_closure(optimizer):
         raise TypeError(f"optimizer={type(optimizer).__name__} needs a closure in step() (it re-evaluates the loss, "
                         "as LBFGS does), which the engine's one-backward step cannot give; use a first-order "

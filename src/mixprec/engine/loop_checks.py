@@ -48,6 +48,7 @@ import torch
 from torch import nn
 
 from mixprec.engine.autocast_scope import AutocastScope
+from mixprec.engine.outside import before_optimizer_step, watch_autocast
 from mixprec.engine.protocol import Engine
 from mixprec.engine.records import Event
 from mixprec.engine.storage import FrozenSet
@@ -131,6 +132,8 @@ class LoopChecks:
         if policy.is_mixed or policy.param_dtype != torch.float32:
             self._add(self.owner.module.register_forward_pre_hook(_ForwardHook(self)))
             self._add(self.owner.module.register_forward_hook(_OutputHook(self)))
+            for handle in watch_autocast(self.owner):   # someone else's autocast (engine/outside.py)
+                self._add(handle)
 
     def watch(self, optimizer: torch.optim.Optimizer) -> None:
         """The step pre-hook of ``optimizer`` (the engine's, at ``mp.attach``)."""
@@ -187,6 +190,7 @@ class LoopChecks:
             raise RuntimeError("optimizer.step() called between mp.backward() and mp.step(): the gradients are "
                                "still multiplied by the loss scale, unclipped and unchecked for inf/NaN. Remove the "
                                "call; mp.step() steps the optimizer (and skips the step when it must)")
+        before_optimizer_step(mp, engine_step=self.applying)   # someone else's loop or autocast (engine/outside.py)
 
     # ---------------------------------------------------------------- the step
     def _tensors(self) -> list[torch.Tensor]:

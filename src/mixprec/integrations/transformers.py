@@ -1,0 +1,320 @@
+"""mixprec inside the Hugging Face ``Trainer``: :class:`MixprecTrainer` (docs/integrations-hf.md).
+
+``MixprecTrainer(model, args, policy="bf16-pure", train_dataset=...)`` is a ``transformers.Trainer`` whose
+precision is a :class:`mixprec.MixedPrecision` engine, ``trainer.engine``. Built in ``__init__`` (an evaluation
+engine: ``evaluate``/``predict`` work before ``train``), it gets its optimizer and scheduler in
+``create_scheduler``; from then on:
+
+* ``training_step`` casts the batch (``engine.cast_inputs``), runs the forward under ``engine.autocast()``
+  (``compute_loss_context_manager``, which ``prediction_step`` uses too) and ``engine.backward``; after the last
+  micro-batch of an accumulation it runs ``engine.unscale_and_check()``, so the grad norm the Trainer logs and
+  what ``on_pre_optimizer_step`` callbacks see are the unscaled fp32 gradients.
+* The Trainer's ``optimizer.step()`` is the engine's ``apply_or_skip``: ``trainer.optimizer`` is a view
+  (:class:`EngineOptimizer`) of the real optimizer (``trainer.engine.optimizer``), and ``trainer.lr_scheduler``
+  a view (:class:`EngineScheduler`) whose ``step()`` does nothing: the engine steps the real scheduler once per
+  *applied* step, so a skipped fp16 overflow step never moves the learning rate.
+* ``args.max_grad_norm`` moves into the engine (it clips the unscaled fp32 norm; the Trainer's copy of the
+  arguments says 0); ``bf16=True``/``fp16=True`` are adopted when the policy computes in that dtype
+  (``policy=None`` takes ``bf16-mixed``/``fp16-mixed`` from them), refused otherwise, and turned off in the
+  Trainer's Accelerator either way (one autocast: the engine's). The adoption is an event and a decision clause.
+* Checkpoints: the Trainer saves model, optimizer, scheduler and RNG as always; next to them
+  :data:`PRECISION_STATE_NAME` holds only what the engine adds (policy, fp32 masters, loss scale, counters,
+  events). ``train(resume_from_checkpoint=...)`` loads it after the Trainer's own loads: bit-exact resume.
+
+Not supported yet (ValueError naming it): several processes (DDP/FSDP/DeepSpeed), ``model_init``,
+``torch_compile``, ``bf16_full_eval``/``fp16_full_eval`` (they cast the model). Source: transformers 5.24
+``Trainer`` (public hooks ``training_step``, ``compute_loss_context_manager``, ``prediction_step``,
+``create_optimizer``, ``create_scheduler``, callbacks ``on_train_begin``/``on_save``; one private hook,
+``_get_grad_norm``, isolated in :meth:`MixprecTrainer._get_grad_norm`).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import copy
+import os
+import weakref
+from typing import Any
+
+import torch
+from transformers import Trainer, TrainerCallback, TrainingArguments
+from transformers.trainer_utils import PREFIX_CHECKPOINT_DIR
+
+from mixprec.engine.boundary import StepCheck
+from mixprec.engine.mixed_precision import MixedPrecision
+from mixprec.engine.records import Event
+from mixprec.optim.adamw import AdamW
+from mixprec.policy.policy import Policy
+from mixprec.policy.resolve import resolve
+
+__all__ = ["MixprecTrainer", "EngineOptimizer", "EngineScheduler", "PRECISION_STATE_NAME"]
+
+#: The file next to the Trainer's own in each ``checkpoint-N`` folder: the engine's state minus model,
+#: optimizer and scheduler (which the Trainer saves itself).
+PRECISION_STATE_NAME = "mixprec_precision.pt"
+
+_SAVED_BY_HF = ("model", "optimizer", "scheduler")
+_FLAG_POLICY = {"bf16": "bf16-mixed", "fp16": "fp16-mixed"}
+
+
+class EngineOptimizer:
+    """``trainer.optimizer``: the Trainer's handle on the engine's optimizer. ``step()`` finishes the boundary
+    the last ``training_step`` opened (``engine.apply_or_skip``); ``zero_grad()`` does nothing (the engine
+    zeroes); everything else (``param_groups``, ``state_dict``, ``load_state_dict``...) is the real optimizer's.
+    Not a ``torch.optim.Optimizer``, so Accelerate's ``prepare`` leaves it unwrapped."""
+
+    def __init__(self, trainer: MixprecTrainer, optimizer: torch.optim.Optimizer) -> None:
+        self.optimizer = optimizer
+        self._trainer = weakref.ref(trainer)
+
+    def step(self, closure: Any = None) -> None:
+        if closure is not None:
+            raise TypeError("MixprecTrainer's optimizer.step() takes no closure: the engine steps once per boundary")
+        self._trainer().apply_step()
+
+    def zero_grad(self, set_to_none: bool = True) -> None:
+        """Nothing: the engine zeroes the gradients after each step (a zero_grad mid-accumulation would lose them)."""
+
+    def __getattr__(self, name: str) -> Any:
+        if name == "optimizer":
+            raise AttributeError(name)
+        return getattr(self.optimizer, name)
+
+
+class EngineScheduler:
+    """``trainer.lr_scheduler``: the real scheduler (``trainer.engine.scheduler``) whose ``step()`` does nothing,
+    because the engine steps it once per applied step; ``get_last_lr``, ``state_dict``... are the real one's."""
+
+    def __init__(self, scheduler: Any) -> None:
+        self.scheduler = scheduler
+
+    def step(self, *args: Any, **kwargs: Any) -> None:
+        """Nothing: the engine stepped the scheduler if (and only if) the optimizer step was applied."""
+
+    def __getattr__(self, name: str) -> Any:
+        if name == "scheduler":
+            raise AttributeError(name)
+        return getattr(self.scheduler, name)
+
+
+class _PrecisionState(TrainerCallback):
+    """Saves :data:`PRECISION_STATE_NAME` next to each checkpoint (``on_save``) and loads it when ``train``
+    resumes (``on_train_begin``: after the Trainer loaded model, optimizer and scheduler)."""
+
+    def __init__(self, trainer: MixprecTrainer) -> None:
+        self._trainer = weakref.ref(trainer)
+
+    def on_train_begin(self, args: TrainingArguments, state: Any, control: Any, **kwargs: Any) -> None:
+        trainer = self._trainer()
+        if trainer is not None:
+            trainer.load_precision_state()
+
+    def on_save(self, args: TrainingArguments, state: Any, control: Any, **kwargs: Any) -> None:
+        trainer = self._trainer()
+        if trainer is not None and args.should_save:
+            folder = os.path.join(args.output_dir, f"{PREFIX_CHECKPOINT_DIR}-{state.global_step}")
+            trainer.save_precision_state(folder)
+
+
+class MixprecTrainer(Trainer):
+    """A ``transformers.Trainer`` trained by a :class:`mixprec.MixedPrecision` engine (module docstring), reachable
+    as :attr:`engine`. ``policy``: a preset, ``key=value`` text, a :class:`~mixprec.Policy` or ``"auto"``; None
+    takes ``bf16-mixed``/``fp16-mixed`` from ``args.bf16``/``args.fp16``, else ``"auto"``. ``loss_scale``,
+    ``guard``, ``allow_fallback``, ``max_stuck_skips``: as :class:`~mixprec.MixedPrecision`; ``max_grad_norm`` and
+    ``accumulation_steps`` come from ``args``. The default optimizer (``optim="adamw_torch*"``) is
+    :class:`mixprec.optim.AdamW` with the Trainer's groups and hyperparameters (an event says so). Errors:
+    ValueError for ``args`` that contradict the policy or that it does not support yet (named, with the fix);
+    RuntimeError for a second ``train()`` on one trainer. Host syncs: the engine's, one per boundary."""
+
+    def __init__(self, model: Any = None, args: TrainingArguments | None = None, *trainer_args: Any,
+                 policy: str | Policy | None = None, loss_scale: Any = None, guard: Any = None,
+                 allow_fallback: bool = False, max_stuck_skips: int = 20, **trainer_kwargs: Any) -> None:
+        if trainer_kwargs.get("model_init") is not None:
+            raise ValueError("MixprecTrainer(model_init=...) is not supported: the engine prepares one model once; "
+                             "pass model=model_init()")
+        args = args if args is not None else TrainingArguments(output_dir="tmp_trainer")
+        _refuse_unsupported(args)
+        flag = "bf16" if args.bf16 else "fp16" if args.fp16 else None
+        policy = _FLAG_POLICY.get(flag, "auto") if policy is None else policy
+        _check_flag(flag, policy, args.device)   # before anything changes the model
+        super().__init__(model, _engine_arguments(args), *trainer_args, **trainer_kwargs)
+        self.engine = MixedPrecision(self.model, None, policy, device=self.args.device,
+                                     max_grad_norm=args.max_grad_norm if args.max_grad_norm > 0 else None,
+                                     accumulation_steps=args.gradient_accumulation_steps, loss_scale=loss_scale,
+                                     guard=guard, allow_fallback=allow_fallback, max_stuck_skips=max_stuck_skips)
+        if flag is not None:
+            _record_adopted_flag(self.engine, flag, args.max_grad_norm)
+        self.engine_optimizer: torch.optim.Optimizer | None = None
+        self.open_check: StepCheck | None = None
+        self.resume_dir: str | None = None
+        self.add_callback(_PrecisionState(self))
+
+    # ------------------------------------------------------------------ optimizer and scheduler
+    def create_optimizer(self, model: Any = None) -> EngineOptimizer:
+        """The Trainer's optimizer (``optimizers=`` or built from ``args``; ``adamw_torch*`` becomes
+        :class:`mixprec.optim.AdamW`), returned as the :class:`EngineOptimizer` view the Trainer steps."""
+        if isinstance(self.optimizer, EngineOptimizer):
+            return self.optimizer
+        if self.optimizer is None and self.optimizer_cls_and_kwargs is None:
+            cls, kwargs = self.get_optimizer_cls_and_kwargs(self.args, model if model is not None else self.model)
+            if cls is torch.optim.AdamW:
+                kwargs = {k: v for k, v in kwargs.items() if k not in ("fused", "foreach")}
+                self.optimizer_cls_and_kwargs = (AdamW, kwargs)
+                self.engine.record(Event(step=self.engine.boundaries, kind="hf-optimizer", cause="MixprecTrainer",
+                                         module=None, detail=f"args.optim={self.args.optim}: mixprec.optim.AdamW "
+                                         f"with the Trainer's parameter groups and {sorted(kwargs)} (torch.optim.AdamW "
+                                         "bit for bit in fp32; the policy's state format and rounding otherwise)"))
+        self.engine_optimizer = super().create_optimizer(model)
+        self.optimizer = EngineOptimizer(self, self.engine_optimizer)
+        return self.optimizer
+
+    def create_scheduler(self, num_training_steps: int, optimizer: Any = None) -> EngineScheduler:
+        """The Trainer's scheduler on the real optimizer, attached with it to the engine (which steps it on
+        applied steps only); returned as the :class:`EngineScheduler` view. RuntimeError on a second train()."""
+        if self.engine.optimizer is not None:
+            raise RuntimeError("MixprecTrainer.train() a second time on one trainer: its engine already owns an "
+                               "optimizer and scheduler. Build a new MixprecTrainer (train(resume_from_checkpoint=...) "
+                               "continues a saved run)")
+        if self.engine_optimizer is None:
+            self.create_optimizer()
+        scheduler = super().create_scheduler(num_training_steps, optimizer=self.engine_optimizer)
+        self.engine.attach(self.engine_optimizer, scheduler)
+        self.lr_scheduler = EngineScheduler(scheduler)
+        return self.lr_scheduler
+
+    # ------------------------------------------------------------------ the step
+    def compute_loss_context_manager(self) -> contextlib.ExitStack:
+        """The engine's autocast (``training_step`` and ``prediction_step`` compute under it)."""
+        stack = contextlib.ExitStack()
+        stack.enter_context(self.engine.autocast())
+        return stack
+
+    def training_step(self, model: torch.nn.Module, inputs: dict[str, Any],
+                      num_items_in_batch: torch.Tensor | int | None = None) -> torch.Tensor:
+        """One micro-batch: cast inputs, forward under the engine's autocast, ``engine.backward``; at the
+        accumulation boundary ``engine.unscale_and_check()`` (its one host read). Returns the detached loss the
+        Trainer logs (divided by the accumulation steps as the Trainer's own, unless already normalised)."""
+        mp = self.engine
+        if self.current_gradient_accumulation_steps != mp.accumulation_steps:
+            raise RuntimeError(f"this optimizer step has {self.current_gradient_accumulation_steps} micro-batches but "
+                               f"gradient_accumulation_steps={mp.accumulation_steps} (the epoch's last, short step): "
+                               "make the batches per epoch a multiple of it (dataloader_drop_last=True, or max_steps)")
+        model.train()
+        inputs = mp.cast_inputs(inputs)
+        with self.compute_loss_context_manager():
+            loss = self.compute_loss(model, inputs, num_items_in_batch=num_items_in_batch)
+        scaled_for_ga = self.loss_is_scaled_for_ga if getattr(self, "loss_is_scaled_for_ga", None) is not None else (
+            (self.model_accepts_loss_kwargs and num_items_in_batch is not None) or self.compute_loss_func is not None)
+        n = mp.accumulation_steps
+        mp.backward(loss * n if scaled_for_ga and n > 1 else loss)   # the engine divides by n itself
+        if mp.micro_step == n:
+            self.open_check = mp.unscale_and_check()
+        return loss.detach() if scaled_for_ga else loss.detach() / n
+
+    def apply_step(self) -> None:
+        """``trainer.optimizer.step()``: ``engine.apply_or_skip`` on the boundary ``training_step`` checked.
+        RuntimeError when no boundary is open (an optimizer step the engine did not prepare)."""
+        if self.open_check is None:
+            raise RuntimeError("trainer.optimizer.step() with no accumulation boundary open: MixprecTrainer's "
+                               "training_step runs engine.unscale_and_check() after the last micro-batch; a step "
+                               "anywhere else would apply scaled, unchecked gradients")
+        check, self.open_check = self.open_check, None
+        self.engine.apply_or_skip(check)
+
+    def _get_grad_norm(self, model: torch.nn.Module, grad_norm: Any = None) -> torch.Tensor | None:
+        """The private hook the Trainer logs ``grad_norm`` from (transformers 5.24 ``_inner_training_loop`` →
+        ``_get_grad_norm``; no public one exists): the engine's unscaled fp32 norm of this boundary (pre-clip,
+        as the Trainer's own) instead of a norm of the model's gradients, which are scaled under fp16 and
+        absent under ``-pure`` (they are on the masters)."""
+        return None if self.open_check is None else self.open_check.grad_norm_t
+
+    def prediction_step(self, model: torch.nn.Module, inputs: dict[str, Any], prediction_loss_only: bool,
+                        ignore_keys: list[str] | None = None) -> tuple:
+        """The Trainer's ``prediction_step`` on ``engine.cast_inputs(inputs)``, under the engine's autocast."""
+        return super().prediction_step(model, self.engine.cast_inputs(inputs), prediction_loss_only, ignore_keys)
+
+    # ------------------------------------------------------------------ checkpoints
+    def train(self, resume_from_checkpoint: str | bool | None = None, *args: Any, **kwargs: Any) -> Any:
+        """``Trainer.train``; a resumed run also loads :data:`PRECISION_STATE_NAME` (after the Trainer's loads)."""
+        if resume_from_checkpoint is True:
+            from transformers.trainer_utils import get_last_checkpoint
+            resume_from_checkpoint = get_last_checkpoint(self.args.output_dir)
+        self.resume_dir = resume_from_checkpoint or None
+        return super().train(resume_from_checkpoint, *args, **kwargs)
+
+    def save_precision_state(self, folder: str) -> str:
+        """Write the engine's state minus what the Trainer saves (model, optimizer, scheduler) with its events to
+        ``folder/``:data:`PRECISION_STATE_NAME`; returns the path. RuntimeError if ``folder`` does not exist."""
+        if not os.path.isdir(folder):
+            raise RuntimeError(f"the Trainer's checkpoint folder {folder} does not exist (hyperparameter search "
+                               "runs save elsewhere): MixprecTrainer saves its precision state next to it")
+        state = {k: v for k, v in self.engine.state_dict().items() if k not in _SAVED_BY_HF}
+        state["events"] = [e.to_dict() for e in self.engine.events]
+        path = os.path.join(folder, PRECISION_STATE_NAME)
+        torch.save(state, path)
+        return path
+
+    def load_precision_state(self) -> None:
+        """When ``train`` resumes: the saved precision state with the model, optimizer and scheduler the Trainer
+        loaded, into the engine (:meth:`mixprec.MixedPrecision.load_state_dict`). ValueError if the file is
+        missing (a checkpoint of a plain Trainer: resume it with ``Trainer``)."""
+        if self.resume_dir is None:
+            return
+        path = os.path.join(self.resume_dir, PRECISION_STATE_NAME)
+        if not os.path.isfile(path):
+            raise ValueError(f"resume_from_checkpoint={self.resume_dir!r} has no {PRECISION_STATE_NAME}: it was not "
+                             "saved by MixprecTrainer, so the fp32 masters and loss scale are lost; resume it with "
+                             "the trainer that saved it")
+        saved = torch.load(path, map_location=self.engine.device, weights_only=True)
+        mp = self.engine
+        mp.load_state_dict({**saved, "model": mp.module.state_dict(), "optimizer": mp.optimizer.state_dict(),
+                            "scheduler": None if mp.scheduler is None else mp.scheduler.state_dict()})
+        self.resume_dir = None
+
+
+def _refuse_unsupported(args: TrainingArguments) -> None:
+    """ValueError for the arguments MixprecTrainer does not support yet (module docstring)."""
+    unsupported = [(name, why) for name, on, why in (
+        ("bf16_full_eval", args.bf16_full_eval, "it casts the model to bf16 for evaluation"),
+        ("fp16_full_eval", args.fp16_full_eval, "it casts the model to fp16 for evaluation"),
+        ("torch_compile", args.torch_compile, "pass a compiled model or use MixedPrecision(compile=True)"),
+        ("world_size", args.world_size > 1, "several processes (DDP/FSDP/DeepSpeed) are not supported yet"),
+        ("n_gpu", args.n_gpu > 1, "DataParallel over several GPUs is not supported"),
+    ) if on]
+    if unsupported:
+        name, why = unsupported[0]
+        raise ValueError(f"MixprecTrainer does not support TrainingArguments({name}={getattr(args, name)!r}): {why}; "
+                         "the engine's policy sets the precision of training and evaluation alike")
+
+
+def _check_flag(flag: str | None, policy: str | Policy, device: torch.device) -> None:
+    """ValueError when ``args.bf16``/``args.fp16`` contradicts ``policy`` (it must compute in that dtype)."""
+    if flag is None:
+        return
+    if isinstance(policy, str) and policy == "auto":
+        raise ValueError(f"TrainingArguments({flag}=True) with policy='auto': auto may choose another precision. "
+                         f"Pass policy=None (it takes {_FLAG_POLICY[flag]!r} from {flag}=True), a {flag} policy, "
+                         f"or drop {flag}=True")
+    resolved = resolve(policy, device).policy
+    if resolved.compute_dtype != (torch.bfloat16 if flag == "bf16" else torch.float16):
+        raise ValueError(f"TrainingArguments({flag}=True) contradicts policy {resolved}, which computes in "
+                         f"{str(resolved.compute_dtype).removeprefix('torch.')}: drop {flag}=True (the policy sets "
+                         f"the precision), or pass a {flag} policy (e.g. {_FLAG_POLICY[flag]!r})")
+
+
+def _engine_arguments(args: TrainingArguments) -> TrainingArguments:
+    """A copy of ``args`` for the Trainer: no autocast of its own (bf16/fp16 off: the engine's is the one)
+    and no clipping of its own (``max_grad_norm`` 0: the engine clips)."""
+    own = copy.copy(args)
+    own.bf16 = own.fp16 = False
+    own.mixed_precision = "no"
+    own.max_grad_norm = 0.0
+    return own
+
+
+def _record_adopted_flag(mp: MixedPrecision, flag: str, max_grad_norm: float) -> None:
+    """The event and decision clause of an adopted ``bf16=True``/``fp16=True``."""
+    detail = (f"TrainingArguments({flag}=True) adopted: policy {mp.policy} computes in {flag}; the Trainer's own "
+              f"autocast is off (one autocast: the engine's), max_grad_norm={max_grad_norm} clips in the engine")
+    mp.record(Event(step=mp.boundaries, kind="hf-flag", cause="MixprecTrainer", module=None, detail=detail),
+              decision=f"{mp.decision}; TrainingArguments({flag}=True) adopted (Trainer autocast off)")

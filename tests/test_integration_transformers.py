@@ -1,0 +1,227 @@
+"""MixprecTrainer (mixprec.integrations.transformers) against a hand-written MixedPrecision loop on the same
+batches: a tiny GPT-2 built from a config (random weights, no download), fixed data, CPU."""
+
+from __future__ import annotations
+
+import os
+
+import pytest
+import torch
+
+os.environ.setdefault("HF_HUB_OFFLINE", "1")
+transformers = pytest.importorskip("transformers")
+pytest.importorskip("accelerate")
+
+import mixprec  # noqa: E402
+from mixprec.engine.loss_scale import DynamicLossScale  # noqa: E402
+from mixprec.integrations.transformers import PRECISION_STATE_NAME, MixprecTrainer  # noqa: E402
+
+VOCAB, SEQ, BATCH, STEPS, LR, SEED = 64, 8, 2, 20, 1e-3, 123
+PRESETS = ["bf16-mixed", "bf16-pure", "fp16-mixed", "bf16-kahan", "bf16-lean,kernels=native"]
+
+
+def _gpt2() -> torch.nn.Module:
+    torch.manual_seed(0)
+    cfg = transformers.GPT2Config(vocab_size=VOCAB, n_embd=32, n_layer=2, n_head=2, n_positions=16, resid_pdrop=0.0,
+                                  embd_pdrop=0.0, attn_pdrop=0.0, bos_token_id=1, eos_token_id=2)
+    return transformers.GPT2LMHeadModel(cfg)
+
+
+def _data(n: int = STEPS * BATCH) -> list[dict[str, torch.Tensor]]:
+    ids = torch.randint(3, VOCAB, (n, SEQ), generator=torch.Generator().manual_seed(1))
+    return [{"input_ids": row, "labels": row.clone()} for row in ids]
+
+
+def _args(out, **overrides) -> transformers.TrainingArguments:
+    options = dict(output_dir=str(out), per_device_train_batch_size=BATCH, max_steps=STEPS, learning_rate=LR,
+                   weight_decay=0.01, lr_scheduler_type="linear", logging_steps=5, save_strategy="no",
+                   report_to="none", use_cpu=True, disable_tqdm=True, train_sampling_strategy="sequential", seed=0)
+    return transformers.TrainingArguments(**{**options, **overrides})
+
+
+class _SeedEachStep(transformers.TrainerCallback):
+    """Seeds the global RNG before each step, where the hand loop seeds it: stochastic rounding (bf16-lean)
+    draws from the global RNG, which the Trainer's dataloader also draws from."""
+
+    def on_step_begin(self, args, state, control, **kwargs):
+        torch.manual_seed(SEED + state.global_step)
+
+
+def _trainer(out, policy, *, loss_scale=None, seeded=True, **overrides) -> MixprecTrainer:
+    return MixprecTrainer(_gpt2(), _args(out, **overrides), train_dataset=_data(), policy=policy,
+                          loss_scale=loss_scale, callbacks=[_SeedEachStep()] if seeded else [])
+
+
+def _hand_loop(policy, decay_names, *, loss_scale=None, steps=STEPS, accumulation=1):
+    """The loop a user writes with MixedPrecision: the Trainer's groups, AdamW hyperparameters, linear
+    schedule and max_grad_norm (1.0, its default), on the same batches in the same order."""
+    model = _gpt2()
+    groups = [{"params": [p for n, p in model.named_parameters() if n in decay_names], "weight_decay": 0.01},
+              {"params": [p for n, p in model.named_parameters() if n not in decay_names], "weight_decay": 0.0}]
+    opt = mixprec.optim.AdamW(groups, lr=LR, betas=(0.9, 0.999), eps=1e-8)
+    sched = transformers.get_scheduler("linear", opt, num_warmup_steps=0, num_training_steps=steps)
+    mp = mixprec.MixedPrecision(model, opt, policy, scheduler=sched, max_grad_norm=1.0, loss_scale=loss_scale,
+                                accumulation_steps=accumulation)
+    data, norms = _data(), []
+    for i in range(steps * accumulation):
+        if i % accumulation == 0:
+            torch.manual_seed(SEED + i // accumulation)
+        batch = transformers.default_data_collator(data[i * BATCH:(i + 1) * BATCH])
+        model.train()
+        with mp.autocast():
+            # the Trainer's loss: summed over tokens, divided by its count of labels (num_items_in_batch)
+            loss = mp.model(**mp.cast_inputs(batch), num_items_in_batch=(batch["labels"] != -100).sum()).loss
+        mp.backward(loss)
+        result = mp.step()
+        if result is not None:
+            norms.append(result.grad_norm_t.item())
+    return mp, norms
+
+
+def _same_weights(a: mixprec.MixedPrecision, b: mixprec.MixedPrecision) -> None:
+    """The fp32 master weights (fp32 values plus Kahan compensation where there is no master), bit for bit."""
+    wa, wb = a.trainable_state_dict(), b.trainable_state_dict()
+    assert wa.keys() == wb.keys()
+    differ = [n for n in wa if not torch.equal(wa[n], wb[n])]
+    assert not differ, f"{len(differ)} of {len(wa)} fp32 weights differ, e.g. {differ[:3]}"
+
+
+@pytest.mark.parametrize("policy", PRESETS)
+def test_trainer_matches_hand_loop_bit_for_bit(tmp_path, policy):
+    trainer = _trainer(tmp_path, policy)
+    trainer.train()
+    mp = trainer.engine
+    assert mp.applied_steps == STEPS and trainer.state.global_step == STEPS
+    hand, norms = _hand_loop(policy, set(trainer.get_decay_parameter_names(trainer.model)))
+    _same_weights(mp, hand)
+    logged = [log["grad_norm"] for log in trainer.state.log_history if "grad_norm" in log]
+    assert logged == [norms[s - 1] for s in range(5, STEPS + 1, 5)]   # the engine's unscaled fp32 norm
+    assert trainer.args.max_grad_norm == 0 and mp.max_grad_norm == 1.0   # clipping moved into the engine
+
+
+def test_gradient_accumulation_divides_the_loss_once(tmp_path):
+    """The Trainer normalises each micro-batch's loss over the whole accumulation (num_items_in_batch) and the
+    engine divides by accumulation_steps: MixprecTrainer undoes the first, so the step equals a hand loop
+    with accumulation_steps=2 on per-micro-batch losses (every factor a power of two: exact)."""
+    trainer = _trainer(tmp_path, "bf16-mixed", max_steps=STEPS // 2, gradient_accumulation_steps=2)
+    trainer.train()
+    assert trainer.engine.accumulation_steps == 2 and trainer.engine.applied_steps == STEPS // 2
+    hand, norms = _hand_loop("bf16-mixed", set(trainer.get_decay_parameter_names(trainer.model)), steps=STEPS // 2,
+                             accumulation=2)
+    _same_weights(trainer.engine, hand)
+    logged = [log["grad_norm"] for log in trainer.state.log_history if "grad_norm" in log]
+    assert logged == [norms[s - 1] for s in range(5, STEPS // 2 + 1, 5)]
+
+
+def test_fp16_overflow_skips_never_step_the_scheduler(tmp_path):
+    scale = lambda: DynamicLossScale(init_scale=2.0**24)   # noqa: E731  fp16 gradients overflow at first
+    trainer = _trainer(tmp_path, "fp16-mixed", loss_scale=scale())
+    trainer.train()
+    mp, sched = trainer.engine, trainer.engine.scheduler
+    assert mp.skipped_total > 0 and mp.applied_steps > 0 and mp.boundaries == trainer.state.global_step == STEPS
+    assert sched.last_epoch == mp.applied_steps == STEPS - mp.skipped_total
+    assert trainer.lr_scheduler.get_last_lr() == [LR * (STEPS - mp.applied_steps) / STEPS] * 2
+    hand, _ = _hand_loop("fp16-mixed", set(trainer.get_decay_parameter_names(trainer.model)), loss_scale=scale())
+    assert hand.skipped_total == mp.skipped_total
+    _same_weights(mp, hand)
+
+
+# bf16-sr too: its stochastic rounding draws from the global RNG (not yet an engine-owned generator), which the
+# Trainer saves in each checkpoint (rng_state.pth) and restores on resume, so here it resumes exactly
+RESUMED = [*PRESETS, "bf16-sr"]
+
+
+@pytest.mark.parametrize("policy", RESUMED)
+def test_resume_from_checkpoint_is_bit_exact(tmp_path, policy):
+    fp16 = policy.startswith("fp16")
+    scale = (lambda: DynamicLossScale(init_scale=2.0**24)) if fp16 else (lambda: None)   # skipped steps too
+    whole = _trainer(tmp_path / "a", policy, loss_scale=scale(), seeded=False, save_strategy="steps", save_steps=10)
+    whole.train()   # saves checkpoint-10 on the way: 20 uninterrupted steps
+    folder = tmp_path / "a" / "checkpoint-10"
+    assert (folder / PRECISION_STATE_NAME).is_file() and (folder / "optimizer.pt").is_file()
+    saved = torch.load(folder / PRECISION_STATE_NAME, weights_only=True)
+    assert not {"model", "optimizer", "scheduler"} & saved.keys()   # no second copy of what the Trainer saves
+    resumed = _trainer(tmp_path / "b", policy, loss_scale=scale(), seeded=False)
+    resumed.train(resume_from_checkpoint=str(folder))
+    assert resumed.engine.applied_steps == whole.engine.applied_steps
+    assert resumed.engine.skipped_total == whole.engine.skipped_total and (not fp16 or whole.engine.skipped_total)
+    _same_weights(whole.engine, resumed.engine)
+
+
+class _EngineInCallback(transformers.TrainerCallback):
+    """What a user tries first: build the engine in a callback, let the Trainer's loop run."""
+
+    def __init__(self, unwrap: bool, policy: str):
+        self.unwrap, self.policy = unwrap, policy
+
+    def on_train_begin(self, args, state, control, model=None, optimizer=None, **kwargs):
+        self.mp = mixprec.MixedPrecision(model, optimizer.optimizer if self.unwrap else optimizer, self.policy)
+
+
+@pytest.mark.parametrize("policy", ["bf16-pure", "bf16-mixed"])
+def test_callback_only_use_is_refused_naming_mixprec_trainer(tmp_path, policy):
+    opt_model = _gpt2()
+    # the wrapper Accelerate hands the callback: refused at build
+    trainer = transformers.Trainer(opt_model, _args(tmp_path), train_dataset=_data(),
+                                   callbacks=[_EngineInCallback(False, policy)])
+    with pytest.raises(TypeError, match="MixprecTrainer"):
+        trainer.train()
+    # the real optimizer: refused at the Trainer's first optimizer.step(), before anything trains silently
+    trainer = transformers.Trainer(_gpt2(), _args(tmp_path), train_dataset=_data(),
+                                   callbacks=[_EngineInCallback(True, policy)])
+    with pytest.raises(RuntimeError, match="MixprecTrainer"):
+        trainer.train()
+    assert trainer.state.global_step == 0
+
+
+def test_bf16_flag_adopted_or_refused(tmp_path):
+    trainer = MixprecTrainer(_gpt2(), _args(tmp_path, bf16=True), train_dataset=_data())
+    assert str(trainer.engine.policy) == "bf16-mixed"
+    assert "TrainingArguments(bf16=True) adopted" in trainer.engine.decision
+    assert trainer.accelerator.mixed_precision == "no" and not trainer.args.bf16   # one autocast: the engine's
+    assert any(e.kind == "hf-flag" for e in trainer.engine.events)
+    MixprecTrainer(_gpt2(), _args(tmp_path, bf16=True), train_dataset=_data(), policy="bf16-pure")   # agrees
+    for policy, flag in (("fp32", "bf16"), ("fp16-mixed", "bf16"), ("bf16-mixed", "fp16")):
+        model = _gpt2()
+        with pytest.raises(ValueError, match=f"{flag}=True"):
+            MixprecTrainer(model, _args(tmp_path, **{flag: True}), train_dataset=_data(), policy=policy)
+        assert all(p.dtype == torch.float32 for p in model.parameters())   # refused before any cast
+
+
+def test_evaluate_and_predict_run_under_the_engine(tmp_path):
+    """Before and after train: bf16-pure params with fp32 token ids would fail outside the engine's casts;
+    the eval loss equals the engine's own forward on the same batch."""
+    data = _data(4)
+    trainer = MixprecTrainer(_gpt2(), _args(tmp_path, per_device_eval_batch_size=4, max_steps=2),
+                             train_dataset=_data(), eval_dataset=data, policy="bf16-pure")
+    mp = trainer.engine
+
+    def engine_loss():
+        with torch.no_grad(), mp.autocast():
+            batch = transformers.default_data_collator(data)   # the Trainer's loss: over its count of labels
+            return mp.model(**mp.cast_inputs(batch), num_items_in_batch=(batch["labels"] != -100).sum()).loss.item()
+
+    for when in ("before", "after"):
+        metrics = trainer.evaluate()
+        assert metrics["eval_loss"] == engine_loss(), when
+        pred = trainer.predict(data)
+        logits = pred.predictions[0] if isinstance(pred.predictions, tuple) else pred.predictions
+        assert logits.shape == (4, SEQ, VOCAB), when
+        if when == "before":
+            trainer.train()
+
+
+def test_unsupported_arguments_and_a_second_train_are_refused(tmp_path):
+    model = _gpt2()
+    with pytest.raises(ValueError, match=r"bf16_full_eval=True\): it casts the model"):
+        MixprecTrainer(model, _args(tmp_path, bf16_full_eval=True), train_dataset=_data(), policy="bf16-mixed")
+    assert all(p.dtype == torch.float32 for p in model.parameters())
+    trainer = MixprecTrainer(model, _args(tmp_path, max_steps=1), train_dataset=_data(), policy="bf16-mixed")
+    trainer.train()
+    with pytest.raises(RuntimeError, match="a second time"):
+        trainer.train()
+    short = MixprecTrainer(_gpt2(), _args(tmp_path, max_steps=-1, num_train_epochs=1, gradient_accumulation_steps=3),
+                           train_dataset=_data(8), policy="bf16-mixed")   # 4 batches: 3 + a short step of 1
+    with pytest.raises(RuntimeError, match="dataloader_drop_last"):
+        short.train()
+    assert short.engine.applied_steps == 1
