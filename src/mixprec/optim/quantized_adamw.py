@@ -43,6 +43,7 @@ import torch
 from mixprec.optim import c_kernels
 from mixprec.optim import quantized_state as qs
 from mixprec.optim.rounding import stochastic_round_to_bf16
+from mixprec.optim.sr_stream import SRKey, noise16, uniform
 from mixprec.policy.policy import STATE_ROUNDINGS
 
 __all__ = ["KERNEL_SOURCE", "reference_update_", "fusable", "fused_step_", "kernel_status"]
@@ -61,14 +62,16 @@ def _hyper(step: float, lr: float, beta1: float, beta2: float, eps: float, weigh
 def reference_update_(param_fp32: torch.Tensor, grad_fp32: torch.Tensor, m: tuple[torch.Tensor, torch.Tensor],
                       v: tuple[torch.Tensor, torch.Tensor], *, step: float, lr: float, beta1: float, beta2: float,
                       eps: float, weight_decay: float, state_rounding: str = "nearest",
-                      generator: torch.Generator | None = None) -> None:
+                      generator: torch.Generator | SRKey | None = None) -> None:
     """One AdamW step (module docstring) in torch ops: ``param_fp32`` updated in place, ``m`` / ``v`` (each
     ``(codes, absmax)`` of :func:`quantized_state.quantize`) requantized in place with ``state_rounding``.
 
     ``param_fp32`` and ``grad_fp32``: fp32, one shape; the codes of that shape (any 8-bit code; ``v``'s is the
     nonnegative one), ``step`` the count after incrementing. Rounding ``param_fp32`` into a 16-bit param is
-    the caller's. Draws ``2 * nblocks * 256`` uniforms from ``generator`` (None: torch's global RNG) under
-    ``state_rounding="stochastic"``, none otherwise. No host sync.
+    the caller's. Under ``state_rounding="stochastic"`` takes ``2 * nblocks * 256`` uniforms: from the
+    counter-based stream when ``generator`` is an :class:`mixprec.optim.sr_stream.SRKey` (the param's key:
+    ``m`` draws under purpose ``"exp_avg"``, ``v`` under ``"exp_avg_sq"``; no RNG moves), else from
+    ``generator`` (None: torch's global RNG, the legacy stream); none otherwise. No host sync.
     """
     h = _hyper(step, lr, beta1, beta2, eps, weight_decay)
     m_code = qs.code_of(m[0], nonnegative=False)
@@ -81,8 +84,10 @@ def reference_update_(param_fp32: torch.Tensor, grad_fp32: torch.Tensor, m: tupl
     v_fp32.mul_(h["beta2"]).add_(grad_fp32.mul(h["one_minus_beta2"]).mul_(grad_fp32))
     denom = qs.sqrt_fp32(v_fp32).mul_(h["inv_bc2_sqrt"]).add_(h["eps"])
     param_fp32.add_(m_fp32.mul(h["neg_step_size"]).div_(denom))
-    qs.quantize(m_fp32, m_code, rounding=state_rounding, generator=generator, out=m)
-    qs.quantize(v_fp32, v_code, rounding=state_rounding, generator=generator, out=v)
+    keyed = isinstance(generator, SRKey)
+    qs.quantize(m_fp32, m_code, rounding=state_rounding, generator=generator.of("exp_avg") if keyed else generator, out=m)
+    qs.quantize(v_fp32, v_code, rounding=state_rounding, generator=generator.of("exp_avg_sq") if keyed else generator,
+                out=v)
 
 
 # ------------------------------------------------------------------------------------------- fused kernel
@@ -224,15 +229,17 @@ def _takes(param: torch.Tensor, grad: torch.Tensor, m_codes: torch.Tensor, v_cod
 def fused_step_(param: torch.Tensor, grad: torch.Tensor, m: tuple[torch.Tensor, torch.Tensor],
                 v: tuple[torch.Tensor, torch.Tensor], *, step: float, lr: float, beta1: float, beta2: float, eps: float,
                 weight_decay: float, rounding: str = "nearest", state_rounding: str = "nearest",
-                generator: torch.Generator | None = None) -> None:
+                generator: torch.Generator | SRKey | None = None) -> None:
     """:func:`reference_update_` followed by rounding θ into ``param`` (``rounding``: nearest even, or stochastic
     for bf16 as :func:`mixprec.optim.rounding.stochastic_round_to_bf16`), in one C pass; everything in place.
 
     Takes what :func:`fusable` accepts (call it first: it raises nothing, this raises RuntimeError when the
     kernel is unavailable, ValueError when ``m`` / ``v`` do not fit ``param``: codes of its shape, one fp32
-    scale per block, as the torch ops would refuse them, instead of reading or writing past their ends). Runs on ``torch.get_num_threads()`` threads (at least 16 blocks each). Draws the
-    reference's random numbers in its order: ``2 * nblocks * 256`` uniforms under stochastic state
-    rounding, then ``param.numel()`` int32 under stochastic param rounding. No host sync (CPU only).
+    scale per block, as the torch ops would refuse them, instead of reading or writing past their ends). Runs on ``torch.get_num_threads()`` threads (at least 16 blocks each). Takes the
+    reference's random numbers: ``2 * nblocks * 256`` uniforms under stochastic state rounding, then
+    ``param.numel()`` int32 under stochastic param rounding, from the counter-based stream when ``generator``
+    is an ``SRKey`` (the param's key; its purpose ``"param"`` for the param's bits), else drawn from
+    ``generator`` in that order (None: torch's global RNG). No host sync (CPU only).
     """
     library = _kernel()
     if library is None:
@@ -241,11 +248,14 @@ def fused_step_(param: torch.Tensor, grad: torch.Tensor, m: tuple[torch.Tensor, 
     m_code, v_code = _PAIRS[m[0].dtype]
     nblocks = m[1].numel()
     m_rand = v_rand = noise = None
+    keyed = isinstance(generator, SRKey)
     if state_rounding == "stochastic":
-        m_rand = torch.rand((nblocks, qs.BLOCK_SIZE), generator=generator)
-        v_rand = torch.rand((nblocks, qs.BLOCK_SIZE), generator=generator)
+        blocks = (nblocks, qs.BLOCK_SIZE)
+        m_rand = uniform(generator.of("exp_avg"), blocks) if keyed else torch.rand(blocks, generator=generator)
+        v_rand = uniform(generator.of("exp_avg_sq"), blocks) if keyed else torch.rand(blocks, generator=generator)
     if rounding == "stochastic" and param.dtype == torch.bfloat16:
-        noise = torch.empty(param.shape, dtype=torch.int32).random_(generator=generator)
+        noise = (noise16(generator.of("param"), param.shape) if keyed else
+                 torch.empty(param.shape, dtype=torch.int32).random_(generator=generator))
     h = _hyper(step, lr, beta1, beta2, eps, weight_decay)
     args = _Args(param.numel(), param.data_ptr(), param.dtype == torch.bfloat16, grad.data_ptr(),
                  grad.dtype == torch.bfloat16, m[0].data_ptr(), m[1].data_ptr(), v[0].data_ptr(), v[1].data_ptr(),

@@ -93,7 +93,8 @@ class SGD(PrecisionOptimizer):
 
     def __init__(self, params, lr: float = 1e-3, momentum: float = 0.0, dampening: float = 0.0,
                  weight_decay: float = 0.0, nesterov: bool = False, *, rounding: str | None = None,
-                 state_dtype: torch.dtype | str | None = None, state_rounding: str | None = None, **torch_options: Any) -> None:
+                 state_dtype: torch.dtype | str | None = None, state_rounding: str | None = None,
+                 sr_seed: int | None = None, **torch_options: Any) -> None:
         check_torch_options("SGD", torch_options, ("foreach", "fused", "differentiable", "maximize"))
         check_number("SGD", "lr", lr, low=0.0, example="1e-3")
         check_number("SGD", "momentum", momentum, low=0.0, example="0.9")
@@ -105,7 +106,8 @@ class SGD(PrecisionOptimizer):
                              "or nesterov=False")
         defaults = dict(lr=lr, momentum=momentum, dampening=dampening, weight_decay=weight_decay,
                         nesterov=nesterov)
-        super().__init__(params, defaults, rounding=rounding, state_dtype=state_dtype, state_rounding=state_rounding)
+        super().__init__(params, defaults, rounding=rounding, state_dtype=state_dtype, state_rounding=state_rounding,
+                         sr_seed=sr_seed)
 
     def _keeps_moments(self, group: dict[str, Any]) -> bool:
         return group["momentum"] != 0   # no momentum_buffer without momentum
@@ -139,7 +141,7 @@ class SGD(PrecisionOptimizer):
                                               weight_decay=group["weight_decay"],
                                               nesterov=group["nesterov"])
                 if buffer_fp32 is not None:
-                    self._store(state, "momentum_buffer", buffer_fp32)
+                    self._store(p, state, "momentum_buffer", buffer_fp32)
                 elif new_buffer_fp32 is not None:
                     self._put(p, state, "momentum_buffer", new_buffer_fp32)
                 self._write_back(p, param_fp32, state, lost_counts)
