@@ -70,9 +70,13 @@ class AdamW(PrecisionOptimizer):
             unsigned map of ``sqrt(exp_avg_sq)`` for ``exp_avg_sq``) or ``torch.float8_e4m3fn`` / ``"fp8"``
             (E4M3 ``exp_avg``, E5M2 ``exp_avg_sq``).
         state_rounding: how bf16 and 8-bit state is rounded when stored: ``"nearest"`` or ``"stochastic"``
-            (unbiased, so bf16 moments track fp32 ones; draws from torch's global RNG). Default when None:
+            (unbiased, so bf16 moments track fp32 ones). Default when None:
             ``"stochastic"`` for bf16 state, else ``"nearest"``. 16-bit state takes no
             extra buffer (the random bits are temporaries); fp16 state is rounded to nearest only.
+        sr_seed: seed of stochastic rounding's counter-based stream (:mod:`mixprec.optim.sr_stream`; params and
+            state): an int in ``[0, 2**64)``, else ``torch.initial_seed()`` (nothing is drawn). Kept in every
+            param group (``param_groups[i]["sr_seed"]``), so ``state_dict()`` resumes the rounding bit for bit;
+            torch's global RNG is never used (but for a state dict saved before ``sr_seed``: the legacy stream).
 
     State: ``step`` (float32 scalar, CPU), ``exp_avg`` and ``exp_avg_sq`` in ``state_dtype`` (complex64
     for a complex64 param, as torch.optim)

@@ -64,9 +64,13 @@ class SGD(PrecisionOptimizer):
         state_dtype: format of ``momentum_buffer``: fp32 (default when None), bf16, fp16, or 8-bit blockwise
             (``"int8"``: the signed dynamic map; ``"fp8"``: E4M3; :mod:`mixprec.optim.quantized_state`).
         state_rounding: how bf16 and 8-bit state is rounded when stored: ``"nearest"`` or ``"stochastic"``
-            (unbiased, so bf16 moments track fp32 ones; draws from torch's global RNG). Default when None:
+            (unbiased, so bf16 moments track fp32 ones). Default when None:
             ``"stochastic"`` for bf16 state, else ``"nearest"``. 16-bit state takes no
             extra buffer (the random bits are temporaries); fp16 state is rounded to nearest only.
+        sr_seed: seed of stochastic rounding's counter-based stream (:mod:`mixprec.optim.sr_stream`; params and
+            state): an int in ``[0, 2**64)``, else ``torch.initial_seed()`` (nothing is drawn). Kept in every
+            param group (``param_groups[i]["sr_seed"]``), so ``state_dict()`` resumes the rounding bit for bit;
+            torch's global RNG is never used (but for a state dict saved before ``sr_seed``: the legacy stream).
 
     State: ``step`` (float32 scalar, CPU; counts steps for the first-step check),
     ``momentum_buffer`` in ``state_dtype`` when ``momentum != 0`` (complex64 for a complex64 param,
