@@ -9,6 +9,7 @@ elements of the whole parameter.
 from __future__ import annotations
 
 import copy
+import itertools
 import math
 import warnings
 
@@ -130,8 +131,10 @@ def test_the_c_kernel_takes_the_stream_s_bits_as_the_torch_ops():
         pytest.skip(f"no C kernel here: {quantized_adamw.kernel_status()}")
     gen = torch.Generator().manual_seed(1)
     hyper = dict(step=4.0, lr=1e-2, beta1=0.9, beta2=0.999, eps=1e-8, weight_decay=1e-2)
-    key = SRKey(2**40 + 3, 5, 4, "param")
-    for m_code, v_code in (("dynamic-signed", "dynamic-sqrt"), ("e4m3", "e5m2")):
+    # offsets: hashed in the kernel (0, a shard's 1000), and a run crossing index 2**32 (drawn in torch, passed in)
+    for (m_code, v_code), offset in itertools.product((("dynamic-signed", "dynamic-sqrt"), ("e4m3", "e5m2")),
+                                                     (0, 1000, 2**32 - 300)):
+        key = SRKey(2**40 + 3, 5, 4, "param", offset)
         param = torch.randn(64, 80, generator=gen).to(torch.bfloat16)
         grad = torch.randn(64, 80, generator=gen) * 1e-2
         m = qs.quantize(torch.randn(64, 80, generator=gen) * 1e-3, qs.CODES[m_code])
@@ -146,7 +149,7 @@ def test_the_c_kernel_takes_the_stream_s_bits_as_the_torch_ops():
                                     generator=key, **hyper)
         assert torch.equal(rng, torch.get_rng_state())
         for got, want in zip((param, m[0], m[1], v[0], v[1]), ref):
-            assert torch.equal(got.view(torch.uint8), want.view(torch.uint8)), m_code
+            assert torch.equal(got.view(torch.uint8), want.view(torch.uint8)), (m_code, offset)
 
 
 # ------------------------------------------------------------------------------------------ the optimizer's seed
@@ -261,3 +264,16 @@ def test_model_and_optimizer_state_dicts_alone_resume_bit_for_bit(policy):
         assert tensor.dtype == straight[name].dtype
         assert torch.equal(tensor.view(torch.uint8) if tensor.is_floating_point() else tensor,
                            straight[name].view(torch.uint8) if tensor.is_floating_point() else straight[name]), name
+
+
+def test_the_c_write_back_rounds_as_the_torch_ops():
+    x = torch.cat([torch.randn(5000, generator=torch.Generator().manual_seed(2)) * 1e3,
+                   torch.tensor([0.0, -0.0, math.inf, -math.inf, math.nan, 3.4028235e38, -3.4028235e38, 1e-42])])
+    key = SRKey(2**64 - 1, 3, 17, "param")
+    for offset in (0, 4096, 2**32 - 6000):   # a shard's offset; a run that ends just below index 2**32
+        got = torch.empty(x.shape, dtype=torch.bfloat16)
+        if not quantized_adamw.stochastic_round_into_(got, x, key.at(offset)):
+            pytest.skip(f"no C kernel here: {quantized_adamw.kernel_status()}")
+        assert torch.equal(got.view(torch.int16), stochastic_round_to_bf16(x, generator=key.at(offset)).view(torch.int16))
+    # a run crossing index 2**32 is the torch ops' (the key's high word changes there): refused, nothing written
+    assert not quantized_adamw.stochastic_round_into_(got, x, key.at(2**32 - 10))

@@ -16,6 +16,7 @@ from typing import Any
 
 import torch
 
+from mixprec.optim import quantized_adamw
 from mixprec.optim import quantized_state as qs
 from mixprec.optim.arguments import _FLOAT_DTYPES, _check_rounding, _check_state_dtype, _check_state_rounding
 from mixprec.optim.rounding import lost_update_counts, stochastic_round_to_bf16, write_back_
@@ -47,6 +48,13 @@ def grad_fp32(p: torch.Tensor) -> torch.Tensor:
     if grad.is_sparse:
         grad = grad.to(torch.complex64 if grad.is_complex() else torch.float32).to_dense()
     return _as_fp32(grad)
+
+
+def _stochastic_round_into(out_bf16: torch.Tensor, value_fp32: torch.Tensor, key: SRKey | None) -> None:
+    """``out_bf16`` := ``value_fp32`` stochastically rounded (``key``'s stream; None: torch's global RNG, the legacy
+    stream): one C pass on a CPU where the kernel applies, else the torch ops (the same bits). No host sync."""
+    if key is None or not quantized_adamw.stochastic_round_into_(out_bf16, value_fp32, key):
+        out_bf16.copy_(stochastic_round_to_bf16(value_fp32, generator=key))
 
 
 def _check_sr_seed(owner: str, sr_seed: int | None) -> int:
@@ -294,7 +302,7 @@ class PrecisionOptimizer(torch.optim.Optimizer):
         elif state[key] is value_fp32 or state[key].is_complex():   # fp32 alias; complex: through its real view
             return
         elif state[key].dtype == torch.bfloat16 and self.state_rounding == "stochastic":
-            state[key].copy_(stochastic_round_to_bf16(value_fp32, generator=self._sr_key(p, state, key)))  # unbiased
+            _stochastic_round_into(state[key], value_fp32, self._sr_key(p, state, key))   # unbiased
         else:
             state[key].copy_(value_fp32)  # round to nearest into the storage dtype
 
@@ -369,6 +377,9 @@ class PrecisionOptimizer(torch.optim.Optimizer):
             lost_counts.append(lost_update_counts(p, param_fp32))
             self._lost_step = step
         key = self._sr_key(p, state, "param") if self.rounding == "stochastic" else None
+        if key is not None and p.dtype == torch.bfloat16:
+            _stochastic_round_into(p, param_fp32, key)
+            return
         write_back_(p, param_fp32, rounding=self.rounding, kahan_comp=state.get("kahan_comp"), generator=key)
 
     def _warn_if_updates_lost(self, lost_counts: list) -> None:
