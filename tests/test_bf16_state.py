@@ -66,23 +66,24 @@ def test_sr_bf16_state_resumes_bit_for_bit():
     opt = mo.AdamW([p], lr=1e-3, state_dtype=torch.bfloat16, rounding="stochastic")
     assert opt.state_rounding == "stochastic"
     _run(opt, p, grads[:10])
-    saved_opt, saved_p, saved_rng = copy.deepcopy(opt.state_dict()), p.detach().clone(), torch.get_rng_state()
+    saved_opt, saved_p = copy.deepcopy(opt.state_dict()), p.detach().clone()
     _run(opt, p, grads[10:])
 
     q = nn.Parameter(saved_p.clone())
     resumed = mo.AdamW([q], lr=1e-3, state_dtype=torch.bfloat16, rounding="stochastic")
     resumed.load_state_dict(saved_opt)
-    torch.set_rng_state(saved_rng)
+    assert saved_opt["param_groups"][0]["sr_seed"] == opt.param_groups[0]["sr_seed"]
+    torch.manual_seed(12345)   # torch's RNG is not the stream: its state does not matter (was: restore saved_rng)
     _run(resumed, q, grads[10:])
     assert torch.equal(q, p)
     for key in ("exp_avg", "exp_avg_sq"):
         assert resumed.state[q][key].dtype == torch.bfloat16
         assert torch.equal(resumed.state[q][key], opt.state[p][key])
-    # the state's rounding draws from torch's RNG: another RNG state rounds differently
+    # the state's rounding draws from the optimizer's stream: another sr_seed rounds differently
     r = nn.Parameter(saved_p.clone())
     other = mo.AdamW([r], lr=1e-3, state_dtype=torch.bfloat16, rounding="nearest")
-    other.load_state_dict(saved_opt)
-    torch.manual_seed(12345)
+    other.load_state_dict({**saved_opt, "param_groups": [{**g, "sr_seed": g["sr_seed"] + 1}
+                                                         for g in saved_opt["param_groups"]]})
     _run(other, r, grads[10:])
     assert not torch.equal(other.state[r]["exp_avg_sq"], opt.state[p]["exp_avg_sq"])
 

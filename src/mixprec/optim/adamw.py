@@ -70,9 +70,13 @@ class AdamW(PrecisionOptimizer):
             unsigned map of ``sqrt(exp_avg_sq)`` for ``exp_avg_sq``) or ``torch.float8_e4m3fn`` / ``"fp8"``
             (E4M3 ``exp_avg``, E5M2 ``exp_avg_sq``).
         state_rounding: how bf16 and 8-bit state is rounded when stored: ``"nearest"`` or ``"stochastic"``
-            (unbiased, so bf16 moments track fp32 ones; draws from torch's global RNG). Default when None:
+            (unbiased, so bf16 moments track fp32 ones). Default when None:
             ``"stochastic"`` for bf16 state, else ``"nearest"``. 16-bit state takes no
             extra buffer (the random bits are temporaries); fp16 state is rounded to nearest only.
+        sr_seed: seed of stochastic rounding's counter-based stream (:mod:`mixprec.optim.sr_stream`; params and
+            state): an int in ``[0, 2**64)``, else ``torch.initial_seed()`` (nothing is drawn). Kept in every
+            param group (``param_groups[i]["sr_seed"]``), so ``state_dict()`` resumes the rounding bit for bit;
+            torch's global RNG is never used (but for a state dict saved before ``sr_seed``: the legacy stream).
 
     State: ``step`` (float32 scalar, CPU), ``exp_avg`` and ``exp_avg_sq`` in ``state_dtype`` (complex64
     for a complex64 param, as torch.optim)
@@ -102,7 +106,8 @@ class AdamW(PrecisionOptimizer):
 
     def __init__(self, params, lr: float = 1e-3, betas: tuple[float, float] = (0.9, 0.999),
                  eps: float = 1e-8, weight_decay: float = 1e-2, *, rounding: str | None = None,
-                 state_dtype: torch.dtype | str | None = None, state_rounding: str | None = None, **torch_options: Any) -> None:
+                 state_dtype: torch.dtype | str | None = None, state_rounding: str | None = None,
+                 sr_seed: int | None = None, **torch_options: Any) -> None:
         check_torch_options("AdamW", torch_options, ("foreach", "fused", "capturable", "differentiable", "maximize", "amsgrad"))
         check_number("AdamW", "lr", lr, low=0.0, example="1e-3")
         check_number("AdamW", "eps", eps, low=0.0, example="1e-8")
@@ -113,7 +118,8 @@ class AdamW(PrecisionOptimizer):
         for name, beta in zip(("betas[0]", "betas[1]"), betas):
             check_number("AdamW", name, beta, low=0.0, high=1.0, high_open=True, example="0.9")
         defaults = dict(lr=lr, betas=tuple(betas), eps=eps, weight_decay=weight_decay)
-        super().__init__(params, defaults, rounding=rounding, state_dtype=state_dtype, state_rounding=state_rounding)
+        super().__init__(params, defaults, rounding=rounding, state_dtype=state_dtype, state_rounding=state_rounding,
+                         sr_seed=sr_seed)
 
     _NONNEGATIVE = frozenset({"exp_avg_sq"})   # its 8-bit code: sqrt(v) in the unsigned map (E5M2 under fp8)
 
@@ -148,8 +154,8 @@ class AdamW(PrecisionOptimizer):
                 exp_avg_fp32 = self._load(state, "exp_avg")
                 exp_avg_sq_fp32 = self._load(state, "exp_avg_sq")
                 adamw_update_(param_fp32, grad_fp32(p), exp_avg_fp32, exp_avg_sq_fp32, **hyper)
-                self._store(state, "exp_avg", exp_avg_fp32)
-                self._store(state, "exp_avg_sq", exp_avg_sq_fp32)
+                self._store(p, state, "exp_avg", exp_avg_fp32)
+                self._store(p, state, "exp_avg_sq", exp_avg_sq_fp32)
                 self._write_back(p, param_fp32, state, lost_counts)
         self._warn_if_updates_lost(lost_counts)
         return loss
@@ -159,11 +165,14 @@ class AdamW(PrecisionOptimizer):
         reference (:mod:`mixprec.optim.quantized_adamw`; the same bits either way)."""
         m = (state["exp_avg"], state["exp_avg" + qs.ABSMAX_SUFFIX])
         v = (state["exp_avg_sq"], state["exp_avg_sq" + qs.ABSMAX_SUFFIX])
+        key = self._sr_key(p, state, "param")   # None: the legacy global-RNG stream (an old state dict)
         if not self._checks_lost_updates(p, state) and quantized_adamw.fusable(p, p.grad, m[0], v[0], rounding=self.rounding):
-            quantized_adamw.fused_step_(p, p.grad, m, v, rounding=self.rounding, state_rounding=self.state_rounding, **hyper)
+            quantized_adamw.fused_step_(p, p.grad, m, v, rounding=self.rounding, state_rounding=self.state_rounding,
+                                        generator=key, **hyper)
             return
         param_fp32 = _as_fp32(p)
-        quantized_adamw.reference_update_(param_fp32, grad_fp32(p), m, v, state_rounding=self.state_rounding, **hyper)
+        quantized_adamw.reference_update_(param_fp32, grad_fp32(p), m, v, state_rounding=self.state_rounding,
+                                          generator=key, **hyper)
         self._write_back(p, param_fp32, state, lost_counts)
 
     def state_note(self) -> str:

@@ -16,9 +16,11 @@ from typing import Any
 
 import torch
 
+from mixprec.optim import quantized_adamw
 from mixprec.optim import quantized_state as qs
 from mixprec.optim.arguments import _FLOAT_DTYPES, _check_rounding, _check_state_dtype, _check_state_rounding
 from mixprec.optim.rounding import lost_update_counts, stochastic_round_to_bf16, write_back_
+from mixprec.optim.sr_stream import SRKey
 from mixprec.policy.policy import QUANTIZED_STATE_DTYPES, state_name
 
 __all__ = ["grad_fp32", "PrecisionOptimizer"]
@@ -48,6 +50,24 @@ def grad_fp32(p: torch.Tensor) -> torch.Tensor:
     return _as_fp32(grad)
 
 
+def _stochastic_round_into(out_bf16: torch.Tensor, value_fp32: torch.Tensor, key: SRKey | None) -> None:
+    """``out_bf16`` := ``value_fp32`` stochastically rounded (``key``'s stream; None: torch's global RNG, the legacy
+    stream): one C pass on a CPU where the kernel applies, else the torch ops (the same bits). No host sync."""
+    if key is None or not quantized_adamw.stochastic_round_into_(out_bf16, value_fp32, key):
+        out_bf16.copy_(stochastic_round_to_bf16(value_fp32, generator=key))
+
+
+def _check_sr_seed(owner: str, sr_seed: int | None) -> int:
+    """The stochastic-rounding seed: ``sr_seed`` checked, else ``torch.initial_seed()`` (what
+    ``torch.manual_seed`` set; reading it draws nothing from the RNG)."""
+    if sr_seed is None:
+        return int(torch.initial_seed()) % 2**64
+    if isinstance(sr_seed, bool) or not isinstance(sr_seed, int) or not 0 <= sr_seed < 2**64:
+        raise ValueError(f"{owner} sr_seed={sr_seed!r} is not allowed; pass an int in [0, 2**64), e.g. sr_seed=0, "
+                         "or None (torch.initial_seed(), what torch.manual_seed set)")
+    return sr_seed
+
+
 def _is_check_step(step: int) -> bool:
     """1, 10, 100, 1000, ...: where the lost-update check runs (one host sync per decade of steps)."""
     while step >= 10 and step % 10 == 0:
@@ -74,8 +94,12 @@ class PrecisionOptimizer(torch.optim.Optimizer):
     _NONNEGATIVE: frozenset[str] = frozenset()
 
     def __init__(self, params, defaults: dict[str, Any], *, rounding: str | None,
-                 state_dtype: torch.dtype | str | None, state_rounding: str | None = None) -> None:
+                 state_dtype: torch.dtype | str | None, state_rounding: str | None = None,
+                 sr_seed: int | None = None) -> None:
         owner = type(self).__name__
+        defaults = {**defaults, "sr_seed": _check_sr_seed(owner, sr_seed)}
+        self._param_index: dict[int, int] = {}   # id(param) -> its index in the param order (the stream's key)
+        self._flat_params: list[torch.Tensor] = []
         self._precision_explicit = rounding is not None or state_dtype is not None or state_rounding is not None
         self.rounding: str = _check_rounding(owner, rounding)
         self.state_dtype: torch.dtype = _check_state_dtype(owner, state_dtype)
@@ -83,6 +107,13 @@ class PrecisionOptimizer(torch.optim.Optimizer):
         written = {"rounding": rounding, "state_dtype": state_dtype, "state_rounding": state_rounding}
         self._explicit = {k: getattr(self, k) for k, v in written.items() if v is not None}
         super().__init__(params, defaults)
+
+    def __setstate__(self, state: dict[str, Any]) -> None:
+        """Unpickle (also an optimizer pickled before the stream existed: its groups have no ``sr_seed``, so it
+        keeps the legacy global-RNG stream, :attr:`sr_stream`)."""
+        super().__setstate__(state)
+        self.__dict__.setdefault("_param_index", {})
+        self.__dict__.setdefault("_flat_params", [])
 
     @property
     def precision_explicit(self) -> bool:
@@ -242,8 +273,9 @@ class PrecisionOptimizer(torch.optim.Optimizer):
         storage, quantized = self._format(p, key)
         if quantized:
             code = qs.code_for(self.state_dtype, nonnegative=key in self._NONNEGATIVE)
-            state[key], state[key + qs.ABSMAX_SUFFIX] = (qs.zeros(p.shape, code, p.device) if value_fp32 is None else
-                                                         qs.quantize(value_fp32, code, rounding=self.state_rounding))
+            state[key], state[key + qs.ABSMAX_SUFFIX] = (
+                qs.zeros(p.shape, code, p.device) if value_fp32 is None else
+                qs.quantize(value_fp32, code, rounding=self.state_rounding, generator=self._sr_key(p, state, key)))
         elif value_fp32 is None:
             state[key] = torch.zeros_like(p, dtype=storage, memory_format=torch.preserve_format)
         else:
@@ -257,19 +289,20 @@ class PrecisionOptimizer(torch.optim.Optimizer):
             return _as_fp32(state[key])
         return qs.dequantize(state[key], absmax, qs.code_of(state[key], nonnegative=key in self._NONNEGATIVE))
 
-    def _store(self, state: dict[str, Any], key: str, value_fp32: torch.Tensor) -> None:
-        """Write ``value_fp32`` back into moment ``key``'s storage: requantized (``state_rounding``) into its
-        codes and scales, stochastically rounded into bf16 under ``state_rounding='stochastic'`` (torch's
-        global RNG, one draw per element, in step order: bitwise reproducible from its state), else rounded
-        to nearest into its dtype (nothing to do for an fp32 alias)."""
+    def _store(self, p: torch.Tensor, state: dict[str, Any], key: str, value_fp32: torch.Tensor) -> None:
+        """Write ``value_fp32`` back into moment ``key`` of ``p``: requantized (``state_rounding``) into its
+        codes and scales, stochastically rounded into bf16 under ``state_rounding='stochastic'`` (random bits
+        from :meth:`_sr_key`'s stream under purpose ``key``), else rounded to nearest into its dtype (nothing
+        to do for an fp32 alias)."""
         absmax = state.get(key + qs.ABSMAX_SUFFIX)
         if absmax is not None:
             code = qs.code_of(state[key], nonnegative=key in self._NONNEGATIVE)
-            qs.quantize(value_fp32, code, rounding=self.state_rounding, out=(state[key], absmax))
+            qs.quantize(value_fp32, code, rounding=self.state_rounding, generator=self._sr_key(p, state, key),
+                        out=(state[key], absmax))
         elif state[key] is value_fp32 or state[key].is_complex():   # fp32 alias; complex: through its real view
             return
         elif state[key].dtype == torch.bfloat16 and self.state_rounding == "stochastic":
-            state[key].copy_(stochastic_round_to_bf16(value_fp32))   # unbiased: E[stored] = value_fp32
+            _stochastic_round_into(state[key], value_fp32, self._sr_key(p, state, key))   # unbiased
         else:
             state[key].copy_(value_fp32)  # round to nearest into the storage dtype
 
@@ -297,6 +330,38 @@ class PrecisionOptimizer(torch.optim.Optimizer):
                 self._put(p, out, key, self._load(saved, key))
         return out
 
+    def _sr_key(self, p: torch.Tensor, state: dict[str, Any], purpose: str) -> SRKey | None:
+        """Where stochastic rounding of ``p``'s ``purpose`` (``"param"`` or a state key) at this step draws its
+        bits: the counter-based stream of ``(group's sr_seed, p's index in the param order, state step,
+        purpose)`` (:mod:`mixprec.optim.sr_stream`), or None (torch's global RNG, the legacy stream) when
+        ``p``'s group has no ``sr_seed`` (a state dict saved before it). No host sync (``step`` is on the CPU)."""
+        index = self._param_index.get(id(p))
+        if index is None or self._flat_params[index] is not p:   # first use, or the engine swapped tensors
+            self._flat_params = [q for g in self.param_groups for q in g["params"]]
+            self._param_index = {id(q): i for i, q in enumerate(self._flat_params)}
+            index = self._param_index[id(p)]
+        seed = self._group_of(index).get("sr_seed")
+        if seed is None:
+            return None
+        return SRKey(seed, index, int(state.get("step", 0)), purpose)
+
+    def _group_of(self, index: int) -> dict[str, Any]:
+        for group in self.param_groups:
+            if index < len(group["params"]):
+                return group
+            index -= len(group["params"])
+        raise IndexError(index)
+
+    @property
+    def sr_stream(self) -> str:
+        """Where stochastic rounding draws its bits, in words: the counter-based stream and its seed(s), or torch's
+        global RNG for groups loaded from a state dict saved before ``sr_seed`` existed (the legacy stream)."""
+        seeds = [g.get("sr_seed") for g in self.param_groups]
+        if any(s is None for s in seeds):
+            return ("torch's global RNG (legacy: a state dict saved before sr_seed; it continues bit for bit only "
+                    "where torch's RNG state is restored too)")
+        return f"counter-based stream, sr_seed={sorted(set(seeds))[0] if len(set(seeds)) == 1 else sorted(set(seeds))}"
+
     def _checks_lost_updates(self, p: torch.Tensor, state: dict[str, Any]) -> bool:
         """Whether :meth:`_write_back` counts this step's lost updates of ``p`` (16-bit, ``'nearest'``, a check
         step, not warned yet): it needs the fp32 result beside the rounded param."""
@@ -311,7 +376,11 @@ class PrecisionOptimizer(torch.optim.Optimizer):
         if self._checks_lost_updates(p, state):
             lost_counts.append(lost_update_counts(p, param_fp32))
             self._lost_step = step
-        write_back_(p, param_fp32, rounding=self.rounding, kahan_comp=state.get("kahan_comp"))
+        key = self._sr_key(p, state, "param") if self.rounding == "stochastic" else None
+        if key is not None and p.dtype == torch.bfloat16:
+            _stochastic_round_into(p, param_fp32, key)
+            return
+        write_back_(p, param_fp32, rounding=self.rounding, kahan_comp=state.get("kahan_comp"), generator=key)
 
     def _warn_if_updates_lost(self, lost_counts: list) -> None:
         """Warn (once) when > 50% of a check step's 16-bit updates were rounded away. Check steps are
@@ -356,6 +425,13 @@ class PrecisionOptimizer(torch.optim.Optimizer):
                                  f"which {owner} does not implement (it would step differently); keep training it "
                                  "with the torch.optim optimizer that saved it, or save it without those options")
         super().load_state_dict(state_dict)
+        if (self.rounding == "stochastic" or self.state_rounding == "stochastic") and any(
+                "sr_seed" not in g for g in self.param_groups):
+            warnings.warn(f"{owner}.load_state_dict: the state dict predates sr_seed, so stochastic rounding continues "
+                          "its legacy stream, torch's global RNG (bit for bit only where torch's RNG state is "
+                          "restored too, as mixprec checkpoints do); a state dict this version saves carries the seed "
+                          f"of the counter-based stream ({owner}.sr_stream says which is in use)", UserWarning,
+                          stacklevel=2)
         saved_ids = chain.from_iterable(g["params"] for g in state_dict["param_groups"])
         params = chain.from_iterable(g["params"] for g in self.param_groups)
         for saved_id, p in zip(saved_ids, params):

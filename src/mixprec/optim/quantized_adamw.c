@@ -4,8 +4,10 @@
  * The arithmetic is mixprec.optim.quantized_adamw.reference_step_ op for op: every operation is one correctly
  * rounded IEEE fp32 operation in the same order (built with -ffp-contract=off, no fast-math), and the codes
  * come from the same lookup arrays, so the result equals the torch ops bit for bit in every finite block
- * (a block holding a NaN or inf reads NaN in both). Python draws every random number (torch's RNG) and
- * passes it in. Built and loaded by mixprec.c_kernels; called by mixprec.optim.quantized_adamw.
+ * (a block holding a NaN or inf reads NaN in both). Random numbers: either passed in (drawn by Python from a
+ * torch generator: the legacy stream), or computed here from the counter-based stream's key words
+ * (mixprec.optim.sr_stream: the same hash, sr_bits below; a test and the load-time check pin them equal).
+ * Built and loaded by mixprec.c_kernels; called by mixprec.optim.quantized_adamw.
  */
 #include <math.h>
 #include <pthread.h>
@@ -44,7 +46,27 @@ typedef struct {
     const int32_t *p_noise;             /* bf16 params: NULL rounds to nearest even, else stochastic bits */
     float decay, one_minus_beta1, beta2, one_minus_beta2, inv_bc2_sqrt, eps, neg_step_size;
     int64_t block_begin, block_end;
+    int state_keyed, param_keyed;       /* 1: stochastic bits from the stream's keys below, not m_rand / p_noise */
+    uint32_t m_k1, m_k2, v_k1, v_k2, p_k1, p_k2;   /* the key words of exp_avg, exp_avg_sq and the param */
+    uint32_t offset;                    /* the param's first element's global index (the run stays below 2**32) */
 } step_args;
+
+/* mixprec.optim.sr_stream: lowbias32 of (index ^ k1) with k2 injected between its rounds */
+static inline uint32_t sr_bits(uint32_t k1, uint32_t k2, uint32_t i) {
+    uint32_t x = i ^ k1;
+    x ^= x >> 16; x *= 0x7FEB352Du; x ^= k2; x ^= x >> 15; x *= 0x846CA68Bu; x ^= x >> 16;
+    return x;
+}
+
+static inline __attribute__((always_inline)) void stream_uniform(const int len, uint32_t k1, uint32_t k2, uint32_t first,
+                                                                  float *restrict out) {
+    for (int j = 0; j < len; ++j) out[j] = (float)(sr_bits(k1, k2, first + (uint32_t)j) >> 8) * 0x1p-24f;
+}
+
+static inline __attribute__((always_inline)) void stream_noise(const int len, uint32_t k1, uint32_t k2, uint32_t first,
+                                                                int32_t *restrict out) {
+    for (int j = 0; j < len; ++j) out[j] = (int32_t)sr_bits(k1, k2, first + (uint32_t)j);
+}
 
 static inline uint32_t bits_of(float x) { uint32_t u; memcpy(&u, &x, 4); return u; }
 static inline float float_of(uint32_t u) { float x; memcpy(&x, &u, 4); return x; }
@@ -190,11 +212,15 @@ static inline __attribute__((always_inline)) void step_block(const step_args *a,
     const int len = (int)(a->n - start < BLOCK ? a->n - start : BLOCK);
     const size_t pbytes = param_bf16 ? 2 : 4, gbytes = grad_bf16 ? 2 : 4;
     const codec_t *mc = &a->m_codec, *vc = &a->v_codec;
-    float m_new[BLOCK], x_new[BLOCK], p_new[BLOCK];
+    float m_new[BLOCK], x_new[BLOCK], p_new[BLOCK], m_r[BLOCK], v_r[BLOCK];
+    int32_t p_n[BLOCK];
+    const uint32_t first = a->offset + (uint32_t)start;
+    const int32_t *noise = a->p_noise ? a->p_noise + start : NULL;
+    if (a->param_keyed) { stream_noise(len, a->p_k1, a->p_k2, first, p_n); noise = p_n; }
     update_block(len, param_bf16, grad_bf16, fp8, (const char *)a->param + start * pbytes,
                  (const char *)a->grad + start * gbytes, a->m_codes + start, a->v_codes + start, mc->decode,
                  vc->decode, unit_of(a->m_absmax[b], mc, fp8), unit_of(a->v_absmax[b], vc, fp8), a, p_new, m_new, x_new);
-    store_param(len, param_bf16, p_new, a->p_noise ? a->p_noise + start : NULL, (char *)a->param + start * pbytes);
+    store_param(len, param_bf16, p_new, noise, (char *)a->param + start * pbytes);
     uint32_t m_pos, m_neg, x_pos, x_neg;
     block_extremes(len, m_new, &m_pos, &m_neg);
     block_extremes(len, x_new, &x_pos, &x_neg);   /* x >= 0, or NaN of either sign */
@@ -209,8 +235,13 @@ static inline __attribute__((always_inline)) void step_block(const step_args *a,
         encode_nearest(len, fp8, m_new, m_unit, mc->nearest, mc->nearest.counts, mc->nearest.bound, a->m_codes + start);
         encode_nearest(len, fp8, x_new, x_unit, vc->nearest, vc->nearest.counts, vc->nearest.bound, a->v_codes + start);
     } else {
-        encode_stochastic(len, m_new, m_unit, mc, a->m_rand + start, a->m_codes + start);
-        encode_stochastic(len, x_new, x_unit, vc, a->v_rand + start, a->v_codes + start);
+        const float *m_rand = a->m_rand ? a->m_rand + start : m_r, *v_rand = a->v_rand ? a->v_rand + start : v_r;
+        if (a->state_keyed) {
+            stream_uniform(len, a->m_k1, a->m_k2, first, m_r);
+            stream_uniform(len, a->v_k1, a->v_k2, first, v_r);
+        }
+        encode_stochastic(len, m_new, m_unit, mc, m_rand, a->m_codes + start);
+        encode_stochastic(len, x_new, x_unit, vc, v_rand, a->v_codes + start);
     }
 }
 
@@ -220,7 +251,7 @@ static inline __attribute__((always_inline)) void step_block(const step_args *a,
     if (a->fp8) { BLOCKS(PB, GB, SR, 1); } else { BLOCKS(PB, GB, SR, 0); }
 
 static void step_blocks(const step_args *a) {
-    const int sr = a->m_rand != NULL, pb = a->param_bf16, gb = a->grad_bf16;
+    const int sr = a->m_rand != NULL || a->state_keyed, pb = a->param_bf16, gb = a->grad_bf16;
     if (pb && gb && !sr) { BY_CODE(1, 1, 0) }
     else if (pb && gb) { BY_CODE(1, 1, 1) }
     else if (!pb && !gb && !sr) { BY_CODE(0, 0, 0) }
@@ -259,6 +290,13 @@ int mixprec_adamw8bit_step(const step_args *args, int nthreads) {
         else { step_blocks(&parts[t]); rc = -1; }
     }
     return rc;
+}
+
+/* mixprec.optim.rounding.stochastic_round_to_bf16 of n fp32 values with the stream's bits (key words k1, k2;
+ * element j takes global index first + j, the run below 2**32): one pass, no noise tensor. */
+void mixprec_sr_bf16(const float *restrict x, uint16_t *restrict out, int64_t n, uint32_t k1, uint32_t k2,
+                     uint32_t first) {
+    for (int64_t j = 0; j < n; ++j) out[j] = bf16_stochastic(x[j], (int32_t)sr_bits(k1, k2, first + (uint32_t)j));
 }
 
 /* The size of step_args as this compiler lays it out: the caller checks it against its own. */

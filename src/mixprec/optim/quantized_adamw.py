@@ -43,6 +43,7 @@ import torch
 from mixprec.optim import c_kernels
 from mixprec.optim import quantized_state as qs
 from mixprec.optim.rounding import stochastic_round_to_bf16
+from mixprec.optim.sr_stream import SRKey, noise16, uniform
 from mixprec.policy.policy import STATE_ROUNDINGS
 
 __all__ = ["KERNEL_SOURCE", "reference_update_", "fusable", "fused_step_", "kernel_status"]
@@ -61,14 +62,16 @@ def _hyper(step: float, lr: float, beta1: float, beta2: float, eps: float, weigh
 def reference_update_(param_fp32: torch.Tensor, grad_fp32: torch.Tensor, m: tuple[torch.Tensor, torch.Tensor],
                       v: tuple[torch.Tensor, torch.Tensor], *, step: float, lr: float, beta1: float, beta2: float,
                       eps: float, weight_decay: float, state_rounding: str = "nearest",
-                      generator: torch.Generator | None = None) -> None:
+                      generator: torch.Generator | SRKey | None = None) -> None:
     """One AdamW step (module docstring) in torch ops: ``param_fp32`` updated in place, ``m`` / ``v`` (each
     ``(codes, absmax)`` of :func:`quantized_state.quantize`) requantized in place with ``state_rounding``.
 
     ``param_fp32`` and ``grad_fp32``: fp32, one shape; the codes of that shape (any 8-bit code; ``v``'s is the
     nonnegative one), ``step`` the count after incrementing. Rounding ``param_fp32`` into a 16-bit param is
-    the caller's. Draws ``2 * nblocks * 256`` uniforms from ``generator`` (None: torch's global RNG) under
-    ``state_rounding="stochastic"``, none otherwise. No host sync.
+    the caller's. Under ``state_rounding="stochastic"`` takes ``2 * nblocks * 256`` uniforms: from the
+    counter-based stream when ``generator`` is an :class:`mixprec.optim.sr_stream.SRKey` (the param's key:
+    ``m`` draws under purpose ``"exp_avg"``, ``v`` under ``"exp_avg_sq"``; no RNG moves), else from
+    ``generator`` (None: torch's global RNG, the legacy stream); none otherwise. No host sync.
     """
     h = _hyper(step, lr, beta1, beta2, eps, weight_decay)
     m_code = qs.code_of(m[0], nonnegative=False)
@@ -81,8 +84,10 @@ def reference_update_(param_fp32: torch.Tensor, grad_fp32: torch.Tensor, m: tupl
     v_fp32.mul_(h["beta2"]).add_(grad_fp32.mul(h["one_minus_beta2"]).mul_(grad_fp32))
     denom = qs.sqrt_fp32(v_fp32).mul_(h["inv_bc2_sqrt"]).add_(h["eps"])
     param_fp32.add_(m_fp32.mul(h["neg_step_size"]).div_(denom))
-    qs.quantize(m_fp32, m_code, rounding=state_rounding, generator=generator, out=m)
-    qs.quantize(v_fp32, v_code, rounding=state_rounding, generator=generator, out=v)
+    keyed = isinstance(generator, SRKey)
+    qs.quantize(m_fp32, m_code, rounding=state_rounding, generator=generator.of("exp_avg") if keyed else generator, out=m)
+    qs.quantize(v_fp32, v_code, rounding=state_rounding, generator=generator.of("exp_avg_sq") if keyed else generator,
+                out=v)
 
 
 # ------------------------------------------------------------------------------------------- fused kernel
@@ -106,7 +111,9 @@ class _Args(ctypes.Structure):   # step_args in quantized_adamw.c, field for fie
                  ("m_codec", _Codec), ("v_codec", _Codec), ("fp8", ctypes.c_int), ("m_rand", ctypes.c_void_p),
                  ("v_rand", ctypes.c_void_p), ("p_noise", ctypes.c_void_p)]
                 + [(name, ctypes.c_float) for name in _SCALARS]
-                + [("block_begin", ctypes.c_int64), ("block_end", ctypes.c_int64)])
+                + [("block_begin", ctypes.c_int64), ("block_end", ctypes.c_int64), ("state_keyed", ctypes.c_int),
+                   ("param_keyed", ctypes.c_int)]
+                + [(name, ctypes.c_uint32) for name in ("m_k1", "m_k2", "v_k1", "v_k2", "p_k1", "p_k2", "offset")])
 
 
 # the two code pairs the kernel takes: (m's code, v's code), keyed by m's storage dtype
@@ -165,6 +172,9 @@ def _load_and_check() -> ctypes.CDLL | None:
         library.mixprec_adamw8bit_step.argtypes = [ctypes.POINTER(_Args), ctypes.c_int]
         library.mixprec_adamw8bit_step.restype = ctypes.c_int
         library.mixprec_adamw8bit_args_size.restype = ctypes.c_int64
+        library.mixprec_sr_bf16.argtypes = [ctypes.c_void_p, ctypes.c_void_p, ctypes.c_int64, ctypes.c_uint32,
+                                            ctypes.c_uint32, ctypes.c_uint32]
+        library.mixprec_sr_bf16.restype = None
     except AttributeError as err:   # a library without the kernel's symbols
         c_kernels.reject(KERNEL_SOURCE, f"it lacks a symbol: {err}")
         return None
@@ -174,7 +184,7 @@ def _load_and_check() -> ctypes.CDLL | None:
         return None
     _candidate = library
     try:
-        mismatch = _self_check()
+        mismatch = _self_check() or _check_stochastic_round()
     finally:
         _candidate = None
     if mismatch:
@@ -224,15 +234,17 @@ def _takes(param: torch.Tensor, grad: torch.Tensor, m_codes: torch.Tensor, v_cod
 def fused_step_(param: torch.Tensor, grad: torch.Tensor, m: tuple[torch.Tensor, torch.Tensor],
                 v: tuple[torch.Tensor, torch.Tensor], *, step: float, lr: float, beta1: float, beta2: float, eps: float,
                 weight_decay: float, rounding: str = "nearest", state_rounding: str = "nearest",
-                generator: torch.Generator | None = None) -> None:
+                generator: torch.Generator | SRKey | None = None) -> None:
     """:func:`reference_update_` followed by rounding θ into ``param`` (``rounding``: nearest even, or stochastic
     for bf16 as :func:`mixprec.optim.rounding.stochastic_round_to_bf16`), in one C pass; everything in place.
 
     Takes what :func:`fusable` accepts (call it first: it raises nothing, this raises RuntimeError when the
     kernel is unavailable, ValueError when ``m`` / ``v`` do not fit ``param``: codes of its shape, one fp32
-    scale per block, as the torch ops would refuse them, instead of reading or writing past their ends). Runs on ``torch.get_num_threads()`` threads (at least 16 blocks each). Draws the
-    reference's random numbers in its order: ``2 * nblocks * 256`` uniforms under stochastic state
-    rounding, then ``param.numel()`` int32 under stochastic param rounding. No host sync (CPU only).
+    scale per block, as the torch ops would refuse them, instead of reading or writing past their ends). Runs on ``torch.get_num_threads()`` threads (at least 16 blocks each). Takes the
+    reference's random numbers: ``2 * nblocks * 256`` uniforms under stochastic state rounding, then
+    ``param.numel()`` int32 under stochastic param rounding, from the counter-based stream when ``generator``
+    is an ``SRKey`` (the param's key; its purpose ``"param"`` for the param's bits), else drawn from
+    ``generator`` in that order (None: torch's global RNG). No host sync (CPU only).
     """
     library = _kernel()
     if library is None:
@@ -241,18 +253,50 @@ def fused_step_(param: torch.Tensor, grad: torch.Tensor, m: tuple[torch.Tensor, 
     m_code, v_code = _PAIRS[m[0].dtype]
     nblocks = m[1].numel()
     m_rand = v_rand = noise = None
-    if state_rounding == "stochastic":
-        m_rand = torch.rand((nblocks, qs.BLOCK_SIZE), generator=generator)
-        v_rand = torch.rand((nblocks, qs.BLOCK_SIZE), generator=generator)
-    if rounding == "stochastic" and param.dtype == torch.bfloat16:
-        noise = torch.empty(param.shape, dtype=torch.int32).random_(generator=generator)
+    # the stream's bits are hashed in the kernel while the run of indices stays below 2**32 (its key words
+    # fold in the index's high word), else drawn here as the legacy stream's are
+    keyed = isinstance(generator, SRKey)
+    in_kernel = keyed and (generator.offset >> 32) == ((generator.offset + nblocks * qs.BLOCK_SIZE - 1) >> 32)
+    state_sr = state_rounding == "stochastic"
+    param_sr = rounding == "stochastic" and param.dtype == torch.bfloat16
+    if state_sr and not in_kernel:
+        blocks = (nblocks, qs.BLOCK_SIZE)
+        m_rand = uniform(generator.of("exp_avg"), blocks) if keyed else torch.rand(blocks, generator=generator)
+        v_rand = uniform(generator.of("exp_avg_sq"), blocks) if keyed else torch.rand(blocks, generator=generator)
+    if param_sr and not in_kernel:
+        noise = (noise16(generator.of("param"), param.shape) if keyed else
+                 torch.empty(param.shape, dtype=torch.int32).random_(generator=generator))
+    words = [0] * 6
+    if in_kernel:
+        high = generator.offset >> 32
+        words = [*generator.of("exp_avg").words(high), *generator.of("exp_avg_sq").words(high),
+                 *generator.of("param").words(high)]
     h = _hyper(step, lr, beta1, beta2, eps, weight_decay)
     args = _Args(param.numel(), param.data_ptr(), param.dtype == torch.bfloat16, grad.data_ptr(),
                  grad.dtype == torch.bfloat16, m[0].data_ptr(), m[1].data_ptr(), v[0].data_ptr(), v[1].data_ptr(),
                  _codec(m_code.name)[0], _codec(v_code.name)[0], not m_code.indexed,
                  None if m_rand is None else m_rand.data_ptr(), None if v_rand is None else v_rand.data_ptr(),
-                 None if noise is None else noise.data_ptr(), *(h[name] for name in _SCALARS), 0, 0)
+                 None if noise is None else noise.data_ptr(), *(h[name] for name in _SCALARS), 0, 0,
+                 state_sr and in_kernel, param_sr and in_kernel, *words, generator.offset & 0xFFFFFFFF if in_kernel else 0)
     library.mixprec_adamw8bit_step(ctypes.byref(args), torch.get_num_threads())
+
+
+def stochastic_round_into_(out_bf16: torch.Tensor, x_fp32: torch.Tensor, key: SRKey) -> bool:
+    """``out_bf16.copy_(stochastic_round_to_bf16(x_fp32, generator=key))`` in one C pass (the kernel's copy of the
+    stream's hash: no noise tensor), where it applies: CPU, contiguous, fp32 into bf16 of one shape, the run of
+    indices below the next multiple of ``2**32``, the kernel available. Returns False (nothing done) otherwise:
+    the caller then runs the torch ops (the same bits). No host sync."""
+    n = x_fp32.numel()
+    if not (x_fp32.device.type == "cpu" and out_bf16.device.type == "cpu" and x_fp32.dtype == torch.float32
+            and out_bf16.dtype == torch.bfloat16 and x_fp32.shape == out_bf16.shape and x_fp32.is_contiguous()
+            and out_bf16.is_contiguous() and (key.offset >> 32) == ((key.offset + max(n, 1) - 1) >> 32)):
+        return False
+    library = _kernel()
+    if library is None:
+        return False
+    k1, k2 = key.words(key.offset >> 32)
+    library.mixprec_sr_bf16(x_fp32.data_ptr(), out_bf16.data_ptr(), n, k1, k2, key.offset & 0xFFFFFFFF)
+    return True
 
 
 def _check_buffers(param: torch.Tensor, grad: torch.Tensor, m: tuple[torch.Tensor, torch.Tensor],
@@ -274,16 +318,34 @@ def _check_buffers(param: torch.Tensor, grad: torch.Tensor, m: tuple[torch.Tenso
                          "model's checkpoint?)")
 
 
+def _check_stochastic_round() -> str:
+    """:func:`stochastic_round_into_` against the torch ops on random values, +-0, +-inf, NaNs, the largest
+    finite fp32 values and bf16-exact ones, at an offset: "" when every bit agrees, else what differed."""
+    gen = torch.Generator().manual_seed(1)
+    special = torch.tensor([0.0, -0.0, math.inf, -math.inf, math.nan, -math.nan, 3.4028235e38, -3.4028235e38, 1.0,
+                            -2.0, 1e-40, -1e-40])
+    x = torch.cat([torch.randn(1000, generator=gen) * 10.0 ** torch.randint(-30, 30, (1000,), generator=gen), special])
+    key = SRKey(int(torch.randint(0, 2**62, (1,), generator=gen)), 2, 5, "param")
+    for offset in (0, 2**32 - 1100, 2**33 + 3):
+        got = torch.empty(x.shape, dtype=torch.bfloat16)
+        if not stochastic_round_into_(got, x, key.at(offset)):
+            return "stochastic rounding to bf16 with the counter-based stream refused its inputs"
+        if not torch.equal(got.view(torch.int16), stochastic_round_to_bf16(x, generator=key.at(offset)).view(torch.int16)):
+            return "stochastic rounding to bf16 with the counter-based stream"
+    return ""
+
+
 def _self_check() -> str:
-    """Run both paths on random inputs (every dtype pair, both roundings, a short last block, an all-zero
+    """Run both paths on random inputs (every dtype pair, both roundings, random bits from a torch generator
+    and from the counter-based stream, hashed in C, a short last block, an all-zero
     block, a negative block maximum, a NaN block); "" when they agree bit for bit in every finite block (a
     non-finite block: NaN scales in both), else what differed. Uses its own generators: the caller's RNG
     does not move."""
     gen = torch.Generator().manual_seed(0)
     n = 5 * qs.BLOCK_SIZE + 37
     hyper = dict(step=3.0, lr=1e-3, beta1=0.9, beta2=0.999, eps=1e-8, weight_decay=1e-2)
-    for (m_code, v_code), p_dtype, g_dtype, state_rounding in itertools.product(
-            _PAIRS.values(), _FUSED_DTYPES, _FUSED_DTYPES, STATE_ROUNDINGS):
+    for (m_code, v_code), p_dtype, g_dtype, state_rounding, keyed in itertools.product(
+            _PAIRS.values(), _FUSED_DTYPES, _FUSED_DTYPES, STATE_ROUNDINGS, (False, True)):
         rounding = "stochastic" if p_dtype == torch.bfloat16 and state_rounding == "stochastic" else "nearest"
         param = torch.randn(n, generator=gen).to(p_dtype)
         grad = (torch.randn(n, generator=gen) * 1e-3).to(g_dtype)
@@ -295,14 +357,15 @@ def _self_check() -> str:
         v = qs.quantize(v_fp32, v_code)
         want = [param.clone(), m[0].clone(), m[1].clone(), v[0].clone(), v[1].clone()]
         seed = int(torch.randint(0, 2**62, (1,), generator=gen))
-        ref_gen = torch.Generator().manual_seed(seed)
+        key = SRKey(seed, 3, 3, "param", offset=seed % 2**20) if keyed else None
+        ref_gen = key or torch.Generator().manual_seed(seed)
         want_fp32 = want[0].float()
         reference_update_(want_fp32, grad.float(), (want[1], want[2]), (want[3], want[4]),
                           state_rounding=state_rounding, generator=ref_gen, **hyper)
         want[0].copy_(stochastic_round_to_bf16(want_fp32, generator=ref_gen) if rounding == "stochastic"
                       else want_fp32)
         fused_step_(param, grad, m, v, rounding=rounding, state_rounding=state_rounding,
-                    generator=torch.Generator().manual_seed(seed), **hyper)
+                    generator=key or torch.Generator().manual_seed(seed), **hyper)
         finite = (torch.isfinite(want[2]) & torch.isfinite(want[4])).repeat_interleave(qs.BLOCK_SIZE)[:n]
         for name, got, expected in zip(("param", "m codes", "m absmax", "v codes", "v absmax"),
                                        (param, m[0], m[1], v[0], v[1]), want):
@@ -312,5 +375,6 @@ def _self_check() -> str:
                 same = torch.equal(got.isnan(), expected.isnan()) and torch.equal(got.nan_to_num(), expected.nan_to_num())
             if not same:
                 return (f"{name} for {m_code.name}/{v_code.name} codes, {p_dtype} params, {g_dtype} grads, "
-                        f"rounding={rounding!r}, state_rounding={state_rounding!r}")
+                        f"rounding={rounding!r}, state_rounding={state_rounding!r}"
+                        + (", the counter-based stream" if keyed else ""))
     return ""

@@ -80,6 +80,7 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 
+from mixprec.optim.sr_stream import SRKey, uniform
 from mixprec.policy.policy import QUANTIZED_STATE_DTYPES, STATE_ROUNDINGS
 
 __all__ = ["BLOCK_SIZE", "MIN_QUANTIZED_NUMEL", "ABSMAX_SUFFIX", "Code", "CODES", "BinLookup", "bin_lookup", "code_for",
@@ -295,7 +296,7 @@ def _unit(absmax: torch.Tensor, code: Code) -> torch.Tensor:
     return absmax.clamp_min(code.qmax * torch.finfo(torch.float32).tiny) / code.qmax   # exact: NaN stays NaN
 
 
-def _round_index(y: torch.Tensor, code: Code, rounding: str, generator: torch.Generator | None) -> torch.Tensor:
+def _round_index(y: torch.Tensor, code: Code, rounding: str, generator: torch.Generator | SRKey | None) -> torch.Tensor:
     """Indices into ``code``'s table of ``y`` (table units), rounded to nearest or stochastically."""
     if rounding == "nearest":
         return _bucketize(y, code.name, "midpoints", inclusive=False)
@@ -304,10 +305,13 @@ def _round_index(y: torch.Tensor, code: Code, rounding: str, generator: torch.Ge
     lo = table.index_select(0, lower.view(-1)).view(y.shape)            # lo <= y < hi inside the table's range
     hi = table.index_select(0, lower.view(-1) + 1).view(y.shape)
     p_up = (y - lo).div_(hi - lo)                             # < 0 below the table: never up (clamped)
-    return lower + (torch.rand(y.shape, generator=generator, device=y.device) < p_up)
+    draw = (uniform(generator, y.shape, y.device) if isinstance(generator, SRKey)   # element j: global index offset + j
+            else torch.rand(y.shape, generator=generator, device=y.device))
+    return lower + (draw < p_up)
 
 
-def quantize(x_fp32: torch.Tensor, code: Code, *, rounding: str = "nearest", generator: torch.Generator | None = None,
+def quantize(x_fp32: torch.Tensor, code: Code, *, rounding: str = "nearest",
+             generator: torch.Generator | SRKey | None = None,
              out: tuple[torch.Tensor, torch.Tensor] | None = None) -> tuple[torch.Tensor, torch.Tensor]:
     """Quantize ``x_fp32`` blockwise with ``code``; returns ``(codes, absmax)`` (module docstring).
 
@@ -317,9 +321,11 @@ def quantize(x_fp32: torch.Tensor, code: Code, *, rounding: str = "nearest", gen
     Args:
         x_fp32: fp32 tensor, any shape.
         code: a :class:`Code` (:func:`code_for`).
-        rounding: ``"nearest"`` or ``"stochastic"`` (unbiased; draws one uniform number per element from
-            ``generator``, or torch's global RNG when None, so restoring the RNG state reproduces it).
-        generator: RNG for ``"stochastic"``.
+        rounding: ``"nearest"`` or ``"stochastic"`` (unbiased; one uniform number per element of the padded
+            ``(nblocks, 256)`` layout, element ``j`` row-major).
+        generator: the uniforms of ``"stochastic"``: an :class:`mixprec.optim.sr_stream.SRKey` (the counter-based
+            stream; element ``j`` takes global index ``key.offset + j``, so a block-aligned slice draws as in the
+            whole tensor), a ``torch.Generator``, or None: torch's global RNG (restoring its state reproduces it).
         out: ``(codes, absmax)`` to write into (an optimizer's state, updated in place), or None.
 
     Returns:

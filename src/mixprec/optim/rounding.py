@@ -22,6 +22,7 @@ from __future__ import annotations
 import torch
 
 from mixprec.formats import get_format
+from mixprec.optim.sr_stream import SRKey, noise16
 from mixprec.policy.policy import ROUNDINGS
 
 __all__ = ["ROUNDINGS", "stochastic_round_to_bf16", "write_back_", "lost_update_counts"]
@@ -29,7 +30,7 @@ __all__ = ["ROUNDINGS", "stochastic_round_to_bf16", "write_back_", "lost_update_
 _LOW_16_BITS = 0xFFFF  # bf16 is the top half of an fp32 bit pattern
 
 
-def stochastic_round_to_bf16(x_fp32: torch.Tensor, *, generator: torch.Generator | None = None) -> torch.Tensor:
+def stochastic_round_to_bf16(x_fp32: torch.Tensor, *, generator: torch.Generator | SRKey | None = None) -> torch.Tensor:
     """Round fp32 to bf16 stochastically: unbiased, ``E[result] = x`` for finite ``x``.
 
     View the fp32 bits as int32, add a uniform random integer in ``[0, 2**16)`` (the low 16 bits of a
@@ -43,8 +44,10 @@ def stochastic_round_to_bf16(x_fp32: torch.Tensor, *, generator: torch.Generator
 
     Args:
         x_fp32: fp32 tensor, any shape.
-        generator: RNG for the random bits; ``None`` uses torch's global RNG, so restoring
-            ``torch.get_rng_state()`` reproduces the result bitwise.
+        generator: where the random bits come from: an :class:`mixprec.optim.sr_stream.SRKey` (the
+            counter-based stream the optimizers use: element ``j`` of ``x_fp32``, row-major, takes the bits of
+            global index ``key.offset + j``; no RNG moves), a ``torch.Generator``, or ``None``: torch's global
+            RNG (the legacy stream: restoring ``torch.get_rng_state()`` reproduces the result bitwise).
 
     Returns:
         bf16 tensor of the shape and device of ``x_fp32``. No host sync.
@@ -57,7 +60,10 @@ def stochastic_round_to_bf16(x_fp32: torch.Tensor, *, generator: torch.Generator
                          "pass an fp32 tensor (x.float())")
     # 16 uniform bits: the low half of torch's full-range int32 draw (one draw, no bounded-range rejection;
     # measured ~40 % cheaper on a CPU than randint(0, 2**16)), then the add and the mask in place on it
-    noise_int32 = torch.empty(x_fp32.shape, dtype=torch.int32, device=x_fp32.device).random_(generator=generator)
+    if isinstance(generator, SRKey):
+        noise_int32 = noise16(generator, x_fp32.shape, x_fp32.device)
+    else:
+        noise_int32 = torch.empty(x_fp32.shape, dtype=torch.int32, device=x_fp32.device).random_(generator=generator)
     rounded_int32 = noise_int32.bitwise_and_(_LOW_16_BITS).add_(x_fp32.view(torch.int32)).bitwise_and_(~_LOW_16_BITS)
     rounded_fp32 = rounded_int32.view(torch.float32)  # low 16 bits zero: exact in bf16
     # +-inf stay +-inf (the mask clears what the noise added); only a NaN's bits could carry into another pattern
@@ -66,7 +72,7 @@ def stochastic_round_to_bf16(x_fp32: torch.Tensor, *, generator: torch.Generator
 
 def write_back_(param: torch.Tensor, value_fp32: torch.Tensor, *, rounding: str,
                 kahan_comp: torch.Tensor | None = None,
-                generator: torch.Generator | None = None) -> None:
+                generator: torch.Generator | SRKey | None = None) -> None:
     """Store the fp32 result ``value_fp32`` into ``param`` (in place) with ``rounding``.
 
     Args:
@@ -76,7 +82,8 @@ def write_back_(param: torch.Tensor, value_fp32: torch.Tensor, *, rounding: str,
         rounding: ``"nearest"``, ``"kahan"`` or ``"stochastic"`` (bf16 params only).
         kahan_comp: compensation buffer in ``param.dtype``, updated in place; required for
             ``"kahan"`` on 16-bit params (start it at zeros).
-        generator: RNG for ``"stochastic"``; ``None`` uses torch's global RNG.
+        generator: the random bits of ``"stochastic"``: an ``SRKey`` (counter-based stream), a
+            ``torch.Generator``, or ``None``: torch's global RNG (:func:`stochastic_round_to_bf16`).
 
     No host sync.
 

@@ -64,9 +64,13 @@ class SGD(PrecisionOptimizer):
         state_dtype: format of ``momentum_buffer``: fp32 (default when None), bf16, fp16, or 8-bit blockwise
             (``"int8"``: the signed dynamic map; ``"fp8"``: E4M3; :mod:`mixprec.optim.quantized_state`).
         state_rounding: how bf16 and 8-bit state is rounded when stored: ``"nearest"`` or ``"stochastic"``
-            (unbiased, so bf16 moments track fp32 ones; draws from torch's global RNG). Default when None:
+            (unbiased, so bf16 moments track fp32 ones). Default when None:
             ``"stochastic"`` for bf16 state, else ``"nearest"``. 16-bit state takes no
             extra buffer (the random bits are temporaries); fp16 state is rounded to nearest only.
+        sr_seed: seed of stochastic rounding's counter-based stream (:mod:`mixprec.optim.sr_stream`; params and
+            state): an int in ``[0, 2**64)``, else ``torch.initial_seed()`` (nothing is drawn). Kept in every
+            param group (``param_groups[i]["sr_seed"]``), so ``state_dict()`` resumes the rounding bit for bit;
+            torch's global RNG is never used (but for a state dict saved before ``sr_seed``: the legacy stream).
 
     State: ``step`` (float32 scalar, CPU; counts steps for the first-step check),
     ``momentum_buffer`` in ``state_dtype`` when ``momentum != 0`` (complex64 for a complex64 param,
@@ -93,7 +97,8 @@ class SGD(PrecisionOptimizer):
 
     def __init__(self, params, lr: float = 1e-3, momentum: float = 0.0, dampening: float = 0.0,
                  weight_decay: float = 0.0, nesterov: bool = False, *, rounding: str | None = None,
-                 state_dtype: torch.dtype | str | None = None, state_rounding: str | None = None, **torch_options: Any) -> None:
+                 state_dtype: torch.dtype | str | None = None, state_rounding: str | None = None,
+                 sr_seed: int | None = None, **torch_options: Any) -> None:
         check_torch_options("SGD", torch_options, ("foreach", "fused", "differentiable", "maximize"))
         check_number("SGD", "lr", lr, low=0.0, example="1e-3")
         check_number("SGD", "momentum", momentum, low=0.0, example="0.9")
@@ -105,7 +110,8 @@ class SGD(PrecisionOptimizer):
                              "or nesterov=False")
         defaults = dict(lr=lr, momentum=momentum, dampening=dampening, weight_decay=weight_decay,
                         nesterov=nesterov)
-        super().__init__(params, defaults, rounding=rounding, state_dtype=state_dtype, state_rounding=state_rounding)
+        super().__init__(params, defaults, rounding=rounding, state_dtype=state_dtype, state_rounding=state_rounding,
+                         sr_seed=sr_seed)
 
     def _keeps_moments(self, group: dict[str, Any]) -> bool:
         return group["momentum"] != 0   # no momentum_buffer without momentum
@@ -139,7 +145,7 @@ class SGD(PrecisionOptimizer):
                                               weight_decay=group["weight_decay"],
                                               nesterov=group["nesterov"])
                 if buffer_fp32 is not None:
-                    self._store(state, "momentum_buffer", buffer_fp32)
+                    self._store(p, state, "momentum_buffer", buffer_fp32)
                 elif new_buffer_fp32 is not None:
                     self._put(p, state, "momentum_buffer", new_buffer_fp32)
                 self._write_back(p, param_fp32, state, lost_counts)
