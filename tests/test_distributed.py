@@ -202,38 +202,46 @@ def test_ddp_two_ranks_equal_one_process_on_the_global_batch(tmp_path):
         assert torch.equal(got, want)
 
 
-# ---------------------------------------------------------------------- stochastic rounding: one RNG stream
+# ---------------------------------------------------------------------- stochastic rounding: one stream
 def _sr_worker(rank: int, out: Path) -> dict:
-    """bf16-lean (stochastically rounded bf16 params) and int8 state rounded stochastically, under DDP: seeded
-    alike the replicas stay bitwise equal; seeded per rank (nanoGPT's ``manual_seed(1337 + rank)``) the engine
-    refuses to build on every rank (each would draw other rounding noise and the replicas drift apart)."""
+    """bf16-lean (stochastically rounded bf16 params) and int8 state rounded stochastically, under DDP. The
+    rounding stream is keyed by the optimizer's ``sr_seed`` (by default ``torch.initial_seed()`` when it is
+    built): seeded alike the replicas stay bitwise equal; seeded per rank (nanoGPT's ``manual_seed(1337 +
+    rank)``) the engine refuses to build on every rank (each would round differently and the replicas drift
+    apart) — also when one seed is set again after the optimizer was built ("late"), which the check of the
+    global RNG state let through; an explicit common ``sr_seed`` makes per-rank global seeds harmless."""
     results = {}
-    for seed in (0, 1337 + rank):
+    for case in ("alike", "per-rank", "late", "explicit"):
         torch.manual_seed(0)
         model = nn.Sequential(nn.Linear(16, 512), nn.GELU(), nn.Linear(512, 4))   # 8192 weights: int8 state
-        torch.manual_seed(seed)
+        torch.manual_seed(0 if case == "alike" else 1337 + rank)
+        opt = mixprec.optim.AdamW(model.parameters(), lr=1e-2, **({"sr_seed": 7} if case == "explicit" else {}))
+        if case == "late":
+            torch.manual_seed(0)
         try:
-            mp = MixedPrecision(model, mixprec.optim.AdamW(model.parameters(), lr=1e-2),
-                                "bf16-lean,state_rounding=stochastic", device="cpu", strategy="ddp")
+            mp = MixedPrecision(model, opt, "bf16-lean,state_rounding=stochastic", device="cpu", strategy="ddp")
         except ValueError as err:
-            if "global RNG" not in str(err):
+            if "sr_seed" not in str(err):
                 raise
-            results[seed == 0] = str(err)
+            results[case] = (str(err), next(model.parameters()).dtype)
             continue
         for batch in mpd.shard_batches(_stream(4 * WORLD)):
             _mse_step(mp, batch)
-        results[seed == 0] = {n: p.detach().float().clone() for n, p in mp.module.named_parameters()}
+        results[case] = {n: p.detach().float().clone() for n, p in mp.module.named_parameters()}
     return results
 
 
 @pytest.mark.timeout(120)
-def test_ddp_with_stochastic_rounding_needs_one_rng_state_on_every_rank(tmp_path):
+def test_ddp_with_stochastic_rounding_needs_one_rounding_stream_on_every_rank(tmp_path):
     ranks = _run_ranks(_sr_worker, tmp_path)
-    alike = [r[True] for r in ranks]
-    assert all(torch.equal(alike[0][n], alike[1][n]) for n in alike[0])
+    for case in ("alike", "explicit"):
+        got = [r[case] for r in ranks]
+        assert all(torch.equal(got[0][n], got[1][n]) for n in got[0]), case
     for r in ranks:
-        assert isinstance(r[False], str)
-        assert "rounding=stochastic and state_rounding=stochastic" in r[False] and "torch.manual_seed" in r[False]
+        for case in ("per-rank", "late"):
+            message, dtype = r[case]
+            assert "rounding=stochastic and state_rounding=stochastic" in message and "torch.manual_seed" in message
+            assert "sr_seed" in message and dtype == torch.float32, case   # refused before the model was cast
 
 
 # ---------------------------------------------------------------------- case 28: one rank sees inf / NaN

@@ -29,8 +29,9 @@ the concatenated global batch (up to the order of floating-point sums).
   ``fp16-pure``), whose fp32 master gradients accumulate outside DDP's view: there every
   micro-batch is reduced. Either way every reduction runs in fp32.
   Stochastic rounding (``bf16-sr``, ``bf16-lean``, ``state_rounding=stochastic``) draws its noise from
-  torch's global RNG on each rank, so the engine refuses to build unless every rank's RNG state is rank
-  0's (:func:`check_same_rng`): seeded per rank, the replicas would round differently and drift apart.
+  the optimizer's counter-based stream, so the engine refuses to build unless every rank's ``sr_seed`` is
+  rank 0's (:mod:`mixprec.distributed.replicas`): seeded per rank, the replicas would round differently
+  and drift apart.
 * ``"fsdp2"``: ``fully_shard`` on each block (every element of each direct child
   ``nn.ModuleList``, e.g. GPT blocks, or ``block_filter``), on each ``keep_fp32`` module and
   on the root. Parameters are stored **sharded in fp32** (they are the masters: the engine
@@ -103,7 +104,7 @@ from torch import nn
 from mixprec.policy.policy import Policy
 
 __all__ = ["STRATEGIES", "check_strategy", "init_process_group_from_env", "leave_process_group", "is_main_process", "rank", "world_size",
-           "any_across_ranks", "sum_across_ranks", "from_main_process", "shard_batches", "sync_module_states", "check_same_rng", "wrap_model",
+           "any_across_ranks", "sum_across_ranks", "from_main_process", "shard_batches", "sync_module_states", "wrap_model",
            "set_gradient_sync", "local_tensors", "gradient_reduce_dtypes"]
 
 log = logging.getLogger("mixprec")
@@ -470,18 +471,3 @@ def from_main_process(obj: Any) -> Any:
     box = [obj]
     dist.broadcast_object_list(box, src=0)
     return box[0]
-
-
-def check_same_rng(device: torch.device, what: str) -> None:
-    """Raise ValueError on every rank unless each rank's torch RNG state for ``device`` equals rank 0's.
-
-    ``what`` names the policy and what in it draws from that RNG (stochastic rounding): replicas that draw
-    other noise round their params or state differently, and DDP's averaged gradients never bring them
-    back together. A broadcast and an all-reduce (every rank raises, none waits in a later collective)."""
-    state = (torch.cuda.get_rng_state(device) if device.type == "cuda" else torch.get_rng_state()).cpu()
-    differs = not torch.equal(from_main_process(state), state)
-    if bool(any_across_ranks(torch.tensor([float(differs)], device=device)).item()):   # syncs
-        raise ValueError(f"{what} draws its rounding noise from torch's global RNG, whose state differs between "
-                         "ranks (e.g. torch.manual_seed(seed + rank)), so the replicas would drift apart; call "
-                         "torch.manual_seed(seed) with one seed on every rank before building MixedPrecision, or "
-                         "use a policy without stochastic rounding (e.g. bf16-pure)")

@@ -17,6 +17,7 @@ import torch
 from torch import nn
 
 from mixprec.distributed import process as distributed
+from mixprec.distributed import replicas
 from mixprec.policy.resolve import Resolution, resolve
 from mixprec.policy.policy import Policy
 
@@ -40,6 +41,10 @@ class SingleProcess:
     def before_casts(self, model: nn.Module, policy: Policy, device: torch.device, keep: dict[str, nn.Module],
                      optimizer: torch.optim.Optimizer) -> None:
         """Called after the model moved to ``device``, before the storage plan is applied."""
+
+    def check_attached(self, optimizer: torch.optim.Optimizer, policy: Policy, device: torch.device) -> None:
+        """Called when ``optimizer`` is attached: what the ranks must agree on before a step (the seeds of
+        stochastic rounding's stream). One process: nothing."""
 
     def after_casts(self, model: nn.Module, policy: Policy, device: torch.device) -> nn.Module:
         """Called after the params were cast; returns what users call (``mp.model``)."""
@@ -91,10 +96,17 @@ class _MultiProcess(SingleProcess):
 
     def before_casts(self, model, policy, device, keep, optimizer):
         distributed.sync_module_states(model)
+
+    def check_attached(self, optimizer, policy, device):
         stochastic = [f"{key}=stochastic" for key in ("rounding", "state_rounding") if getattr(policy, key) == "stochastic"]
-        if stochastic:
-            distributed.check_same_rng(torch.device(device), f"strategy={self.name!r} with policy {policy} "
-                                       f"({' and '.join(stochastic)})")
+        if not stochastic:
+            return
+        what = f"strategy={self.name!r} with policy {policy} ({' and '.join(stochastic)})"
+        seeds = [group.get("sr_seed") for group in optimizer.param_groups]
+        if None in seeds:   # a torch optimizer, or state from before the counter-based stream: torch's global RNG
+            replicas.check_same_rng(torch.device(device), what)
+        else:
+            replicas.check_same_sr_seeds([int(s) for s in seeds], torch.device(device), what)
 
     def set_gradient_sync(self, model, *, last_micro_batch, has_masters):
         distributed.set_gradient_sync(model, self.name, last_micro_batch)

@@ -75,6 +75,8 @@ class MixedPrecision:
             allow_fallback=allow_fallback, compiled_in_place=self._compile.compiled_in_place, loss_scale=loss_scale)
         self.policy: Policy = resolution.policy
         self.device: torch.device = resolution.device
+        if optimizer is not None:   # before anything changes: every rank rounds with one stream
+            self._strategy.check_attached(optimizer, self.policy, self.device)
         self.model = self.module = model
         self.strategy, self.guard = strategy, guard
         self.optimizer: torch.optim.Optimizer | None = None   # mp.attach(...)
@@ -124,6 +126,7 @@ class MixedPrecision:
 
     def _attach(self, optimizer: torch.optim.Optimizer, scheduler: Any) -> str:
         check_optimizer(self.module, optimizer, scheduler)
+        self._strategy.check_attached(optimizer, self.policy, self.device)   # every rank: one rounding stream
         stored16 = {id(p) for p in self._frozen.stored16}
         if self.policy.has_masters:
             self.masters.rebind(optimizer)
