@@ -22,8 +22,8 @@ Lightning's hooks, mapped onto the engine's phases (docs/engine.md):
   masters' under ``-pure``, read them from the optimizer; clipping by norm is the engine's fp32 clip), then
   ``mp.apply_or_skip(check)``.
 * ``state_dict``/``load_state_dict``: the engine's state less what Lightning's checkpoint holds already
-  (model, optimizer): masters, loss scale, scheduler, counters, events; ``fit(ckpt_path=...)`` resumes bit
-  for bit. Source: Lightning's own ``MixedPrecision`` (AMP) plugin, whose hook order this follows.
+  (model, optimizer): masters, loss scale, scheduler, counters, events, and the global RNG states (Lightning
+  saves none; stochastic rounding draws from them); ``fit(ckpt_path=...)`` resumes bit for bit. Source: Lightning's own ``MixedPrecision`` (AMP) plugin, whose hook order this follows.
 """
 
 from __future__ import annotations
@@ -39,6 +39,7 @@ from lightning.pytorch.plugins.precision import Precision
 from lightning.pytorch.utilities.model_helpers import is_overridden
 from torch import nn
 
+from mixprec.checkpoint.rng import rng_state, set_rng_state
 from mixprec.engine.boundary import StepCheck, StepResult
 from mixprec.engine.clipping import clip_
 from mixprec.engine.mixed_precision import MixedPrecision
@@ -169,7 +170,10 @@ class MixprecPrecision(Precision):
                                "fit(ckpt_path=...)")
         if self._pending is not None:
             state, self._pending = self._pending, None
+            rng = state.pop("rng", None)
             engine.load_state_dict(state)
+            if rng is not None:
+                set_rng_state(rng["state"], rng["tensors"])
         return engine
 
     def _take_scheduler(self, module: LightningModule) -> Any:
@@ -262,12 +266,16 @@ class MixprecPrecision(Precision):
     # ------------------------------------------------------------------ checkpoints
     def state_dict(self) -> dict[str, Any]:
         """The engine's :meth:`~MixedPrecision.state_dict` less ``model`` and ``optimizer`` (Lightning saves
-        them), with its events; empty before the optimizer is attached. Tensors are references."""
+        them), with its events and the global RNG states (torch, CUDA, numpy, python: stochastic rounding, dropout
+        and data order go on as in an uninterrupted run); empty before the optimizer is attached. Tensors are
+        references."""
         engine = self.engine
         if engine is None or engine.optimizer is None:
             return {}
         state = {k: v for k, v in engine.state_dict().items() if k not in ("model", "optimizer")}
         state["events"] = [event.to_dict() for event in engine.events]
+        tensors: dict[str, torch.Tensor] = {}
+        state["rng"] = {"state": rng_state(engine.device, tensors), "tensors": tensors}
         return state
 
     def on_load_checkpoint(self, checkpoint: dict[str, Any]) -> None:
