@@ -327,3 +327,67 @@ class TwoOptimizers(TinyGPT):
 def test_several_optimizers_are_refused_by_name():
     with pytest.raises(ValueError, match="one optimizer"):
         fit("bf16-mixed", batches(2), 2, model=TwoOptimizers())
+
+
+# ---------------------------------------------------------------------- DDP: 2 gloo processes
+class _Wrapper(L.Callback):
+    """What the strategy trains at the first step: the wrapper's type and its params' dtypes."""
+
+    def on_train_start(self, trainer, pl_module):
+        self.wrapped = type(trainer.strategy.model).__name__
+        self.dtypes = sorted({str(p.dtype) for p in trainer.strategy.model.parameters()})
+
+
+def _ddp_rank(rank: int, port: int, out: str, policy: str) -> None:
+    """One rank of ``strategy="ddp"`` (torchrun's environment, so Lightning launches nothing itself)."""
+    import os
+    import traceback
+    os.environ.update(RANK=str(rank), LOCAL_RANK=str(rank), NODE_RANK="0", WORLD_SIZE="2", MASTER_ADDR="127.0.0.1",
+                      MASTER_PORT=str(port))
+    torch.set_num_threads(1)
+    try:
+        torch.manual_seed(rank)   # different inits: the plugin broadcasts rank 0's fp32 values before casting
+        model = TinyGPT()
+        if rank == 1:
+            with torch.no_grad():
+                for p in model.parameters():
+                    p.add_(0.01)
+        plugin, witness = MixprecPrecision(policy), _Wrapper()
+        t = trainer(plugin, 10, strategy="ddp", devices=2, callbacks=[witness])
+        t.fit(model, loader(batches(20)))
+        torch.save({"fp32": plugin.engine.trainable_state_dict(), "applied": plugin.engine.applied_steps,
+                    "wrapped": witness.wrapped, "dtypes": witness.dtypes}, os.path.join(out, f"rank{rank}.pt"))
+    except BaseException:
+        with open(os.path.join(out, f"rank{rank}.err"), "w") as f:
+            f.write(traceback.format_exc())
+        raise
+
+
+@pytest.mark.parametrize("policy", ["bf16-pure", "bf16-lean,kernels=native"])
+def test_ddp_two_ranks_keep_identical_masters(policy, tmp_path):
+    import socket
+    import time
+    import torch.multiprocessing as torch_mp
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    ctx = torch_mp.start_processes(_ddp_rank, args=(port, str(tmp_path), policy), nprocs=2, join=False,
+                                   start_method="spawn")
+    deadline = time.monotonic() + 240
+    try:
+        while not ctx.join(timeout=1.0):
+            if time.monotonic() > deadline:
+                pytest.fail("ranks still running after 240 s: a collective hangs")
+    except torch_mp.ProcessRaisedException:
+        pytest.fail("a rank raised:\n" + "\n".join(p.read_text() for p in sorted(tmp_path.glob("rank*.err"))))
+    finally:
+        for proc in ctx.processes:   # only the processes this test started
+            if proc.is_alive():
+                proc.kill()
+    ranks = [torch.load(tmp_path / f"rank{r}.pt", weights_only=False) for r in range(2)]
+    for r in ranks:
+        assert r["wrapped"] == "DistributedDataParallel" and r["applied"] == 10
+        assert r["dtypes"] == ["torch.bfloat16"]   # DDP wrapped the prepared (16-bit) params
+    assert ranks[0]["fp32"].keys() == ranks[1]["fp32"].keys()
+    for name, value in ranks[0]["fp32"].items():
+        assert torch.equal(value, ranks[1]["fp32"][name]), f"{name}: the ranks' fp32 values differ"
