@@ -56,10 +56,12 @@ _TRAINER_OWNS = {
     "scheduler": "return it from configure_optimizers (interval 'step': the engine steps it on applied steps)",
     "compile": "torch.compile a submodule inside your LightningModule (Lightning calls its methods, not mp.model)",
 }
-_FABRIC_OWNS = {**_TRAINER_OWNS, "strategy": "Fabric(strategy=...)", "device": "Fabric(accelerator=..., devices=...)",
-                "accumulation_steps": "fabric.no_backward_sync(...) and mp.backward's window: call "
-                                      "optimizer.step() once per window", "scheduler": "plugin.attach(optimizer, "
-                                      "scheduler): the engine steps it on applied steps"}
+_FABRIC_OWNS = {
+    "accumulation_steps": "fabric.backward(loss / N) for each micro-batch, then optimizer.step() once (they join)",
+    "scheduler": "plugin.attach(optimizer, scheduler): the engine steps it on applied steps",
+    "strategy": "L.Fabric(strategy='ddp', ...): the strategy wraps the module the plugin prepared",
+    "compile": "torch.compile the module Fabric returns (fabric.setup re-applies a compile)",
+}
 
 
 def _check_options(options: dict[str, Any], owner: dict[str, str], plugin: str) -> None:
@@ -295,3 +297,97 @@ class MixprecPrecision(Precision):
                              "optimizer_states); this one was saved with weights_only=True")
         self._pending = {**state_dict, **parts}
         self._attach()
+
+
+class MixprecFabricPrecision(FabricPrecision):
+    """The engine under Lightning Fabric (``L.Fabric(plugins=[plugin])``): ``fabric.setup(model, optimizer)``
+    prepares ``model`` before the strategy wraps it (``convert_module``), then one line the plugin cannot do
+    for you, as Fabric shows a precision plugin no optimizer before the first step: ``plugin.attach(optimizer,
+    scheduler=None)`` (the engine steps ``scheduler`` after applied steps only). The model's forward runs
+    under ``mp.autocast()`` with ``mp.cast_inputs``; ``fabric.backward(loss)`` is ``mp.backward(loss,
+    join=True)`` (divide by the micro-batch count yourself, as in Fabric); ``fabric.clip_gradients`` sees the
+    unscaled gradients; ``optimizer.step()`` is the boundary. ``policy``/``engine_options`` as
+    :class:`MixprecPrecision` (``device``: the engine's, default the current CUDA device else CPU, as Fabric's
+    default). ``fabric.save(path, {"mixprec": plugin})`` holds the engine's whole state and the RNG states;
+    ``fabric.load`` restores it exactly. Errors as :class:`MixprecPrecision`."""
+
+    def __init__(self, policy: str | Policy = "auto", **engine_options: Any) -> None:
+        super().__init__()
+        _check_options(engine_options, _FABRIC_OWNS, "MixprecFabricPrecision")
+        self.policy, self.engine_options = policy, engine_options
+        self.engine: MixedPrecision | None = None
+        self.step_check: StepCheck | None = None
+        self.last_result: StepResult | None = None
+
+    @property
+    def precision(self) -> str:   # type: ignore[override]
+        """The policy's text (``fabric`` reports it): the engine's resolved policy once built."""
+        return str(self.engine.policy) if self.engine is not None else str(self.policy)
+
+    def convert_module(self, module: nn.Module) -> nn.Module:
+        """Build the engine on ``module`` (before the strategy wraps it) with ``optimizer=None``; rank 0's fp32
+        values first under several processes. RuntimeError for a second model."""
+        if self.engine is not None:
+            if module is not self.engine.module:
+                raise RuntimeError("MixprecFabricPrecision got a second model: use one plugin (and Fabric) per model")
+            return module
+        _broadcast_from_rank0(module)
+        self.engine = MixedPrecision(module, None, self.policy, **self.engine_options)
+        return module
+
+    def attach(self, optimizer: Any, scheduler: Any = None) -> None:
+        """``mp.attach`` the optimizer ``fabric.setup`` returned (or the one it wraps) and ``scheduler``."""
+        engine = self._engine("plugin.attach(optimizer)")
+        device = next((p.device for p in engine.module.parameters()), engine.device)
+        if device.type != engine.device.type:
+            raise RuntimeError(f"Fabric moved the model to {device}, the engine runs on {engine.device}: pass "
+                               f"MixprecFabricPrecision(..., device='{device.type}')")
+        engine.attach(getattr(optimizer, "optimizer", optimizer), scheduler)
+
+    def _engine(self, what: str) -> MixedPrecision:
+        if self.engine is None:
+            raise RuntimeError(f"MixprecFabricPrecision: {what} before fabric.setup(model, ...) built the engine")
+        return self.engine
+
+    def forward_context(self) -> Any:
+        """``mp.autocast()`` around the model's forward."""
+        return self._engine("a forward").autocast()
+
+    def convert_input(self, data: Any) -> Any:
+        """``mp.cast_inputs(data)``."""
+        return self._engine("a forward").cast_inputs(data)
+
+    def backward(self, tensor: torch.Tensor, model: Any, *args: Any, **kwargs: Any) -> None:
+        """``mp.backward(tensor, join=True)``: micro-batches until ``optimizer.step()`` form one step."""
+        if args:
+            raise TypeError(f"MixprecFabricPrecision.backward takes retain_graph=/inputs= by keyword only, got {args!r}")
+        self._engine("fabric.backward").backward(tensor, join=True, **kwargs)
+
+    def unscale_gradients(self, optimizer: Any) -> None:
+        """The boundary's first phase (``fabric.clip_gradients`` calls it): ``mp.unscale_and_check()``, once."""
+        if self.step_check is None:
+            self.step_check = self._engine("fabric.clip_gradients").unscale_and_check()
+
+    def optimizer_step(self, optimizer: Any, **kwargs: Any) -> Any:
+        """The boundary: :meth:`unscale_gradients` unless done, then ``mp.apply_or_skip``; returns None."""
+        if kwargs:
+            raise TypeError(f"MixprecFabricPrecision.optimizer_step takes no optimizer.step() arguments, got {kwargs}")
+        self.unscale_gradients(optimizer)
+        check, self.step_check = self.step_check, None
+        self.last_result = self._engine("optimizer.step()").apply_or_skip(check)
+        return None
+
+    def state_dict(self) -> dict[str, Any]:
+        """The engine's whole :meth:`~MixedPrecision.state_dict` with its events and the RNG states."""
+        engine = self._engine("state_dict()")
+        tensors: dict[str, torch.Tensor] = {}
+        return {**engine.state_dict(), "events": [event.to_dict() for event in engine.events],
+                "rng": {"state": rng_state(engine.device, tensors), "tensors": tensors}}
+
+    def load_state_dict(self, state_dict: dict[str, Any]) -> None:
+        """Restore :meth:`state_dict` exactly (after :meth:`attach`)."""
+        state = dict(state_dict)
+        rng = state.pop("rng", None)
+        self._engine("load_state_dict()").load_state_dict(state)
+        if rng is not None:
+            set_rng_state(rng["state"], rng["tensors"])
