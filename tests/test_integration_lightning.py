@@ -338,7 +338,7 @@ class _Wrapper(L.Callback):
         self.dtypes = sorted({str(p.dtype) for p in trainer.strategy.model.parameters()})
 
 
-def _ddp_rank(rank: int, port: int, out: str, policy: str) -> None:
+def _ddp_rank(rank: int, port: int, out: str, policy: str, accumulate: int) -> None:
     """One rank of ``strategy="ddp"`` (torchrun's environment, so Lightning launches nothing itself)."""
     import os
     import traceback
@@ -353,7 +353,7 @@ def _ddp_rank(rank: int, port: int, out: str, policy: str) -> None:
                 for p in model.parameters():
                     p.add_(0.01)
         plugin, witness = MixprecPrecision(policy), _Wrapper()
-        t = trainer(plugin, 10, strategy="ddp", devices=2, callbacks=[witness])
+        t = trainer(plugin, 10, strategy="ddp", devices=2, callbacks=[witness], accumulate_grad_batches=accumulate)
         t.fit(model, loader(batches(20)))
         torch.save({"fp32": plugin.engine.trainable_state_dict(), "applied": plugin.engine.applied_steps,
                     "wrapped": witness.wrapped, "dtypes": witness.dtypes}, os.path.join(out, f"rank{rank}.pt"))
@@ -363,15 +363,15 @@ def _ddp_rank(rank: int, port: int, out: str, policy: str) -> None:
         raise
 
 
-@pytest.mark.parametrize("policy", ["bf16-pure", "bf16-lean,kernels=native"])
-def test_ddp_two_ranks_keep_identical_masters(policy, tmp_path):
+def run_ddp(tmp_path, policy: str, accumulate: int = 1) -> list | str:
+    """Both ranks' results, or the text of the ranks' errors."""
     import socket
     import time
     import torch.multiprocessing as torch_mp
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         port = s.getsockname()[1]
-    ctx = torch_mp.start_processes(_ddp_rank, args=(port, str(tmp_path), policy), nprocs=2, join=False,
+    ctx = torch_mp.start_processes(_ddp_rank, args=(port, str(tmp_path), policy, accumulate), nprocs=2, join=False,
                                    start_method="spawn")
     deadline = time.monotonic() + 240
     try:
@@ -379,12 +379,18 @@ def test_ddp_two_ranks_keep_identical_masters(policy, tmp_path):
             if time.monotonic() > deadline:
                 pytest.fail("ranks still running after 240 s: a collective hangs")
     except torch_mp.ProcessRaisedException:
-        pytest.fail("a rank raised:\n" + "\n".join(p.read_text() for p in sorted(tmp_path.glob("rank*.err"))))
+        return "\n".join(p.read_text() for p in sorted(tmp_path.glob("rank*.err")))
     finally:
         for proc in ctx.processes:   # only the processes this test started
             if proc.is_alive():
                 proc.kill()
-    ranks = [torch.load(tmp_path / f"rank{r}.pt", weights_only=False) for r in range(2)]
+    return [torch.load(tmp_path / f"rank{r}.pt", weights_only=False) for r in range(2)]
+
+
+@pytest.mark.parametrize("policy", ["bf16-pure", "bf16-lean,kernels=native"])
+def test_ddp_two_ranks_keep_identical_masters(policy, tmp_path):
+    ranks = run_ddp(tmp_path, policy)
+    assert not isinstance(ranks, str), f"a rank raised:\n{ranks}"
     for r in ranks:
         assert r["wrapped"] == "DistributedDataParallel" and r["applied"] == 10
         assert r["dtypes"] == ["torch.bfloat16"]   # DDP wrapped the prepared (16-bit) params
@@ -393,8 +399,14 @@ def test_ddp_two_ranks_keep_identical_masters(policy, tmp_path):
         assert torch.equal(value, ranks[1]["fp32"][name]), f"{name}: the ranks' fp32 values differ"
 
 
+def test_ddp_accumulation_with_masters_is_refused_by_name(tmp_path):
+    errors = run_ddp(tmp_path, "bf16-pure", accumulate=2)
+    assert isinstance(errors, str) and "ValueError: accumulate_grad_batches=2 on 2 processes" in errors
+
+
 # ---------------------------------------------------------------------- Fabric
-def fabric_run(policy: str, data, *, model: TinyGPT | None = None, start: int = 0, load=None, save=None):
+def fabric_run(policy: str, data, *, model: TinyGPT | None = None, start: int = 0, load=None, save=None,
+               clip: float | None = None):
     """``fabric.setup`` + ``plugin.attach`` + Fabric's own loop on ``data`` (batch indices from ``start``);
     ``load``/``save``: a path for ``fabric.load``/``fabric.save`` of ``{"mixprec": plugin}``."""
     from mixprec.integrations.lightning import MixprecFabricPrecision
@@ -411,6 +423,8 @@ def fabric_run(policy: str, data, *, model: TinyGPT | None = None, start: int = 
     for i, (idx, tgt) in enumerate(loader(data), start):
         loss = F.cross_entropy(fmodel(idx).float().flatten(0, 1), tgt.flatten())
         fabric.backward(loss * 1e5 if i in model.spikes else loss)
+        if clip is not None:
+            fabric.clip_gradients(fmodel, fopt, max_norm=clip, error_if_nonfinite=False)
         fopt.step()
     if save is not None:
         fabric.save(save, {"mixprec": plugin})
@@ -424,6 +438,14 @@ def test_fabric_equals_the_hand_loop_bit_for_bit(policy):
     ref, _ = hand_loop(policy, data)
     assert_same_run(plugin.engine, ref)
     assert plugin.precision == str(ref.policy)
+
+
+def test_fabric_clip_gradients_clips_the_unscaled_gradients():
+    data = batches(10)
+    plugin, _ = fabric_run("fp16-mixed", data, clip=0.05)
+    ref, results = hand_loop("fp16-mixed", data, clip=0.05)
+    assert any(r.grad_norm > 0.05 for r in results)   # the clip acted
+    assert_same_run(plugin.engine, ref)
 
 
 def test_fabric_skips_overflows_and_resumes_exactly(tmp_path):

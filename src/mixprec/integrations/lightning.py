@@ -18,12 +18,14 @@ Lightning's hooks, mapped onto the engine's phases (docs/engine.md):
   itself, so the engine is built with ``accumulation_steps=1`` and each micro-batch joins the window in
   progress; Lightning's ``optimizer_step`` is the boundary (an epoch's short last window included).
 * ``optimizer_step``: Lightning's closure (forward, backward), ``mp.unscale_and_check()``, then Lightning's
-  ``on_before_optimizer_step`` and ``configure_gradient_clipping`` on the unscaled fp32 gradients (the
-  masters' under ``-pure``, read them from the optimizer; clipping by norm is the engine's fp32 clip), then
-  ``mp.apply_or_skip(check)``.
+  ``on_before_optimizer_step`` and ``configure_gradient_clipping`` on the unscaled gradients the optimizer
+  steps (fp32 on the params under ``-mixed``, on the masters under ``-pure``: read them from the optimizer;
+  clipping by norm is the engine's fp32 clip), then ``mp.apply_or_skip(check)``.
 * ``state_dict``/``load_state_dict``: the engine's state less what Lightning's checkpoint holds already
   (model, optimizer): masters, loss scale, scheduler, counters, events, and the global RNG states (Lightning
-  saves none; stochastic rounding draws from them); ``fit(ckpt_path=...)`` resumes bit for bit. Source: Lightning's own ``MixedPrecision`` (AMP) plugin, whose hook order this follows.
+  saves none; stochastic rounding draws from them); ``fit(ckpt_path=...)`` resumes bit for bit.
+
+Source: Lightning's own ``MixedPrecision`` (AMP) plugin, whose hook order this follows.
 """
 
 from __future__ import annotations
@@ -161,7 +163,12 @@ class MixprecPrecision(Precision):
             if len(optimizers) != 1:
                 raise ValueError(f"MixprecPrecision runs one optimizer; configure_optimizers gave {len(optimizers)}: "
                                  "put the params in one optimizer (param groups for different settings)")
-            module = engine.module
+            module, trainer = engine.module, self._trainer
+            if trainer.world_size > 1 and trainer.accumulate_grad_batches > 1 and engine.policy.has_masters:
+                raise ValueError(f"accumulate_grad_batches={trainer.accumulate_grad_batches} on {trainer.world_size} "
+                                 f"processes with {engine.policy} (fp32 masters): Lightning's no_sync would reduce "
+                                 "only the last micro-batch's gradients (the masters take each one's), and the ranks "
+                                 "would drift; use accumulate_grad_batches=1 (a larger batch) or a -mixed policy")
             if is_overridden("backward", module, LightningModule):
                 raise ValueError(f"{type(module).__name__}.backward is overridden, but MixprecPrecision backpropagates "
                                  "through the engine (loss scaling, fp32 master gradients); remove the override")
@@ -360,7 +367,7 @@ class MixprecFabricPrecision(FabricPrecision):
     def backward(self, tensor: torch.Tensor, model: Any, *args: Any, **kwargs: Any) -> None:
         """``mp.backward(tensor, join=True)``: micro-batches until ``optimizer.step()`` form one step."""
         if args:
-            raise TypeError(f"MixprecFabricPrecision.backward takes retain_graph=/inputs= by keyword only, got {args!r}")
+            raise TypeError(f"MixprecFabricPrecision.backward takes retain_graph=/inputs= by keyword, got {args!r}")
         self._engine("fabric.backward").backward(tensor, join=True, **kwargs)
 
     def unscale_gradients(self, optimizer: Any) -> None:
