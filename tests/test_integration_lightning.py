@@ -87,6 +87,8 @@ class TinyGPT(L.LightningModule):
 
     def on_before_optimizer_step(self, optimizer):
         grads = [p.grad for g in optimizer.param_groups for p in g["params"] if p.grad is not None]
+        if not grads:   # Lightning's own fp32 step of a window whose training_steps all returned None
+            return
         self.seen_dtypes |= {g.dtype for g in grads}
         self.seen_norms.append(torch.nn.utils.get_total_norm([g.float() for g in grads], 2.0))
         self.seen_sizes = (max(g.numel() for g in grads), len(grads))
@@ -459,3 +461,28 @@ def test_fabric_skips_overflows_and_resumes_exactly(tmp_path):
     engine = plugin.engine
     assert engine.skipped_total == 3 and engine.scheduler.last_epoch == engine.applied_steps == 17
     assert_same_run(engine, ref)
+
+
+class SkipsBatches(TinyGPT):
+    """``training_step`` returns None on the given batches: Lightning skips their optimizer step."""
+
+    def __init__(self, skip: tuple[int, ...]) -> None:
+        super().__init__()
+        self.skip = skip
+
+    def training_step(self, batch, batch_idx):
+        return None if batch_idx in self.skip else super().training_step(batch, batch_idx)
+
+
+def test_a_none_training_step_steps_as_lightning_fp32_does():
+    """Windows of 2; batches 2 and 3 (a whole window) and 4 (a window's first) return None: the window of
+    2-3 has no gradient and no step, the one of 4-5 steps batch 5 alone, as Lightning's fp32 training does."""
+    data = batches(8)
+    plugin, _, _ = fit("fp32", data, -1, model=SkipsBatches((2, 3, 4)),
+                       trainer_kw={"accumulate_grad_batches": 2, "max_epochs": 1, "gradient_clip_val": 1.0})
+    plain = SkipsBatches((2, 3, 4))
+    trainer(None, -1, accumulate_grad_batches=2, max_epochs=1, gradient_clip_val=1.0, precision="32-true").fit(
+        plain, loader(data))
+    assert plugin.engine.boundaries == 3
+    for p, q in zip(plugin.engine.module.parameters(), plain.parameters()):
+        assert torch.equal(p, q)

@@ -242,9 +242,8 @@ class MixprecPrecision(Precision):
             raise RuntimeError(f"optimizer_step for a {type(optimizer).__name__} the engine does not step")
         closure_result = closure()
         automatic = isinstance(model, LightningModule) and model.automatic_optimization
-        if automatic and engine.micro_step == 0:   # training_step returned None: nothing to step, as Lightning's
-            self._after_closure(model, optimizer)
-            return closure_result
+        if automatic and engine.micro_step == 0:   # every training_step of the window returned None: no gradient
+            return closure_result                 # to step (a torch optimizer skips params without one)
         self.step_check = engine.unscale_and_check()
         self._agree_on_skip(self.step_check)
         self._after_closure(model, optimizer)   # on_before_optimizer_step, configure_gradient_clipping
