@@ -161,18 +161,18 @@ class MixedPrecision:
             self._step_batches.append(batch)
         return batch
 
-    def backward(self, loss: torch.Tensor, *, retain_graph: bool = False, inputs: Any = None) -> None:
-        """Scale ``loss``, divide by ``accumulation_steps`` and backpropagate (``retain_graph``, ``inputs`` as
-        ``Tensor.backward``; after ``retain_graph=True`` the next call joins the same micro-batch); under ``-pure``
-        the 16-bit grads go into the masters' grads; inputs' ``.grad`` keep the scale (docs/loops.md). No host
-        sync. Raises ValueError for a loss not a scalar floating tensor requiring grad; RuntimeError for more
-        micro-batches than ``accumulation_steps`` without ``step()``, or a frozen param thawed by hand."""
+    def backward(self, loss: torch.Tensor, *, retain_graph: bool = False, inputs: Any = None, join: bool = False) -> None:
+        """Scale ``loss``, divide by ``accumulation_steps``, backpropagate (``retain_graph``, ``inputs`` as ``Tensor.
+        backward``); the call after ``retain_graph=True``, or with ``join=True`` (a trainer dividing the loss by its own
+        accumulation count: Lightning), adds into the micro-batch in progress; ``-pure``: grads into the masters';
+        inputs' ``.grad`` keep the scale (docs/loops.md). No host sync. ValueError for a loss not a scalar floating
+        tensor requiring grad; RuntimeError: more micro-batches than ``accumulation_steps``, a frozen param thawed."""
         check_loss(loss)
         self._check_usable("mp.backward()")
         self._check_no_open_check("mp.backward()")
         self._frozen.check_not_thawed()
         self._auto.before_backward()
-        new_micro_batch = self._step_pending != RETAINED   # a retained graph's next loss: the same micro-batch
+        new_micro_batch = self._step_pending != RETAINED and not (join and self._step_pending)   # same micro-batch
         if new_micro_batch and self.micro_step >= self.accumulation_steps:
             raise RuntimeError(TOO_MANY.format(n=self.micro_step + 1, a=self.accumulation_steps))
         if new_micro_batch and self.micro_step == 0:

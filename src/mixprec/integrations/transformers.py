@@ -1,4 +1,4 @@
-"""mixprec inside the Hugging Face ``Trainer``: :class:`MixprecTrainer` (docs/integrations-hf.md).
+"""mixprec inside the Hugging Face ``Trainer``: :class:`MixprecTrainer` (docs/integrations.md).
 
 ``MixprecTrainer(model, args, policy="bf16-pure", train_dataset=...)`` is a ``transformers.Trainer`` whose
 precision is a :class:`mixprec.MixedPrecision` engine, ``trainer.engine``. Built in ``__init__`` (an evaluation

@@ -1,0 +1,399 @@
+"""mixprec under PyTorch Lightning: :class:`MixprecPrecision`, a precision plugin for ``L.Trainer``
+(``L.Trainer(plugins=[MixprecPrecision("bf16-lean")])``), and :class:`MixprecFabricPrecision` for Fabric
+(docs/integrations.md, "Lightning"). Importing this module imports Lightning (``pip install mixprec[lightning]``).
+
+Lightning's hooks, mapped onto the engine's phases (docs/engine.md):
+
+* ``convert_module``, which every strategy calls before it wraps the model (DDP buckets, FSDP shards): the
+  engine is built on the LightningModule with ``optimizer=None`` (an evaluation engine: autocast and input
+  casts), so a wrapper sees the prepared params; under several processes rank 0's fp32 values are broadcast
+  first, so every rank's masters start equal. validate/test/predict before ``fit`` run on it as it is.
+* the first training step (or a checkpoint load): ``mp.attach(optimizer, scheduler)`` with the one optimizer
+  Lightning built and its step-interval scheduler, which the engine then steps after applied steps only
+  (Lightning's ``lr_scheduler_step`` for it does nothing); epoch-interval and plateau schedulers stay
+  Lightning's.
+* ``forward_context`` (the train/val/test/predict steps): ``mp.autocast()``; ``convert_input``:
+  ``mp.cast_inputs``.
+* ``backward``: ``mp.backward(loss, join=True)``. Lightning divides the loss by ``accumulate_grad_batches``
+  itself, so the engine is built with ``accumulation_steps=1`` and each micro-batch joins the window in
+  progress; Lightning's ``optimizer_step`` is the boundary (an epoch's short last window included).
+* ``optimizer_step``: Lightning's closure (forward, backward), ``mp.unscale_and_check()``, then Lightning's
+  ``on_before_optimizer_step`` and ``configure_gradient_clipping`` on the unscaled gradients the optimizer
+  steps (fp32 on the params under ``-mixed``, on the masters under ``-pure``: read them from the optimizer;
+  clipping by norm is the engine's fp32 clip), then ``mp.apply_or_skip(check)``.
+* ``state_dict``/``load_state_dict``: the engine's state less what Lightning's checkpoint holds already
+  (model, optimizer): masters, loss scale, scheduler, counters, events, and the global RNG states (Lightning
+  saves none; stochastic rounding draws from them); ``fit(ckpt_path=...)`` resumes bit for bit.
+
+Source: Lightning's own ``MixedPrecision`` (AMP) plugin, whose hook order this follows.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
+from typing import Any
+
+import torch
+from lightning.fabric.plugins.precision import Precision as FabricPrecision
+from lightning.pytorch import LightningModule
+from lightning.pytorch.plugins.precision import Precision
+from lightning.pytorch.utilities.model_helpers import is_overridden
+from torch import nn
+
+from mixprec.checkpoint.rng import rng_state, set_rng_state
+from mixprec.engine.boundary import StepCheck, StepResult
+from mixprec.engine.clipping import clip_
+from mixprec.engine.mixed_precision import MixedPrecision
+from mixprec.policy.policy import Policy
+
+__all__ = ["MixprecPrecision", "MixprecFabricPrecision"]
+
+#: Engine options the trainer owns, and where to set them instead.
+_TRAINER_OWNS = {
+    "accumulation_steps": "Trainer(accumulate_grad_batches=N): Lightning divides the loss and calls the step",
+    "max_grad_norm": "Trainer(gradient_clip_val=...): clipping by norm runs the engine's fp32 clip",
+    "strategy": "Trainer(strategy='ddp', ...): the strategy wraps the module the plugin prepared",
+    "device": "Trainer(accelerator=..., devices=...): the engine runs on the strategy's root device",
+    "scheduler": "return it from configure_optimizers (interval 'step': the engine steps it on applied steps)",
+    "compile": "torch.compile a submodule inside your LightningModule (Lightning calls its methods, not mp.model)",
+}
+_FABRIC_OWNS = {
+    "accumulation_steps": "fabric.backward(loss / N) for each micro-batch, then optimizer.step() once (they join)",
+    "scheduler": "plugin.attach(optimizer, scheduler): the engine steps it on applied steps",
+    "strategy": "L.Fabric(strategy='ddp', ...): the strategy wraps the module the plugin prepared",
+    "compile": "torch.compile the module Fabric returns (fabric.setup re-applies a compile)",
+}
+
+
+def _check_options(options: dict[str, Any], owner: dict[str, str], plugin: str) -> None:
+    for key in options:
+        if key in owner:
+            raise ValueError(f"{plugin}({key}={options[key]!r}): the trainer owns this; use {owner[key]}")
+
+
+class _SteppedByEngine:
+    """A step-interval scheduler as Lightning sees it once the engine steps it: ``step()`` does nothing (the
+    engine steps the scheduler after each applied optimizer step); everything else is the scheduler's
+    (``state_dict``, ``optimizer``, ``get_last_lr``, ...), so Lightning's checkpoint and LR monitor still work."""
+
+    def __init__(self, scheduler: Any) -> None:
+        self._scheduler = scheduler
+
+    def step(self, *args: Any, **kwargs: Any) -> None:
+        return None
+
+    def __getattr__(self, name: str) -> Any:
+        if name == "_scheduler":
+            raise AttributeError(name)
+        return getattr(self._scheduler, name)
+
+
+def _broadcast_from_rank0(module: nn.Module) -> None:
+    """Every rank takes rank 0's fp32 params and buffers (before the engine casts them), as DDP would after
+    the cast: masters and Kahan compensations start equal on every rank. One broadcast per tensor."""
+    if not (torch.distributed.is_available() and torch.distributed.is_initialized()):
+        return
+    if torch.distributed.get_world_size() < 2:
+        return
+    with torch.no_grad():
+        for tensor in module.state_dict(keep_vars=True).values():
+            torch.distributed.broadcast(tensor.data if isinstance(tensor, nn.Parameter) else tensor, src=0)
+
+
+class MixprecPrecision(Precision):
+    """A Lightning precision plugin running the mixprec engine (``L.Trainer(plugins=[MixprecPrecision(policy)])``):
+    ``policy`` as :class:`mixprec.MixedPrecision` (``"auto"``, a preset, ``key=value`` text, a :class:`Policy`),
+    ``engine_options`` its keyword options but those the trainer owns (ValueError naming the Trainer argument).
+    ``engine`` is the :class:`MixedPrecision` after the strategy's setup (None before); ``step_check`` the open
+    :class:`StepCheck` inside ``on_before_optimizer_step``/``configure_gradient_clipping`` (None elsewhere);
+    ``last_result`` the last step's :class:`StepResult`. ``precision`` (``trainer.precision``) is the policy's
+    text. Host syncs: the engine's (one per step). Errors: RuntimeError for a second model, a second ``fit`` with
+    new optimizers or a step outside the order; ValueError for several optimizers, an overridden
+    ``LightningModule.backward`` or ``lr_scheduler_step`` beside a step-interval scheduler. Source: Lightning's
+    ``MixedPrecision`` plugin (its hook order)."""
+
+    def __init__(self, policy: str | Policy = "auto", **engine_options: Any) -> None:
+        super().__init__()
+        _check_options(engine_options, _TRAINER_OWNS, "MixprecPrecision")
+        self.policy, self.engine_options = policy, engine_options
+        self.engine: MixedPrecision | None = None
+        self.step_check: StepCheck | None = None
+        self.last_result: StepResult | None = None
+        self._trainer: Any = None
+        self._checkpoint_parts: dict[str, Any] = {}   # Lightning's own model and optimizer states, at a load
+        self._pending: dict[str, Any] | None = None   # an engine state loaded before the optimizer was attached
+
+    @property
+    def precision(self) -> str:   # type: ignore[override]
+        """The policy's text (``trainer.precision``): the engine's resolved policy once built."""
+        return str(self.engine.policy) if self.engine is not None else str(self.policy)
+
+    # ------------------------------------------------------------------ setup
+    def convert_module(self, module: nn.Module) -> nn.Module:
+        """Build the engine on ``module`` (the LightningModule, before any wrapper) with ``optimizer=None``; the
+        same module again (validate after fit) keeps its engine. TypeError for a wrapper, RuntimeError for
+        another model."""
+        if self.engine is not None:
+            if module is not self.engine.module:
+                raise RuntimeError(f"MixprecPrecision got a second model ({type(module).__name__}) after preparing "
+                                   f"{type(self.engine.module).__name__}: use one plugin per model")
+            return module
+        if not isinstance(module, LightningModule):
+            raise TypeError(f"MixprecPrecision.convert_module got a {type(module).__name__}, not the LightningModule: "
+                            "the strategy wrapped it first, so its buckets or shards would hold the fp32 params; "
+                            "this strategy is not supported")
+        self._trainer = module.trainer
+        _broadcast_from_rank0(module)
+        self.engine = MixedPrecision(module, None, self.policy, device=self._trainer.strategy.root_device,
+                                     **self.engine_options)
+        return module
+
+    def _built(self, what: str) -> MixedPrecision:
+        if self.engine is None:
+            raise RuntimeError(f"MixprecPrecision: {what} before the strategy's setup built the engine; pass the "
+                               "plugin as L.Trainer(plugins=[MixprecPrecision(policy)])")
+        return self.engine
+
+    def _attach(self) -> MixedPrecision:
+        """The engine with Lightning's optimizer attached (at the first training step), and a pending load."""
+        engine = self._built("a training step")
+        optimizers = list(self._trainer.strategy.optimizers)
+        if engine.optimizer is None:
+            if len(optimizers) != 1:
+                raise ValueError(f"MixprecPrecision runs one optimizer; configure_optimizers gave {len(optimizers)}: "
+                                 "put the params in one optimizer (param groups for different settings)")
+            module, trainer = engine.module, self._trainer
+            if trainer.world_size > 1 and trainer.accumulate_grad_batches > 1 and engine.policy.has_masters:
+                raise ValueError(f"accumulate_grad_batches={trainer.accumulate_grad_batches} on {trainer.world_size} "
+                                 f"processes with {engine.policy} (fp32 masters): Lightning's no_sync would reduce "
+                                 "only the last micro-batch's gradients (the masters take each one's), and the ranks "
+                                 "would drift; use accumulate_grad_batches=1 (a larger batch) or a -mixed policy")
+            if is_overridden("backward", module, LightningModule):
+                raise ValueError(f"{type(module).__name__}.backward is overridden, but MixprecPrecision backpropagates "
+                                 "through the engine (loss scaling, fp32 master gradients); remove the override")
+            engine.attach(optimizers[0], self._take_scheduler(module))
+        elif optimizers and optimizers[0] is not engine.optimizer:
+            raise RuntimeError("a second fit() built a new optimizer, but the engine's fp32 masters and loss scale "
+                               "belong to the first: build a new model and MixprecPrecision, or resume through "
+                               "fit(ckpt_path=...)")
+        if self._pending is not None:
+            state, self._pending = self._pending, None
+            rng = state.pop("rng", None)
+            engine.load_state_dict(state)
+            if rng is not None:
+                set_rng_state(rng["state"], rng["tensors"])
+        return engine
+
+    def _take_scheduler(self, module: LightningModule) -> Any:
+        """The step-interval scheduler the engine will step (Lightning's ``step()`` of it becomes a no-op)."""
+        if not module.automatic_optimization:
+            return None   # manual optimization: the user steps schedulers (`if plugin.last_result.applied`)
+        configs = [c for c in self._trainer.strategy.lr_scheduler_configs
+                   if c.interval == "step" and not c.reduce_on_plateau]
+        if not configs:
+            return None
+        if len(configs) > 1 or configs[0].frequency != 1:
+            raise ValueError(f"MixprecPrecision steps one step-interval scheduler with frequency=1 after each "
+                             f"applied step; got {len(configs)} with frequencies {[c.frequency for c in configs]}: "
+                             "chain them (torch.optim.lr_scheduler.SequentialLR) or use interval='epoch'")
+        if is_overridden("lr_scheduler_step", module, LightningModule):
+            raise ValueError(f"{type(module).__name__}.lr_scheduler_step is overridden, but the engine steps the "
+                             "step-interval scheduler itself (after applied steps only); remove the override or "
+                             "use interval='epoch'")
+        scheduler = configs[0].scheduler
+        configs[0].scheduler = _SteppedByEngine(scheduler)
+        return scheduler
+
+    # ------------------------------------------------------------------ forward
+    @contextmanager
+    def forward_context(self) -> Iterator[None]:
+        """``mp.autocast()`` around a train/val/test/predict step."""
+        with self._built("a forward").autocast():
+            yield
+
+    @contextmanager
+    def train_step_context(self) -> Iterator[None]:
+        """The training step's forward: attach the optimizer first (once), then :meth:`forward_context`."""
+        self._attach()
+        with self.forward_context():
+            yield
+
+    def convert_input(self, data: Any) -> Any:
+        """``mp.cast_inputs(data)``: to the device, floating tensors in the param dtype, token ids exact."""
+        return data if self.engine is None else self.engine.cast_inputs(data)
+
+    # ------------------------------------------------------------------ backward and step
+    def backward(self, tensor: torch.Tensor, model: Any, optimizer: Any, *args: Any, **kwargs: Any) -> None:
+        """``mp.backward(tensor, join=True)``: Lightning's loss, already divided by ``accumulate_grad_batches``,
+        joins the window in progress (``retain_graph``/``inputs`` pass through)."""
+        if args:
+            raise TypeError(f"MixprecPrecision.backward takes retain_graph=/inputs= by keyword only, got {args!r}")
+        self._attach().backward(tensor, join=True, **kwargs)
+
+    def optimizer_step(self, optimizer: Any, model: Any, closure: Callable[[], Any], **kwargs: Any) -> Any:
+        """Run ``closure`` (forward, backward), then the engine's boundary: unscale_and_check, Lightning's
+        ``on_before_optimizer_step`` and clipping on the unscaled fp32 gradients, apply_or_skip (the scheduler
+        steps on applied steps only). Returns the closure's result."""
+        engine = self._attach()
+        if kwargs:
+            raise TypeError(f"MixprecPrecision.optimizer_step takes no optimizer.step() arguments, got {kwargs}")
+        if optimizer is not engine.optimizer:
+            raise RuntimeError(f"optimizer_step for a {type(optimizer).__name__} the engine does not step")
+        closure_result = closure()
+        automatic = isinstance(model, LightningModule) and model.automatic_optimization
+        if automatic and engine.micro_step == 0:   # every training_step of the window returned None: no gradient
+            return closure_result                 # to step (a torch optimizer skips params without one)
+        self.step_check = engine.unscale_and_check()
+        self._agree_on_skip(self.step_check)
+        self._after_closure(model, optimizer)   # on_before_optimizer_step, configure_gradient_clipping
+        check, self.step_check = self.step_check, None
+        self.last_result = engine.apply_or_skip(check)
+        return closure_result
+
+    def _agree_on_skip(self, check: StepCheck) -> None:
+        """Under several processes the ranks' skip decisions must agree (DDP reduced the gradients, but a
+        non-finite loss is each rank's own): one all-reduce of one flag per step; RuntimeError otherwise."""
+        strategy = self._trainer.strategy
+        if strategy.world_size < 2:
+            return
+        any_skipped = strategy.reduce_boolean_decision(check.skipped, all=False)
+        if any_skipped != check.skipped:
+            raise RuntimeError(f"rank {strategy.global_rank} {'skips' if check.skipped else 'applies'} step "
+                               f"{self.engine.boundaries} but another rank does not (a non-finite loss on one rank "
+                               "with finite reduced gradients); the ranks would drift apart: check the loss")
+
+    def clip_grad_by_norm(self, optimizer: Any, clip_val: int | float) -> None:
+        """Clip the step's unscaled fp32 gradients to ``clip_val`` by their fp32 norm (the engine's clip, as
+        ``MixedPrecision(max_grad_norm=clip_val)``). RuntimeError outside the step's gradient hooks."""
+        if self.step_check is None:
+            raise RuntimeError("clip_gradients outside on_before_optimizer_step/configure_gradient_clipping: the "
+                               "engine's unscaled gradients exist only there")
+        clip_(list(self.step_check.grads), self.step_check.grad_norm_t, float(clip_val))
+
+    # ------------------------------------------------------------------ checkpoints
+    def state_dict(self) -> dict[str, Any]:
+        """The engine's :meth:`~MixedPrecision.state_dict` less ``model`` and ``optimizer`` (Lightning saves
+        them), with its events and the global RNG states (torch, CUDA, numpy, python: stochastic rounding, dropout
+        and data order go on as in an uninterrupted run); empty before the optimizer is attached. Tensors are
+        references."""
+        engine = self.engine
+        if engine is None or engine.optimizer is None:
+            return {}
+        state = {k: v for k, v in engine.state_dict().items() if k not in ("model", "optimizer")}
+        state["events"] = [event.to_dict() for event in engine.events]
+        tensors: dict[str, torch.Tensor] = {}
+        state["rng"] = {"state": rng_state(engine.device, tensors), "tensors": tensors}
+        return state
+
+    def on_load_checkpoint(self, checkpoint: dict[str, Any]) -> None:
+        """Keep Lightning's model and optimizer states of ``checkpoint`` for :meth:`load_state_dict`."""
+        optimizers = checkpoint.get("optimizer_states") or [None]
+        self._checkpoint_parts = {"model": checkpoint.get("state_dict"), "optimizer": optimizers[0]}
+
+    def load_state_dict(self, state_dict: dict[str, Any]) -> None:
+        """Restore :meth:`state_dict` with the model and optimizer states of Lightning's checkpoint, exactly
+        (:meth:`MixedPrecision.load_state_dict`), when fitting; outside ``fit`` Lightning restores the weights
+        only and the engine's state is left. ValueError for a checkpoint without optimizer states."""
+        if not state_dict or self._trainer is None or self._trainer.state.fn != "fit":
+            return
+        parts = self._checkpoint_parts
+        if parts.get("model") is None or parts.get("optimizer") is None:
+            raise ValueError("MixprecPrecision.load_state_dict needs Lightning's full checkpoint (state_dict and "
+                             "optimizer_states); this one was saved with weights_only=True")
+        self._pending = {**state_dict, **parts}
+        self._attach()
+
+
+class MixprecFabricPrecision(FabricPrecision):
+    """The engine under Lightning Fabric (``L.Fabric(plugins=[plugin])``): ``fabric.setup(model, optimizer)``
+    prepares ``model`` before the strategy wraps it (``convert_module``), then one line the plugin cannot do
+    for you, as Fabric shows a precision plugin no optimizer before the first step: ``plugin.attach(optimizer,
+    scheduler=None)`` (the engine steps ``scheduler`` after applied steps only). The model's forward runs
+    under ``mp.autocast()`` with ``mp.cast_inputs``; ``fabric.backward(loss)`` is ``mp.backward(loss,
+    join=True)`` (divide by the micro-batch count yourself, as in Fabric); ``fabric.clip_gradients`` sees the
+    unscaled gradients; ``optimizer.step()`` is the boundary. ``policy``/``engine_options`` as
+    :class:`MixprecPrecision` (``device``: the engine's, default the current CUDA device else CPU, as Fabric's
+    default). ``fabric.save(path, {"mixprec": plugin})`` holds the engine's whole state and the RNG states;
+    ``fabric.load`` restores it exactly. Errors as :class:`MixprecPrecision`."""
+
+    def __init__(self, policy: str | Policy = "auto", **engine_options: Any) -> None:
+        super().__init__()
+        _check_options(engine_options, _FABRIC_OWNS, "MixprecFabricPrecision")
+        self.policy, self.engine_options = policy, engine_options
+        self.engine: MixedPrecision | None = None
+        self.step_check: StepCheck | None = None
+        self.last_result: StepResult | None = None
+
+    @property
+    def precision(self) -> str:   # type: ignore[override]
+        """The policy's text (``fabric`` reports it): the engine's resolved policy once built."""
+        return str(self.engine.policy) if self.engine is not None else str(self.policy)
+
+    def convert_module(self, module: nn.Module) -> nn.Module:
+        """Build the engine on ``module`` (before the strategy wraps it) with ``optimizer=None``; rank 0's fp32
+        values first under several processes. RuntimeError for a second model."""
+        if self.engine is not None:
+            if module is not self.engine.module:
+                raise RuntimeError("MixprecFabricPrecision got a second model: use one plugin (and Fabric) per model")
+            return module
+        _broadcast_from_rank0(module)
+        self.engine = MixedPrecision(module, None, self.policy, **self.engine_options)
+        return module
+
+    def attach(self, optimizer: Any, scheduler: Any = None) -> None:
+        """``mp.attach`` the optimizer ``fabric.setup`` returned (or the one it wraps) and ``scheduler``."""
+        engine = self._engine("plugin.attach(optimizer)")
+        device = next((p.device for p in engine.module.parameters()), engine.device)
+        if device.type != engine.device.type:
+            raise RuntimeError(f"Fabric moved the model to {device}, the engine runs on {engine.device}: pass "
+                               f"MixprecFabricPrecision(..., device='{device.type}')")
+        engine.attach(getattr(optimizer, "optimizer", optimizer), scheduler)
+
+    def _engine(self, what: str) -> MixedPrecision:
+        if self.engine is None:
+            raise RuntimeError(f"MixprecFabricPrecision: {what} before fabric.setup(model, ...) built the engine")
+        return self.engine
+
+    def forward_context(self) -> Any:
+        """``mp.autocast()`` around the model's forward."""
+        return self._engine("a forward").autocast()
+
+    def convert_input(self, data: Any) -> Any:
+        """``mp.cast_inputs(data)``."""
+        return self._engine("a forward").cast_inputs(data)
+
+    def backward(self, tensor: torch.Tensor, model: Any, *args: Any, **kwargs: Any) -> None:
+        """``mp.backward(tensor, join=True)``: micro-batches until ``optimizer.step()`` form one step."""
+        if args:
+            raise TypeError(f"MixprecFabricPrecision.backward takes retain_graph=/inputs= by keyword, got {args!r}")
+        self._engine("fabric.backward").backward(tensor, join=True, **kwargs)
+
+    def unscale_gradients(self, optimizer: Any) -> None:
+        """The boundary's first phase (``fabric.clip_gradients`` calls it): ``mp.unscale_and_check()``, once."""
+        if self.step_check is None:
+            self.step_check = self._engine("fabric.clip_gradients").unscale_and_check()
+
+    def optimizer_step(self, optimizer: Any, **kwargs: Any) -> Any:
+        """The boundary: :meth:`unscale_gradients` unless done, then ``mp.apply_or_skip``; returns None."""
+        if kwargs:
+            raise TypeError(f"MixprecFabricPrecision.optimizer_step takes no optimizer.step() arguments, got {kwargs}")
+        self.unscale_gradients(optimizer)
+        check, self.step_check = self.step_check, None
+        self.last_result = self._engine("optimizer.step()").apply_or_skip(check)
+        return None
+
+    def state_dict(self) -> dict[str, Any]:
+        """The engine's whole :meth:`~MixedPrecision.state_dict` with its events and the RNG states."""
+        engine = self._engine("state_dict()")
+        tensors: dict[str, torch.Tensor] = {}
+        return {**engine.state_dict(), "events": [event.to_dict() for event in engine.events],
+                "rng": {"state": rng_state(engine.device, tensors), "tensors": tensors}}
+
+    def load_state_dict(self, state_dict: dict[str, Any]) -> None:
+        """Restore :meth:`state_dict` exactly (after :meth:`attach`)."""
+        state = dict(state_dict)
+        rng = state.pop("rng", None)
+        self._engine("load_state_dict()").load_state_dict(state)
+        if rng is not None:
+            set_rng_state(rng["state"], rng["tensors"])
