@@ -119,3 +119,4 @@ def test_someone_elses_autocast_is_reported_when_it_contradicts_the_policy(polic
         mp.model(x)
     found = [e for e in mp.events if e.kind == "foreign-autocast"]
     assert len(found) == reported and ("someone else's" in mp.decision) == reported
+

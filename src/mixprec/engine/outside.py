@@ -44,7 +44,7 @@ from mixprec.engine.protocol import Engine
 from mixprec.engine.records import Event
 
 __all__ = ["watch_autocast", "before_optimizer_step", "check_outside_step", "check_not_wrapped", "wrapped_autocast",
-           "INTEGRATIONS"]
+           "check_model_not_wrapped", "INTEGRATIONS"]
 
 #: What to use instead of driving an engine from a framework's own loop (named in the errors).
 INTEGRATIONS = ("the Hugging Face Trainer: mixprec.integrations.transformers.MixprecTrainer(model, args, policy=...); "
@@ -201,3 +201,28 @@ def check_not_wrapped(optimizer: Any) -> None:
             "accelerator.prepare(mp.model, optimizer, loader), with Accelerator(mixed_precision='no'). Inside the "
             "Hugging Face Trainer (a TrainerCallback gets this wrapper) use "
             "mixprec.integrations.transformers.MixprecTrainer instead")
+
+
+def _wrapper_name(model: Any) -> str | None:
+    """``DistributedDataParallel``, ``FullyShardedDataParallel`` (FSDP1) or ``FSDPModule`` (FSDP2's
+    ``fully_shard``) when ``model`` is one, else None (by class name along the MRO: no import of FSDP)."""
+    names = {c.__name__ for c in type(model).__mro__}
+    return next((n for n in ("DistributedDataParallel", "FullyShardedDataParallel", "FSDPModule") if n in names), None)
+
+
+def check_model_not_wrapped(model: Any, policy: Any, strategy: str | None) -> None:
+    """ValueError, before anything changes, for a model that someone else wrapped in DDP or FSDP before the
+    engine was built, where that cannot stay right: under ``strategy=`` (the engine wraps it itself), or a
+    policy that stores params in another dtype than fp32 (DDP built its buckets, and FSDP its flat params, for
+    the fp32 ones: the engine's casts would make the ranks reduce 16-bit gradients, or drift apart, silently).
+    fp32 params under an fp32 or ``-mixed`` policy are left as they are: the wrapper reduces fp32 gradients."""
+    kind = _wrapper_name(model)
+    if kind is None or (strategy is None and policy.param_dtype == torch.float32 and not policy.fp8):
+        return
+    why = (f"strategy={strategy!r} wraps the model itself" if strategy is not None else
+           f"policy {policy} stores params in {str(policy.param_dtype).replace('torch.', '')}, and {kind} was built "
+           "for the fp32 ones (its gradient reduction and the ranks' copies would no longer match, silently)")
+    raise ValueError(
+        f"model is a {kind} built before MixedPrecision: {why}. Build the engine on the unwrapped module and "
+        f"let it wrap: MixedPrecision(model, optimizer, policy, strategy='ddp' or 'fsdp2'); in Lightning use "
+        "mixprec.integrations.lightning.MixprecPrecision (it prepares the module before the strategy wraps it)")

@@ -22,6 +22,7 @@ import torch
 from torch import nn
 
 from mixprec.engine.masters import MasterWeights
+from mixprec.engine.outside import check_model_not_wrapped
 from mixprec.engine.regions import keep_fp32_modules
 from mixprec.engine.storage import FrozenSet, StoragePlan, dtype_text, plan_storage
 from mixprec.optim import contract
@@ -72,6 +73,7 @@ def prepare(model: nn.Module, policy: Policy, device: torch.device, strategy: An
     first = masters is None
     fp8_report, fp8_note, upcast = None, "", ""
     if first:
+        check_model_not_wrapped(model, policy, strategy.name)
         check_param_dtypes(model, policy)
         model.to(device)
     keep = keep_fp32_modules(model, policy)
