@@ -225,3 +225,32 @@ def test_unsupported_arguments_and_a_second_train_are_refused(tmp_path):
     with pytest.raises(RuntimeError, match="dataloader_drop_last"):
         short.train()
     assert short.engine.applied_steps == 1
+
+
+class _Regression(torch.nn.Module):
+    """A model with float regression ``labels`` (an MSE head), recording the dtype its labels arrive in."""
+
+    def __init__(self):
+        super().__init__()
+        self.net = torch.nn.Linear(4, 1)
+        self.label_dtypes = []
+
+    def forward(self, x, labels=None):
+        out = self.net(x).float().squeeze(-1)
+        self.label_dtypes.append(labels.dtype)
+        return {"loss": torch.nn.functional.mse_loss(out, labels), "logits": out}
+
+
+def test_float_labels_are_never_rounded_to_the_param_dtype(tmp_path):
+    """A regression target under bf16-pure: the batch's floats are cast to bf16, but ``labels`` is the
+    Trainer's target by convention and stays fp32 (rounded to bf16, 1.001 would read 1.0), in training and in
+    evaluation. Failed before: labels arrived as bf16."""
+    torch.manual_seed(0)
+    data = [{"x": torch.randn(4), "labels": torch.tensor(1.0 + 2.0 ** -10 * (i + 1))} for i in range(8)]
+    model = _Regression()
+    trainer = MixprecTrainer(model=model, args=_args(tmp_path / "r", max_steps=2, per_device_train_batch_size=4),
+                             train_dataset=data, eval_dataset=data, policy="bf16-pure")
+    trainer.train()
+    trainer.evaluate()
+    assert model.label_dtypes and set(model.label_dtypes) == {torch.float32}
+    assert {p.dtype for p in model.parameters()} == {torch.bfloat16}

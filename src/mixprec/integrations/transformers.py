@@ -34,6 +34,7 @@ import contextlib
 import copy
 import os
 import weakref
+from collections.abc import Mapping
 from typing import Any
 
 import torch
@@ -200,7 +201,7 @@ class MixprecTrainer(Trainer):
                                f"gradient_accumulation_steps={mp.accumulation_steps} (the epoch's last, short step): "
                                "make the batches per epoch a multiple of it (dataloader_drop_last=True, or max_steps)")
         model.train()
-        inputs = mp.cast_inputs(inputs)
+        inputs = self._cast(inputs)
         with self.compute_loss_context_manager():
             loss = self.compute_loss(model, inputs, num_items_in_batch=num_items_in_batch)
         scaled_for_ga = self.loss_is_scaled_for_ga if getattr(self, "loss_is_scaled_for_ga", None) is not None else (
@@ -231,7 +232,13 @@ class MixprecTrainer(Trainer):
     def prediction_step(self, model: torch.nn.Module, inputs: dict[str, Any], prediction_loss_only: bool,
                         ignore_keys: list[str] | None = None) -> tuple:
         """The Trainer's ``prediction_step`` on ``engine.cast_inputs(inputs)``, under the engine's autocast."""
-        return super().prediction_step(model, self.engine.cast_inputs(inputs), prediction_loss_only, ignore_keys)
+        return super().prediction_step(model, self._cast(inputs), prediction_loss_only, ignore_keys)
+
+    def _cast(self, inputs: Any) -> Any:
+        """``engine.cast_inputs(inputs)`` keeping ``labels`` as they come (moved only): a target by the Trainer's
+        own convention, never rounded to the param dtype (float regression labels stay fp32; token ids are exact)."""
+        keep = ("labels",) if isinstance(inputs, Mapping) and "labels" in inputs else ()
+        return self.engine.cast_inputs(inputs, keep=keep)
 
     # ------------------------------------------------------------------ checkpoints
     def train(self, resume_from_checkpoint: str | bool | None = None, *args: Any, **kwargs: Any) -> Any:
