@@ -43,11 +43,11 @@ the engine's decision names the mechanism, the bench's report.md prints the tabl
 :mod:`mixprec.programs.bench.pinned_plan`); :func:`retarget` moves choices to another autocast dtype's keys.
 
 Activation checkpointing: a recompute must run the kernel its forward ran. :func:`mixprec.ops.checkpoint`
-re-enters the forward's planned state; ``mp.backward()`` runs inside :func:`planned_kernels` (so a
-``torch.utils.checkpoint`` recompute there is planned, on the CPU, where backward runs in the caller's
-thread), and a call during a backward whose key has no entry takes its grad-twin's (a reentrant checkpoint's
-forward ran under no_grad: the ``fwd`` key; its recompute is ``fwd+bwd``). Not covered: a bare
-``loss.backward()`` outside ``mp.autocast()`` around ``torch.utils.checkpoint`` (its recompute runs ``fused``).
+re-enters the forward's planned state; a backward pass of ``mp.backward()``, ``mp.scale_loss()`` or of any
+output of a training forward holds the engine's op lists for that pass (:mod:`mixprec.engine.autocast_scope`,
+whatever thread autograd runs it in), so a ``torch.utils.checkpoint`` recompute there is planned; and a call
+during a backward whose key has no entry takes its grad-twin's (a reentrant checkpoint's forward ran under
+no_grad: the ``fwd`` key; its recompute is ``fwd+bwd``).
 
 Mechanism: a ``torch.library`` kernel for the op on the device's autocast key (``AutocastCPU``,
 ``AutocastCUDA``), replacing torch's C++ one (a lower-precision cast, checked to exist by the tests) the
