@@ -522,3 +522,41 @@ def test_a_none_training_step_steps_as_lightning_fp32_does():
     assert plugin.engine.boundaries == 3
     for p, q in zip(plugin.engine.module.parameters(), plain.parameters()):
         assert torch.equal(p, q)
+
+
+class _Regression(L.LightningModule):
+    """(x, y) float batches, an MSE loss; records the dtype each step's and prediction's ``y`` arrives in."""
+
+    def __init__(self):
+        super().__init__()
+        self.net = torch.nn.Linear(4, 1)
+        self.y_dtypes = []
+
+    def training_step(self, batch, batch_idx):
+        x, y = batch
+        self.y_dtypes.append(y.dtype)
+        return torch.nn.functional.mse_loss(self.net(x).float().squeeze(-1), y)
+
+    def predict_step(self, batch, batch_idx):
+        return self.net(batch[0])
+
+    def configure_optimizers(self):
+        return torch.optim.SGD(self.parameters(), lr=0.1)
+
+
+def test_keep_inputs_keeps_float_targets_out_of_the_param_dtype():
+    """Under bf16-pure the batch's floats are cast to bf16; a float target given in ``keep_inputs`` reaches the
+    loss as it came (fp32: rounded to bf16, 1 + 2**-10 would read 1.0); a predict batch without the target
+    still runs. Bad ``keep_inputs`` is a TypeError naming the form. Failed before: no keep_inputs option."""
+    g = torch.Generator().manual_seed(0)
+    data = [(torch.randn(4, generator=g), torch.tensor(1.0 + 2.0 ** -10)) for _ in range(8)]
+    for keep, want in (((), torch.bfloat16), ((1,), torch.float32)):
+        model, plugin = _Regression(), MixprecPrecision("bf16-pure", keep_inputs=keep)
+        trainer = L.Trainer(plugins=[plugin], max_steps=2, logger=False, enable_checkpointing=False,
+                            enable_progress_bar=False, enable_model_summary=False)
+        trainer.fit(model, torch.utils.data.DataLoader(data, batch_size=4))
+        assert set(model.y_dtypes) == {want}, keep
+        out = trainer.predict(model, torch.utils.data.DataLoader([(x,) for x, _ in data], batch_size=4))
+        assert out[0].dtype == torch.bfloat16
+    with pytest.raises(TypeError, match=r"keep_inputs='y'.*keep_inputs=\(1,\)"):
+        MixprecPrecision("bf16-pure", keep_inputs="y")

@@ -30,7 +30,7 @@ Source: Lightning's own ``MixedPrecision`` (AMP) plugin, whose hook order this f
 
 from __future__ import annotations
 
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterator, Mapping
 from contextlib import contextmanager
 from typing import Any
 
@@ -101,6 +101,26 @@ def _broadcast_from_rank0(module: nn.Module) -> None:
             torch.distributed.broadcast(tensor.data if isinstance(tensor, nn.Parameter) else tensor, src=0)
 
 
+def _check_keep(keep_inputs: Any, owner: str) -> tuple:
+    if not isinstance(keep_inputs, (tuple, list)) or not all(isinstance(k, (str, int)) for k in keep_inputs):
+        raise TypeError(f"{owner}(keep_inputs={keep_inputs!r}): pass a tuple of the batch's top-level keys, fields or "
+                        "indices whose floats are targets, kept as they come (e.g. keep_inputs=(1,) for (x, y) "
+                        "batches, keep_inputs=('labels',) for dicts)")
+    return tuple(keep_inputs)
+
+
+def _cast(mp: MixedPrecision, data: Any, keep_inputs: tuple) -> Any:
+    """``mp.cast_inputs(data, keep=...)`` with the ``keep_inputs`` entries this batch has (a predict batch
+    may carry no target)."""
+    if isinstance(data, Mapping):
+        keep = tuple(k for k in keep_inputs if k in data)
+    elif isinstance(data, (tuple, list)):
+        keep = tuple(k for k in keep_inputs if isinstance(k, int) and -len(data) <= k < len(data))
+    else:
+        keep = tuple(k for k in keep_inputs if isinstance(k, str) and hasattr(data, k))
+    return mp.cast_inputs(data, keep=keep)
+
+
 class MixprecPrecision(Precision):
     """A Lightning precision plugin running the mixprec engine (``L.Trainer(plugins=[MixprecPrecision(policy)])``):
     ``policy`` as :class:`mixprec.MixedPrecision` (``"auto"``, a preset, ``key=value`` text, a :class:`Policy`),
@@ -113,10 +133,11 @@ class MixprecPrecision(Precision):
     ``LightningModule.backward`` or ``lr_scheduler_step`` beside a step-interval scheduler. Source: Lightning's
     ``MixedPrecision`` plugin (its hook order)."""
 
-    def __init__(self, policy: str | Policy = "auto", **engine_options: Any) -> None:
+    def __init__(self, policy: str | Policy = "auto", *, keep_inputs: tuple = (), **engine_options: Any) -> None:
         super().__init__()
         _check_options(engine_options, _TRAINER_OWNS, "MixprecPrecision")
         self.policy, self.engine_options = policy, engine_options
+        self.keep_inputs = _check_keep(keep_inputs, "MixprecPrecision")
         self.engine: MixedPrecision | None = None
         self.step_check: StepCheck | None = None
         self.last_result: StepResult | None = None
@@ -220,8 +241,9 @@ class MixprecPrecision(Precision):
             yield
 
     def convert_input(self, data: Any) -> Any:
-        """``mp.cast_inputs(data)``: to the device, floating tensors in the param dtype, token ids exact."""
-        return data if self.engine is None else self.engine.cast_inputs(data)
+        """``mp.cast_inputs(data, keep=keep_inputs)``: to the device, floating tensors in the param dtype but the
+        ``keep_inputs`` targets (as they come), token ids exact."""
+        return data if self.engine is None else _cast(self.engine, data, self.keep_inputs)
 
     # ------------------------------------------------------------------ backward and step
     def backward(self, tensor: torch.Tensor, model: Any, optimizer: Any, *args: Any, **kwargs: Any) -> None:
@@ -317,10 +339,11 @@ class MixprecFabricPrecision(FabricPrecision):
     default). ``fabric.save(path, {"mixprec": plugin})`` holds the engine's whole state and the RNG states;
     ``fabric.load`` restores it exactly. Errors as :class:`MixprecPrecision`."""
 
-    def __init__(self, policy: str | Policy = "auto", **engine_options: Any) -> None:
+    def __init__(self, policy: str | Policy = "auto", *, keep_inputs: tuple = (), **engine_options: Any) -> None:
         super().__init__()
         _check_options(engine_options, _FABRIC_OWNS, "MixprecFabricPrecision")
         self.policy, self.engine_options = policy, engine_options
+        self.keep_inputs = _check_keep(keep_inputs, "MixprecFabricPrecision")
         self.engine: MixedPrecision | None = None
         self.step_check: StepCheck | None = None
         self.last_result: StepResult | None = None
@@ -360,8 +383,8 @@ class MixprecFabricPrecision(FabricPrecision):
         return self._engine("a forward").autocast()
 
     def convert_input(self, data: Any) -> Any:
-        """``mp.cast_inputs(data)``."""
-        return self._engine("a forward").cast_inputs(data)
+        """``mp.cast_inputs(data, keep=keep_inputs)`` (as :class:`MixprecPrecision`)."""
+        return _cast(self._engine("a forward"), data, self.keep_inputs)
 
     def backward(self, tensor: torch.Tensor, model: Any, *args: Any, **kwargs: Any) -> None:
         """``mp.backward(tensor, join=True)``: micro-batches until ``optimizer.step()`` form one step."""
