@@ -28,9 +28,9 @@ from dataclasses import asdict, dataclass
 
 import torch
 from torch import nn
-from torch.utils._python_dispatch import is_traceable_wrapper_subclass
 
 from mixprec.machine.timing import time_calls
+from mixprec.memory.storages import StorageCounter
 from mixprec.optim.quantized_state import ABSMAX_SUFFIX
 
 __all__ = ["StateBytes", "state_bytes", "time_steps", "median_step_ms", "percentile", "warmup_excess_s", "MemoryMeter"]
@@ -92,28 +92,6 @@ class StateBytes:
                 "per_frozen_param": self.per_frozen_param}
 
 
-class _Counter:
-    """Adds up storage bytes, each storage once (keyed by device and data pointer); a wrapper subclass by the
-    tensors it holds (its ``__tensor_flatten__`` attributes, recursively: a wrapper has no storage of its own)."""
-
-    def __init__(self) -> None:
-        self.seen: set[tuple[str, int]] = set()
-
-    def add(self, tensor: torch.Tensor | None) -> int:
-        if tensor is None:
-            return 0
-        if is_traceable_wrapper_subclass(tensor):
-            names, _ = tensor.__tensor_flatten__()
-            inner = (getattr(tensor, name) for name in names)
-            return sum(self.add(t) for t in inner if isinstance(t, torch.Tensor))
-        storage = tensor.untyped_storage()
-        key = (str(tensor.device), storage.data_ptr())
-        if key in self.seen or storage.nbytes() == 0:
-            return 0
-        self.seen.add(key)
-        return storage.nbytes()
-
-
 def state_bytes(model: nn.Module, optimizer: torch.optim.Optimizer) -> StateBytes:
     """Measure the training state of ``model`` and ``optimizer`` from their tensors (no sync).
 
@@ -121,7 +99,7 @@ def state_bytes(model: nn.Module, optimizer: torch.optim.Optimizer) -> StateByte
     earlier step, so gradients and optimizer state both exist. Optimizer params that are not
     model params are counted as masters (the engine rebinds the optimizer to fp32 masters).
     """
-    counter = _Counter()
+    counter = StorageCounter()
     model_params = list(model.parameters())  # unique: tied weights appear once
     frozen = [p for p in model_params if not p.requires_grad]
     frozen_bytes = sum(counter.add(p) for p in frozen)
