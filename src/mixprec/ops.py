@@ -31,6 +31,7 @@ from torch.utils._pytree import tree_leaves
 
 from mixprec.autocast.op_plan import planned_as, planned_devices
 from mixprec.autocast.portable import portable_as, portable_devices
+from mixprec.autocast.saved_dtype import saved_as, saved_devices
 
 __all__ = [
     "mask_value",
@@ -233,13 +234,14 @@ class _RestoreAutocast:
     """
 
     def __init__(self, states: list[_AutocastState], planned: tuple[str, ...] = (),
-                 portable: tuple[str, ...] = ()) -> None:
-        self.states, self.planned, self.portable = states, planned, portable
+                 portable: tuple[str, ...] = (), saved: tuple[str, ...] = ()) -> None:
+        self.states, self.planned, self.portable, self.saved = states, planned, portable, saved
         self._stack = contextlib.ExitStack()
 
     def __enter__(self) -> None:
         self._stack.enter_context(planned_as(self.planned))
         self._stack.enter_context(portable_as(self.portable))
+        self._stack.enter_context(saved_as(self.saved))
         for device_type, enabled, dtype, cache_enabled in self.states:
             self._stack.enter_context(torch.autocast(device_type, dtype=dtype, enabled=enabled,
                                                      cache_enabled=cache_enabled))
@@ -285,9 +287,10 @@ def checkpoint(fn: Callable[..., Any], *args: Any, preserve_rng_state: bool = Tr
     states = [_autocast_state(t) for t in _autocast_device_types(args, kwargs)]
     planned = planned_devices()   # kernels=measured: the recompute makes the forward's kernel choices
     portable = portable_devices()   # ops=portable: and casts as the forward did
+    saved = saved_devices()   # saved=compute: and saves what the forward saved
 
     def context_fn() -> tuple[contextlib.AbstractContextManager, _RestoreAutocast]:
-        return contextlib.nullcontext(), _RestoreAutocast(states, planned, portable)
+        return contextlib.nullcontext(), _RestoreAutocast(states, planned, portable, saved)
 
     return torch.utils.checkpoint.checkpoint(fn, *args, use_reentrant=False, preserve_rng_state=preserve_rng_state,
                                              context_fn=context_fn, **kwargs)

@@ -53,6 +53,7 @@ from typing import Any, Callable
 
 import torch
 
+from mixprec.autocast.saved_dtype import SAVED_OPS, is_on as saved_is_on, run as run_saved
 from mixprec.autocast.switch import Switch
 
 __all__ = ["CUDA_OPS", "ported_ops", "portable_ops", "portable_devices", "portable_as", "op_table", "describe"]
@@ -167,6 +168,8 @@ def _kernel(name: str, category: str, device_type: str, key: torch._C.DispatchKe
         if category == "promote":
             dtype = _widest(torch.get_autocast_dtype(device_type), (args, kwargs), device_type)
         with torch.autocast(device_type, enabled=False):
+            if name in SAVED_OPS and saved_is_on(device_type):   # saved=compute: fp32 compute, bf16 saved
+                return run_saved(name, args, kwargs, device_type)
             if category in ("fp32", "lower_precision", "promote"):
                 kwargs = {k: _cast(v, dtype, device_type) for k, v in kwargs.items()}
                 return op(*_cast(args, dtype, device_type), **kwargs)

@@ -1,7 +1,8 @@
 """The engine's autocast scope: ``mp.autocast()``'s settings wherever the engine's graphs run, and fresh casts.
 
 ``mp.autocast()`` enters ``torch.autocast`` in the policy's compute dtype (off for fp32), the policy's op lists
-(``ops=portable``: :mod:`mixprec.autocast.portable`; ``kernels=measured``: :mod:`mixprec.autocast.op_plan`),
+(``ops=portable``: :mod:`mixprec.autocast.portable`; ``kernels=measured``: :mod:`mixprec.autocast.op_plan`;
+``saved=compute``: :mod:`mixprec.autocast.saved_dtype`),
 the compile settings of :func:`mixprec.autocast.compiled.eager_dtypes` and, while ``policy="auto"`` is
 pending, its block. :class:`AutocastScope` makes those settings hold wherever the engine's graphs run:
 
@@ -48,6 +49,7 @@ from torch.utils._pytree import tree_leaves
 from mixprec.autocast.compiled import eager_dtypes
 from mixprec.autocast.op_plan import planned_as, planned_kernels
 from mixprec.autocast.portable import portable_as, portable_ops
+from mixprec.autocast.saved_dtype import saved_as, saved_in_compute
 from mixprec.autocast.switch import SwitchState, captured, hold_in_backward, traced_annotation
 from mixprec.engine.protocol import Engine
 from mixprec.engine.records import Event
@@ -64,23 +66,23 @@ class AutocastScope:
 
     def __init__(self, owner: Engine) -> None:
         self.owner = owner
-        self._states: dict[tuple[str, str, str], SwitchState] = {}
-        self._annotations: dict[tuple[str, str, str], dict] = {}
+        self._states: dict[tuple[str, str, str, str], SwitchState] = {}
+        self._annotations: dict[tuple[str, str, str, str], dict] = {}
         self._versions: list[int] | None = None   # the params' version counters at the last eager forward
         self._epoch: tuple[int, int, int] = (0, 0, 0)   # and the engine's boundaries, events and masters then
         self._spoken = False
         self.state()
 
-    def _key(self) -> tuple[str, str, str]:
+    def _key(self) -> tuple[str, str, str, str]:
         policy = self.owner.policy
-        return policy.ops, policy.kernels, self.owner.device.type
+        return policy.ops, policy.kernels, policy.saved, self.owner.device.type
 
     def state(self) -> SwitchState:
         """The switches the policy's op lists turn on (just those: entered inside an empty state)."""
         key = self._key()
         state = self._states.get(key)
         if state is None:
-            with portable_as(()), planned_as(()), self.op_lists():
+            with portable_as(()), planned_as(()), saved_as(()), self.op_lists():
                 state = self._states[key] = captured()
             self._annotations[key] = traced_annotation(state)
         return state
@@ -142,7 +144,8 @@ class AutocastScope:
 @contextmanager
 def _op_lists(policy: Any, device_type: str) -> Iterator[None]:
     with portable_ops(device_type, enabled=policy.ops == "portable"), \
-            planned_kernels(device_type, enabled=policy.kernels == "measured"):
+            planned_kernels(device_type, enabled=policy.kernels == "measured"), \
+            saved_in_compute(device_type, enabled=policy.saved == "compute"):
         yield
 
 

@@ -57,6 +57,8 @@ from mixprec.autocast.op_plan import planned_kernels
 from mixprec.engine.records import Decision, Event
 from mixprec.policy.policy import PRESETS, Policy
 from mixprec.autocast.portable import describe as describe_ops
+from mixprec.autocast.saved_dtype import describe as describe_saved
+from mixprec.autocast.saved_dtype import saved_in_compute
 from mixprec.autocast.portable import portable_ops
 from mixprec.engine.protocol import Engine
 
@@ -261,9 +263,12 @@ class PendingAuto:
                 stack.enter_context(portable_ops(mp.device.type, enabled=policy.ops == "portable"))
                 stack.enter_context(eager_dtypes(policy))
                 stack.enter_context(planned_kernels(mp.device.type, enabled=policy.kernels == "measured"))
+                stack.enter_context(saved_in_compute(mp.device.type, enabled=policy.saved == "compute"))
             if mp.guard is not None and hasattr(mp.guard, "take_snapshot"):
                 mp.guard.take_snapshot(mp)   # its snapshot holds the fp32 build
             decision = Decision(text, (describe_ops(policy.ops, mp.device.type, mixed=policy.is_mixed),
+                                       describe_saved(policy.saved, mp.device.type, compute_dtype=policy.compute_dtype,
+                                                      ops=policy.ops),
                                        describe_kernels(policy, mp.device.type),
                                        f"; the fp32 build re-prepared as {choice} (set_policy) before the first step",
                                        notes))

@@ -2,7 +2,7 @@
 
 ``STATE_FORMATS`` maps the text names of optimizer-state formats to dtypes; :func:`state_name` reads it
 back. The other tuples are the allowed strings of ``rounding``, ``state_rounding``, ``fp8``, ``fp8_format``,
-``ops`` and ``kernels``.
+``ops``, ``kernels`` and ``saved``.
 """
 
 from __future__ import annotations
@@ -14,8 +14,8 @@ import torch
 from mixprec.formats import get_format
 
 __all__ = ["ROUNDINGS", "STATE_FORMATS", "QUANTIZED_STATE_DTYPES", "STATE_ROUNDINGS", "FP8_RECIPES", "FP8_FORMATS",
-           "OPS_MODES", "KERNEL_MODES", "LossScaleSpec", "state_name",
-           "default_state_rounding", "SR_STATE_DTYPES"]
+           "OPS_MODES", "KERNEL_MODES", "SAVED_MODES", "LossScaleSpec", "state_name",
+           "default_state_rounding", "SR_STATE_DTYPES", "default_saved"]
 
 ROUNDINGS = ("nearest", "kahan", "stochastic")
 # optimizer-state formats by text name. int8 and fp8 are markers for the blockwise 8-bit formats of
@@ -30,6 +30,7 @@ FP8_RECIPES = ("tensorwise", "rowwise", "delayed")
 FP8_FORMATS = ("hybrid", "e4m3")
 OPS_MODES = ("portable", "native")     # mixprec.autocast.portable: which autocast op lists mp.autocast() uses
 KERNEL_MODES = ("measured", "native")  # mixprec.autocast.op_plan: whether mp.autocast() runs the measured op plan
+SAVED_MODES = ("compute", "fp32")      # mixprec.autocast.saved_dtype: what fp32-computed norms save for backward
 _COMPUTE_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
 _HALF_DTYPES = (torch.bfloat16, torch.float16)
 
@@ -54,3 +55,10 @@ def default_state_rounding(dtype: torch.dtype) -> str:
     ``"stochastic"`` for bf16 (round-to-nearest loses Adam's second-moment increments below half a bf16
     ulp: with beta2 = 0.999, ``exp_avg_sq`` stops growing at ~1/4 of its fp32 value), else ``"nearest"``."""
     return "stochastic" if dtype == torch.bfloat16 else "nearest"
+
+
+def default_saved(compute_dtype: torch.dtype) -> str:
+    """What a policy's norms save for backward when ``saved`` is unset: ``"compute"`` (the bf16 input, fp32
+    statistics; :mod:`mixprec.autocast.saved_dtype`) under bf16 compute, else ``"fp32"`` (fp16's range cannot
+    hold every fp32 norm input; under fp32 compute there is nothing lower to save)."""
+    return "compute" if compute_dtype == torch.bfloat16 else "fp32"

@@ -41,7 +41,9 @@ alias ``recipe``), ``fp8_format`` (``hybrid`` or ``e4m3``), ``fp8_ends`` (``keep
 first and last linears stay in the compute dtype, the default; ``fp8``: convert them too), ``ops``
 (``portable``, the default: CUDA's autocast op lists on every device; ``native``: the device's own,
 see :mod:`mixprec.autocast.portable`), ``kernels`` (``measured``, the default: ops with several kernels run in
-the one measured fastest on the device at their shape; ``native``: torch.autocast's; see :mod:`mixprec.autocast.op_plan`).
+the one measured fastest on the device at their shape; ``native``: torch.autocast's; see :mod:`mixprec.autocast.op_plan`),
+``saved`` (``compute``, the default under bf16 compute: norms computed in fp32 save their input for backward in
+bf16; ``fp32``: as torch.autocast, the fp32 input; see :mod:`mixprec.autocast.saved_dtype`).
 """
 
 from __future__ import annotations
@@ -55,8 +57,9 @@ import torch
 
 from mixprec.policy.cast import cast_floating
 from mixprec.policy.choices import (_COMPUTE_DTYPES, _HALF_DTYPES, FP8_FORMATS, FP8_RECIPES, KERNEL_MODES, OPS_MODES,
-                                    QUANTIZED_STATE_DTYPES, ROUNDINGS, SR_STATE_DTYPES, STATE_FORMATS, STATE_ROUNDINGS,
-                                    LossScaleSpec, _dtype_name, default_state_rounding, state_name)
+                                    QUANTIZED_STATE_DTYPES, ROUNDINGS, SAVED_MODES, SR_STATE_DTYPES, STATE_FORMATS,
+                                    STATE_ROUNDINGS, LossScaleSpec, _dtype_name, default_saved, default_state_rounding,
+                                    state_name)
 from mixprec.policy.text import canonical_text, parse_parts
 
 __all__ = ["Policy", "PRESETS", "ROUNDINGS", "STATE_FORMATS", "QUANTIZED_STATE_DTYPES", "STATE_ROUNDINGS",
@@ -106,6 +109,13 @@ class Policy:
         kernels: ``"measured"`` (default): inside ``mp.autocast()`` an op with several kernels (attention)
             runs in the one measured fastest on this device at its shape (:mod:`mixprec.autocast.op_plan`);
             ``"native"``: the kernels ``torch.autocast`` runs.
+        saved: what a norm (``layer_norm``, ``rms_norm``) that autocast computes in fp32 saves for backward:
+            ``"compute"`` its input rounded to bf16 plus fp32 row statistics (the output is unchanged; the
+            gradient moves within bf16's rounding of the input, exactly nothing where the input is bf16), or
+            ``"fp32"`` its fp32 input, as ``torch.autocast`` (:mod:`mixprec.autocast.saved_dtype`). Default
+            ``"auto"``: ``"compute"`` under bf16 compute, else ``"fp32"``; resolved at construction, and
+            re-resolved by ``parse`` and :meth:`replace` when they change the compute dtype and leave it unset.
+            ``"compute"`` needs bf16 compute.
 
     Raises:
         ValueError: an inconsistent combination, naming the field, the value and the fix.
@@ -125,6 +135,7 @@ class Policy:
     fp8_keep_ends: bool = True
     ops: str = "portable"
     kernels: str = "measured"
+    saved: str = "auto"
 
     def __post_init__(self) -> None:
         if isinstance(self.loss_scale, str) and self.loss_scale == "auto":
@@ -132,6 +143,8 @@ class Policy:
                                else "none")
         if self.state_rounding is None:   # unset: the state format's default (stochastic for bf16)
             object.__setattr__(self, "state_rounding", default_state_rounding(self.state_dtype))
+        if self.saved == "auto":   # unset: the compute dtype's default (bf16: saved in bf16)
+            object.__setattr__(self, "saved", default_saved(self.compute_dtype))
         self._check_dtypes()
         self._check_rounding()
         self._check_loss_scale()
@@ -208,6 +221,12 @@ class Policy:
             raise ValueError(f"Policy ops={self.ops!r} is not allowed; choose one of {OPS_MODES}")
         if self.kernels not in KERNEL_MODES:
             raise ValueError(f"Policy kernels={self.kernels!r} is not allowed; choose one of {KERNEL_MODES}")
+        if self.saved not in SAVED_MODES:
+            raise ValueError(f"Policy saved={self.saved!r} is not allowed; choose one of {SAVED_MODES}")
+        if self.saved == "compute" and self.compute_dtype != torch.bfloat16:
+            raise ValueError(f"Policy saved='compute' with compute={_dtype_name(self.compute_dtype)}: saving norm inputs "
+                             "in the compute dtype is offered under bf16 compute only (fp16's range, 65504, cannot hold "
+                             "every fp32 norm input; fp32 has nothing lower to save); set saved=fp32 or compute=bf16")
 
     def _check_fp8_needs(self) -> None:
         if self.fp8 is None and not self.fp8_keep_ends:
@@ -278,6 +297,9 @@ class Policy:
         if ("state_rounding" not in changes and "state_dtype" in changes
                 and self.state_rounding == default_state_rounding(self.state_dtype)):
             changes["state_rounding"] = None   # likewise the state format's default rounding; a chosen one stays
+        if ("saved" not in changes and "compute_dtype" in changes
+                and self.saved == default_saved(self.compute_dtype)):
+            changes["saved"] = "auto"   # and what norms save: the new compute dtype's default; a chosen one stays
         return dataclasses.replace(self, **changes)
 
     def summary(self) -> str:

@@ -32,6 +32,7 @@ from mixprec.policy.auto import choose, split_batch
 from mixprec.machine.capability import Capability, normalize_device, probe
 from mixprec.policy.policy import PRESETS, Policy
 from mixprec.autocast.portable import describe as describe_ops
+from mixprec.autocast.saved_dtype import describe as describe_saved
 
 __all__ = ["Resolution", "auto_candidates", "resolve", "resolve_policy"]
 
@@ -100,6 +101,12 @@ def _auto_on_model(cap: Capability, dev: torch.device, model: Any, example_batch
     return trial.choice, trial.decision(dev.type)
 
 
+def _op_words(policy: Policy, device_type: str) -> str:
+    """The decision's words for the policy's op lists and what its norms save for backward."""
+    return describe_ops(policy.ops, device_type, mixed=policy.is_mixed) + describe_saved(
+        policy.saved, device_type, compute_dtype=policy.compute_dtype, ops=policy.ops)
+
+
 def resolve(spec: str | Policy, device: str | torch.device | None = None, *,
             allow_fallback: bool = False, capability: Capability | None = None, model: Any = None,
             example_batch: Any = None, loss_fn: Any = None) -> Resolution:
@@ -130,7 +137,7 @@ def resolve(spec: str | Policy, device: str | torch.device | None = None, *,
     if isinstance(spec, str) and spec.strip().lower() == "auto":
         name, why = pick()
         policy = PRESETS[name]
-        return Resolution(policy, dev, why + describe_ops(policy.ops, dev.type, mixed=policy.is_mixed))
+        return Resolution(policy, dev, why + _op_words(policy, dev.type))
     policy = Policy.parse(spec)
     reason = _can_run(policy, cap)
     if reason is None:
@@ -138,7 +145,7 @@ def resolve(spec: str | Policy, device: str | torch.device | None = None, *,
         if dev.type == "cpu" and torch.float16 in (policy.compute_dtype, policy.param_dtype) and not cap.fp16_native:
             note = (f"; note: fp16 on this CPU is emulated, not native ({cap.detail}) — "
                     "it runs as asked but slowly")
-        note += describe_ops(policy.ops, dev.type, mixed=policy.is_mixed)
+        note += _op_words(policy, dev.type)
         return Resolution(policy, dev, f"{policy} on {dev} as asked ({policy.summary()}){note}")
     runnable = [n for n, p in PRESETS.items() if _can_run(p, cap) is None and p.fp8 is None]
     if not allow_fallback:
@@ -147,7 +154,7 @@ def resolve(spec: str | Policy, device: str | torch.device | None = None, *,
     name, why = pick()
     decision = f"FALLBACK: asked {policy} on {dev} but {reason}; running {name} instead ({why})"
     log.warning("mixprec: %s", decision)
-    decision += describe_ops(PRESETS[name].ops, dev.type, mixed=PRESETS[name].is_mixed)
+    decision += _op_words(PRESETS[name], dev.type)
     return Resolution(PRESETS[name], dev, decision, fell_back=True)
 
 

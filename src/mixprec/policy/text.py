@@ -14,8 +14,8 @@ import torch
 
 from mixprec.formats import get_format
 from mixprec.policy.choices import (_COMPUTE_DTYPES, FP8_FORMATS, FP8_RECIPES, KERNEL_MODES, OPS_MODES, ROUNDINGS,
-                                    STATE_FORMATS, STATE_ROUNDINGS, LossScaleSpec, _dtype_name, default_state_rounding,
-                                    state_name)
+                                    SAVED_MODES, STATE_FORMATS, STATE_ROUNDINGS, LossScaleSpec, _dtype_name, default_saved,
+                                    default_state_rounding, state_name)
 
 __all__ = ["parse_parts", "canonical_text", "text_items"]
 
@@ -107,6 +107,13 @@ def _parse_kernels(key: str, text: str) -> str:
     return text.lower()
 
 
+def _parse_saved(key: str, text: str) -> str:
+    if text.lower() not in SAVED_MODES:
+        raise ValueError(f"policy key {key}={text!r} is not allowed{_did_you_mean(text, SAVED_MODES)}; choose one of "
+                         f"{SAVED_MODES} (compute: norms save their input in bf16; fp32: as torch.autocast)")
+    return text.lower()
+
+
 def _parse_fp8(key: str, text: str) -> str | None:
     low = text.lower()
     if low in ("none", ""):
@@ -132,6 +139,7 @@ _KEYS = {
     "fp8_ends": ("fp8_keep_ends", _parse_fp8_ends),
     "ops": ("ops", _parse_ops),
     "kernels": ("kernels", _parse_kernels),
+    "saved": ("saved", _parse_saved),
 }
 
 
@@ -218,4 +226,6 @@ def text_items(policy: Any) -> list[tuple[str, str]]:
         items.append(("ops", policy.ops))
     if policy.kernels != "measured":
         items.append(("kernels", policy.kernels))
+    if policy.saved != default_saved(policy.compute_dtype):
+        items.append(("saved", policy.saved))
     return items
