@@ -41,9 +41,8 @@ from mixprec.autocast.switch import Switch
 
 __all__ = ["SAVED_OPS", "saved_in_compute", "saved_devices", "saved_as", "is_on", "run", "describe"]
 
-#: the aten ops (overload names) whose fp32 input, or output for ``log_softmax``, is saved in bf16 inside
-#: :func:`saved_in_compute`
-SAVED_OPS = ("layer_norm", "rms_norm", "log_softmax.int")
+#: the aten ops whose fp32 input is saved in bf16 inside :func:`saved_in_compute`
+SAVED_OPS = ("layer_norm", "rms_norm")
 _REPLACED_KEYS = {"cuda": "AutocastCUDA"}   # where torch's own fp32 autocast kernel is replaced by ours
 _libraries: dict[str, torch.library.Library] = {}
 _lock = threading.Lock()
@@ -107,25 +106,6 @@ class _RMSNormSavedLow(torch.autograd.Function):
         return dx, None, None if dw is None else dw.to(weight.dtype), None, None
 
 
-class _LogSoftmaxSavedLow(torch.autograd.Function):
-    """``log_softmax`` computed as asked (fp32); saves its output rounded to bf16 (what torch's backward reads:
-    ``grad - exp(out) * sum(grad)``). First-order only: a double backward raises (``saved=fp32`` allows it)."""
-
-    @staticmethod
-    def forward(ctx: Any, x: torch.Tensor, dim: int, dtype: torch.dtype | None, low: torch.dtype) -> torch.Tensor:
-        out = torch.log_softmax(x, dim, dtype=dtype)
-        ctx.save_for_backward(out.to(low))
-        ctx.dim, ctx.out_dtype, ctx.in_dtype = dim, out.dtype, x.dtype
-        return out
-
-    @staticmethod
-    @torch.autograd.function.once_differentiable
-    def backward(ctx: Any, grad_out: torch.Tensor) -> tuple:
-        (out_low,) = ctx.saved_tensors
-        dx = torch._log_softmax_backward_data(grad_out, out_low.to(ctx.out_dtype), ctx.dim, ctx.out_dtype)
-        return dx.to(ctx.in_dtype), None, None, None
-
-
 def _eligible(t: Any, device_type: str) -> bool:
     return isinstance(t, torch.Tensor) and t.is_floating_point() and t.dtype != torch.float64 \
         and t.device.type == device_type
@@ -136,8 +116,7 @@ def _fp32(t: Any, device_type: str) -> Any:
 
 
 def _overload(name: str) -> torch._ops.OpOverload:
-    base, _, overload = name.partition(".")
-    return getattr(getattr(torch.ops.aten, base), overload or "default")
+    return getattr(torch.ops.aten, name).default
 
 
 def _arguments(name: str, args: tuple, kwargs: dict) -> dict[str, Any]:
@@ -150,35 +129,22 @@ def _arguments(name: str, args: tuple, kwargs: dict) -> dict[str, Any]:
 
 
 def _as_autocast(name: str, args: tuple, kwargs: dict, device_type: str) -> Any:
-    """What CUDA's autocast kernel does for ``name`` (autocast off around it): ``layer_norm``/``rms_norm`` (fp32
-    list) cast the floating inputs to fp32; ``log_softmax`` (fp32_set_opt_dtype) passes ``dtype=torch.float32``
-    when its input is eligible and no dtype was given."""
-    op = _overload(name)
-    if name != "log_softmax.int":
-        return op(*(_fp32(v, device_type) for v in args), **{k: _fp32(v, device_type) for k, v in kwargs.items()})
-    a = _arguments(name, args, kwargs)
-    if a["dtype"] is None and _eligible(a["self"], device_type):
-        a["dtype"] = torch.float32
-    return op(**a)
+    """What autocast's fp32 list does for ``name`` (autocast off around it): the floating inputs cast to fp32."""
+    return _overload(name)(*(_fp32(v, device_type) for v in args), **{k: _fp32(v, device_type) for k, v in kwargs.items()})
 
 
 def run(name: str, args: tuple, kwargs: dict, device_type: str) -> torch.Tensor:
-    """``aten::<name>`` (one of :data:`SAVED_OPS`) on ``args``/``kwargs``, computed as autocast's fp32 lists do,
-    its input (``log_softmax``: its output) saved in the autocast dtype (bf16) when a backward will need it and
-    the op computes in fp32 (module docstring); else exactly :func:`_as_autocast`. Call with ``device_type``'s
-    autocast off (from an autocast kernel). Output: fp32, the op's shape."""
+    """``aten::<name>`` (one of :data:`SAVED_OPS`) on ``args``/``kwargs``, computed in fp32 as autocast's fp32 list
+    does, its input saved in the autocast dtype (bf16) when a backward will need it (module docstring); else exactly
+    what the fp32 list does. Call with ``device_type``'s autocast off (from an autocast kernel). Output: fp32, the
+    input's shape."""
     a = _arguments(name, args, kwargs)
-    x = a["self"] if name == "log_softmax.int" else a["input"]
-    tensors = [t for t in (x, a.get("weight"), a.get("bias")) if isinstance(t, torch.Tensor)]
+    x = a["input"]
+    tensors = [t for t in (x, a["weight"], a.get("bias")) if isinstance(t, torch.Tensor)]
     low = torch.get_autocast_dtype(device_type)
     if (not torch.is_grad_enabled() or not any(t.requires_grad for t in tensors) or low != torch.bfloat16
             or not _eligible(x, device_type)):
         return _as_autocast(name, args, kwargs, device_type)
-    if name == "log_softmax.int":
-        dtype = torch.float32 if a["dtype"] is None else a["dtype"]
-        if dtype != torch.float32:
-            return _as_autocast(name, args, kwargs, device_type)
-        return _LogSoftmaxSavedLow.apply(x, a["dim"], dtype, low)
     x_fp32 = x.to(torch.float32)
     x_low = x if x.dtype == low else x_fp32.to(low)   # -pure: the bf16 input itself (exact, no new storage)
     shape = list(a["normalized_shape"])
