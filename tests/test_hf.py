@@ -62,7 +62,8 @@ def test_bf16_mixed_equals_hand_written_autocast_loop(name):
     model_ref = _build(make)
     opt_ref = torch.optim.AdamW(model_ref.parameters(), lr=1e-3)
     model = _build(make)
-    mp = mixprec.MixedPrecision(model, torch.optim.AdamW(model.parameters(), lr=1e-3), policy="bf16-mixed",
+    # saved=fp32: the norms save their fp32 input, as torch.autocast does (the default saves it in bf16)
+    mp = mixprec.MixedPrecision(model, torch.optim.AdamW(model.parameters(), lr=1e-3), policy="bf16-mixed,saved=fp32",
                                 device="cpu")
     for step in range(3):
         batch = _batch(step)
