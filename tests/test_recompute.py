@@ -248,7 +248,9 @@ def test_ddp_ranks_run_one_plan_and_the_same_weights_as_without_it(tmp_path):
     _assert_equal(ranks[1]["auto"], ranks[0]["auto"])
 
 
+@pytest.mark.filterwarnings("ignore:--resume with --steps")
 def test_train_cli_recompute_auto_prints_and_checkpoints_the_plan(tmp_path, capsys):
+    from mixprec.checkpoint import read_manifest
     from mixprec.programs.cli import main
 
     out = tmp_path / "run"
@@ -256,6 +258,10 @@ def test_train_cli_recompute_auto_prints_and_checkpoints_the_plan(tmp_path, caps
                  "--out", str(out), "--recompute", "auto"]) == 0
     printed = capsys.readouterr()
     assert "recompute auto: pending" in printed.err and "recompute plan auto <= 1.3: blocks.0 " in printed.out
-    manifest = mixprec.read_manifest(out / "checkpoints")
-    plans = [e for e in manifest["events"] if e["kind"] == "recompute"]
+    plans = [e for e in read_manifest(out / "checkpoints")["events"] if e["kind"] == "recompute"]
     assert len(plans) == 1 and plans[0]["detail"] in printed.out
+    assert main(["train", "--workload", "gpt", "--config", "tiny", "--policy", "fp32", "--steps", "3",
+                 "--out", str(out), "--recompute", "auto", "--resume"]) == 0
+    resumed = [e for e in read_manifest(out / "checkpoints")["events"] if e["kind"] == "recompute"]
+    assert [e["cause"] for e in resumed] == ["auto", "loaded"]   # the saved plan, not measured again
+    assert resumed[1]["detail"] == plans[0]["detail"] and plans[0]["detail"] in capsys.readouterr().out
