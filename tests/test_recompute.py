@@ -265,3 +265,23 @@ def test_train_cli_recompute_auto_prints_and_checkpoints_the_plan(tmp_path, caps
     resumed = [e for e in read_manifest(out / "checkpoints")["events"] if e["kind"] == "recompute"]
     assert [e["cause"] for e in resumed] == ["auto", "loaded"]   # the saved plan, not measured again
     assert resumed[1]["detail"] == plans[0]["detail"] and plans[0]["detail"] in capsys.readouterr().out
+
+
+def test_ops_checkpoint_selective_recomputes_under_the_forwards_autocast_in_a_backward_outside_it():
+    from mixprec import ops
+
+    torch.manual_seed(0)
+    lin1, lin2 = torch.nn.Linear(16, 32), torch.nn.Linear(32, 8)
+    x = torch.randn(4, 16, requires_grad=True)
+
+    def block(t):
+        return lin2(torch.nn.functional.gelu(lin1(torch.layer_norm(t, (16,)))))
+
+    def grads(selective):
+        with torch.autocast("cpu", torch.bfloat16):
+            out = ops.checkpoint(block, x, selective=keep_matmuls) if selective else block(x)
+        # backward outside the autocast region: the recompute of gelu/layer_norm must still run in bf16
+        return torch.autograd.grad(out.float().sum(), [x, lin1.weight, lin2.weight])
+
+    for got, want in zip(grads(True), grads(False)):
+        assert torch.equal(got, want)

@@ -459,6 +459,7 @@ class MixedPrecision:
         self.boundaries = counters["boundaries"]
         if events is not None:
             self.events[:] = [Event.of(e) for e in events]
+            self._recompute.load({"events": events})   # a DCP checkpoint's recompute plan, as it was
 
     def record(self, event: Event | dict, *, decision: str | None = None) -> None:
         """Append ``event`` (an :class:`~mixprec.engine.records.Event` or its JSON dict) to :attr:`events`: what a
