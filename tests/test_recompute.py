@@ -285,3 +285,15 @@ def test_ops_checkpoint_selective_recomputes_under_the_forwards_autocast_in_a_ba
 
     for got, want in zip(grads(True), grads(False)):
         assert torch.equal(got, want)
+
+
+def test_a_plan_naming_modules_this_model_lacks_is_refused_before_anything_changes(gpt):
+    workload, batches = gpt
+    mp = _engine(workload, "fp32", None)
+    state = copy.deepcopy(mp.state_dict())
+    _train(mp, workload, batches[:1])
+    before = {n: p.detach().clone() for n, p in mp.module.named_parameters()}
+    with pytest.raises(ValueError, match=r"names modules this model lacks: \['layers.0'\]"):
+        mp.load_state_dict(state | {"recompute": {"text": "recompute plan layers.*: layers.0 full"}})
+    _assert_equal({n: p.detach() for n, p in mp.module.named_parameters()}, before)
+    assert mp.applied_steps == 1

@@ -438,6 +438,7 @@ class MixedPrecision:
         (:func:`mixprec.engine.reprepare.load_engine_state`); ``auto`` still pending adopts a run that took its
         auto decision. ValueError, before anything changes, without either, for other masters or loss-scale type,
         an unmatched frozen set or unfit fp16 values."""
+        self._recompute.check(state)   # before anything changes
         decision = load_engine_state(self, state, self._auto, convert=convert, adopt_policy=adopt_policy)
         self.decision = decision or self.decision
         self._recompute.load(state)   # the saved plan, as it was: never re-measured

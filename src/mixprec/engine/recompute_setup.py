@@ -55,19 +55,23 @@ class RecomputeSetup:
         """The plan as ``mp.state_dict()`` carries it (``{"text": ...}``), None when there is none yet."""
         return None if self.plan is None else {"text": self.plan.text()}
 
-    def load(self, state: dict[str, Any]) -> None:
-        """Re-apply the plan of a loaded state: its ``"recompute"`` entry, else the last ``"recompute"`` event of
-        its ``"events"`` (a checkpoint's); nothing to do when it has neither or holds this plan already."""
-        saved = state.get(_KIND)
-        text = saved["text"] if saved else next((e.get("detail") for e in reversed(state.get("events") or [])
-                                                 if e.get("kind") == _KIND), None)
-        if text is None or (self.plan is not None and self.plan.text() == text):
-            return
-        plan, before = RecomputePlan.from_text(text), self.note
-        missing = sorted(set(plan.modes()) - {n for n, _ in self._mp.module.named_modules()})
+    def check(self, state: dict[str, Any]) -> None:
+        """ValueError (nothing changed) when the plan ``state`` carries names modules this model lacks."""
+        text = _saved_text(state)
+        missing = [] if text is None else sorted(set(RecomputePlan.from_text(text).modes()) -
+                                                 {n for n, _ in self._mp.module.named_modules()})
         if missing:
             raise ValueError(f"the loaded recompute plan names modules this model lacks: {missing}; load it into "
                              "the model it was saved from")
+
+    def load(self, state: dict[str, Any]) -> None:
+        """Re-apply the plan of a loaded state: its ``"recompute"`` entry, else the last ``"recompute"`` event of
+        its ``"events"`` (a checkpoint's); nothing to do when it has neither or holds this plan already."""
+        text = _saved_text(state)
+        if text is None or (self.plan is not None and self.plan.text() == text):
+            return
+        self.check(state)
+        plan, before = RecomputePlan.from_text(text), self.note
         self._install(plan)
         self._mp.record(Event(self._mp.boundaries, _KIND, "loaded", None, plan.text()),
                         decision=_replace(self._mp.decision, before, self.note))
@@ -94,6 +98,13 @@ class RecomputeSetup:
             self._mp.record(Event(self._mp.boundaries, _KIND, "auto", None, self.plan.text()),
                             decision=_replace(self._mp.decision, before, self.note))
         return mode
+
+
+def _saved_text(state: dict[str, Any]) -> str | None:
+    saved = state.get(_KIND)
+    if saved:
+        return saved["text"]
+    return next((e.get("detail") for e in reversed(state.get("events") or []) if e.get("kind") == _KIND), None)
 
 
 def _replace(decision: str, clause: str, new: str) -> str:
