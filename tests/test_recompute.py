@@ -72,6 +72,7 @@ def test_recompute_gives_the_same_weights_bit_for_bit(gpt, policy, checkpoint, m
     assert all(mp.module.blocks[i].forward.__wrapped__ for i in range(2))   # the blocks do recompute
     _assert_equal(_train(mp, workload, batches[:STEPS]), want)
     assert mp.state_dict()["recompute"] == {"text": _plan_text(checkpoint, mode)}
+    assert [(e.get("cause"), e.get("detail")) for e in mp.events] == [("requested", _plan_text(checkpoint, mode))]
     mp.unwrap()
     assert "forward" not in vars(mp.module.blocks[0])
 
@@ -175,10 +176,11 @@ def test_bad_checkpoint_values_are_refused_naming_them(gpt, value, error, words)
         _engine(workload, "fp32", value)
 
 
-def test_compiled_model_with_the_auto_plan_matches_eager_without_it(gpt):
+@pytest.mark.parametrize("checkpoint, mode", [("auto:1000", "full"), (["selective:blocks.*"], "selective")])
+def test_compiled_model_with_a_plan_matches_eager_without_it(gpt, checkpoint, mode):
     workload, batches = gpt
     eager = _engine(workload, "fp32", None)
-    compiled = _engine(workload, "fp32", "auto:1000", compile=True)
+    compiled = _engine(workload, "fp32", checkpoint, compile=True)   # auto: measured eagerly, then traced
     losses = []
     for mp in (eager, compiled):
         for batch in batches[:2]:
@@ -187,7 +189,7 @@ def test_compiled_model_with_the_auto_plan_matches_eager_without_it(gpt):
             mp.backward(loss)
             mp.step()
             losses.append(loss.detach())
-    assert [b.mode for b in _plan(compiled).blocks] == ["full", "full"]
+    assert [b.mode for b in _plan(compiled).blocks] == [mode, mode]
     eager_losses, compiled_losses = torch.stack(losses[:2]), torch.stack(losses[2:])
     # as tests/test_compile.py: inductor reorders fp32 reductions of at most 128 terms: 128 fp32 ulps
     tolerance = 128 * mixprec.get_format("fp32").ulp(eager_losses)

@@ -96,15 +96,15 @@ class MixedPrecision:
         self._frozen.store(prepared.plan)
         self._kahan_from = prepared.kahan_from   # for attach()
         self._scope = AutocastScope(self)   # mp.autocast()'s settings in backward passes and traced graphs
-        self._recompute = RecomputeSetup(self, checkpoint)   # memory/recompute.py: blocks recomputed in backward
         self._checks = LoopChecks(self, self._adopt_model_edits, self._frozen, self._scope)
         state_note = "" if optimizer is None else self._attach(optimizer, scheduler)
         claim(self, list(model.named_parameters()), set(prepared.plan.half))
         regions = self._regions.install(model, self.policy, self.device.type, prepared.keep, set(prepared.plan.frozen16))
         self.decision = str(Decision(resolution.decision, (
             prepared.fp8_note, prepared.plan.note(), self._compile.note(self.policy), self.policy.scaling_note(),
-            prepared.upcast_note, describe_kernels(self.policy, self.device.type), state_note, regions,
-            self._recompute.note)))
+            prepared.upcast_note, describe_kernels(self.policy, self.device.type), state_note, regions)))
+        self._recompute = RecomputeSetup(self, checkpoint)   # memory/recompute.py: blocks recomputed in backward
+        self.decision += self._recompute.note
         self.model = self._compile.apply(self._strategy.after_casts(model, self.policy, self.device))
         self.masters.record_versions()   # DDP's broadcast of rank 0's params is not a user edit
         # micro_step: backward() calls since the last boundary; boundaries: step() boundaries (applied + skipped)

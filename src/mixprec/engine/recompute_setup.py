@@ -35,6 +35,7 @@ class RecomputeSetup:
         if self.request.kind == "named":
             modes = match_blocks(mp.module, self.request.patterns)
             self._install(RecomputePlan(self.request.text, tuple(BlockPlan(n, m) for n, m in modes.items())))
+            mp.record(Event(0, _KIND, "requested", None, self.plan.text()))   # at build: boundary 0
         elif self.request.kind == "auto":
             self._names = repeated_blocks(mp.module)
             if self._names:

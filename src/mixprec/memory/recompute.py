@@ -20,6 +20,7 @@ random stream is the one it would be without it.
 from __future__ import annotations
 
 import fnmatch
+import functools
 import re
 import statistics
 from collections.abc import Callable, Iterable
@@ -223,10 +224,9 @@ def _run(forward: Callable[..., Any], mode: str, args: tuple, kwargs: dict) -> A
     if mode == "none" or not torch.is_grad_enabled():
         return forward(*args, **kwargs)
     if torch.compiler.is_compiling():   # traced: autocast is in the graph; torch's own recompute contexts
-        context = torch.utils.checkpoint.create_selective_checkpoint_contexts
-        return torch.utils.checkpoint.checkpoint(
-            forward, *args, use_reentrant=False, **kwargs,
-            **({"context_fn": lambda: context(keep_matmuls)} if mode == "selective" else {}))
+        context = functools.partial(torch.utils.checkpoint.create_selective_checkpoint_contexts, keep_matmuls)
+        return torch.utils.checkpoint.checkpoint(forward, *args, use_reentrant=False, **kwargs,
+                                                 **({"context_fn": context} if mode == "selective" else {}))
     return ops.checkpoint(forward, *args, selective=keep_matmuls if mode == "selective" else None, **kwargs)
 
 
