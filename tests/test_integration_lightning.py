@@ -444,9 +444,10 @@ def test_ddp_accumulation_with_masters_is_refused_by_name(tmp_path):
 
 # ---------------------------------------------------------------------- Fabric
 def fabric_run(policy: str, data, *, model: TinyGPT | None = None, start: int = 0, load=None, save=None,
-               clip: float | None = None):
+               clip: float | None = None, step_scheduler: bool = False):
     """``fabric.setup`` + ``plugin.attach`` + Fabric's own loop on ``data`` (batch indices from ``start``);
-    ``load``/``save``: a path for ``fabric.load``/``fabric.save`` of ``{"mixprec": plugin}``."""
+    ``load``/``save``: a path for ``fabric.load``/``fabric.save`` of ``{"mixprec": plugin}``;
+    ``step_scheduler``: the user also calls ``scheduler.step()`` after each ``optimizer.step()``."""
     from mixprec.integrations.lightning import MixprecFabricPrecision
     model = model or TinyGPT()
     plugin = MixprecFabricPrecision(policy)
@@ -464,6 +465,8 @@ def fabric_run(policy: str, data, *, model: TinyGPT | None = None, start: int = 
         if clip is not None:
             fabric.clip_gradients(fmodel, fopt, max_norm=clip, error_if_nonfinite=False)
         fopt.step()
+        if step_scheduler:
+            sched.step()
     if save is not None:
         fabric.save(save, {"mixprec": plugin})
     return plugin, fabric
@@ -497,6 +500,13 @@ def test_fabric_skips_overflows_and_resumes_exactly(tmp_path):
     engine = plugin.engine
     assert engine.skipped_total == 3 and engine.scheduler.last_epoch == engine.applied_steps == 17
     assert_same_run(engine, ref)
+
+
+def test_fabric_a_users_own_step_of_the_attached_scheduler_is_refused():
+    """``plugin.attach(optimizer, scheduler)`` hands the scheduler to the engine; the user's ``scheduler.step()``
+    as well would move the learning rate twice per step: refused at the next ``fabric.backward``."""
+    with pytest.raises(RuntimeError, match=r"LambdaLR.step\(\) was called 1 time\(s\) outside the engine"):
+        fabric_run("bf16-mixed", batches(3), model=TinyGPT(scheduler=True), step_scheduler=True)
 
 
 class SkipsBatches(TinyGPT):

@@ -48,6 +48,7 @@ import torch
 from torch import nn
 
 from mixprec.engine.autocast_scope import AutocastScope
+from mixprec.engine.foreign_loops import at_backward
 from mixprec.engine.outside import before_optimizer_step, watch_autocast
 from mixprec.engine.protocol import Engine
 from mixprec.engine.records import Event
@@ -208,6 +209,7 @@ class LoopChecks:
         gradient on its params (none is its own); later, discard gradients on params it left without one,
         and refuse gradients it produced that changed since (another engine's backward added to them), or a
         model cast since it was stored."""
+        at_backward(self.owner)   # a framework's accumulation, clipping or scheduler steps (engine/foreign_loops.py)
         self.check_storage(training=True)
         foreign, changed = self._foreign(everything=first)
         self._discard(foreign)
