@@ -222,6 +222,23 @@ def test_unsupported_arguments_and_a_second_train_are_refused(tmp_path):
         trainer.train()
 
 
+def test_logged_learning_rate_is_the_one_each_step_used(tmp_path):
+    """The Trainer logs the lr of the step it just took (read "before update" of the scheduler); the engine steps
+    the scheduler inside ``optimizer.step()``, so the view must not log the next step's. Reference: the linear
+    schedule on a bare optimizer, stepped ``step - 1`` times (the lr the ``step``-th update used)."""
+    trainer = _trainer(tmp_path, "bf16-mixed", max_steps=10, logging_steps=1)
+    trainer.train()
+    logged = [(e["step"], e["learning_rate"]) for e in trainer.state.log_history if "learning_rate" in e]
+    assert [s for s, _ in logged] == list(range(1, 11))
+    for step, lr in logged:
+        reference = torch.optim.SGD([torch.zeros(1, requires_grad=True)], lr=LR)
+        schedule = transformers.get_linear_schedule_with_warmup(reference, 0, 10)
+        for _ in range(step - 1):
+            reference.step()
+            schedule.step()
+        assert lr == schedule.get_last_lr()[0], step
+
+
 @pytest.mark.parametrize("max_steps", [-1, 2])
 def test_an_epoch_ending_on_a_short_step_is_refused_at_train_start(tmp_path, max_steps):
     """4 batches per epoch with gradient_accumulation_steps=3: 3 + a short step of 1, reached by one epoch

@@ -150,6 +150,7 @@ class MixprecTrainer(Trainer):
             _record_adopted_flag(self.engine, flag, args.max_grad_norm)
         self.engine_optimizer: torch.optim.Optimizer | None = None
         self.open_check: StepCheck | None = None
+        self.stepped_lr: float | None = None   # the lr of the step just applied, for the Trainer's log
         self.resume_dir: str | None = None
         self.add_callback(_PrecisionState(self))
 
@@ -223,7 +224,16 @@ class MixprecTrainer(Trainer):
                                "training_step runs engine.unscale_and_check() after the last micro-batch; a step "
                                "anywhere else would apply scaled, unchecked gradients")
         check, self.open_check = self.open_check, None
+        self.stepped_lr = self.engine_optimizer.param_groups[0]["lr"]   # the lr this step uses (logged)
         self.engine.apply_or_skip(check)
+
+    def _get_learning_rate(self) -> float:
+        """The private hook the Trainer logs ``learning_rate`` from (transformers 5.24 ``_inner_training_loop``
+        reads it right after ``optimizer.step()``, "before update" of the scheduler): the lr the step just made
+        used, since the engine stepped the scheduler inside that ``optimizer.step()`` already (the scheduler's
+        ``get_last_lr()`` is the next step's). Elsewhere (evaluation logs) the Trainer's own."""
+        lr, self.stepped_lr = self.stepped_lr, None
+        return super()._get_learning_rate() if lr is None else lr
 
     def _get_grad_norm(self, model: torch.nn.Module, grad_norm: Any = None) -> torch.Tensor | None:
         """The private hook the Trainer logs ``grad_norm`` from (transformers 5.24 ``_inner_training_loop`` →
