@@ -172,3 +172,19 @@ def test_a_scheduler_not_attached_to_the_engine_is_the_users():
         if mp.step().applied:
             sched.step()
     assert sched.last_epoch == mp.applied_steps == 3
+
+
+# ---------------------------------------------------------------------- what a refusal says
+@pytest.mark.parametrize("policy, scaled", [("bf16-pure", False), ("fp32", False), ("fp16-mixed", True)])
+def test_a_stray_optimizer_step_says_what_applies_to_the_policy(policy, scaled):
+    """Between ``mp.backward()`` and ``mp.step()`` the gradients are multiplied by the loss scale only under a
+    policy that scales the loss (fp16); the refusal says so only there."""
+    model = _model()
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    mp = mixprec.MixedPrecision(model, opt, policy, accumulation_steps=2)
+    mp.backward(_loss(mp, mp.model, _data(1)[0]))
+    with pytest.raises(RuntimeError, match=r"between mp.backward\(\) and mp.step\(\)") as refused:
+        opt.step()
+    text = str(refused.value)
+    assert ("multiplied by the loss scale" in text) == scaled and ("scales no loss" in text) == (not scaled)
+    assert "micro-batch 1 of accumulation_steps=2" in text
