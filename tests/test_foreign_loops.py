@@ -188,3 +188,19 @@ def test_a_stray_optimizer_step_says_what_applies_to_the_policy(policy, scaled):
     text = str(refused.value)
     assert ("multiplied by the loss scale" in text) == scaled and ("scales no loss" in text) == (not scaled)
     assert "micro-batch 1 of accumulation_steps=2" in text
+
+
+@pytest.mark.parametrize("policy, scaled, masters", [("bf16-pure", False, True), ("bf16-mixed", False, False),
+                                                     ("fp16-mixed", True, False)])
+def test_a_foreign_loops_step_says_what_applies_to_the_policy(policy, scaled, masters):
+    """A framework's own ``loss.backward()`` + ``optimizer.step()`` on an engine's model: the refusal names loss
+    scaling only where the policy scales the loss, and "nothing trains" only where fp32 masters exist."""
+    model = _model()
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    mp = mixprec.MixedPrecision(model, opt, policy)
+    _loss(mp, mp.model, _data(1)[0]).backward()   # not mp.backward
+    with pytest.raises(RuntimeError, match=r"called outside mp.step\(\)") as refused:
+        opt.step()
+    text = str(refused.value)
+    assert ("no loss scaling" in text) == scaled and ("no inf/NaN check" in text) == (not scaled)
+    assert ("nothing trains" in text) == masters
