@@ -309,6 +309,35 @@ def test_manual_optimization_steps_through_the_engine():
     assert_same_run(plugin.engine, ref)
 
 
+class ManualClippedGPT(ManualGPT):
+    """Manual optimization clipping as documented: ``self.clip_gradients`` in ``on_before_optimizer_step``
+    (inside ``opt.step()``, on the engine's unscaled gradients); ``early``: in ``training_step`` instead."""
+
+    def __init__(self, early: bool = False) -> None:
+        super().__init__()
+        self.early = early
+
+    def training_step(self, batch, batch_idx):
+        if not self.early:
+            return super().training_step(batch, batch_idx)
+        self.manual_backward(self.loss(batch, batch_idx))
+        self.clip_gradients(self.optimizers(), gradient_clip_val=0.05, gradient_clip_algorithm="norm")
+
+    def on_before_optimizer_step(self, optimizer):
+        super().on_before_optimizer_step(optimizer)
+        self.clip_gradients(optimizer, gradient_clip_val=0.05, gradient_clip_algorithm="norm")
+
+
+def test_manual_optimization_clips_in_on_before_optimizer_step():
+    data = batches(6)
+    plugin, _, _ = fit("fp16-mixed", data, 6, model=ManualClippedGPT())
+    ref, results = hand_loop("fp16-mixed", data, clip=0.05)
+    assert any(r.grad_norm > 0.05 for r in results)   # the clip acted
+    assert_same_run(plugin.engine, ref)
+    with pytest.raises(RuntimeError, match=r"In manual optimization call self.clip_gradients.*on_before_optimizer_step"):
+        fit("fp16-mixed", data[:1], 1, model=ManualClippedGPT(early=True))
+
+
 # ---------------------------------------------------------------------- refusals
 def test_options_the_trainer_owns_are_refused_by_name():
     with pytest.raises(ValueError, match="accumulate_grad_batches"):
@@ -327,7 +356,9 @@ class TwoOptimizers(TinyGPT):
 
 
 def test_several_optimizers_are_refused_by_name():
-    with pytest.raises(ValueError, match="one optimizer"):
+    """Manual optimization with two optimizers (a GAN's shape): param groups would step both networks from each
+    loss, so the refusal names what a GAN needs (one engine per network), not only param groups."""
+    with pytest.raises(ValueError, match=r"one optimizer.*param groups.*a GAN.*one MixedPrecision per network"):
         fit("bf16-mixed", batches(2), 2, model=TwoOptimizers())
 
 
