@@ -85,7 +85,7 @@ def _check_accumulation(mp: Engine, state_module: Any) -> None:
             f"Accelerator(gradient_accumulation_steps={steps}) is set, but this MixedPrecision engine "
             f"({mp.policy}) has accumulation_steps={mp.accumulation_steps}: accelerate's accumulation (and "
             "accelerator.accumulate(model)) only gates its own optimizer.step() and accelerator.backward(); the "
-            f"engine steps every {mp.accumulation_steps} micro-batch(es), so the run would step {steps}x too often. "
+            f"engine steps the optimizer every {mp.accumulation_steps} micro-batch(es), not every {steps}. "
             f"Accumulate in the engine: MixedPrecision(model, optimizer, policy, accumulation_steps={steps}), "
             "mp.backward(loss) and mp.step() every micro-batch, and Accelerator(mixed_precision='no') without "
             "gradient_accumulation_steps (no accelerator.accumulate)")
