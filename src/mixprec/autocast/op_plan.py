@@ -489,7 +489,8 @@ def describe(policy: Any, device_type: str) -> str:
         return ""
     if policy.kernels == "measured":
         allowed = extra_saved_allowed()
-        within = "any" if allowed is None else f"+{allowed:g} MiB per call"
-        return (f"; kernels=measured (attention in the kernel measured fastest on this {device_type} per shape "
-                f"among those saving for backward at most {within} over fused: mixprec.autocast.op_plan.entries())")
+        limit = "whatever it saves for backward" if allowed is None else \
+            f"saving for backward at most fused's bytes +{allowed:g} MiB per call"
+        return (f"; kernels=measured (attention in the kernel measured fastest on this {device_type} per shape, "
+                f"{limit}: mixprec.autocast.op_plan.entries())")
     return "; kernels=native: torch.autocast's kernels"
