@@ -194,3 +194,29 @@ def test_the_decision_names_the_allowance():
         assert "at most fused's bytes +144 MiB per call" in op_plan.describe(policy, "cpu")
     with op_plan.allow_extra_saved(None):
         assert "fastest on this cpu per shape, whatever it saves for backward" in op_plan.describe(policy, "cpu")
+
+
+def test_the_bench_plan_keeps_the_rule_and_each_candidates_bytes_and_says_them():
+    """The bench's one plan (pinned for every worker) is chosen under the default rule; results.json keeps the
+    allowance and each entry's saved bytes, and the console / report.md lines print them with the rule's words."""
+    from mixprec.machine.capability import Capability
+    from mixprec.programs.bench.pinned_plan import measure_bench_plan, pinned_for
+    from mixprec.programs.bench.report import op_plan_lines
+    from mixprec.programs.bench.runner import BenchConfig
+
+    capability = Capability(device="cpu", bf16=True, fp16=False, bf16_fast=True, fp16_native=False,
+                            bf16_speed_ratio=2.0, fp16_speed_ratio=0.0, detail="planted: bf16 only")
+    config = BenchConfig(out=None, config="tiny", steps=5, policies=("bf16-mixed",))
+    names = ["fp32", "bf16-mixed"]
+    plan = measure_bench_plan(config, torch.device("cpu"), capability, names, dict.fromkeys(names), False)
+    assert plan["extra_saved_allowed_mib"] == 0.0
+    (train,) = [e for e in plan["entries"] if e["shape"].endswith(" fwd+bwd")]
+    c = GPT_CONFIGS["tiny"]
+    assert train["saved_bytes"] == _expected_saved(c.batch_size, c.n_head, c.block_size, c.n_embd // c.n_head)
+    assert train["saved_bytes"][train["chosen"]] <= train["saved_bytes"]["fused"] < train["saved_bytes"]["matmul"]
+    assert pinned_for(plan, "bf16-mixed")[train["shape"]] == train["chosen"] == "fused"
+    lines = op_plan_lines({"op_plan": plan, "policies": {}})
+    assert "; no kernel saving more for backward than fused by over 0 MiB per call (allowed with $" in lines[0]
+    (line,) = [x for x in lines if x.startswith(f"  {train['shape']} -> fused (")]
+    fused = f"fused {train['times_ms']['fused']:.2f} ms {mib_words(train['saved_bytes']['fused'])}"
+    assert fused in line and line.endswith(f"; {train['memory']})") and "saved per call" in train["memory"]
