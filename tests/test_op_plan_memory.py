@@ -216,7 +216,7 @@ def test_the_bench_plan_keeps_the_rule_and_each_candidates_bytes_and_says_them()
     assert train["saved_bytes"][train["chosen"]] <= train["saved_bytes"]["fused"] < train["saved_bytes"]["matmul"]
     assert pinned_for(plan, "bf16-mixed")[train["shape"]] == train["chosen"] == "fused"
     lines = op_plan_lines({"op_plan": plan, "policies": {}})
-    assert "; no kernel saving more for backward than fused by over 0 MiB per call (allowed with $" in lines[0]
+    assert "; chosen among kernels saving for backward at most fused's bytes +0 MiB per call ($" in lines[0]
     (line,) = [x for x in lines if x.startswith(f"  {train['shape']} -> fused (")]
     fused = f"fused {train['times_ms']['fused']:.2f} ms {mib_words(train['saved_bytes']['fused'])}"
     assert fused in line and line.endswith(f"; {train['memory']})") and "saved per call" in train["memory"]

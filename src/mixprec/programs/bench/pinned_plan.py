@@ -154,5 +154,4 @@ def rule_words(plan: dict[str, Any]) -> str:
     allowed = plan["extra_saved_allowed_mib"]
     if allowed is None:
         return f"chosen on speed alone, whatever a kernel saves for backward (${ENV}=inf)"
-    return (f"no kernel saving more for backward than fused by over {allowed:g} MiB per call "
-            f"(allowed with ${ENV})")
+    return f"chosen among kernels saving for backward at most fused's bytes +{allowed:g} MiB per call (${ENV})"
