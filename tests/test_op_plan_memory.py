@@ -220,3 +220,41 @@ def test_the_bench_plan_keeps_the_rule_and_each_candidates_bytes_and_says_them()
     (line,) = [x for x in lines if x.startswith(f"  {train['shape']} -> fused (")]
     fused = f"fused {train['times_ms']['fused']:.2f} ms {mib_words(train['saved_bytes']['fused'])}"
     assert fused in line and line.endswith(f"; {train['memory']})") and "saved per call" in train["memory"]
+
+
+def _training_forward_saved(config: str, policy: str) -> int:
+    """Bytes a GPT ``config`` training forward (batch 2) saves for backward under ``policy``, parameters left out."""
+    from dataclasses import replace
+
+    from mixprec.memory.saved import saved_bytes
+    from mixprec.programs.session import build_engine
+    from mixprec.workloads.gpt import GPTWorkload
+
+    workload = GPTWorkload(replace(GPT_CONFIGS[config], batch_size=2))
+    mp = build_engine(workload, policy, steps=2, seed=0, device="cpu")
+    batch = mp.cast_inputs(next(workload.batches("train", 0)))
+    with mp.autocast():
+        loss, saved = saved_bytes(lambda: workload.loss(mp.model, batch), exclude=list(mp.model.parameters()))
+    del loss
+    return saved.total
+
+
+@pytest.mark.parametrize("config", ["baby", "mid"])
+def test_a_training_forward_saves_what_torch_autocast_saves_unless_allowed(config, tmp_path):
+    """Model level: by default the planned attention makes a bf16-mixed GPT forward save exactly what
+    ``kernels=native`` (torch.autocast's fused kernel) saves, whatever the timings say; with the permission and a
+    faster matmul (times from the cache file) it saves more, by the probabilities and the causal mask per layer
+    less fused's logsumexp (q, k, v are views of one qkv output in the model: kept by both)."""
+    b, h, t, d = shape = _gpt_shape(config)
+    native = _training_forward_saved(config, "bf16-mixed,kernels=native")
+    assert _training_forward_saved(config, "bf16-mixed") == native
+    if config != "baby":
+        return
+    op_plan.forget()
+    _cached_plan(tmp_path, shape, {"fused": 2.0, "fused-fp32": 4.0, "matmul": 1.0}, _expected_saved(*shape))
+    with op_plan.allow_extra_saved(None):
+        allowed = _training_forward_saved(config, "bf16-mixed")
+    (entry,) = [e for e in op_plan.entries("cpu") if e.shape.endswith(" fwd+bwd")]
+    assert entry.chosen == "matmul" and entry.memory.startswith("matmul: 2.00x faster than fused, +")
+    probs = b * h * t * t
+    assert allowed - native == GPT_CONFIGS[config].n_layer * (probs * (4 + 2) + t * t - b * h * t * 4)
