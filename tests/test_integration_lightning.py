@@ -309,6 +309,35 @@ def test_manual_optimization_steps_through_the_engine():
     assert_same_run(plugin.engine, ref)
 
 
+class ManualClippedGPT(ManualGPT):
+    """Manual optimization clipping as documented: ``self.clip_gradients`` in ``on_before_optimizer_step``
+    (inside ``opt.step()``, on the engine's unscaled gradients); ``early``: in ``training_step`` instead."""
+
+    def __init__(self, early: bool = False) -> None:
+        super().__init__()
+        self.early = early
+
+    def training_step(self, batch, batch_idx):
+        if not self.early:
+            return super().training_step(batch, batch_idx)
+        self.manual_backward(self.loss(batch, batch_idx))
+        self.clip_gradients(self.optimizers(), gradient_clip_val=0.05, gradient_clip_algorithm="norm")
+
+    def on_before_optimizer_step(self, optimizer):
+        super().on_before_optimizer_step(optimizer)
+        self.clip_gradients(optimizer, gradient_clip_val=0.05, gradient_clip_algorithm="norm")
+
+
+def test_manual_optimization_clips_in_on_before_optimizer_step():
+    data = batches(6)
+    plugin, _, _ = fit("fp16-mixed", data, 6, model=ManualClippedGPT())
+    ref, results = hand_loop("fp16-mixed", data, clip=0.05)
+    assert any(r.grad_norm > 0.05 for r in results)   # the clip acted
+    assert_same_run(plugin.engine, ref)
+    with pytest.raises(RuntimeError, match=r"In manual optimization call self.clip_gradients.*on_before_optimizer_step"):
+        fit("fp16-mixed", data[:1], 1, model=ManualClippedGPT(early=True))
+
+
 # ---------------------------------------------------------------------- refusals
 def test_options_the_trainer_owns_are_refused_by_name():
     with pytest.raises(ValueError, match="accumulate_grad_batches"):
@@ -327,7 +356,9 @@ class TwoOptimizers(TinyGPT):
 
 
 def test_several_optimizers_are_refused_by_name():
-    with pytest.raises(ValueError, match="one optimizer"):
+    """Manual optimization with two optimizers (a GAN's shape): param groups would step both networks from each
+    loss, so the refusal names what a GAN needs (one engine per network), not only param groups."""
+    with pytest.raises(ValueError, match=r"one optimizer.*param groups.*a GAN.*one MixedPrecision per network"):
         fit("bf16-mixed", batches(2), 2, model=TwoOptimizers())
 
 
@@ -444,9 +475,10 @@ def test_ddp_accumulation_with_masters_is_refused_by_name(tmp_path):
 
 # ---------------------------------------------------------------------- Fabric
 def fabric_run(policy: str, data, *, model: TinyGPT | None = None, start: int = 0, load=None, save=None,
-               clip: float | None = None):
+               clip: float | None = None, step_scheduler: bool = False):
     """``fabric.setup`` + ``plugin.attach`` + Fabric's own loop on ``data`` (batch indices from ``start``);
-    ``load``/``save``: a path for ``fabric.load``/``fabric.save`` of ``{"mixprec": plugin}``."""
+    ``load``/``save``: a path for ``fabric.load``/``fabric.save`` of ``{"mixprec": plugin}``;
+    ``step_scheduler``: the user also calls ``scheduler.step()`` after each ``optimizer.step()``."""
     from mixprec.integrations.lightning import MixprecFabricPrecision
     model = model or TinyGPT()
     plugin = MixprecFabricPrecision(policy)
@@ -464,6 +496,8 @@ def fabric_run(policy: str, data, *, model: TinyGPT | None = None, start: int = 
         if clip is not None:
             fabric.clip_gradients(fmodel, fopt, max_norm=clip, error_if_nonfinite=False)
         fopt.step()
+        if step_scheduler:
+            sched.step()
     if save is not None:
         fabric.save(save, {"mixprec": plugin})
     return plugin, fabric
@@ -497,6 +531,13 @@ def test_fabric_skips_overflows_and_resumes_exactly(tmp_path):
     engine = plugin.engine
     assert engine.skipped_total == 3 and engine.scheduler.last_epoch == engine.applied_steps == 17
     assert_same_run(engine, ref)
+
+
+def test_fabric_a_users_own_step_of_the_attached_scheduler_is_refused():
+    """``plugin.attach(optimizer, scheduler)`` hands the scheduler to the engine; the user's ``scheduler.step()``
+    as well would move the learning rate twice per step: refused at the next ``fabric.backward``."""
+    with pytest.raises(RuntimeError, match=r"LambdaLR.step\(\) was called 1 time\(s\) outside the engine"):
+        fabric_run("bf16-mixed", batches(3), model=TinyGPT(scheduler=True), step_scheduler=True)
 
 
 class SkipsBatches(TinyGPT):

@@ -220,11 +220,62 @@ def test_unsupported_arguments_and_a_second_train_are_refused(tmp_path):
     trainer.train()
     with pytest.raises(RuntimeError, match="a second time"):
         trainer.train()
-    short = MixprecTrainer(_gpt2(), _args(tmp_path, max_steps=-1, num_train_epochs=1, gradient_accumulation_steps=3),
-                           train_dataset=_data(8), policy="bf16-mixed")   # 4 batches: 3 + a short step of 1
-    with pytest.raises(RuntimeError, match="dataloader_drop_last"):
+
+
+def test_logged_learning_rate_is_the_one_each_step_used(tmp_path):
+    """The Trainer logs the lr of the step it just took (read "before update" of the scheduler); the engine steps
+    the scheduler inside ``optimizer.step()``, so the view must not log the next step's. Reference: the linear
+    schedule on a bare optimizer, stepped ``step - 1`` times (the lr the ``step``-th update used)."""
+    trainer = _trainer(tmp_path, "bf16-mixed", max_steps=10, logging_steps=1)
+    trainer.train()
+    logged = [(e["step"], e["learning_rate"]) for e in trainer.state.log_history if "learning_rate" in e]
+    assert [s for s, _ in logged] == list(range(1, 11))
+    for step, lr in logged:
+        reference = torch.optim.SGD([torch.zeros(1, requires_grad=True)], lr=LR)
+        schedule = transformers.get_linear_schedule_with_warmup(reference, 0, 10)
+        for _ in range(step - 1):
+            reference.step()
+            schedule.step()
+        assert lr == schedule.get_last_lr()[0], step
+
+
+@pytest.mark.parametrize("max_steps", [-1, 2])
+def test_an_epoch_ending_on_a_short_step_is_refused_at_train_start(tmp_path, max_steps):
+    """4 batches per epoch with gradient_accumulation_steps=3: 3 + a short step of 1, reached by one epoch
+    (max_steps=-1) or by max_steps=2. Refused before any step (it used to train the epoch first)."""
+    short = MixprecTrainer(_gpt2(), _args(tmp_path, max_steps=max_steps, num_train_epochs=1,
+                                          gradient_accumulation_steps=3), train_dataset=_data(8), policy="bf16-mixed")
+    with pytest.raises(ValueError, match=r"4 batches per epoch and gradient_accumulation_steps=3.*short optimizer "
+                                         r"step of 1.*max_steps <= 1"):
         short.train()
-    assert short.engine.applied_steps == 1
+    assert short.engine.applied_steps == 0 and short.engine.micro_step == 0
+
+
+def test_max_steps_within_the_first_epochs_whole_steps_trains(tmp_path):
+    trainer = MixprecTrainer(_gpt2(), _args(tmp_path, max_steps=1, gradient_accumulation_steps=3),
+                             train_dataset=_data(8), policy="bf16-mixed")   # 4 batches: one whole step of 3
+    trainer.train()
+    assert trainer.engine.applied_steps == 1
+
+
+def test_save_model_writes_the_fp32_masters_under_pure(tmp_path):
+    """``save_model()`` under bf16-pure writes the fp32 masters (what the optimizer trained) in the model's own
+    parameter names, bit for bit, and ``from_pretrained`` loads them back; buffers as the model holds them."""
+    from safetensors.torch import load_file
+    trainer = _trainer(tmp_path, "bf16-pure", max_steps=3)
+    trainer.train()
+    out = tmp_path / "final"
+    trainer.save_model(str(out))
+    saved = load_file(str(out / "model.safetensors"))
+    mp = trainer.engine
+    masters = mp.masters.named(mp.module.named_parameters())
+    assert masters and set(masters) <= set(saved)
+    for name, master in masters.items():
+        assert saved[name].dtype == torch.float32 and torch.equal(saved[name], master.cpu()), name
+    assert any(p.dtype == torch.bfloat16 for p in mp.module.parameters())   # the model still trains in bf16
+    loaded = transformers.GPT2LMHeadModel.from_pretrained(str(out), dtype=torch.float32)
+    named = dict(loaded.named_parameters())
+    assert all(torch.equal(named[n], m.cpu()) for n, m in masters.items())
 
 
 class _Regression(torch.nn.Module):

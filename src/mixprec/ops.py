@@ -22,7 +22,7 @@ function                          trap it removes
 from __future__ import annotations
 
 import contextlib
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from typing import Any
 
 import torch
@@ -256,7 +256,15 @@ class _RestoreAutocast:
         self._stack.__exit__(*exc)
 
 
-def checkpoint(fn: Callable[..., Any], *args: Any, preserve_rng_state: bool = True, **kwargs: Any) -> Any:
+@contextlib.contextmanager
+def _both(outer: contextlib.AbstractContextManager, inner: contextlib.AbstractContextManager) -> Iterator[None]:
+    """``outer`` then ``inner``, entered when the recompute starts (not when ``context_fn`` builds them)."""
+    with outer, inner:
+        yield
+
+
+def checkpoint(fn: Callable[..., Any], *args: Any, preserve_rng_state: bool = True,
+               selective: Callable[..., Any] | None = None, **kwargs: Any) -> Any:
     """Activation checkpointing whose recompute runs under exactly the forward's autocast state.
 
     ``fn(*args, **kwargs)`` runs now without saving its intermediate activations; backward runs it
@@ -280,6 +288,10 @@ def checkpoint(fn: Callable[..., Any], *args: Any, preserve_rng_state: bool = Tr
         fn: the function or module to checkpoint.
         *args, **kwargs: passed to ``fn`` (keyword arguments too, as torch's non-reentrant mode).
         preserve_rng_state: replay the forward's RNG state (dropout) in the recompute.
+        selective: a selective-checkpoint policy (``policy_fn(ctx, op, *args, **kwargs)`` returning a
+            ``torch.utils.checkpoint.CheckpointPolicy``, as ``create_selective_checkpoint_contexts`` takes): the
+            outputs of the ops it marks ``MUST_SAVE`` are kept from the forward, only the others are recomputed
+            (:mod:`mixprec.memory.recompute`). None: the whole of ``fn`` is recomputed.
 
     Returns:
         ``fn``'s output. Shapes and dtypes are ``fn``'s own. No host sync.
@@ -289,8 +301,11 @@ def checkpoint(fn: Callable[..., Any], *args: Any, preserve_rng_state: bool = Tr
     portable = portable_devices()   # ops=portable: and casts as the forward did
     saved = saved_devices()   # saved=compute: and saves what the forward saved
 
-    def context_fn() -> tuple[contextlib.AbstractContextManager, _RestoreAutocast]:
-        return contextlib.nullcontext(), _RestoreAutocast(states, planned, portable, saved)
+    def context_fn() -> tuple[contextlib.AbstractContextManager, contextlib.AbstractContextManager]:
+        if selective is None:
+            return contextlib.nullcontext(), _RestoreAutocast(states, planned, portable, saved)
+        keep_fwd, keep_recompute = torch.utils.checkpoint.create_selective_checkpoint_contexts(selective)
+        return keep_fwd, _both(keep_recompute, _RestoreAutocast(states, planned, portable, saved))
 
     return torch.utils.checkpoint.checkpoint(fn, *args, use_reentrant=False, preserve_rng_state=preserve_rng_state,
                                              context_fn=context_fn, **kwargs)

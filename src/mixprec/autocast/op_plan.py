@@ -8,21 +8,19 @@ either dtype and the matmul form 277 ms. Under ``kernels=measured`` (every polic
 ``mp.autocast()`` enters :func:`planned_kernels`, and each planned op runs as :func:`choose` says for its key;
 ``kernels=native`` runs what ``torch.autocast`` runs.
 
-Planned ops and candidates (``scaled_dot_product_attention``; the autocast dtype is bf16 or fp16):
+Planned op: ``scaled_dot_product_attention`` (autocast dtype bf16 or fp16); its candidates, ``fused``
+(torch.autocast's kernel: the default), ``fused-fp32`` and ``matmul`` (Hugging Face's "eager" form, bf16 only,
+no ``attn_mask``, fp32 scores under :data:`MATMUL_SCORES_LIMIT`), are in
+:mod:`mixprec.autocast.attention_kernels`. Softmax accumulates in fp32 in all three, and each returns the
+autocast dtype, so what follows the op sees the same dtypes whatever was chosen.
 
-* ``fused``: torch's kernel on inputs cast to the autocast dtype: what ``torch.autocast`` does (its
-  lower-precision list). The default, and the choice unless another candidate is at least
-  :data:`MARGIN` faster.
-* ``fused-fp32``: torch's kernel on fp32 copies of q, k, v (and a float mask), the output rounded once to
-  the autocast dtype. More exact than ``fused``.
-* ``matmul``: ``q·kᵀ`` as an autocast-dtype matmul (scores rounded once to it), scale, causal mask and
-  softmax in fp32, probabilities cast to the autocast dtype, then ``·v`` (Hugging Face's "eager"
-  attention). Offered under bf16 only (fp16 scores could overflow), without ``attn_mask`` (a fully masked
-  row is NaN here and 0 in a fused kernel), and while its fp32 scores stay under :data:`MATMUL_SCORES_LIMIT`
-  bytes.
-
-Every candidate meets the numerics contract: softmax accumulates in fp32 in all three, and each returns
-the autocast dtype, so what follows the op sees the same dtypes whatever was chosen.
+The rule: ``fused`` unless another candidate is at least :data:`MARGIN` faster (ties within :data:`MARGIN` of
+the fastest go to the more exact), among the candidates that save no more bytes for backward per call than
+``fused`` plus the allowance (:mod:`mixprec.autocast.saved_allowance`: +0 MiB unless :func:`allow_extra_saved`
+or ``$MIXPREC_ATTENTION_EXTRA_SAVED_MIB`` allow more): a faster kernel does not erase the memory mixed precision
+saves unless the user says so. Each candidate's saved bytes are measured with its time (one forward under
+:class:`mixprec.memory.saved.SavedTensorCounter`, no backward) and kept in the entry (``saved_bytes``,
+``memory``: "matmul skipped: 1.31x faster than fused, +144 MiB saved per call over fused ...").
 
 The key is the op, the shapes of q, k, v, the autocast dtype, ``is_causal``, the mask's dtype and shape,
 whether dropout is on, whether ``scale`` is given, ``enable_gqa``, and whether a backward will follow (grad
@@ -57,7 +55,7 @@ floating inputs to the autocast dtype and run the op with autocast off).
 
 from __future__ import annotations
 
-import math
+import dataclasses
 import statistics
 import threading
 import warnings
@@ -67,20 +65,20 @@ from dataclasses import dataclass, field
 from typing import Any, Callable
 
 import torch
-import torch.nn.functional as F
 
+from mixprec.autocast.attention_kernels import CANDIDATES, MATMUL_SCORES_LIMIT, NOT_FP16, offered, saved_per_call
+from mixprec.autocast.saved_allowance import allow_extra_saved, extra_saved_allowed, memory_choice, mib_words
+from mixprec.autocast.switch import Switch
 from mixprec.machine.cache import cache_dir, machine_key, read_json, write_json
 from mixprec.machine.timing import time_call
-from mixprec.autocast.switch import Switch
 
 __all__ = ["PlanEntry", "planned_kernels", "choose", "entries", "summary", "choices", "pin", "retarget", "measured_afresh",
            "cached", "forget", "time_candidates", "describe", "MARGIN",
            "REPEATS", "MATMUL_SCORES_LIMIT", "NOISY_SPREAD", "Timing", "CANDIDATES", "plan_key",
-           "planned_devices", "planned_as"]
+           "planned_devices", "planned_as", "allow_extra_saved", "extra_saved_allowed"]
 
 MARGIN = 0.05                     # another candidate replaces the default only when ≥ 5 % faster
 REPEATS = 5                       # timed runs per candidate after one warm-up (best of)
-MATMUL_SCORES_LIMIT = 256 << 20   # bytes of fp32 scores above which the matmul form is not offered
 NOISY_SPREAD = 1.5                # a candidate's slowest round over its fastest: above it, not cached
 _DEFAULT = "fused"
 _TRACED = "default (traced, not measured)"
@@ -88,8 +86,6 @@ _NOISY = "measured (noisy: this process only, not cached)"
 _EXACTNESS = ("fused-fp32", "fused", "matmul")   # most exact first: fp32 attention, then the fused bf16 kernel
 # where torch's autocast has its own sdpa kernel (lower precision) for this one to replace; MPS: not planned
 _AUTOCAST_KEYS = {"cpu": "AutocastCPU", "cuda": "AutocastCUDA"}
-_SDPA = torch.ops.aten.scaled_dot_product_attention.default
-_NOT_FP16 = "not offered under fp16 (its fp16 scores could overflow at 65504)"
 
 
 @dataclass(frozen=True)
@@ -98,7 +94,10 @@ class PlanEntry:
     ms, None where not timed), ``source`` ``"measured"``, ``"cache"`` (measured by an earlier process on
     this machine), ``"checkpoint"`` (pinned by a resumed checkpoint: :func:`pin`), ``"bench"`` (a bench worker's pin of
     the plan its runner measured once),
-    ``"measured (noisy: ...)"`` (used in this process only) or ``"default (traced, not measured)"``; ``shape`` is the key in words."""
+    ``"measured (noisy: ...)"`` (used in this process only) or ``"default (traced, not measured)"``; ``shape`` is the key in words;
+    ``saved_bytes``: candidate → bytes its forward saves for backward per call (None: not offered or unknown;
+    empty for a pin); ``memory``: the memory rule's words for this choice (module docstring);
+    ``extra_saved_allowed_mib``: the allowance it was chosen under (MiB per call over ``fused``; None: no limit)."""
 
     op: str
     shape: str
@@ -106,6 +105,9 @@ class PlanEntry:
     times_ms: dict[str, float | None] = field(default_factory=dict)
     source: str = "measured"
     note: str = ""
+    saved_bytes: dict[str, int | None] = field(default_factory=dict)
+    memory: str = ""
+    extra_saved_allowed_mib: float | None = 0.0
 
 
 _lock = threading.Lock()
@@ -113,60 +115,6 @@ _libraries: dict[str, torch.library.Library] = {}
 _plans: dict[tuple[str, int], dict[str, PlanEntry]] = {}   # (device type, threads) -> key -> entry (this process)
 _disk: dict[tuple[str, int], dict] = {}                    # the same -> what its cache file held when first read
 _afresh: list[bool] = [False]                              # inside measured_afresh(): the cache file is not read
-
-
-# ---------------------------------------------------------------------- the candidates
-def _cast(t: Any, dtype: torch.dtype) -> Any:
-    return t.to(dtype) if isinstance(t, torch.Tensor) and t.is_floating_point() and t.dtype != torch.float64 else t
-
-
-def _fused(q, k, v, attn_mask, dropout_p, is_causal, scale, enable_gqa, dtype):
-    return _SDPA(_cast(q, dtype), _cast(k, dtype), _cast(v, dtype), _cast(attn_mask, dtype), dropout_p, is_causal,
-                 scale=scale, enable_gqa=enable_gqa)
-
-
-def _fused_fp32(q, k, v, attn_mask, dropout_p, is_causal, scale, enable_gqa, dtype):
-    f32 = torch.float32
-    out = _SDPA(_cast(q, f32), _cast(k, f32), _cast(v, f32), _cast(attn_mask, f32), dropout_p, is_causal,
-                scale=scale, enable_gqa=enable_gqa)
-    return out.to(dtype)
-
-
-def _matmul(q, k, v, attn_mask, dropout_p, is_causal, scale, enable_gqa, dtype):
-    q, k, v = _cast(q, dtype), _cast(k, dtype), _cast(v, dtype)
-    if enable_gqa and k.size(-3) != q.size(-3):
-        k = k.repeat_interleave(q.size(-3) // k.size(-3), dim=-3)
-        v = v.repeat_interleave(q.size(-3) // v.size(-3), dim=-3)
-    scale = scale if scale is not None else 1.0 / math.sqrt(q.size(-1))
-    exact = math.frexp(scale)[0] == 0.5          # a power of two scales q exactly in any float format
-    scores = torch.matmul(q * scale if exact else q, k.transpose(-2, -1))   # rounded once to ``dtype``
-    if not exact:
-        scores = scores.float() * scale
-    if is_causal:
-        length, source = q.size(-2), k.size(-2)
-        keep = torch.ones(length, source, dtype=torch.bool, device=q.device).tril()   # top-left, as torch's sdpa
-        scores = scores.masked_fill_(~keep, float("-inf"))
-    probs_fp32 = torch.softmax(scores, dim=-1, dtype=torch.float32)
-    if dropout_p > 0:
-        probs_fp32 = F.dropout(probs_fp32, dropout_p, training=True)
-    return torch.matmul(probs_fp32.to(dtype), v)
-
-
-#: candidate name -> ``fn(q, k, v, attn_mask, dropout_p, is_causal, scale, enable_gqa, dtype)`` (autocast off)
-CANDIDATES: dict[str, Callable] = {"fused": _fused, "fused-fp32": _fused_fp32, "matmul": _matmul}
-
-
-def _offered(q, k, attn_mask, dtype: torch.dtype) -> dict[str, str]:
-    """Candidate → why it is not offered at this key ("" when it is)."""
-    scores = 4 * math.prod(q.shape[:-1]) * k.size(-2)
-    why_not = {name: "" for name in CANDIDATES}
-    if dtype == torch.float16:
-        why_not["matmul"] = _NOT_FP16
-    elif attn_mask is not None:
-        why_not["matmul"] = "not offered with attn_mask"
-    elif scores > MATMUL_SCORES_LIMIT:
-        why_not["matmul"] = f"not offered: its fp32 scores would take {scores / 2**20:.0f} MiB"
-    return why_not
 
 
 # ---------------------------------------------------------------------- keys, timing, cache
@@ -182,11 +130,15 @@ def plan_key(q, k, v, attn_mask=None, dropout_p=0.0, is_causal=False, scale=None
 @dataclass(frozen=True)
 class Timing:
     """What :func:`time_candidates` found: ``chosen``, each candidate's best time in ms (None: not offered), and
-    ``spread``: the largest ratio of a candidate's slowest to its fastest timed round (1.0 on a quiet machine)."""
+    ``spread``: the largest ratio of a candidate's slowest to its fastest timed round (1.0 on a quiet machine).
+    The plan's measurement adds ``saved_bytes`` (candidate → bytes saved for backward per call) and ``memory``
+    (the memory rule's words), and its ``chosen`` is the memory rule's (module docstring)."""
 
     chosen: str
     times_ms: dict[str, float | None]
     spread: float
+    saved_bytes: dict[str, int | None] = field(default_factory=dict)
+    memory: str = ""
 
     @property
     def noisy(self) -> bool:
@@ -220,11 +172,23 @@ def time_candidates(runs: dict[str, Callable[[], Any] | None], *, default: str,
     times = {name: None if run is None else round(min(rounds[name]) if name in rounds else warm[name], 3)
              for name, run in runs.items()}
     spread = statistics.median(max(r) / min(r) for r in rounds.values())   # one candidate's outlier is not load
+    return Timing(_speed_choice(times, default, prefer or tuple(runs)), times, round(spread, 3))
+
+
+def _speed_choice(times: dict[str, float | None], default: str, prefer: tuple[str, ...]) -> str:
+    """``default`` unless another candidate (time not None) is at least :data:`MARGIN` faster; then the first of
+    ``prefer`` within :data:`MARGIN` of the fastest."""
     best = min(t for t in times.values() if t is not None)
     if times[default] <= best / (1 - MARGIN):
-        return Timing(default, times, round(spread, 3))
-    tied = [n for n in (prefer or runs) if times.get(n) is not None and times[n] <= best / (1 - MARGIN)]
-    return Timing(tied[0], times, round(spread, 3))
+        return default
+    return next(n for n in prefer if times.get(n) is not None and times[n] <= best / (1 - MARGIN))
+
+
+def _rule(times: dict[str, float | None], saved: dict[str, int | None],
+          allowed_mib: float | None) -> tuple[str, str]:
+    """The plan's choice and its memory words: the speed rule among the candidates within the allowance."""
+    return memory_choice(times, saved, default=_DEFAULT, allowed_mib=allowed_mib,
+                         pick=lambda t: _speed_choice(t, _DEFAULT, _EXACTNESS))
 
 
 def _same(t: torch.Tensor) -> torch.Tensor:
@@ -238,9 +202,10 @@ def _own_saved_tensors() -> Any:
     return torch.autograd.graph.saved_tensors_hooks(_same, _same)
 
 
-def _measure(q, k, v, attn_mask, dropout_p, is_causal, scale, enable_gqa, dtype, grad) -> tuple[Timing, str]:
+def _measure(q, k, v, attn_mask, dropout_p, is_causal, scale, enable_gqa, dtype, grad,
+             allowed_mib: float | None) -> tuple[Timing, str]:
     device = q.device
-    why_not = _offered(q, k, attn_mask, dtype)
+    why_not = offered(q, k, attn_mask, dtype)
     # the innermost saved-tensor hooks are the only ones applied: identity ones keep the stand-ins' saved tensors
     # out of the caller's (a non-reentrant checkpoint around the op counted them as its own: CheckpointError)
     with torch.random.fork_rng(devices=[device] if device.type == "cuda" else []), \
@@ -263,6 +228,13 @@ def _measure(q, k, v, attn_mask, dropout_p, is_causal, scale, enable_gqa, dtype,
             return run
         timing = time_candidates({n: None if why_not[n] else runner(fn) for n, fn in CANDIDATES.items()},
                                  default=_DEFAULT, device=device, prefer=_EXACTNESS)
+
+        def forward(fn: Callable) -> Callable[[], Any]:
+            return lambda: fn(*args, dtype)
+        saved = saved_per_call({n: None if why_not[n] else forward(fn) for n, fn in CANDIDATES.items()}) if grad \
+            else {n: None if why_not[n] else 0 for n in CANDIDATES}       # no backward follows: nothing is saved
+    chosen, memory = _rule(timing.times_ms, saved, allowed_mib)
+    timing = dataclasses.replace(timing, chosen=chosen, saved_bytes=saved, memory=memory)
     notes = [f"{n} {w}" for n, w in why_not.items() if w]
     if timing.noisy:
         notes.append(f"timings noisy (a candidate's rounds spread {timing.spread:.2f}x): kept for this process, "
@@ -274,13 +246,39 @@ def _cache_file(device: torch.device):
     return cache_dir() / f"op-plan-{machine_key(device)}.json"
 
 
-def _usable(cached: Any) -> bool:
-    """Whether a cache file's entry is one :func:`choose` wrote (another shape, an edited or foreign file: measure)."""
+_OLD_CACHE = "measured again: its cache entry (an older mixprec's) had no saved bytes for the memory rule"
+
+
+def _numbers(values: Any, kind: type | tuple[type, ...]) -> bool:
+    return isinstance(values, dict) and all(v is None or (isinstance(v, kind) and not isinstance(v, bool))
+                                            for v in values.values())
+
+
+def _usable(cached: Any, key: str) -> bool:
+    """Whether a cache file's entry is one :func:`choose` wrote (another shape, an edited or foreign file: measure).
+    An older version's entry (no ``saved_bytes``) is usable for a ``fwd`` key only (nothing is saved there)."""
     if not isinstance(cached, dict) or not isinstance(cached.get("chosen"), str) or cached["chosen"] not in CANDIDATES:
         return False
-    times = cached.get("times_ms") or {}
-    return isinstance(times, dict) and all(t is None or (isinstance(t, (int, float)) and not isinstance(t, bool))
-                                           for t in times.values())
+    if "saved_bytes" not in cached and key.endswith(" fwd+bwd"):
+        return False
+    return _numbers(cached.get("times_ms") or {}, (int, float)) and _numbers(cached.get("saved_bytes") or {}, int)
+
+
+def _from_cache(cached: dict, key: str, allowed_mib: float | None) -> PlanEntry:
+    """A usable cache entry, chosen again under the allowance in force (its times and saved bytes)."""
+    times, saved = dict(cached.get("times_ms") or {}), dict(cached.get("saved_bytes") or {})
+    chosen, memory = (_rule(times, saved, allowed_mib) if saved and times.get(_DEFAULT) is not None
+                      else (cached["chosen"], ""))
+    return PlanEntry("scaled_dot_product_attention", key, chosen, times, "cache", str(cached.get("note", "")),
+                     saved, memory, allowed_mib)
+
+
+def _allowed_now(entry: PlanEntry, allowed_mib: float | None) -> PlanEntry:
+    """``entry`` chosen again from its measurement when the allowance changed (a pin or a default: as it is)."""
+    if entry.extra_saved_allowed_mib == allowed_mib or not entry.saved_bytes or entry.times_ms.get(_DEFAULT) is None:
+        return entry
+    chosen, memory = _rule(entry.times_ms, entry.saved_bytes, allowed_mib)
+    return dataclasses.replace(entry, chosen=chosen, memory=memory, extra_saved_allowed_mib=allowed_mib)
 
 
 def _traced(q: torch.Tensor) -> bool:
@@ -311,7 +309,9 @@ def choose(q, k, v, attn_mask=None, dropout_p=0.0, is_causal=False, scale=None, 
     where = (device.type, torch.get_num_threads())
     plan = _plans.setdefault(where, {})
     entry = plan.get(key)
+    allowed = extra_saved_allowed()
     if entry is not None and (entry.source != _TRACED or _traced(q)):
+        plan[key] = entry = _allowed_now(entry, allowed)
         return entry
     if entry is None and torch._C._current_graph_task_id() != -1:
         # in a backward: a checkpoint's recompute. A reentrant one ran its forward under no_grad (the "fwd" key)
@@ -324,20 +324,22 @@ def choose(q, k, v, attn_mask=None, dropout_p=0.0, is_causal=False, scale=None, 
         if where not in _disk:
             _disk[where] = read_json(_cache_file(device))
         cached = None if _afresh[0] else _disk[where].get(key)
-    if _usable(cached):
-        entry = PlanEntry("scaled_dot_product_attention", key, cached["chosen"], dict(cached.get("times_ms") or {}),
-                          "cache", str(cached.get("note", "")))
+    if _usable(cached, key):
+        entry = _from_cache(cached, key, allowed)
     elif _traced(q) and not all(isinstance(d, int) for t in (q, k, v) for d in t.shape):
-        entry = PlanEntry("scaled_dot_product_attention", key, _DEFAULT, {}, _TRACED)
+        entry = PlanEntry("scaled_dot_product_attention", key, _DEFAULT, {}, _TRACED, extra_saved_allowed_mib=allowed)
     else:
         with _outside_tracing():
-            timing, note = _measure(q, k, v, attn_mask, dropout_p, is_causal, scale, enable_gqa, dtype, grad)
+            timing, note = _measure(q, k, v, attn_mask, dropout_p, is_causal, scale, enable_gqa, dtype, grad, allowed)
+        older = _usable({**cached, "saved_bytes": {}}, key) if isinstance(cached, dict) else False
         entry = PlanEntry("scaled_dot_product_attention", key, timing.chosen, timing.times_ms,
-                          _NOISY if timing.noisy else "measured", note)
+                          _NOISY if timing.noisy else "measured", "; ".join(filter(None, [note, older * _OLD_CACHE])),
+                          timing.saved_bytes, timing.memory, allowed)
         if not timing.noisy:
             with _lock:
                 on_disk = read_json(_cache_file(device))
-                on_disk[key] = {"chosen": timing.chosen, "times_ms": timing.times_ms, "note": note}
+                on_disk[key] = {"chosen": timing.chosen, "times_ms": timing.times_ms, "note": note,
+                                "saved_bytes": timing.saved_bytes}
                 write_json(_cache_file(device), on_disk)
                 _disk[where] = on_disk
     plan[key] = entry
@@ -356,11 +358,13 @@ def entries(device_type: str | None = None, *, policy: Any = None) -> list[PlanE
 
 
 def summary(device_type: str | None = None, *, policy: Any = None) -> list[str]:
-    """One line per entry of :func:`entries` (same arguments): the key, the choice, its source, each time."""
-    def ms(t: float | None) -> str:
-        return "-" if t is None else f"{t:.2f} ms"
+    """One line per entry of :func:`entries` (same arguments): the key, the choice, its source, each time (and
+    bytes saved for backward per call, where any is), the memory rule's words."""
+    def one(e: PlanEntry, name: str, t: float | None) -> str:
+        saved = e.saved_bytes.get(name) if any(e.saved_bytes.values()) else None
+        return f"{name} {'-' if t is None else f'{t:.2f} ms'}" + ("" if saved is None else f" {mib_words(saved)}")
     def why(e: PlanEntry) -> str:   # a pinned entry has no times of its own: its source alone
-        return "; ".join([e.source, ", ".join(f"{n} {ms(t)}" for n, t in e.times_ms.items())] if e.times_ms else [e.source])
+        return "; ".join(filter(None, [e.source, ", ".join(one(e, n, t) for n, t in e.times_ms.items()), e.memory]))
     return [f"{e.shape} -> {e.chosen} ({why(e)})" for e in entries(device_type, policy=policy)]
 
 
@@ -394,7 +398,7 @@ def retarget(saved: dict[str, str], dtype: torch.dtype) -> tuple[dict[str, str],
         new_key = f"{head.rsplit(' ', 1)[0]} {name}{sep}{tail}" if sep else key
         if chosen == "matmul" and dtype == torch.float16:
             moved[new_key] = _DEFAULT
-            refused[new_key] = f"matmul {_NOT_FP16}: runs {_DEFAULT}, the default (not measured at this key)"
+            refused[new_key] = f"matmul {NOT_FP16}: runs {_DEFAULT}, the default (not measured at this key)"
         else:
             moved[new_key] = chosen
     return moved, refused
@@ -484,6 +488,9 @@ def describe(policy: Any, device_type: str) -> str:
     if not policy.is_mixed:
         return ""
     if policy.kernels == "measured":
-        return (f"; kernels=measured (attention in the kernel measured fastest on this {device_type} per shape: "
-                "mixprec.autocast.op_plan.entries())")
+        allowed = extra_saved_allowed()
+        limit = "whatever it saves for backward" if allowed is None else \
+            f"saving for backward at most fused's bytes +{allowed:g} MiB per call"
+        return (f"; kernels=measured (attention in the kernel measured fastest on this {device_type} per shape, "
+                f"{limit}: mixprec.autocast.op_plan.entries())")
     return "; kernels=native: torch.autocast's kernels"

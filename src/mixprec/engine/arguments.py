@@ -12,11 +12,12 @@ import torch
 from torch import nn
 
 from mixprec.engine.outside import check_not_wrapped
+from mixprec.memory.recompute import match_blocks, parse_request
 from mixprec.policy.policy import cast_floating
 from mixprec.policy.tree import field_names, map_fields, map_tensors
 
 __all__ = ["RETAINED", "TOO_MANY", "MID_ACCUMULATION", "NO_BACKWARD", "BEFORE_BOUNDARY", "UNSYNCED_END",
-           "END_NEXT_PENDING", "check_args", "check_optimizer", "check_loss", "needs_closure", "as_tensors", "cast_batch"]
+           "END_NEXT_PENDING", "check_args", "check_usable", "check_optimizer", "check_loss", "needs_closure", "as_tensors", "cast_batch"]
 
 
 RETAINED = 2   # the engine's ``_step_pending`` after a backward(retain_graph=True): a further backward() joins its micro-batch
@@ -38,13 +39,28 @@ END_NEXT_PENDING = ("end_group_next() called after a backward() whose mp.step() 
                     "mp.step() and before the forward of the micro-batch that ends the group")
 
 
-def check_args(model: Any, max_grad_norm: Any, accumulation_steps: Any) -> None:
+def check_args(model: Any, max_grad_norm: Any, accumulation_steps: Any, checkpoint: Any = None) -> None:
     if not isinstance(model, nn.Module):
         raise TypeError(f"model must be a torch.nn.Module, got {type(model).__name__}")
+    request = parse_request(checkpoint)   # before anything changes: a bad checkpoint= names itself
+    if request.kind == "named":
+        match_blocks(model, request.patterns)
     if isinstance(accumulation_steps, bool) or not isinstance(accumulation_steps, int) or accumulation_steps < 1:
         raise ValueError(f"accumulation_steps={accumulation_steps!r} must be an int >= 1")
     if max_grad_norm is not None and not (float(max_grad_norm) > 0):
         raise ValueError(f"max_grad_norm={max_grad_norm!r} must be > 0 or None (no clipping)")
+
+
+def check_usable(call: str, optimizer: Any, unwrapped: bool) -> None:
+    """RuntimeError for ``call`` on an evaluation engine (``optimizer`` None: no backward or step) or after
+    ``mp.unwrap()`` (``unwrapped``)."""
+    if optimizer is None and call in ("mp.backward()", "mp.step()", "mp.unscale_and_check()"):
+        raise RuntimeError(f"{call} on an evaluation engine (built with optimizer=None): attach one first with "
+                           "mp.attach(optimizer, scheduler=None)")
+    if unwrapped:
+        raise RuntimeError(f"{call} after mp.unwrap(): the engine's hooks (output cast, keep_fp32 regions, fp32 "
+                           "embedding lookups) are gone, so it would train with other numerics; build a new "
+                           "MixedPrecision on the model to go on")
 
 
 def check_optimizer(model: nn.Module, optimizer: Any, scheduler: Any) -> None:

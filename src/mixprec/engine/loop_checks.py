@@ -48,7 +48,8 @@ import torch
 from torch import nn
 
 from mixprec.engine.autocast_scope import AutocastScope
-from mixprec.engine.outside import before_optimizer_step, watch_autocast
+from mixprec.engine.foreign_loops import at_backward
+from mixprec.engine.outside import before_optimizer_step, stray_step_text, watch_autocast
 from mixprec.engine.protocol import Engine
 from mixprec.engine.records import Event
 from mixprec.engine.storage import FrozenSet
@@ -187,9 +188,7 @@ class LoopChecks:
     def before_optimizer_step(self) -> None:
         mp = self.owner
         if not self.applying and mp.micro_step:
-            raise RuntimeError("optimizer.step() called between mp.backward() and mp.step(): the gradients are "
-                               "still multiplied by the loss scale, unclipped and unchecked for inf/NaN. Remove the "
-                               "call; mp.step() steps the optimizer (and skips the step when it must)")
+            raise RuntimeError(stray_step_text(mp))   # what the gradients are under this policy (engine/outside.py)
         before_optimizer_step(mp, engine_step=self.applying)   # someone else's loop or autocast (engine/outside.py)
 
     # ---------------------------------------------------------------- the step
@@ -208,6 +207,7 @@ class LoopChecks:
         gradient on its params (none is its own); later, discard gradients on params it left without one,
         and refuse gradients it produced that changed since (another engine's backward added to them), or a
         model cast since it was stored."""
+        at_backward(self.owner)   # a framework's accumulation, clipping or scheduler steps (engine/foreign_loops.py)
         self.check_storage(training=True)
         foreign, changed = self._foreign(everything=first)
         self._discard(foreign)

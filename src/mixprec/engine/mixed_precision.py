@@ -23,7 +23,7 @@ from mixprec.autocast.compiled import compile_request
 from mixprec.autocast.op_plan import describe as describe_kernels
 from mixprec.distributed.strategy import make_strategy
 from mixprec.engine.arguments import (MID_ACCUMULATION, RETAINED, TOO_MANY, as_tensors, cast_batch, check_args,
-                                      check_loss, check_optimizer)
+                                      check_loss, check_optimizer, check_usable)
 from mixprec.engine.autocast_scope import AutocastScope
 from mixprec.engine.boundary import AccumulationGroup, BoundaryLosses, StepCheck, StepResult, check_grads
 from mixprec.engine.clipping import clip_ as _clip_
@@ -34,6 +34,7 @@ from mixprec.engine.loss_scale import for_policy as loss_scale_for_policy, for_s
 from mixprec.engine.masters import claim, release
 from mixprec.engine.pending_auto import resolve_for_engine
 from mixprec.engine.prepare import prepare
+from mixprec.engine.recompute_setup import RecomputeSetup
 from mixprec.engine.records import Decision, Event, policy_event
 from mixprec.engine.regions import Regions
 from mixprec.engine.reprepare import check_fp8_unchanged, frozen_to_match, load_engine_state, unfreeze_params
@@ -54,7 +55,8 @@ class MixedPrecision:
     :meth:`apply_or_skip` (:meth:`step` does both). ``policy``: ``"auto"`` (:mod:`mixprec.engine.pending_auto`),
     a preset, ``key=value`` text or a :class:`~mixprec.Policy`; ``max_grad_norm`` clips the unscaled fp32 norm;
     ``guard`` has ``after_step(mp, result)`` (:class:`mixprec.Guard`; default :class:`~mixprec.engine.divergence.
-    StopWhenStuck`); ``strategy``: None, ``"ddp"``, ``"fsdp2"``; ``compile``: True or ``torch.compile`` kwargs.
+    StopWhenStuck`); ``strategy``: None, ``"ddp"``, ``"fsdp2"``; ``compile``: True or ``torch.compile`` kwargs;
+    ``checkpoint``: blocks recomputed in backward, ``"auto"`` (measured) or names (:mod:`mixprec.memory.recompute`).
     Public attributes: ``model`` (what to call), ``module`` (the user's model), ``optimizer``, ``scheduler``,
     ``policy``, ``device``, ``strategy``, ``decision``, ``events``, ``masters``, ``loss_scale``, ``applied_steps``,
     ``skipped_total``, ``boundaries``, ``micro_step``. Errors: ValueError/TypeError for bad arguments (named,
@@ -64,8 +66,8 @@ class MixedPrecision:
                  device: str | torch.device | None = None, scheduler: Any = None,
                  max_grad_norm: float | None = None, accumulation_steps: int = 1, loss_scale: Any = None,
                  allow_fallback: bool = False, max_stuck_skips: int = 20, guard: Any = None,
-                 strategy: str | None = None, compile: bool | dict[str, Any] = False) -> None:
-        check_args(model, max_grad_norm, accumulation_steps)
+                 strategy: str | None = None, compile: bool | dict[str, Any] = False, checkpoint: Any = None) -> None:
+        check_args(model, max_grad_norm, accumulation_steps, checkpoint)
         if optimizer is not None or scheduler is not None:
             check_optimizer(model, optimizer, scheduler)   # before anything changes
         model, self._compile = compile_request(model, compile, strategy)
@@ -101,6 +103,8 @@ class MixedPrecision:
         self.decision = str(Decision(resolution.decision, (
             prepared.fp8_note, prepared.plan.note(), self._compile.note(self.policy), self.policy.scaling_note(),
             prepared.upcast_note, describe_kernels(self.policy, self.device.type), state_note, regions)))
+        self._recompute = RecomputeSetup(self, checkpoint)   # memory/recompute.py: blocks recomputed in backward
+        self.decision += self._recompute.note
         self.model = self._compile.apply(self._strategy.after_casts(model, self.policy, self.device))
         self.masters.record_versions()   # DDP's broadcast of rank 0's params is not a user edit
         # micro_step: backward() calls since the last boundary; boundaries: step() boundaries (applied + skipped)
@@ -145,7 +149,7 @@ class MixedPrecision:
         """``torch.autocast`` in the compute dtype (off for fp32), the ``ops`` and ``kernels`` the policy names
         (:mod:`mixprec.autocast`; held in every backward pass of its outputs) and eager dtypes for a compiled
         forward; traced by torch.compile with no graph break (:mod:`mixprec.engine.autocast_scope`)."""
-        self._check_usable("mp.autocast()")   # auto pending: its decision at the first forward may switch autocast on
+        check_usable("mp.autocast()", self.optimizer, self._unwrapped)   # auto pending: may switch autocast on
         with self._scope.autocast(self._auto.block() if self._auto.state == "pending" else None):
             yield
 
@@ -168,7 +172,7 @@ class MixedPrecision:
         inputs' ``.grad`` keep the scale (docs/loops.md). No host sync. ValueError for a loss not a scalar floating
         tensor requiring grad; RuntimeError: more micro-batches than ``accumulation_steps``, a frozen param thawed."""
         check_loss(loss)
-        self._check_usable("mp.backward()")
+        check_usable("mp.backward()", self.optimizer, self._unwrapped)
         self._check_no_open_check("mp.backward()")
         self._frozen.check_not_thawed()
         self._auto.before_backward()
@@ -208,7 +212,7 @@ class MixedPrecision:
         ``end_group=True`` ends a short group here (an epoch's last; :class:`~mixprec.engine.boundary.
         AccumulationGroup`). Host syncs: one per boundary, one per param edited outside. Raises RuntimeError
         without a ``backward()``; the guard may raise :class:`DivergenceError`."""
-        self._check_usable("mp.step()")
+        check_usable("mp.step()", self.optimizer, self._unwrapped)
         self._check_no_open_check("mp.step()")
         if not self._group.closes("step()", self._step_pending, self.micro_step, end_group=end_group,
                                   strategy=self.strategy):
@@ -230,7 +234,7 @@ class MixedPrecision:
         ended by ``end_group=True`` or :meth:`end_group_next`: their mean), their fp32 norm (by the scaled norm
         if it overflowed), the ranks' agreement, the one host read. Returns the :class:`StepCheck` for
         :meth:`apply_or_skip`. RuntimeError without ``backward()``, before the boundary or twice."""
-        self._check_usable("mp.unscale_and_check()")
+        check_usable("mp.unscale_and_check()", self.optimizer, self._unwrapped)
         self._check_no_open_check("mp.unscale_and_check()")
         self._group.check_closes(self._step_pending, self.micro_step, end_group=end_group, strategy=self.strategy)
         self._step_pending = False
@@ -320,7 +324,7 @@ class MixedPrecision:
         self.model.zero_grad(set_to_none=True)
         self.decision = str(Decision(f"{new} on {self.device} ({new.summary()}; set_policy at boundary {self.boundaries}: "
                                      f"{cause}; was {old})", (self._compile.note(new), regions,
-                                                              contract.state_note(self.optimizer))))
+                                                              contract.state_note(self.optimizer), self._recompute.note)))
         event = policy_event(self.boundaries, kind, cause, module, old, new, prepared.carried, scale_note)
         self.events.extend([event] if record else [])
         (log.warning if new != old else log.info)("mixprec: policy %s → %s at boundary %d (%s)", old, new,
@@ -377,7 +381,7 @@ class MixedPrecision:
                 raise RuntimeError("unwrap(to_fp32=True) mid-accumulation; call it after mp.step() returns a result")
             self._adopt_edited_params()
             self.masters.write_fp32(self._fp32_values())
-        for hooks in (self._regions, self._checks, self._auto):
+        for hooks in (self._regions, self._checks, self._auto, self._recompute):
             hooks.remove()
         release(self)
         self._unwrapped = True
@@ -419,7 +423,7 @@ class MixedPrecision:
         self._adopt_edited_params()
         return {
             "policy": str(self.policy),
-            "frozen": self.frozen_names(),
+            "frozen": self.frozen_names(), "recompute": self._recompute.state(),
             "model": self.module.state_dict(),
             "masters": self.masters.named(self.module.named_parameters()),
             "optimizer": self.optimizer.state_dict(),
@@ -434,8 +438,10 @@ class MixedPrecision:
         (:func:`mixprec.engine.reprepare.load_engine_state`); ``auto`` still pending adopts a run that took its
         auto decision. ValueError, before anything changes, without either, for other masters or loss-scale type,
         an unmatched frozen set or unfit fp16 values."""
+        self._recompute.check(state)   # before anything changes
         decision = load_engine_state(self, state, self._auto, convert=convert, adopt_policy=adopt_policy)
         self.decision = decision or self.decision
+        self._recompute.load(state)   # the saved plan, as it was: never re-measured
 
     def discard_gradients(self) -> None:
         """Drop an unfinished accumulation: every gradient (params and masters) and the pending micro-batches;
@@ -454,6 +460,7 @@ class MixedPrecision:
         self.boundaries = counters["boundaries"]
         if events is not None:
             self.events[:] = [Event.of(e) for e in events]
+            self._recompute.load({"events": events})   # a DCP checkpoint's recompute plan, as it was
 
     def record(self, event: Event | dict, *, decision: str | None = None) -> None:
         """Append ``event`` (an :class:`~mixprec.engine.records.Event` or its JSON dict) to :attr:`events`: what a
@@ -486,13 +493,3 @@ class MixedPrecision:
     def _check_boundary(self, call: str, what: str) -> None:
         if self.micro_step != 0:
             raise RuntimeError(MID_ACCUMULATION.format(call=call, n=self.micro_step, what=what))
-
-    def _check_usable(self, call: str) -> None:
-        if self.optimizer is None and call in ("mp.backward()", "mp.step()", "mp.unscale_and_check()"):
-            raise RuntimeError(f"{call} on an evaluation engine (built with optimizer=None): attach one first with "
-                               "mp.attach(optimizer, scheduler=None)")
-        if self._unwrapped:
-            raise RuntimeError(f"{call} after mp.unwrap(): the engine's hooks (output cast, keep_fp32 regions, fp32 "
-                               "embedding lookups) are gone, so it would train with other numerics; build a new "
-                               "MixedPrecision on the model to go on")
-

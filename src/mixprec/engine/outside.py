@@ -39,12 +39,13 @@ from typing import Any
 
 import torch
 
+from mixprec.engine.foreign_loops import before_engine_step
 from mixprec.engine.pending_auto import PENDING
 from mixprec.engine.protocol import Engine
 from mixprec.engine.records import Event
 
 __all__ = ["watch_autocast", "before_optimizer_step", "check_outside_step", "check_not_wrapped", "wrapped_autocast",
-           "check_model_not_wrapped", "INTEGRATIONS"]
+           "check_model_not_wrapped", "stray_step_text", "INTEGRATIONS"]
 
 #: What to use instead of driving an engine from a framework's own loop (named in the errors).
 INTEGRATIONS = ("the Hugging Face Trainer: mixprec.integrations.transformers.MixprecTrainer(model, args, policy=...); "
@@ -133,6 +134,7 @@ def before_optimizer_step(mp: Engine, *, engine_step: bool) -> None:
     if not engine_step:
         check_outside_step(mp)
         return
+    before_engine_step(mp)   # a scheduler.step() the engine did not make (engine/foreign_loops.py)
     forward = mp.module.__dict__.get("forward")
     if forward is None or _MARK in mp.decision or _CHECKED.get(mp) is forward:
         return
@@ -180,13 +182,29 @@ def check_outside_step(mp: Engine) -> None:
     held = [p for p in (*mp.masters.params, *(p for g in groups for p in g["params"])) if p.grad is not None]
     if not held:
         return
+    misses = ("no loss scaling, no overflow skip" if mp.loss_scale.enabled else
+              "no inf/NaN check or skip, no clipping (max_grad_norm)")
     raise RuntimeError(
         f"optimizer.step() on the optimizer of a MixedPrecision engine ({mp.policy}) was called outside mp.step(), "
         f"with gradients on {len({id(p) for p in held})} of its tensors that mp.backward() did not produce: a "
         "framework's own loop (loss.backward() or accelerator.backward(), then optimizer.step()) is driving a "
-        "model the engine was built on, e.g. from a TrainerCallback. The engine never sees the step: no loss "
-        "scaling, no overflow skip, and under '-pure' policies the fp32 masters get no gradients, so nothing "
-        "trains. Use the integration instead — " + INTEGRATIONS)
+        f"model the engine was built on, e.g. from a TrainerCallback. The engine never sees the step: {misses}"
+        + (", and the fp32 masters get no gradients, so nothing trains" if mp.masters.pairs else
+           ", and the model trains as that loop computes, not as the policy says")
+        + ". Use the integration instead — " + INTEGRATIONS)
+
+
+def stray_step_text(mp: Engine) -> str:
+    """The RuntimeError text for an ``optimizer.step()`` between ``mp.backward()`` and ``mp.step()``, saying what
+    the gradients are under ``mp``'s policy (scaled only where a loss scale is on; part of a window
+    mid-accumulation)."""
+    state = (f"still multiplied by the loss scale ({mp.policy} scales the loss), unclipped and unchecked for inf/NaN"
+             if mp.loss_scale.enabled else
+             f"unclipped and unchecked for inf/NaN ({mp.policy} scales no loss; the check and clip come in mp.step())")
+    window = (f"; this is micro-batch {mp.micro_step} of accumulation_steps={mp.accumulation_steps}, so they are "
+              "only part of the step's gradients" if mp.accumulation_steps > 1 else "")
+    return (f"optimizer.step() called between mp.backward() and mp.step(): the gradients are {state}{window}. "
+            "Remove the call; mp.step() steps the optimizer (and skips the step when it must)")
 
 
 def check_not_wrapped(optimizer: Any) -> None:

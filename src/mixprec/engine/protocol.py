@@ -40,6 +40,7 @@ class Engine(Protocol):
     applied_steps: int
     skipped_total: int
     micro_step: int
+    accumulation_steps: int
     max_stuck_skips: int
 
     @property

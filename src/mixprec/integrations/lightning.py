@@ -72,6 +72,23 @@ def _check_options(options: dict[str, Any], owner: dict[str, str], plugin: str) 
             raise ValueError(f"{plugin}({key}={options[key]!r}): the trainer owns this; use {owner[key]}")
 
 
+def _several_optimizers(count: int, module: Any) -> str:
+    """The refusal of ``count`` optimizers: one loss stepping several param sets goes into one optimizer with
+    param groups; networks stepped in turn from their own losses (a GAN, manual optimization) need one engine
+    each, which one precision plugin cannot hold."""
+    text = (f"MixprecPrecision runs one engine with one optimizer; configure_optimizers gave {count}. If one loss "
+            "trains all of them (different lr or weight decay per part), put the params in one optimizer with param "
+            "groups.")
+    if not getattr(module, "automatic_optimization", True):
+        text += (" Networks stepped in turn from their own losses (a GAN's generator and discriminator) need one "
+                 "engine each (each its loss scale, fp32 masters and skip decision; param groups would step both "
+                 "from each loss), which one Lightning precision plugin cannot hold yet: write that loop with one "
+                 "MixedPrecision per network (docs/loops.md, 'Several engines in one loop': mp_d.backward(d_loss); "
+                 "mp_d.step(); mp_g.backward(g_loss, inputs=list(G.parameters())); mp_g.step()), in plain PyTorch "
+                 "or Fabric without the plugin")
+    return text
+
+
 class _SteppedByEngine:
     """A step-interval scheduler as Lightning sees it once the engine steps it: ``step()`` does nothing (the
     engine steps the scheduler after each applied optimizer step); everything else is the scheduler's
@@ -182,8 +199,7 @@ class MixprecPrecision(Precision):
         optimizers = list(self._trainer.strategy.optimizers)
         if engine.optimizer is None:
             if len(optimizers) != 1:
-                raise ValueError(f"MixprecPrecision runs one optimizer; configure_optimizers gave {len(optimizers)}: "
-                                 "put the params in one optimizer (param groups for different settings)")
+                raise ValueError(_several_optimizers(len(optimizers), engine.module))
             module, trainer = engine.module, self._trainer
             if trainer.world_size > 1 and trainer.accumulate_grad_batches > 1 and engine.policy.has_masters:
                 raise ValueError(f"accumulate_grad_batches={trainer.accumulate_grad_batches} on {trainer.world_size} "
@@ -290,7 +306,11 @@ class MixprecPrecision(Precision):
         ``MixedPrecision(max_grad_norm=clip_val)``). RuntimeError outside the step's gradient hooks."""
         if self.step_check is None:
             raise RuntimeError("clip_gradients outside on_before_optimizer_step/configure_gradient_clipping: the "
-                               "engine's unscaled gradients exist only there")
+                               "engine's unscaled gradients exist only there (between manual_backward and opt.step() "
+                               "they are still scaled, and on the fp32 masters under -pure). In manual optimization "
+                               "call self.clip_gradients(optimizer, gradient_clip_val=..., gradient_clip_algorithm="
+                               "'norm') from on_before_optimizer_step(self, optimizer), which opt.step() runs on the "
+                               "unscaled gradients; or pass gradient_clip_val to the Trainer (automatic optimization)")
         clip_(list(self.step_check.grads), self.step_check.grad_norm_t, float(clip_val))
 
     # ------------------------------------------------------------------ checkpoints

@@ -20,6 +20,9 @@ engine: ``evaluate``/``predict`` work before ``train``), it gets its optimizer a
 * Checkpoints: the Trainer saves model, optimizer, scheduler and RNG as always; next to them
   :data:`PRECISION_STATE_NAME` holds only what the engine adds (policy, fp32 masters, loss scale, counters,
   events). ``train(resume_from_checkpoint=...)`` loads it after the Trainer's own loads: bit-exact resume.
+  ``save_model()`` (and each checkpoint's model file) holds the fp32 masters under ``-pure`` policies
+  (:func:`fp32_state_dict`), the trained weights, not their bf16 copies.
+* An epoch that would end on a short accumulation step is refused at ``train()`` start (ValueError).
 
 Not supported yet (ValueError naming it): several processes (DDP/FSDP/DeepSpeed), ``model_init``,
 ``torch_compile``, ``bf16_full_eval``/``fp16_full_eval`` (they cast the model). Source: transformers 5.24
@@ -48,7 +51,7 @@ from mixprec.optim.adamw import AdamW
 from mixprec.policy.policy import Policy
 from mixprec.policy.resolve import resolve
 
-__all__ = ["MixprecTrainer", "EngineOptimizer", "EngineScheduler", "PRECISION_STATE_NAME"]
+__all__ = ["MixprecTrainer", "EngineOptimizer", "EngineScheduler", "PRECISION_STATE_NAME", "fp32_state_dict"]
 
 #: The file next to the Trainer's own in each ``checkpoint-N`` folder: the engine's state minus model,
 #: optimizer and scheduler (which the Trainer saves itself).
@@ -147,6 +150,7 @@ class MixprecTrainer(Trainer):
             _record_adopted_flag(self.engine, flag, args.max_grad_norm)
         self.engine_optimizer: torch.optim.Optimizer | None = None
         self.open_check: StepCheck | None = None
+        self.stepped_lr: float | None = None   # the lr of the step just applied, for the Trainer's log
         self.resume_dir: str | None = None
         self.add_callback(_PrecisionState(self))
 
@@ -220,7 +224,16 @@ class MixprecTrainer(Trainer):
                                "training_step runs engine.unscale_and_check() after the last micro-batch; a step "
                                "anywhere else would apply scaled, unchecked gradients")
         check, self.open_check = self.open_check, None
+        self.stepped_lr = self.engine_optimizer.param_groups[0]["lr"]   # the lr this step uses (logged)
         self.engine.apply_or_skip(check)
+
+    def _get_learning_rate(self) -> float:
+        """The private hook the Trainer logs ``learning_rate`` from (transformers 5.24 ``_inner_training_loop``
+        reads it right after ``optimizer.step()``, "before update" of the scheduler): the lr the step just made
+        used, since the engine stepped the scheduler inside that ``optimizer.step()`` already (the scheduler's
+        ``get_last_lr()`` is the next step's). Elsewhere (evaluation logs) the Trainer's own."""
+        lr, self.stepped_lr = self.stepped_lr, None
+        return super()._get_learning_rate() if lr is None else lr
 
     def _get_grad_norm(self, model: torch.nn.Module, grad_norm: Any = None) -> torch.Tensor | None:
         """The private hook the Trainer logs ``grad_norm`` from (transformers 5.24 ``_inner_training_loop`` →
@@ -240,7 +253,22 @@ class MixprecTrainer(Trainer):
         keep = ("labels",) if isinstance(inputs, Mapping) and "labels" in inputs else ()
         return self.engine.cast_inputs(inputs, keep=keep)
 
+    def get_train_dataloader(self) -> Any:
+        """The Trainer's training dataloader (built once per ``train()``), refused when an epoch would end on a
+        short accumulation step (:func:`_check_whole_steps`): at ``train()`` start, not after an epoch's training."""
+        dataloader = super().get_train_dataloader()
+        _check_whole_steps(dataloader, self.args)
+        return dataloader
+
     # ------------------------------------------------------------------ checkpoints
+    def _save(self, output_dir: str | None = None, state_dict: dict | None = None) -> None:
+        """``Trainer._save`` (what ``save_model()`` and each checkpoint write, through ``save_pretrained``), with
+        the engine's fp32 masters in place of the 16-bit params they train under ``-pure`` policies
+        (:func:`fp32_state_dict`): the trained weights an HF user expects, loadable with ``from_pretrained``."""
+        if state_dict is None and self.engine.masters.pairs:
+            state_dict = fp32_state_dict(self.engine)
+        super()._save(output_dir, state_dict=state_dict)
+
     def train(self, resume_from_checkpoint: str | bool | None = None, *args: Any, **kwargs: Any) -> Any:
         """``Trainer.train``; a resumed run also loads :data:`PRECISION_STATE_NAME` (after the Trainer's loads)."""
         if resume_from_checkpoint is True:
@@ -277,6 +305,41 @@ class MixprecTrainer(Trainer):
         mp.load_state_dict({**saved, "model": mp.module.state_dict(), "optimizer": mp.optimizer.state_dict(),
                             "scheduler": None if mp.scheduler is None else mp.scheduler.state_dict()})
         self.resume_dir = None
+
+
+def fp32_state_dict(mp: MixedPrecision) -> dict[str, torch.Tensor]:
+    """``mp.module.state_dict()`` with each trainable param that has an fp32 master replaced by the master
+    (an fp32 CPU copy, bit for bit; tied names share one tensor, so ``save_pretrained`` keeps its de-duplication);
+    buffers, frozen params and params without a master as they are. Syncs (the copies)."""
+    with_master = {id(p) for p, _ in mp.masters.pairs}
+    fp32 = mp.trainable_state_dict()
+    by_id = {id(p): fp32[n] for n, p in mp.module.named_parameters() if id(p) in with_master and n in fp32}
+    state = mp.module.state_dict()
+    for name, p in mp.module.named_parameters(remove_duplicate=False):
+        if id(p) in by_id and name in state:
+            state[name] = by_id[id(p)]
+    return state
+
+
+def _check_whole_steps(dataloader: Any, args: TrainingArguments) -> None:
+    """ValueError when the training would reach an epoch's end on a short accumulation step (the epoch's batches
+    not a multiple of ``gradient_accumulation_steps``, and ``max_steps`` past the epoch's whole steps): the
+    engine's accumulation group is fixed, and the Trainer would find it only after training that epoch."""
+    try:
+        batches = len(dataloader)
+    except TypeError:   # no length (an IterableDataset): found at the short step itself, in training_step
+        return
+    steps = args.gradient_accumulation_steps
+    whole = batches // steps
+    if batches % steps == 0 or 0 < args.max_steps <= whole:
+        return
+    raise ValueError(
+        f"the training dataloader has {batches} batches per epoch and gradient_accumulation_steps={steps}, so each "
+        f"epoch would end on a short optimizer step of {batches % steps} micro-batch(es) (max_steps="
+        f"{args.max_steps} reaches it), which MixprecTrainer's engine cannot accumulate (its group is fixed). Make the "
+        f"batches per epoch a multiple of {steps} (a train_dataset of a multiple of per_device_train_batch_size x "
+        f"{steps} examples, with dataloader_drop_last=True for a partial last batch), or set max_steps <= {whole} "
+        "(the first epoch's whole steps)")
 
 
 def _refuse_unsupported(args: TrainingArguments) -> None:

@@ -190,6 +190,11 @@ def _add_train_parser(sub: argparse._SubParsersAction, presets: str) -> None:
                        help="train on several processes (needs --out): launch with `torchrun --nproc-per-node N "
                        "-m mixprec train --strategy ddp --out DIR ...`; each rank takes every N-th batch, so the "
                        "global batch is N x the workload's (default: one process)")
+    train.add_argument("--recompute", default=None, metavar="PLAN",
+                       help="recompute blocks in backward to save activation memory (MixedPrecision checkpoint=): "
+                       "'auto' (each block measured: none, selective or whole-block recompute, at most 1.3x its "
+                       "time; 'auto:1.5' another bound), or module names/globs, comma-separated ('blocks.*', "
+                       "'selective:blocks.*')")
     train.add_argument("--compile", action="store_true",
                        help="compile the model (torch.compile, inductor); step 1's step_time_ms includes compiling")
 
@@ -258,8 +263,15 @@ def _cmd_train(args: argparse.Namespace, command: str) -> int:
                            eval_every=args.eval_every, checkpoint_every=args.checkpoint_every, keep=args.keep,
                            resume=args.resume, device=args.device, guard=args.guard, command=command,
                            workload_spec=args.workload, strategy=args.strategy, ema=args.ema,
-                           compile=args.compile)
+                           compile=args.compile, recompute=_recompute_arg(args.recompute))
     return outcome.status
+
+
+def _recompute_arg(value: str | None) -> str | list[str] | None:
+    """``--recompute``: "auto..." as it is, else the comma-separated module names/globs as a list."""
+    if value is None or value.startswith("auto"):
+        return value
+    return [name.strip() for name in value.split(",") if name.strip()]
 
 
 def _cmd_sample(args: argparse.Namespace) -> int:

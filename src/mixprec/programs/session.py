@@ -44,20 +44,22 @@ def precision_optimizer(optimizer: torch.optim.Optimizer, policy: Policy) -> tor
 
 
 def build_engine(workload: Workload, policy: str, *, steps: int, seed: int, device: str | None = None,
-                 strategy: str | None = None, compile: bool = False, guard: Any = None) -> MixedPrecision:
+                 strategy: str | None = None, compile: bool = False, guard: Any = None,
+                 checkpoint: Any = None) -> MixedPrecision:
     """Seed torch, build the workload's model, optimizer and schedule, and wrap them in the engine.
 
     ``policy`` is passed to :class:`~mixprec.MixedPrecision` as given (``"auto"`` keeps its
     reason in ``mp.decision``); nothing falls back: a policy the device cannot run raises.
-    ``strategy`` (None, ``"ddp"``, ``"fsdp2"``), ``compile`` and ``guard`` (a :class:`mixprec.Guard` or None)
-    too; every rank seeds alike.
+    ``strategy`` (None, ``"ddp"``, ``"fsdp2"``), ``compile``, ``guard`` (a :class:`mixprec.Guard` or None) and
+    ``checkpoint`` (the recompute plan, :mod:`mixprec.memory.recompute`) too; every rank seeds alike.
     """
     torch.manual_seed(seed)
     model = workload.build_model()
     optimizer = precision_optimizer(workload.make_optimizer(model), resolve_policy(policy, device))
     scheduler = workload.make_scheduler(optimizer, steps)
     return MixedPrecision(model, optimizer, policy=policy, device=device, scheduler=scheduler,
-                          max_grad_norm=workload.max_grad_norm, guard=guard, strategy=strategy, compile=compile)
+                          max_grad_norm=workload.max_grad_norm, guard=guard, strategy=strategy, compile=compile,
+                          checkpoint=checkpoint)
 
 
 def train_step(mp: MixedPrecision, workload: Workload, batch: dict,

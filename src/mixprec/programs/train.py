@@ -174,6 +174,7 @@ class TrainConfig:
     strategy: str | None = None
     ema: float | None = None
     compile: bool = False
+    recompute: Any = None
 
     def check(self) -> None:
         """Raise ValueError for a bad argument (naming it, the value and what is allowed)."""
@@ -198,7 +199,7 @@ def run_training(workload: Any, *, policy: str = "auto", steps: int, out: str | 
                  device: str | None = None, guard: bool = False, command: str = "",
                  workload_spec: str | None = None, progress: bool = True,
                  on_step: Callable[[int, dict], None] | None = None, strategy: str | None = None,
-                 ema: float | None = None, compile: bool = False) -> TrainOutcome:
+                 ema: float | None = None, compile: bool = False, recompute: Any = None) -> TrainOutcome:
     """Train ``workload`` under ``policy`` for ``steps`` optimizer steps, writing into ``out``.
 
     Args:
@@ -226,6 +227,8 @@ def run_training(workload: Any, *, policy: str = "auto", steps: int, out: str | 
         compile: ``MixedPrecision(..., compile=True)`` (torch.compile, inductor; not with ``strategy``).
             The compilation runs in the first step: its ``step_time_ms`` includes it, and the first
             evaluation compiles the no-grad forward.
+        recompute: ``MixedPrecision(..., checkpoint=recompute)``: None, ``"auto"`` (each block measured in the
+            first step; the plan is printed at the end and carried by the checkpoints) or block names/globs.
 
     Returns:
         :class:`TrainOutcome`; ``status`` 0, or 130 / 143 after SIGINT / SIGTERM.
@@ -239,7 +242,7 @@ def run_training(workload: Any, *, policy: str = "auto", steps: int, out: str | 
     config = TrainConfig(steps=steps, out=Path(out), policy=policy, seed=seed, eval_every=eval_every,
                          checkpoint_every=checkpoint_every, keep=keep, resume=resume, device=device, guard=guard,
                          command=command, workload_spec=workload_spec, progress=progress, on_step=on_step,
-                         strategy=strategy, ema=ema, compile=compile)
+                         strategy=strategy, ema=ema, compile=compile, recompute=recompute)
     return train(workload, config)
 
 
@@ -255,7 +258,7 @@ def train(workload: Any, config: TrainConfig) -> TrainOutcome:
                          "it, or choose another --out")
     config.out.mkdir(parents=True, exist_ok=True)
     mp = build_engine(workload, config.policy, steps=config.steps, seed=config.seed, device=config.device,
-                      strategy=config.strategy, compile=config.compile,
+                      strategy=config.strategy, compile=config.compile, checkpoint=config.recompute,
                       guard=Guard(loss_fn=workload.loss) if config.guard else None)
     averager = None if config.ema is None else EMA(mp, decay=config.ema)
     run = _Run(workload, config, mp, averager)
@@ -460,6 +463,8 @@ def _finish(run: _Run, step: int, stopped: str | None) -> TrainOutcome:
     ema_note = f" (EMA {eval_metrics['ema_loss']:.4f})" if run.averager is not None else ""
     print(f"final eval loss {eval_metrics['loss']:.4f}{ema_note}; wrote {run.metrics_path} and {path}")
     print("".join(f"op plan: {line}\n" for line in op_plan.summary(mp.device.type, policy=mp.policy)), end="")
+    plans = [e.get("detail") for e in mp.events if e.get("kind") == "recompute"]   # checkpoint="auto": measured
+    print("".join(f"{plan}\n" for plan in plans[-1:]), end="")
     if config.strategy is None and mp.frozen_names():   # LoRA / partly frozen: the trained params alone, small
         from safetensors.torch import save_file
 

@@ -14,6 +14,13 @@ engine (:func:`pin_in_worker`: :func:`mixprec.autocast.op_plan.pin`, source :dat
 another dtype gets the same choices at its own keys (:func:`mixprec.autocast.op_plan.retarget`); where a choice is
 not offered there (``matmul`` under fp16) it runs ``fused`` and the plan says so. Under a strategy rank 0 measures
 and every rank pins its plan. The console, report.md and results.json (``op_plan``) show the one plan.
+
+The plan is chosen under the op plan's memory rule (:mod:`mixprec.autocast.saved_allowance`): each entry keeps every
+candidate's bytes saved for backward per call (``saved_bytes``) and the rule's words (``memory``: "matmul skipped:
+1.31x faster than fused, +144 MiB saved per call over fused ..."), and the plan the allowance it was measured under
+(``extra_saved_allowed_mib``: 0 unless ``$MIXPREC_ATTENTION_EXTRA_SAVED_MIB`` allows more; null: no limit), so no
+pinned choice saves more for backward than ``fused`` unless the user allowed it (:func:`entry_words`,
+:func:`rule_words`: what the console and report.md print).
 """
 
 from __future__ import annotations
@@ -27,6 +34,7 @@ from typing import Any
 import torch
 
 from mixprec.autocast import op_plan
+from mixprec.autocast.saved_allowance import ENV, mib_words
 from mixprec.distributed.process import from_main_process, is_main_process
 from mixprec.machine.capability import Capability, normalize_device
 from mixprec.policy.policy import PRESETS, Policy
@@ -34,7 +42,7 @@ from mixprec.policy.resolve import auto_candidates, resolve
 from mixprec.programs.session import build_engine, evaluate, train_step
 from mixprec.workloads import get_workload
 
-__all__ = ["SOURCE", "measure_bench_plan", "pinned_for", "pin_in_worker"]
+__all__ = ["SOURCE", "measure_bench_plan", "pinned_for", "pin_in_worker", "entry_words", "rule_words"]
 
 SOURCE = "bench"   # the source of a worker's pinned plan entries (PlanEntry.source)
 
@@ -80,8 +88,9 @@ def measure_bench_plan(config: Any, device: torch.device, capability: Capability
     """The bench's one attention plan (module docstring), measured in this process (rank 0's under a strategy:
     a collective then) before any worker starts. ``config``: the bench's :class:`BenchConfig`. Returns
     results.json's ``op_plan`` (None when no runnable policy plans): ``measured_with`` (the policy it was measured
-    under), ``dtype``, ``pid``, ``entries`` (:class:`mixprec.autocast.op_plan.PlanEntry` as dicts: key, choice,
-    source, each candidate's time in ms), ``policies`` (name -> ``dtype``, ``pinned`` key -> choice,
+    under), ``dtype``, ``pid``, ``extra_saved_allowed_mib`` (the memory rule's allowance, MiB per call over
+    ``fused``; None: no limit), ``entries`` (:class:`mixprec.autocast.op_plan.PlanEntry` as dicts: key, choice,
+    source, each candidate's time in ms and bytes saved for backward per call, the memory rule's words), ``policies`` (name -> ``dtype``, ``pinned`` key -> choice,
     ``not_offered`` key -> why), and ``error`` where the measurement failed (the workers then plan for
     themselves, and report.md says so). Host syncs: the measurement's."""
     planners = _planners(names, skip, device, capability)
@@ -99,7 +108,8 @@ def _plan(config: Any, device: torch.device, planners: dict[str, tuple[str, Poli
     if progress:
         print(f"measuring the attention plan once, under {spec}, before the timed runs (pinned for every policy)",
               file=sys.stderr)
-    plan: dict[str, Any] = {"measured_with": spec, "dtype": _dtype(policy), "pid": os.getpid()}
+    plan: dict[str, Any] = {"measured_with": spec, "dtype": _dtype(policy), "pid": os.getpid(),
+                            "extra_saved_allowed_mib": op_plan.extra_saved_allowed()}
     try:
         found = _measure(config, device, spec)
     except (ValueError, TypeError, RuntimeError) as err:   # the workers report the policy's own failure
@@ -124,3 +134,24 @@ def pin_in_worker(choices: dict[str, str], device: str | None) -> None:
     (:func:`mixprec.autocast.op_plan.pin`, source :data:`SOURCE`). No host sync."""
     if choices:
         op_plan.pin(choices, normalize_device(device).type, source=SOURCE)
+
+
+def entry_words(entry: dict[str, Any]) -> str:
+    """A plan entry (results.json's form) in words: its source, each timed candidate's best time and the bytes it
+    saves for backward per call (where any is saved), and the memory rule's words (an older results.json without
+    them: the times alone)."""
+    saved = entry.get("saved_bytes") or {}
+    shown = saved if any(saved.values()) else {}
+    times = ", ".join(f"{c} {t:.2f} ms" + (f" {mib_words(shown[c])}" if shown.get(c) is not None else "")
+                      for c, t in (entry.get("times_ms") or {}).items() if t is not None)
+    return "; ".join(filter(None, [entry["source"], times, entry.get("memory") or ""]))
+
+
+def rule_words(plan: dict[str, Any]) -> str:
+    """The memory rule the bench's plan was chosen under (results.json ``op_plan``), "" for an older one."""
+    if "extra_saved_allowed_mib" not in plan:
+        return ""
+    allowed = plan["extra_saved_allowed_mib"]
+    if allowed is None:
+        return f"chosen on speed alone, whatever a kernel saves for backward (${ENV}=inf)"
+    return f"chosen among kernels saving for backward at most fused's bytes +{allowed:g} MiB per call (${ENV})"

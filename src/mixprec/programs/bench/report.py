@@ -42,6 +42,7 @@ from pathlib import Path
 from typing import Any
 
 from mixprec.programs.bench.pinned_plan import SOURCE as PINNED_SOURCE
+from mixprec.programs.bench.pinned_plan import entry_words, rule_words
 from mixprec.programs.bench.results import POLICY_KEYS
 from mixprec.programs.bench.figures import (eval_curve_of, fmt, loss_unit, plot_loss_curves, plot_loss_wallclock,
                                             plot_speed_memory, ran_rows, seed_band)
@@ -243,12 +244,6 @@ def seed_noise_lines(results: dict) -> list[str]:
             "indistinguishable from another seed)"]
 
 
-def _plan_times(e: dict) -> str:
-    """An entry's source and each timed candidate's best time."""
-    times = ", ".join(f"{c} {t:.2f} ms" for c, t in (e.get("times_ms") or {}).items() if t is not None)
-    return f"{e['source']}; {times}" if times else e["source"]
-
-
 def plan_deviations(results: dict) -> list[str]:
     """One line per key where a row's worker (its quality run, or its interleaved timing worker) did not run the
     bench's one attention plan (results.json ``op_plan``): a key it planned itself, or another choice. Empty: every
@@ -274,8 +269,8 @@ def op_plan_lines(results: dict) -> list[str]:
         return [f"attention plan: not measured once ({plan['error']})"]
     lines = [f"attention plan: measured once under {plan['measured_with']} by the bench (pid {plan['pid']}) before "
              f"the timed runs, pinned for every policy that plans ({', '.join(plan['policies'])})"
-             + ("" if plan["entries"] else ": no planned op ran")]
-    lines += [f"  {e['shape']} -> {e['chosen']} ({_plan_times(e)})" for e in plan["entries"]]
+             + "".join(f"; {w}" for w in [rule_words(plan)] if w) + ("" if plan["entries"] else ": no planned op ran")]
+    lines += [f"  {e['shape']} -> {e['chosen']} ({entry_words(e)})" for e in plan["entries"]]
     lines += [f"  {name} at {key.split(' causal=')[0]}: {why}" for name, p in plan["policies"].items()
               for key, why in (p.get("not_offered") or {}).items()]
     ran = ["  every worker ran this plan (checked in each quality run's and timing worker's engine)"]
@@ -307,19 +302,24 @@ def _op_plan_lines(results: dict) -> list[str]:
     if not rows:
         return ["", *(f"{line.strip()}." for line in op_plan_lines(results))] if plan else []
     candidates = sorted({c for _, e in rows for c in e["times_ms"]})
+    saving = [c for c in candidates if any((e.get("saved_bytes") or {}).get(c) for _, e in rows)]
     first = "" if one else "policy | "
     lines = ["", "## Op plan (`kernels=measured`: the kernel measured fastest on this device at each shape)", "",
              *(f"- {line.strip()}" for line in op_plan_lines(results)), "",
-             f"| {first}op | key | chosen | source | " + " | ".join(f"{c} (ms)" for c in candidates) + " |",
-             f"|{'---|' if first else ''}---|---|---|---|" + "---:|" * len(candidates)]
+             f"| {first}op | key | chosen | source | " + " | ".join(f"{c} (ms)" for c in candidates)
+             + "".join(f" | {c} saved (MiB)" for c in saving) + " |",
+             f"|{'---|' if first else ''}---|---|---|---|" + "---:|" * (len(candidates) + len(saving))]
     for name, e in rows:
-        times = [fmt(e["times_ms"].get(c), ".2f") for c in candidates]
+        saved = [(e.get("saved_bytes") or {}).get(c) for c in saving]
+        times = [fmt(e["times_ms"].get(c), ".2f") for c in candidates] + [fmt(b and b / 2**20, ".3g") for b in saved]
         lines.append(f"| {name + ' | ' if first else ''}{e['op']} | `{e['shape']}` | **{e['chosen']}** | {e['source']} | "
                      + " | ".join(times) + " |")
     lines.append("")
     lines.append("Times: best of interleaved forward (+backward for `fwd+bwd` keys) runs on random inputs of the "
                  "key's shapes (`mixprec.autocast.op_plan`); the default (`fused`, torch.autocast's kernel) is replaced only "
-                 "by a candidate at least 5 % faster; `cache`: measured by an earlier run on this machine.")
+                 "by a candidate at least 5 % faster, among those saving for backward (one forward's saved tensors, "
+                 "per call) no more than `fused` plus the allowance above; `cache`: measured by an earlier run on "
+                 "this machine.")
     return lines + [""]
 
 

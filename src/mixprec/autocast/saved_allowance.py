@@ -1,0 +1,123 @@
+"""How many more bytes a planned attention kernel may save for backward than the default (``fused``): the
+allowance, and the op plan's memory rule.
+
+The fastest kernel can erase what mixed precision saves: ``matmul`` keeps fp32 and bf16 probabilities (144 MiB
+per layer more than ``fused`` at the ``small`` GPT's shape; 0.94× fp32's saved activations against 0.58×), and
+``fused-fp32`` keeps fp32 copies of q, k, v and of its output. So a candidate that saves more than ``fused``
+per call is chosen only within the allowance: +0 MiB by default (never more than ``fused``), else what
+:func:`allow_extra_saved` (process-wide) or ``$MIXPREC_ATTENTION_EXTRA_SAVED_MIB`` (a number of MiB, or
+``inf``: speed alone, as before issue 27) allows. The choice says what it costs: ``"matmul: 1.31x faster than
+fused, +144 MiB saved per call"`` or ``"matmul skipped: 1.31x faster than fused, +144 MiB saved per call over
+fused (allowed +0 MiB ...)"``. No host sync anywhere here.
+"""
+
+from __future__ import annotations
+
+import math
+import os
+from collections.abc import Iterator
+from contextlib import contextmanager
+from typing import Callable
+
+__all__ = ["ENV", "allow_extra_saved", "extra_saved_allowed", "memory_choice", "mib_words"]
+
+ENV = "MIXPREC_ATTENTION_EXTRA_SAVED_MIB"
+_HOW = f"mixprec.autocast.op_plan.allow_extra_saved(mib) or ${ENV}"
+_allowed: list[float | None] = []   # the innermost allow_extra_saved() block's allowance last (process-wide)
+
+
+def _checked(mib: object, name: str) -> float | None:
+    """``mib`` as an allowance in MiB (None: unlimited); TypeError/ValueError naming ``name`` otherwise."""
+    if mib is None or (isinstance(mib, float) and math.isinf(mib) and mib > 0):
+        return None
+    if isinstance(mib, bool) or not isinstance(mib, (int, float)):
+        raise TypeError(f"{name}={mib!r} must be a number of MiB (int or float, >= 0) or None for no limit; "
+                        f"e.g. {name}=144")
+    if not mib >= 0:
+        raise ValueError(f"{name}={mib!r} is not allowed: extra bytes saved per call are a number of MiB >= 0 "
+                         f"(0: never more than fused), or None / inf for no limit; e.g. {name}=144")
+    return float(mib)
+
+
+@contextmanager
+def allow_extra_saved(mib: float | None) -> Iterator[None]:
+    """Inside, the op plan may choose an attention kernel saving up to ``mib`` MiB per call more for backward
+    than ``fused`` (None or ``math.inf``: any, speed alone). Process-wide (every thread), nestable; keys already
+    planned in this process are chosen again from their measurement at their next call. Raises TypeError for a
+    non-number, ValueError for a negative or NaN ``mib``."""
+    _allowed.append(_checked(mib, "allow_extra_saved(mib"))
+    try:
+        yield
+    finally:
+        _allowed.pop()
+
+
+def extra_saved_allowed() -> float | None:
+    """The allowance in force, MiB per call (None: no limit): the innermost :func:`allow_extra_saved`, else
+    ``$MIXPREC_ATTENTION_EXTRA_SAVED_MIB`` (``inf`` or ``none``: no limit), else 0. Raises ValueError naming the
+    variable when it holds something else."""
+    if _allowed:
+        return _allowed[-1]
+    text = os.environ.get(ENV, "").strip()
+    if not text:
+        return 0.0
+    if text.lower() in ("inf", "none"):
+        return None
+    try:
+        value = float(text)
+    except ValueError:
+        value = math.nan
+    if not value >= 0:
+        raise ValueError(f"${ENV}={text!r} is not allowed: a number of MiB >= 0, or 'inf' for no limit; "
+                         f"e.g. {ENV}=144, or unset it (0: never more than fused)")
+    return None if math.isinf(value) else value
+
+
+def mib_words(n_bytes: int | None, *, signed: bool = False) -> str:
+    """``n_bytes`` in MiB for a sentence: ``"144 MiB"``, ``"0.504 MiB"``, ``"+48 MiB"`` (``signed``); "unknown"."""
+    if n_bytes is None:
+        return "unknown"
+    value = n_bytes / 2**20
+    text = f"{value:.0f}" if abs(value) >= 100 else f"{value:.3g}"
+    return f"{'+' if signed and value >= 0 else ''}{text} MiB"
+
+
+def _allowance_words(allowed_mib: float | None) -> str:
+    return "no limit" if allowed_mib is None else f"+{allowed_mib:g} MiB: {_HOW}"
+
+
+def memory_choice(times_ms: dict[str, float | None], saved: dict[str, int | None], *, default: str,
+                  allowed_mib: float | None, pick: Callable[[dict[str, float | None]], str]) -> tuple[str, str]:
+    """The candidate chosen under the memory rule and its words. ``times_ms``: candidate → best time (None: not
+    offered); ``saved``: candidate → bytes saved per call (None: unknown); ``pick``: the speed rule over times
+    (a candidate left out by it is given None). A candidate saving more than ``default`` by over
+    ``allowed_mib`` MiB (or an unknown amount) is left out; ``default`` never is. The words name the fastest
+    candidate when it was left out and the chosen one when it is not ``default``, each with its speed-up over
+    ``default`` and its extra MiB per call; "" when nothing is saved (no backward follows)."""
+    base = saved.get(default)
+    offered = [n for n, t in times_ms.items() if t is not None]
+
+    def extra(name: str) -> int | None:
+        return None if saved.get(name) is None or base is None else saved[name] - base
+
+    def fits(name: str) -> bool:
+        more = extra(name)
+        return name == default or (more is not None and (allowed_mib is None or more <= allowed_mib * 2**20))
+
+    fastest = pick(times_ms)
+    if all(saved.get(n) == 0 for n in offered):
+        return fastest, ""
+    chosen = pick({n: (t if fits(n) else None) for n, t in times_ms.items()})
+
+    def faster(name: str) -> str:
+        return f"{times_ms[default] / times_ms[name]:.2f}x faster than {default}"
+    words = []
+    if fastest != chosen:
+        words.append(f"{fastest} skipped: {faster(fastest)}, {mib_words(extra(fastest), signed=True)} saved per "
+                     f"call over {default} (allowed {_allowance_words(allowed_mib)})")
+    if chosen != default:
+        words.append(f"{chosen}: {faster(chosen)}, {mib_words(extra(chosen), signed=True)} saved per call "
+                     f"(allowed {_allowance_words(allowed_mib)})")
+    elif not words:
+        words.append(f"{default}: {mib_words(base)} saved per call")
+    return chosen, "; ".join(words)

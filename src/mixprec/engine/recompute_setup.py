@@ -1,0 +1,113 @@
+"""The engine's ``checkpoint=`` option: which blocks recompute in backward (:mod:`mixprec.memory.recompute`).
+
+``checkpoint="blocks.*"`` (names or globs, ``"selective:..."`` to keep matmul outputs) wraps those blocks at
+build; ``"auto"`` wraps the repeated blocks pending and measures each at its first training call (every rank
+then takes the most memory-saving mode any rank chose: one all-reduce per block under a strategy, none alone),
+records the plan as a ``"recompute"`` event and in the decision. The plan is in ``mp.state_dict()["recompute"]``
+and in the event log a checkpoint carries; loading either re-applies it as it was (never re-measured).
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from mixprec.engine.protocol import Engine
+from mixprec.engine.records import Event
+from mixprec.memory.recompute import (BlockPlan, RecomputedForwards, RecomputePlan, choose_mode, match_blocks,
+                                      measure_block, parse_request, repeated_blocks)
+
+__all__ = ["RecomputeSetup"]
+
+_KIND = "recompute"
+_MOST_SAVING_FIRST = ("full", "selective", "none")
+
+
+class RecomputeSetup:
+    """Holds the request, the plan and the installed wrappers of one engine. ``note``: the decision clause (""
+    when off). ValueError/TypeError for a bad ``checkpoint=`` value (nothing changed)."""
+
+    def __init__(self, mp: Engine, option: Any) -> None:
+        self._mp = mp
+        self.request = parse_request(option)
+        self.plan: RecomputePlan | None = None
+        self._measured: dict[str, BlockPlan] = {}
+        self._forwards: RecomputedForwards | None = None
+        if self.request.kind == "named":
+            modes = match_blocks(mp.module, self.request.patterns)
+            self._install(RecomputePlan(self.request.text, tuple(BlockPlan(n, m) for n, m in modes.items())))
+            mp.record(Event(0, _KIND, "requested", None, self.plan.text()))   # at build: boundary 0
+        elif self.request.kind == "auto":
+            self._names = repeated_blocks(mp.module)
+            if self._names:
+                self._forwards = RecomputedForwards(mp.module, dict.fromkeys(self._names, "pending"), self._measure)
+            else:
+                self.plan = RecomputePlan(self.request.text, (), self.request.max_ratio)
+
+    @property
+    def note(self) -> str:
+        if self.plan is not None:
+            return self.plan.note()
+        if self.request.kind == "auto":
+            return (f"; recompute {self.request.text}: pending, each of {len(self._names)} blocks measured at its "
+                    "first training call")
+        return ""
+
+    def state(self) -> dict[str, Any] | None:
+        """The plan as ``mp.state_dict()`` carries it (``{"text": ...}``), None when there is none yet."""
+        return None if self.plan is None else {"text": self.plan.text()}
+
+    def check(self, state: dict[str, Any]) -> None:
+        """ValueError (nothing changed) when the plan ``state`` carries names modules this model lacks."""
+        text = _saved_text(state)
+        missing = [] if text is None else sorted(set(RecomputePlan.from_text(text).modes()) -
+                                                 {n for n, _ in self._mp.module.named_modules()})
+        if missing:
+            raise ValueError(f"the loaded recompute plan names modules this model lacks: {missing}; load it into "
+                             "the model it was saved from")
+
+    def load(self, state: dict[str, Any]) -> None:
+        """Re-apply the plan of a loaded state: its ``"recompute"`` entry, else the last ``"recompute"`` event of
+        its ``"events"`` (a checkpoint's); nothing to do when it has neither or holds this plan already."""
+        text = _saved_text(state)
+        if text is None or (self.plan is not None and self.plan.text() == text):
+            return
+        self.check(state)
+        plan, before = RecomputePlan.from_text(text), self.note
+        self._install(plan)
+        self._mp.record(Event(self._mp.boundaries, _KIND, "loaded", None, plan.text()),
+                        decision=_replace(self._mp.decision, before, self.note))
+
+    def remove(self) -> None:
+        if self._forwards is not None:
+            self._forwards.remove()
+            self._forwards = None
+
+    def _install(self, plan: RecomputePlan) -> None:
+        self.remove()
+        self.plan = plan
+        self._forwards = RecomputedForwards(self._mp.module, plan.modes())
+
+    def _measure(self, name: str, forward: Any, args: tuple, kwargs: dict) -> str:
+        saved, seconds = measure_block(forward, list(self._mp.module.parameters()), args, kwargs, self._mp.device)
+        mode = choose_mode(saved, seconds, self.request.max_ratio)
+        mode = self._mp.agree_on(mode, _MOST_SAVING_FIRST) or mode   # every rank runs one plan
+        self._measured[name] = BlockPlan(name, mode, saved, seconds)
+        if len(self._measured) == len(self._names):
+            before = self.note
+            self.plan = RecomputePlan(self.request.text, tuple(self._measured[n] for n in self._names),
+                                      self.request.max_ratio)
+            self._mp.record(Event(self._mp.boundaries, _KIND, "auto", None, self.plan.text()),
+                            decision=_replace(self._mp.decision, before, self.note))
+        return mode
+
+
+def _saved_text(state: dict[str, Any]) -> str | None:
+    saved = state.get(_KIND)
+    if saved:
+        return saved["text"]
+    return next((e.get("detail") for e in reversed(state.get("events") or []) if e.get("kind") == _KIND), None)
+
+
+def _replace(decision: str, clause: str, new: str) -> str:
+    return decision.replace(clause, new) if clause and clause in decision else decision + new
+

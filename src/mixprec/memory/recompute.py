@@ -1,0 +1,316 @@
+"""What to recompute in backward instead of keeping it from the forward: a measured, per-block recompute plan.
+
+Three modes per block (a submodule whose ``forward`` is wrapped; parameter names and ``state_dict`` unchanged):
+``"none"`` (autograd keeps what it saves), ``"selective"`` (:func:`mixprec.ops.checkpoint` with
+:func:`keep_matmuls`: the outputs of matmuls, attention and convolutions are kept, norms, activations, casts and
+elementwise ops are recomputed; torch's selective activation checkpointing, ``create_selective_checkpoint_contexts``)
+and ``"full"`` (the whole block recomputed from its inputs: Hugging Face's ``gradient_checkpointing_enable``).
+Both recomputes run under the forward's autocast state, op lists and kernels (:func:`mixprec.ops.checkpoint`), so
+the gradients equal the ones without recompute bit for bit where the ops are deterministic.
+
+``"auto"`` measures each repeated block (the children of the model's largest ``ModuleList``/``Sequential`` of
+one class) at its first training call, on its real input: bytes kept for backward in each mode (saved tensors
+through :class:`mixprec.memory.saved.SavedTensorCounter`; under recompute, the inputs the region keeps and the
+outputs the policy keeps, each storage once, parameters left out) and forward+backward seconds in each mode
+(:mod:`mixprec.machine.timing`, modes interleaved, median), then takes the mode keeping the fewest bytes whose
+time is at most ``max_ratio`` times the block's time without recompute. Measuring forks the RNG: the run's
+random stream is the one it would be without it.
+"""
+
+from __future__ import annotations
+
+import fnmatch
+import functools
+import re
+import statistics
+from collections.abc import Callable, Iterable
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+from torch import nn
+from torch.utils._python_dispatch import TorchDispatchMode
+from torch.utils._pytree import tree_leaves, tree_map
+from torch.utils.checkpoint import CheckpointPolicy
+
+from mixprec import ops
+from mixprec.machine.timing import time_call
+from mixprec.memory.saved import SavedTensorCounter
+from mixprec.memory.storages import StorageCounter
+
+__all__ = ["MODES", "BlockPlan", "RecomputePlan", "RecomputeRequest", "parse_request", "keep_matmuls",
+           "repeated_blocks", "match_blocks", "measure_block", "choose_mode", "RecomputedForwards"]
+
+MODES = ("none", "selective", "full")
+DEFAULT_MAX_RATIO = 1.3   # issue 27: at most 1.3x the step time without recompute
+_ARG = "checkpoint"
+_ALLOWED = ("None (no recompute), 'auto' or 'auto:<max time ratio>' (e.g. 'auto:1.5'), a module name or glob "
+            "('blocks.*'), or a list of them; prefix a name with 'selective:' to keep matmul outputs")
+
+
+def _aten_ops(*names: str) -> frozenset:
+    return frozenset(getattr(torch.ops.aten, n) for n in names if hasattr(torch.ops.aten, n))
+
+
+# The expensive ops whose outputs selective recompute keeps (everything else is recomputed).
+KEPT_OPS = _aten_ops("mm", "addmm", "bmm", "baddbmm", "convolution", "_scaled_dot_product_flash_attention",
+                     "_scaled_dot_product_flash_attention_for_cpu", "_scaled_dot_product_efficient_attention",
+                     "_scaled_dot_product_cudnn_attention", "_flash_attention_forward", "_efficient_attention_forward")
+
+
+def keep_matmuls(ctx: Any, op: Any, *args: Any, **kwargs: Any) -> CheckpointPolicy:
+    """Selective-checkpoint policy: keep the outputs of matmuls, attention and convolutions (:data:`KEPT_OPS`),
+    recompute the rest (norms, activations, casts, elementwise ops: cheap per byte)."""
+    return CheckpointPolicy.MUST_SAVE if getattr(op, "overloadpacket", op) in KEPT_OPS else \
+        CheckpointPolicy.PREFER_RECOMPUTE
+
+
+@dataclass(frozen=True)
+class BlockPlan:
+    """One block's choice: its module ``name``, ``mode`` (one of :data:`MODES`) and, when measured, the bytes kept
+    for backward (``saved_bytes``) and the median forward+backward seconds (``seconds``) of each mode, in
+    :data:`MODES` order (None when the mode was named, not measured)."""
+
+    name: str
+    mode: str
+    saved_bytes: tuple[int, int, int] | None = None
+    seconds: tuple[float, float, float] | None = None
+
+    def text(self) -> str:
+        if self.saved_bytes is None or self.seconds is None:
+            return f"{self.name} {self.mode}"
+        saved = "/".join(str(b) for b in self.saved_bytes)
+        return f"{self.name} {self.mode} [saved {saved} B; fwd+bwd {'/'.join(repr(s) for s in self.seconds)} s]"
+
+
+_BLOCK = re.compile(r"(\S+) (none|selective|full)(?: \[saved (\d+)/(\d+)/(\d+) B; fwd\+bwd (\S+)/(\S+)/(\S+) s\])?")
+
+
+@dataclass(frozen=True)
+class RecomputePlan:
+    """What each block recomputes: ``request`` (the option as given, e.g. ``"auto"``), ``max_ratio`` (auto's time
+    bound; None for named blocks) and ``blocks`` (:class:`BlockPlan`, in model order). :meth:`text` is the
+    event's detail and parses back (:meth:`from_text`): a checkpoint's event log restores the same plan."""
+
+    request: str
+    blocks: tuple[BlockPlan, ...]
+    max_ratio: float | None = None
+
+    def modes(self) -> dict[str, str]:
+        return {b.name: b.mode for b in self.blocks}
+
+    def note(self) -> str:
+        """The decision clause: how many blocks recompute how, and the bytes the plan saves where measured."""
+        counts = {m: sum(b.mode == m for b in self.blocks) for m in MODES}
+        shown = ", ".join(f"{n} {m}" for m, n in counts.items() if n) or "no repeated blocks found: nothing"
+        measured = [b for b in self.blocks if b.saved_bytes is not None]
+        if not measured:
+            return f"; recompute {self.request}: {shown}"
+        before = sum(b.saved_bytes[0] for b in measured)
+        after = sum(b.saved_bytes[MODES.index(b.mode)] for b in measured)
+        slower = sum(b.seconds[MODES.index(b.mode)] for b in measured) / max(sum(b.seconds[0] for b in measured), 1e-12)
+        return (f"; recompute {self.request} (measured, time <= {self.max_ratio}x): {shown}; blocks keep "
+                f"{after / 2**20:.2f} MiB for backward instead of {before / 2**20:.2f} MiB at {slower:.2f}x their "
+                "forward+backward time")
+
+    def text(self) -> str:
+        bound = "" if self.max_ratio is None else f" <= {self.max_ratio!r}"
+        return f"recompute plan {self.request}{bound}: " + ", ".join(b.text() for b in self.blocks)
+
+    @classmethod
+    def from_text(cls, text: str) -> RecomputePlan:
+        """The plan :meth:`text` wrote. ValueError for other text."""
+        head = re.match(r"recompute plan (\S+)(?: <= (\S+))?: ", text)
+        if head is None:
+            raise ValueError(f"not a recompute plan: {text[:80]!r}")
+        blocks = []
+        for m in _BLOCK.finditer(text[head.end():]):
+            g = m.groups()
+            measured = g[2] is not None
+            blocks.append(BlockPlan(g[0], g[1], tuple(int(x) for x in g[2:5]) if measured else None,
+                                    tuple(float(x) for x in g[5:8]) if measured else None))
+        return cls(head.group(1), tuple(blocks), None if head.group(2) is None else float(head.group(2)))
+
+
+@dataclass(frozen=True)
+class RecomputeRequest:
+    """The parsed option: ``kind`` ``"off"``, ``"auto"`` (with ``max_ratio``) or ``"named"`` (``patterns``: pairs
+    of a module-name glob and its mode); ``text`` is the option as shown in the decision."""
+
+    kind: str
+    text: str = ""
+    max_ratio: float = DEFAULT_MAX_RATIO
+    patterns: tuple[tuple[str, str], ...] = ()
+
+
+def parse_request(value: Any) -> RecomputeRequest:
+    """``MixedPrecision(checkpoint=value)`` as a :class:`RecomputeRequest`. ValueError/TypeError naming the
+    argument, the value and what is allowed."""
+    if value is None or value is False:
+        return RecomputeRequest("off")
+    if isinstance(value, str) and (value == "auto" or value.startswith("auto:")):
+        ratio = value[5:] or str(DEFAULT_MAX_RATIO)
+        try:
+            max_ratio = float(ratio)
+        except ValueError:
+            max_ratio = float("nan")
+        if not 1.0 <= max_ratio < float("inf"):
+            raise ValueError(f"{_ARG}={value!r}: the time ratio after 'auto:' must be a number >= 1 (the step may "
+                             f"take at most that many times its time without recompute), e.g. 'auto:1.3'")
+        return RecomputeRequest("auto", f"auto:{max_ratio!r}" if value != "auto" else "auto", max_ratio)
+    names = [value] if isinstance(value, str) else value
+    if not isinstance(names, (list, tuple)) or not names or not all(isinstance(n, str) and n for n in names):
+        raise TypeError(f"{_ARG}={value!r} is not allowed; pass {_ALLOWED}")
+    patterns = []
+    for name in names:
+        mode, _, pattern = name.rpartition(":") if ":" in name else ("full", "", name)
+        if mode not in ("selective", "full") or not pattern:
+            raise ValueError(f"{_ARG}={value!r}: {name!r} is not allowed; pass {_ALLOWED}")
+        patterns.append((pattern, mode))
+    return RecomputeRequest("named", ",".join(names), patterns=tuple(patterns))
+
+
+def repeated_blocks(model: nn.Module) -> list[str]:
+    """Names of the children of the model's largest (by parameter count) ``ModuleList``/``Sequential`` of two or
+    more modules of one class: a transformer's layers. Empty if there is none."""
+    best, best_params = [], 0
+    for name, module in model.named_modules():
+        children = list(module.children())
+        if not isinstance(module, (nn.ModuleList, nn.Sequential)) or len(children) < 2:
+            continue
+        if len({type(c) for c in children}) != 1:
+            continue
+        params = sum(p.numel() for p in module.parameters())
+        if params > best_params:
+            prefix = f"{name}." if name else ""
+            best, best_params = [f"{prefix}{child}" for child, _ in module.named_children()], params
+    return best
+
+
+def match_blocks(model: nn.Module, patterns: Iterable[tuple[str, str]]) -> dict[str, str]:
+    """Module name → mode for the modules matching each ``(glob, mode)`` (``fnmatch``; a module inside a matched
+    one is left to it). ValueError for a glob matching nothing, or only containers without a forward."""
+    named = dict(model.named_modules())
+    chosen: dict[str, str] = {}
+    for pattern, mode in patterns:
+        hits = [n for n, m in named.items() if n and fnmatch.fnmatchcase(n, pattern)
+                and not isinstance(m, (nn.ModuleList, nn.ModuleDict))]
+        if not hits:
+            hint = repeated_blocks(model)
+            raise ValueError(f"{_ARG}: {pattern!r} matches no module with a forward of {type(model).__name__}; "
+                             f"name submodules as model.named_modules() does" +
+                             (f", e.g. {hint[0].rsplit('.', 1)[0]}.* for {hint[:2]}" if hint else ""))
+        chosen.update({n: mode for n in hits})
+    return {n: m for n, m in chosen.items() if not any(n.startswith(f"{o}.") for o in chosen)}
+
+
+class _KeptCounter(TorchDispatchMode):
+    """Counts the output storages of the ops :func:`keep_matmuls` keeps (what selective recompute holds)."""
+
+    def __init__(self, counter: StorageCounter, total: int) -> None:
+        super().__init__()
+        self.counter, self.total = counter, total
+
+    def __torch_dispatch__(self, func: Any, types: Any, args: tuple = (), kwargs: dict | None = None) -> Any:
+        out = func(*args, **(kwargs or {}))
+        if func.overloadpacket in KEPT_OPS:
+            for leaf in tree_leaves(out):
+                if isinstance(leaf, torch.Tensor):
+                    self.total += self.counter.add(leaf)
+        return out
+
+
+def _run(forward: Callable[..., Any], mode: str, args: tuple, kwargs: dict) -> Any:
+    if mode == "none" or not torch.is_grad_enabled():
+        return forward(*args, **kwargs)
+    if torch.compiler.is_compiling():   # traced: autocast is in the graph; torch's own recompute contexts
+        context = functools.partial(torch.utils.checkpoint.create_selective_checkpoint_contexts, keep_matmuls)
+        return torch.utils.checkpoint.checkpoint(forward, *args, use_reentrant=False, **kwargs,
+                                                 **({"context_fn": context} if mode == "selective" else {}))
+    return ops.checkpoint(forward, *args, selective=keep_matmuls if mode == "selective" else None, **kwargs)
+
+
+def _kept_bytes(forward: Callable[..., Any], mode: str, args: tuple, kwargs: dict, params: list) -> int:
+    """Bytes the graph keeps for backward after one forward in ``mode`` (the output dropped unused)."""
+    if mode == "none":
+        with SavedTensorCounter(params) as saved:
+            forward(*args, **kwargs)
+        return saved.result().total
+    counter = StorageCounter(params)   # the region keeps its inputs for the recompute
+    inputs = sum(counter.add(t) for t in tree_leaves((args, kwargs)) if isinstance(t, torch.Tensor))
+    kept = _KeptCounter(counter, inputs)
+
+    def counted(*a: Any, **k: Any) -> Any:
+        with kept:
+            return forward(*a, **k)
+
+    _run(counted if mode == "selective" else forward, mode, args, kwargs)
+    return kept.total
+
+
+def measure_block(forward: Callable[..., Any], params: list[torch.Tensor], args: tuple, kwargs: dict,
+                  device: torch.device, repeats: int = 5) -> tuple[tuple[int, int, int], tuple[float, float, float]]:
+    """Bytes kept for backward and median forward+backward seconds of ``forward(*args, **kwargs)`` in each of
+    :data:`MODES` (interleaved, one warm-up round, ``repeats`` timed rounds; gradients by ``torch.autograd.grad``:
+    no ``.grad`` is written). Inputs are detached copies requiring grad; the RNG is forked (the caller's stream
+    is unchanged). Host syncs: two per timed call (CUDA/MPS)."""
+    leaves = tree_map(lambda t: t.detach().requires_grad_(t.is_floating_point()) if isinstance(t, torch.Tensor)
+                      else t, (args, kwargs))
+    args, kwargs = leaves
+    wrt = [t for t in tree_leaves(leaves) if isinstance(t, torch.Tensor) and t.requires_grad]
+    wrt += [p for p in params if p.requires_grad]
+    fork = [device.index or 0] if device.type == "cuda" else []
+
+    def step(mode: str) -> None:
+        out = [t for t in tree_leaves(_run(forward, mode, args, kwargs))
+               if isinstance(t, torch.Tensor) and t.requires_grad]
+        torch.autograd.grad(sum(t.float().sum() for t in out), wrt, allow_unused=True)
+
+    with torch.random.fork_rng(devices=fork, device_type=device.type if fork else "cuda"), torch.enable_grad():
+        saved = tuple(_kept_bytes(forward, m, args, kwargs, params) for m in MODES)
+        times: dict[str, list[float]] = {m: [] for m in MODES}
+        for round_ in range(repeats + 1):
+            for mode in MODES:
+                seconds = time_call(lambda: step(mode), device)
+                times[mode] += [seconds] if round_ else []
+    return saved, tuple(statistics.median(times[m]) for m in MODES)
+
+
+def choose_mode(saved_bytes: tuple[int, int, int], seconds: tuple[float, float, float], max_ratio: float) -> str:
+    """The mode keeping the fewest bytes whose seconds are at most ``max_ratio`` times ``"none"``'s."""
+    fits = [m for i, m in enumerate(MODES) if seconds[i] <= max_ratio * seconds[0]]
+    return min(fits, key=lambda m: (saved_bytes[MODES.index(m)], MODES.index(m)))
+
+
+class RecomputedForwards:
+    """Installs the plan: each named block's ``forward`` becomes a wrapper running it in its mode (``"pending"``:
+    calls ``on_pending(name, block, args, kwargs)`` at its first training call, which returns the mode).
+    :meth:`remove` restores the blocks' own ``forward``."""
+
+    def __init__(self, model: nn.Module, modes: dict[str, str],
+                 on_pending: Callable[[str, nn.Module, tuple, dict], str] | None = None) -> None:
+        self.modes = dict(modes)
+        self._on_pending = on_pending
+        self._blocks = {n: m for n, m in model.named_modules() if n in self.modes}
+        for name, block in self._blocks.items():
+            block.forward = self._wrap(name, block.forward)
+
+    def _wrap(self, name: str, forward: Callable[..., Any]) -> Callable[..., Any]:
+        def recomputed(*args: Any, **kwargs: Any) -> Any:
+            mode = self.modes[name]
+            if mode == "pending" and torch.is_grad_enabled() and self._blocks[name].training:
+                mode = self._measure(name, forward, args, kwargs)
+            return _run(forward, "none" if mode == "pending" else mode, args, kwargs)
+        recomputed.__wrapped__ = forward   # type: ignore[attr-defined]
+        return recomputed
+
+    @torch.compiler.disable
+    def _measure(self, name: str, forward: Callable[..., Any], args: tuple, kwargs: dict) -> str:
+        self.modes[name] = self._on_pending(name, forward, args, kwargs)
+        return self.modes[name]
+
+    def remove(self) -> None:
+        for block in self._blocks.values():
+            if "forward" in vars(block):
+                del block.forward
+        self._blocks = {}

@@ -1,0 +1,301 @@
+"""The measured recompute plan (issue 27): ``MixedPrecision(..., checkpoint=...)``, mixprec.memory.recompute.
+
+Recompute changes what is kept for backward, never a value: on the CPU every op here is deterministic, so a run
+with whole-block or selective recompute equals the run without it bit for bit (fp32 and bf16-lean), and so does
+the ``"auto"`` run whose measurement forks the RNG and writes no ``.grad``. The saved-bytes relation is exact:
+what the engine's graph saves without recompute is what it saves with every block recomputed plus, block by
+block, what each block saved less its input (measured by the plan on its real input; fp32: no autocast copy).
+"""
+
+from __future__ import annotations
+
+import copy
+import os
+import socket
+import time
+import traceback
+from datetime import timedelta
+from pathlib import Path
+
+import pytest
+import torch
+import torch.multiprocessing as torch_mp
+
+import mixprec
+import mixprec.optim
+from mixprec import MixedPrecision
+from mixprec.memory.recompute import MODES, RecomputePlan, choose_mode, keep_matmuls, repeated_blocks
+from mixprec.memory.saved import saved_bytes
+from mixprec.workloads.gpt import GPTWorkload
+
+STEPS = 3
+
+
+@pytest.fixture(scope="module")
+def gpt():
+    workload = GPTWorkload("tiny")
+    return workload, [b for _, b in zip(range(2 * STEPS), workload.batches("train", seed=0))]
+
+
+def _engine(workload, policy, checkpoint, **kwargs):
+    torch.manual_seed(0)
+    model = workload.build_model()
+    return MixedPrecision(model, mixprec.optim.AdamW(model.parameters(), lr=3e-3), policy, device="cpu",
+                          checkpoint=checkpoint, **kwargs)
+
+
+def _train(mp, workload, batches):
+    for batch in batches:
+        with mp.autocast():
+            loss = workload.loss(mp.model, mp.cast_inputs(batch))
+        mp.backward(loss)
+        assert mp.step().applied
+    return {n: p.detach().clone() for n, p in mp.module.named_parameters()}
+
+
+def _plan(mp) -> RecomputePlan:
+    return RecomputePlan.from_text([e for e in mp.events if e.get("kind") == "recompute"][-1].get("detail"))
+
+
+def _assert_equal(got, want):
+    for name in want:
+        assert torch.equal(got[name], want[name]), name
+
+
+@pytest.mark.parametrize("policy", ["fp32", "bf16-lean"])
+@pytest.mark.parametrize("checkpoint, mode", [("blocks.*", "full"), (["selective:blocks.*"], "selective")])
+def test_recompute_gives_the_same_weights_bit_for_bit(gpt, policy, checkpoint, mode):
+    workload, batches = gpt
+    want = _train(_engine(workload, policy, None), workload, batches[:STEPS])
+    mp = _engine(workload, policy, checkpoint)
+    assert f"; recompute {checkpoint if isinstance(checkpoint, str) else checkpoint[0]}: 2 {mode}" in mp.decision
+    assert all(mp.module.blocks[i].forward.__wrapped__ for i in range(2))   # the blocks do recompute
+    _assert_equal(_train(mp, workload, batches[:STEPS]), want)
+    assert mp.state_dict()["recompute"] == {"text": _plan_text(checkpoint, mode)}
+    assert [(e.get("cause"), e.get("detail")) for e in mp.events] == [("requested", _plan_text(checkpoint, mode))]
+    mp.unwrap()
+    assert "forward" not in vars(mp.module.blocks[0])
+
+
+def _plan_text(checkpoint, mode):
+    request = checkpoint if isinstance(checkpoint, str) else ",".join(checkpoint)
+    return f"recompute plan {request}: blocks.0 {mode}, blocks.1 {mode}"
+
+
+def test_selective_keeps_matmul_and_attention_outputs_and_recomputes_the_rest():
+    aten = torch.ops.aten
+    keep = torch.utils.checkpoint.CheckpointPolicy.MUST_SAVE
+    assert keep_matmuls(None, aten.mm.default) == keep and keep_matmuls(None, aten.addmm.default) == keep
+    assert keep_matmuls(None, aten._scaled_dot_product_flash_attention_for_cpu.default) == keep
+    for cheap in (aten.native_layer_norm.default, aten.gelu.default, aten.add.Tensor, aten._to_copy.default):
+        assert keep_matmuls(None, cheap) == torch.utils.checkpoint.CheckpointPolicy.PREFER_RECOMPUTE
+
+
+def test_auto_measures_each_block_records_the_plan_and_trains_bit_exactly(gpt):
+    workload, batches = gpt
+    want = _train(_engine(workload, "bf16-lean", None), workload, batches[:STEPS])
+    mp = _engine(workload, "bf16-lean", "auto")
+    assert repeated_blocks(mp.module) == ["blocks.0", "blocks.1"]
+    assert "; recompute auto: pending, each of 2 blocks measured at its first training call" in mp.decision
+    _assert_equal(_train(mp, workload, batches[:STEPS]), want)
+    events = [e for e in mp.events if e.get("kind") == "recompute"]
+    assert len(events) == 1 and events[0].get("cause") == "auto" and events[0].get("step") == 0
+    plan = _plan(mp)
+    assert plan.max_ratio == 1.3 and [b.name for b in plan.blocks] == ["blocks.0", "blocks.1"]
+    for block in plan.blocks:
+        none, selective, full = block.saved_bytes
+        assert full < selective < none   # full keeps the input; selective also the matmul outputs
+        assert full == 4 * 32 * 32 * mp.policy.param_dtype.itemsize   # its (B, T, C) input: the residual stream (bf16)
+        assert block.mode == choose_mode(block.saved_bytes, block.seconds, 1.3) and min(block.seconds) > 0
+    assert plan.note() in mp.decision and "pending" not in mp.decision
+
+
+def test_choose_mode_takes_the_fewest_bytes_within_the_time_bound():
+    saved, seconds = (1000, 400, 100), (1.0, 1.2, 1.5)
+    assert choose_mode(saved, seconds, 1.3) == "selective"
+    assert choose_mode(saved, seconds, 1.5) == "full"
+    assert choose_mode(saved, seconds, 1.0) == "none"
+    assert MODES == ("none", "selective", "full")
+
+
+def test_the_plan_keeps_fewer_bytes_exactly_what_the_blocks_saved(gpt):
+    workload, batches = gpt
+    mp = _engine(workload, "fp32", "auto:1000")   # any time: every block recomputes whole
+    _train(mp, workload, batches[:1])
+    plan = _plan(mp)
+    assert [b.mode for b in plan.blocks] == ["full", "full"]
+    plain = _engine(workload, "fp32", None)
+    batch = plain.cast_inputs(batches[1])
+    _, without = saved_bytes(lambda: workload.loss(plain.model, batch), exclude=plain.module.parameters())
+    mp = _engine(workload, "fp32", None)
+    mp.load_state_dict(copy.deepcopy(plain.state_dict()) | {"recompute": {"text": plan.text()}})
+    _, with_plan = saved_bytes(lambda: workload.loss(mp.model, batch), exclude=mp.module.parameters())
+    # each block keeps its input instead of everything it saved (measured by the plan at the first step, same
+    # shapes); memory.saved sees those inputs too: torch's non-reentrant checkpoint saves them for backward
+    # through its own autograd Function, outside the region's hooks
+    freed = sum(b.saved_bytes[0] - b.saved_bytes[2] for b in plan.blocks)
+    assert freed > 0 and without.total - with_plan.total == freed
+
+
+def test_the_plan_survives_state_dict_and_checkpoints_and_is_never_measured_again(gpt, tmp_path):
+    workload, batches = gpt
+    mp = _engine(workload, "bf16-lean", "auto")
+    _train(mp, workload, batches[:STEPS])
+    state = copy.deepcopy(mp.state_dict())
+    mixprec.save_checkpoint(tmp_path, mp)
+    want = _train(mp, workload, batches[STEPS:])
+    for load in ("state_dict", "checkpoint"):
+        fresh = _engine(workload, "bf16-lean", "auto")
+        if load == "state_dict":
+            fresh.load_state_dict(copy.deepcopy(state))
+        else:
+            mixprec.load_checkpoint(tmp_path, fresh)
+        assert _plan(fresh) == _plan(mp)   # the same modes, bytes and seconds: restored, not measured
+        assert [e.get("cause") for e in fresh.events if e.get("kind") == "recompute"][-1] == \
+            "loaded"
+        assert "pending" not in fresh.decision and _plan(mp).note() in fresh.decision
+        _assert_equal(_train(fresh, workload, batches[STEPS:]), want)
+        assert [e.get("cause") for e in fresh.events if e.get("kind") == "recompute"].count("auto") <= 1
+
+
+def test_guard_rollback_keeps_the_plan(gpt):
+    workload, batches = gpt
+    mp = _engine(workload, "fp32", "blocks.*", guard=mixprec.Guard(loss_fn=workload.loss))
+    _train(mp, workload, batches[:2])
+    before = mp.state_dict()["recompute"]
+    mp.load_state_dict(copy.deepcopy(mp.state_dict()))   # what a rollback does
+    assert mp.state_dict()["recompute"] == before and not [e for e in mp.events if e.get("cause") == "loaded"]
+
+
+@pytest.mark.parametrize("value, error, words", [
+    ("auto:0.5", ValueError, "must be a number >= 1"), (3, TypeError, "checkpoint=3 is not allowed"),
+    ("nope.*", ValueError, "'nope.*' matches no module"), (["sometimes:blocks.*"], ValueError, "is not allowed")])
+def test_bad_checkpoint_values_are_refused_naming_them(gpt, value, error, words):
+    workload, _ = gpt
+    with pytest.raises(error, match=words.replace(".", r"\.").replace("*", r"\*")):
+        _engine(workload, "fp32", value)
+
+
+@pytest.mark.parametrize("checkpoint, mode", [("auto:1000", "full"), (["selective:blocks.*"], "selective")])
+def test_compiled_model_with_a_plan_matches_eager_without_it(gpt, checkpoint, mode):
+    workload, batches = gpt
+    eager = _engine(workload, "fp32", None)
+    compiled = _engine(workload, "fp32", checkpoint, compile=True)   # auto: measured eagerly, then traced
+    losses = []
+    for mp in (eager, compiled):
+        for batch in batches[:2]:
+            with mp.autocast():
+                loss = workload.loss(mp.model, mp.cast_inputs(batch))
+            mp.backward(loss)
+            mp.step()
+            losses.append(loss.detach())
+    assert [b.mode for b in _plan(compiled).blocks] == [mode, mode]
+    eager_losses, compiled_losses = torch.stack(losses[:2]), torch.stack(losses[2:])
+    # as tests/test_compile.py: inductor reorders fp32 reductions of at most 128 terms: 128 fp32 ulps
+    tolerance = 128 * mixprec.get_format("fp32").ulp(eager_losses)
+    assert ((compiled_losses - eager_losses).abs() <= tolerance).all()
+
+
+# ---------------------------------------------------------------------- DDP: 2 gloo ranks, one plan
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _ddp_entry(rank: int, port: int, out: str) -> None:
+    from mixprec.distributed import process as mpd
+
+    os.environ.update(RANK=str(rank), WORLD_SIZE="2", LOCAL_RANK=str(rank), MASTER_ADDR="127.0.0.1",
+                      MASTER_PORT=str(port))
+    torch.set_num_threads(1)
+    mpd.init_process_group_from_env("cpu", timeout=timedelta(seconds=60))
+    finished = False
+    try:
+        workload = GPTWorkload("tiny")
+        batches = list(mpd.shard_batches([b for _, b in zip(range(4), workload.batches("train", seed=0))]))
+        result = {}
+        for checkpoint in (None, "auto"):
+            mp = _engine(workload, "fp32", checkpoint, strategy="ddp")
+            result[checkpoint] = _train(mp, workload, batches)
+        result["plan"] = _plan(mp).modes()
+        torch.save(result, Path(out) / f"rank{rank}.pt")
+        finished = True
+    except BaseException:
+        (Path(out) / f"rank{rank}.err").write_text(traceback.format_exc())
+        raise
+    finally:
+        mpd.leave_process_group(wait_for_all=finished)
+
+
+@pytest.mark.timeout(180)
+def test_ddp_ranks_run_one_plan_and_the_same_weights_as_without_it(tmp_path):
+    ctx = torch_mp.start_processes(_ddp_entry, args=(_free_port(), str(tmp_path)), nprocs=2, join=False,
+                                   start_method="spawn")
+    deadline = time.monotonic() + 170
+    try:
+        while not ctx.join(timeout=1.0):
+            if time.monotonic() > deadline:
+                pytest.fail("ranks still running: a collective hangs")
+    except torch_mp.ProcessRaisedException:
+        pytest.fail("a rank raised:\n" + "\n".join(p.read_text() for p in sorted(tmp_path.glob("rank*.err"))))
+    finally:
+        for proc in ctx.processes:
+            if proc.is_alive():
+                proc.kill()
+    ranks = [torch.load(tmp_path / f"rank{r}.pt", weights_only=False) for r in range(2)]
+    assert ranks[0]["plan"] == ranks[1]["plan"] and set(ranks[0]["plan"]) == {"blocks.0", "blocks.1"}
+    for result in ranks:
+        _assert_equal(result["auto"], result[None])
+    _assert_equal(ranks[1]["auto"], ranks[0]["auto"])
+
+
+@pytest.mark.filterwarnings("ignore:--resume with --steps")
+def test_train_cli_recompute_auto_prints_and_checkpoints_the_plan(tmp_path, capsys):
+    from mixprec.checkpoint import read_manifest
+    from mixprec.programs.cli import main
+
+    out = tmp_path / "run"
+    assert main(["train", "--workload", "gpt", "--config", "tiny", "--policy", "fp32", "--steps", "2",
+                 "--out", str(out), "--recompute", "auto"]) == 0
+    printed = capsys.readouterr()
+    assert "recompute auto: pending" in printed.err and "recompute plan auto <= 1.3: blocks.0 " in printed.out
+    plans = [e for e in read_manifest(out / "checkpoints")["events"] if e["kind"] == "recompute"]
+    assert len(plans) == 1 and plans[0]["detail"] in printed.out
+    assert main(["train", "--workload", "gpt", "--config", "tiny", "--policy", "fp32", "--steps", "3",
+                 "--out", str(out), "--recompute", "auto", "--resume"]) == 0
+    resumed = [e for e in read_manifest(out / "checkpoints")["events"] if e["kind"] == "recompute"]
+    assert [e["cause"] for e in resumed] == ["auto", "loaded"]   # the saved plan, not measured again
+    assert resumed[1]["detail"] == plans[0]["detail"] and plans[0]["detail"] in capsys.readouterr().out
+
+
+def test_ops_checkpoint_selective_recomputes_under_the_forwards_autocast_in_a_backward_outside_it():
+    from mixprec import ops
+
+    torch.manual_seed(0)
+    lin1, lin2 = torch.nn.Linear(16, 32), torch.nn.Linear(32, 8)
+    x = torch.randn(4, 16, requires_grad=True)
+
+    def block(t):
+        return lin2(torch.nn.functional.gelu(lin1(torch.layer_norm(t, (16,)))))
+
+    def grads(selective):
+        with torch.autocast("cpu", torch.bfloat16):
+            out = ops.checkpoint(block, x, selective=keep_matmuls) if selective else block(x)
+        # backward outside the autocast region: the recompute of gelu/layer_norm must still run in bf16
+        return torch.autograd.grad(out.float().sum(), [x, lin1.weight, lin2.weight])
+
+    for got, want in zip(grads(True), grads(False)):
+        assert torch.equal(got, want)
+
+
+def test_a_plan_naming_modules_this_model_lacks_is_refused_before_anything_changes(gpt):
+    workload, batches = gpt
+    mp = _engine(workload, "fp32", None)
+    state = copy.deepcopy(mp.state_dict())
+    _train(mp, workload, batches[:1])
+    before = {n: p.detach().clone() for n, p in mp.module.named_parameters()}
+    with pytest.raises(ValueError, match=r"names modules this model lacks: \['layers.0'\]"):
+        mp.load_state_dict(state | {"recompute": {"text": "recompute plan layers.*: layers.0 full"}})
+    _assert_equal({n: p.detach() for n, p in mp.module.named_parameters()}, before)
+    assert mp.applied_steps == 1
