@@ -287,3 +287,12 @@ def test_saved_option_defaults_parses_prints_and_refuses_fp16_and_fp32():
     assert Policy.parse("fp32").replace(compute_dtype=torch.bfloat16).saved == "compute"
     assert Policy.parse("bf16-mixed,saved=fp32").replace(compute_dtype=torch.float16).saved == "fp32"
     assert math.isclose(Policy.parse("bf16-lean,saved=fp32").bytes_per_param(), mixprec.PRESETS["bf16-lean"].bytes_per_param())
+
+
+def test_the_decision_names_what_norms_save_and_when_the_option_cannot_act():
+    decisions = {p: MixedPrecision(nn.Sequential(nn.Linear(4, 4), nn.LayerNorm(4)), None, p, device="cpu").decision
+                 for p in ("bf16-pure", "bf16-pure,saved=fp32", "bf16-mixed,ops=native", "fp16-mixed")}
+    assert "saved=compute: layer_norm and rms_norm compute in fp32 and save their input" in decisions["bf16-pure"]
+    assert "saved=fp32: norms computed in fp32 save their fp32 input" in decisions["bf16-pure,saved=fp32"]
+    assert "saved=compute has no effect under ops=native on cpu" in decisions["bf16-mixed,ops=native"]
+    assert "saved=" not in decisions["fp16-mixed"]
