@@ -340,7 +340,8 @@ def test_seed_band_label_counts_the_seeds_that_finished(tmp_path):
 
 def test_speed_plot_has_p10_p90_whiskers_and_axis_labels(tmp_path):
     fig = plot_speed_memory(_curve_results([[3, 1.6]], [[3, 1.6]], []), tmp_path / "s.png")
-    assert [a.get_ylabel() for a in fig.axes] == ["step time (ms)", "peak memory (MiB)", "training state (bytes/param)"]
+    assert [a.get_ylabel() for a in fig.axes] == ["step time (ms)", "peak memory (MiB)", "training state (bytes/param)",
+                                                "MiB"]
     assert all(a.get_xlabel() == "policy" for a in fig.axes)
     segments = fig.axes[0].collections[0].get_segments()                         # one whisker per bar: p10..p90
     assert [tuple(seg[:, 1]) for seg in segments] == [(9.0, 12.0), (9.0, 12.0)]

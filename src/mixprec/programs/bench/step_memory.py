@@ -24,7 +24,8 @@ from mixprec.memory.live import PeakLive, peak_live_bytes, resident_tensors
 from mixprec.memory.saved import SavedBytes, SavedTensorCounter
 from mixprec.workloads import Workload
 
-__all__ = ["StepMemory", "measure_step_memory", "measure_batch_budget", "batch_of_size", "budget_batch_sizes"]
+__all__ = ["StepMemory", "measure_step_memory", "measure_batch_budget", "batch_of_size", "budget_batch_sizes",
+           "row_memory", "memory_ratios"]
 
 
 @dataclass(frozen=True)
@@ -98,3 +99,35 @@ def measure_batch_budget(mp: MixedPrecision, workload: Workload, budget: str | i
         _step(mp, workload, batch_of_size(stream, size))
         points.append((size, measure_step_memory(mp, workload, batch_of_size(stream, size)).live.total))
     return largest_batch(points, budget_bytes)
+
+
+def row_memory(mp: MixedPrecision, workload: Workload, batch: dict, *, seed: int,
+               budget: str | None = None) -> dict[str, Any]:
+    """A bench row's memory fields (results.json keys ``saved_activation_bytes``, ``peak_live_bytes``,
+    ``step_memory``, and ``memory_budget`` when ``budget`` is given), measured on extra untimed steps on ``batch``
+    (the workload's training batch). A measurement that fails is recorded as ``{"error": ...}`` in its key (shown
+    in the report), never as a number; the training row stands."""
+    fields: dict[str, Any] = {}
+    try:
+        memory = measure_step_memory(mp, workload, batch)
+        fields.update(saved_activation_bytes=memory.saved.total, peak_live_bytes=memory.live.total,
+                      step_memory={"saved": memory.saved.as_dict(), "live": memory.live.as_dict(),
+                                   "batch_rows": len(next(iter(batch.values())))})
+    except Exception as err:   # e.g. a compiled graph the hooks cannot see into: said, not guessed
+        fields["step_memory"] = {"error": f"{type(err).__name__}: {err}"}
+    if budget is not None:
+        try:
+            fields["memory_budget"] = measure_batch_budget(mp, workload, budget, seed).as_dict()
+        except Exception as err:
+            fields["memory_budget"] = {"error": f"{type(err).__name__}: {err}", "budget": budget}
+    return fields
+
+
+def memory_ratios(row: Any, reference: Any) -> dict[str, float | None]:
+    """``saved_activation_ratio_vs_fp32`` and ``peak_live_ratio_vs_fp32`` of ``row`` against ``reference`` (two
+    :class:`~mixprec.programs.bench.results.PolicyRun`\\ s); None where either was not measured."""
+    def ratio(key: str) -> float | None:
+        mine, ref = getattr(row, key), getattr(reference, key)
+        return mine / ref if mine is not None and ref else None
+    return {"saved_activation_ratio_vs_fp32": ratio("saved_activation_bytes"),
+            "peak_live_ratio_vs_fp32": ratio("peak_live_bytes")}
