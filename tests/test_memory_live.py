@@ -91,3 +91,18 @@ def test_gpt_tiny_step_peak_holds_its_saved_activations_and_its_state(policy):
     assert memory.live.baseline == s.total - s.grads + s.scalars + buffer_bytes
     assert memory.live.total >= memory.live.baseline + memory.saved.total
     assert memory.live.total >= s.total
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+def test_cuda_peak_of_a_chain_counts_the_caching_allocators_512_byte_blocks():
+    torch.ones(1, device="cuda")   # the context and a first segment exist before the window
+
+    def step():
+        a = torch.ones(1000, device="cuda")                          # 4000 B: a 4096-byte block
+        b = torch.ones(500, dtype=torch.float64, device="cuda")      # 4096
+        del a
+        c = torch.ones(3000, dtype=torch.bfloat16, device="cuda")    # 6000 B: 6144, with b the peak
+        del b, c
+
+    _, live = peak_live_bytes(step, "cuda")
+    assert live.bytes == 4096 + 6144 and live.baseline == torch.cuda.memory_allocated()
