@@ -524,7 +524,8 @@ def test_tiny_bench_reports_one_steps_memory_and_the_largest_batch_in_the_budget
     assert results["seed_noise"] is not None                                 # the seed runs fit no budget
     report = (out / "report.md").read_text()
     assert "## Memory of one training step" in report and "| saved MiB | saved ratio | peak live MiB |" in report
-    assert f"fp32: saved {fp32['saved_activation_bytes'] / 2**20:,.2f} MiB (1.00x" in report
+    saved = fp32["saved_activation_bytes"]    # KiB below 1 MiB
+    assert f"fp32: saved {f'{saved / 2**10:,.1f} KiB' if saved < 2**20 else f'{saved / 2**20:,.2f} MiB'} (1.00x" in report
     assert f"fp32: {fit and fp32['memory_budget']['largest_batch']:,} (predicted" in report
     assert "| batch in 64MiB |" in report
 
@@ -544,6 +545,17 @@ def test_console_table_shows_step_memory_with_ratios_and_the_budget_column():
     assert "2.00 (1.00x)" in table[2] and "3.00 (1.00x)" in table[2] and table[2].endswith("105")
     assert "1.00 (0.50x)" in table[3] and "1.50 (0.50x)" in table[3] and table[3].endswith("unbounded")
     assert "batch in" not in format_table({"policies": {"fp32": entry(1, 1, 1.0, 1)}})
+
+
+def test_a_step_memory_that_failed_is_said_not_shown_as_a_number():
+    from mixprec.programs.bench.memory_report import budget_lines, memory_lines
+
+    results = {"settings": {"memory_budget": "1GiB"},
+               "policies": {"fp32": {"step_memory": {"error": "RuntimeError: boom"},
+                                     "memory_budget": {"error": "ValueError: cannot resize", "budget": "1GiB"}}}}
+    assert "- fp32: not measured (RuntimeError: boom)" in memory_lines(results)
+    assert "  fp32: not measured (ValueError: cannot resize)" in budget_lines(results)
+    assert memory_lines({"policies": {"fp32": {"step_memory": None}}}) == []
 
 
 def test_memory_budget_flag_is_validated_naming_it(tmp_path, capsys):

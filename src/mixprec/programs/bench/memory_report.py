@@ -19,6 +19,9 @@ _WHAT = ("Measured on one extra training step per policy after its final eval (n
 
 
 def _mib(value: int | float | None) -> str:
+    """Bytes in MiB, or in KiB below 1 MiB (a tiny model's figures)."""
+    if value is not None and abs(value) < 2**20:
+        return fmt(value / 2**10, ",.1f", " KiB")
     return fmt(None if value is None else value / 2**20, ",.2f", " MiB")
 
 
@@ -55,7 +58,7 @@ def budget_lines(results: dict) -> list[str]:
         worst = max(abs(r) for r in fit["residuals"])
         points = ", ".join(f"{b}: {_mib(p)}" for b, p in fit["points"])
         lines.append(f"  {name}: {largest}; fixed {_mib(fit['fixed_bytes'])} + {_mib(fit['per_sample_bytes'])} "
-                     f"per row; measured {points}; largest residual {_mib(worst)}")
+                     f"per row; measured {points}; largest residual {worst:,.0f} B")
     return lines
 
 
@@ -66,4 +69,5 @@ def memory_lines(results: dict) -> list[str]:
         return []
     budget = budget_lines(results)
     return ["## Memory of one training step", "", _WHAT, "", *rows, "",
-            *([f"- {line.strip()}" for line in budget] + [""] if budget else [])]
+            *([budget[0][0].upper() + budget[0][1:], "", *(f"- {line.strip()}" for line in budget[1:]), ""]
+              if budget else [])]
