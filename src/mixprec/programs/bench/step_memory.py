@@ -13,7 +13,6 @@
 from __future__ import annotations
 
 from dataclasses import dataclass
-from itertools import islice
 from typing import Any
 
 import torch
@@ -93,7 +92,7 @@ def measure_batch_budget(mp: MixedPrecision, workload: Workload, budget: str | i
     """
     budget_bytes = parse_bytes(budget, name="memory_budget")
     stream = workload.batches("train", seed)
-    rows = len(next(iter(next(islice(workload.batches("train", seed), 1)).values())))
+    rows = len(next(iter(next(workload.batches("train", seed)).values())))   # the training batch's rows
     points = []
     for size in budget_batch_sizes(rows):
         _step(mp, workload, batch_of_size(stream, size))
