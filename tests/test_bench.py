@@ -340,7 +340,8 @@ def test_seed_band_label_counts_the_seeds_that_finished(tmp_path):
 
 def test_speed_plot_has_p10_p90_whiskers_and_axis_labels(tmp_path):
     fig = plot_speed_memory(_curve_results([[3, 1.6]], [[3, 1.6]], []), tmp_path / "s.png")
-    assert [a.get_ylabel() for a in fig.axes] == ["step time (ms)", "peak memory (MiB)", "training state (bytes/param)"]
+    assert [a.get_ylabel() for a in fig.axes] == ["step time (ms)", "peak memory (MiB)", "training state (bytes/param)",
+                                                "MiB"]
     assert all(a.get_xlabel() == "policy" for a in fig.axes)
     segments = fig.axes[0].collections[0].get_segments()                         # one whisker per bar: p10..p90
     assert [tuple(seg[:, 1]) for seg in segments] == [(9.0, 12.0), (9.0, 12.0)]
@@ -430,7 +431,7 @@ def tiny_bench(tmp_path_factory):
     """One tiny bench, 3 policies, 10 steps; fp16-mixed SKIPPED by a planted capability."""
     out = tmp_path_factory.mktemp("bench") / "out"
     argv = ["bench", "--config", "tiny", "--policies", "bf16-mixed,fp16-mixed", "--steps", "10",
-            "--out", str(out), "--device", "cpu"]
+            "--out", str(out), "--device", "cpu", "--memory-budget", "64MiB"]
     with pytest.MonkeyPatch.context() as mp:
         mp.setenv(CAPABILITY_ENV, json.dumps(asdict(NO_FP16_CPU)))
         status = main(argv)
@@ -488,6 +489,79 @@ def test_tiny_bench_results_schema(tiny_bench):
         assert e["source"] == "bench" and e["chosen"] == measured[e["shape"]]["chosen"]
         assert measured[e["shape"]]["source"].startswith("measured")   # noisy: measured (noisy: ...)
         assert measured[e["shape"]]["times_ms"][e["chosen"]] > 0
+
+
+def test_tiny_bench_reports_one_steps_memory_and_the_largest_batch_in_the_budget(tiny_bench):
+    """Issue 27: the bench could not see activation memory (peak RSS buries it). Each row now has the bytes one
+    extra, untimed step saved for backward and its peak live tensor bytes, with ratios to fp32, and the largest
+    batch whose fitted peak fits --memory-budget (failed before: no such keys)."""
+    _, out, results = tiny_bench
+    rows = results["policies"]
+    fp32, bf16 = rows["fp32"], rows["bf16-mixed"]
+    for e in (fp32, bf16):
+        memory = e["step_memory"]
+        live, saved = memory["live"], memory["saved"]
+        assert e["saved_activation_bytes"] == saved["bytes"] == sum(saved["by_dtype"].values()) > 0
+        assert e["peak_live_bytes"] == live["total"] == live["baseline"] + live["bytes"]
+        # every saved tensor is alive at the end of the forward, on top of the state the step started with
+        assert live["total"] >= live["baseline"] + saved["bytes"]
+        assert live["baseline"] >= e["state_bytes"]["total"] - e["state_bytes"]["grads"]   # params, moments: live
+        assert memory["batch_rows"] == 4 and "profiler" in live["source"]
+        fit = e["memory_budget"]
+        assert [b for b, _ in fit["points"]] == [2, 4, 8] and fit["budget_bytes"] == 64 * 2**20
+        predict = lambda b: fit["fixed_bytes"] + fit["per_sample_bytes"] * b
+        assert predict(fit["largest_batch"]) <= 64 * 2**20 < predict(fit["largest_batch"] + 1)
+        assert [p - predict(b) for b, p in fit["points"]] == pytest.approx(fit["residuals"], abs=1e-3)
+    assert fp32["saved_activation_ratio_vs_fp32"] == 1.0 and fp32["peak_live_ratio_vs_fp32"] == 1.0
+    assert bf16["saved_activation_ratio_vs_fp32"] == bf16["saved_activation_bytes"] / fp32["saved_activation_bytes"]
+    assert bf16["peak_live_ratio_vs_fp32"] == bf16["peak_live_bytes"] / fp32["peak_live_bytes"]
+    assert "torch.bfloat16" in bf16["step_memory"]["saved"]["by_dtype"]      # autocast's matmul inputs
+    # the embedding's token ids and the loss's targets are saved too
+    assert set(fp32["step_memory"]["saved"]["by_dtype"]) == {"torch.float32", "torch.int64"}
+    skipped = rows["fp16-mixed"]
+    assert skipped["saved_activation_bytes"] is None and skipped["memory_budget"] is None
+    assert results["settings"]["memory_budget"] == "64MiB"
+    assert results["seed_noise"] is not None                                 # the seed runs fit no budget
+    report = (out / "report.md").read_text()
+    assert "## Memory of one training step" in report and "| saved MiB | saved ratio | peak live MiB |" in report
+    saved = fp32["saved_activation_bytes"]    # KiB below 1 MiB
+    assert f"fp32: saved {f'{saved / 2**10:,.1f} KiB' if saved < 2**20 else f'{saved / 2**20:,.2f} MiB'} (1.00x" in report
+    assert f"fp32: {fit and fp32['memory_budget']['largest_batch']:,} (predicted" in report
+    assert "| batch in 64MiB |" in report
+
+
+def test_console_table_shows_step_memory_with_ratios_and_the_budget_column():
+    from mixprec.programs.bench.report import format_table
+
+    def entry(saved, live, ratio, batch):
+        return {"verdict": "PASS", "saved_activation_bytes": saved, "peak_live_bytes": live,
+                "saved_activation_ratio_vs_fp32": ratio, "peak_live_ratio_vs_fp32": ratio,
+                "memory_budget": {"largest_batch": batch}}
+
+    table = format_table({"settings": {"memory_budget": "4GiB"},
+                          "policies": {"fp32": entry(2 * 2**20, 3 * 2**20, 1.0, 105),
+                                       "bf16-mixed": entry(2**20, 1.5 * 2**20, 0.5, None)}}).splitlines()
+    assert table[0].split()[8:12] == ["saved", "MiB", "live", "MiB"] and table[0].endswith("batch in 4GiB")
+    assert "2.00 (1.00x)" in table[2] and "3.00 (1.00x)" in table[2] and table[2].endswith("105")
+    assert "1.00 (0.50x)" in table[3] and "1.50 (0.50x)" in table[3] and table[3].endswith("unbounded")
+    assert "batch in" not in format_table({"policies": {"fp32": entry(1, 1, 1.0, 1)}})
+
+
+def test_a_step_memory_that_failed_is_said_not_shown_as_a_number():
+    from mixprec.programs.bench.memory_report import budget_lines, memory_lines
+
+    results = {"settings": {"memory_budget": "1GiB"},
+               "policies": {"fp32": {"step_memory": {"error": "RuntimeError: boom"},
+                                     "memory_budget": {"error": "ValueError: cannot resize", "budget": "1GiB"}}}}
+    assert "- fp32: not measured (RuntimeError: boom)" in memory_lines(results)
+    assert "  fp32: not measured (ValueError: cannot resize)" in budget_lines(results)
+    assert memory_lines({"policies": {"fp32": {"step_memory": None}}}) == []
+
+
+def test_memory_budget_flag_is_validated_naming_it(tmp_path, capsys):
+    status = main(["bench", "--config", "tiny", "--steps", "5", "--out", str(tmp_path), "--memory-budget", "4 GiBs"])
+    assert status == 2
+    assert "bench memory_budget='4 GiBs' is not a memory size" in capsys.readouterr().err
 
 
 def test_every_worker_of_a_bench_runs_the_one_attention_plan_measured_once(tmp_path, capsys):

@@ -143,6 +143,9 @@ def _add_bench_parser(sub: argparse._SubParsersAction, presets: str) -> None:
     bench.add_argument("--min-speedup", type=float, default=None, help="smallest allowed speedup vs fp32 (default: none)")
     bench.add_argument("--max-memory-ratio", type=float, default=None,
                        help="largest allowed peak-memory ratio to fp32 (default: none)")
+    bench.add_argument("--memory-budget", default=None, metavar="SIZE",
+                       help="also report, per policy, the largest batch whose peak live tensor bytes fit SIZE "
+                       "(e.g. 4GiB, 512MiB, 2.5GB): peaks measured at half, once and twice the batch, fitted to a line")
     bench.add_argument("--force", action="store_true",
                        help="run policies the device cannot run natively (e.g. fp16 on a CPU) instead of SKIPPING")
     bench.add_argument("--strategy", choices=("ddp", "fsdp2"), default=None,
@@ -215,6 +218,7 @@ def _add_sample_parser(sub: argparse._SubParsersAction) -> None:
 
 
 def _cmd_bench(args: argparse.Namespace, command: str) -> int:
+    from mixprec.programs.bench.memory_report import budget_lines
     from mixprec.programs.bench.report import auto_lines, format_table, op_plan_lines, seed_noise_lines, timing_lines
     from mixprec.programs.bench.runner import BenchConfig, run_bench
     from mixprec.programs.bench.verdict import Targets
@@ -228,12 +232,13 @@ def _cmd_bench(args: argparse.Namespace, command: str) -> int:
                          steps=args.steps, seed=args.seed, data=args.data, device=args.device, force=args.force,
                          targets=targets, command=command, strategy=args.strategy, lora=args.lora,
                          compile=args.compile, timing=args.timing, seeds=args.seeds,
-                         eval_every=args.eval_every)
+                         eval_every=args.eval_every, memory_budget=args.memory_budget)
     results = run_bench(config).to_json()
     if config.strategy is not None and results["settings"]["world_size"] > 1 and not _main_process():
         return 1 if any(e["verdict"] == "FAIL" for e in results["policies"].values()) else 0  # rank 0 reports
     print(format_table(results))
-    for line in timing_lines(results) + seed_noise_lines(results) + auto_lines(results) + op_plan_lines(results):
+    for line in (timing_lines(results) + seed_noise_lines(results) + auto_lines(results) + op_plan_lines(results)
+                 + budget_lines(results)):
         print(line)
     for name, entry in results["policies"].items():
         if entry["verdict"] in ("FAIL", "SKIPPED"):

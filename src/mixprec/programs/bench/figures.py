@@ -206,9 +206,27 @@ def plot_loss_curves(results: dict, path: Path) -> Any:
     return _save(fig, path)
 
 
+def _plot_step_memory(ax: Any, ran: dict[str, dict]) -> None:
+    """One bar pair per policy: saved-for-backward and peak live tensor MiB of one step (label: ratio to fp32)."""
+    names, width = list(ran), 0.4
+    for offset, (key, ratio_key, label) in enumerate((("saved_activation_bytes", "saved_activation_ratio_vs_fp32",
+                                                        "saved for backward"),
+                                                       ("peak_live_bytes", "peak_live_ratio_vs_fp32", "peak live"))):
+        xs = [i + (offset - 0.5) * width for i in range(len(names))]
+        bars = ax.bar(xs, [(ran[n].get(key) or 0) / 2**20 for n in names], width, label=label,
+                      color=f"C{offset}", alpha=0.85)
+        for bar, n in zip(bars, names):
+            ax.annotate(fmt(ran[n].get(ratio_key), ".2f", "x"), (bar.get_x() + bar.get_width() / 2,
+                                                                  bar.get_height()), ha="center", va="bottom", fontsize=7)
+    ax.set_xticks(range(len(names)), names)
+    ax.legend(fontsize=7)
+    ax.set(title="one step's tensors; label: ratio to fp32", ylabel="MiB", xlabel="policy")
+
+
 def plot_speed_memory(results: dict, path: Path) -> Any:
     """Bars per policy: median step time with p10/p90 whiskers (label: speedup), peak memory (label: ratio to
-    fp32), training-state bytes/param. Returns the (closed) matplotlib Figure."""
+    fp32), training-state bytes/param, and one step's saved-for-backward and peak live tensor MiB (a bar pair,
+    labels: ratios to fp32). Returns the (closed) matplotlib Figure."""
     import matplotlib
 
     matplotlib.use("Agg")
@@ -223,7 +241,12 @@ def plot_speed_memory(results: dict, path: Path) -> Any:
     if (results.get("timing") or {}).get("noisy"):   # no speed verdict was given: the labels must not read as one
         panels[0] = panels[0][:2] + ("TIMINGS NOISY: step times and speedups unreliable (no speed verdict)",
                                      panels[0][3])
-    fig, axes = plt.subplots(1, 3, figsize=(13, 4.4))
+    fig, axes = plt.subplots(1, 4, figsize=(17, 4.4))
+    _plot_step_memory(axes[3], ran)
+    for ax in axes[3:]:
+        ax.title.set_fontsize(9)
+        ax.tick_params(axis="x", rotation=30, labelsize=8)
+        ax.grid(axis="y", alpha=0.3)
     for ax, (key, ylabel, title, ratio_key) in zip(axes, panels):
         values = [ran[n].get(key) or 0.0 for n in names]
         whiskers = None

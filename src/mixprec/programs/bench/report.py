@@ -4,7 +4,7 @@
 
     {"mixprec_bench": 1, "created": ISO time, "command": "mixprec bench ...",
      "settings": {workload, config, policies, steps, warmup_steps, seed, data, device, force,
-                  eval_every, targets: {max_loss_delta, min_speedup, max_memory_ratio}},
+                  eval_every, targets: {max_loss_delta, min_speedup, max_memory_ratio}, memory_budget},
      "workload": Workload.describe() (model, optimizer, data source and split, vocabulary),
      "environment": {torch, python, platform, device, torch_threads, capability,
                      peaks_gflops_per_s: {fp32, bf16, fp16, fp8}, peaks_matmul_n, peaks_origin, command,
@@ -32,6 +32,11 @@ a second row, ``<policy>+compiled`` (``compiled``: true), trained by ``MixedPrec
 its ``compile_time_s`` is the time its warm-up steps took beyond its median step (the compilation,
 in the first step), so ``step_time_ms_median`` is the compiled steady state; ``first_step_ms`` and
 ``warmup_excess_s`` are recorded for every row (eager rows: kernel and allocator set-up).
+``saved_activation_bytes`` / ``peak_live_bytes`` (and their ``_ratio_vs_fp32``) are one extra untimed step's
+bytes saved for backward (parameters left out) and peak live tensor bytes, ``step_memory`` = ``{saved: {bytes,
+mib, by_dtype, tensors}, live: {bytes, baseline, total, total_mib, source}, batch_rows}`` or ``{error}``;
+``memory_budget`` = ``{budget_bytes, largest_batch, fixed_bytes, per_sample_bytes, points, residuals,
+predicted_bytes}`` or ``{error, budget}`` under ``--memory-budget``, else null (:mod:`mixprec.programs.bench.step_memory`).
 """
 
 from __future__ import annotations
@@ -41,6 +46,7 @@ import math
 from pathlib import Path
 from typing import Any
 
+from mixprec.programs.bench.memory_report import memory_lines
 from mixprec.programs.bench.pinned_plan import SOURCE as PINNED_SOURCE
 from mixprec.programs.bench.pinned_plan import entry_words, rule_words
 from mixprec.programs.bench.results import POLICY_KEYS
@@ -146,17 +152,35 @@ def _has_compiled(results: dict) -> bool:
     return bool(results.get("settings", {}).get("compile"))
 
 
+def _budget(results: dict) -> str | None:
+    return (results.get("settings") or {}).get("memory_budget")
+
+
+def _largest_batch(e: dict) -> str:
+    """The row's largest batch in ``--memory-budget`` (``unbounded``: the fit's peak does not grow with the batch)."""
+    fit = e.get("memory_budget") or {}
+    if "largest_batch" not in fit:
+        return "-"
+    return "unbounded" if fit["largest_batch"] is None else f"{fit['largest_batch']:,}"
+
+
 def _rows(results: dict) -> list[list[str]]:
-    """One row per policy; under ``--compile`` a last column, the compile time in seconds."""
+    """One row per policy; with ``--memory-budget`` a column, the largest batch in it; under ``--compile`` a last
+    column, the compile time in seconds."""
     rows = []
     for name, e in results["policies"].items():
         compiled = [fmt(e.get("compile_time_s"), ".1f")] if _has_compiled(results) else []
+        budget = [_largest_batch(e)] if _budget(results) else []
+        mib = {k: None if e.get(k) is None else e[k] / 2**20 for k in ("saved_activation_bytes", "peak_live_bytes")}
         rows.append([
             name, e["verdict"], fmt(e.get("step_time_ms_median"), ".1f"), fmt(e.get("speedup_vs_fp32"), ".2f", "x"),
             fmt(e.get("items_per_s"), ",.0f"), fmt(e.get("gflops_per_s"), ".1f"), fmt(e.get("mfu"), ".1%"),
             fmt(e.get("peak_memory_mb"), ",.0f"), fmt(e.get("memory_ratio_vs_fp32"), ".2f", "x"),
-            fmt(e.get("state_bytes_per_param"), ".2f"), fmt(e.get("final_eval_loss"), ".4f"),
-            fmt(e.get("eval_loss_delta_vs_fp32"), "+.2%"), fmt(e.get("skipped_steps"), "d"), *compiled,
+            fmt(e.get("state_bytes_per_param"), ".2f"),
+            fmt(mib["saved_activation_bytes"], ",.2f"), fmt(e.get("saved_activation_ratio_vs_fp32"), ".2f", "x"),
+            fmt(mib["peak_live_bytes"], ",.2f"), fmt(e.get("peak_live_ratio_vs_fp32"), ".2f", "x"),
+            fmt(e.get("final_eval_loss"), ".4f"),
+            fmt(e.get("eval_loss_delta_vs_fp32"), "+.2%"), fmt(e.get("skipped_steps"), "d"), *budget, *compiled,
         ])
     return rows
 
@@ -166,17 +190,20 @@ def _headers(results: dict) -> list[str]:
     peak = results.get("mfu_peak")
     mfu = f"MFU vs {peak['dtype']} peak" if peak else "MFU"
     return ["policy", "verdict", "step ms", "speedup", f"{unit}/s", "GFLOP/s", mfu, "peak MiB",
-            "mem ratio", "bytes/param", "eval loss", "loss delta", "skipped steps"] + \
+            "mem ratio", "bytes/param", "saved MiB", "saved ratio", "peak live MiB", "live ratio", "eval loss",
+            "loss delta", "skipped steps"] + ([f"batch in {_budget(results)}"] if _budget(results) else []) + \
         (["compile s"] if _has_compiled(results) else [])
 
 
 def format_table(results: dict) -> str:
     """The compact plain-text table printed at the end of a bench run."""
-    headers = ["policy", "verdict", "step ms", "speedup", "peak MiB", "B/param", "eval loss", "delta", "skips"]
-    keep = [0, 1, 2, 3, 7, 9, 10, 11, 12]
-    if _has_compiled(results):
-        headers, keep = headers + ["compile s"], keep + [13]
-    rows = [[row[i] for i in keep] for row in _rows(results)]
+    headers = ["policy", "verdict", "step ms", "speedup", "peak MiB", "B/param", "saved MiB", "live MiB",
+               "eval loss", "delta", "skips"]
+    keep = [0, 1, 2, 3, 7, 9, (10, 11), (12, 13), 14, 15, 16]
+    extra = ([f"batch in {_budget(results)}"] if _budget(results) else []) + (["compile s"] if _has_compiled(results) else [])
+    headers, keep = headers + extra, keep + list(range(17, 17 + len(extra)))
+    rows = [[row[i] if isinstance(i, int) else row[i[0]] if row[i[0]] == "-" else f"{row[i[0]]} ({row[i[1]]})"
+             for i in keep] for row in _rows(results)]
     states = [e.get("state_bytes") or {} for e in results["policies"].values()]
     if any(sb.get("n_frozen") for sb in states):   # LoRA / frozen layers: the two parts' bytes/param
         headers.insert(6, "train/frozen B/param")
@@ -403,6 +430,7 @@ def report_markdown(results: dict) -> str:
         "",
         *_op_plan_lines(results),
         *eval_curve_lines(results),
+        *memory_lines(results),
         "## Parameters and training state",
         "",
         *(_state_lines(results["policies"])),

@@ -18,6 +18,8 @@ POLICY_KEYS = (
     "skipped_steps", "skipped_by_reason", "loss_per_step", "loss_scale_history", "grad_norm_per_step",
     "lr_per_step", "step_time_ms_per_step", "events", "verdict", "reason", "skipped_reason", "error",
     "compiled", "first_step_ms", "warmup_excess_s", "compile_time_s", "eval_curve", "loss_unit",
+    "saved_activation_bytes", "saved_activation_ratio_vs_fp32", "peak_live_bytes", "peak_live_ratio_vs_fp32",
+    "step_memory", "memory_budget",
 )
 RUN_KEYS = (
     "op_plan", "torch_threads", "warmup_steps", "items_per_batch", "flops_per_step", "strategy", "world_size", "wall_s",
@@ -32,7 +34,10 @@ class PolicyRun:
     ``eval_curve`` is ``[[step, eval loss], ...]``, the final eval last; ``state_bytes``, ``final_eval``,
     ``events`` and ``op_plan`` are kept in their JSON form. ``stage`` (``"setup"``/``"train"``) says where a
     failed worker stopped; ``sequential_step_time_ms_median`` is the quality run's own median when the row
-    was re-timed interleaved."""
+    was re-timed interleaved. ``saved_activation_bytes`` (the parameters left out) and ``peak_live_bytes`` (the
+    step's peak of live tensors, baseline included) come from one extra untimed step after the final eval
+    (:mod:`mixprec.programs.bench.step_memory`), ``step_memory`` their detail (or ``{"error": ...}``);
+    ``memory_budget`` the largest batch in ``--memory-budget`` (:class:`mixprec.memory.budget.BatchBudget`'s dict)."""
 
     requested: str | None = None
     policy: str | None = None
@@ -79,6 +84,12 @@ class PolicyRun:
     compile_time_s: float | None = None
     eval_curve: list[list] | None = None
     loss_unit: str | None = None
+    saved_activation_bytes: int | None = None
+    saved_activation_ratio_vs_fp32: float | None = None
+    peak_live_bytes: int | None = None
+    peak_live_ratio_vs_fp32: float | None = None
+    step_memory: dict[str, Any] | None = None
+    memory_budget: dict[str, Any] | None = None
     # a row that trained (RUN_KEYS)
     op_plan: list[dict[str, Any]] | None = None
     torch_threads: int | None = None

@@ -56,6 +56,7 @@ from mixprec.programs.bench.report import COMPILED_SUFFIX, write_outputs
 from mixprec.programs.bench.noise import settle_noise
 from mixprec.programs.bench.pinned_plan import measure_bench_plan, pinned_for
 from mixprec.programs.bench.results import BenchResults, PolicyRun
+from mixprec.programs.bench.step_memory import memory_ratios
 from mixprec.programs.bench.verdict import Targets, judge
 from mixprec.programs.bench.worker import RunSpec
 from mixprec.machine.capability import Capability, normalize_device, probe
@@ -63,6 +64,7 @@ from mixprec.machine.cache import cpu_name
 from mixprec.policy.resolve import resolve
 from mixprec.distributed.process import from_main_process, init_process_group_from_env, is_main_process, rank, world_size
 from mixprec.machine.matmul import cached_peaks, cpu_flags
+from mixprec.memory.budget import parse_bytes
 from mixprec.policy.policy import Policy
 from mixprec.workloads import get_workload
 
@@ -96,7 +98,8 @@ class BenchConfig:
     ``seeds``: the fp32 reference also trains at ``seeds - 1`` more seeds (``seed + 1``, ...): the spread of its
     final eval loss is the seed-noise band each verdict is read against (1: none; not under a strategy).
     ``eval_every``: every policy also measures its validation loss after every K-th step (its ``eval_curve``);
-    None: :func:`eval_every_for` (about ten points), 0: only the final eval.
+    None: :func:`eval_every_for` (about ten points), 0: only the final eval. ``memory_budget`` (``"4GiB"``):
+    each policy also reports the largest batch whose peak live tensor bytes fit it (None: not measured).
     """
 
     out: Path
@@ -116,8 +119,11 @@ class BenchConfig:
     timing: str = "interleaved"
     seeds: int = 2
     eval_every: int | None = None
+    memory_budget: str | None = None
 
     def __post_init__(self) -> None:
+        if self.memory_budget is not None:
+            parse_bytes(self.memory_budget, name="bench memory_budget")   # ValueError naming it and the units
         if isinstance(self.seeds, bool) or not isinstance(self.seeds, int) or self.seeds < 1:
             raise ValueError(f"bench seeds={self.seeds!r} must be an int >= 1 (1: no seed-noise band)")
         if self.eval_every is not None and (isinstance(self.eval_every, bool) or not isinstance(self.eval_every, int)
@@ -255,7 +261,7 @@ def judge_policies(entries: dict[str, PolicyRun], targets: Targets, *, noisy: bo
         if e.step_time_ms_median is not None and ref_error is None:
             loss, ref_loss = e.final_eval_loss, ref.final_eval_loss
             e = replace(e, speedup_vs_fp32=ref.step_time_ms_median / e.step_time_ms_median,
-                        memory_ratio_vs_fp32=e.peak_memory_mb / ref.peak_memory_mb,
+                        memory_ratio_vs_fp32=e.peak_memory_mb / ref.peak_memory_mb, **memory_ratios(e, ref),
                         eval_loss_delta_vs_fp32=None if loss is None else (loss - ref_loss) / ref_loss)
         error = e.error
         if name != REFERENCE and ref_error is not None and error is None and e.skipped_reason is None:
@@ -332,7 +338,7 @@ def _seed_noise(config: BenchConfig, spec: RunSpec | None, reference: PolicyRun,
     losses, curves = [reference.final_eval_loss], [reference.eval_curve]
     for seed in seeds:
         bar.set_description(f"fp32 at seed {seed} (seed-noise band)")
-        result = _run_worker(replace(spec, seed=seed), workdir, f"seed{seed}-fp32", bar)
+        result = _run_worker(replace(spec, seed=seed, memory_budget=None), workdir, f"seed{seed}-fp32", bar)
         if result.final_eval_loss is None:
             return {"seeds": [config.seed, *seeds], "fp32_eval_losses": losses, "relative_spread": None,
                     "fp32_eval_curves": curves,
@@ -440,7 +446,8 @@ class _Run:
                        config=config.config_name, data=config.data, lora=config.lora,
                        device="cuda" if config.strategy and self.device.type == "cuda" else str(self.device),  # LOCAL_RANK's
                        warmup_steps=self.warmup_steps, peaks_gflops=self.peaks_gflops, strategy=config.strategy,
-                       compile=compiled, eval_every=self.eval_every, op_plan=pinned_for(self.op_plan, name))
+                       compile=compiled, eval_every=self.eval_every, op_plan=pinned_for(self.op_plan, name),
+                       memory_budget=config.memory_budget)
 
 
 def _train_rows(run: _Run, names: list[str], skip: dict[str, str | None], progress: bool
@@ -485,4 +492,4 @@ def _settings(run: _Run, names: list[str]) -> dict[str, Any]:
             "steps": config.steps, "warmup_steps": run.warmup_steps, "compile": config.compile,
             "eval_every": run.eval_every, "seed": config.seed, "data": config.data, "lora": config.lora,
             "device": str(run.device), "force": config.force, "targets": asdict(config.targets),
-            "strategy": config.strategy, "world_size": world_size()}
+            "strategy": config.strategy, "world_size": world_size(), "memory_budget": config.memory_budget}

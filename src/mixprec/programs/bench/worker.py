@@ -40,6 +40,7 @@ from mixprec.engine.mixed_precision import MixedPrecision
 from mixprec.engine.records import Event
 from mixprec.programs.bench.pinned_plan import pin_in_worker
 from mixprec.programs.bench.results import PolicyRun
+from mixprec.programs.bench.step_memory import row_memory
 from mixprec.programs.session import build_engine, evaluate, train_step
 from mixprec.workloads import Workload, get_workload
 
@@ -68,6 +69,8 @@ class RunSpec:
     timing; it changes nothing in training), giving the row's ``eval_curve``; 0: only the final eval.
     ``op_plan``: the bench's one attention plan for this policy (key -> candidate, measured once by the runner:
     :mod:`mixprec.programs.bench.pinned_plan`), pinned before the engine is built; empty: the worker plans itself.
+    ``memory_budget`` (``"4GiB"``): also the largest batch whose predicted peak live bytes fit it
+    (:func:`mixprec.programs.bench.step_memory.measure_batch_budget`); None: not measured.
     """
 
     workload: str
@@ -85,6 +88,7 @@ class RunSpec:
     compile: bool = False
     eval_every: int = 0
     op_plan: dict[str, str] = field(default_factory=dict)
+    memory_budget: str | None = None
 
     def __post_init__(self) -> None:
         if isinstance(self.eval_every, bool) or not isinstance(self.eval_every, int) or self.eval_every < 0:
@@ -173,7 +177,9 @@ def run_policy(spec: RunSpec, progress: Callable[[int], None] | None = None) -> 
     record = _train(mp, workload, spec, progress)
     eval_metrics = evaluate(mp, workload)
     record.eval_curve.append([spec.steps, _finite_or_none(eval_metrics["loss"])])
-    return _policy_run(mp, workload, spec, record, eval_metrics, start_wall)
+    row = _policy_run(mp, workload, spec, record, eval_metrics, start_wall)   # read before the memory steps
+    batch = next(shard_batches(workload.batches("train", spec.seed)))
+    return dataclasses.replace(row, **row_memory(mp, workload, batch, seed=spec.seed, budget=spec.memory_budget))
 
 
 def _throughput(mp: MixedPrecision, workload: Workload, spec: RunSpec, step_s: float) -> dict[str, Any]:
