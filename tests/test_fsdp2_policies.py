@@ -172,3 +172,69 @@ def test_fsdp2_16bit_storage_is_bit_identical_to_one_process_when_gradients_are(
             for key, want in ref["state"].items():   # moments, bf16 state, Kahan compensation
                 assert res["state"][key].dtype == want.dtype and torch.equal(res["state"][key], want), (policy, key)
         assert not all(torch.equal(ref["params"][n], p.to(torch.bfloat16)) for n, p in _mlp().named_parameters())
+
+
+# ---------------------------------------------------------------------- (b) different batches: the reduction's rounding
+def _global_batches(world: int) -> list[dict]:
+    stream = _batches(STEPS * world)
+    return [{k: torch.cat([b[k] for b in stream[i:i + world]]) for k in stream[0]} for i in range(0, len(stream), world)]
+
+
+def _sharded_batch_worker(rank: int, out: Path, world: int) -> dict:
+    mine = list(mpd.shard_batches(_batches(STEPS * world)))
+    return {policy: _train(policy, "fsdp2", mine, sgd=True) for policy in POLICIES}
+
+
+@pytest.mark.timeout(300)
+def test_fsdp2_16bit_storage_on_sharded_batches_matches_one_process_on_the_global_batch(tmp_path):
+    world = 2
+    ranks = _run_ranks(world, _sharded_batch_worker, tmp_path, world)
+    init = {n: p.detach().float() for n, p in _mlp().named_parameters()}
+    for policy in POLICIES:
+        ref = _one_process(policy, _global_batches(world), sgd=True)
+        ref_fp32 = {n: p.float() for n, p in ref["params"].items()}
+        update = sum(((ref_fp32[n] - init[n]) ** 2).sum() for n in init) ** 0.5
+        ulps = sum((get_format("bf16").ulp(p) ** 2).sum() for p in ref["params"].values()) ** 0.5
+        bound = 4 * BF16_EPS * update + STEPS * ulps   # the module docstring's (b)
+        for r, got in enumerate(ranks):
+            diff = sum(((got[policy]["params"][n].float() - ref_fp32[n]) ** 2).sum() for n in init) ** 0.5
+            assert diff <= bound, (policy, r, float(diff), float(bound), float(update))
+        for n in init:   # the ranks hold one model: every rank's whole params are the same bits
+            assert torch.equal(ranks[0][policy]["params"][n], ranks[1][policy]["params"][n]), (policy, n)
+
+
+# ---------------------------------------------------------------------- (c) DCP save and resume: bit for bit
+def _resume_worker(rank: int, out: Path, world: int) -> dict:
+    mine = list(mpd.shard_batches(_batches(STEPS * world)))
+    results = {}
+    for policy in POLICIES:
+        mp = _engine(policy, "fsdp2")
+        for batch in mine[:STEPS // 2]:
+            _step(mp, batch)
+        saved = ckpt.save_checkpoint(out / policy, mp)
+        for batch in mine[STEPS // 2:]:
+            _step(mp, batch)
+        resumed = _engine(policy, "fsdp2")
+        ckpt.load_checkpoint(out / policy, resumed)
+        assert resumed.applied_steps == STEPS // 2
+        for batch in mine[STEPS // 2:]:
+            _step(resumed, batch)
+        results[policy] = {"straight": _snapshot(mp), "resumed": _snapshot(resumed), "saved": saved}
+    return results
+
+
+@pytest.mark.timeout(300)
+def test_fsdp2_16bit_storage_resumes_from_dcp_bit_for_bit(tmp_path):
+    world = 2
+    ranks = _run_ranks(world, _resume_worker, tmp_path, world)
+    for policy in POLICIES:
+        manifest = ckpt.read_manifest(tmp_path / policy)
+        assert (manifest["format"], manifest["strategy"], manifest["world_size"], manifest["policy"]) == (
+            "mixprec-dcp", "fsdp2", world, str(Policy.parse(policy)))
+        for r, got in enumerate(ranks):
+            straight, resumed = got[policy]["straight"], got[policy]["resumed"]
+            assert straight["params"].keys() == resumed["params"].keys() and straight["state"].keys() == resumed["state"].keys()
+            for name, want in straight["params"].items():
+                assert want.dtype == torch.bfloat16 and torch.equal(resumed["params"][name], want), (policy, r, name)
+            for key, want in straight["state"].items():
+                assert torch.equal(resumed["state"][key], want), (policy, r, key)
