@@ -238,3 +238,49 @@ def test_fsdp2_16bit_storage_resumes_from_dcp_bit_for_bit(tmp_path):
                 assert want.dtype == torch.bfloat16 and torch.equal(resumed["params"][name], want), (policy, r, name)
             for key, want in straight["state"].items():
                 assert torch.equal(resumed["state"][key], want), (policy, r, key)
+
+
+# ---------------------------------------------------------------------- (d) the guard: rollback yes, escalation refused
+GUARD_POLICY = "bf16-kahan,state=bf16"
+FAULTS = (1, 2)   # two failures at one snapshot: the guard asks for an escalation
+
+
+def _guard_worker(rank: int, out: Path, world: int) -> dict:
+    """Rank 1's loss turns NaN at steps 1 and 2 (the other rank's is fine): every rank rolls back to its shards'
+    snapshot; the second rollback of the same cause asks for an escalation, which FSDP2 refuses (noted)."""
+    from mixprec import Guard
+
+    mine = list(mpd.shard_batches(_batches(6 * world)))
+    net = _mlp()
+    mp = MixedPrecision(net, mixprec.optim.AdamW(net.parameters(), lr=1e-2, weight_decay=0.1), GUARD_POLICY,
+                        device="cpu", strategy="fsdp2", guard=Guard(snapshot_every=1))
+    outcomes = []
+    for step, batch in enumerate(mine):
+        batch = mp.cast_inputs(batch, keep=("y",))
+        with mp.autocast():
+            loss = F.mse_loss(mp.model(batch["x"]).float(), batch["y"])
+        if rank == 1 and step in FAULTS:
+            loss = loss + float("nan")
+        mp.backward(loss)
+        result = mp.step()
+        outcomes.append((result.applied, result.rolled_back))
+    clean = _engine(GUARD_POLICY, "fsdp2")   # the same run without the two faulty batches
+    for step, batch in enumerate(mine):
+        if step not in FAULTS:
+            _step(clean, batch)
+    return {"outcomes": outcomes, "policy": str(mp.policy), "escalations": list(mp.guard.state.escalations),
+            "guarded": _snapshot(mp), "clean": _snapshot(clean)}
+
+
+@pytest.mark.timeout(300)
+def test_fsdp2_16bit_storage_guard_rolls_back_shards_and_refuses_escalation(tmp_path):
+    world = 2
+    ranks = _run_ranks(world, _guard_worker, tmp_path, world)
+    for r, got in enumerate(ranks):
+        assert got["outcomes"] == [(step not in FAULTS, step in FAULTS) for step in range(6)], r
+        assert got["policy"] == str(Policy.parse(GUARD_POLICY)), r
+        assert any("refused" in e and "fsdp2" in e for e in got["escalations"]), got["escalations"]
+        for name, want in got["clean"]["params"].items():   # rollback restored params and state bit for bit
+            assert torch.equal(got["guarded"]["params"][name], want), (r, name)
+        for key, want in got["clean"]["state"].items():
+            assert torch.equal(got["guarded"]["state"][key], want), (r, key)
