@@ -186,8 +186,8 @@ def _sharded_batch_worker(rank: int, out: Path, world: int) -> dict:
 
 
 @pytest.mark.timeout(300)
-def test_fsdp2_16bit_storage_on_sharded_batches_matches_one_process_on_the_global_batch(tmp_path):
-    world = 2
+@pytest.mark.parametrize("world", [2, 4])
+def test_fsdp2_16bit_storage_on_sharded_batches_matches_one_process_on_the_global_batch(tmp_path, world):
     ranks = _run_ranks(world, _sharded_batch_worker, tmp_path, world)
     init = {n: p.detach().float() for n, p in _mlp().named_parameters()}
     for policy in POLICIES:
@@ -199,8 +199,9 @@ def test_fsdp2_16bit_storage_on_sharded_batches_matches_one_process_on_the_globa
         for r, got in enumerate(ranks):
             diff = sum(((got[policy]["params"][n].float() - ref_fp32[n]) ** 2).sum() for n in init) ** 0.5
             assert diff <= bound, (policy, r, float(diff), float(bound), float(update))
-        for n in init:   # the ranks hold one model: every rank's whole params are the same bits
-            assert torch.equal(ranks[0][policy]["params"][n], ranks[1][policy]["params"][n]), (policy, n)
+        for got in ranks[1:]:   # the ranks hold one model: every rank's whole params are the same bits
+            for n in init:
+                assert torch.equal(ranks[0][policy]["params"][n], got[policy]["params"][n]), (policy, n)
 
 
 # ---------------------------------------------------------------------- (c) DCP save and resume: bit for bit

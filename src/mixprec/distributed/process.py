@@ -35,7 +35,7 @@ the concatenated global batch (up to the order of floating-point sums).
 * ``"fsdp2"``: ``fully_shard`` on each block (every element of each direct child
   ``nn.ModuleList``, e.g. GPT blocks, or ``block_filter``), on each ``keep_fp32`` module and
   on the root. Parameters are stored **sharded in fp32** (they are the masters: the engine
-  casts nothing and keeps no separate master copy) and FSDP's
+  casts nothing and keeps no separate master copy; but under 16-bit storage without masters, below) and FSDP's
   ``MixedPrecisionPolicy(param_dtype, reduce_dtype=fp32, output_dtype)`` casts them when it
   all-gathers them:
 
@@ -48,11 +48,20 @@ the concatenated global batch (up to the order of floating-point sums).
                                                    masters: the shard is the master
   ``fp16-mixed`` / ``-pure``    fp16               needs the engine's sharded overflow
                                                    check (``sharded_found_inf=True``)
-  ``bf16-kahan`` / ``bf16-sr``  refused            16-bit storage without masters; use
-  / ``bf16-lean``                                  ``bf16-pure`` (``state=bf16`` / ``int8``:
-                                                   refused too)
+  ``bf16-kahan`` / ``bf16-sr``  None (bf16 stored) params cast to bf16 before sharding,
+  (16-bit storage, no masters)                     stored and all-gathered in bf16
+                                                   (:mod:`~mixprec.distributed.sharded_storage`)
+  ``state=bf16`` / ``fp16``     as above           moments of the shard's shape
+  ``state=int8`` / ``fp8``      refused            8-bit state (so ``bf16-lean``): not yet
   keep_fp32 modules             None (fp32)        their own ``fully_shard`` group
   ============================  =================  ======================================
+
+  Under 16-bit storage FSDP2 reduce-scatters the gradients in fp32 and rounds the reduced shard into the
+  parameter's bf16 (in ``foreach_reduce``), so the optimizer sees a bf16 gradient shard, as one process sees
+  the bf16 gradient autograd leaves on a bf16 parameter (it cannot take the fp32 shard: FSDP2 casts before
+  the gradient is assigned). The optimizer steps each rank's local shard (:mod:`mixprec.optim.sharded`):
+  stochastic rounding is keyed by the element's global index (the shard's first row × row size), Kahan
+  compensation and 16-bit moments are DTensors of the parameter's placements (saved sharded by DCP).
 
   A block's first positional input (its hidden state) is cast to ``param_dtype``, as FSDP's
   ``cast_forward_inputs`` would; FSDP's own input cast is off, so every other input (a RoPE table,
