@@ -285,3 +285,55 @@ def test_fsdp2_16bit_storage_guard_rolls_back_shards_and_refuses_escalation(tmp_
             assert torch.equal(got["guarded"]["params"][name], want), (r, name)
         for key, want in got["clean"]["state"].items():
             assert torch.equal(got["guarded"]["state"][key], want), (r, key)
+
+
+# ---------------------------------------------------------------------- (a) on GPT tiny: blocks, a kept fp32 module
+GPT_POLICIES = ("bf16-sr,kernels=native", "bf16-kahan,keep_fp32=ln_f,kernels=native")   # native: no per-process measured choice
+GPT_STEPS = 4
+
+
+def _gpt_train(policy: str, strategy: str | None) -> dict:
+    from mixprec.workloads import get_workload
+
+    workload = get_workload("gpt", config="tiny")
+    torch.manual_seed(0)
+    model = workload.build_model()
+    mp = MixedPrecision(model, mixprec.optim.AdamW(model.parameters(), lr=3e-3, weight_decay=0.1), policy,
+                        device="cpu", strategy=strategy)   # no clipping: the norm's sum order differs across ranks
+    batches = workload.batches("train", 0)
+    batch = next(batches)   # the same batch at every step on every rank: identical, exact gradients
+    for _ in range(GPT_STEPS):
+        batch_in = mp.cast_inputs(batch)
+        with mp.autocast():
+            loss = workload.loss(mp.model, batch_in)
+        mp.backward(loss)
+        assert mp.step().applied
+    out = _snapshot(mp)
+    out["groups"] = sorted(n for n, m in mp.module.named_modules() if hasattr(m, "set_custom_reduce_scatter"))
+    return out
+
+
+def _gpt_worker(rank: int, out: Path) -> dict:
+    return {policy: _gpt_train(policy, "fsdp2") for policy in GPT_POLICIES}
+
+
+@pytest.mark.timeout(300)
+def test_fsdp2_16bit_storage_on_gpt_blocks_is_bit_identical_to_one_process(tmp_path):
+    ranks = _run_ranks(2, _gpt_worker, tmp_path)
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    try:
+        refs = {policy: _gpt_train(policy, None) for policy in GPT_POLICIES}
+    finally:
+        torch.set_num_threads(threads)
+    for policy, ref in refs.items():
+        for r, got in enumerate(ranks):
+            res = got[policy]
+            assert "blocks.0" in res["groups"] and "" in res["groups"], res["groups"]   # per block, then the root
+            assert res["dtypes"] == ref["dtypes"], (policy, r)   # ln_f fp32 where kept, every other param bf16
+            for name, want in ref["params"].items():
+                assert torch.equal(res["params"][name], want), (policy, r, name)
+            for key, want in ref["state"].items():
+                assert torch.equal(res["state"][key], want), (policy, r, key)
+        if "keep_fp32" in policy:
+            assert ref["dtypes"]["ln_f.weight"] == torch.float32 and ref["dtypes"]["blocks.0.ln_1.weight"] == torch.bfloat16
