@@ -138,6 +138,7 @@ def _train(policy: str, strategy: str | None, batches: list[dict], *, sgd: bool 
         _step(mp, batch)
     out = _snapshot(mp)
     out["reduce_dtypes"] = mpd.gradient_reduce_dtypes(mp.model) if strategy else None
+    out["decision"] = mp.decision
     return out
 
 
@@ -166,6 +167,9 @@ def test_fsdp2_16bit_storage_is_bit_identical_to_one_process_when_gradients_are(
             res = got[policy]
             assert res["dtypes"] == ref["dtypes"], (policy, r)           # stored sharded in bf16
             assert res["reduce_dtypes"] == {torch.float32}, (policy, r)  # reduced in fp32
+            assert "FSDP2: 6 param(s) stored sharded in bfloat16" in res["decision"], res["decision"]   # recorded
+            assert ("global index" in res["decision"]) == ("stochastic" in str(Policy.parse(policy).rounding)
+                                                           + str(Policy.parse(policy).state_rounding)), policy
             for name, want in ref["params"].items():
                 assert torch.equal(res["params"][name], want), (policy, world, r, name)
             assert res["state"].keys() == ref["state"].keys(), policy

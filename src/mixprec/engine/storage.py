@@ -183,6 +183,13 @@ def plan_storage(model: nn.Module, policy: Policy, params: list[nn.Parameter], k
     if sharded:   # FSDP2 cast before sharding: 16-bit storage without masters (distributed/sharded_storage)
         half = {id(p) for p in params if p.is_floating_point() and p.requires_grad and p.dtype == policy.param_dtype
                 and policy.param_dtype != torch.float32 and not policy.has_masters}
+        if half:
+            special = special + (
+                f"FSDP2: {len(half)} param(s) stored sharded in {dtype_text(policy.param_dtype)} (cast before "
+                f"fully_shard), gradients reduce-scattered in fp32 and rounded into {dtype_text(policy.param_dtype)}; "
+                f"the optimizer steps each rank's shard ({policy.rounding} rounding"
+                + (", keyed by the element's global index: the same bits at any world size" if "stochastic" in
+                   (policy.rounding, policy.state_rounding) else "") + ")",)
         return StoragePlan(policy, frozenset(half), frozenset(), special=special)
     keep_params = {id(p) for m in keep.values() for p in m.parameters()} | parametrized
     free = [p for p in params if id(p) not in keep_params and p.is_floating_point()]
