@@ -150,6 +150,11 @@ def load(directory: Path, manifest: dict, mp: MixedPrecision, *, guard: Any = No
         raise ValueError(f"checkpoint {str(directory)!r} was saved under policy {manifest['policy']!r}, this engine "
                          f"runs {mp.policy}{pending_note(mp.decision)}; build the engine with "
                          f"policy={manifest['policy']!r} (a sharded run cannot change policy while loading)")
+    if mp.optimizer is not None:
+        # DCP loads the keys the target state holds, and torch creates the moments only for an empty state: an
+        # engine that started Kahan compensation at build holds that alone, so its moments would not be loaded.
+        # Every entry is loaded from the checkpoint (saved under this policy), so nothing is lost here.
+        mp.optimizer.state.clear()
     parts = _state(mp)
     with _one_process_ok():
         dcp.load(parts, checkpoint_id=str(directory / "dcp"), no_dist=not dist.is_initialized())

@@ -35,7 +35,7 @@ the concatenated global batch (up to the order of floating-point sums).
 * ``"fsdp2"``: ``fully_shard`` on each block (every element of each direct child
   ``nn.ModuleList``, e.g. GPT blocks, or ``block_filter``), on each ``keep_fp32`` module and
   on the root. Parameters are stored **sharded in fp32** (they are the masters: the engine
-  casts nothing and keeps no separate master copy) and FSDP's
+  casts nothing and keeps no separate master copy; but under 16-bit storage without masters, below) and FSDP's
   ``MixedPrecisionPolicy(param_dtype, reduce_dtype=fp32, output_dtype)`` casts them when it
   all-gathers them:
 
@@ -48,11 +48,20 @@ the concatenated global batch (up to the order of floating-point sums).
                                                    masters: the shard is the master
   ``fp16-mixed`` / ``-pure``    fp16               needs the engine's sharded overflow
                                                    check (``sharded_found_inf=True``)
-  ``bf16-kahan`` / ``bf16-sr``  refused            16-bit storage without masters; use
-  / ``bf16-lean``                                  ``bf16-pure`` (``state=bf16`` / ``int8``:
-                                                   refused too)
+  ``bf16-kahan`` / ``bf16-sr``  None (bf16 stored) params cast to bf16 before sharding,
+  (16-bit storage, no masters)                     stored and all-gathered in bf16
+                                                   (:mod:`~mixprec.distributed.sharded_storage`)
+  ``state=bf16`` / ``fp16``     as above           moments of the shard's shape
+  ``state=int8`` / ``fp8``      refused            8-bit state (so ``bf16-lean``): not yet
   keep_fp32 modules             None (fp32)        their own ``fully_shard`` group
   ============================  =================  ======================================
+
+  Under 16-bit storage FSDP2 reduce-scatters the gradients in fp32 and rounds the reduced shard into the
+  parameter's bf16 (in ``foreach_reduce``), so the optimizer sees a bf16 gradient shard, as one process sees
+  the bf16 gradient autograd leaves on a bf16 parameter (it cannot take the fp32 shard: FSDP2 casts before
+  the gradient is assigned). The optimizer steps each rank's local shard (:mod:`mixprec.optim.sharded`):
+  stochastic rounding is keyed by the element's global index (the shard's first row × row size), Kahan
+  compensation and 16-bit moments are DTensors of the parameter's placements (saved sharded by DCP).
 
   A block's first positional input (its hidden state) is cast to ``param_dtype``, as FSDP's
   ``cast_forward_inputs`` would; FSDP's own input cast is off, so every other input (a RoPE table,
@@ -101,11 +110,12 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from mixprec.policy.policy import Policy
+from mixprec.distributed.sharded_storage import cast_for_sharding, stores_16bit
+from mixprec.policy.policy import QUANTIZED_STATE_DTYPES, Policy
 
 __all__ = ["STRATEGIES", "check_strategy", "init_process_group_from_env", "leave_process_group", "is_main_process", "rank", "world_size",
            "any_across_ranks", "sum_across_ranks", "from_main_process", "shard_batches", "sync_module_states", "wrap_model",
-           "set_gradient_sync", "local_tensors", "gradient_reduce_dtypes"]
+           "set_gradient_sync", "local_tensors", "gradient_reduce_dtypes", "check_fsdp_policy"]
 
 log = logging.getLogger("mixprec")
 
@@ -315,11 +325,7 @@ if _ReduceScatter is not None:
 # ---------------------------------------------------------------------- wrapping
 def _fsdp_param_dtype(policy: Policy, *, sharded_found_inf: bool) -> torch.dtype | None:
     """The FSDP2 ``param_dtype`` for ``policy`` (None: fp32), or ValueError (module docstring table)."""
-    if policy.rounding != "nearest":
-        raise ValueError(f"strategy='fsdp2' stores parameters sharded in fp32 (the shards are the masters), but "
-                         f"policy {policy} asks for 16-bit storage with rounding={policy.rounding!r} and no masters; "
-                         "use bf16-pure (same compute, fp32 masters) or strategy='ddp'")
-    if policy.state_dtype != torch.float32:
+    if policy.state_dtype in QUANTIZED_STATE_DTYPES:
         raise ValueError(f"strategy='fsdp2' keeps optimizer state in fp32; policy {policy} asks for "
                          f"state={policy.state_dtype}; use strategy='ddp' or state=fp32")
     half = policy.compute_dtype if policy.compute_dtype != torch.float32 else None
@@ -328,7 +334,13 @@ def _fsdp_param_dtype(policy: Policy, *, sharded_found_inf: bool) -> torch.dtype
                          "gradients, so a local overflow check lets other ranks step on inf/NaN or underflow "
                          "silently. Use MixedPrecision(..., strategy='fsdp2'), which ORs the found-inf "
                          "flag across ranks, or pass sharded_found_inf=True if your loop does that itself")
-    return half
+    return None if stores_16bit(policy) else half   # 16-bit storage: FSDP2 all-gathers the stored dtype
+
+
+def check_fsdp_policy(policy: Policy, *, sharded_found_inf: bool = True) -> None:
+    """Raise ValueError (named, with the fix) if FSDP2 cannot run ``policy``: 8-bit optimizer state; fp16 compute
+    without the cross-rank found-inf check. Nothing is changed."""
+    _fsdp_param_dtype(policy, sharded_found_inf=sharded_found_inf)
 
 
 class CastHiddenState:
@@ -413,8 +425,10 @@ def _shard_fsdp2(model: nn.Module, policy: Policy, record: _ReduceRecord, *,
     if optimizer is not None and len(optimizer.state) > 0:
         raise ValueError("wrap_model(strategy='fsdp2') replaces the parameters; build the optimizer's state after "
                          "wrapping (the optimizer already stepped)")
-    old_by_name = dict(model.named_parameters())
     blocks = _fsdp2_blocks(model, block_filter, keep_fp32)
+    if stores_16bit(policy):   # no-op when the strategy cast them already (it keeps Kahan's fp32 start values)
+        cast_for_sharding(model, policy, keep_fp32, keep_values=False)
+    old_by_name = dict(model.named_parameters())
     # FSDP's cast_forward_inputs would cast every floating input to param_dtype, side inputs too (a RoPE
     # table, an additive mask): a block's hidden state (its first positional input) is cast, nothing else
     mp_fp32 = MixedPrecisionPolicy(param_dtype=None, reduce_dtype=_REDUCE_DTYPE)

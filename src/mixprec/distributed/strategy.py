@@ -17,7 +17,7 @@ import torch
 from torch import nn
 
 from mixprec.distributed import process as distributed
-from mixprec.distributed import replicas
+from mixprec.distributed import replicas, sharded_storage
 from mixprec.policy.resolve import Resolution, resolve
 from mixprec.policy.policy import Policy
 
@@ -28,7 +28,7 @@ class SingleProcess:
     """One process: no collectives, the model as given, every re-preparation allowed."""
 
     name: str | None = None
-    shards_params = False       # FSDP2 stores params sharded in fp32 (they are the masters)
+    shards_params = False       # FSDP2 stores params sharded (fp32 masters, or the policy's 16-bit storage)
 
     def device(self, device: str | torch.device | None) -> str | torch.device | None:
         """This rank's device (joins the process group under a multi-process strategy)."""
@@ -81,6 +81,11 @@ class SingleProcess:
 
     def check_restore(self, old: dict[int, torch.dtype], new: dict[int, torch.dtype], policy: Policy) -> None:
         """Raise ValueError if re-preparing from stored dtypes ``old`` to ``new`` cannot run here."""
+
+    def fp32_value(self, p: torch.Tensor) -> torch.Tensor:
+        """``p``'s fp32 value before the policy's cast, a new tensor placed as ``p`` (where Kahan compensation
+        starts): ``p`` upcast, but under FSDP2 with 16-bit storage, where ``p`` was cast before sharding."""
+        return p.detach().float().clone()
 
 
 class _MultiProcess(SingleProcess):
@@ -144,15 +149,27 @@ class DDP(_MultiProcess):
 
 
 class FSDP2(_MultiProcess):
-    """``fully_shard`` with params stored sharded in fp32 and cast by FSDP (:mod:`mixprec.distributed.process`)."""
+    """``fully_shard`` with params stored sharded: in fp32 and cast by FSDP, or in the policy's 16-bit dtype
+    without masters (:mod:`mixprec.distributed.process`, :mod:`mixprec.distributed.sharded_storage`)."""
 
     name = "fsdp2"
     shards_params = True
 
+    def __init__(self) -> None:
+        self._start_fp32: dict[int, torch.Tensor] = {}   # id(sharded param) -> its fp32 value before the cast
+
     def before_casts(self, model, policy, device, keep, optimizer):
         super().before_casts(model, policy, device, keep, optimizer)
+        distributed.check_fsdp_policy(policy)   # before the cast: a refused policy leaves the model as it was
+        values = (sharded_storage.cast_for_sharding(model, policy, tuple(keep), keep_values=policy.rounding == "kahan")
+                  if sharded_storage.stores_16bit(policy) else {})
         distributed.wrap_model(model, policy, "fsdp2", device, keep_fp32=tuple(keep), optimizer=optimizer,
                                sharded_found_inf=True)
+        self._start_fp32 = sharded_storage.shard_like_params(model, values)
+
+    def fp32_value(self, p):
+        value = self._start_fp32.pop(id(p), None)
+        return super().fp32_value(p) if value is None else value
 
     def local(self, grads):
         return distributed.local_tensors(grads)

@@ -92,7 +92,7 @@ def prepare(model: nn.Module, policy: Policy, device: torch.device, strategy: An
             _check_optimizer(model, optimizer, masters, frozen, plan, policy)
     kahan = not policy.has_masters and policy.rounding == "kahan"
     if first:
-        values_fp32 = [p.detach().float().clone() if kahan and id(p) in plan.half else None for p in params]
+        values_fp32 = [strategy.fp32_value(p) if kahan and id(p) in plan.half else None for p in params]
         new_masters = MasterWeights(params, set(plan.half) if policy.has_masters else set())
     else:
         values_fp32 = masters.fp32_values(lambda p: None if optimizer is None else contract.compensation(optimizer, p))

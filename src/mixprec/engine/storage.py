@@ -6,7 +6,8 @@ get no master, gradient or optimizer state and are stored in the policy's *compu
 nearest once, where that changes only their rounding:
 
 * never for params of fp32 regions (``keep_fp32``, BatchNorm under 16-bit params), nor under FSDP2
-  (sharded fp32, cast by FSDP);
+  (sharded fp32, cast by FSDP; a 16-bit policy without masters has its trainable params cast before sharding:
+  :mod:`mixprec.distributed.sharded_storage`);
 * under ``-mixed`` policies only where autocast casts the op's operands anyway: Linear / Conv weights
   (and transformers' ``Conv1D``) and Embedding tables (whose lookups are returned in fp32, see
   :mod:`mixprec.engine.regions`); a norm gain meeting fp32 activations stays fp32;
@@ -170,7 +171,7 @@ def plan_storage(model: nn.Module, policy: Policy, params: list[nn.Parameter], k
                  frozen_now: set[int], *, sharded: bool = False) -> StoragePlan:
     """The :class:`StoragePlan` of ``policy`` for ``model`` (rules in the module docstring).
 
-    ``frozen_now``: ids of the frozen params; ``keep``: the fp32 regions; ``sharded``: FSDP2 (all fp32).
+    ``frozen_now``: ids of the frozen params; ``keep``: the fp32 regions; ``sharded``: FSDP2 (fp32, or the 16-bit params cast before sharding).
     Host syncs: one per frozen param checked against fp16.
 
     Raises:
@@ -179,8 +180,17 @@ def plan_storage(model: nn.Module, policy: Policy, params: list[nn.Parameter], k
     """
     parametrized = parametrized_ids(model)
     special = _special_notes(model, policy, parametrized)
-    if sharded:
-        return StoragePlan(policy, frozenset(), frozenset(), special=special)
+    if sharded:   # FSDP2 cast before sharding: 16-bit storage without masters (distributed/sharded_storage)
+        half = {id(p) for p in params if p.is_floating_point() and p.requires_grad and p.dtype == policy.param_dtype
+                and policy.param_dtype != torch.float32 and not policy.has_masters}
+        if half:
+            special = special + (
+                f"FSDP2: {len(half)} param(s) stored sharded in {dtype_text(policy.param_dtype)} (cast before "
+                f"fully_shard), gradients reduce-scattered in fp32 and rounded into {dtype_text(policy.param_dtype)}; "
+                f"the optimizer steps each rank's shard ({policy.rounding} rounding"
+                + (", keyed by the element's global index: the same bits at any world size" if "stochastic" in
+                   (policy.rounding, policy.state_rounding) else "") + ")",)
+        return StoragePlan(policy, frozenset(half), frozenset(), special=special)
     keep_params = {id(p) for m in keep.values() for p in m.parameters()} | parametrized
     free = [p for p in params if id(p) not in keep_params and p.is_floating_point()]
     half = {id(p) for p in free if id(p) not in frozen_now and policy.param_dtype != torch.float32}

@@ -150,13 +150,14 @@ class AdamW(PrecisionOptimizer):
                 if "exp_avg" + qs.ABSMAX_SUFFIX in state:   # 8-bit codes
                     self._step_8bit(p, state, hyper, lost_counts)
                     continue
-                param_fp32 = _as_fp32(p)
-                exp_avg_fp32 = self._load(state, "exp_avg")
-                exp_avg_sq_fp32 = self._load(state, "exp_avg_sq")
-                adamw_update_(param_fp32, grad_fp32(p), exp_avg_fp32, exp_avg_sq_fp32, **hyper)
-                self._store(p, state, "exp_avg", exp_avg_fp32)
-                self._store(p, state, "exp_avg_sq", exp_avg_sq_fp32)
-                self._write_back(p, param_fp32, state, lost_counts)
+                shard, grad, local_state = self._local_view(p, state)   # FSDP2: this rank's shard
+                param_fp32 = _as_fp32(shard)
+                exp_avg_fp32 = self._load(local_state, "exp_avg")
+                exp_avg_sq_fp32 = self._load(local_state, "exp_avg_sq")
+                adamw_update_(param_fp32, grad_fp32(shard, grad), exp_avg_fp32, exp_avg_sq_fp32, **hyper)
+                self._store(shard, local_state, "exp_avg", exp_avg_fp32)
+                self._store(shard, local_state, "exp_avg_sq", exp_avg_sq_fp32)
+                self._write_back(shard, param_fp32, local_state, lost_counts)
         self._warn_if_updates_lost(lost_counts)
         return loss
 

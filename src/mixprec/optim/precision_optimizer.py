@@ -19,6 +19,7 @@ import torch
 from mixprec.optim import quantized_adamw
 from mixprec.optim import quantized_state as qs
 from mixprec.optim.arguments import _FLOAT_DTYPES, _check_rounding, _check_state_dtype, _check_state_rounding
+from mixprec.optim import sharded
 from mixprec.optim.rounding import lost_update_counts, stochastic_round_to_bf16, write_back_
 from mixprec.optim.sr_stream import SRKey
 from mixprec.policy.policy import QUANTIZED_STATE_DTYPES, state_name
@@ -38,13 +39,14 @@ def _as_fp32(t: torch.Tensor) -> torch.Tensor:
     return t if t.dtype == torch.float32 else t.float()
 
 
-def grad_fp32(p: torch.Tensor) -> torch.Tensor:
+def grad_fp32(p: torch.Tensor, grad: torch.Tensor | None = None) -> torch.Tensor:
     """``p.grad`` as a dense fp32 tensor of :func:`_as_fp32`'s shape, for the update math (read, never
     written). A sparse COO gradient (``nn.Embedding(sparse=True)``) is upcast to fp32 *then* densified,
     so duplicate rows are summed in fp32; the step then equals the step on the dense gradient (AdamW's
     moments decay on every row, as with a dense table: not ``torch.optim.SparseAdam``'s lazy update).
-    Costs one dense fp32 temporary of the param's size. No host sync."""
-    grad = p.grad
+    Costs one dense fp32 temporary of the param's size. ``grad``: the gradient to use instead of ``p.grad`` (a
+    sharded param's local gradient, :meth:`PrecisionOptimizer._local_view`). No host sync."""
+    grad = p.grad if grad is None else grad
     if grad.is_sparse:
         grad = grad.to(torch.complex64 if grad.is_complex() else torch.float32).to_dense()
     return _as_fp32(grad)
@@ -100,6 +102,7 @@ class PrecisionOptimizer(torch.optim.Optimizer):
         defaults = {**defaults, "sr_seed": _check_sr_seed(owner, sr_seed)}
         self._param_index: dict[int, int] = {}   # id(param) -> its index in the param order (the stream's key)
         self._flat_params: list[torch.Tensor] = []
+        self._shards: dict[int, tuple[torch.Tensor, torch.Tensor, int]] = {}   # id(local shard) -> (it, param, offset)
         self._precision_explicit = rounding is not None or state_dtype is not None or state_rounding is not None
         self.rounding: str = _check_rounding(owner, rounding)
         self.state_dtype: torch.dtype = _check_state_dtype(owner, state_dtype)
@@ -114,6 +117,7 @@ class PrecisionOptimizer(torch.optim.Optimizer):
         super().__setstate__(state)
         self.__dict__.setdefault("_param_index", {})
         self.__dict__.setdefault("_flat_params", [])
+        self.__dict__.setdefault("_shards", {})
 
     @property
     def precision_explicit(self) -> bool:
@@ -330,11 +334,39 @@ class PrecisionOptimizer(torch.optim.Optimizer):
                 self._put(p, out, key, self._load(saved, key))
         return out
 
+    def _local_view(self, p: torch.Tensor, state: dict[str, Any]
+                    ) -> tuple[torch.Tensor, torch.Tensor | None, dict[str, Any]]:
+        """What a step of ``p`` works on: ``(param, grad, state)``, the local shards of a sharded (``DTensor``)
+        ``p`` (sharing storage: in-place math writes through; :mod:`mixprec.optim.sharded`), remembered so that
+        :meth:`_sr_key` keys the local shard's rounding by its global offset; ``p``, ``p.grad`` and ``state``
+        themselves otherwise. Entries the step adds are placed back by :meth:`_publish`. No comm, no sync."""
+        if not sharded.is_sharded(p):
+            return p, p.grad, state
+        p_local = p.to_local()
+        self._shards = {id(p_local): (p_local, p, sharded.global_offset(p))}   # the param being stepped only
+        return p_local, sharded.local(p.grad), {k: sharded.local(v) if torch.is_tensor(v) else v
+                                                for k, v in state.items()}
+
+    def _publish(self, p: torch.Tensor, state: dict[str, Any], local_state: dict[str, Any]) -> None:
+        """Put the entries a step added to ``local_state`` (:meth:`_local_view`) into ``state``, a local tensor of
+        the shard's shape as a ``DTensor`` placed as ``p``. Nothing to do for a plain ``p``."""
+        if local_state is state:
+            return
+        for key, value in local_state.items():
+            if key not in state:
+                state[key] = (sharded.like_param(value, p) if torch.is_tensor(value) and value.dim()
+                              and value.shape == sharded.local(p).shape else value)
+
     def _sr_key(self, p: torch.Tensor, state: dict[str, Any], purpose: str) -> SRKey | None:
         """Where stochastic rounding of ``p``'s ``purpose`` (``"param"`` or a state key) at this step draws its
         bits: the counter-based stream of ``(group's sr_seed, p's index in the param order, state step,
         purpose)`` (:mod:`mixprec.optim.sr_stream`), or None (torch's global RNG, the legacy stream) when
-        ``p``'s group has no ``sr_seed`` (a state dict saved before it). No host sync (``step`` is on the CPU)."""
+        ``p``'s group has no ``sr_seed`` (a state dict saved before it). ``p`` a sharded param's local shard
+        (:meth:`_local_view`): the param's key at the shard's global offset. No host sync (``step`` is on the CPU)."""
+        offset = 0
+        shard = self._shards.get(id(p))
+        if shard is not None and shard[0] is p:
+            p, offset = shard[1], shard[2]
         index = self._param_index.get(id(p))
         if index is None or self._flat_params[index] is not p:   # first use, or the engine swapped tensors
             self._flat_params = [q for g in self.param_groups for q in g["params"]]
@@ -343,7 +375,7 @@ class PrecisionOptimizer(torch.optim.Optimizer):
         seed = self._group_of(index).get("sr_seed")
         if seed is None:
             return None
-        return SRKey(seed, index, int(state.get("step", 0)), purpose)
+        return SRKey(seed, index, int(state.get("step", 0)), purpose, offset)
 
     def _group_of(self, index: int) -> dict[str, Any]:
         for group in self.param_groups:

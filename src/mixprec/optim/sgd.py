@@ -138,16 +138,18 @@ class SGD(PrecisionOptimizer):
                     continue
                 state = self._state(p)
                 state["step"] += 1
-                param_fp32 = _as_fp32(p)
-                buffer_fp32 = self._load(state, "momentum_buffer") if "momentum_buffer" in state else None
-                new_buffer_fp32 = sgd_update_(param_fp32, grad_fp32(p), buffer_fp32, lr=group["lr"],
+                shard, grad, local_state = self._local_view(p, state)   # FSDP2: this rank's shard
+                param_fp32 = _as_fp32(shard)
+                buffer_fp32 = self._load(local_state, "momentum_buffer") if "momentum_buffer" in local_state else None
+                new_buffer_fp32 = sgd_update_(param_fp32, grad_fp32(shard, grad), buffer_fp32, lr=group["lr"],
                                               momentum=group["momentum"], dampening=group["dampening"],
                                               weight_decay=group["weight_decay"],
                                               nesterov=group["nesterov"])
                 if buffer_fp32 is not None:
-                    self._store(p, state, "momentum_buffer", buffer_fp32)
+                    self._store(shard, local_state, "momentum_buffer", buffer_fp32)
                 elif new_buffer_fp32 is not None:
-                    self._put(p, state, "momentum_buffer", new_buffer_fp32)
-                self._write_back(p, param_fp32, state, lost_counts)
+                    self._put(shard, local_state, "momentum_buffer", new_buffer_fp32)
+                    self._publish(p, state, local_state)
+                self._write_back(shard, param_fp32, local_state, lost_counts)
         self._warn_if_updates_lost(lost_counts)
         return loss
