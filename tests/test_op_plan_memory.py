@@ -113,6 +113,7 @@ def test_an_allowance_admits_exactly_what_it_covers_and_the_kernel_runs(tmp_path
     assert (skipped.source, skipped.chosen) == ("cache", "fused")
     assert skipped.memory.startswith(f"matmul skipped: 2.00x faster than fused, {mib_words(extra, signed=True)} "
                                      "saved per call over fused (allowed +0 MiB: ")
+    assert "fused-fp32 skipped" not in skipped.memory                # slower than fused: not a skipped gain
     with op_plan.allow_extra_saved(extra / MIB - 1e-6):              # one byte short: still fused
         assert _entry(shape).chosen == "fused"
     with op_plan.allow_extra_saved(extra / MIB):
@@ -129,6 +130,20 @@ def test_an_allowance_admits_exactly_what_it_covers_and_the_kernel_runs(tmp_path
     assert line.endswith(chosen.memory + ")") and f"matmul 1.00 ms {mib_words(saved['matmul'])}" in line
 
 
+def test_every_faster_candidate_left_out_is_named_fastest_first(tmp_path):
+    """fused-fp32 and matmul both faster than fused and both saving more: the words name both, not only the
+    fastest (a new-user trial found fused-fp32's skip unmentioned)."""
+    shape = _gpt_shape("baby")
+    saved = _expected_saved(*shape)
+    _cached_plan(tmp_path, shape, {"fused": 4.0, "fused-fp32": 2.0, "matmul": 1.0}, saved)
+    entry = _entry(shape)
+    assert entry.chosen == "fused"
+    first, second = entry.memory.split("; ")
+    assert first.startswith("matmul skipped: 4.00x faster than fused")
+    assert second.startswith("fused-fp32 skipped: 2.00x faster than fused, "
+                             f"{mib_words(saved['fused-fp32'] - saved['fused'], signed=True)} saved per call")
+
+
 def test_the_environment_variable_allows_and_bad_values_are_refused(tmp_path, monkeypatch):
     shape = _gpt_shape("baby")
     saved = _expected_saved(*shape)
@@ -143,10 +158,10 @@ def test_the_environment_variable_allows_and_bad_values_are_refused(tmp_path, mo
     monkeypatch.setenv(ENV, "lots")
     with pytest.raises(ValueError, match=f"{ENV}='lots' is not allowed: a number of MiB >= 0"):
         op_plan.extra_saved_allowed()
-    with pytest.raises(ValueError, match=r"allow_extra_saved\(mib=-1 is not allowed"):
+    with pytest.raises(ValueError, match=r"allow_extra_saved\(mib=-1\) is not allowed"):
         with op_plan.allow_extra_saved(-1):
             pass
-    with pytest.raises(TypeError, match=r"allow_extra_saved\(mib='144' must be a number of MiB"):
+    with pytest.raises(TypeError, match=r"allow_extra_saved\(mib='144'\): mib must be a number of MiB"):
         with op_plan.allow_extra_saved("144"):
             pass
 

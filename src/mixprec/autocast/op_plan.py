@@ -490,7 +490,8 @@ def describe(policy: Any, device_type: str) -> str:
     if policy.kernels == "measured":
         allowed = extra_saved_allowed()
         limit = "whatever it saves for backward" if allowed is None else \
-            f"saving for backward at most fused's bytes +{allowed:g} MiB per call"
+            f"saving for backward at most fused's bytes +{allowed:g} MiB per call (the allowance when this was " \
+            "decided; the one in force at each call rules)"
         return (f"; kernels=measured (attention in the kernel measured fastest on this {device_type} per shape, "
                 f"{limit}: mixprec.autocast.op_plan.entries())")
     return "; kernels=native: torch.autocast's kernels"

@@ -26,16 +26,17 @@ _HOW = f"mixprec.autocast.op_plan.allow_extra_saved(mib) or ${ENV}"
 _allowed: list[float | None] = []   # the innermost allow_extra_saved() block's allowance last (process-wide)
 
 
-def _checked(mib: object, name: str) -> float | None:
-    """``mib`` as an allowance in MiB (None: unlimited); TypeError/ValueError naming ``name`` otherwise."""
+def _checked(mib: object) -> float | None:
+    """``mib`` as an allowance in MiB (None: unlimited); TypeError/ValueError naming the argument otherwise."""
+    name = "allow_extra_saved(mib"
     if mib is None or (isinstance(mib, float) and math.isinf(mib) and mib > 0):
         return None
     if isinstance(mib, bool) or not isinstance(mib, (int, float)):
-        raise TypeError(f"{name}={mib!r} must be a number of MiB (int or float, >= 0) or None for no limit; "
-                        f"e.g. {name}=144")
+        raise TypeError(f"{name}={mib!r}): mib must be a number of MiB (int or float, >= 0) or None for no "
+                        f"limit; e.g. {name}=144)")
     if not mib >= 0:
-        raise ValueError(f"{name}={mib!r} is not allowed: extra bytes saved per call are a number of MiB >= 0 "
-                         f"(0: never more than fused), or None / inf for no limit; e.g. {name}=144")
+        raise ValueError(f"{name}={mib!r}) is not allowed: extra bytes saved per call are a number of MiB >= 0 "
+                         f"(0: never more than fused), or None / inf for no limit; e.g. {name}=144)")
     return float(mib)
 
 
@@ -45,7 +46,7 @@ def allow_extra_saved(mib: float | None) -> Iterator[None]:
     than ``fused`` (None or ``math.inf``: any, speed alone). Process-wide (every thread), nestable; keys already
     planned in this process are chosen again from their measurement at their next call. Raises TypeError for a
     non-number, ValueError for a negative or NaN ``mib``."""
-    _allowed.append(_checked(mib, "allow_extra_saved(mib"))
+    _allowed.append(_checked(mib))
     try:
         yield
     finally:
@@ -91,8 +92,8 @@ def memory_choice(times_ms: dict[str, float | None], saved: dict[str, int | None
     """The candidate chosen under the memory rule and its words. ``times_ms``: candidate → best time (None: not
     offered); ``saved``: candidate → bytes saved per call (None: unknown); ``pick``: the speed rule over times
     (a candidate left out by it is given None). A candidate saving more than ``default`` by over
-    ``allowed_mib`` MiB (or an unknown amount) is left out; ``default`` never is. The words name the fastest
-    candidate when it was left out and the chosen one when it is not ``default``, each with its speed-up over
+    ``allowed_mib`` MiB (or an unknown amount) is left out; ``default`` never is. The words name every
+    candidate faster than the chosen one that was left out (fastest first) and the chosen one when it is not ``default``, each with its speed-up over
     ``default`` and its extra MiB per call; "" when nothing is saved (no backward follows)."""
     base = saved.get(default)
     offered = [n for n, t in times_ms.items() if t is not None]
@@ -112,8 +113,9 @@ def memory_choice(times_ms: dict[str, float | None], saved: dict[str, int | None
     def faster(name: str) -> str:
         return f"{times_ms[default] / times_ms[name]:.2f}x faster than {default}"
     words = []
-    if fastest != chosen:
-        words.append(f"{fastest} skipped: {faster(fastest)}, {mib_words(extra(fastest), signed=True)} saved per "
+    skipped = [n for n in offered if n != chosen and not fits(n) and times_ms[n] < times_ms[chosen]]
+    for name in sorted(skipped, key=lambda n: times_ms[n]):   # every faster candidate left out, fastest first
+        words.append(f"{name} skipped: {faster(name)}, {mib_words(extra(name), signed=True)} saved per "
                      f"call over {default} (allowed {_allowance_words(allowed_mib)})")
     if chosen != default:
         words.append(f"{chosen}: {faster(chosen)}, {mib_words(extra(chosen), signed=True)} saved per call "
