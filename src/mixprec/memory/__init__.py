@@ -1,4 +1,15 @@
 """Memory of a training step, measured: bytes saved for backward, peak live tensors, what a batch costs, and
-what to recompute. Import from the modules (``mixprec.memory.saved``, ...)."""
+what to recompute (docs/memory.md).
 
-__all__: list[str] = []
+    from mixprec.memory import saved_bytes, peak_live_bytes, resident_tensors
+    with mp.autocast():
+        loss, saved = saved_bytes(lambda: loss_fn(mp.model(x), y), exclude=mp.model.parameters())
+    _, live = peak_live_bytes(lambda: train_step(x, y), "cpu", resident=list(resident_tensors(model, opt)))
+"""
+
+from mixprec.memory.budget import BatchBudget, fit_batch_budget, parse_bytes
+from mixprec.memory.live import PeakLive, peak_live_bytes, resident_tensors
+from mixprec.memory.saved import SavedBytes, saved_bytes
+
+__all__ = ["saved_bytes", "SavedBytes", "peak_live_bytes", "PeakLive", "resident_tensors", "fit_batch_budget",
+           "BatchBudget", "parse_bytes"]
