@@ -29,7 +29,7 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 import torch
 import torch.distributed as dist
@@ -37,10 +37,7 @@ import torch.distributed as dist
 from mixprec.optim import quantized_adamw
 from mixprec.optim import quantized_state as qs
 from mixprec.optim import sharded
-from mixprec.optim.precision_optimizer import _as_fp32
-
-if TYPE_CHECKING:
-    from mixprec.optim.adamw import AdamW
+from mixprec.optim.precision_optimizer import PrecisionOptimizer, _as_fp32
 
 __all__ = ["Pieces", "pieces", "step_adamw_"]
 
@@ -98,7 +95,7 @@ class _Views:
     comp: torch.Tensor | None
 
 
-def step_adamw_(opt: AdamW, p: torch.Tensor, state: dict[str, Any], hyper: dict[str, float],
+def step_adamw_(opt: PrecisionOptimizer, p: torch.Tensor, state: dict[str, Any], hyper: dict[str, float],
                 lost_counts: list) -> None:
     """One AdamW step of the sharded param ``p`` whose moments are 8-bit codes (module docstring): in place on
     its local shard, codes and the whole scales. Collective: one all-reduce on ``p``'s mesh (every rank calls
@@ -127,7 +124,7 @@ def step_adamw_(opt: AdamW, p: torch.Tensor, state: dict[str, Any], hyper: dict[
                                                       generator=_key(opt, p, state, piece, cut.offset + start, key)))
 
 
-def _key(opt: AdamW, p: torch.Tensor, state: dict[str, Any], piece: torch.Tensor, offset: int, purpose: str):
+def _key(opt: PrecisionOptimizer, p: torch.Tensor, state: dict[str, Any], piece: torch.Tensor, offset: int, purpose: str):
     """The stream key of ``piece`` (a flat view of ``p``'s shard from global index ``offset``) for ``purpose``."""
     opt._shards[id(piece)] = (piece, p, offset)
     key = opt._sr_key(piece, state, purpose)
@@ -143,7 +140,7 @@ def _piece_state(state: dict[str, Any], views: _Views, start: int, stop: int) ->
     return {"step": state["step"], **({} if views.comp is None else {"kahan_comp": views.comp[start:stop]})}
 
 
-def _edge_update(opt: AdamW, p: torch.Tensor, state: dict[str, Any], views: _Views, cut: Pieces,
+def _edge_update(opt: PrecisionOptimizer, p: torch.Tensor, state: dict[str, Any], views: _Views, cut: Pieces,
                  span: tuple[int, int], scales: tuple[torch.Tensor, torch.Tensor], hyper: dict[str, float],
                  lost_counts: list) -> tuple[tuple[int, int], torch.Tensor, torch.Tensor]:
     """Step a head or tail piece: decode its moments with the block's scales, the fp32 update, the write-back
@@ -162,7 +159,7 @@ def _edge_update(opt: AdamW, p: torch.Tensor, state: dict[str, Any], views: _Vie
     return span, m_fp32, v_fp32
 
 
-def _interior_step(opt: AdamW, p: torch.Tensor, state: dict[str, Any], views: _Views, cut: Pieces,
+def _interior_step(opt: PrecisionOptimizer, p: torch.Tensor, state: dict[str, Any], views: _Views, cut: Pieces,
                    scales: tuple[torch.Tensor, torch.Tensor], hyper: dict[str, float], lost_counts: list) -> None:
     """Step the interior's whole blocks as one process steps them: the fused kernel where it applies, else its
     torch-op reference and the write-back (the same bits)."""
