@@ -19,7 +19,8 @@ The harness (W gloo processes, spawn) is tests/test_fsdp2_policies.py's.
   kernel), ``bf16-lean,state_rounding=stochastic`` (the codes' random bits keyed by global index),
   ``bf16-kahan,state=int8`` (Kahan compensation: the torch-op path) and ``bf16-sr,state=fp8``.
 * (c) DCP save after 5 steps at 2 ranks, resume in fresh engines at 2 ranks, 5 more steps: bit-identical to the
-  uninterrupted run (params, codes, scales, compensation).
+  uninterrupted run (params, codes, scales, compensation). SGD with 8-bit momentum (no sharded 8-bit step) is
+  refused at its first step on every rank, named.
 """
 
 from __future__ import annotations
@@ -174,6 +175,13 @@ def _resume_worker(rank: int, out: Path, world: int) -> dict:
         for batch in mine[STEPS // 2:]:
             _step(resumed, batch)
         results[policy] = {"straight": _snapshot(mp), "resumed": _snapshot(resumed)}
+    model = _model()   # SGD keeps no sharded 8-bit step: refused on every rank at its first step, named
+    mp = MixedPrecision(model, mixprec.optim.SGD(model.parameters(), lr=0.1, momentum=0.9), "bf16-lean", device="cpu",
+                        strategy="fsdp2")
+    try:
+        _step(mp, mine[0])
+    except ValueError as err:
+        results["sgd"] = str(err)
     return results
 
 
@@ -184,5 +192,6 @@ def test_fsdp2_8bit_state_resumes_from_dcp_bit_for_bit(tmp_path):
     for policy in RESUME_POLICIES:
         for r, got in enumerate(ranks):
             _assert_equal(got[policy]["resumed"], got[policy]["straight"], (policy, r))
+        assert "SGD state_dtype=int8 on a param sharded by FSDP2" in ranks[0]["sgd"], ranks[0].get("sgd")
         assert torch.equal(ranks[0][policy]["straight"]["state"]["4.weight.exp_avg_absmax"],
                            ranks[1][policy]["straight"]["state"]["4.weight.exp_avg_absmax"])   # the scales: one copy
