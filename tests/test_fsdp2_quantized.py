@@ -195,3 +195,49 @@ def test_fsdp2_8bit_state_resumes_from_dcp_bit_for_bit(tmp_path):
         assert "SGD state_dtype=int8 on a param sharded by FSDP2" in ranks[0]["sgd"], ranks[0].get("sgd")
         assert torch.equal(ranks[0][policy]["straight"]["state"]["4.weight.exp_avg_absmax"],
                            ranks[1][policy]["straight"]["state"]["4.weight.exp_avg_absmax"])   # the scales: one copy
+
+
+# ---------------------------------------------------------------------- checkpoints across world sizes
+RESHARD_POLICIES = ("bf16-lean,state_rounding=stochastic", "bf16-kahan,state=int8", "bf16-sr", "bf16-kahan,state=bf16")
+
+
+def _save_worker(rank: int, out: Path) -> None:
+    batch = _batches(1)[0]
+    for policy in RESHARD_POLICIES:
+        mp = _engine(policy, "fsdp2")
+        for _ in range(STEPS // 2):
+            _step(mp, batch)
+        ckpt.save_checkpoint(out / policy, mp)
+
+
+def _load_worker(rank: int, out: Path) -> dict:
+    batch = _batches(1)[0]
+    results = {}
+    for policy in RESHARD_POLICIES:
+        mp = _engine(policy, "fsdp2")
+        ckpt.load_checkpoint(out / policy, mp)
+        for _ in range(STEPS - STEPS // 2):
+            _step(mp, batch)
+        results[policy] = {**_snapshot(mp), "events": [e.to_dict() for e in mp.events]}
+    return results
+
+
+@pytest.mark.timeout(400)
+def test_fsdp2_checkpoint_saved_at_2_ranks_continues_at_1_and_4_bit_for_bit(tmp_path):
+    """Save at 2 ranks after 5 steps, load at 1 and at 4 ranks, 5 more steps: with the same batch on every rank
+    (exact gradients) the params, moments, compensation, codes and scales equal one process's 10 uninterrupted
+    steps bit for bit (every sharded piece of state is keyed by global index); the reshard is a recorded event."""
+    _run_ranks(2, _save_worker, tmp_path)
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    try:
+        refs = {policy: _train(policy, None, _batches(1) * STEPS) for policy in RESHARD_POLICIES}
+    finally:
+        torch.set_num_threads(threads)
+    for world in (1, 4):
+        ranks = _run_ranks(world, _load_worker, tmp_path)
+        for policy, ref in refs.items():
+            for r, got in enumerate(ranks):
+                _assert_equal(got[policy], ref, (policy, world, r))
+                reshard = [e for e in got[policy]["events"] if e["kind"] == "reshard"]
+                assert len(reshard) == 1 and f"saved at 2 rank(s), loaded at {world}" in reshard[0]["detail"], reshard
