@@ -21,6 +21,9 @@ The harness (W gloo processes, spawn) is tests/test_fsdp2_policies.py's.
 * (c) DCP save after 5 steps at 2 ranks, resume in fresh engines at 2 ranks, 5 more steps: bit-identical to the
   uninterrupted run (params, codes, scales, compensation). SGD with 8-bit momentum (no sharded 8-bit step) is
   refused at its first step on every rank, named.
+* Checkpoints across world sizes: saved at 2 ranks, continued at 1 and at 4, bit-identical to one process's
+  uninterrupted run (identical gradients), with a recorded ``reshard`` event.
+* The guard under FSDP2 rolls params, codes and scales back bit for bit.
 """
 
 from __future__ import annotations
@@ -241,3 +244,41 @@ def test_fsdp2_checkpoint_saved_at_2_ranks_continues_at_1_and_4_bit_for_bit(tmp_
                 _assert_equal(got[policy], ref, (policy, world, r))
                 reshard = [e for e in got[policy]["events"] if e["kind"] == "reshard"]
                 assert len(reshard) == 1 and f"saved at 2 rank(s), loaded at {world}" in reshard[0]["detail"], reshard
+
+
+# ---------------------------------------------------------------------- the guard rolls 8-bit state back
+FAULTS = (1, 2)
+
+
+def _guard_worker(rank: int, out: Path) -> dict:
+    """Rank 1's loss turns NaN at steps 1 and 2: every rank rolls back its shards, codes and scales; the result
+    equals the run without those two batches, bit for bit."""
+    from mixprec import Guard
+
+    mine = list(mpd.shard_batches(_batches(5 * 2)))
+    net = _model()
+    mp = MixedPrecision(net, mixprec.optim.AdamW(net.parameters(), lr=1e-2, weight_decay=0.1), "bf16-lean",
+                        device="cpu", strategy="fsdp2", guard=Guard(snapshot_every=1))
+    outcomes = []
+    for step, batch in enumerate(mine):
+        batch = mp.cast_inputs(batch, keep=("y",))
+        with mp.autocast():
+            loss = F.mse_loss(mp.model(batch["x"]).float(), batch["y"])
+        if rank == 1 and step in FAULTS:
+            loss = loss + float("nan")
+        mp.backward(loss)
+        result = mp.step()
+        outcomes.append((result.applied, result.rolled_back))
+    clean = _engine("bf16-lean", "fsdp2")
+    for step, batch in enumerate(mine):
+        if step not in FAULTS:
+            _step(clean, batch)
+    return {"outcomes": outcomes, "guarded": _snapshot(mp), "clean": _snapshot(clean)}
+
+
+@pytest.mark.timeout(300)
+def test_fsdp2_8bit_state_guard_rolls_back_codes_and_scales(tmp_path):
+    for r, got in enumerate(_run_ranks(2, _guard_worker, tmp_path)):
+        assert got["outcomes"] == [(step not in FAULTS, step in FAULTS) for step in range(5)], r
+        assert any(k.endswith("_absmax") for k in got["clean"]["state"]), r
+        _assert_equal(got["guarded"], got["clean"], ("guard", r))
