@@ -489,7 +489,7 @@ def test_unknown_strategy_is_refused_naming_the_choices():
 
 @pytest.mark.parametrize("policy, match", [
     ("fp16-mixed", "computes in fp16 under FSDP2.*ORs the found-inf flag"),   # case 29: never silently underflow
-    ("bf16-lean", "keeps optimizer state in fp32; policy bf16-lean asks for state=torch.int8"),   # 8-bit: issue 28's next part
+    # bf16-lean (8-bit state) runs under FSDP2 since issue 28: tests/test_fsdp2_quantized.py
 ])
 def test_fsdp2_refuses_what_it_cannot_run_safely(policy, match):
     with pytest.raises(ValueError, match=match):  # refused before any collective: no process group needed

@@ -28,11 +28,12 @@ from mixprec.checkpoint.manifest import DCP_FORMAT, LoadedExtra, Manifest, pin_o
 from mixprec.distributed.process import from_main_process, is_main_process, world_size
 from mixprec.engine.arguments import MID_ACCUMULATION
 from mixprec.engine.pending_auto import pending_note
+from mixprec.engine.records import Event
 
 if TYPE_CHECKING:
     from mixprec.engine.mixed_precision import MixedPrecision
 
-__all__ = ["save", "load", "load_model_weights", "on_main_process"]
+__all__ = ["save", "load", "load_model_weights", "on_main_process", "reshard_note"]
 
 
 def _state(mp: MixedPrecision) -> dict[str, Any]:
@@ -164,11 +165,21 @@ def load(directory: Path, manifest: dict, mp: MixedPrecision, *, guard: Any = No
         mp.scheduler.load_state_dict(parts["engine"]["scheduler"])
     saved = Manifest.from_json(manifest)
     mp.restore_progress(saved.counters, saved.events)  # saved at a boundary, as here
+    if saved.world_size not in (None, world_size()):
+        mp.record(Event(mp.boundaries, "reshard", None, None, reshard_note(saved.world_size, world_size())))
     guard = getattr(mp, "guard", None) if guard is None else guard
     if guard is not None and saved.guard is not None:
         guard.load_state_dict(saved.guard)
     pin_op_plan(manifest, mp.device.type)
     return LoadedExtra(saved.extra, saved.data_position)
+
+
+def reshard_note(saved_world: int, world: int) -> str:
+    """The event text of a DCP checkpoint loaded at another world size."""
+    return (f"DCP checkpoint saved at {saved_world} rank(s), loaded at {world}: params, moments, Kahan compensation "
+            "and 8-bit codes resharded by DCP (each element keeps its global index), the 8-bit scales loaded whole; "
+            "stochastic rounding is keyed by global index, so the run continues as it would have at "
+            f"{saved_world} rank(s) on the same gradients")
 
 
 def load_model_weights(directory: Path, model: nn.Module) -> None:

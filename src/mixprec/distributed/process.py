@@ -52,7 +52,8 @@ the concatenated global batch (up to the order of floating-point sums).
   (16-bit storage, no masters)                     stored and all-gathered in bf16
                                                    (:mod:`~mixprec.distributed.sharded_storage`)
   ``state=bf16`` / ``fp16``     as above           moments of the shard's shape
-  ``state=int8`` / ``fp8``      refused            8-bit state (so ``bf16-lean``): not yet
+  ``state=int8`` / ``fp8``      as above           codes of the shard's shape, blocks by global
+  (``bf16-lean``)                                  index (:mod:`~mixprec.optim.sharded_blocks`)
   keep_fp32 modules             None (fp32)        their own ``fully_shard`` group
   ============================  =================  ======================================
 
@@ -111,7 +112,7 @@ import torch.distributed as dist
 from torch import nn
 
 from mixprec.distributed.sharded_storage import cast_for_sharding, stores_16bit
-from mixprec.policy.policy import QUANTIZED_STATE_DTYPES, Policy
+from mixprec.policy.policy import Policy
 
 __all__ = ["STRATEGIES", "check_strategy", "init_process_group_from_env", "leave_process_group", "is_main_process", "rank", "world_size",
            "any_across_ranks", "sum_across_ranks", "from_main_process", "shard_batches", "sync_module_states", "wrap_model",
@@ -325,9 +326,6 @@ if _ReduceScatter is not None:
 # ---------------------------------------------------------------------- wrapping
 def _fsdp_param_dtype(policy: Policy, *, sharded_found_inf: bool) -> torch.dtype | None:
     """The FSDP2 ``param_dtype`` for ``policy`` (None: fp32), or ValueError (module docstring table)."""
-    if policy.state_dtype in QUANTIZED_STATE_DTYPES:
-        raise ValueError(f"strategy='fsdp2' keeps optimizer state in fp32; policy {policy} asks for "
-                         f"state={policy.state_dtype}; use strategy='ddp' or state=fp32")
     half = policy.compute_dtype if policy.compute_dtype != torch.float32 else None
     if half == torch.float16 and not sharded_found_inf:
         raise ValueError(f"policy {policy} computes in fp16 under FSDP2: each rank only sees its shard of the "
@@ -338,8 +336,8 @@ def _fsdp_param_dtype(policy: Policy, *, sharded_found_inf: bool) -> torch.dtype
 
 
 def check_fsdp_policy(policy: Policy, *, sharded_found_inf: bool = True) -> None:
-    """Raise ValueError (named, with the fix) if FSDP2 cannot run ``policy``: 8-bit optimizer state; fp16 compute
-    without the cross-rank found-inf check. Nothing is changed."""
+    """Raise ValueError (named, with the fix) if FSDP2 cannot run ``policy``: fp16 compute without the cross-rank
+    found-inf check. Nothing is changed. (8-bit optimizer state runs: :mod:`mixprec.optim.sharded_blocks`.)"""
     _fsdp_param_dtype(policy, sharded_found_inf=sharded_found_inf)
 
 

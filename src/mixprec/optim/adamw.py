@@ -6,7 +6,7 @@ from typing import Any
 
 import torch
 
-from mixprec.optim import quantized_adamw
+from mixprec.optim import quantized_adamw, sharded, sharded_blocks
 from mixprec.optim import quantized_state as qs
 from mixprec.optim.arguments import check_number, check_torch_options
 from mixprec.optim.precision_optimizer import PrecisionOptimizer, _as_fp32, grad_fp32
@@ -121,6 +121,7 @@ class AdamW(PrecisionOptimizer):
         super().__init__(params, defaults, rounding=rounding, state_dtype=state_dtype, state_rounding=state_rounding,
                          sr_seed=sr_seed)
 
+    _SHARDS_8BIT = True   # steps 8-bit state of FSDP2 shards (mixprec.optim.sharded_blocks)
     _NONNEGATIVE = frozenset({"exp_avg_sq"})   # its 8-bit code: sqrt(v) in the unsigned map (E5M2 under fp8)
 
     def _unimplemented_options(self, group: dict[str, Any]) -> list[str]:
@@ -147,8 +148,11 @@ class AdamW(PrecisionOptimizer):
                 hyper = dict(step=float(state["step"]),  # CPU scalar: no device sync
                              lr=group["lr"], beta1=beta1, beta2=beta2, eps=group["eps"],
                              weight_decay=group["weight_decay"])
-                if "exp_avg" + qs.ABSMAX_SUFFIX in state:   # 8-bit codes
-                    self._step_8bit(p, state, hyper, lost_counts)
+                if "exp_avg" + qs.ABSMAX_SUFFIX in state:   # 8-bit codes (FSDP2: blocks by global index)
+                    if sharded.is_sharded(p):
+                        sharded_blocks.step_adamw_(self, p, state, hyper, lost_counts)
+                    else:
+                        self._step_8bit(p, state, hyper, lost_counts)
                     continue
                 shard, grad, local_state = self._local_view(p, state)   # FSDP2: this rank's shard
                 param_fp32 = _as_fp32(shard)
@@ -191,4 +195,8 @@ class AdamW(PrecisionOptimizer):
             how = "torch ops for fp16 params (the fused kernel takes fp32 and bf16)"
         else:
             how = quantized_adamw.kernel_status()
+        if any(sharded.is_sharded(p) for p in quantized):
+            how += ("; FSDP2 shards: blocks by global index, a block cut by a shard boundary stepped in pieces and its "
+                    "absmax agreed by one all-reduce (MAX) of the scales per param and step, so codes and scales are "
+                    "one process's at any world size (mixprec.optim.sharded_blocks)")
         return note + f"; 8-bit-state AdamW steps: {how}"

@@ -94,6 +94,7 @@ class PrecisionOptimizer(torch.optim.Optimizer):
     """
 
     _NONNEGATIVE: frozenset[str] = frozenset()
+    _SHARDS_8BIT = False   # whether step() handles 8-bit state of FSDP2 shards (mixprec.optim.sharded_blocks)
 
     def __init__(self, params, defaults: dict[str, Any], *, rounding: str | None,
                  state_dtype: torch.dtype | str | None, state_rounding: str | None = None,
@@ -275,7 +276,9 @@ class PrecisionOptimizer(torch.optim.Optimizer):
             state[key] = torch.zeros_like(p) if value_fp32 is None else torch.view_as_complex(value_fp32.contiguous())
             return
         storage, quantized = self._format(p, key)
-        if quantized:
+        if quantized and sharded.is_sharded(p):
+            self._put_sharded_8bit(p, state, key, value_fp32)
+        elif quantized:
             code = qs.code_for(self.state_dtype, nonnegative=key in self._NONNEGATIVE)
             state[key], state[key + qs.ABSMAX_SUFFIX] = (
                 qs.zeros(p.shape, code, p.device) if value_fp32 is None else
@@ -284,6 +287,26 @@ class PrecisionOptimizer(torch.optim.Optimizer):
             state[key] = torch.zeros_like(p, dtype=storage, memory_format=torch.preserve_format)
         else:
             state[key] = value_fp32.to(storage)
+
+    def _put_sharded_8bit(self, p: torch.Tensor, state: dict[str, Any], key: str, value_fp32: torch.Tensor | None
+                          ) -> None:
+        """Zero 8-bit moment ``key`` of the sharded ``p`` (:mod:`mixprec.optim.sharded_blocks`): codes a ``DTensor``
+        placed as ``p``, the scales of all its blocks a plain fp32 tensor (the same on every rank). Raises
+        ValueError for an optimizer without a sharded 8-bit step, or for values to convert into codes."""
+        owner = type(self).__name__
+        if not self._SHARDS_8BIT:
+            raise ValueError(f"{owner} state_dtype={state_name(self.state_dtype)} on a param sharded by FSDP2 (shape "
+                             f"{tuple(p.shape)}) is not supported: only mixprec.optim.AdamW steps 8-bit state by global "
+                             "blocks; use AdamW, or state=fp32 / bf16 for this optimizer under FSDP2")
+        if value_fp32 is not None:
+            raise ValueError(f"{owner}: converting a moment of another format into {state_name(self.state_dtype)} codes "
+                             f"of a param sharded by FSDP2 (shape {tuple(p.shape)}) is not supported; load a state "
+                             "saved with the same state format, or convert it in one process")
+        code = qs.code_for(self.state_dtype, nonnegative=key in self._NONNEGATIVE)
+        codes, _ = qs.zeros(sharded.local(p).shape, code, p.device)
+        state[key] = sharded.like_param(codes, p)
+        state[key + qs.ABSMAX_SUFFIX] = torch.zeros(qs.state_shape(qs.ABSMAX_SUFFIX, p.shape), dtype=torch.float32,
+                                                    device=p.device)
 
     def _load(self, state: dict[str, Any], key: str) -> torch.Tensor:
         """Moment ``key`` in fp32: the stored tensor itself when fp32 (in-place math updates it), its real
@@ -342,6 +365,8 @@ class PrecisionOptimizer(torch.optim.Optimizer):
         themselves otherwise. Entries the step adds are placed back by :meth:`_publish`. No comm, no sync."""
         if not sharded.is_sharded(p):
             return p, p.grad, state
+        if self._quantized(p) and not self._SHARDS_8BIT:
+            self._put_sharded_8bit(p, {}, "", None)   # raises: no sharded 8-bit step here
         p_local = p.to_local()
         self._shards = {id(p_local): (p_local, p, sharded.global_offset(p))}   # the param being stepped only
         return p_local, sharded.local(p.grad), {k: sharded.local(v) if torch.is_tensor(v) else v

@@ -46,7 +46,7 @@ from mixprec.optim.rounding import stochastic_round_to_bf16
 from mixprec.optim.sr_stream import SRKey, noise16, uniform
 from mixprec.policy.policy import STATE_ROUNDINGS
 
-__all__ = ["KERNEL_SOURCE", "reference_update_", "fusable", "fused_step_", "kernel_status"]
+__all__ = ["KERNEL_SOURCE", "reference_update_", "update_fp32_", "fusable", "fused_step_", "kernel_status"]
 
 KERNEL_SOURCE = Path(__file__).with_name("quantized_adamw.c")
 _FUSED_DTYPES = (torch.float32, torch.bfloat16)
@@ -73,21 +73,30 @@ def reference_update_(param_fp32: torch.Tensor, grad_fp32: torch.Tensor, m: tupl
     ``m`` draws under purpose ``"exp_avg"``, ``v`` under ``"exp_avg_sq"``; no RNG moves), else from
     ``generator`` (None: torch's global RNG, the legacy stream); none otherwise. No host sync.
     """
-    h = _hyper(step, lr, beta1, beta2, eps, weight_decay)
     m_code = qs.code_of(m[0], nonnegative=False)
     v_code = qs.code_of(v[0], nonnegative=True)
-    if weight_decay != 0:
-        param_fp32.mul_(h["decay"])
     m_fp32 = qs.dequantize(*m, m_code)
     v_fp32 = qs.dequantize(*v, v_code)
-    m_fp32.add_((grad_fp32 - m_fp32).mul_(h["one_minus_beta1"]))
-    v_fp32.mul_(h["beta2"]).add_(grad_fp32.mul(h["one_minus_beta2"]).mul_(grad_fp32))
-    denom = qs.sqrt_fp32(v_fp32).mul_(h["inv_bc2_sqrt"]).add_(h["eps"])
-    param_fp32.add_(m_fp32.mul(h["neg_step_size"]).div_(denom))
+    update_fp32_(param_fp32, grad_fp32, m_fp32, v_fp32, step=step, lr=lr, beta1=beta1, beta2=beta2, eps=eps,
+                 weight_decay=weight_decay)
     keyed = isinstance(generator, SRKey)
     qs.quantize(m_fp32, m_code, rounding=state_rounding, generator=generator.of("exp_avg") if keyed else generator, out=m)
     qs.quantize(v_fp32, v_code, rounding=state_rounding, generator=generator.of("exp_avg_sq") if keyed else generator,
                 out=v)
+
+
+def update_fp32_(param_fp32: torch.Tensor, grad_fp32: torch.Tensor, m_fp32: torch.Tensor, v_fp32: torch.Tensor, *,
+                 step: float, lr: float, beta1: float, beta2: float, eps: float, weight_decay: float) -> None:
+    """The fp32 part of :func:`reference_update_` (module docstring), in place on ``param_fp32``, ``m_fp32`` and
+    ``v_fp32`` (the decoded moments; quantizing them is the caller's): element-wise, so a slice of a tensor steps
+    as in the whole. All fp32 tensors of one shape. No host sync."""
+    h = _hyper(step, lr, beta1, beta2, eps, weight_decay)
+    if weight_decay != 0:
+        param_fp32.mul_(h["decay"])
+    m_fp32.add_((grad_fp32 - m_fp32).mul_(h["one_minus_beta1"]))
+    v_fp32.mul_(h["beta2"]).add_(grad_fp32.mul(h["one_minus_beta2"]).mul_(grad_fp32))
+    denom = qs.sqrt_fp32(v_fp32).mul_(h["inv_bc2_sqrt"]).add_(h["eps"])
+    param_fp32.add_(m_fp32.mul(h["neg_step_size"]).div_(denom))
 
 
 # ------------------------------------------------------------------------------------------- fused kernel

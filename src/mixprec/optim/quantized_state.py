@@ -84,7 +84,8 @@ from mixprec.optim.sr_stream import SRKey, uniform
 from mixprec.policy.policy import QUANTIZED_STATE_DTYPES, STATE_ROUNDINGS
 
 __all__ = ["BLOCK_SIZE", "MIN_QUANTIZED_NUMEL", "ABSMAX_SUFFIX", "Code", "CODES", "BinLookup", "bin_lookup", "code_for",
-           "code_of", "quantizes", "quantize", "dequantize", "sqrt_fp32", "zeros", "nbytes", "state_shape"]
+           "code_of", "quantizes", "quantize", "dequantize", "sqrt_fp32", "zeros", "nbytes", "state_shape",
+           "piece_absmax", "quantize_piece", "dequantize_piece"]
 
 BLOCK_SIZE = 256             # elements per absmax scale (Dettmers et al. 2022; bitsandbytes, torchao)
 MIN_QUANTIZED_NUMEL = 4096   # smaller tensors keep fp32 state (bitsandbytes min_8bit_size, torchao)
@@ -388,3 +389,39 @@ def zeros(shape: torch.Size | tuple[int, ...], code: Code, device: torch.device 
     codes = torch.empty(shape, dtype=code.storage_dtype, device=device)
     codes.copy_(zero_codes[0])
     return codes, torch.zeros(state_shape(ABSMAX_SUFFIX, codes.shape), dtype=torch.float32, device=device)
+
+
+# ------------------------------------------------------------- pieces of one block (a sharded param's edge blocks)
+def piece_absmax(x_fp32: torch.Tensor, code: Code) -> torch.Tensor:
+    """The absmax a block would get from ``x_fp32``'s elements alone (a piece of one block: its part on this
+    rank): 0-d fp32, NaN propagating. The max over a block's pieces is the block's absmax (the short last block's
+    zero padding changes no absmax), before the rule that turns a non-finite absmax into NaN. No host sync."""
+    coded_fp32 = sqrt_fp32(x_fp32.clamp_min(0)) if code.sqrt else x_fp32
+    return _block_absmax(coded_fp32.reshape(1, -1), code)[0]
+
+
+def quantize_piece(x_fp32: torch.Tensor, absmax: torch.Tensor, code: Code, *, rounding: str = "nearest",
+                   generator: torch.Generator | SRKey | None = None) -> torch.Tensor:
+    """The codes :func:`quantize` gives ``x_fp32`` (a piece of one block, 1-D) when the whole block's absmax is
+    ``absmax`` (0-d fp32): the same bits, element ``j`` drawing at global index ``generator.offset + j`` under
+    stochastic rounding. Returns the codes in ``code.storage_dtype``. No host sync."""
+    coded_fp32 = sqrt_fp32(x_fp32.clamp_min(0)) if code.sqrt else x_fp32
+    absmax = torch.where(torch.isfinite(absmax), absmax, torch.nan)
+    scale = torch.where(absmax > 0, absmax, 1.0)
+    y = coded_fp32.reshape(-1) / _unit(scale.reshape(1), code)
+    if not code.indexed and rounding == "nearest":
+        encoded = y
+    else:
+        index = _round_index(y, code, rounding, generator)
+        encoded = index if code.indexed else _table(code.name, str(y.device)).index_select(0, index.view(-1))
+    return encoded.view(x_fp32.shape).to(code.storage_dtype)
+
+
+def dequantize_piece(codes: torch.Tensor, absmax: torch.Tensor, code: Code) -> torch.Tensor:
+    """The fp32 values of ``codes`` (a piece of one block) under the block's ``absmax`` (0-d fp32), as
+    :func:`dequantize` reads them: a new fp32 tensor of ``codes``' shape. No host sync."""
+    flat_codes = codes.reshape(-1)
+    values = _table(code.name, str(codes.device)).index_select(0, flat_codes.int()) if code.indexed else flat_codes.float()
+    out = values.mul_(_unit(absmax.reshape(1), code))
+    out = out.square_() if code.sqrt else out
+    return out.view(codes.shape)
