@@ -54,7 +54,7 @@ def serve(spec: RunSpec) -> int:
         workload = get_workload(spec.workload, config=spec.config, data=spec.data, lora=spec.lora)
         pin_in_worker(spec.op_plan, spec.device)   # the bench's one attention plan, as in the quality run
         mp = build_engine(workload, spec.policy, steps=max(spec.steps, 1), seed=spec.seed, device=spec.device,
-                          compile=spec.compile)
+                          compile=spec.compile, checkpoint=spec.checkpoint)
         batches = _forever(workload, spec.seed)
     except Exception as err:   # reported to the runner, which times the others
         print(json.dumps({"ready": False, "error": f"{type(err).__name__}: {err}"}), flush=True)
