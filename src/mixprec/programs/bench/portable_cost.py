@@ -87,9 +87,10 @@ def measure_portable_cost(workload: str, policy: str, device: str | torch.device
 def bench_portable_cost(config: Any, device: torch.device, runnable: list[str], progress: bool) -> dict | None:
     """The bench's ``portable_ops``: the step-time cost of ``ops=portable`` for the first ``-mixed`` policy of
     ``runnable`` (:func:`measure_portable_cost`); ``config`` is the bench's ``BenchConfig``. None under a strategy
-    or on CUDA (CUDA's autocast has these lists itself) or without such a policy."""
+    or on CUDA (CUDA's autocast has these lists itself) or without such a policy, and under ``timing="sequential"``
+    (it is an extra timing run, 46 steps; sequential timing asks for none beyond the quality runs)."""
     policy = ported_policy(runnable)
-    if policy is None or config.strategy is not None or device.type == "cuda":
+    if policy is None or config.strategy is not None or device.type == "cuda" or config.timing == "sequential":
         return None
     if progress:
         print(f"timing ops=portable against ops=native for {policy} (interleaved)", file=sys.stderr)
