@@ -48,7 +48,7 @@ TIMING_MALLOC_ENV = {"MALLOC_MMAP_THRESHOLD_": str(256 * 2**20), "MALLOC_TRIM_TH
 
 def serve(spec: RunSpec) -> int:
     """The worker side (``python -m mixprec.programs.bench --serve SPEC_JSON``): build the policy's engine as its quality
-    run did, print ``{"ready": ...}``, then for each stdin line ``{"steps": k, "untimed": u}`` train u untimed and
+    run did (a recompute row's ``spec.checkpoint`` names the plan its quality run measured, block by block), print ``{"ready": ...}``, then for each stdin line ``{"steps": k, "untimed": u}`` train u untimed and
     k timed steps and print ``{"times_ms": [...]}``; ``{"quit": true}`` or end of input stops it. Returns the exit status."""
     try:
         workload = get_workload(spec.workload, config=spec.config, data=spec.data, lora=spec.lora)

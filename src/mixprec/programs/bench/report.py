@@ -37,6 +37,8 @@ bytes saved for backward (parameters left out) and peak live tensor bytes, ``ste
 mib, by_dtype, tensors}, live: {bytes, baseline, total, total_mib, source}, batch_rows}`` or ``{error}``;
 ``memory_budget`` = ``{budget_bytes, largest_batch, fixed_bytes, per_sample_bytes, points, residuals,
 predicted_bytes}`` or ``{error, budget}`` under ``--memory-budget``, else null (:mod:`mixprec.programs.bench.step_memory`).
+A ``<policy>+recompute`` row trains with ``--recompute``'s plan: ``recompute``, ``recompute_plan``,
+``step_time_ratio_vs_no_recompute`` (:mod:`mixprec.programs.bench.recompute_rows`; null on other rows).
 """
 
 from __future__ import annotations
