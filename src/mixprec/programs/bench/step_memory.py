@@ -10,8 +10,7 @@
   batch's own point is the step measured above when given (same engine, same shapes: it is not stepped again);
   each new size is measured after one unmeasured *forward* at that size (its graph dropped: first calls at a new
   shape plan kernels, e.g. the attention plan's key, and that must not land in the measured peak). A whole
-  unmeasured step per size cost 7 training batches' worth of steps per policy; this costs about 3.3 (GPT
-  ``small``, batch 64: ~2 min per policy on 2 busy cores).
+  unmeasured step per size cost 7 training batches' worth of rows per policy; this costs about 3.3.
 """
 
 from __future__ import annotations
