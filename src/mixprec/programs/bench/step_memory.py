@@ -8,9 +8,10 @@
 * :func:`measure_batch_budget`: the same peak at two or three batch sizes (the training batch halved, as is, and
   doubled: rows from the next batches of the same stream), fitted by :mod:`mixprec.memory.budget`. The training
   batch's own point is the step measured above when given (same engine, same shapes: it is not stepped again);
-  each new size is measured after one unmeasured *forward* at that size (its graph dropped: first calls at a new
-  shape plan kernels, e.g. the attention plan's key, and that must not land in the measured peak). A whole
-  unmeasured step per size cost 7 training batches' worth of rows per policy; this costs about 3.3.
+  each new size is measured after one unmeasured step at that size (first calls at a new shape plan kernels,
+  e.g. the attention plan's key, and allocate caches: that must not land in the measured peak; a forward alone
+  left a few bytes of the first backward's in the measured step, 1-3 B off the line). Measuring every size
+  after a warm step cost 7 training batches' worth of rows per policy; reusing the batch's point, 5.
 """
 
 from __future__ import annotations
@@ -84,19 +85,12 @@ def budget_batch_sizes(batch: int) -> tuple[int, ...]:
     return tuple(sorted({max(1, batch // 2), batch, 2 * batch}))
 
 
-def _warm_forward(mp: MixedPrecision, workload: Workload, batch: dict) -> None:
-    """One forward at ``batch``'s shape under the policy, graph dropped: first-call planning happens here."""
-    batch = mp.cast_inputs(batch, keep=workload.keep_fp32_inputs)
-    with mp.autocast():
-        workload.loss(mp.model, batch)
-
-
 def measure_batch_budget(mp: MixedPrecision, workload: Workload, budget: str | int, seed: int,
                          measured: tuple[int, int] | None = None) -> BatchBudget:
     """The largest batch whose predicted peak live bytes fit ``budget`` (bytes or ``"4GiB"``) for this engine
     and workload: peaks at :func:`budget_batch_sizes` fitted to a line (:func:`mixprec.memory.budget.largest_batch`);
     ``measured`` = ``(training batch rows, its peak live bytes)`` already measured on this engine (that size is not
-    stepped again); each other size gets one unmeasured forward, then one measured step, on batches of the training
+    stepped again); each other size gets one unmeasured step, then one measured step, on batches of the training
     stream of ``seed``. Batch sizes are in rows of the workload's batch (samples or sequences, not tokens). Host
     syncs: the steps'.
 
@@ -110,7 +104,7 @@ def measure_batch_budget(mp: MixedPrecision, workload: Workload, budget: str | i
     for size in budget_batch_sizes(rows):
         if points and size == points[0][0]:
             continue
-        _warm_forward(mp, workload, batch_of_size(stream, size))
+        _step(mp, workload, batch_of_size(stream, size))
         points.append((size, measure_step_memory(mp, workload, batch_of_size(stream, size)).live.total))
     return largest_batch(sorted(points), budget_bytes)
 
