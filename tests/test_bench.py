@@ -730,6 +730,7 @@ def test_sequential_timing_keeps_the_quality_runs_step_times(tmp_path):
     results = json.loads((out / "results.json").read_text())
     assert results["timing"]["method"] == "sequential" and results["seed_noise"] is None
     assert all("sequential_step_time_ms_median" not in e for e in results["policies"].values())
+    assert results["portable_ops"] is None   # sequential asks for no timing run beyond the quality runs (46 steps)
 
 
 def test_tiny_bench_skips_non_native_fp16(tiny_bench):
