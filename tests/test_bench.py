@@ -509,6 +509,7 @@ def test_tiny_bench_reports_one_steps_memory_and_the_largest_batch_in_the_budget
         assert memory["batch_rows"] == 4 and "profiler" in live["source"]
         fit = e["memory_budget"]
         assert [b for b, _ in fit["points"]] == [2, 4, 8] and fit["budget_bytes"] == 64 * 2**20
+        assert dict(fit["points"])[4] == live["total"]   # the training batch's point is the step measured above
         predict = lambda b: fit["fixed_bytes"] + fit["per_sample_bytes"] * b
         assert predict(fit["largest_batch"]) <= 64 * 2**20 < predict(fit["largest_batch"] + 1)
         assert [p - predict(b) for b, p in fit["points"]] == pytest.approx(fit["residuals"], abs=1e-3)
@@ -729,6 +730,7 @@ def test_sequential_timing_keeps_the_quality_runs_step_times(tmp_path):
     results = json.loads((out / "results.json").read_text())
     assert results["timing"]["method"] == "sequential" and results["seed_noise"] is None
     assert all("sequential_step_time_ms_median" not in e for e in results["policies"].values())
+    assert results["portable_ops"] is None   # sequential asks for no timing run beyond the quality runs (46 steps)
 
 
 def test_tiny_bench_skips_non_native_fp16(tiny_bench):
@@ -986,3 +988,69 @@ def test_a_policy_in_another_dtype_pins_the_plan_at_its_own_keys_and_says_what_i
     plan["policies"]["fp16-mixed"]["not_offered"] = {key: "matmul not offered under fp16 (...): runs fused"}
     lines = op_plan_lines({"op_plan": plan, "policies": {}})
     assert f"  fp16-mixed at {key.split(' causal=')[0]}: matmul not offered under fp16 (...): runs fused" in lines
+
+
+# --- recompute rows (issue 27) -------------------------------------------------------------------
+
+@pytest.fixture(scope="module")
+def recompute_bench(tmp_path_factory):
+    """A tiny bench with bf16-lean and its recompute row, every block recomputed whole (a named plan: no timing
+    decides it, so the saved-bytes relation below is the plan's, not the machine's)."""
+    out = tmp_path_factory.mktemp("bench") / "out"
+    argv = ["bench", "--config", "tiny", "--policies", "bf16-lean,bf16-lean+recompute", "--recompute", "blocks.*",
+            "--steps", "5", "--seeds", "1", "--eval-every", "0", "--out", str(out), "--device", "cpu",
+            "--max-loss-delta", "1.0"]
+    status = main(argv)
+    return status, out, json.loads((out / "results.json").read_text())
+
+
+def test_a_recompute_row_is_its_own_row_with_its_plan_and_its_step_time_against_the_plain_row(recompute_bench, capsys):
+    """Issue 27: the bench could not show the recompute plan (failed before: ``bf16-lean+recompute`` was an unknown
+    policy, exit status 2). Now it is a row of its own: trained in its own worker with MixedPrecision(checkpoint=),
+    judged against fp32, its plan stored and printed, its step time over the plain row's from the same timing."""
+    status, out, results = recompute_bench
+    assert status == 0
+    rows = results["policies"]
+    assert list(rows) == ["fp32", "bf16-lean", "bf16-lean+recompute"]
+    plain, row = rows["bf16-lean"], rows["bf16-lean+recompute"]
+    assert row["requested"] == row["policy"] == "bf16-lean" and row["verdict"] == "PASS", row["reason"]
+    assert row["pid"] not in (plain["pid"], rows["fp32"]["pid"])
+    assert row["recompute"] == "blocks.*" and plain["recompute"] is None and plain["recompute_plan"] is None
+    assert results["settings"]["recompute"] == "blocks.*"
+    plan = row["recompute_plan"]
+    assert [(b["name"], b["mode"]) for b in plan["blocks"]] == [("blocks.0", "full"), ("blocks.1", "full")]
+    assert plan["text"] == "recompute plan blocks.*: blocks.0 full, blocks.1 full" and "2 full" in row["decision"]
+    # the whole forward of each block is recomputed: autograd keeps only each block's input there
+    assert 0 < row["saved_activation_bytes"] < plain["saved_activation_bytes"]
+    assert row["saved_activation_ratio_vs_fp32"] == row["saved_activation_bytes"] / rows["fp32"]["saved_activation_bytes"]
+    assert row["step_time_ratio_vs_no_recompute"] == row["step_time_ms_median"] / plain["step_time_ms_median"]
+    assert plain["step_time_ratio_vs_no_recompute"] is None
+    assert results["timing"]["method"] == "interleaved" and set(results["timing"]["step_ms"]) == set(rows)
+    # recompute runs the forward again under the same autocast state: the same losses, bit for bit (CPU, fixed
+    # shapes and threads: deterministic ops; the stochastic rounding draws the same seeded stream)
+    assert row["loss_per_step"] == plain["loss_per_step"] and row["final_eval_loss"] == plain["final_eval_loss"]
+    timed = json.loads((out / "workers" / "timing-bf16-lean_recompute.spec.json").read_text())
+    assert timed["policy"] == "bf16-lean" and timed["checkpoint"] == ["blocks.0", "blocks.1"]   # the plan, pinned
+    report = (out / "report.md").read_text()
+    assert "## Recompute plan" in report and "- bf16-lean+recompute: plan blocks.*: 2 full" in report
+    assert "  - blocks.1: full" in report and "| bf16-lean+recompute | PASS |" in report
+
+
+def test_an_auto_plan_is_timed_as_measured_block_by_block():
+    """The interleaved timing worker runs the plan the quality run measured, named per block, never re-measured."""
+    from mixprec.programs.bench.recompute_rows import pinned_checkpoint, split_row
+
+    blocks = [{"name": f"blocks.{i}", "mode": m, "saved_bytes": [3, 2, 1], "seconds": [1.0, 1.1, 1.2]}
+              for i, m in enumerate(("none", "selective", "full"))]
+    assert pinned_checkpoint({"blocks": blocks}) == ["selective:blocks.1", "blocks.2"]
+    assert pinned_checkpoint({"blocks": blocks[:1]}) is None and pinned_checkpoint(None) is None
+    assert split_row("bf16-lean+recompute") == ("bf16-lean", True) and split_row("bf16-lean") == ("bf16-lean", False)
+
+
+@pytest.mark.parametrize("value, words", [("auto:0.5", "must be a number >= 1"), ("nope:blocks.*", "is not allowed"),
+                                          ("", "must be 'auto'")])
+def test_bench_recompute_is_validated_naming_it(value, words, tmp_path, capsys):
+    with pytest.raises((ValueError, TypeError), match=words):
+        BenchConfig(out=tmp_path, recompute=value)
+    status = main(["bench", "--config", "tiny", "--steps", "5", "--out", str(tmp_path), "--recompute", value])
+    assert status == 2 and words in capsys.readouterr().err

@@ -160,6 +160,11 @@ def _add_bench_parser(sub: argparse._SubParsersAction, presets: str) -> None:
     bench.add_argument("--eval-every", type=_count, default=None, metavar="K",
                        help="also measure each policy's eval loss after every K-th step (the eval curve in "
                        "results.json and loss_curves.png; default: steps // 10; 0: only the final eval)")
+    bench.add_argument("--recompute", default="auto", metavar="PLAN",
+                       help="the recompute plan of the rows named <policy>+recompute in --policies (e.g. "
+                       "--policies bf16-lean,bf16-lean+recompute): MixedPrecision(checkpoint=PLAN), 'auto' (default: "
+                       "each block measured, none/selective/full recompute within 1.3x its time), 'auto:1.5', or "
+                       "module names/globs ('blocks.*', 'selective:blocks.*')")
     bench.add_argument("--timing", choices=("interleaved", "sequential"), default="interleaved",
                        help="interleaved (default): after the quality runs, time the policies again in alternating "
                        "blocks in resident workers, so machine drift hits all alike; sequential: each run's own steps")
@@ -219,6 +224,7 @@ def _add_sample_parser(sub: argparse._SubParsersAction) -> None:
 
 def _cmd_bench(args: argparse.Namespace, command: str) -> int:
     from mixprec.programs.bench.memory_report import budget_lines
+    from mixprec.programs.bench.recompute_rows import recompute_lines
     from mixprec.programs.bench.report import auto_lines, format_table, op_plan_lines, seed_noise_lines, timing_lines
     from mixprec.programs.bench.runner import BenchConfig, run_bench
     from mixprec.programs.bench.verdict import Targets
@@ -232,13 +238,13 @@ def _cmd_bench(args: argparse.Namespace, command: str) -> int:
                          steps=args.steps, seed=args.seed, data=args.data, device=args.device, force=args.force,
                          targets=targets, command=command, strategy=args.strategy, lora=args.lora,
                          compile=args.compile, timing=args.timing, seeds=args.seeds,
-                         eval_every=args.eval_every, memory_budget=args.memory_budget)
+                         eval_every=args.eval_every, memory_budget=args.memory_budget, recompute=args.recompute)
     results = run_bench(config).to_json()
     if config.strategy is not None and results["settings"]["world_size"] > 1 and not _main_process():
         return 1 if any(e["verdict"] == "FAIL" for e in results["policies"].values()) else 0  # rank 0 reports
     print(format_table(results))
     for line in (timing_lines(results) + seed_noise_lines(results) + auto_lines(results) + op_plan_lines(results)
-                 + budget_lines(results)):
+                 + budget_lines(results) + recompute_lines(results)):
         print(line)
     for name, entry in results["policies"].items():
         if entry["verdict"] in ("FAIL", "SKIPPED"):

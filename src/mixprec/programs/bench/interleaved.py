@@ -48,13 +48,13 @@ TIMING_MALLOC_ENV = {"MALLOC_MMAP_THRESHOLD_": str(256 * 2**20), "MALLOC_TRIM_TH
 
 def serve(spec: RunSpec) -> int:
     """The worker side (``python -m mixprec.programs.bench --serve SPEC_JSON``): build the policy's engine as its quality
-    run did, print ``{"ready": ...}``, then for each stdin line ``{"steps": k, "untimed": u}`` train u untimed and
+    run did (a recompute row's ``spec.checkpoint`` names the plan its quality run measured, block by block), print ``{"ready": ...}``, then for each stdin line ``{"steps": k, "untimed": u}`` train u untimed and
     k timed steps and print ``{"times_ms": [...]}``; ``{"quit": true}`` or end of input stops it. Returns the exit status."""
     try:
         workload = get_workload(spec.workload, config=spec.config, data=spec.data, lora=spec.lora)
         pin_in_worker(spec.op_plan, spec.device)   # the bench's one attention plan, as in the quality run
         mp = build_engine(workload, spec.policy, steps=max(spec.steps, 1), seed=spec.seed, device=spec.device,
-                          compile=spec.compile)
+                          compile=spec.compile, checkpoint=spec.checkpoint)
         batches = _forever(workload, spec.seed)
     except Exception as err:   # reported to the runner, which times the others
         print(json.dumps({"ready": False, "error": f"{type(err).__name__}: {err}"}), flush=True)

@@ -10,6 +10,7 @@ runs it for its first ``-mixed`` policy; ``benchmarks/portable_ops.py`` runs it 
 from __future__ import annotations
 
 import statistics
+import sys
 from collections.abc import Callable
 from typing import Any
 
@@ -22,7 +23,7 @@ from mixprec.engine.mixed_precision import MixedPrecision
 from mixprec.policy.policy import Policy
 from mixprec.workloads import get_workload
 
-__all__ = ["measure_portable_cost", "ported_policy"]
+__all__ = ["measure_portable_cost", "ported_policy", "bench_portable_cost"]
 
 
 def ported_policy(names: list[str]) -> str | None:
@@ -81,3 +82,17 @@ def measure_portable_cost(workload: str, policy: str, device: str | torch.device
     return {"policy": policy, "portable_step_ms_median": round(p, 2), "native_step_ms_median": round(n, 2),
             "ratio_portable_over_native": round(p / n, 4), "timed_steps_each": len(native_ms),
             "method": "interleaved"}
+
+
+def bench_portable_cost(config: Any, device: torch.device, runnable: list[str], progress: bool) -> dict | None:
+    """The bench's ``portable_ops``: the step-time cost of ``ops=portable`` for the first ``-mixed`` policy of
+    ``runnable`` (:func:`measure_portable_cost`); ``config`` is the bench's ``BenchConfig``. None under a strategy
+    or on CUDA (CUDA's autocast has these lists itself) or without such a policy, and under ``timing="sequential"``
+    (it is an extra timing run, 46 steps; sequential timing asks for none beyond the quality runs)."""
+    policy = ported_policy(runnable)
+    if policy is None or config.strategy is not None or device.type == "cuda" or config.timing == "sequential":
+        return None
+    if progress:
+        print(f"timing ops=portable against ops=native for {policy} (interleaved)", file=sys.stderr)
+    return measure_portable_cost(config.workload, policy, device, config=config.config_name, data=config.data,
+                                 lora=config.lora)

@@ -37,6 +37,8 @@ bytes saved for backward (parameters left out) and peak live tensor bytes, ``ste
 mib, by_dtype, tensors}, live: {bytes, baseline, total, total_mib, source}, batch_rows}`` or ``{error}``;
 ``memory_budget`` = ``{budget_bytes, largest_batch, fixed_bytes, per_sample_bytes, points, residuals,
 predicted_bytes}`` or ``{error, budget}`` under ``--memory-budget``, else null (:mod:`mixprec.programs.bench.step_memory`).
+A ``<policy>+recompute`` row trains with ``--recompute``'s plan: ``recompute``, ``recompute_plan``,
+``step_time_ratio_vs_no_recompute`` (:mod:`mixprec.programs.bench.recompute_rows`; null on other rows).
 """
 
 from __future__ import annotations
@@ -49,6 +51,7 @@ from typing import Any
 from mixprec.programs.bench.memory_report import memory_lines
 from mixprec.programs.bench.pinned_plan import SOURCE as PINNED_SOURCE
 from mixprec.programs.bench.pinned_plan import entry_words, rule_words
+from mixprec.programs.bench.recompute_rows import recompute_markdown, split_row
 from mixprec.programs.bench.results import POLICY_KEYS
 from mixprec.programs.bench.figures import (eval_curve_of, fmt, loss_unit, plot_loss_curves, plot_loss_wallclock,
                                             plot_speed_memory, ran_rows, seed_band)
@@ -281,7 +284,7 @@ def plan_deviations(results: dict) -> list[str]:
             for row, found in ((results.get("timing") or {}).get("op_plan") or {}).items()]
     return [f"{row}{where} did not run the bench's plan at `{e['shape']}`: {e['chosen']} ({e['source']})"
             for row, where, found in ran for e in found
-            if e["source"] != PINNED_SOURCE or pinned.get(row.removesuffix(COMPILED_SUFFIX), {}).get(e["shape"])
+            if e["source"] != PINNED_SOURCE or pinned.get(split_row(row.removesuffix(COMPILED_SUFFIX))[0], {}).get(e["shape"])
             != e["chosen"]]
 
 
@@ -431,6 +434,7 @@ def report_markdown(results: dict) -> str:
         *_op_plan_lines(results),
         *eval_curve_lines(results),
         *memory_lines(results),
+        *recompute_markdown(results),
         "## Parameters and training state",
         "",
         *(_state_lines(results["policies"])),

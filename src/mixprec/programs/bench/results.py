@@ -19,7 +19,7 @@ POLICY_KEYS = (
     "lr_per_step", "step_time_ms_per_step", "events", "verdict", "reason", "skipped_reason", "error",
     "compiled", "first_step_ms", "warmup_excess_s", "compile_time_s", "eval_curve", "loss_unit",
     "saved_activation_bytes", "saved_activation_ratio_vs_fp32", "peak_live_bytes", "peak_live_ratio_vs_fp32",
-    "step_memory", "memory_budget",
+    "step_memory", "memory_budget", "recompute", "recompute_plan", "step_time_ratio_vs_no_recompute",
 )
 RUN_KEYS = (
     "op_plan", "torch_threads", "warmup_steps", "items_per_batch", "flops_per_step", "strategy", "world_size", "wall_s",
@@ -37,7 +37,9 @@ class PolicyRun:
     was re-timed interleaved. ``saved_activation_bytes`` (the parameters left out) and ``peak_live_bytes`` (the
     step's peak of live tensors, baseline included) come from one extra untimed step after the final eval
     (:mod:`mixprec.programs.bench.step_memory`), ``step_memory`` their detail (or ``{"error": ...}``);
-    ``memory_budget`` the largest batch in ``--memory-budget`` (:class:`mixprec.memory.budget.BatchBudget`'s dict)."""
+    ``memory_budget`` the largest batch in ``--memory-budget`` (:class:`mixprec.memory.budget.BatchBudget`'s dict).
+    ``recompute``, ``recompute_plan``, ``step_time_ratio_vs_no_recompute``: a ``<policy>+recompute`` row's
+    (:mod:`mixprec.programs.bench.recompute_rows`), None on other rows."""
 
     requested: str | None = None
     policy: str | None = None
@@ -90,6 +92,9 @@ class PolicyRun:
     peak_live_ratio_vs_fp32: float | None = None
     step_memory: dict[str, Any] | None = None
     memory_budget: dict[str, Any] | None = None
+    recompute: Any = None
+    recompute_plan: dict[str, Any] | None = None
+    step_time_ratio_vs_no_recompute: float | None = None
     # a row that trained (RUN_KEYS)
     op_plan: list[dict[str, Any]] | None = None
     torch_threads: int | None = None

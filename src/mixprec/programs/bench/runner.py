@@ -55,6 +55,9 @@ from mixprec.programs.bench.mfu import one_mfu_peak, peaks_environment
 from mixprec.programs.bench.report import COMPILED_SUFFIX, write_outputs
 from mixprec.programs.bench.noise import settle_noise
 from mixprec.programs.bench.pinned_plan import measure_bench_plan, pinned_for
+from mixprec.programs.bench.portable_cost import bench_portable_cost
+from mixprec.programs.bench.recompute_rows import (DEFAULT_RECOMPUTE, pinned_checkpoint, recompute_option,
+                                                   split_row, with_recompute_ratios)
 from mixprec.programs.bench.results import BenchResults, PolicyRun
 from mixprec.programs.bench.step_memory import memory_ratios
 from mixprec.programs.bench.verdict import Targets, judge
@@ -100,6 +103,8 @@ class BenchConfig:
     ``eval_every``: every policy also measures its validation loss after every K-th step (its ``eval_curve``);
     None: :func:`eval_every_for` (about ten points), 0: only the final eval. ``memory_budget`` (``"4GiB"``):
     each policy also reports the largest batch whose peak live tensor bytes fit it (None: not measured).
+    ``recompute``: the engine's ``checkpoint=`` for the ``<policy>+recompute`` rows named in ``policies``
+    (:mod:`mixprec.programs.bench.recompute_rows`; ``"auto"``, ``"auto:1.5"``, ``"blocks.*"``, ...).
     """
 
     out: Path
@@ -120,8 +125,10 @@ class BenchConfig:
     seeds: int = 2
     eval_every: int | None = None
     memory_budget: str | None = None
+    recompute: str = DEFAULT_RECOMPUTE
 
     def __post_init__(self) -> None:
+        recompute_option(self.recompute)   # ValueError/TypeError naming it and what is allowed
         if self.memory_budget is not None:
             parse_bytes(self.memory_budget, name="bench memory_budget")   # ValueError naming it and the units
         if isinstance(self.seeds, bool) or not isinstance(self.seeds, int) or self.seeds < 1:
@@ -281,21 +288,6 @@ def judge_policies(entries: dict[str, PolicyRun], targets: Targets, *, noisy: bo
 ADVISED = "advised"  # --policies advised: run what `mixprec inspect` recommends for this workload
 
 
-def _portable_cost(config: BenchConfig, device: torch.device, runnable: list[str], progress: bool) -> dict | None:
-    """The step-time cost of ``ops=portable`` for the first runnable ``-mixed`` policy (interleaved against
-    ``ops=native`` in this process: :mod:`mixprec.programs.bench.portable_cost`); None under a strategy or on CUDA
-    (CUDA's autocast has these lists itself) or without such a policy."""
-    from mixprec.programs.bench.portable_cost import measure_portable_cost, ported_policy
-
-    policy = ported_policy(runnable)
-    if policy is None or config.strategy is not None or device.type == "cuda":
-        return None
-    if progress:
-        print(f"timing ops=portable against ops=native for {policy} (interleaved)", file=sys.stderr)
-    return measure_portable_cost(config.workload, policy, device, config=config.config_name, data=config.data,
-                                 lora=config.lora)
-
-
 def _retime(config: BenchConfig, entries: dict[str, PolicyRun], specs: dict[str, RunSpec], workdir: Path,
             progress: bool) -> tuple[dict[str, Any], dict[str, PolicyRun]]:
     """``timing="interleaved"``: time the rows that trained, interleaved (:mod:`mixprec.programs.bench.interleaved`), and
@@ -375,8 +367,9 @@ def run_bench(config: BenchConfig, *, capability: Capability | None = None, prog
     del workload
     peaks = cached_peaks(device)
     names, skip, advice = _plan(config, device, cap, progress)
-    plan = measure_bench_plan(config, device, cap, names, skip, progress)   # one attention plan, pinned for all
-    runnable = [n for n in names if skip[n] is None]
+    bases = {split_row(n)[0]: skip[n] for n in names}   # a recompute row's policy plans like its plain row
+    plan = measure_bench_plan(config, device, cap, list(bases), bases, progress)   # one attention plan, pinned for all
+    runnable = [n for n in bases if bases[n] is None]
     out = Path(config.out)
     workdir = out / "workers" if is_main_process() else out / "workers" / f"rank-{rank()}"
     workdir.mkdir(parents=True, exist_ok=True)
@@ -385,9 +378,10 @@ def run_bench(config: BenchConfig, *, capability: Capability | None = None, prog
                eval_every_for(config.steps) if config.eval_every is None else config.eval_every, plan)
     entries, specs, seed_noise = _train_rows(run, names, skip, progress)
     timing, entries = _retime(config, entries, specs, workdir, progress)
+    entries = with_recompute_ratios(entries)
     mfu_peak, entries = one_mfu_peak(entries, peaks)
     entries = judge_policies(entries, config.targets, noisy=timing["noisy"], seed_noise=seed_noise)
-    portable = _portable_cost(config, device, runnable, progress)
+    portable = bench_portable_cost(config, device, runnable, progress)
     results = BenchResults(
         created=time.strftime("%Y-%m-%dT%H:%M:%S%z"), command=config.command,
         settings=_settings(run, names), workload=description,
@@ -416,9 +410,9 @@ def _plan(config: BenchConfig, device: torch.device, cap: Capability, progress: 
         if progress and is_main_process():
             print(f"advised policy: {advised}\n  " + "\n  ".join(advice.reasons), file=sys.stderr)
     for name in names:  # a typo is an error, not a SKIPPED policy: only the device may refuse
-        if name.lower() != "auto":
-            Policy.parse(name)
-    skip = {name: plan_policy(name, device, cap, force=config.force) for name in names}
+        if split_row(name)[0].lower() != "auto":
+            Policy.parse(split_row(name)[0])
+    skip = {name: plan_policy(split_row(name)[0], device, cap, force=config.force) for name in names}
     if config.strategy is not None:
         init_process_group_from_env("cpu")   # the runners' own group: plans and ports, never tensors
         skip = from_main_process(skip)       # every rank runs the same policies in the same order
@@ -440,14 +434,16 @@ class _Run:
     op_plan: dict[str, Any] | None   # the bench's one attention plan (pinned_plan.measure_bench_plan)
 
     def spec(self, name: str, compiled: bool) -> RunSpec:
-        """The worker's spec for policy ``name`` (eager or compiled)."""
+        """The worker's spec for row ``name`` (a policy, or ``<policy>+recompute``; eager or compiled)."""
         config = self.config
+        name, recomputed = split_row(name)
         return RunSpec(workload=config.workload, policy=name, steps=config.steps, seed=config.seed,
                        config=config.config_name, data=config.data, lora=config.lora,
                        device="cuda" if config.strategy and self.device.type == "cuda" else str(self.device),  # LOCAL_RANK's
                        warmup_steps=self.warmup_steps, peaks_gflops=self.peaks_gflops, strategy=config.strategy,
                        compile=compiled, eval_every=self.eval_every, op_plan=pinned_for(self.op_plan, name),
-                       memory_budget=config.memory_budget)
+                       memory_budget=config.memory_budget,
+                       checkpoint=recompute_option(config.recompute) if recomputed else None)
 
 
 def _train_rows(run: _Run, names: list[str], skip: dict[str, str | None], progress: bool
@@ -475,11 +471,13 @@ def _train_rows(run: _Run, names: list[str], skip: dict[str, str | None], progre
                     "MASTER_PORT": str(from_main_process(_free_port() if is_main_process() else None))}
                 file_name = f"{index}{'c' if compiled else ''}-{''.join(c if c.isalnum() or c in '-_' else '_' for c in name)}"
                 result = _run_worker(spec, run.workdir, file_name, bar, env_update)
-                specs[row] = spec
+                recomputed = split_row(name)[1]   # timed with the plan its quality run used, not measured again
+                specs[row] = replace(spec, checkpoint=pinned_checkpoint(result.recompute_plan)) if recomputed else spec
                 if result.stage == "setup":  # the engine refused the policy: it did not run
-                    entries[row] = PolicyRun.skipped(name, f"the engine refused it: {result.error}")
+                    entries[row] = PolicyRun.skipped(spec.policy, f"the engine refused it: {result.error}")
                 else:
-                    entries[row] = replace(result, requested=name)
+                    entries[row] = replace(result, requested=spec.policy,
+                                           recompute=config.recompute if recomputed else None)
         seed_noise = _seed_noise(config, specs.get(REFERENCE), entries[REFERENCE], extra_seeds, run.workdir, bar)
     return entries, specs, seed_noise
 
@@ -492,4 +490,5 @@ def _settings(run: _Run, names: list[str]) -> dict[str, Any]:
             "steps": config.steps, "warmup_steps": run.warmup_steps, "compile": config.compile,
             "eval_every": run.eval_every, "seed": config.seed, "data": config.data, "lora": config.lora,
             "device": str(run.device), "force": config.force, "targets": asdict(config.targets),
-            "strategy": config.strategy, "world_size": world_size(), "memory_budget": config.memory_budget}
+            "strategy": config.strategy, "world_size": world_size(), "memory_budget": config.memory_budget,
+            "recompute": config.recompute if any(split_row(n)[1] for n in names) else None}

@@ -6,8 +6,12 @@
   profiler cost time: these steps are never timed, and they run after everything else the row reports was read
   (they change the weights; nothing is measured after them).
 * :func:`measure_batch_budget`: the same peak at two or three batch sizes (the training batch halved, as is, and
-  doubled: its rows repeated from the next batches of the same stream), each after one unmeasured step at that
-  size (first calls at a new shape plan kernels and allocate caches), fitted by :mod:`mixprec.memory.budget`.
+  doubled: rows from the next batches of the same stream), fitted by :mod:`mixprec.memory.budget`. The training
+  batch's own point is the step measured above when given (same engine, same shapes: it is not stepped again);
+  each new size is measured after one unmeasured step at that size (first calls at a new shape plan kernels,
+  e.g. the attention plan's key, and allocate caches: that must not land in the measured peak; a forward alone
+  left a few bytes of the first backward's in the measured step, 1-3 B off the line). Measuring every size
+  after a warm step cost 7 training batches' worth of rows per policy; reusing the batch's point, 5.
 """
 
 from __future__ import annotations
@@ -81,11 +85,14 @@ def budget_batch_sizes(batch: int) -> tuple[int, ...]:
     return tuple(sorted({max(1, batch // 2), batch, 2 * batch}))
 
 
-def measure_batch_budget(mp: MixedPrecision, workload: Workload, budget: str | int, seed: int) -> BatchBudget:
+def measure_batch_budget(mp: MixedPrecision, workload: Workload, budget: str | int, seed: int,
+                         measured: tuple[int, int] | None = None) -> BatchBudget:
     """The largest batch whose predicted peak live bytes fit ``budget`` (bytes or ``"4GiB"``) for this engine
     and workload: peaks at :func:`budget_batch_sizes` fitted to a line (:func:`mixprec.memory.budget.largest_batch`);
-    each size is stepped once unmeasured, then once measured, on batches of the training stream of ``seed``.
-    Batch sizes are in rows of the workload's batch (samples or sequences, not tokens). Host syncs: the steps'.
+    ``measured`` = ``(training batch rows, its peak live bytes)`` already measured on this engine (that size is not
+    stepped again); each other size gets one unmeasured step, then one measured step, on batches of the training
+    stream of ``seed``. Batch sizes are in rows of the workload's batch (samples or sequences, not tokens). Host
+    syncs: the steps'.
 
     Raises:
         ValueError: ``budget`` is not a size, or the workload's batch cannot be resized.
@@ -93,11 +100,13 @@ def measure_batch_budget(mp: MixedPrecision, workload: Workload, budget: str | i
     budget_bytes = parse_bytes(budget, name="memory_budget")
     stream = workload.batches("train", seed)
     rows = len(next(iter(next(workload.batches("train", seed)).values())))   # the training batch's rows
-    points = []
+    points = [measured] if measured is not None and measured[0] == rows else []
     for size in budget_batch_sizes(rows):
+        if points and size == points[0][0]:
+            continue
         _step(mp, workload, batch_of_size(stream, size))
         points.append((size, measure_step_memory(mp, workload, batch_of_size(stream, size)).live.total))
-    return largest_batch(points, budget_bytes)
+    return largest_batch(sorted(points), budget_bytes)
 
 
 def row_memory(mp: MixedPrecision, workload: Workload, batch: dict, *, seed: int,
@@ -107,16 +116,18 @@ def row_memory(mp: MixedPrecision, workload: Workload, batch: dict, *, seed: int
     (the workload's training batch). A measurement that fails is recorded as ``{"error": ...}`` in its key (shown
     in the report), never as a number; the training row stands."""
     fields: dict[str, Any] = {}
+    measured = None
     try:
         memory = measure_step_memory(mp, workload, batch)
         fields.update(saved_activation_bytes=memory.saved.total, peak_live_bytes=memory.live.total,
                       step_memory={"saved": memory.saved.as_dict(), "live": memory.live.as_dict(),
                                    "batch_rows": len(next(iter(batch.values())))})
+        measured = (len(next(iter(batch.values()))), memory.live.total)
     except Exception as err:   # e.g. a compiled graph the hooks cannot see into: said, not guessed
         fields["step_memory"] = {"error": f"{type(err).__name__}: {err}"}
     if budget is not None:
         try:
-            fields["memory_budget"] = measure_batch_budget(mp, workload, budget, seed).as_dict()
+            fields["memory_budget"] = measure_batch_budget(mp, workload, budget, seed, measured).as_dict()
         except Exception as err:
             fields["memory_budget"] = {"error": f"{type(err).__name__}: {err}", "budget": budget}
     return fields

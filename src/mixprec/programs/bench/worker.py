@@ -39,6 +39,7 @@ from mixprec.autocast import op_plan
 from mixprec.engine.mixed_precision import MixedPrecision
 from mixprec.engine.records import Event
 from mixprec.programs.bench.pinned_plan import pin_in_worker
+from mixprec.programs.bench.recompute_rows import plan_of
 from mixprec.programs.bench.results import PolicyRun
 from mixprec.programs.bench.step_memory import row_memory
 from mixprec.programs.session import build_engine, evaluate, train_step
@@ -71,6 +72,8 @@ class RunSpec:
     :mod:`mixprec.programs.bench.pinned_plan`), pinned before the engine is built; empty: the worker plans itself.
     ``memory_budget`` (``"4GiB"``): also the largest batch whose predicted peak live bytes fit it
     (:func:`mixprec.programs.bench.step_memory.measure_batch_budget`); None: not measured.
+    ``checkpoint``: the engine's recompute option (``MixedPrecision(checkpoint=...)``: ``"auto"``, names), None:
+    none; the row then carries the plan its engine ran (:mod:`mixprec.programs.bench.recompute_rows`).
     """
 
     workload: str
@@ -89,6 +92,7 @@ class RunSpec:
     eval_every: int = 0
     op_plan: dict[str, str] = field(default_factory=dict)
     memory_budget: str | None = None
+    checkpoint: str | list[str] | None = None
 
     def __post_init__(self) -> None:
         if isinstance(self.eval_every, bool) or not isinstance(self.eval_every, int) or self.eval_every < 0:
@@ -171,13 +175,15 @@ def run_policy(spec: RunSpec, progress: Callable[[int], None] | None = None) -> 
     pin_in_worker(spec.op_plan, spec.device)   # the bench's one attention plan, not this process's own measurement
     try:
         mp = build_engine(workload, spec.policy, steps=spec.steps, seed=spec.seed, device=spec.device,
-                          strategy=spec.strategy, compile=spec.compile)
+                          strategy=spec.strategy, compile=spec.compile, checkpoint=spec.checkpoint)
     except (ValueError, TypeError) as err:
         raise SetupError(f"{type(err).__name__}: {err}") from err
     record = _train(mp, workload, spec, progress)
     eval_metrics = evaluate(mp, workload)
     record.eval_curve.append([spec.steps, _finite_or_none(eval_metrics["loss"])])
     row = _policy_run(mp, workload, spec, record, eval_metrics, start_wall)   # read before the memory steps
+    if spec.checkpoint is not None:
+        row = dataclasses.replace(row, recompute_plan=plan_of(mp))
     batch = next(shard_batches(workload.batches("train", spec.seed)))
     return dataclasses.replace(row, **row_memory(mp, workload, batch, seed=spec.seed, budget=spec.memory_budget))
 
