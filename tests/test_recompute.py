@@ -62,7 +62,7 @@ def _assert_equal(got, want):
         assert torch.equal(got[name], want[name]), name
 
 
-@pytest.mark.parametrize("policy", ["fp32", "bf16-lean"])
+@pytest.mark.parametrize("policy", ["fp32", "bf16-lean", "bf16-mixed"])
 @pytest.mark.parametrize("checkpoint, mode", [("blocks.*", "full"), (["selective:blocks.*"], "selective")])
 def test_recompute_gives_the_same_weights_bit_for_bit(gpt, policy, checkpoint, mode):
     workload, batches = gpt
@@ -91,10 +91,11 @@ def test_selective_keeps_matmul_and_attention_outputs_and_recomputes_the_rest():
         assert keep_matmuls(None, cheap) == torch.utils.checkpoint.CheckpointPolicy.PREFER_RECOMPUTE
 
 
-def test_auto_measures_each_block_records_the_plan_and_trains_bit_exactly(gpt):
+@pytest.mark.parametrize("policy", ["bf16-lean", "bf16-mixed"])   # bf16-mixed: the measurement warms the casts
+def test_auto_measures_each_block_records_the_plan_and_trains_bit_exactly(gpt, policy):
     workload, batches = gpt
-    want = _train(_engine(workload, "bf16-lean", None), workload, batches[:STEPS])
-    mp = _engine(workload, "bf16-lean", "auto")
+    want = _train(_engine(workload, policy, None), workload, batches[:STEPS])
+    mp = _engine(workload, policy, "auto")
     assert repeated_blocks(mp.module) == ["blocks.0", "blocks.1"]
     assert "; recompute auto: pending, each of 2 blocks measured at its first training call" in mp.decision
     _assert_equal(_train(mp, workload, batches[:STEPS]), want)
@@ -108,6 +109,34 @@ def test_auto_measures_each_block_records_the_plan_and_trains_bit_exactly(gpt):
         assert full == 4 * 32 * 32 * mp.policy.param_dtype.itemsize   # its (B, T, C) input: the residual stream (bf16)
         assert block.mode == choose_mode(block.saved_bytes, block.seconds, 1.3) and min(block.seconds) > 0
     assert plan.note() in mp.decision and "pending" not in mp.decision
+
+
+@pytest.mark.parametrize("checkpoint", ["blocks.*", "selective:blocks.*", "auto:1000"])
+def test_two_forwards_in_one_autocast_region_recompute_under_bf16_mixed(gpt, checkpoint):
+    # Without recompute autocast casts each weight once per region and both forwards share that bf16 copy: its
+    # two gradients add up in bf16 there; so with whole-block recompute (the forward's graph is kept). A selective
+    # block casts afresh in its forward and its recompute (the cast cache off inside it, else the op counts of
+    # torch's selective checkpoint disagree): its weights' gradients add up in fp32 at the weight, as without
+    # recompute and without the cache; the other weights' as without recompute.
+    workload, batches = gpt
+    cached, uncached = (_two_forwards(workload, batches, None, cache) for cache in (True, False))
+    got = _two_forwards(workload, batches, checkpoint, True)
+    for name in got:
+        fresh = checkpoint.startswith("selective") and name.startswith("blocks.")
+        assert torch.equal(got[name], (uncached if fresh else cached)[name]), name
+    assert any(not torch.equal(cached[n], uncached[n]) for n in got)   # the two sums do differ
+
+
+def _two_forwards(workload, batches, checkpoint, cache):
+    mp = _engine(workload, "bf16-mixed", checkpoint)
+    with mp.autocast(), torch.autocast("cpu", torch.bfloat16, cache_enabled=cache):
+        loss = sum(workload.loss(mp.model, mp.cast_inputs(batch)) for batch in batches[:2])
+    mp.backward(loss)
+    return {n: p.grad.clone() for n, p in zip(_names(mp), mp.master_parameters())}
+
+
+def _names(mp):
+    return [n for n, _ in mp.module.named_parameters()]
 
 
 def test_choose_mode_takes_the_fewest_bytes_within_the_time_bound():
@@ -251,18 +280,19 @@ def test_ddp_ranks_run_one_plan_and_the_same_weights_as_without_it(tmp_path):
 
 
 @pytest.mark.filterwarnings("ignore:--resume with --steps")
-def test_train_cli_recompute_auto_prints_and_checkpoints_the_plan(tmp_path, capsys):
+@pytest.mark.parametrize("policy", ["fp32", "bf16-mixed"])
+def test_train_cli_recompute_auto_prints_and_checkpoints_the_plan(tmp_path, capsys, policy):
     from mixprec.checkpoint import read_manifest
     from mixprec.programs.cli import main
 
     out = tmp_path / "run"
-    assert main(["train", "--workload", "gpt", "--config", "tiny", "--policy", "fp32", "--steps", "2",
+    assert main(["train", "--workload", "gpt", "--config", "tiny", "--policy", policy, "--steps", "2",
                  "--out", str(out), "--recompute", "auto"]) == 0
     printed = capsys.readouterr()
     assert "recompute auto: pending" in printed.err and "recompute plan auto <= 1.3: blocks.0 " in printed.out
     plans = [e for e in read_manifest(out / "checkpoints")["events"] if e["kind"] == "recompute"]
     assert len(plans) == 1 and plans[0]["detail"] in printed.out
-    assert main(["train", "--workload", "gpt", "--config", "tiny", "--policy", "fp32", "--steps", "3",
+    assert main(["train", "--workload", "gpt", "--config", "tiny", "--policy", policy, "--steps", "3",
                  "--out", str(out), "--recompute", "auto", "--resume"]) == 0
     resumed = [e for e in read_manifest(out / "checkpoints")["events"] if e["kind"] == "recompute"]
     assert [e["cause"] for e in resumed] == ["auto", "loaded"]   # the saved plan, not measured again

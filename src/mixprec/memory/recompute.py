@@ -14,11 +14,13 @@ through :class:`mixprec.memory.saved.SavedTensorCounter`; under recompute, the i
 outputs the policy keeps, each storage once, parameters left out) and forward+backward seconds in each mode
 (:mod:`mixprec.machine.timing`, modes interleaved, median), then takes the mode keeping the fewest bytes whose
 time is at most ``max_ratio`` times the block's time without recompute. Measuring forks the RNG: the run's
-random stream is the one it would be without it.
+random stream is the one it would be without it; it runs with autocast's cast cache off, leaving the region's cache
+as it was.
 """
 
 from __future__ import annotations
 
+import contextlib
 import fnmatch
 import functools
 import re
@@ -266,7 +268,8 @@ def measure_block(forward: Callable[..., Any], params: list[torch.Tensor], args:
                if isinstance(t, torch.Tensor) and t.requires_grad]
         torch.autograd.grad(sum(t.float().sum() for t in out), wrt, allow_unused=True)
 
-    with torch.random.fork_rng(devices=fork, device_type=device.type if fork else "cuda"), torch.enable_grad():
+    with torch.random.fork_rng(devices=fork, device_type=device.type if fork else "cuda"), torch.enable_grad(), \
+            _uncached_casts(device):   # leaves the region's cast cache as it was: the real forward then casts
         saved = tuple(_kept_bytes(forward, m, args, kwargs, params) for m in MODES)
         times: dict[str, list[float]] = {m: [] for m in MODES}
         for round_ in range(repeats + 1):
@@ -274,6 +277,16 @@ def measure_block(forward: Callable[..., Any], params: list[torch.Tensor], args:
                 seconds = time_call(lambda: step(mode), device)
                 times[mode] += [seconds] if round_ else []
     return saved, tuple(statistics.median(times[m]) for m in MODES)
+
+
+def _uncached_casts(device: torch.device) -> contextlib.ExitStack:
+    """The current autocast states of ``cpu`` and ``device`` with autocast's cast cache off (entered)."""
+    stack = contextlib.ExitStack()
+    for device_type in dict.fromkeys(("cpu", device.type)):
+        if torch.amp.is_autocast_available(device_type) and torch.is_autocast_enabled(device_type):
+            stack.enter_context(torch.autocast(device_type, dtype=torch.get_autocast_dtype(device_type),
+                                               cache_enabled=False))
+    return stack
 
 
 def choose_mode(saved_bytes: tuple[int, int, int], seconds: tuple[float, float, float], max_ratio: float) -> str:
