@@ -329,3 +329,69 @@ def test_a_plan_naming_modules_this_model_lacks_is_refused_before_anything_chang
         mp.load_state_dict(state | {"recompute": {"text": "recompute plan layers.*: layers.0 full"}})
     _assert_equal({n: p.detach() for n, p in mp.module.named_parameters()}, before)
     assert mp.applied_steps == 1
+
+
+class _Residual(torch.nn.Module):
+    def __init__(self, width: int = 16) -> None:
+        super().__init__()
+        self.norm, self.up, self.down = torch.nn.LayerNorm(width), torch.nn.Linear(width, 4 * width), \
+            torch.nn.Linear(4 * width, width)
+
+    def forward(self, x):
+        return x + self.down(torch.nn.functional.gelu(self.up(self.norm(x))))
+
+
+class _Critic(torch.nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.blocks, self.head = torch.nn.ModuleList(_Residual() for _ in range(2)), torch.nn.Linear(16, 1)
+
+    def forward(self, x):
+        for block in self.blocks:
+            x = block(x)
+        return self.head(x).float().mean()
+
+
+def _gradient_penalty_grads(policy, checkpoint, with_loss=True):
+    # WGAN-GP: the critic's loss on real and fake samples plus the penalty on the norm of its input gradient at
+    # their interpolates (the double backward recomputes each selective block a second time)
+    torch.manual_seed(0)
+    critic = _Critic()
+    mp = MixedPrecision(critic, mixprec.optim.AdamW(critic.parameters()), policy, device="cpu", checkpoint=checkpoint)
+    real, fake = (mp.cast_inputs(torch.randn(4, 8, 16)) for _ in range(2))
+    mixed = mp.cast_inputs(torch.lerp(real.float(), fake.float(), torch.rand(4, 1, 1))).requires_grad_(True)
+    with mp.autocast():
+        loss, score = mp.model(fake) - mp.model(real), mp.model(mixed)
+    (dx,) = torch.autograd.grad(score, mixed, create_graph=True)
+    mp.backward(loss * with_loss + 10 * (dx.float().norm(dim=-1) - 1).square().mean())
+    return {n: p.grad.clone() for n, p in zip(_names(mp), mp.master_parameters())}
+
+
+@pytest.mark.parametrize("policy", ["fp32", "bf16-mixed"])
+def test_a_wgan_gp_penalty_through_whole_block_recompute_equals_it_without_recompute(policy):
+    want, got = (_gradient_penalty_grads(policy, c) for c in (None, "blocks.*"))
+    _assert_equal(got, want)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_a_double_backward_through_ops_checkpoint_selective_equals_it_without_recompute(dtype):
+    # each recompute enters a fresh context (it once reused a spent one: "'_GeneratorContextManager' object has no
+    # attribute 'args'"); a double backward that needs the region's kept outputs a second time is refused by torch
+    # ("backward an extra time"): docs/engine.md says to use whole-block recompute for such a penalty
+    from mixprec import ops
+
+    torch.manual_seed(0)
+    lin = torch.nn.Linear(8, 8)
+    x = torch.randn(4, 8, requires_grad=True)
+
+    def block(t):
+        return t + lin(torch.nn.functional.gelu(torch.layer_norm(t, (8,))))
+
+    def grads(selective):
+        with torch.autocast("cpu", dtype, enabled=dtype != torch.float32):
+            out = ops.checkpoint(block, x, selective=keep_matmuls) if selective else block(x)
+        (dx,) = torch.autograd.grad(out.float().sum(), x, create_graph=True)
+        return torch.autograd.grad(dx.float().square().sum(), [x, lin.weight])
+
+    for got, want in zip(grads(True), grads(False)):
+        assert torch.equal(got, want)
