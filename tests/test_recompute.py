@@ -395,3 +395,20 @@ def test_a_double_backward_through_ops_checkpoint_selective_equals_it_without_re
 
     for got, want in zip(grads(True), grads(False)):
         assert torch.equal(got, want)
+
+
+def test_a_compiled_model_of_ten_auto_blocks_compiles_each_block_once_and_matches_eager(gpt):
+    # each block's wrapper was traced as its own frame guarding on the block's name: the ninth hit dynamo's
+    # recompile limit (8) and ran eagerly, with a warning
+    import dataclasses
+
+    import torch._dynamo
+    from mixprec.workloads.gpt import GPT_CONFIGS
+
+    workload, batches = GPTWorkload(dataclasses.replace(GPT_CONFIGS["tiny"], n_layer=10)), gpt[1]
+    want = _train(_engine(workload, "fp32", None), workload, batches[:2])
+    torch._dynamo.reset()
+    with torch._dynamo.config.patch(fail_on_recompile_limit_hit=True):
+        mp = _engine(workload, "fp32", "auto:1000", compile={"backend": "eager"})
+        _assert_equal(_train(mp, workload, batches[:2]), want)
+    assert [b.mode for b in _plan(mp).blocks] == ["full"] * 10

@@ -295,9 +295,19 @@ def choose_mode(saved_bytes: tuple[int, int, int], seconds: tuple[float, float, 
     return min(fits, key=lambda m: (saved_bytes[MODES.index(m)], MODES.index(m)))
 
 
+def _settled(forward: Callable[..., Any], mode: str) -> Callable[..., Any]:
+    """``forward`` run in ``mode``: one code object for every block, no per-block value looked up (a traced model
+    inlines each block's call, one graph for all)."""
+    def recomputed(*args: Any, **kwargs: Any) -> Any:
+        return _run(forward, mode, args, kwargs)
+    recomputed.__wrapped__ = forward   # type: ignore[attr-defined]
+    return recomputed
+
+
 class RecomputedForwards:
     """Installs the plan: each named block's ``forward`` becomes a wrapper running it in its mode (``"pending"``:
-    calls ``on_pending(name, block, args, kwargs)`` at its first training call, which returns the mode).
+    runs eagerly, never traced, and calls ``on_pending(name, forward, args, kwargs)`` at its first training call,
+    which returns the mode the block then runs in).
     :meth:`remove` restores the blocks' own ``forward``."""
 
     def __init__(self, model: nn.Module, modes: dict[str, str],
@@ -309,18 +319,18 @@ class RecomputedForwards:
             block.forward = self._wrap(name, block.forward)
 
     def _wrap(self, name: str, forward: Callable[..., Any]) -> Callable[..., Any]:
-        def recomputed(*args: Any, **kwargs: Any) -> Any:
-            mode = self.modes[name]
-            if mode == "pending" and torch.is_grad_enabled() and self._blocks[name].training:
-                mode = self._measure(name, forward, args, kwargs)
-            return _run(forward, "none" if mode == "pending" else mode, args, kwargs)
-        recomputed.__wrapped__ = forward   # type: ignore[attr-defined]
-        return recomputed
+        if self.modes[name] != "pending":
+            return _settled(forward, self.modes[name])
 
-    @torch.compiler.disable
-    def _measure(self, name: str, forward: Callable[..., Any], args: tuple, kwargs: dict) -> str:
-        self.modes[name] = self._on_pending(name, forward, args, kwargs)
-        return self.modes[name]
+        @torch.compiler.disable   # eager until measured: no traced frame per block (dynamo's recompile limit)
+        def pending(*args: Any, **kwargs: Any) -> Any:
+            if not (torch.is_grad_enabled() and self._blocks[name].training):
+                return forward(*args, **kwargs)
+            self.modes[name] = self._on_pending(name, forward, args, kwargs)
+            self._blocks[name].forward = _settled(forward, self.modes[name])   # traced inline from now on
+            return _run(forward, self.modes[name], args, kwargs)
+        pending.__wrapped__ = forward   # type: ignore[attr-defined]
+        return pending
 
     def remove(self) -> None:
         for block in self._blocks.values():
