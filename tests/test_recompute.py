@@ -24,7 +24,7 @@ import torch.multiprocessing as torch_mp
 import mixprec
 import mixprec.optim
 from mixprec import MixedPrecision
-from mixprec.memory.recompute import MODES, RecomputePlan, choose_mode, keep_matmuls, repeated_blocks
+from mixprec.memory.recompute import MODES, BlockPlan, RecomputePlan, choose_mode, keep_matmuls, repeated_blocks
 from mixprec.memory.saved import saved_bytes
 from mixprec.workloads.gpt import GPTWorkload
 
@@ -291,12 +291,13 @@ def test_train_cli_recompute_auto_prints_and_checkpoints_the_plan(tmp_path, caps
     printed = capsys.readouterr()
     assert "recompute auto: pending" in printed.err and "recompute plan auto <= 1.3: blocks.0 " in printed.out
     plans = [e for e in read_manifest(out / "checkpoints")["events"] if e["kind"] == "recompute"]
-    assert len(plans) == 1 and plans[0]["detail"] in printed.out
+    shown = RecomputePlan.from_text(plans[0]["detail"]).text(readable=True)   # ms to 3 significant digits
+    assert len(plans) == 1 and shown in printed.out and " ms]" in shown
     assert main(["train", "--workload", "gpt", "--config", "tiny", "--policy", policy, "--steps", "3",
                  "--out", str(out), "--recompute", "auto", "--resume"]) == 0
     resumed = [e for e in read_manifest(out / "checkpoints")["events"] if e["kind"] == "recompute"]
     assert [e["cause"] for e in resumed] == ["auto", "loaded"]   # the saved plan, not measured again
-    assert resumed[1]["detail"] == plans[0]["detail"] and plans[0]["detail"] in capsys.readouterr().out
+    assert resumed[1]["detail"] == plans[0]["detail"] and shown in capsys.readouterr().out
 
 
 def test_ops_checkpoint_selective_recomputes_under_the_forwards_autocast_in_a_backward_outside_it():
@@ -412,3 +413,14 @@ def test_a_compiled_model_of_ten_auto_blocks_compiles_each_block_once_and_matche
         mp = _engine(workload, "fp32", "auto:1000", compile={"backend": "eager"})
         _assert_equal(_train(mp, workload, batches[:2]), want)
     assert [b.mode for b in _plan(mp).blocks] == ["full"] * 10
+
+
+def test_readable_plan_shows_milliseconds_to_three_significant_digits_and_none_means_no_recompute(gpt):
+    seconds = (0.06012318800276262, 0.0712, 2.5e-05)
+    plan = RecomputePlan("auto", (BlockPlan("blocks.0", "full", (4096, 2048, 512), seconds),), 1.3)
+    assert plan.text(readable=True) == "recompute plan auto <= 1.3: blocks.0 full [saved 4096/2048/512 B; fwd+bwd " \
+                                       "60.1/71.2/0.025 ms]"
+    assert RecomputePlan.from_text(plan.text()) == plan   # the event's text keeps every digit
+    workload, _ = gpt
+    mp = _engine(workload, "fp32", "none")   # the docs' mode name: no recompute
+    assert "recompute" not in mp.decision and "forward" not in vars(mp.module.blocks[0])

@@ -46,7 +46,7 @@ __all__ = ["MODES", "BlockPlan", "RecomputePlan", "RecomputeRequest", "parse_req
 MODES = ("none", "selective", "full")
 DEFAULT_MAX_RATIO = 1.3   # issue 27: at most 1.3x the step time without recompute
 _ARG = "checkpoint"
-_ALLOWED = ("None (no recompute), 'auto' or 'auto:<max time ratio>' (e.g. 'auto:1.5'), a module name or glob "
+_ALLOWED = ("None or 'none' (no recompute), 'auto' or 'auto:<max time ratio>' (e.g. 'auto:1.5'), a module name or glob "
             "('blocks.*'), or a list of them; prefix a name with 'selective:' to keep matmul outputs")
 
 
@@ -78,10 +78,15 @@ class BlockPlan:
     saved_bytes: tuple[int, int, int] | None = None
     seconds: tuple[float, float, float] | None = None
 
-    def text(self) -> str:
+    def text(self, readable: bool = False) -> str:
+        """``name mode [saved none/selective/full B; fwd+bwd ... s]``; ``readable``: milliseconds to 3 significant
+        digits (for people; the default text keeps every digit and parses back)."""
         if self.saved_bytes is None or self.seconds is None:
             return f"{self.name} {self.mode}"
         saved = "/".join(str(b) for b in self.saved_bytes)
+        if readable:
+            ms = "/".join(f"{s * 1e3:.3g}" for s in self.seconds)
+            return f"{self.name} {self.mode} [saved {saved} B; fwd+bwd {ms} ms]"
         return f"{self.name} {self.mode} [saved {saved} B; fwd+bwd {'/'.join(repr(s) for s in self.seconds)} s]"
 
 
@@ -115,9 +120,10 @@ class RecomputePlan:
                 f"{after / 2**20:.2f} MiB for backward instead of {before / 2**20:.2f} MiB at {slower:.2f}x their "
                 "forward+backward time")
 
-    def text(self) -> str:
+    def text(self, readable: bool = False) -> str:
+        """The plan on one line; ``readable``: times in ms to 3 significant digits (printed, not parsed back)."""
         bound = "" if self.max_ratio is None else f" <= {self.max_ratio!r}"
-        return f"recompute plan {self.request}{bound}: " + ", ".join(b.text() for b in self.blocks)
+        return f"recompute plan {self.request}{bound}: " + ", ".join(b.text(readable) for b in self.blocks)
 
     @classmethod
     def from_text(cls, text: str) -> RecomputePlan:
@@ -148,7 +154,7 @@ class RecomputeRequest:
 def parse_request(value: Any) -> RecomputeRequest:
     """``MixedPrecision(checkpoint=value)`` as a :class:`RecomputeRequest`. ValueError/TypeError naming the
     argument, the value and what is allowed."""
-    if value is None or value is False:
+    if value is None or value is False or value == "none":
         return RecomputeRequest("off")
     if isinstance(value, str) and (value == "auto" or value.startswith("auto:")):
         ratio = value[5:] or str(DEFAULT_MAX_RATIO)
