@@ -316,7 +316,9 @@ def checkpoint(fn: Callable[..., Any], *args: Any, preserve_rng_state: bool = Tr
         selective: a selective-checkpoint policy (``policy_fn(ctx, op, *args, **kwargs)`` returning a
             ``torch.utils.checkpoint.CheckpointPolicy``, as ``create_selective_checkpoint_contexts`` takes): the
             outputs of the ops it marks ``MUST_SAVE`` are kept from the forward, only the others are recomputed
-            (:mod:`mixprec.memory.recompute`). None: the whole of ``fn`` is recomputed.
+            (:mod:`mixprec.memory.recompute`). None: the whole of ``fn`` is recomputed. A selective region runs
+            its forward and recompute with autocast's cast cache off (each casts afresh: the op counts torch's
+            selective checkpoint compares then agree even after an earlier forward in the same autocast region).
 
     Returns:
         ``fn``'s output. Shapes and dtypes are ``fn``'s own. No host sync.
