@@ -24,7 +24,7 @@ import torch.multiprocessing as torch_mp
 import mixprec
 import mixprec.optim
 from mixprec import MixedPrecision
-from mixprec.memory.recompute import MODES, RecomputePlan, choose_mode, keep_matmuls, repeated_blocks
+from mixprec.memory.recompute import MODES, BlockPlan, RecomputePlan, choose_mode, keep_matmuls, repeated_blocks
 from mixprec.memory.saved import saved_bytes
 from mixprec.workloads.gpt import GPTWorkload
 
@@ -62,7 +62,7 @@ def _assert_equal(got, want):
         assert torch.equal(got[name], want[name]), name
 
 
-@pytest.mark.parametrize("policy", ["fp32", "bf16-lean"])
+@pytest.mark.parametrize("policy", ["fp32", "bf16-lean", "bf16-mixed"])
 @pytest.mark.parametrize("checkpoint, mode", [("blocks.*", "full"), (["selective:blocks.*"], "selective")])
 def test_recompute_gives_the_same_weights_bit_for_bit(gpt, policy, checkpoint, mode):
     workload, batches = gpt
@@ -91,10 +91,11 @@ def test_selective_keeps_matmul_and_attention_outputs_and_recomputes_the_rest():
         assert keep_matmuls(None, cheap) == torch.utils.checkpoint.CheckpointPolicy.PREFER_RECOMPUTE
 
 
-def test_auto_measures_each_block_records_the_plan_and_trains_bit_exactly(gpt):
+@pytest.mark.parametrize("policy", ["bf16-lean", "bf16-mixed"])   # bf16-mixed: the measurement warms the casts
+def test_auto_measures_each_block_records_the_plan_and_trains_bit_exactly(gpt, policy):
     workload, batches = gpt
-    want = _train(_engine(workload, "bf16-lean", None), workload, batches[:STEPS])
-    mp = _engine(workload, "bf16-lean", "auto")
+    want = _train(_engine(workload, policy, None), workload, batches[:STEPS])
+    mp = _engine(workload, policy, "auto")
     assert repeated_blocks(mp.module) == ["blocks.0", "blocks.1"]
     assert "; recompute auto: pending, each of 2 blocks measured at its first training call" in mp.decision
     _assert_equal(_train(mp, workload, batches[:STEPS]), want)
@@ -108,6 +109,34 @@ def test_auto_measures_each_block_records_the_plan_and_trains_bit_exactly(gpt):
         assert full == 4 * 32 * 32 * mp.policy.param_dtype.itemsize   # its (B, T, C) input: the residual stream (bf16)
         assert block.mode == choose_mode(block.saved_bytes, block.seconds, 1.3) and min(block.seconds) > 0
     assert plan.note() in mp.decision and "pending" not in mp.decision
+
+
+@pytest.mark.parametrize("checkpoint", ["blocks.*", "selective:blocks.*", "auto:1000"])
+def test_two_forwards_in_one_autocast_region_recompute_under_bf16_mixed(gpt, checkpoint):
+    # Without recompute autocast casts each weight once per region and both forwards share that bf16 copy: its
+    # two gradients add up in bf16 there; so with whole-block recompute (the forward's graph is kept). A selective
+    # block casts afresh in its forward and its recompute (the cast cache off inside it, else the op counts of
+    # torch's selective checkpoint disagree): its weights' gradients add up in fp32 at the weight, as without
+    # recompute and without the cache; the other weights' as without recompute.
+    workload, batches = gpt
+    cached, uncached = (_two_forwards(workload, batches, None, cache) for cache in (True, False))
+    got = _two_forwards(workload, batches, checkpoint, True)
+    for name in got:
+        fresh = checkpoint.startswith("selective") and name.startswith("blocks.")
+        assert torch.equal(got[name], (uncached if fresh else cached)[name]), name
+    assert any(not torch.equal(cached[n], uncached[n]) for n in got)   # the two sums do differ
+
+
+def _two_forwards(workload, batches, checkpoint, cache):
+    mp = _engine(workload, "bf16-mixed", checkpoint)
+    with mp.autocast(), torch.autocast("cpu", torch.bfloat16, cache_enabled=cache):
+        loss = sum(workload.loss(mp.model, mp.cast_inputs(batch)) for batch in batches[:2])
+    mp.backward(loss)
+    return {n: p.grad.clone() for n, p in zip(_names(mp), mp.master_parameters())}
+
+
+def _names(mp):
+    return [n for n, _ in mp.module.named_parameters()]
 
 
 def test_choose_mode_takes_the_fewest_bytes_within_the_time_bound():
@@ -251,22 +280,24 @@ def test_ddp_ranks_run_one_plan_and_the_same_weights_as_without_it(tmp_path):
 
 
 @pytest.mark.filterwarnings("ignore:--resume with --steps")
-def test_train_cli_recompute_auto_prints_and_checkpoints_the_plan(tmp_path, capsys):
+@pytest.mark.parametrize("policy", ["fp32", "bf16-mixed"])
+def test_train_cli_recompute_auto_prints_and_checkpoints_the_plan(tmp_path, capsys, policy):
     from mixprec.checkpoint import read_manifest
     from mixprec.programs.cli import main
 
     out = tmp_path / "run"
-    assert main(["train", "--workload", "gpt", "--config", "tiny", "--policy", "fp32", "--steps", "2",
+    assert main(["train", "--workload", "gpt", "--config", "tiny", "--policy", policy, "--steps", "2",
                  "--out", str(out), "--recompute", "auto"]) == 0
     printed = capsys.readouterr()
     assert "recompute auto: pending" in printed.err and "recompute plan auto <= 1.3: blocks.0 " in printed.out
     plans = [e for e in read_manifest(out / "checkpoints")["events"] if e["kind"] == "recompute"]
-    assert len(plans) == 1 and plans[0]["detail"] in printed.out
-    assert main(["train", "--workload", "gpt", "--config", "tiny", "--policy", "fp32", "--steps", "3",
+    shown = RecomputePlan.from_text(plans[0]["detail"]).text(readable=True)   # ms to 3 significant digits
+    assert len(plans) == 1 and shown in printed.out and " ms]" in shown
+    assert main(["train", "--workload", "gpt", "--config", "tiny", "--policy", policy, "--steps", "3",
                  "--out", str(out), "--recompute", "auto", "--resume"]) == 0
     resumed = [e for e in read_manifest(out / "checkpoints")["events"] if e["kind"] == "recompute"]
     assert [e["cause"] for e in resumed] == ["auto", "loaded"]   # the saved plan, not measured again
-    assert resumed[1]["detail"] == plans[0]["detail"] and plans[0]["detail"] in capsys.readouterr().out
+    assert resumed[1]["detail"] == plans[0]["detail"] and shown in capsys.readouterr().out
 
 
 def test_ops_checkpoint_selective_recomputes_under_the_forwards_autocast_in_a_backward_outside_it():
@@ -299,3 +330,97 @@ def test_a_plan_naming_modules_this_model_lacks_is_refused_before_anything_chang
         mp.load_state_dict(state | {"recompute": {"text": "recompute plan layers.*: layers.0 full"}})
     _assert_equal({n: p.detach() for n, p in mp.module.named_parameters()}, before)
     assert mp.applied_steps == 1
+
+
+class _Residual(torch.nn.Module):
+    def __init__(self, width: int = 16) -> None:
+        super().__init__()
+        self.norm, self.up, self.down = torch.nn.LayerNorm(width), torch.nn.Linear(width, 4 * width), \
+            torch.nn.Linear(4 * width, width)
+
+    def forward(self, x):
+        return x + self.down(torch.nn.functional.gelu(self.up(self.norm(x))))
+
+
+class _Critic(torch.nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.blocks, self.head = torch.nn.ModuleList(_Residual() for _ in range(2)), torch.nn.Linear(16, 1)
+
+    def forward(self, x):
+        for block in self.blocks:
+            x = block(x)
+        return self.head(x).float().mean()
+
+
+def _gradient_penalty_grads(policy, checkpoint, with_loss=True):
+    # WGAN-GP: the critic's loss on real and fake samples plus the penalty on the norm of its input gradient at
+    # their interpolates (the double backward recomputes each selective block a second time)
+    torch.manual_seed(0)
+    critic = _Critic()
+    mp = MixedPrecision(critic, mixprec.optim.AdamW(critic.parameters()), policy, device="cpu", checkpoint=checkpoint)
+    real, fake = (mp.cast_inputs(torch.randn(4, 8, 16)) for _ in range(2))
+    mixed = mp.cast_inputs(torch.lerp(real.float(), fake.float(), torch.rand(4, 1, 1))).requires_grad_(True)
+    with mp.autocast():
+        loss, score = mp.model(fake) - mp.model(real), mp.model(mixed)
+    (dx,) = torch.autograd.grad(score, mixed, create_graph=True)
+    mp.backward(loss * with_loss + 10 * (dx.float().norm(dim=-1) - 1).square().mean())
+    return {n: p.grad.clone() for n, p in zip(_names(mp), mp.master_parameters())}
+
+
+@pytest.mark.parametrize("policy", ["fp32", "bf16-mixed"])
+def test_a_wgan_gp_penalty_through_whole_block_recompute_equals_it_without_recompute(policy):
+    want, got = (_gradient_penalty_grads(policy, c) for c in (None, "blocks.*"))
+    _assert_equal(got, want)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_a_double_backward_through_ops_checkpoint_selective_equals_it_without_recompute(dtype):
+    # each recompute enters a fresh context (it once reused a spent one: "'_GeneratorContextManager' object has no
+    # attribute 'args'"); a double backward that needs the region's kept outputs a second time is refused by torch
+    # ("backward an extra time"): docs/engine.md says to use whole-block recompute for such a penalty
+    from mixprec import ops
+
+    torch.manual_seed(0)
+    lin = torch.nn.Linear(8, 8)
+    x = torch.randn(4, 8, requires_grad=True)
+
+    def block(t):
+        return t + lin(torch.nn.functional.gelu(torch.layer_norm(t, (8,))))
+
+    def grads(selective):
+        with torch.autocast("cpu", dtype, enabled=dtype != torch.float32):
+            out = ops.checkpoint(block, x, selective=keep_matmuls) if selective else block(x)
+        (dx,) = torch.autograd.grad(out.float().sum(), x, create_graph=True)
+        return torch.autograd.grad(dx.float().square().sum(), [x, lin.weight])
+
+    for got, want in zip(grads(True), grads(False)):
+        assert torch.equal(got, want)
+
+
+def test_a_compiled_model_of_ten_auto_blocks_compiles_each_block_once_and_matches_eager(gpt):
+    # each block's wrapper was traced as its own frame guarding on the block's name: the ninth hit dynamo's
+    # recompile limit (8) and ran eagerly, with a warning
+    import dataclasses
+
+    import torch._dynamo
+    from mixprec.workloads.gpt import GPT_CONFIGS
+
+    workload, batches = GPTWorkload(dataclasses.replace(GPT_CONFIGS["tiny"], n_layer=10)), gpt[1]
+    want = _train(_engine(workload, "fp32", None), workload, batches[:2])
+    torch._dynamo.reset()
+    with torch._dynamo.config.patch(fail_on_recompile_limit_hit=True):
+        mp = _engine(workload, "fp32", "auto:1000", compile={"backend": "eager"})
+        _assert_equal(_train(mp, workload, batches[:2]), want)
+    assert [b.mode for b in _plan(mp).blocks] == ["full"] * 10
+
+
+def test_readable_plan_shows_milliseconds_to_three_significant_digits_and_none_means_no_recompute(gpt):
+    seconds = (0.06012318800276262, 0.0712, 2.5e-05)
+    plan = RecomputePlan("auto", (BlockPlan("blocks.0", "full", (4096, 2048, 512), seconds),), 1.3)
+    assert plan.text(readable=True) == "recompute plan auto <= 1.3: blocks.0 full [saved 4096/2048/512 B; fwd+bwd " \
+                                       "60.1/71.2/0.025 ms]"
+    assert RecomputePlan.from_text(plan.text()) == plan   # the event's text keeps every digit
+    workload, _ = gpt
+    mp = _engine(workload, "fp32", "none")   # the docs' mode name: no recompute
+    assert "recompute" not in mp.decision and "forward" not in vars(mp.module.blocks[0])

@@ -22,7 +22,7 @@ function                          trap it removes
 from __future__ import annotations
 
 import contextlib
-from collections.abc import Callable, Iterator, Sequence
+from collections.abc import Callable, Sequence
 from typing import Any
 
 import torch
@@ -256,11 +256,36 @@ class _RestoreAutocast:
         self._stack.__exit__(*exc)
 
 
-@contextlib.contextmanager
-def _both(outer: contextlib.AbstractContextManager, inner: contextlib.AbstractContextManager) -> Iterator[None]:
-    """``outer`` then ``inner``, entered when the recompute starts (not when ``context_fn`` builds them)."""
-    with outer, inner:
-        yield
+class _UncachedCasts:
+    """The forward's autocast states with the cast cache off (entered around the checkpointed forward)."""
+
+    def __init__(self, states: list[_AutocastState]) -> None:
+        self.states = states
+        self._stack = contextlib.ExitStack()
+
+    def __enter__(self) -> None:
+        for device_type, enabled, dtype, cache_enabled in self.states:
+            if enabled:
+                self._stack.enter_context(torch.autocast(device_type, dtype=dtype, cache_enabled=cache_enabled))
+
+    def __exit__(self, *exc: Any) -> None:
+        self._stack.__exit__(*exc)
+
+
+class _Both:
+    """``outer`` then ``inner``, entered each time the region runs (not when ``context_fn`` builds them): a double
+    backward recomputes the region twice, each time through a fresh context."""
+
+    def __init__(self, outer: Any, inner: Any) -> None:
+        self.outer, self.inner = outer, inner
+        self._stack = contextlib.ExitStack()
+
+    def __enter__(self) -> None:
+        self._stack.enter_context(self.outer)
+        self._stack.enter_context(self.inner)
+
+    def __exit__(self, *exc: Any) -> None:
+        self._stack.__exit__(*exc)
 
 
 def checkpoint(fn: Callable[..., Any], *args: Any, preserve_rng_state: bool = True,
@@ -291,7 +316,9 @@ def checkpoint(fn: Callable[..., Any], *args: Any, preserve_rng_state: bool = Tr
         selective: a selective-checkpoint policy (``policy_fn(ctx, op, *args, **kwargs)`` returning a
             ``torch.utils.checkpoint.CheckpointPolicy``, as ``create_selective_checkpoint_contexts`` takes): the
             outputs of the ops it marks ``MUST_SAVE`` are kept from the forward, only the others are recomputed
-            (:mod:`mixprec.memory.recompute`). None: the whole of ``fn`` is recomputed.
+            (:mod:`mixprec.memory.recompute`). None: the whole of ``fn`` is recomputed. A selective region runs
+            its forward and recompute with autocast's cast cache off (each casts afresh: the op counts torch's
+            selective checkpoint compares then agree even after an earlier forward in the same autocast region).
 
     Returns:
         ``fn``'s output. Shapes and dtypes are ``fn``'s own. No host sync.
@@ -301,11 +328,18 @@ def checkpoint(fn: Callable[..., Any], *args: Any, preserve_rng_state: bool = Tr
     portable = portable_devices()   # ops=portable: and casts as the forward did
     saved = saved_devices()   # saved=compute: and saves what the forward saved
 
+    if selective is not None:
+        # A selective region casts afresh in its forward and its recompute (autocast's cast cache off inside it): a
+        # cast the cache holds from an earlier forward in the same autocast region is skipped by the forward but
+        # done by the recompute, and selective checkpointing's per-op invocation counts then disagree.
+        states = [(device_type, enabled, dtype, False) for device_type, enabled, dtype, _ in states]
+
     def context_fn() -> tuple[contextlib.AbstractContextManager, contextlib.AbstractContextManager]:
+        restore = _RestoreAutocast(states, planned, portable, saved)
         if selective is None:
-            return contextlib.nullcontext(), _RestoreAutocast(states, planned, portable, saved)
+            return contextlib.nullcontext(), restore
         keep_fwd, keep_recompute = torch.utils.checkpoint.create_selective_checkpoint_contexts(selective)
-        return keep_fwd, _both(keep_recompute, _RestoreAutocast(states, planned, portable, saved))
+        return _Both(_UncachedCasts(states), keep_fwd), _Both(keep_recompute, restore)
 
     return torch.utils.checkpoint.checkpoint(fn, *args, use_reentrant=False, preserve_rng_state=preserve_rng_state,
                                              context_fn=context_fn, **kwargs)

@@ -14,11 +14,13 @@ through :class:`mixprec.memory.saved.SavedTensorCounter`; under recompute, the i
 outputs the policy keeps, each storage once, parameters left out) and forward+backward seconds in each mode
 (:mod:`mixprec.machine.timing`, modes interleaved, median), then takes the mode keeping the fewest bytes whose
 time is at most ``max_ratio`` times the block's time without recompute. Measuring forks the RNG: the run's
-random stream is the one it would be without it.
+random stream is the one it would be without it; it runs with autocast's cast cache off, leaving the region's cache
+as it was.
 """
 
 from __future__ import annotations
 
+import contextlib
 import fnmatch
 import functools
 import re
@@ -44,7 +46,7 @@ __all__ = ["MODES", "BlockPlan", "RecomputePlan", "RecomputeRequest", "parse_req
 MODES = ("none", "selective", "full")
 DEFAULT_MAX_RATIO = 1.3   # issue 27: at most 1.3x the step time without recompute
 _ARG = "checkpoint"
-_ALLOWED = ("None (no recompute), 'auto' or 'auto:<max time ratio>' (e.g. 'auto:1.5'), a module name or glob "
+_ALLOWED = ("None or 'none' (no recompute), 'auto' or 'auto:<max time ratio>' (e.g. 'auto:1.5'), a module name or glob "
             "('blocks.*'), or a list of them; prefix a name with 'selective:' to keep matmul outputs")
 
 
@@ -76,10 +78,15 @@ class BlockPlan:
     saved_bytes: tuple[int, int, int] | None = None
     seconds: tuple[float, float, float] | None = None
 
-    def text(self) -> str:
+    def text(self, readable: bool = False) -> str:
+        """``name mode [saved none/selective/full B; fwd+bwd ... s]``; ``readable``: milliseconds to 3 significant
+        digits (for people; the default text keeps every digit and parses back)."""
         if self.saved_bytes is None or self.seconds is None:
             return f"{self.name} {self.mode}"
         saved = "/".join(str(b) for b in self.saved_bytes)
+        if readable:
+            ms = "/".join(f"{s * 1e3:.3g}" for s in self.seconds)
+            return f"{self.name} {self.mode} [saved {saved} B; fwd+bwd {ms} ms]"
         return f"{self.name} {self.mode} [saved {saved} B; fwd+bwd {'/'.join(repr(s) for s in self.seconds)} s]"
 
 
@@ -113,9 +120,10 @@ class RecomputePlan:
                 f"{after / 2**20:.2f} MiB for backward instead of {before / 2**20:.2f} MiB at {slower:.2f}x their "
                 "forward+backward time")
 
-    def text(self) -> str:
+    def text(self, readable: bool = False) -> str:
+        """The plan on one line; ``readable``: times in ms to 3 significant digits (printed, not parsed back)."""
         bound = "" if self.max_ratio is None else f" <= {self.max_ratio!r}"
-        return f"recompute plan {self.request}{bound}: " + ", ".join(b.text() for b in self.blocks)
+        return f"recompute plan {self.request}{bound}: " + ", ".join(b.text(readable) for b in self.blocks)
 
     @classmethod
     def from_text(cls, text: str) -> RecomputePlan:
@@ -146,7 +154,7 @@ class RecomputeRequest:
 def parse_request(value: Any) -> RecomputeRequest:
     """``MixedPrecision(checkpoint=value)`` as a :class:`RecomputeRequest`. ValueError/TypeError naming the
     argument, the value and what is allowed."""
-    if value is None or value is False:
+    if value is None or value is False or value == "none":
         return RecomputeRequest("off")
     if isinstance(value, str) and (value == "auto" or value.startswith("auto:")):
         ratio = value[5:] or str(DEFAULT_MAX_RATIO)
@@ -266,7 +274,8 @@ def measure_block(forward: Callable[..., Any], params: list[torch.Tensor], args:
                if isinstance(t, torch.Tensor) and t.requires_grad]
         torch.autograd.grad(sum(t.float().sum() for t in out), wrt, allow_unused=True)
 
-    with torch.random.fork_rng(devices=fork, device_type=device.type if fork else "cuda"), torch.enable_grad():
+    with torch.random.fork_rng(devices=fork, device_type=device.type if fork else "cuda"), torch.enable_grad(), \
+            _uncached_casts(device):   # leaves the region's cast cache as it was: the real forward then casts
         saved = tuple(_kept_bytes(forward, m, args, kwargs, params) for m in MODES)
         times: dict[str, list[float]] = {m: [] for m in MODES}
         for round_ in range(repeats + 1):
@@ -276,15 +285,35 @@ def measure_block(forward: Callable[..., Any], params: list[torch.Tensor], args:
     return saved, tuple(statistics.median(times[m]) for m in MODES)
 
 
+def _uncached_casts(device: torch.device) -> contextlib.ExitStack:
+    """The current autocast states of ``cpu`` and ``device`` with autocast's cast cache off (entered)."""
+    stack = contextlib.ExitStack()
+    for device_type in dict.fromkeys(("cpu", device.type)):
+        if torch.amp.is_autocast_available(device_type) and torch.is_autocast_enabled(device_type):
+            stack.enter_context(torch.autocast(device_type, dtype=torch.get_autocast_dtype(device_type),
+                                               cache_enabled=False))
+    return stack
+
+
 def choose_mode(saved_bytes: tuple[int, int, int], seconds: tuple[float, float, float], max_ratio: float) -> str:
     """The mode keeping the fewest bytes whose seconds are at most ``max_ratio`` times ``"none"``'s."""
     fits = [m for i, m in enumerate(MODES) if seconds[i] <= max_ratio * seconds[0]]
     return min(fits, key=lambda m: (saved_bytes[MODES.index(m)], MODES.index(m)))
 
 
+def _settled(forward: Callable[..., Any], mode: str) -> Callable[..., Any]:
+    """``forward`` run in ``mode``: one code object for every block, no per-block value looked up (a traced model
+    inlines each block's call, one graph for all)."""
+    def recomputed(*args: Any, **kwargs: Any) -> Any:
+        return _run(forward, mode, args, kwargs)
+    recomputed.__wrapped__ = forward   # type: ignore[attr-defined]
+    return recomputed
+
+
 class RecomputedForwards:
     """Installs the plan: each named block's ``forward`` becomes a wrapper running it in its mode (``"pending"``:
-    calls ``on_pending(name, block, args, kwargs)`` at its first training call, which returns the mode).
+    runs eagerly, never traced, and calls ``on_pending(name, forward, args, kwargs)`` at its first training call,
+    which returns the mode the block then runs in).
     :meth:`remove` restores the blocks' own ``forward``."""
 
     def __init__(self, model: nn.Module, modes: dict[str, str],
@@ -296,18 +325,18 @@ class RecomputedForwards:
             block.forward = self._wrap(name, block.forward)
 
     def _wrap(self, name: str, forward: Callable[..., Any]) -> Callable[..., Any]:
-        def recomputed(*args: Any, **kwargs: Any) -> Any:
-            mode = self.modes[name]
-            if mode == "pending" and torch.is_grad_enabled() and self._blocks[name].training:
-                mode = self._measure(name, forward, args, kwargs)
-            return _run(forward, "none" if mode == "pending" else mode, args, kwargs)
-        recomputed.__wrapped__ = forward   # type: ignore[attr-defined]
-        return recomputed
+        if self.modes[name] != "pending":
+            return _settled(forward, self.modes[name])
 
-    @torch.compiler.disable
-    def _measure(self, name: str, forward: Callable[..., Any], args: tuple, kwargs: dict) -> str:
-        self.modes[name] = self._on_pending(name, forward, args, kwargs)
-        return self.modes[name]
+        @torch.compiler.disable   # eager until measured: no traced frame per block (dynamo's recompile limit)
+        def pending(*args: Any, **kwargs: Any) -> Any:
+            if not (torch.is_grad_enabled() and self._blocks[name].training):
+                return forward(*args, **kwargs)
+            self.modes[name] = self._on_pending(name, forward, args, kwargs)
+            self._blocks[name].forward = _settled(forward, self.modes[name])   # traced inline from now on
+            return _run(forward, self.modes[name], args, kwargs)
+        pending.__wrapped__ = forward   # type: ignore[attr-defined]
+        return pending
 
     def remove(self) -> None:
         for block in self._blocks.values():

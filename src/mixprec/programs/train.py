@@ -45,6 +45,7 @@ from mixprec.checkpoint import LATEST, load_checkpoint, read_manifest, resolve_c
 from mixprec.distributed.process import any_across_ranks, is_main_process, rank, shard_batches
 from mixprec.engine.pending_auto import PENDING
 from mixprec.engine.records import Event
+from mixprec.memory.recompute import RecomputePlan
 
 if TYPE_CHECKING:
     from mixprec.engine.mixed_precision import MixedPrecision
@@ -464,7 +465,7 @@ def _finish(run: _Run, step: int, stopped: str | None) -> TrainOutcome:
     print(f"final eval loss {eval_metrics['loss']:.4f}{ema_note}; wrote {run.metrics_path} and {path}")
     print("".join(f"op plan: {line}\n" for line in op_plan.summary(mp.device.type, policy=mp.policy)), end="")
     plans = [e.get("detail") for e in mp.events if e.get("kind") == "recompute"]   # checkpoint="auto": measured
-    print("".join(f"{plan}\n" for plan in plans[-1:]), end="")
+    print("".join(f"{RecomputePlan.from_text(plan).text(readable=True)}\n" for plan in plans[-1:]), end="")
     if config.strategy is None and mp.frozen_names():   # LoRA / partly frozen: the trained params alone, small
         from safetensors.torch import save_file
 
