@@ -8,7 +8,7 @@ Rank 1's loss turns NaN at steps 1 and 2: every rank rolls back twice, and the s
 ladder under FSDP2 goes to the state rung: ``fully_shard`` fixed how params are stored). After 2 more steps the
 params and the fp32 moments equal, bit for bit, one process that ran step 0, switched to the same policy with
 ``set_policy`` and ran the same 2 steps; every rank records the same escalate event. A switch that changes the
-params' storage is refused, named.
+params' storage, or quantizes the fp32 moments anew, is refused, named.
 """
 
 from __future__ import annotations
@@ -57,11 +57,13 @@ def _escalated(policy: str, rank: int) -> dict:
     batch = _batches(1)[0]
     mp, outcomes = _guarded(policy, batch, fault=rank == 1)
     escalations = [e for e in mp.events if e.get("kind") == "escalate"]
-    refused = ""
-    try:
-        mp.set_policy("fp32")
-    except ValueError as err:
-        refused = str(err)
+    refused = []
+    for other in ("fp32", policy):   # params' storage; quantizing the fp32 moments anew
+        try:
+            mp.set_policy(other)
+            refused.append("")
+        except ValueError as err:
+            refused.append(str(err))
     return {"outcomes": outcomes, "snapshot": _snapshot(mp), "policy": str(mp.policy),
             "escalations": [(e.get("step"), e.get("detail")) for e in escalations], "refused": refused}
 
@@ -97,4 +99,5 @@ def _check(policy: str, got: list[dict]) -> None:
         for part in ("params", "state"):
             for name, value in want[part].items():
                 assert torch.equal(g["snapshot"][part][name], value), (policy, r, part, name)
-        assert "would re-run fully_shard" in g["refused"] and "fp32" in g["refused"], r
+        assert "would re-run fully_shard" in g["refused"][0] and "fp32" in g["refused"][0], r
+        assert "would quantize the sharded optimizer state anew" in g["refused"][1], r

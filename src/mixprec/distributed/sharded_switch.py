@@ -30,9 +30,14 @@ __all__ = ["check_switch", "dequantize_sharded_state_", "fold_compensation_"]
 _NONNEGATIVE = ("exp_avg_sq",)   # AdamW's second moment: its 8-bit code is unsigned (the one sharded 8-bit step)
 
 
-def check_switch(built: Policy, new: Policy) -> None:
+def check_switch(built: Policy, old: Policy, new: Policy) -> None:
     """Raise ValueError unless ``new`` differs from ``built`` (the policy ``fully_shard`` was built for) in the
-    optimizer state's precision alone."""
+    optimizer state's precision alone, and keeps ``old``'s 8-bit state format or leaves 8-bit state (quantizing
+    sharded moments anew is not done mid-run)."""
+    if new.state_dtype in QUANTIZED_STATE_DTYPES and new.state_dtype != old.state_dtype:
+        raise ValueError(f"set_policy: under strategy='fsdp2' {old} → {new} would quantize the sharded optimizer "
+                         "state anew, which is not done mid-run (8-bit state can only be left, for fp32 or bf16 "
+                         "state). Save a checkpoint and resume under the new policy")
     if new.replace(state_dtype=built.state_dtype, state_rounding=built.state_rounding) != built:
         raise ValueError(f"set_policy: under strategy='fsdp2' {new} changes how params are stored or computed "
                          f"(fully_shard was built for {built}): it would re-run fully_shard, which is not done "

@@ -193,7 +193,7 @@ class FSDP2(_MultiProcess):
         """The optimizer state's precision alone may change (:mod:`mixprec.distributed.sharded_switch`): checked,
         then 8-bit sharded state dequantized to fp32 where ``new`` keeps none and Kahan compensation folded into
         the local shards (the re-preparation's ``p.data = ...`` does not reach a DTensor's shard)."""
-        sharded_switch.check_switch(self._built or old, new)
+        sharded_switch.check_switch(self._built or old, old, new)
         if optimizer is not None:   # what prepare checks next, before the state changes here
             contract.check(optimizer, new, {p.dtype for g in optimizer.param_groups for p in g["params"]})
             sharded_switch.dequantize_sharded_state_(optimizer, new)
