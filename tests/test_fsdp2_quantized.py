@@ -252,13 +252,14 @@ FAULTS = (1, 2)
 
 def _guard_worker(rank: int, out: Path) -> dict:
     """Rank 1's loss turns NaN at steps 1 and 2: every rank rolls back its shards, codes and scales; the result
-    equals the run without those two batches, bit for bit."""
+    equals the run without those two batches, bit for bit (escalate_after=3: two failures roll back only; the
+    escalation to fp32 state is tests/test_fsdp2_escalation.py's)."""
     from mixprec import Guard
 
     mine = list(mpd.shard_batches(_batches(5 * 2)))
     net = _model()
     mp = MixedPrecision(net, mixprec.optim.AdamW(net.parameters(), lr=1e-2, weight_decay=0.1), "bf16-lean",
-                        device="cpu", strategy="fsdp2", guard=Guard(snapshot_every=1))
+                        device="cpu", strategy="fsdp2", guard=Guard(snapshot_every=1, escalate_after=3))
     outcomes = []
     for step, batch in enumerate(mine):
         batch = mp.cast_inputs(batch, keep=("y",))

@@ -127,8 +127,12 @@ def _copy_to_cpu(tree: Any) -> Any:
     return map_tensors(tree, lambda t: t.detach().to("cpu", copy=True), leaf=copy.deepcopy)
 
 
-def next_policy(policy: Policy, module: str | None, *, bf16_ok: bool) -> tuple[Policy | None, str]:
+def next_policy(policy: Policy, module: str | None, *, bf16_ok: bool, sharded: bool = False
+                ) -> tuple[Policy | None, str]:
     """The next rung of the escalation ladder from ``policy``, and why (None: nothing left).
+
+    ``sharded`` (FSDP2): ``fully_shard`` fixed how params are stored and computed, so only rung 4's change of the
+    optimizer state's precision runs (:mod:`mixprec.distributed.sharded_switch`); the rung skipped is named.
 
     1. ``module`` (the first non-finite module) runs in 16 bits and is not kept yet: keep it in
        fp32 (``keep_fp32 += (module,)``);
@@ -137,6 +141,15 @@ def next_policy(policy: Policy, module: str | None, *, bf16_ok: bool) -> tuple[P
     3. any bf16: → the ``fp32`` preset;
     4. 8-bit optimizer state (``state=int8`` / ``fp8``) under fp32 params and compute: → fp32 state.
     """
+    if sharded:
+        new, why = next_policy(policy, module, bf16_ok=bf16_ok)
+        if new is None or new == policy.replace(state_dtype=new.state_dtype, state_rounding=new.state_rounding):
+            return new, why
+        skipped = f"'{why}' refused under strategy='fsdp2': it would re-run fully_shard (not done mid-run)"
+        if policy.state_dtype in QUANTIZED_STATE_DTYPES:
+            return (policy.replace(state_dtype=torch.float32, state_rounding="nearest"),
+                    f"8-bit optimizer state → fp32 state ({skipped})")
+        return None, skipped
     fp16, bf16 = torch.float16, torch.bfloat16
     dtypes = {policy.param_dtype, policy.compute_dtype, policy.output_dtype, policy.state_dtype}
     if (module and dtypes & {fp16, bf16} and not any(c in module for c in _KEEP_PATTERN_FORBIDDEN)
@@ -217,7 +230,8 @@ class Guard:
     own step, then the engine's ``agree_on`` makes every rank act on the first cause any rank
     found (one all-reduce per boundary), so all ranks roll back, escalate or give up together.
     The bad batch is not localised there (re-running it on one rank would run
-    collectives on that rank only), so escalation skips the keep-a-module rung.
+    collectives on that rank only), so escalation skips the keep-a-module rung; under FSDP2 only the
+    optimizer-state rung runs (8-bit state → fp32 state: ``fully_shard`` fixed how params are stored).
 
     Host syncs: skipped steps are known from ``StepResult.applied`` (already synced by the
     engine); reading the loss costs one sync every ``check_every`` boundaries; a skipped step
@@ -395,7 +409,8 @@ class Guard:
             self._note("none: the batch itself holds non-finite values")
             return False
         module = report.module if report is not None and report.where in ("forward", "backward") else None
-        new, why = next_policy(mp.policy, module, bf16_ok=probe(mp.device).bf16)
+        new, why = next_policy(mp.policy, module, bf16_ok=probe(mp.device).bf16,
+                               sharded=getattr(mp, "strategy", None) == "fsdp2")
         if new is None:
             self._note(f"none: {why}")
             return False

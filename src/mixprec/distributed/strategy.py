@@ -17,7 +17,8 @@ import torch
 from torch import nn
 
 from mixprec.distributed import process as distributed
-from mixprec.distributed import replicas, sharded_storage
+from mixprec.distributed import replicas, sharded_storage, sharded_switch
+from mixprec.optim import contract
 from mixprec.policy.resolve import Resolution, resolve
 from mixprec.policy.policy import Policy
 
@@ -77,7 +78,11 @@ class SingleProcess:
         return flags
 
     def refuse(self, what: str) -> None:
-        """Raise ValueError if ``what`` (``"unfreeze"``, ``"set_policy"``, ``"to_fp32"``) cannot run."""
+        """Raise ValueError if ``what`` (``"unfreeze"``, ``"to_fp32"``) cannot run."""
+
+    def before_set_policy(self, old: Policy, new: Policy, optimizer: torch.optim.Optimizer | None) -> None:
+        """Called by ``set_policy`` before re-preparing the model from ``old`` to ``new``: raise ValueError (nothing
+        changed) if the strategy cannot switch, else make ready what the switch needs. One process: nothing."""
 
     def check_restore(self, old: dict[int, torch.dtype], new: dict[int, torch.dtype], policy: Policy) -> None:
         """Raise ValueError if re-preparing from stored dtypes ``old`` to ``new`` cannot run here."""
@@ -157,9 +162,11 @@ class FSDP2(_MultiProcess):
 
     def __init__(self) -> None:
         self._start_fp32: dict[int, torch.Tensor] = {}   # id(sharded param) -> its fp32 value before the cast
+        self._built: Policy | None = None                 # the policy fully_shard was built for
 
     def before_casts(self, model, policy, device, keep, optimizer):
         super().before_casts(model, policy, device, keep, optimizer)
+        self._built = policy
         distributed.check_fsdp_policy(policy)   # before the cast: a refused policy leaves the model as it was
         values = (sharded_storage.cast_for_sharding(model, policy, tuple(keep), keep_values=policy.rounding == "kahan")
                   if sharded_storage.stores_16bit(policy) else {})
@@ -182,11 +189,15 @@ class FSDP2(_MultiProcess):
         ratio = torch.where(largest > 0, norm_fp32 / largest, torch.zeros_like(norm_fp32))
         return distributed.sum_across_ranks(ratio.square()).sqrt() * largest
 
-    def refuse(self, what):
-        if what == "set_policy":
-            raise ValueError("set_policy: under strategy='fsdp2' the MixedPrecisionPolicy of each sharded module "
-                             "is fixed by fully_shard; save a checkpoint and resume under the new policy")
-        super().refuse(what)
+    def before_set_policy(self, old, new, optimizer):
+        """The optimizer state's precision alone may change (:mod:`mixprec.distributed.sharded_switch`): checked,
+        then 8-bit sharded state dequantized to fp32 where ``new`` keeps none and Kahan compensation folded into
+        the local shards (the re-preparation's ``p.data = ...`` does not reach a DTensor's shard)."""
+        sharded_switch.check_switch(self._built or old, old, new)
+        if optimizer is not None:   # what prepare checks next, before the state changes here
+            contract.check(optimizer, new, {p.dtype for g in optimizer.param_groups for p in g["params"]})
+            sharded_switch.dequantize_sharded_state_(optimizer, new)
+            sharded_switch.fold_compensation_(optimizer, new)
 
 
 def make_strategy(name: str | None) -> Any:

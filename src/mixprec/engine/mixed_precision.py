@@ -312,7 +312,7 @@ class MixedPrecision:
         self._check_boundary("set_policy()", "change the policy")
         new = resolve(policy, self.device).policy
         check_fp8_unchanged(self.policy, new)
-        self._strategy.refuse("set_policy")
+        self._strategy.before_set_policy(self.policy, new, self.optimizer)
         prepared = prepare(self.module, new, self.device, self._strategy, optimizer=self.optimizer,
                            masters=self.masters, frozen=self._frozen)
         self._auto.cancel(self.policy, new)   # another policy asked for while auto is pending: it wins

@@ -64,6 +64,10 @@ class TrainOutcome:
 
     ``status``: 0 when all ``steps`` ran, ``128 + signum`` when a signal stopped the run (after
     saving a checkpoint). ``step``: steps done (the data position). ``checkpoint``: the last one saved.
+    ``state_bytes``: this rank's training state measured from its tensors after the backward of the first step
+    that has optimizer state (:func:`mixprec.distributed.rank_state.rank_state_bytes` as a dict, with ``step``,
+    ``rank`` and ``world_size``; ``per_param``: bytes per parameter per rank); None when no step had optimizer
+    state (``steps`` 1 from scratch). Also in ``metrics.jsonl`` (a ``"state"`` record) and the checkpoints' extra.
     """
 
     status: int
@@ -71,6 +75,7 @@ class TrainOutcome:
     final_eval: dict[str, float] = field(default_factory=dict)
     checkpoint: Path | None = None
     stopped_by: str | None = None
+    state_bytes: dict | None = None
 
 
 def _finite(x: float) -> float | None:
@@ -334,6 +339,7 @@ class _Run:
         self.start, self.saved_world, self.schedule_steps = 0, 1, config.steps
         self.eval_metrics: dict[str, float] = {}
         self.last_saved: tuple[int, Path] | None = None
+        self.state: dict | None = None
 
     def open_logs(self) -> None:
         """This rank's log directory; ``metrics.jsonl`` kept up to the data position; ``events.jsonl`` started."""
@@ -360,7 +366,7 @@ class _Run:
         return {"workload": self.workload.describe(), "workload_spec": c.workload_spec or self.workload.name,
                 "seed": c.seed, "steps": c.steps, "schedule_steps": self.schedule_steps, "command": c.command,
                 "decision": self.mp.decision, "policy_requested": self.policy_requested,
-                "final_eval": self.eval_metrics, "ema": c.ema}
+                "final_eval": self.eval_metrics, "ema": c.ema, "state_bytes": self.state}
 
     def save(self, step: int) -> None:
         """A checkpoint at ``step`` in the format the strategy needs (every rank calls it)."""
@@ -394,11 +400,14 @@ class _Run:
 
         mp = self.mp
         lr = float(mp.optimizer.param_groups[0]["lr"])  # a tensor lr (torchao) logs as a number
-        (loss, result), step_s = timed(lambda: train_step(mp, self.workload, batch), mp.device)
+        after = (lambda: self.measure_state(step)) if step == max(2, self.start + 1) else None
+        (loss, result), step_s = timed(lambda: train_step(mp, self.workload, batch, after), mp.device)
         record = {"kind": "train", "step": step, "loss": _finite(float(loss)), "applied": result.applied,
                   "skipped_reason": result.skipped_reason, "loss_scale": result.loss_scale,
                   "grad_norm": _finite(result.grad_norm), "lr": lr, "step_time_ms": step_s * 1e3}
         log.write(json.dumps(record) + "\n")
+        if after is not None:
+            log.write(json.dumps({"kind": "state", **self.state}) + "\n")
         _add_scalars(writer, "train", record, step)
         if self.eval_due(step):
             self.eval_metrics = self.evaluate()
@@ -408,6 +417,14 @@ class _Run:
         log.flush()
         self.write_events()
         return record
+
+    def measure_state(self, step: int) -> None:
+        """This rank's training-state bytes from its tensors, after ``step``'s backward (no sync)."""
+        from mixprec.distributed.process import world_size
+        from mixprec.distributed.rank_state import rank_state_bytes
+
+        self.state = {**rank_state_bytes(self.mp.model, self.mp.optimizer).as_dict(), "step": step, "rank": rank(),
+                      "world_size": world_size()}
 
     def loop(self) -> tuple[int, str | None]:
         """Train from the data position to ``steps``, saving as configured; returns the last step and the
@@ -456,13 +473,16 @@ def _finish(run: _Run, step: int, stopped: str | None) -> TrainOutcome:
     path = run.last_saved[1] if run.last_saved else None
     if stopped is not None:
         print(f"mixprec train: {stopped} at step {step}: saved {path}; continue with --resume", file=sys.stderr)
-        return TrainOutcome(128 + signal.Signals[stopped].value, step, eval_metrics, path, stopped)
+        return TrainOutcome(128 + signal.Signals[stopped].value, step, eval_metrics, path, stopped, run.state)
     if step == run.start:
         print(f"mixprec train: the run in {config.out} is complete already (step {step} of {config.steps})",
               file=sys.stderr)
-        return TrainOutcome(0, step, eval_metrics, path, None)
+        return TrainOutcome(0, step, eval_metrics, path, None, run.state)
     ema_note = f" (EMA {eval_metrics['ema_loss']:.4f})" if run.averager is not None else ""
     print(f"final eval loss {eval_metrics['loss']:.4f}{ema_note}; wrote {run.metrics_path} and {path}")
+    if run.state is not None:
+        print(f"training state: {run.state['per_param']:.2f} bytes/param on rank {run.state['rank']} of "
+              f"{run.state['world_size']} (measured from its tensors at step {run.state['step']})")
     print("".join(f"op plan: {line}\n" for line in op_plan.summary(mp.device.type, policy=mp.policy)), end="")
     plans = [e.get("detail") for e in mp.events if e.get("kind") == "recompute"]   # checkpoint="auto": measured
     print("".join(f"{RecomputePlan.from_text(plan).text(readable=True)}\n" for plan in plans[-1:]), end="")
@@ -474,4 +494,4 @@ def _finish(run: _Run, step: int, stopped: str | None) -> TrainOutcome:
                                                                              "step": str(step)})
         print(f"wrote {trainable_path} (the trainable parameters only, fp32: "
               f"{trainable_path.stat().st_size / 2**20:.1f} MiB)")
-    return TrainOutcome(0, step, eval_metrics, path, None)
+    return TrainOutcome(0, step, eval_metrics, path, None, run.state)
