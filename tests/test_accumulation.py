@@ -280,9 +280,9 @@ def test_two_ranks_reduce_the_short_group_and_equal_one_process_on_the_global_ba
     replicas drift apart. Tolerance as tests/test_distributed.py's for fp32 (only the order of sums differs):
     4 * 40 * eps_fp32 of the whole update, 2 updates here."""
     from mixprec import get_format
-    from test_distributed import _run_ranks
+    from ranks import run_ranks
 
-    ranks = _run_ranks(_short_group_worker, tmp_path, timeout_s=200)
+    ranks = run_ranks(_short_group_worker, tmp_path, timeout_s=200)
     pairs = stream12()   # rank r trains micro-batches r, r + 2, ...: the global one is each pair's rows together
     global_batches = [(torch.cat([a[0], b[0]]), torch.cat([a[1], b[1]])) for a, b in zip(pairs[0::2], pairs[1::2])]
     reference = build("fp32")

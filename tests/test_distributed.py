@@ -26,16 +26,11 @@ from __future__ import annotations
 
 import math
 import os
-import socket
-import time
-import traceback
-from datetime import timedelta
 from pathlib import Path
 
 import pytest
 import torch
 import torch.distributed as dist
-import torch.multiprocessing as torch_mp
 import torch.nn.functional as F
 from torch import nn
 
@@ -46,6 +41,7 @@ from mixprec import checkpoint as ckpt
 from mixprec.checkpoint import dcp as ckdcp
 from mixprec.engine.loss_scale import DynamicLossScale
 from engine_loops import _one_step
+from ranks import free_port, run_ranks
 
 WORLD = 2
 FP32 = torch.float32
@@ -54,49 +50,7 @@ FP32_TOL = 4 * 40 * FP32_EPS   # see the module docstring
 BF16_TOL = 4 * BF16_EPS
 
 
-# ---------------------------------------------------------------------- the 2-process harness
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
-def _entry(rank: int, port: int, out: str, fn, args: tuple) -> None:
-    os.environ.update(RANK=str(rank), WORLD_SIZE=str(WORLD), LOCAL_RANK=str(rank), MASTER_ADDR="127.0.0.1",
-                      MASTER_PORT=str(port))
-    torch.set_num_threads(1)
-    mpd.init_process_group_from_env("cpu", timeout=timedelta(seconds=60))
-    finished = False
-    try:
-        result = fn(rank, Path(out), *args)
-        torch.save(result, Path(out) / f"rank{rank}.pt")
-        finished = True
-    except BaseException:
-        (Path(out) / f"rank{rank}.err").write_text(traceback.format_exc())
-        raise
-    finally:   # a rank that finished waits for its peer before tearing gloo down (an abort seen under load)
-        mpd.leave_process_group(wait_for_all=finished)
-
-
-def _run_ranks(fn, tmp_path: Path, *args, timeout_s: float = 100) -> list:
-    """Run ``fn(rank, tmp_path, *args)`` on 2 gloo ranks; return each rank's result."""
-    ctx = torch_mp.start_processes(_entry, args=(_free_port(), str(tmp_path), fn, args), nprocs=WORLD,
-                                   join=False, start_method="spawn")
-    deadline = time.monotonic() + timeout_s
-    try:
-        while not ctx.join(timeout=1.0):
-            if time.monotonic() > deadline:
-                pytest.fail(f"ranks still running after {timeout_s} s: a collective hangs")
-    except torch_mp.ProcessRaisedException:
-        errors = "\n".join(p.read_text() for p in sorted(tmp_path.glob("rank*.err")))
-        pytest.fail(f"a rank raised:\n{errors}")
-    finally:
-        for proc in ctx.processes:  # only the processes this test started
-            if proc.is_alive():
-                proc.kill()
-    return [torch.load(tmp_path / f"rank{r}.pt", weights_only=False) for r in range(WORLD)]
-
-
+# ---------------------------------------------------------------------- the 2-process harness: tests/ranks.py
 # ---------------------------------------------------------------------- models and data
 def _mlp() -> nn.Module:
     torch.manual_seed(0)
@@ -174,7 +128,7 @@ def _ddp_worker(rank: int, out: Path) -> dict:
 
 @pytest.mark.timeout(120)
 def test_ddp_two_ranks_equal_one_process_on_the_global_batch(tmp_path):
-    ranks = _run_ranks(_ddp_worker, tmp_path)
+    ranks = run_ranks(_ddp_worker, tmp_path, timeout_s=100)
     init = {n: p.detach().float() for n, p in _mlp().named_parameters()}
     for policy, acc, tolerance in DDP_CASES:
         stream = list(_stream(STEPS * acc * WORLD))
@@ -233,7 +187,7 @@ def _sr_worker(rank: int, out: Path) -> dict:
 
 @pytest.mark.timeout(120)
 def test_ddp_with_stochastic_rounding_needs_one_rounding_stream_on_every_rank(tmp_path):
-    ranks = _run_ranks(_sr_worker, tmp_path)
+    ranks = run_ranks(_sr_worker, tmp_path, timeout_s=100)
     for case in ("alike", "explicit"):
         got = [r[case] for r in ranks]
         assert all(torch.equal(got[0][n], got[1][n]) for n in got[0]), case
@@ -309,7 +263,7 @@ def _inf_worker(rank: int, out: Path) -> dict:
 
 @pytest.mark.timeout(120)
 def test_inf_or_nan_on_one_rank_makes_every_rank_skip_or_roll_back(tmp_path):
-    r0, r1 = _run_ranks(_inf_worker, tmp_path)
+    r0, r1 = run_ranks(_inf_worker, tmp_path, timeout_s=100)
     for strategy in ("ddp", "fsdp2"):
         a, b = r0[strategy], r1[strategy]
         assert a["local_finite"] and not b["local_finite"], strategy  # only rank 1 saw the inf locally
@@ -393,7 +347,7 @@ def _fsdp_worker(rank: int, out: Path) -> dict:
 
 @pytest.mark.timeout(120)
 def test_fsdp2_bf16_matches_ddp_and_reduces_gradients_in_fp32(tmp_path):
-    ranks = _run_ranks(_fsdp_worker, tmp_path)
+    ranks = run_ranks(_fsdp_worker, tmp_path, timeout_s=100)
     for r, res in enumerate(ranks):
         ddp = res[("ddp", 2)]
         for acc in (2, 1):
@@ -437,7 +391,7 @@ def _checkpoint_worker(rank: int, out: Path) -> dict:
 
 @pytest.mark.timeout(120)
 def test_fsdp2_checkpoint_from_two_ranks_resumes_in_one_process(tmp_path):
-    r0, r1 = _run_ranks(_checkpoint_worker, tmp_path)
+    r0, r1 = run_ranks(_checkpoint_worker, tmp_path, timeout_s=100)
     workload, mp = _gpt_engine(None, "bf16-mixed", seed=123, sgd=True)  # other weights: all must come from the file
     assert r0["saved"] == r1["saved"] == str(tmp_path / "ck" / f"step-{SAVE_AT}")
     extra = ckpt.load_checkpoint(tmp_path / "ck", mp)  # the root: follows `latest`
@@ -647,7 +601,7 @@ def test_train_under_torchrun_with_fsdp2_then_resume_in_one_process(tmp_path):
               "--strategy", "fsdp2", "--out", str(out)]
     env = {**os.environ, "OMP_NUM_THREADS": "1"}
     launch = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2", "--master-addr", "127.0.0.1",
-              "--master-port", str(_free_port())]
+              "--master-port", str(free_port())]
     done = subprocess.run([*launch, *common, "--steps", "2"], env=env, capture_output=True, text=True, timeout=100)
     assert done.returncode == 0, done.stderr[-3000:]
     manifest = ckpt.read_manifest(out / "checkpoints")
@@ -675,7 +629,7 @@ def test_bench_under_torchrun_writes_the_report_with_throughput_summed_over_rank
 
     out = tmp_path / "bench"
     done = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2", "--master-addr",
-                           "127.0.0.1", "--master-port", str(_free_port()), "-m", "mixprec", "bench", "--workload",
+                           "127.0.0.1", "--master-port", str(free_port()), "-m", "mixprec", "bench", "--workload",
                            "gpt", "--config", "tiny", "--policies", "fp32", "--steps", "5", "--strategy", "ddp",
                            "--out", str(out)], env={**os.environ, "OMP_NUM_THREADS": "1"}, capture_output=True,
                           text=True, timeout=110)
@@ -699,9 +653,7 @@ def test_bench_under_torchrun_writes_the_report_with_throughput_summed_over_rank
 # ---------------------------------------------------------------- cases 28 and 29: one-process gloo group
 @pytest.fixture
 def gloo_world_of_one(monkeypatch):
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
+    port = free_port()
     for key, value in dict(RANK="0", WORLD_SIZE="1", LOCAL_RANK="0", MASTER_ADDR="127.0.0.1",
                            MASTER_PORT=str(port)).items():
         monkeypatch.setenv(key, value)
@@ -797,7 +749,7 @@ def _side_worker(rank: int, out: Path) -> dict:
 
 @pytest.mark.timeout(120)
 def test_fsdp2_side_inputs_reach_the_blocks_in_fp32(tmp_path):
-    results = _run_ranks(_side_worker, tmp_path)
+    results = run_ranks(_side_worker, tmp_path, timeout_s=100)
     model = _SideNet()
     one = MixedPrecision(model, torch.optim.SGD(model.parameters(), lr=0.1), "bf16-mixed", device="cpu")
     x = torch.randn(4, 8, generator=torch.Generator().manual_seed(1))
@@ -829,7 +781,7 @@ def _huge_norm_worker(rank: int, out: Path) -> dict:
 
 @pytest.mark.timeout(120)
 def test_fsdp2_clips_finite_gradients_whose_squares_overflow_fp32(tmp_path):
-    for r in _run_ranks(_huge_norm_worker, tmp_path):
+    for r in run_ranks(_huge_norm_worker, tmp_path, timeout_s=100):
         assert r["applied"] and math.isfinite(r["norm"])
         assert abs(r["norm"] - r["norm64"]) <= 1e-5 * r["norm64"]   # fp32 rounding of the scaled sums
         assert 0.0 < r["step_norm"] <= 0.1 * (1 + 1e-5) * 1.0 + 1e-6   # lr 0.1 x clipped norm 1: not zeroed

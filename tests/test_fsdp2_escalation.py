@@ -20,7 +20,7 @@ import torch
 
 import mixprec.optim
 from mixprec import Guard, MixedPrecision
-from test_fsdp2_policies import _run_ranks
+from ranks import run_ranks
 from test_fsdp2_quantized import _batches, _engine, _model, _snapshot, _step
 
 import torch.nn.functional as F
@@ -80,7 +80,7 @@ def _one_process(policy: str, new_policy: str) -> dict:
 
 @pytest.mark.timeout(300)
 def test_fsdp2_guard_escalates_8bit_state_to_fp32_and_continues_like_one_process(tmp_path):
-    ranks = _run_ranks(2, _worker, tmp_path)
+    ranks = run_ranks(_worker, tmp_path, world=2)
     for policy in POLICIES:
         _check(policy, [g[policy] for g in ranks])
 

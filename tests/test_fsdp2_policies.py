@@ -30,16 +30,10 @@ compares what they saw with a one-process run in the pytest process (one thread,
 
 from __future__ import annotations
 
-import os
-import socket
-import time
-import traceback
-from datetime import timedelta
 from pathlib import Path
 
 import pytest
 import torch
-import torch.multiprocessing as torch_mp
 import torch.nn.functional as F
 from torch import nn
 
@@ -47,53 +41,11 @@ import mixprec.optim
 from mixprec import MixedPrecision, Policy, get_format
 from mixprec import checkpoint as ckpt
 from mixprec.distributed import process as mpd
+from ranks import run_ranks
 
 POLICIES = ("bf16-sr", "bf16-kahan", "bf16-kahan,state=bf16")
 STEPS = 10
 BF16_EPS = get_format("bf16").eps
-
-
-# ---------------------------------------------------------------------- the W-process harness
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
-def _entry(rank: int, world: int, port: int, out: str, fn, args: tuple) -> None:
-    os.environ.update(RANK=str(rank), WORLD_SIZE=str(world), LOCAL_RANK=str(rank), MASTER_ADDR="127.0.0.1",
-                      MASTER_PORT=str(port))
-    torch.set_num_threads(1)
-    mpd.init_process_group_from_env("cpu", timeout=timedelta(seconds=60))
-    finished = False
-    try:
-        result = fn(rank, Path(out), *args)
-        torch.save(result, Path(out) / f"rank{rank}.pt")
-        finished = True
-    except BaseException:
-        (Path(out) / f"rank{rank}.err").write_text(traceback.format_exc())
-        raise
-    finally:
-        mpd.leave_process_group(wait_for_all=finished)
-
-
-def _run_ranks(world: int, fn, tmp_path: Path, *args, timeout_s: float = 150) -> list:
-    """Run ``fn(rank, tmp_path, *args)`` on ``world`` gloo ranks; return each rank's result."""
-    ctx = torch_mp.start_processes(_entry, args=(world, _free_port(), str(tmp_path), fn, args), nprocs=world,
-                                   join=False, start_method="spawn")
-    deadline = time.monotonic() + timeout_s
-    try:
-        while not ctx.join(timeout=1.0):
-            if time.monotonic() > deadline:
-                pytest.fail(f"ranks still running after {timeout_s} s: a collective hangs")
-    except torch_mp.ProcessRaisedException:
-        errors = "\n".join(p.read_text() for p in sorted(tmp_path.glob("rank*.err")))
-        pytest.fail(f"a rank raised:\n{errors}")
-    finally:
-        for proc in ctx.processes:   # only the processes this test started
-            if proc.is_alive():
-                proc.kill()
-    return [torch.load(tmp_path / f"rank{r}.pt", weights_only=False) for r in range(world)]
 
 
 # ---------------------------------------------------------------------- model, data, one run
@@ -163,7 +115,7 @@ def _same_batch_worker(rank: int, out: Path) -> dict:
 @pytest.mark.timeout(300)
 @pytest.mark.parametrize("world", [2, 4])
 def test_fsdp2_16bit_storage_is_bit_identical_to_one_process_when_gradients_are(tmp_path, world):
-    ranks = _run_ranks(world, _same_batch_worker, tmp_path)
+    ranks = run_ranks(_same_batch_worker, tmp_path, world=world)
     for policy in POLICIES:
         ref = _one_process(policy, _batches(STEPS))
         assert set(ref["dtypes"].values()) == {torch.bfloat16}, policy
@@ -196,7 +148,7 @@ def _sharded_batch_worker(rank: int, out: Path, world: int) -> dict:
 @pytest.mark.timeout(300)
 @pytest.mark.parametrize("world", [2, 4])
 def test_fsdp2_16bit_storage_on_sharded_batches_matches_one_process_on_the_global_batch(tmp_path, world):
-    ranks = _run_ranks(world, _sharded_batch_worker, tmp_path, world)
+    ranks = run_ranks(_sharded_batch_worker, tmp_path, world, world=world)
     init = {n: p.detach().float() for n, p in _mlp().named_parameters()}
     for policy in POLICIES:
         ref = _one_process(policy, _global_batches(world), sgd=True)
@@ -235,7 +187,7 @@ def _resume_worker(rank: int, out: Path, world: int) -> dict:
 @pytest.mark.timeout(300)
 @pytest.mark.parametrize("world", [2, 4])
 def test_fsdp2_16bit_storage_resumes_from_dcp_bit_for_bit(tmp_path, world):
-    ranks = _run_ranks(world, _resume_worker, tmp_path, world)
+    ranks = run_ranks(_resume_worker, tmp_path, world, world=world)
     for policy in POLICIES:
         manifest = ckpt.read_manifest(tmp_path / policy)
         assert (manifest["format"], manifest["strategy"], manifest["world_size"], manifest["policy"]) == (
@@ -284,7 +236,7 @@ def _guard_worker(rank: int, out: Path, world: int) -> dict:
 @pytest.mark.timeout(300)
 def test_fsdp2_16bit_storage_guard_rolls_back_shards_and_refuses_escalation(tmp_path):
     world = 2
-    ranks = _run_ranks(world, _guard_worker, tmp_path, world)
+    ranks = run_ranks(_guard_worker, tmp_path, world, world=world)
     for r, got in enumerate(ranks):
         assert got["outcomes"] == [(step not in FAULTS, step in FAULTS) for step in range(6)], r
         assert got["policy"] == str(Policy.parse(GUARD_POLICY)), r
@@ -327,7 +279,7 @@ def _gpt_worker(rank: int, out: Path) -> dict:
 
 @pytest.mark.timeout(300)
 def test_fsdp2_16bit_storage_on_gpt_blocks_is_bit_identical_to_one_process(tmp_path):
-    ranks = _run_ranks(2, _gpt_worker, tmp_path)
+    ranks = run_ranks(_gpt_worker, tmp_path, world=2)
     threads = torch.get_num_threads()
     torch.set_num_threads(1)
     try:

@@ -41,7 +41,7 @@ from mixprec import checkpoint as ckpt
 from mixprec.distributed import process as mpd
 from mixprec.optim import quantized_state as qs
 from mixprec.optim.sharded_blocks import pieces
-from test_fsdp2_policies import _run_ranks   # the W-process harness
+from ranks import run_ranks
 
 POLICIES = ("bf16-lean", "bf16-lean,state_rounding=stochastic", "bf16-kahan,state=int8", "bf16-sr,state=fp8")
 RESUME_POLICIES = ("bf16-lean,state_rounding=stochastic", "bf16-kahan,state=int8")
@@ -120,7 +120,7 @@ def _assert_equal(got: dict, want: dict, what: tuple) -> None:
 @pytest.mark.timeout(300)
 @pytest.mark.parametrize("world", [2, 4])
 def test_fsdp2_8bit_state_is_bit_identical_to_one_process_when_gradients_are(tmp_path, world):
-    ranks = _run_ranks(world, _same_batch_worker, tmp_path)
+    ranks = run_ranks(_same_batch_worker, tmp_path, world=world)
     threads = torch.get_num_threads()
     torch.set_num_threads(1)   # as the ranks
     try:
@@ -191,7 +191,7 @@ def _resume_worker(rank: int, out: Path, world: int) -> dict:
 @pytest.mark.timeout(300)
 def test_fsdp2_8bit_state_resumes_from_dcp_bit_for_bit(tmp_path):
     world = 2
-    ranks = _run_ranks(world, _resume_worker, tmp_path, world)
+    ranks = run_ranks(_resume_worker, tmp_path, world, world=world)
     for policy in RESUME_POLICIES:
         for r, got in enumerate(ranks):
             _assert_equal(got[policy]["resumed"], got[policy]["straight"], (policy, r))
@@ -230,7 +230,7 @@ def test_fsdp2_checkpoint_saved_at_2_ranks_continues_at_1_and_4_bit_for_bit(tmp_
     """Save at 2 ranks after 5 steps, load at 1 and at 4 ranks, 5 more steps: with the same batch on every rank
     (exact gradients) the params, moments, compensation, codes and scales equal one process's 10 uninterrupted
     steps bit for bit (every sharded piece of state is keyed by global index); the reshard is a recorded event."""
-    _run_ranks(2, _save_worker, tmp_path)
+    run_ranks(_save_worker, tmp_path, world=2)
     threads = torch.get_num_threads()
     torch.set_num_threads(1)
     try:
@@ -238,7 +238,7 @@ def test_fsdp2_checkpoint_saved_at_2_ranks_continues_at_1_and_4_bit_for_bit(tmp_
     finally:
         torch.set_num_threads(threads)
     for world in (1, 4):
-        ranks = _run_ranks(world, _load_worker, tmp_path)
+        ranks = run_ranks(_load_worker, tmp_path, world=world)
         for policy, ref in refs.items():
             for r, got in enumerate(ranks):
                 _assert_equal(got[policy], ref, (policy, world, r))
@@ -279,7 +279,7 @@ def _guard_worker(rank: int, out: Path) -> dict:
 
 @pytest.mark.timeout(300)
 def test_fsdp2_8bit_state_guard_rolls_back_codes_and_scales(tmp_path):
-    for r, got in enumerate(_run_ranks(2, _guard_worker, tmp_path)):
+    for r, got in enumerate(run_ranks(_guard_worker, tmp_path, world=2)):
         assert got["outcomes"] == [(step not in FAULTS, step in FAULTS) for step in range(5)], r
         assert any(k.endswith("_absmax") for k in got["clean"]["state"]), r
         _assert_equal(got["guarded"], got["clean"], ("guard", r))

@@ -23,7 +23,7 @@ import torch
 from mixprec import checkpoint as ckpt
 from mixprec.programs.session import build_engine, evaluate, train_step
 from mixprec.workloads import get_workload
-from test_distributed import _free_port
+from ranks import free_port
 
 STEPS, WORLD = 3, 2
 QUANTIZED_MIN = 4096   # the engine's threshold for 8-bit state (2-D, at least 4096 elements; the decision says so)
@@ -73,7 +73,7 @@ def _one_process_eval(seed: int) -> tuple[float, dict]:
 def test_train_fsdp2_bf16_lean_reports_state_bytes_per_param_per_rank(tmp_path):
     out = tmp_path / "run"
     done = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", str(WORLD),
-                           "--master-addr", "127.0.0.1", "--master-port", str(_free_port()), "-m", "mixprec", "train",
+                           "--master-addr", "127.0.0.1", "--master-port", str(free_port()), "-m", "mixprec", "train",
                            "--workload", "gpt", "--config", "tiny", "--policy", "bf16-lean", "--strategy", "fsdp2",
                            "--steps", str(STEPS), "--out", str(out)],
                           env={**os.environ, "OMP_NUM_THREADS": "1"}, capture_output=True, text=True, timeout=240)

@@ -10,16 +10,10 @@ block, what each block saved less its input (measured by the plan on its real in
 from __future__ import annotations
 
 import copy
-import os
-import socket
-import time
-import traceback
-from datetime import timedelta
 from pathlib import Path
 
 import pytest
 import torch
-import torch.multiprocessing as torch_mp
 
 import mixprec
 import mixprec.optim
@@ -27,6 +21,7 @@ from mixprec import MixedPrecision
 from mixprec.memory.recompute import MODES, BlockPlan, RecomputePlan, choose_mode, keep_matmuls, repeated_blocks
 from mixprec.memory.saved import saved_bytes
 from mixprec.workloads.gpt import GPTWorkload
+from ranks import run_ranks
 
 STEPS = 3
 
@@ -226,53 +221,22 @@ def test_compiled_model_with_a_plan_matches_eager_without_it(gpt, checkpoint, mo
 
 
 # ---------------------------------------------------------------------- DDP: 2 gloo ranks, one plan
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
-def _ddp_entry(rank: int, port: int, out: str) -> None:
+def _ddp_worker(rank: int, out: Path) -> dict:
     from mixprec.distributed import process as mpd
 
-    os.environ.update(RANK=str(rank), WORLD_SIZE="2", LOCAL_RANK=str(rank), MASTER_ADDR="127.0.0.1",
-                      MASTER_PORT=str(port))
-    torch.set_num_threads(1)
-    mpd.init_process_group_from_env("cpu", timeout=timedelta(seconds=60))
-    finished = False
-    try:
-        workload = GPTWorkload("tiny")
-        batches = list(mpd.shard_batches([b for _, b in zip(range(4), workload.batches("train", seed=0))]))
-        result = {}
-        for checkpoint in (None, "auto"):
-            mp = _engine(workload, "fp32", checkpoint, strategy="ddp")
-            result[checkpoint] = _train(mp, workload, batches)
-        result["plan"] = _plan(mp).modes()
-        torch.save(result, Path(out) / f"rank{rank}.pt")
-        finished = True
-    except BaseException:
-        (Path(out) / f"rank{rank}.err").write_text(traceback.format_exc())
-        raise
-    finally:
-        mpd.leave_process_group(wait_for_all=finished)
+    workload = GPTWorkload("tiny")
+    batches = list(mpd.shard_batches([b for _, b in zip(range(4), workload.batches("train", seed=0))]))
+    result = {}
+    for checkpoint in (None, "auto"):
+        mp = _engine(workload, "fp32", checkpoint, strategy="ddp")
+        result[checkpoint] = _train(mp, workload, batches)
+    result["plan"] = _plan(mp).modes()
+    return result
 
 
 @pytest.mark.timeout(180)
 def test_ddp_ranks_run_one_plan_and_the_same_weights_as_without_it(tmp_path):
-    ctx = torch_mp.start_processes(_ddp_entry, args=(_free_port(), str(tmp_path)), nprocs=2, join=False,
-                                   start_method="spawn")
-    deadline = time.monotonic() + 170
-    try:
-        while not ctx.join(timeout=1.0):
-            if time.monotonic() > deadline:
-                pytest.fail("ranks still running: a collective hangs")
-    except torch_mp.ProcessRaisedException:
-        pytest.fail("a rank raised:\n" + "\n".join(p.read_text() for p in sorted(tmp_path.glob("rank*.err"))))
-    finally:
-        for proc in ctx.processes:
-            if proc.is_alive():
-                proc.kill()
-    ranks = [torch.load(tmp_path / f"rank{r}.pt", weights_only=False) for r in range(2)]
+    ranks = run_ranks(_ddp_worker, tmp_path, timeout_s=170)
     assert ranks[0]["plan"] == ranks[1]["plan"] and set(ranks[0]["plan"]) == {"blocks.0", "blocks.1"}
     for result in ranks:
         _assert_equal(result["auto"], result[None])
