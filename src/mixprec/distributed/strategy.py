@@ -17,7 +17,7 @@ import torch
 from torch import nn
 
 from mixprec.distributed import process as distributed
-from mixprec.distributed import replicas, sharded_storage, sharded_switch
+from mixprec.distributed import replicas, sharded_storage, sharded_switch, sharded_units
 from mixprec.optim import contract
 from mixprec.policy.resolve import Resolution, resolve
 from mixprec.policy.policy import Policy
@@ -80,9 +80,11 @@ class SingleProcess:
     def refuse(self, what: str) -> None:
         """Raise ValueError if ``what`` (``"unfreeze"``, ``"to_fp32"``) cannot run."""
 
-    def before_set_policy(self, old: Policy, new: Policy, optimizer: torch.optim.Optimizer | None) -> None:
+    def before_set_policy(self, old: Policy, new: Policy, optimizer: torch.optim.Optimizer | None) -> str:
         """Called by ``set_policy`` before re-preparing the model from ``old`` to ``new``: raise ValueError (nothing
-        changed) if the strategy cannot switch, else make ready what the switch needs. One process: nothing."""
+        changed) if the strategy cannot switch, else make ready what the switch needs and return the event's
+        words on it ("" when none). One process: nothing."""
+        return ""
 
     def check_restore(self, old: dict[int, torch.dtype], new: dict[int, torch.dtype], policy: Policy) -> None:
         """Raise ValueError if re-preparing from stored dtypes ``old`` to ``new`` cannot run here."""
@@ -162,11 +164,12 @@ class FSDP2(_MultiProcess):
 
     def __init__(self) -> None:
         self._start_fp32: dict[int, torch.Tensor] = {}   # id(sharded param) -> its fp32 value before the cast
-        self._built: Policy | None = None                 # the policy fully_shard was built for
+        self._built: Policy | None = None                 # the policy the shards are laid out for
+        self._model: nn.Module | None = None              # the sharded model
 
     def before_casts(self, model, policy, device, keep, optimizer):
         super().before_casts(model, policy, device, keep, optimizer)
-        self._built = policy
+        self._built, self._model = policy, model
         distributed.check_fsdp_policy(policy)   # before the cast: a refused policy leaves the model as it was
         values = (sharded_storage.cast_for_sharding(model, policy, tuple(keep), keep_values=policy.rounding == "kahan")
                   if sharded_storage.stores_16bit(policy) else {})
@@ -190,14 +193,22 @@ class FSDP2(_MultiProcess):
         return distributed.sum_across_ranks(ratio.square()).sqrt() * largest
 
     def before_set_policy(self, old, new, optimizer):
-        """The optimizer state's precision alone may change (:mod:`mixprec.distributed.sharded_switch`): checked,
-        then 8-bit sharded state dequantized to fp32 where ``new`` keeps none and Kahan compensation folded into
-        the local shards (the re-preparation's ``p.data = ...`` does not reach a DTensor's shard)."""
-        sharded_switch.check_switch(self._built or old, old, new)
+        """The optimizer state's precision may change and modules may be kept in fp32
+        (:mod:`mixprec.distributed.sharded_switch`): checked, then the units holding newly kept modules resharded
+        (:mod:`mixprec.distributed.sharded_units`), 8-bit sharded state dequantized to fp32 where ``new`` keeps
+        none and Kahan compensation folded into the local shards (the re-preparation's ``p.data = ...`` does not
+        reach a DTensor's shard). Returns the event's words on the resharded units."""
+        built = self._built or old
+        sharded_switch.check_switch(built, old, new)
+        keep = sharded_units.plan_keep(self._model, built, new) if self._model is not None else None
         if optimizer is not None:   # what prepare checks next, before the state changes here
             contract.check(optimizer, new, {p.dtype for g in optimizer.param_groups for p in g["params"]})
+        note = sharded_units.apply_keep(self._model, keep, optimizer) if keep is not None else ""
+        if optimizer is not None:
             sharded_switch.dequantize_sharded_state_(optimizer, new)
             sharded_switch.fold_compensation_(optimizer, new)
+        self._built = new
+        return note
 
 
 def make_strategy(name: str | None) -> Any:

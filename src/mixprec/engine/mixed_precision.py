@@ -312,7 +312,7 @@ class MixedPrecision:
         self._check_boundary("set_policy()", "change the policy")
         new = resolve(policy, self.device).policy
         check_fp8_unchanged(self.policy, new)
-        self._strategy.before_set_policy(self.policy, new, self.optimizer)
+        resharded = self._strategy.before_set_policy(self.policy, new, self.optimizer)
         prepared = prepare(self.module, new, self.device, self._strategy, optimizer=self.optimizer,
                            masters=self.masters, frozen=self._frozen)
         self._auto.cancel(self.policy, new)   # another policy asked for while auto is pending: it wins
@@ -325,7 +325,7 @@ class MixedPrecision:
         self.decision = str(Decision(f"{new} on {self.device} ({new.summary()}; set_policy at boundary {self.boundaries}: "
                                      f"{cause}; was {old})", (self._compile.note(new), regions,
                                                               contract.state_note(self.optimizer), self._recompute.note)))
-        event = policy_event(self.boundaries, kind, cause, module, old, new, prepared.carried, scale_note)
+        event = policy_event(self.boundaries, kind, cause, module, old, new, prepared.carried, scale_note + resharded)
         self.events.extend([event] if record else [])
         (log.warning if new != old else log.info)("mixprec: policy %s → %s at boundary %d (%s)", old, new,
                                                    self.boundaries, cause)
