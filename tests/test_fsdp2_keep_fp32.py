@@ -15,8 +15,8 @@ Every rank gets the same batch, so the reduced gradient is one process's exactly
   two more steps equal the uninterrupted run bit for bit.
 * A module that shares the root unit with other 16-bit stored params is refused under bf16-lean, named; under
   bf16-mixed the root unit all-gathers fp32 as a whole and the note says so.
-* The guard's escalation under FSDP2 (rank 1's loss NaN twice, no module localised): with ``keep_fp32`` rung
-  available through ``next_policy(..., sharded=True)`` for a named module.
+* The guard's ladder under FSDP2 (:func:`mixprec.guard.next_policy` with ``sharded=True``): a named module is
+  kept in fp32 (rung 1), the dtype rungs are still skipped, named.
 * The torch internals :func:`mixprec.distributed.sharded_units.param_group` relies on are still there.
 """
 
@@ -157,3 +157,89 @@ def test_fsdp2_keep_fp32_mid_run_equals_one_process_and_resumes_from_dcp(tmp_pat
             _assert_equal(res["resumed"], res["continued"], (policy, r, "resumed"))
         if policy != "bf16-mixed":   # 16-bit storage: the kept block is fp32, the others stay bf16
             assert ref["snapshot"]["params"]["blocks.0.0.weight"].dtype == torch.bfloat16, policy
+
+
+# ---------------------------------------------------------------------- a module inside the root unit
+def _root_worker(rank: int, out: Path) -> dict:
+    lean, batch = _engine("bf16-lean", "fsdp2"), _batch()
+    _step(lean, batch)
+    before = _snapshot(lean)
+    try:
+        lean.set_policy(_kept("bf16-lean", "head"))
+        refused = ""
+    except ValueError as err:
+        refused = str(err)
+    after = _snapshot(lean)
+    _step(lean, batch)   # training goes on under the policy it had
+    return {"refused": refused, "lean_policy": str(lean.policy), "before": before, "after": after,
+            "mixed": _escalated_root("fsdp2")}
+
+
+def _escalated_root(strategy: str | None) -> dict:
+    mp, batch = _engine("bf16-mixed", strategy), _batch()
+    _step(mp, batch)
+    event = mp.set_policy(_kept("bf16-mixed", "head"), kind="escalate", module="head")
+    for _ in range(AFTER):
+        _step(mp, batch)
+    return {"event": event.detail, "module": event.module, "snapshot": _snapshot(mp)}
+
+
+@pytest.mark.timeout(300)
+def test_fsdp2_keep_fp32_in_the_root_unit_escalates_the_unit_or_is_refused_under_16bit_storage(tmp_path):
+    ranks = run_ranks(_root_worker, tmp_path, world=2)
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    try:
+        ref = _escalated_root(None)
+    finally:
+        torch.set_num_threads(threads)
+    for r, got in enumerate(ranks):
+        # bf16-lean: the root unit also holds inp's bf16-stored params; FSDP2 stores one dtype per unit
+        assert "two dtypes" in got["refused"] and "'the root'" in got["refused"] and "inp.weight" in got["refused"], r
+        assert got["lean_policy"] == str(Policy.parse("bf16-lean")), r
+        _assert_equal(got["after"], got["before"], (r, "refused: nothing changed"))
+        # bf16-mixed: the root unit all-gathers fp32 as a whole; inp still computes in bf16 under autocast
+        mixed = got["mixed"]
+        assert "kept head in fp32 (its FSDP2 unit: the root, all-gathered in fp32 from now; its other modules' " \
+               "params (the root) all-gather fp32 too)" in mixed["event"], (r, mixed["event"])
+        assert mixed["module"] == "head", r
+        _assert_equal(mixed["snapshot"], ref["snapshot"], (r, "bf16-mixed root"))
+
+
+# ---------------------------------------------------------------------- the guard's ladder, the torch internals
+def test_next_policy_under_fsdp2_keeps_a_named_module_and_skips_dtype_rungs():
+    from mixprec.guard import next_policy
+
+    lean = Policy.parse("bf16-lean")
+    new, why = next_policy(lean, "blocks.1", bf16_ok=True, sharded=True)
+    assert new == lean.replace(keep_fp32=("blocks.1",)) and why == "keep 'blocks.1' in fp32"
+    new, why = next_policy(lean, None, bf16_ok=True, sharded=True)   # bf16 → fp32 skipped: the state rung
+    assert new == lean.replace(state_dtype=torch.float32, state_rounding="nearest"), why
+    assert "'bf16 → fp32' refused under strategy='fsdp2'" in why
+    new, why = next_policy(Policy.parse("bf16-mixed"), None, bf16_ok=True, sharded=True)
+    assert new is None and "would re-run fully_shard" in why
+
+
+def _internals_worker(rank: int, out: Path) -> dict:
+    from mixprec.distributed.sharded_units import fsdp_units
+
+    mp = _engine("bf16-mixed", "fsdp2")
+    _step(mp, _batch())
+    units = fsdp_units(mp.module)
+    params = {id(p) for p in mp.module.parameters()}   # FSDPParam.sharded_param: the model's own parameters
+    return {name: ([fp.param_dtype for fp in g.fsdp_params], g.mp_policy.param_dtype,
+                   all(id(fp.sharded_param) in params for fp in g.fsdp_params),
+                   all(hasattr(fp, "_unsharded_param") and fp.all_gather_outputs for fp in g.fsdp_params))
+            for name, g in units.items()}
+
+
+@pytest.mark.timeout(300)
+def test_the_fsdp2_internals_sharded_units_relies_on_are_still_there(tmp_path):
+    """If torch renames ``_fsdp_param_group``, ``FSDPParam.param_dtype``, ``all_gather_outputs`` or
+    ``_unsharded_param`` (what :func:`mixprec.distributed.sharded_units.param_group` reads and resets), this fails."""
+    for r, units in enumerate(run_ranks(_internals_worker, tmp_path, world=2)):
+        assert sorted(units) == ["", "blocks.0", "blocks.1", "blocks.2"], r
+        for name, (dtypes, group_dtype, own, gathered) in units.items():
+            assert dtypes == [torch.bfloat16] * len(dtypes) and group_dtype == torch.bfloat16, (r, name)
+            assert own, (r, name)
+            assert gathered, (r, name)   # made at the first all-gather: apply_keep drops them

@@ -131,8 +131,9 @@ def next_policy(policy: Policy, module: str | None, *, bf16_ok: bool, sharded: b
                 ) -> tuple[Policy | None, str]:
     """The next rung of the escalation ladder from ``policy``, and why (None: nothing left).
 
-    ``sharded`` (FSDP2): ``fully_shard`` fixed how params are stored and computed, so only rung 4's change of the
-    optimizer state's precision runs (:mod:`mixprec.distributed.sharded_switch`); the rung skipped is named.
+    ``sharded`` (FSDP2): rung 1 reshards the FSDP2 unit holding ``module`` in place
+    (:mod:`mixprec.distributed.sharded_units`) and rung 4 changes the optimizer state's precision
+    (:mod:`mixprec.distributed.sharded_switch`); rungs 2 and 3 would re-run ``fully_shard``: skipped, named.
 
     1. ``module`` (the first non-finite module) runs in 16 bits and is not kept yet: keep it in
        fp32 (``keep_fp32 += (module,)``);
@@ -143,8 +144,9 @@ def next_policy(policy: Policy, module: str | None, *, bf16_ok: bool, sharded: b
     """
     if sharded:
         new, why = next_policy(policy, module, bf16_ok=bf16_ok)
-        if new is None or new == policy.replace(state_dtype=new.state_dtype, state_rounding=new.state_rounding):
-            return new, why
+        if new is None or new == policy.replace(state_dtype=new.state_dtype, state_rounding=new.state_rounding,
+                                                keep_fp32=new.keep_fp32):
+            return new, why   # rung 1 (its FSDP2 unit resharded) or rung 4
         skipped = f"'{why}' refused under strategy='fsdp2': it would re-run fully_shard (not done mid-run)"
         if policy.state_dtype in QUANTIZED_STATE_DTYPES:
             return (policy.replace(state_dtype=torch.float32, state_rounding="nearest"),
@@ -230,8 +232,9 @@ class Guard:
     own step, then the engine's ``agree_on`` makes every rank act on the first cause any rank
     found (one all-reduce per boundary), so all ranks roll back, escalate or give up together.
     The bad batch is not localised there (re-running it on one rank would run
-    collectives on that rank only), so escalation skips the keep-a-module rung; under FSDP2 only the
-    optimizer-state rung runs (8-bit state → fp32 state: ``fully_shard`` fixed how params are stored).
+    collectives on that rank only), so escalation skips the keep-a-module rung; under FSDP2 the
+    optimizer-state rung runs (8-bit state → fp32 state), and the keep-a-module rung where a module is named
+    (its FSDP2 unit resharded in place); a dtype change of every param would re-run ``fully_shard``: skipped.
 
     Host syncs: skipped steps are known from ``StepResult.applied`` (already synced by the
     engine); reading the loss costs one sync every ``check_every`` boundaries; a skipped step
