@@ -39,11 +39,21 @@ KEPT = "blocks.1"
 BEFORE, AFTER = 1, 3
 
 
+class _Flaky(nn.Linear):
+    """A Linear whose output turns inf while ``poisoned`` (the guard test's fault on one rank)."""
+
+    poisoned = False
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        y = super().forward(x)
+        return y * float("inf") if self.poisoned else y
+
+
 class _Net(nn.Module):
     def __init__(self) -> None:
         super().__init__()
         self.inp = nn.Linear(16, 64)
-        self.blocks = nn.ModuleList([nn.Sequential(nn.Linear(64, 64), nn.GELU()) for _ in range(3)])
+        self.blocks = nn.ModuleList([nn.Sequential(_Flaky(64, 64), nn.GELU()) for _ in range(3)])
         self.head = nn.Linear(64, 5)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
@@ -243,3 +253,73 @@ def test_the_fsdp2_internals_sharded_units_relies_on_are_still_there(tmp_path):
             assert dtypes == [torch.bfloat16] * len(dtypes) and group_dtype == torch.bfloat16, (r, name)
             assert own, (r, name)
             assert gathered, (r, name)   # made at the first all-gather: apply_keep drops them
+
+
+# ---------------------------------------------------------------------- the guard's rung 1 under FSDP2
+FAULTS, GUARD_STEPS = (1, 2), 5
+FLAKY = "blocks.1.0"
+
+
+def _loss(model: nn.Module, batch: dict) -> torch.Tensor:
+    return F.mse_loss(model(batch["x"]).float(), batch["y"].float())
+
+
+def _guarded(policy: str, rank: int) -> dict:
+    from mixprec import Guard
+
+    torch.manual_seed(0)
+    model = _Net()
+    mp = MixedPrecision(model, mixprec.optim.AdamW(model.parameters(), lr=1e-2, weight_decay=0.1), policy,
+                        device="cpu", strategy="fsdp2", guard=Guard(snapshot_every=1, loss_fn=_loss))
+    flaky, batch, outcomes = mp.module.get_submodule(FLAKY), _batch(), []
+    for step in range(GUARD_STEPS):
+        flaky.poisoned = rank == 1 and step in FAULTS   # inf out of one module, on one rank
+        x = mp.cast_inputs(batch, keep=("y",))
+        with mp.autocast():
+            loss = _loss(mp.model, x)
+        mp.backward(loss)
+        result = mp.step()
+        flaky.poisoned = False
+        outcomes.append((result.applied, result.rolled_back, result.escalated))
+    escalations = [e for e in mp.events if e.get("kind") == "escalate"]
+    return {"outcomes": outcomes, "policy": str(mp.policy), "snapshot": _snapshot(mp),
+            "escalations": [(e.get("step"), e.get("module"), e.get("detail")) for e in escalations]}
+
+
+def _guard_worker(rank: int, out: Path) -> dict:
+    return {policy: _guarded(policy, rank) for policy in ("bf16-mixed", "bf16-lean")}
+
+
+def _one_process_escalated(policy: str) -> dict:
+    mp, batch = _engine(policy, None), _batch()
+    _step(mp, batch)
+    mp.set_policy(_kept(policy, FLAKY), kind="escalate")
+    for _ in range(GUARD_STEPS - 1 - len(FAULTS)):
+        _step(mp, batch)
+    return _snapshot(mp)
+
+
+@pytest.mark.timeout(300)
+def test_fsdp2_guard_keeps_the_failing_module_in_fp32_and_continues_like_one_process(tmp_path):
+    """Rank 1's ``blocks.1.0`` outputs inf at steps 1 and 2: every rank rolls back twice; at the second failure
+    every rank re-runs its batch forward only, they agree on ``blocks.1.0`` (found on rank 1 alone) and keep it
+    in fp32 (its unit ``blocks.1`` resharded); two more steps equal one process that ran step 0, the same
+    ``set_policy`` and two steps, bit for bit."""
+    ranks = run_ranks(_guard_worker, tmp_path, world=2)
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    try:
+        refs = {policy: _one_process_escalated(policy) for policy in ranks[0]}
+    finally:
+        torch.set_num_threads(threads)
+    for policy, ref in refs.items():
+        for r, got in enumerate(ranks):
+            g = got[policy]
+            assert g["outcomes"] == [(True, False, False), (False, True, False), (False, True, True),
+                                     (True, False, False), (True, False, False)], (policy, r)
+            assert g["policy"] == _kept(policy, FLAKY), (policy, r)
+            assert g["escalations"] == ranks[0][policy]["escalations"] and len(g["escalations"]) == 1, (policy, r)
+            step, module, detail = g["escalations"][0]
+            assert module == FLAKY and f"keep '{FLAKY}' in fp32" in detail, (policy, r, detail)
+            assert f"kept {FLAKY} in fp32 (its FSDP2 unit: blocks.1, all-gathered" in detail, (policy, r, detail)
+            _assert_equal(g["snapshot"], ref, (policy, r))

@@ -31,6 +31,7 @@ from mixprec.engine.divergence import DivergenceError
 from mixprec.engine.mixed_precision import StepResult
 from mixprec.engine.records import Event
 from mixprec.numerics.localise import NonFiniteReport, locate_nonfinite
+from mixprec.numerics.localise_sharded import locate_on_every_rank
 from mixprec.policy.policy import PRESETS, QUANTIZED_STATE_DTYPES, Policy
 from mixprec.policy.tree import map_tensors
 
@@ -231,10 +232,11 @@ class Guard:
     Several processes (``MixedPrecision(..., strategy="ddp" | "fsdp2")``): each rank judges its
     own step, then the engine's ``agree_on`` makes every rank act on the first cause any rank
     found (one all-reduce per boundary), so all ranks roll back, escalate or give up together.
-    The bad batch is not localised there (re-running it on one rank would run
-    collectives on that rank only), so escalation skips the keep-a-module rung; under FSDP2 the
-    optimizer-state rung runs (8-bit state → fp32 state), and the keep-a-module rung where a module is named
-    (its FSDP2 unit resharded in place); a dtype change of every param would re-run ``fully_shard``: skipped.
+    Under DDP the bad batch is not localised (re-running it on one rank would run collectives on that rank
+    only), so escalation skips the keep-a-module rung. Under FSDP2 every rank re-runs its batches forward only
+    and the ranks agree on the module (:mod:`mixprec.numerics.localise_sharded`); the keep-a-module rung
+    reshards its FSDP2 unit in place and the optimizer-state rung runs (8-bit state → fp32 state); a dtype
+    change of every param would re-run ``fully_shard``: skipped, named.
 
     Host syncs: skipped steps are known from ``StepResult.applied`` (already synced by the
     engine); reading the loss costs one sync every ``check_every`` boundaries; a skipped step
@@ -355,8 +357,8 @@ class Guard:
         c, s = self.config, self.state
         s.counts[cause] += 1
         s.failures_here += 1
-        # a re-run of one rank's batch would run collectives (FSDP all-gathers) on that rank only
-        local = getattr(mp, "strategy", None) is None
+        # a re-run of one rank's batch would run collectives on that rank only: under FSDP2 every rank re-runs
+        local = getattr(mp, "strategy", None) in (None, "fsdp2")
         report = self._localise(mp, result) if cause != "spike" and local else None
         self.last_report = report
         module = None if report is None else report.module
@@ -384,6 +386,9 @@ class Guard:
     def _localise(self, mp: MixedPrecision, result: StepResult) -> NonFiniteReport | None:
         if self.loss_fn is None or not mp.step_batches:
             return None
+        if getattr(mp, "strategy", None) == "fsdp2":   # every rank, forward only, one agreed report
+            return locate_on_every_rank(mp.model, list(mp.step_batches), self.loss_fn, mp.policy, mp.device,
+                                        mp.agree_on)
         scale = (float(result.loss_scale_t) if mp.loss_scale.enabled else 1.0) / mp.accumulation_steps
         for batch in mp.step_batches:
             try:

@@ -94,6 +94,8 @@ class KeepPlan:
         """The event's words on what was resharded ("" when nothing changes)."""
         if not self.modules:
             return ""
+        if not self.units:
+            return f"; kept {', '.join(self.modules)} in fp32 (no params of its own: no FSDP2 unit resharded)"
         units = ", ".join(u or "the root" for u in self.units)
         how = "all-gathered and stored in fp32 from now" if self.restore else "all-gathered in fp32 from now"
         shared = [u or "the root" for u in self.units if u not in self.whole]
