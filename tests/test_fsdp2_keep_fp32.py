@@ -188,6 +188,8 @@ def _root_worker(rank: int, out: Path) -> dict:
 def _escalated_root(strategy: str | None) -> dict:
     mp, batch = _engine("bf16-mixed", strategy), _batch()
     _step(mp, batch)
+    with torch.no_grad(), mp.autocast():   # an evaluation forward: FSDP2 leaves the root unit unsharded
+        mp.model(mp.cast_inputs(batch, keep=("y",))["x"])
     event = mp.set_policy(_kept("bf16-mixed", "head"), kind="escalate", module="head")
     for _ in range(AFTER):
         _step(mp, batch)

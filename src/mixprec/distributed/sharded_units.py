@@ -40,7 +40,7 @@ from mixprec.distributed.process import CastHiddenState
 from mixprec.optim import sharded
 from mixprec.policy.policy import Policy
 
-__all__ = ["KeepPlan", "param_group", "fsdp_units", "plan_keep", "apply_keep"]
+__all__ = ["KeepPlan", "param_group", "reshard", "fsdp_units", "plan_keep", "apply_keep"]
 
 
 def param_group(module: nn.Module) -> Any:
@@ -67,6 +67,16 @@ def param_group(module: nn.Module) -> Any:
         raise RuntimeError(f"mixprec: this torch ({torch.__version__}) FSDP2 lacks {missing}, which keeping a module "
                            "in fp32 mid-run relies on (mixprec.distributed.sharded_units); report this")
     return group
+
+
+def reshard(model: nn.Module) -> None:
+    """Reshard every FSDP2 unit of ``model`` (``FSDPModule.reshard``, public; a no-op for a sharded unit): after a
+    forward without backward FSDP2 leaves the root unsharded, its modules holding the unsharded params."""
+    from torch.distributed.fsdp import FSDPModule
+
+    for module in model.modules():
+        if isinstance(module, FSDPModule):
+            module.reshard()
 
 
 def fsdp_units(model: nn.Module) -> dict[str, Any]:
@@ -110,7 +120,7 @@ def _kept(model: nn.Module, patterns: tuple[str, ...]) -> set[str]:
 
 def plan_keep(model: nn.Module, built: Policy, new: Policy) -> KeepPlan:
     """The :class:`KeepPlan` for the modules ``new.keep_fp32`` matches and ``built``'s (the sharded layout's
-    policy) does not. Nothing changes.
+    policy) does not. Nothing changes but every unit resharded (:func:`reshard`: the values stay).
 
     Raises:
         ValueError: a pattern matches no module; under 16-bit storage, a unit that holds trainable params outside
@@ -124,8 +134,12 @@ def plan_keep(model: nn.Module, built: Policy, new: Policy) -> KeepPlan:
                          f"like {[n for n, _ in model.named_modules() if n][:8]}")
     added = sorted(_kept(model, new.keep_fp32) - _kept(model, built.keep_fp32))
     added = [n for n in added if not any(n.startswith(o + ".") for o in added if o != n)]   # the outer covers
+    reshard(model)   # the modules hold their sharded params again (not the unsharded ones of an eval forward)
     owner = {id(fp.sharded_param): unit for unit, g in fsdp_units(model).items() for fp in g.fsdp_params}
     kept_ids = {id(p) for n in added for p in model.get_submodule(n).parameters()}
+    if kept_ids - owner.keys():
+        raise RuntimeError(f"mixprec: {len(kept_ids - owner.keys())} param(s) of {added} are held by no FSDP2 unit "
+                           "of the model; report this with the model")
     units = sorted({owner[pid] for pid in kept_ids if pid in owner})
     groups = fsdp_units(model)
     restore, whole = [], []
@@ -164,8 +178,8 @@ def _restore_fp32(fsdp_param: Any, optimizer: torch.optim.Optimizer | None) -> N
 
 
 def apply_keep(model: nn.Module, plan: KeepPlan, optimizer: torch.optim.Optimizer | None) -> str:
-    """Carry out ``plan`` (:func:`plan_keep`) on ``model``'s units in place, between steps (every param sharded).
-    Returns :meth:`KeepPlan.note`. No comm, no host sync."""
+    """Carry out ``plan`` (:func:`plan_keep`, which resharded every unit) on ``model``'s units in place, between
+    steps. Returns :meth:`KeepPlan.note`. No comm, no host sync."""
     groups = fsdp_units(model)
     for unit in plan.units:
         group = groups[unit]

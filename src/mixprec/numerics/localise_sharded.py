@@ -5,8 +5,8 @@ each unit's forward all-gathers its params and its backward reduce-scatters, so 
 saw the failure would wait forever for its peers. Here every rank re-runs every micro-batch of its step at the
 same point (the same all-gathers in the same order), forward only (the loss detached: no backward, so no
 reduce-scatter; a non-finite gradient with a finite forward is not localised), without the culprit's fp32
-recompute (re-calling a unit would all-gather on one rank), then re-shards the root (``FSDPModule.reshard``:
-after a forward without backward FSDP2 keeps it unsharded) and agrees on one answer through ``agree``
+recompute (re-calling a unit would all-gather on one rank), then re-shards every unit (``FSDPModule.reshard``:
+after a forward without backward FSDP2 keeps the root unsharded) and agrees on one answer through ``agree``
 (the engine's :meth:`~mixprec.MixedPrecision.agree_on`: one all-reduce): a non-finite batch on any rank first,
 else the first module (in ``named_modules`` order) any rank found. Every rank gets the same report, so every
 rank takes the same escalation.
@@ -19,6 +19,7 @@ from typing import Any, Callable
 import torch
 from torch import nn
 
+from mixprec.distributed.sharded_units import reshard
 from mixprec.numerics.localise import NonFiniteReport, locate_nonfinite
 from mixprec.policy.policy import Policy
 
@@ -40,9 +41,7 @@ def locate_on_every_rank(model: nn.Module, batches: list[Any], loss_fn: Callable
                                   fp32_figure=False)
         if found is None and report is not None and report.where in ("input", "forward"):
             found = report
-    reshard = getattr(model, "reshard", None)
-    if reshard is not None:
-        reshard()
+    reshard(model)   # the root (left unsharded by a forward without backward) as after a training step
     names = tuple(name for name, _ in model.named_modules())
     choice = None if found is None else "input" if found.where == "input" else found.module
     agreed = agree(choice, ("input", *names))
