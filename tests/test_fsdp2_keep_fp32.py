@@ -17,6 +17,10 @@ Every rank gets the same batch, so the reduced gradient is one process's exactly
   bf16-mixed the root unit all-gathers fp32 as a whole and the note says so.
 * The guard's ladder under FSDP2 (:func:`mixprec.guard.next_policy` with ``sharded=True``): a named module is
   kept in fp32 (rung 1), the dtype rungs are still skipped, named.
+* The guard under FSDP2: ``blocks.1.0``'s output turns inf on rank 1 only; every rank re-runs its batch forward,
+  they agree on the module, keep it in fp32 and continue like one process (bf16-mixed, bf16-lean).
+* At 4 ranks the kept block's 5 rows are sharded 2, 2, 1 and 0: the re-stored fp32 shards (bf16-kahan, bf16-sr)
+  still give one process's bits.
 * The torch internals :func:`mixprec.distributed.sharded_units.param_group` relies on are still there.
 """
 
@@ -325,3 +329,52 @@ def test_fsdp2_guard_keeps_the_failing_module_in_fp32_and_continues_like_one_pro
             assert module == FLAKY and f"keep '{FLAKY}' in fp32" in detail, (policy, r, detail)
             assert f"kept {FLAKY} in fp32 (its FSDP2 unit: blocks.1, all-gathered" in detail, (policy, r, detail)
             _assert_equal(g["snapshot"], ref, (policy, r))
+
+
+# ---------------------------------------------------------------------- uneven and empty shards at W = 4
+class _Odd(nn.Module):
+    """The kept block's weight has 5 rows: FSDP2 splits them 2, 2, 1 and an empty shard over 4 ranks."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.inp = nn.Linear(16, 16)
+        self.blocks = nn.ModuleList([nn.Sequential(nn.Linear(16, 16), nn.GELU()), nn.Sequential(nn.Linear(16, 5))])
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        x = self.inp(x)
+        for block in self.blocks:
+            x = block(x)
+        return x
+
+
+def _odd_run(policy: str, strategy: str | None) -> dict:
+    torch.manual_seed(0)
+    model = _Odd()
+    mp = MixedPrecision(model, mixprec.optim.AdamW(model.parameters(), lr=1e-2, weight_decay=0.1), policy,
+                        device="cpu", strategy=strategy)
+    batch = _batch()
+    _step(mp, batch)
+    event = mp.set_policy(_kept(policy), kind="escalate")
+    for _ in range(2):
+        _step(mp, batch)
+    return {"event": event.detail, "snapshot": _snapshot(mp)}
+
+
+def _odd_worker(rank: int, out: Path) -> dict:
+    return {policy: _odd_run(policy, "fsdp2") for policy in ("bf16-kahan", "bf16-sr")}
+
+
+@pytest.mark.timeout(300)
+def test_fsdp2_keep_fp32_restores_uneven_and_empty_shards_at_4_ranks(tmp_path):
+    ranks = run_ranks(_odd_worker, tmp_path, world=4)
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    try:
+        refs = {policy: _odd_run(policy, None) for policy in ranks[0]}
+    finally:
+        torch.set_num_threads(threads)
+    for policy, ref in refs.items():
+        for r, got in enumerate(ranks):
+            assert f"its FSDP2 unit: {KEPT}, all-gathered and stored in fp32" in got[policy]["event"], (policy, r)
+            assert got[policy]["snapshot"]["params"][f"{KEPT}.0.weight"].dtype == torch.float32, (policy, r)
+            _assert_equal(got[policy]["snapshot"], ref["snapshot"], (policy, r))
