@@ -188,8 +188,9 @@ class FSDP2(_MultiProcess):
 
     def check_measured_recompute(self, model, blocks):
         """auto measures a block by running its forward and backward outside the step; a module inside it that
-        FSDP2 shards on its own (a ``keep_fp32`` module, a BatchNorm kept in fp32) would all-gather and
-        reduce-scatter in those passes through its own hooks (its ``.grad`` written, its state left mid-backward)."""
+        FSDP2 shards on its own (a ``keep_fp32`` module, a BatchNorm kept in fp32) runs its all-gather and
+        reduce-scatter hooks in those passes, outside FSDP2's step (seen on torch 2.13: a later pass meets the unit's
+        params still sharded, "mixed torch.Tensor and DTensor")."""
         from torch.distributed.fsdp import FSDPModule
 
         inner = [f"{b}.{n}" for b in blocks for n, m in model.get_submodule(b).named_modules()
