@@ -80,6 +80,15 @@ class SingleProcess:
     def refuse(self, what: str) -> None:
         """Raise ValueError if ``what`` (``"unfreeze"``, ``"to_fp32"``) cannot run."""
 
+    def check_measured_recompute(self, model: nn.Module, blocks: list[str]) -> None:
+        """Raise ValueError if ``checkpoint="auto"`` cannot measure ``blocks`` (module names of ``model``, already
+        wrapped) here. One process and DDP: nothing."""
+
+    def from_main_process(self, text: str) -> str:
+        """Rank 0's ``text`` on every rank (a recompute plan with the agreed modes: one plan text on every rank).
+        One process: ``text``; else one broadcast every rank calls at the same point."""
+        return text
+
     def before_set_policy(self, old: Policy, new: Policy, optimizer: torch.optim.Optimizer | None) -> str:
         """Called by ``set_policy`` before re-preparing the model from ``old`` to ``new``: raise ValueError (nothing
         changed) if the strategy cannot switch, else make ready what the switch needs and return the event's
@@ -125,6 +134,9 @@ class _MultiProcess(SingleProcess):
 
     def agree_flags(self, flags):
         return distributed.any_across_ranks(flags)
+
+    def from_main_process(self, text):
+        return distributed.from_main_process(text)
 
     def refuse(self, what):
         if what == "unfreeze":
@@ -176,6 +188,24 @@ class FSDP2(_MultiProcess):
         distributed.wrap_model(model, policy, "fsdp2", device, keep_fp32=tuple(keep), optimizer=optimizer,
                                sharded_found_inf=True)
         self._start_fp32 = sharded_storage.shard_like_params(model, values)
+
+    def check_measured_recompute(self, model, blocks):
+        """auto measures a block by running its forward and backward outside the step; a module inside it that
+        FSDP2 shards on its own (a ``keep_fp32`` module, a BatchNorm kept in fp32) runs its all-gather and
+        reduce-scatter hooks in those passes, outside FSDP2's step (seen on torch 2.13: a later pass meets the unit's
+        params still sharded, "mixed torch.Tensor and DTensor")."""
+        from torch.distributed.fsdp import FSDPModule
+
+        inner = [f"{b}.{n}" for b in blocks for n, m in model.get_submodule(b).named_modules()
+                 if n and isinstance(m, FSDPModule)]
+        if inner:
+            group = blocks[0].rpartition(".")[0]
+            pattern = f"{group}.*" if group else "*"
+            raise ValueError(f"checkpoint='auto' under strategy='fsdp2': {inner} inside the measured blocks are FSDP2 "
+                             "units of their own (fp32 modules the policy keeps), and auto's measurement cannot run a "
+                             "block's forward and backward outside the step through their hooks; name the blocks "
+                             f"instead, checkpoint={pattern!r} (whole) or checkpoint=['selective:{pattern}'], or keep "
+                             "no fp32 module inside them")
 
     def fp32_value(self, p):
         value = self._start_fp32.pop(id(p), None)

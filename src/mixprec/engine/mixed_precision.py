@@ -103,7 +103,7 @@ class MixedPrecision:
         self.decision = str(Decision(resolution.decision, (
             prepared.fp8_note, prepared.plan.note(), self._compile.note(self.policy), self.policy.scaling_note(),
             prepared.upcast_note, describe_kernels(self.policy, self.device.type), state_note, regions)))
-        self._recompute = RecomputeSetup(self, checkpoint)   # memory/recompute.py: blocks recomputed in backward
+        self._recompute = RecomputeSetup(self, checkpoint, self._strategy)   # memory/recompute.py: blocks recomputed
         self.decision += self._recompute.note
         self.model = self._compile.apply(self._strategy.after_casts(model, self.policy, self.device))
         self.masters.record_versions()   # DDP's broadcast of rank 0's params is not a user edit
