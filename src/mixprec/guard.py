@@ -387,8 +387,12 @@ class Guard:
         if self.loss_fn is None or not mp.step_batches:
             return None
         if getattr(mp, "strategy", None) == "fsdp2":   # every rank, forward only, one agreed report
-            return locate_on_every_rank(mp.model, list(mp.step_batches), self.loss_fn, mp.policy, mp.device,
-                                        mp.agree_on)
+            try:
+                return locate_on_every_rank(mp.model, list(mp.step_batches), self.loss_fn, mp.policy, mp.device,
+                                            mp.agree_on)
+            except (RuntimeError, ValueError, TypeError) as err:   # as below (a loss_fn failing on every rank)
+                log.warning("mixprec guard: could not localise the bad batch: %s", err)
+                return None
         scale = (float(result.loss_scale_t) if mp.loss_scale.enabled else 1.0) / mp.accumulation_steps
         for batch in mp.step_batches:
             try:
