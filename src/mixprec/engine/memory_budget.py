@@ -165,7 +165,7 @@ class MemoryBudget:
         detail = (f"{self.note[2:]}; measured: {live.source}; per key: {self._key_words()} "
                   f"{self.decided.numbers()}")
         if over:
-            warnings.warn(f"mixprec: {self.note[2:]}", RuntimeWarning, stacklevel=3)
+            warnings.warn(f"mixprec: {self.note[2:]}", RuntimeWarning, stacklevel=4)
         self._mp.record(Event(self._mp.boundaries, _KIND, "over" if over else "measured", None, detail),
                         decision=_replace(self._mp.decision, before, self.note))
         log.info("mixprec: %s", detail)
