@@ -35,7 +35,7 @@ from __future__ import annotations
 import logging
 import re
 import warnings
-from contextlib import AbstractContextManager
+from contextlib import AbstractContextManager, nullcontext
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -138,15 +138,18 @@ class MemoryBudget:
 
     def scope(self) -> AbstractContextManager[None]:
         """The engine's allowance in this thread (nothing without a budget); starts the measured step when due
-        (the second training step: after one boundary, grad enabled, an optimizer attached)."""
-        if (self.on and self.decided is None and self._meter is None and self._boundaries >= 1
+        (the second training step: after one boundary, grad enabled, an optimizer attached). Nothing while
+        torch.compile traces (the graph keeps the kernels it traced)."""
+        if not self.on or torch.compiler.is_compiling():
+            return nullcontext()
+        if (self.decided is None and self._meter is None and self._boundaries >= 1
                 and self._mp.optimizer is not None and torch.is_grad_enabled()):
             self._counter = CallCounter()
             self._meter = LiveMeter(self._mp.device, resident=list(resident_tensors(self._mp.module, self._mp.optimizer)),
                                     model=self._mp.module)
             self._counter.start()
             self._meter.start()
-        return scoped_allowance(self.allowed_mib, enabled=self.on)
+        return scoped_allowance(self.allowed_mib)
 
     def at_boundary(self) -> None:
         """After a step: the measured step's decision (module docstring), recorded as an event and in the decision."""
