@@ -168,6 +168,21 @@ def test_the_state_carries_the_decision_and_a_load_reapplies_it_unmeasured(tmp_p
     from_events, _ = _engine(None)
     from_events.load_state_dict({**state, "memory_budget": None, "events": [e.to_dict() for e in mp.events]})
     assert from_events.state_dict()["memory_budget"] == state["memory_budget"]
+    resumed.load_state_dict(resumed.state_dict())        # the same decision again (a guard's rollback): nothing new
+    assert [e.cause for e in _budget_events(resumed)] == ["loaded"] and resumed.decision.count("memory_budget") == 1
+
+
+def test_a_checkpoint_carries_the_decision(tmp_path):
+    import mixprec
+    _plant(tmp_path, MATMUL_FASTER)
+    mp, workload = _engine("1TiB")
+    _steps(mp, workload, 2)
+    mixprec.save_checkpoint(tmp_path / "run", mp)
+    resumed, _ = _engine(None)
+    mixprec.load_checkpoint(tmp_path / "run", resumed)
+    assert resumed.state_dict()["memory_budget"] == mp.state_dict()["memory_budget"]
+    assert _budget_events(resumed)[-1].cause == "loaded" and "memory_budget 1048576 MiB (loaded):" in resumed.decision
+    assert _forward_saved(resumed, workload) == _forward_saved(mp, workload)
 
 
 @pytest.mark.parametrize("bad, error, words", [

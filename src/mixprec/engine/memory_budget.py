@@ -109,8 +109,8 @@ class MemoryBudget:
         self._boundaries = 0   # this engine's boundaries since it was built
         self._meter: LiveMeter | None = None
         self._counter: CallCounter | None = None
-        self._loaded = ""
         self._counts: dict[str, int] = {}   # the measured step's planned calls per key
+        self._decided_note = ""   # the clause once decided, kept as written (the decision's text is replaced by it)
 
     @property
     def on(self) -> bool:
@@ -123,13 +123,17 @@ class MemoryBudget:
 
     @property
     def note(self) -> str:
+        """The decision's clause: pending, then as written when decided or loaded ("" without a budget)."""
         if not self.on:
             return ""
         if self.decided is None:
             return (f"; memory_budget {mib_words(self.budget_bytes)}: pending (attention at fused's bytes; the "
                     "second training step's peak live tensors are measured, under the profiler on CPU)")
+        return self._decided_note
+
+    def _words(self, loaded: str = "") -> str:
         d = self.decided
-        head = f"; memory_budget {mib_words(d.budget_bytes)}{self._loaded}: peak {mib_words(d.peak_bytes)}"
+        head = f"; memory_budget {mib_words(d.budget_bytes)}{loaded}: peak {mib_words(d.peak_bytes)}"
         if d.headroom_bytes < 0:
             return (f"{head} is {mib_words(-d.headroom_bytes)} OVER the budget; attention kept at fused's bytes; "
                     'to fit: checkpoint="auto" (recompute blocks in backward), a smaller batch, or a larger budget')
@@ -164,6 +168,7 @@ class MemoryBudget:
         allowed = headroom * SHARE / calls / 2**20 if headroom >= 0 and calls else 0.0
         before = self.note
         self.decided = BudgetDecision(self.budget_bytes, live.total, calls, allowed, self._mp.boundaries)
+        self._decided_note = self._words()
         over = self.decided.headroom_bytes < 0
         detail = (f"{self.note[2:]}; measured: {live.source}; per key: {self._key_words()} "
                   f"{self.decided.numbers()}")
@@ -187,8 +192,9 @@ class MemoryBudget:
         self._stop()
         own = self.budget_bytes
         self.decided, self.budget_bytes = saved, saved.budget_bytes
-        self._loaded = " (loaded" + ("" if own in (None, saved.budget_bytes) else
-                                     f"; this engine's own {mib_words(own)} not used") + ")"
+        self._counts = {}
+        self._decided_note = self._words(" (loaded" + ("" if own in (None, saved.budget_bytes) else
+                                                        f"; this engine's own {mib_words(own)} not used") + ")")
         self._mp.record(Event(self._mp.boundaries, _KIND, "loaded", None, f"{self.note[2:]} {saved.numbers()}"),
                         decision=_replace(self._mp.decision, before, self.note))
 
