@@ -28,7 +28,7 @@ from mixprec.engine.autocast_scope import AutocastScope
 from mixprec.engine.boundary import AccumulationGroup, BoundaryLosses, StepCheck, StepResult, check_grads
 from mixprec.engine.clipping import clip_ as _clip_
 from mixprec.engine.divergence import DivergenceError, StopWhenStuck
-from mixprec.engine.edits import ModelLayout, adopt_model_edits, edited_params_event, finish_model_edit
+from mixprec.engine.edits import ModelLayout, adopt_edited_params, adopt_model_edits, finish_model_edit
 from mixprec.engine.loop_checks import LoopChecks
 from mixprec.engine.loss_scale import for_policy as loss_scale_for_policy, for_switch as loss_scale_for_switch, unscale_grads
 from mixprec.engine.masters import claim, release
@@ -242,7 +242,7 @@ class MixedPrecision:
         check_no_open_check("mp.unscale_and_check()", self._open_check)
         self._group.check_closes(self._step_pending, self.micro_step, end_group=end_group, strategy=self.strategy)
         self._step_pending = False
-        self._adopt_edited_params()
+        adopt_edited_params(self)
         self._losses.close(self.micro_step)
         grads = self._strategy.local(self._checks.at_boundary())
         found_inf = self._losses.unscale_(self.loss_scale, grads, self._group.factor(self.micro_step))
@@ -380,7 +380,7 @@ class MixedPrecision:
             self._strategy.refuse("to_fp32")
             if self.micro_step != 0:
                 raise RuntimeError("unwrap(to_fp32=True) mid-accumulation; call it after mp.step() returns a result")
-            self._adopt_edited_params()
+            adopt_edited_params(self)
             self.masters.write_fp32(self._fp32_values())
         for hooks in (self._regions, self._checks, self._auto, self._recompute, self._budget):
             hooks.remove()
@@ -421,7 +421,7 @@ class MixedPrecision:
         scale and counters (tensors are references). RuntimeError mid-accumulation (grads are not in it)."""
         self._check_boundary("state_dict()", "take it")
         self._adopt_model_edits()
-        self._adopt_edited_params()
+        adopt_edited_params(self)
         return {
             "policy": str(self.policy),
             "frozen": self.frozen_names(), "recompute": self._recompute.state(), "memory_budget": self._budget.state(),
@@ -478,13 +478,6 @@ class MixedPrecision:
     def _set_gradient_sync(self) -> None:
         self._strategy.set_gradient_sync(self.model, last_micro_batch=self._group.last_micro_batch(self.micro_step),
                                          has_masters=bool(self.masters.pairs))
-
-    def _adopt_edited_params(self) -> None:
-        """Params written outside the engine (16-bit ones with fp32 masters) keep the edit: their masters
-        adopt the new value, with one warning and an ``adopt`` event, instead of being overwritten."""
-        detail = self.masters.adopt_edits(lambda: {id(p): n for n, p in self.module.named_parameters()})
-        if detail:
-            self.record(edited_params_event(self.boundaries, detail))
 
     def _adopt_model_edits(self) -> None:
         adopted = adopt_model_edits(self._layout, self.policy, self.strategy, self.micro_step, self.optimizer,
