@@ -43,7 +43,7 @@ def test_8bit_state_policies_parse_round_trip_and_count_their_bytes():
     assert fp8.state_dtype == torch.float8_e4m3fn and fp8.bytes_per_param() == 4 + 4 + 2.03125
     sr = Policy.parse("bf16-lean,state_rounding=stochastic")
     assert sr.state_rounding == "stochastic" and str(sr) == "bf16-lean,state_rounding=stochastic"
-    for policy in (lean, kahan, fp8, sr, Policy.parse("fp32,state=int8"), Policy.parse("state=fp8,state_rounding=stochastic")):
+    for policy in (lean, kahan, fp8, sr, Policy.parse("fp32,state=int8"), Policy.parse("fp32,state=fp8,state_rounding=stochastic")):
         assert Policy.parse(str(policy)) == policy
     assert str(Policy.parse("bf16-lean,state=fp32")) == "bf16-sr"
 

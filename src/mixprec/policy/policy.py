@@ -32,7 +32,8 @@ model's measured bytes/param (the bench's tensor census) sits a little above the
 
 Text form: a preset name, optionally followed by overrides, e.g. ``"bf16-kahan,state=bf16"``,
 or only keys: ``"params=bf16,compute=bf16,master=fp32"`` (unspecified keys take the ``fp32``
-preset's values). Keys: ``params``, ``compute``, ``output``, ``master``, ``rounding``,
+preset's values; such a text must set ``params`` or ``compute``: ``"saved=fp32"`` alone is a ValueError asking
+for a preset first, e.g. ``"bf16-mixed,saved=fp32"``). Keys: ``params``, ``compute``, ``output``, ``master``, ``rounding``,
 ``state`` (``fp32``, ``bf16``, ``fp16``, ``int8``, ``fp8``), ``state_rounding`` (``nearest`` or
 ``stochastic``: how bf16 and 8-bit state is rounded when it is stored; default ``stochastic`` for
 ``state=bf16``, else ``nearest``), ``loss_scale``, ``keep_fp32`` (glob

@@ -143,16 +143,20 @@ _KEYS = {
 }
 
 
+_PRECISION_FIELDS = {"param_dtype", "compute_dtype"}   # a keys-only text must set one: it says what precision runs
+
+
 def parse_parts(text: str, presets: Mapping[str, Any]) -> tuple[Any, dict[str, Any]]:
-    """The preset a policy text starts from (``presets["fp32"]`` when it gives only keys) and the field
+    """The preset a policy text starts from (``presets["fp32"]`` when it gives only keys, which must then include
+    ``params=`` or ``compute=``: ``"saved=fp32"`` alone is refused, not silently fp32) and the field
     changes its ``key=value`` parts make, e.g. ``"bf16-kahan,state=bf16"`` -> (bf16-kahan, {state_dtype:
     torch.bfloat16}). Raises ValueError for an empty text, an unknown preset or key, a key given twice or a
     bad value; the message lists what is allowed."""
     parts = [p.strip() for p in text.split(",") if p.strip()]
     if not parts:
         raise ValueError(f"policy {text!r} is empty; choose a preset from {sorted(presets)} or 'key=value,...'")
-    base = presets["fp32"]
-    if "=" not in parts[0]:
+    base, named = presets["fp32"], "=" not in parts[0]
+    if named:
         base = _preset(text, parts.pop(0).lower(), parts, presets)
     changes: dict[str, Any] = {}
     seen: set[str] = set()
@@ -170,6 +174,10 @@ def parse_parts(text: str, presets: Mapping[str, Any]) -> tuple[Any, dict[str, A
             raise ValueError(f"policy {text!r} sets {field} twice (key {key!r}); give each key once")
         seen.add(field)
         changes[field] = parse_value(key, value)
+    if not named and not seen & _PRECISION_FIELDS:
+        raise ValueError(f"policy {text!r} names no preset and no params=/compute= dtype, so it would silently "
+                         f"be the fp32 preset with {text.strip()}; name a preset first, e.g. "
+                         f"'bf16-mixed,{text.strip()}' (or 'fp32,{text.strip()}' for fp32); presets: {sorted(presets)}")
     return base, changes
 
 
