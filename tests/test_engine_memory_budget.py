@@ -16,7 +16,7 @@ import torch
 
 from mixprec.autocast import op_plan
 from mixprec.autocast.saved_allowance import ENV, CallCounter, mib_words, scoped_allowance
-from mixprec.engine.memory_budget import SHARE
+from mixprec.engine.memory_budget import SHARE, size_words
 from mixprec.engine.mixed_precision import MixedPrecision
 from mixprec.machine.cache import machine_key
 from mixprec.memory.saved import saved_bytes
@@ -101,7 +101,7 @@ def test_a_budget_that_changes_no_kernel_trains_bit_for_bit_as_none(tmp_path):
     plain, workload = _engine(None)
     _steps(plain, workload, 3)
     budget, workload = _engine("1TiB")
-    assert "memory_budget 1048576 MiB: pending" in budget.decision
+    assert "memory_budget 1 TiB: pending" in budget.decision
     _steps(budget, workload, 3)
     (event,) = _budget_events(budget)
     assert event.cause == "measured" and "every training key stays fused" in budget.decision
@@ -124,7 +124,7 @@ def test_a_large_budget_lets_the_faster_kernel_save_more_and_says_its_mib(tmp_pa
     assert (f"{key} -> matmul ({mib_words(extra, signed=True)} per call x {n_layer} calls = "
             f"{mib_words(extra * n_layer, signed=True)} per step)") in event.detail
     assert f"{key} -> matmul ({mib_words(extra, signed=True)} per call)" in mp.decision
-    assert f"peak {mib_words(state['peak_bytes'])}, headroom {mib_words(2**40 - state['peak_bytes'])}" in mp.decision
+    assert f"peak {size_words(state['peak_bytes'])}, headroom {size_words(2**40 - state['peak_bytes'])}" in mp.decision
     # from the next step on the model saves more, by the candidate's figure per layer (+ the q third of the shared
     # qkv projection that matmul's saved k and v keep alive in the model: 2·B·H·T·D bytes, docs/op-plan.md)
     assert _forward_saved(mp, workload) - fused_saved == n_layer * (extra + 2 * B * H * T * D)
@@ -143,7 +143,7 @@ def test_a_budget_below_the_peak_warns_records_and_keeps_fused(tmp_path):
         _steps(mp, workload, 2)
     (event,) = _budget_events(mp)
     state = mp.state_dict()["memory_budget"]
-    over = mib_words(state["peak_bytes"] - 2**20)
+    over = size_words(state["peak_bytes"] - 2**20)
     assert event.cause == "over" and state["allowed_mib"] == 0.0
     assert f"is {over} OVER the budget" in mp.decision and 'checkpoint="auto"' in mp.decision
     assert "a smaller batch" in mp.decision
@@ -160,7 +160,7 @@ def test_the_state_carries_the_decision_and_a_load_reapplies_it_unmeasured(tmp_p
     resumed.load_state_dict(state)
     (event,) = _budget_events(resumed)
     assert event.cause == "loaded" and resumed.state_dict()["memory_budget"] == state["memory_budget"]
-    assert "memory_budget 1048576 MiB (loaded):" in resumed.decision
+    assert "memory_budget 1 TiB (loaded):" in resumed.decision
     assert _forward_saved(resumed, workload) == _forward_saved(mp, workload) > fused_saved
     _steps(resumed, workload, 3)                         # never measured again
     assert [e.cause for e in _budget_events(resumed)] == ["loaded"]
@@ -181,7 +181,7 @@ def test_a_checkpoint_carries_the_decision(tmp_path):
     resumed, _ = _engine(None)
     mixprec.load_checkpoint(tmp_path / "run", resumed)
     assert resumed.state_dict()["memory_budget"] == mp.state_dict()["memory_budget"]
-    assert _budget_events(resumed)[-1].cause == "loaded" and "memory_budget 1048576 MiB (loaded):" in resumed.decision
+    assert _budget_events(resumed)[-1].cause == "loaded" and "memory_budget 1 TiB (loaded):" in resumed.decision
     assert _forward_saved(resumed, workload) == _forward_saved(mp, workload)
 
 

@@ -11,8 +11,9 @@ lets it trade bytes for speed within a budget of peak live tensor bytes:
    measured step is the **second** training step (boundary 2): the first measures the plan's kernels (their
    timings must not carry the profiler's per-op overhead, nor their stand-ins' bytes count in the peak).
 2. Over the budget: a warning (once), a ``"memory-budget"`` event (cause ``over``) and a decision clause naming
-   the overshoot in MiB and the fixes (``checkpoint="auto"``, a smaller batch, a larger budget); the plan stays
-   at ``fused``'s bytes.
+   the overshoot (:func:`size_words`: B, KiB, MiB, GiB as fits) and the fixes left: ``checkpoint="auto"``
+   without a recompute plan, full recompute where the plan leaves blocks selective or not recomputed, else a
+   smaller batch or a larger budget; the plan stays at ``fused``'s bytes.
 3. Headroom ``H = budget - peak``: attention may save ``H / 2 / n`` bytes per call over ``fused`` (``n``: the
    step's planned calls), so the extra summed over one step stays within half the headroom (:data:`SHARE`; the
    other half covers allocator slack and what the stand-ins' figure misses: a model whose q, k, v are views of
@@ -47,8 +48,9 @@ from mixprec.engine.protocol import Engine
 from mixprec.engine.records import Event
 from mixprec.memory.budget import parse_bytes
 from mixprec.memory.live import LiveMeter, resident_tensors
+from mixprec.memory.recompute import RecomputePlan
 
-__all__ = ["BudgetDecision", "MemoryBudget", "SHARE", "parse_budget"]
+__all__ = ["BudgetDecision", "MemoryBudget", "SHARE", "parse_budget", "size_words"]
 
 log = logging.getLogger("mixprec")
 
@@ -56,6 +58,18 @@ SHARE = 0.5   # the share of the headroom the attention plan's extra saved bytes
 _KIND = "memory-budget"
 _DEFAULT = "fused"
 _NUMBERS = re.compile(r"\[budget (\d+) B, peak (\d+) B, (\d+) calls, allowance (\S+) MiB per call\]$")
+
+
+def size_words(n_bytes: int | None) -> str:
+    """``n_bytes`` for a sentence in the unit that reads: ``"512 B"``, ``"1 KiB"``, ``"13.4 MiB"``, ``"4 GiB"``,
+    ``"1 TiB"`` (powers of 2, three significant digits, whole numbers from 100 up); "unknown" for None."""
+    if n_bytes is None:
+        return "unknown"
+    for unit, scale in (("TiB", 2**40), ("GiB", 2**30), ("MiB", 2**20), ("KiB", 2**10)):
+        if abs(n_bytes) >= scale:
+            value = n_bytes / scale
+            return f"{value:.0f} {unit}" if abs(value) >= 100 else f"{value:.3g} {unit}"
+    return f"{n_bytes} B"
 
 
 def parse_budget(option: Any) -> int | None:
@@ -127,17 +141,17 @@ class MemoryBudget:
         if not self.on:
             return ""
         if self.decided is None:
-            return (f"; memory_budget {mib_words(self.budget_bytes)}: pending (attention at fused's bytes; the "
+            return (f"; memory_budget {size_words(self.budget_bytes)}: pending (attention at fused's bytes; the "
                     "second training step's peak live tensors are measured, under the profiler on CPU)")
         return self._decided_note
 
     def _words(self, loaded: str = "") -> str:
         d = self.decided
-        head = f"; memory_budget {mib_words(d.budget_bytes)}{loaded}: peak {mib_words(d.peak_bytes)}"
+        head = f"; memory_budget {size_words(d.budget_bytes)}{loaded}: peak {size_words(d.peak_bytes)}"
         if d.headroom_bytes < 0:
-            return (f"{head} is {mib_words(-d.headroom_bytes)} OVER the budget; attention kept at fused's bytes; "
-                    'to fit: checkpoint="auto" (recompute blocks in backward), a smaller batch, or a larger budget')
-        return (f"{head}, headroom {mib_words(d.headroom_bytes)}; attention may save +{d.allowed_mib:.4g} MiB per call "
+            return (f"{head} is {size_words(-d.headroom_bytes)} OVER the budget; attention kept at fused's bytes; "
+                    f"to fit: {_fixes(self._mp.events)}")
+        return (f"{head}, headroom {size_words(d.headroom_bytes)}; attention may save +{d.allowed_mib:.4g} MiB per call "
                 f"over fused ({SHARE:g} of the headroom over {d.calls} calls a step): {self._chosen_words(d)}")
 
     def scope(self) -> AbstractContextManager[None]:
@@ -194,7 +208,7 @@ class MemoryBudget:
         self.decided, self.budget_bytes = saved, saved.budget_bytes
         self._counts = {}
         self._decided_note = self._words(" (loaded" + ("" if own in (None, saved.budget_bytes) else
-                                                        f"; this engine's own {mib_words(own)} not used") + ")")
+                                                        f"; this engine's own {size_words(own)} not used") + ")")
         self._mp.record(Event(self._mp.boundaries, _KIND, "loaded", None, f"{self.note[2:]} {saved.numbers()}"),
                         decision=_replace(self._mp.decision, before, self.note))
 
@@ -237,6 +251,27 @@ class MemoryBudget:
             words.append(f"{key} -> {chosen} ({mib_words(extra, signed=True)} per call x {n} calls = "
                          f"{mib_words(step, signed=True)} per step)")
         return "; ".join(words) + f"; in all {mib_words(total, signed=True)} per step" if words else "no training key"
+
+
+def _fixes(events: list) -> str:
+    """The fixes an over-budget step can still take, from the recompute plan the engine runs (its last
+    ``"recompute"`` event): without one, recompute; with blocks left selective or unrecomputed, full recompute of
+    the repeated blocks; with every block full, only a smaller batch or a larger budget."""
+    texts = [Event.of(e).detail for e in events if Event.of(e).kind == "recompute"]
+    plan = None if not texts else RecomputePlan.from_text(texts[-1])
+    if plan is None:
+        return 'checkpoint="auto" (recompute blocks in backward), a smaller batch, or a larger budget'
+    if not plan.blocks:
+        return (f"a smaller batch or a larger budget (checkpoint={plan.request!r} found no repeated blocks; name "
+                "the blocks to recompute, e.g. checkpoint=\"layers.*\")")
+    partial = [b.name for b in plan.blocks if b.mode != "full"]
+    if not partial:
+        return (f"a smaller batch or a larger budget (checkpoint={plan.request!r} already recomputes every one of "
+                f"its {len(plan.blocks)} blocks in full)")
+    parents = {n.rpartition(".")[0] for n in partial}
+    glob = f"{parents.pop()}.*" if len(parents) == 1 and "" not in parents else ",".join(partial)
+    return (f"full recompute of the {len(partial)} of {len(plan.blocks)} blocks checkpoint={plan.request!r} leaves "
+            f"selective or not recomputed (checkpoint={glob!r}), a smaller batch, or a larger budget")
 
 
 def _saved(state: dict[str, Any]) -> BudgetDecision | None:
