@@ -99,3 +99,107 @@ def test_over_budget_with_selective_blocks_suggests_the_full_plan():
     assert 'checkpoint="auto"' not in decision
     assert ("to fit: full recompute of the 2 of 2 blocks checkpoint='selective:layers.*' leaves selective or not "
             "recomputed (checkpoint='layers.*'), a smaller batch, or a larger budget") in decision
+
+
+# ------------------------------------------------------------------------------- a DCP checkpoint, another model
+def _engine(policy="fp32", **model_args):
+    from mixprec import MixedPrecision
+    from mixprec.optim import AdamW
+
+    torch.manual_seed(0)
+    model = _Blocks(**model_args)
+    return MixedPrecision(model, AdamW(model.parameters(), lr=1e-3), policy, device="cpu")
+
+
+def _train(mp, steps=2):
+    for step in range(steps):
+        with mp.autocast():
+            loss = mp.model(torch.randn(4, 16, generator=torch.Generator().manual_seed(step)))
+        mp.backward(loss)
+        mp.step()
+
+
+@pytest.fixture
+def dcp_run(tmp_path):
+    """A DCP checkpoint (what FSDP2 ranks write) of the fp32 engine of _Blocks(16, 2), one process."""
+    from mixprec.checkpoint import dcp
+
+    mp = _engine()
+    _train(mp)
+    dcp.save(tmp_path / "dcp", mp)
+    return tmp_path / "dcp", mp
+
+
+@pytest.mark.parametrize("model_args, words", [
+    (dict(d=8), r"tensor 'layers\.0\.norm\.weight' has shape \[16\], the model's is \[8\]; .*"
+                r"\(and \d+ more\); build the same model before loading"),
+    (dict(n=3), r"missing \['layers\.2\.fc\.bias', 'layers\.2\.fc\.weight', 'layers\.2\.norm\.bias', "
+                r"'layers\.2\.norm\.weight'\], unexpected \[\]; build the same model \(workload and config\)"),
+    (dict(n=1), r"missing \[\], unexpected \['layers\.1\.fc\.bias', .*build the same model"),
+])
+def test_a_dcp_checkpoint_into_another_model_is_a_clear_checkpoint_error_before_anything_changes(dcp_run, model_args,
+                                                                                                     words):
+    import mixprec
+
+    path, _ = dcp_run
+    other = _engine(**model_args)
+    before = {k: v.clone() for k, v in other.module.state_dict().items()}
+    with pytest.raises(mixprec.CheckpointError, match=r"its DCP model state does not fit the model: " + words):
+        mixprec.load_checkpoint(path, other)
+    assert all(torch.equal(before[k], v) for k, v in other.module.state_dict().items())
+    assert other.boundaries == 0
+
+
+def test_a_dcp_checkpoint_into_another_policy_in_one_process_names_the_route_that_works(dcp_run):
+    import mixprec
+
+    path, saved = dcp_run
+    with pytest.raises(ValueError, match=r"saved under policy 'fp32' \(mixprec-dcp, 1 rank\(s\)\), this engine runs "
+                                         r"bf16-pure; .*build the engine with policy='fp32', load, then "
+                                         r"mp.set_policy\('bf16-pure'\)") as err:
+        mixprec.load_checkpoint(path, _engine("bf16-pure"))
+    assert "sharded run" not in str(err.value)
+    mp = _engine("fp32")                                       # the route the message names, followed
+    mixprec.load_checkpoint(path, mp)
+    mp.set_policy("bf16-pure")
+    for (name, w_fp32), master, param in zip(saved.module.named_parameters(), mp.master_parameters(),
+                                             mp.module.parameters()):
+        assert torch.equal(master, w_fp32), name               # the fp32 masters are the saved values, bit for bit
+        assert param.dtype == torch.bfloat16 and torch.equal(param, w_fp32.to(torch.bfloat16)), name
+
+
+# ------------------------------------------------------------------------- a resume at another number of ranks
+@pytest.mark.timeout(240)
+def test_a_resume_at_another_world_size_says_the_global_batch_changes(tmp_path):
+    """`mixprec train` under torchrun at 2 FSDP2 ranks, resumed in one process: the console says the checkpoint
+    was saved at 2 ranks and the global batch goes from 2 x 128 tokens (the tiny GPT: batch 4 x 32 tokens) to 1 x
+    128, with the reshard event's words. A resume at the same world size says nothing of it."""
+    import os
+    import subprocess
+    import sys
+
+    from ranks import free_port
+
+    from mixprec.checkpoint.dcp import reshard_note
+    from mixprec.workloads.gpt import GPT_CONFIGS
+
+    out = tmp_path / "run"
+    common = ["-m", "mixprec", "train", "--workload", "gpt", "--config", "tiny", "--policy", "bf16-mixed",
+              "--strategy", "fsdp2", "--out", str(out)]
+    env = {**os.environ, "OMP_NUM_THREADS": "1"}
+    launch = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2", "--master-addr", "127.0.0.1",
+              "--master-port", str(free_port())]
+    done = subprocess.run([*launch, *common, "--steps", "2"], env=env, capture_output=True, text=True, timeout=200)
+    assert done.returncode == 0, done.stderr[-3000:]
+    done = subprocess.run([sys.executable, *common, "--steps", "3", "--resume"], env=env, capture_output=True,
+                          text=True, timeout=200)
+    assert done.returncode == 0, done.stderr[-3000:]
+    tiny = GPT_CONFIGS["tiny"]
+    per = tiny.batch_size * tiny.block_size
+    assert (f"mixprec train: --resume: the checkpoint was saved at 2 rank(s), this run has 1: the global batch "
+            f"changes from 2 x {per} = {2 * per} tokens per step to 1 x {per} = {per} tokens") in done.stderr
+    assert f"for the same global batch resume on 2 rank(s); {reshard_note(2, 1)}" in done.stderr
+    done = subprocess.run([sys.executable, *common, "--steps", "4", "--resume"], env=env, capture_output=True,
+                          text=True, timeout=200)
+    assert done.returncode == 0 and "resuming from" in done.stderr, done.stderr[-3000:]
+    assert "global batch" not in done.stderr

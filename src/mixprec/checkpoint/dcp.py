@@ -22,8 +22,8 @@ from typing import TYPE_CHECKING, Any
 import torch.distributed as dist
 from torch import nn
 
-from mixprec.checkpoint.layout import (MANIFEST, PendingCheckpoint, abort_checkpoint, begin_checkpoint,
-                                       commit_checkpoint)
+from mixprec.checkpoint.layout import (MANIFEST, CheckpointError, PendingCheckpoint, abort_checkpoint,
+                                       begin_checkpoint, commit_checkpoint)
 from mixprec.checkpoint.manifest import DCP_FORMAT, LoadedExtra, Manifest, pin_op_plan
 from mixprec.distributed.process import from_main_process, is_main_process, world_size
 from mixprec.engine.arguments import MID_ACCUMULATION
@@ -33,7 +33,7 @@ from mixprec.engine.records import Event
 if TYPE_CHECKING:
     from mixprec.engine.mixed_precision import MixedPrecision
 
-__all__ = ["save", "load", "load_model_weights", "on_main_process", "reshard_note"]
+__all__ = ["save", "load", "load_model_weights", "on_main_process", "reshard_note", "check_fits"]
 
 
 def _state(mp: MixedPrecision) -> dict[str, Any]:
@@ -140,7 +140,10 @@ def load(directory: Path, manifest: dict, mp: MixedPrecision, *, guard: Any = No
     counts (``guard``, default ``mp.guard``) and the op-plan pin.
 
     Raises:
-        ValueError: another policy than ``mp``'s; an engine with separate masters.
+        ValueError: another policy than ``mp``'s (the fix as fits one process or a sharded run); an engine with
+            separate masters.
+        CheckpointError: the saved model's names or shapes differ from ``mp``'s (:func:`check_fits`, the first
+            mismatches named), before anything changes.
         RuntimeError: called between ``backward()`` and the accumulation boundary.
     """
     import torch.distributed.checkpoint as dcp
@@ -148,9 +151,8 @@ def load(directory: Path, manifest: dict, mp: MixedPrecision, *, guard: Any = No
 
     check_boundary(mp, "load_checkpoint")
     if manifest["policy"] != str(mp.policy):
-        raise ValueError(f"checkpoint {str(directory)!r} was saved under policy {manifest['policy']!r}, this engine "
-                         f"runs {mp.policy}{pending_note(mp.decision)}; build the engine with "
-                         f"policy={manifest['policy']!r} (a sharded run cannot change policy while loading)")
+        raise ValueError(_policy_words(directory, manifest, mp))
+    check_fits(directory, mp)
     if mp.optimizer is not None:
         # DCP loads the keys the target state holds, and torch creates the moments only for an empty state: an
         # engine that started Kahan compensation at build holds that alone, so its moments would not be loaded.
@@ -172,6 +174,44 @@ def load(directory: Path, manifest: dict, mp: MixedPrecision, *, guard: Any = No
         guard.load_state_dict(saved.guard)
     pin_op_plan(manifest, mp.device.type)
     return LoadedExtra(saved.extra, saved.data_position)
+
+
+def _policy_words(directory: Path, manifest: dict, mp: MixedPrecision) -> str:
+    """Why a DCP checkpoint of another policy is refused, and what to do, as fits ``mp``'s strategy."""
+    saved, head = manifest["policy"], f"checkpoint {str(directory)!r} was saved under policy {manifest['policy']!r}"
+    head += f" ({DCP_FORMAT}, {manifest.get('world_size') or 1} rank(s)), this engine runs {mp.policy}"
+    if mp.strategy is None:   # one plain process: no shards, but DCP still loads in place under the saved policy
+        return (f"{head}{pending_note(mp.decision)}; a DCP checkpoint loads in place, under the policy it was saved "
+                f"with (load_checkpoint's convert=True is for the one-process format): build the engine with "
+                f"policy={saved!r}, load, then mp.set_policy({str(mp.policy)!r}) converts the loaded state as "
+                "convert=True would")
+    return (f"{head}{pending_note(mp.decision)}; build the engine with policy={saved!r} (a sharded run cannot "
+            "change policy while loading)")
+
+
+def check_fits(directory: Path, mp: MixedPrecision) -> None:
+    """Raise CheckpointError unless the DCP checkpoint in ``directory`` holds the model ``mp`` runs: the same
+    parameter and buffer names and global shapes (read from DCP's metadata; nothing loaded, nothing changed)."""
+    import torch
+    from torch.distributed.checkpoint import FileSystemReader
+    from torch.distributed.checkpoint.metadata import TensorStorageMetadata
+    from torch.distributed.checkpoint.state_dict import get_model_state_dict
+
+    where = f"checkpoint {str(directory)!r}"
+    meta = FileSystemReader(str(directory / "dcp")).read_metadata().state_dict_metadata
+    saved = {k[len("model."):]: v for k, v in meta.items() if k.startswith("model.")}
+    own = get_model_state_dict(mp.module)
+    missing, unexpected = sorted(set(own) - set(saved)), sorted(set(saved) - set(own))
+    if missing or unexpected:
+        raise CheckpointError(f"{where}: its DCP model state does not fit the model: missing {missing[:5]}, "
+                              f"unexpected {unexpected[:5]}; build the same model (workload and config) before loading")
+    shapes = [(k, list(saved[k].size), list(t.shape)) for k, t in own.items()
+              if isinstance(t, torch.Tensor) and isinstance(saved[k], TensorStorageMetadata)
+              and tuple(saved[k].size) != tuple(t.shape)]
+    if shapes:
+        raise CheckpointError(f"{where}: its DCP model state does not fit the model: " + "; ".join(
+            f"tensor {k!r} has shape {s}, the model's is {m}" for k, s, m in shapes[:3])
+            + f"{f' (and {len(shapes) - 3} more)' if len(shapes) > 3 else ''}; build the same model before loading")
 
 
 def reshard_note(saved_world: int, world: int) -> str:

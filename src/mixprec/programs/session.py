@@ -12,12 +12,13 @@ from typing import Any
 import torch
 
 from mixprec.engine.mixed_precision import MixedPrecision, StepResult
+from mixprec.engine.records import Event
 from mixprec.optim import SGD, AdamW
 from mixprec.policy.policy import Policy, state_name
 from mixprec.policy.resolve import resolve_policy
 from mixprec.workloads import Workload
 
-__all__ = ["build_engine", "precision_optimizer", "train_step", "evaluate"]
+__all__ = ["build_engine", "precision_optimizer", "train_step", "evaluate", "world_change_words"]
 
 
 def precision_optimizer(optimizer: torch.optim.Optimizer, policy: Policy) -> torch.optim.Optimizer:
@@ -82,3 +83,20 @@ def evaluate(mp: MixedPrecision, workload: Workload) -> dict[str, float]:
     with mp.autocast():
         return workload.evaluate(mp.model, (mp.cast_inputs(b, keep=workload.keep_fp32_inputs)
                                              for b in workload.batches("val")))
+
+
+def world_change_words(saved_world: int, world: int, workload: Workload, events: list) -> str | None:
+    """What a resume at another number of ranks changes, for the console: the global batch (one workload batch
+    per rank and step, ``items_per_batch`` ``item_unit`` each) before and after, the data position kept, and
+    the engine's ``"reshard"`` event's words (a DCP checkpoint resharded) when ``events`` hold one. None when
+    ``saved_world == world``."""
+    if saved_world == world:
+        return None
+    per = workload.items_per_batch
+    unit = workload.item_unit
+    reshard = [Event.of(e).detail for e in events if Event.of(e).kind == "reshard"]
+    return (f"the checkpoint was saved at {saved_world} rank(s), this run has {world}: the global batch changes from "
+            f"{saved_world} x {per} = {saved_world * per} {unit} per step to {world} x {per} = {world * per} {unit} "
+            f"(the data position is kept: the next batches are the ones the {saved_world}-rank run would have drawn); "
+            f"for the same global batch resume on {saved_world} rank(s)"
+            + (f"; {reshard[-1]}" if reshard else ""))

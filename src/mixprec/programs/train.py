@@ -42,7 +42,7 @@ import torch
 
 from mixprec.autocast import op_plan
 from mixprec.checkpoint import LATEST, load_checkpoint, read_manifest, resolve_checkpoint, save_checkpoint
-from mixprec.distributed.process import any_across_ranks, is_main_process, rank, shard_batches
+from mixprec.distributed.process import any_across_ranks, is_main_process, rank, shard_batches, world_size
 from mixprec.engine.pending_auto import PENDING
 from mixprec.engine.records import Event
 from mixprec.memory.recompute import RecomputePlan
@@ -308,6 +308,9 @@ def _resume(run: _Run) -> None:
     run.start = manifest["data_position"]["batches"]
     run.saved_world = manifest["data_position"].get("world_size", 1)
     print(f"mixprec train: resuming from {checkpoint} (step {run.start}, policy {mp.policy})", file=sys.stderr)
+    from mixprec.programs.session import world_change_words   # the global batch at another number of ranks
+    if (change := world_change_words(run.saved_world, world_size(), run.workload, mp.events)) and is_main_process():
+        print(f"mixprec train: --resume: {change}", file=sys.stderr)
 
 
 def _same_request(manifest: dict, requested: str) -> bool:
@@ -420,7 +423,6 @@ class _Run:
 
     def measure_state(self, step: int) -> None:
         """This rank's training-state bytes from its tensors, after ``step``'s backward (no sync)."""
-        from mixprec.distributed.process import world_size
         from mixprec.distributed.rank_state import rank_state_bytes
 
         self.state = {**rank_state_bytes(self.mp.model, self.mp.optimizer).as_dict(), "step": step, "rank": rank(),
