@@ -203,3 +203,50 @@ def test_a_resume_at_another_world_size_says_the_global_batch_changes(tmp_path):
                           text=True, timeout=200)
     assert done.returncode == 0 and "resuming from" in done.stderr, done.stderr[-3000:]
     assert "global batch" not in done.stderr
+
+
+# --------------------------------------------------------------------------------------- bench --recompute
+def test_bench_recompute_without_a_recompute_row_is_refused_naming_the_fix(tmp_path, capsys):
+    from mixprec.programs.bench.runner import BenchConfig
+    from mixprec.programs.cli import main
+
+    with pytest.raises(ValueError, match=r"bench --recompute 'auto' applies only to the rows named "
+                                         r"<policy>\+recompute, and --policies fp32,bf16-lean names none; add one, "
+                                         r"e.g. --policies fp32,bf16-lean,bf16-lean\+recompute, or drop --recompute"):
+        BenchConfig(out=tmp_path, policies=("fp32", "bf16-lean"), recompute="auto")
+    from dataclasses import replace
+
+    plain = BenchConfig(out=tmp_path, policies=("fp32", "bf16-lean"))   # not given: nothing to refuse
+    assert plain.recompute is None and replace(plain, steps=5).recompute is None   # run_bench's replace
+    rows = BenchConfig(out=tmp_path, policies=("fp32", "bf16-lean+recompute"))
+    assert replace(rows, recompute="blocks.*").recompute == "blocks.*"
+    status = main(["bench", "--config", "tiny", "--steps", "5", "--seeds", "1", "--eval-every", "0", "--timing",
+                   "sequential", "--policies", "fp32,bf16-lean", "--recompute", "auto", "--out", str(tmp_path / "b")])
+    assert status == 2 and "add one, e.g. --policies fp32,bf16-lean,bf16-lean+recompute" in capsys.readouterr().err
+    assert not (tmp_path / "b" / "results.json").exists()
+
+
+def test_bench_recompute_naming_blocks_the_model_lacks_exits_2_before_any_training(tmp_path, capsys):
+    from mixprec.programs.cli import main
+
+    status = main(["bench", "--config", "tiny", "--steps", "5", "--seeds", "1", "--eval-every", "0", "--timing",
+                   "sequential", "--policies", "fp32,bf16-lean+recompute", "--recompute", "blocks.*.nothing",
+                   "--out", str(tmp_path / "b")])
+    err = capsys.readouterr().err
+    assert status == 2, err[-2000:]
+    assert ("bench --recompute 'blocks.*.nothing' does not fit the gpt model: checkpoint: 'blocks.*.nothing' "
+            "matches no module") in err and "e.g. blocks.*" in err
+    assert not (tmp_path / "b" / "results.json").exists()
+
+
+def test_bench_recompute_plan_check_passes_blocks_the_model_has():
+    from mixprec.programs.bench.recompute_rows import check_plan_fits
+    from mixprec.programs.bench.runner import BenchConfig
+
+    def config(text):
+        return BenchConfig(out=".", config="tiny", policies=("fp32", "bf16-lean+recompute"), recompute=text)
+
+    for text in ("blocks.*", "selective:blocks.*", "blocks.0,selective:blocks.1", "auto", "auto:2", None):
+        check_plan_fits(config(text))
+    with pytest.raises(ValueError, match=r"'blocks\.7' matches no module"):   # tiny has 2 blocks
+        check_plan_fits(config("blocks.0,blocks.7"))

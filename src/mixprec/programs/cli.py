@@ -160,11 +160,12 @@ def _add_bench_parser(sub: argparse._SubParsersAction, presets: str) -> None:
     bench.add_argument("--eval-every", type=_count, default=None, metavar="K",
                        help="also measure each policy's eval loss after every K-th step (the eval curve in "
                        "results.json and loss_curves.png; default: steps // 10; 0: only the final eval)")
-    bench.add_argument("--recompute", default="auto", metavar="PLAN",
+    bench.add_argument("--recompute", default=None, metavar="PLAN",
                        help="the recompute plan of the rows named <policy>+recompute in --policies (e.g. "
                        "--policies bf16-lean,bf16-lean+recompute): MixedPrecision(checkpoint=PLAN), 'auto' (default: "
                        "each block measured, none/selective/full recompute within 1.3x its time), 'auto:1.5', or "
-                       "module names/globs ('blocks.*', 'selective:blocks.*')")
+                       "module names/globs ('blocks.*', 'selective:blocks.*'), checked against the model before "
+                       "training; without a +recompute row it is refused (exit 2)")
     bench.add_argument("--timing", choices=("interleaved", "sequential"), default="interleaved",
                        help="interleaved (default): after the quality runs, time the policies again in alternating "
                        "blocks in resident workers, so machine drift hits all alike; sequential: each run's own steps")

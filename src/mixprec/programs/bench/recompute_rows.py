@@ -19,16 +19,20 @@ each block's inputs; what a *selective* block keeps inside (its matmul outputs) 
 
 from __future__ import annotations
 
+import warnings
 from dataclasses import replace
 from typing import Any
 
+import torch
+
 from mixprec.engine.mixed_precision import MixedPrecision
 from mixprec.engine.records import Event
-from mixprec.memory.recompute import MODES, RecomputePlan, parse_request
+from mixprec.memory.recompute import MODES, RecomputePlan, match_blocks, parse_request
 from mixprec.programs.bench.figures import fmt
 
-__all__ = ["RECOMPUTE_SUFFIX", "DEFAULT_RECOMPUTE", "split_row", "recompute_option", "plan_of", "pinned_checkpoint",
-           "with_recompute_ratios", "recompute_lines", "recompute_markdown"]
+__all__ = ["RECOMPUTE_SUFFIX", "DEFAULT_RECOMPUTE", "split_row", "recompute_option", "check_recompute_rows",
+           "check_plan_fits", "plan_of", "pinned_checkpoint", "with_recompute_ratios", "recompute_lines",
+           "recompute_markdown"]
 
 RECOMPUTE_SUFFIX = "+recompute"   # a row trained with the bench's --recompute plan
 DEFAULT_RECOMPUTE = "auto"
@@ -49,6 +53,41 @@ def recompute_option(text: str) -> str | list[str]:
     value: str | list[str] = text if text.startswith("auto") else [n.strip() for n in text.split(",") if n.strip()]
     parse_request(value)
     return value
+
+
+def check_recompute_rows(text: str | None, policies: tuple[str, ...]) -> None:
+    """ValueError/TypeError for a bad ``--recompute`` (:func:`recompute_option`), and ValueError when it was given
+    (``text`` not None) but ``policies`` names no ``<policy>+recompute`` row: the plan would change nothing. The
+    message names the fix."""
+    if text is not None:
+        recompute_option(text)
+    names = [p.strip() for p in policies]
+    if text is None or any(split_row(n)[1] for n in names):
+        return
+    example = next((n for n in names if n != "fp32"), "bf16-lean")
+    raise ValueError(f"bench --recompute {text!r} applies only to the rows named <policy>{RECOMPUTE_SUFFIX}, and "
+                     f"--policies {','.join(names)} names none; add one, e.g. --policies "
+                     f"{','.join(names)},{example}{RECOMPUTE_SUFFIX}, or drop --recompute")
+
+
+def check_plan_fits(config: Any) -> None:
+    """ValueError unless the named blocks of a :class:`~mixprec.programs.bench.runner.BenchConfig`'s ``recompute``
+    (None or ``"auto..."`` fit any model) match modules of its workload's model (built on the meta device: nothing
+    allocated, the RNG untouched), as ``MixedPrecision(checkpoint=...)`` would match them at build."""
+    text = config.recompute or DEFAULT_RECOMPUTE
+    request = parse_request(recompute_option(text))
+    if request.kind != "named":
+        return
+    from mixprec.workloads import get_workload
+
+    with torch.random.fork_rng(devices=[]), torch.device("meta"), warnings.catch_warnings():
+        warnings.filterwarnings("ignore", message=".*copying from a non-meta parameter")   # pretrained weights: names only
+        model = get_workload(config.workload, config=config.config_name, data=config.data,
+                             lora=config.lora).build_model()
+    try:
+        match_blocks(model, request.patterns)
+    except ValueError as err:
+        raise ValueError(f"bench --recompute {text!r} does not fit the {config.workload} model: {err}") from None
 
 
 def plan_of(mp: MixedPrecision) -> dict[str, Any] | None:

@@ -56,8 +56,8 @@ from mixprec.programs.bench.report import COMPILED_SUFFIX, write_outputs
 from mixprec.programs.bench.noise import settle_noise
 from mixprec.programs.bench.pinned_plan import measure_bench_plan, pinned_for
 from mixprec.programs.bench.portable_cost import bench_portable_cost
-from mixprec.programs.bench.recompute_rows import (DEFAULT_RECOMPUTE, pinned_checkpoint, recompute_option,
-                                                   split_row, with_recompute_ratios)
+from mixprec.programs.bench.recompute_rows import (DEFAULT_RECOMPUTE, check_plan_fits, check_recompute_rows,
+                                                   pinned_checkpoint, recompute_option, split_row, with_recompute_ratios)
 from mixprec.programs.bench.results import BenchResults, PolicyRun
 from mixprec.programs.bench.step_memory import memory_ratios
 from mixprec.programs.bench.verdict import Targets, judge
@@ -104,7 +104,8 @@ class BenchConfig:
     None: :func:`eval_every_for` (about ten points), 0: only the final eval. ``memory_budget`` (``"4GiB"``):
     each policy also reports the largest batch whose peak live tensor bytes fit it (None: not measured).
     ``recompute``: the engine's ``checkpoint=`` for the ``<policy>+recompute`` rows named in ``policies``
-    (:mod:`mixprec.programs.bench.recompute_rows`; ``"auto"``, ``"auto:1.5"``, ``"blocks.*"``, ...).
+    (:mod:`mixprec.programs.bench.recompute_rows`; ``"auto"`` (None), ``"auto:1.5"``, ``"blocks.*"``, ...; refused
+    without such a row, and at :func:`run_bench` before any training when it names blocks the model lacks).
     """
 
     out: Path
@@ -125,10 +126,9 @@ class BenchConfig:
     seeds: int = 2
     eval_every: int | None = None
     memory_budget: str | None = None
-    recompute: str = DEFAULT_RECOMPUTE
+    recompute: str | None = None
 
     def __post_init__(self) -> None:
-        recompute_option(self.recompute)   # ValueError/TypeError naming it and what is allowed
         if self.memory_budget is not None:
             parse_bytes(self.memory_budget, name="bench memory_budget")   # ValueError naming it and the units
         if isinstance(self.seeds, bool) or not isinstance(self.seeds, int) or self.seeds < 1:
@@ -147,6 +147,7 @@ class BenchConfig:
         if not self.policies or not all(isinstance(p, str) and p.strip() for p in self.policies):
             raise ValueError(f"bench policies={self.policies!r} must be non-empty policy names, "
                              f"e.g. {','.join(DEFAULT_POLICIES)}")
+        check_recompute_rows(self.recompute, self.policies)   # a bad value, or a plan no row uses: ValueError
 
     @property
     def config_name(self) -> str | None:
@@ -412,6 +413,8 @@ def _plan(config: BenchConfig, device: torch.device, cap: Capability, progress: 
     for name in names:  # a typo is an error, not a SKIPPED policy: only the device may refuse
         if split_row(name)[0].lower() != "auto":
             Policy.parse(split_row(name)[0])
+    if any(split_row(n)[1] for n in names):   # named blocks the model lacks: bad input, not a SKIPPED row
+        check_plan_fits(config)
     skip = {name: plan_policy(split_row(name)[0], device, cap, force=config.force) for name in names}
     if config.strategy is not None:
         init_process_group_from_env("cpu")   # the runners' own group: plans and ports, never tensors
@@ -443,7 +446,7 @@ class _Run:
                        warmup_steps=self.warmup_steps, peaks_gflops=self.peaks_gflops, strategy=config.strategy,
                        compile=compiled, eval_every=self.eval_every, op_plan=pinned_for(self.op_plan, name),
                        memory_budget=config.memory_budget,
-                       checkpoint=recompute_option(config.recompute) if recomputed else None)
+                       checkpoint=recompute_option(config.recompute or DEFAULT_RECOMPUTE) if recomputed else None)
 
 
 def _train_rows(run: _Run, names: list[str], skip: dict[str, str | None], progress: bool
@@ -477,7 +480,7 @@ def _train_rows(run: _Run, names: list[str], skip: dict[str, str | None], progre
                     entries[row] = PolicyRun.skipped(spec.policy, f"the engine refused it: {result.error}")
                 else:
                     entries[row] = replace(result, requested=spec.policy,
-                                           recompute=config.recompute if recomputed else None)
+                                           recompute=(config.recompute or DEFAULT_RECOMPUTE) if recomputed else None)
         seed_noise = _seed_noise(config, specs.get(REFERENCE), entries[REFERENCE], extra_seeds, run.workdir, bar)
     return entries, specs, seed_noise
 
@@ -491,4 +494,4 @@ def _settings(run: _Run, names: list[str]) -> dict[str, Any]:
             "eval_every": run.eval_every, "seed": config.seed, "data": config.data, "lora": config.lora,
             "device": str(run.device), "force": config.force, "targets": asdict(config.targets),
             "strategy": config.strategy, "world_size": world_size(), "memory_budget": config.memory_budget,
-            "recompute": config.recompute if any(split_row(n)[1] for n in names) else None}
+            "recompute": (config.recompute or DEFAULT_RECOMPUTE) if any(split_row(n)[1] for n in names) else None}
