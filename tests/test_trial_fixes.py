@@ -9,10 +9,18 @@ from mixprec import Policy
 from mixprec.policy.policy import PRESETS
 
 
-@pytest.mark.parametrize("text", ["saved=fp32", "state=int8", " saved=compute , state=bf16"])
-def test_a_policy_of_overrides_alone_is_refused_not_silently_fp32(text):
-    with pytest.raises(ValueError, match=r"names no preset.*name a preset first, e.g. 'bf16-mixed,"):
+@pytest.mark.parametrize("text, fixes", [
+    ("saved=fp32", "'bf16-mixed,saved=fp32' or 'fp32,saved=fp32'"),
+    ("state=int8", "'bf16-mixed,state=int8' or 'fp32,state=int8'"),
+    (" saved=compute , state=bf16", "'bf16-mixed,saved=compute,state=bf16';"),   # fp32 cannot save in bf16
+])
+def test_a_policy_of_overrides_alone_is_refused_not_silently_fp32(text, fixes):
+    with pytest.raises(ValueError, match=r"names no preset and no params=/compute= dtype, so it would silently be "
+                                         r"the fp32 preset with .*; name a preset first, e.g. ") as err:
         Policy.parse(text)
+    assert fixes in str(err.value)
+    for fix in fixes.rstrip(";").split(" or "):                 # each suggested text parses
+        Policy.parse(fix.strip("'"))
 
 
 def test_a_policy_of_keys_that_set_the_precision_still_parses():

@@ -175,10 +175,20 @@ def parse_parts(text: str, presets: Mapping[str, Any]) -> tuple[Any, dict[str, A
         seen.add(field)
         changes[field] = parse_value(key, value)
     if not named and not seen & _PRECISION_FIELDS:
+        keys = ",".join(parts)
+        fits = [f"'{name},{keys}'" for name in ("bf16-mixed", "fp32") if _valid(presets[name], changes)]
         raise ValueError(f"policy {text!r} names no preset and no params=/compute= dtype, so it would silently "
-                         f"be the fp32 preset with {text.strip()}; name a preset first, e.g. "
-                         f"'bf16-mixed,{text.strip()}' (or 'fp32,{text.strip()}' for fp32); presets: {sorted(presets)}")
+                         f"be the fp32 preset with {keys}; name a preset first"
+                         f"{', e.g. ' + ' or '.join(fits) if fits else ''}; presets: {sorted(presets)}")
     return base, changes
+
+
+def _valid(preset: Any, changes: dict[str, Any]) -> bool:
+    try:
+        preset.replace(**changes)
+    except (ValueError, TypeError):
+        return False
+    return True
 
 
 def _preset(text: str, name: str, overrides: list[str], presets: Mapping[str, Any]) -> Any:
