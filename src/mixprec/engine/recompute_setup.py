@@ -5,11 +5,15 @@ build; ``"auto"`` wraps the repeated blocks pending and measures each at its fir
 then takes the most memory-saving mode any rank chose: one all-reduce per block under a strategy, none alone;
 every rank records rank 0's measurements with those modes: one broadcast, one plan text), records the plan as a
 ``"recompute"`` event and in the decision. The plan is in ``mp.state_dict()["recompute"]`` and in the event log a
-checkpoint carries; loading either re-applies it as it was (never re-measured).
+checkpoint carries; loading either re-applies it as it was (never re-measured), the saved plan winning over the
+engine's own ``checkpoint=`` (a bit-exact resume): where the two differ, a warning and a ``"recompute"`` event
+(cause ``"loaded"``) name both. A block that has not run in training by the first boundary after auto's measuring
+started is not measured: the plan completes there with it ``none`` (cause ``"auto"``, the decision says so).
 """
 
 from __future__ import annotations
 
+import warnings
 from typing import Any
 
 from mixprec.distributed.strategy import SingleProcess
@@ -77,8 +81,39 @@ class RecomputeSetup:
             return
         self.check(state)
         plan, before = RecomputePlan.from_text(text), self.note
+        replaced = self._replaced(plan)
         self._install(plan)
+        if replaced:   # its own event kind: a "recompute" event's detail is the plan's text, parsed back on load
+            warnings.warn(f"mixprec: {replaced}", stacklevel=3)
+            self._mp.record(Event(self._mp.boundaries, "recompute-replaced", "loaded", None, replaced))
         self._mp.record(Event(self._mp.boundaries, _KIND, "loaded", None, plan.text()),
+                        decision=_replace(self._mp.decision, before, self.note))
+
+    def _replaced(self, plan: RecomputePlan) -> str:
+        """Empty when the loaded ``plan`` is what this engine's ``checkpoint=`` asks for, else a sentence naming
+        both."""
+        asked = {"off": "None", "auto": repr(self.request.text), "named": repr(self.request.text)}[self.request.kind]
+        same = (self.request.kind == "auto" and plan.request == self.request.text) or \
+               (self.request.kind == "named" and self.plan is not None and self.plan.modes() == plan.modes())
+        if same:
+            return ""
+        return (f"the loaded state's recompute plan {plan.request!r} ({plan.note().removeprefix('; ')}) replaces "
+                f"this engine's checkpoint={asked}: a resume runs the plan it was saved with (bit-exact); to run "
+                "another plan, load a state without its \"recompute\" entry and \"recompute\" events")
+
+    def at_boundary(self) -> None:
+        """At a boundary after ``"auto"``'s measuring started: blocks not measured yet (they did not run in training)
+        run ``none`` unmeasured and the plan completes, recorded (a ``"recompute"`` event, the decision)."""
+        if self.plan is not None or self.request.kind != "auto" or not self._measured or self._forwards is None:
+            return
+        before = self.note
+        for name in self._names:
+            if name not in self._measured:
+                self._forwards.settle(name, "none")
+        blocks = tuple(self._measured.get(n, BlockPlan(n, "none")) for n in self._names)
+        plan = RecomputePlan(self.request.text, blocks, self.request.max_ratio)
+        self.plan = RecomputePlan.from_text(self._strategy.from_main_process(plan.text()))   # one plan, every rank
+        self._mp.record(Event(self._mp.boundaries, _KIND, "auto", None, self.plan.text()),
                         decision=_replace(self._mp.decision, before, self.note))
 
     def remove(self) -> None:

@@ -116,9 +116,12 @@ class RecomputePlan:
         before = sum(b.saved_bytes[0] for b in measured)
         after = sum(b.saved_bytes[MODES.index(b.mode)] for b in measured)
         slower = sum(b.seconds[MODES.index(b.mode)] for b in measured) / max(sum(b.seconds[0] for b in measured), 1e-12)
+        unmeasured = [b.name for b in self.blocks if b.saved_bytes is None]
+        skipped = (f"; {unmeasured} none, not measured (did not run in training before the first step boundary)"
+                   if unmeasured else "")
         return (f"; recompute {self.request} (measured, time <= {self.max_ratio}x): {shown}; blocks keep "
                 f"{after / 2**20:.2f} MiB for backward instead of {before / 2**20:.2f} MiB at {slower:.2f}x their "
-                "forward+backward time")
+                f"forward+backward time{skipped}")
 
     def text(self, readable: bool = False) -> str:
         """The plan on one line; ``readable``: times in ms to 3 significant digits (printed, not parsed back)."""
@@ -151,9 +154,9 @@ class RecomputeRequest:
     patterns: tuple[tuple[str, str], ...] = ()
 
 
-def parse_request(value: Any) -> RecomputeRequest:
+def parse_request(value: Any, arg: str = _ARG) -> RecomputeRequest:
     """``MixedPrecision(checkpoint=value)`` as a :class:`RecomputeRequest`. ValueError/TypeError naming the
-    argument, the value and what is allowed."""
+    argument (``arg``: ``"checkpoint"``, the CLI's ``"--recompute"``), the value and what is allowed."""
     if value is None or value is False or value == "none":
         return RecomputeRequest("off")
     if isinstance(value, str) and (value == "auto" or value.startswith("auto:")):
@@ -163,17 +166,20 @@ def parse_request(value: Any) -> RecomputeRequest:
         except ValueError:
             max_ratio = float("nan")
         if not 1.0 <= max_ratio < float("inf"):
-            raise ValueError(f"{_ARG}={value!r}: the time ratio after 'auto:' must be a number >= 1 (the step may "
+            raise ValueError(f"{arg}={value!r}: the time ratio after 'auto:' must be a number >= 1 (the step may "
                              f"take at most that many times its time without recompute), e.g. 'auto:1.3'")
         return RecomputeRequest("auto", f"auto:{max_ratio!r}" if value != "auto" else "auto", max_ratio)
     names = [value] if isinstance(value, str) else value
     if not isinstance(names, (list, tuple)) or not names or not all(isinstance(n, str) and n for n in names):
-        raise TypeError(f"{_ARG}={value!r} is not allowed; pass {_ALLOWED}")
+        raise TypeError(f"{arg}={value!r} is not allowed; pass {_ALLOWED}")
     patterns = []
     for name in names:
         mode, _, pattern = name.rpartition(":") if ":" in name else ("full", "", name)
+        if name.lower() in ("auto", "none") or name.lower().startswith("auto:"):
+            raise ValueError(f"{arg}={value!r}: {name!r} would be read as a module name; did you mean "
+                             f"{name.lower()!r}? (the words 'auto' and 'none' are lower case)")
         if mode not in ("selective", "full") or not pattern:
-            raise ValueError(f"{_ARG}={value!r}: {name!r} is not allowed; pass {_ALLOWED}")
+            raise ValueError(f"{arg}={value!r}: {name!r} is not allowed; pass {_ALLOWED}")
         patterns.append((pattern, mode))
     return RecomputeRequest("named", ",".join(names), patterns=tuple(patterns))
 
@@ -195,20 +201,28 @@ def repeated_blocks(model: nn.Module) -> list[str]:
     return best
 
 
-def match_blocks(model: nn.Module, patterns: Iterable[tuple[str, str]]) -> dict[str, str]:
+def match_blocks(model: nn.Module, patterns: Iterable[tuple[str, str]], arg: str = _ARG) -> dict[str, str]:
     """Module name → mode for the modules matching each ``(glob, mode)`` (``fnmatch``; a module inside a matched
-    one is left to it). ValueError for a glob matching nothing, or only containers without a forward."""
+    one is left to it). ValueError (naming ``arg``) for a glob matching nothing, or only containers without a
+    forward, and for two patterns giving one module different modes (``["selective:layers.1", "layers.*"]``)."""
     named = dict(model.named_modules())
     chosen: dict[str, str] = {}
+    by: dict[str, str] = {}
     for pattern, mode in patterns:
         hits = [n for n, m in named.items() if n and fnmatch.fnmatchcase(n, pattern)
                 and not isinstance(m, (nn.ModuleList, nn.ModuleDict))]
         if not hits:
             hint = repeated_blocks(model)
-            raise ValueError(f"{_ARG}: {pattern!r} matches no module with a forward of {type(model).__name__}; "
+            raise ValueError(f"{arg}: {pattern!r} matches no module with a forward of {type(model).__name__}; "
                              f"name submodules as model.named_modules() does" +
                              (f", e.g. {hint[0].rsplit('.', 1)[0]}.* for {hint[:2]}" if hint else ""))
+        shown = pattern if mode == "full" else f"{mode}:{pattern}"
+        clash = next((n for n in hits if chosen.get(n, mode) != mode), None)
+        if clash is not None:
+            raise ValueError(f"{arg}: {by[clash]!r} makes {clash} {chosen[clash]} and {shown!r} makes it {mode}; give "
+                             "each module one mode: narrow the glob (e.g. 'layers.[02-9]*') or drop one of them")
         chosen.update({n: mode for n in hits})
+        by.update({n: shown for n in hits})
     return {n: m for n, m in chosen.items() if not any(n.startswith(f"{o}.") for o in chosen)}
 
 
@@ -228,14 +242,75 @@ class _KeptCounter(TorchDispatchMode):
         return out
 
 
-def _run(forward: Callable[..., Any], mode: str, args: tuple, kwargs: dict) -> Any:
+def _run(forward: Callable[..., Any], mode: str, args: tuple, kwargs: dict, block: nn.Module | None = None,
+         name: str = "") -> Any:
     if mode == "none" or not torch.is_grad_enabled():
         return forward(*args, **kwargs)
     if torch.compiler.is_compiling():   # traced: autocast is in the graph; torch's own recompute contexts
         context = functools.partial(torch.utils.checkpoint.create_selective_checkpoint_contexts, keep_matmuls)
         return torch.utils.checkpoint.checkpoint(forward, *args, use_reentrant=False, **kwargs,
                                                  **({"context_fn": context} if mode == "selective" else {}))
-    return ops.checkpoint(forward, *args, selective=keep_matmuls if mode == "selective" else None, **kwargs)
+    fn = forward if block is None else _region(forward, block, name, mode)
+    return ops.checkpoint(fn, *args, selective=keep_matmuls if mode == "selective" else None, **kwargs)
+
+
+def _buffers(block: nn.Module) -> list[tuple[nn.Module, str, torch.Tensor]]:
+    """Each buffer of ``block`` (submodules included, each module once) with its owner and attribute name."""
+    return [(m, n, b) for m in block.modules() for n, b in m.named_buffers(recurse=False) if b is not None]
+
+
+@contextlib.contextmanager
+def _scratch_buffers(block: nn.Module, values: list[torch.Tensor] | None = None) -> Any:
+    """Inside, each buffer of ``block`` is replaced by a copy (of ``values[i]`` where given, else of itself): what a
+    forward writes there (BatchNorm's running stats and ``num_batches_tracked``) is thrown away on exit, when the
+    module's own buffer tensors are put back untouched (values and version counters). Device copies, no sync."""
+    owned = _buffers(block)
+    copies = values if values is not None else [b for _, _, b in owned]
+    for (module, attr, _), value in zip(owned, copies):
+        setattr(module, attr, value.detach().clone())
+    try:
+        yield
+    finally:
+        for module, attr, buffer in owned:
+            setattr(module, attr, buffer)
+
+
+def _region(forward: Callable[..., Any], block: nn.Module, name: str, mode: str) -> Callable[..., Any]:
+    """``forward`` for block ``name``'s recompute region. Its first call (the forward) updates the block's buffers
+    as usual; each later call (a recompute in backward) reads the buffer values the forward read and writes into
+    copies, so running statistics are updated once per forward, as without recompute (torch's checkpoint updates
+    them again in each recompute, pytorch/pytorch#96136; the recompute writing into copies is chainer-compiler's
+    fix). Keeps a copy of only the buffers the forward wrote. A second backward through a selective region (a
+    gradient penalty) raises a RuntimeError naming ``checkpoint=``, the block and the fix."""
+    owned = _buffers(block)
+    read: list[torch.Tensor] = []
+    forwarded = False
+
+    def region(*args: Any, **kwargs: Any) -> Any:
+        nonlocal forwarded
+        if forwarded:
+            try:
+                with _scratch_buffers(block, read):
+                    return forward(*args, **kwargs)
+            except RuntimeError as err:
+                if mode == "selective" and "selective activation checkpoint" in str(err):
+                    raise RuntimeError(_twice(name)) from err
+                raise
+        versions = [b._version for _, _, b in owned]
+        before = [b.detach().clone() for _, _, b in owned]
+        out = forward(*args, **kwargs)
+        read.extend(old if b._version != v else b for (_, _, b), v, old in zip(owned, versions, before))
+        forwarded = True
+        return out
+    return region
+
+
+def _twice(name: str) -> str:
+    group = f"{name.rsplit('.', 1)[0]}.*" if "." in name else name
+    return (f"{_ARG}: block {name!r} recomputes selectively ('selective', named or chosen by 'auto'), and a second "
+            "backward reached it (a gradient penalty: torch.autograd.grad(..., create_graph=True), then backward "
+            "through that gradient); torch's selective activation checkpoint allows one backward per forward. Fix: "
+            f"checkpoint={group!r} (whole-block recompute supports double backward) or checkpoint=None")
 
 
 def _kept_bytes(forward: Callable[..., Any], mode: str, args: tuple, kwargs: dict, params: list) -> int:
@@ -252,17 +327,21 @@ def _kept_bytes(forward: Callable[..., Any], mode: str, args: tuple, kwargs: dic
         with kept:
             return forward(*a, **k)
 
-    _run(counted if mode == "selective" else forward, mode, args, kwargs)
-    return kept.total
+    out = _run(counted if mode == "selective" else forward, mode, args, kwargs)
+    differentiable = any(isinstance(t, torch.Tensor) and t.requires_grad for t in tree_leaves(out))
+    return kept.total if differentiable else 0   # no graph: the region keeps nothing (a frozen block)
 
 
 def measure_block(forward: Callable[..., Any], params: list[torch.Tensor], args: tuple, kwargs: dict,
                   device: torch.device, repeats: int = 5) -> tuple[tuple[int, int, int], tuple[float, float, float]]:
     """Bytes kept for backward and median forward+backward seconds of ``forward(*args, **kwargs)`` in each of
     :data:`MODES` (interleaved, one warm-up round, ``repeats`` timed rounds; gradients by ``torch.autograd.grad``:
-    no ``.grad`` is written). Inputs are detached copies requiring grad; the RNG is forked (the caller's stream
-    is unchanged). Host syncs: two per timed call (CUDA/MPS)."""
-    leaves = tree_map(lambda t: t.detach().requires_grad_(t.is_floating_point()) if isinstance(t, torch.Tensor)
+    no ``.grad`` is written). Inputs are detached copies requiring grad as the real ones do (a frozen block on an
+    input without grad keeps nothing: 0 bytes in every mode, forward seconds only); the RNG is forked (the
+    caller's stream is unchanged); the saved-tensor hooks open around the call (a caller's
+    :func:`mixprec.memory.saved.saved_bytes`) do not see the measuring passes. Host syncs: two per timed call
+    (CUDA/MPS)."""
+    leaves = tree_map(lambda t: t.detach().requires_grad_(t.requires_grad) if isinstance(t, torch.Tensor)
                       else t, (args, kwargs))
     args, kwargs = leaves
     wrt = [t for t in tree_leaves(leaves) if isinstance(t, torch.Tensor) and t.requires_grad]
@@ -272,9 +351,11 @@ def measure_block(forward: Callable[..., Any], params: list[torch.Tensor], args:
     def step(mode: str) -> None:
         out = [t for t in tree_leaves(_run(forward, mode, args, kwargs))
                if isinstance(t, torch.Tensor) and t.requires_grad]
-        torch.autograd.grad(sum(t.float().sum() for t in out), wrt, allow_unused=True)
+        if out:   # else nothing to differentiate: a frozen block
+            torch.autograd.grad(sum(t.float().sum() for t in out), wrt, allow_unused=True)
 
     with torch.random.fork_rng(devices=fork, device_type=device.type if fork else "cuda"), torch.enable_grad(), \
+            torch.autograd.graph.saved_tensors_hooks(_same, _same), \
             _uncached_casts(device):   # leaves the region's cast cache as it was: the real forward then casts
         saved = tuple(_kept_bytes(forward, m, args, kwargs, params) for m in MODES)
         times: dict[str, list[float]] = {m: [] for m in MODES}
@@ -283,6 +364,10 @@ def measure_block(forward: Callable[..., Any], params: list[torch.Tensor], args:
                 seconds = time_call(lambda: step(mode), device)
                 times[mode] += [seconds] if round_ else []
     return saved, tuple(statistics.median(times[m]) for m in MODES)
+
+
+def _same(t: torch.Tensor) -> torch.Tensor:
+    return t
 
 
 def _uncached_casts(device: torch.device) -> contextlib.ExitStack:
@@ -301,11 +386,11 @@ def choose_mode(saved_bytes: tuple[int, int, int], seconds: tuple[float, float, 
     return min(fits, key=lambda m: (saved_bytes[MODES.index(m)], MODES.index(m)))
 
 
-def _settled(forward: Callable[..., Any], mode: str) -> Callable[..., Any]:
+def _settled(forward: Callable[..., Any], mode: str, block: nn.Module, name: str) -> Callable[..., Any]:
     """``forward`` run in ``mode``: one code object for every block, no per-block value looked up (a traced model
     inlines each block's call, one graph for all)."""
     def recomputed(*args: Any, **kwargs: Any) -> Any:
-        return _run(forward, mode, args, kwargs)
+        return _run(forward, mode, args, kwargs, block, name)
     recomputed.__wrapped__ = forward   # type: ignore[attr-defined]
     return recomputed
 
@@ -326,17 +411,24 @@ class RecomputedForwards:
 
     def _wrap(self, name: str, forward: Callable[..., Any]) -> Callable[..., Any]:
         if self.modes[name] != "pending":
-            return _settled(forward, self.modes[name])
+            return _settled(forward, self.modes[name], self._blocks[name], name)
 
         @torch.compiler.disable   # eager until measured: no traced frame per block (dynamo's recompile limit)
         def pending(*args: Any, **kwargs: Any) -> Any:
             if not (torch.is_grad_enabled() and self._blocks[name].training):
                 return forward(*args, **kwargs)
-            self.modes[name] = self._on_pending(name, forward, args, kwargs)
-            self._blocks[name].forward = _settled(forward, self.modes[name])   # traced inline from now on
-            return _run(forward, self.modes[name], args, kwargs)
+            with _scratch_buffers(self._blocks[name]):   # the measuring forwards leave every buffer as it was
+                self.modes[name] = self._on_pending(name, forward, args, kwargs)
+            self._blocks[name].forward = _settled(forward, self.modes[name], self._blocks[name], name)   # traced inline
+            return _run(forward, self.modes[name], args, kwargs, self._blocks[name], name)
         pending.__wrapped__ = forward   # type: ignore[attr-defined]
         return pending
+
+    def settle(self, name: str, mode: str) -> None:
+        """Block ``name``, still pending, runs in ``mode`` from now on, unmeasured."""
+        block = self._blocks[name]
+        self.modes[name] = mode
+        block.forward = _settled(block.forward.__wrapped__, mode, block, name)
 
     def remove(self) -> None:
         for block in self._blocks.values():

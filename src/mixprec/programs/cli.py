@@ -270,19 +270,30 @@ def _cmd_train(args: argparse.Namespace, command: str) -> int:
         raise ValueError("--strategy needs --out: every rank writes into the same directory")
     workload = get_workload(args.workload, config=args.config, data=args.data, lora=args.lora)
     out = Path(args.out or Path("runs") / f"train-{_timestamp()}")
-    outcome = run_training(workload, policy=args.policy, steps=args.steps, out=out, seed=args.seed,
-                           eval_every=args.eval_every, checkpoint_every=args.checkpoint_every, keep=args.keep,
-                           resume=args.resume, device=args.device, guard=args.guard, command=command,
-                           workload_spec=args.workload, strategy=args.strategy, ema=args.ema,
-                           compile=args.compile, recompute=_recompute_arg(args.recompute))
+    recompute = _recompute_arg(args.recompute)
+    try:
+        outcome = run_training(workload, policy=args.policy, steps=args.steps, out=out, seed=args.seed,
+                               eval_every=args.eval_every, checkpoint_every=args.checkpoint_every, keep=args.keep,
+                               resume=args.resume, device=args.device, guard=args.guard, command=command,
+                               workload_spec=args.workload, strategy=args.strategy, ema=args.ema,
+                               compile=args.compile, recompute=recompute)
+    except ValueError as err:   # the engine's glob check (checkpoint=...): say it as the flag the user typed
+        if recompute is None or not str(err).startswith("checkpoint: "):
+            raise
+        raise ValueError(f"--recompute {args.recompute!r}: {str(err).removeprefix('checkpoint: ')}") from None
     return outcome.status
 
 
 def _recompute_arg(value: str | None) -> str | list[str] | None:
-    """``--recompute``: "auto..." as it is, else the comma-separated module names/globs as a list."""
-    if value is None or value.startswith("auto"):
+    """``--recompute``: "auto..." as it is, else the comma-separated module names/globs as a list. ValueError or
+    TypeError naming ``--recompute`` for a value the engine's ``checkpoint=`` refuses."""
+    from mixprec.memory.recompute import parse_request
+
+    if value is None:
         return value
-    return [name.strip() for name in value.split(",") if name.strip()]
+    option = value if value.startswith("auto") else [name.strip() for name in value.split(",") if name.strip()]
+    parse_request(option, arg="--recompute")
+    return option
 
 
 def _cmd_sample(args: argparse.Namespace) -> int:

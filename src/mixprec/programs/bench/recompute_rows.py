@@ -47,7 +47,7 @@ def recompute_option(text: str) -> str | list[str]:
         raise ValueError(f"bench recompute={text!r} must be 'auto', 'auto:<max time ratio>' or comma-separated "
                          "module names/globs ('blocks.*', 'selective:blocks.*')")
     value: str | list[str] = text if text.startswith("auto") else [n.strip() for n in text.split(",") if n.strip()]
-    parse_request(value)
+    parse_request(value, arg="--recompute")
     return value
 
 
