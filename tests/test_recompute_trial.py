@@ -9,6 +9,8 @@ backward (autograd saves no tensor when nothing requires grad): auto's plan meas
 
 from __future__ import annotations
 
+import re
+
 import pytest
 import torch
 from torch import nn
@@ -225,9 +227,11 @@ def test_overlapping_globs_giving_one_module_two_modes_are_refused():
 
 
 # ------------------------------------------------------------------ 7. messages
-@pytest.mark.parametrize("value", ["Auto", "AUTO:1.5", "None"])
+@pytest.mark.parametrize("value", ["Auto", "AUTO:1.5", "None", "Selective:blocks.*"])
 def test_a_capitalised_word_asks_did_you_mean(value):
-    with pytest.raises(ValueError, match=rf"checkpoint={value!r}: .*did you mean {value.lower()!r}"):
+    """Fails on main: 'Auto' was taken as a module glob (and 'Selective:' refused without the hint)."""
+    with pytest.raises(ValueError, match=rf"checkpoint={re.escape(repr(value))}: .*did you mean "
+                                         rf"{re.escape(repr(value.lower()))}"):
         parse_request(value)
 
 

@@ -175,13 +175,23 @@ def parse_request(value: Any, arg: str = _ARG) -> RecomputeRequest:
     patterns = []
     for name in names:
         mode, _, pattern = name.rpartition(":") if ":" in name else ("full", "", name)
-        if name.lower() in ("auto", "none") or name.lower().startswith("auto:"):
-            raise ValueError(f"{arg}={value!r}: {name!r} would be read as a module name; did you mean "
-                             f"{name.lower()!r}? (the words 'auto' and 'none' are lower case)")
+        meant = _meant(name, mode, pattern)
+        if meant is not None:
+            raise ValueError(f"{arg}={value!r}: {name!r} is not allowed (it would name a module); did you mean "
+                             f"{meant!r}? (the words 'auto', 'none', 'selective' and 'full' are lower case)")
         if mode not in ("selective", "full") or not pattern:
             raise ValueError(f"{arg}={value!r}: {name!r} is not allowed; pass {_ALLOWED}")
         patterns.append((pattern, mode))
     return RecomputeRequest("named", ",".join(names), patterns=tuple(patterns))
+
+
+def _meant(name: str, mode: str, pattern: str) -> str | None:
+    """The lower-case option a capitalised ``'Auto'``, ``'None'`` or ``'Selective:...'`` means; None otherwise."""
+    if name.lower() in ("auto", "none") or name.lower().startswith("auto:"):
+        return name.lower()
+    if mode.lower() in ("selective", "full") and mode not in ("selective", "full"):
+        return f"{mode.lower()}:{pattern}"
+    return None
 
 
 def repeated_blocks(model: nn.Module) -> list[str]:
