@@ -224,6 +224,7 @@ def _add_sample_parser(sub: argparse._SubParsersAction) -> None:
 
 def _cmd_bench(args: argparse.Namespace, command: str) -> int:
     from mixprec.programs.bench.memory_report import budget_lines
+    from mixprec.programs.bench.per_rank import per_rank_lines
     from mixprec.programs.bench.recompute_rows import recompute_lines
     from mixprec.programs.bench.report import auto_lines, format_table, op_plan_lines, seed_noise_lines, timing_lines
     from mixprec.programs.bench.runner import BenchConfig, run_bench
@@ -244,7 +245,7 @@ def _cmd_bench(args: argparse.Namespace, command: str) -> int:
         return 1 if any(e["verdict"] == "FAIL" for e in results["policies"].values()) else 0  # rank 0 reports
     print(format_table(results))
     for line in (timing_lines(results) + seed_noise_lines(results) + auto_lines(results) + op_plan_lines(results)
-                 + budget_lines(results) + recompute_lines(results)):
+                 + budget_lines(results) + per_rank_lines(results) + recompute_lines(results)):
         print(line)
     for name, entry in results["policies"].items():
         if entry["verdict"] in ("FAIL", "SKIPPED"):
