@@ -28,7 +28,8 @@ def _max(values: list) -> Any:
 
 def per_rank_fields(state_per_param: float, peak_live_bytes: int | None) -> dict[str, Any]:
     """This rank's bytes per parameter and peak live tensor bytes (None: not measured) gathered from every rank:
-    the row's :data:`~mixprec.programs.bench.results.PER_RANK_KEYS` (a collective: every worker rank calls it at the same point)."""
+    the row's :data:`~mixprec.programs.bench.results.PER_RANK_KEYS` (a collective: every worker rank calls it at
+    the same point)."""
     gathered = gather_per_rank((state_per_param, peak_live_bytes))
     state = [s for s, _ in gathered]
     live = [b for _, b in gathered]
@@ -51,13 +52,13 @@ def per_rank_lines(results: dict) -> list[str]:
     world = settings.get("world_size")
     lines = [f"per rank ({settings['strategy']}, {world} ranks; each rank's own tensors, a DTensor by its local "
              "shard; bytes per parameter = the rank's training-state bytes / the global parameter count; the "
-             "table's bytes/param and peak live are rank 0's):"]
+             "table's figures are rank 0's):"]
     for name, e in rows.items():
-        state = ", ".join(f"rank {r} {v:.2f}" for r, v in enumerate(e["state_bytes_per_param_per_rank"]))
-        live = ", ".join(f"rank {r} {_mib(v)}" for r, v in enumerate(e.get("peak_live_bytes_per_rank") or []))
-        lines.append(f"  {name}: training state per rank {state} B/param (max "
-                     f"{e['state_bytes_per_param_per_rank_max']:.2f}); peak live tensor bytes per rank {live} "
-                     f"(max {_mib(e.get('peak_live_bytes_per_rank_max'))})")
+        state = ", ".join(f"{v:.2f} (rank {r})" for r, v in enumerate(e["state_bytes_per_param_per_rank"]))
+        live = ", ".join(f"{_mib(v)} (rank {r})" for r, v in enumerate(e.get("peak_live_bytes_per_rank") or []))
+        lines.append(f"  {name}: training state per rank {state} B/param, max "
+                     f"{e['state_bytes_per_param_per_rank_max']:.2f}; peak live tensor bytes per rank {live}, max "
+                     f"{_mib(e.get('peak_live_bytes_per_rank_max'))}")
     return lines
 
 

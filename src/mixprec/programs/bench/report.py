@@ -196,8 +196,8 @@ def _headers(results: dict) -> list[str]:
     mfu = f"MFU vs {peak['dtype']} peak" if peak else "MFU"
     r0 = " (rank 0)" if results["settings"].get("strategy") else ""   # every rank's: per_rank_markdown
     return ["policy", "verdict", "step ms", "speedup", f"{unit}/s", "GFLOP/s", mfu, "peak MiB",
-            "mem ratio", f"bytes/param{r0}", "saved MiB", "saved ratio", f"peak live MiB{r0}", "live ratio", "eval loss",
-            "loss delta", "skipped steps"] + ([f"batch in {_budget(results)}"] if _budget(results) else []) + \
+            "mem ratio", f"bytes/param{r0}", "saved MiB", "saved ratio", f"peak live MiB{r0}", "live ratio",
+            "eval loss", "loss delta", "skipped steps"] + ([f"batch in {_budget(results)}"] if _budget(results) else []) + \
         (["compile s"] if _has_compiled(results) else [])
 
 
@@ -440,7 +440,7 @@ def report_markdown(results: dict) -> str:
         *memory_lines(results),
         *per_rank_markdown(results),
         *recompute_markdown(results),
-        "## Parameters and training state",
+        "## Parameters and training state" + (" (rank 0's tensors)" if results["settings"].get("strategy") else ""),
         "",
         *(_state_lines(results["policies"])),
         "",
