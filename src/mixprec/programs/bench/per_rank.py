@@ -18,7 +18,7 @@ from typing import Any
 
 from mixprec.distributed.rank_state import gather_per_rank
 
-__all__ = ["per_rank_fields", "per_rank_lines", "per_rank_markdown"]
+__all__ = ["per_rank_fields", "per_rank_lines", "per_rank_markdown", "rank0_tag"]
 
 
 def _max(values: list) -> Any:
@@ -35,6 +35,12 @@ def per_rank_fields(state_per_param: float, peak_live_bytes: int | None) -> dict
     live = [b for _, b in gathered]
     return {"state_bytes_per_param_per_rank": state, "state_bytes_per_param_per_rank_max": _max(state),
             "peak_live_bytes_per_rank": live, "peak_live_bytes_per_rank_max": _max(live)}
+
+
+def rank0_tag(results: dict, label: str) -> str:
+    """``label`` (e.g. ``" (rank 0)"``) for a table header or title whose figure is rank 0's own under a strategy;
+    ``""`` in one process."""
+    return label if (results.get("settings") or {}).get("strategy") else ""
 
 
 def _mib(value: int | None) -> str:

@@ -50,7 +50,7 @@ from pathlib import Path
 from typing import Any
 
 from mixprec.programs.bench.memory_report import memory_lines
-from mixprec.programs.bench.per_rank import per_rank_markdown
+from mixprec.programs.bench.per_rank import per_rank_markdown, rank0_tag
 from mixprec.programs.bench.pinned_plan import SOURCE as PINNED_SOURCE
 from mixprec.programs.bench.pinned_plan import entry_words, rule_words
 from mixprec.programs.bench.recompute_rows import recompute_markdown, split_row
@@ -194,7 +194,7 @@ def _headers(results: dict) -> list[str]:
     unit = next((e["item_unit"] for e in results["policies"].values() if e.get("item_unit")), "items")
     peak = results.get("mfu_peak")
     mfu = f"MFU vs {peak['dtype']} peak" if peak else "MFU"
-    r0 = " (rank 0)" if results["settings"].get("strategy") else ""   # every rank's: per_rank_markdown
+    r0 = rank0_tag(results, " (rank 0)")   # every rank's: per_rank_markdown
     return ["policy", "verdict", "step ms", "speedup", f"{unit}/s", "GFLOP/s", mfu, "peak MiB",
             "mem ratio", f"bytes/param{r0}", "saved MiB", "saved ratio", f"peak live MiB{r0}", "live ratio",
             "eval loss", "loss delta", "skipped steps"] + ([f"batch in {_budget(results)}"] if _budget(results) else []) + \
@@ -203,7 +203,7 @@ def _headers(results: dict) -> list[str]:
 
 def format_table(results: dict) -> str:
     """The compact plain-text table printed at the end of a bench run."""
-    r0 = " r0" if results["settings"].get("strategy") else ""   # rank 0's; every rank's: per_rank_lines
+    r0 = rank0_tag(results, " r0")   # every rank's: per_rank_lines
     headers = ["policy", "verdict", "step ms", "speedup", "peak MiB", f"B/param{r0}", "saved MiB", f"live MiB{r0}",
                "eval loss", "delta", "skips"]
     keep = [0, 1, 2, 3, 7, 9, (10, 11), (12, 13), 14, 15, 16]
@@ -440,7 +440,7 @@ def report_markdown(results: dict) -> str:
         *memory_lines(results),
         *per_rank_markdown(results),
         *recompute_markdown(results),
-        "## Parameters and training state" + (" (rank 0's tensors)" if results["settings"].get("strategy") else ""),
+        "## Parameters and training state" + rank0_tag(results, " (rank 0's tensors)"),
         "",
         *(_state_lines(results["policies"])),
         "",
