@@ -273,3 +273,26 @@ def test_a_training_forward_saves_what_torch_autocast_saves_unless_allowed(confi
     assert entry.chosen == "matmul" and entry.memory.startswith("matmul: 2.00x faster than fused, +")
     probs = b * h * t * t
     assert allowed - native == GPT_CONFIGS[config].n_layer * (probs * (4 + 2) + t * t - b * h * t * 4)
+
+
+def test_a_recompute_runs_its_forwards_kernel_whatever_the_allowance_in_backward(tmp_path):
+    """A checkpointed attention whose forward ran under a permission (matmul, times from the cache file) recomputes
+    in a backward outside it: the recompute takes the key's last choice, matmul, so torch's checkpoint finds the
+    same saved tensors and the gradients are matmul's bit for bit. Before, the backward's lookup chose again under
+    +0 MiB (fused) and the recompute's saved tensors differed (CheckpointError)."""
+    shape = _gpt_shape("baby")
+    _cached_plan(tmp_path, shape, {"fused": 2.0, "fused-fp32": 4.0, "matmul": 1.0}, _expected_saved(*shape))
+    q, k, v = (torch.randn(shape).requires_grad_() for _ in range(3))
+
+    def attention(q, k, v):
+        return F.scaled_dot_product_attention(q, k, v, is_causal=True)
+    with torch.autocast("cpu", dtype=torch.bfloat16), op_plan.planned_kernels("cpu"):
+        with op_plan.allow_extra_saved(None):
+            out = torch.utils.checkpoint.checkpoint(attention, q, k, v, use_reentrant=False)
+        out.float().sum().backward()                                  # the recompute runs here, at +0 MiB
+    q2, k2, v2 = (t.detach().clone().requires_grad_() for t in (q, k, v))
+    reference = op_plan.CANDIDATES["matmul"](q2, k2, v2, None, 0.0, True, None, False, torch.bfloat16)
+    reference.float().sum().backward()
+    assert torch.equal(out, reference)
+    for got, want in ((q, q2), (k, k2), (v, v2)):
+        assert torch.equal(got.grad, want.grad)

@@ -31,6 +31,7 @@ from mixprec.engine.divergence import DivergenceError
 from mixprec.engine.mixed_precision import StepResult
 from mixprec.engine.records import Event
 from mixprec.numerics.localise import NonFiniteReport, locate_nonfinite
+from mixprec.numerics.localise_sharded import locate_on_every_rank
 from mixprec.policy.policy import PRESETS, QUANTIZED_STATE_DTYPES, Policy
 from mixprec.policy.tree import map_tensors
 
@@ -131,8 +132,9 @@ def next_policy(policy: Policy, module: str | None, *, bf16_ok: bool, sharded: b
                 ) -> tuple[Policy | None, str]:
     """The next rung of the escalation ladder from ``policy``, and why (None: nothing left).
 
-    ``sharded`` (FSDP2): ``fully_shard`` fixed how params are stored and computed, so only rung 4's change of the
-    optimizer state's precision runs (:mod:`mixprec.distributed.sharded_switch`); the rung skipped is named.
+    ``sharded`` (FSDP2): rung 1 reshards the FSDP2 unit holding ``module`` in place
+    (:mod:`mixprec.distributed.sharded_units`) and rung 4 changes the optimizer state's precision
+    (:mod:`mixprec.distributed.sharded_switch`); rungs 2 and 3 would re-run ``fully_shard``: skipped, named.
 
     1. ``module`` (the first non-finite module) runs in 16 bits and is not kept yet: keep it in
        fp32 (``keep_fp32 += (module,)``);
@@ -143,8 +145,9 @@ def next_policy(policy: Policy, module: str | None, *, bf16_ok: bool, sharded: b
     """
     if sharded:
         new, why = next_policy(policy, module, bf16_ok=bf16_ok)
-        if new is None or new == policy.replace(state_dtype=new.state_dtype, state_rounding=new.state_rounding):
-            return new, why
+        if new is None or new == policy.replace(state_dtype=new.state_dtype, state_rounding=new.state_rounding,
+                                                keep_fp32=new.keep_fp32):
+            return new, why   # rung 1 (its FSDP2 unit resharded) or rung 4
         skipped = f"'{why}' refused under strategy='fsdp2': it would re-run fully_shard (not done mid-run)"
         if policy.state_dtype in QUANTIZED_STATE_DTYPES:
             return (policy.replace(state_dtype=torch.float32, state_rounding="nearest"),
@@ -229,9 +232,11 @@ class Guard:
     Several processes (``MixedPrecision(..., strategy="ddp" | "fsdp2")``): each rank judges its
     own step, then the engine's ``agree_on`` makes every rank act on the first cause any rank
     found (one all-reduce per boundary), so all ranks roll back, escalate or give up together.
-    The bad batch is not localised there (re-running it on one rank would run
-    collectives on that rank only), so escalation skips the keep-a-module rung; under FSDP2 only the
-    optimizer-state rung runs (8-bit state → fp32 state: ``fully_shard`` fixed how params are stored).
+    Under DDP the bad batch is not localised (re-running it on one rank would run collectives on that rank
+    only), so escalation skips the keep-a-module rung. Under FSDP2 every rank re-runs its batches forward only
+    and the ranks agree on the module (:mod:`mixprec.numerics.localise_sharded`); the keep-a-module rung
+    reshards its FSDP2 unit in place and the optimizer-state rung runs (8-bit state → fp32 state); a dtype
+    change of every param would re-run ``fully_shard``: skipped, named.
 
     Host syncs: skipped steps are known from ``StepResult.applied`` (already synced by the
     engine); reading the loss costs one sync every ``check_every`` boundaries; a skipped step
@@ -352,8 +357,8 @@ class Guard:
         c, s = self.config, self.state
         s.counts[cause] += 1
         s.failures_here += 1
-        # a re-run of one rank's batch would run collectives (FSDP all-gathers) on that rank only
-        local = getattr(mp, "strategy", None) is None
+        # a re-run of one rank's batch would run collectives on that rank only: under FSDP2 every rank re-runs
+        local = getattr(mp, "strategy", None) in (None, "fsdp2")
         report = self._localise(mp, result) if cause != "spike" and local else None
         self.last_report = report
         module = None if report is None else report.module
@@ -381,6 +386,13 @@ class Guard:
     def _localise(self, mp: MixedPrecision, result: StepResult) -> NonFiniteReport | None:
         if self.loss_fn is None or not mp.step_batches:
             return None
+        if getattr(mp, "strategy", None) == "fsdp2":   # every rank, forward only, one agreed report
+            try:
+                return locate_on_every_rank(mp.model, list(mp.step_batches), self.loss_fn, mp.policy, mp.device,
+                                            mp.agree_on)
+            except (RuntimeError, ValueError, TypeError) as err:   # as below (a loss_fn failing on every rank)
+                log.warning("mixprec guard: could not localise the bad batch: %s", err)
+                return None
         scale = (float(result.loss_scale_t) if mp.loss_scale.enabled else 1.0) / mp.accumulation_steps
         for batch in mp.step_batches:
             try:

@@ -35,17 +35,17 @@ the same model measures nothing and chooses the same; a measurement whose rounds
 :data:`NOISY_SPREAD` (a busy machine) is used in this process only. While torch.compile, a FakeTensor or
 another dispatch mode traces the op, the measurement runs on real stand-ins of the traced shapes (outside
 the modes) and the graph keeps the chosen kernel; with symbolic shapes nothing is measured (``fused``, and
-the entry says so). :func:`entries` lists what was chosen in this process (op, shape, choice, every candidate's time):
-the engine's decision names the mechanism, the bench's report.md prints the table.
-:func:`measured_afresh` measures every key again (the bench's one plan per run, pinned for all its workers:
-:mod:`mixprec.programs.bench.pinned_plan`); :func:`retarget` moves choices to another autocast dtype's keys.
+the entry says so). :func:`entries` lists what was chosen in this process (op, shape, choice, every candidate's
+time): the engine's decision names the mechanism, the bench's report.md prints the table. :func:`measured_afresh`
+measures every key again (the bench's one plan, pinned for all its workers: :mod:`mixprec.programs.bench.
+pinned_plan`); :func:`retarget` moves choices to another dtype's keys; :func:`rechosen` re-applies the rule.
 
 Activation checkpointing: a recompute must run the kernel its forward ran. :func:`mixprec.ops.checkpoint`
 re-enters the forward's planned state; a backward pass of ``mp.backward()``, ``mp.scale_loss()`` or of any
 output of a training forward holds the engine's op lists for that pass (:mod:`mixprec.engine.autocast_scope`,
 whatever thread autograd runs it in), so a ``torch.utils.checkpoint`` recompute there is planned; and a call
-during a backward whose key has no entry takes its grad-twin's (a reentrant checkpoint's forward ran under
-no_grad: the ``fwd`` key; its recompute is ``fwd+bwd``).
+during a backward takes its key's last choice whatever the allowance there (an engine's own is per thread), or
+if none its grad-twin's (a reentrant checkpoint's forward ran under no_grad: ``fwd``; its recompute ``fwd+bwd``).
 
 Mechanism: a ``torch.library`` kernel for the op on the device's autocast key (``AutocastCPU``,
 ``AutocastCUDA``), replacing torch's C++ one (a lower-precision cast, checked to exist by the tests) the
@@ -67,7 +67,8 @@ from typing import Any, Callable
 import torch
 
 from mixprec.autocast.attention_kernels import CANDIDATES, MATMUL_SCORES_LIMIT, NOT_FP16, offered, saved_per_call
-from mixprec.autocast.saved_allowance import allow_extra_saved, extra_saved_allowed, memory_choice, mib_words
+from mixprec.autocast.saved_allowance import (allow_extra_saved, count_call, extra_saved_allowed, memory_choice,
+                                              mib_words)
 from mixprec.autocast.switch import Switch
 from mixprec.machine.cache import cache_dir, machine_key, read_json, write_json
 from mixprec.machine.timing import time_call
@@ -75,7 +76,7 @@ from mixprec.machine.timing import time_call
 __all__ = ["PlanEntry", "planned_kernels", "choose", "entries", "summary", "choices", "pin", "retarget", "measured_afresh",
            "cached", "forget", "time_candidates", "describe", "MARGIN",
            "REPEATS", "MATMUL_SCORES_LIMIT", "NOISY_SPREAD", "Timing", "CANDIDATES", "plan_key",
-           "planned_devices", "planned_as", "allow_extra_saved", "extra_saved_allowed"]
+           "planned_devices", "planned_as", "allow_extra_saved", "extra_saved_allowed", "rechosen"]
 
 MARGIN = 0.05                     # another candidate replaces the default only when ≥ 5 % faster
 REPEATS = 5                       # timed runs per candidate after one warm-up (best of)
@@ -191,15 +192,11 @@ def _rule(times: dict[str, float | None], saved: dict[str, int | None],
                          pick=lambda t: _speed_choice(t, _DEFAULT, _EXACTNESS))
 
 
-def _same(t: torch.Tensor) -> torch.Tensor:
-    return t
-
-
 def _own_saved_tensors() -> Any:
     """Identity saved-tensor hooks; none where hooks are disabled (torch.func.grad: no caller's hooks either)."""
     if torch._C._autograd._saved_tensors_hooks_get_disabled_error_message() is not None:
         return nullcontext()
-    return torch.autograd.graph.saved_tensors_hooks(_same, _same)
+    return torch.autograd.graph.saved_tensors_hooks(lambda t: t, lambda t: t)
 
 
 def _measure(q, k, v, attn_mask, dropout_p, is_causal, scale, enable_gqa, dtype, grad,
@@ -273,8 +270,10 @@ def _from_cache(cached: dict, key: str, allowed_mib: float | None) -> PlanEntry:
                      saved, memory, allowed_mib)
 
 
-def _allowed_now(entry: PlanEntry, allowed_mib: float | None) -> PlanEntry:
-    """``entry`` chosen again from its measurement when the allowance changed (a pin or a default: as it is)."""
+def rechosen(entry: PlanEntry, allowed_mib: float | None) -> PlanEntry:
+    """``entry`` chosen again from its measurement (its times and saved bytes, nothing measured) under
+    ``allowed_mib`` (MiB per call over ``fused``; None: no limit) when that differs from its own (a pin or a
+    default: as it is). No host sync."""
     if entry.extra_saved_allowed_mib == allowed_mib or not entry.saved_bytes or entry.times_ms.get(_DEFAULT) is None:
         return entry
     chosen, memory = _rule(entry.times_ms, entry.saved_bytes, allowed_mib)
@@ -308,12 +307,13 @@ def choose(q, k, v, attn_mask=None, dropout_p=0.0, is_causal=False, scale=None, 
     key = plan_key(q, k, v, attn_mask, dropout_p, is_causal, scale, enable_gqa, dtype=dtype, grad=grad)
     where = (device.type, torch.get_num_threads())
     plan = _plans.setdefault(where, {})
-    entry = plan.get(key)
-    allowed = extra_saved_allowed()
-    if entry is not None and (entry.source != _TRACED or _traced(q)):
-        plan[key] = entry = _allowed_now(entry, allowed)
+    entry, allowed, in_backward = plan.get(key), extra_saved_allowed(), torch._C._current_graph_task_id() != -1
+    if grad:
+        count_call(key)   # the calls a step's budget is shared among (saved_allowance.CallCounter)
+    if entry is not None and (entry.source != _TRACED or _traced(q)):   # in a backward (a recompute): the forward's
+        plan[key] = entry = entry if in_backward else rechosen(entry, allowed)        # choice, whatever the allowance
         return entry
-    if entry is None and torch._C._current_graph_task_id() != -1:
+    if entry is None and in_backward:
         # in a backward: a checkpoint's recompute. A reentrant one ran its forward under no_grad (the "fwd" key)
         # and recomputes with grad ("fwd+bwd"): the forward's choice, else the recompute differs from it
         twin = plan.get(plan_key(q, k, v, attn_mask, dropout_p, is_causal, scale, enable_gqa, dtype=dtype,

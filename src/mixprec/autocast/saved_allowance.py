@@ -8,22 +8,33 @@ per call is chosen only within the allowance: +0 MiB by default (never more than
 :func:`allow_extra_saved` (process-wide) or ``$MIXPREC_ATTENTION_EXTRA_SAVED_MIB`` (a number of MiB, or
 ``inf``: speed alone, as before issue 27) allows. The choice says what it costs: ``"matmul: 1.31x faster than
 fused, +144 MiB saved per call"`` or ``"matmul skipped: 1.31x faster than fused, +144 MiB saved per call over
-fused (allowed +0 MiB ...)"``. No host sync anywhere here.
+fused (allowed +0 MiB ...)"``.
+
+An engine's own allowance (``MixedPrecision(..., memory_budget=...)``, :mod:`mixprec.engine.memory_budget`) is
+per thread: :func:`scoped_allowance`, entered by the engine around its forwards and backward passes, wins over
+the process-wide one there and nowhere else, so one engine's budget does not leak into another engine's lookups.
+:class:`CallCounter` counts the planned attention calls of a step (what a per-step budget is shared among).
+No host sync anywhere here.
 """
 
 from __future__ import annotations
 
 import math
 import os
+import threading
+from collections import Counter
 from collections.abc import Iterator
 from contextlib import contextmanager
 from typing import Callable
 
-__all__ = ["ENV", "allow_extra_saved", "extra_saved_allowed", "memory_choice", "mib_words"]
+__all__ = ["ENV", "CallCounter", "allow_extra_saved", "count_call", "extra_saved_allowed", "memory_choice",
+           "mib_words", "scoped_allowance"]
 
 ENV = "MIXPREC_ATTENTION_EXTRA_SAVED_MIB"
 _HOW = f"mixprec.autocast.op_plan.allow_extra_saved(mib) or ${ENV}"
 _allowed: list[float | None] = []   # the innermost allow_extra_saved() block's allowance last (process-wide)
+_scoped = threading.local()         # .stack: the innermost scoped_allowance() of this thread last
+_counters: list[Counter] = []       # the running CallCounters' counts (process-wide)
 
 
 def _checked(mib: object) -> float | None:
@@ -53,10 +64,28 @@ def allow_extra_saved(mib: float | None) -> Iterator[None]:
         _allowed.pop()
 
 
+@contextmanager
+def scoped_allowance(mib: float | None, *, enabled: bool = True) -> Iterator[None]:
+    """Inside, in this thread only, the allowance is ``mib`` (MiB per call over ``fused``; None: no limit), whatever
+    :func:`allow_extra_saved` or the environment say: an engine's own (its ``memory_budget``). A no-op with
+    ``enabled=False``. Nestable; the innermost wins. Raises as :func:`allow_extra_saved` for a bad ``mib``."""
+    if not enabled:
+        yield
+        return
+    stack = getattr(_scoped, "stack", None) or []
+    _scoped.stack = [*stack, _checked(mib)]
+    try:
+        yield
+    finally:
+        _scoped.stack = stack
+
+
 def extra_saved_allowed() -> float | None:
-    """The allowance in force, MiB per call (None: no limit): the innermost :func:`allow_extra_saved`, else
-    ``$MIXPREC_ATTENTION_EXTRA_SAVED_MIB`` (``inf`` or ``none``: no limit), else 0. Raises ValueError naming the
-    variable when it holds something else."""
+    """The allowance in force, MiB per call (None: no limit): this thread's innermost :func:`scoped_allowance`,
+    else the innermost :func:`allow_extra_saved`, else ``$MIXPREC_ATTENTION_EXTRA_SAVED_MIB`` (``inf`` or
+    ``none``: no limit), else 0. Raises ValueError naming the variable when it holds something else."""
+    if getattr(_scoped, "stack", None):
+        return _scoped.stack[-1]
     if _allowed:
         return _allowed[-1]
     text = os.environ.get(ENV, "").strip()
@@ -72,6 +101,27 @@ def extra_saved_allowed() -> float | None:
         raise ValueError(f"${ENV}={text!r} is not allowed: a number of MiB >= 0, or 'inf' for no limit; "
                          f"e.g. {ENV}=144, or unset it (0: never more than fused)")
     return None if math.isinf(value) else value
+
+
+class CallCounter:
+    """Counts the planned calls of each key (:func:`count_call`, which the op plan calls at each lookup of a key
+    a backward follows) between :meth:`start` and :meth:`stop`, in every thread; ``counts``: key → calls."""
+
+    def __init__(self) -> None:
+        self.counts: Counter = Counter()
+
+    def start(self) -> None:
+        _counters.append(self.counts)
+
+    def stop(self) -> None:
+        if any(c is self.counts for c in _counters):
+            _counters[:] = [c for c in _counters if c is not self.counts]
+
+
+def count_call(key: str) -> None:
+    """One planned call of ``key`` for every running :class:`CallCounter`."""
+    for counts in _counters:
+        counts[key] += 1
 
 
 def mib_words(n_bytes: int | None, *, signed: bool = False) -> str:

@@ -89,10 +89,11 @@ squared gradient norm (the global norm over all shards, for clipping and ``StepR
 **Checkpoints.** :func:`mixprec.save_checkpoint` writes what the strategy needs (:mod:`mixprec.checkpoint`:
 the one-process format from rank 0 under DDP, DCP shards under FSDP2) and records the strategy and world size.
 
-**Limits.** ``set_policy`` (and so the guard's escalation) is refused under FSDP2, and under
-DDP when it would change a parameter's stored dtype (DDP's buckets are built for them): the
-guard then notes the refusal and keeps rolling back. The guard does not localise a bad batch
-under a strategy. fp8 policies are not tested under a strategy. Only 1-D data parallelism
+**Limits.** ``set_policy`` (and so the guard's escalation) is refused under FSDP2 unless it changes the
+optimizer state's precision or keeps more modules in fp32 (:mod:`~mixprec.distributed.sharded_switch`,
+:mod:`~mixprec.distributed.sharded_units`), and under DDP when it would change a parameter's stored dtype
+(DDP's buckets are built for them): the guard then notes the refusal and keeps rolling back. The guard does
+not localise a bad batch under DDP (under FSDP2 every rank re-runs its batches forward only). fp8 policies are not tested under a strategy. Only 1-D data parallelism
 (no tensor/pipeline parallel meshes).
 """
 

@@ -1,9 +1,11 @@
 """A policy switch mid-run under FSDP2 (the guard's escalation, :meth:`mixprec.MixedPrecision.set_policy`).
 
 ``fully_shard`` fixed each sharded module's storage and cast (its ``MixedPrecisionPolicy``), so a switch may
-change the optimizer state's precision only (``state``, ``state_rounding``: the escalation ladder's "8-bit
-optimizer state → fp32 state"); one that changes how params are stored or computed (a layer kept in fp32, bf16 →
-fp32) would re-run ``fully_shard`` and is refused, named (:func:`check_switch`).
+change the optimizer state's precision (``state``, ``state_rounding``: the escalation ladder's "8-bit optimizer
+state → fp32 state") and keep more modules in fp32 (``keep_fp32`` patterns added: the ladder's first rung; the
+FSDP2 units holding them are resharded in place, :mod:`mixprec.distributed.sharded_units`); one that changes how
+the other params are stored or computed (bf16 → fp32, a module moved out of fp32) would re-run ``fully_shard`` and
+is refused, named (:func:`check_switch`).
 
 8-bit state is held as codes placed as the param (a ``DTensor``) and the param's scales whole on every rank
 (:mod:`mixprec.optim.sharded_blocks`); :func:`dequantize_sharded_state_` turns it into fp32 moments placed as the
@@ -31,18 +33,25 @@ _NONNEGATIVE = ("exp_avg_sq",)   # AdamW's second moment: its 8-bit code is unsi
 
 
 def check_switch(built: Policy, old: Policy, new: Policy) -> None:
-    """Raise ValueError unless ``new`` differs from ``built`` (the policy ``fully_shard`` was built for) in the
-    optimizer state's precision alone, and keeps ``old``'s 8-bit state format or leaves 8-bit state (quantizing
-    sharded moments anew is not done mid-run)."""
+    """Raise ValueError unless ``new`` differs from ``built`` (the policy the shards are laid out for) in the
+    optimizer state's precision and in keep_fp32 patterns added (never dropped) alone, and keeps ``old``'s 8-bit
+    state format or leaves 8-bit state (quantizing sharded moments anew is not done mid-run)."""
     if new.state_dtype in QUANTIZED_STATE_DTYPES and new.state_dtype != old.state_dtype:
         raise ValueError(f"set_policy: under strategy='fsdp2' {old} → {new} would quantize the sharded optimizer "
                          "state anew, which is not done mid-run (8-bit state can only be left, for fp32 or bf16 "
                          "state). Save a checkpoint and resume under the new policy")
-    if new.replace(state_dtype=built.state_dtype, state_rounding=built.state_rounding) != built:
+    dropped = [pat for pat in built.keep_fp32 if pat not in new.keep_fp32]
+    if dropped:
+        raise ValueError(f"set_policy: under strategy='fsdp2' {new} no longer keeps {dropped} in fp32 (the shards "
+                         f"were laid out for {built}): moving a module out of fp32 would re-run fully_shard, which "
+                         "is not done mid-run. Save a checkpoint and resume under the new policy")
+    if new.replace(state_dtype=built.state_dtype, state_rounding=built.state_rounding,
+                   keep_fp32=built.keep_fp32) != built:
         raise ValueError(f"set_policy: under strategy='fsdp2' {new} changes how params are stored or computed "
                          f"(fully_shard was built for {built}): it would re-run fully_shard, which is not done "
-                         "mid-run; only the optimizer state's precision can change (e.g. 8-bit state → fp32 state). "
-                         "Save a checkpoint and resume under the new policy")
+                         "mid-run; only the optimizer state's precision can change (e.g. 8-bit state → fp32 state) "
+                         "and modules can be kept in fp32 (keep_fp32 += (name,): their FSDP2 units are resharded, "
+                         "mixprec.distributed.sharded_units). Save a checkpoint and resume under the new policy")
 
 
 def dequantize_sharded_state_(optimizer: torch.optim.Optimizer, new: Policy) -> int:

@@ -17,7 +17,7 @@ import torch
 from torch import nn
 
 from mixprec.distributed import process as distributed
-from mixprec.distributed import replicas, sharded_storage, sharded_switch
+from mixprec.distributed import replicas, sharded_storage, sharded_switch, sharded_units
 from mixprec.optim import contract
 from mixprec.policy.resolve import Resolution, resolve
 from mixprec.policy.policy import Policy
@@ -80,9 +80,20 @@ class SingleProcess:
     def refuse(self, what: str) -> None:
         """Raise ValueError if ``what`` (``"unfreeze"``, ``"to_fp32"``) cannot run."""
 
-    def before_set_policy(self, old: Policy, new: Policy, optimizer: torch.optim.Optimizer | None) -> None:
+    def check_measured_recompute(self, model: nn.Module, blocks: list[str]) -> None:
+        """Raise ValueError if ``checkpoint="auto"`` cannot measure ``blocks`` (module names of ``model``, already
+        wrapped) here. One process and DDP: nothing."""
+
+    def from_main_process(self, text: str) -> str:
+        """Rank 0's ``text`` on every rank (a recompute plan with the agreed modes: one plan text on every rank).
+        One process: ``text``; else one broadcast every rank calls at the same point."""
+        return text
+
+    def before_set_policy(self, old: Policy, new: Policy, optimizer: torch.optim.Optimizer | None) -> str:
         """Called by ``set_policy`` before re-preparing the model from ``old`` to ``new``: raise ValueError (nothing
-        changed) if the strategy cannot switch, else make ready what the switch needs. One process: nothing."""
+        changed) if the strategy cannot switch, else make ready what the switch needs and return the event's
+        words on it ("" when none). One process: nothing."""
+        return ""
 
     def check_restore(self, old: dict[int, torch.dtype], new: dict[int, torch.dtype], policy: Policy) -> None:
         """Raise ValueError if re-preparing from stored dtypes ``old`` to ``new`` cannot run here."""
@@ -124,6 +135,9 @@ class _MultiProcess(SingleProcess):
     def agree_flags(self, flags):
         return distributed.any_across_ranks(flags)
 
+    def from_main_process(self, text):
+        return distributed.from_main_process(text)
+
     def refuse(self, what):
         if what == "unfreeze":
             raise ValueError(f"unfreeze under strategy={self.name!r}: the {self.name.upper()} wrapper was built for "
@@ -162,17 +176,36 @@ class FSDP2(_MultiProcess):
 
     def __init__(self) -> None:
         self._start_fp32: dict[int, torch.Tensor] = {}   # id(sharded param) -> its fp32 value before the cast
-        self._built: Policy | None = None                 # the policy fully_shard was built for
+        self._built: Policy | None = None                 # the policy the shards are laid out for
+        self._model: nn.Module | None = None              # the sharded model
 
     def before_casts(self, model, policy, device, keep, optimizer):
         super().before_casts(model, policy, device, keep, optimizer)
-        self._built = policy
+        self._built, self._model = policy, model
         distributed.check_fsdp_policy(policy)   # before the cast: a refused policy leaves the model as it was
         values = (sharded_storage.cast_for_sharding(model, policy, tuple(keep), keep_values=policy.rounding == "kahan")
                   if sharded_storage.stores_16bit(policy) else {})
         distributed.wrap_model(model, policy, "fsdp2", device, keep_fp32=tuple(keep), optimizer=optimizer,
                                sharded_found_inf=True)
         self._start_fp32 = sharded_storage.shard_like_params(model, values)
+
+    def check_measured_recompute(self, model, blocks):
+        """auto measures a block by running its forward and backward outside the step; a module inside it that
+        FSDP2 shards on its own (a ``keep_fp32`` module, a BatchNorm kept in fp32) runs its all-gather and
+        reduce-scatter hooks in those passes, outside FSDP2's step (seen on torch 2.13: a later pass meets the unit's
+        params still sharded, "mixed torch.Tensor and DTensor")."""
+        from torch.distributed.fsdp import FSDPModule
+
+        inner = [f"{b}.{n}" for b in blocks for n, m in model.get_submodule(b).named_modules()
+                 if n and isinstance(m, FSDPModule)]
+        if inner:
+            group = blocks[0].rpartition(".")[0]
+            pattern = f"{group}.*" if group else "*"
+            raise ValueError(f"checkpoint='auto' under strategy='fsdp2': {inner} inside the measured blocks are FSDP2 "
+                             "units of their own (fp32 modules the policy keeps), and auto's measurement cannot run a "
+                             "block's forward and backward outside the step through their hooks; name the blocks "
+                             f"instead, checkpoint={pattern!r} (whole) or checkpoint=['selective:{pattern}'], or keep "
+                             "no fp32 module inside them")
 
     def fp32_value(self, p):
         value = self._start_fp32.pop(id(p), None)
@@ -190,14 +223,22 @@ class FSDP2(_MultiProcess):
         return distributed.sum_across_ranks(ratio.square()).sqrt() * largest
 
     def before_set_policy(self, old, new, optimizer):
-        """The optimizer state's precision alone may change (:mod:`mixprec.distributed.sharded_switch`): checked,
-        then 8-bit sharded state dequantized to fp32 where ``new`` keeps none and Kahan compensation folded into
-        the local shards (the re-preparation's ``p.data = ...`` does not reach a DTensor's shard)."""
-        sharded_switch.check_switch(self._built or old, old, new)
+        """The optimizer state's precision may change and modules may be kept in fp32
+        (:mod:`mixprec.distributed.sharded_switch`): checked, then the units holding newly kept modules resharded
+        (:mod:`mixprec.distributed.sharded_units`), 8-bit sharded state dequantized to fp32 where ``new`` keeps
+        none and Kahan compensation folded into the local shards (the re-preparation's ``p.data = ...`` does not
+        reach a DTensor's shard). Returns the event's words on the resharded units."""
+        built = self._built or old
+        sharded_switch.check_switch(built, old, new)
+        keep = sharded_units.plan_keep(self._model, built, new) if self._model is not None else None
         if optimizer is not None:   # what prepare checks next, before the state changes here
             contract.check(optimizer, new, {p.dtype for g in optimizer.param_groups for p in g["params"]})
+        note = sharded_units.apply_keep(self._model, keep, optimizer) if keep is not None else ""
+        if optimizer is not None:
             sharded_switch.dequantize_sharded_state_(optimizer, new)
             sharded_switch.fold_compensation_(optimizer, new)
+        self._built = new
+        return note
 
 
 def make_strategy(name: str | None) -> Any:

@@ -17,7 +17,7 @@ from mixprec.policy.policy import cast_floating
 from mixprec.policy.tree import field_names, map_fields, map_tensors
 
 __all__ = ["RETAINED", "TOO_MANY", "MID_ACCUMULATION", "NO_BACKWARD", "BEFORE_BOUNDARY", "UNSYNCED_END",
-           "END_NEXT_PENDING", "check_args", "check_usable", "check_optimizer", "check_loss", "needs_closure", "as_tensors", "cast_batch"]
+           "END_NEXT_PENDING", "check_args", "check_no_open_check", "check_usable", "check_optimizer", "check_loss", "needs_closure", "as_tensors", "cast_batch"]
 
 
 RETAINED = 2   # the engine's ``_step_pending`` after a backward(retain_graph=True): a further backward() joins its micro-batch
@@ -49,6 +49,14 @@ def check_args(model: Any, max_grad_norm: Any, accumulation_steps: Any, checkpoi
         raise ValueError(f"accumulation_steps={accumulation_steps!r} must be an int >= 1")
     if max_grad_norm is not None and not (float(max_grad_norm) > 0):
         raise ValueError(f"max_grad_norm={max_grad_norm!r} must be > 0 or None (no clipping)")
+
+
+def check_no_open_check(call: str, open_check: Any) -> None:
+    """RuntimeError for ``call`` between ``mp.unscale_and_check()`` and ``mp.apply_or_skip(check)`` (``open_check``:
+    the check not yet applied, else None)."""
+    if open_check is not None:
+        raise RuntimeError(f"{call} after mp.unscale_and_check() at this boundary; call mp.apply_or_skip(check) "
+                           "first to finish the step")
 
 
 def check_usable(call: str, optimizer: Any, unwrapped: bool) -> None:

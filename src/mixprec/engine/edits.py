@@ -26,7 +26,8 @@ from mixprec.policy.policy import Policy
 from mixprec.engine.protocol import Engine
 from mixprec.engine.records import Event
 
-__all__ = ["ModelEdit", "ModelLayout", "adopt_model_edits", "finish_model_edit", "edited_params_event"]
+__all__ = ["ModelEdit", "ModelLayout", "adopt_edited_params", "adopt_model_edits", "finish_model_edit",
+           "edited_params_event"]
 
 
 @dataclass(frozen=True)
@@ -210,3 +211,11 @@ def edited_params_event(step: int, detail: str) -> Event:
                   "or with mixprec.load_checkpoint / mp.load_state_dict", stacklevel=4)
     return Event(step=step, kind="adopt", cause="params edited outside the optimizer", module=None, detail=detail)
 
+
+def adopt_edited_params(mp: Engine) -> None:
+    """Params of ``mp`` written outside the engine (16-bit ones with fp32 masters) keep the edit: their masters
+    adopt the new value, with one warning and an ``adopt`` event (:meth:`Engine.record`), instead of being
+    overwritten. Host syncs: :meth:`mixprec.engine.masters.MasterWeights.adopt_edits`' (one per param edited)."""
+    detail = mp.masters.adopt_edits(lambda: {id(p): n for n, p in mp.module.named_parameters()})
+    if detail:
+        mp.record(edited_params_event(mp.boundaries, detail))

@@ -23,15 +23,16 @@ from mixprec.autocast.compiled import compile_request
 from mixprec.autocast.op_plan import describe as describe_kernels
 from mixprec.distributed.strategy import make_strategy
 from mixprec.engine.arguments import (MID_ACCUMULATION, RETAINED, TOO_MANY, as_tensors, cast_batch, check_args,
-                                      check_loss, check_optimizer, check_usable)
+                                      check_loss, check_no_open_check, check_optimizer, check_usable)
 from mixprec.engine.autocast_scope import AutocastScope
 from mixprec.engine.boundary import AccumulationGroup, BoundaryLosses, StepCheck, StepResult, check_grads
 from mixprec.engine.clipping import clip_ as _clip_
 from mixprec.engine.divergence import DivergenceError, StopWhenStuck
-from mixprec.engine.edits import ModelLayout, adopt_model_edits, edited_params_event, finish_model_edit
+from mixprec.engine.edits import ModelLayout, adopt_edited_params, adopt_model_edits, finish_model_edit
 from mixprec.engine.loop_checks import LoopChecks
 from mixprec.engine.loss_scale import for_policy as loss_scale_for_policy, for_switch as loss_scale_for_switch, unscale_grads
 from mixprec.engine.masters import claim, release
+from mixprec.engine.memory_budget import MemoryBudget
 from mixprec.engine.pending_auto import resolve_for_engine
 from mixprec.engine.prepare import prepare
 from mixprec.engine.recompute_setup import RecomputeSetup
@@ -56,7 +57,8 @@ class MixedPrecision:
     a preset, ``key=value`` text or a :class:`~mixprec.Policy`; ``max_grad_norm`` clips the unscaled fp32 norm;
     ``guard`` has ``after_step(mp, result)`` (:class:`mixprec.Guard`; default :class:`~mixprec.engine.divergence.
     StopWhenStuck`); ``strategy``: None, ``"ddp"``, ``"fsdp2"``; ``compile``: True or ``torch.compile`` kwargs;
-    ``checkpoint``: blocks recomputed in backward, ``"auto"`` (measured) or names (:mod:`mixprec.memory.recompute`).
+    ``checkpoint``: blocks recomputed in backward, ``"auto"`` (measured) or names (:mod:`mixprec.memory.recompute`);
+    ``memory_budget``: ``"4GiB"`` or bytes the measured attention may spend on speed (:mod:`mixprec.engine.memory_budget`).
     Public attributes: ``model`` (what to call), ``module`` (the user's model), ``optimizer``, ``scheduler``,
     ``policy``, ``device``, ``strategy``, ``decision``, ``events``, ``masters``, ``loss_scale``, ``applied_steps``,
     ``skipped_total``, ``boundaries``, ``micro_step``. Errors: ValueError/TypeError for bad arguments (named,
@@ -66,8 +68,10 @@ class MixedPrecision:
                  device: str | torch.device | None = None, scheduler: Any = None,
                  max_grad_norm: float | None = None, accumulation_steps: int = 1, loss_scale: Any = None,
                  allow_fallback: bool = False, max_stuck_skips: int = 20, guard: Any = None,
-                 strategy: str | None = None, compile: bool | dict[str, Any] = False, checkpoint: Any = None) -> None:
+                 strategy: str | None = None, compile: bool | dict[str, Any] = False, checkpoint: Any = None,
+                 memory_budget: str | int | None = None) -> None:
         check_args(model, max_grad_norm, accumulation_steps, checkpoint)
+        self._budget = MemoryBudget(self, memory_budget)   # ValueError/TypeError before anything changes
         if optimizer is not None or scheduler is not None:
             check_optimizer(model, optimizer, scheduler)   # before anything changes
         model, self._compile = compile_request(model, compile, strategy)
@@ -103,8 +107,8 @@ class MixedPrecision:
         self.decision = str(Decision(resolution.decision, (
             prepared.fp8_note, prepared.plan.note(), self._compile.note(self.policy), self.policy.scaling_note(),
             prepared.upcast_note, describe_kernels(self.policy, self.device.type), state_note, regions)))
-        self._recompute = RecomputeSetup(self, checkpoint)   # memory/recompute.py: blocks recomputed in backward
-        self.decision += self._recompute.note
+        self._recompute = RecomputeSetup(self, checkpoint, self._strategy)   # memory/recompute.py: blocks recomputed
+        self.decision += self._recompute.note + self._budget.note
         self.model = self._compile.apply(self._strategy.after_casts(model, self.policy, self.device))
         self.masters.record_versions()   # DDP's broadcast of rank 0's params is not a user edit
         # micro_step: backward() calls since the last boundary; boundaries: step() boundaries (applied + skipped)
@@ -150,7 +154,7 @@ class MixedPrecision:
         (:mod:`mixprec.autocast`; held in every backward pass of its outputs) and eager dtypes for a compiled
         forward; traced by torch.compile with no graph break (:mod:`mixprec.engine.autocast_scope`)."""
         check_usable("mp.autocast()", self.optimizer, self._unwrapped)   # auto pending: may switch autocast on
-        with self._scope.autocast(self._auto.block() if self._auto.state == "pending" else None):
+        with self._scope.autocast(self._auto.block() if self._auto.state == "pending" else None), self._budget.scope():
             yield
 
     def cast_inputs(self, batch: Any, *, keep: tuple[str, ...] = ()) -> Any:
@@ -173,7 +177,7 @@ class MixedPrecision:
         tensor requiring grad; RuntimeError: more micro-batches than ``accumulation_steps``, a frozen param thawed."""
         check_loss(loss)
         check_usable("mp.backward()", self.optimizer, self._unwrapped)
-        self._check_no_open_check("mp.backward()")
+        check_no_open_check("mp.backward()", self._open_check)
         self._frozen.check_not_thawed()
         self._auto.before_backward()
         new_micro_batch = self._step_pending != RETAINED and not (join and self._step_pending)   # same micro-batch
@@ -186,7 +190,7 @@ class MixedPrecision:
         self._losses.add(loss.detach(), first=new_micro_batch and self.micro_step == 1)
         if self.accumulation_steps > 1:
             loss = loss / self.accumulation_steps
-        with self._scope.op_lists():   # a torch.utils.checkpoint recompute casts as the forward did
+        with self._scope.op_lists(), self._budget.scope():   # a checkpoint's recompute casts as the forward did
             self._scope.hold(self.loss_scale.scale_loss(loss)).backward(retain_graph=retain_graph, inputs=inputs)
         self._step_pending = RETAINED if retain_graph else True
         self.masters.accumulate_grads()
@@ -213,7 +217,7 @@ class MixedPrecision:
         AccumulationGroup`). Host syncs: one per boundary, one per param edited outside. Raises RuntimeError
         without a ``backward()``; the guard may raise :class:`DivergenceError`."""
         check_usable("mp.step()", self.optimizer, self._unwrapped)
-        self._check_no_open_check("mp.step()")
+        check_no_open_check("mp.step()", self._open_check)
         if not self._group.closes("step()", self._step_pending, self.micro_step, end_group=end_group,
                                   strategy=self.strategy):
             self._step_pending = False
@@ -235,10 +239,10 @@ class MixedPrecision:
         if it overflowed), the ranks' agreement, the one host read. Returns the :class:`StepCheck` for
         :meth:`apply_or_skip`. RuntimeError without ``backward()``, before the boundary or twice."""
         check_usable("mp.unscale_and_check()", self.optimizer, self._unwrapped)
-        self._check_no_open_check("mp.unscale_and_check()")
+        check_no_open_check("mp.unscale_and_check()", self._open_check)
         self._group.check_closes(self._step_pending, self.micro_step, end_group=end_group, strategy=self.strategy)
         self._step_pending = False
-        self._adopt_edited_params()
+        adopt_edited_params(self)
         self._losses.close(self.micro_step)
         grads = self._strategy.local(self._checks.at_boundary())
         found_inf = self._losses.unscale_(self.loss_scale, grads, self._group.factor(self.micro_step))
@@ -267,16 +271,12 @@ class MixedPrecision:
         self._step_grads = grads
         self.discard_gradients()
         self._auto.at_boundary(self)
+        self._budget.at_boundary()   # the measured step: its peak against memory_budget, recorded
         try:
             return (self.guard if self.guard is not None else self._stop_when_stuck).after_step(self, result)
         finally:
             self._step_batches.clear()
             self._step_grads = []
-
-    def _check_no_open_check(self, call: str) -> None:
-        if self._open_check is not None:
-            raise RuntimeError(f"{call} after mp.unscale_and_check() at this boundary; call mp.apply_or_skip(check) "
-                               "first to finish the step")
 
     def _apply_update(self) -> None:
         with self._checks.stepping():
@@ -312,7 +312,7 @@ class MixedPrecision:
         self._check_boundary("set_policy()", "change the policy")
         new = resolve(policy, self.device).policy
         check_fp8_unchanged(self.policy, new)
-        self._strategy.before_set_policy(self.policy, new, self.optimizer)
+        resharded = self._strategy.before_set_policy(self.policy, new, self.optimizer)
         prepared = prepare(self.module, new, self.device, self._strategy, optimizer=self.optimizer,
                            masters=self.masters, frozen=self._frozen)
         self._auto.cancel(self.policy, new)   # another policy asked for while auto is pending: it wins
@@ -324,8 +324,9 @@ class MixedPrecision:
         self.model.zero_grad(set_to_none=True)
         self.decision = str(Decision(f"{new} on {self.device} ({new.summary()}; set_policy at boundary {self.boundaries}: "
                                      f"{cause}; was {old})", (self._compile.note(new), regions,
-                                                              contract.state_note(self.optimizer), self._recompute.note)))
-        event = policy_event(self.boundaries, kind, cause, module, old, new, prepared.carried, scale_note)
+                                                              contract.state_note(self.optimizer), self._recompute.note,
+                                                              self._budget.note)))
+        event = policy_event(self.boundaries, kind, cause, module, old, new, prepared.carried, scale_note + resharded)
         self.events.extend([event] if record else [])
         (log.warning if new != old else log.info)("mixprec: policy %s → %s at boundary %d (%s)", old, new,
                                                    self.boundaries, cause)
@@ -379,9 +380,9 @@ class MixedPrecision:
             self._strategy.refuse("to_fp32")
             if self.micro_step != 0:
                 raise RuntimeError("unwrap(to_fp32=True) mid-accumulation; call it after mp.step() returns a result")
-            self._adopt_edited_params()
+            adopt_edited_params(self)
             self.masters.write_fp32(self._fp32_values())
-        for hooks in (self._regions, self._checks, self._auto, self._recompute):
+        for hooks in (self._regions, self._checks, self._auto, self._recompute, self._budget):
             hooks.remove()
         release(self)
         self._unwrapped = True
@@ -420,10 +421,10 @@ class MixedPrecision:
         scale and counters (tensors are references). RuntimeError mid-accumulation (grads are not in it)."""
         self._check_boundary("state_dict()", "take it")
         self._adopt_model_edits()
-        self._adopt_edited_params()
+        adopt_edited_params(self)
         return {
             "policy": str(self.policy),
-            "frozen": self.frozen_names(), "recompute": self._recompute.state(),
+            "frozen": self.frozen_names(), "recompute": self._recompute.state(), "memory_budget": self._budget.state(),
             "model": self.module.state_dict(),
             "masters": self.masters.named(self.module.named_parameters()),
             "optimizer": self.optimizer.state_dict(),
@@ -442,6 +443,7 @@ class MixedPrecision:
         decision = load_engine_state(self, state, self._auto, convert=convert, adopt_policy=adopt_policy)
         self.decision = decision or self.decision
         self._recompute.load(state)   # the saved plan, as it was: never re-measured
+        self._budget.load(state)   # the saved budget decision, as it was
 
     def discard_gradients(self) -> None:
         """Drop an unfinished accumulation: every gradient (params and masters) and the pending micro-batches;
@@ -461,6 +463,7 @@ class MixedPrecision:
         if events is not None:
             self.events[:] = [Event.of(e) for e in events]
             self._recompute.load({"events": events})   # a DCP checkpoint's recompute plan, as it was
+            self._budget.load({"events": events})
 
     def record(self, event: Event | dict, *, decision: str | None = None) -> None:
         """Append ``event`` (an :class:`~mixprec.engine.records.Event` or its JSON dict) to :attr:`events`: what a
@@ -475,13 +478,6 @@ class MixedPrecision:
     def _set_gradient_sync(self) -> None:
         self._strategy.set_gradient_sync(self.model, last_micro_batch=self._group.last_micro_batch(self.micro_step),
                                          has_masters=bool(self.masters.pairs))
-
-    def _adopt_edited_params(self) -> None:
-        """Params written outside the engine (16-bit ones with fp32 masters) keep the edit: their masters
-        adopt the new value, with one warning and an ``adopt`` event, instead of being overwritten."""
-        detail = self.masters.adopt_edits(lambda: {id(p): n for n, p in self.module.named_parameters()})
-        if detail:
-            self.record(edited_params_event(self.boundaries, detail))
 
     def _adopt_model_edits(self) -> None:
         adopted = adopt_model_edits(self._layout, self.policy, self.strategy, self.micro_step, self.optimizer,

@@ -2,15 +2,17 @@
 
 ``checkpoint="blocks.*"`` (names or globs, ``"selective:..."`` to keep matmul outputs) wraps those blocks at
 build; ``"auto"`` wraps the repeated blocks pending and measures each at its first training call (every rank
-then takes the most memory-saving mode any rank chose: one all-reduce per block under a strategy, none alone),
-records the plan as a ``"recompute"`` event and in the decision. The plan is in ``mp.state_dict()["recompute"]``
-and in the event log a checkpoint carries; loading either re-applies it as it was (never re-measured).
+then takes the most memory-saving mode any rank chose: one all-reduce per block under a strategy, none alone;
+every rank records rank 0's measurements with those modes: one broadcast, one plan text), records the plan as a
+``"recompute"`` event and in the decision. The plan is in ``mp.state_dict()["recompute"]`` and in the event log a
+checkpoint carries; loading either re-applies it as it was (never re-measured).
 """
 
 from __future__ import annotations
 
 from typing import Any
 
+from mixprec.distributed.strategy import SingleProcess
 from mixprec.engine.protocol import Engine
 from mixprec.engine.records import Event
 from mixprec.memory.recompute import (BlockPlan, RecomputedForwards, RecomputePlan, choose_mode, match_blocks,
@@ -24,10 +26,11 @@ _MOST_SAVING_FIRST = ("full", "selective", "none")
 
 class RecomputeSetup:
     """Holds the request, the plan and the installed wrappers of one engine. ``note``: the decision clause (""
-    when off). ValueError/TypeError for a bad ``checkpoint=`` value (nothing changed)."""
+    when off). ValueError/TypeError for a bad ``checkpoint=`` value (nothing changed); ValueError for ``"auto"``
+    where ``strategy`` cannot measure the blocks."""
 
-    def __init__(self, mp: Engine, option: Any) -> None:
-        self._mp = mp
+    def __init__(self, mp: Engine, option: Any, strategy: SingleProcess) -> None:
+        self._mp, self._strategy = mp, strategy
         self.request = parse_request(option)
         self.plan: RecomputePlan | None = None
         self._measured: dict[str, BlockPlan] = {}
@@ -38,6 +41,7 @@ class RecomputeSetup:
             mp.record(Event(0, _KIND, "requested", None, self.plan.text()))   # at build: boundary 0
         elif self.request.kind == "auto":
             self._names = repeated_blocks(mp.module)
+            strategy.check_measured_recompute(mp.module, self._names)
             if self._names:
                 self._forwards = RecomputedForwards(mp.module, dict.fromkeys(self._names, "pending"), self._measure)
             else:
@@ -94,8 +98,9 @@ class RecomputeSetup:
         self._measured[name] = BlockPlan(name, mode, saved, seconds)
         if len(self._measured) == len(self._names):
             before = self.note
-            self.plan = RecomputePlan(self.request.text, tuple(self._measured[n] for n in self._names),
-                                      self.request.max_ratio)
+            plan = RecomputePlan(self.request.text, tuple(self._measured[n] for n in self._names),
+                                 self.request.max_ratio)
+            self.plan = RecomputePlan.from_text(self._strategy.from_main_process(plan.text()))   # one plan, every rank
             self._mp.record(Event(self._mp.boundaries, _KIND, "auto", None, self.plan.text()),
                             decision=_replace(self._mp.decision, before, self.note))
         return mode

@@ -29,7 +29,7 @@ from torch import nn
 
 from mixprec.memory.storages import StorageCounter
 
-__all__ = ["PeakLive", "peak_live_bytes", "resident_tensors", "running_peak"]
+__all__ = ["LiveMeter", "PeakLive", "peak_live_bytes", "resident_tensors", "running_peak"]
 
 _SOURCES = {
     "cuda": "torch.cuda.max_memory_allocated - memory_allocated before",
@@ -96,33 +96,63 @@ def peak_live_bytes(step: Callable[[], Any], device: torch.device | str, *,
     Raises:
         ValueError: ``device`` is not cpu, cuda or mps.
     """
-    kind = torch.device(device).type
-    if kind == "cuda":
-        return _cuda(step, torch.device(device))
-    if kind == "mps":
-        return _mps(step, model)
-    if kind == "cpu":
-        return _cpu(step, resident)
-    raise ValueError(f"peak_live_bytes: device={str(device)!r} is not measured; allowed: cpu, cuda, mps")
-
-
-def _cuda(step: Callable[[], Any], device: torch.device) -> tuple[Any, PeakLive]:
-    torch.cuda.synchronize(device)
-    torch.cuda.reset_peak_memory_stats(device)
-    baseline = torch.cuda.memory_allocated(device)
-    out = step()
-    torch.cuda.synchronize(device)
-    peak = torch.cuda.max_memory_allocated(device)
-    return out, PeakLive(bytes=max(0, peak - baseline), baseline=baseline, source=_SOURCES["cuda"])
-
-
-def _cpu(step: Callable[[], Any], resident: Iterable[torch.Tensor]) -> tuple[Any, PeakLive]:
-    counter = StorageCounter()
-    baseline = sum(counter.add(t) for t in resident if t.device.type == "cpu")
-    activities = [torch.profiler.ProfilerActivity.CPU]
-    with torch.profiler.profile(activities=activities, profile_memory=True, record_shapes=False) as prof:
+    meter = LiveMeter(device, resident=resident, model=model)
+    meter.start()
+    try:
         out = step()
-    return out, PeakLive(bytes=running_peak(_cpu_memory_events(prof)), baseline=baseline, source=_SOURCES["cpu"])
+    finally:
+        live = meter.stop()
+    return out, live
+
+
+class LiveMeter:
+    """:func:`peak_live_bytes` for a step that is not one call (an engine's step: the caller's forward, then
+    ``backward()`` and ``step()``): :meth:`start` before it, :meth:`stop` after it (same thread) returns its
+    :class:`PeakLive`. Arguments, sources and host syncs as :func:`peak_live_bytes`; the resident tensors are
+    counted at :meth:`start`. ValueError: ``device`` is not cpu, cuda or mps; RuntimeError: :meth:`stop` before
+    :meth:`start`."""
+
+    def __init__(self, device: torch.device | str, *, resident: Iterable[torch.Tensor] = (),
+                 model: nn.Module | None = None) -> None:
+        self.device = torch.device(device)
+        if self.device.type not in _SOURCES:
+            raise ValueError(f"peak_live_bytes: device={str(device)!r} is not measured; allowed: cpu, cuda, mps")
+        self._resident, self._model = resident, model
+        self._baseline: int | None = None
+        self._running: Any = None   # the CPU profiler, or MPS's sampler
+
+    def start(self) -> None:
+        """Take the baseline and start counting (the module docstring says how, per device)."""
+        kind = self.device.type
+        if kind == "cuda":
+            torch.cuda.synchronize(self.device)
+            torch.cuda.reset_peak_memory_stats(self.device)
+            self._baseline = torch.cuda.memory_allocated(self.device)
+        elif kind == "cpu":
+            counter = StorageCounter()
+            self._baseline = sum(counter.add(t) for t in self._resident if t.device.type == "cpu")
+            self._running = torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU],
+                                                   profile_memory=True, record_shapes=False)
+            self._running.start()
+        else:
+            self._running = _MpsSampler(self._model)
+            self._baseline = self._running.peak
+
+    def stop(self) -> PeakLive:
+        """Stop counting and return the step's :class:`PeakLive`."""
+        if self._baseline is None:
+            raise RuntimeError("LiveMeter.stop() before LiveMeter.start()")
+        baseline, running, self._baseline, self._running = self._baseline, self._running, None, None
+        kind = self.device.type
+        if kind == "cuda":
+            torch.cuda.synchronize(self.device)
+            peak = torch.cuda.max_memory_allocated(self.device) - baseline
+        elif kind == "cpu":
+            running.stop()
+            peak = running_peak(_cpu_memory_events(running))
+        else:
+            peak = running.stop() - baseline
+        return PeakLive(bytes=max(0, peak), baseline=baseline, source=_SOURCES[kind])
 
 
 def _cpu_memory_events(prof: torch.profiler.profile) -> list[tuple[int, int]]:
@@ -142,23 +172,25 @@ def running_peak(events: Iterable[tuple[int, int]]) -> int:
     return peak
 
 
-def _mps(step: Callable[[], Any], model: nn.Module | None) -> tuple[Any, PeakLive]:
-    torch.mps.synchronize()
-    baseline = torch.mps.current_allocated_memory()
-    peak = [baseline]
+class _MpsSampler:
+    """MPS's running peak: sampled now, at the end of every module's forward and at every parameter's gradient
+    accumulation of ``model`` (when given), and at :meth:`stop`."""
 
-    def sample(*_: Any) -> None:
+    def __init__(self, model: nn.Module | None) -> None:
         torch.mps.synchronize()
-        peak[0] = max(peak[0], torch.mps.current_allocated_memory())
+        self.peak = torch.mps.current_allocated_memory()
+        self._handles: list[Any] = []
+        if model is not None:
+            self._handles += [m.register_forward_hook(self.sample) for m in model.modules()]
+            self._handles += [p.register_post_accumulate_grad_hook(self.sample) for p in model.parameters()
+                              if p.requires_grad]
 
-    handles = []
-    if model is not None:
-        handles += [m.register_forward_hook(sample) for m in model.modules()]
-        handles += [p.register_post_accumulate_grad_hook(sample) for p in model.parameters() if p.requires_grad]
-    try:
-        out = step()
-    finally:
-        for handle in handles:
+    def sample(self, *_: Any) -> None:
+        torch.mps.synchronize()
+        self.peak = max(self.peak, torch.mps.current_allocated_memory())
+
+    def stop(self) -> int:
+        for handle in self._handles:
             handle.remove()
-    sample()
-    return out, PeakLive(bytes=max(0, peak[0] - baseline), baseline=baseline, source=_SOURCES["mps"])
+        self.sample()
+        return self.peak

@@ -163,8 +163,8 @@ class _Recorder:
     Host syncs: one per hook call (the finite check and amax of its tensors).
     """
 
-    def __init__(self, model: nn.Module, device_type: str) -> None:
-        self.model = model
+    def __init__(self, model: nn.Module, device_type: str, *, fp32_figure: bool = True) -> None:
+        self.model, self.fp32_figure = model, fp32_figure
         self.device_type = device_type
         self.names = {id(m): n for n, m in model.named_modules()}
         self.calls: list[_Call] = []             # in completion order
@@ -200,7 +200,7 @@ class _Recorder:
         if self.culprit is None and call.in_finite and not call.out_finite:
             self.culprit = call
             call.kind = _kind(outputs)
-            call.out_fp32_amax = self._recompute_fp32(module, args, kwargs)
+            call.out_fp32_amax = self._recompute_fp32(module, args, kwargs) if self.fp32_figure else None
 
     def _recompute_fp32(self, module: nn.Module, args: tuple, kwargs: dict) -> float | None:
         """The module's output amax with fp32 params and inputs, autocast off (None if it fails)."""
@@ -229,7 +229,7 @@ def _model_device(model: nn.Module) -> torch.device:
 
 def locate_nonfinite(model: nn.Module, batch: Any, loss_fn: Callable[[nn.Module, Any], torch.Tensor],
                      policy: str | Policy, device: str | torch.device | None = None, *,
-                     loss_scale: float = 1.0) -> NonFiniteReport | None:
+                     loss_scale: float = 1.0, fp32_figure: bool = True) -> NonFiniteReport | None:
     """Re-run ``loss_fn(model, batch)`` under ``policy``'s autocast and say where it first went non-finite.
 
     Args:
@@ -242,6 +242,8 @@ def locate_nonfinite(model: nn.Module, batch: Any, loss_fn: Callable[[nn.Module,
         device: where to run; None: the model's device.
         loss_scale: the loss is multiplied by it for the backward check (the engine's current
             scale, to reproduce an fp16 gradient overflow).
+        fp32_figure: recompute the culprit in fp32 for ``output_amax_fp32`` (False under FSDP2: re-calling
+            a sharded module all-gathers on one rank only).
 
     Returns:
         A :class:`NonFiniteReport`, or None when the forward pass, the loss and every gradient
@@ -261,7 +263,7 @@ def locate_nonfinite(model: nn.Module, batch: Any, loss_fn: Callable[[nn.Module,
     device = _model_device(model) if device is None else torch.device(device)
     batch = cast_floating(batch, policy.param_dtype, device)
     batch_finite, _, _ = _stats(_floats(batch))
-    recorder = _Recorder(model, device.type)
+    recorder = _Recorder(model, device.type, fp32_figure=fp32_figure)
     fork_devices = [device.index if device.index is not None else torch.cuda.current_device()] \
         if device.type == "cuda" else []
     with torch.random.fork_rng(devices=fork_devices):
