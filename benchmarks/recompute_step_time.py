@@ -55,7 +55,8 @@ def main(argv=None) -> dict:
     parser.add_argument("--checkpoint", default="auto", help="MixedPrecision(checkpoint=...): 'auto', 'auto:1.5', "
                         "or comma-separated module globs ('blocks.*', 'selective:blocks.*')")
     parser.add_argument("--steps", type=int, default=7, help=f"timed pairs (A then B), >= {MIN_PAIRS} for a verdict")
-    parser.add_argument("--warmup", type=int, default=2, help="untimed steps per engine first (auto measures in its first)")
+    parser.add_argument("--warmup", type=int, default=2,
+                        help="untimed steps per engine first (auto measures in its first)")
     parser.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
     parser.add_argument("--json", default=None, help="also write the figures to this file")
     args = parser.parse_args(argv)
