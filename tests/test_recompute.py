@@ -104,7 +104,7 @@ def test_auto_measures_each_block_records_the_plan_and_trains_bit_exactly(gpt, p
         assert full < selective < none   # full keeps the input; selective also the matmul outputs
         assert full == 4 * 32 * 32 * mp.policy.param_dtype.itemsize   # its (B, T, C) input: the residual stream (bf16)
         assert min(block.seconds) > 0
-    # one joint choice over the blocks' measurements; the last block never recomputes (it would lower no peak)
+    # one joint choice over the blocks' measurements; the last block never recomputes (it would lower no block's peak)
     assert tuple(plan.modes().values()) == choose_modes([b.saved_bytes for b in plan.blocks],
                                                         [b.seconds for b in plan.blocks], 1.3)
     assert plan.blocks[-1].mode == "none"
@@ -206,7 +206,7 @@ def test_choose_modes_is_the_least_peak_up_to_its_time_grid_against_every_plan()
 
 
 @pytest.mark.parametrize("policy", ["fp32", "bf16-lean"])
-def test_the_last_blocks_recompute_lowers_no_peak_so_auto_leaves_it(policy):
+def test_the_last_blocks_recompute_lowers_the_peak_at_most_by_the_heads_bytes_so_auto_leaves_it(policy):
     # Measured, not argued (peak_live_bytes, as the bench): auto's plan recomputes every block but the last and
     # peaks as high as recomputing them all, up to what the forward keeps outside the blocks (the head's and the
     # loss's saved tensors: the last block's activations are alive while their backward runs, instead of rebuilt
