@@ -12,10 +12,14 @@ the gradients equal the ones without recompute bit for bit where the ops are det
 one class) at its first training call, on its real input: bytes kept for backward in each mode (saved tensors
 through :class:`mixprec.memory.saved.SavedTensorCounter`; under recompute, the inputs the region keeps and the
 outputs the policy keeps, each storage once, parameters left out) and forward+backward seconds in each mode
-(:mod:`mixprec.machine.timing`, modes interleaved, median), then takes the mode keeping the fewest bytes whose
-time is at most ``max_ratio`` times the block's time without recompute. Measuring forks the RNG: the run's
-random stream is the one it would be without it; it runs with autocast's cast cache off, leaving the region's cache
-as it was.
+(:mod:`mixprec.machine.timing`, modes interleaved, median). Once the last block is measured, :func:`choose_modes`
+chooses every block's mode jointly: the fewest bytes at the step's peak (:func:`block_peak_bytes`: during block
+``i``'s backward, what the blocks before it keep plus block ``i``'s whole activations) whose total extra time is
+at most ``max_ratio - 1`` times the blocks' time without recompute (a lower bound of the step's: the step then
+stays within ``max_ratio``). Recomputing the last block lowers no peak of this model, so it runs ``"none"`` (the
+bytes outside the blocks, the head's and the loss's, are left out: they do make it cost some). Measuring
+forks the RNG: the run's random stream is the one it would be without it; it runs with autocast's cast cache off,
+leaving the region's cache as it was.
 """
 
 from __future__ import annotations
@@ -23,9 +27,10 @@ from __future__ import annotations
 import contextlib
 import fnmatch
 import functools
+import math
 import re
 import statistics
-from collections.abc import Callable, Iterable
+from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -37,14 +42,16 @@ from torch.utils.checkpoint import CheckpointPolicy
 
 from mixprec import ops
 from mixprec.machine.timing import time_call
+from mixprec.memory.recompute_region import region_forward, scratch_buffers
 from mixprec.memory.saved import SavedTensorCounter
 from mixprec.memory.storages import StorageCounter
 
 __all__ = ["MODES", "BlockPlan", "RecomputePlan", "RecomputeRequest", "parse_request", "keep_matmuls",
-           "repeated_blocks", "match_blocks", "measure_block", "choose_mode", "RecomputedForwards"]
+           "repeated_blocks", "match_blocks", "measure_block", "block_peak_bytes", "choose_modes", "RecomputedForwards"]
 
 MODES = ("none", "selective", "full")
 DEFAULT_MAX_RATIO = 1.3   # issue 27: at most 1.3x the step time without recompute
+_UNITS_PER_BLOCK = 64   # choose_modes: the time budget in 64 units per block (each extra time rounded up)
 _ARG = "checkpoint"
 _ALLOWED = ("None or 'none' (no recompute), 'auto' or 'auto:<max time ratio>' (e.g. 'auto:1.5'), a module name or glob "
             "('blocks.*'), or a list of them; prefix a name with 'selective:' to keep matmul outputs")
@@ -96,12 +103,15 @@ _BLOCK = re.compile(r"(\S+) (none|selective|full)(?: \[saved (\d+)/(\d+)/(\d+) B
 @dataclass(frozen=True)
 class RecomputePlan:
     """What each block recomputes: ``request`` (the option as given, e.g. ``"auto"``), ``max_ratio`` (auto's time
-    bound; None for named blocks) and ``blocks`` (:class:`BlockPlan`, in model order). :meth:`text` is the
-    event's detail and parses back (:meth:`from_text`): a checkpoint's event log restores the same plan."""
+    bound; None for named blocks), ``blocks`` (:class:`BlockPlan`, in model order) and ``scope``: what the bound
+    held for, ``"step"`` (the blocks' total time: :func:`choose_modes`) or ``"block"`` (each block's own time:
+    plans recorded before the step rule). :meth:`text` is the event's detail and parses back (:meth:`from_text`):
+    a checkpoint's event log restores the same plan, older ones included."""
 
     request: str
     blocks: tuple[BlockPlan, ...]
     max_ratio: float | None = None
+    scope: str = "step"
 
     def modes(self) -> dict[str, str]:
         return {b.name: b.mode for b in self.blocks}
@@ -116,22 +126,27 @@ class RecomputePlan:
         before = sum(b.saved_bytes[0] for b in measured)
         after = sum(b.saved_bytes[MODES.index(b.mode)] for b in measured)
         slower = sum(b.seconds[MODES.index(b.mode)] for b in measured) / max(sum(b.seconds[0] for b in measured), 1e-12)
+        bound = f"time <= {self.max_ratio}x" + (" per block" if self.scope == "block" else "")
+        saved = [b.saved_bytes for b in measured]
+        peak = (f" (peak in backward {block_peak_bytes(saved, [b.mode for b in measured]) / 2**20:.2f} MiB instead "
+                f"of {block_peak_bytes(saved, ['none'] * len(saved)) / 2**20:.2f} MiB)")
         unmeasured = [b.name for b in self.blocks if b.saved_bytes is None]
         skipped = (f"; {unmeasured} none, not measured (did not run in training before the first step boundary)"
                    if unmeasured else "")
-        return (f"; recompute {self.request} (measured, time <= {self.max_ratio}x): {shown}; blocks keep "
-                f"{after / 2**20:.2f} MiB for backward instead of {before / 2**20:.2f} MiB at {slower:.2f}x their "
-                f"forward+backward time{skipped}")
+        return (f"; recompute {self.request} (measured, {bound}): {shown}; blocks keep {after / 2**20:.2f} MiB for "
+                f"backward instead of {before / 2**20:.2f} MiB{peak} at {slower:.2f}x their forward+backward "
+                f"time{skipped}")
 
     def text(self, readable: bool = False) -> str:
         """The plan on one line; ``readable``: times in ms to 3 significant digits (printed, not parsed back)."""
-        bound = "" if self.max_ratio is None else f" <= {self.max_ratio!r}"
+        bound = "" if self.max_ratio is None else f" <= {self.max_ratio!r}" + (" per step" * (self.scope == "step"))
         return f"recompute plan {self.request}{bound}: " + ", ".join(b.text(readable) for b in self.blocks)
 
     @classmethod
     def from_text(cls, text: str) -> RecomputePlan:
-        """The plan :meth:`text` wrote. ValueError for other text."""
-        head = re.match(r"recompute plan (\S+)(?: <= (\S+))?: ", text)
+        """The plan :meth:`text` wrote (a plan without `` per step`` after its bound: ``scope="block"``).
+        ValueError for other text."""
+        head = re.match(r"recompute plan (\S+)(?: <= (\S+)( per step)?)?: ", text)
         if head is None:
             raise ValueError(f"not a recompute plan: {text[:80]!r}")
         blocks = []
@@ -140,7 +155,9 @@ class RecomputePlan:
             measured = g[2] is not None
             blocks.append(BlockPlan(g[0], g[1], tuple(int(x) for x in g[2:5]) if measured else None,
                                     tuple(float(x) for x in g[5:8]) if measured else None))
-        return cls(head.group(1), tuple(blocks), None if head.group(2) is None else float(head.group(2)))
+        ratio = head.group(2)
+        return cls(head.group(1), tuple(blocks), None if ratio is None else float(ratio),
+                   "block" if ratio is not None and head.group(3) is None else "step")
 
 
 @dataclass(frozen=True)
@@ -260,67 +277,8 @@ def _run(forward: Callable[..., Any], mode: str, args: tuple, kwargs: dict, bloc
         context = functools.partial(torch.utils.checkpoint.create_selective_checkpoint_contexts, keep_matmuls)
         return torch.utils.checkpoint.checkpoint(forward, *args, use_reentrant=False, **kwargs,
                                                  **({"context_fn": context} if mode == "selective" else {}))
-    fn = forward if block is None else _region(forward, block, name, mode)
+    fn = forward if block is None else region_forward(forward, block, name, mode)
     return ops.checkpoint(fn, *args, selective=keep_matmuls if mode == "selective" else None, **kwargs)
-
-
-def _buffers(block: nn.Module) -> list[tuple[nn.Module, str, torch.Tensor]]:
-    """Each buffer of ``block`` (submodules included, each module once) with its owner and attribute name."""
-    return [(m, n, b) for m in block.modules() for n, b in m.named_buffers(recurse=False) if b is not None]
-
-
-@contextlib.contextmanager
-def _scratch_buffers(block: nn.Module, values: list[torch.Tensor] | None = None) -> Any:
-    """Inside, each buffer of ``block`` is replaced by a copy (of ``values[i]`` where given, else of itself): what a
-    forward writes there (BatchNorm's running stats and ``num_batches_tracked``) is thrown away on exit, when the
-    module's own buffer tensors are put back untouched (values and version counters). Device copies, no sync."""
-    owned = _buffers(block)
-    copies = values if values is not None else [b for _, _, b in owned]
-    for (module, attr, _), value in zip(owned, copies):
-        setattr(module, attr, value.detach().clone())
-    try:
-        yield
-    finally:
-        for module, attr, buffer in owned:
-            setattr(module, attr, buffer)
-
-
-def _region(forward: Callable[..., Any], block: nn.Module, name: str, mode: str) -> Callable[..., Any]:
-    """``forward`` for block ``name``'s recompute region. Its first call (the forward) updates the block's buffers
-    as usual; each later call (a recompute in backward) reads the buffer values the forward read and writes into
-    copies, so running statistics are updated once per forward, as without recompute (torch's checkpoint updates
-    them again in each recompute, pytorch/pytorch#96136; the recompute writing into copies is chainer-compiler's
-    fix). Keeps a copy of only the buffers the forward wrote. A second backward through a selective region (a
-    gradient penalty) raises a RuntimeError naming ``checkpoint=``, the block and the fix."""
-    owned = _buffers(block)
-    read: list[torch.Tensor] = []
-    forwarded = False
-
-    def region(*args: Any, **kwargs: Any) -> Any:
-        nonlocal forwarded
-        if forwarded:
-            try:
-                with _scratch_buffers(block, read):
-                    return forward(*args, **kwargs)
-            except RuntimeError as err:
-                if mode == "selective" and "selective activation checkpoint" in str(err):
-                    raise RuntimeError(_twice(name)) from err
-                raise
-        versions = [b._version for _, _, b in owned]
-        before = [b.detach().clone() for _, _, b in owned]
-        out = forward(*args, **kwargs)
-        read.extend(old if b._version != v else b for (_, _, b), v, old in zip(owned, versions, before))
-        forwarded = True
-        return out
-    return region
-
-
-def _twice(name: str) -> str:
-    group = f"{name.rsplit('.', 1)[0]}.*" if "." in name else name
-    return (f"{_ARG}: block {name!r} recomputes selectively ('selective', named or chosen by 'auto'), and a second "
-            "backward reached it (a gradient penalty: torch.autograd.grad(..., create_graph=True), then backward "
-            "through that gradient); torch's selective activation checkpoint allows one backward per forward. Fix: "
-            f"checkpoint={group!r} (whole-block recompute supports double backward) or checkpoint=None")
 
 
 def _kept_bytes(forward: Callable[..., Any], mode: str, args: tuple, kwargs: dict, params: list) -> int:
@@ -390,10 +348,78 @@ def _uncached_casts(device: torch.device) -> contextlib.ExitStack:
     return stack
 
 
-def choose_mode(saved_bytes: tuple[int, int, int], seconds: tuple[float, float, float], max_ratio: float) -> str:
-    """The mode keeping the fewest bytes whose seconds are at most ``max_ratio`` times ``"none"``'s."""
-    fits = [m for i, m in enumerate(MODES) if seconds[i] <= max_ratio * seconds[0]]
-    return min(fits, key=lambda m: (saved_bytes[MODES.index(m)], MODES.index(m)))
+def block_peak_bytes(saved_bytes: Sequence[tuple[int, int, int]], modes: Sequence[str]) -> int:
+    """The blocks' bytes at the step's peak under ``modes``: the most, over blocks ``i``, of what the blocks before
+    ``i`` keep for backward (``saved_bytes[j][mode j]``) plus block ``i``'s whole activations (``saved_bytes[i][0]``:
+    rebuilt by its recompute, or kept) while its backward runs. Bytes outside the blocks (embedding, head, loss,
+    gradients) are the same under every plan and left out."""
+    kept, peak = 0, 0
+    for saved, mode in zip(saved_bytes, modes, strict=True):
+        peak = max(peak, kept + saved[0])
+        kept += saved[MODES.index(mode)]
+    return peak
+
+
+def choose_modes(saved_bytes: Sequence[tuple[int, int, int]], seconds: Sequence[tuple[float, float, float]],
+                 max_ratio: float) -> tuple[str, ...]:
+    """Each block's mode (:data:`MODES`), chosen jointly: the fewest :func:`block_peak_bytes` whose total extra
+    time, the sum over blocks of ``seconds[i][mode] - seconds[i][0]``, is at most ``(max_ratio - 1)`` times the
+    blocks' time without recompute ``sum(seconds[i][0])`` (the step takes at least that: its recompute overhead is
+    then within ``max_ratio`` too); of those, the least extra time. Exact up to the time budget's grid (64 units
+    per block, each extra time rounded up, a recompute at least one unit: the bound always holds; at most 1/64 of
+    the budget left unused). The last of identical blocks runs ``"none"`` (recomputing it lowers no peak of this
+    model; measured at GPT small, batch 64: it costs the head's bytes at the start of backward, 6 %). On the
+    CPU, no host sync."""
+    grid = _UNITS_PER_BLOCK * max(len(seconds), 4)
+    budget = (max_ratio - 1.0) * sum(s[0] for s in seconds)
+    units = [(0, *(_units(t - s[0], budget, grid) for t in s[1:])) for s in seconds]
+    low, high = 0, block_peak_bytes(saved_bytes, ["none"] * len(saved_bytes))   # all none: within any bound
+    for i, saved in enumerate(saved_bytes):   # no plan beats every earlier block keeping its fewest bytes
+        low = max(low, sum(min(b) for b in saved_bytes[:i]) + saved[0])
+    best = ("none",) * len(saved_bytes)
+    while low < high:   # bisect the least peak some plan within the budget reaches
+        target = (low + high) // 2
+        fit = _fit(saved_bytes, units, target, grid)
+        low, high, best = (low, target, fit) if fit is not None else (target + 1, high, best)
+    return best
+
+
+def _units(extra_s: float, budget_s: float, grid: int) -> int:
+    """``extra_s`` in units of ``budget_s / grid``, rounded up, at least one (a recompute is never free, even where
+    noise timed it faster); ``grid + 1``: never fits."""
+    return grid + 1 if budget_s <= 0 else min(grid + 1, max(1, math.ceil(extra_s * grid / budget_s)))
+
+
+def _fit(saved_bytes: Sequence[tuple[int, int, int]], units: list[tuple[int, ...]], target: int,
+         grid: int) -> tuple[str, ...] | None:
+    """Modes whose :func:`block_peak_bytes` is at most ``target`` in at most ``grid`` time units: the fewest units
+    (then the fewest kept bytes); None if there are none. Dynamic programming over the units used so far: for each
+    count, the fewest bytes the blocks so far keep (fewer is never worse for the blocks after)."""
+    never = torch.iinfo(torch.int64).max // 4
+    kept = torch.full((grid + 1,), never, dtype=torch.int64)   # kept[t]: fewest bytes kept so far, in t units
+    kept[0] = 0
+    picks = []
+    for saved, cost in zip(saved_bytes, units):
+        within = kept + saved[0] <= target   # this block's backward stays within the target
+        after, origin, mode = torch.full_like(kept, never), torch.zeros_like(kept), torch.zeros_like(kept)
+        for m, u in enumerate(cost):
+            if u > grid:
+                continue
+            reach = torch.where(within, kept + saved[m], never)[:grid + 1 - u]
+            better = reach < after[u:]
+            after[u:] = torch.where(better, reach, after[u:])
+            origin[u:] = torch.where(better, torch.arange(grid + 1 - u), origin[u:])
+            mode[u:] = torch.where(better, m, mode[u:])
+        kept = after
+        picks.append((origin.tolist(), mode.tolist()))
+    ends = (kept < never).nonzero()
+    if not len(ends):
+        return None
+    t, modes = int(ends[0]), []
+    for origin, mode in reversed(picks):
+        t, m = origin[t], mode[t]
+        modes.append(MODES[m])
+    return tuple(reversed(modes))
 
 
 def _settled(forward: Callable[..., Any], mode: str, block: nn.Module, name: str) -> Callable[..., Any]:
@@ -407,15 +433,15 @@ def _settled(forward: Callable[..., Any], mode: str, block: nn.Module, name: str
 
 class RecomputedForwards:
     """Installs the plan: each named block's ``forward`` becomes a wrapper running it in its mode (``"pending"``:
-    runs eagerly, never traced, and calls ``on_pending(name, forward, args, kwargs)`` at its first training call,
-    which returns the mode the block then runs in).
-    :meth:`remove` restores the blocks' own ``forward``."""
+    runs eagerly, never traced, and at each training call runs in the mode ``on_pending(name, forward, args,
+    kwargs)`` returns, until :meth:`settle` gives it its mode). :meth:`remove` restores the blocks' own ``forward``."""
 
     def __init__(self, model: nn.Module, modes: dict[str, str],
                  on_pending: Callable[[str, nn.Module, tuple, dict], str] | None = None) -> None:
         self.modes = dict(modes)
         self._on_pending = on_pending
         self._blocks = {n: m for n, m in model.named_modules() if n in self.modes}
+        self._own = {n: block.forward for n, block in self._blocks.items()}
         for name, block in self._blocks.items():
             block.forward = self._wrap(name, block.forward)
 
@@ -423,22 +449,21 @@ class RecomputedForwards:
         if self.modes[name] != "pending":
             return _settled(forward, self.modes[name], self._blocks[name], name)
 
-        @torch.compiler.disable   # eager until measured: no traced frame per block (dynamo's recompile limit)
+        @torch.compiler.disable   # eager until settled: no traced frame per block (dynamo's recompile limit)
         def pending(*args: Any, **kwargs: Any) -> Any:
             if not (torch.is_grad_enabled() and self._blocks[name].training):
                 return forward(*args, **kwargs)
-            with _scratch_buffers(self._blocks[name]):   # the measuring forwards leave every buffer as it was
-                self.modes[name] = self._on_pending(name, forward, args, kwargs)
-            self._blocks[name].forward = _settled(forward, self.modes[name], self._blocks[name], name)   # traced inline
-            return _run(forward, self.modes[name], args, kwargs, self._blocks[name], name)
+            with scratch_buffers(self._blocks[name]):   # measuring forwards leave every buffer as it was
+                mode = self._on_pending(name, forward, args, kwargs)
+            return _run(forward, mode, args, kwargs, self._blocks[name], name)
         pending.__wrapped__ = forward   # type: ignore[attr-defined]
         return pending
 
-    def settle(self, name: str, mode: str) -> None:
-        """Block ``name``, still pending, runs in ``mode`` from now on, unmeasured."""
-        block = self._blocks[name]
-        self.modes[name] = mode
-        block.forward = _settled(block.forward.__wrapped__, mode, block, name)
+    def settle(self, modes: dict[str, str]) -> None:
+        """Each block of ``modes`` runs its mode from its next call on (traced inline under compile)."""
+        for name, mode in modes.items():
+            self.modes[name] = mode
+            self._blocks[name].forward = _settled(self._own[name], mode, self._blocks[name], name)
 
     def remove(self) -> None:
         for block in self._blocks.values():

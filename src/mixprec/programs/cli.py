@@ -163,8 +163,8 @@ def _add_bench_parser(sub: argparse._SubParsersAction, presets: str) -> None:
     bench.add_argument("--recompute", default="auto", metavar="PLAN",
                        help="the recompute plan of the rows named <policy>+recompute in --policies (e.g. "
                        "--policies bf16-lean,bf16-lean+recompute): MixedPrecision(checkpoint=PLAN), 'auto' (default: "
-                       "each block measured, none/selective/full recompute within 1.3x its time), 'auto:1.5', or "
-                       "module names/globs ('blocks.*', 'selective:blocks.*')")
+                       "each block measured, none/selective/full recompute chosen jointly, the blocks at most 1.3x "
+                       "their time), 'auto:1.5', or module names/globs ('blocks.*', 'selective:blocks.*')")
     bench.add_argument("--timing", choices=("interleaved", "sequential"), default="interleaved",
                        help="interleaved (default): after the quality runs, time the policies again in alternating "
                        "blocks in resident workers, so machine drift hits all alike; sequential: each run's own steps")
@@ -200,8 +200,8 @@ def _add_train_parser(sub: argparse._SubParsersAction, presets: str) -> None:
                        "global batch is N x the workload's (default: one process)")
     train.add_argument("--recompute", default=None, metavar="PLAN",
                        help="recompute blocks in backward to save activation memory (MixedPrecision checkpoint=): "
-                       "'auto' (each block measured: none, selective or whole-block recompute, at most 1.3x its "
-                       "time; 'auto:1.5' another bound), or module names/globs, comma-separated ('blocks.*', "
+                       "'auto' (each block measured: none, selective or whole-block recompute, the blocks at most 1.3x "
+                       "their time; 'auto:1.5' another bound), or module names/globs, comma-separated ('blocks.*', "
                        "'selective:blocks.*')")
     train.add_argument("--compile", action="store_true",
                        help="compile the model (torch.compile, inductor); step 1's step_time_ms includes compiling")
@@ -224,6 +224,7 @@ def _add_sample_parser(sub: argparse._SubParsersAction) -> None:
 
 def _cmd_bench(args: argparse.Namespace, command: str) -> int:
     from mixprec.programs.bench.memory_report import budget_lines
+    from mixprec.programs.bench.per_rank import per_rank_lines
     from mixprec.programs.bench.recompute_rows import recompute_lines
     from mixprec.programs.bench.report import auto_lines, format_table, op_plan_lines, seed_noise_lines, timing_lines
     from mixprec.programs.bench.runner import BenchConfig, run_bench
@@ -244,7 +245,7 @@ def _cmd_bench(args: argparse.Namespace, command: str) -> int:
         return 1 if any(e["verdict"] == "FAIL" for e in results["policies"].values()) else 0  # rank 0 reports
     print(format_table(results))
     for line in (timing_lines(results) + seed_noise_lines(results) + auto_lines(results) + op_plan_lines(results)
-                 + budget_lines(results) + recompute_lines(results)):
+                 + budget_lines(results) + per_rank_lines(results) + recompute_lines(results)):
         print(line)
     for name, entry in results["policies"].items():
         if entry["verdict"] in ("FAIL", "SKIPPED"):

@@ -3,8 +3,8 @@
 ``mixprec bench --policies fp32,bf16-lean,bf16-lean+recompute`` asks for the row ``bf16-lean+recompute``: policy
 ``bf16-lean`` trained by ``MixedPrecision(..., checkpoint=PLAN)`` (:mod:`mixprec.memory.recompute`), PLAN the
 bench's ``--recompute`` (default ``"auto"``: each repeated block measured at its first training call, none /
-selective / full recompute chosen within 1.3x its time). The row is judged like any other (quality against fp32,
-the same gate; its own step time and memory figures). results.json adds to every row ``recompute`` (the option
+selective / full recompute chosen jointly, the blocks within 1.3x their time). The row is judged like any other
+(quality against fp32, the same gate; its own step time and memory figures). results.json adds to every row ``recompute`` (the option
 as asked, None on a plain row), ``recompute_plan`` (the plan its quality run used: ``request``, ``max_ratio``,
 ``blocks`` = ``[{name, mode, saved_bytes, seconds}]`` with each mode's bytes kept for backward and
 forward+backward seconds in :data:`mixprec.memory.recompute.MODES` order where measured, ``text``) and
