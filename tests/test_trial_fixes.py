@@ -242,8 +242,8 @@ def test_bench_recompute_naming_blocks_the_model_lacks_exits_2_before_any_traini
                    "--out", str(tmp_path / "b")])
     err = capsys.readouterr().err
     assert status == 2, err[-2000:]
-    assert ("bench --recompute 'blocks.*.nothing' does not fit the gpt model: checkpoint: 'blocks.*.nothing' "
-            "matches no module") in err and "e.g. blocks.*" in err
+    assert ("bench --recompute 'blocks.*.nothing' on the gpt model: 'blocks.*.nothing' matches no module") in err
+    assert "e.g. blocks.*" in err
     assert not (tmp_path / "b" / "results.json").exists()
 
 

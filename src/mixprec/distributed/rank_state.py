@@ -1,81 +1,41 @@
-"""Training-state bytes this rank holds, from its tensors: what ``mixprec train`` reports per rank.
+"""Training-state bytes this rank holds, and the figures of every rank: what ``mixprec train`` and
+``mixprec bench --strategy ...`` report per rank.
 
-Counted as the bench counts them (:mod:`mixprec.programs.bench.measure`, ``state_bytes``): each storage once
-(:class:`mixprec.memory.storages.StorageCounter`), a tensor subclass by the tensors it wraps, so a DTensor counts
-its local shard as allocated (FSDP2 holds params and gradients padded to ``ceil(d0 / W)`` rows on every rank),
-and a plain tensor every rank holds whole (8-bit state's fp32 scales) counts whole. ``per_param`` divides by the
-global parameter count (a DTensor's ``numel()``): bytes per parameter per rank (half of one process's, plus what
-is held whole, at 2 ranks).
+The count is the one the bench and train share (:func:`mixprec.memory.state.state_bytes`): each storage once, a
+DTensor by its local shard as allocated (FSDP2 holds params and gradients padded to ``ceil(d0 / W)`` rows on every
+rank, the optimizer state on the rank's own rows), a plain tensor every rank holds whole (8-bit state's fp32
+scales) whole, also in ``whole``. ``per_param`` divides by the global parameter count: bytes per parameter per rank
+(half of one process's, plus what is held whole, at 2 ranks). :func:`gather_per_rank` brings one value of every
+rank to every rank (rank order), e.g. each rank's ``per_param`` and peak live tensor bytes for the bench's row.
 """
 
 from __future__ import annotations
 
-from dataclasses import asdict, dataclass
+from typing import Any
 
 import torch
+import torch.distributed as dist
 from torch import nn
 
-from mixprec.memory.storages import StorageCounter
+from mixprec.distributed.process import world_size
+from mixprec.memory.state import StateBytes, state_bytes
 
-__all__ = ["RankState", "rank_state_bytes"]
-
-
-@dataclass(frozen=True)
-class RankState:
-    """Bytes of training state on this rank by role (``scalars``: 0-dim ``step`` counters, outside
-    ``per_param``); ``whole``: the part of ``optimizer_state`` held in plain (unsharded) tensors when others are
-    DTensors (8-bit scales under FSDP2; 0 in one process); ``n_params``: global parameter count."""
-
-    params: int
-    grads: int
-    masters: int
-    optimizer_state: int
-    compensation: int
-    scalars: int
-    whole: int
-    n_params: int
-
-    @property
-    def total(self) -> int:
-        return self.params + self.grads + self.masters + self.optimizer_state + self.compensation
-
-    @property
-    def per_param(self) -> float:
-        """Bytes per parameter on this rank (``total / n_params``)."""
-        return self.total / self.n_params if self.n_params else 0.0
-
-    def as_dict(self) -> dict:
-        return {**asdict(self), "total": self.total, "per_param": self.per_param}
+__all__ = ["rank_state_bytes", "gather_per_rank"]
 
 
-def _is_dtensor(t: torch.Tensor) -> bool:
-    return hasattr(t, "to_local") and hasattr(t, "device_mesh")
-
-
-def rank_state_bytes(model: nn.Module, optimizer: torch.optim.Optimizer) -> RankState:
+def rank_state_bytes(model: nn.Module, optimizer: torch.optim.Optimizer) -> StateBytes:
     """Measure ``model``'s params and grads and ``optimizer``'s params (masters when not the model's) and state on
     this rank (no host sync, no collective). Call it after a backward that follows an optimizer step, so
     gradients and state both exist."""
-    counter = StorageCounter()
-    model_params = list(model.parameters())
-    params = sum(counter.add(p) for p in model_params)
-    grads = sum(counter.add(p.grad) for p in model_params)
-    opt_params = [p for group in optimizer.param_groups for p in group["params"]]
-    masters = sum(counter.add(p) for p in opt_params)
-    grads += sum(counter.add(p.grad) for p in opt_params)
-    sharded = any(_is_dtensor(p) for p in model_params)
-    state = compensation = scalars = whole = 0
-    for per_param in optimizer.state.values():
-        for key, value in per_param.items():
-            if not isinstance(value, torch.Tensor):
-                continue
-            size = counter.add(value)
-            if value.dim() == 0:
-                scalars += size
-            elif key == "kahan_comp":
-                compensation += size
-            else:
-                state += size
-                whole += size if sharded and not _is_dtensor(value) else 0
-    return RankState(params=params, grads=grads, masters=masters, optimizer_state=state, compensation=compensation,
-                     scalars=scalars, whole=whole, n_params=sum(p.numel() for p in model_params))
+    return state_bytes(model, optimizer)
+
+
+def gather_per_rank(value: Any) -> list[Any]:
+    """Every rank's ``value`` on every rank, in rank order (``value`` must pickle): a collective
+    (``all_gather_object``; every rank calls it at the same point). Without a group, or with one rank,
+    ``[value]``."""
+    if world_size() == 1:
+        return [value]
+    gathered: list[Any] = [None] * world_size()
+    dist.all_gather_object(gathered, value)
+    return gathered

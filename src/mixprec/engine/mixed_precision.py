@@ -271,6 +271,7 @@ class MixedPrecision:
         self._step_grads = grads
         self.discard_gradients()
         self._auto.at_boundary(self)
+        self._recompute.at_boundary()   # auto's plan completes: blocks that did not run stay unmeasured
         self._budget.at_boundary()   # the measured step: its peak against memory_budget, recorded
         try:
             return (self.guard if self.guard is not None else self._stop_when_stuck).after_step(self, result)

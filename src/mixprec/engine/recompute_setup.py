@@ -1,21 +1,28 @@
 """The engine's ``checkpoint=`` option: which blocks recompute in backward (:mod:`mixprec.memory.recompute`).
 
 ``checkpoint="blocks.*"`` (names or globs, ``"selective:..."`` to keep matmul outputs) wraps those blocks at
-build; ``"auto"`` wraps the repeated blocks pending and measures each at its first training call (every rank
-then takes the most memory-saving mode any rank chose: one all-reduce per block under a strategy, none alone;
-every rank records rank 0's measurements with those modes: one broadcast, one plan text), records the plan as a
-``"recompute"`` event and in the decision. The plan is in ``mp.state_dict()["recompute"]`` and in the event log a
-checkpoint carries; loading either re-applies it as it was (never re-measured).
+build; ``"auto"`` wraps the repeated blocks pending and measures each at its first training call (running it
+``"full"``, the mode keeping least, until the plan is chosen); when the last one is measured it chooses every
+block's mode jointly (:func:`~mixprec.memory.recompute.choose_modes`: the fewest bytes at the step's peak within
+the time bound; every rank then takes, block by block, the most memory-saving mode any rank chose: one all-reduce
+per block under a strategy, none alone; every rank records rank 0's measurements with those modes: one broadcast,
+one plan text), applies it from the next call on and records the plan as a ``"recompute"`` event and in the
+decision. A block that has not run in training by the first step boundary after measuring started (layerdrop) is
+not measured: the plan is chosen there for the measured blocks, that one ``none`` (the decision names it). The plan
+is in ``mp.state_dict()["recompute"]`` and in the event log a checkpoint carries; loading either re-applies it as it
+was (never re-measured), the saved plan winning over the engine's own ``checkpoint=`` (a bit-exact resume): where
+the two differ, a warning and a ``"recompute-replaced"`` event name both.
 """
 
 from __future__ import annotations
 
+import warnings
 from typing import Any
 
 from mixprec.distributed.strategy import SingleProcess
 from mixprec.engine.protocol import Engine
 from mixprec.engine.records import Event
-from mixprec.memory.recompute import (BlockPlan, RecomputedForwards, RecomputePlan, choose_mode, match_blocks,
+from mixprec.memory.recompute import (BlockPlan, RecomputedForwards, RecomputePlan, choose_modes, match_blocks,
                                       measure_block, parse_request, repeated_blocks)
 
 __all__ = ["RecomputeSetup"]
@@ -33,7 +40,7 @@ class RecomputeSetup:
         self._mp, self._strategy = mp, strategy
         self.request = parse_request(option)
         self.plan: RecomputePlan | None = None
-        self._measured: dict[str, BlockPlan] = {}
+        self._measured: dict[str, tuple[tuple[int, int, int], tuple[float, float, float]]] = {}
         self._forwards: RecomputedForwards | None = None
         if self.request.kind == "named":
             modes = match_blocks(mp.module, self.request.patterns)
@@ -53,7 +60,7 @@ class RecomputeSetup:
             return self.plan.note()
         if self.request.kind == "auto":
             return (f"; recompute {self.request.text}: pending, each of {len(self._names)} blocks measured at its "
-                    "first training call")
+                    "first training call (run full until the last is measured)")
         return ""
 
     def state(self) -> dict[str, Any] | None:
@@ -77,9 +84,32 @@ class RecomputeSetup:
             return
         self.check(state)
         plan, before = RecomputePlan.from_text(text), self.note
+        replaced = self._replaced(plan)
         self._install(plan)
+        if replaced:   # its own event kind: a "recompute" event's detail is the plan's text, parsed back on load
+            warnings.warn(f"mixprec: {replaced}", stacklevel=3)
+            self._mp.record(Event(self._mp.boundaries, "recompute-replaced", "loaded", None, replaced))
         self._mp.record(Event(self._mp.boundaries, _KIND, "loaded", None, plan.text()),
                         decision=_replace(self._mp.decision, before, self.note))
+
+    def _replaced(self, plan: RecomputePlan) -> str:
+        """Empty when the loaded ``plan`` is what this engine's ``checkpoint=`` asks for, else a sentence naming
+        both."""
+        asked = {"off": "None", "auto": repr(self.request.text), "named": repr(self.request.text)}[self.request.kind]
+        same = (self.request.kind == "auto" and plan.request == self.request.text) or \
+               (self.request.kind == "named" and self.plan is not None and self.plan.modes() == plan.modes())
+        if same:
+            return ""
+        return (f"the loaded state's recompute plan {plan.request!r} ({plan.note().removeprefix('; ')}) replaces "
+                f"this engine's checkpoint={asked}: a resume runs the plan it was saved with (bit-exact); to run "
+                "another plan, load a state without its \"recompute\" entry and \"recompute\" events")
+
+    def at_boundary(self) -> None:
+        """At a step boundary after ``"auto"``'s measuring started and before its plan: the plan is chosen for the
+        blocks measured; the others (they did not run in training) run ``none``, unmeasured; recorded as when the
+        last block is measured."""
+        if self.plan is None and self.request.kind == "auto" and self._measured and self._forwards is not None:
+            self._choose()
 
     def remove(self) -> None:
         if self._forwards is not None:
@@ -92,18 +122,31 @@ class RecomputeSetup:
         self._forwards = RecomputedForwards(self._mp.module, plan.modes())
 
     def _measure(self, name: str, forward: Any, args: tuple, kwargs: dict) -> str:
-        saved, seconds = measure_block(forward, list(self._mp.module.parameters()), args, kwargs, self._mp.device)
-        mode = choose_mode(saved, seconds, self.request.max_ratio)
-        mode = self._mp.agree_on(mode, _MOST_SAVING_FIRST) or mode   # every rank runs one plan
-        self._measured[name] = BlockPlan(name, mode, saved, seconds)
-        if len(self._measured) == len(self._names):
-            before = self.note
-            plan = RecomputePlan(self.request.text, tuple(self._measured[n] for n in self._names),
-                                 self.request.max_ratio)
-            self.plan = RecomputePlan.from_text(self._strategy.from_main_process(plan.text()))   # one plan, every rank
-            self._mp.record(Event(self._mp.boundaries, _KIND, "auto", None, self.plan.text()),
-                            decision=_replace(self._mp.decision, before, self.note))
-        return mode
+        """The mode block ``name`` runs in now: ``"full"`` until the last block is measured, then the plan's."""
+        if name not in self._measured:
+            self._measured[name] = measure_block(forward, list(self._mp.module.parameters()), args, kwargs,
+                                                 self._mp.device)
+        if len(self._measured) < len(self._names) or self.plan is not None:
+            return "full"   # keeps the least until the plan is chosen (once chosen, no block is pending)
+        self._choose()
+        return self.plan.modes()[name]
+
+    def _choose(self) -> None:
+        """Chooses, agrees on, applies and records the plan of the measured blocks (the others ``none``)."""
+        names = [n for n in self._names if n in self._measured]
+        measured = [self._measured[n] for n in names]
+        modes = choose_modes([saved for saved, _ in measured], [seconds for _, seconds in measured],
+                             self.request.max_ratio)
+        modes = [self._mp.agree_on(mode, _MOST_SAVING_FIRST) or mode for mode in modes]   # every rank one plan
+        chosen = dict(zip(names, modes))
+        before = self.note
+        plan = RecomputePlan(self.request.text, tuple(BlockPlan(n, chosen[n], *self._measured[n]) if n in chosen
+                                                      else BlockPlan(n, "none") for n in self._names),
+                             self.request.max_ratio)
+        self.plan = RecomputePlan.from_text(self._strategy.from_main_process(plan.text()))   # one plan, every rank
+        self._forwards.settle(self.plan.modes())
+        self._mp.record(Event(self._mp.boundaries, _KIND, "auto", None, self.plan.text()),
+                        decision=_replace(self._mp.decision, before, self.note))
 
 
 def _saved_text(state: dict[str, Any]) -> str | None:

@@ -163,9 +163,9 @@ def _add_bench_parser(sub: argparse._SubParsersAction, presets: str) -> None:
     bench.add_argument("--recompute", default=None, metavar="PLAN",
                        help="the recompute plan of the rows named <policy>+recompute in --policies (e.g. "
                        "--policies bf16-lean,bf16-lean+recompute): MixedPrecision(checkpoint=PLAN), 'auto' (default: "
-                       "each block measured, none/selective/full recompute within 1.3x its time), 'auto:1.5', or "
-                       "module names/globs ('blocks.*', 'selective:blocks.*'), checked against the model before "
-                       "training; without a +recompute row it is refused (exit 2)")
+                       "each block measured, none/selective/full recompute chosen jointly, the blocks at most 1.3x "
+                       "their time), 'auto:1.5', or module names/globs ('blocks.*', 'selective:blocks.*'), checked "
+                       "against the model before training; without a +recompute row it is refused (exit 2)")
     bench.add_argument("--timing", choices=("interleaved", "sequential"), default="interleaved",
                        help="interleaved (default): after the quality runs, time the policies again in alternating "
                        "blocks in resident workers, so machine drift hits all alike; sequential: each run's own steps")
@@ -201,8 +201,8 @@ def _add_train_parser(sub: argparse._SubParsersAction, presets: str) -> None:
                        "global batch is N x the workload's (default: one process)")
     train.add_argument("--recompute", default=None, metavar="PLAN",
                        help="recompute blocks in backward to save activation memory (MixedPrecision checkpoint=): "
-                       "'auto' (each block measured: none, selective or whole-block recompute, at most 1.3x its "
-                       "time; 'auto:1.5' another bound), or module names/globs, comma-separated ('blocks.*', "
+                       "'auto' (each block measured: none, selective or whole-block recompute, the blocks at most 1.3x "
+                       "their time; 'auto:1.5' another bound), or module names/globs, comma-separated ('blocks.*', "
                        "'selective:blocks.*')")
     train.add_argument("--compile", action="store_true",
                        help="compile the model (torch.compile, inductor); step 1's step_time_ms includes compiling")
@@ -225,6 +225,7 @@ def _add_sample_parser(sub: argparse._SubParsersAction) -> None:
 
 def _cmd_bench(args: argparse.Namespace, command: str) -> int:
     from mixprec.programs.bench.memory_report import budget_lines
+    from mixprec.programs.bench.per_rank import per_rank_lines
     from mixprec.programs.bench.recompute_rows import recompute_lines
     from mixprec.programs.bench.report import auto_lines, format_table, op_plan_lines, seed_noise_lines, timing_lines
     from mixprec.programs.bench.runner import BenchConfig, run_bench
@@ -245,7 +246,7 @@ def _cmd_bench(args: argparse.Namespace, command: str) -> int:
         return 1 if any(e["verdict"] == "FAIL" for e in results["policies"].values()) else 0  # rank 0 reports
     print(format_table(results))
     for line in (timing_lines(results) + seed_noise_lines(results) + auto_lines(results) + op_plan_lines(results)
-                 + budget_lines(results) + recompute_lines(results)):
+                 + budget_lines(results) + per_rank_lines(results) + recompute_lines(results)):
         print(line)
     for name, entry in results["policies"].items():
         if entry["verdict"] in ("FAIL", "SKIPPED"):
@@ -271,19 +272,30 @@ def _cmd_train(args: argparse.Namespace, command: str) -> int:
         raise ValueError("--strategy needs --out: every rank writes into the same directory")
     workload = get_workload(args.workload, config=args.config, data=args.data, lora=args.lora)
     out = Path(args.out or Path("runs") / f"train-{_timestamp()}")
-    outcome = run_training(workload, policy=args.policy, steps=args.steps, out=out, seed=args.seed,
-                           eval_every=args.eval_every, checkpoint_every=args.checkpoint_every, keep=args.keep,
-                           resume=args.resume, device=args.device, guard=args.guard, command=command,
-                           workload_spec=args.workload, strategy=args.strategy, ema=args.ema,
-                           compile=args.compile, recompute=_recompute_arg(args.recompute))
+    recompute = _recompute_arg(args.recompute)
+    try:
+        outcome = run_training(workload, policy=args.policy, steps=args.steps, out=out, seed=args.seed,
+                               eval_every=args.eval_every, checkpoint_every=args.checkpoint_every, keep=args.keep,
+                               resume=args.resume, device=args.device, guard=args.guard, command=command,
+                               workload_spec=args.workload, strategy=args.strategy, ema=args.ema,
+                               compile=args.compile, recompute=recompute)
+    except ValueError as err:   # the engine's glob check (checkpoint=...): say it as the flag the user typed
+        if recompute is None or not str(err).startswith("checkpoint: "):
+            raise
+        raise ValueError(f"--recompute {args.recompute!r}: {str(err).removeprefix('checkpoint: ')}") from None
     return outcome.status
 
 
 def _recompute_arg(value: str | None) -> str | list[str] | None:
-    """``--recompute``: "auto..." as it is, else the comma-separated module names/globs as a list."""
-    if value is None or value.startswith("auto"):
+    """``--recompute``: "auto..." as it is, else the comma-separated module names/globs as a list. ValueError or
+    TypeError naming ``--recompute`` for a value the engine's ``checkpoint=`` refuses."""
+    from mixprec.memory.recompute import parse_request
+
+    if value is None:
         return value
-    return [name.strip() for name in value.split(",") if name.strip()]
+    option = value if value.startswith("auto") else [name.strip() for name in value.split(",") if name.strip()]
+    parse_request(option, arg="--recompute")
+    return option
 
 
 def _cmd_sample(args: argparse.Namespace) -> int:

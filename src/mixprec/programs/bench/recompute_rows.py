@@ -3,8 +3,8 @@
 ``mixprec bench --policies fp32,bf16-lean,bf16-lean+recompute`` asks for the row ``bf16-lean+recompute``: policy
 ``bf16-lean`` trained by ``MixedPrecision(..., checkpoint=PLAN)`` (:mod:`mixprec.memory.recompute`), PLAN the
 bench's ``--recompute`` (default ``"auto"``: each repeated block measured at its first training call, none /
-selective / full recompute chosen within 1.3x its time). The row is judged like any other (quality against fp32,
-the same gate; its own step time and memory figures). results.json adds to every row ``recompute`` (the option
+selective / full recompute chosen jointly, the blocks within 1.3x their time). The row is judged like any other
+(quality against fp32, the same gate; its own step time and memory figures). results.json adds to every row ``recompute`` (the option
 as asked, None on a plain row), ``recompute_plan`` (the plan its quality run used: ``request``, ``max_ratio``,
 ``blocks`` = ``[{name, mode, saved_bytes, seconds}]`` with each mode's bytes kept for backward and
 forward+backward seconds in :data:`mixprec.memory.recompute.MODES` order where measured, ``text``) and
@@ -51,7 +51,7 @@ def recompute_option(text: str) -> str | list[str]:
         raise ValueError(f"bench recompute={text!r} must be 'auto', 'auto:<max time ratio>' or comma-separated "
                          "module names/globs ('blocks.*', 'selective:blocks.*')")
     value: str | list[str] = text if text.startswith("auto") else [n.strip() for n in text.split(",") if n.strip()]
-    parse_request(value)
+    parse_request(value, arg="--recompute")
     return value
 
 
@@ -84,10 +84,7 @@ def check_plan_fits(config: Any) -> None:
         warnings.filterwarnings("ignore", message=".*copying from a non-meta parameter")   # pretrained weights: names only
         model = get_workload(config.workload, config=config.config_name, data=config.data,
                              lora=config.lora).build_model()
-    try:
-        match_blocks(model, request.patterns)
-    except ValueError as err:
-        raise ValueError(f"bench --recompute {text!r} does not fit the {config.workload} model: {err}") from None
+    match_blocks(model, request.patterns, arg=f"bench --recompute {text!r} on the {config.workload} model")
 
 
 def plan_of(mp: MixedPrecision) -> dict[str, Any] | None:

@@ -39,6 +39,7 @@ mib, by_dtype, tensors}, live: {bytes, baseline, total, total_mib, source}, batc
 predicted_bytes}`` or ``{error, budget}`` under ``--memory-budget``, else null (:mod:`mixprec.programs.bench.step_memory`).
 A ``<policy>+recompute`` row trains with ``--recompute``'s plan: ``recompute``, ``recompute_plan``,
 ``step_time_ratio_vs_no_recompute`` (:mod:`mixprec.programs.bench.recompute_rows`; null on other rows).
+Under ``--strategy``: ``*_per_rank`` (+ ``_max``), every rank's own figures (:mod:`mixprec.programs.bench.per_rank`).
 """
 
 from __future__ import annotations
@@ -49,6 +50,7 @@ from pathlib import Path
 from typing import Any
 
 from mixprec.programs.bench.memory_report import memory_lines
+from mixprec.programs.bench.per_rank import per_rank_markdown, rank0_tag
 from mixprec.programs.bench.pinned_plan import SOURCE as PINNED_SOURCE
 from mixprec.programs.bench.pinned_plan import entry_words, rule_words
 from mixprec.programs.bench.recompute_rows import recompute_markdown, split_row
@@ -192,15 +194,17 @@ def _headers(results: dict) -> list[str]:
     unit = next((e["item_unit"] for e in results["policies"].values() if e.get("item_unit")), "items")
     peak = results.get("mfu_peak")
     mfu = f"MFU vs {peak['dtype']} peak" if peak else "MFU"
+    r0 = rank0_tag(results, " (rank 0)")   # every rank's: per_rank_markdown
     return ["policy", "verdict", "step ms", "speedup", f"{unit}/s", "GFLOP/s", mfu, "peak MiB",
-            "mem ratio", "bytes/param", "saved MiB", "saved ratio", "peak live MiB", "live ratio", "eval loss",
-            "loss delta", "skipped steps"] + ([f"batch in {_budget(results)}"] if _budget(results) else []) + \
+            "mem ratio", f"bytes/param{r0}", "saved MiB", "saved ratio", f"peak live MiB{r0}", "live ratio",
+            "eval loss", "loss delta", "skipped steps"] + ([f"batch in {_budget(results)}"] if _budget(results) else []) + \
         (["compile s"] if _has_compiled(results) else [])
 
 
 def format_table(results: dict) -> str:
     """The compact plain-text table printed at the end of a bench run."""
-    headers = ["policy", "verdict", "step ms", "speedup", "peak MiB", "B/param", "saved MiB", "live MiB",
+    r0 = rank0_tag(results, " r0")   # every rank's: per_rank_lines
+    headers = ["policy", "verdict", "step ms", "speedup", "peak MiB", f"B/param{r0}", "saved MiB", f"live MiB{r0}",
                "eval loss", "delta", "skips"]
     keep = [0, 1, 2, 3, 7, 9, (10, 11), (12, 13), 14, 15, 16]
     extra = ([f"batch in {_budget(results)}"] if _budget(results) else []) + (["compile s"] if _has_compiled(results) else [])
@@ -434,8 +438,9 @@ def report_markdown(results: dict) -> str:
         *_op_plan_lines(results),
         *eval_curve_lines(results),
         *memory_lines(results),
+        *per_rank_markdown(results),
         *recompute_markdown(results),
-        "## Parameters and training state",
+        "## Parameters and training state" + rank0_tag(results, " (rank 0's tensors)"),
         "",
         *(_state_lines(results["policies"])),
         "",

@@ -8,7 +8,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field, fields
 from typing import Any
 
-__all__ = ["POLICY_KEYS", "RUN_KEYS", "PolicyRun", "BenchResults"]
+__all__ = ["POLICY_KEYS", "RUN_KEYS", "PER_RANK_KEYS", "PolicyRun", "BenchResults"]
 
 POLICY_KEYS = (
     "requested", "policy", "decision", "compute_dtype", "device", "pid", "optimizer", "steps",
@@ -25,6 +25,9 @@ RUN_KEYS = (
     "op_plan", "torch_threads", "warmup_steps", "items_per_batch", "flops_per_step", "strategy", "world_size", "wall_s",
 )
 """The keys a row that trained has besides :data:`POLICY_KEYS` (a SKIPPED or failed row has none of them)."""
+PER_RANK_KEYS = ("state_bytes_per_param_per_rank", "state_bytes_per_param_per_rank_max", "peak_live_bytes_per_rank",
+                 "peak_live_bytes_per_rank_max")
+"""Every rank's figures on rank 0's row under a strategy, with their max over ranks (absent in one process)."""
 
 
 @dataclass(frozen=True)
@@ -39,7 +42,9 @@ class PolicyRun:
     (:mod:`mixprec.programs.bench.step_memory`), ``step_memory`` their detail (or ``{"error": ...}``);
     ``memory_budget`` the largest batch in ``--memory-budget`` (:class:`mixprec.memory.budget.BatchBudget`'s dict).
     ``recompute``, ``recompute_plan``, ``step_time_ratio_vs_no_recompute``: a ``<policy>+recompute`` row's
-    (:mod:`mixprec.programs.bench.recompute_rows`), None on other rows."""
+    (:mod:`mixprec.programs.bench.recompute_rows`), None on other rows. Under a strategy ``state_bytes*`` and
+    ``peak_live_bytes`` are rank 0's own, and ``*_per_rank`` (+ ``_max``) every rank's
+    (:mod:`mixprec.programs.bench.per_rank`)."""
 
     requested: str | None = None
     policy: str | None = None
@@ -107,6 +112,10 @@ class PolicyRun:
     # present only when set
     stage: str | None = None
     sequential_step_time_ms_median: float | None = None
+    state_bytes_per_param_per_rank: list[float] | None = None
+    state_bytes_per_param_per_rank_max: float | None = None
+    peak_live_bytes_per_rank: list[int | None] | None = None
+    peak_live_bytes_per_rank_max: int | None = None
 
     @classmethod
     def skipped(cls, requested: str, reason: str) -> PolicyRun:
@@ -120,10 +129,11 @@ class PolicyRun:
 
     def to_json(self) -> dict[str, Any]:
         """results.json's row: :data:`POLICY_KEYS` always, :data:`RUN_KEYS` for a row that trained, then
-        ``stage`` and ``sequential_step_time_ms_median`` where set."""
+        ``stage``, ``sequential_step_time_ms_median`` and the per-rank figures (under a strategy:
+        :mod:`mixprec.programs.bench.per_rank`) where set."""
         keys = POLICY_KEYS + (RUN_KEYS if self.trained else ())
         out = {key: getattr(self, key) for key in keys}
-        for key in ("stage", "sequential_step_time_ms_median"):
+        for key in _WHEN_SET:
             if getattr(self, key) is not None:
                 out[key] = getattr(self, key)
         return out
@@ -142,6 +152,7 @@ class PolicyRun:
 
 
 _FIELDS = frozenset(f.name for f in fields(PolicyRun))
+_WHEN_SET = ("stage", "sequential_step_time_ms_median", *PER_RANK_KEYS)
 
 
 @dataclass(frozen=True)

@@ -38,6 +38,7 @@ from mixprec.distributed.process import init_process_group_from_env, shard_batch
 from mixprec.autocast import op_plan
 from mixprec.engine.mixed_precision import MixedPrecision
 from mixprec.engine.records import Event
+from mixprec.programs.bench.per_rank import per_rank_fields
 from mixprec.programs.bench.pinned_plan import pin_in_worker
 from mixprec.programs.bench.recompute_rows import plan_of
 from mixprec.programs.bench.results import PolicyRun
@@ -185,7 +186,10 @@ def run_policy(spec: RunSpec, progress: Callable[[int], None] | None = None) -> 
     if spec.checkpoint is not None:
         row = dataclasses.replace(row, recompute_plan=plan_of(mp))
     batch = next(shard_batches(workload.batches("train", spec.seed)))
-    return dataclasses.replace(row, **row_memory(mp, workload, batch, seed=spec.seed, budget=spec.memory_budget))
+    row = dataclasses.replace(row, **row_memory(mp, workload, batch, seed=spec.seed, budget=spec.memory_budget))
+    if spec.strategy is not None:   # every rank's own state and peak live bytes, on rank 0's row
+        row = dataclasses.replace(row, **per_rank_fields(row.state_bytes_per_param, row.peak_live_bytes))
+    return row
 
 
 def _throughput(mp: MixedPrecision, workload: Workload, spec: RunSpec, step_s: float) -> dict[str, Any]:
