@@ -116,7 +116,7 @@ from mixprec.distributed.sharded_storage import cast_for_sharding, stores_16bit
 from mixprec.policy.policy import Policy
 
 __all__ = ["STRATEGIES", "check_strategy", "init_process_group_from_env", "leave_process_group", "is_main_process", "rank", "world_size",
-           "any_across_ranks", "sum_across_ranks", "from_main_process", "shard_batches", "sync_module_states", "wrap_model",
+           "any_across_ranks", "sum_across_ranks", "from_main_process", "gather_from_ranks", "shard_batches", "sync_module_states", "wrap_model",
            "set_gradient_sync", "local_tensors", "gradient_reduce_dtypes", "check_fsdp_policy"]
 
 log = logging.getLogger("mixprec")
@@ -484,3 +484,13 @@ def from_main_process(obj: Any) -> Any:
     box = [obj]
     dist.broadcast_object_list(box, src=0)
     return box[0]
+
+
+def gather_from_ranks(obj: Any) -> list[Any]:
+    """Every rank's ``obj``, rank order, on every rank (a collective ``all_gather_object``; ``obj`` must pickle).
+    Without a group, or with one rank, ``[obj]``."""
+    if world_size() == 1:
+        return [obj]
+    out: list[Any] = [None] * world_size()
+    dist.all_gather_object(out, obj)
+    return out
