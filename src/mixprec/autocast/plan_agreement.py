@@ -12,12 +12,15 @@ gathered into the same pins on every rank: rank 0's choice, or ``fused`` where r
 rank 0 cannot later measure it differently: the pin holds there too). From then on every rank runs the pinned
 kernel (source ``"rank 0's choice, agreed by N ranks"``). No collective runs inside a forward, so eval or
 rank-dependent code cannot hang on it. Pins (a checkpoint's, the bench's, an earlier agreement's) and traced
-defaults are settled already. One process (no strategy): nothing here applies. No host sync.
+defaults are settled already. One process (no strategy, a group of one rank, or once the process group is
+destroyed): nothing here applies. No host sync.
 """
 
 from __future__ import annotations
 
 import dataclasses
+
+import torch.distributed as dist
 
 from mixprec.autocast.plan_entry import PlanEntry
 
@@ -38,13 +41,14 @@ def require(world: int) -> None:
 
 
 def ranks() -> int:
-    """The number of ranks this process agrees with (0: one process, nothing is agreed)."""
-    return _world[0]
+    """The number of ranks this process agrees with (0: one process, or its process group is gone: nothing is
+    agreed)."""
+    return _world[0] if dist.is_available() and dist.is_initialized() else 0
 
 
 def pending(entry: PlanEntry) -> bool:
     """Whether ``entry`` is this rank's own measurement not yet agreed (False in one process)."""
-    return bool(_world[0]) and entry.source.startswith(_OWN)
+    return bool(ranks()) and entry.source.startswith(_OWN)
 
 
 def running(entry: PlanEntry) -> PlanEntry:

@@ -7,7 +7,8 @@ one ``all_gather_object`` of each rank's pending keys and choices, pinned as ran
 (:func:`mixprec.autocast.plan_agreement.settle`) and recorded (an ``"op-plan"`` event, cause ``"agreed"``, the
 same words on every rank: each key, the kernel every rank now runs and what each rank had measured). No
 collective runs in a forward: eval or rank-dependent code meeting a new key cannot hang, it runs ``fused``
-(the same on every rank) until the next boundary. One process: nothing (no collective, no event, no clause).
+(the same on every rank) until the next boundary. One process, or a strategy's group of one rank: nothing (no
+collective, no event, no clause; the measured choice runs at once, as in one process).
 """
 
 from __future__ import annotations
@@ -32,7 +33,8 @@ class KernelAgreement:
 
     def __init__(self, strategy: Any, policy: Any) -> None:
         self._strategy = strategy
-        self._world = world_size() if strategy.name is not None else 0
+        world = world_size() if strategy.name is not None else 0
+        self._world = world if world > 1 else 0   # a group of one rank: no one to agree with
         if self._world:
             plan_agreement.require(self._world)
         self.note = "" if not (self._world and _measured(policy)) else (
