@@ -39,6 +39,8 @@ the entry says so). :func:`entries` lists what was chosen in this process (op, s
 time): the engine's decision names the mechanism, the bench's report.md prints the table. :func:`measured_afresh`
 measures every key again (the bench's one plan, pinned for all its workers: :mod:`mixprec.programs.bench.
 pinned_plan`); :func:`retarget` moves choices to another dtype's keys; :func:`rechosen` re-applies the rule.
+Under a strategy every rank runs rank 0's choice: a key measured here runs ``fused`` until the ranks agree at the
+next boundary (:mod:`mixprec.autocast.plan_agreement`, :func:`unagreed`).
 
 Activation checkpointing: a recompute must run the kernel its forward ran. :func:`mixprec.ops.checkpoint`
 re-enters the forward's planned state; a backward pass of ``mp.backward()``, ``mp.scale_loss()`` or of any
