@@ -110,7 +110,7 @@ class MixedPrecision:
             prepared.upcast_note, describe_kernels(self.policy, self.device.type), state_note, regions)))
         self._recompute = RecomputeSetup(self, checkpoint, self._strategy)   # memory/recompute.py: blocks recomputed
         self._kernels = KernelAgreement(self._strategy, self.policy)   # every rank: rank 0's measured kernels
-        self.decision += self._recompute.note + self._budget.note + self._kernels.note
+        self.decision += self._kernels.note + self._recompute.note + self._budget.note
         self.model = self._compile.apply(self._strategy.after_casts(model, self.policy, self.device))
         self.masters.record_versions()   # DDP's broadcast of rank 0's params is not a user edit
         # micro_step: backward() calls since the last boundary; boundaries: step() boundaries (applied + skipped)
