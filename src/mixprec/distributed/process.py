@@ -85,10 +85,8 @@ branch (a rank that skipped while another stepped would deadlock the next collec
 Cost per accumulation boundary, besides the gradient reductions: one all-reduce of two flags
 (engine), one more of the guard's causes when a guard is attached, and under FSDP2 one of the
 squared gradient norm (the global norm over all shards, for clipping and ``StepResult``).
-With ``kernels=measured`` at more than one rank, one more all-reduce of one flag and its host read (does any
-rank have an attention key measured since the last boundary?), and after one that does one
-:func:`gather_from_ranks` of the keys: every rank then runs rank 0's kernel per key
-(:mod:`mixprec.autocast.plan_agreement`, :mod:`mixprec.engine.kernel_agreement`).
+With ``kernels=measured`` at 2+ ranks: one flag's all-reduce and host read, and a :func:`gather_from_ranks` after
+new attention keys (every rank runs rank 0's kernel: :mod:`mixprec.engine.kernel_agreement`).
 
 **Checkpoints.** :func:`mixprec.save_checkpoint` writes what the strategy needs (:mod:`mixprec.checkpoint`:
 the one-process format from rank 0 under DDP, DCP shards under FSDP2) and records the strategy and world size.
