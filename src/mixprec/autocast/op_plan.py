@@ -39,6 +39,8 @@ the entry says so). :func:`entries` lists what was chosen in this process (op, s
 time): the engine's decision names the mechanism, the bench's report.md prints the table. :func:`measured_afresh`
 measures every key again (the bench's one plan, pinned for all its workers: :mod:`mixprec.programs.bench.
 pinned_plan`); :func:`retarget` moves choices to another dtype's keys; :func:`rechosen` re-applies the rule.
+Under a strategy every rank runs rank 0's choice: a key measured here runs ``fused`` until the ranks agree at the
+next boundary (:mod:`mixprec.autocast.plan_agreement`, :func:`unagreed`).
 
 Activation checkpointing: a recompute must run the kernel its forward ran. :func:`mixprec.ops.checkpoint`
 re-enters the forward's planned state; a backward pass of ``mp.backward()``, ``mp.scale_loss()`` or of any
@@ -66,6 +68,8 @@ from typing import Any, Callable
 
 import torch
 
+from mixprec.autocast.plan_agreement import pending, running
+from mixprec.autocast.plan_entry import PlanEntry
 from mixprec.autocast.attention_kernels import CANDIDATES, MATMUL_SCORES_LIMIT, NOT_FP16, offered, saved_per_call
 from mixprec.autocast.saved_allowance import (allow_extra_saved, count_call, extra_saved_allowed, memory_choice,
                                               mib_words)
@@ -76,7 +80,7 @@ from mixprec.machine.timing import time_call
 __all__ = ["PlanEntry", "planned_kernels", "choose", "entries", "summary", "choices", "pin", "retarget", "measured_afresh",
            "cached", "forget", "time_candidates", "describe", "MARGIN",
            "REPEATS", "MATMUL_SCORES_LIMIT", "NOISY_SPREAD", "Timing", "CANDIDATES", "plan_key",
-           "planned_devices", "planned_as", "allow_extra_saved", "extra_saved_allowed", "rechosen"]
+           "planned_devices", "planned_as", "allow_extra_saved", "extra_saved_allowed", "rechosen", "unagreed"]
 
 MARGIN = 0.05                     # another candidate replaces the default only when ≥ 5 % faster
 REPEATS = 5                       # timed runs per candidate after one warm-up (best of)
@@ -87,28 +91,6 @@ _NOISY = "measured (noisy: this process only, not cached)"
 _EXACTNESS = ("fused-fp32", "fused", "matmul")   # most exact first: fp32 attention, then the fused bf16 kernel
 # where torch's autocast has its own sdpa kernel (lower precision) for this one to replace; MPS: not planned
 _AUTOCAST_KEYS = {"cpu": "AutocastCPU", "cuda": "AutocastCUDA"}
-
-
-@dataclass(frozen=True)
-class PlanEntry:
-    """One planned op at one key: ``chosen`` among ``times_ms`` (candidate → best forward(+backward) time in
-    ms, None where not timed), ``source`` ``"measured"``, ``"cache"`` (measured by an earlier process on
-    this machine), ``"checkpoint"`` (pinned by a resumed checkpoint: :func:`pin`), ``"bench"`` (a bench worker's pin of
-    the plan its runner measured once),
-    ``"measured (noisy: ...)"`` (used in this process only) or ``"default (traced, not measured)"``; ``shape`` is the key in words;
-    ``saved_bytes``: candidate → bytes its forward saves for backward per call (None: not offered or unknown;
-    empty for a pin); ``memory``: the memory rule's words for this choice (module docstring);
-    ``extra_saved_allowed_mib``: the allowance it was chosen under (MiB per call over ``fused``; None: no limit)."""
-
-    op: str
-    shape: str
-    chosen: str
-    times_ms: dict[str, float | None] = field(default_factory=dict)
-    source: str = "measured"
-    note: str = ""
-    saved_bytes: dict[str, int | None] = field(default_factory=dict)
-    memory: str = ""
-    extra_saved_allowed_mib: float | None = 0.0
 
 
 _lock = threading.Lock()
@@ -349,12 +331,20 @@ def choose(q, k, v, attn_mask=None, dropout_p=0.0, is_causal=False, scale=None, 
 def entries(device_type: str | None = None, *, policy: Any = None) -> list[PlanEntry]:
     """What the plan chose in this process (every device, or ``device_type``'s), in first-use order. With
     ``policy``, only what an engine of that policy uses: none unless it autocasts with ``kernels=measured``,
-    and only keys in its compute dtype (an ``auto`` trial's bf16 keys are not an fp32 run's)."""
+    and only keys in its compute dtype (an ``auto`` trial's bf16 keys are not an fp32 run's). Each entry as it
+    runs (:func:`mixprec.autocast.plan_agreement.running`: a key pending the ranks' agreement runs ``fused``)."""
     if policy is not None and not (policy.is_mixed and policy.kernels == "measured"):
         return []
     dtype = None if policy is None else f" {str(policy.compute_dtype)[6:]} "
-    return [e for (d, _), plan in _plans.items() if device_type in (None, d) for e in plan.values()
+    return [running(e) for (d, _), plan in _plans.items() if device_type in (None, d) for e in plan.values()
             if dtype is None or dtype in e.shape]
+
+
+def unagreed(device_type: str) -> dict[str, str]:
+    """key → this rank's own choice, for its keys on ``device_type`` pending the ranks' agreement (measured here,
+    not pinned: :func:`mixprec.autocast.plan_agreement.pending`); empty in one process. No host sync."""
+    return {e.shape: e.chosen for (d, _), plan in _plans.items() if d == device_type for e in plan.values()
+            if pending(e)}
 
 
 def summary(device_type: str | None = None, *, policy: Any = None) -> list[str]:
@@ -375,14 +365,16 @@ def choices(device_type: str, *, policy: Any = None) -> dict[str, str]:
     return {e.shape: e.chosen for e in entries(device_type, policy=policy) if e.source != _TRACED}
 
 
-def pin(saved: dict[str, str], device_type: str, *, source: str = "checkpoint") -> None:
+def pin(saved: dict[str, str], device_type: str, *, source: str = "checkpoint",
+        notes: dict[str, str] | None = None) -> None:
     """Use ``saved`` (:func:`choices` of an earlier run, or of the bench's one measurement) for these keys in this
     process: the entries' source is ``source`` (``"checkpoint"`` for a resumed run, ``"bench"`` for a bench
-    worker); keys that are not planned or name an unknown candidate are ignored. No host sync."""
+    worker; the ranks' agreement: :mod:`mixprec.autocast.plan_agreement`), ``notes`` key → the entry's note; keys
+    that are not planned or name an unknown candidate are ignored. No host sync."""
     plan = _plans.setdefault((device_type, torch.get_num_threads()), {})
     for key, chosen in (saved or {}).items():
         if isinstance(key, str) and key.startswith("sdpa ") and chosen in CANDIDATES:
-            plan[key] = PlanEntry("scaled_dot_product_attention", key, chosen, {}, source)
+            plan[key] = PlanEntry("scaled_dot_product_attention", key, chosen, {}, source, (notes or {}).get(key, ""))
 
 
 def retarget(saved: dict[str, str], dtype: torch.dtype) -> tuple[dict[str, str], dict[str, str]]:
@@ -441,7 +433,7 @@ def _kernel(device_type: str) -> Callable:
         name = _DEFAULT
         if _switch.is_on(device_type) and q.dtype in (dtype, torch.float32):
             grad = torch.is_grad_enabled() and any(isinstance(t, torch.Tensor) and t.requires_grad for t in args[:4])
-            name = choose(*args, dtype=dtype, grad=grad).chosen
+            name = running(choose(*args, dtype=dtype, grad=grad)).chosen   # a pending key: fused (ranks agree)
         with torch.autocast(device_type, enabled=False):
             return CANDIDATES[name](*args, dtype)
     return kernel

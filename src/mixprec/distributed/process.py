@@ -85,6 +85,8 @@ branch (a rank that skipped while another stepped would deadlock the next collec
 Cost per accumulation boundary, besides the gradient reductions: one all-reduce of two flags
 (engine), one more of the guard's causes when a guard is attached, and under FSDP2 one of the
 squared gradient norm (the global norm over all shards, for clipping and ``StepResult``).
+With ``kernels=measured`` at 2+ ranks: one flag's all-reduce and host read, and a :func:`gather_from_ranks` after
+new attention keys (every rank runs rank 0's kernel: :mod:`mixprec.engine.kernel_agreement`).
 
 **Checkpoints.** :func:`mixprec.save_checkpoint` writes what the strategy needs (:mod:`mixprec.checkpoint`:
 the one-process format from rank 0 under DDP, DCP shards under FSDP2) and records the strategy and world size.
@@ -116,7 +118,7 @@ from mixprec.distributed.sharded_storage import cast_for_sharding, stores_16bit
 from mixprec.policy.policy import Policy
 
 __all__ = ["STRATEGIES", "check_strategy", "init_process_group_from_env", "leave_process_group", "is_main_process", "rank", "world_size",
-           "any_across_ranks", "sum_across_ranks", "from_main_process", "shard_batches", "sync_module_states", "wrap_model",
+           "any_across_ranks", "sum_across_ranks", "from_main_process", "gather_from_ranks", "shard_batches", "sync_module_states", "wrap_model",
            "set_gradient_sync", "local_tensors", "gradient_reduce_dtypes", "check_fsdp_policy"]
 
 log = logging.getLogger("mixprec")
@@ -484,3 +486,13 @@ def from_main_process(obj: Any) -> Any:
     box = [obj]
     dist.broadcast_object_list(box, src=0)
     return box[0]
+
+
+def gather_from_ranks(obj: Any) -> list[Any]:
+    """Every rank's ``obj``, rank order, on every rank (a collective ``all_gather_object``; ``obj`` must pickle).
+    Without a group, or with one rank, ``[obj]``."""
+    if world_size() == 1:
+        return [obj]
+    out: list[Any] = [None] * world_size()
+    dist.all_gather_object(out, obj)
+    return out

@@ -77,6 +77,11 @@ class SingleProcess:
         """Elementwise OR of 0/1 fp32 device ``flags`` over ranks (one all-reduce, no sync)."""
         return flags
 
+    def gathered(self, obj: Any) -> list[Any]:
+        """Every rank's ``obj`` (picklable), rank order, on every rank: one ``all_gather_object`` every rank calls
+        at the same point. One process: ``[obj]``."""
+        return [obj]
+
     def refuse(self, what: str) -> None:
         """Raise ValueError if ``what`` (``"unfreeze"``, ``"to_fp32"``) cannot run."""
 
@@ -137,6 +142,9 @@ class _MultiProcess(SingleProcess):
 
     def from_main_process(self, text):
         return distributed.from_main_process(text)
+
+    def gathered(self, obj):
+        return distributed.gather_from_ranks(obj)
 
     def refuse(self, what):
         if what == "unfreeze":

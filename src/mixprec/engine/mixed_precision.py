@@ -29,6 +29,7 @@ from mixprec.engine.boundary import AccumulationGroup, BoundaryLosses, StepCheck
 from mixprec.engine.clipping import clip_ as _clip_
 from mixprec.engine.divergence import DivergenceError, StopWhenStuck
 from mixprec.engine.edits import ModelLayout, adopt_edited_params, adopt_model_edits, finish_model_edit
+from mixprec.engine.kernel_agreement import KernelAgreement
 from mixprec.engine.loop_checks import LoopChecks
 from mixprec.engine.loss_scale import for_policy as loss_scale_for_policy, for_switch as loss_scale_for_switch, unscale_grads
 from mixprec.engine.masters import claim, release
@@ -108,7 +109,8 @@ class MixedPrecision:
             prepared.fp8_note, prepared.plan.note(), self._compile.note(self.policy), self.policy.scaling_note(),
             prepared.upcast_note, describe_kernels(self.policy, self.device.type), state_note, regions)))
         self._recompute = RecomputeSetup(self, checkpoint, self._strategy)   # memory/recompute.py: blocks recomputed
-        self.decision += self._recompute.note + self._budget.note
+        self._kernels = KernelAgreement(self._strategy, self.policy)   # every rank: rank 0's measured kernels
+        self.decision += self._kernels.note + self._recompute.note + self._budget.note
         self.model = self._compile.apply(self._strategy.after_casts(model, self.policy, self.device))
         self.masters.record_versions()   # DDP's broadcast of rank 0's params is not a user edit
         # micro_step: backward() calls since the last boundary; boundaries: step() boundaries (applied + skipped)
@@ -273,6 +275,7 @@ class MixedPrecision:
         self._auto.at_boundary(self)
         self._recompute.at_boundary()   # auto's plan completes: blocks that did not run stay unmeasured
         self._budget.at_boundary()   # the measured step: its peak against memory_budget, recorded
+        self._kernels.at_boundary(self)   # under a strategy: the keys measured since, pinned to rank 0's choice
         try:
             return (self.guard if self.guard is not None else self._stop_when_stuck).after_step(self, result)
         finally:
