@@ -37,6 +37,7 @@ import mixprec.optim
 from mixprec import MixedPrecision, Policy
 from mixprec import checkpoint as ckpt
 from ranks import run_ranks
+from test_fsdp2_quantized import _full, _step   # one step, one gather of a DTensor
 
 POLICIES = ("bf16-mixed", "bf16-lean", "bf16-kahan")
 KEPT = "blocks.1"
@@ -77,26 +78,6 @@ def _engine(policy: str, strategy: str | None) -> MixedPrecision:
 def _batch() -> dict:
     g = torch.Generator().manual_seed(1)
     return {"x": torch.randn(4, 16, generator=g), "y": torch.randn(4, 5, generator=g)}
-
-
-def _step(mp: MixedPrecision, batch: dict) -> None:
-    x = mp.cast_inputs(batch, keep=("y",))
-    with mp.autocast():
-        loss = F.mse_loss(mp.model(x["x"]).float(), x["y"])
-    mp.backward(loss)
-    assert mp.step().applied
-
-
-def _full(t: torch.Tensor) -> torch.Tensor:
-    if not hasattr(t, "full_tensor"):
-        return t.detach().clone()
-    if t.dtype.itemsize == 1 and t.is_floating_point():   # fp8 codes: gloo has no fp8 type
-        from torch.distributed.tensor import DTensor
-
-        as_bytes = DTensor.from_local(t.to_local().view(torch.uint8), t.device_mesh, t.placements, run_check=False,
-                                      shape=t.shape, stride=t.stride())
-        return as_bytes.full_tensor().view(t.dtype)
-    return t.full_tensor().detach().clone()
 
 
 def _snapshot(mp: MixedPrecision) -> dict:
