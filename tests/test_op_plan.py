@@ -64,7 +64,7 @@ def _reference(q, k, v, causal):
 
 
 @pytest.mark.parametrize("causal", [True, False])
-@pytest.mark.parametrize("candidate", ["fused", "fused-fp32", "matmul"])
+@pytest.mark.parametrize("candidate", ["fused", "fused-fp32", "matmul", "blockwise"])
 def test_every_candidate_agrees_with_the_fp64_reference_to_bf16_arithmetic(candidate, causal):
     """Error bound from the format: the output is a convex combination of v's rows (|out| <= max|v|). Each bf16
     rounding is a relative error <= u = 2^-8: the output's own rounding (u |out|), the probabilities' (u each,
@@ -84,7 +84,7 @@ def test_every_candidate_agrees_with_the_fp64_reference_to_bf16_arithmetic(candi
         assert (err <= u * ref.abs() * 1.01 + 1e-5).all()
 
 
-@pytest.mark.parametrize("candidate", ["fused", "fused-fp32", "matmul"])
+@pytest.mark.parametrize("candidate", ["fused", "fused-fp32", "matmul", "blockwise"])
 def test_every_candidate_backpropagates_like_fp64(candidate):
     """Gradients of q, k, v against fp64: SQNR >= 35 dB (one bf16 rounding is ~52 dB on Gaussian data; the
     backward chains four or five of them; the fused bf16 kernel measures ~44 dB here)."""

@@ -10,6 +10,9 @@ Each candidate is ``fn(q, k, v, attn_mask, dropout_p, is_causal, scale, enable_g
 * ``matmul``: ``q·kᵀ`` in ``dtype`` (scores rounded once), scale, causal mask and softmax in fp32,
   probabilities cast to ``dtype``, then ``·v`` (Hugging Face's "eager" attention); it saves the fp32 and the
   ``dtype`` probabilities (B·H·T·S·6 bytes in bf16: 144 MiB per layer at the ``small`` GPT's B64·H6·T256).
+* ``blockwise``: torch's fused CPU forward, saving what ``fused`` saves (q, k, v, the output, the logsumexp),
+  and a backward that recomputes the probabilities block by block over queries with ``dtype`` GEMMs
+  (:mod:`mixprec.autocast.blockwise_attention`); CPU, bf16, no dropout, 4-D inputs.
 
 :func:`saved_per_call` measures what each saves (:func:`mixprec.memory.saved.saved_bytes`: one forward on the
 planned shapes, no backward).
@@ -23,6 +26,7 @@ from typing import Any, Callable
 import torch
 import torch.nn.functional as F
 
+from mixprec.autocast.blockwise_attention import offered_here, run as _blockwise_run
 from mixprec.memory.saved import SavedTensorCounter
 
 __all__ = ["CANDIDATES", "MATMUL_SCORES_LIMIT", "NOT_FP16", "offered", "saved_per_call"]
@@ -68,16 +72,28 @@ def _matmul(q, k, v, attn_mask, dropout_p, is_causal, scale, enable_gqa, dtype):
     return torch.matmul(probs_fp32.to(dtype), v)
 
 
+def _blockwise(q, k, v, attn_mask, dropout_p, is_causal, scale, enable_gqa, dtype):
+    if dropout_p > 0:
+        raise ValueError(f"blockwise attention: dropout_p={dropout_p} is not supported (offered without dropout)")
+    return _blockwise_run(_cast(q, dtype), _cast(k, dtype), _cast(v, dtype),
+                          attn_mask if attn_mask is None or attn_mask.dtype == torch.bool else _cast(attn_mask, dtype),
+                          is_causal, scale)
+
+
 #: candidate name -> ``fn(q, k, v, attn_mask, dropout_p, is_causal, scale, enable_gqa, dtype)`` (autocast off)
-CANDIDATES: dict[str, Callable] = {"fused": _fused, "fused-fp32": _fused_fp32, "matmul": _matmul}
+CANDIDATES: dict[str, Callable] = {"fused": _fused, "fused-fp32": _fused_fp32, "matmul": _matmul,
+                                   "blockwise": _blockwise}
 
 
-def offered(q: torch.Tensor, k: torch.Tensor, attn_mask: torch.Tensor | None, dtype: torch.dtype) -> dict[str, str]:
+def offered(q: torch.Tensor, k: torch.Tensor, attn_mask: torch.Tensor | None, dtype: torch.dtype, *,
+            dropout_p: float = 0.0, scale: float | None = None) -> dict[str, str]:
     """Candidate → why it is not offered at this key ("" when it is): ``matmul`` not under fp16, not with
     ``attn_mask`` (a fully masked row is NaN there, 0 in a fused kernel), not when its fp32 scores would exceed
-    :data:`MATMUL_SCORES_LIMIT` bytes. No host sync."""
+    :data:`MATMUL_SCORES_LIMIT` bytes; ``blockwise`` on the CPU only, not under fp16, not with dropout
+    (:func:`mixprec.autocast.blockwise_attention.offered_here`). No host sync."""
     scores = 4 * math.prod(q.shape[:-1]) * k.size(-2)
     why_not = {name: "" for name in CANDIDATES}
+    why_not["blockwise"] = offered_here(q, k, dtype, dropout_p, scale)
     if dtype == torch.float16:
         why_not["matmul"] = NOT_FP16
     elif attn_mask is not None:

@@ -9,9 +9,10 @@ either dtype and the matmul form 277 ms. Under ``kernels=measured`` (every polic
 ``kernels=native`` runs what ``torch.autocast`` runs.
 
 Planned op: ``scaled_dot_product_attention`` (autocast dtype bf16 or fp16); its candidates, ``fused``
-(torch.autocast's kernel: the default), ``fused-fp32`` and ``matmul`` (Hugging Face's "eager" form, bf16 only,
-no ``attn_mask``, fp32 scores under :data:`MATMUL_SCORES_LIMIT`), are in
-:mod:`mixprec.autocast.attention_kernels`. Softmax accumulates in fp32 in all three, and each returns the
+(torch.autocast's kernel: the default), ``fused-fp32``, ``matmul`` (Hugging Face's "eager" form, bf16 only,
+no ``attn_mask``, fp32 scores under :data:`MATMUL_SCORES_LIMIT`) and ``blockwise`` (the fused CPU forward, a
+backward recomputing the probabilities block by block: saves what ``fused`` saves), are in
+:mod:`mixprec.autocast.attention_kernels`. Softmax statistics are fp32 in all four, and each returns the
 autocast dtype, so what follows the op sees the same dtypes whatever was chosen.
 
 The rule: ``fused`` unless another candidate is at least :data:`MARGIN` faster (ties within :data:`MARGIN` of
@@ -88,7 +89,7 @@ NOISY_SPREAD = 1.5                # a candidate's slowest round over its fastest
 _DEFAULT = "fused"
 _TRACED = "default (traced, not measured)"
 _NOISY = "measured (noisy: this process only, not cached)"
-_EXACTNESS = ("fused-fp32", "fused", "matmul")   # most exact first: fp32 attention, then the fused bf16 kernel
+_EXACTNESS = ("fused-fp32", "fused", "blockwise", "matmul")   # most exact first (tests/test_blockwise_attention.py)
 # where torch's autocast has its own sdpa kernel (lower precision) for this one to replace; MPS: not planned
 _AUTOCAST_KEYS = {"cpu": "AutocastCPU", "cuda": "AutocastCUDA"}
 
@@ -184,7 +185,7 @@ def _own_saved_tensors() -> Any:
 def _measure(q, k, v, attn_mask, dropout_p, is_causal, scale, enable_gqa, dtype, grad,
              allowed_mib: float | None) -> tuple[Timing, str]:
     device = q.device
-    why_not = offered(q, k, attn_mask, dtype)
+    why_not = offered(q, k, attn_mask, dtype, dropout_p=dropout_p, scale=scale)
     # the innermost saved-tensor hooks are the only ones applied: identity ones keep the stand-ins' saved tensors
     # out of the caller's (a non-reentrant checkpoint around the op counted them as its own: CheckpointError)
     with torch.random.fork_rng(devices=[device] if device.type == "cuda" else []), \
