@@ -134,24 +134,29 @@ def _backward(d_out, q, k, v, out, lse, mask, is_causal: bool, scale: float, *, 
     groups = H // k.size(-3)
     if groups > 1:   # GQA: query head h reads key/value head h // groups
         k, v = k.repeat_interleave(groups, dim=-3), v.repeat_interleave(groups, dim=-3)
+    k = k.contiguous()   # a view of a qkv projection: copied once here, not by every block's GEMM
     acc = torch.float32 if dtype != torch.float64 else dtype
     k_aug, v_aug, offset, bias_all = _keys_and_offsets(q, k, v, lse, _additive(mask, dtype))
     d_out, rows = d_out.to(dtype), block_rows(B * H, T, S, q.element_size())
     mask4 = None if mask is None else mask.reshape((1,) * (4 - mask.dim()) + mask.shape)   # (B|1, H|1, T|1, S|1)
     d_mask = torch.zeros(mask4.shape, dtype=acc, device=q.device) if mask_grad else None
+    q_cols = torch.stack(_hi_lo(-offset / scale, dtype), dim=-1)           # (B, H, T, 2): q's extra columns
+    do_cols = torch.stack(_hi_lo(-_delta(d_out, out, rows), dtype), dim=-1)   # (B, H, T, 2): dO's
+    causal = _causal_bias(rows, T, dtype, q.device) if is_causal and bias_all is None else None
     dq = torch.empty_like(q)
     dk_acc = dv_acc = None   # several blocks: fp32 sums of each block's partial (one rounding per block)
     for start in range(0, T, rows):
         stop = min(T, start + rows)
         keys = min(S, stop) if is_causal else S   # causal (top-left): no query of this block sees a later key
-        k_blk = k_aug if keys == S else k_aug[..., :keys, :].contiguous()   # standard strides: no copy in bmm
-        v_blk = v_aug if keys == S else v_aug[..., :keys, :].contiguous()
-        bias = _bias(bias_all, is_causal, start, stop, keys, dtype, q.device)
-        ds, p, q_blk, do_blk = _block(q[..., start:stop, :], d_out[..., start:stop, :], out[..., start:stop, :],
-                                      offset[..., start:stop], k_blk, v_blk, bias, scale)
-        dq[..., start:stop, :] = torch.matmul(ds, k_blk)[..., :D].mul_(scale)
-        dk_blk = torch.matmul(ds.transpose(-2, -1), q_blk)[..., :D]      # (B, H, keys, D), unscaled
-        dv_blk = torch.matmul(p.transpose(-2, -1), do_blk)[..., :D]
+        k_blk, v_blk, k_plain = ((t if keys == S else t[..., :keys, :].contiguous()) for t in (k_aug, v_aug, k))
+        bias = (bias_all[..., start:stop, :keys] if bias_all is not None else
+                None if causal is None else causal[: stop - start, T - start: T - start + keys])
+        q_blk, do_blk = (t[..., start:stop, :].contiguous() for t in (q, d_out))   # standard strides: bmm copies none
+        ds, p = _block(q_blk, do_blk, q_cols[..., start:stop, :], do_cols[..., start:stop, :], k_blk, v_blk, bias,
+                       scale)
+        dq[..., start:stop, :] = torch.matmul(ds, k_plain).mul_(scale)   # D-wide outputs: a D+2-wide GEMM is slower
+        dk_blk = torch.matmul(ds.transpose(-2, -1), q_blk)                # (B, H, keys, D), unscaled
+        dv_blk = torch.matmul(p.transpose(-2, -1), do_blk)
         if rows == T and keys == S:
             dk, dv = dk_blk.mul_(scale), dv_blk
         else:
@@ -170,33 +175,33 @@ def _backward(d_out, q, k, v, out, lse, mask, is_causal: bool, scale: float, *, 
     return dq, dk, dv, (None if d_mask is None else d_mask.to(mask.dtype).view(mask.shape))
 
 
-def _block(q_blk, do_blk, out_blk, offset_blk, k_blk, v_blk, bias, scale):
-    """One block of queries: ``dS = P ∘ (dP - D)`` and ``P`` (``(B, H, rows, keys)``, the input dtype) and the
-    block's augmented q and dO (``(B, H, rows, D+2)``), from the two augmented GEMMs (module docstring)."""
-    dtype = q_blk.dtype
-    acc = torch.float32 if dtype != torch.float64 else dtype
-    delta = (do_blk.to(acc) * out_blk.to(acc)).sum(-1)                  # (B, H, rows): D = rowsum(dO ∘ O)
-    q_aug = _augment(q_blk, *_hi_lo(-offset_blk / scale, dtype))
-    do_aug = _augment(do_blk, *_hi_lo(-delta, dtype))
-    x = torch.matmul(q_aug, k_blk.transpose(-2, -1))                    # (B, H, rows, keys): q·kᵀ - (L - c)/scale
+def _block(q_blk, do_blk, q_cols, do_cols, k_blk, v_blk, bias, scale):
+    """One block of queries: ``dS = P ∘ (dP - D)`` and ``P`` (``(B, H, rows, keys)``, the input dtype), from the
+    two augmented GEMMs (module docstring)."""
+    x = torch.matmul(torch.cat([q_blk, q_cols], -1), k_blk.transpose(-2, -1))   # (B, H, rows, keys): qkᵀ-(L-c)/scale
     p = (x.mul_(scale) if bias is None else torch.add(bias, x, alpha=scale, out=x)).exp_()   # P, in place
-    ds = torch.matmul(do_aug, v_blk.transpose(-2, -1)).mul_(p)          # P ∘ (dP - D)
-    return ds, p, q_aug, do_aug
+    ds = torch.matmul(torch.cat([do_blk, do_cols], -1), v_blk.transpose(-2, -1)).mul_(p)   # P ∘ (dP - D)
+    return ds, p
+
+
+def _delta(d_out, out, rows):
+    """``D = rowsum(dO ∘ O)`` in fp32 (``(B, H, T)``), ``rows`` rows at a time (the fp32 copies stay small)."""
+    acc = torch.float32 if d_out.dtype != torch.float64 else d_out.dtype
+    return torch.cat([(d_out[..., i:i + rows, :].to(acc) * out[..., i:i + rows, :].to(acc)).sum(-1)
+                      for i in range(0, d_out.size(-2), rows)], dim=-1)
+
+
+def _causal_bias(rows, q_len, dtype, device):
+    """``(rows, q_len + rows)``: 0, or ``-inf`` where ``column - row > q_len``; the block of queries starting at
+    ``start`` takes columns ``q_len - start`` on, so key ``j`` is masked for query ``start + r`` iff ``j > start + r``
+    (top-left causal) — one small tensor for every block."""
+    return torch.full((rows, q_len + rows), float("-inf"), dtype=dtype, device=device).triu_(q_len + 1)
 
 
 def _reduced(grad: torch.Tensor, shape: torch.Size) -> torch.Tensor:
     """``grad`` (4-D) summed down to ``shape`` (4-D, broadcastable to it: broadcasting's adjoint), in fp32."""
     dims = tuple(i for i, n in enumerate(shape) if n == 1 and grad.size(i) != 1)
     return grad.sum(dims, keepdim=True, dtype=torch.float32) if dims else grad
-
-
-def _bias(mask, is_causal, start, stop, keys, dtype, device) -> torch.Tensor | None:
-    """The block's additive bias: the mask's rows, or the causal ``-inf`` above the diagonal; None: none."""
-    if mask is not None:
-        return mask[..., start:stop, :keys]
-    if is_causal:
-        return torch.full((stop - start, keys), float("-inf"), dtype=dtype, device=device).triu_(start + 1)
-    return None
 
 
 def blockwise_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, attn_mask: torch.Tensor | None = None,

@@ -130,7 +130,7 @@ def _add_bench_parser(sub: argparse._SubParsersAction, presets: str) -> None:
     bench = sub.add_parser("bench", help="compare policies with fp32 on a workload and judge them",
                            description="Compare precision policies with fp32 on one workload.", epilog=_BENCH_EPILOG,
                            formatter_class=argparse.RawDescriptionHelpFormatter)
-    _workload_args(bench, f"workload config: gpt has tiny, baby, mid, small (default: {DEFAULT_GPT_CONFIG}); "
+    _workload_args(bench, f"workload config: gpt has tiny, baby, mid, small, long (default: {DEFAULT_GPT_CONFIG}); "
                   "minilm has tiny, default; digits has default")
     bench.add_argument("--policies", default=",".join(DEFAULT_POLICIES), type=_split_policies,
                        help=f"comma-separated policies: presets ({presets}) or key=value text such as "

@@ -16,7 +16,11 @@ config    n_layer  n_head   n_embd  context  batch  parameters (tied, V = 103)
 ``baby``  4        4        128     64       12     814,720
 ``mid``   4        4        256     128      16     3,218,688
 ``small`` 6        6        384     256      64     10,785,408
+``long``  4        4        256     1024     2      3,448,064
 ========  =======  =======  ======  =======  =====  ==========================
+
+``long`` is ``mid``'s model at an eight times longer context, with the same 2,048 tokens per batch: attention's
+T×T work (and its memory) grows eightfold while the rest of the step stays.
 
 All share one recipe: AdamW, lr 1e-3, betas (0.9, 0.99), weight decay 0.1 on 2-D tensors
 only, linear warm-up over 10% of the steps (at most 100), cosine decay to 1e-4, gradient
@@ -76,6 +80,7 @@ GPT_CONFIGS: dict[str, GPTConfig] = {
     "baby": GPTConfig(4, 4, 128, block_size=64, batch_size=12),
     "mid": GPTConfig(4, 4, 256, block_size=128, batch_size=16),
     "small": GPTConfig(6, 6, 384, block_size=256, batch_size=64),
+    "long": GPTConfig(4, 4, 256, block_size=1024, batch_size=2),
 }
 
 
