@@ -112,12 +112,16 @@ class MasterWeights:
         step it, and memory stays proportional to the rows looked up. A dense and a sparse gradient
         for one master (a table also used densely) add up to a dense one. No host sync."""
         into, added = [], []   # dense master grads and the dense 16-bit grads added into them (one foreach add)
+        fresh, upcast = [], []   # masters without a gradient and the dense 16-bit ones they take (one foreach copy)
         for p, m in self.pairs:
             grad = p.grad
             if grad is None:
                 continue
             p.grad = None
-            if m.grad is None:
+            if m.grad is None and not grad.is_sparse:
+                fresh.append(m)
+                upcast.append(grad)
+            elif m.grad is None:
                 m.grad = grad.to(torch.float32)
             elif m.grad.is_sparse:
                 grad_fp32 = grad.to(torch.float32)
@@ -129,6 +133,11 @@ class MasterWeights:
                 added.append(grad)
         if into:   # fp32 += 16-bit: each 16-bit value is upcast exactly, then added in fp32 (as add_ of its fp32 copy)
             torch._foreach_add_(into, added)
+        if fresh:  # exact upcasts, one fused copy instead of a cast per parameter
+            grads_fp32 = [torch.empty_like(g, dtype=torch.float32) for g in upcast]
+            torch._foreach_copy_(grads_fp32, upcast)
+            for m, g in zip(fresh, grads_fp32):
+                m.grad = g
 
     @torch.no_grad()
     def copy_to_params(self) -> None:
