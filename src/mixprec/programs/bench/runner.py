@@ -238,7 +238,8 @@ def judge_policies(entries: dict[str, PolicyRun], targets: Targets, *, noisy: bo
         verdict = judge(targets=row_targets, loss_delta=math.nan if diverged else e.eval_loss_delta_vs_fp32,
                         speedup=None if noisy else e.speedup_vs_fp32, memory_ratio=e.memory_ratio_vs_fp32,
                         reference=name == REFERENCE, skipped_reason=e.skipped_reason, error=error)
-        note = peer_note + ("; timings noisy: no speed verdict" if noisy and e.speedup_vs_fp32 is not None else "")
+        note = ("" if e.skipped_reason else peer_note) + \
+            ("; timings noisy: no speed verdict" if noisy and e.speedup_vs_fp32 is not None else "")
         delta, band = e.eval_loss_delta_vs_fp32, (seed_noise or {}).get("relative_spread")
         if band is not None and delta is not None and math.isfinite(delta):
             note += f"; {'within' if abs(delta) <= band else 'outside'} seed noise (±{band:.2%})"

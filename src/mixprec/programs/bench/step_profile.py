@@ -9,8 +9,9 @@ profiled steps, each inside a ``record_function`` range (:data:`STEP_RANGE`), un
 * ``optimizer``: everything under an ``Optimizer.*`` range (``torch.optim``'s ``Optimizer.step#AdamW.step`` and
   ``Optimizer.zero_grad#...``, which every ``torch.optim.Optimizer`` subclass records, mixprec's included): its
   ops, its casts and its Python time;
-* ``casts``: ops named :data:`CAST_OPS` (``copy_``, ``_to_copy``, ``to``, ``_foreach_copy_``), wherever they run
-  outside the optimizer (autocast's weight casts, an engine's input and master casts);
+* ``casts``: ops named :data:`CAST_OPS` (``_to_copy``, ``to``, ``_foreach_copy_``, and ``copy_`` where it is no
+  other op's inner copy: alone or inside a cast), wherever they run outside the optimizer (autocast's weight casts,
+  inside ``linear``; an engine's input and master casts);
 * ``matmul``: ops named :data:`MATMUL_OPS` (``mm``, ``addmm``, ``bmm``, ``baddbmm``, ``linear``, ``matmul``,
   ``_scaled_mm`` ...), an attention kernel's GEMMs included when they are ops of their own (the ``matmul``
   candidate's);
@@ -53,6 +54,7 @@ MATMUL_OPS = frozenset(f"aten::{n}" for n in ("mm", "addmm", "bmm", "baddbmm", "
                                               "mv", "addmv", "dot", "einsum", "_int_mm"))
 FLOP_OPS = frozenset(f"aten::{n}" for n in ("mm", "addmm", "bmm", "baddbmm", "addbmm", "_scaled_mm"))
 CAST_OPS = frozenset(f"aten::{n}" for n in ("copy_", "_to_copy", "to", "_foreach_copy_"))
+_COPYING = CAST_OPS - {"aten::to"}   # ``to`` returns its input when nothing changes: a cast call only with a copy under it
 _ATTENTION_WORDS = ("scaled_dot_product", "flash", "attention", "sdpa", "blockwise")
 STEP_RANGE = "mixprec.bench.step"   # the record_function range around each profiled step
 PROFILED_STEPS = 3
@@ -88,6 +90,9 @@ def category_of(event: Any, root: Any) -> str:
     if not _is_op(event):
         return "python/other"
     own = _own_category(event)
+    enclosing = next((a for a in ancestors if _is_op(a)), None)
+    if event.name == "aten::copy_" and enclosing is not None and enclosing.name not in CAST_OPS:
+        own = None   # the copy inside another op (addmm's bias, clone's) is that op's work, not a cast
     if own is not None:
         return own
     inherited = next((c for c in map(_own_category, ancestors) if c is not None), None)
@@ -119,6 +124,20 @@ def _inside(events: list[Any], root: Any, cuda: bool) -> list[Any]:
             and (cuda or e.thread == root.thread)]
 
 
+def _is_call(event: Any, root: Any, category: str) -> bool:
+    """Whether ``event`` is one call of ``category``: an op whose nearest enclosing op is of another category (or none);
+    for casts, a copying op (:data:`CAST_OPS` but ``to``) not inside another copying op (a no-op ``x.to(x.dtype)`` is
+    no cast; ``to`` -> ``_to_copy`` -> ``copy_`` is one)."""
+    if not _is_op(event) or (category == "casts" and event.name not in _COPYING):
+        return False
+    parent = event.cpu_parent
+    while parent is not None and parent is not root and not _is_op(parent):
+        parent = parent.cpu_parent
+    if parent is None or parent is root:
+        return True
+    return parent.name not in _COPYING if category == "casts" else category_of(parent, root) != category
+
+
 def _summarise(events: list[Any], cuda: bool) -> tuple[dict[str, float], dict[str, int], float, float, int]:
     """Window totals: category -> µs, category -> calls, matmul FLOPs, the steps' wall µs, and the step count."""
     roots = [e for e in events if e.name == STEP_RANGE]
@@ -133,11 +152,7 @@ def _summarise(events: list[Any], cuda: bool) -> tuple[dict[str, float], dict[st
             if cuda and not _is_op(e):
                 continue
             micros[category] += e.self_device_time_total if cuda else e.self_cpu_time_total
-            parent = e.cpu_parent
-            while parent is not None and parent is not root and not _is_op(parent):
-                parent = parent.cpu_parent
-            if _is_op(e) and (parent is None or parent is root or category_of(parent, root) != category):
-                calls[category] += 1
+            calls[category] += _is_call(e, root, category)
             if category == "matmul" and e.name in FLOP_OPS:
                 flops += float(e.flops or 0)
     if cuda:
@@ -150,7 +165,7 @@ def profile_steps(step: Callable[[], Any], device: torch.device, *, peak_dtype: 
     """Profile :data:`PROFILED_STEPS` calls of ``step()`` (one training step each) after one warm-up inside the
     profiler, and return results.json's ``step_profile``: ``steps``, ``warmup_steps``, ``device``, ``time_source``,
     ``step_ms`` (the profiled step's wall time, ms), ``categories`` (category -> ``ms``, ``share`` of ``step_ms``,
-    ``calls`` per step: op calls not nested in another op of the category), ``matmul_gflop`` (GEMM GFLOP per step),
+    ``calls`` per step: :func:`_is_call`), ``matmul_gflop`` (GEMM GFLOP per step),
     ``matmul_gflops_per_s``, ``matmul_peak_dtype``/``matmul_peak_gflops_per_s`` (the measured peak in the row's compute
     dtype, ``peak_dtype``; None: not measured) and ``matmul_of_peak``. Host syncs: the steps', and one per step on CUDA."""
     cuda = device.type == "cuda"
