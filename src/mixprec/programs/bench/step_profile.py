@@ -99,22 +99,20 @@ def category_of(event: Any, root: Any) -> str:
     return inherited or "elementwise"
 
 
-def _window(device: torch.device) -> profile:
-    activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if device.type == "cuda" else [])
-    return profile(activities=activities, with_flops=True, acc_events=True,
-                   schedule=schedule(wait=0, warmup=1, active=PROFILED_STEPS))
-
-
 def _run_window(step: Callable[[], Any], device: torch.device) -> list[Any]:
-    """One warm-up and :data:`PROFILED_STEPS` profiled steps; the profiler's events (a device sync per step)."""
-    with _window(device) as prof:
+    """One warm-up and :data:`PROFILED_STEPS` profiled steps; the profiler's events of the profiled ones (read when
+    its one active cycle ends). A device sync per step on CUDA."""
+    events: list[Any] = []
+    activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if device.type == "cuda" else [])
+    with profile(activities=activities, with_flops=True, on_trace_ready=lambda done: events.extend(done.events()),
+                 schedule=schedule(wait=0, warmup=1, active=PROFILED_STEPS, repeat=1)) as prof:
         for _ in range(1 + PROFILED_STEPS):
             with record_function(STEP_RANGE):
                 step()
                 if device.type == "cuda":
                     torch.cuda.synchronize(device)
             prof.step()
-    return list(prof.events())
+    return events
 
 
 def _inside(events: list[Any], root: Any, cuda: bool) -> list[Any]:
