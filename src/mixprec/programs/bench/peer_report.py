@@ -18,9 +18,11 @@ _WHAT = (f"`{PEER}` is not a mixprec policy: it is the loop a user writes instea
 
 
 def _comparisons(results: dict) -> list[tuple[str, str]]:
-    """(row label, its figures against the peer) for every row with at least one of them."""
+    """(row label, its figures against the peer) for every other row with at least one of them."""
     out = []
     for name, e in results["policies"].items():
+        if name == PEER:   # 1.00x against itself
+            continue
         figures = [e.get("speedup_vs_peer"), e.get("saved_activation_ratio_vs_peer"), e.get("peak_live_ratio_vs_peer")]
         if any(f is not None for f in figures):
             out.append((label(name), f"speed {fmt(figures[0], '.2f', 'x')}, saved {fmt(figures[1], '.2f', 'x')}, "

@@ -127,7 +127,7 @@ def _state_lines(policies: dict) -> list[str]:
         if not sb.get("n_params"):
             continue
         n, frozen = sb["n_params"], sb.get("n_frozen", 0)
-        text = (f"- {name}: {n - frozen:,} trainable ({(n - frozen) / n:.2%}) at "
+        text = (f"- {label(name)}: {n - frozen:,} trainable ({(n - frozen) / n:.2%}) at "
                 f"{fmt(sb.get('per_trainable_param'), '.2f')} B/param")
         if frozen:
             text += f", {frozen:,} frozen at {fmt(sb.get('per_frozen_param'), '.2f')} B/param"
