@@ -441,7 +441,7 @@ def tiny_bench(tmp_path_factory):
 def test_tiny_bench_results_schema(tiny_bench):
     status, _, results = tiny_bench
     assert status == 0
-    assert list(results["policies"]) == ["fp32", "bf16-mixed", "fp16-mixed"]  # fp32 added, first
+    assert list(results["policies"]) == ["fp32", "bf16-mixed", "fp16-mixed", "torch-autocast"]  # fp32 first, the peer last
     for entry in results["policies"].values():
         assert set(POLICY_KEYS) <= set(entry)
     env = results["environment"]
@@ -524,7 +524,8 @@ def test_tiny_bench_reports_one_steps_memory_and_the_largest_batch_in_the_budget
     assert results["settings"]["memory_budget"] == "64MiB"
     assert results["seed_noise"] is not None                                 # the seed runs fit no budget
     report = (out / "report.md").read_text()
-    assert "## Memory of one training step" in report and "| saved MiB | saved ratio | peak live MiB |" in report
+    assert "## Memory of one training step" in report
+    assert "| saved MiB | saved ratio | saved vs torch-autocast | peak live MiB |" in report
     saved = fp32["saved_activation_bytes"]    # KiB below 1 MiB
     assert f"fp32: saved {f'{saved / 2**10:,.1f} KiB' if saved < 2**20 else f'{saved / 2**20:,.2f} MiB'} (1.00x" in report
     assert f"fp32: {fit and fp32['memory_budget']['largest_batch']:,} (predicted" in report
@@ -627,7 +628,7 @@ def test_tiny_bench_times_the_policies_interleaved(tiny_bench):
     _, out, results = tiny_bench
     timing = results["timing"]
     assert timing["method"] == "interleaved" and timing["block_steps"] == 5 and timing["blocks"] == 4
-    assert set(timing["step_ms"]) == {"fp32", "bf16-mixed"} and not timing["errors"]   # fp16-mixed was SKIPPED
+    assert set(timing["step_ms"]) == {"fp32", "bf16-mixed", "torch-autocast"} and not timing["errors"]   # fp16-mixed was SKIPPED
     from mixprec.programs.bench.interleaved import TIMING_MALLOC_ENV   # the workers' malloc keeps its heap (no per-step faults)
     assert timing["malloc_env"] == {k: os.environ.get(k, v) for k, v in TIMING_MALLOC_ENV.items()}
     assert isinstance(timing["noisy"], bool)
@@ -744,7 +745,7 @@ def test_tiny_bench_skips_non_native_fp16(tiny_bench):
 def test_each_policy_runs_in_its_own_process(tiny_bench):
     _, _, results = tiny_bench
     pids = [e["pid"] for e in results["policies"].values() if e["pid"] is not None]
-    assert len(pids) == 2 and len(set(pids)) == 2
+    assert len(pids) == 3 and len(set(pids)) == 3   # fp32, bf16-mixed and the torch-autocast peer
     assert os.getpid() not in pids and results["parent_pid"] == os.getpid()
 
 
@@ -1011,7 +1012,7 @@ def test_a_recompute_row_is_its_own_row_with_its_plan_and_its_step_time_against_
     status, out, results = recompute_bench
     assert status == 0
     rows = results["policies"]
-    assert list(rows) == ["fp32", "bf16-lean", "bf16-lean+recompute"]
+    assert list(rows) == ["fp32", "bf16-lean", "bf16-lean+recompute", "torch-autocast"]   # the peer last
     plain, row = rows["bf16-lean"], rows["bf16-lean+recompute"]
     assert row["requested"] == row["policy"] == "bf16-lean" and row["verdict"] == "PASS", row["reason"]
     assert row["pid"] not in (plain["pid"], rows["fp32"]["pid"])

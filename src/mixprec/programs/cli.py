@@ -24,8 +24,9 @@ __all__ = ["main", "build_parser"]
 
 _BENCH_EPILOG = """\
 Each policy trains in its own process from the same seed and batch order as the fp32
-reference (always run first). Verdicts: PASS / FAIL / SKIPPED / REFERENCE, against the
-targets; exit status 1 when any policy FAILs. Outputs in --out: results.json, report.md,
+reference (always run first), then the torch-autocast peer (a plain torch.autocast loop;
+--no-peer leaves it out). Verdicts: PASS / FAIL / SKIPPED / REFERENCE, against the
+targets; exit status 1 when any row FAILs. Outputs in --out: results.json, report.md,
 loss_curves.png, loss_wallclock.png, speed_memory.png. Defaults (no flags) take under 10 minutes on 2 CPU cores.
 """
 
@@ -166,6 +167,10 @@ def _add_bench_parser(sub: argparse._SubParsersAction, presets: str) -> None:
                        "each block measured, none/selective/full recompute chosen jointly, the blocks at most 1.3x "
                        "their time), 'auto:1.5', or module names/globs ('blocks.*', 'selective:blocks.*'), checked "
                        "against the model before training; without a +recompute row it is refused (exit 2)")
+    bench.add_argument("--no-peer", dest="peer", action="store_false",
+                       help="leave out the torch-autocast row: the plain torch.autocast + torch AdamW loop a user would "
+                       "write instead, trained and timed like a policy, each row's speed and saved bytes shown against it "
+                       "(default: on)")
     bench.add_argument("--timing", choices=("interleaved", "sequential"), default="interleaved",
                        help="interleaved (default): after the quality runs, time the policies again in alternating "
                        "blocks in resident workers, so machine drift hits all alike; sequential: each run's own steps")
@@ -225,10 +230,12 @@ def _add_sample_parser(sub: argparse._SubParsersAction) -> None:
 
 def _cmd_bench(args: argparse.Namespace, command: str) -> int:
     from mixprec.programs.bench.memory_report import budget_lines
+    from mixprec.programs.bench.peer_report import peer_lines
     from mixprec.programs.bench.per_rank import per_rank_lines
     from mixprec.programs.bench.recompute_rows import recompute_lines
     from mixprec.programs.bench.report import auto_lines, format_table, op_plan_lines, seed_noise_lines, timing_lines
     from mixprec.programs.bench.runner import BenchConfig, run_bench
+    from mixprec.programs.bench.step_profile import step_profile_lines
     from mixprec.programs.bench.verdict import Targets
 
     targets = Targets(max_loss_delta=args.max_loss_delta, min_speedup=args.min_speedup,
@@ -240,13 +247,15 @@ def _cmd_bench(args: argparse.Namespace, command: str) -> int:
                          steps=args.steps, seed=args.seed, data=args.data, device=args.device, force=args.force,
                          targets=targets, command=command, strategy=args.strategy, lora=args.lora,
                          compile=args.compile, timing=args.timing, seeds=args.seeds,
-                         eval_every=args.eval_every, memory_budget=args.memory_budget, recompute=args.recompute)
+                         eval_every=args.eval_every, memory_budget=args.memory_budget, recompute=args.recompute,
+                         peer=args.peer)
     results = run_bench(config).to_json()
     if config.strategy is not None and results["settings"]["world_size"] > 1 and not _main_process():
         return 1 if any(e["verdict"] == "FAIL" for e in results["policies"].values()) else 0  # rank 0 reports
     print(format_table(results))
     for line in (timing_lines(results) + seed_noise_lines(results) + auto_lines(results) + op_plan_lines(results)
-                 + budget_lines(results) + per_rank_lines(results) + recompute_lines(results)):
+                 + budget_lines(results) + per_rank_lines(results) + recompute_lines(results) + peer_lines(results)
+                 + step_profile_lines(results)):
         print(line)
     for name, entry in results["policies"].items():
         if entry["verdict"] in ("FAIL", "SKIPPED"):

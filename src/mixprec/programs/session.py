@@ -7,7 +7,8 @@ build the model, optimizer and schedule the same way from a seed and run the sam
 from __future__ import annotations
 
 from collections.abc import Callable
-from typing import Any
+from contextlib import AbstractContextManager
+from typing import Any, Protocol
 
 import torch
 
@@ -18,7 +19,25 @@ from mixprec.policy.policy import Policy, state_name
 from mixprec.policy.resolve import resolve_policy
 from mixprec.workloads import Workload
 
-__all__ = ["build_engine", "precision_optimizer", "train_step", "evaluate", "world_change_words"]
+__all__ = ["StepCalls", "build_engine", "precision_optimizer", "train_step", "evaluate", "world_change_words"]
+
+
+class StepCalls(Protocol):
+    """What :func:`train_step`, :func:`evaluate` and the bench's memory step call: the engine's four calls and
+    the model, optimizer and device they act on. :class:`~mixprec.MixedPrecision` is one; the bench's plain
+    ``torch.autocast`` peer (:class:`mixprec.programs.bench.peer.AutocastPeer`) is another."""
+
+    model: torch.nn.Module
+    optimizer: torch.optim.Optimizer
+    device: torch.device
+
+    def cast_inputs(self, batch: Any, *, keep: tuple[str, ...] = ()) -> Any: ...
+
+    def autocast(self) -> AbstractContextManager[None]: ...
+
+    def backward(self, loss: torch.Tensor) -> None: ...
+
+    def step(self) -> Any: ...
 
 
 def precision_optimizer(optimizer: torch.optim.Optimizer, policy: Policy) -> torch.optim.Optimizer:
@@ -63,11 +82,12 @@ def build_engine(workload: Workload, policy: str, *, steps: int, seed: int, devi
                           checkpoint=checkpoint)
 
 
-def train_step(mp: MixedPrecision, workload: Workload, batch: dict,
-               after_backward: Callable[[], None] | None = None) -> tuple[torch.Tensor, StepResult | None]:
+def train_step(mp: StepCalls, workload: Workload, batch: dict,
+               after_backward: Callable[[], None] | None = None) -> tuple[torch.Tensor, StepResult | Any]:
     """One step: cast inputs, loss under autocast, backward, (``after_backward()``), ``mp.step()``.
 
-    Returns the detached loss (a device tensor: no sync here) and the step's result.
+    Returns the detached loss (a device tensor: no sync here) and the step's result (an engine's
+    :class:`~mixprec.engine.boundary.StepResult` or None between boundaries; the peer's ``PeerStep``).
     """
     batch = mp.cast_inputs(batch, keep=workload.keep_fp32_inputs)
     with mp.autocast():
@@ -78,7 +98,7 @@ def train_step(mp: MixedPrecision, workload: Workload, batch: dict,
     return loss.detach(), mp.step()
 
 
-def evaluate(mp: MixedPrecision, workload: Workload) -> dict[str, float]:
+def evaluate(mp: StepCalls, workload: Workload) -> dict[str, float]:
     """``workload.evaluate`` on its fixed validation batches under the policy's autocast (one sync)."""
     with mp.autocast():
         return workload.evaluate(mp.model, (mp.cast_inputs(b, keep=workload.keep_fp32_inputs)

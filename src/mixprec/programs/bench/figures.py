@@ -10,6 +10,8 @@ import math
 from pathlib import Path
 from typing import Any
 
+from mixprec.programs.bench.peer import label
+
 __all__ = ["plot_loss_curves", "plot_loss_wallclock", "plot_speed_memory", "fmt", "ran_rows", "eval_curve_of", "loss_unit",
            "seed_band", "delta_axis_limits", "wallclock_curve"]
 
@@ -22,8 +24,9 @@ def fmt(value: Any, spec: str, suffix: str = "") -> str:
 
 
 def ran_rows(results: dict) -> dict[str, dict]:
-    """The rows that trained (they have a training loss per step), in results.json order."""
-    return {n: e for n, e in results["policies"].items() if e.get("loss_per_step")}
+    """The rows that trained (they have a training loss per step), in results.json order, keyed by the name tables
+    and legends print (the peer's marked, :func:`mixprec.programs.bench.peer.label`)."""
+    return {label(n): e for n, e in results["policies"].items() if e.get("loss_per_step")}
 
 
 def _moving_average(values: list[float], window: int) -> list[float]:

@@ -11,6 +11,10 @@ median, p10 and p90 of all timed steps, and the spread p90/p10. While a policy's
 :data:`mixprec.programs.bench.noise.SPREAD_LIMIT` the rounds are repeated (at most :data:`RETIMES` times); whether
 the timing is ``noisy`` in the end is decided once, for every row, by :func:`mixprec.programs.bench.noise.settle_noise`.
 
+The plain-autocast peer (:mod:`mixprec.programs.bench.peer`) is timed as a row like the others, in its own worker.
+After the timing, each worker profiles a short window of its steps (:mod:`mixprec.programs.bench.step_profile`:
+where the step goes, per category), one worker after the other, never inside the timed rounds.
+
 Source: the A/B interleaving of ``benchmarks/overhead.py``; the threshold is the same order as
 :data:`mixprec.autocast.op_plan.NOISY_SPREAD`. Host syncs: the workers' (one per step for timing).
 """
@@ -22,16 +26,20 @@ import statistics
 import subprocess
 import sys
 from dataclasses import asdict
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
 
+import torch
+
 from mixprec.programs.bench.measure import percentile, time_steps
 from mixprec.programs.bench import noise
-from mixprec.autocast import op_plan
+from mixprec.programs.bench.mfu import peak_key
+from mixprec.programs.bench.peer import build_trainee, row_identity
 from mixprec.programs.bench.pinned_plan import pin_in_worker
-from mixprec.programs.bench.worker import RunSpec
-from mixprec.programs.session import build_engine, train_step
+from mixprec.programs.bench.spec import RunSpec
+from mixprec.programs.bench.step_profile import profile_steps
+from mixprec.programs.session import train_step
 from mixprec.workloads import get_workload
 
 __all__ = ["RETIMES", "TIMING_MALLOC_ENV", "time_interleaved", "serve"]
@@ -47,33 +55,48 @@ TIMING_MALLOC_ENV = {"MALLOC_MMAP_THRESHOLD_": str(256 * 2**20), "MALLOC_TRIM_TH
 
 
 def serve(spec: RunSpec) -> int:
-    """The worker side (``python -m mixprec.programs.bench --serve SPEC_JSON``): build the policy's engine as its quality
-    run did (a recompute row's ``spec.checkpoint`` names the plan its quality run measured, block by block), print ``{"ready": ...}``, then for each stdin line ``{"steps": k, "untimed": u}`` train u untimed and
-    k timed steps and print ``{"times_ms": [...]}``; ``{"quit": true}`` or end of input stops it. Returns the exit status."""
+    """The worker side (``python -m mixprec.programs.bench --serve SPEC_JSON``): build the policy's engine (or the peer's
+    loop: :func:`~mixprec.programs.bench.peer.build_trainee`) as its quality run did (a recompute row's
+    ``spec.checkpoint`` names the plan its quality run measured, block by block), print ``{"ready": ...}``, then for each
+    stdin line ``{"steps": k, "untimed": u}`` train u untimed and k timed steps and print ``{"times_ms": [...]}``;
+    ``{"plan": true}``: what it planned; ``{"profile": true}``: a profiled window (:func:`_profile`); ``{"quit": true}``
+    or end of input stops it. Returns the exit status."""
     try:
         workload = get_workload(spec.workload, config=spec.config, data=spec.data, lora=spec.lora)
         pin_in_worker(spec.op_plan, spec.device)   # the bench's one attention plan, as in the quality run
-        mp = build_engine(workload, spec.policy, steps=max(spec.steps, 1), seed=spec.seed, device=spec.device,
-                          compile=spec.compile, checkpoint=spec.checkpoint)
+        mp = build_trainee(workload, spec)
         batches = _forever(workload, spec.seed)
     except Exception as err:   # reported to the runner, which times the others
         print(json.dumps({"ready": False, "error": f"{type(err).__name__}: {err}"}), flush=True)
         return 1
-    print(json.dumps({"ready": True, "policy": str(mp.policy)}), flush=True)
+    print(json.dumps({"ready": True, "policy": row_identity(mp).policy}), flush=True)
     for line in sys.stdin:
         command = json.loads(line)
         if command.get("quit"):
             break
+        step = lambda: train_step(mp, workload, next(batches))   # noqa: E731
         if command.get("plan"):   # what this worker's engine planned: key, choice, source
-            found = op_plan.entries(mp.device.type, policy=mp.policy)
-            print(json.dumps({"op_plan": [{"shape": e.shape, "chosen": e.chosen, "source": e.source} for e in found]}),
+            found = row_identity(mp).op_plan
+            print(json.dumps({"op_plan": [{k: e[k] for k in ("shape", "chosen", "source")} for e in found]}), flush=True)
+            continue
+        if command.get("profile"):
+            print(json.dumps({"step_profile": _profile(step, mp.device, row_identity(mp).compute_dtype, spec)}),
                   flush=True)
             continue
-        step = lambda: train_step(mp, workload, next(batches))   # noqa: E731
         time_steps(step, mp.device, int(command.get("untimed", 0)))   # the block's first step wakes threads, caches
         times = time_steps(step, mp.device, int(command["steps"]))
         print(json.dumps({"times_ms": times}), flush=True)
     return 0
+
+
+def _profile(step: Callable[[], Any], device: torch.device, dtype: torch.dtype, spec: RunSpec) -> dict[str, Any]:
+    """:func:`~mixprec.programs.bench.step_profile.profile_steps` of this worker's step against the measured matmul peak
+    in its compute dtype, or ``{"error": ...}`` (said in the report, never a number)."""
+    try:
+        key = peak_key(dtype)
+        return profile_steps(step, device, peak_dtype=key, peak_gflops=spec.peaks_gflops.get(key))
+    except Exception as err:   # a profiler that cannot run here: the row stands without its profile
+        return {"error": f"{type(err).__name__}: {err}"}
 
 
 def _forever(workload: Any, seed: int) -> Iterator[Any]:
@@ -100,7 +123,8 @@ def time_interleaved(specs: dict[str, RunSpec], workdir: Path, env: dict[str, st
     ``retimed`` (sets of rounds beyond the first), ``noisy`` (``noise.is_noisy(spread)``; the runner's is ``settle_noise``'s),
     ``errors`` (row → why it was not timed), ``malloc_env`` (the workers' :data:`TIMING_MALLOC_ENV`; a
     variable already set in ``env`` wins), ``op_plan`` (row → what its worker's engine planned:
-    ``shape`` (the key), ``chosen``, ``source``; ``"bench"`` where it pinned the bench's one plan)."""
+    ``shape`` (the key), ``chosen``, ``source``; ``"bench"`` where it pinned the bench's one plan), ``step_profile`` (row →
+    its profiled window after the timing, :func:`mixprec.programs.bench.step_profile.profile_steps`, or ``{"error"}``)."""
     env = {**env, **{k: env.get(k, v) for k, v in TIMING_MALLOC_ENV.items()}}   # a set variable wins
     procs: dict[str, subprocess.Popen] = {}
     errors: dict[str, str] = {}
@@ -132,6 +156,7 @@ def time_interleaved(specs: dict[str, RunSpec], workdir: Path, env: dict[str, st
             for n in live:       # a noisy set is not kept: the next one replaces it
                 times[n] = []
         plans = _plans(procs, [n for n in live if n not in errors])
+        profiles = _ask_each(procs, [n for n in live if n not in errors], {"profile": True}, "step_profile")
     finally:
         for proc in procs.values():
             try:
@@ -147,7 +172,7 @@ def time_interleaved(specs: dict[str, RunSpec], workdir: Path, env: dict[str, st
     return {"method": "interleaved", "blocks": rounds, "block_steps": block_steps, "step_ms": step_ms,
             "spread": spread, "retimed": retimed, "noisy": noise.is_noisy(spread),
             "spread_limit": noise.SPREAD_LIMIT, "errors": errors, "malloc_env": {k: env[k] for k in TIMING_MALLOC_ENV},
-            "op_plan": plans}
+            "op_plan": plans, "step_profile": profiles}
 
 
 def _start(name: str, spec: RunSpec, workdir: Path, env: dict[str, str]) -> subprocess.Popen:
@@ -168,3 +193,15 @@ def _plans(procs: dict[str, subprocess.Popen], rows: list[str]) -> dict[str, lis
         except (RuntimeError, ValueError, KeyError) as err:   # said as a row that did not report the bench's plan
             plans[name] = [{"shape": "-", "chosen": "-", "source": f"not reported ({err})"}]
     return plans
+
+
+def _ask_each(procs: dict[str, subprocess.Popen], rows: list[str], command: dict, key: str) -> dict[str, Any]:
+    """Row -> its worker's ``key`` in the reply to ``command``, asked of one worker after the other (none runs while
+    another answers), or ``{"error": ...}`` where the worker did not answer."""
+    replies: dict[str, Any] = {}
+    for name in rows:
+        try:
+            replies[name] = _ask(procs[name], command)[key]
+        except (RuntimeError, ValueError, KeyError) as err:
+            replies[name] = {"error": f"{type(err).__name__}: {err}"}
+    return replies

@@ -5,6 +5,7 @@ results.json's rows (``saved_activation_bytes``, ``peak_live_bytes``, ``step_mem
 from __future__ import annotations
 
 from mixprec.programs.bench.figures import fmt
+from mixprec.programs.bench.peer import label
 
 __all__ = ["memory_lines", "budget_lines"]
 
@@ -51,20 +52,20 @@ def budget_lines(results: dict) -> list[str]:
         if not fit:
             continue
         if "error" in fit:
-            lines.append(f"  {name}: not measured ({fit['error']})")
+            lines.append(f"  {label(name)}: not measured ({fit['error']})")
             continue
         largest = "unbounded (the peak does not grow with the batch)" if fit["largest_batch"] is None \
             else f"{fit['largest_batch']:,} (predicted {_mib(fit['predicted_bytes'])})"
         worst = max(abs(r) for r in fit["residuals"])
         points = ", ".join(f"{b}: {_mib(p)}" for b, p in fit["points"])
-        lines.append(f"  {name}: {largest}; fixed {_mib(fit['fixed_bytes'])} + {_mib(fit['per_sample_bytes'])} "
+        lines.append(f"  {label(name)}: {largest}; fixed {_mib(fit['fixed_bytes'])} + {_mib(fit['per_sample_bytes'])} "
                      f"per row; measured {points}; largest residual {worst:,.0f} B")
     return lines
 
 
 def memory_lines(results: dict) -> list[str]:
     """report.md's section on one training step's memory: what the figures are, each policy's, the budget."""
-    rows = [_row_line(name, e) for name, e in results["policies"].items() if e.get("step_memory")]
+    rows = [_row_line(label(name), e) for name, e in results["policies"].items() if e.get("step_memory")]
     if not rows:
         return []
     budget = budget_lines(results)

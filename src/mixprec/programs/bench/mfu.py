@@ -6,10 +6,20 @@ from __future__ import annotations
 from dataclasses import replace
 from typing import Any
 
+import torch
+
 from mixprec.machine.matmul import MatmulPeak, peak_origin
 from mixprec.programs.bench.results import PolicyRun
 
-__all__ = ["peaks_environment", "one_mfu_peak"]
+__all__ = ["peak_key", "peaks_environment", "one_mfu_peak"]
+
+_PEAK_KEYS = {torch.float32: "fp32", torch.bfloat16: "bf16", torch.float16: "fp16"}
+
+
+def peak_key(dtype: torch.dtype) -> str:
+    """The peaks' key for a compute dtype (``"fp32"``, ``"bf16"``, ``"fp16"``: ``RunSpec.peaks_gflops``' keys, a
+    row's ``compute_dtype``). KeyError for another dtype."""
+    return _PEAK_KEYS[dtype]
 
 
 def peaks_environment(peaks: dict[str, MatmulPeak]) -> dict[str, dict]:

@@ -17,9 +17,11 @@
      "mfu_peak": {dtype, gflops_per_s, n, source, measured_at, measured_by_pid, torch} | null, "portable_ops": {...} | null,
      "parent_pid": int, "wall_s": float,
      "op_plan": {measured_with, dtype, pid, entries: [{op, shape, chosen, times_ms, source, note}],
-                 policies: {name: {dtype, pinned: {key: choice}, not_offered: {key: why}}}, error?} | null}
+                 policies: {name: {dtype, pinned: {key: choice}, not_offered: {key: why}}}, error?} | null,
                # the bench's one attention plan, measured once and pinned for every worker (pinned_plan.py);
                # each row's op_plan and timing.op_plan say what its workers ran (source "bench": the pinned plan)
+     "peer": {row, dtype, grad_scaler, skipped_reason, note} | null}
+               # the plain-autocast peer (peer.py): its row "torch-autocast" is last in "policies"; null: --no-peer
 
 Per policy (:data:`POLICY_KEYS`; a SKIPPED policy has null measurements): units are in the
 names (``_ms``, ``_mb`` = MiB, ``_per_s``); ``speedup_vs_fp32`` = fp32 median step time / this
@@ -40,6 +42,10 @@ predicted_bytes}`` or ``{error, budget}`` under ``--memory-budget``, else null (
 A ``<policy>+recompute`` row trains with ``--recompute``'s plan: ``recompute``, ``recompute_plan``,
 ``step_time_ratio_vs_no_recompute`` (:mod:`mixprec.programs.bench.recompute_rows`; null on other rows).
 Under ``--strategy``: ``*_per_rank`` (+ ``_max``), every rank's own figures (:mod:`mixprec.programs.bench.per_rank`).
+Against the ``torch-autocast`` peer (:mod:`mixprec.programs.bench.peer`), on every row: ``speedup_vs_peer`` = the
+peer's median step time / this one, ``saved_activation_ratio_vs_peer`` and ``peak_live_ratio_vs_peer`` = this row's
+bytes / the peer's (null without a peer). ``step_profile``: where the step goes, per category, from a profiled window
+after the timing (:mod:`mixprec.programs.bench.step_profile`; null under sequential timing).
 """
 
 from __future__ import annotations
@@ -50,6 +56,8 @@ from pathlib import Path
 from typing import Any
 
 from mixprec.programs.bench.memory_report import memory_lines
+from mixprec.programs.bench.peer import label
+from mixprec.programs.bench.peer_report import peer_markdown
 from mixprec.programs.bench.per_rank import per_rank_markdown, rank0_tag
 from mixprec.programs.bench.pinned_plan import SOURCE as PINNED_SOURCE
 from mixprec.programs.bench.pinned_plan import entry_words, rule_words
@@ -57,6 +65,8 @@ from mixprec.programs.bench.recompute_rows import recompute_markdown, split_row
 from mixprec.programs.bench.results import POLICY_KEYS
 from mixprec.programs.bench.figures import (eval_curve_of, fmt, loss_unit, plot_loss_curves, plot_loss_wallclock,
                                             plot_speed_memory, ran_rows, seed_band)
+from mixprec.programs.bench.step_profile import step_profile_markdown
+from mixprec.programs.bench.table import cells, columns, format_table, has_compiled
 
 __all__ = ["POLICY_KEYS", "COMPILED_SUFFIX", "write_outputs", "format_table", "auto_lines", "op_plan_lines", "plan_deviations", "timing_lines", "seed_noise_lines", "eval_curve_lines", "report_markdown",
            "plot_loss_curves", "plot_loss_wallclock", "plot_speed_memory", "peaks_line"]
@@ -117,7 +127,7 @@ def _state_lines(policies: dict) -> list[str]:
         if not sb.get("n_params"):
             continue
         n, frozen = sb["n_params"], sb.get("n_frozen", 0)
-        text = (f"- {name}: {n - frozen:,} trainable ({(n - frozen) / n:.2%}) at "
+        text = (f"- {label(name)}: {n - frozen:,} trainable ({(n - frozen) / n:.2%}) at "
                 f"{fmt(sb.get('per_trainable_param'), '.2f')} B/param")
         if frozen:
             text += f", {frozen:,} frozen at {fmt(sb.get('per_frozen_param'), '.2f')} B/param"
@@ -134,7 +144,7 @@ def _state_lines(policies: dict) -> list[str]:
 
 def _compile_lines(results: dict) -> list[str]:
     """``--compile``: what the ``+compiled`` rows are, and compiled vs eager step time per policy."""
-    if not _has_compiled(results):
+    if not has_compiled(results):
         return []
     policies = results["policies"]
     pairs = [(name, policies[name], policies.get(name + COMPILED_SUFFIX)) for name in results["settings"]["policies"]]
@@ -151,74 +161,6 @@ def _compile_lines(results: dict) -> list[str]:
                      f"{fmt(compiled.get('compile_time_s'), '.1f', ' s')} (first step "
                      f"{fmt(compiled.get('first_step_ms'), ',.0f', ' ms')})")
     return lines
-
-
-def _has_compiled(results: dict) -> bool:
-    return bool(results.get("settings", {}).get("compile"))
-
-
-def _budget(results: dict) -> str | None:
-    return (results.get("settings") or {}).get("memory_budget")
-
-
-def _largest_batch(e: dict) -> str:
-    """The row's largest batch in ``--memory-budget`` (``unbounded``: the fit's peak does not grow with the batch)."""
-    fit = e.get("memory_budget") or {}
-    if "largest_batch" not in fit:
-        return "-"
-    return "unbounded" if fit["largest_batch"] is None else f"{fit['largest_batch']:,}"
-
-
-def _rows(results: dict) -> list[list[str]]:
-    """One row per policy; with ``--memory-budget`` a column, the largest batch in it; under ``--compile`` a last
-    column, the compile time in seconds."""
-    rows = []
-    for name, e in results["policies"].items():
-        compiled = [fmt(e.get("compile_time_s"), ".1f")] if _has_compiled(results) else []
-        budget = [_largest_batch(e)] if _budget(results) else []
-        mib = {k: None if e.get(k) is None else e[k] / 2**20 for k in ("saved_activation_bytes", "peak_live_bytes")}
-        rows.append([
-            name, e["verdict"], fmt(e.get("step_time_ms_median"), ".1f"), fmt(e.get("speedup_vs_fp32"), ".2f", "x"),
-            fmt(e.get("items_per_s"), ",.0f"), fmt(e.get("gflops_per_s"), ".1f"), fmt(e.get("mfu"), ".1%"),
-            fmt(e.get("peak_memory_mb"), ",.0f"), fmt(e.get("memory_ratio_vs_fp32"), ".2f", "x"),
-            fmt(e.get("state_bytes_per_param"), ".2f"),
-            fmt(mib["saved_activation_bytes"], ",.2f"), fmt(e.get("saved_activation_ratio_vs_fp32"), ".2f", "x"),
-            fmt(mib["peak_live_bytes"], ",.2f"), fmt(e.get("peak_live_ratio_vs_fp32"), ".2f", "x"),
-            fmt(e.get("final_eval_loss"), ".4f"),
-            fmt(e.get("eval_loss_delta_vs_fp32"), "+.2%"), fmt(e.get("skipped_steps"), "d"), *budget, *compiled,
-        ])
-    return rows
-
-
-def _headers(results: dict) -> list[str]:
-    unit = next((e["item_unit"] for e in results["policies"].values() if e.get("item_unit")), "items")
-    peak = results.get("mfu_peak")
-    mfu = f"MFU vs {peak['dtype']} peak" if peak else "MFU"
-    r0 = rank0_tag(results, " (rank 0)")   # every rank's: per_rank_markdown
-    return ["policy", "verdict", "step ms", "speedup", f"{unit}/s", "GFLOP/s", mfu, "peak MiB",
-            "mem ratio", f"bytes/param{r0}", "saved MiB", "saved ratio", f"peak live MiB{r0}", "live ratio",
-            "eval loss", "loss delta", "skipped steps"] + ([f"batch in {_budget(results)}"] if _budget(results) else []) + \
-        (["compile s"] if _has_compiled(results) else [])
-
-
-def format_table(results: dict) -> str:
-    """The compact plain-text table printed at the end of a bench run."""
-    r0 = rank0_tag(results, " r0")   # every rank's: per_rank_lines
-    headers = ["policy", "verdict", "step ms", "speedup", "peak MiB", f"B/param{r0}", "saved MiB", f"live MiB{r0}",
-               "eval loss", "delta", "skips"]
-    keep = [0, 1, 2, 3, 7, 9, (10, 11), (12, 13), 14, 15, 16]
-    extra = ([f"batch in {_budget(results)}"] if _budget(results) else []) + (["compile s"] if _has_compiled(results) else [])
-    headers, keep = headers + extra, keep + list(range(17, 17 + len(extra)))
-    rows = [[row[i] if isinstance(i, int) else row[i[0]] if row[i[0]] == "-" else f"{row[i[0]]} ({row[i[1]]})"
-             for i in keep] for row in _rows(results)]
-    states = [e.get("state_bytes") or {} for e in results["policies"].values()]
-    if any(sb.get("n_frozen") for sb in states):   # LoRA / frozen layers: the two parts' bytes/param
-        headers.insert(6, "train/frozen B/param")
-        for row, sb in zip(rows, states):
-            row.insert(6, f"{fmt(sb.get('per_trainable_param'), '.2f')} / {fmt(sb.get('per_frozen_param'), '.2f')}")
-    widths = [max(len(h), *(len(r[i]) for r in rows)) for i, h in enumerate(headers)]
-    line = lambda cells: "  ".join(c.ljust(w) if i < 2 else c.rjust(w) for i, (c, w) in enumerate(zip(cells, widths)))
-    return "\n".join([line(headers), line(["-" * w for w in widths]), *map(line, rows)])
 
 
 def auto_lines(results: dict) -> list[str]:
@@ -421,7 +363,7 @@ def peaks_line(results: dict) -> str:
 
 def report_markdown(results: dict) -> str:
     """``report.md``: the table, each verdict with its reason, how each policy ran, the command."""
-    headers = _headers(results)
+    keys, headers = zip(*columns(results))
     lines = [
         *_header_lines(results),
         *_compile_lines(results),
@@ -433,10 +375,12 @@ def report_markdown(results: dict) -> str:
         *_advice_lines(results),
         "| " + " | ".join(headers) + " |",
         "|" + "|".join("---" if i < 2 else "---:" for i in range(len(headers))) + "|",
-        *("| " + " | ".join(row) + " |" for row in _rows(results)),
+        *("| " + " | ".join(cells(name, e)[k] for k in keys) + " |" for name, e in results["policies"].items()),
         "",
         *_op_plan_lines(results),
         *eval_curve_lines(results),
+        *peer_markdown(results),
+        *step_profile_markdown(results),
         *memory_lines(results),
         *per_rank_markdown(results),
         *recompute_markdown(results),
@@ -446,11 +390,11 @@ def report_markdown(results: dict) -> str:
         "",
         "## Verdicts",
         "",
-        *(f"- **{name}: {e['verdict']}**: {e['reason']}" for name, e in results["policies"].items()),
+        *(f"- **{label(name)}: {e['verdict']}**: {e['reason']}" for name, e in results["policies"].items()),
         "",
         "## How each policy ran",
         "",
-        *(f"- {name}: `{e.get('policy') or '-'}` ({e.get('decision') or e.get('skipped_reason') or e.get('error')}); "
+        *(f"- {label(name)}: `{e.get('policy') or '-'}` ({e.get('decision') or e.get('skipped_reason') or e.get('error')}); "
           f"optimizer {e.get('optimizer') or '-'}; worker pid {e.get('pid') or '-'}"
           for name, e in results["policies"].items()),
         "",

@@ -20,6 +20,7 @@ POLICY_KEYS = (
     "compiled", "first_step_ms", "warmup_excess_s", "compile_time_s", "eval_curve", "loss_unit",
     "saved_activation_bytes", "saved_activation_ratio_vs_fp32", "peak_live_bytes", "peak_live_ratio_vs_fp32",
     "step_memory", "memory_budget", "recompute", "recompute_plan", "step_time_ratio_vs_no_recompute",
+    "speedup_vs_peer", "saved_activation_ratio_vs_peer", "peak_live_ratio_vs_peer", "step_profile",
 )
 RUN_KEYS = (
     "op_plan", "torch_threads", "warmup_steps", "items_per_batch", "flops_per_step", "strategy", "world_size", "wall_s",
@@ -42,7 +43,11 @@ class PolicyRun:
     (:mod:`mixprec.programs.bench.step_memory`), ``step_memory`` their detail (or ``{"error": ...}``);
     ``memory_budget`` the largest batch in ``--memory-budget`` (:class:`mixprec.memory.budget.BatchBudget`'s dict).
     ``recompute``, ``recompute_plan``, ``step_time_ratio_vs_no_recompute``: a ``<policy>+recompute`` row's
-    (:mod:`mixprec.programs.bench.recompute_rows`), None on other rows. Under a strategy ``state_bytes*`` and
+    (:mod:`mixprec.programs.bench.recompute_rows`), None on other rows. ``speedup_vs_peer`` (the ``torch-autocast``
+    peer's median step time / this row's), ``saved_activation_ratio_vs_peer`` and ``peak_live_ratio_vs_peer`` (this
+    row's bytes / the peer's): every row against the plain-autocast peer (:mod:`mixprec.programs.bench.peer`), None
+    without it. ``step_profile``: where the step goes, per category, from a profiled window in the row's timing worker
+    (:mod:`mixprec.programs.bench.step_profile`; None under sequential timing). Under a strategy ``state_bytes*`` and
     ``peak_live_bytes`` are rank 0's own, and ``*_per_rank`` (+ ``_max``) every rank's
     (:mod:`mixprec.programs.bench.per_rank`)."""
 
@@ -100,6 +105,10 @@ class PolicyRun:
     recompute: Any = None
     recompute_plan: dict[str, Any] | None = None
     step_time_ratio_vs_no_recompute: float | None = None
+    speedup_vs_peer: float | None = None
+    saved_activation_ratio_vs_peer: float | None = None
+    peak_live_ratio_vs_peer: float | None = None
+    step_profile: dict[str, Any] | None = None
     # a row that trained (RUN_KEYS)
     op_plan: list[dict[str, Any]] | None = None
     torch_threads: int | None = None
@@ -158,8 +167,9 @@ _WHEN_SET = ("stage", "sequential_step_time_ms_median", *PER_RANK_KEYS)
 @dataclass(frozen=True)
 class BenchResults:
     """One bench run: results.json's content, its rows typed. ``settings``, ``workload``, ``environment``,
-    ``advice``, ``timing``, ``seed_noise``, ``mfu_peak``, ``portable_ops`` and ``op_plan`` (the bench's one attention plan,
-    :func:`mixprec.programs.bench.pinned_plan.measure_bench_plan`; None when no policy plans) keep their JSON form
+    ``advice``, ``timing``, ``seed_noise``, ``mfu_peak``, ``portable_ops``, ``op_plan`` (the bench's one attention plan,
+    :func:`mixprec.programs.bench.pinned_plan.measure_bench_plan`; None when no policy plans) and ``peer`` (the
+    plain-autocast peer's plan, :meth:`mixprec.programs.bench.peer.PeerPlan.as_json`; None under ``--no-peer``) keep their JSON form
     (see :mod:`mixprec.programs.bench.report` for their keys)."""
 
     created: str
@@ -178,6 +188,7 @@ class BenchResults:
     wall_s: float
     mixprec_bench: int = field(default=1)
     op_plan: dict[str, Any] | None = None
+    peer: dict[str, Any] | None = None
 
     def to_json(self) -> dict[str, Any]:
         """results.json's object (before non-finite floats become null), keys in results.json's order."""

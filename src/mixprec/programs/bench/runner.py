@@ -40,8 +40,6 @@ import json
 import math
 import os
 import platform
-import socket
-import subprocess
 import sys
 import time
 from dataclasses import asdict, dataclass, field, replace
@@ -51,9 +49,11 @@ from typing import TYPE_CHECKING, Any
 import torch
 from tqdm import tqdm
 
+from mixprec.programs.bench.launch import free_port, run_worker, worker_env
 from mixprec.programs.bench.mfu import one_mfu_peak, peaks_environment
 from mixprec.programs.bench.report import COMPILED_SUFFIX, write_outputs
 from mixprec.programs.bench.noise import settle_noise
+from mixprec.programs.bench.peer import PeerPlan, peer_targets, plan_peer, with_peer_ratios
 from mixprec.programs.bench.pinned_plan import measure_bench_plan, pinned_for
 from mixprec.programs.bench.portable_cost import bench_portable_cost
 from mixprec.programs.bench.recompute_rows import (DEFAULT_RECOMPUTE, check_plan_fits, check_recompute_rows,
@@ -61,7 +61,7 @@ from mixprec.programs.bench.recompute_rows import (DEFAULT_RECOMPUTE, check_plan
 from mixprec.programs.bench.results import BenchResults, PolicyRun
 from mixprec.programs.bench.step_memory import memory_ratios
 from mixprec.programs.bench.verdict import Targets, judge
-from mixprec.programs.bench.worker import RunSpec
+from mixprec.programs.bench.spec import RunSpec
 from mixprec.machine.capability import Capability, normalize_device, probe
 from mixprec.machine.cache import cpu_name
 from mixprec.policy.resolve import resolve
@@ -106,6 +106,9 @@ class BenchConfig:
     ``recompute``: the engine's ``checkpoint=`` for the ``<policy>+recompute`` rows named in ``policies``
     (:mod:`mixprec.programs.bench.recompute_rows`; ``"auto"`` (None), ``"auto:1.5"``, ``"blocks.*"``, ...; refused
     without such a row, and at :func:`run_bench` before any training when it names blocks the model lacks).
+    ``peer``: also train and time the plain-``torch.autocast`` loop a user would write instead, as the row
+    ``torch-autocast`` (:mod:`mixprec.programs.bench.peer`; every row gets its speed and saved bytes against it);
+    False: ``--no-peer``.
     """
 
     out: Path
@@ -127,6 +130,7 @@ class BenchConfig:
     eval_every: int | None = None
     memory_budget: str | None = None
     recompute: str | None = None
+    peer: bool = True
 
     def __post_init__(self) -> None:
         if self.memory_budget is not None:
@@ -192,51 +196,6 @@ def plan_policy(spec: str, device: torch.device, capability: Capability, *, forc
     return None
 
 
-def _free_port() -> int:
-    """A TCP port free on this host now (for the worker ranks' rendezvous)."""
-    with socket.socket() as s:
-        s.bind(("", 0))
-        return s.getsockname()[1]
-
-
-def _worker_env() -> dict[str, str]:
-    """The parent's environment with the working directory on PYTHONPATH (user workloads)."""
-    env = dict(os.environ)
-    paths = [os.getcwd()] + [p for p in env.get("PYTHONPATH", "").split(os.pathsep) if p]
-    env["PYTHONPATH"] = os.pathsep.join(dict.fromkeys(paths))
-    return env
-
-
-def _run_worker(spec: RunSpec, workdir: Path, name: str, bar: tqdm,
-                env_update: dict[str, str] | None = None) -> PolicyRun:
-    """Run one policy in its own process; the row its OUT_JSON holds (measurements, or an error and its stage)."""
-    spec_path, out_path, log_path = (workdir / f"{name}{suffix}" for suffix in (".spec.json", ".json", ".log"))
-    spec_path.write_text(json.dumps(asdict(spec), indent=1))
-    out_path.unlink(missing_ok=True)
-    done = 0
-    env = _worker_env()
-    if env_update is not None:  # the worker ranks of one policy meet on their own store, not torchrun's
-        env.pop("TORCHELASTIC_USE_AGENT_STORE", None)
-        env.update(env_update)
-    with open(log_path, "w", encoding="utf-8") as log:
-        proc = subprocess.Popen([sys.executable, "-m", "mixprec.programs.bench", str(spec_path), str(out_path)],
-                                stdout=subprocess.PIPE, stderr=log, text=True, env=env)
-        for line in proc.stdout or ():
-            if line.startswith("step ") and line[5:].strip().isdigit():
-                step = int(line[5:])
-                bar.update(step - done)
-                done = step
-        status = proc.wait()
-    bar.update(spec.steps - done)
-    try:
-        result = json.loads(out_path.read_text())
-    except (OSError, ValueError):
-        tail = log_path.read_text(errors="replace").strip().splitlines()[-3:]
-        result = {"error": f"worker exited with status {status} and no results; log {log_path}: {' | '.join(tail)}",
-                  "stage": "train"}
-    return PolicyRun.from_json({"requested": spec.policy, **result})
-
-
 def _environment(device: torch.device, capability: Capability, peaks: dict[str, Any], command: str) -> dict:
     env = {
         "torch": torch.__version__,
@@ -266,6 +225,7 @@ def judge_policies(entries: dict[str, PolicyRun], targets: Targets, *, noisy: bo
     ref_error = ref.error or (ref.skipped_reason and f"fp32 did not run: {ref.skipped_reason}")
     judged = {}
     for name, e in entries.items():
+        row_targets, peer_note = peer_targets(name, targets)   # the peer: the quality gate alone
         if e.step_time_ms_median is not None and ref_error is None:
             loss, ref_loss = e.final_eval_loss, ref.final_eval_loss
             e = replace(e, speedup_vs_fp32=ref.step_time_ms_median / e.step_time_ms_median,
@@ -275,10 +235,11 @@ def judge_policies(entries: dict[str, PolicyRun], targets: Targets, *, noisy: bo
         if name != REFERENCE and ref_error is not None and error is None and e.skipped_reason is None:
             error = f"no fp32 reference to compare with ({ref_error})"
         diverged = e.step_time_ms_median is not None and e.final_eval_loss is None
-        verdict = judge(targets=targets, loss_delta=math.nan if diverged else e.eval_loss_delta_vs_fp32,
+        verdict = judge(targets=row_targets, loss_delta=math.nan if diverged else e.eval_loss_delta_vs_fp32,
                         speedup=None if noisy else e.speedup_vs_fp32, memory_ratio=e.memory_ratio_vs_fp32,
                         reference=name == REFERENCE, skipped_reason=e.skipped_reason, error=error)
-        note = "; timings noisy: no speed verdict" if noisy and e.speedup_vs_fp32 is not None else ""
+        note = ("" if e.skipped_reason else peer_note) + \
+            ("; timings noisy: no speed verdict" if noisy and e.speedup_vs_fp32 is not None else "")
         delta, band = e.eval_loss_delta_vs_fp32, (seed_noise or {}).get("relative_spread")
         if band is not None and delta is not None and math.isfinite(delta):
             note += f"; {'within' if abs(delta) <= band else 'outside'} seed noise (±{band:.2%})"
@@ -293,7 +254,8 @@ def _retime(config: BenchConfig, entries: dict[str, PolicyRun], specs: dict[str,
             progress: bool) -> tuple[dict[str, Any], dict[str, PolicyRun]]:
     """``timing="interleaved"``: time the rows that trained, interleaved (:mod:`mixprec.programs.bench.interleaved`), and
     replace their step time and what derives from it (the quality run's median is kept as
-    ``sequential_step_time_ms_median``); returns results.json's ``timing`` (with ``malloc_env``: the workers' glibc malloc
+    ``sequential_step_time_ms_median``) and add their ``step_profile`` (the window each timing worker profiled after
+    the timing; moved from the timing's reply to the rows); returns results.json's ``timing`` (with ``malloc_env``: the workers' glibc malloc
     thresholds, :data:`mixprec.programs.bench.interleaved.TIMING_MALLOC_ENV` unless the environment set them; ``spread``
     and ``noisy`` decided over every row by :func:`~mixprec.programs.bench.noise.settle_noise`) and the rows.
     Sequential under a strategy or with < 2 rows."""
@@ -304,12 +266,13 @@ def _retime(config: BenchConfig, entries: dict[str, PolicyRun], specs: dict[str,
 
     rounds = max(4, min(12, config.steps // 25))
     if progress:
-        print(f"timing {len(rows)} policies interleaved: {rounds} rounds of 5 steps each", file=sys.stderr)
-    timing = time_interleaved({n: specs[n] for n in rows}, workdir, _worker_env(), block_steps=5, rounds=rounds,
+        print(f"timing {len(rows)} rows interleaved: {rounds} rounds of 5 steps each", file=sys.stderr)
+    timing = time_interleaved({n: specs[n] for n in rows}, workdir, worker_env(), block_steps=5, rounds=rounds,
                               warmup_steps=3)
     entries = dict(entries)
+    profiles = timing.pop("step_profile", {})
     for name, step in timing["step_ms"].items():
-        e = entries[name]
+        e = entries[name] = replace(entries[name], step_profile=profiles.get(name))
         if step is None:
             continue
         scale = e.step_time_ms_median / step["median"]       # throughput scales inversely with step time
@@ -331,7 +294,7 @@ def _seed_noise(config: BenchConfig, spec: RunSpec | None, reference: PolicyRun,
     losses, curves = [reference.final_eval_loss], [reference.eval_curve]
     for seed in seeds:
         bar.set_description(f"fp32 at seed {seed} (seed-noise band)")
-        result = _run_worker(replace(spec, seed=seed, memory_budget=None), workdir, f"seed{seed}-fp32", bar)
+        result = run_worker(replace(spec, seed=seed, memory_budget=None), workdir, f"seed{seed}-fp32", bar)
         if result.final_eval_loss is None:
             return {"seeds": [config.seed, *seeds], "fp32_eval_losses": losses, "relative_spread": None,
                     "fp32_eval_curves": curves,
@@ -371,15 +334,18 @@ def run_bench(config: BenchConfig, *, capability: Capability | None = None, prog
     bases = {split_row(n)[0]: skip[n] for n in names}   # a recompute row's policy plans like its plain row
     plan = measure_bench_plan(config, device, cap, list(bases), bases, progress)   # one attention plan, pinned for all
     runnable = [n for n in bases if bases[n] is None]
+    peer = plan_peer(device, cap, strategy=config.strategy) if config.peer else None
+    rows = names + list(peer.rows() if peer else {})   # the policies' rows, the peer's last
+    skip = {**skip, **(peer.rows() if peer else {})}
     out = Path(config.out)
     workdir = out / "workers" if is_main_process() else out / "workers" / f"rank-{rank()}"
     workdir.mkdir(parents=True, exist_ok=True)
     run = _Run(config, device, workdir, {name: peak.gflops_per_s for name, peak in peaks.items()},
                warmup_steps_for(config.steps),
-               eval_every_for(config.steps) if config.eval_every is None else config.eval_every, plan)
-    entries, specs, seed_noise = _train_rows(run, names, skip, progress)
+               eval_every_for(config.steps) if config.eval_every is None else config.eval_every, plan, peer)
+    entries, specs, seed_noise = _train_rows(run, rows, skip, progress)
     timing, entries = _retime(config, entries, specs, workdir, progress)
-    entries = with_recompute_ratios(entries)
+    entries = with_peer_ratios(with_recompute_ratios(entries))
     mfu_peak, entries = one_mfu_peak(entries, peaks)
     entries = judge_policies(entries, config.targets, noisy=timing["noisy"], seed_noise=seed_noise)
     portable = bench_portable_cost(config, device, runnable, progress)
@@ -390,7 +356,8 @@ def run_bench(config: BenchConfig, *, capability: Capability | None = None, prog
         advice=None if advice is None else {"policy": str(advice.policy), "reasons": list(advice.reasons),
                                             "initial_loss_scale": advice.initial_loss_scale},
         policies=entries, timing=timing, seed_noise=seed_noise, mfu_peak=mfu_peak, portable_ops=portable,
-        parent_pid=os.getpid(), wall_s=time.perf_counter() - start, op_plan=plan)
+        parent_pid=os.getpid(), wall_s=time.perf_counter() - start, op_plan=plan,
+        peer=None if peer is None else peer.as_json())
     if is_main_process():
         write_outputs(results.to_json(), out)
     return results
@@ -435,9 +402,10 @@ class _Run:
     warmup_steps: int
     eval_every: int
     op_plan: dict[str, Any] | None   # the bench's one attention plan (pinned_plan.measure_bench_plan)
+    peer: PeerPlan | None            # the plain-autocast peer's plan (None: --no-peer)
 
     def spec(self, name: str, compiled: bool) -> RunSpec:
-        """The worker's spec for row ``name`` (a policy, or ``<policy>+recompute``; eager or compiled)."""
+        """The worker's spec for row ``name`` (a policy, ``<policy>+recompute``, or the peer; eager or compiled)."""
         config = self.config
         name, recomputed = split_row(name)
         return RunSpec(workload=config.workload, policy=name, steps=config.steps, seed=config.seed,
@@ -446,41 +414,43 @@ class _Run:
                        warmup_steps=self.warmup_steps, peaks_gflops=self.peaks_gflops, strategy=config.strategy,
                        compile=compiled, eval_every=self.eval_every, op_plan=pinned_for(self.op_plan, name),
                        memory_budget=config.memory_budget,
-                       checkpoint=recompute_option(config.recompute or DEFAULT_RECOMPUTE) if recomputed else None)
+                       checkpoint=recompute_option(config.recompute or DEFAULT_RECOMPUTE) if recomputed else None,
+                       autocast_dtype=self.peer.autocast_dtype(name) if self.peer else None)
 
 
 def _train_rows(run: _Run, names: list[str], skip: dict[str, str | None], progress: bool
                 ) -> tuple[dict[str, PolicyRun], dict[str, RunSpec], dict[str, Any] | None]:
-    """Train every runnable policy (eager, then compiled under ``--compile``) in its own worker, then the fp32
-    reference at the extra seeds: the rows (no verdicts yet), the specs of the rows that ran, and ``seed_noise``."""
+    """Train every runnable row (eager, then compiled under ``--compile``; the peer eager only) in its own worker,
+    then the fp32 reference at the extra seeds: the rows (no verdicts yet), the specs of the rows that ran, and
+    ``seed_noise``."""
     config = run.config
-    runnable = [n for n in names if skip[n] is None]
+    eager_only = set(run.peer.rows()) if run.peer else set()
+    jobs = [(index, name, compiled) for index, name in enumerate(names)
+            for compiled in ((False, True) if config.compile else (False,)) if not (compiled and name in eager_only)]
+    runnable = [job for job in jobs if skip[job[1]] is None]
     entries: dict[str, PolicyRun] = {}
     specs: dict[str, RunSpec] = {}
-    variants = (False, True) if config.compile else (False,)   # eager, then compiled
     extra_seeds = [] if config.strategy is not None else [config.seed + k for k in range(1, config.seeds)]
-    with tqdm(total=config.steps * (len(runnable) * len(variants) + len(extra_seeds)), unit="step", disable=not progress or not is_main_process(),
+    with tqdm(total=config.steps * (len(runnable) + len(extra_seeds)), unit="step", disable=not progress or not is_main_process(),
               dynamic_ncols=True) as bar:
-        for index, name in enumerate(names):
-            for compiled in variants:
-                row = name + COMPILED_SUFFIX if compiled else name
-                if skip[name] is not None:
-                    entries[row] = PolicyRun.skipped(name, skip[name])
-                    continue
-                run_index = sum(1 for n in names[:index] if skip[n] is None) * len(variants) + compiled + 1
-                bar.set_description(f"policy {run_index}/{len(runnable) * len(variants)}: {row}")
-                spec = run.spec(name, compiled)
-                env_update = None if config.strategy is None else {
-                    "MASTER_PORT": str(from_main_process(_free_port() if is_main_process() else None))}
-                file_name = f"{index}{'c' if compiled else ''}-{''.join(c if c.isalnum() or c in '-_' else '_' for c in name)}"
-                result = _run_worker(spec, run.workdir, file_name, bar, env_update)
-                recomputed = split_row(name)[1]   # timed with the plan its quality run used, not measured again
-                specs[row] = replace(spec, checkpoint=pinned_checkpoint(result.recompute_plan)) if recomputed else spec
-                if result.stage == "setup":  # the engine refused the policy: it did not run
-                    entries[row] = PolicyRun.skipped(spec.policy, f"the engine refused it: {result.error}")
-                else:
-                    entries[row] = replace(result, requested=spec.policy,
-                                           recompute=(config.recompute or DEFAULT_RECOMPUTE) if recomputed else None)
+        for index, name, compiled in jobs:
+            row = name + COMPILED_SUFFIX if compiled else name
+            if skip[name] is not None:
+                entries[row] = PolicyRun.skipped(name, skip[name])
+                continue
+            bar.set_description(f"run {runnable.index((index, name, compiled)) + 1}/{len(runnable)}: {row}")
+            spec = run.spec(name, compiled)
+            env_update = None if config.strategy is None else {
+                "MASTER_PORT": str(from_main_process(free_port() if is_main_process() else None))}
+            file_name = f"{index}{'c' if compiled else ''}-{''.join(c if c.isalnum() or c in '-_' else '_' for c in name)}"
+            result = run_worker(spec, run.workdir, file_name, bar, env_update)
+            recomputed = split_row(name)[1]   # timed with the plan its quality run used, not measured again
+            specs[row] = replace(spec, checkpoint=pinned_checkpoint(result.recompute_plan)) if recomputed else spec
+            if result.stage == "setup":  # the engine (or the peer's loop) refused it: it did not run
+                entries[row] = PolicyRun.skipped(spec.policy, f"the engine refused it: {result.error}")
+            else:
+                entries[row] = replace(result, requested=spec.policy,
+                                       recompute=(config.recompute or DEFAULT_RECOMPUTE) if recomputed else None)
         seed_noise = _seed_noise(config, specs.get(REFERENCE), entries[REFERENCE], extra_seeds, run.workdir, bar)
     return entries, specs, seed_noise
 
@@ -494,4 +464,5 @@ def _settings(run: _Run, names: list[str]) -> dict[str, Any]:
             "eval_every": run.eval_every, "seed": config.seed, "data": config.data, "lora": config.lora,
             "device": str(run.device), "force": config.force, "targets": asdict(config.targets),
             "strategy": config.strategy, "world_size": world_size(), "memory_budget": config.memory_budget,
-            "recompute": (config.recompute or DEFAULT_RECOMPUTE) if any(split_row(n)[1] for n in names) else None}
+            "recompute": (config.recompute or DEFAULT_RECOMPUTE) if any(split_row(n)[1] for n in names) else None,
+            "peer": config.peer}

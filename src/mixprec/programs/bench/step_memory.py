@@ -1,7 +1,8 @@
 """The bench's memory of one training step, measured on extra steps after the timed ones and the final eval.
 
 * :func:`measure_step_memory`: one whole step (inputs cast, forward under the policy's autocast, ``mp.backward``,
-  ``mp.step()``) on a training batch, with the bytes its forward saved for backward (:mod:`mixprec.memory.saved`,
+  ``mp.step()``; ``mp`` an engine or the plain-autocast peer, :class:`mixprec.programs.session.StepCalls`: the same
+  calls, the same measurement) on a training batch, with the bytes its forward saved for backward (:mod:`mixprec.memory.saved`,
   the model's parameters left out) and its peak live tensor bytes (:mod:`mixprec.memory.live`). The hooks and the
   profiler cost time: these steps are never timed, and they run after everything else the row reports was read
   (they change the weights; nothing is measured after them).
@@ -21,10 +22,10 @@ from typing import Any
 
 import torch
 
-from mixprec.engine.mixed_precision import MixedPrecision
 from mixprec.memory.budget import BatchBudget, largest_batch, parse_bytes
 from mixprec.memory.live import PeakLive, peak_live_bytes, resident_tensors
 from mixprec.memory.saved import SavedBytes, SavedTensorCounter
+from mixprec.programs.session import StepCalls
 from mixprec.workloads import Workload
 
 __all__ = ["StepMemory", "measure_step_memory", "measure_batch_budget", "batch_of_size", "budget_batch_sizes",
@@ -40,7 +41,7 @@ class StepMemory:
     live: PeakLive
 
 
-def _step(mp: MixedPrecision, workload: Workload, batch: dict) -> SavedBytes:
+def _step(mp: StepCalls, workload: Workload, batch: dict) -> SavedBytes:
     """One training step like :func:`mixprec.programs.session.train_step`, counting what the forward saves."""
     batch = mp.cast_inputs(batch, keep=workload.keep_fp32_inputs)
     with mp.autocast(), SavedTensorCounter(exclude=list(mp.model.parameters())) as counter:
@@ -50,7 +51,7 @@ def _step(mp: MixedPrecision, workload: Workload, batch: dict) -> SavedBytes:
     return counter.result()
 
 
-def measure_step_memory(mp: MixedPrecision, workload: Workload, batch: dict) -> StepMemory:
+def measure_step_memory(mp: StepCalls, workload: Workload, batch: dict) -> StepMemory:
     """One untimed training step on ``batch`` with its saved and peak live bytes (see the module docstring).
     Host syncs: the engine's, plus the live measurement's on CUDA and MPS."""
     saved, live = peak_live_bytes(lambda: _step(mp, workload, batch), mp.device,
@@ -85,7 +86,7 @@ def budget_batch_sizes(batch: int) -> tuple[int, ...]:
     return tuple(sorted({max(1, batch // 2), batch, 2 * batch}))
 
 
-def measure_batch_budget(mp: MixedPrecision, workload: Workload, budget: str | int, seed: int,
+def measure_batch_budget(mp: StepCalls, workload: Workload, budget: str | int, seed: int,
                          measured: tuple[int, int] | None = None) -> BatchBudget:
     """The largest batch whose predicted peak live bytes fit ``budget`` (bytes or ``"4GiB"``) for this engine
     and workload: peaks at :func:`budget_batch_sizes` fitted to a line (:func:`mixprec.memory.budget.largest_batch`);
@@ -109,7 +110,7 @@ def measure_batch_budget(mp: MixedPrecision, workload: Workload, budget: str | i
     return largest_batch(sorted(points), budget_bytes)
 
 
-def row_memory(mp: MixedPrecision, workload: Workload, batch: dict, *, seed: int,
+def row_memory(mp: StepCalls, workload: Workload, batch: dict, *, seed: int,
                budget: str | None = None) -> dict[str, Any]:
     """A bench row's memory fields (results.json keys ``saved_activation_bytes``, ``peak_live_bytes``,
     ``step_memory``, and ``memory_budget`` when ``budget`` is given), measured on extra untimed steps on ``batch``

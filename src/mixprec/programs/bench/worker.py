@@ -1,10 +1,11 @@
-"""One policy, one process: train a workload under the engine and measure it.
+"""One policy, one process: train a workload under the engine (or the plain-autocast peer) and measure it.
 
 The bench runner starts ``python -m mixprec.programs.bench SPEC_JSON OUT_JSON`` once per policy,
 so each run has its own process (honest peak memory, no allocator or autocast-cache state
 shared between policies). Every worker seeds torch with the same seed before building the
 model (identical initial weights) and draws training batches from the same seeded stream
-(identical batch order), so the policies differ in precision only.
+(identical batch order), so the policies differ in precision only. The peer's row (:mod:`mixprec.programs.bench.peer`)
+runs here too, its loop in place of the engine: :func:`~mixprec.programs.bench.peer.build_trainee` picks which.
 
 The worker prints ``step N`` to stdout after every step (the runner's progress bar reads it),
 logs to stderr, and writes its measurements to ``OUT_JSON``; a failure writes
@@ -35,76 +36,25 @@ import torch
 from mixprec.programs.bench.measure import MemoryMeter, median_step_ms, percentile, state_bytes, warmup_excess_s
 from mixprec.machine.timing import timed
 from mixprec.distributed.process import init_process_group_from_env, shard_batches, sum_across_ranks, world_size
-from mixprec.autocast import op_plan
-from mixprec.engine.mixed_precision import MixedPrecision
-from mixprec.engine.records import Event
+from mixprec.programs.bench.mfu import peak_key
+from mixprec.programs.bench.peer import Trainee, build_trainee, row_identity
 from mixprec.programs.bench.per_rank import per_rank_fields
 from mixprec.programs.bench.pinned_plan import pin_in_worker
 from mixprec.programs.bench.recompute_rows import plan_of
 from mixprec.programs.bench.results import PolicyRun
+from mixprec.programs.bench.spec import RunSpec
 from mixprec.programs.bench.step_memory import row_memory
-from mixprec.programs.session import build_engine, evaluate, train_step
+from mixprec.programs.session import evaluate, train_step
 from mixprec.workloads import Workload, get_workload
 
 __all__ = ["RunSpec", "SetupError", "run_policy", "main"]
-
-_DTYPE_NAMES = {torch.float32: "fp32", torch.bfloat16: "bf16", torch.float16: "fp16"}
 
 
 class SetupError(RuntimeError):
     """The workload or the engine could not be built (e.g. the device cannot run the policy)."""
 
 
-@dataclass(frozen=True)
-class RunSpec:
-    """What one worker runs (JSON-serialised by the runner).
-
-    ``peaks_gflops`` maps ``fp32``/``bf16``/``fp16`` to the doctor's measured matmul peak
-    (GFLOP/s) for MFU; ``measure_state_at`` is the 0-based step after whose backward the
-    training-state bytes are read (>= 1, so optimizer state exists). ``strategy`` (``"ddp"``,
-    ``"fsdp2"``): this worker is one rank of a torch.distributed run (environment as torchrun
-    sets it); it trains on its share of the batches, and ``items_per_s``, ``tokens_per_s`` and
-    ``gflops_per_s`` are summed over the ranks (``mfu`` against ``world_size`` × the peak).
-    ``compile``: the engine compiles the model (``MixedPrecision(..., compile=True)``, inductor);
-    compilation runs in the first step, which the warm-up keeps out of the step-time median.
-    ``eval_every`` K > 0: the validation loss is also measured after every K-th step (outside the step
-    timing; it changes nothing in training), giving the row's ``eval_curve``; 0: only the final eval.
-    ``op_plan``: the bench's one attention plan for this policy (key -> candidate, measured once by the runner:
-    :mod:`mixprec.programs.bench.pinned_plan`), pinned before the engine is built; empty: the worker plans itself.
-    ``memory_budget`` (``"4GiB"``): also the largest batch whose predicted peak live bytes fit it
-    (:func:`mixprec.programs.bench.step_memory.measure_batch_budget`); None: not measured.
-    ``checkpoint``: the engine's recompute option (``MixedPrecision(checkpoint=...)``: ``"auto"``, names), None:
-    none; the row then carries the plan its engine ran (:mod:`mixprec.programs.bench.recompute_rows`).
-    """
-
-    workload: str
-    policy: str
-    steps: int
-    seed: int = 0
-    config: str | None = None
-    data: str | None = None
-    device: str | None = None
-    warmup_steps: int = 2
-    measure_state_at: int = 1
-    peaks_gflops: dict[str, float | None] = field(default_factory=dict)
-    strategy: str | None = None
-    lora: str | None = None
-    compile: bool = False
-    eval_every: int = 0
-    op_plan: dict[str, str] = field(default_factory=dict)
-    memory_budget: str | None = None
-    checkpoint: str | list[str] | None = None
-
-    def __post_init__(self) -> None:
-        if isinstance(self.eval_every, bool) or not isinstance(self.eval_every, int) or self.eval_every < 0:
-            raise ValueError(f"RunSpec eval_every={self.eval_every!r} must be an int >= 0 (0: only the final eval)")
-        if not (isinstance(self.steps, int) and self.steps > self.warmup_steps >= self.measure_state_at >= 1):
-            raise ValueError(f"RunSpec steps={self.steps!r}, warmup_steps={self.warmup_steps!r}, "
-                             f"measure_state_at={self.measure_state_at!r} must satisfy "
-                             "steps > warmup_steps >= measure_state_at >= 1")
-
-
-def _eval_point(mp: MixedPrecision, workload: Workload, spec: RunSpec, step: int, curve: list) -> None:
+def _eval_point(mp: Trainee, workload: Workload, spec: RunSpec, step: int, curve: list) -> None:
     """Append ``[step, eval loss]`` to ``curve`` when ``step`` (1-based, after the step) is a K-th, not the last."""
     if spec.eval_every and step % spec.eval_every == 0 and step < spec.steps:
         curve.append([step, _finite_or_none(evaluate(mp, workload)["loss"])])
@@ -133,7 +83,7 @@ class _Record:
     measured: dict[str, Any] = field(default_factory=dict)
 
 
-def _train(mp: MixedPrecision, workload: Workload, spec: RunSpec, progress: Callable[[int], None] | None) -> _Record:
+def _train(mp: Trainee, workload: Workload, spec: RunSpec, progress: Callable[[int], None] | None) -> _Record:
     """Train ``spec.steps`` steps, timing each (one host sync per step) and recording the loss, the loss scale,
     the grad norm, the lr, skipped steps, the eval points and, after ``spec.measure_state_at``'s backward, the
     training-state bytes."""
@@ -175,8 +125,7 @@ def run_policy(spec: RunSpec, progress: Callable[[int], None] | None = None) -> 
         init_process_group_from_env(spec.device, timeout=timedelta(minutes=5))
     pin_in_worker(spec.op_plan, spec.device)   # the bench's one attention plan, not this process's own measurement
     try:
-        mp = build_engine(workload, spec.policy, steps=spec.steps, seed=spec.seed, device=spec.device,
-                          strategy=spec.strategy, compile=spec.compile, checkpoint=spec.checkpoint)
+        mp = build_trainee(workload, spec)   # the policy's engine, or the peer's plain loop
     except (ValueError, TypeError) as err:
         raise SetupError(f"{type(err).__name__}: {err}") from err
     record = _train(mp, workload, spec, progress)
@@ -192,11 +141,11 @@ def run_policy(spec: RunSpec, progress: Callable[[int], None] | None = None) -> 
     return row
 
 
-def _throughput(mp: MixedPrecision, workload: Workload, spec: RunSpec, step_s: float) -> dict[str, Any]:
+def _throughput(mp: Trainee, workload: Workload, spec: RunSpec, step_s: float) -> dict[str, Any]:
     """Items/s, tokens/s, GFLOP/s and MFU at ``step_s`` seconds per step, summed over the ranks under a strategy
     (one collective)."""
     flops = float(workload.flops_per_step())
-    peak = spec.peaks_gflops.get(_DTYPE_NAMES[mp.policy.compute_dtype])
+    peak = spec.peaks_gflops.get(peak_key(row_identity(mp).compute_dtype))
     items_per_s, gflops = workload.items_per_batch / step_s, flops / step_s / 1e9
     ranks = world_size() if spec.strategy is not None else 1
     if ranks > 1:  # every rank trained on its own batches: the run's throughput is the sum
@@ -207,18 +156,18 @@ def _throughput(mp: MixedPrecision, workload: Workload, spec: RunSpec, step_s: f
             "mfu": gflops / (peak * ranks) if peak else None, "world_size": ranks}
 
 
-def _policy_run(mp: MixedPrecision, workload: Workload, spec: RunSpec, record: _Record,
+def _policy_run(mp: Trainee, workload: Workload, spec: RunSpec, record: _Record,
                 eval_metrics: dict[str, float], start_wall: float) -> PolicyRun:
-    """The row of one trained run, from the engine, the training record and the final eval."""
+    """The row of one trained run, from the engine (or the peer), the training record and the final eval."""
     history, times = record.history, record.history["step_time_ms"]
     step_ms = median_step_ms(times, spec.warmup_steps)
     warmup_excess = warmup_excess_s(times, spec.warmup_steps)   # compilation, under compile
     throughput = _throughput(mp, workload, spec, step_ms / 1e3)
     state = record.measured["state"]
+    ran = row_identity(mp)
     return PolicyRun(
-        requested=spec.policy, policy=str(mp.policy), decision=mp.decision,
-        op_plan=[dataclasses.asdict(e) for e in op_plan.entries(mp.device.type, policy=mp.policy)],
-        compute_dtype=_DTYPE_NAMES[mp.policy.compute_dtype], device=str(mp.device), pid=os.getpid(),
+        requested=spec.policy, policy=ran.policy, decision=ran.decision, op_plan=ran.op_plan,
+        compute_dtype=peak_key(ran.compute_dtype), device=str(mp.device), pid=os.getpid(),
         torch_threads=torch.get_num_threads(),
         optimizer=f"{type(mp.optimizer).__module__}.{type(mp.optimizer).__name__}",
         steps=spec.steps, warmup_steps=spec.warmup_steps, step_time_ms_median=step_ms, compiled=spec.compile,
@@ -233,7 +182,7 @@ def _policy_run(mp: MixedPrecision, workload: Workload, spec: RunSpec, record: _
         skipped_steps=sum(record.skipped.values()), skipped_by_reason=dict(record.skipped),
         loss_per_step=history["loss"], loss_scale_history=history["loss_scale"],
         grad_norm_per_step=history["grad_norm"], lr_per_step=history["lr"], step_time_ms_per_step=times,
-        events=[Event.of(e).to_dict() for e in mp.events],
+        events=ran.events,
         wall_s=time.perf_counter() - start_wall,
     )
 
