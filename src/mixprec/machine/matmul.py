@@ -45,6 +45,7 @@ _CPU_FLAGS = ("avx2", "fma", "avx512f", "avx512_bf16", "avx512_fp16", "avx512_vn
               "amx_tile", "amx_bf16", "amx_fp16", "amx_int8", "asimd", "asimdhp", "bf16", "sve", "sve2", "i8mm")
 _MAX_N = {"cpu": 2048, "mps": 4096, "cuda": 8192}        # largest square matmul measured
 _BUDGET_S = {"cpu": 0.6, "mps": 0.5, "cuda": 0.5}       # time budget per dtype (seconds)
+NOISY_SPREAD = 1.5   # slowest / fastest timed product above which a peak is not cached (as the op plan's rule)
 
 
 @dataclass(frozen=True)
@@ -54,6 +55,10 @@ class MatmulPeak:
     ``gflops_per_s`` is ``2 * n**3 / median_ms / 1e6`` (None when the dtype cannot run a
     matmul there, with the error in ``note``). ``measured_at`` (UTC, ISO 8601), ``pid`` and ``torch`` say when, by
     which process and under which torch it was measured (empty / None in a cache file from before they were kept).
+    ``spread``: the slowest timed product over the fastest (1.0 on a quiet machine); above :data:`NOISY_SPREAD`
+    the machine was busy, and :func:`cached_peaks` keeps the peak for this process only (a peak measured under a
+    neighbour's load once read 45 GFLOP/s for fp32 where a quiet run measures ~150, and every later MFU was above
+    100 %).
     """
 
     dtype: str
@@ -64,6 +69,12 @@ class MatmulPeak:
     measured_at: str = ""
     pid: int | None = None
     torch: str = ""
+    spread: float | None = None
+
+    @property
+    def noisy(self) -> bool:
+        """True when ``spread`` exceeds :data:`NOISY_SPREAD` (a busy machine): not cached."""
+        return self.spread is not None and self.spread > NOISY_SPREAD
 
 
 def peak_origin(peak: MatmulPeak) -> str:
@@ -130,10 +141,14 @@ def measure_matmul(dtype_name: str, device: torch.device | str = "cpu", *, budge
                 break
             n *= 2
         reps = max(3, min(20, int(budget_s / 2 / max(one_s, 1e-9))))
-        median_s = statistics.median(time_call(call, device) for _ in range(reps))
+        times_s = [time_call(call, device) for _ in range(reps)]
+        median_s = statistics.median(times_s)
     except (RuntimeError, TypeError, NotImplementedError) as err:
         return MatmulPeak(dtype_name, None, note=f"{type(err).__name__}: {str(err).splitlines()[0][:200]}", **stamp)
-    return MatmulPeak(dtype_name, round(2 * n**3 / median_s / 1e9, 3), n, round(median_s * 1e3, 4), **stamp)
+    spread = round(max(times_s) / max(min(times_s), 1e-12), 3)
+    note = f"noisy: timed products spread {spread:.2f}x (a busy machine); not cached" if spread > NOISY_SPREAD else ""
+    return MatmulPeak(dtype_name, round(2 * n**3 / median_s / 1e9, 3), n, round(median_s * 1e3, 4), note=note,
+                      spread=spread, **stamp)
 
 
 def measure_peaks(device: torch.device | str = "cpu") -> dict[str, MatmulPeak]:
@@ -164,7 +179,8 @@ def write_peaks(device: torch.device, peaks: dict[str, MatmulPeak]) -> Path | No
 
 
 def cached_peaks(device: torch.device | str = "cpu", *, remeasure: bool = False) -> dict[str, MatmulPeak]:
-    """Matmul peaks of ``device`` from the cache, measuring (and caching) them when absent."""
+    """Matmul peaks of ``device`` from the cache, measuring (and caching) them when absent. A measurement with a
+    noisy dtype (:attr:`MatmulPeak.noisy`) is returned but not written: the next process measures again."""
     device = normalize_device(device)
     path = peaks_path(device)
     if not remeasure:
@@ -173,7 +189,8 @@ def cached_peaks(device: torch.device | str = "cpu", *, remeasure: bool = False)
         except (OSError, ValueError, TypeError):
             pass
     peaks = measure_peaks(device)
-    write_peaks(device, peaks)
+    if not any(p.noisy for p in peaks.values()):
+        write_peaks(device, peaks)
     return peaks
 
 
