@@ -3,7 +3,9 @@
 Both loops train the same GPT workload from the same seed on the same batches: forward under
 autocast, backward, global-norm clipping, AdamW, LR scheduler, zero_grad (plus a GradScaler in
 the hand loop for fp16). The hand loop makes the engine's op choices: CUDA's autocast op lists
-(``portable_ops``) and the measured attention kernel (``planned_kernels``). The two run interleaved in blocks so that machine drift hits both.
+(``portable_ops``), the measured attention kernel (``planned_kernels``) and, under bf16, norm inputs saved in
+bf16 (``saved_in_compute``: the engine's ``saved=compute``; without it the ratio counted that memory feature's
+casts as overhead). The two run interleaved in blocks so that machine drift hits both.
 Reports the median step time of each (ms, after warm-up) and their ratio from this one run.
 
 Under a ``-pure`` policy the hand loop is the same ``torch.autocast`` loop in the compute dtype over fp32
@@ -29,6 +31,7 @@ from mixprec import MixedPrecision
 from mixprec.programs.bench.measure import time_steps
 from mixprec.autocast.op_plan import planned_kernels
 from mixprec.autocast.portable import portable_ops
+from mixprec.autocast.saved_dtype import saved_in_compute
 from mixprec.workloads import get_workload
 
 
@@ -42,9 +45,10 @@ def _hand_loop(workload, dtype, device):
 
     def step():
         batch = {k: v.to(device) for k, v in next(batches).items()}
-        # the same op choices as the engine's defaults: ops=portable, kernels=measured (mixprec.autocast.op_plan)
+        # the same op choices as the engine's defaults: ops=portable, kernels=measured (mixprec.autocast.op_plan),
+        # saved=compute (norm inputs kept in bf16 for backward: mixprec.autocast.saved_dtype)
         with torch.autocast(device.type, dtype=dtype, enabled=dtype != torch.float32), portable_ops(device.type), \
-                planned_kernels(device.type):
+                planned_kernels(device.type), saved_in_compute(device.type, enabled=dtype == torch.bfloat16):
             loss = workload.loss(model, batch)
         scaler.scale(loss).backward()
         scaler.unscale_(opt)
