@@ -95,10 +95,11 @@ def test_first_screen_holds_the_commands_the_example_and_the_results():
     assert "## Results on this machine" in head
     results = head.split("## Results on this machine", 1)[1]
     rows = [line for line in results.splitlines() if line.startswith("| ")]
-    assert rows and rows[0].startswith("| policy |")
-    assert [r.split("|")[1].strip() for r in rows[1:]] == ["fp32", "bf16-mixed", "bf16-pure", "bf16-kahan", "bf16-sr"]
+    assert rows and rows[0].startswith("| row |") and "vs torch-autocast" in rows[0]
+    assert [r.split("|")[1].strip() for r in rows[1:]] == ["fp32", "bf16-mixed", "bf16-pure", "bf16-kahan", "bf16-sr",
+                                                           "torch-autocast (peer)"]
     # the table is complete inside the first screen: the line after it is blank
-    last = max(i for i, line in enumerate(lines) if line.startswith("| bf16-sr |"))
+    last = max(i for i, line in enumerate(lines) if line.startswith("| torch-autocast (peer) |"))
     assert last < FIRST_SCREEN_LINES and not lines[last + 1].strip()
 
 
