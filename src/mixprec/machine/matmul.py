@@ -56,9 +56,8 @@ class MatmulPeak:
     matmul there, with the error in ``note``). ``measured_at`` (UTC, ISO 8601), ``pid`` and ``torch`` say when, by
     which process and under which torch it was measured (empty / None in a cache file from before they were kept).
     ``spread``: the slowest timed product over the fastest (1.0 on a quiet machine); above :data:`NOISY_SPREAD`
-    the machine was busy, and :func:`cached_peaks` keeps the peak for this process only (a peak measured under a
-    neighbour's load once read 45 GFLOP/s for fp32 where a quiet run measures ~150, and every later MFU was above
-    100 %).
+    the machine was busy, and :func:`cached_peaks` keeps the peak for this process only (a cached low peak would
+    put every later MFU above its true value).
     """
 
     dtype: str

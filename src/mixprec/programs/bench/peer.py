@@ -1,7 +1,7 @@
 """The plain-autocast peer: the row ``torch-autocast`` in every bench, what a user writes instead of mixprec.
 
 Every policy is compared with fp32; a user choosing mixprec also compares it with the loop they would write
-without it. The peer is that loop, trained and measured like a policy (issue 35): the same model from the same
+without it. The peer is that loop, trained and measured like a policy: the same model from the same
 seed, the same batches, the same learning-rate schedule and the same gradient clipping, but
 
 * the model stays fp32, the optimizer is the workload's own recipe (:meth:`~mixprec.workloads.Workload.make_optimizer`,
