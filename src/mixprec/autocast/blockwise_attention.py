@@ -126,7 +126,7 @@ def _keys_and_offsets(q, k, v, lse, mask_add):
         mask_add = mask_add.expand(*mask_add.shape[:-2], q.size(-2), k.size(-2))   # a view: rows to slice
         top = mask_add.amax(-1).to(acc)                                  # (..., T): 0 unless the row is all masked
         top = torch.where(torch.isfinite(top), top, torch.zeros((), dtype=acc, device=top.device))
-        if bool(top.any()):   # CPU only (offered_here): no device sync; else the mask stays a broadcast view
+        if torch.compiler.is_compiling() or bool(top.any()):   # CPU only: no device sync; traced: no data branch
             offset, mask_add = offset - top, mask_add - top.to(dtype).unsqueeze(-1)
     one = torch.ones((), dtype=dtype, device=q.device)
     return _augment(k, one, one), _augment(v, one, one), offset, mask_add
