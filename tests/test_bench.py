@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import statistics
 import math
 import os
 import textwrap
@@ -431,7 +432,7 @@ def tiny_bench(tmp_path_factory):
     """One tiny bench, 3 policies, 10 steps; fp16-mixed SKIPPED by a planted capability."""
     out = tmp_path_factory.mktemp("bench") / "out"
     argv = ["bench", "--config", "tiny", "--policies", "bf16-mixed,fp16-mixed", "--steps", "10",
-            "--out", str(out), "--device", "cpu", "--memory-budget", "64MiB"]
+            "--out", str(out), "--device", "cpu", "--memory-budget", "64MiB", "--portable-cost"]
     with pytest.MonkeyPatch.context() as mp:
         mp.setenv(CAPABILITY_ENV, json.dumps(asdict(NO_FP16_CPU)))
         status = main(argv)
@@ -569,8 +570,8 @@ def test_memory_budget_flag_is_validated_naming_it(tmp_path, capsys):
 def test_every_worker_of_a_bench_runs_the_one_attention_plan_measured_once(tmp_path, capsys):
     """Issue 25: each policy's worker measured its own attention plan (bf16-sr ran ``matmul``, the others
     ``fused``; one shape read 120.4 ms in one worker, 15.2 ms in another), so the speed column compared different
-    kernels. Now the runner measures the plan once, before any worker starts, and every worker (the quality runs
-    and the interleaved timing workers) pins it; the console and report.md print that one plan, once."""
+    kernels. Now the runner measures the plan once, before any worker starts, and every row's worker pins it; the
+    console and report.md print that one plan, once."""
     out = tmp_path / "out"
     main(["bench", "--config", "tiny", "--policies", "bf16-mixed,bf16-sr", "--steps", "5", "--seeds", "1",
           "--eval-every", "0", "--out", str(out), "--device", "cpu", "--max-loss-delta", "1.0"])
@@ -583,9 +584,8 @@ def test_every_worker_of_a_bench_runs_the_one_attention_plan_measured_once(tmp_p
         assert e["source"].startswith("measured") and all(e["times_ms"][c] > 0 for c in ("fused", "fused-fp32"))
     for name in ("bf16-mixed", "bf16-sr"):
         assert plan["policies"][name] == {"dtype": "bfloat16", "pinned": chosen, "not_offered": {}}
-        row, timed = results["policies"][name]["op_plan"], results["timing"]["op_plan"][name]
-        for ran in (row, timed):   # the quality run's engine and the timing worker's: the pinned plan, nothing else
-            assert {e["shape"]: e["chosen"] for e in ran} == chosen and {e["source"] for e in ran} == {"bench"}
+        ran = results["policies"][name]["op_plan"]   # the row's one worker (quality and timing): the pinned plan
+        assert {e["shape"]: e["chosen"] for e in ran} == chosen and {e["source"] for e in ran} == {"bench"}
     assert results["policies"]["bf16-mixed"]["pid"] != results["policies"]["bf16-sr"]["pid"] != os.getpid()
     console, report = capsys.readouterr().out, (out / "report.md").read_text()
     assert console.count("attention plan: measured once under bf16-mixed") == 1
@@ -623,38 +623,49 @@ def test_a_worker_that_did_not_run_the_pinned_plan_is_named():
     assert lines[1].strip() == f"{key} -> matmul (measured; fused 2.00 ms, fused-fp32 1.90 ms, matmul 1.00 ms)"
 
 
-def test_tiny_bench_times_the_policies_interleaved(tiny_bench):
-    """Step times come from the interleaved timing (resident workers, alternating blocks), not the quality runs."""
+def test_tiny_bench_times_the_policies_on_their_quality_steps_taking_turns(tiny_bench):
+    """Issue 36: one pass. The rows' resident workers take turns (3 steps each at 10 steps), so each row's step time is
+    the median of its own quality steps (``step_time_ms_per_step``) after the warm-up, each turn's first step left
+    out; the table's speedups are those medians' ratios."""
+    from mixprec.programs.bench.runner import block_steps_for, warmup_steps_for
+
     _, out, results = tiny_bench
     timing = results["timing"]
-    assert timing["method"] == "interleaved" and timing["block_steps"] == 5 and timing["blocks"] == 4
+    assert timing["method"] == "interleaved" and timing["one_pass"] and timing["block_steps"] == block_steps_for(10) == 3
+    assert timing["blocks"] == 4                                     # ceil(10 / 3) rounds of turns
     assert set(timing["step_ms"]) == {"fp32", "bf16-mixed", "torch-autocast"} and not timing["errors"]   # fp16-mixed was SKIPPED
     from mixprec.programs.bench.interleaved import TIMING_MALLOC_ENV   # the workers' malloc keeps its heap (no per-step faults)
     assert timing["malloc_env"] == {k: os.environ.get(k, v) for k, v in TIMING_MALLOC_ENV.items()}
     assert isinstance(timing["noisy"], bool)
+    timed_steps = [i for i in range(warmup_steps_for(10), 10) if i % 3 != 0]   # turns start at steps 0, 3, 6, 9
+    assert timed_steps == [2, 4, 5, 7, 8]
     for name, step in timing["step_ms"].items():
         e = results["policies"][name]
         assert e["step_time_ms_median"] == step["median"] and e["step_time_ms_p10"] <= step["median"] <= step["p90"]
-        assert e["sequential_step_time_ms_median"] > 0
         assert timing["spread"][name] == pytest.approx(step["p90"] / step["p10"], abs=1e-3)
+        own = statistics.median(e["step_time_ms_per_step"][i] for i in timed_steps)
+        if timing["retimed"]:   # a noisy pass was timed again after the quality runs; the pass's median is kept
+            assert e["sequential_step_time_ms_median"] == own and e["timed_steps"] == 4 * 5
+        else:
+            assert e["step_time_ms_median"] == own and e["timed_steps"] == 5
     bf16 = results["policies"]["bf16-mixed"]
     assert bf16["speedup_vs_fp32"] == pytest.approx(timing["step_ms"]["fp32"]["median"] / timing["step_ms"]["bf16-mixed"]
                                                     ["median"])
-    assert "timing: interleaved (4 rounds of 5 steps per policy" in (out / "report.md").read_text()
+    assert "timing: interleaved in one pass (4 rounds of 3 steps per row" in (out / "report.md").read_text()
     assert "malloc: MALLOC_MMAP_THRESHOLD_=" in (out / "report.md").read_text()
 
 
 def test_noisy_interleaved_timing_is_said_and_gives_no_speed_verdict(tmp_path, capsys, monkeypatch):
     """Console, report.md and results.json agree on noisy timings, and no speed verdict is given. One seed and no eval
     points: this CLI run took over 300 s with them on a loaded machine (issue 25); the noise path is the same."""
-    from mixprec.programs.bench import interleaved, noise
+    from mixprec.programs.bench import noise
 
     monkeypatch.setattr(noise, "SPREAD_LIMIT", 1.0)   # any spread is "noisy": the path, deterministically
     out = tmp_path / "out"
     status = main(["bench", "--config", "tiny", "--policies", "bf16-mixed", "--steps", "5", "--out", str(out),
                    "--device", "cpu", "--min-speedup", "0.01", "--seeds", "1", "--eval-every", "0"])
     results = json.loads((out / "results.json").read_text())
-    assert results["timing"]["noisy"] and results["timing"]["retimed"] == interleaved.RETIMES
+    assert results["timing"]["noisy"] and results["timing"]["retimed"] == 1   # timed again after the pass, still noisy
     bf16 = results["policies"]["bf16-mixed"]
     assert status == 1 and bf16["verdict"] == "FAIL"          # a speed target cannot be judged on noisy timings
     assert "speedup not measured" in bf16["reason"] and "timings noisy: no speed verdict" in bf16["reason"]
@@ -1033,21 +1044,14 @@ def test_a_recompute_row_is_its_own_row_with_its_plan_and_its_step_time_against_
     # recompute runs the forward again under the same autocast state: the same losses, bit for bit (CPU, fixed
     # shapes and threads: deterministic ops; the stochastic rounding draws the same seeded stream)
     assert row["loss_per_step"] == plain["loss_per_step"] and row["final_eval_loss"] == plain["final_eval_loss"]
-    timed = json.loads((out / "workers" / "timing-bf16-lean_recompute.spec.json").read_text())
-    assert timed["policy"] == "bf16-lean" and timed["checkpoint"] == ["blocks.0", "blocks.1"]   # the plan, pinned
     report = (out / "report.md").read_text()
     assert "## Recompute plan" in report and "- bf16-lean+recompute: plan blocks.*: 2 full" in report
     assert "  - blocks.1: full" in report and "| bf16-lean+recompute | PASS |" in report
 
 
-def test_an_auto_plan_is_timed_as_measured_block_by_block():
-    """The interleaved timing worker runs the plan the quality run measured, named per block, never re-measured."""
-    from mixprec.programs.bench.recompute_rows import pinned_checkpoint, split_row
+def test_a_recompute_row_name_splits_into_its_policy():
+    from mixprec.programs.bench.recompute_rows import split_row
 
-    blocks = [{"name": f"blocks.{i}", "mode": m, "saved_bytes": [3, 2, 1], "seconds": [1.0, 1.1, 1.2]}
-              for i, m in enumerate(("none", "selective", "full"))]
-    assert pinned_checkpoint({"blocks": blocks}) == ["selective:blocks.1", "blocks.2"]
-    assert pinned_checkpoint({"blocks": blocks[:1]}) is None and pinned_checkpoint(None) is None
     assert split_row("bf16-lean+recompute") == ("bf16-lean", True) and split_row("bf16-lean") == ("bf16-lean", False)
 
 

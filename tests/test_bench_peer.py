@@ -114,8 +114,8 @@ def test_the_peer_row_trains_what_a_hand_written_autocast_loop_trains(peer_bench
     assert peer["optimizer"] == "torch.optim.adamw.AdamW" and "not a mixprec policy" in peer["decision"]
     assert "torch.autocast('cpu', dtype=torch.bfloat16)" in peer["decision"] and "no GradScaler" in peer["decision"]
     assert peer["loss_scale_history"] == [1.0] * STEPS and peer["skipped_steps"] == 0
-    # nothing of mixprec's planned kernels ran in its processes: its quality and timing workers planned nothing
-    assert peer["op_plan"] == [] and results["timing"]["op_plan"][PEER] == []
+    # nothing of mixprec's planned kernels ran in its process: its worker planned nothing
+    assert peer["op_plan"] == []
     assert rows["bf16-mixed"]["op_plan"] != []
     assert len({e["pid"] for e in rows.values()}) == 3
     assert results["peer"] == {"row": PEER, "dtype": "bfloat16", "grad_scaler": False, "skipped_reason": None,
@@ -132,7 +132,7 @@ def test_the_peer_is_measured_and_judged_like_a_policy(peer_bench):
     assert f"eval loss {peer['eval_loss_delta_vs_fp32']:+.2%} vs fp32" in peer["reason"]
     assert peer["state_bytes_per_param"] == 16.0   # fp32 params and grads, two fp32 AdamW moments
     timed = results["timing"]["step_ms"][PEER]     # timed interleaved with the policies, in the same rounds
-    assert peer["step_time_ms_median"] == timed["median"] and peer["sequential_step_time_ms_median"] > 0
+    assert peer["step_time_ms_median"] == timed["median"] and peer["timed_steps"] > 0
     assert peer["speedup_vs_fp32"] == fp32["step_time_ms_median"] / peer["step_time_ms_median"]
     saved = peer["step_memory"]["saved"]
     assert peer["saved_activation_bytes"] == saved["bytes"] > 0 and "torch.bfloat16" in saved["by_dtype"]

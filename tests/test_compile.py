@@ -254,8 +254,9 @@ def test_bench_compile_reports_compiled_step_times_next_to_eager_and_compile_tim
     assert "compiled (backend inductor, by the engine" in compiled["decision"] and "compiled" not in eager["decision"]
     assert compiled["verdict"] == "PASS" and eager["pid"] != compiled["pid"]   # each in its own process
     # compilation is in the first step, outside the median of the timed steps, and reported apart
-    # (compile time against the quality run's own median; the table's step time is the interleaved timing's)
-    times, own_median = compiled["step_time_ms_per_step"], compiled["sequential_step_time_ms_median"]
+    # (compile time against the quality steps' own median: the table's step time, unless a noisy pass was re-timed)
+    times = compiled["step_time_ms_per_step"]
+    own_median = compiled.get("sequential_step_time_ms_median") or compiled["step_time_ms_median"]
     assert compiled["first_step_ms"] == times[0] > own_median
     assert compiled["compile_time_s"] * 1e3 >= times[0] - own_median > 0
     # same seed, weights and batches: fp32 compiled vs eager, reordered fp32 sums only (128 fp32 ulps, as above)

@@ -23,11 +23,12 @@ from pathlib import Path
 __all__ = ["main", "build_parser"]
 
 _BENCH_EPILOG = """\
-Each policy trains in its own process from the same seed and batch order as the fp32
-reference (always run first), then the torch-autocast peer (a plain torch.autocast loop;
---no-peer leaves it out). Verdicts: PASS / FAIL / SKIPPED / REFERENCE, against the
-targets; exit status 1 when any row FAILs. Outputs in --out: results.json, report.md,
-loss_curves.png, loss_wallclock.png, speed_memory.png. Defaults (no flags) take under 10 minutes on 2 CPU cores.
+Each row (fp32 the reference, each policy, then the torch-autocast peer: a plain torch.autocast
+loop; --no-peer leaves it out) trains in its own resident process from the same seed and batch
+order, and the processes take turns a block of steps at a time: one pass gives both the quality
+and the interleaved step times. Verdicts: PASS / FAIL / SKIPPED / REFERENCE (SMOKE under --quick),
+against the targets; exit status 1 when any row FAILs. Outputs in --out: results.json, report.md,
+loss_curves.png, loss_wallclock.png, speed_memory.png. See the README for the measured run time.
 """
 
 
@@ -155,9 +156,18 @@ def _add_bench_parser(sub: argparse._SubParsersAction, presets: str) -> None:
     bench.add_argument("--compile", action="store_true",
                        help="also run each policy compiled (torch.compile, inductor) as the row <policy>+compiled; "
                        "compile time is reported apart from the step time")
-    bench.add_argument("--seeds", type=_positive_int, default=2,
+    bench.add_argument("--seeds", type=_positive_int, default=None,
                        help="train the fp32 reference at this many seeds (seed, seed+1, ...): the spread of its eval "
-                       "loss is the seed-noise band each verdict is read against (default 2; 1 turns it off)")
+                       "loss is the seed-noise band each verdict is read against; the extra seeds' runs are kept per "
+                       "workload and machine and reused while this run's fp32 ends at the same loss (default 2, "
+                       "--quick 1; 1 turns it off)")
+    bench.add_argument("--fresh-seed-band", action="store_true", help="train the extra seeds again (not the kept runs)")
+    bench.add_argument("--quick", action="store_true",
+                       help="a smoke test in about a minute or two: 30 steps (unless --steps), no seed band, no step "
+                       "profiles; its best verdict is SMOKE, never PASS (it says what it did not establish)")
+    bench.add_argument("--portable-cost", action="store_true",
+                       help="also time ops=portable (CUDA's autocast op lists on this device) against ops=native for "
+                       "the first -mixed policy, interleaved in one process (default: off)")
     bench.add_argument("--eval-every", type=_count, default=None, metavar="K",
                        help="also measure each policy's eval loss after every K-th step (the eval curve in "
                        "results.json and loss_curves.png; default: steps // 10; 0: only the final eval)")
@@ -172,8 +182,9 @@ def _add_bench_parser(sub: argparse._SubParsersAction, presets: str) -> None:
                        "write instead, trained and timed like a policy, each row's speed and saved bytes shown against it "
                        "(default: on)")
     bench.add_argument("--timing", choices=("interleaved", "sequential"), default="interleaved",
-                       help="interleaved (default): after the quality runs, time the policies again in alternating "
-                       "blocks in resident workers, so machine drift hits all alike; sequential: each run's own steps")
+                       help="interleaved (default): one pass, every row in its own resident worker, the workers taking "
+                       "turns a block of steps at a time, so machine drift hits all alike and the quality steps are the "
+                       "timed steps; sequential: one row after the other, each timed on its own steps")
 
 
 def _add_train_parser(sub: argparse._SubParsersAction, presets: str) -> None:
@@ -246,9 +257,11 @@ def _cmd_bench(args: argparse.Namespace, command: str) -> int:
     config = BenchConfig(out=out, workload=args.workload, config=args.config, policies=args.policies,
                          steps=args.steps, seed=args.seed, data=args.data, device=args.device, force=args.force,
                          targets=targets, command=command, strategy=args.strategy, lora=args.lora,
-                         compile=args.compile, timing=args.timing, seeds=args.seeds,
+                         compile=args.compile, timing=args.timing,
+                         seeds=args.seeds if args.seeds is not None else 1 if args.quick else 2,
                          eval_every=args.eval_every, memory_budget=args.memory_budget, recompute=args.recompute,
-                         peer=args.peer)
+                         peer=args.peer, quick=args.quick, portable_cost=args.portable_cost,
+                         fresh_seed_band=args.fresh_seed_band)
     results = run_bench(config).to_json()
     if config.strategy is not None and results["settings"]["world_size"] > 1 and not _main_process():
         return 1 if any(e["verdict"] == "FAIL" for e in results["policies"].values()) else 0  # rank 0 reports
@@ -258,7 +271,7 @@ def _cmd_bench(args: argparse.Namespace, command: str) -> int:
                  + step_profile_lines(results)):
         print(line)
     for name, entry in results["policies"].items():
-        if entry["verdict"] in ("FAIL", "SKIPPED"):
+        if entry["verdict"] in ("FAIL", "SKIPPED", "SMOKE"):
             print(f"{name}: {entry['verdict']}: {entry['reason']}")
     print(f"wrote {out}/results.json, report.md, loss_curves.png, loss_wallclock.png, speed_memory.png "
           f"({results['wall_s']:.0f} s)")

@@ -1,10 +1,9 @@
-"""Interleaved timing: the policies' steps timed in short alternating blocks, so drift cannot fake a speedup.
+"""Interleaved timing-only rounds: rows' steps timed in short alternating blocks, so drift cannot fake a speedup.
 
-The quality runs train one policy after another; on a shared machine another job can slow one policy's
-whole run (126 of 300 fp32 steps over 1 s once made bf16 look 1.5x faster than it is). After them, the
-bench times every policy again *interleaved*: one resident worker process per policy (the same engine,
-model, seed and batch stream as its quality run, built by :func:`serve`), then rounds of short blocks
-A B C … A B C … (each round starts one policy later), so drift lands on every policy alike. Each block
+The bench itself times each row on its quality steps, in one pass (:mod:`mixprec.programs.bench.turns`); this module
+times rows that have already trained (``benchmarks/optimizer_peers.py`` times its peers beside the bench's rows):
+one resident worker process per row (the same engine, model, seed and batch stream as its quality run, built by
+:func:`serve`), then rounds of short blocks A B C … A B C … (each round starts one policy later), so drift lands on every policy alike. Each block
 starts with one untimed step: the first step after a worker sat idle wakes its threads and refills caches, a
 fixed cost that would otherwise weigh more on the faster policies. Per policy:
 median, p10 and p90 of all timed steps, and the spread p90/p10. While a policy's spread exceeds

@@ -49,12 +49,11 @@ def median_step_ms(step_times_ms: list[float], warmup_steps: int) -> float:
     return statistics.median(timed)
 
 
-def warmup_excess_s(step_times_ms: list[float], warmup_steps: int) -> float:
-    """Seconds the first ``warmup_steps`` steps took beyond the median of the timed ones (never
-    negative): under ``torch.compile`` the compilation (the first step, and any recompilation in
-    the warm-up), reported apart from the step time; in eager the first calls' kernel and
-    allocator set-up."""
-    median = median_step_ms(step_times_ms, warmup_steps)
+def warmup_excess_s(step_times_ms: list[float], warmup_steps: int, median: float | None = None) -> float:
+    """Seconds the first ``warmup_steps`` steps took beyond ``median`` (ms; default: the median of the steps
+    after them), never negative: under ``torch.compile`` the compilation (the first step, and any recompilation
+    in the warm-up), reported apart from the step time; in eager the first calls' kernel and allocator set-up."""
+    median = median_step_ms(step_times_ms, warmup_steps) if median is None else median
     return sum(max(0.0, t - median) for t in step_times_ms[:warmup_steps]) / 1e3
 
 

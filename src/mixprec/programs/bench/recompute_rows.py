@@ -9,8 +9,7 @@ as asked, None on a plain row), ``recompute_plan`` (the plan its quality run use
 ``blocks`` = ``[{name, mode, saved_bytes, seconds}]`` with each mode's bytes kept for backward and
 forward+backward seconds in :data:`mixprec.memory.recompute.MODES` order where measured, ``text``) and
 ``step_time_ratio_vs_no_recompute`` (its step time over the plain row's, both from the same timing: interleaved
-by default; None without that row). The interleaved timing worker runs the quality run's plan, named block by
-block (:func:`pinned_checkpoint`), not a plan of its own measured again.
+by default: the one pass, whose timed steps are the quality run's own; None without that row).
 
 Saved bytes of a recompute row: the saved-tensor count sees what autograd keeps outside the recomputed blocks and
 each block's inputs; what a *selective* block keeps inside (its matmul outputs) it does not see
@@ -31,7 +30,7 @@ from mixprec.memory.recompute import MODES, RecomputePlan, match_blocks, parse_r
 from mixprec.programs.bench.figures import fmt
 
 __all__ = ["RECOMPUTE_SUFFIX", "DEFAULT_RECOMPUTE", "split_row", "recompute_option", "check_recompute_rows",
-           "check_plan_fits", "plan_of", "pinned_checkpoint", "with_recompute_ratios", "recompute_lines",
+           "check_plan_fits", "plan_of", "with_recompute_ratios", "recompute_lines",
            "recompute_markdown"]
 
 RECOMPUTE_SUFFIX = "+recompute"   # a row trained with the bench's --recompute plan
@@ -97,14 +96,6 @@ def plan_of(mp: MixedPrecision) -> dict[str, Any] | None:
     blocks = [{"name": b.name, "mode": b.mode, "saved_bytes": None if b.saved_bytes is None else list(b.saved_bytes),
                "seconds": None if b.seconds is None else list(b.seconds)} for b in plan.blocks]
     return {"request": plan.request, "max_ratio": plan.max_ratio, "blocks": blocks, "text": plan.text()}
-
-
-def pinned_checkpoint(plan: dict[str, Any] | None) -> list[str] | None:
-    """The engine's ``checkpoint=`` that applies ``plan`` (results.json's ``recompute_plan``) block by block, not
-    measured again: ``["blocks.0", "selective:blocks.1", ...]``; None when no block recomputes."""
-    names = [b["name"] if b["mode"] == "full" else f"selective:{b['name']}"
-             for b in (plan or {}).get("blocks", ()) if b["mode"] != "none"]
-    return names or None
 
 
 def with_recompute_ratios(entries: dict[str, Any]) -> dict[str, Any]:

@@ -191,7 +191,16 @@ def timing_lines(results: dict) -> list[str]:
     """How the table's step times were measured, their spread, and whether they carry a speed verdict: the
     console and report.md print these lines, and only these, about the timing; "noisy" is ``timing.noisy``."""
     t = results.get("timing") or {}
-    if t.get("method") == "interleaved":
+    if t.get("method") == "interleaved" and t.get("one_pass"):
+        timed = [r.get("timed_steps") for r in results["policies"].values() if r.get("timed_steps")]
+        count = f"{min(timed)}-{max(timed)}" if timed and min(timed) != max(timed) else f"{timed[0] if timed else 0}"
+        retimed = (f"; the pass was noisy, so every row was timed again after its quality run ({t['retime_rounds']} "
+                   f"rounds of {t['retime_block_steps']} steps, each after one untimed step)" if t.get("retimed") else "")
+        how = (f"timing: interleaved in one pass ({t['blocks']} rounds of {t['block_steps']} steps per row, each row in "
+               f"its own resident worker, taking turns; the timed steps are the quality steps, leaving out the "
+               f"warm-up, each turn's first step and the step after each eval{_malloc_text(t.get('malloc_env'))}"
+               f"{retimed}): step time is the median of each row's {count} timed steps")
+    elif t.get("method") == "interleaved":
         retimed = f", re-timed {t['retimed']}x" if t.get("retimed") else ""
         how = (f"timing: interleaved ({t['blocks']} rounds of {t['block_steps']} steps per policy in resident "
                f"workers, each block after one untimed step{retimed}{_malloc_text(t.get('malloc_env'))}): step time "
@@ -249,7 +258,7 @@ def op_plan_lines(results: dict) -> list[str]:
     lines += [f"  {e['shape']} -> {e['chosen']} ({entry_words(e)})" for e in plan["entries"]]
     lines += [f"  {name} at {key.split(' causal=')[0]}: {why}" for name, p in plan["policies"].items()
               for key, why in (p.get("not_offered") or {}).items()]
-    ran = ["  every worker ran this plan (checked in each quality run's and timing worker's engine)"]
+    ran = ["  every worker ran this plan (checked in each row's worker's engine)"]
     deviations = [f"  {line}" for line in plan_deviations(results)]
     return lines + (deviations or (ran if plan["entries"] else []))
 

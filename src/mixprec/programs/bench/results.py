@@ -38,7 +38,8 @@ class PolicyRun:
     ``eval_curve`` is ``[[step, eval loss], ...]``, the final eval last; ``state_bytes``, ``final_eval``,
     ``events`` and ``op_plan`` are kept in their JSON form. ``stage`` (``"setup"``/``"train"``) says where a
     failed worker stopped; ``sequential_step_time_ms_median`` is the quality run's own median when the row
-    was re-timed interleaved. ``saved_activation_bytes`` (the parameters left out) and ``peak_live_bytes`` (the
+    was re-timed after its quality steps; ``timed_steps`` how many steps its median is of (the warm-up, each turn's
+    first step and each step after an eval point left out). ``saved_activation_bytes`` (the parameters left out) and ``peak_live_bytes`` (the
     step's peak of live tensors, baseline included) come from one extra untimed step after the final eval
     (:mod:`mixprec.programs.bench.step_memory`), ``step_memory`` their detail (or ``{"error": ...}``);
     ``memory_budget`` the largest batch in ``--memory-budget`` (:class:`mixprec.memory.budget.BatchBudget`'s dict).
@@ -121,6 +122,7 @@ class PolicyRun:
     # present only when set
     stage: str | None = None
     sequential_step_time_ms_median: float | None = None
+    timed_steps: int | None = None
     state_bytes_per_param_per_rank: list[float] | None = None
     state_bytes_per_param_per_rank_max: float | None = None
     peak_live_bytes_per_rank: list[int | None] | None = None
@@ -138,7 +140,7 @@ class PolicyRun:
 
     def to_json(self) -> dict[str, Any]:
         """results.json's row: :data:`POLICY_KEYS` always, :data:`RUN_KEYS` for a row that trained, then
-        ``stage``, ``sequential_step_time_ms_median`` and the per-rank figures (under a strategy:
+        ``stage``, ``sequential_step_time_ms_median``, ``timed_steps`` and the per-rank figures (under a strategy:
         :mod:`mixprec.programs.bench.per_rank`) where set."""
         keys = POLICY_KEYS + (RUN_KEYS if self.trained else ())
         out = {key: getattr(self, key) for key in keys}
@@ -161,7 +163,7 @@ class PolicyRun:
 
 
 _FIELDS = frozenset(f.name for f in fields(PolicyRun))
-_WHEN_SET = ("stage", "sequential_step_time_ms_median", *PER_RANK_KEYS)
+_WHEN_SET = ("stage", "sequential_step_time_ms_median", "timed_steps", *PER_RANK_KEYS)
 
 
 @dataclass(frozen=True)

@@ -1,4 +1,4 @@
-"""``mixprec bench``: every policy side by side with fp32, one subprocess each, then verdicts.
+"""``mixprec bench``: every policy side by side with fp32, one resident process each, then verdicts.
 
 Plan: fp32 always runs, first, as the reference. Each other policy is resolved for the device
 with the measured capability (:func:`mixprec.policy.resolve.resolve`); a policy the device refuses,
@@ -6,27 +6,14 @@ and fp16 on a CPU whose probe says fp16 is not native, is SKIPPED with the measu
 unless ``force=True``. Nothing is run in another precision than asked: each worker records
 the engine's ``policy`` and ``decision`` and the report shows them.
 
-Each runnable policy then trains in the worker, ``python -m mixprec.programs.bench`` (its own process:
-honest peak memory, no disturbance between runs), from the same seed and batch order. The runner reads
+Each runnable policy then trains in its own worker process (honest peak memory, no state shared between rows),
+from the same seed and batch order; by default the workers take turns in one pass (:mod:`~mixprec.programs.bench.turns`),
+so the quality steps are the interleaved timed steps. The runner reads
 the measurements, computes the deltas against fp32 (speedup, memory ratio, relative eval-loss delta),
 judges them (:mod:`~mixprec.programs.bench.verdict`), writes the outputs (:mod:`~mixprec.programs.bench.report`).
 
-**Default step count** (:data:`DEFAULT_STEPS` = 300, on ``gpt``/``mid``), measured on the
-2-core Xeon (AMX, avx512_bf16) this was written on, torch 2.13:
-
-* Budget: the whole default run must finish in 10 minutes. Median step times there: fp32
-  233 ms, bf16-mixed 160, bf16-pure 146, bf16-kahan 170, bf16-sr 181, i.e. 0.89 s for one
-  step of all five policies, plus 10-30 s per worker for start-up, model build and the final
-  evaluation. The default run took 447 s (7.5 min) with another job sharing the cores part of
-  the time: ~25 % headroom. (On a saturated machine, load 6 on 2 cores, it took 24 min: a
-  benchmark needs a quiet machine. The eval losses of both runs matched bit for bit, except
-  bf16-mixed's: 1.9704 vs 1.9700, not bit-reproducible from run to run on this CPU.)
-* Signal: at 300 steps the model is well past the unigram plateau (eval loss 1.97 nats/char
-  vs 2.56 at step 30). The final eval losses of the four bf16 policies lie within 0.09 % of
-  fp32's, below the fp32 seed-to-seed spread at 300 steps (seeds 0, 1, 2: 1.9698, 1.9810,
-  1.9741; standard deviation 0.29 %), so the 2 % gate sits about 7 standard deviations of
-  run-to-run noise above it: a FAIL means a real precision problem, not chance. At 30 steps
-  the deltas were larger (up to +0.30 %) and measured the steep initial drop, not training.
+**Default step count** (:data:`DEFAULT_STEPS` = 300 on ``gpt``/``mid``): why 300, as measured, is in docs/bench.md
+("Why 300 steps"). ``--quick`` (:data:`QUICK_STEPS`) is a smoke test and says so in its verdicts.
 
 Testing hook, read ONLY here: ``MIXPREC_BENCH_CAPABILITY`` holds a JSON object of
 :class:`mixprec.machine.capability.Capability` fields that replaces the measured probe when planning
@@ -50,6 +37,7 @@ import torch
 from tqdm import tqdm
 
 from mixprec.programs.bench.launch import free_port, run_worker, worker_env
+from mixprec.programs.bench.interleaved import TIMING_MALLOC_ENV
 from mixprec.programs.bench.mfu import one_mfu_peak, peaks_environment
 from mixprec.programs.bench.report import COMPILED_SUFFIX, write_outputs
 from mixprec.programs.bench.noise import settle_noise
@@ -57,10 +45,12 @@ from mixprec.programs.bench.peer import PeerPlan, peer_targets, plan_peer, with_
 from mixprec.programs.bench.pinned_plan import measure_bench_plan, pinned_for
 from mixprec.programs.bench.portable_cost import bench_portable_cost
 from mixprec.programs.bench.recompute_rows import (DEFAULT_RECOMPUTE, check_plan_fits, check_recompute_rows,
-                                                   pinned_checkpoint, recompute_option, split_row, with_recompute_ratios)
+                                                   recompute_option, split_row, with_recompute_ratios)
 from mixprec.programs.bench.results import BenchResults, PolicyRun
+from mixprec.programs.bench.seed_band import band_key, kept_runs, seed_noise
+from mixprec.programs.bench.turns import RETIME_BLOCK, Progress, Turns, with_step_times
 from mixprec.programs.bench.step_memory import memory_ratios
-from mixprec.programs.bench.verdict import Targets, judge
+from mixprec.programs.bench.verdict import Targets, judge, smoke_words
 from mixprec.programs.bench.spec import RunSpec
 from mixprec.machine.capability import Capability, normalize_device, probe
 from mixprec.machine.cache import cpu_name
@@ -74,11 +64,12 @@ from mixprec.workloads import get_workload
 if TYPE_CHECKING:
     from mixprec.numerics.advice import Recommendation
 
-__all__ = ["BenchConfig", "DEFAULT_POLICIES", "DEFAULT_STEPS", "DEFAULT_GPT_CONFIG", "CAPABILITY_ENV",
+__all__ = ["BenchConfig", "DEFAULT_POLICIES", "DEFAULT_STEPS", "QUICK_STEPS", "DEFAULT_GPT_CONFIG", "CAPABILITY_ENV",
            "run_bench", "plan_policy", "judge_policies", "warmup_steps_for", "eval_every_for"]
 
 DEFAULT_POLICIES = ("fp32", "bf16-mixed", "bf16-pure", "bf16-kahan", "bf16-sr")
 DEFAULT_STEPS = 300
+QUICK_STEPS = 30      # --quick: a smoke test's steps (the unigram plateau is behind it; training has not settled)
 DEFAULT_GPT_CONFIG = "mid"
 REFERENCE = "fp32"
 CAPABILITY_ENV = "MIXPREC_BENCH_CAPABILITY"
@@ -95,9 +86,10 @@ class BenchConfig:
     (``"ddp"``, ``"fsdp2"``): run under torchrun, one runner per rank (see :func:`run_bench`). ``compile``: each
     policy also runs compiled (``MixedPrecision(..., compile=True)``, inductor) in its own worker, as
     the row ``<policy>+compiled`` (:data:`mixprec.programs.bench.report.COMPILED_SUFFIX`), judged against eager fp32 like the others;
-    its compilation time is reported apart from its step time. ``timing``: ``"interleaved"`` (default: after
-    the quality runs, every policy is timed again in alternating blocks, :mod:`mixprec.programs.bench.interleaved`, and
-    its step time, throughput and speedup come from there) or ``"sequential"`` (each quality run's own steps).
+    its compilation time is reported apart from its step time. ``timing``: ``"interleaved"`` (default: one pass,
+    every row trains in its own resident worker and the workers take turns a block of steps at a time,
+    :mod:`mixprec.programs.bench.turns`, so each row's quality steps are also its timed steps, interleaved with the
+    others') or ``"sequential"`` (one row after the other, each timed on its own steps; always under a strategy).
     ``seeds``: the fp32 reference also trains at ``seeds - 1`` more seeds (``seed + 1``, ...): the spread of its
     final eval loss is the seed-noise band each verdict is read against (1: none; not under a strategy).
     ``eval_every``: every policy also measures its validation loss after every K-th step (its ``eval_curve``);
@@ -108,7 +100,11 @@ class BenchConfig:
     without such a row, and at :func:`run_bench` before any training when it names blocks the model lacks).
     ``peer``: also train and time the plain-``torch.autocast`` loop a user would write instead, as the row
     ``torch-autocast`` (:mod:`mixprec.programs.bench.peer`; every row gets its speed and saved bytes against it);
-    False: ``--no-peer``.
+    False: ``--no-peer``. ``quick``: a smoke test (``--quick``): :data:`QUICK_STEPS` steps unless ``steps`` is given,
+    no step profiles, and no verdict better than ``SMOKE`` (what it did not establish is said). ``portable_cost``: also
+    time ``ops=portable`` against ``ops=native`` (:mod:`mixprec.programs.bench.portable_cost`). ``fresh_seed_band``: train
+    the extra seeds again instead of reusing the runs kept for this workload and machine
+    (:mod:`mixprec.programs.bench.seed_band`).
     """
 
     out: Path
@@ -131,6 +127,9 @@ class BenchConfig:
     memory_budget: str | None = None
     recompute: str | None = None
     peer: bool = True
+    quick: bool = False
+    portable_cost: bool = False
+    fresh_seed_band: bool = False
 
     def __post_init__(self) -> None:
         if self.memory_budget is not None:
@@ -215,9 +214,10 @@ def _environment(device: torch.device, capability: Capability, peaks: dict[str, 
 
 
 def judge_policies(entries: dict[str, PolicyRun], targets: Targets, *, noisy: bool = False,
-                   seed_noise: dict | None = None) -> dict[str, PolicyRun]:
+                   seed_noise: dict | None = None, smoke: str | None = None) -> dict[str, PolicyRun]:
     """``entries`` with the deltas vs fp32 and a verdict added to every row; ``noisy`` timings give no speed
-    verdict; with ``seed_noise`` (results.json's) each reason says whether the loss delta lies within the seed band."""
+    verdict; with ``seed_noise`` (results.json's) each reason says whether the loss delta lies within the seed band;
+    ``smoke`` (what a smoke test did not establish): a PASS becomes ``SMOKE``, its reason led by these words."""
     ref = entries[REFERENCE]
     if ref.error is None and ref.skipped_reason is None and ref.final_eval_loss is None:
         ref = replace(ref, error="the fp32 eval loss is not finite: the reference diverged")
@@ -243,66 +243,14 @@ def judge_policies(entries: dict[str, PolicyRun], targets: Targets, *, noisy: bo
         delta, band = e.eval_loss_delta_vs_fp32, (seed_noise or {}).get("relative_spread")
         if band is not None and delta is not None and math.isfinite(delta):
             note += f"; {'within' if abs(delta) <= band else 'outside'} seed noise (±{band:.2%})"
-        judged[name] = replace(e, verdict=verdict.verdict, reason=verdict.reason + (note if name != REFERENCE else ""))
+        reason = verdict.reason + (note if name != REFERENCE else "")
+        if smoke is not None and verdict.verdict == "PASS":
+            verdict, reason = replace(verdict, verdict="SMOKE"), f"{smoke}; {reason}"
+        judged[name] = replace(e, verdict=verdict.verdict, reason=reason)
     return judged
 
 
 ADVISED = "advised"  # --policies advised: run what `mixprec inspect` recommends for this workload
-
-
-def _retime(config: BenchConfig, entries: dict[str, PolicyRun], specs: dict[str, RunSpec], workdir: Path,
-            progress: bool) -> tuple[dict[str, Any], dict[str, PolicyRun]]:
-    """``timing="interleaved"``: time the rows that trained, interleaved (:mod:`mixprec.programs.bench.interleaved`), and
-    replace their step time and what derives from it (the quality run's median is kept as
-    ``sequential_step_time_ms_median``) and add their ``step_profile`` (the window each timing worker profiled after
-    the timing; moved from the timing's reply to the rows); returns results.json's ``timing`` (with ``malloc_env``: the workers' glibc malloc
-    thresholds, :data:`mixprec.programs.bench.interleaved.TIMING_MALLOC_ENV` unless the environment set them; ``spread``
-    and ``noisy`` decided over every row by :func:`~mixprec.programs.bench.noise.settle_noise`) and the rows.
-    Sequential under a strategy or with < 2 rows."""
-    rows = [n for n in specs if entries[n].step_time_ms_median is not None]
-    if config.timing != "interleaved" or config.strategy is not None or len(rows) < 2:
-        return settle_noise({"method": "sequential"}, entries), entries
-    from mixprec.programs.bench.interleaved import time_interleaved
-
-    rounds = max(4, min(12, config.steps // 25))
-    if progress:
-        print(f"timing {len(rows)} rows interleaved: {rounds} rounds of 5 steps each", file=sys.stderr)
-    timing = time_interleaved({n: specs[n] for n in rows}, workdir, worker_env(), block_steps=5, rounds=rounds,
-                              warmup_steps=3)
-    entries = dict(entries)
-    profiles = timing.pop("step_profile", {})
-    for name, step in timing["step_ms"].items():
-        e = entries[name] = replace(entries[name], step_profile=profiles.get(name))
-        if step is None:
-            continue
-        scale = e.step_time_ms_median / step["median"]       # throughput scales inversely with step time
-        rescaled = {key: getattr(e, key) * scale for key in ("items_per_s", "tokens_per_s", "gflops_per_s", "mfu")
-                    if getattr(e, key) is not None}
-        entries[name] = replace(e, sequential_step_time_ms_median=e.step_time_ms_median,
-                                step_time_ms_median=step["median"], step_time_ms_p10=step["p10"],
-                                step_time_ms_p90=step["p90"], **rescaled)
-    return settle_noise(timing, entries), entries
-
-
-def _seed_noise(config: BenchConfig, spec: RunSpec | None, reference: PolicyRun, seeds: list[int], workdir: Path,
-                bar: tqdm) -> dict[str, Any] | None:
-    """The fp32 reference trained again at each of ``seeds``: results.json's ``seed_noise`` = ``seeds`` (all,
-    the run's own first), ``fp32_eval_losses``, ``relative_spread`` ((max - min) / min), ``fp32_eval_curves``
-    (each seed's ``eval_curve``, same order), or None (no extra seed, or a reference that did not finish)."""
-    if not seeds or spec is None or reference.final_eval_loss is None:
-        return None
-    losses, curves = [reference.final_eval_loss], [reference.eval_curve]
-    for seed in seeds:
-        bar.set_description(f"fp32 at seed {seed} (seed-noise band)")
-        result = run_worker(replace(spec, seed=seed, memory_budget=None), workdir, f"seed{seed}-fp32", bar)
-        if result.final_eval_loss is None:
-            return {"seeds": [config.seed, *seeds], "fp32_eval_losses": losses, "relative_spread": None,
-                    "fp32_eval_curves": curves,
-                    "error": result.error or "the fp32 run at another seed did not finish"}
-        losses.append(result.final_eval_loss)
-        curves.append(result.eval_curve)
-    return {"seeds": [config.seed, *seeds], "fp32_eval_losses": losses,
-            "relative_spread": (max(losses) - min(losses)) / min(losses), "fp32_eval_curves": curves}
 
 
 def run_bench(config: BenchConfig, *, capability: Capability | None = None, progress: bool = True) -> BenchResults:
@@ -326,9 +274,8 @@ def run_bench(config: BenchConfig, *, capability: Capability | None = None, prog
     cap = _capability(device, capability)
     workload = get_workload(config.workload, config=config.config_name, data=config.data, lora=config.lora)
     description = workload.describe()
-    if config.steps is None:
-        config = replace(config, steps=int(getattr(workload, "default_steps", DEFAULT_STEPS)))
-    del workload
+    default_steps = QUICK_STEPS if config.quick else int(getattr(workload, "default_steps", DEFAULT_STEPS))
+    config, workload = replace(config, steps=config.steps or default_steps), None
     peaks = cached_peaks(device)
     names, skip, advice = _plan(config, device, cap, progress)
     bases = {split_row(n)[0]: skip[n] for n in names}   # a recompute row's policy plans like its plain row
@@ -343,12 +290,16 @@ def run_bench(config: BenchConfig, *, capability: Capability | None = None, prog
     run = _Run(config, device, workdir, {name: peak.gflops_per_s for name, peak in peaks.items()},
                warmup_steps_for(config.steps),
                eval_every_for(config.steps) if config.eval_every is None else config.eval_every, plan, peer)
-    entries, specs, seed_noise = _train_rows(run, rows, skip, progress)
-    timing, entries = _retime(config, entries, specs, workdir, progress)
+    if config.timing == "interleaved" and config.strategy is None:
+        entries, seed_noise, timing = _train_in_turns(run, rows, skip, progress)
+    else:
+        entries, seed_noise = _train_rows(run, rows, skip, progress)
+        timing = settle_noise({"method": "sequential"}, entries)
     entries = with_peer_ratios(with_recompute_ratios(entries))
     mfu_peak, entries = one_mfu_peak(entries, peaks)
-    entries = judge_policies(entries, config.targets, noisy=timing["noisy"], seed_noise=seed_noise)
-    portable = bench_portable_cost(config, device, runnable, progress)
+    entries = judge_policies(entries, config.targets, noisy=timing["noisy"], seed_noise=seed_noise,
+                             smoke=smoke_words(config.steps, config.seeds > 1) if config.quick else None)
+    portable = bench_portable_cost(config, device, runnable, progress) if config.portable_cost else None
     results = BenchResults(
         created=time.strftime("%Y-%m-%dT%H:%M:%S%z"), command=config.command,
         settings=_settings(run, names), workload=description,
@@ -418,15 +369,98 @@ class _Run:
                        autocast_dtype=self.peer.autocast_dtype(name) if self.peer else None)
 
 
-def _train_rows(run: _Run, names: list[str], skip: dict[str, str | None], progress: bool
-                ) -> tuple[dict[str, PolicyRun], dict[str, RunSpec], dict[str, Any] | None]:
-    """Train every runnable row (eager, then compiled under ``--compile``; the peer eager only) in its own worker,
-    then the fp32 reference at the extra seeds: the rows (no verdicts yet), the specs of the rows that ran, and
-    ``seed_noise``."""
-    config = run.config
+def _jobs(run: _Run, names: list[str]) -> list[tuple[int, str, bool]]:
+    """(index, name, compiled) of every row to train: each name eager, then compiled under ``--compile`` (the peer
+    eager only)."""
     eager_only = set(run.peer.rows()) if run.peer else set()
-    jobs = [(index, name, compiled) for index, name in enumerate(names)
-            for compiled in ((False, True) if config.compile else (False,)) if not (compiled and name in eager_only)]
+    return [(index, name, compiled) for index, name in enumerate(names)
+            for compiled in ((False, True) if run.config.compile else (False,)) if not (compiled and name in eager_only)]
+
+
+def _file_name(index: int, name: str, compiled: bool) -> str:
+    return f"{index}{'c' if compiled else ''}-{''.join(c if c.isalnum() or c in '-_' else '_' for c in name)}"
+
+
+def _as_row(config: BenchConfig, spec: RunSpec, name: str, result: PolicyRun) -> PolicyRun:
+    """A worker's result as the table's row: SKIPPED where the engine (or the peer's loop) refused it at setup."""
+    if result.stage == "setup":
+        return PolicyRun.skipped(spec.policy, f"the engine refused it: {result.error}")
+    return replace(result, requested=spec.policy,
+                   recompute=(config.recompute or DEFAULT_RECOMPUTE) if split_row(name)[1] else None)
+
+
+def _train_in_turns(run: _Run, names: list[str], skip: dict[str, str | None], progress: bool
+                    ) -> tuple[dict[str, PolicyRun], dict[str, Any] | None, dict[str, Any]]:
+    """The one pass (:mod:`mixprec.programs.bench.turns`): every runnable row, and the fp32 reference at the extra
+    seeds unless their kept runs fit, train taking turns; then the final evals and memory steps, a re-timing when
+    the pass was noisy, and the step profiles. Returns the rows (no verdicts yet), ``seed_noise`` and results.json's
+    ``timing``."""
+    config = run.config
+    entries: dict[str, PolicyRun] = {}
+    specs: dict[str, RunSpec] = {}
+    files: dict[str, str] = {}
+    for index, name, compiled in _jobs(run, names):
+        row = name + COMPILED_SUFFIX if compiled else name
+        if skip[name] is not None:
+            entries[row] = PolicyRun.skipped(name, skip[name])
+        else:
+            specs[row], files[row] = run.spec(name, compiled), _file_name(index, name, compiled)
+    seeds = [config.seed + k for k in range(1, config.seeds)]
+    kept = None if config.fresh_seed_band or not seeds else kept_runs(run.device, band_key(specs[REFERENCE], seeds))
+    extra = {} if kept is not None or not seeds else {
+        f"seed{seed}-fp32": replace(specs[REFERENCE], seed=seed, memory_budget=None) for seed in seeds}
+    block = block_steps_for(config.steps)
+    with tqdm(total=sum(spec.steps for spec in {**specs, **extra}.values()), unit="step", dynamic_ncols=True,
+              disable=not progress) as bar, Turns({**specs, **extra}, {**files, **{n: n for n in extra}}, run.workdir,
+                                                  worker_env()) as turns:
+        bar.set_description(f"building {len(turns.workers)} workers, one at a time")
+        turns.build()
+        bar.set_description(f"{len(turns.workers)} rows taking turns, {block} steps each")
+        status = Progress(config.steps, list(specs), REFERENCE, bar)
+        turns.train(block, on_turn=status.turn)
+        bar.set_description("final evals and memory steps, one row at a time")
+        rows = turns.finish()
+        for index, name, compiled in _jobs(run, names):
+            row = name + COMPILED_SUFFIX if compiled else name
+            if row in specs:
+                entries[row] = _as_row(config, specs[row], name, rows[row])
+        entries = {row: entries[row] for row in [n + s for _, n, c in _jobs(run, names)
+                                                 for s in [COMPILED_SUFFIX if c else ""]]}
+        timing = {"method": "interleaved", "one_pass": True, "blocks": turns.rounds, "block_steps": block,
+                  "retimed": 0, "errors": {}, "malloc_env": {k: turns.env[k] for k in TIMING_MALLOC_ENV}}
+        timed = [n for n in specs if entries[n].step_time_ms_median is not None]
+        timing = settle_noise(timing, entries)
+        if timing["noisy"] and len(timed) > 1:   # timing-only rounds after the quality runs replace the step times
+            bar.set_description("the pass was noisy: timing again")
+            rounds = max(4, min(12, config.steps // 25))
+            entries = with_step_times(entries, turns.retime(timed, rounds))
+            timing = settle_noise({**timing, "retimed": 1, "retime_rounds": rounds, "retime_block_steps": RETIME_BLOCK},
+                                  entries)
+        timing["step_ms"] = {n: {"median": entries[n].step_time_ms_median, "p10": entries[n].step_time_ms_p10,
+                                 "p90": entries[n].step_time_ms_p90} for n in timed}
+        if not config.quick:
+            bar.set_description("profiling a window of each row's steps")
+            profiles = turns.ask_each(timed, {"profile": True}, "step_profile")
+            entries = {n: replace(e, step_profile=profiles.get(n)) for n, e in entries.items()}
+        trained = {int(n[4:].split("-")[0]): rows[n] for n in extra}
+        band = seed_noise(specs.get(REFERENCE), entries[REFERENCE], seeds, run.workdir, bar,
+                          fresh=config.fresh_seed_band, trained=trained)
+    return entries, band, timing
+
+
+def block_steps_for(steps: int) -> int:
+    """Steps per turn in the one pass: a tenth of the run, at least 3, at most 10 (each turn's first step is not
+    timed, so shorter turns time fewer steps; longer ones interleave less often)."""
+    return max(3, min(10, steps // 10))
+
+
+def _train_rows(run: _Run, names: list[str], skip: dict[str, str | None], progress: bool
+                ) -> tuple[dict[str, PolicyRun], dict[str, Any] | None]:
+    """``timing="sequential"`` (and every strategy): train every runnable row (eager, then compiled under
+    ``--compile``; the peer eager only) in its own worker, one after the other, then the fp32 reference at the extra
+    seeds: the rows (no verdicts yet) and ``seed_noise``."""
+    config = run.config
+    jobs = _jobs(run, names)
     runnable = [job for job in jobs if skip[job[1]] is None]
     entries: dict[str, PolicyRun] = {}
     specs: dict[str, RunSpec] = {}
@@ -442,17 +476,12 @@ def _train_rows(run: _Run, names: list[str], skip: dict[str, str | None], progre
             spec = run.spec(name, compiled)
             env_update = None if config.strategy is None else {
                 "MASTER_PORT": str(from_main_process(free_port() if is_main_process() else None))}
-            file_name = f"{index}{'c' if compiled else ''}-{''.join(c if c.isalnum() or c in '-_' else '_' for c in name)}"
-            result = run_worker(spec, run.workdir, file_name, bar, env_update)
-            recomputed = split_row(name)[1]   # timed with the plan its quality run used, not measured again
-            specs[row] = replace(spec, checkpoint=pinned_checkpoint(result.recompute_plan)) if recomputed else spec
-            if result.stage == "setup":  # the engine (or the peer's loop) refused it: it did not run
-                entries[row] = PolicyRun.skipped(spec.policy, f"the engine refused it: {result.error}")
-            else:
-                entries[row] = replace(result, requested=spec.policy,
-                                       recompute=(config.recompute or DEFAULT_RECOMPUTE) if recomputed else None)
-        seed_noise = _seed_noise(config, specs.get(REFERENCE), entries[REFERENCE], extra_seeds, run.workdir, bar)
-    return entries, specs, seed_noise
+            result = run_worker(spec, run.workdir, _file_name(index, name, compiled), bar, env_update)
+            specs[row] = spec
+            entries[row] = _as_row(config, spec, name, result)
+        band = seed_noise(specs.get(REFERENCE), entries[REFERENCE], extra_seeds, run.workdir, bar,
+                          fresh=config.fresh_seed_band)
+    return entries, band
 
 
 def _settings(run: _Run, names: list[str]) -> dict[str, Any]:
@@ -465,4 +494,4 @@ def _settings(run: _Run, names: list[str]) -> dict[str, Any]:
             "device": str(run.device), "force": config.force, "targets": asdict(config.targets),
             "strategy": config.strategy, "world_size": world_size(), "memory_budget": config.memory_budget,
             "recompute": (config.recompute or DEFAULT_RECOMPUTE) if any(split_row(n)[1] for n in names) else None,
-            "peer": config.peer}
+            "peer": config.peer, "quick": config.quick, "portable_cost": config.portable_cost}

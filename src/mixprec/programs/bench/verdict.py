@@ -7,7 +7,9 @@ A verdict is one of:
   native fp16 kernels, or a policy the device cannot run); ``--force`` runs such policies;
 * ``FAIL``: the run crashed, its final validation loss is not finite, there is no fp32
   reference to compare with, or a target was missed;
-* ``PASS``: every target was met.
+* ``PASS``: every target was met;
+* ``SMOKE``: every target was met in a smoke test (``mixprec bench --quick``), which cannot establish a PASS: the
+  reason says what it did not establish.
 
 Targets (:class:`Targets`):
 
@@ -22,9 +24,9 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass
 
-__all__ = ["Targets", "Verdict", "judge", "VERDICTS"]
+__all__ = ["Targets", "Verdict", "judge", "smoke_words", "VERDICTS"]
 
-VERDICTS = ("PASS", "FAIL", "SKIPPED", "REFERENCE")
+VERDICTS = ("PASS", "FAIL", "SKIPPED", "REFERENCE", "SMOKE")
 
 
 @dataclass(frozen=True)
@@ -92,3 +94,12 @@ def judge(*, targets: Targets, loss_delta: float | None = None, speedup: float |
     if failures:
         return Verdict("FAIL", "; ".join(failures + passes))
     return Verdict("PASS", "; ".join(passes))
+
+
+def smoke_words(steps: int, seed_band: bool) -> str:
+    """What a smoke test (``mixprec bench --quick``) of ``steps`` steps did not establish: each SMOKE verdict's
+    reason starts with it."""
+    return (f"smoke test (--quick, {steps} steps): the targets held, but this does not establish a PASS — "
+            "final losses this early measure the first drop, not training"
+            + ("" if seed_band else ", no seed-noise band was measured")
+            + ", and the step times rest on few steps; run without --quick for a verdict")

@@ -22,6 +22,7 @@ import dataclasses
 import json
 import math
 import os
+import statistics
 import sys
 import time
 import traceback
@@ -54,12 +55,6 @@ class SetupError(RuntimeError):
     """The workload or the engine could not be built (e.g. the device cannot run the policy)."""
 
 
-def _eval_point(mp: Trainee, workload: Workload, spec: RunSpec, step: int, curve: list) -> None:
-    """Append ``[step, eval loss]`` to ``curve`` when ``step`` (1-based, after the step) is a K-th, not the last."""
-    if spec.eval_every and step % spec.eval_every == 0 and step < spec.steps:
-        curve.append([step, _finite_or_none(evaluate(mp, workload)["loss"])])
-
-
 def _finite_or_none(x: float) -> float | None:
     return x if math.isfinite(x) else None
 
@@ -73,7 +68,7 @@ def _spread_ms(times_ms: list[float]) -> dict[str, float | None]:
 
 @dataclass
 class _Record:
-    """What one run's training loop recorded (:func:`_train`)."""
+    """What one run's training loop recorded (:class:`Training`)."""
 
     memory: MemoryMeter
     history: dict[str, list] = field(default_factory=lambda: {k: [] for k in ("loss", "loss_scale", "grad_norm",
@@ -81,33 +76,87 @@ class _Record:
     skipped: Counter = field(default_factory=Counter)
     eval_curve: list[list] = field(default_factory=list)   # [[step, eval loss], ...], the final eval last
     measured: dict[str, Any] = field(default_factory=dict)
+    untimed: set[int] = field(default_factory=set)   # 0-based steps past the warm-up left out of the step time
 
 
-def _train(mp: Trainee, workload: Workload, spec: RunSpec, progress: Callable[[int], None] | None) -> _Record:
-    """Train ``spec.steps`` steps, timing each (one host sync per step) and recording the loss, the loss scale,
-    the grad norm, the lr, skipped steps, the eval points and, after ``spec.measure_state_at``'s backward, the
-    training-state bytes."""
-    record = _Record(memory=MemoryMeter(mp.device))
-    history = record.history
-    train_batches = shard_batches(workload.batches("train", spec.seed))  # one process: every batch
-    for step in range(spec.steps):
-        batch = next(train_batches)
-        lr = float(mp.optimizer.param_groups[0]["lr"])   # a tensor in torchao's optimizers, updated in place
-        after = (lambda: record.measured.update(state=state_bytes(mp.model, mp.optimizer))) \
-            if step == spec.measure_state_at else None
-        (loss, result), step_s = timed(lambda: train_step(mp, workload, batch, after_backward=after), mp.device)
-        history["step_time_ms"].append(step_s * 1e3)
-        record.memory.sample()
-        history["loss"].append(_finite_or_none(float(loss)))
-        history["loss_scale"].append(result.loss_scale)
-        history["grad_norm"].append(_finite_or_none(result.grad_norm))
-        history["lr"].append(lr)
-        if not result.applied:
-            record.skipped[result.skipped_reason or "unknown"] += 1
-        _eval_point(mp, workload, spec, step + 1, record.eval_curve)
-        if progress is not None:
-            progress(step + 1)
-    return record
+class Training:
+    """One row's run, step by step: the workload and the policy's engine (or the peer's loop) built from ``spec``,
+    then :meth:`advance` trains the next steps (timing each: one host sync per step; recording the loss, the loss
+    scale, the grad norm, the lr, skipped steps, the eval points and, after ``spec.measure_state_at``'s backward,
+    the training-state bytes) and :meth:`finish` measures the rest and returns the row. The one-pass bench
+    (:mod:`mixprec.programs.bench.turns`) calls :meth:`advance` a block at a time, interleaved with the other rows'
+    workers; :func:`run_policy` all at once.
+
+    Raises:
+        SetupError: the engine (or the optimizer) refused the policy for this device or model.
+    """
+
+    def __init__(self, spec: RunSpec, progress: Callable[[int], None] | None = None) -> None:
+        self.spec, self._progress, self._start_wall = spec, progress, time.perf_counter()
+        self.workload = get_workload(spec.workload, config=spec.config, data=spec.data, lora=spec.lora)
+        if spec.strategy is not None:  # a collective timeout instead of a hang if another rank fails
+            init_process_group_from_env(spec.device, timeout=timedelta(minutes=5))
+        pin_in_worker(spec.op_plan, spec.device)   # the bench's one attention plan, not this process's own measurement
+        try:
+            self.mp = build_trainee(self.workload, spec)   # the policy's engine, or the peer's plain loop
+        except (ValueError, TypeError) as err:
+            raise SetupError(f"{type(err).__name__}: {err}") from err
+        self.record = _Record(memory=MemoryMeter(self.mp.device))
+        self.batches = shard_batches(self.workload.batches("train", spec.seed))  # one process: every batch
+        self.step = 0   # steps trained so far
+
+    def advance(self, k: int, *, untimed_first: bool = False) -> list[float]:
+        """Train the next ``min(k, steps left)`` steps; their wall times (ms). ``untimed_first``: the first of them
+        is left out of the row's step time (the first step after the worker sat idle wakes its threads and caches),
+        as is every step right after an eval point (unless every step follows one: ``eval_every`` 1)."""
+        mp, spec, record, history = self.mp, self.spec, self.record, self.record.history
+        times = []
+        for i in range(min(k, spec.steps - self.step)):
+            step = self.step
+            if (i == 0 and untimed_first) or (step > 0 and spec.eval_every > 1 and _is_eval_point(spec, step)):
+                record.untimed.add(step)
+            batch = next(self.batches)
+            lr = float(mp.optimizer.param_groups[0]["lr"])   # a tensor in torchao's optimizers, updated in place
+            after = (lambda: record.measured.update(state=state_bytes(mp.model, mp.optimizer))) \
+                if step == spec.measure_state_at else None
+            (loss, result), step_s = timed(lambda: train_step(mp, self.workload, batch, after_backward=after), mp.device)
+            times.append(step_s * 1e3)
+            history["step_time_ms"].append(step_s * 1e3)
+            record.memory.sample()
+            history["loss"].append(_finite_or_none(float(loss)))
+            history["loss_scale"].append(result.loss_scale)
+            history["grad_norm"].append(_finite_or_none(result.grad_norm))
+            history["lr"].append(lr)
+            if not result.applied:
+                record.skipped[result.skipped_reason or "unknown"] += 1
+            self.step += 1
+            if _is_eval_point(spec, self.step) and self.step < spec.steps:   # outside the step's timing
+                record.eval_curve.append([self.step, _finite_or_none(evaluate(mp, self.workload)["loss"])])
+            if self._progress is not None:
+                self._progress(self.step)
+        return times
+
+    def finish(self) -> PolicyRun:
+        """After the last step: the final eval, the row (no verdict yet), the recompute plan and the memory steps
+        (:func:`~mixprec.programs.bench.step_memory.row_memory`). Host syncs: the eval's and the memory steps'."""
+        mp, spec, workload = self.mp, self.spec, self.workload
+        if self.step < spec.steps:
+            raise RuntimeError(f"Training.finish after {self.step} of {spec.steps} steps: advance() to the end first")
+        eval_metrics = evaluate(mp, workload)
+        self.record.eval_curve.append([spec.steps, _finite_or_none(eval_metrics["loss"])])
+        row = _policy_run(mp, workload, spec, self.record, eval_metrics, self._start_wall)   # before the memory steps
+        if spec.checkpoint is not None:
+            row = dataclasses.replace(row, recompute_plan=plan_of(mp))
+        batch = next(shard_batches(workload.batches("train", spec.seed)))
+        row = dataclasses.replace(row, **row_memory(mp, workload, batch, seed=spec.seed, budget=spec.memory_budget))
+        if spec.strategy is not None:   # every rank's own state and peak live bytes, on rank 0's row
+            row = dataclasses.replace(row, **per_rank_fields(row.state_bytes_per_param, row.peak_live_bytes))
+        return row
+
+
+def _is_eval_point(spec: RunSpec, step: int) -> bool:
+    """Whether an eval point follows step ``step`` (1-based count of steps done)."""
+    return bool(spec.eval_every) and step % spec.eval_every == 0
 
 
 def run_policy(spec: RunSpec, progress: Callable[[int], None] | None = None) -> PolicyRun:
@@ -119,26 +168,9 @@ def run_policy(spec: RunSpec, progress: Callable[[int], None] | None = None) -> 
     Raises:
         SetupError: the engine (or the optimizer) refused the policy for this device or model.
     """
-    start_wall = time.perf_counter()
-    workload = get_workload(spec.workload, config=spec.config, data=spec.data, lora=spec.lora)
-    if spec.strategy is not None:  # a collective timeout instead of a hang if another rank fails
-        init_process_group_from_env(spec.device, timeout=timedelta(minutes=5))
-    pin_in_worker(spec.op_plan, spec.device)   # the bench's one attention plan, not this process's own measurement
-    try:
-        mp = build_trainee(workload, spec)   # the policy's engine, or the peer's plain loop
-    except (ValueError, TypeError) as err:
-        raise SetupError(f"{type(err).__name__}: {err}") from err
-    record = _train(mp, workload, spec, progress)
-    eval_metrics = evaluate(mp, workload)
-    record.eval_curve.append([spec.steps, _finite_or_none(eval_metrics["loss"])])
-    row = _policy_run(mp, workload, spec, record, eval_metrics, start_wall)   # read before the memory steps
-    if spec.checkpoint is not None:
-        row = dataclasses.replace(row, recompute_plan=plan_of(mp))
-    batch = next(shard_batches(workload.batches("train", spec.seed)))
-    row = dataclasses.replace(row, **row_memory(mp, workload, batch, seed=spec.seed, budget=spec.memory_budget))
-    if spec.strategy is not None:   # every rank's own state and peak live bytes, on rank 0's row
-        row = dataclasses.replace(row, **per_rank_fields(row.state_bytes_per_param, row.peak_live_bytes))
-    return row
+    training = Training(spec, progress)
+    training.advance(spec.steps)
+    return training.finish()
 
 
 def _throughput(mp: Trainee, workload: Workload, spec: RunSpec, step_s: float) -> dict[str, Any]:
@@ -160,8 +192,9 @@ def _policy_run(mp: Trainee, workload: Workload, spec: RunSpec, record: _Record,
                 eval_metrics: dict[str, float], start_wall: float) -> PolicyRun:
     """The row of one trained run, from the engine (or the peer), the training record and the final eval."""
     history, times = record.history, record.history["step_time_ms"]
-    step_ms = median_step_ms(times, spec.warmup_steps)
-    warmup_excess = warmup_excess_s(times, spec.warmup_steps)   # compilation, under compile
+    timed_ms = [t for i, t in enumerate(times) if i >= spec.warmup_steps and i not in record.untimed]
+    step_ms = statistics.median(timed_ms) if timed_ms else median_step_ms(times, spec.warmup_steps)
+    warmup_excess = warmup_excess_s(times, spec.warmup_steps, step_ms)   # compilation, under compile
     throughput = _throughput(mp, workload, spec, step_ms / 1e3)
     state = record.measured["state"]
     ran = row_identity(mp)
@@ -172,7 +205,8 @@ def _policy_run(mp: Trainee, workload: Workload, spec: RunSpec, record: _Record,
         optimizer=f"{type(mp.optimizer).__module__}.{type(mp.optimizer).__name__}",
         steps=spec.steps, warmup_steps=spec.warmup_steps, step_time_ms_median=step_ms, compiled=spec.compile,
         first_step_ms=times[0], warmup_excess_s=warmup_excess,
-        compile_time_s=warmup_excess if spec.compile else None, **_spread_ms(times[spec.warmup_steps:]),
+        compile_time_s=warmup_excess if spec.compile else None, **_spread_ms(timed_ms or times[spec.warmup_steps:]),
+        timed_steps=len(timed_ms),
         items_per_batch=workload.items_per_batch, item_unit=workload.item_unit,
         strategy=spec.strategy, **throughput,
         peak_memory_mb=record.memory.peak_mb(), memory_source=record.memory.source,

@@ -1,0 +1,77 @@
+"""Issue 36: the bench's one pass — ``--quick`` (a SMOKE verdict, never a PASS), the seed-noise band kept per workload
+and machine and reused only beside the same fp32 reference, and the partial table printed as the rows advance."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from mixprec.machine.cache import read_json
+from mixprec.programs.bench.runner import QUICK_STEPS, block_steps_for
+from mixprec.programs.cli import main
+
+
+def test_quick_is_a_smoke_test_that_never_passes_and_says_what_it_did_not_establish(tmp_path, capsys):
+    out = tmp_path / "out"
+    status = main(["bench", "--config", "tiny", "--quick", "--policies", "bf16-mixed", "--no-peer", "--out", str(out),
+                   "--device", "cpu"])
+    results = json.loads((out / "results.json").read_text())
+    bf16 = results["policies"]["bf16-mixed"]
+    assert status == 0 and results["settings"]["quick"] is True and results["settings"]["steps"] == QUICK_STEPS
+    assert bf16["verdict"] == "SMOKE" and bf16["steps"] == QUICK_STEPS, bf16["reason"]
+    assert bf16["reason"].startswith(f"smoke test (--quick, {QUICK_STEPS} steps)") and "no seed-noise band" in bf16["reason"]
+    assert "eval loss" in bf16["reason"]                      # the gate's own words follow
+    assert results["seed_noise"] is None and results["portable_ops"] is None
+    assert bf16["step_profile"] is None                       # no profiled window in a smoke test
+    console = capsys.readouterr()
+    assert f"bf16-mixed: SMOKE: smoke test (--quick, {QUICK_STEPS} steps)" in console.out
+    # the partial table, at each eval point every row has passed (eval every 3 steps here): losses and step times
+    lines = [line for line in console.err.splitlines() if line.startswith("step 3/30: eval loss fp32 ")]
+    assert len(lines) == 1 and "bf16-mixed" in lines[0] and "ms/step so far" in lines[0]
+    assert results["timing"]["one_pass"] and results["timing"]["block_steps"] == block_steps_for(QUICK_STEPS) == 3
+
+
+def test_a_quick_run_that_misses_a_target_still_fails(tmp_path):
+    """SMOKE replaces PASS only: a target missed in a smoke test is a FAIL (exit status 1)."""
+    out = tmp_path / "out"
+    status = main(["bench", "--config", "tiny", "--quick", "--steps", "6", "--policies", "bf16-mixed", "--no-peer",
+                   "--out", str(out), "--device", "cpu", "--min-speedup", "1000"])
+    bf16 = json.loads((out / "results.json").read_text())["policies"]["bf16-mixed"]
+    assert status == 1 and bf16["verdict"] == "FAIL", bf16["reason"]
+
+
+def _band_run(out, *extra):
+    assert main(["bench", "--config", "tiny", "--policies", "fp32", "--no-peer", "--steps", "6", "--eval-every", "3",
+                 "--out", str(out), "--device", "cpu", *extra]) == 0
+    return json.loads((out / "results.json").read_text())
+
+
+def test_the_seed_band_is_kept_and_reused_only_beside_the_same_reference(tmp_path, monkeypatch):
+    monkeypatch.setenv("MIXPREC_CACHE_DIR", str(tmp_path / "cache"))
+    first = _band_run(tmp_path / "a")
+    band = first["seed_noise"]
+    assert band["source"] == "measured in this run" and band["seeds"] == [0, 1]
+    assert (tmp_path / "a" / "workers" / "seed1-fp32.json").exists()       # trained in the pass, beside the rows
+    again = _band_run(tmp_path / "b")
+    kept = again["seed_noise"]
+    assert kept["source"].startswith("kept from the run of ") and not (tmp_path / "b" / "workers" / "seed1-fp32.json").exists()
+    assert again["policies"]["fp32"]["final_eval_loss"] == first["policies"]["fp32"]["final_eval_loss"]
+    for key in ("seeds", "fp32_eval_losses", "relative_spread", "fp32_eval_curves"):
+        assert kept[key] == band[key], key
+    # an entry kept beside another reference loss (other code, another machine's kernels) is measured again
+    path, = (tmp_path / "cache").glob("seed-band-*.json")
+    entries = read_json(path)
+    for entry in entries.values():
+        entry["reference_loss"] += 1e-3
+    path.write_text(json.dumps(entries))
+    moved = _band_run(tmp_path / "c")["seed_noise"]
+    assert moved["source"] == "measured in this run" and moved["fp32_eval_losses"] == band["fp32_eval_losses"]
+    assert next(iter(read_json(path).values()))["reference_loss"] == first["policies"]["fp32"]["final_eval_loss"]
+    fresh = _band_run(tmp_path / "d", "--fresh-seed-band")["seed_noise"]   # asked to train again: trained again
+    assert fresh["source"] == "measured in this run" and (tmp_path / "d" / "workers" / "seed1-fp32.json").exists()
+
+
+@pytest.mark.parametrize("steps, block", [(5, 3), (30, 3), (60, 6), (300, 10), (3000, 10)])
+def test_turns_are_a_tenth_of_the_run_between_3_and_10_steps(steps, block):
+    assert block_steps_for(steps) == block
