@@ -684,34 +684,40 @@ while True:      # a noisy neighbour, in phase with the others (wall clock): bus
 
 def test_a_real_noisy_neighbour_is_said_and_gives_no_speed_verdict(tmp_path):
     """Busy-loop processes (three per core, all busy for 20 ms then idle for 20 ms, in phase) share the CPU
-    with the bench's interleaved timing (its resident workers, :func:`time_interleaved`): a tiny step (~3 ms) runs
-    either beside them (at about a third of the CPU) or alone, so the p90/p10 spread exceeds SPREAD_LIMIT even
-    after the re-timing; the one noise decision says so, the timing lines say TIMINGS NOISY and no speed verdict
-    is given. (Phases of 0.15-0.2 s were not enough: the tiny timing rounds, ~0.2 s each, could fall inside one
-    phase and read 1.19.) Only the timing runs beside the neighbours (the whole CLI bench took over 300 s there
-    on a loaded machine); the CLI's noisy path is test_noisy_interleaved_timing_is_said_and_gives_no_speed_verdict's."""
+    with the bench's one pass (its resident workers taking turns, :class:`~mixprec.programs.bench.turns.Turns`): a
+    tiny step (~3 ms) runs either beside them (at about a third of the CPU) or alone, so the p90/p10 spread of the
+    rows' timed quality steps exceeds SPREAD_LIMIT, and again in the re-timing; the one noise decision says so, the
+    timing lines say TIMINGS NOISY and no speed verdict is given. (Phases of 0.15-0.2 s were not enough: short
+    rounds could fall inside one phase and read 1.19.) Only the pass runs beside the neighbours (the whole CLI bench
+    took over 300 s there on a loaded machine); the CLI's noisy path is
+    test_noisy_interleaved_timing_is_said_and_gives_no_speed_verdict's."""
     import subprocess
     import sys
 
-    from mixprec.programs.bench.interleaved import time_interleaved
     from mixprec.programs.bench.noise import settle_noise
     from mixprec.programs.bench.report import timing_lines
+    from mixprec.programs.bench.turns import Turns, with_step_times
 
-    specs = {name: RunSpec(workload="gpt", policy=name, steps=5, config="tiny", device="cpu", warmup_steps=2)
+    specs = {name: RunSpec(workload="gpt", policy=name, steps=24, config="tiny", device="cpu", warmup_steps=2)
              for name in ("fp32", "bf16-mixed")}
     neighbours = [subprocess.Popen([sys.executable, "-c", _NEIGHBOUR]) for _ in range(3 * (os.cpu_count() or 2))]
     try:
-        timing = time_interleaved(specs, tmp_path, dict(os.environ), block_steps=5, rounds=4, warmup_steps=3)
+        with Turns(specs, {n: n for n in specs}, tmp_path, dict(os.environ)) as turns:
+            turns.build()
+            turns.train(6)
+            rows = turns.finish()
+            assert not turns.failed and all(r.error is None for r in rows.values())
+            first = settle_noise({"method": "interleaved", "one_pass": True, "blocks": turns.rounds, "block_steps": 6},
+                                 rows)
+            retimed = with_step_times(rows, turns.retime(list(specs), 4))
     finally:
         for p in neighbours:
             p.kill()
             p.wait()
-    assert not timing["errors"] and timing["retimed"] == 1   # the noisy first set was timed again, noisy again
-    rows = {name: PolicyRun(requested=name, step_time_ms_median=s["median"], step_time_ms_p10=s["p10"],
-                            step_time_ms_p90=s["p90"], peak_memory_mb=100.0, final_eval_loss=2.0)
-            for name, s in timing["step_ms"].items()}
-    settled = settle_noise(timing, rows)
+    assert first["noisy"] and all(r.timed_steps == 24 - 2 - 3 for r in rows.values())   # turns start at 0, 6, 12, 18
+    settled = settle_noise(first, retimed)
     assert settled["noisy"] and max(settled["spread"].values()) > settled["spread_limit"], settled["spread"]
+    rows = {n: replace(r, peak_memory_mb=100.0) for n, r in retimed.items()}
     bf16 = judge_policies(rows, Targets(min_speedup=0.01), noisy=settled["noisy"])["bf16-mixed"]
     assert bf16.verdict == "FAIL" and "speedup not measured" in bf16.reason and "no speed verdict" in bf16.reason
     assert any(line.startswith("TIMINGS NOISY") for line in timing_lines({"timing": settled, "settings": {}}))

@@ -192,7 +192,7 @@ def timing_lines(results: dict) -> list[str]:
     console and report.md print these lines, and only these, about the timing; "noisy" is ``timing.noisy``."""
     t = results.get("timing") or {}
     if t.get("method") == "interleaved" and t.get("one_pass"):
-        timed = [r.get("timed_steps") for r in results["policies"].values() if r.get("timed_steps")]
+        timed = [r.get("timed_steps") for r in (results.get("policies") or {}).values() if r.get("timed_steps")]
         count = f"{min(timed)}-{max(timed)}" if timed and min(timed) != max(timed) else f"{timed[0] if timed else 0}"
         retimed = (f"; the pass was noisy, so every row was timed again after its quality run ({t['retime_rounds']} "
                    f"rounds of {t['retime_block_steps']} steps, each after one untimed step)" if t.get("retimed") else "")
