@@ -203,3 +203,30 @@ def test_readme_links_every_topic_page_and_the_index_lists_every_doc():
     for doc in DOCS.glob("*.md"):
         if doc.name != "README.md":
             assert doc.name in index_links, f"docs/README.md does not list {doc.name}"
+
+
+_RUN_ROW = re.compile(r"^\| (\d{4}-\d\d-\d\d) \| `([0-9a-f]{7,})` \| (2-core [^|]+?) \| `(mixprec bench[^`]*)` \| (\d+) \|$")
+
+
+def _recorded_runs() -> list[tuple[str, str, int]]:
+    """docs/results-history.md's "Bench wall time" table: (machine, command, wall s), oldest first."""
+    text = (DOCS / "results-history.md").read_text()
+    return [(m[3], m[4], int(m[5])) for m in map(_RUN_ROW.match, text.splitlines()) if m]
+
+
+def test_the_readme_runtime_claims_are_the_last_recorded_runs():
+    """Issue 36: the README said "5 min on a 2-core Xeon" for a run that took 23. Every "N min on a 2-core X" and
+    "`--quick`: N s on a 2-core X" in the first command's comment is the last run of that command on that machine in
+    docs/results-history.md's "Bench wall time" table (minutes rounded to the nearest, seconds to the nearest 10)."""
+    comment = README.read_text().split("```bash", 1)[1].splitlines()[1]
+    runs = _recorded_runs()
+    assert runs, "docs/results-history.md has no Bench wall time rows"
+    claims = [("mixprec bench", int(n), machine.strip()) for n, machine in re.findall(r"(\d+) min on a (2-core [^;,)]+)", comment)]
+    claims += [("mixprec bench --quick", int(n), machine.strip())
+               for n, machine in re.findall(r"`--quick`: (\d+) s on a (2-core [^;,)]+)", comment)]
+    assert claims, comment
+    for command, claimed, machine in claims:
+        walls = [wall for m, c, wall in runs if m == machine and c == command]
+        assert walls, f"no recorded `{command}` run on a {machine}"
+        measured = round(walls[-1] / 60) if command == "mixprec bench" else round(walls[-1], -1)
+        assert claimed == measured, (command, machine, claimed, walls[-1])
