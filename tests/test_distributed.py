@@ -634,6 +634,8 @@ def test_train_under_torchrun_with_fsdp2_then_resume_in_one_process(tmp_path):
     assert "global batch" not in done.stderr
 
 
+@pytest.mark.slow   # default set: tests/test_bench_fsdp2.py runs the bench under torchrun at 2 ranks (--strategy fsdp2,
+# the same runner and workers) and asserts these: the table on rank 0 alone, a worker per rank, throughput summed
 @pytest.mark.timeout(120)
 def test_bench_under_torchrun_writes_the_report_with_throughput_summed_over_ranks(tmp_path):
     import json
