@@ -567,6 +567,8 @@ def test_memory_budget_flag_is_validated_naming_it(tmp_path, capsys):
     assert "bench memory_budget='4 GiBs' is not a memory size" in capsys.readouterr().err
 
 
+@pytest.mark.slow   # default set: the recompute bench's two planning rows (bf16-lean and its recompute row) check the
+# one plan measured once and pinned for every quality run and timing worker (test_a_recompute_row_is_its_own_row_...)
 def test_every_worker_of_a_bench_runs_the_one_attention_plan_measured_once(tmp_path, capsys):
     """Issue 25: each policy's worker measured its own attention plan (bf16-sr ran ``matmul``, the others
     ``fused``; one shape read 120.4 ms in one worker, 15.2 ms in another), so the speed column compared different
@@ -655,6 +657,9 @@ def test_tiny_bench_times_the_policies_on_their_quality_steps_taking_turns(tiny_
     assert "malloc: MALLOC_MMAP_THRESHOLD_=" in (out / "report.md").read_text()
 
 
+@pytest.mark.slow   # default set: the interleaved noise decision and its missing speed verdict under a real noisy
+# neighbour (test_a_real_noisy_neighbour_is_said_...), the CLI's noisy path end to end under --timing sequential
+# (test_noisy_sequential_timing_...) and console / report.md / plot reading the one decision (test_noisy_is_one_...)
 def test_noisy_interleaved_timing_is_said_and_gives_no_speed_verdict(tmp_path, capsys, monkeypatch):
     """Console, report.md and results.json agree on noisy timings, and no speed verdict is given. One seed and no eval
     points: this CLI run took over 300 s with them on a loaded machine (issue 25); the noise path is the same."""
@@ -739,8 +744,15 @@ def test_noisy_sequential_timing_is_said_everywhere_and_gives_no_speed_verdict(t
                                                      / results["policies"]["fp32"]["step_time_ms_p10"], abs=1e-3)
     assert status == 1 and "timings noisy: no speed verdict" in bf16["reason"]
     assert "TIMINGS NOISY" in capsys.readouterr().out and "TIMINGS NOISY" in (out / "report.md").read_text()
+    # what test_sequential_timing_keeps_the_quality_runs_step_times asserts (slow): the quality runs' step times
+    # are the table's, and sequential asks for no timing run beyond the quality runs
+    assert results["seed_noise"] is None
+    assert all("sequential_step_time_ms_median" not in e for e in results["policies"].values())
+    assert results["portable_ops"] is None
 
 
+@pytest.mark.slow   # default set: the same CLI path (--timing sequential, one seed) and these assertions in
+# test_noisy_sequential_timing_is_said_everywhere_and_gives_no_speed_verdict
 def test_sequential_timing_keeps_the_quality_runs_step_times(tmp_path):
     out = tmp_path / "out"
     assert main(["bench", "--config", "tiny", "--policies", "bf16-mixed", "--steps", "5", "--out", str(out),
@@ -837,8 +849,10 @@ def test_user_workload_module_function(tmp_path, monkeypatch):
     monkeypatch.syspath_prepend(str(tmp_path))
     monkeypatch.setenv("PYTHONPATH", os.pathsep.join(filter(None, [str(tmp_path), os.environ.get("PYTHONPATH")])))
     out = tmp_path / "out"
+    # one seed, no eval points, no peer: nothing asserted here reads them (a shorter run)
     status = main(["bench", "--workload", "my_user_workload:make_workload", "--config", "wide",
-                   "--policies", "bf16-mixed", "--out", str(out), "--device", "cpu"])
+                   "--policies", "bf16-mixed", "--out", str(out), "--device", "cpu", "--seeds", "1",
+                   "--eval-every", "0", "--no-peer"])
     results = json.loads((out / "results.json").read_text())
     assert status == 0
     assert results["settings"]["steps"] == 7 and len(results["policies"]["fp32"]["loss_per_step"]) == 7
@@ -891,8 +905,9 @@ def test_printed_table_splits_bytes_per_param_when_params_are_frozen():
 
 def test_bench_auto_says_what_it_chose_and_the_measured_ratio(tmp_path, capsys):
     out = tmp_path / "out"
+    # one seed, no eval points, no peer: nothing asserted here reads them (a shorter run)
     status = main(["bench", "--config", "tiny", "--policies", "fp32,auto", "--steps", "5", "--out", str(out),
-                   "--device", "cpu"])
+                   "--device", "cpu", "--seeds", "1", "--eval-every", "0", "--no-peer"])
     assert status == 0
     auto = json.loads((out / "results.json").read_text())["policies"]["auto"]
     assert auto["decision"].startswith(f"auto → {auto['policy']}: measured on this model")
@@ -1053,6 +1068,19 @@ def test_a_recompute_row_is_its_own_row_with_its_plan_and_its_step_time_against_
     report = (out / "report.md").read_text()
     assert "## Recompute plan" in report and "- bf16-lean+recompute: plan blocks.*: 2 full" in report
     assert "  - blocks.1: full" in report and "| bf16-lean+recompute | PASS |" in report
+    # the bench's one attention plan (issue 25), measured once in this process before any worker and pinned for
+    # both planning rows: each quality run's engine and each timing worker's ran it, nothing else (also asserted
+    # with two policies by test_every_worker_of_a_bench_runs_the_one_attention_plan_measured_once, slow)
+    plan = results["op_plan"]
+    chosen = {e["shape"]: e["chosen"] for e in plan["entries"]}
+    assert plan["pid"] == os.getpid() and {key.split()[-1] for key in chosen} == {"fwd+bwd", "fwd"}
+    for e in plan["entries"]:   # measured in this run (not read from a cache), every candidate timed
+        assert e["source"].startswith("measured") and all(e["times_ms"][c] > 0 for c in ("fused", "fused-fp32"))
+    assert plan["policies"]["bf16-lean"] == {"dtype": "bfloat16", "pinned": chosen, "not_offered": {}}
+    for name in ("bf16-lean", "bf16-lean+recompute"):
+        for ran in (rows[name]["op_plan"], results["timing"]["op_plan"][name]):
+            assert {e["shape"]: e["chosen"] for e in ran} == chosen and {e["source"] for e in ran} == {"bench"}, name
+    assert report.count("## Op plan") == 1 and "every worker ran this plan" in report
 
 
 def test_a_recompute_row_name_splits_into_its_policy():

@@ -13,6 +13,7 @@ import sys
 
 import pytest
 
+from mixprec.programs.bench.report import POLICY_KEYS
 from mixprec.workloads import get_workload
 from ranks import free_port
 from test_memory_state import expected_rank_bytes
@@ -60,3 +61,12 @@ def test_bench_fsdp2_reports_state_bytes_and_peak_live_bytes_per_rank(tmp_path):
     report = (out / "report.md").read_text()
     assert "## Per rank" in report and "bytes/param (rank 0)" in report and "peak live MiB (rank 0)" in report
     assert f"- bf16-lean: training state per rank {want[0]:.2f} (rank 0)" in report
+    # the bench under torchrun, whatever the strategy (tests/test_distributed.py's DDP run of it is slow): every row
+    # has the report's keys, each rank trained in its own worker, and the throughput is summed over the ranks
+    for name, e in results["policies"].items():
+        assert set(POLICY_KEYS) <= set(e), name
+        ranks = [json.loads(next((out / "workers" / sub).glob(f"*-{name}.json")).read_text()) for sub in ("", "rank-1")]
+        assert ranks[0]["pid"] != ranks[1]["pid"], name
+        per_rank = [r["items_per_batch"] / r["step_time_ms_median"] * 1e3 for r in ranks]   # each rank's own speed
+        assert e["items_per_s"] == pytest.approx(sum(per_rank), rel=1e-9) and e["tokens_per_s"] == e["items_per_s"]
+    assert results["policies"]["fp32"]["verdict"] == "REFERENCE"

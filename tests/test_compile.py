@@ -244,8 +244,9 @@ def test_bench_compile_reports_compiled_step_times_next_to_eager_and_compile_tim
     from mixprec.programs.cli import main
 
     out = tmp_path / "bench"
+    # one seed, no eval points, no peer: nothing asserted here reads them (a shorter run)
     assert main(["bench", "--config", "tiny", "--policies", "fp32", "--steps", "6", "--compile", "--out", str(out),
-                 "--device", "cpu"]) == 0
+                 "--device", "cpu", "--seeds", "1", "--eval-every", "0", "--no-peer"]) == 0
     console = capsys.readouterr().out
     results = json.loads((out / "results.json").read_text())
     assert results["settings"]["compile"] is True

@@ -590,11 +590,18 @@ def test_both_formats_keep_exactly_k_checkpoints_the_new_one_and_the_newest_othe
 
 
 # ---------------------------------------------------------------------- the command line under torchrun
-@pytest.mark.timeout(120)
+@pytest.mark.timeout(240)
 def test_train_under_torchrun_with_fsdp2_then_resume_in_one_process(tmp_path):
+    """`mixprec train` under torchrun at 2 FSDP2 ranks writes a DCP checkpoint and a log per rank; one plain process
+    resumes it (DCP reshards) and says the global batch changes (2 x 128 tokens of the tiny GPT to 1 x 128) with the
+    reshard event's words; a later resume at the same world size says nothing of it (the words also asserted by
+    tests/test_trial_fixes.py::test_a_resume_at_another_world_size_says_the_global_batch_changes, slow)."""
     import json
     import subprocess
     import sys
+
+    from mixprec.checkpoint.dcp import reshard_note
+    from mixprec.workloads.gpt import GPT_CONFIGS
 
     out = tmp_path / "run"
     common = ["-m", "mixprec", "train", "--workload", "gpt", "--config", "tiny", "--policy", "bf16-mixed",
@@ -617,8 +624,18 @@ def test_train_under_torchrun_with_fsdp2_then_resume_in_one_process(tmp_path):
     records = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
     assert [r["step"] for r in records if r["kind"] == "train"] == [1, 2, 3]
     assert ckpt.read_manifest(out / "checkpoints")["world_size"] == 1
+    per = GPT_CONFIGS["tiny"].batch_size * GPT_CONFIGS["tiny"].block_size
+    assert (f"mixprec train: --resume: the checkpoint was saved at 2 rank(s), this run has 1: the global batch "
+            f"changes from 2 x {per} = {2 * per} tokens per step to 1 x {per} = {per} tokens") in done.stderr
+    assert f"for the same global batch resume on 2 rank(s); {reshard_note(2, 1)}" in done.stderr
+    done = subprocess.run([sys.executable, *common, "--steps", "4", "--resume"], env=env, capture_output=True,
+                          text=True, timeout=100)
+    assert done.returncode == 0 and "resuming from" in done.stderr, done.stderr[-3000:]
+    assert "global batch" not in done.stderr
 
 
+@pytest.mark.slow   # default set: tests/test_bench_fsdp2.py runs the bench under torchrun at 2 ranks (--strategy fsdp2,
+# the same runner and workers) and asserts these: the table on rank 0 alone, a worker per rank, throughput summed
 @pytest.mark.timeout(120)
 def test_bench_under_torchrun_writes_the_report_with_throughput_summed_over_ranks(tmp_path):
     import json

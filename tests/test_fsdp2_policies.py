@@ -48,6 +48,13 @@ STEPS = 10
 BF16_EPS = get_format("bf16").eps
 
 
+# W = 2 runs in the default set (uneven shards: 3 + 2 rows); W = 4 (an empty shard) is slow: in the default set
+# tests/test_fsdp2_quantized.py::test_fsdp2_checkpoint_saved_at_2_ranks_continues_at_1_and_4_bit_for_bit loads
+# bf16-sr and bf16-kahan,state=bf16 (16-bit storage) at 4 ranks, an empty shard among them, and steps them bit for
+# bit as one process does.
+WORLDS = [2, pytest.param(4, marks=pytest.mark.slow)]
+
+
 # ---------------------------------------------------------------------- model, data, one run
 def _mlp() -> nn.Module:
     torch.manual_seed(0)   # also the optimizer's sr_seed (torch.initial_seed()) on every rank
@@ -113,7 +120,7 @@ def _same_batch_worker(rank: int, out: Path) -> dict:
 
 
 @pytest.mark.timeout(300)
-@pytest.mark.parametrize("world", [2, 4])
+@pytest.mark.parametrize("world", WORLDS)
 def test_fsdp2_16bit_storage_is_bit_identical_to_one_process_when_gradients_are(tmp_path, world):
     ranks = run_ranks(_same_batch_worker, tmp_path, world=world)
     for policy in POLICIES:
@@ -146,7 +153,7 @@ def _sharded_batch_worker(rank: int, out: Path, world: int) -> dict:
 
 
 @pytest.mark.timeout(300)
-@pytest.mark.parametrize("world", [2, 4])
+@pytest.mark.parametrize("world", WORLDS)
 def test_fsdp2_16bit_storage_on_sharded_batches_matches_one_process_on_the_global_batch(tmp_path, world):
     ranks = run_ranks(_sharded_batch_worker, tmp_path, world, world=world)
     init = {n: p.detach().float() for n, p in _mlp().named_parameters()}
@@ -185,7 +192,7 @@ def _resume_worker(rank: int, out: Path, world: int) -> dict:
 
 
 @pytest.mark.timeout(300)
-@pytest.mark.parametrize("world", [2, 4])
+@pytest.mark.parametrize("world", WORLDS)
 def test_fsdp2_16bit_storage_resumes_from_dcp_bit_for_bit(tmp_path, world):
     ranks = run_ranks(_resume_worker, tmp_path, world, world=world)
     for policy in POLICIES:

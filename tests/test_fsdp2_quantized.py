@@ -118,7 +118,9 @@ def _assert_equal(got: dict, want: dict, what: tuple) -> None:
 
 
 @pytest.mark.timeout(300)
-@pytest.mark.parametrize("world", [2, 4])
+# W = 4 is slow; in the default set test_fsdp2_checkpoint_saved_at_2_ranks_continues_at_1_and_4_bit_for_bit steps
+# 8-bit state at 4 ranks (blocks cut between ranks, an empty shard) bit for bit as one process does
+@pytest.mark.parametrize("world", [2, pytest.param(4, marks=pytest.mark.slow)])
 def test_fsdp2_8bit_state_is_bit_identical_to_one_process_when_gradients_are(tmp_path, world):
     ranks = run_ranks(_same_batch_worker, tmp_path, world=world)
     threads = torch.get_num_threads()

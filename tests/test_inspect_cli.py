@@ -16,8 +16,9 @@ def test_inspect_cli_writes_report_files(tmp_path, capsys):
 
 def test_bench_runs_the_advised_policy_next_to_fp32(tmp_path):
     out = tmp_path / "bench"
+    # one seed, no eval points, no peer: nothing asserted here reads them (a shorter run)
     status = main(["bench", "--workload", "gpt", "--config", "tiny", "--policies", "advised", "--steps", "6",
-                   "--out", str(out), "--max-loss-delta", "1.0"])
+                   "--out", str(out), "--max-loss-delta", "1.0", "--seeds", "1", "--eval-every", "0", "--no-peer"])
     results = json.loads((out / "results.json").read_text())
     advised = results["advice"]["policy"]
     assert advised in results["policies"] and results["advice"]["reasons"]
@@ -35,7 +36,8 @@ def test_bench_report_says_when_the_advised_policy_equals_a_named_one(tmp_path):
     advised, _ = advised_policy("gpt", config="tiny", device="cpu")  # what bench asks (same defaults)
     out = tmp_path / "bench"
     main(["bench", "--workload", "gpt", "--config", "tiny", "--policies", f"advised,{advised}", "--steps", "6",
-          "--out", str(out), "--max-loss-delta", "1.0", "--device", "cpu"])
+          "--out", str(out), "--max-loss-delta", "1.0", "--device", "cpu", "--seeds", "1", "--eval-every", "0",
+          "--no-peer"])   # one seed, no eval points, no peer: nothing asserted here reads them (a shorter run)
     results = json.loads((out / "results.json").read_text())
     assert list(results["policies"]).count(str(advised)) == 1
     report = (out / "report.md").read_text()

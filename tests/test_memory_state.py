@@ -62,7 +62,8 @@ def _measure_rank(rank: int, out, config: str) -> dict:
 
 
 @pytest.mark.timeout(300)
-@pytest.mark.parametrize("config", ["tiny", "mid"])
+# tiny in the default set (the count from the shapes, per rank); mid (the issue's ~3 B/param per rank) is slow
+@pytest.mark.parametrize("config", ["tiny", pytest.param("mid", marks=pytest.mark.slow)])
 def test_state_bytes_per_rank_under_fsdp2_equal_the_count_from_the_shapes(tmp_path, config):
     ranks = run_ranks(_measure_rank, tmp_path, config, world=2, timeout_s=240)
     for r, got in enumerate(ranks):

@@ -92,6 +92,9 @@ def test_pretrained_embeddings_separate_paraphrases_random_ones_do_not(tiny, tin
     assert abs(paraphrase_rand - unrelated_rand) < 0.1  # measured: 0.96 and 0.93
 
 
+@pytest.mark.slow   # default set: the pretrained weights load exactly (test_checkpoint_weights_load_exactly) and carry
+# their meaning (test_pretrained_embeddings_separate_paraphrases_random_ones_do_not); MLM training on the workload:
+# test_bf16_mixed_matches_fp32_after_a_short_run
 def test_pretrained_encoder_learns_mlm_far_faster_than_random_init():
     config = dataclasses.replace(MINILM_CONFIGS["tiny"], val_batches=8)
     pretrained, scratch = MiniLMWorkload(config), MiniLMWorkload(dataclasses.replace(config, pretrained=False))

@@ -3,6 +3,7 @@
 import hashlib
 import math
 import os
+import shutil
 import subprocess
 import sys
 from pathlib import Path
@@ -179,6 +180,8 @@ def test_without_the_kernel_the_torch_ops_run_and_say_why(tmp_path):
     assert not any((tmp_path / "c-kernels").glob("*.so")) if (tmp_path / "c-kernels").exists() else True
 
 
+@pytest.mark.slow   # default set: test_threads_racing_the_first_use_never_run_an_unchecked_kernel builds the same
+# kernel (an FMA in m's update) and asserts the same refusal ("torch ops: it differs ...") before its thread checks
 @fused_only
 def test_a_kernel_that_differs_from_the_reference_is_refused(tmp_path):
     """A kernel built with a fused multiply-add in m's update (one rounding fewer) fails the load check."""
@@ -202,11 +205,24 @@ def test_the_built_kernel_is_cached_and_reused(tmp_path):
     assert sorted(f.name for f in (tmp_path / "c-kernels").iterdir()) == [built.name, built.name + ".sha256"]
 
 
+def _copy_the_built_kernel(cache: Path) -> None:
+    """Copy the kernel library this process steps with (built in the session's cache, tests/conftest.py) and its
+    recorded digest into ``cache``'s ``c-kernels``; nothing when this process runs the torch ops."""
+    built = quantized_adamw.library_path()
+    if built is not None:
+        (cache / "c-kernels").mkdir(parents=True, exist_ok=True)
+        for f in (built, built.with_name(built.name + ".sha256")):
+            shutil.copyfile(f, cache / "c-kernels" / f.name)
+
+
 @fused_only
 def test_a_damaged_cached_kernel_is_rebuilt_not_loaded(tmp_path):
     """A truncated library in the cache (a crash after the build, a partly copied cache) killed the process
     with SIGBUS inside dlopen; one that is some other library raised AttributeError out of fusable()."""
     status = "from mixprec.optim import quantized_adamw as q; print(q.kernel_status())"
+    # the cache starts with the kernel this session built, copied with its digest: the first use loads it (a build
+    # from an empty cache is test_the_built_kernel_is_cached_and_reused's), and each damage below costs one build
+    _copy_the_built_kernel(tmp_path)
     assert _python(status, MIXPREC_CACHE_DIR=str(tmp_path)) == "fused C kernel"
     (built,) = (tmp_path / "c-kernels").glob("quantized_adamw-*.so")
     good = built.read_bytes()
