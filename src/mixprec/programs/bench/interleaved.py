@@ -25,7 +25,7 @@ import statistics
 import subprocess
 import sys
 from dataclasses import asdict
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterable, Iterator
 from pathlib import Path
 from typing import Any
 
@@ -41,7 +41,7 @@ from mixprec.programs.bench.step_profile import profile_steps
 from mixprec.programs.session import train_step
 from mixprec.workloads import get_workload
 
-__all__ = ["RETIMES", "TIMING_MALLOC_ENV", "time_interleaved", "serve"]
+__all__ = ["RETIMES", "TIMING_MALLOC_ENV", "time_interleaved", "serve", "stop_workers"]
 
 RETIMES = 1           # extra sets of rounds tried while a policy is noisy
 # The interleaved timing workers' glibc malloc thresholds (unless the environment sets them): a long-lived
@@ -157,14 +157,7 @@ def time_interleaved(specs: dict[str, RunSpec], workdir: Path, env: dict[str, st
         plans = _plans(procs, [n for n in live if n not in errors])
         profiles = _ask_each(procs, [n for n in live if n not in errors], {"profile": True}, "step_profile")
     finally:
-        for proc in procs.values():
-            try:
-                if proc.poll() is None:
-                    proc.stdin.write(json.dumps({"quit": True}) + "\n")
-                    proc.stdin.close()
-                proc.wait(timeout=60)
-            except (OSError, ValueError, subprocess.TimeoutExpired):
-                proc.kill()
+        stop_workers(procs.values())
     step_ms = {n: ({"median": statistics.median(t), "p10": percentile(t, 0.1), "p90": percentile(t, 0.9)}
                    if t and n not in errors else None) for n, t in times.items()}
     spread = {n: round(v["p90"] / v["p10"], 3) for n, v in step_ms.items() if v}
@@ -172,6 +165,19 @@ def time_interleaved(specs: dict[str, RunSpec], workdir: Path, env: dict[str, st
             "spread": spread, "retimed": retimed, "noisy": noise.is_noisy(spread),
             "spread_limit": noise.SPREAD_LIMIT, "errors": errors, "malloc_env": {k: env[k] for k in TIMING_MALLOC_ENV},
             "op_plan": plans, "step_profile": profiles}
+
+
+def stop_workers(procs: Iterable[subprocess.Popen]) -> None:
+    """Ask each resident worker to quit (``{"quit": true}``, then end of input) and wait up to 60 s; kill the ones
+    that do not stop."""
+    for proc in procs:
+        try:
+            if proc.poll() is None:
+                proc.stdin.write(json.dumps({"quit": True}) + "\n")
+                proc.stdin.close()
+            proc.wait(timeout=60)
+        except (OSError, ValueError, subprocess.TimeoutExpired):
+            proc.kill()
 
 
 def _start(name: str, spec: RunSpec, workdir: Path, env: dict[str, str]) -> subprocess.Popen:

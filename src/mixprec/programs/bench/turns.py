@@ -35,7 +35,7 @@ from typing import TYPE_CHECKING, Any
 
 from tqdm import tqdm
 
-from mixprec.programs.bench.interleaved import TIMING_MALLOC_ENV
+from mixprec.programs.bench.interleaved import TIMING_MALLOC_ENV, stop_workers
 from mixprec.programs.bench.measure import percentile, time_steps
 from mixprec.programs.bench.results import PolicyRun
 from mixprec.programs.bench.spec import RunSpec
@@ -229,15 +229,8 @@ class Turns:
         return replies
 
     def close(self) -> None:
-        for worker in self.workers.values():
-            proc = worker.proc
-            try:
-                if proc.poll() is None:
-                    proc.stdin.write(json.dumps({"quit": True}) + "\n")
-                    proc.stdin.close()
-                proc.wait(timeout=60)
-            except (OSError, ValueError, subprocess.TimeoutExpired):
-                proc.kill()
+        """Stop every worker (:func:`~mixprec.programs.bench.interleaved.stop_workers`)."""
+        stop_workers(w.proc for w in self.workers.values())
 
     def _ask(self, name: str, command: dict) -> dict[str, Any]:
         proc = self.workers[name].proc
