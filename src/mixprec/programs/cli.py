@@ -407,6 +407,7 @@ def main(argv: list[str] | None = None) -> int:
     if ":" in getattr(args, "workload", "") and os.getcwd() not in sys.path:
         sys.path.insert(0, os.getcwd())
     previous_format, warnings.formatwarning = warnings.formatwarning, _one_line_warning
+    _whole_lines_under_torchrun()
     finished = False
     try:
         status = _run_command(args, command)
@@ -421,6 +422,13 @@ def main(argv: list[str] | None = None) -> int:
             from mixprec.distributed.process import leave_process_group
 
             leave_process_group(wait_for_all=finished)
+
+
+def _whole_lines_under_torchrun() -> None:
+    """Under torchrun (WORLD_SIZE > 1) every rank shares the launcher's stdout: line-buffer it, so each line (or
+    block printed at once) reaches the pipe in one write and no rank's line is split by another's output."""
+    if int(os.environ.get("WORLD_SIZE", "1") or 1) > 1 and callable(getattr(sys.stdout, "reconfigure", None)):
+        sys.stdout.reconfigure(line_buffering=True)
 
 
 def _run_command(args: argparse.Namespace, command: str) -> int:
