@@ -26,10 +26,17 @@ def test_quick_is_a_smoke_test_that_never_passes_and_says_what_it_did_not_establ
     assert bf16["step_profile"] is None                       # no profiled window in a smoke test
     console = capsys.readouterr()
     assert f"bf16-mixed: SMOKE: smoke test (--quick, {QUICK_STEPS} steps)" in console.out
-    # the partial table, at each eval point every row has passed (eval every 3 steps here): losses and step times
-    lines = [line for line in console.err.splitlines() if line.startswith("step 3/30: eval loss fp32 ")]
+    # the partial table, at each eval point every row has passed (three points: every 10 steps): losses and step times
+    lines = [line for line in console.err.splitlines() if line.startswith("step 10/30: eval loss fp32 ")]
     assert len(lines) == 1 and "bf16-mixed" in lines[0] and "ms/step so far" in lines[0]
-    assert results["timing"]["one_pass"] and results["timing"]["block_steps"] == block_steps_for(QUICK_STEPS) == 3
+    assert [s for s, _ in bf16["eval_curve"]] == [10, 20, 30]
+    timing = results["timing"]
+    assert timing["one_pass"] and timing["block_steps"] == block_steps_for(QUICK_STEPS, quick=True) == 10
+    assert timing["blocks"] == 3 and bf16["timed_steps"] == QUICK_STEPS - 3 - 2   # warm-up 3, each later turn's first
+    assert set(timing["phases_s"]) >= {"plan", "build", "turns", "finish", "stop"} and "profile" not in timing["phases_s"]
+    assert "retimed" in timing and (timing["retimed"] == 0 or timing.get("retime_skipped") is None)
+    assert sum(timing["phases_s"].values()) <= results["wall_s"] + 0.1
+    assert f"wall time {results['wall_s']:.0f} s: workload and attention plan" in console.out
 
 
 def test_a_quick_run_that_misses_a_target_still_fails(tmp_path):
@@ -75,3 +82,8 @@ def test_the_seed_band_is_kept_and_reused_only_beside_the_same_reference(tmp_pat
 @pytest.mark.parametrize("steps, block", [(5, 3), (30, 3), (60, 6), (300, 10), (3000, 10)])
 def test_turns_are_a_tenth_of_the_run_between_3_and_10_steps(steps, block):
     assert block_steps_for(steps) == block
+
+
+@pytest.mark.parametrize("steps, block", [(6, 3), (30, 10), (31, 11), (90, 30)])
+def test_a_quick_run_takes_three_turns_per_row(steps, block):
+    assert block_steps_for(steps, quick=True) == block and -(-steps // block) == min(3, -(-steps // 3))
