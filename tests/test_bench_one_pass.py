@@ -87,3 +87,37 @@ def test_turns_are_a_tenth_of_the_run_between_3_and_10_steps(steps, block):
 @pytest.mark.parametrize("steps, block", [(6, 3), (30, 10), (31, 11), (90, 30)])
 def test_a_quick_run_takes_three_turns_per_row(steps, block):
     assert block_steps_for(steps, quick=True) == block and -(-steps // block) == min(3, -(-steps // 3))
+
+
+def _drifting(rows: dict[str, float], rounds: int, steps: int, start: float) -> dict[str, list[tuple[int, float]]]:
+    """Each row's steps (base ms × a machine factor falling linearly from ``start`` to 1 over the rounds, the same
+    for every row in a round), tagged with their round."""
+    factor = [start + (1.0 - start) * r / (rounds - 1) for r in range(rounds)]
+    return {n: [(r, base * factor[r]) for r in range(rounds) for _ in range(steps)] for n, base in rows.items()}
+
+
+def test_a_drift_common_to_every_row_is_not_noise_but_a_row_of_its_own_is():
+    from mixprec.programs.bench.noise import SPREAD_LIMIT, drift_corrected_spreads, settle_noise
+    from mixprec.programs.bench.measure import percentile
+    from mixprec.programs.bench.results import PolicyRun
+
+    bases = {"fp32": 330.0, "bf16-mixed": 200.0, "bf16-pure": 196.0, "peer": 225.0}
+    tagged = _drifting(bases, rounds=30, steps=9, start=1.8)   # the machine 1.8x slower at the start
+    raw = {n: percentile([ms for _, ms in t], 0.9) / percentile([ms for _, ms in t], 0.1) for n, t in tagged.items()}
+    assert min(raw.values()) > SPREAD_LIMIT                    # raw p90/p10: 1.8 → 1 over the run
+    assert drift_corrected_spreads(tagged) == {n: 1.0 for n in bases}   # the drift divided out exactly
+    # one row whose own turns are disturbed (every third step 1.8x) stays noisy; the others do not
+    tagged["bf16-pure"] = [(r, ms * (1.8 if i % 3 == 0 else 1.0)) for i, (r, ms) in enumerate(tagged["bf16-pure"])]
+    spreads = drift_corrected_spreads(tagged)
+    assert spreads["bf16-pure"] > SPREAD_LIMIT and max(v for n, v in spreads.items() if n != "bf16-pure") < 1.1
+    # two rows: a median of two ratios would halve one row's noise, so the raw spread stands (None here)
+    assert drift_corrected_spreads({n: tagged[n] for n in ("fp32", "bf16-mixed")}) is None
+    # settle_noise decides on the corrected spreads and keeps the raw ones beside them
+    pure = _drifting(bases, rounds=30, steps=9, start=1.8)
+    rows = {n: PolicyRun(step_time_ms_median=percentile([ms for _, ms in t], 0.5),
+                         step_time_ms_p10=percentile([ms for _, ms in t], 0.1),
+                         step_time_ms_p90=percentile([ms for _, ms in t], 0.9)) for n, t in pure.items()}
+    settled = settle_noise({"method": "interleaved", "one_pass": True}, rows, tagged=pure)
+    assert settled["drift_corrected"] and not settled["noisy"] and settled["spread"] == {n: 1.0 for n in bases}
+    assert settled["spread_raw"] == {n: round(raw[n], 3) for n in bases}
+    assert settle_noise({"method": "interleaved"}, rows)["noisy"]   # without the rounds: the raw spread decides

@@ -184,6 +184,10 @@ def _spread_text(t: dict) -> str:
     errors = t.get("errors") or {}
     spread = ", ".join(f"{n} {v:.2f}" + (" (quality run)" if n in errors else "")
                        for n, v in (t.get("spread") or {}).items())
+    if t.get("drift_corrected"):
+        raw = ", ".join(f"{n} {v:.2f}" for n, v in (t.get("spread_raw") or {}).items())
+        return (f"p90/p10 spread, the drift common to every row divided out round by round: {spread} (noisy above "
+                f"{t.get('spread_limit', 1.5)}; raw: {raw})")
     return f"p90/p10 spread: {spread or 'not measured'} (noisy above {t.get('spread_limit', 1.5)})"
 
 

@@ -438,15 +438,16 @@ def _train_in_turns(run: _Run, names: list[str], skip: dict[str, str | None], pr
         timing = {"method": "interleaved", "one_pass": True, "blocks": turns.rounds, "block_steps": block,
                   "retimed": 0, "errors": {}, "malloc_env": {k: turns.env[k] for k in TIMING_MALLOC_ENV}}
         timed = [n for n in specs if entries[n].step_time_ms_median is not None]
-        timing = settle_noise(timing, entries)
+        timing = settle_noise(timing, entries, tagged=turns.tagged())
         if config.quick and timing["noisy"]:   # a smoke test says TIMINGS NOISY rather than doubling its time
             timing["retime_skipped"] = "quick"
         elif timing["noisy"] and len(timed) > 1:   # timing-only rounds after the quality runs replace the step times
             bar.set_description("the pass was noisy: timing again")
             rounds = max(4, min(12, config.steps // 25))
-            entries = with_step_times(entries, turns.retime(timed, rounds))
+            retimed = turns.retime(timed, rounds)
+            entries = with_step_times(entries, retimed)
             timing = settle_noise({**timing, "retimed": 1, "retime_rounds": rounds, "retime_block_steps": RETIME_BLOCK},
-                                  entries)
+                                  entries, tagged=retimed)
             clock.lap("retime")
         timing["step_ms"] = {n: {"median": entries[n].step_time_ms_median, "p10": entries[n].step_time_ms_p10,
                                  "p90": entries[n].step_time_ms_p90} for n in timed}
