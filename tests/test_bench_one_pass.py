@@ -26,10 +26,17 @@ def test_quick_is_a_smoke_test_that_never_passes_and_says_what_it_did_not_establ
     assert bf16["step_profile"] is None                       # no profiled window in a smoke test
     console = capsys.readouterr()
     assert f"bf16-mixed: SMOKE: smoke test (--quick, {QUICK_STEPS} steps)" in console.out
-    # the partial table, at each eval point every row has passed (eval every 3 steps here): losses and step times
-    lines = [line for line in console.err.splitlines() if line.startswith("step 3/30: eval loss fp32 ")]
+    # the partial table, at each eval point every row has passed (three points: every 10 steps): losses and step times
+    lines = [line for line in console.err.splitlines() if line.startswith("step 10/30: eval loss fp32 ")]
     assert len(lines) == 1 and "bf16-mixed" in lines[0] and "ms/step so far" in lines[0]
-    assert results["timing"]["one_pass"] and results["timing"]["block_steps"] == block_steps_for(QUICK_STEPS) == 3
+    assert [s for s, _ in bf16["eval_curve"]] == [10, 20, 30]
+    timing = results["timing"]
+    assert timing["one_pass"] and timing["block_steps"] == block_steps_for(QUICK_STEPS, quick=True) == 10
+    assert timing["blocks"] == 3 and bf16["timed_steps"] == QUICK_STEPS - 3 - 2   # warm-up 3, each later turn's first
+    assert set(timing["phases_s"]) >= {"plan", "build", "turns", "finish", "stop"} and "profile" not in timing["phases_s"]
+    assert "retimed" in timing and (timing["retimed"] == 0 or timing.get("retime_skipped") is None)
+    assert sum(timing["phases_s"].values()) <= results["wall_s"] + 0.1
+    assert f"wall time {results['wall_s']:.0f} s: workload and attention plan" in console.out
 
 
 def test_a_quick_run_that_misses_a_target_still_fails(tmp_path):
@@ -75,3 +82,42 @@ def test_the_seed_band_is_kept_and_reused_only_beside_the_same_reference(tmp_pat
 @pytest.mark.parametrize("steps, block", [(5, 3), (30, 3), (60, 6), (300, 10), (3000, 10)])
 def test_turns_are_a_tenth_of_the_run_between_3_and_10_steps(steps, block):
     assert block_steps_for(steps) == block
+
+
+@pytest.mark.parametrize("steps, block", [(6, 3), (30, 10), (31, 11), (90, 30)])
+def test_a_quick_run_takes_three_turns_per_row(steps, block):
+    assert block_steps_for(steps, quick=True) == block and -(-steps // block) == min(3, -(-steps // 3))
+
+
+def _drifting(rows: dict[str, float], rounds: int, steps: int, start: float) -> dict[str, list[tuple[int, float]]]:
+    """Each row's steps (base ms × a machine factor falling linearly from ``start`` to 1 over the rounds, the same
+    for every row in a round), tagged with their round."""
+    factor = [start + (1.0 - start) * r / (rounds - 1) for r in range(rounds)]
+    return {n: [(r, base * factor[r]) for r in range(rounds) for _ in range(steps)] for n, base in rows.items()}
+
+
+def test_a_drift_common_to_every_row_is_not_noise_but_a_row_of_its_own_is():
+    from mixprec.programs.bench.noise import SPREAD_LIMIT, drift_corrected_spreads, settle_noise
+    from mixprec.programs.bench.measure import percentile
+    from mixprec.programs.bench.results import PolicyRun
+
+    bases = {"fp32": 330.0, "bf16-mixed": 200.0, "bf16-pure": 196.0, "peer": 225.0}
+    tagged = _drifting(bases, rounds=30, steps=9, start=1.8)   # the machine 1.8x slower at the start
+    raw = {n: percentile([ms for _, ms in t], 0.9) / percentile([ms for _, ms in t], 0.1) for n, t in tagged.items()}
+    assert min(raw.values()) > SPREAD_LIMIT                    # raw p90/p10: 1.8 → 1 over the run
+    assert drift_corrected_spreads(tagged) == {n: 1.0 for n in bases}   # the drift divided out exactly
+    # one row whose own turns are disturbed (every third step 1.8x) stays noisy; the others do not
+    tagged["bf16-pure"] = [(r, ms * (1.8 if i % 3 == 0 else 1.0)) for i, (r, ms) in enumerate(tagged["bf16-pure"])]
+    spreads = drift_corrected_spreads(tagged)
+    assert spreads["bf16-pure"] > SPREAD_LIMIT and max(v for n, v in spreads.items() if n != "bf16-pure") < 1.1
+    # two rows: a median of two ratios would halve one row's noise, so the raw spread stands (None here)
+    assert drift_corrected_spreads({n: tagged[n] for n in ("fp32", "bf16-mixed")}) is None
+    # settle_noise decides on the corrected spreads and keeps the raw ones beside them
+    pure = _drifting(bases, rounds=30, steps=9, start=1.8)
+    rows = {n: PolicyRun(step_time_ms_median=percentile([ms for _, ms in t], 0.5),
+                         step_time_ms_p10=percentile([ms for _, ms in t], 0.1),
+                         step_time_ms_p90=percentile([ms for _, ms in t], 0.9)) for n, t in pure.items()}
+    settled = settle_noise({"method": "interleaved", "one_pass": True}, rows, tagged=pure)
+    assert settled["drift_corrected"] and not settled["noisy"] and settled["spread"] == {n: 1.0 for n in bases}
+    assert settled["spread_raw"] == {n: round(raw[n], 3) for n in bases}
+    assert settle_noise({"method": "interleaved"}, rows)["noisy"]   # without the rounds: the raw spread decides

@@ -168,16 +168,22 @@ def time_interleaved(specs: dict[str, RunSpec], workdir: Path, env: dict[str, st
 
 
 def stop_workers(procs: Iterable[subprocess.Popen]) -> None:
-    """Ask each resident worker to quit (``{"quit": true}``, then end of input) and wait up to 60 s; kill the ones
-    that do not stop."""
+    """Ask every resident worker to quit (``{"quit": true}``, then end of input), all at once (each interpreter's
+    exit takes about a second), then wait up to 60 s for each; kill the ones that do not stop."""
+    procs = list(procs)
     for proc in procs:
         try:
             if proc.poll() is None:
                 proc.stdin.write(json.dumps({"quit": True}) + "\n")
                 proc.stdin.close()
-            proc.wait(timeout=60)
-        except (OSError, ValueError, subprocess.TimeoutExpired):
+        except (OSError, ValueError):
             proc.kill()
+    for proc in procs:
+        try:
+            proc.wait(timeout=60)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+            proc.wait()
 
 
 def _start(name: str, spec: RunSpec, workdir: Path, env: dict[str, str]) -> subprocess.Popen:

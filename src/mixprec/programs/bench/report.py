@@ -184,6 +184,10 @@ def _spread_text(t: dict) -> str:
     errors = t.get("errors") or {}
     spread = ", ".join(f"{n} {v:.2f}" + (" (quality run)" if n in errors else "")
                        for n, v in (t.get("spread") or {}).items())
+    if t.get("drift_corrected"):
+        raw = ", ".join(f"{n} {v:.2f}" for n, v in (t.get("spread_raw") or {}).items())
+        return (f"p90/p10 spread, the drift common to every row divided out round by round: {spread} (noisy above "
+                f"{t.get('spread_limit', 1.5)}; raw: {raw})")
     return f"p90/p10 spread: {spread or 'not measured'} (noisy above {t.get('spread_limit', 1.5)})"
 
 
@@ -195,7 +199,9 @@ def timing_lines(results: dict) -> list[str]:
         timed = [r.get("timed_steps") for r in (results.get("policies") or {}).values() if r.get("timed_steps")]
         count = f"{min(timed)}-{max(timed)}" if timed and min(timed) != max(timed) else f"{timed[0] if timed else 0}"
         retimed = (f"; the pass was noisy, so every row was timed again after its quality run ({t['retime_rounds']} "
-                   f"rounds of {t['retime_block_steps']} steps, each after one untimed step)" if t.get("retimed") else "")
+                   f"rounds of {t['retime_block_steps']} steps, each after one untimed step)" if t.get("retimed") else
+                   "; the pass was noisy, and a smoke test (--quick) does not time again" if t.get("retime_skipped")
+                   else "")
         how = (f"timing: interleaved in one pass ({t['blocks']} rounds of {t['block_steps']} steps per row, each row in "
                f"its own resident worker, taking turns; the timed steps are the quality steps, leaving out the "
                f"warm-up, each turn's first step and the step after each eval{_malloc_text(t.get('malloc_env'))}"
@@ -214,7 +220,15 @@ def timing_lines(results: dict) -> list[str]:
                      "machine was busy; the speedups are unreliable and no speed verdict is given")
     lines += [f"timing: {n} not timed interleaved ({err}): its step time is its quality run's"
               for n, err in (t.get("errors") or {}).items()]
+    if t.get("phases_s") and results.get("wall_s") is not None:
+        lines.append(f"wall time {results['wall_s']:.0f} s: " + ", ".join(
+            f"{_PHASE_WORDS.get(k, k)} {v:.0f} s" for k, v in t["phases_s"].items() if v >= 0.5))
     return lines
+
+
+_PHASE_WORDS = {"plan": "workload and attention plan", "build": "building the workers", "turns": "the rows' steps",
+                "finish": "final evals and memory steps", "retime": "timing again", "profile": "step profiles",
+                "seed_band": "seed band", "stop": "stopping the workers"}
 
 
 def seed_noise_lines(results: dict) -> list[str]:

@@ -123,6 +123,7 @@ class _Worker:
     out_path: Path
     step: int = 0
     times: list[float] = field(default_factory=list)   # this pass's timed steps (warm-up and turn-first left out)
+    rounds: list[int] = field(default_factory=list)    # the round each of ``times`` ran in
     error: dict[str, Any] | None = None
 
 
@@ -183,9 +184,11 @@ class Turns:
                     self._drop(name, reply)
                     continue
                 first = worker.step
-                worker.times += [t for i, t in enumerate(reply["times_ms"], first)
-                                 if i > first and i >= worker.spec.warmup_steps
-                                 and not (worker.spec.eval_every > 1 and i % worker.spec.eval_every == 0)]
+                kept = [t for i, t in enumerate(reply["times_ms"], first)
+                        if i > first and i >= worker.spec.warmup_steps
+                        and not (worker.spec.eval_every > 1 and i % worker.spec.eval_every == 0)]
+                worker.times += kept
+                worker.rounds += [self.rounds] * len(kept)
                 worker.step = reply["step"]
                 if on_turn is not None:
                     on_turn(name, reply)
@@ -203,10 +206,16 @@ class Turns:
             rows[name] = self._row(name)
         return rows
 
-    def retime(self, names: list[str], rounds: int) -> dict[str, list[float]]:
+    def tagged(self) -> dict[str, list[tuple[int, float]]]:
+        """Row -> ``[(round, ms), ...]``: the pass's timed steps of each live row, each with the round it ran in
+        (:func:`~mixprec.programs.bench.noise.drift_corrected_spreads`)."""
+        return {n: list(zip(w.rounds, w.times)) for n, w in self.workers.items() if w.error is None and w.times}
+
+    def retime(self, names: list[str], rounds: int) -> dict[str, list[tuple[int, float]]]:
         """Timing-only rounds after the quality runs (:data:`RETIME_BLOCK` timed steps per turn after one untimed
-        step, the order rotating per round): row -> its timed steps (ms); a row whose worker failed is left out."""
-        times: dict[str, list[float]] = {n: [] for n in names}
+        step, the order rotating per round): row -> ``[(round, ms), ...]``, its timed steps; a row whose worker
+        failed is left out."""
+        times: dict[str, list[tuple[int, float]]] = {n: [] for n in names}
         for r in range(rounds):
             order = [n for n in names if self.workers[n].error is None]
             for name in order[r % len(order):] + order[:r % len(order)] if order else []:
@@ -214,7 +223,7 @@ class Turns:
                 if "error" in reply:
                     self._drop(name, reply)
                 else:
-                    times[name] += reply["times_ms"]
+                    times[name] += [(r, t) for t in reply["times_ms"]]
         return {n: t for n, t in times.items() if self.workers[n].error is None and t}
 
     def ask_each(self, names: list[str], command: dict, key: str) -> dict[str, Any]:
@@ -292,11 +301,13 @@ class Progress:
         return f"step {step}/{self.steps}: eval loss {', '.join(words)} | ms/step so far {', '.join(speed)}"
 
 
-def with_step_times(rows: dict[str, PolicyRun], step_times: dict[str, list[float]]) -> dict[str, PolicyRun]:
-    """``rows`` with each named row's step time (median, p10, p90) taken from ``step_times`` (ms, the re-timing)
-    and its throughput rescaled to it; the quality steps' median is kept as ``sequential_step_time_ms_median``."""
+def with_step_times(rows: dict[str, PolicyRun], step_times: dict[str, list[tuple[int, float]]]) -> dict[str, PolicyRun]:
+    """``rows`` with each named row's step time (median, p10, p90) taken from ``step_times`` (row -> ``[(round,
+    ms), ...]``, the re-timing) and its throughput rescaled to it; the quality steps' median is kept as
+    ``sequential_step_time_ms_median``."""
     rows = dict(rows)
-    for name, times in step_times.items():
+    for name, tagged in step_times.items():
+        times = [ms for _, ms in tagged]
         e = rows[name]
         median = statistics.median(times)
         scale = e.step_time_ms_median / median       # throughput scales inversely with step time
