@@ -1,7 +1,8 @@
 """Checkpoints at any moment a trainer chooses, and runs written without mixprec adopted (issue 37, part A).
 
 * A checkpoint inside an accumulation window (Lightning's ``ModelCheckpoint`` after a validation that
-  ``val_check_interval`` puts mid-window; ``mp.state_dict()`` between a hand loop's micro-batches) holds the
+  ``val_check_interval`` puts mid-window, its ``OnExceptionCheckpoint`` when a ``training_step`` or a callback
+  raises; ``mp.state_dict()`` between a hand loop's micro-batches) holds the
   open window (:mod:`mixprec.engine.open_group`): the run that saved equals bit for bit the run that did not,
   and a run resumed from it equals both. The Hugging Face Trainer saves at optimizer steps only
   (``save_steps`` counts them): the same two equalities, with ``gradient_accumulation_steps=2``.
@@ -85,9 +86,9 @@ class Resumable(Fixed):
     """Fixed batches Lightning can resume mid-epoch (it saves and loads ``state_dict``): the next batch to
     train, the iterator's position (Lightning's fetcher takes no batch ahead of a loader with a length)."""
 
-    def __init__(self, data: list) -> None:
+    def __init__(self, data: list, behind: int = 0) -> None:
         super().__init__(data)
-        self.start, self.taken = 0, 0
+        self.start, self.taken, self.behind = 0, 0, behind   # behind: taken batches Lightning will replay
 
     def __iter__(self):
         start, self.start = self.start, 0
@@ -96,7 +97,7 @@ class Resumable(Fixed):
             yield self.data[i]
 
     def state_dict(self) -> dict:
-        return {"next": self.taken}
+        return {"next": self.taken - self.behind}
 
     def load_state_dict(self, state: dict) -> None:
         self.start = state["next"]
@@ -147,6 +148,45 @@ def test_lightning_checkpoint_inside_a_window_changes_nothing_and_resumes_exactl
     assert_same_run(saving.engine, plain.engine)   # saving never changes training
 
     resumed, t2 = fit_mid_window(policy, data, ckpt_path=mid)   # a model of another init: all of it is loaded
+    assert t2.global_step == 4
+    assert_same_run(resumed.engine, plain.engine)
+
+
+class Stop(Exception):
+    """The failure a run checkpoints on (Lightning's OnExceptionCheckpoint)."""
+
+
+class FailsInStep(MLP):
+    def training_step(self, batch, batch_idx):
+        if batch_idx == 3:   # the second micro-batch of the second window, before its backward
+            raise Stop("in training_step")
+        return super().training_step(batch, batch_idx)
+
+
+class FailsAfterBatch(L.Callback):
+    def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx):
+        if batch_idx == 2:   # after the first micro-batch of the second window
+            raise Stop("in on_train_batch_end")
+
+
+@pytest.mark.parametrize("where", ["training_step", "on_train_batch_end"])
+def test_lightning_checkpoint_on_an_exception_inside_a_window_resumes_exactly(where, tmp_path):
+    """Lightning's OnExceptionCheckpoint saves inside the window; the user's exception is what the fit raises,
+    and the resumed run (Lightning replays a batch whose training_step raised, not one whose hook did) equals the
+    run that never failed."""
+    from lightning.pytorch.callbacks import OnExceptionCheckpoint
+    data, policy = batches(8), "fp16-mixed"
+    plain, _ = fit_mid_window(policy, data)
+    model, callbacks = (FailsInStep(), []) if where == "training_step" else (MLP(), [FailsAfterBatch()])
+    t = trainer(MixprecPrecision(policy), max_steps=4, accumulate_grad_batches=2, enable_checkpointing=True,
+                callbacks=[*callbacks, OnExceptionCheckpoint(tmp_path)])
+    with pytest.raises(Stop, match=where):   # a training_step that raised: its batch is taken and replayed
+        t.fit(model, Resumable(data, behind=1 if where == "training_step" else 0))
+    path = tmp_path / "on_exception.ckpt"
+    assert torch.load(path, weights_only=False)["MixprecPrecision"]["open_group"]["micro_step"] == 1
+    resumed = MixprecPrecision(policy)
+    t2 = trainer(resumed, max_steps=4, accumulate_grad_batches=2)
+    t2.fit(MLP(seed=5), Resumable(data), ckpt_path=path)
     assert t2.global_step == 4
     assert_same_run(resumed.engine, plain.engine)
 
