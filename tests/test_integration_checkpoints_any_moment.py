@@ -313,6 +313,21 @@ def assert_same_weights_and_state(a: MixedPrecision, b: MixedPrecision) -> None:
     assert sa.keys() == sb.keys() and all(torch.equal(sa[i][k], sb[i][k]) for i in sa for k in sa[i])
 
 
+def test_a_lightning_amp_checkpoint_is_adopted(tmp_path):
+    """Lightning's own ``precision="bf16-mixed"`` keeps fp32 weights and optimizer state too: adopted the same way."""
+    data = batches(2)
+    amp = trainer(None, precision="bf16-mixed", max_epochs=1)
+    amp.fit(MLP(optimizer="torch"), Fixed(data))
+    path = tmp_path / "amp.ckpt"
+    amp.save_checkpoint(path)
+    plugin, first = MixprecPrecision("bf16-pure"), FirstValues()
+    t = trainer(plugin, max_epochs=2, max_steps=3, callbacks=[first])
+    t.fit(MLP(optimizer="torch", seed=5), Fixed(data), ckpt_path=path)
+    weights = torch.load(path, weights_only=False)["state_dict"]
+    assert all(torch.equal(v, weights[n]) for n, v in first.values.items())   # the masters: the saved fp32 values
+    assert [e.kind for e in plugin.engine.events].count("adopt-checkpoint") == 1 and t.global_step == 3
+
+
 def test_a_16_bit_lightning_checkpoint_is_refused_by_name(tmp_path):
     data = batches(2)
     bf16 = trainer(None, precision="bf16-true", max_epochs=1)
@@ -415,3 +430,43 @@ def test_a_plain_hf_trainer_checkpoint_is_adopted(policy, tmp_path):
     ref.backward(loss)
     assert ref.step().applied
     assert_same_weights_and_state(mp, ref)
+
+
+def test_a_plain_hf_trainer_checkpoint_of_a_tied_model_is_adopted(tmp_path):
+    """GPT-2 ties ``lm_head.weight`` to ``transformer.wte.weight`` and its checkpoint holds the tensor once: the
+    adopted run starts from the saved fp32 values under both names (one fp32 master) and trains on."""
+    transformers = pytest.importorskip("transformers")
+    from safetensors.torch import load_file
+
+    def gpt2():
+        torch.manual_seed(0)
+        return transformers.GPT2LMHeadModel(transformers.GPT2Config(
+            vocab_size=64, n_embd=16, n_layer=1, n_head=2, n_positions=8, resid_pdrop=0.0, embd_pdrop=0.0,
+            attn_pdrop=0.0))
+
+    ids = torch.randint(3, 64, (8, 8), generator=torch.Generator().manual_seed(1))
+    data = [{"input_ids": row, "labels": row.clone()} for row in ids]
+    options = dict(per_device_train_batch_size=2, learning_rate=1e-2, report_to="none", use_cpu=True,
+                   disable_tqdm=True, train_sampling_strategy="sequential", seed=0, logging_steps=100)
+    plain = transformers.Trainer(gpt2(), transformers.TrainingArguments(
+        str(tmp_path / "plain"), max_steps=2, save_strategy="steps", save_steps=2, **options), train_dataset=data)
+    plain.train()
+    folder = tmp_path / "plain" / "checkpoint-2"
+    saved = load_file(folder / "model.safetensors")
+    assert "lm_head.weight" not in saved   # written once, under the embedding's name
+
+    from mixprec.integrations.transformers import MixprecTrainer
+    seen = {}
+
+    class First(transformers.TrainerCallback):
+        def on_step_begin(self, args, state, control, model=None, **kwargs):
+            seen.setdefault("wte", adopted.engine.trainable_state_dict()["transformer.wte.weight"])
+
+    adopted = MixprecTrainer(gpt2(), transformers.TrainingArguments(
+        str(tmp_path / "adopted"), max_steps=3, save_strategy="no", **options), train_dataset=data,
+        policy="bf16-pure", callbacks=[First()])
+    adopted.train(resume_from_checkpoint=str(folder))
+    model = adopted.engine.module
+    assert adopted.engine.applied_steps == 3 and model.lm_head.weight is model.transformer.wte.weight
+    assert torch.equal(seen["wte"], saved["transformer.wte.weight"])   # the fp32 master: the saved fp32 values
+    assert [e.kind for e in adopted.engine.events].count("adopt-checkpoint") == 1
