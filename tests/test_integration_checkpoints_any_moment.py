@@ -366,10 +366,10 @@ def _hf_trainer(out, policy, *, seed=0, **overrides):
     pytest.importorskip("accelerate")
     from mixprec.integrations.transformers import MixprecTrainer
     options = dict(output_dir=str(out), per_device_train_batch_size=BATCH, gradient_accumulation_steps=2,
-                   max_steps=6, learning_rate=1e-2, save_strategy="no", report_to="none", use_cpu=True,
+                   max_steps=4, learning_rate=1e-2, save_strategy="no", report_to="none", use_cpu=True,
                    disable_tqdm=True, train_sampling_strategy="sequential", seed=0, logging_steps=100)
     args = transformers.TrainingArguments(**{**options, **overrides})
-    return MixprecTrainer(_Regression(seed), args, train_dataset=_hf_data(6 * 2 * BATCH), policy=policy)
+    return MixprecTrainer(_Regression(seed), args, train_dataset=_hf_data(4 * 2 * BATCH), policy=policy)
 
 
 @pytest.mark.parametrize("policy", ["bf16-pure", "bf16-lean"])
@@ -382,6 +382,7 @@ def test_hf_save_steps_saves_at_optimizer_steps_and_resumes_exactly(policy, tmp_
     folder = tmp_path / "saving" / "checkpoint-3"   # save_steps counts optimizer steps (of 2 micro-batches)
     state = torch.load(folder / PRECISION_STATE_NAME, weights_only=True)
     assert state["counters"]["boundaries"] == 3 and state["open_group"] is None   # at a boundary
+    assert saving.engine.boundaries == 4
     assert_same_run(saving.engine, plain.engine)
     resumed = _hf_trainer(tmp_path / "resumed", policy, seed=5)
     resumed.train(resume_from_checkpoint=str(folder))
