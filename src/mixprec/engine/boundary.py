@@ -88,6 +88,17 @@ class BoundaryLosses:
         """Join ``found`` (fp32 0-dim, 1.0: a non-finite unscaled penalty gradient) into :attr:`extra_inf`."""
         self.extra_inf = found if self.extra_inf is None else torch.maximum(self.extra_inf, found)
 
+    def state_dict(self) -> dict[str, torch.Tensor | None]:
+        """The open boundary's tally (``last``, ``total``, ``finite``, ``extra_inf``) as copies, for a state
+        saved mid-accumulation (:mod:`mixprec.engine.open_group`). No host sync."""
+        return {key: None if (t := getattr(self, key)) is None else t.detach().clone()
+                for key in ("last", "total", "finite", "extra_inf")}
+
+    def load_state_dict(self, state: dict[str, torch.Tensor | None], device: torch.device) -> None:
+        """Take a :meth:`state_dict`'s tally (copies on ``device``) as the open boundary's. No host sync."""
+        for key in ("last", "total", "finite", "extra_inf"):
+            setattr(self, key, None if state[key] is None else state[key].to(device, copy=True))
+
     def close(self, micro_batches: int) -> None:
         """The boundary is reached: :attr:`mean` over its ``micro_batches`` (k of a group ended early)."""
         self.mean = self.total / micro_batches

@@ -34,6 +34,7 @@ from mixprec.engine.loop_checks import LoopChecks
 from mixprec.engine.loss_scale import for_policy as loss_scale_for_policy, for_switch as loss_scale_for_switch, unscale_grads
 from mixprec.engine.masters import claim, release
 from mixprec.engine.memory_budget import MemoryBudget
+from mixprec.engine.open_group import capture_group, restore_group
 from mixprec.engine.pending_auto import resolve_for_engine
 from mixprec.engine.prepare import prepare
 from mixprec.engine.recompute_setup import RecomputeSetup
@@ -421,9 +422,9 @@ class MixedPrecision:
                 for name, p in self.module.named_parameters() if p.requires_grad}
 
     def state_dict(self) -> dict[str, Any]:
-        """Everything to continue bit-exactly: policy text, frozen set, model, masters, optimizer, scheduler, loss
-        scale and counters (tensors are references). RuntimeError mid-accumulation (grads are not in it)."""
-        self._check_boundary("state_dict()", "take it")
+        """Everything to continue bit-exactly: policy, frozen set, model, masters, optimizer, scheduler, loss scale,
+        counters (references), the open window mid-accumulation (:mod:`mixprec.engine.open_group`). RuntimeError mid-step."""
+        check_no_open_check("mp.state_dict()", self._open_check)
         self._adopt_model_edits()
         adopt_edited_params(self)
         return {
@@ -435,7 +436,8 @@ class MixedPrecision:
             "scheduler": None if self.scheduler is None else self.scheduler.state_dict(),
             "loss_scale": self.loss_scale.state_dict(),
             "counters": dict(micro_step=self.micro_step, applied_steps=self.applied_steps,
-                             skipped_total=self.skipped_total, boundaries=self.boundaries)}
+                             skipped_total=self.skipped_total, boundaries=self.boundaries),
+            "open_group": capture_group(self, self._step_pending, self._group.end_next, self._losses)}
 
     def load_state_dict(self, state: dict[str, Any], *, convert: bool = False, adopt_policy: bool = False) -> None:
         """Restore a :meth:`state_dict` exactly (its ``"events"``, as checkpoints carry, replace :attr:`events`).
@@ -458,9 +460,9 @@ class MixedPrecision:
         self._step_pending, self.micro_step, self._losses.extra_inf, self._group.end_next = False, 0, None, False
         self._set_gradient_sync()
 
-    def restore_progress(self, counters: dict[str, int], events: list[dict] | None) -> None:
-        """Set the counters and event log (None: keep it) of a saved run, for loaders that restore the rest
-        themselves (:func:`mixprec.engine.reprepare.load_state`, the DCP loader)."""
+    def restore_progress(self, counters: dict[str, int], events: list[dict] | None, open_group: Any = None) -> None:
+        """Set the counters and event log (None: keep it) of a saved run, and its open window (checked by
+        :func:`~mixprec.engine.open_group.check_group`), for loaders that restore the rest themselves."""
         self._check_boundary("restore_progress()", "restore")
         self.applied_steps, self.skipped_total = counters["applied_steps"], counters["skipped_total"]
         self.boundaries = counters["boundaries"]
@@ -468,6 +470,9 @@ class MixedPrecision:
             self.events[:] = [Event.of(e) for e in events]
             self._recompute.load({"events": events})   # a DCP checkpoint's recompute plan, as it was
             self._budget.load({"events": events})
+        if open_group:   # saved mid-accumulation: the window goes on; its gradients are this engine's own
+            self.micro_step, self._step_pending, self._group.end_next = restore_group(self, open_group, self._losses)
+            self._checks.after_backward()
 
     def record(self, event: Event | dict, *, decision: str | None = None) -> None:
         """Append ``event`` (an :class:`~mixprec.engine.records.Event` or its JSON dict) to :attr:`events`: what a

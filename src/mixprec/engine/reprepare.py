@@ -15,6 +15,7 @@ from torch import nn
 
 from mixprec.engine.loss_scale import from_state_dict as loss_scale_from_state
 from mixprec.engine.masters import MasterWeights
+from mixprec.engine.open_group import check_group
 from mixprec.engine.pending_auto import pending_note
 from mixprec.engine.records import Event
 from mixprec.engine.storage import FrozenSet, check_held, check_new_group, dtype_text, held_by
@@ -58,13 +59,19 @@ def load_across_policies(mp: Engine, state: dict[str, Any], *, convert: bool, ad
     re-raises: ``mp`` is left as given (its loss scale object included).
 
     Raises:
-        ValueError: neither ``convert`` nor ``adopt_policy``, or both; whatever the loads refuse.
+        ValueError: neither ``convert`` nor ``adopt_policy``, or both; ``convert`` of a state saved mid-accumulation;
+            whatever the loads refuse.
     """
     saved, target, target_scale = state["policy"], str(mp.policy), mp.loss_scale
     if convert == adopt_policy:
         raise ValueError(f"state was saved under policy {saved!r}, this engine runs {target}"
                          f"{pending_note(mp.decision)}; pass convert=True (to {target!r}) or adopt_policy=True "
                          f"(to {saved!r}), one of them")
+    if state.get("open_group") and convert:
+        raise ValueError(f"the state was saved mid-accumulation ({state['open_group']['micro_step']} micro-batch(es) "
+                         f"of an open window) under {saved!r}: its gradients are {saved!r}'s, so it cannot be "
+                         f"converted to {target!r} before that window's step; pass adopt_policy=True (finish the "
+                         "window, then mp.set_policy(...)), or convert a state saved at an optimizer-step boundary")
     loss_scale = loss_scale_from_state(state["loss_scale"])   # validates before anything changes
     mp.set_policy(saved, cause="load_checkpoint", loss_scale=loss_scale, record=False)
     try:
@@ -78,11 +85,12 @@ def load_across_policies(mp: Engine, state: dict[str, Any], *, convert: bool, ad
 
 def load_state(mp: Engine, state: dict[str, Any]) -> None:
     """Load ``state`` (a :meth:`mixprec.MixedPrecision.state_dict` of ``mp``'s policy) into ``mp`` exactly,
-    through its public methods; an unfinished accumulation is discarded. Every check runs first.
+    through its public methods; an unfinished accumulation is discarded, a saved open window restored
+    (:mod:`mixprec.engine.open_group`). Every check runs first.
 
     Raises:
         ValueError: another loss-scale type, a frozen set that cannot be matched, unfit fp16 values,
-            masters other than this policy's. Nothing has changed then.
+            masters other than this policy's, an open window's gradients that do not fit. Nothing has changed then.
     """
     if state["loss_scale"].get("type") != type(mp.loss_scale).__name__:
         raise ValueError(f"the run used {state['loss_scale'].get('type')}, the engine has "
@@ -90,6 +98,7 @@ def load_state(mp: Engine, state: dict[str, Any]) -> None:
     if state.get("frozen") is not None:
         mp.match_frozen(state["frozen"], check_only=True)
     mp.check_frozen_values(dict(state["model"]))
+    check_group(mp, state.get("open_group"))
     if state.get("frozen") is not None:
         mp.match_frozen(state["frozen"])
     masters = mp.masters.by_name(state["masters"], dict(mp.module.named_parameters()))
@@ -103,7 +112,7 @@ def load_state(mp: Engine, state: dict[str, Any]) -> None:
     if mp.scheduler is not None and state["scheduler"] is not None:
         mp.scheduler.load_state_dict(state["scheduler"])
     mp.loss_scale.load_state_dict(state["loss_scale"])
-    mp.restore_progress(state["counters"], state.get("events"))
+    mp.restore_progress(state["counters"], state.get("events"), state.get("open_group"))
 
 
 def unfreeze_params(mp: Engine, frozen: FrozenSet, patterns: tuple[str, ...], group_options: dict) -> Event:

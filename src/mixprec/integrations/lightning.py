@@ -23,7 +23,9 @@ Lightning's hooks, mapped onto the engine's phases (docs/engine.md):
   clipping by norm is the engine's fp32 clip), then ``mp.apply_or_skip(check)``.
 * ``state_dict``/``load_state_dict``: the engine's state less what Lightning's checkpoint holds already
   (model, optimizer): masters, loss scale, scheduler, counters, events, and the global RNG states (Lightning
-  saves none; stochastic rounding draws from them); ``fit(ckpt_path=...)`` resumes bit for bit.
+  saves none; stochastic rounding draws from them); ``fit(ckpt_path=...)`` resumes bit for bit. A checkpoint
+  Lightning takes inside an accumulation window holds the open window too (:mod:`mixprec.engine.open_group`),
+  and one written without this plugin (``precision="32-true"``) is adopted (:meth:`MixprecPrecision.on_load_checkpoint`).
 
 Source: Lightning's own ``MixedPrecision`` (AMP) plugin, whose hook order this follows.
 """
@@ -41,10 +43,12 @@ from lightning.pytorch.plugins.precision import Precision
 from lightning.pytorch.utilities.model_helpers import is_overridden
 from torch import nn
 
+from mixprec.checkpoint.adopt import adopt_fp32_run
 from mixprec.checkpoint.rng import rng_state, set_rng_state
 from mixprec.engine.boundary import StepCheck, StepResult
 from mixprec.engine.clipping import clip_
 from mixprec.engine.mixed_precision import MixedPrecision
+from mixprec.engine.open_group import check_group
 from mixprec.policy.policy import Policy
 
 __all__ = ["MixprecPrecision", "MixprecFabricPrecision"]
@@ -161,6 +165,7 @@ class MixprecPrecision(Precision):
         self._trainer: Any = None
         self._checkpoint_parts: dict[str, Any] = {}   # Lightning's own model and optimizer states, at a load
         self._pending: dict[str, Any] | None = None   # an engine state loaded before the optimizer was attached
+        self._open_group: tuple | None = None   # a loaded open window (counters, group), for the first training step
 
     @property
     def precision(self) -> str:   # type: ignore[override]
@@ -216,8 +221,12 @@ class MixprecPrecision(Precision):
                                "fit(ckpt_path=...)")
         if self._pending is not None:
             state, self._pending = self._pending, None
-            rng = state.pop("rng", None)
+            rng, group = state.pop("rng", None), state.pop("open_group", None)
+            check_group(engine, group)   # before anything changes
             engine.load_state_dict(state)
+            # an open window goes back at the first training step: Lightning zeroes the module's gradients
+            # between the checkpoint's load and the first batch (Trainer._run_stage)
+            self._open_group = (state["counters"], group) if group else None
             if rng is not None:
                 set_rng_state(rng["state"], rng["tensors"])
         return engine
@@ -251,8 +260,12 @@ class MixprecPrecision(Precision):
 
     @contextmanager
     def train_step_context(self) -> Iterator[None]:
-        """The training step's forward: attach the optimizer first (once), then :meth:`forward_context`."""
-        self._attach()
+        """The training step's forward: attach the optimizer first (once), restore a loaded checkpoint's open
+        accumulation window (once), then :meth:`forward_context`."""
+        engine = self._attach()
+        if self._open_group is not None:
+            (counters, group), self._open_group = self._open_group, None
+            engine.restore_progress(counters, None, group)
         with self.forward_context():
             yield
 
@@ -317,7 +330,8 @@ class MixprecPrecision(Precision):
     def state_dict(self) -> dict[str, Any]:
         """The engine's :meth:`~MixedPrecision.state_dict` less ``model`` and ``optimizer`` (Lightning saves
         them), with its events and the global RNG states (torch, CUDA, numpy, python: stochastic rounding, dropout
-        and data order go on as in an uninterrupted run); empty before the optimizer is attached. Tensors are
+        and data order go on as in an uninterrupted run); inside an accumulation window also the open window
+        (``open_group``: its gradients as copies); empty before the optimizer is attached. Other tensors are
         references."""
         engine = self.engine
         if engine is None or engine.optimizer is None:
@@ -329,9 +343,25 @@ class MixprecPrecision(Precision):
         return state
 
     def on_load_checkpoint(self, checkpoint: dict[str, Any]) -> None:
-        """Keep Lightning's model and optimizer states of ``checkpoint`` for :meth:`load_state_dict`."""
+        """Keep Lightning's model and optimizer states of ``checkpoint`` for :meth:`load_state_dict`. When fitting
+        from a checkpoint without this plugin's state (a run under ``precision="32-true"``, or Lightning's AMP),
+        adopt it: its fp32 weights and optimizer state converted to the policy as ``set_policy`` would
+        (:func:`mixprec.checkpoint.adopt.adopt_fp32_run`: an ``"adopt-checkpoint"`` event), and Lightning's
+        ``optimizer_states`` entry replaced by the converted state, which Lightning loads next. ValueError for
+        16-bit weights or several optimizers."""
         optimizers = checkpoint.get("optimizer_states") or [None]
         self._checkpoint_parts = {"model": checkpoint.get("state_dict"), "optimizer": optimizers[0]}
+        if (type(self).__qualname__ in checkpoint or self._trainer is None or self._trainer.state.fn != "fit"
+                or optimizers[0] is None or not optimizers[0].get("state")):   # no optimizer step: nothing to adopt
+            return
+        if len(optimizers) != 1:
+            raise ValueError(f"the checkpoint holds {len(optimizers)} optimizer states; MixprecPrecision adopts a run "
+                             "of one optimizer (param groups for several parts)")
+        engine = self._attach()
+        adopt_fp32_run(engine, checkpoint["state_dict"], optimizers[0], steps=int(checkpoint.get("global_step", 0)),
+                       source=f"Lightning checkpoint (epoch {checkpoint.get('epoch')}, global_step "
+                              f"{checkpoint.get('global_step')})")
+        checkpoint["optimizer_states"] = [engine.optimizer.state_dict()]
 
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
         """Restore :meth:`state_dict` with the model and optimizer states of Lightning's checkpoint, exactly
@@ -339,6 +369,12 @@ class MixprecPrecision(Precision):
         only and the engine's state is left. ValueError for a checkpoint without optimizer states."""
         if not state_dict or self._trainer is None or self._trainer.state.fn != "fit":
             return
+        if state_dict.get("open_group") and self._trainer.world_size > 1:
+            raise ValueError(f"this checkpoint was saved inside an accumulation window ({self._trainer.world_size} "
+                             "processes): each rank's gradients of that window are its own and not yet reduced, and "
+                             "Lightning's checkpoint holds rank 0's. Resume from a checkpoint taken at an optimizer "
+                             "step (ModelCheckpoint(every_n_train_steps=...), or val_check_interval a multiple of "
+                             "accumulate_grad_batches)")
         parts = self._checkpoint_parts
         if parts.get("model") is None or parts.get("optimizer") is None:
             raise ValueError("MixprecPrecision.load_state_dict needs Lightning's full checkpoint (state_dict and "

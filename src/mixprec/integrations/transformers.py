@@ -19,7 +19,9 @@ engine: ``evaluate``/``predict`` work before ``train``), it gets its optimizer a
   Trainer's Accelerator either way (one autocast: the engine's). The adoption is an event and a decision clause.
 * Checkpoints: the Trainer saves model, optimizer, scheduler and RNG as always; next to them
   :data:`PRECISION_STATE_NAME` holds only what the engine adds (policy, fp32 masters, loss scale, counters,
-  events). ``train(resume_from_checkpoint=...)`` loads it after the Trainer's own loads: bit-exact resume.
+  events). ``train(resume_from_checkpoint=...)`` loads it after the Trainer's own loads: bit-exact resume. A
+  plain ``transformers.Trainer``'s checkpoint (fp32, no such file) is adopted: :func:`adopt_plain_checkpoint`.
+  The Trainer saves at optimizer steps only (``save_steps`` counts them), so the state never holds an open window.
   ``save_model()`` (and each checkpoint's model file) holds the fp32 masters under ``-pure`` policies
   (:func:`fp32_state_dict`), the trained weights, not their bf16 copies.
 * An epoch that would end on a short accumulation step is refused at ``train()`` start (ValueError).
@@ -41,9 +43,11 @@ from collections.abc import Mapping
 from typing import Any
 
 import torch
+from safetensors.torch import load_file
 from transformers import Trainer, TrainerCallback, TrainingArguments
 from transformers.trainer_utils import PREFIX_CHECKPOINT_DIR
 
+from mixprec.checkpoint.adopt import adopt_fp32_run
 from mixprec.engine.boundary import StepCheck
 from mixprec.engine.mixed_precision import MixedPrecision
 from mixprec.engine.records import Event
@@ -51,7 +55,8 @@ from mixprec.optim.adamw import AdamW
 from mixprec.policy.policy import Policy
 from mixprec.policy.resolve import resolve
 
-__all__ = ["MixprecTrainer", "EngineOptimizer", "EngineScheduler", "PRECISION_STATE_NAME", "fp32_state_dict"]
+__all__ = ["MixprecTrainer", "EngineOptimizer", "EngineScheduler", "PRECISION_STATE_NAME", "fp32_state_dict",
+           "adopt_plain_checkpoint"]
 
 #: The file next to the Trainer's own in each ``checkpoint-N`` folder: the engine's state minus model,
 #: optimizer and scheduler (which the Trainer saves itself).
@@ -78,6 +83,14 @@ class EngineOptimizer:
 
     def zero_grad(self, set_to_none: bool = True) -> None:
         """Nothing: the engine zeroes the gradients after each step (a zero_grad mid-accumulation would lose them)."""
+
+    def load_state_dict(self, state_dict: dict[str, Any]) -> None:
+        """The real optimizer's, but for a plain Trainer's checkpoint being resumed (no :data:`PRECISION_STATE_NAME`):
+        :func:`adopt_plain_checkpoint` loads that one converted, at ``on_train_begin``."""
+        trainer = self._trainer()
+        folder = None if trainer is None else trainer.resume_dir
+        if folder is None or os.path.isfile(os.path.join(folder, PRECISION_STATE_NAME)):
+            self.optimizer.load_state_dict(state_dict)
 
     def __getattr__(self, name: str) -> Any:
         if name == "optimizer":
@@ -291,20 +304,57 @@ class MixprecTrainer(Trainer):
 
     def load_precision_state(self) -> None:
         """When ``train`` resumes: the saved precision state with the model, optimizer and scheduler the Trainer
-        loaded, into the engine (:meth:`mixprec.MixedPrecision.load_state_dict`). ValueError if the file is
-        missing (a checkpoint of a plain Trainer: resume it with ``Trainer``)."""
+        loaded, into the engine (:meth:`mixprec.MixedPrecision.load_state_dict`). A checkpoint without it (a plain
+        ``transformers.Trainer``'s) is adopted: :func:`adopt_plain_checkpoint`."""
         if self.resume_dir is None:
             return
         path = os.path.join(self.resume_dir, PRECISION_STATE_NAME)
         if not os.path.isfile(path):
-            raise ValueError(f"resume_from_checkpoint={self.resume_dir!r} has no {PRECISION_STATE_NAME}: it was not "
-                             "saved by MixprecTrainer, so the fp32 masters and loss scale are lost; resume it with "
-                             "the trainer that saved it")
+            adopt_plain_checkpoint(self.engine, self.resume_dir, steps=self.state.global_step)
+            self.resume_dir = None
+            return
         saved = torch.load(path, map_location=self.engine.device, weights_only=True)
         mp = self.engine
         mp.load_state_dict({**saved, "model": mp.module.state_dict(), "optimizer": mp.optimizer.state_dict(),
                             "scheduler": None if mp.scheduler is None else mp.scheduler.state_dict()})
         self.resume_dir = None
+
+
+def adopt_plain_checkpoint(mp: MixedPrecision, folder: str, *, steps: int) -> None:
+    """Adopt the ``checkpoint-N`` ``folder`` of a plain ``transformers.Trainer`` (fp32 weights in
+    ``model.safetensors`` or ``pytorch_model.bin``, ``optimizer.pt``; ``steps``: its optimizer steps) into ``mp``,
+    converted to its policy as ``set_policy`` would (:func:`mixprec.checkpoint.adopt.adopt_fp32_run`: an
+    ``"adopt-checkpoint"`` event); tied weights saved once take their twin's value. The Trainer loaded the
+    scheduler and RNG states itself. ValueError for a folder without those files, or 16-bit weights."""
+    names = [n for n in ("model.safetensors", "pytorch_model.bin", "optimizer.pt")
+             if os.path.isfile(os.path.join(folder, n))]
+    if "optimizer.pt" not in names or len(names) < 2:
+        raise ValueError(f"resume_from_checkpoint={folder!r} has no {PRECISION_STATE_NAME} and not a plain Trainer's "
+                         f"model weights and optimizer.pt (found {names}): MixprecTrainer resumes its own checkpoints "
+                         "and adopts a transformers.Trainer's")
+    path = os.path.join(folder, names[0])
+    if names[0].endswith(".safetensors"):
+        weights = load_file(path, device=str(mp.device))
+    else:
+        weights = torch.load(path, map_location=mp.device, weights_only=True)
+    optimizer_state = torch.load(os.path.join(folder, "optimizer.pt"), map_location=mp.device, weights_only=True)
+    adopt_fp32_run(mp, _with_tied(mp.module, weights), optimizer_state, steps=steps,
+                   source=f"transformers.Trainer checkpoint {os.path.basename(os.path.normpath(folder))}")
+
+
+def _with_tied(module: torch.nn.Module, saved: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    """``saved`` with each name it left out that shares its tensor with a saved name (tied weights, which
+    ``save_pretrained`` writes once) given that name's value; other missing names stay missing (the load names them)."""
+    own = module.state_dict(keep_vars=True)
+    twins: dict[int, list[str]] = {}
+    for name, tensor in own.items():
+        twins.setdefault(id(tensor), []).append(name)
+    out = dict(saved)
+    for name, tensor in own.items():
+        twin = next((n for n in twins[id(tensor)] if n in saved), None) if name not in saved else None
+        if twin is not None:
+            out[name] = saved[twin]
+    return out
 
 
 def fp32_state_dict(mp: MixedPrecision) -> dict[str, torch.Tensor]:

@@ -1,0 +1,92 @@
+"""An accumulation window saved open: what ``mp.state_dict()`` adds when it is called between boundaries (a
+trainer's checkpoint after a validation that falls mid-window, on an exception, on a timer), and what
+``mp.load_state_dict`` puts back, so the window goes on exactly as in the run that did not save.
+
+The rest of ``state_dict()`` is the state of the last boundary (model, masters, optimizer, scheduler, loss
+scale, counters): nothing of it changes inside a window. The open window adds ``state["open_group"]`` (None
+at a boundary):
+
+* ``grads``: each param's gradient so far, by name, as ``backward()`` left it (times the loss scale, in the
+  param's dtype, summed by autograd); ``master_grads``: under ``-pure`` the fp32 masters' (the 16-bit ones were
+  added into them and freed);
+* ``micro_step``; ``pending``: 1 when a ``backward()`` awaits its ``step()`` (a trainer's joined micro-batches),
+  2 after ``backward(retain_graph=True)``, else 0; ``end_next``: ``mp.end_group_next()`` was called;
+* ``losses``: the window's loss tally (:meth:`~mixprec.engine.boundary.BoundaryLosses.state_dict`), so the
+  boundary's mean loss and its skip decision see every micro-batch.
+
+The gradients are copies (the next ``backward()`` adds into the live ones in place). Not saved: a guard's
+kept micro-batches (``mp.step_batches``), so after a resume the guard's diagnosis of that window sees only
+those after the load. Under ``strategy=`` each rank's gradients of an open window are its own and not yet
+reduced: saving there is refused (RuntimeError), as before. No host sync.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+
+from mixprec.engine.arguments import MID_ACCUMULATION, RETAINED
+from mixprec.engine.boundary import BoundaryLosses
+from mixprec.engine.protocol import Engine
+
+__all__ = ["capture_group", "check_group", "restore_group"]
+
+
+def capture_group(mp: Engine, pending: Any, end_next: bool, losses: BoundaryLosses) -> dict[str, Any] | None:
+    """``state["open_group"]`` of ``mp`` (module docstring): None at a boundary, else the window's gradients
+    (copies), counts and loss tally; ``pending``/``end_next``/``losses``: the engine's. RuntimeError mid-window
+    under a strategy. No host sync."""
+    if mp.micro_step == 0 and not end_next:
+        return None
+    if mp.strategy is not None:
+        raise RuntimeError(MID_ACCUMULATION.format(call="state_dict()", n=mp.micro_step, what=(
+            f"under strategy={mp.strategy!r} each rank's gradients of the open window are its own; take it")))
+    named = list(mp.module.named_parameters())
+    name_of = {id(p): n for n, p in named}
+    return {"micro_step": mp.micro_step, "pending": 2 if pending == RETAINED else int(bool(pending)),
+            "end_next": bool(end_next),
+            "grads": {n: p.grad.detach().clone() for n, p in named if p.grad is not None},
+            "master_grads": {name_of[id(p)]: m.grad.detach().clone() for p, m in mp.masters.pairs
+                             if m.grad is not None},
+            "losses": losses.state_dict()}
+
+
+def check_group(mp: Engine, saved: dict[str, Any] | None) -> None:
+    """Raise ValueError, before anything changes, unless ``saved`` (a :func:`capture_group`) fits ``mp``'s
+    params and masters (each gradient names a param and has its shape and dtype, fp32 for a master's) and
+    ``mp`` runs one process."""
+    if not saved:
+        return
+    if mp.strategy is not None:
+        raise ValueError(f"the state was saved mid-accumulation by one process; under strategy={mp.strategy!r} each "
+                         "rank's window is its own: load a state saved at an optimizer-step boundary")
+    named = dict(mp.module.named_parameters())
+    with_master = {id(p) for p, _ in mp.masters.pairs}
+    wrong = [f"{n} ({_text(g)})" for key, fp32 in (("grads", False), ("master_grads", True))
+             for n, g in saved[key].items()
+             if n not in named or g.shape != named[n].shape or (fp32 and id(named[n]) not in with_master)
+             or g.dtype != (torch.float32 if fp32 else named[n].dtype)]
+    if wrong:
+        raise ValueError(f"the state was saved mid-accumulation ({saved['micro_step']} micro-batch(es) of an open "
+                         f"window) and its gradients {wrong[:4]} do not fit this model under {mp.policy} (another "
+                         "model or policy): load it into the model and policy that saved it, or load a state saved "
+                         "at an optimizer-step boundary")
+
+
+def restore_group(mp: Engine, saved: dict[str, Any], losses: BoundaryLosses) -> tuple[int, Any, bool]:
+    """Put the window's gradients of ``saved`` (checked by :func:`check_group`) back on ``mp``'s params and
+    masters (copies, on ``mp.device``) and its tally into ``losses``; returns ``(micro_step, pending, end_next)``
+    for the engine to assign. No host sync."""
+    named = dict(mp.module.named_parameters())
+    master_of = {id(p): m for p, m in mp.masters.pairs}
+    for key, holder in (("grads", lambda p: p), ("master_grads", lambda p: master_of[id(p)])):
+        for name, grad in saved[key].items():
+            holder(named[name]).grad = grad.detach().to(mp.device, copy=True)
+    losses.load_state_dict(saved["losses"], mp.device)
+    pending = RETAINED if saved["pending"] == 2 else bool(saved["pending"])
+    return int(saved["micro_step"]), pending, bool(saved["end_next"])
+
+
+def _text(t: torch.Tensor) -> str:
+    return f"{tuple(t.shape)} {str(t.dtype).removeprefix('torch.')}"
