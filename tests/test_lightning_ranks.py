@@ -91,15 +91,32 @@ def per_rank_seeds(rank: int) -> dict:
     return fit(rank, MixprecPrecision("bf16-sr", keep_inputs=(1,)))
 
 
+def fabric_per_rank_seeds(rank: int) -> dict:
+    """The same under Fabric's DDP: fabric.setup, plugin.attach, fabric.backward, optimizer.step()."""
+    L.seed_everything(SEED + rank)
+    plugin = MixprecFabricPrecision("bf16-sr", verify_replicas_every=1)
+    fabric = L.Fabric(accelerator="cpu", devices=WORLD, strategy="ddp", plugins=[plugin])
+    fabric.launch()
+    net = nn.Sequential(nn.Linear(16, 32), nn.GELU(), nn.Linear(32, 4))
+    model, optimizer = fabric.setup(net, mixprec.optim.AdamW(net.parameters(), lr=1e-2))
+    plugin.attach(optimizer)
+    for x, y in batches(WORLD * STEPS)[rank::WORLD]:
+        fabric.backward(F.mse_loss(model(x).float(), y))   # the plugin casts x, opens the autocast
+        optimizer.step()
+    return {"weights": {n: p.detach().clone() for n, p in net.named_parameters()},
+            "applied": plugin.engine.applied_steps,
+            "events": [e.to_dict() for e in plugin.engine.events]}
+
+
 def worker(rank: int, out: Path) -> dict:
-    results = {"seeds": per_rank_seeds(rank)}
+    results = {"seeds": per_rank_seeds(rank), "fabric": fabric_per_rank_seeds(rank)}
     L.seed_everything(SEED)
     results["scheduler-mixed"] = fit(rank, MixprecPrecision("bf16-mixed", keep_inputs=(1,), verify_replicas_every=1),
                                      callbacks=[GradientAccumulationScheduler({1: 2})], per_rank=4, max_steps=-1,
                                      max_epochs=2)
     try:
-        fit(rank, MixprecPrecision("bf16-pure", keep_inputs=(1,)), callbacks=[GradientAccumulationScheduler({1: 2})], per_rank=4,
-            max_steps=-1, max_epochs=2)
+        fit(rank, MixprecPrecision("bf16-pure", keep_inputs=(1,)), callbacks=[GradientAccumulationScheduler({1: 2})],
+            per_rank=4, max_steps=-1, max_epochs=2)
         results["scheduler-pure"] = None
     except ValueError as err:
         results["scheduler-pure"] = str(err)
@@ -131,9 +148,20 @@ def test_per_rank_seeds_under_bf16_sr_keep_the_replicas_equal(ranks):
     assert_equal_replicas(r0["weights"], r1["weights"])
     assert r0["sr_seed"] == r1["sr_seed"] == SEED   # rank 0's seed_everything(SEED + 0)
     event = next(e for e in r1["events"] if e["kind"] == "replicas")
-    assert f"sr_seed [{SEED}] from rank 0 on every rank (this rank had [{SEED + 1}]; seeded per rank)" in event["detail"]
+    assert f"sr_seed [{SEED}] from rank 0 on every rank (this rank had [{SEED + 1}]; seeded per rank)" \
+        in event["detail"]
     assert "2 processes: rank 0's sr_seed on every rank, replicas compared by fingerprint every 100 step(s)" \
         in r1["decision"]
+
+
+@pytest.mark.timeout(240)
+def test_fabric_with_per_rank_seeds_keeps_the_replicas_equal(ranks):
+    r0, r1 = (r["fabric"] for r in ranks)
+    assert r0["applied"] == r1["applied"] == STEPS   # and compared by fingerprint after each step
+    assert_equal_replicas(r0["weights"], r1["weights"])
+    event = next(e for e in r1["events"] if e["kind"] == "replicas")
+    assert event["detail"].startswith(f"MixprecFabricPrecision on 2 processes at attach: sr_seed [{SEED}] from rank 0 "
+                                      f"on every rank (this rank had [{SEED + 1}]; seeded per rank)")
 
 
 @pytest.mark.timeout(240)

@@ -95,8 +95,8 @@ def accelerate_runs(rank: int) -> dict:
     accelerator = Accelerator(mixed_precision="no", cpu=True)
     data = rows()[:STEPS * WORLD * BATCH]
     loader = torch.utils.data.DataLoader(data, batch_size=BATCH, collate_fn=transformers.default_data_collator)
-    set_seed(SEED, device_specific=True)   # accelerate's per-rank seeds
     model = gpt2()
+    set_seed(SEED, device_specific=True)   # accelerate's per-rank seeds: the optimizer's sr_seed is SEED + rank
     mp = mixprec.MixedPrecision(model, mixprec.optim.AdamW(model.parameters(), lr=LR), "bf16-sr")
     prepared, prepared_loader = accelerator.prepare(mp.model, loader)
     out = {"recipe": None}
