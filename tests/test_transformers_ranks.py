@@ -10,7 +10,8 @@ Trainer's loss (summed over tokens, divided by its count of labels over every ra
 number of processes, times the accumulation steps the engine divides by again), its AdamW groups, linear schedule
 and ``max_grad_norm=1.0``. Compared bit for bit (``torch.equal``) on the fp32 values the optimizer steps
 (``trainable_state_dict``: the masters under ``bf16-pure``, the bf16 params under ``bf16-sr``), and across ranks.
-On main MixprecTrainer refused several processes.
+A checkpoint rank 0 writes after 2 steps, resumed on both ranks for the last 2, ends where the 4 uninterrupted
+steps do, bit for bit. On main MixprecTrainer refused several processes.
 
 Accelerate in the same ranks: the one-process recipe (engine without ``strategy=``, its model through
 ``accelerator.prepare``) with accelerate's per-rank seeds (``set_seed(seed, device_specific=True)``) trained on
@@ -53,14 +54,15 @@ def rows() -> list[dict[str, torch.Tensor]]:
     return [{"input_ids": row, "labels": row.clone()} for row in ids]
 
 
-def trainer_run(rank: int, out: Path, policy: str, accumulation: int) -> MixprecTrainer:
-    args = transformers.TrainingArguments(
-        output_dir=str(out), per_device_train_batch_size=BATCH, gradient_accumulation_steps=accumulation,
-        max_steps=STEPS, learning_rate=LR, weight_decay=0.01, lr_scheduler_type="linear", logging_steps=STEPS,
-        save_strategy="no", report_to="none", use_cpu=True, disable_tqdm=True, train_sampling_strategy="sequential",
-        seed=SEED + rank)   # per-rank seeds, on purpose
+def trainer_run(rank: int, out: Path, policy: str, accumulation: int, *, resume: Path | None = None,
+                **overrides) -> MixprecTrainer:
+    options = dict(output_dir=str(out), per_device_train_batch_size=BATCH, gradient_accumulation_steps=accumulation,
+                   max_steps=STEPS, learning_rate=LR, weight_decay=0.01, lr_scheduler_type="linear",
+                   logging_steps=STEPS, save_strategy="no", report_to="none", use_cpu=True, disable_tqdm=True,
+                   train_sampling_strategy="sequential", seed=SEED + rank)   # per-rank seeds, on purpose
+    args = transformers.TrainingArguments(**{**options, **overrides})
     trainer = MixprecTrainer(gpt2(), args, train_dataset=rows(), policy=policy, verify_replicas_every=1)
-    trainer.train()
+    trainer.train(resume_from_checkpoint=None if resume is None else str(resume))
     return trainer
 
 
@@ -125,7 +127,8 @@ def accelerate_runs(rank: int) -> dict:
 def worker(rank: int, out: Path, cases=CASES) -> dict:
     results = {"accelerate": accelerate_runs(rank)} if cases == CASES else {}
     for policy, accumulation in cases:
-        trainer = trainer_run(rank, out / policy, policy, accumulation)
+        saving = {"save_strategy": "steps", "save_steps": STEPS // 2} if policy == "bf16-sr" else {}
+        trainer = trainer_run(rank, out / policy, policy, accumulation, **saving)
         mp = trainer.engine
         reference = engine_ddp(rank, policy, accumulation, set(trainer.get_decay_parameter_names(trainer.model)))
         results[policy] = {"trainer": mp.trainable_state_dict(), "engine": reference.trainable_state_dict(),
@@ -133,6 +136,10 @@ def worker(rank: int, out: Path, cases=CASES) -> dict:
                            "wrapped": type(trainer.model_wrapped).__name__, "decision": mp.decision,
                            "events": [e.to_dict() for e in mp.events],
                            "sr_seed": mp.optimizer.param_groups[0]["sr_seed"]}
+        if saving:   # rank 0 saved checkpoint-2 on the way; every rank resumes it for the last 2 steps
+            resumed = trainer_run(rank, out / "resumed", policy, accumulation,
+                                  resume=out / policy / f"checkpoint-{STEPS // 2}")
+            results[policy]["resumed"] = resumed.engine.trainable_state_dict()
     return results
 
 
@@ -158,6 +165,8 @@ def test_mixprec_trainer_on_two_ranks_equals_the_engines_own_ddp_bit_for_bit(ran
             assert_same(got["trainer"], got["engine"], f"{policy}, rank {rank}: MixprecTrainer vs strategy='ddp'")
             assert got["sr_seed"] == SEED, policy   # rank 0's TrainingArguments(seed=SEED + 0)
         assert_same(ranks[0][policy]["trainer"], ranks[1][policy]["trainer"], f"{policy}: rank 0 vs rank 1")
+    for rank, result in enumerate(ranks):   # 2 steps, checkpoint, 2 more on 2 ranks: the 4 uninterrupted steps
+        assert_same(result["bf16-sr"]["resumed"], result["bf16-sr"]["trainer"], f"rank {rank}: resumed vs whole")
     event = next(e for e in ranks[1]["bf16-sr"]["events"] if e["kind"] == "replicas")
     assert f"sr_seed [{SEED}, {SEED}] from rank 0 on every rank (this rank had [{SEED + 1}, {SEED + 1}]" \
         in event["detail"]

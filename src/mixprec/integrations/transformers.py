@@ -321,7 +321,8 @@ class MixprecTrainer(Trainer):
             raise ValueError(f"resume_from_checkpoint={self.resume_dir!r} has no {PRECISION_STATE_NAME}: it was not "
                              "saved by MixprecTrainer, so the fp32 masters and loss scale are lost; resume it with "
                              "the trainer that saved it")
-        saved = torch.load(path, map_location=self.engine.device, weights_only=True)
+        device = self.engine.device   # under DDP on CPUs accelerate names it cpu:0, which torch.load cannot map to
+        saved = torch.load(path, map_location="cpu" if device.type == "cpu" else device, weights_only=True)
         mp = self.engine
         mp.load_state_dict({**saved, "model": mp.module.state_dict(), "optimizer": mp.optimizer.state_dict(),
                             "scheduler": None if mp.scheduler is None else mp.scheduler.state_dict()})
