@@ -204,6 +204,7 @@ def test_mixprec_trainer_under_torchrun_itself(tmp_path):
     for rank, got in enumerate((r0, r1)):
         assert got["applied"] == (STEPS, STEPS)
         assert_same(got["trainer"], got["engine"], f"rank {rank}: MixprecTrainer vs strategy='ddp'")
+        assert_same(got["resumed"], got["trainer"], f"rank {rank}: resumed vs whole")
     assert_same(r0["trainer"], r1["trainer"], "rank 0 vs rank 1")
 
 

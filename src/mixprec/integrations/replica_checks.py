@@ -29,8 +29,8 @@ from mixprec.policy.policy import Policy
 
 __all__ = ["DEFAULT_EVERY", "check_every", "ReplicaChecks", "check_accumulation", "follow_accumulation"]
 
-#: Boundaries between two fingerprint checks by default: one all-gather of a few int64 per param and one read of
-#: the weights every 100 steps (well under 1 % of a step's work for any model that needs several processes).
+#: Boundaries between two fingerprint checks by default: every 100 steps one read of the weights (and fp32
+#: masters), one all-gather of one int64 per tensor and one host read.
 DEFAULT_EVERY = 100
 
 
