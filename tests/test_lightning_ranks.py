@@ -70,14 +70,17 @@ class EditOnRank1(L.Callback):
                 pl_module.net[2].weight[0, 0] += 0.5
 
 
-def fit(rank: int, plugin: MixprecPrecision, *, callbacks=(), per_rank: int = STEPS, **kw) -> dict:
+def fit(rank: int, plugin: MixprecPrecision, *, callbacks=(), per_rank: int = STEPS, ckpt_path=None, save_to=None,
+        **kw) -> dict:
     model = MLP()
     trainer = L.Trainer(accelerator="cpu", devices=WORLD, strategy="ddp", plugins=[plugin], callbacks=list(callbacks),
                         logger=False, enable_checkpointing=False, enable_progress_bar=False,
                         enable_model_summary=False, num_sanity_val_steps=0, use_distributed_sampler=False,
                         **{"max_steps": STEPS, **kw})
     data = batches(WORLD * per_rank)[rank::WORLD]
-    trainer.fit(model, DataLoader(data, batch_size=None))
+    trainer.fit(model, DataLoader(data, batch_size=None), ckpt_path=ckpt_path)
+    if save_to is not None:
+        trainer.save_checkpoint(save_to)   # rank 0 writes it
     engine = plugin.engine
     return {"weights": {n: p.detach().clone() for n, p in model.named_parameters()},
             "dtypes": {p.dtype for p in model.parameters()}, "boundaries": engine.boundaries,
@@ -89,6 +92,17 @@ def per_rank_seeds(rank: int) -> dict:
     """bf16-sr with seed_everything(SEED + rank) before the model and the optimizer are built."""
     L.seed_everything(SEED + rank)
     return fit(rank, MixprecPrecision("bf16-sr", keep_inputs=(1,)))
+
+
+def resumed_per_rank_seeds(rank: int, out: Path) -> dict:
+    """Per-rank seeds under bf16-sr, 2 epochs of 2 steps: whole, and 1 epoch + checkpoint + 1 resumed epoch."""
+    runs = {}
+    for name, epochs, ckpt, save in (("whole", 2, None, None), ("first", 1, None, out / "epoch0.ckpt"),
+                                     ("resumed", 2, out / "epoch0.ckpt", None)):
+        L.seed_everything(SEED + rank)
+        runs[name] = fit(rank, MixprecPrecision("bf16-sr", keep_inputs=(1,)), per_rank=2, max_steps=-1,
+                         max_epochs=epochs, ckpt_path=ckpt, save_to=save)
+    return runs
 
 
 def fabric_per_rank_seeds(rank: int) -> dict:
@@ -109,7 +123,8 @@ def fabric_per_rank_seeds(rank: int) -> dict:
 
 
 def worker(rank: int, out: Path) -> dict:
-    results = {"seeds": per_rank_seeds(rank), "fabric": fabric_per_rank_seeds(rank)}
+    results = {"seeds": per_rank_seeds(rank), "fabric": fabric_per_rank_seeds(rank),
+               "resume": resumed_per_rank_seeds(rank, out)}
     L.seed_everything(SEED)
     results["scheduler-mixed"] = fit(rank, MixprecPrecision("bf16-mixed", keep_inputs=(1,), verify_replicas_every=1),
                                      callbacks=[GradientAccumulationScheduler({1: 2})], per_rank=4, max_steps=-1,
@@ -152,6 +167,18 @@ def test_per_rank_seeds_under_bf16_sr_keep_the_replicas_equal(ranks):
         in event["detail"]
     assert "2 processes: rank 0's sr_seed on every rank, replicas compared by fingerprint every 100 step(s)" \
         in r1["decision"]
+
+
+@pytest.mark.timeout(240)
+def test_a_resumed_run_agrees_on_the_seeds_again_and_continues_bit_for_bit(ranks):
+    for rank, r in enumerate(ranks):
+        whole, resumed = r["resume"]["whole"], r["resume"]["resumed"]
+        assert whole["boundaries"] == resumed["boundaries"] == 4, rank
+        assert_equal_replicas(resumed["weights"], whole["weights"])   # and rank 0's equal rank 1's:
+        assert_equal_replicas(resumed["weights"], ranks[0]["resume"]["whole"]["weights"])
+        assert resumed["sr_seed"] == SEED
+        agreed = [e["detail"] for e in resumed["events"] if e["kind"] == "replicas"]
+        assert agreed and "after the checkpoint load: sr_seed" in agreed[-1], rank
 
 
 @pytest.mark.timeout(240)
