@@ -7,7 +7,7 @@ integration holds one :class:`ReplicaChecks`:
 * :meth:`ReplicaChecks.agree_seeds`, when the optimizer is attached (and again after a checkpoint load): every
   rank takes rank 0's ``sr_seed`` (:func:`mixprec.distributed.replicas.agree_sr_seeds`; trainers seed per rank on
   purpose, ``seed_everything(seed + rank)``, which gave every replica its own stochastic-rounding stream), said in
-  an ``"replicas"`` event and the decision.
+  a ``"replicas"`` event and the decision.
 * :meth:`ReplicaChecks.at_boundary`, after every ``every``-th boundary: the replicas' params and fp32 masters
   compared bit for bit by fingerprint (one all-gather; :func:`mixprec.distributed.replicas.check_replicas_equal`),
   RuntimeError on every rank naming the rank and tensor that differ.
