@@ -802,3 +802,25 @@ def test_fsdp2_clips_finite_gradients_whose_squares_overflow_fp32(tmp_path):
         assert r["applied"] and math.isfinite(r["norm"])
         assert abs(r["norm"] - r["norm64"]) <= 1e-5 * r["norm64"]   # fp32 rounding of the scaled sums
         assert 0.0 < r["step_norm"] <= 0.1 * (1 + 1e-5) * 1.0 + 1e-6   # lr 0.1 x clipped norm 1: not zeroed
+
+
+# ---------------------------------------------------------------------- the replicas' fingerprint (issue 37)
+def test_fingerprint_is_the_position_weighted_sum_of_the_bit_patterns():
+    """One int64 per tensor, sum of bits(x_i) * (2i + 1) in exact integer arithmetic: [1.0, 2.0] in fp32 is
+    0x3F800000 * 1 + 0x40000000 * 3; bf16 reads its 16-bit patterns (0x3F80, 0x4000); one ulp anywhere, a sign
+    of zero or a swap of two elements changes it."""
+    from mixprec.distributed.replicas import fingerprints
+
+    pair = torch.tensor([1.0, 2.0])
+    got = fingerprints([pair, pair.bfloat16(), torch.tensor([2.0, 1.0])])
+    assert got.dtype == torch.int64 and got.tolist() == [0x3F800000 + 3 * 0x40000000, 0x3F80 + 3 * 0x4000,
+                                                         0x40000000 + 3 * 0x3F800000]
+    x = torch.randn(3, 5, generator=torch.Generator().manual_seed(0))
+    ulp = x.clone()
+    ulp.view(-1)[7] = torch.nextafter(ulp.view(-1)[7], torch.tensor(float("inf")))
+    zeros = torch.zeros(4)
+    signed = zeros.clone()
+    signed[2] = -0.0
+    a, b, c, d = fingerprints([x, ulp, zeros, signed]).tolist()
+    assert a == fingerprints([x.clone()]).item() and a != b and c != d
+    assert fingerprints([x.t()]).item() == fingerprints([x.t().contiguous()]).item()   # layout-free: element order

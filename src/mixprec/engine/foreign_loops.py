@@ -1,7 +1,7 @@
 """A framework's loop steering the engine's run behind its back: refused by name (docs/integrations.md).
 
 A user who moves a loop from Accelerate or Fabric to the engine keeps habits that the engine used to let
-through, each training wrong silently. Three checks, each cheap (no host sync):
+through, each training wrong silently. Four checks, each cheap (no host sync):
 
 * **Accelerate's gradient accumulation**: ``Accelerator(gradient_accumulation_steps=N)`` with
   ``accelerator.accumulate(model)`` around ``mp.backward``/``mp.step``: accelerate's accumulation only gates
@@ -13,6 +13,13 @@ through, each training wrong silently. Three checks, each cheap (no host sync):
   (``MixedPrecision(accumulation_steps=N)``, ``Accelerator()`` without it). Refused, not followed: the
   engine's window, loss division, overflow check and DDP sync all hang on ``accumulation_steps``, fixed at
   build; following a second counter would make two sources of truth. Equal counts pass.
+* **Accelerate's processes**: in an accelerate run of several processes (``accelerate launch`` or torchrun:
+  accelerate's process-wide ``PartialState`` says ``num_processes > 1``), an engine built without ``strategy=``
+  would be trained by accelerate's own DDP (16-bit gradient all-reduce for 16-bit params, a ``no_sync`` the
+  engine cannot see, each rank's own stochastic-rounding seed: ``set_seed(seed, device_specific=True)``), and
+  the replicas drift apart silently. At each ``mp.backward()``: ValueError naming ``strategy="ddp"`` (the
+  engine wraps, reduces in fp32, agrees skips and refuses per-rank rounding seeds) and ``accelerator.prepare``
+  of the dataloader only.
 * **``accelerator.clip_grad_norm_(params, ...)``** on an engine's parameters: under ``-pure`` the params hold
   no gradients (they are on the fp32 masters), so it clips nothing and returns 0; under fp16 it clips the
   still-scaled gradients; and the engine's own step would not know. Once accelerate is imported, the first
@@ -58,6 +65,7 @@ def at_backward(mp: Engine) -> None:
     _ENGINES.add(mp)
     if "accelerate.state" in sys.modules:
         _check_accumulation(mp, sys.modules["accelerate.state"])
+        _check_processes(mp, sys.modules["accelerate.state"])
     if "accelerate.accelerator" in sys.modules:
         _wrap_clip(sys.modules["accelerate.accelerator"])
     _check_scheduler(mp)
@@ -89,6 +97,22 @@ def _check_accumulation(mp: Engine, state_module: Any) -> None:
             f"Accumulate in the engine: MixedPrecision(model, optimizer, policy, accumulation_steps={steps}), "
             "mp.backward(loss) and mp.step() every micro-batch, and Accelerator(mixed_precision='no') without "
             "gradient_accumulation_steps (no accelerator.accumulate)")
+
+
+# ---------------------------------------------------------------------- processes
+def _check_processes(mp: Engine, state_module: Any) -> None:
+    shared = getattr(getattr(state_module, "PartialState", None), "_shared_state", None)
+    processes = (shared or {}).get("num_processes", 1)
+    if mp.strategy is not None or not isinstance(processes, int) or processes < 2:
+        return
+    raise ValueError(
+        f"this MixedPrecision engine ({mp.policy}) runs in an accelerate run of {processes} processes without "
+        "strategy=: accelerate's DDP would reduce its gradients (in the params' 16-bit dtype under 16-bit "
+        "storage), its no_sync would decide which micro-batches reduce behind the engine's fp32 masters, and each "
+        "rank's stochastic rounding would draw its own stream, so the replicas drift apart. Build "
+        "MixedPrecision(model, optimizer, policy, strategy='ddp') (the engine wraps the model in DDP, reduces in "
+        "fp32 and checks the ranks' rounding seeds) and pass only the dataloader to accelerator.prepare "
+        "(loader = accelerator.prepare(loader); call mp.model, not a model accelerate wrapped)")
 
 
 # ---------------------------------------------------------------------- clipping

@@ -49,6 +49,7 @@ from mixprec.engine.boundary import StepCheck, StepResult
 from mixprec.engine.clipping import clip_
 from mixprec.engine.mixed_precision import MixedPrecision
 from mixprec.engine.open_group import check_group
+from mixprec.integrations.replica_checks import DEFAULT_EVERY, ReplicaChecks, check_accumulation, follow_accumulation
 from mixprec.policy.policy import Policy
 
 __all__ = ["MixprecPrecision", "MixprecFabricPrecision"]
@@ -149,16 +150,23 @@ class MixprecPrecision(Precision):
     ``engine`` is the :class:`MixedPrecision` after the strategy's setup (None before); ``step_check`` the open
     :class:`StepCheck` inside ``on_before_optimizer_step``/``configure_gradient_clipping`` (None elsewhere);
     ``last_result`` the last step's :class:`StepResult`. ``precision`` (``trainer.precision``) is the policy's
-    text. Host syncs: the engine's (one per step). Errors: RuntimeError for a second model, a second ``fit`` with
-    new optimizers or a step outside the order; ValueError for several optimizers, an overridden
-    ``LightningModule.backward`` or ``lr_scheduler_step`` beside a step-interval scheduler. Source: Lightning's
-    ``MixedPrecision`` plugin (its hook order)."""
+    text. Several processes (``strategy="ddp"``): every rank takes rank 0's stochastic-rounding seeds when the
+    optimizer is attached, ``accumulate_grad_batches`` is re-read at every micro-batch, and every
+    ``verify_replicas_every`` steps (default 100, 0: off) the replicas are compared by fingerprint
+    (:mod:`mixprec.integrations.replica_checks`). Host syncs: the engine's (one per step), one per check. Errors:
+    RuntimeError for a second model, a second ``fit`` with new optimizers, a step outside the order or replicas
+    that differ; ValueError for several optimizers, an overridden ``LightningModule.backward`` or
+    ``lr_scheduler_step`` beside a step-interval scheduler, accumulation with fp32 masters on several processes.
+    Source: Lightning's ``MixedPrecision`` plugin (its hook order)."""
 
-    def __init__(self, policy: str | Policy = "auto", *, keep_inputs: tuple = (), **engine_options: Any) -> None:
+    def __init__(self, policy: str | Policy = "auto", *, keep_inputs: tuple = (),
+                 verify_replicas_every: int = DEFAULT_EVERY, **engine_options: Any) -> None:
         super().__init__()
         _check_options(engine_options, _TRAINER_OWNS, "MixprecPrecision")
         self.policy, self.engine_options = policy, engine_options
         self.keep_inputs = _check_keep(keep_inputs, "MixprecPrecision")
+        self.replicas = ReplicaChecks(verify_replicas_every, "MixprecPrecision")
+        self._accumulate: int | None = None   # Lightning's accumulate_grad_batches at the last micro-batch
         self.engine: MixedPrecision | None = None
         self.step_check: StepCheck | None = None
         self.last_result: StepResult | None = None
@@ -206,15 +214,12 @@ class MixprecPrecision(Precision):
             if len(optimizers) != 1:
                 raise ValueError(_several_optimizers(len(optimizers), engine.module))
             module, trainer = engine.module, self._trainer
-            if trainer.world_size > 1 and trainer.accumulate_grad_batches > 1 and engine.policy.has_masters:
-                raise ValueError(f"accumulate_grad_batches={trainer.accumulate_grad_batches} on {trainer.world_size} "
-                                 f"processes with {engine.policy} (fp32 masters): Lightning's no_sync would reduce "
-                                 "only the last micro-batch's gradients (the masters take each one's), and the ranks "
-                                 "would drift; use accumulate_grad_batches=1 (a larger batch) or a -mixed policy")
+            check_accumulation(trainer.accumulate_grad_batches, trainer.world_size, engine.policy)
             if is_overridden("backward", module, LightningModule):
                 raise ValueError(f"{type(module).__name__}.backward is overridden, but MixprecPrecision backpropagates "
                                  "through the engine (loss scaling, fp32 master gradients); remove the override")
             engine.attach(optimizers[0], self._take_scheduler(module))
+            self.replicas.agree_seeds(engine)   # several processes: rank 0's sr_seed on every rank
         elif optimizers and optimizers[0] is not engine.optimizer:
             raise RuntimeError("a second fit() built a new optimizer, but the engine's fp32 masters and loss scale "
                                "belong to the first: build a new model and MixprecPrecision, or resume through "
@@ -229,6 +234,7 @@ class MixprecPrecision(Precision):
             self._open_group = (state["counters"], group) if group else None
             if rng is not None:
                 set_rng_state(rng["state"], rng["tensors"])
+            self.replicas.agree_seeds(engine, when="after the checkpoint load")
         return engine
 
     def _take_scheduler(self, module: LightningModule) -> Any:
@@ -280,7 +286,12 @@ class MixprecPrecision(Precision):
         joins the window in progress (``retain_graph``/``inputs`` pass through)."""
         if args:
             raise TypeError(f"MixprecPrecision.backward takes retain_graph=/inputs= by keyword only, got {args!r}")
-        self._attach().backward(tensor, join=True, **kwargs)
+        engine, trainer = self._attach(), self._trainer
+        # re-read at every micro-batch (a GradientAccumulationScheduler changes it): recorded, or refused before
+        # this micro-batch's gradients join the window
+        self._accumulate = follow_accumulation(engine, trainer.accumulate_grad_batches, trainer.world_size,
+                                               was=self._accumulate, where=f"at epoch {trainer.current_epoch}")
+        engine.backward(tensor, join=True, **kwargs)
 
     def optimizer_step(self, optimizer: Any, model: Any, closure: Callable[[], Any], **kwargs: Any) -> Any:
         """Run ``closure`` (forward, backward), then the engine's boundary: unscale_and_check, Lightning's
@@ -300,6 +311,7 @@ class MixprecPrecision(Precision):
         self._after_closure(model, optimizer)   # on_before_optimizer_step, configure_gradient_clipping
         check, self.step_check = self.step_check, None
         self.last_result = engine.apply_or_skip(check)
+        self.replicas.at_boundary(engine)   # several processes: every verify_replicas_every steps
         return closure_result
 
     def _agree_on_skip(self, check: StepCheck) -> None:
@@ -393,13 +405,17 @@ class MixprecFabricPrecision(FabricPrecision):
     unscaled gradients; ``optimizer.step()`` is the boundary. ``policy``/``engine_options`` as
     :class:`MixprecPrecision` (``device``: the engine's, default the current CUDA device else CPU, as Fabric's
     default). ``fabric.save(path, {"mixprec": plugin})`` holds the engine's whole state and the RNG states;
-    ``fabric.load`` restores it exactly. Errors as :class:`MixprecPrecision`."""
+    ``fabric.load`` restores it exactly. Several processes: rank 0's stochastic-rounding seeds at ``attach``, the
+    replicas compared every ``verify_replicas_every`` steps (as :class:`MixprecPrecision`). Errors as
+    :class:`MixprecPrecision`."""
 
-    def __init__(self, policy: str | Policy = "auto", *, keep_inputs: tuple = (), **engine_options: Any) -> None:
+    def __init__(self, policy: str | Policy = "auto", *, keep_inputs: tuple = (),
+                 verify_replicas_every: int = DEFAULT_EVERY, **engine_options: Any) -> None:
         super().__init__()
         _check_options(engine_options, _FABRIC_OWNS, "MixprecFabricPrecision")
         self.policy, self.engine_options = policy, engine_options
         self.keep_inputs = _check_keep(keep_inputs, "MixprecFabricPrecision")
+        self.replicas = ReplicaChecks(verify_replicas_every, "MixprecFabricPrecision")
         self.engine: MixedPrecision | None = None
         self.step_check: StepCheck | None = None
         self.last_result: StepResult | None = None
@@ -428,6 +444,7 @@ class MixprecFabricPrecision(FabricPrecision):
             raise RuntimeError(f"Fabric moved the model to {device}, the engine runs on {engine.device}: pass "
                                f"MixprecFabricPrecision(..., device='{device.type}')")
         engine.attach(getattr(optimizer, "optimizer", optimizer), scheduler)
+        self.replicas.agree_seeds(engine)   # several processes: rank 0's sr_seed on every rank
 
     def _engine(self, what: str) -> MixedPrecision:
         if self.engine is None:
@@ -459,7 +476,9 @@ class MixprecFabricPrecision(FabricPrecision):
             raise TypeError(f"MixprecFabricPrecision.optimizer_step takes no optimizer.step() arguments, got {kwargs}")
         self.unscale_gradients(optimizer)
         check, self.step_check = self.step_check, None
-        self.last_result = self._engine("optimizer.step()").apply_or_skip(check)
+        engine = self._engine("optimizer.step()")
+        self.last_result = engine.apply_or_skip(check)
+        self.replicas.at_boundary(engine)
         return None
 
     def state_dict(self) -> dict[str, Any]:

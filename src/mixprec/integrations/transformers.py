@@ -25,8 +25,15 @@ engine: ``evaluate``/``predict`` work before ``train``), it gets its optimizer a
   ``save_model()`` (and each checkpoint's model file) holds the fp32 masters under ``-pure`` policies
   (:func:`fp32_state_dict`), the trained weights, not their bf16 copies.
 * An epoch that would end on a short accumulation step is refused at ``train()`` start (ValueError).
+* Under torchrun (several processes, DDP): the engine is built with ``strategy="ddp"`` (rank 0's weights, the
+  model wrapped in DDP after the policy's casts, gradients reduced in fp32, the ranks' skip decisions agreed) and
+  the Trainer trains that wrapper instead of wrapping the model itself; the engine, not the Trainer's
+  ``no_sync``, decides which micro-batches reduce (every one under fp32 masters); every rank takes rank 0's
+  stochastic-rounding seeds when the optimizer is attached, and the replicas are compared by fingerprint every
+  ``verify_replicas_every`` steps (:mod:`mixprec.integrations.replica_checks`). Bit for bit the engine's own
+  ``strategy="ddp"`` loop on the same global batches.
 
-Not supported yet (ValueError naming it): several processes (DDP/FSDP/DeepSpeed), ``model_init``,
+Not supported yet (ValueError naming it): FSDP and DeepSpeed through the Trainer, DataParallel, ``model_init``,
 ``torch_compile``, ``bf16_full_eval``/``fp16_full_eval`` (they cast the model). Source: transformers 5.24
 ``Trainer`` (public hooks ``training_step``, ``compute_loss_context_manager``, ``prediction_step``,
 ``create_optimizer``, ``create_scheduler``, callbacks ``on_train_begin``/``on_save``; one private hook,
@@ -37,6 +44,7 @@ from __future__ import annotations
 
 import contextlib
 import copy
+import dataclasses
 import os
 import weakref
 from collections.abc import Mapping
@@ -51,6 +59,7 @@ from mixprec.checkpoint.adopt import adopt_fp32_run
 from mixprec.engine.boundary import StepCheck
 from mixprec.engine.mixed_precision import MixedPrecision
 from mixprec.engine.records import Event
+from mixprec.integrations.replica_checks import DEFAULT_EVERY, ReplicaChecks
 from mixprec.optim.adamw import AdamW
 from mixprec.policy.policy import Policy
 from mixprec.policy.resolve import resolve
@@ -139,26 +148,34 @@ class MixprecTrainer(Trainer):
     takes ``bf16-mixed``/``fp16-mixed`` from ``args.bf16``/``args.fp16``, else ``"auto"``. ``loss_scale``,
     ``guard``, ``allow_fallback``, ``max_stuck_skips``: as :class:`~mixprec.MixedPrecision`; ``max_grad_norm`` and
     ``accumulation_steps`` come from ``args``. The default optimizer (``optim="adamw_torch*"``) is
-    :class:`mixprec.optim.AdamW` with the Trainer's groups and hyperparameters (an event says so). Errors:
-    ValueError for ``args`` that contradict the policy or that it does not support yet (named, with the fix);
-    RuntimeError for a second ``train()`` on one trainer. Host syncs: the engine's, one per boundary."""
+    :class:`mixprec.optim.AdamW` with the Trainer's groups and hyperparameters (an event says so). Under torchrun
+    the engine runs ``strategy="ddp"`` (module docstring); ``verify_replicas_every``: the steps between two
+    fingerprint checks that the replicas are equal (0: off). Errors: ValueError for ``args`` that contradict the
+    policy or that it does not support yet (named, with the fix); RuntimeError for a second ``train()`` on one
+    trainer or replicas that differ. Host syncs: the engine's, one per boundary, and one per replica check."""
 
     def __init__(self, model: Any = None, args: TrainingArguments | None = None, *trainer_args: Any,
                  policy: str | Policy | None = None, loss_scale: Any = None, guard: Any = None,
-                 allow_fallback: bool = False, max_stuck_skips: int = 20, **trainer_kwargs: Any) -> None:
+                 allow_fallback: bool = False, max_stuck_skips: int = 20, verify_replicas_every: int = DEFAULT_EVERY,
+                 **trainer_kwargs: Any) -> None:
         if trainer_kwargs.get("model_init") is not None:
             raise ValueError("MixprecTrainer(model_init=...) is not supported: the engine prepares one model once; "
                              "pass model=model_init()")
         args = args if args is not None else TrainingArguments(output_dir="tmp_trainer")
         _refuse_unsupported(args)
+        replicas = ReplicaChecks(verify_replicas_every, "MixprecTrainer")
         flag = "bf16" if args.bf16 else "fp16" if args.fp16 else None
         policy = _FLAG_POLICY.get(flag, "auto") if policy is None else policy
         _check_flag(flag, policy, args.device)   # before anything changes the model
-        super().__init__(model, _engine_arguments(args), *trainer_args, **trainer_kwargs)
+        strategy = "ddp" if args.world_size > 1 else None
+        super().__init__(model, _engine_arguments(args, strategy), *trainer_args, **trainer_kwargs)
         self.engine = MixedPrecision(self.model, None, policy, device=self.args.device,
                                      max_grad_norm=args.max_grad_norm if args.max_grad_norm > 0 else None,
                                      accumulation_steps=args.gradient_accumulation_steps, loss_scale=loss_scale,
-                                     guard=guard, allow_fallback=allow_fallback, max_stuck_skips=max_stuck_skips)
+                                     guard=guard, allow_fallback=allow_fallback, max_stuck_skips=max_stuck_skips,
+                                     strategy=strategy)
+        self.replicas = replicas
+        self.model_wrapped = self.engine.model   # under DDP the engine's wrapper: the Trainer wraps nothing again
         if flag is not None:
             _record_adopted_flag(self.engine, flag, args.max_grad_norm)
         self.engine_optimizer: torch.optim.Optimizer | None = None
@@ -196,6 +213,7 @@ class MixprecTrainer(Trainer):
         if self.engine_optimizer is None:
             self.create_optimizer()
         scheduler = super().create_scheduler(num_training_steps, optimizer=self.engine_optimizer)
+        self.replicas.agree_seeds(self.engine, self.engine_optimizer)   # under torchrun: rank 0's sr_seed everywhere
         self.engine.attach(self.engine_optimizer, scheduler)
         self.lr_scheduler = EngineScheduler(scheduler)
         return self.lr_scheduler
@@ -227,6 +245,8 @@ class MixprecTrainer(Trainer):
         mp.backward(loss * n if scaled_for_ga and n > 1 else loss)   # the engine divides by n itself
         if mp.micro_step == n:
             self.open_check = mp.unscale_and_check()
+        else:
+            mp.step()   # None mid-accumulation; under DDP it sets whether the next micro-batch reduces
         return loss.detach() if scaled_for_ga else loss.detach() / n
 
     def apply_step(self) -> None:
@@ -239,6 +259,7 @@ class MixprecTrainer(Trainer):
         check, self.open_check = self.open_check, None
         self.stepped_lr = self.engine_optimizer.param_groups[0]["lr"]   # the lr this step uses (logged)
         self.engine.apply_or_skip(check)
+        self.replicas.at_boundary(self.engine)   # under torchrun: every verify_replicas_every steps
 
     def _get_learning_rate(self) -> float:
         """The private hook the Trainer logs ``learning_rate`` from (transformers 5.24 ``_inner_training_loop``
@@ -313,7 +334,8 @@ class MixprecTrainer(Trainer):
             adopt_plain_checkpoint(self.engine, self.resume_dir, steps=self.state.global_step)
             self.resume_dir = None
             return
-        saved = torch.load(path, map_location=self.engine.device, weights_only=True)
+        device = self.engine.device   # under DDP on CPUs accelerate names it cpu:0, which torch.load cannot map to
+        saved = torch.load(path, map_location="cpu" if device.type == "cpu" else device, weights_only=True)
         mp = self.engine
         mp.load_state_dict({**saved, "model": mp.module.state_dict(), "optimizer": mp.optimizer.state_dict(),
                             "scheduler": None if mp.scheduler is None else mp.scheduler.state_dict()})
@@ -398,8 +420,12 @@ def _refuse_unsupported(args: TrainingArguments) -> None:
         ("bf16_full_eval", args.bf16_full_eval, "it casts the model to bf16 for evaluation"),
         ("fp16_full_eval", args.fp16_full_eval, "it casts the model to fp16 for evaluation"),
         ("torch_compile", args.torch_compile, "pass a compiled model or use MixedPrecision(compile=True)"),
-        ("world_size", args.world_size > 1, "several processes (DDP/FSDP/DeepSpeed) are not supported yet"),
-        ("n_gpu", args.n_gpu > 1, "DataParallel over several GPUs is not supported"),
+        ("fsdp", bool(args.fsdp), "FSDP through the Trainer is not supported yet (torchrun without fsdp= runs DDP; "
+                                  "the engine's own MixedPrecision(strategy='fsdp2') shards)"),
+        ("deepspeed", args.deepspeed is not None, "DeepSpeed owns the precision itself; torchrun without deepspeed= "
+                                                  "runs DDP"),
+        ("n_gpu", args.n_gpu > 1, "DataParallel over several GPUs in one process is not supported; launch one "
+                                  "process per GPU with torchrun (DDP)"),
     ) if on]
     if unsupported:
         name, why = unsupported[0]
@@ -422,13 +448,19 @@ def _check_flag(flag: str | None, policy: str | Policy, device: torch.device) ->
                          f"the precision), or pass a {flag} policy (e.g. {_FLAG_POLICY[flag]!r})")
 
 
-def _engine_arguments(args: TrainingArguments) -> TrainingArguments:
+def _engine_arguments(args: TrainingArguments, strategy: str | None) -> TrainingArguments:
     """A copy of ``args`` for the Trainer: no autocast of its own (bf16/fp16 off: the engine's is the one)
-    and no clipping of its own (``max_grad_norm`` 0: the engine clips)."""
+    and no clipping of its own (``max_grad_norm`` 0: the engine clips). Under ``strategy="ddp"`` the Trainer never
+    enters DDP's ``no_sync`` (``sync_each_batch``): the engine sets which micro-batches reduce (every one under
+    fp32 masters, whose gradients accumulate outside DDP's view)."""
     own = copy.copy(args)
     own.bf16 = own.fp16 = False
     own.mixed_precision = "no"
     own.max_grad_norm = 0.0
+    if strategy is not None:
+        config = args.accelerator_config
+        kwargs = {**(config.gradient_accumulation_kwargs or {}), "sync_each_batch": True}
+        own.accelerator_config = dataclasses.replace(config, gradient_accumulation_kwargs=kwargs)
     return own
 
 
