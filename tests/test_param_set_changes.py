@@ -316,3 +316,34 @@ def test_backbone_finetuning_with_an_optimizer_on_every_param_trains_the_backbon
     assert_same_run(engine, hand_finetune("bf16-pure", unfreeze_at=1, all_params=True))
     event = [e for e in engine.events if e.kind == "param-group"]
     assert len(event) == 1 and event[0].step == 4 and "require grad now" in event[0].detail
+
+
+def test_a_policy_switch_right_after_the_call_carries_the_new_group_to_the_new_masters():
+    """bf16-pure → fp16-pure before any step: the switch first points the new group at its masters, then re-prepares
+    (new masters for the new policy), and the group steps those."""
+    model = Net()
+    opt = mixprec.optim.AdamW(model.head.parameters(), lr=1e-2)
+    mp = MixedPrecision(model, opt, "bf16-pure", device="cpu")
+    train_step(mp, batches(1)[0])
+    opt.add_param_group({"params": list(model.backbone.parameters()), "lr": 5e-3})
+    mp.set_policy("fp16-pure")
+    before = [m.detach().clone() for _, m in mp.masters.pairs[:4]]
+    assert {id(t) for t in opt.param_groups[1]["params"]} == {id(m) for _, m in mp.masters.pairs[:4]}
+    train_step(mp, batches(2)[1])
+    assert all(not torch.equal(m, b) for (_, m), b in zip(mp.masters.pairs[:4], before))
+
+
+def test_a_group_under_a_scheduler_the_engine_steps_is_refused_at_the_call():
+    """torch's schedulers size their per-group lists when built: the engine's next scheduler step would fail on the
+    new group, after the optimizer stepped (torch 2.13: zip(strict=True)). Refused before anything changes; the
+    route (the group from the start, frozen until it trains) works."""
+    model = Net()
+    model.backbone.requires_grad_(False)
+    opt = mixprec.optim.AdamW(model.head.parameters(), lr=1e-2)
+    mp = MixedPrecision(model, opt, "bf16-pure", device="cpu",
+                        scheduler=torch.optim.lr_scheduler.LambdaLR(opt, lambda step: 1.0))
+    train_step(mp, batches(1)[0])
+    model.backbone.requires_grad_(True)
+    with pytest.raises(ValueError, match=r"scheduler attached to the engine \(LambdaLR\).*with this group from the"):
+        opt.add_param_group({"params": list(model.backbone.parameters()), "lr": 5e-3})
+    assert len(opt.param_groups) == 1 and not [e for e in mp.events if e.kind == "param-group"]

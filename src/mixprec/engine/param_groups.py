@@ -41,7 +41,7 @@ from __future__ import annotations
 
 import logging
 import weakref
-from dataclasses import dataclass, replace
+from dataclasses import dataclass
 from typing import Any
 
 import torch
@@ -55,7 +55,8 @@ from mixprec.engine.storage import FrozenSet, StoragePlan, dtype_text, plan_stor
 from mixprec.optim import contract
 from mixprec.policy.policy import Policy
 
-__all__ = ["GroupParams", "GroupWatch", "MID_STEP", "check_group", "adopt_group", "group_words", "several_processes"]
+__all__ = ["GroupParams", "GroupWatch", "MID_STEP", "SCHEDULED", "check_group", "check_thaw", "adopt_group", "group_words",
+           "several_processes"]
 
 log = logging.getLogger("mixprec")
 
@@ -137,6 +138,12 @@ def check_group(module: nn.Module, optimizer: torch.optim.Optimizer, masters: Ma
         other=sum(1 for t in params if id(t) not in names), names=names)
 
 
+SCHEDULED = ("optimizer.add_param_group with a scheduler attached to the engine ({name}): torch's schedulers size "
+             "their per-group lists when built, and its next step would fail on the new group; build the optimizer "
+             "(and then the scheduler) with this group from the start, its params frozen (requires_grad_(False): "
+             "no state, no update) until they should train: the engine adopts them once they require grad "
+             "(under Lightning: put them in configure_optimizers' optimizer; BaseFinetuning then only makes them "
+             "trainable)")
 MID_STEP = ("optimizer.add_param_group after {n} micro-batch(es) of this step's backward(): the step's gradients are "
             "accumulating, and a group joining now would start mid-step; add it at a boundary: in a hand loop after "
             "mp.step() returns a result, under Lightning from on_train_epoch_start (where BaseFinetuning adds its "
@@ -248,21 +255,21 @@ class GroupWatch:
     def add(self, param_group: Any) -> bool:
         """``optimizer.add_param_group(param_group)`` on the engine's optimizer: check, torch's add, adopt, and the
         ``"param-group"`` event (also in the decision). Returns False, doing nothing, when the engine is gone
-        (torch's add then runs alone). Errors as :func:`check_group`; RuntimeError mid-step (:data:`MID_STEP`)."""
+        (torch's add then runs alone). Errors as :func:`check_group`; RuntimeError mid-step (:data:`MID_STEP`);
+        ValueError with a scheduler attached to the engine (:data:`SCHEDULED`)."""
         mp = None if self._engine is None else self._engine()
         if mp is None:
             return False
         if mp.micro_step:   # includes the window between unscale_and_check and apply_or_skip
             raise RuntimeError(MID_STEP.format(n=mp.micro_step))
+        if mp.scheduler is not None:   # torch's schedulers size their per-group lists when built: the next step fails
+            raise ValueError(SCHEDULED.format(name=type(mp.scheduler).__name__))
         found = check_group(mp.module, mp.optimizer, mp.masters, self._frozen, param_group, mp.policy, mp.strategy)
         type(mp.optimizer).add_param_group(mp.optimizer, param_group)   # torch's (its checks and defaults)
         group = mp.optimizer.param_groups[-1]
         options = ", ".join(f"{k}={group[k]}" for k in ("lr", "weight_decay") if k in group)
         event = self._adopt(mp, mp.optimizer, found, f"param group {len(mp.optimizer.param_groups) - 1} ({options}) "
                                                      f"added at boundary {mp.boundaries}")
-        if mp.scheduler is not None:   # torch's schedulers size their per-group lists when built
-            event = replace(event, detail=f"{event.detail}; the attached scheduler ({type(mp.scheduler).__name__}) "
-                                          "was built for the groups it saw and leaves this group's lr as set")
         mp.record(event, decision=f"{mp.decision}; {event.detail}")
         return True
 
