@@ -347,3 +347,30 @@ def test_a_group_under_a_scheduler_the_engine_steps_is_refused_at_the_call():
     with pytest.raises(ValueError, match=r"scheduler attached to the engine \(LambdaLR\).*with this group from the"):
         opt.add_param_group({"params": list(model.backbone.parameters()), "lr": 5e-3})
     assert len(opt.param_groups) == 1 and not [e for e in mp.events if e.kind == "param-group"]
+
+
+def _two_ranks_thaw(rank: int, out) -> str:
+    """One rank of a trainer's DDP (the process group is up, the engine itself runs no strategy, as under the
+    Lightning plugin): thawing params frozen at build is refused, a group of params trainable at build is not."""
+    model = Net()
+    model.backbone[0].requires_grad_(False)
+    opt = mixprec.optim.AdamW(model.head.parameters(), lr=1e-2)
+    mp = MixedPrecision(model, opt, "bf16-pure", device="cpu")
+    model.backbone[0].requires_grad_(True)
+    try:
+        opt.add_param_group({"params": list(model.backbone[0].parameters())})
+    except ValueError as e:
+        refused = str(e)
+    else:
+        refused = ""
+    opt.add_param_group({"params": list(model.backbone[2].parameters())})
+    assert len(opt.param_groups) == 2 and mp.events[-1].kind == "param-group"
+    return refused
+
+
+def test_thawing_params_frozen_at_build_under_several_processes_is_refused_at_the_call(tmp_path):
+    from ranks import run_ranks
+
+    for refused in run_ranks(_two_ranks_thaw, tmp_path):
+        assert refused.startswith("optimizer.add_param_group under several processes: backbone.0.weight, "
+                                  "backbone.0.bias were frozen when the model was prepared and wrapped"), refused
