@@ -6,7 +6,9 @@ A call is checked first and refused there, nothing changed (:func:`check_group`)
 
 * mid-accumulation, or between ``unscale_and_check`` and ``apply_or_skip`` (RuntimeError: add it at a boundary);
 * a param the optimizer steps already, itself or through its fp32 master (ValueError, torch's own check);
-* params frozen when the engine was built, under several processes (DDP wrapped the model without them, so
+* a scheduler attached to the engine (ValueError: torch's schedulers size their per-group lists when built, and
+  the next scheduler step would fail on the new group, after the optimizer stepped);
+* params frozen when the engine was built, under a strategy or several processes (DDP wrapped the model without them, so
   their gradients would never be reduced), and any group under FSDP2 (sharded params).
 
 Then torch adds the group and the engine adopts its params (:func:`adopt_group`), each by what it was:
@@ -55,8 +57,8 @@ from mixprec.engine.storage import FrozenSet, StoragePlan, dtype_text, plan_stor
 from mixprec.optim import contract
 from mixprec.policy.policy import Policy
 
-__all__ = ["GroupParams", "GroupWatch", "MID_STEP", "SCHEDULED", "check_group", "check_thaw", "adopt_group", "group_words",
-           "several_processes"]
+__all__ = ["GroupParams", "GroupWatch", "MID_STEP", "SCHEDULED", "check_group", "check_thaw", "adopt_group",
+           "group_words", "several_processes"]
 
 log = logging.getLogger("mixprec")
 
