@@ -374,3 +374,26 @@ def test_thawing_params_frozen_at_build_under_several_processes_is_refused_at_th
     for refused in run_ranks(_two_ranks_thaw, tmp_path):
         assert refused.startswith("optimizer.add_param_group under several processes: backbone.0.weight, "
                                   "backbone.0.bias were frozen when the model was prepared and wrapped"), refused
+
+
+def test_a_guard_rolls_back_into_the_layout_with_the_new_group():
+    """The guard's snapshot is taken anew at the call (the old one holds one group fewer): a non-finite loss after
+    the call rolls back to the step of the call, and training goes on with the group."""
+    from mixprec import Guard
+
+    model = Net()
+    opt = mixprec.optim.AdamW(model.head.parameters(), lr=1e-2)
+    mp = MixedPrecision(model, opt, "bf16-pure", device="cpu", guard=Guard(snapshot_every=100))
+    data = batches()
+    for batch in data[:K]:
+        train_step(mp, batch)
+    opt.add_param_group({"params": list(model.backbone.parameters()), "lr": 5e-3})
+    train_step(mp, data[K])
+    x, y = mp.cast_inputs(data[K + 1], keep=(1,))
+    with mp.autocast():
+        loss = torch.nn.functional.mse_loss(mp.model(x).float(), y) * float("nan")
+    mp.backward(loss)
+    result = mp.step()
+    assert result.rolled_back and mp.applied_steps == K and len(opt.param_groups) == 2
+    train_step(mp, data[K + 2])
+    assert mp.applied_steps == K + 1

@@ -195,6 +195,13 @@ def group_words(found: GroupParams, policy: Policy, head: str, kahan: bool) -> s
     return f"{head}: " + "; ".join(parts or ["no params"]) + "; their optimizer state starts at their first step"
 
 
+def _resnapshot(mp: Engine) -> None:
+    """A guard's snapshot holds the optimizer's old groups and the old frozen set: take a new one (no rollback into
+    the old layout), as an unfreeze or an adopted model edit does."""
+    if mp.guard is not None and hasattr(mp.guard, "take_snapshot"):
+        mp.guard.take_snapshot(mp)
+
+
 class _AddParamGroup:
     """The attached optimizer's ``add_param_group`` (an instance attribute): its engine's :class:`GroupWatch`, held
     weakly (a dropped engine leaves torch's own ``original``); a copied or pickled one holds neither."""
@@ -273,6 +280,7 @@ class GroupWatch:
         event = self._adopt(mp, mp.optimizer, found, f"param group {len(mp.optimizer.param_groups) - 1} ({options}) "
                                                      f"added at boundary {mp.boundaries}")
         mp.record(event, decision=f"{mp.decision}; {event.detail}")
+        _resnapshot(mp)
         return True
 
     def _adopt(self, mp: Engine, optimizer: torch.optim.Optimizer, found: GroupParams, head: str) -> Event:
@@ -311,6 +319,7 @@ class GroupWatch:
                                     f"at boundary {mp.boundaries}, params frozen at build that the optimizer holds "
                                     "require grad now")
                 mp.record(event, decision=f"{mp.decision}; {event.detail}")
+                _resnapshot(mp)
         if mp.micro_step == 0:   # masters the optimizer did not step keep no gradient across boundaries
             for m in self._unheld:
                 m.grad = None
