@@ -256,6 +256,21 @@ class MasterWeights:
                 p.copy_(value_fp32)
         self.record_versions()
 
+    def add_masters(self, new_half: set[int]) -> None:
+        """Give the params whose ids are in ``new_half`` fresh fp32 masters (copies of their stored values: a param
+        the optimizer takes mid-run, :mod:`mixprec.engine.param_groups`), in place. Every existing pair keeps its
+        master object (the optimizer holding it stays valid) and its recorded versions (an edit made since is
+        still adopted); pairs stay in :attr:`params` order. No host sync."""
+        master_of = {id(p): m for p, m in self.pairs}
+        versions = dict(zip(master_of, getattr(self, "_versions", [])))
+        for p in self.params:
+            if id(p) in new_half and id(p) not in master_of:
+                master_of[id(p)] = nn.Parameter(p.detach().to(torch.float32, copy=True), requires_grad=p.requires_grad)
+        self.masters = [master_of.get(id(p), p) for p in self.params]
+        self.pairs = [(p, master_of[id(p)]) for p in self.params if id(p) in master_of]
+        self._versions = [versions.get(id(p), (p._version, m._version)) for p, m in self.pairs]
+        self._param_versions = [v for v, _ in self._versions]
+
     def with_params(self, params: list[nn.Parameter], keep: set[int]) -> MasterWeights:
         """Masters for a new parameter list (a model edited after build): the pairs whose param id is in
         ``keep`` keep their fp32 master (the same object, so an optimizer holding it stays valid); every

@@ -35,6 +35,7 @@ from mixprec.engine.loss_scale import for_policy as loss_scale_for_policy, for_s
 from mixprec.engine.masters import claim, release
 from mixprec.engine.memory_budget import MemoryBudget
 from mixprec.engine.open_group import capture_group, restore_group
+from mixprec.engine.param_groups import GroupWatch
 from mixprec.engine.pending_auto import resolve_for_engine
 from mixprec.engine.prepare import prepare
 from mixprec.engine.recompute_setup import RecomputeSetup
@@ -95,7 +96,7 @@ class MixedPrecision:
         self.events: list[Event] = []
         self._step_batches: deque = deque(maxlen=accumulation_steps)   # kept only for a guard
         self._step_grads: list[torch.Tensor] = []
-        self._regions, self._unwrapped = Regions(), False
+        self._regions, self._unwrapped, self._groups = Regions(), False, GroupWatch()
         self.loss_scale = loss_scale_for_policy(self.policy, loss_scale, self.device)
         prepared = prepare(model, self.policy, self.device, self._strategy, optimizer=optimizer)
         self.fp8_report, self._frozen, self.masters = prepared.fp8_report, prepared.frozen, prepared.masters
@@ -144,7 +145,7 @@ class MixedPrecision:
         contract.check(optimizer, self.policy, {p.dtype for g in optimizer.param_groups for p in g["params"]
                                                 if id(p) not in stored16})
         state_note = contract.configure(optimizer, self.policy)   # how 8-bit state lays out ("" else)
-        contract.start_compensation(optimizer, self.policy, list(self._kahan_from))
+        state_note += self._groups.install(self, optimizer, list(self._kahan_from), self._frozen, self._regions)
         self._kahan_from = ()
         self.optimizer, self.scheduler = optimizer, scheduler
         self._checks.watch(optimizer)
@@ -315,6 +316,7 @@ class MixedPrecision:
         ``"escalate"``), recorded when ``record``. No host sync. RuntimeError mid-accumulation; ValueError
         (nothing changed) when the device, optimizer or strategy cannot run ``policy``, or it changes fp8."""
         self._check_boundary("set_policy()", "change the policy")
+        self._groups.refresh(self)   # params unfrozen or a group added since: adopted first
         new = resolve(policy, self.device).policy
         check_fp8_unchanged(self.policy, new)
         resharded = self._strategy.before_set_policy(self.policy, new, self.optimizer)
@@ -387,7 +389,7 @@ class MixedPrecision:
                 raise RuntimeError("unwrap(to_fp32=True) mid-accumulation; call it after mp.step() returns a result")
             adopt_edited_params(self)
             self.masters.write_fp32(self._fp32_values())
-        for hooks in (self._regions, self._checks, self._auto, self._recompute, self._budget):
+        for hooks in (self._regions, self._checks, self._auto, self._recompute, self._budget, self._groups):
             hooks.remove()
         release(self)
         self._unwrapped = True
@@ -489,6 +491,7 @@ class MixedPrecision:
                                          has_masters=bool(self.masters.pairs))
 
     def _adopt_model_edits(self) -> None:
+        self._groups.refresh(self)   # params unfrozen or a group added mid-run (engine/param_groups.py)
         adopted = adopt_model_edits(self._layout, self.policy, self.strategy, self.micro_step, self.optimizer,
                                     self.masters, self._frozen, self.module)
         if adopted is not None:

@@ -106,7 +106,8 @@ def prepare(model: nn.Module, policy: Policy, device: torch.device, strategy: An
     carried = 0
     if not first and optimizer is not None:
         carried = _move_optimizer(optimizer, masters, new_masters, plan, policy)
-        contract.start_compensation(optimizer, policy, list(kahan_from))
+        held = {id(t) for g in optimizer.param_groups for t in g["params"]}   # state only for what it steps
+        contract.start_compensation(optimizer, policy, [(p, v) for p, v in kahan_from if id(p) in held])
     new_masters.record_versions()
     return Prepared(plan=plan, masters=new_masters, keep=keep, frozen=frozen, kahan_from=kahan_from,
                     fp8_report=fp8_report, fp8_note=fp8_note, upcast_note=upcast, carried=carried)

@@ -126,8 +126,8 @@ def unfreeze_params(mp: Engine, frozen: FrozenSet, patterns: tuple[str, ...], gr
     groups_before = len(mp.optimizer.param_groups)
     frozen.thaw([p for _, p in chosen])
     try:
-        if new_params:
-            mp.optimizer.add_param_group({"params": new_params, **group_options})
+        if new_params:   # torch's own add, not the engine's route (engine/param_groups.py): re-prepared below
+            type(mp.optimizer).add_param_group(mp.optimizer, {"params": new_params, **group_options})
         event = mp.set_policy(mp.policy, cause=f"unfreeze {', '.join(patterns)}", record=False)
     except (ValueError, TypeError):   # refused before anything changed: undo ours too
         frozen.refreeze([p for _, p in chosen])

@@ -264,9 +264,11 @@ class FrozenSet:
                 f"parameter(s) {listed}{' and more' if len(thawed) > 5 else ''} had requires_grad=False when "
                 f"MixedPrecision was built, so they are stored in {dtype_text(thawed[0].dtype)} with no fp32 "
                 "master, gradient or optimizer state, but they now require grad; training them as they are would "
-                "step a 16-bit tensor. Fix: mp.unfreeze('<name pattern>') (sets requires_grad, builds the fp32 "
-                "masters from the stored values and adds them to the optimizer), or set requires_grad before "
-                "building MixedPrecision")
+                "step a 16-bit tensor. Fix: at a boundary, before the step's forward, add them to the optimizer "
+                "(optimizer.add_param_group({'params': [...]}): the engine stores them as trainable ones; already "
+                "in a group, they are adopted before the model's next forward), or mp.unfreeze('<name pattern>') "
+                "(sets requires_grad, builds the fp32 masters from the stored values and adds them to the "
+                "optimizer), or set requires_grad before building MixedPrecision")
 
     def check_values(self, values: dict[str, torch.Tensor]) -> None:
         """Raise ValueError if a value for a frozen param stored in fp16 does not fit fp16. One sync per
