@@ -60,7 +60,7 @@ from torch import nn
 
 from mixprec.programs.bench.interleaved import time_interleaved
 from mixprec.programs.bench.report import COMPILED_SUFFIX
-from mixprec.programs.bench.runner import eval_every_for, warmup_steps_for
+from mixprec.programs.bench.schedule import eval_every_for, warmup_steps_for
 from mixprec.programs.bench.worker import RunSpec
 from mixprec.formats import get_format
 from mixprec.policy.policy import Policy

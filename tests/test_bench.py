@@ -16,7 +16,8 @@ from mixprec.programs.bench import Targets, judge
 from mixprec.programs.bench.measure import median_step_ms, state_bytes, warmup_excess_s
 from mixprec.programs.bench.results import PolicyRun
 from mixprec.programs.bench.report import POLICY_KEYS, eval_curve_lines, plot_loss_curves, plot_speed_memory
-from mixprec.programs.bench.runner import CAPABILITY_ENV, BenchConfig, eval_every_for, judge_policies, plan_policy, warmup_steps_for
+from mixprec.programs.bench.runner import CAPABILITY_ENV, BenchConfig, judge_policies, plan_policy
+from mixprec.programs.bench.schedule import eval_every_for, warmup_steps_for
 from mixprec.programs.bench.worker import RunSpec, run_policy
 from mixprec.programs.session import build_engine, precision_optimizer, train_step
 from mixprec.programs.cli import main
@@ -629,7 +630,7 @@ def test_tiny_bench_times_the_policies_on_their_quality_steps_taking_turns(tiny_
     """Issue 36: one pass. The rows' resident workers take turns (3 steps each at 10 steps), so each row's step time is
     the median of its own quality steps (``step_time_ms_per_step``) after the warm-up, each turn's first step left
     out; the table's speedups are those medians' ratios."""
-    from mixprec.programs.bench.runner import block_steps_for, warmup_steps_for
+    from mixprec.programs.bench.schedule import block_steps_for, warmup_steps_for
 
     _, out, results = tiny_bench
     timing = results["timing"]

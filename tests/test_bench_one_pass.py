@@ -8,7 +8,7 @@ import json
 import pytest
 
 from mixprec.machine.cache import read_json
-from mixprec.programs.bench.runner import QUICK_STEPS, block_steps_for
+from mixprec.programs.bench.schedule import QUICK_STEPS, block_steps_for
 from mixprec.programs.cli import main
 
 

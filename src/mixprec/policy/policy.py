@@ -113,7 +113,9 @@ class Policy:
         saved: what a norm (``layer_norm``, ``rms_norm``) that autocast computes in fp32 saves for backward:
             ``"compute"`` its input rounded to bf16 plus fp32 row statistics (the output is unchanged; the
             gradient moves within bf16's rounding of the input, exactly nothing where the input is bf16), or
-            ``"fp32"`` its fp32 input, as ``torch.autocast`` (:mod:`mixprec.autocast.saved_dtype`). Default
+            ``"fp32"`` its fp32 input, as ``torch.autocast`` (:mod:`mixprec.autocast.saved_dtype`); under
+            ``"compute"`` autocast's bf16 copies of fp32 weights are not kept either: the backward casts them
+            again, to the same bits (:mod:`mixprec.autocast.weight_copies`). Default
             ``"auto"``: ``"compute"`` under bf16 compute, else ``"fp32"``; resolved at construction, and
             re-resolved by ``parse`` and :meth:`replace` when they change the compute dtype and leave it unset.
             ``"compute"`` needs bf16 compute.

@@ -48,6 +48,8 @@ from mixprec.programs.bench.recompute_rows import (DEFAULT_RECOMPUTE, check_plan
                                                    recompute_option, split_row, with_recompute_ratios)
 from mixprec.programs.bench.results import BenchResults, PolicyRun
 from mixprec.programs.bench.seed_band import band_key, kept_runs, seed_noise
+from mixprec.programs.bench.schedule import (QUICK_STEPS, PhaseClock, block_steps_for, eval_every_for,
+                                             warmup_steps_for)
 from mixprec.programs.bench.turns import RETIME_BLOCK, Progress, Turns, with_step_times
 from mixprec.programs.bench.step_memory import memory_ratios
 from mixprec.programs.bench.verdict import Targets, judge, smoke_words
@@ -64,13 +66,11 @@ from mixprec.workloads import get_workload
 if TYPE_CHECKING:
     from mixprec.numerics.advice import Recommendation
 
-__all__ = ["BenchConfig", "DEFAULT_POLICIES", "DEFAULT_STEPS", "QUICK_STEPS", "QUICK_ROUNDS", "DEFAULT_GPT_CONFIG", "CAPABILITY_ENV",
-           "run_bench", "plan_policy", "judge_policies", "warmup_steps_for", "eval_every_for"]
+__all__ = ["BenchConfig", "DEFAULT_POLICIES", "DEFAULT_STEPS", "DEFAULT_GPT_CONFIG", "CAPABILITY_ENV", "run_bench",
+           "plan_policy", "judge_policies"]
 
 DEFAULT_POLICIES = ("fp32", "bf16-mixed", "bf16-pure", "bf16-kahan", "bf16-sr")
 DEFAULT_STEPS = 300
-QUICK_STEPS = 30      # --quick: a smoke test's steps (the unigram plateau is behind it; training has not settled)
-QUICK_ROUNDS = 3      # --quick: turns per row and eval points (each eval costs about 3 steps: ten would double the run)
 DEFAULT_GPT_CONFIG = "mid"
 REFERENCE = "fp32"
 CAPABILITY_ENV = "MIXPREC_BENCH_CAPABILITY"
@@ -156,19 +156,6 @@ class BenchConfig:
     @property
     def config_name(self) -> str | None:
         return DEFAULT_GPT_CONFIG if self.config is None and self.workload == "gpt" else self.config
-
-
-def warmup_steps_for(steps: int) -> int:
-    """Untimed warm-up steps: 10 % of the run, at least 2, at most 20."""
-    return min(20, max(2, steps // 10))
-
-
-def eval_every_for(steps: int, *, quick: bool = False) -> int:
-    """Steps between eval points when ``--eval-every`` is not given: ``steps // 10`` (at least 1), so each run
-    has about ten points. An eval is a forward over the fixed validation batches (8 for gpt, about 3
-    training steps' time), so the ten cost about 10 % of a run's training time, not its step time. ``quick``
-    (``--quick``): ``steps // 3``, :data:`QUICK_ROUNDS` points (ten would cost as much as a 30-step run's training)."""
-    return max(1, steps // (QUICK_ROUNDS if quick else 10))
 
 
 def _capability(device: torch.device, capability: Capability | None) -> Capability:
@@ -282,18 +269,16 @@ def run_bench(config: BenchConfig, *, capability: Capability | None = None, prog
     names, skip, advice = _plan(config, device, cap, progress)
     bases = {split_row(n)[0]: skip[n] for n in names}   # a recompute row's policy plans like its plain row
     plan = measure_bench_plan(config, device, cap, list(bases), bases, progress)   # one attention plan, pinned for all
-    planned_s = time.perf_counter() - start   # the workload, the device's peaks and the attention plan
-    runnable = [n for n in bases if bases[n] is None]
+    planned_s, runnable = time.perf_counter() - start, [n for n in bases if bases[n] is None]   # planned_s: until here
     peer = plan_peer(device, cap, strategy=config.strategy) if config.peer else None
     rows = names + list(peer.rows() if peer else {})   # the policies' rows, the peer's last
     skip = {**skip, **(peer.rows() if peer else {})}
     out = Path(config.out)
     workdir = out / "workers" if is_main_process() else out / "workers" / f"rank-{rank()}"
     workdir.mkdir(parents=True, exist_ok=True)
+    evals = eval_every_for(config.steps, quick=config.quick) if config.eval_every is None else config.eval_every
     run = _Run(config, device, workdir, {name: peak.gflops_per_s for name, peak in peaks.items()},
-               warmup_steps_for(config.steps),
-               eval_every_for(config.steps, quick=config.quick) if config.eval_every is None else config.eval_every,
-               plan, peer)
+               warmup_steps_for(config.steps), evals, plan, peer)
     if config.timing == "interleaved" and config.strategy is None:
         entries, seed_noise, timing = _train_in_turns(run, rows, skip, progress)
     else:
@@ -415,7 +400,7 @@ def _train_in_turns(run: _Run, names: list[str], skip: dict[str, str | None], pr
     extra = {} if kept is not None or not seeds else {
         f"seed{seed}-fp32": replace(specs[REFERENCE], seed=seed, memory_budget=None) for seed in seeds}
     block = block_steps_for(config.steps, quick=config.quick)
-    clock = _PhaseClock()
+    clock = PhaseClock()
     with tqdm(total=sum(spec.steps for spec in {**specs, **extra}.values()), unit="step", dynamic_ncols=True,
               disable=not progress) as bar, Turns({**specs, **extra}, {**files, **{n: n for n in extra}}, run.workdir,
                                                   worker_env()) as turns:
@@ -438,17 +423,8 @@ def _train_in_turns(run: _Run, names: list[str], skip: dict[str, str | None], pr
         timing = {"method": "interleaved", "one_pass": True, "blocks": turns.rounds, "block_steps": block,
                   "retimed": 0, "errors": {}, "malloc_env": {k: turns.env[k] for k in TIMING_MALLOC_ENV}}
         timed = [n for n in specs if entries[n].step_time_ms_median is not None]
-        timing = settle_noise(timing, entries, tagged=turns.tagged())
-        if config.quick and timing["noisy"]:   # a smoke test says TIMINGS NOISY rather than doubling its time
-            timing["retime_skipped"] = "quick"
-        elif timing["noisy"] and len(timed) > 1:   # timing-only rounds after the quality runs replace the step times
-            bar.set_description("the pass was noisy: timing again")
-            rounds = max(4, min(12, config.steps // 25))
-            retimed = turns.retime(timed, rounds)
-            entries = with_step_times(entries, retimed)
-            timing = settle_noise({**timing, "retimed": 1, "retime_rounds": rounds, "retime_block_steps": RETIME_BLOCK},
-                                  entries, tagged=retimed)
-            clock.lap("retime")
+        entries, timing = _settle_pass(config, turns, timed, entries, settle_noise(timing, entries, tagged=turns.tagged()),
+                                       bar, clock)
         timing["step_ms"] = {n: {"median": entries[n].step_time_ms_median, "p10": entries[n].step_time_ms_p10,
                                  "p90": entries[n].step_time_ms_p90} for n in timed}
         if not config.quick:
@@ -464,26 +440,20 @@ def _train_in_turns(run: _Run, names: list[str], skip: dict[str, str | None], pr
     return entries, band, {**timing, "phases_s": clock.laps}
 
 
-class _PhaseClock:
-    """Wall seconds per phase of the one pass (results.json's ``timing.phases_s``: where a run's time went)."""
-
-    def __init__(self) -> None:
-        self.laps: dict[str, float] = {}
-        self._last = time.perf_counter()
-
-    def lap(self, phase: str) -> None:
-        now = time.perf_counter()
-        self.laps[phase] = round(self.laps.get(phase, 0.0) + now - self._last, 2)
-        self._last = now
-
-
-def block_steps_for(steps: int, *, quick: bool = False) -> int:
-    """Steps per turn in the one pass: a tenth of the run, at least 3, at most 10 (each turn's first step is not
-    timed, so shorter turns time fewer steps; longer ones interleave less often). ``quick``: a third of the run
-    (:data:`QUICK_ROUNDS` turns per row, so a 30-step smoke test times 25 of its steps, not 18)."""
-    if quick:
-        return max(3, -(-steps // QUICK_ROUNDS))
-    return max(3, min(10, steps // 10))
+def _settle_pass(config: BenchConfig, turns: Turns, timed: list[str], entries: dict[str, PolicyRun],
+                 timing: dict[str, Any], bar: tqdm, clock: PhaseClock) -> tuple[dict[str, PolicyRun], dict[str, Any]]:
+    """A noisy pass (``timing``): every timed row timed again in timing-only rounds, replacing its step times (not
+    under ``--quick``: it says TIMINGS NOISY). The rows and ``timing`` as they then stand."""
+    if not timing["noisy"] or len(timed) < 2 or config.quick:
+        return entries, {**timing, "retime_skipped": "quick"} if config.quick and timing["noisy"] else timing
+    bar.set_description("the pass was noisy: timing again")
+    rounds = max(4, min(12, config.steps // 25))
+    retimed = turns.retime(timed, rounds)
+    entries = with_step_times(entries, retimed)
+    timing = settle_noise({**timing, "retimed": 1, "retime_rounds": rounds, "retime_block_steps": RETIME_BLOCK},
+                          entries, tagged=retimed)
+    clock.lap("retime")
+    return entries, timing
 
 
 def _train_rows(run: _Run, names: list[str], skip: dict[str, str | None], progress: bool

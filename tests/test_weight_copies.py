@@ -1,0 +1,160 @@
+"""Autocast's bf16 weight copies are cast again in backward, not kept (mixprec.autocast.weight_copies).
+
+Every check compares the same forward and backward with the recast on and off: the gradients must be equal bit for
+bit (a cast rounds the same input to the same bits) and the bytes saved for backward must drop by exactly the bf16
+copies of the weights autocast cast (2 bytes per element of each distinct Linear weight; biases are not saved by a
+matmul's backward).
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from torch import nn
+
+import mixprec
+from mixprec.autocast.weight_copies import recast_weight_copies
+from mixprec.engine import autocast_scope
+from mixprec.memory.saved import saved_bytes
+
+
+class _TiedNet(nn.Module):
+    """Embedding, a Linear over (B, T, C) inputs (a linear saves a view of the bf16 weight), LayerNorm, and a head
+    tied to the embedding (one fp32 parameter cast for the head)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.embed = nn.Embedding(50, 32)
+        self.up = nn.Linear(32, 64)
+        self.down = nn.Linear(64, 32)
+        self.norm = nn.LayerNorm(32)
+        self.head = nn.Linear(32, 50, bias=False)
+        self.head.weight = self.embed.weight
+
+    def forward(self, ids: torch.Tensor) -> torch.Tensor:
+        h = self.embed(ids)
+        h = h + self.down(torch.nn.functional.gelu(self.up(h)))
+        return self.head(self.norm(h))
+
+
+def _linear_weight_bytes(model: nn.Module) -> int:
+    weights = {id(m.weight): m.weight for m in model.modules() if isinstance(m, nn.Linear)}
+    return sum(2 * w.numel() for w in weights.values())
+
+
+def _loss(mp: mixprec.MixedPrecision, ids: torch.Tensor) -> torch.Tensor:
+    with mp.autocast():
+        logits = mp.model(ids)
+    return torch.nn.functional.cross_entropy(logits.float().flatten(0, 1), ids.flatten())
+
+
+def _run(recast: bool, monkeypatch: pytest.MonkeyPatch, policy: str = "bf16-mixed", steps: int = 3) -> dict:
+    if not recast:   # the same engine with the recast off (what saved=compute did before)
+        monkeypatch.setattr(autocast_scope.AutocastScope, "_recasts", lambda self: False)
+    torch.manual_seed(0)
+    model = _TiedNet()
+    mp = mixprec.MixedPrecision(model, torch.optim.AdamW(model.parameters(), lr=1e-2), policy=policy)
+    ids = torch.randint(0, 50, (4, 16), generator=torch.Generator().manual_seed(1))
+    losses, saved = [], None
+    for _ in range(steps):
+        loss, counted = saved_bytes(lambda: _loss(mp, ids), exclude=list(mp.model.parameters()))
+        saved = saved or counted
+        mp.backward(loss)
+        mp.step()
+        losses.append(loss.detach())
+    monkeypatch.undo()
+    return {"losses": losses, "params": [p.detach().clone() for p in mp.model.parameters()], "saved": saved,
+            "weights": _linear_weight_bytes(mp.model)}
+
+
+def test_bf16_mixed_trains_bit_for_bit_as_before_and_saves_no_weight_copy(monkeypatch):
+    on, off = _run(True, monkeypatch), _run(False, monkeypatch)
+    assert all(torch.equal(a, b) for a, b in zip(on["losses"], off["losses"]))
+    assert all(torch.equal(a, b) for a, b in zip(on["params"], off["params"]))
+    assert off["saved"].total - on["saved"].total == on["weights"] == 2 * (32 * 64 + 64 * 32 + 50 * 32)
+    assert off["saved"].by_dtype["torch.bfloat16"] - on["saved"].by_dtype["torch.bfloat16"] == on["weights"]
+
+
+def test_policies_without_fp32_weights_or_with_saved_fp32_are_unchanged(monkeypatch):
+    for policy in ("bf16-pure", "bf16-mixed,saved=fp32", "fp32"):
+        on, off = _run(True, monkeypatch, policy, steps=1), _run(False, monkeypatch, policy, steps=1)
+        assert on["saved"] == off["saved"], policy
+
+
+def test_a_gradient_penalty_through_the_recast_copies_equals_the_kept_ones(monkeypatch):
+    """Double backward: the penalty's graph, built in backward from the recast copies, reaches the fp32 weights as
+    the kept copies' did (autograd restores a saved tensor's history when a hook unpacks it)."""
+    grads = {}
+    for recast in (True, False):
+        if not recast:
+            monkeypatch.setattr(autocast_scope.AutocastScope, "_recasts", lambda self: False)
+        torch.manual_seed(0)
+        model = nn.Sequential(nn.Linear(8, 32), nn.Tanh(), nn.Linear(32, 1))
+        mp = mixprec.MixedPrecision(model, torch.optim.SGD(model.parameters(), lr=0.1), policy="bf16-mixed")
+        x = torch.randn(16, 8, generator=torch.Generator().manual_seed(2)).requires_grad_()
+        with mp.autocast():
+            out = mp.model(x).float()
+        (gx,) = torch.autograd.grad(out.sum(), x, create_graph=True)
+        mp.backward(out.mean() + 10.0 * gx.pow(2).sum(1).mean())
+        grads[recast] = [p.grad.clone() for p in mp.model.parameters()]
+        monkeypatch.undo()
+    assert all(torch.equal(a, b) for a, b in zip(grads[True], grads[False]))
+    assert all(g.abs().sum() > 0 for g in grads[True])
+
+
+def test_a_weight_changed_between_forward_and_backward_is_refused_not_read():
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(8, 8), nn.Linear(8, 1))
+    mp = mixprec.MixedPrecision(model, torch.optim.SGD(model.parameters(), lr=0.1), policy="bf16-mixed")
+    with mp.autocast():
+        loss = mp.model(torch.randn(4, 8)).float().sum()
+    with torch.no_grad():
+        model[1].weight.add_(1.0)
+    with pytest.raises(RuntimeError, match="a parameter changed between the forward and the backward"):
+        loss.backward()
+
+
+def test_an_enclosing_users_hooks_still_see_every_other_saved_tensor():
+    """A user's saved_tensors_hooks around the forward (e.g. offloading) keep working: the recast hands every
+    tensor that is not a weight copy to them, and unpacks through them."""
+    x = torch.randn(4, 8)
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(8, 16), nn.GELU(), nn.Linear(16, 1))
+    reference = [p.detach().clone() for p in model.parameters()]
+    seen, unpacked = [], []
+
+    def pack(t: torch.Tensor) -> tuple:
+        seen.append((tuple(t.shape), t.dtype))
+        return ("user", t)
+
+    def unpack(packed: tuple) -> torch.Tensor:
+        unpacked.append(packed[0])
+        return packed[1]
+
+    with torch.autograd.graph.saved_tensors_hooks(pack, unpack), torch.autocast("cpu", dtype=torch.bfloat16), \
+            recast_weight_copies(list(model.parameters())):
+        loss = model(x).float().sum()
+    loss.backward()
+    weight_shapes = {s for w in (reference[0], reference[2]) for s in (tuple(w.shape), tuple(w.t().shape))}
+    assert not [s for s, dtype in seen if dtype == torch.bfloat16 and s in weight_shapes], seen   # (W or W.t())
+    assert seen and len(unpacked) == len(seen)   # every other saved tensor went through the user's hooks
+    grads = [p.grad.clone() for p in model.parameters()]
+    model.zero_grad()
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        model(x).float().sum().backward()
+    assert all(torch.equal(a, p.grad) for a, p in zip(grads, model.parameters()))
+
+
+def test_frozen_weights_are_kept_as_autocast_saves_them():
+    model = nn.Sequential(nn.Linear(8, 16), nn.Linear(16, 1))
+    model[0].weight.requires_grad_(False)   # frozen: its cast has no autograd history to recast from
+    x = torch.randn(4, 8, requires_grad=True)
+
+    def forward() -> torch.Tensor:
+        with torch.autocast("cpu", dtype=torch.bfloat16), recast_weight_copies(list(model.parameters())):
+            return model(x).float().sum()
+
+    _, with_recast = saved_bytes(forward, exclude=list(model.parameters()))
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        _, plain = saved_bytes(lambda: model(x).float().sum(), exclude=list(model.parameters()))
+    assert plain.total - with_recast.total == 2 * 16 * 1   # the trainable head's copy only; the frozen one stays
