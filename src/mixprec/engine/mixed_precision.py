@@ -1,11 +1,9 @@
 """The training-step engine: ``MixedPrecision``, in phases (docs/engine.md).
 
-One object owns the whole mixed-precision step so that no call can come twice or be forgotten (the classic
-``unscale_``/``update`` misuse of torch.amp.GradScaler): prepare (:mod:`mixprec.engine.prepare`: storage,
-fp32 regions, masters) → attach (optimizer, scheduler) → per boundary unscale_and_check → apply_or_skip
-(:mod:`mixprec.engine.boundary`). Collaborators return what the engine assigns; those that call back take
-:class:`mixprec.engine.protocol.Engine`. docs/architecture.md draws the map.
-"""
+One object owns the whole step so no call comes twice or is forgotten (torch.amp.GradScaler's ``unscale_``/``update``
+misuse): prepare (:mod:`mixprec.engine.prepare`) → attach → per boundary unscale_and_check → apply_or_skip
+(:mod:`mixprec.engine.boundary`). Collaborators return what the engine assigns; call-backs take
+:class:`mixprec.engine.protocol.Engine`. docs/architecture.md draws the map."""
 
 from __future__ import annotations
 
@@ -463,8 +461,7 @@ class MixedPrecision:
         self._set_gradient_sync()
 
     def restore_progress(self, counters: dict[str, int], events: list[dict] | None, open_group: Any = None) -> None:
-        """Set the counters and event log (None: keep it) of a saved run, and its open window (checked by
-        :func:`~mixprec.engine.open_group.check_group`), for loaders that restore the rest themselves."""
+        """Set a saved run's counters, event log (None: keep it) and open window (checked by ``check_group``)."""
         self._check_boundary("restore_progress()", "restore")
         self.applied_steps, self.skipped_total = counters["applied_steps"], counters["skipped_total"]
         self.boundaries = counters["boundaries"]
