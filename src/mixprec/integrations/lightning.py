@@ -31,7 +31,7 @@ Source: Lightning's own ``MixedPrecision`` (AMP) plugin, whose hook order this f
 from __future__ import annotations
 
 from collections.abc import Callable, Iterator, Mapping
-from contextlib import contextmanager
+from contextlib import AbstractContextManager, contextmanager, nullcontext
 from typing import Any
 
 import torch
@@ -45,6 +45,7 @@ from mixprec.checkpoint.rng import rng_state, set_rng_state
 from mixprec.engine.boundary import StepCheck, StepResult
 from mixprec.engine.clipping import clip_
 from mixprec.engine.mixed_precision import MixedPrecision
+from mixprec.memory.live import held
 from mixprec.policy.policy import Policy
 
 __all__ = ["MixprecPrecision", "MixprecFabricPrecision"]
@@ -116,6 +117,18 @@ def _broadcast_from_rank0(module: nn.Module) -> None:
     with torch.no_grad():
         for tensor in module.state_dict(keep_vars=True).values():
             torch.distributed.broadcast(tensor.data if isinstance(tensor, nn.Parameter) else tensor, src=0)
+
+
+def _profiler_hold(trainer: Any) -> AbstractContextManager[None]:
+    """:func:`mixprec.memory.live.held` while the Trainer's profiler is Lightning's ``PyTorchProfiler``: its
+    schedule opens its ``torch.profiler`` session inside a training step, where torch refuses a second one, so the
+    engine's CPU memory measurement (``memory_budget=``) waits; nothing otherwise."""
+    from lightning.pytorch.profilers import PyTorchProfiler
+
+    if isinstance(getattr(trainer, "profiler", None), PyTorchProfiler):
+        return held("Lightning's PyTorchProfiler is attached to the Trainer (its schedule opens its torch.profiler "
+                    "session inside training steps, where torch allows one session per thread)")
+    return nullcontext()
 
 
 def _check_keep(keep_inputs: Any, owner: str) -> tuple:
@@ -253,7 +266,7 @@ class MixprecPrecision(Precision):
     def train_step_context(self) -> Iterator[None]:
         """The training step's forward: attach the optimizer first (once), then :meth:`forward_context`."""
         self._attach()
-        with self.forward_context():
+        with _profiler_hold(self._trainer), self.forward_context():
             yield
 
     def convert_input(self, data: Any) -> Any:
