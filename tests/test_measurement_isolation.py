@@ -332,3 +332,29 @@ def test_block_timings_leave_pythons_and_numpys_streams():
     measure_block(block.forward, list(block.parameters()), (x,), {}, torch.device("cpu"), repeats=1)
     assert _same_streams(before, _streams())
 
+
+# ---------------------------------------------------------------------- Lightning's ModelParallelStrategy (FSDP2)
+class Sharded(Net):
+    def configure_model(self):   # where a ModelParallelStrategy user shards the model (fully_shard)
+        from torch.distributed.fsdp import fully_shard
+
+        for block in self.blocks:
+            fully_shard(block, mesh=self.device_mesh["data_parallel"])
+
+
+def test_model_parallel_strategy_is_refused_by_name():
+    """ModelParallelStrategy takes any precision plugin and runs (1 gloo process on the CPU here), but calls the
+    user's configure_model, which shards the model, before the plugin's convert_module: the engine would meet
+    DTensor shards it did not lay out. Refused naming the strategy and the two routes that work."""
+    from lightning.pytorch.strategies import ModelParallelStrategy
+
+    environ = dict(os.environ)
+    try:
+        with pytest.raises(ValueError, match=r"strategy=ModelParallelStrategy\(\.\.\.\)\) with MixprecPrecision is not "
+                                             r"supported yet.*strategy='ddp'.*strategy='fsdp2'"):
+            _fit({"policy": "bf16-mixed"}, steps=1, model=Sharded(), trainer_kw={"strategy": ModelParallelStrategy()})
+    finally:
+        if torch.distributed.is_initialized():
+            torch.distributed.destroy_process_group()
+        os.environ.clear()
+        os.environ.update(environ)

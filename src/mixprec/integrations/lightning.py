@@ -119,6 +119,23 @@ def _broadcast_from_rank0(module: nn.Module) -> None:
             torch.distributed.broadcast(tensor.data if isinstance(tensor, nn.Parameter) else tensor, src=0)
 
 
+def _refuse_model_parallel(strategy: Any) -> None:
+    """Lightning's ``ModelParallelStrategy`` (FSDP2 and tensor parallelism) accepts any precision plugin, but it
+    runs ``configure_model`` (where the user shards the model) before ``convert_module``: the engine would meet
+    params sharded by someone else. Refused by name until the engine's own FSDP2 runs there."""
+    from lightning.pytorch import strategies
+
+    model_parallel = getattr(strategies, "ModelParallelStrategy", None)
+    if model_parallel is not None and isinstance(strategy, model_parallel):
+        raise ValueError(
+            f"L.Trainer(strategy={type(strategy).__name__}(...)) with MixprecPrecision is not supported yet: the "
+            "strategy runs your configure_model (fully_shard / parallelize_module) before the precision plugin sees "
+            "the model, so the engine would find DTensor shards it did not lay out (its fp32 masters, 16-bit storage "
+            "and loss scale are built on whole params, or on the shards of its own strategy='fsdp2'). Use "
+            "L.Trainer(strategy='ddp') with the plugin, or the engine's own FSDP2 loop: MixedPrecision(model, opt, "
+            "policy, strategy='fsdp2') under torchrun (docs/distributed.md)")
+
+
 def _profiler_hold(trainer: Any) -> AbstractContextManager[None]:
     """:func:`mixprec.memory.live.held` while the Trainer's profiler is Lightning's ``PyTorchProfiler``: its
     schedule opens its ``torch.profiler`` session inside a training step, where torch refuses a second one, so the
@@ -195,6 +212,7 @@ class MixprecPrecision(Precision):
                             "the strategy wrapped it first, so its buckets or shards would hold the fp32 params; "
                             "this strategy is not supported")
         self._trainer = module.trainer
+        _refuse_model_parallel(self._trainer.strategy)
         _broadcast_from_rank0(module)
         self.engine = MixedPrecision(module, None, self.policy, device=self._trainer.strategy.root_device,
                                      **self.engine_options)
