@@ -8,7 +8,9 @@ Each kind of state the user owns is compared between the two, exactly: the globa
 python; the model draws from all three in its forward), BatchNorm running stats and ``num_batches_tracked``,
 every param (bit for bit: nothing above changes a value), modules' train/eval modes, the user's hooks (still
 registered, each called once per training forward and backward of its own, never by a measurement), the autocast
-and grad state around the model's forward, ``torch.backends`` flags and a user's own ``torch.profiler`` session.
+and grad state around the model's forward, ``torch.backends`` flags and a user's own ``torch.profiler`` session
+(around the fit, over its first steps, scheduled and warming up through the measured step, Lightning's
+``PyTorchProfiler``).
 A tiny MLP of repeated blocks (Linear, BatchNorm1d, GELU, Dropout), SGD, 4 steps, CPU.
 """
 
@@ -30,6 +32,7 @@ from torch.utils.data import DataLoader   # noqa: E402
 from mixprec.autocast import op_plan   # noqa: E402
 from mixprec.engine.pending_auto import PendingAuto   # noqa: E402
 from mixprec.integrations.lightning import MixprecPrecision   # noqa: E402
+from mixprec.memory.live import peak_live_bytes   # noqa: E402
 from mixprec.memory.recompute import measure_block   # noqa: E402
 from mixprec.policy import auto as auto_policy   # noqa: E402
 
@@ -284,6 +287,49 @@ def test_the_budget_is_measured_at_the_first_step_after_the_users_profiler_ends(
     assert decided["peak_bytes"] == reference["peak_bytes"] > 0
     causes = [e.cause for e in plugin.engine.events if e.kind == "memory-budget"]
     assert causes == ["deferred", "measured"]
+
+
+class ScheduledProfile(L.Callback):
+    """The user's scheduled ``torch.profiler`` session stepped after each batch (wait 1, warm up 1, record 2): the
+    measured step (the second) runs while it warms up, prepared but not recording."""
+
+    def __init__(self) -> None:
+        self.recorded: list[int] = []
+        self.prof = torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU],
+                                           schedule=torch.profiler.schedule(wait=1, warmup=1, active=2, repeat=1),
+                                           on_trace_ready=lambda p: self.recorded.append(_mm_count(p)))
+
+    def on_train_start(self, trainer, module):
+        self.prof.start()
+
+    def on_train_batch_end(self, trainer, module, outputs, batch, batch_idx):
+        self.prof.step()
+
+    def on_train_end(self, trainer, module):
+        self.prof.stop()
+
+
+def test_a_users_scheduled_profiler_warming_up_through_the_measured_step_records_as_without_it():
+    """A session of the meter's own opened while the user's scheduled session warmed up made the user's session
+    crash when it began recording (a segfault, torch 2.13: the meter's kineto session took what the warm-up had
+    prepared). The meter's legacy mode leaves it alone: the user's two recorded steps hold their matmuls as without
+    a budget, and the budget measures its step as without the user's session."""
+    mine, plain = ScheduledProfile(), ScheduledProfile()
+    plugin, _ = _fit({"policy": "fp32", "memory_budget": "1GiB"}, callbacks=[mine], steps=5)
+    _fit({"policy": "fp32"}, callbacks=[plain], steps=5)
+    undisturbed, _ = _fit({"policy": "fp32", "memory_budget": "1GiB"}, steps=5)
+    assert mine.recorded == plain.recorded and mine.recorded[0] > 0
+    assert plugin.engine.state_dict()["memory_budget"] == undisturbed.engine.state_dict()["memory_budget"]
+    assert plugin.engine.state_dict()["memory_budget"]["step"] == 2
+
+
+def test_peak_live_bytes_inside_a_users_session_is_refused_and_leaves_it_recording():
+    with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU]) as user:
+        torch.ones(4) @ torch.ones(4)
+        with pytest.raises(RuntimeError, match="a profiler session was recording.*measure outside the session"):
+            peak_live_bytes(lambda: torch.ones(8), "cpu")
+        torch.ones(4) @ torch.ones(4)
+    assert sum(1 for e in user.events() if e.name == "aten::dot") == 2
 
 
 def test_lightnings_pytorch_profiler_keeps_its_trace_and_the_budget_waits(tmp_path):
