@@ -7,7 +7,9 @@ Lightning's hooks, mapped onto the engine's phases (docs/engine.md):
 * ``convert_module``, which every strategy calls before it wraps the model (DDP buckets, FSDP shards): the
   engine is built on the LightningModule with ``optimizer=None`` (an evaluation engine: autocast and input
   casts), so a wrapper sees the prepared params; under several processes rank 0's fp32 values are broadcast
-  first, so every rank's masters start equal. validate/test/predict before ``fit`` run on it as it is.
+  first, so every rank's masters start equal. validate/test/predict before ``fit`` run on it as it is. Under
+  Lightning's ``ModelParallelStrategy`` (an empty ``configure_model``) the engine is built with
+  ``strategy="fsdp2"`` and shards the module itself.
 * the first training step (or a checkpoint load): ``mp.attach(optimizer, scheduler)`` with the one optimizer
   Lightning built and its step-interval scheduler, which the engine then steps after applied steps only
   (Lightning's ``lr_scheduler_step`` for it does nothing); epoch-interval and plateau schedulers stay
@@ -119,21 +121,25 @@ def _broadcast_from_rank0(module: nn.Module) -> None:
             torch.distributed.broadcast(tensor.data if isinstance(tensor, nn.Parameter) else tensor, src=0)
 
 
-def _refuse_model_parallel(strategy: Any) -> None:
-    """Lightning's ``ModelParallelStrategy`` (FSDP2 and tensor parallelism) accepts any precision plugin, but it
-    runs ``configure_model`` (where the user shards the model) before ``convert_module``: the engine would meet
-    params sharded by someone else. Refused by name until the engine's own FSDP2 runs there."""
+def _model_parallel(strategy: Any, module: nn.Module) -> bool:
+    """Whether ``strategy`` is Lightning's ``ModelParallelStrategy``, under which the engine builds its own FSDP2
+    (``strategy="fsdp2"``: it shards the module itself). That strategy runs the user's ``configure_model`` before
+    ``convert_module``: a module sharded there (DTensor params) is refused by name, its shards not the engine's."""
     from lightning.pytorch import strategies
 
     model_parallel = getattr(strategies, "ModelParallelStrategy", None)
-    if model_parallel is not None and isinstance(strategy, model_parallel):
+    if model_parallel is None or not isinstance(strategy, model_parallel):
+        return False
+    from torch.distributed.tensor import DTensor
+
+    sharded = [n for n, p in module.named_parameters() if isinstance(p, DTensor)]
+    if sharded:
         raise ValueError(
-            f"L.Trainer(strategy={type(strategy).__name__}(...)) with MixprecPrecision is not supported yet: the "
-            "strategy runs your configure_model (fully_shard / parallelize_module) before the precision plugin sees "
-            "the model, so the engine would find DTensor shards it did not lay out (its fp32 masters, 16-bit storage "
-            "and loss scale are built on whole params, or on the shards of its own strategy='fsdp2'). Use "
-            "L.Trainer(strategy='ddp') with the plugin, or the engine's own FSDP2 loop: MixedPrecision(model, opt, "
-            "policy, strategy='fsdp2') under torchrun (docs/distributed.md)")
+            f"L.Trainer(strategy={type(strategy).__name__}(...)) with MixprecPrecision: configure_model sharded the "
+            f"model already ({len(sharded)} DTensor params, e.g. {sharded[0]!r}); the engine lays out its own FSDP2 "
+            "shards (strategy='fsdp2': fp32 masters, 16-bit storage and fp32 gradient reduction per policy). Leave "
+            "configure_model empty (tensor parallelism is not supported), or use L.Trainer(strategy='ddp')")
+    return True
 
 
 def _profiler_hold(trainer: Any) -> AbstractContextManager[None]:
@@ -212,10 +218,11 @@ class MixprecPrecision(Precision):
                             "the strategy wrapped it first, so its buckets or shards would hold the fp32 params; "
                             "this strategy is not supported")
         self._trainer = module.trainer
-        _refuse_model_parallel(self._trainer.strategy)
-        _broadcast_from_rank0(module)
+        fsdp2 = _model_parallel(self._trainer.strategy, module)   # the engine shards (it syncs rank 0's values)
+        if not fsdp2:
+            _broadcast_from_rank0(module)
         self.engine = MixedPrecision(module, None, self.policy, device=self._trainer.strategy.root_device,
-                                     **self.engine_options)
+                                     **({"strategy": "fsdp2"} if fsdp2 else {}), **self.engine_options)
         return module
 
     def _built(self, what: str) -> MixedPrecision:
