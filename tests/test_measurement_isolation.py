@@ -427,25 +427,25 @@ def _full(model: nn.Module) -> dict[str, torch.Tensor]:
     return {n: p.full_tensor().detach().clone() for n, p in model.named_parameters()}
 
 
-def _lightning_fsdp2_rank(rank: int, out, steps: int) -> dict:
+def _lightning_fsdp2_rank(rank: int, out, steps: int, accumulate: int) -> dict:
     from lightning.pytorch.strategies import ModelParallelStrategy
 
     model = Flat()
     trainer = L.Trainer(max_steps=steps, accelerator="cpu", devices=2, logger=False, enable_checkpointing=False,
                         enable_progress_bar=False, enable_model_summary=False, num_sanity_val_steps=0,
                         strategy=ModelParallelStrategy(data_parallel_size=2, tensor_parallel_size=1),
-                        plugins=[MixprecPrecision("bf16-mixed")])
-    trainer.fit(model, DataLoader(_samples(4 * 2 * steps), batch_size=4))
+                        accumulate_grad_batches=accumulate, plugins=[MixprecPrecision("bf16-mixed")])
+    trainer.fit(model, DataLoader(_samples(4 * 2 * accumulate * steps), batch_size=4))
     return {"params": _full(model), "steps": trainer.global_step, "strategy": trainer.precision_plugin.engine.strategy}
 
 
-def _engine_fsdp2_rank(rank: int, out, steps: int) -> dict:
+def _engine_fsdp2_rank(rank: int, out, steps: int, accumulate: int) -> dict:
     from mixprec import MixedPrecision
 
     model = Flat()
     mp = MixedPrecision(model, torch.optim.SGD(model.parameters(), lr=0.1), "bf16-mixed", device="cpu",
-                        strategy="fsdp2")
-    data = _samples(4 * 2 * steps)
+                        strategy="fsdp2", accumulation_steps=accumulate)
+    data = _samples(4 * 2 * accumulate * steps)
     # the sampler Lightning puts under a training DataLoader: shuffled, seed 0 ($PL_GLOBAL_SEED unset), epoch 0
     sampler = torch.utils.data.DistributedSampler(data, num_replicas=2, rank=rank, shuffle=True, seed=0)
     for i, batch in enumerate(DataLoader(data, batch_size=4, sampler=sampler)):
@@ -457,9 +457,11 @@ def _engine_fsdp2_rank(rank: int, out, steps: int) -> dict:
     return {"params": _full(model)}
 
 
-def test_model_parallel_strategy_runs_the_engines_fsdp2_bit_for_bit():
+@pytest.mark.parametrize("accumulate", [1, 2])
+def test_model_parallel_strategy_runs_the_engines_fsdp2_bit_for_bit(accumulate):
     """Lightning's ModelParallelStrategy (2 gloo ranks, data parallel 2) with the plugin and an empty
-    configure_model: the plugin builds the engine with strategy="fsdp2", which shards the module; 3 steps equal the
+    configure_model: the plugin builds the engine with strategy="fsdp2", which shards the module; 3 steps (of
+    ``accumulate_grad_batches`` micro-batches, against the engine's ``accumulation_steps``) equal the
     engine's own strategy="fsdp2" loop on the same global batches (the DistributedSampler Lightning puts under the
     training DataLoader) bit for bit, every full param on every rank."""
     import tempfile
@@ -468,8 +470,8 @@ def test_model_parallel_strategy_runs_the_engines_fsdp2_bit_for_bit():
     from ranks import run_ranks
 
     with tempfile.TemporaryDirectory() as a, tempfile.TemporaryDirectory() as b:
-        trained = run_ranks(_lightning_fsdp2_rank, Path(a), 3)
-        reference = run_ranks(_engine_fsdp2_rank, Path(b), 3)
+        trained = run_ranks(_lightning_fsdp2_rank, Path(a), 3, accumulate)
+        reference = run_ranks(_engine_fsdp2_rank, Path(b), 3, accumulate)
     assert [r["steps"] for r in trained] == [3, 3] and trained[0]["strategy"] == "fsdp2"
     for rank in range(2):
         for name, value in reference[rank]["params"].items():
