@@ -142,6 +142,22 @@ def _model_parallel(strategy: Any, module: nn.Module) -> bool:
     return True
 
 
+def _check_fsdp2_policy(policy: str | Policy) -> None:
+    """Under ``ModelParallelStrategy``: 16-bit params without fp32 masters (``-kahan``, ``-sr``, ``-lean``) are
+    refused by name before the engine is built (Lightning's ``model_to_device`` then failed swapping the engine's
+    sharded 16-bit params: "Cannot swap t1 because it has weakref associated with it")."""
+    if isinstance(policy, str) and policy.strip().lower() == "auto":
+        return   # auto's candidates keep fp32 params
+    parsed = Policy.parse(policy)
+    if parsed.param_dtype != torch.float32 and not parsed.has_masters:
+        raise ValueError(
+            f"MixprecPrecision({str(policy)!r}) under ModelParallelStrategy is not supported yet: it stores 16-bit "
+            "params without fp32 masters, and Lightning's model_to_device fails on the engine's sharded 16-bit params "
+            "(\"Cannot swap t1 because it has weakref associated with it\"). Use fp32, a -mixed or a -pure policy "
+            f"there, or the engine's own loop: MixedPrecision(model, opt, {str(parsed)!r}, strategy='fsdp2') under "
+            "torchrun")
+
+
 def _profiler_hold(trainer: Any) -> AbstractContextManager[None]:
     """:func:`mixprec.memory.live.held` while the Trainer's profiler is Lightning's ``PyTorchProfiler``: its
     schedule opens its ``torch.profiler`` session inside a training step, where torch refuses a second one, so the
@@ -219,7 +235,9 @@ class MixprecPrecision(Precision):
                             "this strategy is not supported")
         self._trainer = module.trainer
         fsdp2 = _model_parallel(self._trainer.strategy, module)   # the engine shards (it syncs rank 0's values)
-        if not fsdp2:
+        if fsdp2:
+            _check_fsdp2_policy(self.policy)
+        else:
             _broadcast_from_rank0(module)
         self.engine = MixedPrecision(module, None, self.policy, device=self._trainer.strategy.root_device,
                                      **({"strategy": "fsdp2"} if fsdp2 else {}), **self.engine_options)
