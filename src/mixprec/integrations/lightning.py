@@ -199,7 +199,9 @@ class MixprecPrecision(Precision):
     ``last_result`` the last step's :class:`StepResult`. ``precision`` (``trainer.precision``) is the policy's
     text. Host syncs: the engine's (one per step). Errors: RuntimeError for a second model, a second ``fit`` with
     new optimizers or a step outside the order; ValueError for several optimizers, an overridden
-    ``LightningModule.backward`` or ``lr_scheduler_step`` beside a step-interval scheduler. Source: Lightning's
+    ``LightningModule.backward`` or ``lr_scheduler_step`` beside a step-interval scheduler, and under
+    ``ModelParallelStrategy`` (the engine's own ``strategy="fsdp2"``) a model sharded in ``configure_model`` or
+    16-bit params without masters. Source: Lightning's
     ``MixedPrecision`` plugin (its hook order)."""
 
     def __init__(self, policy: str | Policy = "auto", *, keep_inputs: tuple = (), **engine_options: Any) -> None:
