@@ -508,8 +508,7 @@ def test_lifecycle_misuse_is_named():
     assert mp.step() is None
     with pytest.raises(RuntimeError, match=r"step\(\) called without backward\(\)"):
         mp.step()
-    with pytest.raises(RuntimeError, match="take it at an accumulation boundary"):
-        mp.state_dict()
+    assert mp.state_dict()["open_group"] is not None   # mid-window: the open window is saved (engine/open_group.py)
     with pytest.raises(TypeError, match="ReduceLROnPlateau needs a metric"):
         m = tiny_lm()
         o = torch.optim.SGD(m.parameters(), lr=0.1)

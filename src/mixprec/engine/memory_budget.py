@@ -9,7 +9,11 @@ lets it trade bytes for speed within a budget of peak live tensor bytes:
    CPU**, slower; on MPS sampled) under the plan's default (+0 MiB per call), and counts the planned attention
    calls a backward follows (:class:`mixprec.autocast.saved_allowance.CallCounter`; recomputes included). The
    measured step is the **second** training step (boundary 2): the first measures the plan's kernels (their
-   timings must not carry the profiler's per-op overhead, nor their stand-ins' bytes count in the peak).
+   timings must not carry the profiler's per-op overhead, nor their stand-ins' bytes count in the peak). On the
+   CPU, while a profiler session of the user's records (``torch.profiler``, Lightning's ``PyTorchProfiler``), the
+   measurement waits for the first training step without one (:func:`mixprec.memory.live.blocked`: its own
+   session, nested, would end the user's trace): a ``"memory-budget"`` event (cause ``deferred``) and the
+   pending clause say so.
 2. Over the budget: a warning (once), a ``"memory-budget"`` event (cause ``over``) and a decision clause naming
    the overshoot (:func:`size_words`: B, KiB, MiB, GiB as fits) and the fixes left: ``checkpoint="auto"``
    without a recompute plan, full recompute where the plan leaves blocks selective or not recomputed, else a
@@ -47,7 +51,7 @@ from mixprec.autocast.saved_allowance import CallCounter, mib_words, scoped_allo
 from mixprec.engine.protocol import Engine
 from mixprec.engine.records import Event
 from mixprec.memory.budget import parse_bytes
-from mixprec.memory.live import LiveMeter, resident_tensors
+from mixprec.memory.live import LiveMeter, blocked, resident_tensors
 from mixprec.memory.recompute import RecomputePlan
 
 __all__ = ["BudgetDecision", "MemoryBudget", "SHARE", "parse_budget", "size_words"]
@@ -125,6 +129,8 @@ class MemoryBudget:
         self._counter: CallCounter | None = None
         self._counts: dict[str, int] = {}   # the measured step's planned calls per key
         self._decided_note = ""   # the clause once decided, kept as written (the decision's text is replaced by it)
+        self._deferred = ""   # why the measured step waits (a user's profiler session), from the boundary it began
+        self._step_began = False   # the measured step is started (or deferred) at a step's first scope only
 
     @property
     def on(self) -> bool:
@@ -141,8 +147,9 @@ class MemoryBudget:
         if not self.on:
             return ""
         if self.decided is None:
-            return (f"; memory_budget {size_words(self.budget_bytes)}: pending (attention at fused's bytes; the "
-                    "second training step's peak live tensors are measured, under the profiler on CPU)")
+            when = (f"deferred {self._deferred}; measured at the first training step without one" if self._deferred
+                    else "the second training step's peak live tensors are measured, under the profiler on CPU")
+            return f"; memory_budget {size_words(self.budget_bytes)}: pending (attention at fused's bytes; {when})"
         return self._decided_note
 
     def _words(self, loaded: str = "") -> str:
@@ -156,12 +163,18 @@ class MemoryBudget:
 
     def scope(self) -> AbstractContextManager[None]:
         """The engine's allowance in this thread (nothing without a budget); starts the measured step when due
-        (the second training step: after one boundary, grad enabled, an optimizer attached). Nothing while
-        torch.compile traces (the graph keeps the kernels it traced)."""
+        (the second training step: after one boundary, grad enabled, an optimizer attached; deferred while the
+        meter is :func:`~mixprec.memory.live.blocked`). Nothing while torch.compile traces (the graph keeps the
+        kernels it traced)."""
         if not self.on or torch.compiler.is_compiling():
             return nullcontext()
-        if (self.decided is None and self._meter is None and self._boundaries >= 1
+        if (self.decided is None and self._meter is None and not self._step_began and self._boundaries >= 1
                 and self._mp.optimizer is not None and torch.is_grad_enabled()):
+            self._step_began = True   # a later scope of this step (its backward) never starts a partial window
+            why = blocked(self._mp.device)
+            if why is not None:
+                self._defer(why)
+                return scoped_allowance(self.allowed_mib)
             self._counter = CallCounter()
             self._meter = LiveMeter(self._mp.device, resident=list(resident_tensors(self._mp.module, self._mp.optimizer)),
                                     model=self._mp.module)
@@ -169,14 +182,31 @@ class MemoryBudget:
             self._meter.start()
         return scoped_allowance(self.allowed_mib)
 
+    def _defer(self, why: str) -> None:
+        """The measured step waits: recorded once (a ``"memory-budget"`` event, cause ``deferred``, and the pending
+        clause), at the first step it waits for each reason."""
+        if self._deferred.endswith(f": {why}"):
+            return
+        before = self.note
+        self._deferred = f"at step {self._mp.boundaries}: {why}"
+        self._mp.record(Event(self._mp.boundaries, _KIND, "deferred", None, self.note[2:]),
+                        decision=_replace(self._mp.decision, before, self.note))
+        log.info("mixprec: %s", self.note[2:])
+
     def at_boundary(self) -> None:
         """After a step: the measured step's decision (module docstring), recorded as an event and in the decision."""
         self._boundaries += 1
+        self._step_began = False
         if self._meter is None:
             return
-        live, self._counts = self._meter.stop(), dict(self._counter.counts)
-        self._counter.stop()
-        self._meter = self._counter = None
+        meter, counter, self._meter, self._counter = self._meter, self._counter, None, None
+        counter.stop()
+        try:
+            live = meter.stop()
+        except RuntimeError as err:   # a profiler session opened inside the window: measured again at a later step
+            self._defer(str(err))
+            return
+        self._counts = dict(counter.counts)
         calls = sum(self._counts.values())
         headroom = self.budget_bytes - live.total
         allowed = headroom * SHARE / calls / 2**20 if headroom >= 0 and calls else 0.0
@@ -218,9 +248,13 @@ class MemoryBudget:
 
     def _stop(self) -> None:
         if self._meter is not None:
-            self._meter.stop()
+            meter, self._meter = self._meter, None
             self._counter.stop()
-            self._meter = self._counter = None
+            self._counter = None
+            try:
+                meter.stop()
+            except RuntimeError:   # its session was ended from outside: nothing of the meter's is left running
+                pass
 
     def _rechosen(self, allowed_mib: float) -> list[tuple[str, str, int | None]]:
         """(key, kernel now, extra bytes per call over fused) for each training key of the engine's plan."""

@@ -7,7 +7,9 @@ Lightning's hooks, mapped onto the engine's phases (docs/engine.md):
 * ``convert_module``, which every strategy calls before it wraps the model (DDP buckets, FSDP shards): the
   engine is built on the LightningModule with ``optimizer=None`` (an evaluation engine: autocast and input
   casts), so a wrapper sees the prepared params; under several processes rank 0's fp32 values are broadcast
-  first, so every rank's masters start equal. validate/test/predict before ``fit`` run on it as it is.
+  first, so every rank's masters start equal. validate/test/predict before ``fit`` run on it as it is. Under
+  Lightning's ``ModelParallelStrategy`` (an empty ``configure_model``) the engine is built with
+  ``strategy="fsdp2"`` and shards the module itself.
 * the first training step (or a checkpoint load): ``mp.attach(optimizer, scheduler)`` with the one optimizer
   Lightning built and its step-interval scheduler, which the engine then steps after applied steps only
   (Lightning's ``lr_scheduler_step`` for it does nothing); epoch-interval and plateau schedulers stay
@@ -49,6 +51,8 @@ from mixprec.engine.boundary import StepCheck, StepResult
 from mixprec.engine.clipping import clip_
 from mixprec.engine.mixed_precision import MixedPrecision
 from mixprec.engine.open_group import check_group
+from mixprec.integrations.lightning_strategies import (broadcast_from_rank0, check_fsdp2_policy, model_parallel,
+                                                       profiler_hold)
 from mixprec.integrations.replica_checks import DEFAULT_EVERY, ReplicaChecks, check_accumulation, follow_accumulation
 from mixprec.policy.policy import Policy
 
@@ -111,18 +115,6 @@ class _SteppedByEngine:
         return getattr(self._scheduler, name)
 
 
-def _broadcast_from_rank0(module: nn.Module) -> None:
-    """Every rank takes rank 0's fp32 params and buffers (before the engine casts them), as DDP would after
-    the cast: masters and Kahan compensations start equal on every rank. One broadcast per tensor."""
-    if not (torch.distributed.is_available() and torch.distributed.is_initialized()):
-        return
-    if torch.distributed.get_world_size() < 2:
-        return
-    with torch.no_grad():
-        for tensor in module.state_dict(keep_vars=True).values():
-            torch.distributed.broadcast(tensor.data if isinstance(tensor, nn.Parameter) else tensor, src=0)
-
-
 def _check_keep(keep_inputs: Any, owner: str) -> tuple:
     if not isinstance(keep_inputs, (tuple, list)) or not all(isinstance(k, (str, int)) for k in keep_inputs):
         raise TypeError(f"{owner}(keep_inputs={keep_inputs!r}): pass a tuple of the batch's top-level keys, fields or "
@@ -156,8 +148,10 @@ class MixprecPrecision(Precision):
     (:mod:`mixprec.integrations.replica_checks`). Host syncs: the engine's (one per step), one per check. Errors:
     RuntimeError for a second model, a second ``fit`` with new optimizers, a step outside the order or replicas
     that differ; ValueError for several optimizers, an overridden ``LightningModule.backward`` or
-    ``lr_scheduler_step`` beside a step-interval scheduler, accumulation with fp32 masters on several processes.
-    Source: Lightning's ``MixedPrecision`` plugin (its hook order)."""
+    ``lr_scheduler_step`` beside a step-interval scheduler, accumulation with fp32 masters on several processes,
+    and under ``ModelParallelStrategy`` (the engine's own ``strategy="fsdp2"``) a model sharded in
+    ``configure_model`` or 16-bit params without masters. Source: Lightning's ``MixedPrecision`` plugin (its hook
+    order)."""
 
     def __init__(self, policy: str | Policy = "auto", *, keep_inputs: tuple = (),
                  verify_replicas_every: int = DEFAULT_EVERY, **engine_options: Any) -> None:
@@ -195,9 +189,13 @@ class MixprecPrecision(Precision):
                             "the strategy wrapped it first, so its buckets or shards would hold the fp32 params; "
                             "this strategy is not supported")
         self._trainer = module.trainer
-        _broadcast_from_rank0(module)
+        fsdp2 = model_parallel(self._trainer.strategy, module)   # the engine shards (it syncs rank 0's values)
+        if fsdp2:
+            check_fsdp2_policy(self.policy)
+        else:
+            broadcast_from_rank0(module)
         self.engine = MixedPrecision(module, None, self.policy, device=self._trainer.strategy.root_device,
-                                     **self.engine_options)
+                                     **({"strategy": "fsdp2"} if fsdp2 else {}), **self.engine_options)
         return module
 
     def _built(self, what: str) -> MixedPrecision:
@@ -272,7 +270,7 @@ class MixprecPrecision(Precision):
         if self._open_group is not None:
             (counters, group), self._open_group = self._open_group, None
             engine.restore_progress(counters, None, group)
-        with self.forward_context():
+        with profiler_hold(self._trainer), self.forward_context():
             yield
 
     def convert_input(self, data: Any) -> Any:
@@ -432,7 +430,7 @@ class MixprecFabricPrecision(FabricPrecision):
             if module is not self.engine.module:
                 raise RuntimeError("MixprecFabricPrecision got a second model: use one plugin (and Fabric) per model")
             return module
-        _broadcast_from_rank0(module)
+        broadcast_from_rank0(module)
         self.engine = MixedPrecision(module, None, self.policy, **self.engine_options)
         return module
 

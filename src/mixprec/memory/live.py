@@ -4,10 +4,19 @@ Measured on the device's own accounting, per device:
 
 * **CUDA**: ``torch.cuda.max_memory_allocated`` after ``torch.cuda.reset_peak_memory_stats``, minus
   ``torch.cuda.memory_allocated`` before the step (the caching allocator's count: block sizes rounded up to
-  512 bytes; its cache and fragmentation are not counted). Two device syncs.
-* **CPU**: the profiler's memory events (``torch.profiler.profile(profile_memory=True)``): every allocation and
-  free of the CPU allocator in the step, in time order; the peak is the maximum of their running sum above the
-  level at the start (bytes *requested*, no allocator rounding). The profiler costs time: never inside a timed step.
+  512 bytes; its cache and fragmentation are not counted). Two device syncs. The reset cannot be undone (torch
+  has no setter for the peak): a ``max_memory_allocated()`` of the caller's read later counts from the step's
+  start, and :attr:`PeakLive.source` says so (the engine's ``"memory-budget"`` event carries it).
+* **CPU**: the profiler's memory events (the autograd profiler with ``profile_memory``, in its legacy
+  thread-local mode: no libkineto session): every allocation and free of the CPU allocator in the step, in time
+  order; the peak is the maximum of their running sum above the level at the start (bytes *requested*, no
+  allocator rounding). The profiler costs time: never inside a timed step. Never inside another profiler session
+  either (torch 2.13: a kineto session of the meter's own, nested in the caller's, ended the caller's trace; one
+  opened while a caller's scheduled session warmed up made that session's start crash; the legacy mode leaves
+  libkineto alone, and refuses to nest): while one records, or while a caller holds the meter (:func:`held`: a
+  trainer whose profiler opens its session inside a step), :func:`blocked` says why and the meter refuses to
+  start (the engine's ``memory_budget=`` waits for a step without one). A session opened *inside* the window is
+  refused by torch ("Profiler is already enabled on this thread"): hold the meter around such a step.
 * **MPS**: ``torch.mps.current_allocated_memory`` *sampled*: before and after the step, at the end of every
   module's forward and at every parameter's gradient accumulation (when ``model`` is given). A lower bound of
   the true peak (a peak between two samples is missed).
@@ -21,6 +30,7 @@ issue-27 measurement (validated against a tensor census in tests/test_memory_liv
 from __future__ import annotations
 
 from collections.abc import Callable, Iterable, Iterator
+from contextlib import contextmanager
 from dataclasses import dataclass
 from typing import Any
 
@@ -29,10 +39,11 @@ from torch import nn
 
 from mixprec.memory.storages import StorageCounter
 
-__all__ = ["LiveMeter", "PeakLive", "peak_live_bytes", "resident_tensors", "running_peak"]
+__all__ = ["LiveMeter", "PeakLive", "blocked", "held", "peak_live_bytes", "resident_tensors", "running_peak"]
 
 _SOURCES = {
-    "cuda": "torch.cuda.max_memory_allocated - memory_allocated before",
+    "cuda": ("torch.cuda.max_memory_allocated - memory_allocated before (the allocator's peak statistics reset at "
+             "the step's start: a max_memory_allocated() read later counts from there)"),
     "cpu": "profiler memory events (requested bytes)",
     "mps": "torch.mps.current_allocated_memory sampled (lower bound)",
 }
@@ -85,6 +96,36 @@ def resident_tensors(model: nn.Module, optimizer: torch.optim.Optimizer | None =
         yield from (v for v in state.values() if isinstance(v, torch.Tensor))
 
 
+_HELD: list[str] = []   # why callers hold the CPU meter now (innermost last)
+
+
+@contextmanager
+def held(why: str) -> Iterator[None]:
+    """Inside, :func:`blocked` returns ``why`` on the CPU: the caller knows a profiler session of someone else's
+    may open inside the window (Lightning's ``PyTorchProfiler`` steps its schedule inside a training step), where
+    the meter's own would make it fail. No host sync."""
+    _HELD.append(why)
+    try:
+        yield
+    finally:
+        _HELD.remove(why)
+
+
+def blocked(device: torch.device | str) -> str | None:
+    """Why a :class:`LiveMeter` on ``device`` cannot run now without disturbing the caller's own measurement, in
+    words; None when it can. On the CPU: a profiler session is recording (``torch.profiler``,
+    ``torch.autograd.profiler``, Lightning's ``PyTorchProfiler``: torch refuses a second one on the thread), or a
+    caller :func:`held` the meter. No host sync."""
+    if torch.device(device).type != "cpu":
+        return None
+    if _HELD:
+        return _HELD[-1]
+    if torch.autograd._profiler_enabled():
+        return ("a profiler session was recording, and the CPU measurement runs the profiler itself (torch allows one "
+                "session per thread)")
+    return None
+
+
 def peak_live_bytes(step: Callable[[], Any], device: torch.device | str, *,
                     resident: Iterable[torch.Tensor] = (), model: nn.Module | None = None) -> tuple[Any, PeakLive]:
     """Runs ``step()`` (one whole training step: forward, backward, optimizer step) and returns its output with
@@ -95,6 +136,7 @@ def peak_live_bytes(step: Callable[[], Any], device: torch.device | str, *,
 
     Raises:
         ValueError: ``device`` is not cpu, cuda or mps.
+        RuntimeError: a profiler session is recording on the CPU (:func:`blocked`).
     """
     meter = LiveMeter(device, resident=resident, model=model)
     meter.start()
@@ -110,7 +152,7 @@ class LiveMeter:
     ``backward()`` and ``step()``): :meth:`start` before it, :meth:`stop` after it (same thread) returns its
     :class:`PeakLive`. Arguments, sources and host syncs as :func:`peak_live_bytes`; the resident tensors are
     counted at :meth:`start`. ValueError: ``device`` is not cpu, cuda or mps; RuntimeError: :meth:`stop` before
-    :meth:`start`."""
+    :meth:`start`, or :meth:`start` while a profiler session records on the CPU (:func:`blocked`)."""
 
     def __init__(self, device: torch.device | str, *, resident: Iterable[torch.Tensor] = (),
                  model: nn.Module | None = None) -> None:
@@ -129,10 +171,13 @@ class LiveMeter:
             torch.cuda.reset_peak_memory_stats(self.device)
             self._baseline = torch.cuda.memory_allocated(self.device)
         elif kind == "cpu":
+            why = blocked(self.device)
+            if why is not None:
+                raise RuntimeError(f"peak_live_bytes on the CPU: {why}; measure outside the session (after its "
+                                   "stop()), or on a step it does not profile")
             counter = StorageCounter()
             self._baseline = sum(counter.add(t) for t in self._resident if t.device.type == "cpu")
-            self._running = torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU],
-                                                   profile_memory=True, record_shapes=False)
+            self._running = _CpuAllocations()
             self._running.start()
         else:
             self._running = _MpsSampler(self._model)
@@ -148,18 +193,30 @@ class LiveMeter:
             torch.cuda.synchronize(self.device)
             peak = torch.cuda.max_memory_allocated(self.device) - baseline
         elif kind == "cpu":
-            running.stop()
-            peak = running_peak(_cpu_memory_events(running))
+            peak = running_peak(running.stop())
         else:
             peak = running.stop() - baseline
         return PeakLive(bytes=max(0, peak), baseline=baseline, source=_SOURCES[kind])
 
 
-def _cpu_memory_events(prof: torch.profiler.profile) -> list[tuple[int, int]]:
-    """``(time ns, signed bytes)`` of the CPU allocator's events (+ allocation, - free), in recorded order."""
-    events = prof.profiler.kineto_results.events() if prof.profiler is not None else []
-    return [(e.start_ns(), e.nbytes()) for e in events
-            if e.name() == "[memory]" and e.device_type() == torch.autograd.DeviceType.CPU]
+class _CpuAllocations:
+    """The CPU allocator's events of one window, from the autograd profiler's legacy thread-local mode (module
+    docstring: no libkineto session of its own)."""
+
+    def start(self) -> None:
+        config = torch.autograd.ProfilerConfig(torch.autograd.ProfilerState.CPU, False, True, False, False, False,
+                                               torch._C._profiler._ExperimentalConfig())   # memory events only
+        torch.autograd._enable_profiler_legacy(config)
+
+    def stop(self) -> list[tuple[float, int]]:
+        """``(time µs, signed bytes)`` of each allocation (+) and free (-), in recorded order. RuntimeError when the
+        session is no longer the meter's (another profiler ended it or took the thread's slot: the events are not
+        the window's)."""
+        if torch._C._autograd._profiler_type() != torch._C._profiler.ActiveProfilerType.LEGACY:
+            raise RuntimeError("the CPU measurement's profiler session was ended from outside during the window (a "
+                               "profiler session opened inside it); its memory events are not the window's")
+        events = [e for thread in torch.autograd._disable_profiler_legacy() for e in thread]
+        return [(events[0].cpu_elapsed_us(e), e.cpu_memory_usage()) for e in events if e.kind() == "memory_alloc"]
 
 
 def running_peak(events: Iterable[tuple[int, int]]) -> int:

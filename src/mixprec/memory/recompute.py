@@ -18,8 +18,8 @@ chooses every block's mode jointly: the fewest bytes at the step's peak (:func:`
 at most ``max_ratio - 1`` times the blocks' time without recompute (a lower bound of the step's: the step then
 stays within ``max_ratio``). Recomputing the last block lowers no peak of this model, so it runs ``"none"`` (the
 bytes outside the blocks, the head's and the loss's, are left out: they do make it cost some). Measuring
-forks the RNG: the run's random stream is the one it would be without it; it runs with autocast's cast cache off,
-leaving the region's cache as it was.
+forks every global random stream (torch's, numpy's, python's ``random``): the run's random streams are the ones
+they would be without it; it runs with autocast's cast cache off, leaving the region's cache as it was.
 """
 
 from __future__ import annotations
@@ -41,6 +41,7 @@ from torch.utils._pytree import tree_leaves, tree_map
 from torch.utils.checkpoint import CheckpointPolicy
 
 from mixprec import ops
+from mixprec.machine.random_streams import forked_streams
 from mixprec.machine.timing import time_call
 from mixprec.memory.recompute_region import region_forward, scratch_buffers
 from mixprec.memory.saved import SavedTensorCounter
@@ -306,16 +307,16 @@ def measure_block(forward: Callable[..., Any], params: list[torch.Tensor], args:
     """Bytes kept for backward and median forward+backward seconds of ``forward(*args, **kwargs)`` in each of
     :data:`MODES` (interleaved, one warm-up round, ``repeats`` timed rounds; gradients by ``torch.autograd.grad``:
     no ``.grad`` is written). Inputs are detached copies requiring grad as the real ones do (a frozen block on an
-    input without grad keeps nothing: 0 bytes in every mode, forward seconds only); the RNG is forked (the
-    caller's stream is unchanged); the saved-tensor hooks open around the call (a caller's
-    :func:`mixprec.memory.saved.saved_bytes`) do not see the measuring passes. Host syncs: two per timed call
-    (CUDA/MPS)."""
+    input without grad keeps nothing: 0 bytes in every mode, forward seconds only); every global random stream is
+    forked (:func:`mixprec.machine.random_streams.forked_streams`: torch's, numpy's, python's; the caller's
+    streams are unchanged); the saved-tensor hooks open around the call (a caller's
+    :func:`mixprec.memory.saved.saved_bytes`) do not see the measuring passes; a profiler session of the caller's
+    shows them inside one range, ``mixprec: checkpoint block timing``. Host syncs: two per timed call (CUDA/MPS)."""
     leaves = tree_map(lambda t: t.detach().requires_grad_(t.requires_grad) if isinstance(t, torch.Tensor)
                       else t, (args, kwargs))
     args, kwargs = leaves
     wrt = [t for t in tree_leaves(leaves) if isinstance(t, torch.Tensor) and t.requires_grad]
     wrt += [p for p in params if p.requires_grad]
-    fork = [device.index or 0] if device.type == "cuda" else []
 
     def step(mode: str) -> None:
         out = [t for t in tree_leaves(_run(forward, mode, args, kwargs))
@@ -323,8 +324,8 @@ def measure_block(forward: Callable[..., Any], params: list[torch.Tensor], args:
         if out:   # else nothing to differentiate: a frozen block
             torch.autograd.grad(sum(t.float().sum() for t in out), wrt, allow_unused=True)
 
-    with torch.random.fork_rng(devices=fork, device_type=device.type if fork else "cuda"), torch.enable_grad(), \
-            torch.autograd.graph.saved_tensors_hooks(_same, _same), \
+    with forked_streams(device), torch.enable_grad(), torch.autograd.graph.saved_tensors_hooks(_same, _same), \
+            torch.profiler.record_function("mixprec: checkpoint block timing"), \
             _uncached_casts(device):   # leaves the region's cast cache as it was: the real forward then casts
         saved = tuple(_kept_bytes(forward, m, args, kwargs, params) for m in MODES)
         times: dict[str, list[float]] = {m: [] for m in MODES}

@@ -15,7 +15,8 @@ fp32 although the probe called bf16 fast). :func:`choose` answers that question 
   median step time per candidate is compared;
 * a 16-bit candidate is chosen only when it is faster than fp32 by :data:`MARGIN` (3 %), else fp32;
 * the model is left as it was found (:func:`preserved`): gradients, buffers (BatchNorm running stats),
-  the CPU/CUDA/MPS RNG states and every module's train/eval mode;
+  every global random stream (torch's CPU/CUDA/MPS, numpy's, python's ``random``) and every module's
+  train/eval mode;
 * the result is cached in-process and on disk (``$MIXPREC_CACHE_DIR``, default ``~/.cache/mixprec``),
   (:mod:`mixprec.machine.cache`), keyed by :func:`cache_key`: device, torch version, thread count, the model's fingerprint and the batch's
   shapes and dtypes.
@@ -42,6 +43,7 @@ import torch
 from torch import nn
 
 from mixprec.machine.cache import cache_dir, machine_key, read_json, write_json
+from mixprec.machine.random_streams import forked_streams
 from mixprec.machine.timing import time_calls
 from mixprec.autocast.op_plan import planned_kernels
 from mixprec.policy.policy import PRESETS
@@ -145,21 +147,20 @@ def cache_key(model: nn.Module, args: tuple, kwargs: dict, device: torch.device,
 def preserved(model: nn.Module, device: torch.device) -> Iterator[None]:
     """Inside, the model's gradients are None; on exit everything a training step touches is as it was:
     each param's ``.grad`` (the same tensor, or None), each buffer (the same tensor object, its values
-    copied back: BatchNorm running stats and counters), each module's ``training`` flag, and the CPU RNG
-    state plus the CUDA (every device, when initialised) or MPS one. The params themselves are not written
-    by a forward and backward. No host sync (the buffer copies are device copies)."""
+    copied back: BatchNorm running stats and counters), each module's ``training`` flag, and every global
+    random stream (:func:`mixprec.machine.random_streams.forked_streams`: torch's CPU, CUDA and MPS ones,
+    numpy's and python's). The params themselves are not written by a forward and backward. No host sync (the
+    buffer copies are device copies)."""
     params = list(model.parameters())
     grads = [p.grad for p in params]
     buffers = [(m, name, b, b.detach().clone()) for m in model.modules() for name, b in m._buffers.items()
                if b is not None]
     modes = [(m, m.training) for m in model.modules()]
-    cpu_rng = torch.get_rng_state()
-    cuda_rng = torch.cuda.get_rng_state_all() if torch.cuda.is_available() and torch.cuda.is_initialized() else None
-    mps_rng = torch.mps.get_rng_state() if device.type == "mps" else None
     for p in params:
         p.grad = None
     try:
-        yield
+        with forked_streams(device):
+            yield
     finally:
         with torch.no_grad():
             for m, name, b, saved in buffers:
@@ -169,11 +170,6 @@ def preserved(model: nn.Module, device: torch.device) -> Iterator[None]:
             p.grad = g
         for m, mode in modes:
             m.training = mode
-        torch.set_rng_state(cpu_rng)
-        if cuda_rng is not None:
-            torch.cuda.set_rng_state_all(cuda_rng)
-        if mps_rng is not None:
-            torch.mps.set_rng_state(mps_rng)
         torch.clear_autocast_cache()
 
 
@@ -199,7 +195,8 @@ def time_candidates(model: nn.Module, args: tuple, kwargs: dict, device: torch.d
     then the backward of :func:`choose`'s scalar into the params that require grad (the inputs are detached:
     nothing flows into the caller's graph). ``candidates``: preset
     names of ``-mixed`` policies or ``"fp32"``. ``timer``: seconds (injectable for tests). The model is left
-    as found (:func:`preserved`). Host syncs: around each timed step on CUDA/MPS.
+    as found (:func:`preserved`); a profiler session of the caller's shows the passes inside one range,
+    ``mixprec: auto trial (fp32 vs bf16-mixed)``. Host syncs: around each timed step on CUDA/MPS.
 
     Raises:
         ValueError: a candidate that is not fp32 or a ``-mixed`` preset; an output with nothing to
@@ -232,7 +229,8 @@ def time_candidates(model: nn.Module, args: tuple, kwargs: dict, device: torch.d
     times: dict[str, list[float]] = {name: [] for name in candidates}
     # identity saved-tensor hooks (the innermost are the only ones applied): a checkpoint or offload around the
     # forward that runs the trial sees none of its tensors (a non-reentrant checkpoint raised CheckpointError)
-    with preserved(model, device), torch.enable_grad(), torch.autograd.graph.saved_tensors_hooks(_same, _same):
+    with preserved(model, device), torch.enable_grad(), torch.autograd.graph.saved_tensors_hooks(_same, _same), \
+            torch.profiler.record_function(f"mixprec: auto trial ({' vs '.join(candidates)})"):   # named in a trace
         for _ in range(warmup):
             for name in candidates:
                 step(name)

@@ -1,0 +1,81 @@
+"""What the Lightning plugins need from Lightning's strategies and profiler: rank 0's values on every rank before the
+engine casts them, ``ModelParallelStrategy`` as the engine's own FSDP2 (and the policies it cannot run there yet),
+and the engine's memory measurement held while Lightning's ``PyTorchProfiler`` records.
+
+Source: Lightning 2.6's ``ModelParallelStrategy`` (it runs ``configure_model`` before the precision plugin's
+``convert_module``) and ``PyTorchProfiler`` (its schedule opens a ``torch.profiler`` session inside training steps).
+"""
+
+from __future__ import annotations
+
+from contextlib import AbstractContextManager, nullcontext
+from typing import Any
+
+import torch
+from torch import nn
+
+from mixprec.memory.live import held
+from mixprec.policy.policy import Policy
+
+__all__ = ["broadcast_from_rank0", "model_parallel", "check_fsdp2_policy", "profiler_hold"]
+
+
+def broadcast_from_rank0(module: nn.Module) -> None:
+    """Every rank takes rank 0's fp32 params and buffers (before the engine casts them), as DDP would after
+    the cast: masters and Kahan compensations start equal on every rank. One broadcast per tensor."""
+    if not (torch.distributed.is_available() and torch.distributed.is_initialized()):
+        return
+    if torch.distributed.get_world_size() < 2:
+        return
+    with torch.no_grad():
+        for tensor in module.state_dict(keep_vars=True).values():
+            torch.distributed.broadcast(tensor.data if isinstance(tensor, nn.Parameter) else tensor, src=0)
+
+
+def model_parallel(strategy: Any, module: nn.Module) -> bool:
+    """Whether ``strategy`` is Lightning's ``ModelParallelStrategy``, under which the engine builds its own FSDP2
+    (``strategy="fsdp2"``: it shards the module itself). That strategy runs the user's ``configure_model`` before
+    ``convert_module``: a module sharded there (DTensor params) is refused by name, its shards not the engine's."""
+    from lightning.pytorch import strategies
+
+    model_parallel = getattr(strategies, "ModelParallelStrategy", None)
+    if model_parallel is None or not isinstance(strategy, model_parallel):
+        return False
+    from torch.distributed.tensor import DTensor
+
+    sharded = [n for n, p in module.named_parameters() if isinstance(p, DTensor)]
+    if sharded:
+        raise ValueError(
+            f"L.Trainer(strategy={type(strategy).__name__}(...)) with MixprecPrecision: configure_model sharded the "
+            f"model already ({len(sharded)} DTensor params, e.g. {sharded[0]!r}); the engine lays out its own FSDP2 "
+            "shards (strategy='fsdp2': fp32 masters, 16-bit storage and fp32 gradient reduction per policy). Leave "
+            "configure_model empty (tensor parallelism is not supported), or use L.Trainer(strategy='ddp')")
+    return True
+
+
+def check_fsdp2_policy(policy: str | Policy) -> None:
+    """Under ``ModelParallelStrategy``: 16-bit params without fp32 masters (``-kahan``, ``-sr``, ``-lean``) are
+    refused by name before the engine is built (Lightning's ``model_to_device`` then failed swapping the engine's
+    sharded 16-bit params: "Cannot swap t1 because it has weakref associated with it")."""
+    if isinstance(policy, str) and policy.strip().lower() == "auto":
+        return   # auto's candidates keep fp32 params
+    parsed = Policy.parse(policy)
+    if parsed.param_dtype != torch.float32 and not parsed.has_masters:
+        raise ValueError(
+            f"MixprecPrecision({str(policy)!r}) under ModelParallelStrategy is not supported yet: it stores 16-bit "
+            "params without fp32 masters, and Lightning's model_to_device fails on the engine's sharded 16-bit params "
+            "(\"Cannot swap t1 because it has weakref associated with it\"). Use fp32, a -mixed or a -pure policy "
+            f"there, or the engine's own loop: MixedPrecision(model, opt, {str(parsed)!r}, strategy='fsdp2') under "
+            "torchrun")
+
+
+def profiler_hold(trainer: Any) -> AbstractContextManager[None]:
+    """:func:`mixprec.memory.live.held` while the Trainer's profiler is Lightning's ``PyTorchProfiler``: its
+    schedule opens its ``torch.profiler`` session inside a training step, where torch refuses a second one, so the
+    engine's CPU memory measurement (``memory_budget=``) waits; nothing otherwise."""
+    from lightning.pytorch.profilers import PyTorchProfiler
+
+    if isinstance(getattr(trainer, "profiler", None), PyTorchProfiler):
+        return held("Lightning's PyTorchProfiler is attached to the Trainer (its schedule opens its torch.profiler "
+                    "session inside training steps, where torch allows one session per thread)")
+    return nullcontext()
