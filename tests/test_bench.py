@@ -752,7 +752,10 @@ def test_noisy_sequential_timing_is_said_everywhere_and_gives_no_speed_verdict(t
     assert timing["spread"]["fp32"] == pytest.approx(results["policies"]["fp32"]["step_time_ms_p90"]
                                                      / results["policies"]["fp32"]["step_time_ms_p10"], abs=1e-3)
     assert status == 1 and "timings noisy: no speed verdict" in bf16["reason"]
-    assert "TIMINGS NOISY" in capsys.readouterr().out and "TIMINGS NOISY" in (out / "report.md").read_text()
+    console, report = capsys.readouterr().out, (out / "report.md").read_text()
+    assert "TIMINGS NOISY" in console and "TIMINGS NOISY" in report
+    assert "speedup (NOISY)" in console and "| speedup (NOISY) |" in report   # the ratios' own column says so
+    assert "vs torch-autocast (NOISY)" in console and "speedup vs torch-autocast (NOISY)" in report
     # what test_sequential_timing_keeps_the_quality_runs_step_times asserts (slow): the quality runs' step times
     # are the table's, and sequential asks for no timing run beyond the quality runs
     assert results["seed_noise"] is None
@@ -799,7 +802,8 @@ def test_tiny_bench_writes_report_and_plots(tiny_bench):
         data = (out / name).read_bytes()
         assert data[:8] == b"\x89PNG\r\n\x1a\n" and len(data) > 10_000
     report = (out / "report.md").read_text()
-    assert "| policy | verdict | step ms | speedup |" in report
+    speedup = "speedup (NOISY)" if results["timing"]["noisy"] else "speedup"   # a busy machine marks the ratios
+    assert f"| policy | verdict | step ms | {speedup} |" in report
     assert results["command"] in report
     assert "**fp16-mixed: SKIPPED**" in report and "**bf16-mixed: PASS**" in report
     assert "Portable ops (`ops=portable`, the default" in report and "with `ops=native`" in report

@@ -992,3 +992,17 @@ def test_the_decision_starts_with_what_the_policy_stores_and_computes_in(policy,
     assert mp.decision.startswith("bf16-sr,state=fp8 on cpu (params bf16, compute bf16, no fp32 masters: updates "
                                   "stochastically rounded into bf16, optimizer state fp8; set_policy at boundary 1")
     assert event["to"] == "bf16-sr,state=fp8"
+
+
+def test_a_step_results_repr_shows_its_loss_scale_and_grad_norm():
+    """The README lists ``.loss_scale`` and ``.grad_norm``; printing a result shows them (a new user missed them)."""
+    torch.manual_seed(0)
+    model = torch.nn.Linear(4, 1)
+    mp = mixprec.MixedPrecision(model, torch.optim.SGD(model.parameters(), lr=0.1), policy="bf16-mixed")
+    with mp.autocast():
+        loss = mp.model(torch.randn(8, 4)).float().pow(2).mean()
+    mp.backward(loss)
+    result = mp.step()
+    shown = repr(result)
+    assert f"loss_scale={result.loss_scale!r}" in shown and f"grad_norm={result.grad_norm!r}" in shown
+    assert shown.startswith("StepResult(applied=True, skipped_reason=None, step=1,") and "_t=" not in shown

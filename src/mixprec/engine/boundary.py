@@ -136,7 +136,7 @@ class StepCheck:
     grads: tuple[torch.Tensor, ...] = field(repr=False)
 
 
-@dataclass(frozen=True)
+@dataclass(frozen=True, repr=False)
 class StepResult:
     """What one optimizer-step boundary did.
 
@@ -144,7 +144,7 @@ class StepResult:
     ``stuck_skips``: consecutive skipped steps that loss scaling can no longer help (scale at its floor,
     or fixed/none), this one included; 0 when applied. ``loss_scale`` (the scale this step used) and
     ``grad_norm`` (fp32, of the unscaled gradients, before clipping) are read from device tensors on
-    access: **reading them syncs the host with the device**.
+    access: **reading them syncs the host with the device** (so does ``repr``, which shows both).
     """
 
     applied: bool
@@ -175,6 +175,13 @@ class StepResult:
     @property
     def grad_norm(self) -> float:
         return float(self.grad_norm_t)
+
+    def __repr__(self) -> str:   # the fields, with loss_scale and grad_norm read (a host sync, as printing a tensor)
+        shown = {"applied": self.applied, "skipped_reason": self.skipped_reason, "step": self.step,
+                 "skipped_total": self.skipped_total, "loss_scale": self.loss_scale, "grad_norm": self.grad_norm,
+                 "rolled_back": self.rolled_back, "escalated": self.escalated, "loss_finite": self.loss_finite,
+                 "stuck_skips": self.stuck_skips}
+        return f"StepResult({', '.join(f'{k}={v!r}' for k, v in shown.items())})"
 
 
 def check_grads(grads: list[torch.Tensor], found_inf: torch.Tensor, loss_finite: torch.Tensor, loss_scale: Any,

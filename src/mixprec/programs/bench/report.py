@@ -91,7 +91,8 @@ varying number of masked tokens) and can make a 16-bit policy's peak RSS *exceed
 `MALLOC_MMAP_THRESHOLD_=131072` in the environment removes most of it. That is the opposite of
 the timing workers' setting (the timing line's 256 MiB threshold, which keeps the heap so a step
 does not re-fault it): a low threshold trades step time for peak RSS. Peak memory here comes
-from the training runs, under glibc's defaults.
+from the training runs: in the one pass (the default) those are the resident workers, under the
+timing line's malloc setting; under `--timing sequential`, glibc's defaults.
 """
 
 

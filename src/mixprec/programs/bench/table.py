@@ -54,12 +54,18 @@ def columns(results: dict) -> list[tuple[str, str]]:
     peer = [("speedup_peer", f"speedup vs {PEER}")] if has_peer(results) else []
     saved_peer = [("saved_peer", f"saved vs {PEER}")] if has_peer(results) else []
     budget = [("budget", f"batch in {memory_budget_of(results)}")] if memory_budget_of(results) else []
-    return [("policy", "policy"), ("verdict", "verdict"), ("step", "step ms"), ("speedup", "speedup"), *peer,
+    return [("policy", "policy"), ("verdict", "verdict"), ("step", "step ms"), ("speedup", _speed("speedup", results)),
+            *[(key, _speed(header, results)) for key, header in peer],
             ("items", f"{unit}/s"), ("gflops", "GFLOP/s"), ("mfu", f"MFU vs {peak['dtype']} peak" if peak else "MFU"),
             ("peak", "peak MiB"), ("memory", "mem ratio"), ("state", f"bytes/param{r0}"), ("saved", "saved MiB"),
             ("saved_ratio", "saved ratio"), *saved_peer, ("live", f"peak live MiB{r0}"), ("live_ratio", "live ratio"),
             ("loss", "eval loss"), ("delta", "loss delta"), ("skips", "skipped steps"), *budget,
             *([("compile", "compile s")] if has_compiled(results) else [])]
+
+
+def _speed(header: str, results: dict) -> str:
+    """A speed column's header, marked where the timing was noisy (no speed verdict: the ratios are unreliable)."""
+    return f"{header} (NOISY)" if (results.get("timing") or {}).get("noisy") else header
 
 
 def cells(name: str, e: dict) -> dict[str, str]:
@@ -84,7 +90,8 @@ def format_table(results: dict) -> str:
     """The compact plain-text table printed at the end of a bench run."""
     shown = {key for key, _ in columns(results)}
     r0 = rank0_tag(results, " r0")   # every rank's: per_rank_lines
-    picked = [(key, header + (r0 if key in ("state", ("live", "live_ratio")) else "")
+    picked = [(key, (_speed(header, results) if key in ("speedup", "speedup_peer") else header)
+               + (r0 if key in ("state", ("live", "live_ratio")) else "")
                + (f" {memory_budget_of(results)}" if key == "budget" else ""))
               for key, header in _CONSOLE if (key[0] if isinstance(key, tuple) else key) in shown]
     headers = [header for _, header in picked]
