@@ -446,8 +446,9 @@ def _engine_fsdp2_rank(rank: int, out, steps: int, policy: str, accumulate: int)
     mp = MixedPrecision(model, torch.optim.SGD(model.parameters(), lr=0.1), policy, device="cpu",
                         strategy="fsdp2", accumulation_steps=accumulate)
     data = _samples(4 * 2 * accumulate * steps)
-    # the sampler Lightning puts under a training DataLoader: shuffled, seed 0 ($PL_GLOBAL_SEED unset), epoch 0
-    sampler = torch.utils.data.DistributedSampler(data, num_replicas=2, rank=rank, shuffle=True, seed=0)
+    # the sampler Lightning puts under a training DataLoader: shuffled, seeded by $PL_GLOBAL_SEED (0 unset), epoch 0
+    seed = int(os.environ.get("PL_GLOBAL_SEED", 0))
+    sampler = torch.utils.data.DistributedSampler(data, num_replicas=2, rank=rank, shuffle=True, seed=seed)
     for i, batch in enumerate(DataLoader(data, batch_size=4, sampler=sampler)):
         batch = mp.cast_inputs(batch)
         with mp.autocast():
