@@ -130,7 +130,8 @@ def test_the_cache_key_changes_with_model_batch_and_threads(monkeypatch):
     assert key(nn.Linear(8, 8)) != base
 
 
-def test_the_result_is_cached_in_process_and_on_disk(tmp_path):
+def test_the_result_is_cached_in_process_and_on_disk(tmp_path, monkeypatch):
+    monkeypatch.setattr(auto_policy, "NOISY_SPREAD", float("inf"))   # any spread is quiet: the cache path, always
     calls = []
 
     class Counting(nn.Linear):
@@ -478,3 +479,17 @@ def test_the_trial_backward_recomputes_a_torch_checkpoint_in_the_forwards_kernel
     finally:
         op_plan.forget()
     assert len(times["bf16-mixed"]) == auto_policy.BLOCKS * auto_policy.STEPS
+
+
+def test_a_noisy_trial_is_kept_in_this_process_only_and_says_so(tmp_path, monkeypatch):
+    """A trial timed on a busy machine (block medians spreading above NOISY_SPREAD) is not written to disk, as the
+    op plan and doctor never cache a noisy timing: a new user's busy-machine 3.95x for a tiny MLP had been kept."""
+    monkeypatch.setattr(auto_policy, "NOISY_SPREAD", 0.99)   # every spread is >= 1: noisy, deterministically
+    x = torch.randn(4, 8)
+    first = choose(nn.Linear(8, 8), (x,), {}, CPU, ("fp32", "bf16-mixed"))
+    assert first.noisy and not list(tmp_path.glob("auto-trial-*.json"))
+    assert "noisy: a busy machine, not cached" in first.decision("cpu")
+    assert choose(nn.Linear(8, 8), (x,), {}, CPU, ("fp32", "bf16-mixed")) is first   # this process keeps it
+    auto_policy._MEMORY.clear()
+    again = choose(nn.Linear(8, 8), (x,), {}, CPU, ("fp32", "bf16-mixed"))
+    assert again is not first and not again.cached   # timed again, not read from a disk it never reached

@@ -19,7 +19,8 @@ fp32 although the probe called bf16 fast). :func:`choose` answers that question 
   train/eval mode;
 * the result is cached in-process and on disk (``$MIXPREC_CACHE_DIR``, default ``~/.cache/mixprec``),
   (:mod:`mixprec.machine.cache`), keyed by :func:`cache_key`: device, torch version, thread count, the model's fingerprint and the batch's
-  shapes and dtypes.
+  shapes and dtypes; a trial whose block medians spread more than :data:`NOISY_SPREAD` (a busy machine) is kept in
+  this process only, never on disk (the op plan's and ``mixprec doctor``'s rule), and its decision says so.
 
 Cost: ``(warmup + blocks * steps) * len(candidates)`` forward+backward steps (14 by default for two
 candidates). Host syncs: one device sync before and after each timed step on CUDA/MPS; none of its own
@@ -50,9 +51,10 @@ from mixprec.policy.policy import PRESETS
 from mixprec.autocast.portable import portable_ops
 from mixprec.policy.tree import map_tensors, tensors
 
-__all__ = ["MARGIN", "Trial", "TrialFailed", "cache_key", "choose", "preserved", "split_batch", "time_candidates"]
+__all__ = ["MARGIN", "NOISY_SPREAD", "Trial", "TrialFailed", "cache_key", "choose", "preserved", "split_batch", "time_candidates"]
 
 MARGIN = 1.03          #: a 16-bit candidate must run at >= 1.03x fp32's speed to be chosen
+NOISY_SPREAD = 1.5     #: a candidate's slowest block median over its fastest above which the trial is not cached
 WARMUP, BLOCKS, STEPS = 1, 3, 2
 
 _MEMORY: dict[str, Trial] = {}   # cache_key → the trial's result, this process
@@ -69,6 +71,7 @@ class Trial:
     steps: int = STEPS
     margin: float = MARGIN
     cached: bool = False
+    noisy: bool = False   # its block medians spread above NOISY_SPREAD: kept in this process only
 
     @property
     def ratios(self) -> dict[str, float]:
@@ -81,7 +84,8 @@ class Trial:
         measured = ", ".join(f"{name} {ratio:.2f}x fp32" for name, ratio in self.ratios.items())
         why = (f"needs >= {self.margin:.2f}x" if self.choice == "fp32" else f"faster than fp32 by >= {self.margin:.2f}x")
         text = (f"auto → {self.choice}: measured on this model ({self.blocks} interleaved blocks of {self.steps} "
-                f"steps{', cached' if self.cached else ''}): {measured} ({why})")
+                f"steps{', cached' if self.cached else ''}"
+                f"{', noisy: a busy machine, not cached' if self.noisy else ''}): {measured} ({why})")
         return text + ("; fp16 is never chosen on a CPU" if device_type == "cpu" else "")
 
 
@@ -240,6 +244,15 @@ def time_candidates(model: nn.Module, args: tuple, kwargs: dict, device: torch.d
     return times
 
 
+def _block_spread(times: dict[str, list[float]], steps: int = STEPS) -> float:
+    """The largest, over the candidates, of the slowest block's median step time over the fastest block's."""
+    spreads = []
+    for ts in times.values():
+        medians = [statistics.median(ts[i:i + steps]) for i in range(0, len(ts), steps)]
+        spreads.append(max(medians) / min(medians) if min(medians) > 0 else float("inf"))
+    return max(spreads, default=1.0)
+
+
 def _disk_path(key: str) -> Path:
     return cache_dir() / f"auto-trial-{key}.json"
 
@@ -272,8 +285,9 @@ def choose(model: nn.Module, args: tuple, kwargs: dict, device: torch.device, ca
     median_ms = {name: statistics.median(ts) for name, ts in times.items()}
     fastest = min((n for n in candidates if n != "fp32"), key=lambda n: median_ms[n], default="fp32")
     choice = fastest if fastest != "fp32" and median_ms["fp32"] >= MARGIN * median_ms[fastest] else "fp32"
-    trial = Trial(choice=choice, median_ms=median_ms)
+    trial = Trial(choice=choice, median_ms=median_ms, noisy=_block_spread(times) > NOISY_SPREAD)
     if use_cache:
         _MEMORY[key] = trial
-        write_json(_disk_path(key), {"choice": choice, "median_ms": median_ms})
+        if not trial.noisy:
+            write_json(_disk_path(key), {"choice": choice, "median_ms": median_ms})
     return trial
