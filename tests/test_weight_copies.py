@@ -158,3 +158,25 @@ def test_frozen_weights_are_kept_as_autocast_saves_them():
     with torch.autocast("cpu", dtype=torch.bfloat16):
         _, plain = saved_bytes(lambda: model(x).float().sum(), exclude=list(model.parameters()))
     assert plain.total - with_recast.total == 2 * 16 * 1   # the trainable head's copy only; the frozen one stays
+
+
+def test_a_counter_opened_inside_mp_autocast_counts_what_training_keeps(monkeypatch):
+    """The bench's memory step opens its SavedTensorCounter inside ``mp.autocast()`` (innermost hooks are the only
+    ones torch applies): the counter hands every tensor to the recast around it, so the copies it recasts are not
+    counted, exactly as when the counter is outside."""
+    from mixprec.memory.saved import SavedTensorCounter
+
+    counted = {}
+    for recast in (True, False):
+        if not recast:
+            monkeypatch.setattr(autocast_scope.AutocastScope, "_recasts", lambda self: False)
+        torch.manual_seed(0)
+        model = _TiedNet()
+        mp = mixprec.MixedPrecision(model, torch.optim.AdamW(model.parameters(), lr=1e-2), policy="bf16-mixed")
+        ids = torch.randint(0, 50, (4, 16), generator=torch.Generator().manual_seed(1))
+        with mp.autocast(), SavedTensorCounter(exclude=list(mp.model.parameters())) as counter:
+            logits = mp.model(ids)
+        logits.float().sum().backward()   # the recast copies unpack through the counter's hooks
+        counted[recast] = counter.result().total
+        monkeypatch.undo()
+    assert counted[False] - counted[True] == _linear_weight_bytes(_TiedNet())

@@ -45,6 +45,7 @@ class _Recast:
     stride: tuple[int, ...]
     offset: int
     version: int
+    kept_nbytes: int = 0   # what keeping it costs (the parameter is there anyway): SavedTensorCounter reads it
 
     def unpack(self) -> torch.Tensor:
         if self.param._version != self.version:

@@ -47,28 +47,35 @@ class SavedBytes:
 
 class SavedTensorCounter(AbstractContextManager["SavedTensorCounter"]):
     """Counts what autograd saves inside ``with`` (the forward); :meth:`result` reads the count. Nested
-    ``saved_tensors_hooks`` inside the block (a checkpointed region) replace this one there. No host sync; the
-    tensors pass through unchanged (no copy, no effect on numerics)."""
+    ``saved_tensors_hooks`` inside the block (a checkpointed region) replace this one there; hooks around it still
+    pack (a tensor they keep as nothing, ``kept_nbytes == 0``: a weight copy cast again in backward, is not counted).
+    No host sync; the tensors pass through unchanged (no copy, no effect on numerics)."""
 
     def __init__(self, exclude: Iterable[torch.Tensor] = ()) -> None:
         self._counter = StorageCounter(list(exclude))
         self._by_dtype: dict[str, int] = {}
         self._tensors = 0
+        self._outer: tuple | None = None
         self._hooks = torch.autograd.graph.saved_tensors_hooks(self._pack, self._unpack)
 
-    def _pack(self, tensor: torch.Tensor) -> torch.Tensor:
+    def _pack(self, tensor: torch.Tensor) -> Any:
         self._tensors += 1
+        packed = self._outer[0](tensor) if self._outer else tensor
+        if getattr(packed, "kept_nbytes", None) == 0:   # the enclosing hooks keep nothing (a weight copy recast)
+            return packed
         added = self._counter.add(tensor)
         if added:
             key = str(tensor.dtype)
             self._by_dtype[key] = self._by_dtype.get(key, 0) + added
-        return tensor
+        return packed
 
-    @staticmethod
-    def _unpack(tensor: torch.Tensor) -> torch.Tensor:
-        return tensor
+    def _unpack(self, packed: Any) -> torch.Tensor:
+        return self._outer[1](packed) if self._outer else packed
 
     def __enter__(self) -> SavedTensorCounter:
+        # the hooks around this block (mp.autocast()'s weight-copy recast, a user's) still pack: innermost hooks
+        # are the only ones torch applies, so these hand every tensor on and count what the outer ones keep
+        self._outer = torch._C._autograd._top_saved_tensors_default_hooks(False)
         self._hooks.__enter__()
         return self
 
