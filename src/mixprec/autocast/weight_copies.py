@@ -2,7 +2,7 @@
 
 Under bf16-mixed, autocast casts each fp32 weight to bf16 for its matmul, and autograd saves that copy for the
 backward (``grad_x = grad_y @ W_bf16``): at ``gpt/mid`` 6 MiB of the 73 MiB saved, the gap between bf16-mixed's
-0.55x fp32's saved bytes and the 16-bit-weight presets' 0.50x (issue 35). Inside :func:`recast_weight_copies`
+0.55x fp32's saved bytes and the 16-bit-weight presets' 0.50x. Inside :func:`recast_weight_copies`
 (entered by ``mp.autocast()`` under the policy option ``saved=compute``, every bf16 policy's default) a saved
 tensor that is such a copy (or a view of one: a linear saves ``W_bf16.t()``) is packed as a reference to its
 fp32 parameter, and the backward casts the parameter again. The values are the same bit for bit (a cast rounds

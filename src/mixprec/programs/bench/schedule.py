@@ -1,7 +1,7 @@
 """How a bench run's steps are laid out: the warm-up, the eval points, the turns of the one pass, and where the
 run's wall time went.
 
-Source: the choices measured when the default was set (docs/bench.md, "Why 300 steps") and issue 36's one pass.
+Source: the choices measured when the default was set (docs/bench.md, "Why 300 steps") and the one pass.
 """
 
 from __future__ import annotations
