@@ -150,7 +150,8 @@ def test_every_row_has_its_speed_and_saved_bytes_against_the_peer(peer_bench):
         assert e["peak_live_ratio_vs_peer"] == e["peak_live_bytes"] / peer["peak_live_bytes"], name
     assert peer["speedup_vs_peer"] == peer["saved_activation_ratio_vs_peer"] == 1.0
     report = (out / "report.md").read_text()
-    assert "| step ms | speedup | speedup vs torch-autocast |" in report
+    noisy = " (NOISY)" if results["timing"]["noisy"] else ""   # a busy machine marks the speed columns
+    assert f"| step ms | speedup{noisy} | speedup vs torch-autocast{noisy} |" in report
     assert "| saved ratio | saved vs torch-autocast |" in report
     bf16 = rows["bf16-mixed"]
     cells = f"| {bf16['speedup_vs_fp32']:.2f}x | {bf16['speedup_vs_peer']:.2f}x |"
@@ -158,7 +159,8 @@ def test_every_row_has_its_speed_and_saved_bytes_against_the_peer(peer_bench):
     assert f"| {PEER} (peer) | PASS |" in report and f"## The `{PEER}` peer" in report
     assert f"- bf16-mixed: speed {bf16['speedup_vs_peer']:.2f}x, saved {bf16['saved_activation_ratio_vs_peer']:.2f}x" in report
     header = console.splitlines()[0].split()
-    assert header[:8] == ["policy", "verdict", "step", "ms", "speedup", "vs", PEER, "peak"]
+    marks = ["(NOISY)"] if noisy else []
+    assert header[:8 + 2 * len(marks)] == ["policy", "verdict", "step", "ms", "speedup", *marks, "vs", PEER, *marks, "peak"]
     assert f"{PEER} (peer)" in console and f"  bf16-mixed: speed {bf16['speedup_vs_peer']:.2f}x" in console
 
 
