@@ -51,7 +51,7 @@ from mixprec.autocast.op_plan import planned_as, planned_kernels
 from mixprec.autocast.portable import portable_as, portable_ops
 from mixprec.autocast.saved_dtype import saved_as, saved_in_compute
 from mixprec.autocast.switch import SwitchState, captured, hold_in_backward, traced_annotation
-from mixprec.autocast.weight_copies import recast_weight_copies
+from mixprec.autocast.saved_rebuilds import rebuild_saved
 from mixprec.engine.protocol import Engine
 from mixprec.engine.records import Event
 
@@ -108,16 +108,28 @@ class AutocastScope:
         self.state()
         with torch.autocast(device_type, dtype=policy.compute_dtype, enabled=policy.is_mixed), \
                 _op_lists(policy, device_type), eager_dtypes(policy), pending or _nothing(), \
-                recast_weight_copies(self.owner.masters.params, enabled=self._recasts()):
+                self.rebuilds():
             yield
+
+    def rebuilds(self) -> AbstractContextManager[None]:
+        """The saved tensors ``mp.autocast()`` rebuilds in backward instead of keeping, as a context
+        (:func:`mixprec.autocast.saved_rebuilds.rebuild_saved` with the policy's choices; the recompute plan measures
+        its blocks under it)."""
+        return rebuild_saved(self.owner.masters.params, weight_copies=self._recasts(),
+                             activation_outputs=self._reruns())
 
     def _recasts(self) -> bool:
         """Whether autocast's 16-bit weight copies are cast again in backward instead of kept
-        (:mod:`mixprec.autocast.weight_copies`): ``saved=compute`` over fp32 params under a 16-bit compute dtype,
+        (:mod:`mixprec.autocast.saved_rebuilds`): ``saved=compute`` over fp32 params under a 16-bit compute dtype,
         eager, not under FSDP2 (whose unsharded params are not the engine's)."""
         policy = self.owner.policy
         return (policy.saved == "compute" and policy.is_mixed and policy.param_dtype == torch.float32
                 and self.owner.strategy != "fsdp2" and not torch.compiler.is_compiling())
+
+    def _reruns(self) -> bool:
+        """Whether saved ``gelu``/``silu`` outputs are recomputed in backward from their saved input instead of kept
+        (:mod:`mixprec.autocast.saved_rebuilds`): ``saved=compute``, eager."""
+        return self.owner.policy.saved == "compute" and not torch.compiler.is_compiling()
 
     def hold(self, tensor: torch.Tensor) -> torch.Tensor:
         """``tensor``, its backward passes holding the policy's op lists (``scale_loss``, ``backward``; a traced

@@ -108,7 +108,7 @@ class MixedPrecision:
         self.decision = str(Decision(resolution.decision, (
             prepared.fp8_note, prepared.plan.note(), self._compile.note(self.policy), self.policy.scaling_note(),
             prepared.upcast_note, describe_kernels(self.policy, self.device.type), state_note, regions)))
-        self._recompute = RecomputeSetup(self, checkpoint, self._strategy)   # memory/recompute.py: blocks recomputed
+        self._recompute = RecomputeSetup(self, checkpoint, self._strategy, self._scope.rebuilds)   # blocks recomputed
         self._kernels = KernelAgreement(self._strategy, self.policy)   # every rank: rank 0's measured kernels
         self.decision += self._kernels.note + self._recompute.note + self._budget.note
         self.model = self._compile.apply(self._strategy.after_casts(model, self.policy, self.device))

@@ -17,6 +17,8 @@ the two differ, a warning and a ``"recompute-replaced"`` event name both.
 from __future__ import annotations
 
 import warnings
+from collections.abc import Callable
+from contextlib import AbstractContextManager
 from typing import Any
 
 from mixprec.distributed.strategy import SingleProcess
@@ -36,8 +38,9 @@ class RecomputeSetup:
     when off). ValueError/TypeError for a bad ``checkpoint=`` value (nothing changed); ValueError for ``"auto"``
     where ``strategy`` cannot measure the blocks."""
 
-    def __init__(self, mp: Engine, option: Any, strategy: SingleProcess) -> None:
-        self._mp, self._strategy = mp, strategy
+    def __init__(self, mp: Engine, option: Any, strategy: SingleProcess,
+                 rebuilds: Callable[[], AbstractContextManager[None]] | None = None) -> None:
+        self._mp, self._strategy, self._rebuilds = mp, strategy, rebuilds   # rebuilds: the forward's saved rebuilds
         self.request = parse_request(option)
         self.plan: RecomputePlan | None = None
         self._measured: dict[str, tuple[tuple[int, int, int], tuple[float, float, float]]] = {}
@@ -125,7 +128,7 @@ class RecomputeSetup:
         """The mode block ``name`` runs in now: ``"full"`` until the last block is measured, then the plan's."""
         if name not in self._measured:
             self._measured[name] = measure_block(forward, list(self._mp.module.parameters()), args, kwargs,
-                                                 self._mp.device)
+                                                 self._mp.device, saved_hooks=self._rebuilds)
         if len(self._measured) < len(self._names) or self.plan is not None:
             return "full"   # keeps the least until the plan is chosen (once chosen, no block is pending)
         self._choose()

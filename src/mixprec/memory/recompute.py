@@ -303,14 +303,18 @@ def _kept_bytes(forward: Callable[..., Any], mode: str, args: tuple, kwargs: dic
 
 
 def measure_block(forward: Callable[..., Any], params: list[torch.Tensor], args: tuple, kwargs: dict,
-                  device: torch.device, repeats: int = 5) -> tuple[tuple[int, int, int], tuple[float, float, float]]:
+                  device: torch.device, repeats: int = 5,
+                  saved_hooks: Callable[[], contextlib.AbstractContextManager[None]] | None = None
+                  ) -> tuple[tuple[int, int, int], tuple[float, float, float]]:
     """Bytes kept for backward and median forward+backward seconds of ``forward(*args, **kwargs)`` in each of
     :data:`MODES` (interleaved, one warm-up round, ``repeats`` timed rounds; gradients by ``torch.autograd.grad``:
     no ``.grad`` is written). Inputs are detached copies requiring grad as the real ones do (a frozen block on an
     input without grad keeps nothing: 0 bytes in every mode, forward seconds only); every global random stream is
     forked (:func:`mixprec.machine.random_streams.forked_streams`: torch's, numpy's, python's; the caller's
     streams are unchanged); the saved-tensor hooks open around the call (a caller's
-    :func:`mixprec.memory.saved.saved_bytes`) do not see the measuring passes; a profiler session of the caller's
+    :func:`mixprec.memory.saved.saved_bytes`) do not see the measuring passes, which run under ``saved_hooks()``
+    when given (the engine's forward's own: :mod:`mixprec.autocast.saved_rebuilds`, so ``"none"`` counts what
+    that forward keeps); a profiler session of the caller's
     shows them inside one range, ``mixprec: checkpoint block timing``. Host syncs: two per timed call (CUDA/MPS)."""
     leaves = tree_map(lambda t: t.detach().requires_grad_(t.requires_grad) if isinstance(t, torch.Tensor)
                       else t, (args, kwargs))
@@ -325,6 +329,7 @@ def measure_block(forward: Callable[..., Any], params: list[torch.Tensor], args:
             torch.autograd.grad(sum(t.float().sum() for t in out), wrt, allow_unused=True)
 
     with forked_streams(device), torch.enable_grad(), torch.autograd.graph.saved_tensors_hooks(_same, _same), \
+            saved_hooks() if saved_hooks is not None else contextlib.nullcontext(), \
             torch.profiler.record_function("mixprec: checkpoint block timing"), \
             _uncached_casts(device):   # leaves the region's cast cache as it was: the real forward then casts
         saved = tuple(_kept_bytes(forward, m, args, kwargs, params) for m in MODES)

@@ -114,8 +114,9 @@ class Policy:
             ``"compute"`` its input rounded to bf16 plus fp32 row statistics (the output is unchanged; the
             gradient moves within bf16's rounding of the input, exactly nothing where the input is bf16), or
             ``"fp32"`` its fp32 input, as ``torch.autocast`` (:mod:`mixprec.autocast.saved_dtype`); under
-            ``"compute"`` autocast's bf16 copies of fp32 weights are not kept either: the backward casts them
-            again, to the same bits (:mod:`mixprec.autocast.weight_copies`). Default
+            ``"compute"`` autocast's bf16 copies of fp32 weights and the outputs of ``gelu``/``silu`` are not kept
+            either: the backward casts / computes them again, to the same bits
+            (:mod:`mixprec.autocast.saved_rebuilds`). Default
             ``"auto"``: ``"compute"`` under bf16 compute, else ``"fp32"``; resolved at construction, and
             re-resolved by ``parse`` and :meth:`replace` when they change the compute dtype and leave it unset.
             ``"compute"`` needs bf16 compute.

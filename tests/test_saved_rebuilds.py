@@ -1,19 +1,23 @@
-"""Autocast's bf16 weight copies are cast again in backward, not kept (mixprec.autocast.weight_copies).
+"""Saved tensors rebuilt in backward, not kept (mixprec.autocast.saved_rebuilds): autocast's bf16 weight copies
+cast again, GELU/SiLU outputs recomputed from their saved input.
 
-Every check compares the same forward and backward with the recast on and off: the gradients must be equal bit for
-bit (a cast rounds the same input to the same bits) and the bytes saved for backward must drop by exactly the bf16
-copies of the weights autocast cast (2 bytes per element of each distinct Linear weight; biases are not saved by a
-matmul's backward).
+Every check compares the same forward and backward with the rebuild on and off: the gradients must be equal bit for
+bit (a cast or an elementwise op gives the same bits for the same input) and the bytes saved for backward must drop
+by exactly what is rebuilt (2 bytes per element of each distinct Linear weight, biases not being saved by a
+matmul's backward; 2 bytes per element of each bf16 GELU output). And torch's in-place check, which torch itself
+skips under any saved-tensor hooks, still fires inside ``mp.autocast()``.
 """
 
 from __future__ import annotations
+
+import contextlib
 
 import pytest
 import torch
 from torch import nn
 
 import mixprec
-from mixprec.autocast.weight_copies import recast_weight_copies
+from mixprec.autocast.saved_rebuilds import rebuild_saved
 from mixprec.engine import autocast_scope
 from mixprec.memory.saved import saved_bytes
 
@@ -48,9 +52,12 @@ def _loss(mp: mixprec.MixedPrecision, ids: torch.Tensor) -> torch.Tensor:
     return torch.nn.functional.cross_entropy(logits.float().flatten(0, 1), ids.flatten())
 
 
-def _run(recast: bool, monkeypatch: pytest.MonkeyPatch, policy: str = "bf16-mixed", steps: int = 3) -> dict:
+def _run(recast: bool, monkeypatch: pytest.MonkeyPatch, policy: str = "bf16-mixed", steps: int = 3,
+         rerun: bool = True) -> dict:
     if not recast:   # the same engine with the recast off (what saved=compute did before)
         monkeypatch.setattr(autocast_scope.AutocastScope, "_recasts", lambda self: False)
+    if not rerun:    # and with GELU's output kept
+        monkeypatch.setattr(autocast_scope.AutocastScope, "_reruns", lambda self: False)
     torch.manual_seed(0)
     model = _TiedNet()
     mp = mixprec.MixedPrecision(model, torch.optim.AdamW(model.parameters(), lr=1e-2), policy=policy)
@@ -132,7 +139,7 @@ def test_an_enclosing_users_hooks_still_see_every_other_saved_tensor():
         return packed[1]
 
     with torch.autograd.graph.saved_tensors_hooks(pack, unpack), torch.autocast("cpu", dtype=torch.bfloat16), \
-            recast_weight_copies(list(model.parameters())):
+            rebuild_saved(list(model.parameters()), activation_outputs=False):
         loss = model(x).float().sum()
     loss.backward()
     weight_shapes = {s for w in (reference[0], reference[2]) for s in (tuple(w.shape), tuple(w.t().shape))}
@@ -151,7 +158,7 @@ def test_frozen_weights_are_kept_as_autocast_saves_them():
     x = torch.randn(4, 8, requires_grad=True)
 
     def forward() -> torch.Tensor:
-        with torch.autocast("cpu", dtype=torch.bfloat16), recast_weight_copies(list(model.parameters())):
+        with torch.autocast("cpu", dtype=torch.bfloat16), rebuild_saved(list(model.parameters()), activation_outputs=False):
             return model(x).float().sum()
 
     _, with_recast = saved_bytes(forward, exclude=list(model.parameters()))
@@ -180,3 +187,91 @@ def test_a_counter_opened_inside_mp_autocast_counts_what_training_keeps(monkeypa
         counted[recast] = counter.result().total
         monkeypatch.undo()
     assert counted[False] - counted[True] == _linear_weight_bytes(_TiedNet())
+
+
+def test_gelu_outputs_are_recomputed_bit_for_bit_and_not_kept(monkeypatch):
+    """_TiedNet's one GELU output (4 x 16 x 64 in bf16) is recomputed: the same losses and weights over 3 AdamW steps,
+    8 KiB fewer bytes saved, under bf16-mixed and bf16-pure; fp32 (saved=fp32) keeps it."""
+    for policy in ("bf16-mixed", "bf16-pure"):
+        on, off = _run(True, monkeypatch, policy), _run(True, monkeypatch, policy, rerun=False)
+        assert all(torch.equal(a, b) for a, b in zip(on["losses"], off["losses"])), policy
+        assert all(torch.equal(a, b) for a, b in zip(on["params"], off["params"])), policy
+        assert off["saved"].total - on["saved"].total == 2 * 4 * 16 * 64, policy
+    on, off = _run(True, monkeypatch, "fp32", steps=1), _run(True, monkeypatch, "fp32", steps=1, rerun=False)
+    assert on["saved"] == off["saved"]
+
+
+class _Mlps(nn.Module):
+    """An exact-GELU MLP, a tanh-GELU MLP and a SwiGLU (``silu(a) * b``), over (B, T, C) inputs."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.up1, self.down1 = nn.Linear(16, 48), nn.Linear(48, 16)
+        self.up2, self.down2 = nn.Linear(16, 48), nn.Linear(48, 16)
+        self.gate, self.value, self.down3 = nn.Linear(16, 32), nn.Linear(16, 32), nn.Linear(32, 16)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        x = x + self.down1(torch.nn.functional.gelu(self.up1(x)))
+        x = x + self.down2(torch.nn.functional.gelu(self.up2(x), approximate="tanh"))
+        return x + self.down3(torch.nn.functional.silu(self.gate(x)) * self.value(x))
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
+def test_gelu_tanh_gelu_and_silu_outputs_recomputed_under_autocast_and_in_fp32(dtype):
+    torch.manual_seed(0)
+    model = _Mlps()
+    x = torch.randn(3, 5, 16, generator=torch.Generator().manual_seed(1), requires_grad=True)
+
+    def run(rebuild: bool) -> tuple:
+        model.zero_grad()
+        x.grad = None
+        with torch.autocast("cpu", dtype=torch.bfloat16, enabled=dtype == torch.bfloat16), \
+                (rebuild_saved(weight_copies=False) if rebuild else contextlib.nullcontext()):
+            out, saved = saved_bytes(lambda: model(x).float().pow(2).sum(), exclude=list(model.parameters()))
+        out.backward()
+        return saved.total, [x.grad.clone()] + [p.grad.clone() for p in model.parameters()]
+
+    kept, grads_kept = run(False)
+    rebuilt, grads_rebuilt = run(True)
+    assert all(torch.equal(a, b) for a, b in zip(grads_kept, grads_rebuilt, strict=True))
+    size = 2 if dtype == torch.bfloat16 else 4
+    assert kept - rebuilt == size * 3 * 5 * (48 + 48 + 32)   # two GELU outputs and one SiLU output
+
+
+def test_a_gradient_penalty_through_recomputed_gelu_outputs_equals_the_kept_ones(monkeypatch):
+    """Double backward through a GELU MLP: the penalty's graph built in backward reaches the recomputed output's
+    history (GELU's input), as it reaches the kept one's."""
+    grads = {}
+    for rerun in (True, False):
+        if not rerun:
+            monkeypatch.setattr(autocast_scope.AutocastScope, "_reruns", lambda self: False)
+        torch.manual_seed(0)
+        model = nn.Sequential(nn.Linear(8, 32), nn.GELU(), nn.Linear(32, 1))
+        mp = mixprec.MixedPrecision(model, torch.optim.SGD(model.parameters(), lr=0.1), policy="bf16-mixed")
+        x = torch.randn(16, 8, generator=torch.Generator().manual_seed(2)).requires_grad_()
+        with mp.autocast():
+            out = mp.model(x).float()
+        (gx,) = torch.autograd.grad(out.sum(), x, create_graph=True)
+        mp.backward(out.mean() + 10.0 * gx.pow(2).sum(1).mean())
+        grads[rerun] = [p.grad.clone() for p in mp.model.parameters()]
+        monkeypatch.undo()
+    assert all(torch.equal(a, b) for a, b in zip(grads[True], grads[False]))
+    assert all(g.abs().sum() > 0 for g in grads[True][:3])
+
+
+@pytest.mark.parametrize("policy", ["bf16-mixed", "bf16-pure", "fp32"])
+@pytest.mark.parametrize("written", ["kept", "gelu output"])
+def test_a_saved_activation_written_in_place_before_backward_raises_as_in_plain_torch(policy, written):
+    """Torch checks a saved tensor's version at backward only when no saved-tensor hook is active; inside
+    mp.autocast() the rebuilds' hooks check it themselves, for kept tensors and recomputed outputs alike."""
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(8, 16), nn.Linear(16, 16), nn.Linear(16, 1))
+    mp = mixprec.MixedPrecision(model, torch.optim.SGD(model.parameters(), lr=0.1), policy=policy)
+    with mp.autocast():
+        h = mp.model[0](torch.randn(4, 8))
+        a = torch.tanh(h) if written == "kept" else torch.nn.functional.gelu(h)   # tanh saves its output
+        loss = mp.model[2](mp.model[1](a)).float().sum()
+    with torch.no_grad():
+        a.mul_(2.0)
+    with pytest.raises(RuntimeError, match="modified by an inplace operation"):
+        mp.backward(loss)
