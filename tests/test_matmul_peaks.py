@@ -31,3 +31,28 @@ def test_a_cache_file_without_spread_still_loads(tmp_path, monkeypatch):
     path.write_text('{"fp32": {"dtype": "fp32", "gflops_per_s": 150.0, "n": 1024}}')
     peak = matmul.cached_peaks("cpu")["fp32"]
     assert (peak.gflops_per_s, peak.spread, peak.noisy) == (150.0, None, False)
+
+
+def test_a_cache_file_holding_a_noisy_peak_is_measured_again_not_trusted(tmp_path, monkeypatch):
+    """A busy machine's peak in the cache (fp32 at 1.4 GFLOP/s, written by an older ``mixprec doctor``) put the
+    bench's MFU at 8455 % of it; it is measured again, and the quiet measurement replaces the file."""
+    monkeypatch.setenv("MIXPREC_CACHE_DIR", str(tmp_path))
+    path = matmul.peaks_path(torch.device("cpu"))
+    path.write_text('{"fp32": {"dtype": "fp32", "gflops_per_s": 1.4, "n": 256, "spread": 2.0}}')
+    quiet = {"fp32": matmul.MatmulPeak("fp32", 45.0, 1024, 47.7, spread=1.1)}
+    monkeypatch.setattr(matmul, "measure_peaks", lambda device: quiet)
+    assert matmul.cached_peaks("cpu") == quiet
+    assert matmul.MatmulPeak(**__import__("json").loads(path.read_text())["fp32"]) == quiet["fp32"]
+
+
+@pytest.mark.parametrize("spread", [1.1, 3.0])
+def test_doctor_caches_the_peaks_it_measures_only_when_quiet(spread, tmp_path, monkeypatch):
+    from mixprec.programs import doctor
+
+    monkeypatch.setenv("MIXPREC_CACHE_DIR", str(tmp_path))
+    peaks = {name: matmul.MatmulPeak(name, 45.0, 128, 0.1, spread=spread) for name in matmul.DTYPES}
+    monkeypatch.setattr(doctor, "measure_peaks", lambda device: peaks)
+    report = doctor.run_doctor(measure=True)
+    cpu = next(d for d in report["devices"] if d["device"] == "cpu")
+    assert matmul.peaks_path(torch.device("cpu")).exists() == (spread < matmul.NOISY_SPREAD)
+    assert (cpu["peaks_cache"] is None) == (spread > matmul.NOISY_SPREAD)

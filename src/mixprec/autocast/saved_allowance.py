@@ -6,7 +6,7 @@ per layer more than ``fused`` at the ``small`` GPT's shape; 0.94× fp32's saved 
 ``fused-fp32`` keeps fp32 copies of q, k, v and of its output. So a candidate that saves more than ``fused``
 per call is chosen only within the allowance: +0 MiB by default (never more than ``fused``), else what
 :func:`allow_extra_saved` (process-wide) or ``$MIXPREC_ATTENTION_EXTRA_SAVED_MIB`` (a number of MiB, or
-``inf``: speed alone, as before issue 27) allows. The choice says what it costs: ``"matmul: 1.31x faster than
+``inf``: speed alone, the kernel choice before saved bytes counted) allows. The choice says what it costs: ``"matmul: 1.31x faster than
 fused, +144 MiB saved per call"`` or ``"matmul skipped: 1.31x faster than fused, +144 MiB saved per call over
 fused (allowed +0 MiB ...)"``.
 

@@ -2,7 +2,7 @@
 
 CUDA's autocast lists (and ``ops=portable`` on every device) run ``layer_norm`` and ``rms_norm`` in fp32, and
 autograd then saves the fp32 input: under bf16-mixed the fp32 residual stream, under ``-pure`` an fp32 copy of
-the bf16 one. Measured at GPT ``small`` (issue 27) that is 23 % of the bytes saved for backward and the gap
+the bf16 one. Measured at GPT ``small`` (docs/policies.md) that is 23 % of the bytes saved for backward and the gap
 between bf16-mixed's 0.58 x fp32 and a plain bf16 model's 0.50 x. Inside :func:`saved_in_compute` (entered
 by ``mp.autocast()`` under the policy option ``saved=compute``, every bf16 policy's default) these ops still
 **compute in fp32**, bit for bit as before, but save the input rounded to bf16 (under ``-pure`` the bf16

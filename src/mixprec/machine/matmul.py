@@ -179,12 +179,15 @@ def write_peaks(device: torch.device, peaks: dict[str, MatmulPeak]) -> Path | No
 
 def cached_peaks(device: torch.device | str = "cpu", *, remeasure: bool = False) -> dict[str, MatmulPeak]:
     """Matmul peaks of ``device`` from the cache, measuring (and caching) them when absent. A measurement with a
-    noisy dtype (:attr:`MatmulPeak.noisy`) is returned but not written: the next process measures again."""
+    noisy dtype (:attr:`MatmulPeak.noisy`) is returned but not written: the next process measures again; a cache
+    file holding one (written by hand, or by an older ``mixprec doctor``) is measured again, not trusted."""
     device = normalize_device(device)
     path = peaks_path(device)
     if not remeasure:
         try:
-            return {k: MatmulPeak(**v) for k, v in json.loads(path.read_text()).items()}
+            cached = {k: MatmulPeak(**v) for k, v in json.loads(path.read_text()).items()}
+            if not any(p.noisy for p in cached.values()):
+                return cached
         except (OSError, ValueError, TypeError):
             pass
     peaks = measure_peaks(device)

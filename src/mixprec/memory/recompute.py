@@ -52,7 +52,7 @@ __all__ = ["MODES", "BlockPlan", "RecomputePlan", "RecomputeRequest", "parse_req
            "RecomputedForwards"]
 
 MODES = ("none", "selective", "full")
-DEFAULT_MAX_RATIO = 1.3   # issue 27: at most 1.3x the step time without recompute
+DEFAULT_MAX_RATIO = 1.3   # at most 1.3x the step time without recompute
 _UNITS_PER_BLOCK = 64   # choose_modes: the time budget in 64 units per block (each extra time rounded up)
 _ARG = "checkpoint"
 _ALLOWED = ("None or 'none' (no recompute), 'auto' or 'auto:<max time ratio>' (e.g. 'auto:1.5'), a module name or glob "

@@ -14,8 +14,8 @@ never by its nominal dtype.
 optimizer state on the rank's own rows) and ``quantized_elements`` counts the shard's elements, not the global
 ones; a plain tensor every rank holds whole (8-bit state's fp32 scales) counts whole, and is also reported in
 ``whole``. ``n_params`` stays the *global* parameter count, so ``per_param`` is bytes per parameter **per rank**
-(at 2 ranks, half of one process's plus what is held whole). Source: the bench's count since issue 13, made
-shard-aware for issue 28.
+(at 2 ranks, half of one process's plus what is held whole). Source: the bench's count, made shard-aware
+(every rank counts its own shards).
 """
 
 from __future__ import annotations

@@ -62,7 +62,8 @@ def _ratios(device: torch.device, peaks: dict[str, MatmulPeak], cap: Capability)
 
 def _device_report(device: torch.device, *, measure: bool) -> dict:
     peaks = measure_peaks(device) if measure else cached_peaks(device)
-    cache = write_peaks(device, peaks) if measure else peaks_path(device)
+    noisy = any(p.noisy for p in peaks.values())   # a busy machine: shown, never cached (cached_peaks' rule)
+    cache = (None if noisy else write_peaks(device, peaks)) if measure else peaks_path(device)
     cap = reprobe(device) if measure else probe(device)
     try:
         resolution = resolve("auto", device)
