@@ -11,6 +11,10 @@ the same worker runs under ``torchrun --nproc-per-node 2`` itself when this file
   rounded its own way; the plugin gives every rank rank 0's (an event says so), and the replicas stay equal.
 * a rank-local edit (a callback changing one weight on rank 1): the fingerprint check (``verify_replicas_every=1``)
   refuses at the next step on both ranks, naming rank 1 and the param.
+* a checkpoint inside an accumulation window (a callback's ``trainer.save_checkpoint`` after the first micro-batch
+  of the second window; ``bf16-mixed``, 2 micro-batches per step): saving changes nothing, and a run resumed from
+  it (a model of another init) continues each rank's window, equal bit for bit to the run that never stopped; on
+  main the resume was refused (the checkpoint held rank 0's window only).
 * ``GradientAccumulationScheduler({1: 2})``: under ``bf16-mixed`` the plugin follows the new count (an event) and
   the replicas stay equal (checked every step); under ``bf16-pure`` (fp32 masters, which Lightning's ``no_sync``
   leaves rank-local) it is refused at epoch 1's first micro-batch, where main trained on, each rank its own.
@@ -122,9 +126,45 @@ def fabric_per_rank_seeds(rank: int) -> dict:
             "events": [e.to_dict() for e in plugin.engine.events]}
 
 
+class SaveInsideWindow(L.Callback):
+    """``trainer.save_checkpoint`` on every rank (Lightning's checkpointing is collective; rank 0 writes) after the
+    first micro-batch of the second accumulation window."""
+
+    def __init__(self, path: Path) -> None:
+        self.path = path
+
+    def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx):
+        if batch_idx == 2:
+            trainer.save_checkpoint(self.path)
+
+
+def window_runs(rank: int, out: Path) -> dict:
+    """bf16-mixed, 3 steps of 2 micro-batches per rank: whole, saving inside the second window, resumed from it."""
+    from test_integration_checkpoints_any_moment import Resumable
+
+    path, runs = out / "inside-window.ckpt", {}
+    for name, callbacks, ckpt in (("whole", [], None), ("saving", [SaveInsideWindow(path)], None),
+                                  ("resumed", [], path)):
+        L.seed_everything(SEED if name != "resumed" else SEED + 7)   # resumed: another init, all of it loaded
+        model, plugin = MLP(), MixprecPrecision("bf16-mixed", keep_inputs=(1,), verify_replicas_every=1)
+        trainer = L.Trainer(accelerator="cpu", devices=WORLD, strategy="ddp", plugins=[plugin], callbacks=callbacks,
+                            logger=False, enable_checkpointing=False, enable_progress_bar=False,
+                            enable_model_summary=False, num_sanity_val_steps=0, use_distributed_sampler=False,
+                            max_steps=3, accumulate_grad_batches=2)
+        trainer.fit(model, Resumable(batches(WORLD * 6)[rank::WORLD]), ckpt_path=ckpt)
+        runs[name] = {"weights": {n: p.detach().clone() for n, p in model.named_parameters()},
+                      "boundaries": plugin.engine.boundaries, "global_step": trainer.global_step}
+    saved = torch.load(path, weights_only=False)["MixprecPrecision"]
+    runs["saved"] = {"micro_step": saved["open_group"]["micro_step"], "ranks": len(saved["open_group_ranks"]),
+                     "differ": not all(torch.equal(saved["open_group_ranks"][0]["grads"][n],
+                                                   saved["open_group_ranks"][1]["grads"][n])
+                                       for n in saved["open_group_ranks"][0]["grads"])}
+    return runs
+
+
 def worker(rank: int, out: Path) -> dict:
     results = {"seeds": per_rank_seeds(rank), "fabric": fabric_per_rank_seeds(rank),
-               "resume": resumed_per_rank_seeds(rank, out)}
+               "resume": resumed_per_rank_seeds(rank, out), "window": window_runs(rank, out)}
     L.seed_everything(SEED)
     results["scheduler-mixed"] = fit(rank, MixprecPrecision("bf16-mixed", keep_inputs=(1,), verify_replicas_every=1),
                                      callbacks=[GradientAccumulationScheduler({1: 2})], per_rank=4, max_steps=-1,
@@ -179,6 +219,17 @@ def test_a_resumed_run_agrees_on_the_seeds_again_and_continues_bit_for_bit(ranks
         assert resumed["sr_seed"] == SEED
         agreed = [e["detail"] for e in resumed["events"] if e["kind"] == "replicas"]
         assert agreed and "after the checkpoint load: sr_seed" in agreed[-1], rank
+
+
+@pytest.mark.timeout(240)
+def test_a_checkpoint_inside_a_window_holds_every_ranks_window_and_resumes_bit_for_bit(ranks):
+    for rank, r in enumerate(ranks):
+        w = r["window"]
+        assert w["saved"] == {"micro_step": 1, "ranks": WORLD, "differ": True}   # each rank's own gradients
+        assert w["whole"]["global_step"] == w["resumed"]["global_step"] == 3
+        assert_equal_replicas(w["saving"]["weights"], w["whole"]["weights"])   # saving changes nothing
+        assert_equal_replicas(w["resumed"]["weights"], w["whole"]["weights"])
+        assert_equal_replicas(w["whole"]["weights"], ranks[0]["window"]["whole"]["weights"])
 
 
 @pytest.mark.timeout(240)
@@ -252,3 +303,16 @@ if __name__ == "__main__":   # torchrun --nproc-per-node 2 tests/test_lightning_
     mpd.init_process_group_from_env("cpu")
     torch.save(per_rank_seeds(rank), Path(sys.argv[1]) / f"rank{rank}.pt")
     mpd.leave_process_group(wait_for_all=True)
+
+
+def test_a_window_saved_by_two_processes_is_refused_on_one_by_name():
+    """Each rank's window is its own: one process cannot continue two ranks' windows (nor a checkpoint that holds
+    one rank's only, as older ones did on several processes; that case needs several processes to raise)."""
+    from mixprec.integrations.replica_checks import own_window
+
+    state = {"open_group": {"micro_step": 1}, "open_group_ranks": [{"micro_step": 1}, {"micro_step": 1}]}
+    with pytest.raises(ValueError, match=r"MixprecPrecision: this checkpoint was saved inside an accumulation window "
+                                         r"by 2 processes, each with its own gradients of the window; resume it on 2 "
+                                         r"processes \(not 1\)"):
+        own_window(state, "MixprecPrecision")
+    assert own_window({"open_group": {"micro_step": 1}}, "MixprecPrecision") == {"open_group": {"micro_step": 1}}

@@ -52,8 +52,9 @@ from mixprec.engine.clipping import clip_
 from mixprec.engine.mixed_precision import MixedPrecision
 from mixprec.engine.open_group import check_group
 from mixprec.integrations.lightning_strategies import (broadcast_from_rank0, check_fsdp2_policy, model_parallel,
-                                                       profiler_hold)
-from mixprec.integrations.replica_checks import DEFAULT_EVERY, ReplicaChecks, check_accumulation, follow_accumulation
+                                                       profiler_hold, refuse_resume)
+from mixprec.integrations.replica_checks import (DEFAULT_EVERY, ReplicaChecks, check_accumulation, follow_accumulation,
+                                                gather_windows, own_window)
 from mixprec.policy.policy import Policy
 
 __all__ = ["MixprecPrecision", "MixprecFabricPrecision"]
@@ -341,8 +342,9 @@ class MixprecPrecision(Precision):
         """The engine's :meth:`~MixedPrecision.state_dict` less ``model`` and ``optimizer`` (Lightning saves
         them), with its events and the global RNG states (torch, CUDA, numpy, python: stochastic rounding, dropout
         and data order go on as in an uninterrupted run); inside an accumulation window also the open window
-        (``open_group``: its gradients as copies); empty before the optimizer is attached. Other tensors are
-        references."""
+        (``open_group``: its gradients as copies; on several processes every rank's, ``open_group_ranks``, gathered
+        by a collective that Lightning's checkpointing runs on every rank); empty before the optimizer is attached.
+        Other tensors are references."""
         engine = self.engine
         if engine is None or engine.optimizer is None:
             return {}
@@ -350,7 +352,7 @@ class MixprecPrecision(Precision):
         state["events"] = [event.to_dict() for event in engine.events]
         tensors: dict[str, torch.Tensor] = {}
         state["rng"] = {"state": rng_state(engine.device, tensors), "tensors": tensors}
-        return state
+        return gather_windows(state)   # several processes inside a window: every rank's (a collective)
 
     def on_load_checkpoint(self, checkpoint: dict[str, Any]) -> None:
         """Keep Lightning's model and optimizer states of ``checkpoint`` for :meth:`load_state_dict`. When fitting
@@ -358,7 +360,9 @@ class MixprecPrecision(Precision):
         adopt it: its fp32 weights and optimizer state converted to the policy as ``set_policy`` would
         (:func:`mixprec.checkpoint.adopt.adopt_fp32_run`: an ``"adopt-checkpoint"`` event), and Lightning's
         ``optimizer_states`` entry replaced by the converted state, which Lightning loads next. ValueError for
-        16-bit weights or several optimizers."""
+        16-bit weights, several optimizers, or a resume under ``ModelParallelStrategy`` (not supported yet)."""
+        if self.engine is not None and self.engine.strategy == "fsdp2" and self._trainer.state.fn == "fit":
+            refuse_resume(self._trainer.ckpt_path)   # ModelParallelStrategy: not supported yet, said by name
         optimizers = checkpoint.get("optimizer_states") or [None]
         self._checkpoint_parts = {"model": checkpoint.get("state_dict"), "optimizer": optimizers[0]}
         if (type(self).__qualname__ in checkpoint or self._trainer is None or self._trainer.state.fn != "fit"
@@ -376,15 +380,11 @@ class MixprecPrecision(Precision):
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
         """Restore :meth:`state_dict` with the model and optimizer states of Lightning's checkpoint, exactly
         (:meth:`MixedPrecision.load_state_dict`), when fitting; outside ``fit`` Lightning restores the weights
-        only and the engine's state is left. ValueError for a checkpoint without optimizer states."""
+        only and the engine's state is left (several processes: each rank its own open window). ValueError for a
+        checkpoint without optimizer states, or saved inside a window by another number of processes."""
         if not state_dict or self._trainer is None or self._trainer.state.fn != "fit":
             return
-        if state_dict.get("open_group") and self._trainer.world_size > 1:
-            raise ValueError(f"this checkpoint was saved inside an accumulation window ({self._trainer.world_size} "
-                             "processes): each rank's gradients of that window are its own and not yet reduced, and "
-                             "Lightning's checkpoint holds rank 0's. Resume from a checkpoint taken at an optimizer "
-                             "step (ModelCheckpoint(every_n_train_steps=...), or val_check_interval a multiple of "
-                             "accumulate_grad_batches)")
+        state_dict = own_window(state_dict, type(self).__name__)   # several processes: this rank's open window
         parts = self._checkpoint_parts
         if parts.get("model") is None or parts.get("optimizer") is None:
             raise ValueError("MixprecPrecision.load_state_dict needs Lightning's full checkpoint (state_dict and "

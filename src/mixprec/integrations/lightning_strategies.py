@@ -17,7 +17,7 @@ from torch import nn
 from mixprec.memory.live import held
 from mixprec.policy.policy import Policy
 
-__all__ = ["broadcast_from_rank0", "model_parallel", "check_fsdp2_policy", "profiler_hold"]
+__all__ = ["refuse_resume", "broadcast_from_rank0", "model_parallel", "check_fsdp2_policy", "profiler_hold"]
 
 
 def broadcast_from_rank0(module: nn.Module) -> None:
@@ -67,6 +67,18 @@ def check_fsdp2_policy(policy: str | Policy) -> None:
             "(\"Cannot swap t1 because it has weakref associated with it\"). Use fp32, a -mixed or a -pure policy "
             f"there, or the engine's own loop: MixedPrecision(model, opt, {str(parsed)!r}, strategy='fsdp2') under "
             "torchrun")
+
+
+def refuse_resume(path: Any) -> None:
+    """Under ``ModelParallelStrategy``: ``fit(ckpt_path=...)`` is refused by name (ValueError) when the checkpoint
+    reaches the plugin (Lightning's distributed checkpoint restores the module and optimizer states into the
+    strategy's layout, which is not the engine's FSDP2 state: masters, loss scale, 16-bit storage)."""
+    raise ValueError(
+        f"fit(ckpt_path={str(path)!r}) under ModelParallelStrategy with MixprecPrecision: resuming is not supported "
+        "yet (Lightning's distributed checkpoint loads the module and optimizer into its own layout, not the "
+        "engine's FSDP2 state of fp32 masters and loss scale). Resume under L.Trainer(strategy='ddp'), or train "
+        "with the engine's own loop, MixedPrecision(..., strategy='fsdp2') and mixprec.save_checkpoint / "
+        "load_checkpoint, under torchrun")
 
 
 def profiler_hold(trainer: Any) -> AbstractContextManager[None]:

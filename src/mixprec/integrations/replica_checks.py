@@ -11,6 +11,9 @@ integration holds one :class:`ReplicaChecks`:
 * :meth:`ReplicaChecks.at_boundary`, after every ``every``-th boundary: the replicas' params and fp32 masters
   compared bit for bit by fingerprint (one all-gather; :func:`mixprec.distributed.replicas.check_replicas_equal`),
   RuntimeError on every rank naming the rank and tensor that differ.
+* :func:`gather_windows` / :func:`own_window`, at a checkpoint taken inside an accumulation window: each rank's
+  gradients of an open window are its own (the trainer's ``no_sync`` reduces them at the window's last
+  micro-batch), so the checkpoint (written by rank 0) holds every rank's window, and each rank takes its own back.
 * :func:`check_accumulation`, at every micro-batch (Lightning: a ``GradientAccumulationScheduler`` changes the
   count mid-run): fp32 masters need every micro-batch reduced, which a trainer's ``no_sync`` prevents.
 
@@ -21,13 +24,17 @@ from __future__ import annotations
 
 from typing import Any
 
-from mixprec.distributed.process import world_size
+import torch
+from torch.utils._pytree import tree_map
+
+from mixprec.distributed.process import gather_from_ranks, rank, world_size
 from mixprec.distributed.replicas import agree_sr_seeds, check_replicas_equal, check_same_rng
 from mixprec.engine.mixed_precision import MixedPrecision
 from mixprec.engine.records import Event
 from mixprec.policy.policy import Policy
 
-__all__ = ["DEFAULT_EVERY", "check_every", "ReplicaChecks", "check_accumulation", "follow_accumulation"]
+__all__ = ["DEFAULT_EVERY", "check_every", "ReplicaChecks", "check_accumulation", "follow_accumulation",
+           "gather_windows", "own_window"]
 
 #: Boundaries between two fingerprint checks by default: every 100 steps one read of the weights (and fp32
 #: masters), one all-gather of one int64 per tensor and one host read.
@@ -132,3 +139,33 @@ def follow_accumulation(engine: MixedPrecision, count: int, ranks: int, *, was: 
                                    "micro-batch's loss divided by Lightning joins the window its optimizer_step "
                                    "closes)"))
     return count
+
+
+def gather_windows(state: dict[str, Any]) -> dict[str, Any]:
+    """``state`` (an integration's checkpoint state on this rank, with the engine's ``"open_group"``) plus, on
+    several processes inside an accumulation window, ``"open_group_ranks"``: every rank's open window by rank
+    (gradients moved to the CPU; one ``all_gather_object``, which every rank calls: the ranks are at the same
+    micro-batch, so all of them or none are inside a window). One process, or at a boundary: ``state`` itself."""
+    if world_size() == 1 or state.get("open_group") is None:
+        return state
+    mine = tree_map(lambda t: t.detach().cpu() if isinstance(t, torch.Tensor) else t, state["open_group"])
+    return {**state, "open_group_ranks": gather_from_ranks(mine)}
+
+
+def own_window(state: dict[str, Any], owner: str) -> dict[str, Any]:
+    """``state`` (a checkpoint's, from :func:`gather_windows`) with this rank's open window as ``"open_group"``.
+    ValueError when it was saved inside a window by another number of processes (the windows are per rank), or
+    by several processes without every rank's window (an older checkpoint: rank 0's only). No collective."""
+    ranks, saved = world_size(), state.get("open_group_ranks")
+    if saved is None:
+        if ranks > 1 and state.get("open_group"):
+            raise ValueError(f"{owner}: this checkpoint was saved inside an accumulation window and holds one rank's "
+                             f"gradients of it; on {ranks} processes each rank's window is its own and not yet "
+                             "reduced. Resume from a checkpoint taken at an optimizer step (ModelCheckpoint("
+                             "every_n_train_steps=...), or val_check_interval a multiple of accumulate_grad_batches)")
+        return state
+    if len(saved) != ranks:
+        raise ValueError(f"{owner}: this checkpoint was saved inside an accumulation window by {len(saved)} "
+                         f"processes, each with its own gradients of the window; resume it on {len(saved)} processes "
+                         f"(not {ranks}), or from a checkpoint taken at an optimizer step")
+    return {**{k: v for k, v in state.items() if k != "open_group_ranks"}, "open_group": saved[rank()]}
