@@ -397,3 +397,74 @@ def test_a_guard_rolls_back_into_the_layout_with_the_new_group():
     assert result.rolled_back and mp.applied_steps == K and len(opt.param_groups) == 2
     train_step(mp, data[K + 2])
     assert mp.applied_steps == K + 1
+
+
+# ---------------------------------------------------------------------- the Hugging Face Trainer
+def _hf_thaw_run(policy: str, *, route: str):
+    """MixprecTrainer, 4 steps of a frozen body and a trained head; at step 2 a TrainerCallback thaws the body:
+    ``route="add_param_group"`` adds a group for it (what a torch user writes), ``route="frozen-in-optimizer"``
+    passes an optimizer holding the frozen body from the start and only sets requires_grad."""
+    transformers = pytest.importorskip("transformers")
+    from mixprec.integrations.transformers import MixprecTrainer
+
+    class Model(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            torch.manual_seed(0)
+            self.body, self.head = nn.Linear(8, 16), nn.Linear(16, 4)
+            self.body.requires_grad_(False)
+
+        def forward(self, x, labels=None):
+            loss = nn.functional.cross_entropy(self.head(torch.relu(self.body(x))).float(), labels)
+            return {"loss": loss}
+
+    class Data(torch.utils.data.Dataset):
+        def __init__(self) -> None:
+            g = torch.Generator().manual_seed(1)
+            self.x, self.y = torch.randn(32, 8, generator=g), torch.randint(0, 4, (32,), generator=g)
+
+        def __len__(self) -> int:
+            return 32
+
+        def __getitem__(self, i):
+            return {"x": self.x[i], "labels": self.y[i]}
+
+    seen = {}
+
+    class Thaw(transformers.TrainerCallback):
+        def on_step_end(self, args, state, control, model=None, optimizer=None, **kw):
+            if state.global_step == 2:
+                seen["body at step 2"] = model.body.weight.detach().float().clone()
+                model.body.requires_grad_(True)
+                if route == "add_param_group":
+                    optimizer.add_param_group({"params": list(model.body.parameters()), "lr": 1e-2})
+
+    model = Model()
+    optimizers = (None, None)
+    if route == "frozen-in-optimizer":
+        optimizers = (mixprec.optim.AdamW([{"params": list(model.head.parameters())},
+                                           {"params": list(model.body.parameters()), "lr": 1e-2}], lr=1e-2), None)
+    args = transformers.TrainingArguments(output_dir="unused", per_device_train_batch_size=8, max_steps=4, report_to=[],
+                                          save_strategy="no", logging_strategy="no", use_cpu=True,
+                                          lr_scheduler_type="constant")
+    trainer = MixprecTrainer(model, args, train_dataset=Data(), policy=policy, callbacks=[Thaw()],
+                             optimizers=optimizers)
+    seen["body at build"] = model.body.weight.detach().float().clone()   # as stored (frozen: bf16 under -mixed too)
+    trainer.train()
+    return trainer, seen
+
+
+@pytest.mark.parametrize("policy", ["bf16-pure", "bf16-mixed"])
+def test_hf_trainer_thaws_a_frozen_body_through_the_optimizer_it_was_given(policy, tmp_path, monkeypatch):
+    monkeypatch.chdir(tmp_path)
+    trainer, seen = _hf_thaw_run(policy, route="frozen-in-optimizer")
+    assert torch.equal(seen["body at step 2"], seen["body at build"])   # frozen: no update before the thaw
+    assert not torch.equal(trainer.model.body.weight.detach().float(), seen["body at step 2"])   # trained after it
+    assert [e.kind for e in trainer.engine.events].count("param-group") == 1
+
+
+def test_hf_trainer_add_param_group_from_a_callback_is_refused_with_the_trainers_route(tmp_path, monkeypatch):
+    monkeypatch.chdir(tmp_path)
+    with pytest.raises(ValueError, match=r"optimizer.add_param_group with a scheduler attached to the engine .*under "
+                                         r"the Hugging Face Trainer.*MixprecTrainer\(\.\.\., optimizers="):
+        _hf_thaw_run("bf16-pure", route="add_param_group")

@@ -145,7 +145,9 @@ SCHEDULED = ("optimizer.add_param_group with a scheduler attached to the engine 
              "(and then the scheduler) with this group from the start, its params frozen (requires_grad_(False): "
              "no state, no update) until they should train: the engine adopts them once they require grad "
              "(under Lightning: put them in configure_optimizers' optimizer; BaseFinetuning then only makes them "
-             "trainable)")
+             "trainable; under the Hugging Face Trainer, which builds its optimizer from the params that require grad: "
+             "pass MixprecTrainer(..., optimizers=(mixprec.optim.AdamW(groups including the frozen params), None)) "
+             "and set requires_grad_(True) from your callback)")
 MID_STEP = ("optimizer.add_param_group after {n} micro-batch(es) of this step's backward(): the step's gradients are "
             "accumulating, and a group joining now would start mid-step; add it at a boundary: in a hand loop after "
             "mp.step() returns a result, under Lightning from on_train_epoch_start (where BaseFinetuning adds its "
