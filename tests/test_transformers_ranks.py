@@ -16,7 +16,9 @@ steps do, bit for bit. On main MixprecTrainer refused several processes.
 Accelerate in the same ranks: the one-process recipe (engine without ``strategy=``, its model through
 ``accelerator.prepare``) with accelerate's per-rank seeds (``set_seed(seed, device_specific=True)``) trained on
 main, each replica rounding its own way; it is refused at the first ``mp.backward()``, naming the route:
-``strategy="ddp"`` with only the dataloader prepared, which equals the engine's own DDP on ``shard_batches``.
+``strategy="ddp"`` with only the dataloader prepared, which equals the engine's own DDP on ``shard_batches``. And
+``accelerator.prepare(mp.model)`` on the engine's DDP (accelerate wraps it in a second DDP; not detected on main) is
+refused at its first forward.
 """
 
 from __future__ import annotations
@@ -121,6 +123,16 @@ def accelerate_runs(rank: int) -> dict:
             mp.backward(loss)
             mp.step()
         out[name] = mp.trainable_state_dict()
+    set_seed(SEED)   # the engine's DDP handed to accelerator.prepare: accelerate wraps it in a second DDP
+    model = gpt2()
+    mp = mixprec.MixedPrecision(model, mixprec.optim.AdamW(model.parameters(), lr=LR), "bf16-sr", strategy="ddp")
+    wrapped = accelerator.prepare(mp.model)
+    out["wrapped again"] = None
+    try:
+        with mp.autocast():
+            wrapped(**mp.cast_inputs(next(iter(accelerator.prepare(loader))))).loss
+    except ValueError as err:
+        out["wrapped again"] = (type(wrapped).__name__, str(err), mp.boundaries)
     return out
 
 
@@ -183,6 +195,11 @@ def test_accelerate_on_two_ranks_needs_the_engines_ddp_and_then_equals_it(ranks)
                                         "processes without strategy=") and "strategy='ddp'" in got["recipe"]
         assert_same(got["route"], got["engine"], f"rank {rank}: accelerate's sharded loader vs shard_batches")
     assert_same(ranks[0]["accelerate"]["route"], ranks[1]["accelerate"]["route"], "rank 0 vs rank 1")
+    for result in ranks:   # accelerator.prepare(mp.model) put a second DDP around the engine's: refused at its forward
+        kind, words, boundaries = result["accelerate"]["wrapped again"]
+        assert kind == "DistributedDataParallel" and boundaries == 0
+        assert words.startswith("mp.model (the engine's DistributedDataParallel, strategy='ddp') runs inside another "
+                                "DistributedDataParallel (accelerator.prepare(mp.model) under several processes")
 
 
 def test_verify_replicas_every_is_checked_by_name(tmp_path):

@@ -114,6 +114,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
+from mixprec.distributed.nested_ddp import refuse_outer_ddp
 from mixprec.distributed.sharded_storage import cast_for_sharding, stores_16bit
 from mixprec.policy.policy import Policy
 
@@ -394,6 +395,7 @@ def wrap_model(model: nn.Module, policy: Policy, strategy: str, device: torch.de
 
         ddp = DistributedDataParallel(model, device_ids=[device.index] if device.type == "cuda" else None)
         ddp.register_comm_hook(record, _fp32_allreduce_hook)
+        refuse_outer_ddp(ddp)   # mp.model wrapped again (accelerator.prepare(mp.model)): refused at its forward
         _RECORDS[ddp] = record
         return ddp
 
