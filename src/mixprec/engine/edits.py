@@ -21,7 +21,7 @@ import torch
 from torch import nn
 
 from mixprec.engine.masters import MasterWeights
-from mixprec.engine.storage import FrozenSet
+from mixprec.engine.storage import FrozenParams
 from mixprec.policy.policy import Policy
 from mixprec.engine.protocol import Engine
 from mixprec.engine.records import Event
@@ -160,7 +160,7 @@ class ModelLayout:
 
 
 def adopt_model_edits(layout: ModelLayout | None, policy: Policy, strategy: str | None, micro_step: int,
-                      optimizer: torch.optim.Optimizer | None, masters: MasterWeights, frozen: FrozenSet,
+                      optimizer: torch.optim.Optimizer | None, masters: MasterWeights, frozen: FrozenParams,
                       module: nn.Module) -> tuple[ModelEdit, MasterWeights] | None:
     """The first half of adopting an edit of ``module`` since ``layout`` was recorded (module docstring):
     the checks, ``optimizer`` rebound to the current params, ``frozen`` (the engine's) following the new

@@ -52,7 +52,7 @@ from mixprec.engine.foreign_loops import at_backward
 from mixprec.engine.outside import before_optimizer_step, stray_step_text, watch_autocast
 from mixprec.engine.protocol import Engine
 from mixprec.engine.records import Event
-from mixprec.engine.storage import FrozenSet
+from mixprec.engine.storage import FrozenParams
 from mixprec.policy.tree import field_names
 
 __all__ = ["LoopChecks", "TARGET_NAMES"]
@@ -114,7 +114,7 @@ class LoopChecks:
     :class:`~mixprec.engine.autocast_scope.AutocastScope`, refreshes the cast cache before each eager forward
     and holds the op lists in the outputs' backward passes after it."""
 
-    def __init__(self, owner: Engine, on_forward: Callable[[], None], frozen: FrozenSet,
+    def __init__(self, owner: Engine, on_forward: Callable[[], None], frozen: FrozenParams,
                  scope: AutocastScope | None = None) -> None:
         self.owner, self.on_forward, self.frozen = owner, on_forward, frozen   # frozen: the stored dtypes too
         self.scope = scope

@@ -53,7 +53,7 @@ from mixprec.engine.masters import MasterWeights, claim
 from mixprec.engine.protocol import Engine
 from mixprec.engine.records import Event
 from mixprec.engine.regions import Regions, keep_fp32_modules
-from mixprec.engine.storage import FrozenSet, StoragePlan, dtype_text, plan_storage
+from mixprec.engine.storage import FrozenParams, StoragePlan, dtype_text, plan_storage
 from mixprec.optim import contract
 from mixprec.policy.policy import Policy
 
@@ -98,7 +98,7 @@ def _listed(names: list[str]) -> str:
     return ", ".join(names[:4]) + (f" and {len(names) - 4} more" if len(names) > 4 else "")
 
 
-def check_group(module: nn.Module, optimizer: torch.optim.Optimizer, masters: MasterWeights, frozen: FrozenSet,
+def check_group(module: nn.Module, optimizer: torch.optim.Optimizer, masters: MasterWeights, frozen: FrozenParams,
                 param_group: Any, policy: Policy, strategy: str | None) -> GroupParams:
     """Classify ``param_group``'s tensors (module docstring) before anything changes; ``param_group["params"]``
     becomes a list (as torch's ``add_param_group`` makes it: a generator is read once).
@@ -155,7 +155,7 @@ MID_STEP = ("optimizer.add_param_group after {n} micro-batch(es) of this step's 
 
 
 @torch.no_grad()
-def adopt_group(module: nn.Module, policy: Policy, masters: MasterWeights, frozen: FrozenSet,
+def adopt_group(module: nn.Module, policy: Policy, masters: MasterWeights, frozen: FrozenParams,
                 keep: dict[str, nn.Module], found: GroupParams) -> StoragePlan | None:
     """Adopt the params of a group torch just added (module docstring), in place: thaw ``found.thaw`` (``frozen``,
     the engine's set, and its stored dtypes follow) and store them as the policy stores trainable ones, with
@@ -228,13 +228,13 @@ class GroupWatch:
     def __init__(self) -> None:
         self._optimizer: torch.optim.Optimizer | None = None
         self._engine: Any = None   # a weak reference to the engine, set at install
-        self._frozen: FrozenSet | None = None
+        self._frozen: FrozenParams | None = None
         self._regions: Regions | None = None
         self._kahan_pending: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}
         self._key: tuple = ()
         self._unheld: list[torch.Tensor] = []   # masters the optimizer does not step (rebind)
 
-    def install(self, mp: Engine, optimizer: torch.optim.Optimizer, kahan_from: list, frozen: FrozenSet,
+    def install(self, mp: Engine, optimizer: torch.optim.Optimizer, kahan_from: list, frozen: FrozenParams,
                 regions: Regions) -> str:
         """At ``mp.attach``: route ``optimizer.add_param_group`` to :meth:`add` (``frozen``, ``regions``: the
         engine's), and start Kahan compensation from ``kahan_from`` ((param, fp32 value) pairs) for the params

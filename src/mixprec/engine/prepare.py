@@ -24,7 +24,7 @@ from torch import nn
 from mixprec.engine.masters import MasterWeights
 from mixprec.engine.outside import check_model_not_wrapped
 from mixprec.engine.regions import keep_fp32_modules
-from mixprec.engine.storage import FrozenSet, StoragePlan, dtype_text, plan_storage
+from mixprec.engine.storage import FrozenParams, StoragePlan, dtype_text, plan_storage
 from mixprec.optim import contract
 from mixprec.policy.policy import Policy
 
@@ -44,7 +44,7 @@ class Prepared:
     plan: StoragePlan
     masters: MasterWeights
     keep: dict[str, nn.Module]
-    frozen: FrozenSet
+    frozen: FrozenParams
     kahan_from: tuple[tuple[torch.Tensor, torch.Tensor], ...] = ()
     fp8_report: Any = None
     fp8_note: str = ""
@@ -54,7 +54,7 @@ class Prepared:
 
 def prepare(model: nn.Module, policy: Policy, device: torch.device, strategy: Any, *,
             optimizer: torch.optim.Optimizer | None = None, masters: MasterWeights | None = None,
-            frozen: FrozenSet | None = None) -> Prepared:
+            frozen: FrozenParams | None = None) -> Prepared:
     """Prepare ``model`` (fp32 params at the first build) under ``policy``, casting params in place.
 
     First build (``masters`` None): check dtypes, move to ``device``, fp8 swaps, the strategy's
@@ -80,7 +80,7 @@ def prepare(model: nn.Module, policy: Policy, device: torch.device, strategy: An
     if first:
         fp8_report, fp8_note = convert_fp8(model, policy, device, keep)
         strategy.before_casts(model, policy, device, keep, optimizer)
-        frozen, params = FrozenSet(model, watch_casts=not strategy.shards_params), list(model.parameters())
+        frozen, params = FrozenParams(model, watch_casts=not strategy.shards_params), list(model.parameters())
         upcast = upcast_note(model, policy)
     else:
         params = masters.params
@@ -113,7 +113,7 @@ def prepare(model: nn.Module, policy: Policy, device: torch.device, strategy: An
                     fp8_report=fp8_report, fp8_note=fp8_note, upcast_note=upcast, carried=carried)
 
 
-def _check_optimizer(model: nn.Module, optimizer: torch.optim.Optimizer, masters: MasterWeights, frozen: FrozenSet,
+def _check_optimizer(model: nn.Module, optimizer: torch.optim.Optimizer, masters: MasterWeights, frozen: FrozenParams,
                      plan: StoragePlan, new: Policy) -> None:
     """Mid-run, before anything changes: ValueError for unfrozen params ``optimizer`` does not hold, or an
     ``optimizer`` that cannot step the tensors ``plan`` gives it under ``new``."""

@@ -18,7 +18,7 @@ from mixprec.engine.masters import MasterWeights
 from mixprec.engine.open_group import check_group
 from mixprec.engine.pending_auto import pending_note
 from mixprec.engine.records import Event
-from mixprec.engine.storage import FrozenSet, check_held, check_new_group, dtype_text, held_by
+from mixprec.engine.storage import FrozenParams, check_held, check_new_group, dtype_text, held_by
 from mixprec.policy.policy import Policy
 from mixprec.engine.protocol import Engine
 
@@ -115,7 +115,7 @@ def load_state(mp: Engine, state: dict[str, Any]) -> None:
     mp.restore_progress(state["counters"], state.get("events"), state.get("open_group"))
 
 
-def unfreeze_params(mp: Engine, frozen: FrozenSet, patterns: tuple[str, ...], group_options: dict) -> Event:
+def unfreeze_params(mp: Engine, frozen: FrozenParams, patterns: tuple[str, ...], group_options: dict) -> Event:
     """:meth:`mixprec.MixedPrecision.unfreeze` after its boundary checks, through ``mp``'s public methods: thaw
     the matching members of ``frozen`` (the engine's), add a param group for those the optimizer lacks,
     re-prepare under the same policy (:meth:`~mixprec.MixedPrecision.set_policy`) and record the
@@ -142,7 +142,7 @@ def unfreeze_params(mp: Engine, frozen: FrozenSet, patterns: tuple[str, ...], gr
     return event
 
 
-def frozen_to_match(frozen: FrozenSet, saved: list[str], module: nn.Module, optimizer: torch.optim.Optimizer | None,
+def frozen_to_match(frozen: FrozenParams, saved: list[str], module: nn.Module, optimizer: torch.optim.Optimizer | None,
                     masters: MasterWeights) -> list[str]:
     """:meth:`mixprec.MixedPrecision.match_frozen`'s check: the patterns (exact names, ``fnmatch``-escaped) that
     unfreeze in this engine what the saved run (frozen names ``saved``) had unfrozen; [] when none. Raises

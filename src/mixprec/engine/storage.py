@@ -51,7 +51,7 @@ from torch.nn.utils import parametrize
 
 from mixprec.policy.policy import Policy
 
-__all__ = ["StoragePlan", "FrozenSet", "plan_storage", "fits", "dtype_text", "held_by", "check_new_group", "check_held",
+__all__ = ["StoragePlan", "FrozenParams", "plan_storage", "fits", "dtype_text", "held_by", "check_new_group", "check_held",
            "parametrized_ids", "sparse_grad_ids"]
 
 log = logging.getLogger("mixprec")
@@ -212,7 +212,7 @@ def plan_storage(model: nn.Module, policy: Policy, params: list[nn.Parameter], k
     return StoragePlan(policy, frozenset(half), frozenset(frozen16), unfit, special)
 
 
-class FrozenSet:
+class FrozenParams:
     """The parameters frozen when the engine was built (``requires_grad=False``), less those unfrozen
     since through the engine, and which of them are stored in 16 bits (no fp32 master)."""
 
