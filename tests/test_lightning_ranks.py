@@ -162,9 +162,42 @@ def window_runs(rank: int, out: Path) -> dict:
     return runs
 
 
+def fabric_window_runs(rank: int, out: Path) -> dict:
+    """Fabric's DDP, bf16-mixed, 3 steps of 2 micro-batches (no_backward_sync on the first): whole, saving with
+    fabric.save after the first micro-batch of the second step, resumed from it (another init)."""
+    path, runs = out / "fabric-window.ckpt", {}
+    data = batches(WORLD * 6)[rank::WORLD]
+    for name in ("whole", "saving", "resumed"):
+        L.seed_everything(SEED + (7 if name == "resumed" else 0))
+        plugin = MixprecFabricPrecision("bf16-mixed", verify_replicas_every=1)
+        fabric = L.Fabric(accelerator="cpu", devices=WORLD, strategy="ddp", plugins=[plugin])
+        fabric.launch()
+        net = nn.Sequential(nn.Linear(16, 32), nn.GELU(), nn.Linear(32, 4))
+        model, optimizer = fabric.setup(net, mixprec.optim.AdamW(net.parameters(), lr=1e-2))
+        plugin.attach(optimizer)
+        start = 0
+        if name == "resumed":
+            fabric.load(path, {"mixprec": plugin})
+            start = 3
+        for i in range(start, 6):
+            x, y = data[i]
+            with fabric.no_backward_sync(model, enabled=i % 2 == 0):
+                fabric.backward(F.mse_loss(model(x).float(), y) / 2)
+            if i % 2 == 1:
+                optimizer.step()
+            if name == "saving" and i == 2:
+                fabric.save(path, {"mixprec": plugin})
+        runs[name] = {"weights": {n: p.detach().clone() for n, p in net.named_parameters()},
+                      "applied": plugin.engine.applied_steps}
+    saved = torch.load(path, weights_only=False)["mixprec"]
+    runs["ranks"] = len(saved["open_group_ranks"])
+    return runs
+
+
 def worker(rank: int, out: Path) -> dict:
     results = {"seeds": per_rank_seeds(rank), "fabric": fabric_per_rank_seeds(rank),
-               "resume": resumed_per_rank_seeds(rank, out), "window": window_runs(rank, out)}
+               "resume": resumed_per_rank_seeds(rank, out), "window": window_runs(rank, out),
+               "fabric window": fabric_window_runs(rank, out)}
     L.seed_everything(SEED)
     results["scheduler-mixed"] = fit(rank, MixprecPrecision("bf16-mixed", keep_inputs=(1,), verify_replicas_every=1),
                                      callbacks=[GradientAccumulationScheduler({1: 2})], per_rank=4, max_steps=-1,
@@ -230,6 +263,19 @@ def test_a_checkpoint_inside_a_window_holds_every_ranks_window_and_resumes_bit_f
         assert_equal_replicas(w["saving"]["weights"], w["whole"]["weights"])   # saving changes nothing
         assert_equal_replicas(w["resumed"]["weights"], w["whole"]["weights"])
         assert_equal_replicas(w["whole"]["weights"], ranks[0]["window"]["whole"]["weights"])
+
+
+@pytest.mark.timeout(240)
+def test_fabric_save_inside_a_window_holds_every_ranks_window_and_resumes_bit_for_bit(ranks):
+    """On main every rank loaded rank 0's window (the plugin's state was rank 0's) and trained on, until a replica
+    check found the ranks apart (every 100 steps by default)."""
+    for r in ranks:
+        w = r["fabric window"]
+        assert w["ranks"] == WORLD and w["whole"]["applied"] == w["saving"]["applied"] == 3
+        assert w["resumed"]["applied"] == 3   # restored at 1, then the window and one more step
+        assert_equal_replicas(w["saving"]["weights"], w["whole"]["weights"])
+        assert_equal_replicas(w["resumed"]["weights"], w["whole"]["weights"])
+        assert_equal_replicas(w["whole"]["weights"], ranks[0]["fabric window"]["whole"]["weights"])
 
 
 @pytest.mark.timeout(240)

@@ -480,15 +480,17 @@ class MixprecFabricPrecision(FabricPrecision):
         return None
 
     def state_dict(self) -> dict[str, Any]:
-        """The engine's whole :meth:`~MixedPrecision.state_dict` with its events and the RNG states."""
+        """The engine's whole :meth:`~MixedPrecision.state_dict` with its events and the RNG states; inside an
+        accumulation window on several processes every rank's window (``fabric.save`` runs it on every rank)."""
         engine = self._engine("state_dict()")
         tensors: dict[str, torch.Tensor] = {}
-        return {**engine.state_dict(), "events": [event.to_dict() for event in engine.events],
-                "rng": {"state": rng_state(engine.device, tensors), "tensors": tensors}}
+        return gather_windows({**engine.state_dict(), "events": [event.to_dict() for event in engine.events],
+                               "rng": {"state": rng_state(engine.device, tensors), "tensors": tensors}})
 
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
-        """Restore :meth:`state_dict` exactly (after :meth:`attach`)."""
-        state = dict(state_dict)
+        """Restore :meth:`state_dict` exactly (after :meth:`attach`; each rank its own open window). ValueError for a
+        window saved by another number of processes."""
+        state = own_window(dict(state_dict), "MixprecFabricPrecision")
         rng = state.pop("rng", None)
         self._engine("load_state_dict()").load_state_dict(state)
         if rng is not None:
