@@ -1055,7 +1055,7 @@ def recompute_bench(tmp_path_factory):
 
 def test_a_recompute_row_is_its_own_row_with_its_plan_and_its_step_time_against_the_plain_row(recompute_bench, capsys):
     """Issue 27: the bench could not show the recompute plan (failed before: ``bf16-lean+recompute`` was an unknown
-    policy, exit status 2). Now it is a row of its own: trained in its own worker with MixedPrecision(checkpoint=),
+    policy, exit status 2). Now it is a row of its own: trained in its own worker with MixedPrecision(recompute=),
     judged against fp32, its plan stored and printed, its step time over the plain row's from the same timing."""
     status, out, results = recompute_bench
     assert status == 0

@@ -145,7 +145,7 @@ def test_a_budget_below_the_peak_warns_records_and_keeps_fused(tmp_path):
     state = mp.state_dict()["memory_budget"]
     over = size_words(state["peak_bytes"] - 2**20)
     assert event.cause == "over" and state["allowed_mib"] == 0.0
-    assert f"is {over} OVER the budget" in mp.decision and 'checkpoint="auto"' in mp.decision
+    assert f"is {over} OVER the budget" in mp.decision and 'recompute="auto"' in mp.decision
     assert "a smaller batch" in mp.decision
     assert _forward_saved(mp, workload) == fused_saved
 

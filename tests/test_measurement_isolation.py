@@ -1,7 +1,7 @@
 """The engine's own measurements never disturb the user's (issue 37, part D), through Lightning's Trainer.
 
 Every measurement the engine takes inside a user's training is on in one run: ``policy="auto"`` (the trial times
-fp32 and bf16-mixed on the model at its first forward), ``checkpoint="auto"`` (each repeated block timed and
+fp32 and bf16-mixed on the model at its first forward), ``recompute="auto"`` (each repeated block timed and
 counted at its first call) and ``memory_budget=`` (the second step's peak live bytes, under the profiler on the
 CPU). The reference is the same training with none of them: the policy ``auto`` chose, no recompute, no budget.
 Each kind of state the user owns is compared between the two, exactly: the global random streams (torch, numpy,
@@ -53,7 +53,7 @@ class Block(nn.Module):
 
 
 class Net(L.LightningModule):
-    """Repeated blocks (``checkpoint="auto"`` measures them), a BatchNorm the user keeps in eval mode, and a
+    """Repeated blocks (``recompute="auto"`` measures them), a BatchNorm the user keeps in eval mode, and a
     forward that draws from python's ``random`` and numpy's global generator (a LayerDrop written that way):
     a draw taken by a measurement would change every later step's values. Records the thread's autocast and
     grad state before and after each training forward, and counts its user hooks' calls."""
@@ -208,7 +208,7 @@ def test_batchnorm_stats_and_modes_are_the_runs_own(runs):
 def test_user_hooks_stay_registered_and_run_only_in_the_passes_said(runs):
     """The user's hooks stay registered (and the engine's measuring hooks are gone: the pending-auto pre-hook).
     They run once per training forward and backward, plus in each pass of auto's trial, which times the model as
-    it trains, hooks included (documented: docs/policies.md); checkpoint="auto" times the block's own forward,
+    it trains, hooks included (documented: docs/policies.md); recompute="auto" times the block's own forward,
     not a call of the block, so hooks on the block do not run there."""
     (_, a), (_, b) = runs["measured"], runs["reference"]
     block = a.blocks[0]
@@ -369,7 +369,7 @@ def test_the_trial_and_the_block_timings_are_named_in_a_users_trace(tmp_path, mo
     assert names.count("mixprec: checkpoint block timing") == 3
 
 
-# ---------------------------------------------------------------------- checkpoint="auto"'s block timings
+# ---------------------------------------------------------------------- recompute="auto"'s block timings
 def test_block_timings_leave_pythons_and_numpys_streams():
     """measure_block runs the block's forward a dozen times; a block drawing from python's ``random`` and numpy's
     global generator (a LayerDrop written that way) leaves both streams where they were."""

@@ -1,4 +1,4 @@
-"""The measured recompute plan (issue 27): ``MixedPrecision(..., checkpoint=...)``, mixprec.memory.recompute.
+"""The measured recompute plan (issue 27): ``MixedPrecision(..., recompute=...)``, mixprec.memory.recompute.
 
 Recompute changes what is kept for backward, never a value: on the CPU every op here is deterministic, so a run
 with whole-block or selective recompute equals the run without it bit for bit (fp32 and bf16-lean), and so does
@@ -37,7 +37,7 @@ def _engine(workload, policy, checkpoint, **kwargs):
     torch.manual_seed(0)
     model = workload.build_model()
     return MixedPrecision(model, mixprec.optim.AdamW(model.parameters(), lr=3e-3), policy, device="cpu",
-                          checkpoint=checkpoint, **kwargs)
+                          recompute=checkpoint, **kwargs)
 
 
 def _train(mp, workload, batches):
@@ -306,7 +306,7 @@ def test_guard_rollback_keeps_the_plan(gpt):
 
 
 @pytest.mark.parametrize("value, error, words", [
-    ("auto:0.5", ValueError, "must be a number >= 1"), (3, TypeError, "checkpoint=3 is not allowed"),
+    ("auto:0.5", ValueError, "must be a number >= 1"), (3, TypeError, "recompute=3 is not allowed"),
     ("nope.*", ValueError, "'nope.*' matches no module"), (["sometimes:blocks.*"], ValueError, "is not allowed")])
 def test_bad_checkpoint_values_are_refused_naming_them(gpt, value, error, words):
     workload, _ = gpt
@@ -437,7 +437,7 @@ def _gradient_penalty_grads(policy, checkpoint, with_loss=True):
     # their interpolates (the double backward recomputes each selective block a second time)
     torch.manual_seed(0)
     critic = _Critic()
-    mp = MixedPrecision(critic, mixprec.optim.AdamW(critic.parameters()), policy, device="cpu", checkpoint=checkpoint)
+    mp = MixedPrecision(critic, mixprec.optim.AdamW(critic.parameters()), policy, device="cpu", recompute=checkpoint)
     real, fake = (mp.cast_inputs(torch.randn(4, 8, 16)) for _ in range(2))
     mixed = mp.cast_inputs(torch.lerp(real.float(), fake.float(), torch.rand(4, 1, 1))).requires_grad_(True)
     with mp.autocast():
@@ -520,3 +520,18 @@ def test_readable_plan_shows_milliseconds_to_three_significant_digits_and_none_m
     workload, _ = gpt
     mp = _engine(workload, "fp32", "none")   # the docs' mode name: no recompute
     assert "recompute" not in mp.decision and "forward" not in vars(mp.module.blocks[0])
+
+
+def test_checkpoint_is_the_old_name_of_recompute_kept_with_a_deprecation_warning(gpt):
+    """``recompute=`` names activation recompute (``mixprec.save_checkpoint`` is saving); the old ``checkpoint=``
+    still builds the same plan for one release, said by a DeprecationWarning; both at once is a TypeError."""
+    workload, _ = gpt
+    new = _engine(workload, "fp32", "blocks.*")
+    torch.manual_seed(0)
+    model = workload.build_model()
+    with pytest.warns(DeprecationWarning, match=r"MixedPrecision\(checkpoint=\.\.\.\) is now recompute=\.\.\."):
+        old = MixedPrecision(model, torch.optim.SGD(model.parameters(), lr=0.1), "fp32", device="cpu",
+                             checkpoint="blocks.*")
+    assert old.state_dict()["recompute"] == new.state_dict()["recompute"] == {"text": _plan_text("blocks.*", "full")}
+    with pytest.raises(TypeError, match=r"recompute='blocks\.\*' and checkpoint='auto': checkpoint= is the old name"):
+        MixedPrecision(model, None, "fp32", device="cpu", recompute="blocks.*", checkpoint="auto")

@@ -1,4 +1,4 @@
-"""The recompute plan under FSDP2 (issue 27): ``MixedPrecision(..., strategy="fsdp2", checkpoint=...)`` on 2 gloo
+"""The recompute plan under FSDP2 (issue 27): ``MixedPrecision(..., strategy="fsdp2", recompute=...)`` on 2 gloo
 ranks, GPT ``tiny``.
 
 Each block is its own FSDP2 unit and the plan wraps the block's ``forward`` (an instance attribute), inside the
@@ -52,7 +52,7 @@ def _engine(workload: GPTWorkload, policy: str, checkpoint) -> MixedPrecision:
     model = workload.build_model()
     checkpoint = list(checkpoint) if isinstance(checkpoint, tuple) else checkpoint
     return MixedPrecision(model, mixprec.optim.AdamW(model.parameters(), lr=3e-3), policy, device="cpu",
-                          strategy="fsdp2", checkpoint=checkpoint)
+                          strategy="fsdp2", recompute=checkpoint)
 
 
 def _train(mp: MixedPrecision, workload: GPTWorkload, batches: list, *, count_saved: bool = False) -> int | None:
@@ -175,8 +175,8 @@ def test_fsdp2_named_blocks_recompute_an_inner_fp32_unit_exactly_and_auto_is_ref
             _assert_equal(got[plan], got[None], (r, plan))
         assert got[None]["blocks.0.ln_1.weight"].dtype == torch.float32
         refused = got["refused"]
-        for words in ("checkpoint='auto' under strategy='fsdp2'", "['blocks.0.ln_1']", "checkpoint='blocks.*'",
-                      "checkpoint=['selective:blocks.*']"):
+        for words in ("recompute='auto' under strategy='fsdp2'", "['blocks.0.ln_1']", "recompute='blocks.*'",
+                      "recompute=['selective:blocks.*']"):
             assert words in refused, (words, refused)
 
 

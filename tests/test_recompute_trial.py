@@ -2,7 +2,7 @@
 
 Every comparison is bit for bit against the same run without recompute (on the CPU every op here is deterministic;
 recompute changes what is kept for backward, never a value): BatchNorm running statistics and
-``num_batches_tracked`` after ``checkpoint="auto"``'s measuring and after whole-block or selective recompute, and a
+``num_batches_tracked`` after ``recompute="auto"``'s measuring and after whole-block or selective recompute, and a
 buffer the block's output reads (the recompute must read what the forward read). A frozen block keeps nothing for
 backward (autograd saves no tensor when nothing requires grad): auto's plan measures it 0 B in every mode.
 """
@@ -69,7 +69,7 @@ def _engine(checkpoint, model=None, **kwargs):
     torch.manual_seed(0)
     model = Net() if model is None else model
     return MixedPrecision(model, mixprec.optim.SGD(model.parameters(), lr=0.1), "fp32", device="cpu",
-                          checkpoint=checkpoint, **kwargs)
+                          recompute=checkpoint, **kwargs)
 
 
 def _batch(step: int) -> torch.Tensor:
@@ -128,7 +128,7 @@ def test_double_backward_through_selective_names_checkpoint_the_block_and_the_fi
     with mp.autocast():
         out = mp.model(x)
     (g,) = torch.autograd.grad(out.float().sum(), x, create_graph=True)
-    with pytest.raises(RuntimeError, match=r"checkpoint: block 'blocks\.2' .*checkpoint='blocks\.\*'"):
+    with pytest.raises(RuntimeError, match=r"recompute: block 'blocks\.2' .*recompute='blocks\.\*'"):
         mp.backward(g.pow(2).sum())
 
 
@@ -155,7 +155,7 @@ def test_frozen_blocks_keep_nothing_and_auto_leaves_them_none():
     for module in (model.inp, model.blocks[0], model.blocks[1]):
         module.requires_grad_(False)
     mp = MixedPrecision(model, mixprec.optim.SGD([p for p in model.parameters() if p.requires_grad], lr=0.1),
-                        "fp32", device="cpu", checkpoint="auto:100")
+                        "fp32", device="cpu", recompute="auto:100")
     _train(mp, steps=1)
     blocks = {b.name: b for b in _plan(mp).blocks}
     for name in ("blocks.0", "blocks.1"):
@@ -197,14 +197,14 @@ def test_plan_completes_at_the_first_boundary_when_a_block_never_runs():
 
 # ------------------------------------------------------------------ 6. loading another plan; overlapping globs
 def test_loading_a_saved_plan_over_an_explicit_request_warns_and_records_both():
-    """Fails on main: the loaded plan replaced checkpoint='selective:blocks.*' (and turned a None engine's recompute
+    """Fails on main: the loaded plan replaced recompute='selective:blocks.*' (and turned a None engine's recompute
     on) silently."""
     saved = _engine("auto:100", Net(Plain))
     _train(saved, steps=1)
     state = saved.state_dict()
     for checkpoint, asked in (("selective:blocks.*", "'selective:blocks.*'"), (None, "None")):
         mp = _engine(checkpoint, Net(Plain))
-        with pytest.warns(UserWarning, match=rf"plan 'auto:100.0' .*replaces this engine's checkpoint={asked}"):
+        with pytest.warns(UserWarning, match=rf"plan 'auto:100.0' .*replaces this engine's recompute={asked}"):
             mp.load_state_dict(state)
         assert _plan(mp) == _plan(saved)   # the saved plan wins: a bit-exact resume
         assert [e for e in mp.events if e.get("kind") == "recompute-replaced"]
@@ -230,7 +230,7 @@ def test_overlapping_globs_giving_one_module_two_modes_are_refused():
 @pytest.mark.parametrize("value", ["Auto", "AUTO:1.5", "None", "Selective:blocks.*"])
 def test_a_capitalised_word_asks_did_you_mean(value):
     """Fails on main: 'Auto' was taken as a module glob (and 'Selective:' refused without the hint)."""
-    with pytest.raises(ValueError, match=rf"checkpoint={re.escape(repr(value))}: .*did you mean "
+    with pytest.raises(ValueError, match=rf"recompute={re.escape(repr(value))}: .*did you mean "
                                          rf"{re.escape(repr(value.lower()))}"):
         parse_request(value)
 

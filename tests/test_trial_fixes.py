@@ -72,7 +72,7 @@ def _over_budget(checkpoint):
     torch.manual_seed(0)
     model = _Blocks()
     mp = MixedPrecision(model, AdamW(model.parameters(), lr=1e-3), "bf16-mixed", device="cpu",
-                        checkpoint=checkpoint, memory_budget="1KiB")
+                        recompute=checkpoint, memory_budget="1KiB")
     assert "memory_budget 1 KiB: pending" in mp.decision
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")
@@ -91,22 +91,22 @@ def _over_budget(checkpoint):
 
 
 def test_over_budget_without_recompute_suggests_it():
-    assert 'to fit: checkpoint="auto" (recompute blocks in backward), a smaller batch, or a larger budget' in \
+    assert 'to fit: recompute="auto" (recompute blocks in backward), a smaller batch, or a larger budget' in \
         _over_budget(None)
 
 
 def test_over_budget_with_every_block_recomputed_in_full_does_not_suggest_recompute_again():
     decision = _over_budget("layers.*")
-    assert 'checkpoint="auto"' not in decision
-    assert ("to fit: a smaller batch or a larger budget (checkpoint='layers.*' already recomputes every one of its "
+    assert 'recompute="auto"' not in decision
+    assert ("to fit: a smaller batch or a larger budget (recompute='layers.*' already recomputes every one of its "
             "2 blocks in full)") in decision
 
 
 def test_over_budget_with_selective_blocks_suggests_the_full_plan():
     decision = _over_budget("selective:layers.*")
-    assert 'checkpoint="auto"' not in decision
-    assert ("to fit: full recompute of the 2 of 2 blocks checkpoint='selective:layers.*' leaves selective or not "
-            "recomputed (checkpoint='layers.*'), a smaller batch, or a larger budget") in decision
+    assert 'recompute="auto"' not in decision
+    assert ("to fit: full recompute of the 2 of 2 blocks recompute='selective:layers.*' leaves selective or not "
+            "recomputed (recompute='layers.*'), a smaller batch, or a larger budget") in decision
 
 
 # ------------------------------------------------------------------------------- a DCP checkpoint, another model

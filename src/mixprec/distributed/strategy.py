@@ -86,7 +86,7 @@ class SingleProcess:
         """Raise ValueError if ``what`` (``"unfreeze"``, ``"to_fp32"``) cannot run."""
 
     def check_measured_recompute(self, model: nn.Module, blocks: list[str]) -> None:
-        """Raise ValueError if ``checkpoint="auto"`` cannot measure ``blocks`` (module names of ``model``, already
+        """Raise ValueError if ``recompute="auto"`` cannot measure ``blocks`` (module names of ``model``, already
         wrapped) here. One process and DDP: nothing."""
 
     def from_main_process(self, text: str) -> str:
@@ -209,10 +209,10 @@ class FSDP2(_MultiProcess):
         if inner:
             group = blocks[0].rpartition(".")[0]
             pattern = f"{group}.*" if group else "*"
-            raise ValueError(f"checkpoint='auto' under strategy='fsdp2': {inner} inside the measured blocks are FSDP2 "
+            raise ValueError(f"recompute='auto' under strategy='fsdp2': {inner} inside the measured blocks are FSDP2 "
                              "units of their own (fp32 modules the policy keeps), and auto's measurement cannot run a "
                              "block's forward and backward outside the step through their hooks; name the blocks "
-                             f"instead, checkpoint={pattern!r} (whole) or checkpoint=['selective:{pattern}'], or keep "
+                             f"instead, recompute={pattern!r} (whole) or recompute=['selective:{pattern}'], or keep "
                              "no fp32 module inside them")
 
     def fp32_value(self, p):

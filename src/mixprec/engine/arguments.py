@@ -6,6 +6,7 @@
 from __future__ import annotations
 
 import inspect
+import warnings
 from typing import Any
 
 import torch
@@ -39,16 +40,28 @@ END_NEXT_PENDING = ("end_group_next() called after a backward() whose mp.step() 
                     "mp.step() and before the forward of the micro-batch that ends the group")
 
 
-def check_args(model: Any, max_grad_norm: Any, accumulation_steps: Any, checkpoint: Any = None) -> None:
+def check_args(model: Any, max_grad_norm: Any, accumulation_steps: Any, recompute: Any = None,
+               checkpoint: Any = None) -> Any:
+    """The constructor's argument checks, before anything changes; returns the recompute option (``checkpoint=``,
+    its old name, taken with a DeprecationWarning; TypeError for both)."""
     if not isinstance(model, nn.Module):
         raise TypeError(f"model must be a torch.nn.Module, got {type(model).__name__}")
-    request = parse_request(checkpoint)   # before anything changes: a bad checkpoint= names itself
+    if checkpoint is not None:
+        if recompute is not None:
+            raise TypeError(f"MixedPrecision got recompute={recompute!r} and checkpoint={checkpoint!r}: checkpoint= is "
+                            "the old name of recompute=; pass recompute= alone")
+        warnings.warn("MixedPrecision(checkpoint=...) is now recompute=... (activation recompute, not saving: "
+                      "mixprec.save_checkpoint saves); checkpoint= still works in this release", DeprecationWarning,
+                      stacklevel=3)
+        recompute = checkpoint
+    request = parse_request(recompute)   # before anything changes: a bad recompute= names itself
     if request.kind == "named":
         match_blocks(model, request.patterns)
     if isinstance(accumulation_steps, bool) or not isinstance(accumulation_steps, int) or accumulation_steps < 1:
         raise ValueError(f"accumulation_steps={accumulation_steps!r} must be an int >= 1")
     if max_grad_norm is not None and not (float(max_grad_norm) > 0):
         raise ValueError(f"max_grad_norm={max_grad_norm!r} must be > 0 or None (no clipping)")
+    return recompute
 
 
 def check_no_open_check(call: str, open_check: Any) -> None:

@@ -15,7 +15,7 @@ lets it trade bytes for speed within a budget of peak live tensor bytes:
    session, nested, would end the user's trace): a ``"memory-budget"`` event (cause ``deferred``) and the
    pending clause say so.
 2. Over the budget: a warning (once), a ``"memory-budget"`` event (cause ``over``) and a decision clause naming
-   the overshoot (:func:`size_words`: B, KiB, MiB, GiB as fits) and the fixes left: ``checkpoint="auto"``
+   the overshoot (:func:`size_words`: B, KiB, MiB, GiB as fits) and the fixes left: ``recompute="auto"``
    without a recompute plan, full recompute where the plan leaves blocks selective or not recomputed, else a
    smaller batch or a larger budget; the plan stays at ``fused``'s bytes.
 3. Headroom ``H = budget - peak``: attention may save ``H / 2 / n`` bytes per call over ``fused`` (``n``: the
@@ -294,18 +294,18 @@ def _fixes(events: list) -> str:
     texts = [Event.of(e).detail for e in events if Event.of(e).kind == "recompute"]
     plan = None if not texts else RecomputePlan.from_text(texts[-1])
     if plan is None:
-        return 'checkpoint="auto" (recompute blocks in backward), a smaller batch, or a larger budget'
+        return 'recompute="auto" (recompute blocks in backward), a smaller batch, or a larger budget'
     if not plan.blocks:
-        return (f"a smaller batch or a larger budget (checkpoint={plan.request!r} found no repeated blocks; name "
-                "the blocks to recompute, e.g. checkpoint=\"layers.*\")")
+        return (f"a smaller batch or a larger budget (recompute={plan.request!r} found no repeated blocks; name "
+                "the blocks to recompute, e.g. recompute=\"layers.*\")")
     partial = [b.name for b in plan.blocks if b.mode != "full"]
     if not partial:
-        return (f"a smaller batch or a larger budget (checkpoint={plan.request!r} already recomputes every one of "
+        return (f"a smaller batch or a larger budget (recompute={plan.request!r} already recomputes every one of "
                 f"its {len(plan.blocks)} blocks in full)")
     parents = {n.rpartition(".")[0] for n in partial}
     glob = f"{parents.pop()}.*" if len(parents) == 1 and "" not in parents else ",".join(partial)
-    return (f"full recompute of the {len(partial)} of {len(plan.blocks)} blocks checkpoint={plan.request!r} leaves "
-            f"selective or not recomputed (checkpoint={glob!r}), a smaller batch, or a larger budget")
+    return (f"full recompute of the {len(partial)} of {len(plan.blocks)} blocks recompute={plan.request!r} leaves "
+            f"selective or not recomputed (recompute={glob!r}), a smaller batch, or a larger budget")
 
 
 def _saved(state: dict[str, Any]) -> BudgetDecision | None:

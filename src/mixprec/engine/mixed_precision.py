@@ -58,20 +58,20 @@ class MixedPrecision:
     a preset, ``key=value`` text or a :class:`~mixprec.Policy`; ``max_grad_norm`` clips the unscaled fp32 norm;
     ``guard`` has ``after_step(mp, result)`` (:class:`mixprec.Guard`; default :class:`~mixprec.engine.divergence.
     StopWhenStuck`); ``strategy``: None, ``"ddp"``, ``"fsdp2"``; ``compile``: True or ``torch.compile`` kwargs;
-    ``checkpoint``: blocks recomputed in backward, ``"auto"`` (measured) or names (:mod:`mixprec.memory.recompute`);
-    ``memory_budget``: ``"4GiB"`` or bytes the measured attention may spend on speed (:mod:`mixprec.engine.memory_budget`).
-    Public attributes: ``model`` (what to call), ``module`` (the user's model), ``optimizer``, ``scheduler``,
-    ``policy``, ``device``, ``strategy``, ``decision``, ``events``, ``masters``, ``loss_scale``, ``applied_steps``,
-    ``skipped_total``, ``boundaries``, ``micro_step``. Errors: ValueError/TypeError for bad arguments (named,
-    with the fix), RuntimeError for a call out of order."""
+    ``recompute``: blocks recomputed in backward, ``"auto"`` or names (:mod:`mixprec.memory.recompute`; old name
+    ``checkpoint``, deprecated); ``memory_budget``: ``"4GiB"`` or bytes the measured attention may spend on speed
+    (:mod:`mixprec.engine.memory_budget`). Public attributes: ``model`` (what to call), ``module`` (the user's
+    model), ``optimizer``, ``scheduler``, ``policy``, ``device``, ``strategy``, ``decision``, ``events``,
+    ``masters``, ``loss_scale``, ``applied_steps``, ``skipped_total``, ``boundaries``, ``micro_step``. Errors:
+    ValueError/TypeError for bad arguments (named, with the fix), RuntimeError for a call out of order."""
 
     def __init__(self, model: nn.Module, optimizer: torch.optim.Optimizer | None, policy: str | Policy = "auto", *,
                  device: str | torch.device | None = None, scheduler: Any = None,
                  max_grad_norm: float | None = None, accumulation_steps: int = 1, loss_scale: Any = None,
                  allow_fallback: bool = False, max_stuck_skips: int = 20, guard: Any = None,
-                 strategy: str | None = None, compile: bool | dict[str, Any] = False, checkpoint: Any = None,
-                 memory_budget: str | int | None = None) -> None:
-        check_args(model, max_grad_norm, accumulation_steps, checkpoint)
+                 strategy: str | None = None, compile: bool | dict[str, Any] = False, recompute: Any = None,
+                 memory_budget: str | int | None = None, checkpoint: Any = None) -> None:
+        recompute = check_args(model, max_grad_norm, accumulation_steps, recompute, checkpoint)
         self._budget = MemoryBudget(self, memory_budget)   # ValueError/TypeError before anything changes
         if optimizer is not None or scheduler is not None:
             check_optimizer(model, optimizer, scheduler)   # before anything changes
@@ -108,7 +108,7 @@ class MixedPrecision:
         self.decision = str(Decision(resolution.decision, (
             prepared.fp8_note, prepared.plan.note(), self._compile.note(self.policy), self.policy.scaling_note(),
             prepared.upcast_note, describe_kernels(self.policy, self.device.type), state_note, regions)))
-        self._recompute = RecomputeSetup(self, checkpoint, self._strategy, self._scope.rebuilds)   # blocks recomputed
+        self._recompute = RecomputeSetup(self, recompute, self._strategy, self._scope.rebuilds)   # blocks recomputed
         self._kernels = KernelAgreement(self._strategy, self.policy)   # every rank: rank 0's measured kernels
         self.decision += self._kernels.note + self._recompute.note + self._budget.note
         self.model = self._compile.apply(self._strategy.after_casts(model, self.policy, self.device))

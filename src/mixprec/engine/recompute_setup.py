@@ -1,6 +1,6 @@
-"""The engine's ``checkpoint=`` option: which blocks recompute in backward (:mod:`mixprec.memory.recompute`).
+"""The engine's ``recompute=`` option: which blocks recompute in backward (:mod:`mixprec.memory.recompute`).
 
-``checkpoint="blocks.*"`` (names or globs, ``"selective:..."`` to keep matmul outputs) wraps those blocks at
+``recompute="blocks.*"`` (names or globs, ``"selective:..."`` to keep matmul outputs) wraps those blocks at
 build; ``"auto"`` wraps the repeated blocks pending and measures each at its first training call (running it
 ``"full"``, the mode keeping least, until the plan is chosen); when the last one is measured it chooses every
 block's mode jointly (:func:`~mixprec.memory.recompute.choose_modes`: the fewest bytes at the step's peak within
@@ -10,7 +10,7 @@ one plan text), applies it from the next call on and records the plan as a ``"re
 decision. A block that has not run in training by the first step boundary after measuring started (layerdrop) is
 not measured: the plan is chosen there for the measured blocks, that one ``none`` (the decision names it). The plan
 is in ``mp.state_dict()["recompute"]`` and in the event log a checkpoint carries; loading either re-applies it as it
-was (never re-measured), the saved plan winning over the engine's own ``checkpoint=`` (a bit-exact resume): where
+was (never re-measured), the saved plan winning over the engine's own ``recompute=`` (a bit-exact resume): where
 the two differ, a warning and a ``"recompute-replaced"`` event name both.
 """
 
@@ -35,7 +35,7 @@ _MOST_SAVING_FIRST = ("full", "selective", "none")
 
 class RecomputeSetup:
     """Holds the request, the plan and the installed wrappers of one engine. ``note``: the decision clause (""
-    when off). ValueError/TypeError for a bad ``checkpoint=`` value (nothing changed); ValueError for ``"auto"``
+    when off). ValueError/TypeError for a bad ``recompute=`` value (nothing changed); ValueError for ``"auto"``
     where ``strategy`` cannot measure the blocks."""
 
     def __init__(self, mp: Engine, option: Any, strategy: SingleProcess,
@@ -96,7 +96,7 @@ class RecomputeSetup:
                         decision=_replace(self._mp.decision, before, self.note))
 
     def _replaced(self, plan: RecomputePlan) -> str:
-        """Empty when the loaded ``plan`` is what this engine's ``checkpoint=`` asks for, else a sentence naming
+        """Empty when the loaded ``plan`` is what this engine's ``recompute=`` asks for, else a sentence naming
         both."""
         asked = {"off": "None", "auto": repr(self.request.text), "named": repr(self.request.text)}[self.request.kind]
         same = (self.request.kind == "auto" and plan.request == self.request.text) or \
@@ -104,7 +104,7 @@ class RecomputeSetup:
         if same:
             return ""
         return (f"the loaded state's recompute plan {plan.request!r} ({plan.note().removeprefix('; ')}) replaces "
-                f"this engine's checkpoint={asked}: a resume runs the plan it was saved with (bit-exact); to run "
+                f"this engine's recompute={asked}: a resume runs the plan it was saved with (bit-exact); to run "
                 "another plan, load a state without its \"recompute\" entry and \"recompute\" events")
 
     def at_boundary(self) -> None:

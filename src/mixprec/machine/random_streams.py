@@ -1,6 +1,6 @@
 """The process's global random streams, forked around a measurement the engine runs inside a user's training.
 
-A measurement that runs the user's model (``auto``'s trial, ``checkpoint="auto"``'s block timings) draws from
+A measurement that runs the user's model (``auto``'s trial, ``recompute="auto"``'s block timings) draws from
 whatever streams the model draws from: torch's dropout, but also python's ``random`` and numpy's global
 generator (a LayerDrop written as ``random.uniform(0, 1) < p``, an augmentation in ``forward``). Inside
 :func:`forked_streams` it may draw freely: on exit every stream is where it was on entry, so the run's random

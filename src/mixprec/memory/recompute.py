@@ -54,7 +54,7 @@ __all__ = ["MODES", "BlockPlan", "RecomputePlan", "RecomputeRequest", "parse_req
 MODES = ("none", "selective", "full")
 DEFAULT_MAX_RATIO = 1.3   # at most 1.3x the step time without recompute
 _UNITS_PER_BLOCK = 64   # choose_modes: the time budget in 64 units per block (each extra time rounded up)
-_ARG = "checkpoint"
+_ARG = "recompute"
 _ALLOWED = ("None or 'none' (no recompute), 'auto' or 'auto:<max time ratio>' (e.g. 'auto:1.5'), a module name or glob "
             "('blocks.*'), or a list of them; prefix a name with 'selective:' to keep matmul outputs")
 
@@ -174,8 +174,8 @@ class RecomputeRequest:
 
 
 def parse_request(value: Any, arg: str = _ARG) -> RecomputeRequest:
-    """``MixedPrecision(checkpoint=value)`` as a :class:`RecomputeRequest`. ValueError/TypeError naming the
-    argument (``arg``: ``"checkpoint"``, the CLI's ``"--recompute"``), the value and what is allowed."""
+    """``MixedPrecision(recompute=value)`` as a :class:`RecomputeRequest`. ValueError/TypeError naming the
+    argument (``arg``: ``"recompute"``, the CLI's ``"--recompute"``), the value and what is allowed."""
     if value is None or value is False or value == "none":
         return RecomputeRequest("off")
     if isinstance(value, str) and (value == "auto" or value.startswith("auto:")):

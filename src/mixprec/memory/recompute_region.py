@@ -47,7 +47,7 @@ def region_forward(forward: Callable[..., Any], block: nn.Module, name: str, mod
     copies, so running statistics are updated once per forward, as without recompute (torch's checkpoint updates
     them again in each recompute, pytorch/pytorch#96136; the recompute writing into copies is chainer-compiler's
     fix). Keeps a copy of only the buffers the forward wrote. A second backward through a selective region (a
-    gradient penalty) raises a RuntimeError naming ``checkpoint=``, the block and the fix."""
+    gradient penalty) raises a RuntimeError naming ``recompute=``, the block and the fix."""
     owned = _buffers(block)
     read: list[torch.Tensor] = []
     forwarded = False
@@ -73,7 +73,7 @@ def region_forward(forward: Callable[..., Any], block: nn.Module, name: str, mod
 
 def _twice(name: str) -> str:
     group = f"{name.rsplit('.', 1)[0]}.*" if "." in name else name
-    return (f"checkpoint: block {name!r} recomputes selectively ('selective', named or chosen by 'auto'), and a "
+    return (f"recompute: block {name!r} recomputes selectively ('selective', named or chosen by 'auto'), and a "
             "second backward reached it (a gradient penalty: torch.autograd.grad(..., create_graph=True), then "
             "backward through that gradient); torch's selective activation checkpoint allows one backward per forward. "
-            f"Fix: checkpoint={group!r} (whole-block recompute supports double backward) or checkpoint=None")
+            f"Fix: recompute={group!r} (whole-block recompute supports double backward) or recompute=None")

@@ -173,7 +173,7 @@ def _add_bench_parser(sub: argparse._SubParsersAction, presets: str) -> None:
                        "results.json and loss_curves.png; default: steps // 10; 0: only the final eval)")
     bench.add_argument("--recompute", default=None, metavar="PLAN",
                        help="the recompute plan of the rows named <policy>+recompute in --policies (e.g. "
-                       "--policies bf16-lean,bf16-lean+recompute): MixedPrecision(checkpoint=PLAN), 'auto' (default: "
+                       "--policies bf16-lean,bf16-lean+recompute): MixedPrecision(recompute=PLAN), 'auto' (default: "
                        "each block measured, none/selective/full recompute chosen jointly, the blocks at most 1.3x "
                        "their time), 'auto:1.5', or module names/globs ('blocks.*', 'selective:blocks.*'), checked "
                        "against the model before training; without a +recompute row it is refused (exit 2)")
@@ -216,7 +216,7 @@ def _add_train_parser(sub: argparse._SubParsersAction, presets: str) -> None:
                        "-m mixprec train --strategy ddp --out DIR ...`; each rank takes every N-th batch, so the "
                        "global batch is N x the workload's (default: one process)")
     train.add_argument("--recompute", default=None, metavar="PLAN",
-                       help="recompute blocks in backward to save activation memory (MixedPrecision checkpoint=): "
+                       help="recompute blocks in backward to save activation memory (MixedPrecision recompute=): "
                        "'auto' (each block measured: none, selective or whole-block recompute, the blocks at most 1.3x "
                        "their time; 'auto:1.5' another bound), or module names/globs, comma-separated ('blocks.*', "
                        "'selective:blocks.*')")
@@ -301,16 +301,16 @@ def _cmd_train(args: argparse.Namespace, command: str) -> int:
                                resume=args.resume, device=args.device, guard=args.guard, command=command,
                                workload_spec=args.workload, strategy=args.strategy, ema=args.ema,
                                compile=args.compile, recompute=recompute)
-    except ValueError as err:   # the engine's glob check (checkpoint=...): say it as the flag the user typed
-        if recompute is None or not str(err).startswith("checkpoint: "):
+    except ValueError as err:   # the engine's glob check (recompute=...): say it as the flag the user typed
+        if recompute is None or not str(err).startswith("recompute: "):
             raise
-        raise ValueError(f"--recompute {args.recompute!r}: {str(err).removeprefix('checkpoint: ')}") from None
+        raise ValueError(f"--recompute {args.recompute!r}: {str(err).removeprefix('recompute: ')}") from None
     return outcome.status
 
 
 def _recompute_arg(value: str | None) -> str | list[str] | None:
     """``--recompute``: "auto..." as it is, else the comma-separated module names/globs as a list. ValueError or
-    TypeError naming ``--recompute`` for a value the engine's ``checkpoint=`` refuses."""
+    TypeError naming ``--recompute`` for a value the engine's ``recompute=`` refuses."""
     from mixprec.memory.recompute import parse_request
 
     if value is None:

@@ -65,7 +65,7 @@ def precision_optimizer(optimizer: torch.optim.Optimizer, policy: Policy) -> tor
 
 def build_engine(workload: Workload, policy: str, *, steps: int, seed: int, device: str | None = None,
                  strategy: str | None = None, compile: bool = False, guard: Any = None,
-                 checkpoint: Any = None) -> MixedPrecision:
+                 recompute: Any = None) -> MixedPrecision:
     """Seed torch, build the workload's model, optimizer and schedule, and wrap them in the engine.
 
     ``policy`` is passed to :class:`~mixprec.MixedPrecision` as given (``"auto"`` keeps its
@@ -79,7 +79,7 @@ def build_engine(workload: Workload, policy: str, *, steps: int, seed: int, devi
     scheduler = workload.make_scheduler(optimizer, steps)
     return MixedPrecision(model, optimizer, policy=policy, device=device, scheduler=scheduler,
                           max_grad_norm=workload.max_grad_norm, guard=guard, strategy=strategy, compile=compile,
-                          checkpoint=checkpoint)
+                          recompute=recompute)
 
 
 def train_step(mp: StepCalls, workload: Workload, batch: dict,

@@ -233,7 +233,7 @@ def run_training(workload: Any, *, policy: str = "auto", steps: int, out: str | 
         compile: ``MixedPrecision(..., compile=True)`` (torch.compile, inductor; not with ``strategy``).
             The compilation runs in the first step: its ``step_time_ms`` includes it, and the first
             evaluation compiles the no-grad forward.
-        recompute: ``MixedPrecision(..., checkpoint=recompute)``: None, ``"auto"`` (each block measured in the
+        recompute: ``MixedPrecision(..., recompute=recompute)``: None, ``"auto"`` (each block measured in the
             first step; the plan is printed at the end and carried by the checkpoints) or block names/globs.
 
     Returns:
@@ -264,7 +264,7 @@ def train(workload: Any, config: TrainConfig) -> TrainOutcome:
                          "it, or choose another --out")
     config.out.mkdir(parents=True, exist_ok=True)
     mp = build_engine(workload, config.policy, steps=config.steps, seed=config.seed, device=config.device,
-                      strategy=config.strategy, compile=config.compile, checkpoint=config.recompute,
+                      strategy=config.strategy, compile=config.compile, recompute=config.recompute,
                       guard=Guard(loss_fn=workload.loss) if config.guard else None)
     averager = None if config.ema is None else EMA(mp, decay=config.ema)
     run = _Run(workload, config, mp, averager)
@@ -486,7 +486,7 @@ def _finish(run: _Run, step: int, stopped: str | None) -> TrainOutcome:
         print(f"training state: {run.state['per_param']:.2f} bytes/param on rank {run.state['rank']} of "
               f"{run.state['world_size']} (measured from its tensors at step {run.state['step']})")
     print("".join(f"op plan: {line}\n" for line in op_plan.summary(mp.device.type, policy=mp.policy)), end="")
-    plans = [e.get("detail") for e in mp.events if e.get("kind") == "recompute"]   # checkpoint="auto": measured
+    plans = [e.get("detail") for e in mp.events if e.get("kind") == "recompute"]   # recompute="auto": measured
     print("".join(f"{RecomputePlan.from_text(plan).text(readable=True)}\n" for plan in plans[-1:]), end="")
     if config.strategy is None and mp.frozen_names():   # LoRA / partly frozen: the trained params alone, small
         from safetensors.torch import save_file

@@ -56,7 +56,7 @@ TIMING_MALLOC_ENV = {"MALLOC_MMAP_THRESHOLD_": str(256 * 2**20), "MALLOC_TRIM_TH
 def serve(spec: RunSpec) -> int:
     """The worker side (``python -m mixprec.programs.bench --serve SPEC_JSON``): build the policy's engine (or the peer's
     loop: :func:`~mixprec.programs.bench.peer.build_trainee`) as its quality run did (a recompute row's
-    ``spec.checkpoint`` names the plan its quality run measured, block by block), print ``{"ready": ...}``, then for each
+    ``spec.recompute`` names the plan its quality run measured, block by block), print ``{"ready": ...}``, then for each
     stdin line ``{"steps": k, "untimed": u}`` train u untimed and k timed steps and print ``{"times_ms": [...]}``;
     ``{"plan": true}``: what it planned; ``{"profile": true}``: a profiled window (:func:`_profile`); ``{"quit": true}``
     or end of input stops it. Returns the exit status."""

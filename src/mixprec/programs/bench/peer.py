@@ -169,7 +169,7 @@ def build_trainee(workload: Workload, spec: RunSpec) -> Trainee:
         return AutocastPeer(workload, dtype=_DTYPES[spec.autocast_dtype], steps=max(spec.steps, 1), seed=spec.seed,
                             device=spec.device)
     return build_engine(workload, spec.policy, steps=max(spec.steps, 1), seed=spec.seed, device=spec.device,
-                        strategy=spec.strategy, compile=spec.compile, checkpoint=spec.checkpoint)
+                        strategy=spec.strategy, compile=spec.compile, recompute=spec.recompute)
 
 
 @dataclass(frozen=True)

@@ -1,7 +1,7 @@
 """Recompute rows: a policy trained with the engine's recompute plan, as a row of its own next to the same policy.
 
 ``mixprec bench --policies fp32,bf16-lean,bf16-lean+recompute`` asks for the row ``bf16-lean+recompute``: policy
-``bf16-lean`` trained by ``MixedPrecision(..., checkpoint=PLAN)`` (:mod:`mixprec.memory.recompute`), PLAN the
+``bf16-lean`` trained by ``MixedPrecision(..., recompute=PLAN)`` (:mod:`mixprec.memory.recompute`), PLAN the
 bench's ``--recompute`` (default ``"auto"``: each repeated block measured at its first training call, none /
 selective / full recompute chosen jointly, the blocks within 1.3x their time). The row is judged like any other
 (quality against fp32, the same gate; its own step time and memory figures). results.json adds to every row ``recompute`` (the option
@@ -43,7 +43,7 @@ def split_row(name: str) -> tuple[str, bool]:
 
 
 def recompute_option(text: str) -> str | list[str]:
-    """``--recompute`` text as the engine's ``checkpoint=`` value: ``"auto"``/``"auto:1.5"`` as given, else the
+    """``--recompute`` text as the engine's ``recompute=`` value: ``"auto"``/``"auto:1.5"`` as given, else the
     comma-separated module names or globs (``"selective:blocks.*"``) as a list. ValueError/TypeError naming the
     value and what is allowed (:func:`mixprec.memory.recompute.parse_request`)."""
     if not isinstance(text, str) or not text.strip():
@@ -72,7 +72,7 @@ def check_recompute_rows(text: str | None, policies: tuple[str, ...]) -> None:
 def check_plan_fits(config: Any) -> None:
     """ValueError unless the named blocks of a :class:`~mixprec.programs.bench.runner.BenchConfig`'s ``recompute``
     (None or ``"auto..."`` fit any model) match modules of its workload's model (built on the meta device: nothing
-    allocated, the RNG untouched), as ``MixedPrecision(checkpoint=...)`` would match them at build."""
+    allocated, the RNG untouched), as ``MixedPrecision(recompute=...)`` would match them at build."""
     text = config.recompute or DEFAULT_RECOMPUTE
     request = parse_request(recompute_option(text))
     if request.kind != "named":
@@ -88,7 +88,7 @@ def check_plan_fits(config: Any) -> None:
 
 def plan_of(mp: MixedPrecision) -> dict[str, Any] | None:
     """The recompute plan ``mp`` ran (its last ``"recompute"`` event) as results.json's ``recompute_plan``; None
-    when it recorded none (no ``checkpoint=``)."""
+    when it recorded none (no ``recompute=``)."""
     texts = [Event.of(e).detail for e in mp.events if Event.of(e).kind == "recompute"]
     if not texts:
         return None
@@ -136,7 +136,7 @@ def recompute_lines(results: dict) -> list[str]:
     rows = [(n, e) for n, e in policies.items() if split_row(n)[1]]
     if not rows:
         return []
-    lines = [f"recompute rows (`<policy>{RECOMPUTE_SUFFIX}`: MixedPrecision(checkpoint={results['settings'].get('recompute')!r}); "
+    lines = [f"recompute rows (`<policy>{RECOMPUTE_SUFFIX}`: MixedPrecision(recompute={results['settings'].get('recompute')!r}); "
              "saved bytes do not see what a selective block keeps inside, peak live bytes do):"]
     for name, e in rows:
         base = split_row(name)[0]

@@ -96,7 +96,7 @@ class BenchConfig:
     ``eval_every``: every policy also measures its validation loss after every K-th step (its ``eval_curve``);
     None: :func:`eval_every_for` (about ten points), 0: only the final eval. ``memory_budget`` (``"4GiB"``):
     each policy also reports the largest batch whose peak live tensor bytes fit it (None: not measured).
-    ``recompute``: the engine's ``checkpoint=`` for the ``<policy>+recompute`` rows named in ``policies``
+    ``recompute``: the engine's ``recompute=`` for the ``<policy>+recompute`` rows named in ``policies``
     (:mod:`mixprec.programs.bench.recompute_rows`; ``"auto"`` (None), ``"auto:1.5"``, ``"blocks.*"``, ...; refused
     without such a row, and at :func:`run_bench` before any training when it names blocks the model lacks).
     ``peer``: also train and time the plain-``torch.autocast`` loop a user would write instead, as the row
@@ -355,7 +355,7 @@ class _Run:
                        warmup_steps=self.warmup_steps, peaks_gflops=self.peaks_gflops, strategy=config.strategy,
                        compile=compiled, eval_every=self.eval_every, op_plan=pinned_for(self.op_plan, name),
                        memory_budget=config.memory_budget,
-                       checkpoint=recompute_option(config.recompute or DEFAULT_RECOMPUTE) if recomputed else None,
+                       recompute=recompute_option(config.recompute or DEFAULT_RECOMPUTE) if recomputed else None,
                        autocast_dtype=self.peer.autocast_dtype(name) if self.peer else None)
 
 

@@ -26,7 +26,7 @@ class RunSpec:
     :mod:`mixprec.programs.bench.pinned_plan`), pinned before the engine is built; empty: the worker plans itself.
     ``memory_budget`` (``"4GiB"``): also the largest batch whose predicted peak live bytes fit it
     (:func:`mixprec.programs.bench.step_memory.measure_batch_budget`); None: not measured.
-    ``checkpoint``: the engine's recompute option (``MixedPrecision(checkpoint=...)``: ``"auto"``, names), None:
+    ``recompute``: the engine's recompute option (``MixedPrecision(recompute=...)``: ``"auto"``, names), None:
     none; the row then carries the plan its engine ran (:mod:`mixprec.programs.bench.recompute_rows`).
     ``autocast_dtype`` (``"bfloat16"``, ``"float16"``): set on the plain-autocast peer's spec only (``policy`` is then
     :data:`mixprec.programs.bench.peer.PEER`): the dtype its ``torch.autocast`` runs in, decided by the runner.
@@ -48,7 +48,7 @@ class RunSpec:
     eval_every: int = 0
     op_plan: dict[str, str] = field(default_factory=dict)
     memory_budget: str | None = None
-    checkpoint: str | list[str] | None = None
+    recompute: str | list[str] | None = None
     autocast_dtype: str | None = None
 
     def __post_init__(self) -> None:

@@ -145,7 +145,7 @@ class Training:
         eval_metrics = evaluate(mp, workload)
         self.record.eval_curve.append([spec.steps, _finite_or_none(eval_metrics["loss"])])
         row = _policy_run(mp, workload, spec, self.record, eval_metrics, self._start_wall)   # before the memory steps
-        if spec.checkpoint is not None:
+        if spec.recompute is not None:
             row = dataclasses.replace(row, recompute_plan=plan_of(mp))
         batch = next(shard_batches(workload.batches("train", spec.seed)))
         row = dataclasses.replace(row, **row_memory(mp, workload, batch, seed=spec.seed, budget=spec.memory_budget))
