@@ -4,8 +4,8 @@ Both loops train the same GPT workload from the same seed on the same batches: f
 autocast, backward, global-norm clipping, AdamW, LR scheduler, zero_grad (plus a GradScaler in
 the hand loop for fp16). The hand loop makes the engine's op choices: CUDA's autocast op lists
 (``portable_ops``), the measured attention kernel (``planned_kernels``) and, under bf16, norm inputs saved in
-bf16 with weight copies and GELU outputs rebuilt in backward (``saved_in_compute``, ``rebuild_saved``: the engine's
-``saved=compute``; without them the ratio counted those memory features' work as overhead). The two run interleaved in blocks so that machine drift hits both.
+bf16 (``saved_in_compute``: the engine's ``saved=compute``; without it the ratio counted that memory feature's
+casts as overhead). The two run interleaved in blocks so that machine drift hits both.
 Reports the median step time of each (ms, after warm-up) and their ratio from this one run.
 
 Under a ``-pure`` policy the hand loop is the same ``torch.autocast`` loop in the compute dtype over fp32
@@ -32,7 +32,6 @@ from mixprec.programs.bench.measure import time_steps
 from mixprec.autocast.op_plan import planned_kernels
 from mixprec.autocast.portable import portable_ops
 from mixprec.autocast.saved_dtype import saved_in_compute
-from mixprec.autocast.saved_rebuilds import rebuild_saved
 from mixprec.workloads import get_workload
 
 
@@ -47,12 +46,9 @@ def _hand_loop(workload, dtype, device):
     def step():
         batch = {k: v.to(device) for k, v in next(batches).items()}
         # the same op choices as the engine's defaults: ops=portable, kernels=measured (mixprec.autocast.op_plan),
-        # saved=compute (norm inputs kept in bf16 for backward: mixprec.autocast.saved_dtype; weight copies cast and
-        # GELU outputs computed again in backward: mixprec.autocast.saved_rebuilds)
-        bf16 = dtype == torch.bfloat16
+        # saved=compute (norm inputs kept in bf16 for backward: mixprec.autocast.saved_dtype)
         with torch.autocast(device.type, dtype=dtype, enabled=dtype != torch.float32), portable_ops(device.type), \
-                planned_kernels(device.type), saved_in_compute(device.type, enabled=bf16), \
-                rebuild_saved(model.parameters() if bf16 else (), weight_copies=bf16, activation_outputs=bf16):
+                planned_kernels(device.type), saved_in_compute(device.type, enabled=dtype == torch.bfloat16):
             loss = workload.loss(model, batch)
         scaler.scale(loss).backward()
         scaler.unscale_(opt)

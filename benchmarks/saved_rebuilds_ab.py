@@ -1,5 +1,5 @@
 """A/B: bf16-mixed at gpt/mid with saved=compute's backward rebuilds on and off, steps interleaved in one process:
-"on" (weight copies cast again, GELU outputs recomputed), "no-rerun" (GELU outputs kept), "off" (both kept). `python benchmarks/saved_rebuilds_ab.py [rounds]` prints
+"on" (saved=rebuild: weight copies cast again, GELU outputs recomputed), "no-rerun" (GELU outputs kept), "off" (both kept). `python benchmarks/saved_rebuilds_ab.py [rounds]` prints
 the median step ms per arm and the median per-round ratio against "off" with its p10-p90 (docs/policies.md)."""
 import statistics, sys, time, torch
 from mixprec.engine import autocast_scope
@@ -12,7 +12,7 @@ recasts, reruns = scope._recasts, scope._reruns
 arms = {"on": (recasts, reruns), "no-rerun": (recasts, lambda self: False),
         "off": (lambda self: False, lambda self: False)}
 wl = get_workload("gpt", config="mid")
-engines = {n: (build_engine(wl, "bf16-mixed", steps=400, seed=0, device="cpu"), wl.batches("train", 0)) for n in arms}
+engines = {n: (build_engine(wl, "bf16-mixed,saved=rebuild", steps=400, seed=0, device="cpu"), wl.batches("train", 0)) for n in arms}
 
 
 def step(name):

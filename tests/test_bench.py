@@ -991,7 +991,7 @@ def test_mfu_peak_and_report_say_where_each_peak_comes_from():
     rows = {"fp32": PolicyRun(gflops_per_s=43.0, mfu=0.2)}
     mfu_peak, rows = one_mfu_peak(rows, peaks)
     assert mfu_peak == {"dtype": "bf16", "gflops_per_s": 860.5, "n": 512, "measured_at": "2026-12-01T10:00:01Z",
-                        "measured_by_pid": 1, "torch": "2.13.0",
+                        "measured_by_pid": 1, "torch": "2.13.0", "unreliable": None,
                         "source": "cached: measured 2026-12-01T10:00:01Z by pid 1, torch 2.13.0"}
     assert rows["fp32"].mfu == pytest.approx(43.0 / 860.5) and rows["fp32"].mfu_own_dtype == 0.2
     env = peaks_environment(peaks)
@@ -1001,6 +1001,28 @@ def test_mfu_peak_and_report_say_where_each_peak_comes_from():
     line = peaks_line({"environment": env, "mfu_peak": mfu_peak})
     assert "fp32 202.7 at 128³ (cached: measured 2026-12-01T10:00:00Z by pid 1, torch 2.13.0)" in line
     assert "MFU is against bf16's 860.5 (cached: measured 2026-12-01T10:00:01Z by pid 1, torch 2.13.0)." in line
+
+
+def test_a_peak_below_what_a_row_achieved_gives_no_mfu_and_says_why():
+    """A busy machine's peak (fp32 1.4 GFLOP/s, bf16 89.7) put a row at 8455 % of it; a peak below an achieved
+    rate is no peak: MFU is not shown, results.json and report.md say why, and the step profile's share too."""
+    from mixprec.machine.matmul import MatmulPeak
+    from mixprec.programs.bench.mfu import one_mfu_peak, peaks_environment
+    from mixprec.programs.bench.report import peaks_line
+    from mixprec.programs.bench.step_profile import step_profile_lines
+    peaks = {"fp32": MatmulPeak("fp32", 1.4, 256), "bf16": MatmulPeak("bf16", 89.7, 1024)}
+    rows = {"fp32": PolicyRun(gflops_per_s=120.0, mfu=85.7), "bf16-mixed": PolicyRun(gflops_per_s=60.0, mfu=0.67)}
+    mfu_peak, rows = one_mfu_peak(rows, peaks)
+    assert all(r.mfu is None and r.mfu_own_dtype is None for r in rows.values())
+    assert mfu_peak["unreliable"].startswith("fp32 achieved more than the measured peak: it was measured on a busy")
+    assert "**No MFU**: fp32 achieved more than the measured peak" in peaks_line(
+        {"environment": peaks_environment(peaks), "mfu_peak": mfu_peak})
+    cats = {c: {"ms": 1.0, "share": 0.1, "calls": 1} for c in ("matmul", "attention", "elementwise", "optimizer",
+                                                                 "casts", "python/other")}
+    profile = {"step_ms": 10.0, "categories": cats, "matmul_gflops_per_s": 120.4, "matmul_peak_dtype": "fp32",
+               "matmul_peak_gflops_per_s": 1.4, "matmul_of_peak": None}
+    (line,) = step_profile_lines({"policies": {"fp32": {"step_profile": profile}}})[1:]
+    assert line.endswith("matmul 120.4 GFLOP/s, above the fp32 1.4 peak (measured on a busy machine)")
 
 
 def test_cached_peaks_keep_when_and_by_whom_they_were_measured(tmp_path, monkeypatch):

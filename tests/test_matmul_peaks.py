@@ -56,3 +56,14 @@ def test_doctor_caches_the_peaks_it_measures_only_when_quiet(spread, tmp_path, m
     cpu = next(d for d in report["devices"] if d["device"] == "cpu")
     assert matmul.peaks_path(torch.device("cpu")).exists() == (spread < matmul.NOISY_SPREAD)
     assert (cpu["peaks_cache"] is None) == (spread > matmul.NOISY_SPREAD)
+
+
+def test_a_size_that_stops_growing_early_is_a_busy_machine_not_a_peak(monkeypatch):
+    """A steadily slow machine times evenly (spread 1.0) but stops the size early: fp32 at 128^3 taking 20 ms a
+    product (0.2 GFLOP/s) is marked noisy and not cached; fp16 stopping early is what slow fp16 kernels do."""
+    monkeypatch.setattr(matmul, "time_call", lambda call, device: 0.02)
+    fp32 = matmul.measure_matmul("fp32", "cpu")
+    assert (fp32.n, fp32.spread) == (128, 1.0) and fp32.noisy
+    assert fp32.note.startswith("noisy: the size stopped growing at n=128 (20.0 ms per product; a busy machine)")
+    assert not matmul.measure_matmul("fp16", "cpu").noisy
+    assert not matmul.measure_matmul("fp32", "cpu", n=128).noisy   # a size asked for is measured as asked

@@ -52,7 +52,7 @@ def _loss(mp: mixprec.MixedPrecision, ids: torch.Tensor) -> torch.Tensor:
     return torch.nn.functional.cross_entropy(logits.float().flatten(0, 1), ids.flatten())
 
 
-def _run(recast: bool, monkeypatch: pytest.MonkeyPatch, policy: str = "bf16-mixed", steps: int = 3,
+def _run(recast: bool, monkeypatch: pytest.MonkeyPatch, policy: str = "bf16-mixed,saved=rebuild", steps: int = 3,
          rerun: bool = True) -> dict:
     if not recast:   # the same engine with the recast off (what saved=compute did before)
         monkeypatch.setattr(autocast_scope.AutocastScope, "_recasts", lambda self: False)
@@ -83,7 +83,7 @@ def test_bf16_mixed_trains_bit_for_bit_as_before_and_saves_no_weight_copy(monkey
 
 
 def test_policies_without_fp32_weights_or_with_saved_fp32_are_unchanged(monkeypatch):
-    for policy in ("bf16-pure", "bf16-mixed,saved=fp32", "fp32"):
+    for policy in ("bf16-pure,saved=rebuild", "bf16-mixed", "bf16-mixed,saved=fp32", "fp32"):
         on, off = _run(True, monkeypatch, policy, steps=1), _run(False, monkeypatch, policy, steps=1)
         assert on["saved"] == off["saved"], policy
 
@@ -97,7 +97,7 @@ def test_a_gradient_penalty_through_the_recast_copies_equals_the_kept_ones(monke
             monkeypatch.setattr(autocast_scope.AutocastScope, "_recasts", lambda self: False)
         torch.manual_seed(0)
         model = nn.Sequential(nn.Linear(8, 32), nn.Tanh(), nn.Linear(32, 1))
-        mp = mixprec.MixedPrecision(model, torch.optim.SGD(model.parameters(), lr=0.1), policy="bf16-mixed")
+        mp = mixprec.MixedPrecision(model, torch.optim.SGD(model.parameters(), lr=0.1), policy="bf16-mixed,saved=rebuild")
         x = torch.randn(16, 8, generator=torch.Generator().manual_seed(2)).requires_grad_()
         with mp.autocast():
             out = mp.model(x).float()
@@ -112,7 +112,7 @@ def test_a_gradient_penalty_through_the_recast_copies_equals_the_kept_ones(monke
 def test_a_weight_changed_between_forward_and_backward_is_refused_not_read():
     torch.manual_seed(0)
     model = nn.Sequential(nn.Linear(8, 8), nn.Linear(8, 1))
-    mp = mixprec.MixedPrecision(model, torch.optim.SGD(model.parameters(), lr=0.1), policy="bf16-mixed")
+    mp = mixprec.MixedPrecision(model, torch.optim.SGD(model.parameters(), lr=0.1), policy="bf16-mixed,saved=rebuild")
     with mp.autocast():
         loss = mp.model(torch.randn(4, 8)).float().sum()
     with torch.no_grad():
@@ -179,7 +179,7 @@ def test_a_counter_opened_inside_mp_autocast_counts_what_training_keeps(monkeypa
             monkeypatch.setattr(autocast_scope.AutocastScope, "_recasts", lambda self: False)
         torch.manual_seed(0)
         model = _TiedNet()
-        mp = mixprec.MixedPrecision(model, torch.optim.AdamW(model.parameters(), lr=1e-2), policy="bf16-mixed")
+        mp = mixprec.MixedPrecision(model, torch.optim.AdamW(model.parameters(), lr=1e-2), policy="bf16-mixed,saved=rebuild")
         ids = torch.randint(0, 50, (4, 16), generator=torch.Generator().manual_seed(1))
         with mp.autocast(), SavedTensorCounter(exclude=list(mp.model.parameters())) as counter:
             logits = mp.model(ids)
@@ -192,13 +192,14 @@ def test_a_counter_opened_inside_mp_autocast_counts_what_training_keeps(monkeypa
 def test_gelu_outputs_are_recomputed_bit_for_bit_and_not_kept(monkeypatch):
     """_TiedNet's one GELU output (4 x 16 x 64 in bf16) is recomputed: the same losses and weights over 3 AdamW steps,
     8 KiB fewer bytes saved, under bf16-mixed and bf16-pure; fp32 (saved=fp32) keeps it."""
-    for policy in ("bf16-mixed", "bf16-pure"):
+    for policy in ("bf16-mixed,saved=rebuild", "bf16-pure,saved=rebuild"):
         on, off = _run(True, monkeypatch, policy), _run(True, monkeypatch, policy, rerun=False)
         assert all(torch.equal(a, b) for a, b in zip(on["losses"], off["losses"])), policy
         assert all(torch.equal(a, b) for a, b in zip(on["params"], off["params"])), policy
         assert off["saved"].total - on["saved"].total == 2 * 4 * 16 * 64, policy
-    on, off = _run(True, monkeypatch, "fp32", steps=1), _run(True, monkeypatch, "fp32", steps=1, rerun=False)
-    assert on["saved"] == off["saved"]
+    for policy in ("fp32", "bf16-mixed"):   # fp32 and the bf16 default (saved=compute) keep it
+        on, off = _run(True, monkeypatch, policy, steps=1), _run(True, monkeypatch, policy, steps=1, rerun=False)
+        assert on["saved"] == off["saved"], policy
 
 
 class _Mlps(nn.Module):
@@ -247,7 +248,7 @@ def test_a_gradient_penalty_through_recomputed_gelu_outputs_equals_the_kept_ones
             monkeypatch.setattr(autocast_scope.AutocastScope, "_reruns", lambda self: False)
         torch.manual_seed(0)
         model = nn.Sequential(nn.Linear(8, 32), nn.GELU(), nn.Linear(32, 1))
-        mp = mixprec.MixedPrecision(model, torch.optim.SGD(model.parameters(), lr=0.1), policy="bf16-mixed")
+        mp = mixprec.MixedPrecision(model, torch.optim.SGD(model.parameters(), lr=0.1), policy="bf16-mixed,saved=rebuild")
         x = torch.randn(16, 8, generator=torch.Generator().manual_seed(2)).requires_grad_()
         with mp.autocast():
             out = mp.model(x).float()
@@ -259,11 +260,12 @@ def test_a_gradient_penalty_through_recomputed_gelu_outputs_equals_the_kept_ones
     assert all(g.abs().sum() > 0 for g in grads[True][:3])
 
 
-@pytest.mark.parametrize("policy", ["bf16-mixed", "bf16-pure", "fp32"])
+@pytest.mark.parametrize("policy", ["bf16-mixed,saved=rebuild", "bf16-pure,saved=rebuild", "bf16-mixed", "fp32"])
 @pytest.mark.parametrize("written", ["kept", "gelu output"])
 def test_a_saved_activation_written_in_place_before_backward_raises_as_in_plain_torch(policy, written):
     """Torch checks a saved tensor's version at backward only when no saved-tensor hook is active; inside
-    mp.autocast() the rebuilds' hooks check it themselves, for kept tensors and recomputed outputs alike."""
+    mp.autocast() under saved=rebuild the rebuilds' hooks check it themselves, for kept tensors and recomputed
+    outputs alike (the default installs no hook: torch's own check)."""
     torch.manual_seed(0)
     model = nn.Sequential(nn.Linear(8, 16), nn.Linear(16, 16), nn.Linear(16, 1))
     mp = mixprec.MixedPrecision(model, torch.optim.SGD(model.parameters(), lr=0.1), policy=policy)
@@ -275,3 +277,19 @@ def test_a_saved_activation_written_in_place_before_backward_raises_as_in_plain_
         a.mul_(2.0)
     with pytest.raises(RuntimeError, match="modified by an inplace operation"):
         mp.backward(loss)
+
+
+def test_rebuild_is_opt_in_said_in_the_decision_and_bf16_only():
+    """The bf16 default (saved=compute) installs no saved-tensor hook (torch.func and checkpoint regions then work
+    as under plain autocast); saved=rebuild says what it rebuilds; fp16 compute refuses it by name."""
+    model = nn.Sequential(nn.Linear(8, 16), nn.GELU(), nn.Linear(16, 1))
+    default = mixprec.MixedPrecision(model, None, "bf16-mixed", device="cpu")
+    assert default.policy.saved == "compute" and "rebuilt" not in default.decision
+    with default.autocast():
+        assert torch._C._autograd._top_saved_tensors_default_hooks(False) is None
+    rebuild = mixprec.MixedPrecision(nn.Sequential(nn.Linear(8, 16), nn.GELU(), nn.Linear(16, 1)), None,
+                                     "bf16-mixed,saved=rebuild", device="cpu")
+    assert "; saved=rebuild: layer_norm and rms_norm compute in fp32" in rebuild.decision
+    assert "; weight copies and gelu/silu outputs are not kept for backward but rebuilt there" in rebuild.decision
+    with pytest.raises(ValueError, match=r"saved='rebuild' with compute=fp16"):
+        mixprec.Policy.parse("fp16-mixed,saved=rebuild")

@@ -209,7 +209,11 @@ def describe(saved: str, device_type: str, *, compute_dtype: torch.dtype, ops: s
     if saved == "fp32":
         return "; saved=fp32: norms computed in fp32 save their fp32 input for backward (as torch.autocast)"
     if ops == "native" and device_type != "cuda":
-        return (f"; saved=compute has no effect under ops=native on {device_type}: its own autocast lists leave "
+        return (f"; saved={saved} has no effect under ops=native on {device_type}: its own autocast lists leave "
                 "the norms in their input dtype")
-    return ("; saved=compute: layer_norm and rms_norm compute in fp32 and save their input for backward in bf16 "
-            "(with fp32 row statistics)")
+    words = ("; saved=compute: layer_norm and rms_norm compute in fp32 and save their input for backward in bf16 "
+             "(with fp32 row statistics)")
+    if saved == "rebuild":
+        words = words.replace("saved=compute", "saved=rebuild") + (
+            "; weight copies and gelu/silu outputs are not kept for backward but rebuilt there (same bits)")
+    return words

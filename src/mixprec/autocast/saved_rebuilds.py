@@ -1,4 +1,4 @@
-"""Saved tensors rebuilt in backward instead of kept: autocast's weight copies and activation outputs.
+"""Saved tensors rebuilt in backward instead of kept: autocast's weight copies and activation outputs (opt-in).
 
 Two kinds of tensor that autograd saves for backward are cheap to make again from what it keeps anyway:
 
@@ -17,6 +17,22 @@ Two kinds of tensor that autograd saves for backward are cheap to make again fro
 Numerics: a cast, or an elementwise op, of the same input in the same dtype gives the same bits, so every gradient
 is unchanged (the tests compare with runs that keep them, bit for bit). Double backward (gradient penalties) works:
 torch gives an unpacked tensor the saved one's autograd history.
+
+Entered by ``mp.autocast()`` under the policy option ``saved=rebuild`` only (opt-in: ``saved=compute``, the bf16
+default, installs no saved-tensor hook). Its limits, each a reason it is not the default:
+
+* ``torch.func`` transforms (``grad``, ``vmap(grad)``, ``jacrev``) refuse to run under any saved-tensor hook;
+* a GELU/SiLU output made inside a ``torch.utils.checkpoint`` region and saved outside it (a region ending in the
+  activation: the engine's ``recompute=`` on blocks that end in one) fails at backward (the region's hooks allow one
+  unpack of the activation's input, and the rebuild is a second);
+* a GELU/SiLU output saved by two heads backpropagated in two separate ``backward()`` calls (without
+  ``retain_graph``): the second cannot rebuild it (the first freed the activation's input);
+* a parameter written in place inside one ``mp.autocast()`` block between two calls of a submodule (not the
+  model: the engine drops the stale cast before each model forward) is read as written, not as autocast's cached
+  copy.
+
+A tensor rebuilt is one not written in place since it was made (version 0 when saved); one written under
+``no_grad`` before it is saved is kept as it is. A ``.data`` write is invisible to version counters, as for torch.
 
 Hooks: ``saved_tensors_hooks`` apply only at the top of their stack, so :func:`rebuild_saved` composes with the
 hooks around it (a user's ``save_on_cpu``, :class:`~mixprec.memory.saved.SavedTensorCounter`): every other tensor
@@ -57,7 +73,9 @@ def _modified(tensor: torch.Tensor, saved: int, current: int) -> RuntimeError:
 
 @dataclass(frozen=True)
 class _Kept:
-    """A tensor kept as it is, with its version when saved (checked at unpack)."""
+    """A tensor kept as it is (detached: holding its autograd history here would make a reference cycle through
+    the graph that Python's collector cannot free), with its version when saved (checked at unpack; a detached
+    tensor shares the version counter)."""
 
     tensor: torch.Tensor
     version: int
@@ -126,7 +144,7 @@ def _weight_copy(tensor: torch.Tensor, params: dict[int, torch.Tensor]) -> _Reca
     if param is None or params.get(id(param)) is not param:
         return None
     if (base.dtype == param.dtype or base.device != param.device or base.shape != param.shape
-            or base.stride() != param.stride() or base.storage_offset() != 0):
+            or base.stride() != param.stride() or base.storage_offset() != 0 or base._version != 0):
         return None
     return _Recast(param, tensor.dtype, tuple(tensor.shape), tuple(tensor.stride()), tensor.storage_offset(),
                    param._version)
@@ -137,7 +155,7 @@ def _activation_output(tensor: torch.Tensor) -> _Rerun | None:
     base = _base(tensor)
     node = base.grad_fn
     if node is None or type(node).__name__ not in RERUN_OPS or base.storage_offset() != 0 \
-            or base.layout != torch.strided or not base.is_contiguous():
+            or base.layout != torch.strided or not base.is_contiguous() or base._version != 0:
         return None
     return _Rerun(node, weakref.ref(base), base._version, tuple(tensor.shape), tuple(tensor.stride()),
                   tensor.storage_offset())
@@ -165,7 +183,7 @@ def rebuild_saved(params: Iterable[torch.Tensor] = (), *, weight_copies: bool = 
             return packed
         if outer_pack is not None:
             return (outer_pack(tensor),)
-        return tensor if tensor.is_inference() else _Kept(tensor, tensor._version)
+        return tensor if tensor.is_inference() else _Kept(tensor.detach(), tensor._version)
 
     def unpack(packed: Any) -> torch.Tensor:
         if isinstance(packed, (_Kept, _Recast, _Rerun)):

@@ -120,16 +120,16 @@ class AutocastScope:
 
     def _recasts(self) -> bool:
         """Whether autocast's 16-bit weight copies are cast again in backward instead of kept
-        (:mod:`mixprec.autocast.saved_rebuilds`): ``saved=compute`` over fp32 params under a 16-bit compute dtype,
+        (:mod:`mixprec.autocast.saved_rebuilds`): ``saved=rebuild`` over fp32 params under a 16-bit compute dtype,
         eager, not under FSDP2 (whose unsharded params are not the engine's)."""
         policy = self.owner.policy
-        return (policy.saved == "compute" and policy.is_mixed and policy.param_dtype == torch.float32
+        return (policy.saved == "rebuild" and policy.is_mixed and policy.param_dtype == torch.float32
                 and self.owner.strategy != "fsdp2" and not torch.compiler.is_compiling())
 
     def _reruns(self) -> bool:
         """Whether saved ``gelu``/``silu`` outputs are recomputed in backward from their saved input instead of kept
-        (:mod:`mixprec.autocast.saved_rebuilds`): ``saved=compute``, eager."""
-        return self.owner.policy.saved == "compute" and not torch.compiler.is_compiling()
+        (:mod:`mixprec.autocast.saved_rebuilds`): ``saved=rebuild``, eager."""
+        return self.owner.policy.saved == "rebuild" and not torch.compiler.is_compiling()
 
     def hold(self, tensor: torch.Tensor) -> torch.Tensor:
         """``tensor``, its backward passes holding the policy's op lists (``scale_loss``, ``backward``; a traced
@@ -167,7 +167,7 @@ class AutocastScope:
 def _op_lists(policy: Any, device_type: str) -> Iterator[None]:
     with portable_ops(device_type, enabled=policy.ops == "portable"), \
             planned_kernels(device_type, enabled=policy.kernels == "measured"), \
-            saved_in_compute(device_type, enabled=policy.saved == "compute"):
+            saved_in_compute(device_type, enabled=policy.saved in ("compute", "rebuild")):
         yield
 
 

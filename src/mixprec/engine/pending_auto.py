@@ -263,7 +263,7 @@ class PendingAuto:
                 stack.enter_context(portable_ops(mp.device.type, enabled=policy.ops == "portable"))
                 stack.enter_context(eager_dtypes(policy))
                 stack.enter_context(planned_kernels(mp.device.type, enabled=policy.kernels == "measured"))
-                stack.enter_context(saved_in_compute(mp.device.type, enabled=policy.saved == "compute"))
+                stack.enter_context(saved_in_compute(mp.device.type, enabled=policy.saved in ("compute", "rebuild")))
             if mp.guard is not None and hasattr(mp.guard, "take_snapshot"):
                 mp.guard.take_snapshot(mp)   # its snapshot holds the fp32 build
             decision = Decision(text, (describe_ops(policy.ops, mp.device.type, mixed=policy.is_mixed),

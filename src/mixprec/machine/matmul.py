@@ -46,6 +46,7 @@ _CPU_FLAGS = ("avx2", "fma", "avx512f", "avx512_bf16", "avx512_fp16", "avx512_vn
 _MAX_N = {"cpu": 2048, "mps": 4096, "cuda": 8192}        # largest square matmul measured
 _BUDGET_S = {"cpu": 0.6, "mps": 0.5, "cuda": 0.5}       # time budget per dtype (seconds)
 NOISY_SPREAD = 1.5   # slowest / fastest timed product above which a peak is not cached (as the op plan's rule)
+_GROWS_ON_CPU = {"fp32": 512, "bf16": 512}   # sizes any CPU's fp32/bf16 matmul passes within the budget when idle
 
 
 @dataclass(frozen=True)
@@ -72,8 +73,9 @@ class MatmulPeak:
 
     @property
     def noisy(self) -> bool:
-        """True when ``spread`` exceeds :data:`NOISY_SPREAD` (a busy machine): not cached."""
-        return self.spread is not None and self.spread > NOISY_SPREAD
+        """True when ``spread`` exceeds :data:`NOISY_SPREAD`, or the note says the size stopped growing too early
+        (both: a busy machine): not cached."""
+        return (self.spread is not None and self.spread > NOISY_SPREAD) or self.note.startswith("noisy")
 
 
 def peak_origin(peak: MatmulPeak) -> str:
@@ -146,6 +148,11 @@ def measure_matmul(dtype_name: str, device: torch.device | str = "cpu", *, budge
         return MatmulPeak(dtype_name, None, note=f"{type(err).__name__}: {str(err).splitlines()[0][:200]}", **stamp)
     spread = round(max(times_s) / max(min(times_s), 1e-12), 3)
     note = f"noisy: timed products spread {spread:.2f}x (a busy machine); not cached" if spread > NOISY_SPREAD else ""
+    if not note and device.type == "cpu" and dtype_name in _GROWS_ON_CPU and n < _GROWS_ON_CPU[dtype_name] < max_n:
+        # a steadily slow machine times evenly (no spread) but stops the size early: 256^3 in fp32 taking 20 ms is
+        # under 2 GFLOP/s, no CPU's peak
+        note = (f"noisy: the size stopped growing at n={n} ({one_s * 1e3:.1f} ms per product; a busy machine); "
+                "not cached")
     return MatmulPeak(dtype_name, round(2 * n**3 / median_s / 1e9, 3), n, round(median_s * 1e3, 4), note=note,
                       spread=spread, **stamp)
 

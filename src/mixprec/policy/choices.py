@@ -30,7 +30,7 @@ FP8_RECIPES = ("tensorwise", "rowwise", "delayed")
 FP8_FORMATS = ("hybrid", "e4m3")
 OPS_MODES = ("portable", "native")     # mixprec.autocast.portable: which autocast op lists mp.autocast() uses
 KERNEL_MODES = ("measured", "native")  # mixprec.autocast.op_plan: whether mp.autocast() runs the measured op plan
-SAVED_MODES = ("compute", "fp32")      # mixprec.autocast.saved_dtype: what fp32-computed norms save for backward
+SAVED_MODES = ("compute", "rebuild", "fp32")   # mixprec.autocast.saved_dtype (+ saved_rebuilds for "rebuild")
 _COMPUTE_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
 _HALF_DTYPES = (torch.bfloat16, torch.float16)
 

@@ -114,12 +114,12 @@ class Policy:
             ``"compute"`` its input rounded to bf16 plus fp32 row statistics (the output is unchanged; the
             gradient moves within bf16's rounding of the input, exactly nothing where the input is bf16), or
             ``"fp32"`` its fp32 input, as ``torch.autocast`` (:mod:`mixprec.autocast.saved_dtype`); under
-            ``"compute"`` autocast's bf16 copies of fp32 weights and the outputs of ``gelu``/``silu`` are not kept
-            either: the backward casts / computes them again, to the same bits
-            (:mod:`mixprec.autocast.saved_rebuilds`). Default
+            ``"rebuild"`` (opt-in) norms as ``"compute"``, and autocast's bf16 copies of fp32 weights and the outputs
+            of ``gelu``/``silu`` are not kept either: the backward casts / computes them again, to the same bits
+            (:mod:`mixprec.autocast.saved_rebuilds`; its limits there). Default
             ``"auto"``: ``"compute"`` under bf16 compute, else ``"fp32"``; resolved at construction, and
             re-resolved by ``parse`` and :meth:`replace` when they change the compute dtype and leave it unset.
-            ``"compute"`` needs bf16 compute.
+            ``"compute"`` and ``"rebuild"`` need bf16 compute.
 
     Raises:
         ValueError: an inconsistent combination, naming the field, the value and the fix.
@@ -227,8 +227,8 @@ class Policy:
             raise ValueError(f"Policy kernels={self.kernels!r} is not allowed; choose one of {KERNEL_MODES}")
         if self.saved not in SAVED_MODES:
             raise ValueError(f"Policy saved={self.saved!r} is not allowed; choose one of {SAVED_MODES}")
-        if self.saved == "compute" and self.compute_dtype != torch.bfloat16:
-            raise ValueError(f"Policy saved='compute' with compute={_dtype_name(self.compute_dtype)}: saving norm inputs "
+        if self.saved in ("compute", "rebuild") and self.compute_dtype != torch.bfloat16:
+            raise ValueError(f"Policy saved={self.saved!r} with compute={_dtype_name(self.compute_dtype)}: saving norm inputs "
                              "in the compute dtype is offered under bf16 compute only (fp16's range, 65504, cannot hold "
                              "every fp32 norm input; fp32 has nothing lower to save); set saved=fp32 or compute=bf16")
 

@@ -110,7 +110,8 @@ def _parse_kernels(key: str, text: str) -> str:
 def _parse_saved(key: str, text: str) -> str:
     if text.lower() not in SAVED_MODES:
         raise ValueError(f"policy key {key}={text!r} is not allowed{_did_you_mean(text, SAVED_MODES)}; choose one of "
-                         f"{SAVED_MODES} (compute: norms save their input in bf16; fp32: as torch.autocast)")
+                         f"{SAVED_MODES} (compute: norms save their input in bf16; rebuild: that, and weight copies and GELU/SiLU "
+                         "outputs rebuilt in backward; fp32: as torch.autocast)")
     return text.lower()
 
 

@@ -46,5 +46,11 @@ def one_mfu_peak(entries: dict[str, PolicyRun], peaks: dict[str, MatmulPeak]
     entries = {name: e if e.gflops_per_s is None else
                replace(e, mfu_own_dtype=e.mfu, mfu=e.gflops_per_s / (peak.gflops_per_s * (e.world_size or 1)))
                for name, e in entries.items()}
+    above = [n for n, e in entries.items() if max(e.mfu or 0, e.mfu_own_dtype or 0) > 1]
+    if above:   # a peak below what a row achieved is no peak (measured on a busy machine): no MFU, said
+        entries = {n: replace(e, mfu=None, mfu_own_dtype=None) for n, e in entries.items()}
     return {"dtype": dtype, "gflops_per_s": peak.gflops_per_s, "n": peak.n, "source": peak_origin(peak),
-            "measured_at": peak.measured_at or None, "measured_by_pid": peak.pid, "torch": peak.torch or None}, entries
+            "measured_at": peak.measured_at or None, "measured_by_pid": peak.pid, "torch": peak.torch or None,
+            "unreliable": (f"{', '.join(above)} achieved more than the measured peak: it was measured on a busy "
+                           "machine (delete the peaks cache or run `mixprec doctor` on a quiet one); MFU not shown")
+            if above else None}, entries

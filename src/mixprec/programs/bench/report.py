@@ -382,6 +382,8 @@ def peaks_line(results: dict) -> str:
     mfu = results.get("mfu_peak")
     against = f" MFU is against {mfu['dtype']}'s {fmt(mfu['gflops_per_s'], '.1f')} ({mfu.get('source', 'origin not recorded')})." \
         if mfu else ""
+    if mfu and mfu.get("unreliable"):
+        against += f" **No MFU**: {mfu['unreliable']}."
     return f"Matmul peaks (GFLOP/s, `mixprec doctor`; `mixprec doctor` re-measures them): {peaks}.{against}"
 
 
