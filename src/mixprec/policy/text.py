@@ -185,11 +185,12 @@ def parse_parts(text: str, presets: Mapping[str, Any]) -> tuple[Any, dict[str, A
 
 
 def _valid(preset: Any, changes: dict[str, Any]) -> bool:
+    """Whether ``changes`` make a valid policy of ``preset`` that differs from it (a suggestion that changes nothing,
+    e.g. ``'fp32,saved=fp32'``, is no suggestion)."""
     try:
-        preset.replace(**changes)
+        return preset.replace(**changes) != preset
     except (ValueError, TypeError):
         return False
-    return True
 
 
 def _preset(text: str, name: str, overrides: list[str], presets: Mapping[str, Any]) -> Any:
