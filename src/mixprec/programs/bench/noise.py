@@ -12,7 +12,8 @@ In the one pass (rows taking turns, round by round) with three rows or more, a r
 drift common to every row is divided out (:func:`drift_corrected_spreads`): a machine that slows or speeds up over
 minutes moves every row's steps alike, which the interleaving already cancels in the speed ratios, so only what
 differs between the rows within a round (a neighbour's burst during one row's turn, a row's own jitter) counts
-as noise. The raw p90/p10 stays in results.json as ``timing.spread_raw``.
+as noise. The raw p90/p10 stays in results.json as ``timing.spread_raw``. A corrected spread above the raw one
+(bursts that slow most rows in some rounds but not a steady one) is noise in the ratios too, and counts.
 """
 
 from __future__ import annotations
