@@ -160,7 +160,7 @@ def test_every_row_has_its_speed_and_saved_bytes_against_the_peer(peer_bench):
     assert f"- bf16-mixed: speed {bf16['speedup_vs_peer']:.2f}x, saved {bf16['saved_activation_ratio_vs_peer']:.2f}x" in report
     header = console.splitlines()[0].split()
     marks = ["(NOISY)"] if noisy else []
-    assert header[:8 + 2 * len(marks)] == ["policy", "verdict", "step", "ms", "speedup", *marks, "vs", PEER, *marks, "peak"]
+    assert header[:8 + 2 * len(marks)] == ["policy", "verdict", "step", "ms", "speedup", *marks, "vs", PEER, *marks, "RSS"]
     assert f"{PEER} (peer)" in console and f"  bf16-mixed: speed {bf16['speedup_vs_peer']:.2f}x" in console
 
 

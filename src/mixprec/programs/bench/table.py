@@ -16,7 +16,7 @@ __all__ = ["has_compiled", "memory_budget_of", "has_peer", "columns", "cells", "
 
 # (column key, console header; a key pair: "value (ratio)" in one cell) for the console table
 _CONSOLE = (("policy", "policy"), ("verdict", "verdict"), ("step", "step ms"), ("speedup", "speedup"),
-            ("speedup_peer", f"vs {PEER}"), ("peak", "peak MiB"), ("state", "B/param"),
+            ("speedup_peer", f"vs {PEER}"), ("peak", "RSS MiB"), ("state", "B/param"),
             (("saved", "saved_ratio"), "saved MiB"), ("saved_peer", f"saved vs {PEER}"),
             (("live", "live_ratio"), "live MiB"), ("loss", "eval loss"), ("delta", "delta"), ("skips", "skips"),
             ("budget", "batch in"), ("compile", "compile s"))
@@ -57,7 +57,7 @@ def columns(results: dict) -> list[tuple[str, str]]:
     return [("policy", "policy"), ("verdict", "verdict"), ("step", "step ms"), ("speedup", _speed("speedup", results)),
             *[(key, _speed(header, results)) for key, header in peer],
             ("items", f"{unit}/s"), ("gflops", "GFLOP/s"), ("mfu", f"MFU vs {peak['dtype']} peak" if peak else "MFU"),
-            ("peak", "peak MiB"), ("memory", "mem ratio"), ("state", f"bytes/param{r0}"), ("saved", "saved MiB"),
+            ("peak", "peak RSS MiB"), ("memory", "RSS ratio"), ("state", f"bytes/param{r0}"), ("saved", "saved MiB"),
             ("saved_ratio", "saved ratio"), *saved_peer, ("live", f"peak live MiB{r0}"), ("live_ratio", "live ratio"),
             ("loss", "eval loss"), ("delta", "loss delta"), ("skips", "skipped steps"), *budget,
             *([("compile", "compile s")] if has_compiled(results) else [])]

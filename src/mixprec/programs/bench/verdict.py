@@ -60,7 +60,7 @@ def judge(*, targets: Targets, loss_delta: float | None = None, speedup: float |
         targets: the targets set before the run.
         loss_delta: relative final validation-loss delta vs fp32 (None: no reference loss).
         speedup: fp32 median step time / this policy's (None: not measured).
-        memory_ratio: peak memory / fp32 peak memory (None: not measured).
+        memory_ratio: process peak RSS / fp32's (None: not measured; the verdict says "peak RSS").
         reference: this is the fp32 reference run.
         skipped_reason: why the policy did not run (gives SKIPPED).
         error: why the run failed (gives FAIL).
@@ -80,7 +80,7 @@ def judge(*, targets: Targets, loss_delta: float | None = None, speedup: float |
     (failures if loss_delta > targets.max_loss_delta else passes).append(loss_text)
     for value, target, name, bad in (
         (speedup, targets.min_speedup, "speedup", lambda v, t: v < t),
-        (memory_ratio, targets.max_memory_ratio, "memory", lambda v, t: v > t),
+        (memory_ratio, targets.max_memory_ratio, "peak RSS", lambda v, t: v > t),   # process RSS, not tensors
     ):
         if target is None:
             if value is not None:
