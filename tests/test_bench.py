@@ -1031,7 +1031,8 @@ def test_cached_peaks_keep_when_and_by_whom_they_were_measured(tmp_path, monkeyp
     # a 128³ product takes microseconds: its spread is noise whatever the load, so the measurement is marked quiet
     # here (the noisy rule itself: tests/test_matmul_peaks.py)
     monkeypatch.setattr(matmul, "measure_peaks",
-                        lambda device: {"fp32": replace(matmul.measure_matmul("fp32", device, n=128), spread=1.0)})
+                        lambda device: {"fp32": replace(matmul.measure_matmul("fp32", device, n=128), spread=1.0,
+                                                        note="")})
     fresh = matmul.cached_peaks("cpu")["fp32"]
     assert fresh.n == 128 and fresh.pid == os.getpid() and fresh.torch == torch.__version__ and fresh.measured_at
     assert matmul.cached_peaks("cpu")["fp32"] == fresh                  # read back from the file, provenance kept

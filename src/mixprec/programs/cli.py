@@ -144,8 +144,7 @@ def _add_bench_parser(sub: argparse._SubParsersAction, presets: str) -> None:
                        help="largest allowed relative increase of the final eval loss vs fp32 (default: 0.02)")
     bench.add_argument("--min-speedup", type=float, default=None, help="smallest allowed speedup vs fp32 (default: none)")
     bench.add_argument("--max-memory-ratio", type=float, default=None,
-                       help="largest allowed ratio of the process peak RSS to fp32's (the table's RSS MiB, not its "
-                            "tensor bytes; default: none)")
+                       help="largest allowed process peak RSS over fp32's (RSS MiB, not tensor bytes; default: none)")
     bench.add_argument("--memory-budget", default=None, metavar="SIZE",
                        help="also report, per policy, the largest batch whose peak live tensor bytes fit SIZE "
                        "(e.g. 4GiB, 512MiB, 2.5GB): peaks measured at half, once and twice the batch, fitted to a line")
