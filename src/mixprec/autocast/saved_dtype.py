@@ -37,6 +37,7 @@ from typing import Any
 
 import torch
 
+from mixprec.autocast.lean_linear import ACTIVATIONS, activation_kernel, mark
 from mixprec.autocast.switch import Switch
 
 __all__ = ["SAVED_OPS", "saved_in_compute", "saved_devices", "saved_as", "is_on", "run", "describe"]
@@ -44,6 +45,7 @@ __all__ = ["SAVED_OPS", "saved_in_compute", "saved_devices", "saved_as", "is_on"
 #: the aten ops whose fp32 input is saved in bf16 inside :func:`saved_in_compute`
 SAVED_OPS = ("layer_norm", "rms_norm")
 _REPLACED_KEYS = {"cuda": "AutocastCUDA"}   # where torch's own fp32 autocast kernel is replaced by ours
+_AUTOCAST_KEYS = {"cpu": "AutocastCPU", "cuda": "AutocastCUDA", "mps": "AutocastMPS"}
 _libraries: dict[str, torch.library.Library] = {}
 _lock = threading.Lock()
 
@@ -149,8 +151,10 @@ def run(name: str, args: tuple, kwargs: dict, device_type: str) -> torch.Tensor:
     x_low = x if x.dtype == low else x_fp32.to(low)   # -pure: the bf16 input itself (exact, no new storage)
     shape = list(a["normalized_shape"])
     if name == "layer_norm":
-        return _LayerNormSavedLow.apply(x_fp32, x_low, a["weight"], a["bias"], shape, a["eps"])
-    return _RMSNormSavedLow.apply(x_fp32, x_low, a["weight"], shape, a["eps"])
+        out = _LayerNormSavedLow.apply(x_fp32, x_low, a["weight"], a["bias"], shape, a["eps"])
+    else:
+        out = _RMSNormSavedLow.apply(x_fp32, x_low, a["weight"], shape, a["eps"])
+    return mark(out, out)   # a Linear reading it keeps its fp32 weight, not a copy (mixprec.autocast.lean_linear)
 
 
 def _kernel(name: str, device_type: str) -> Any:
@@ -164,16 +168,20 @@ def _kernel(name: str, device_type: str) -> Any:
 
 def _install(device_type: str) -> None:
     """Replace torch's autocast kernels of :data:`SAVED_OPS` on ``device_type``'s key where it has its own
-    (CUDA); elsewhere :mod:`mixprec.autocast.portable`'s kernels call :func:`run`. Once per process."""
+    (CUDA); elsewhere :mod:`mixprec.autocast.portable`'s kernels call :func:`run`. Register the activation kernels
+    of :mod:`mixprec.autocast.lean_linear` on its autocast key. Once per process."""
     with _lock:
-        if device_type in _libraries or device_type not in _REPLACED_KEYS:
+        if device_type in _libraries or device_type not in _AUTOCAST_KEYS:
             return
-        key_name = _REPLACED_KEYS[device_type]
+        key_name = _AUTOCAST_KEYS[device_type]
         library = torch.library.Library("aten", "IMPL")
         with warnings.catch_warnings():   # torch warns that a kernel for this key is replaced: that is the point
             warnings.simplefilter("ignore")
-            for name in SAVED_OPS:
-                library.impl(name, _kernel(name, device_type), key_name, with_keyset=True)
+            if device_type in _REPLACED_KEYS:
+                for name in SAVED_OPS:
+                    library.impl(name, _kernel(name, device_type), key_name, with_keyset=True)
+            for name in ACTIVATIONS:
+                library.impl(name, activation_kernel(name, device_type, lambda: _switch.is_on(device_type)), key_name)
         _libraries[device_type] = library
 
 
@@ -208,12 +216,15 @@ def describe(saved: str, device_type: str, *, compute_dtype: torch.dtype, ops: s
         return ""
     if saved == "fp32":
         return "; saved=fp32: norms computed in fp32 save their fp32 input for backward (as torch.autocast)"
+    lean = ("a Linear fed by gelu/silu keeps the activation's input for backward, not its output, and one fed by "
+            "gelu/silu or a norm its fp32 weight, not a bf16 copy (same bits)")
     if ops == "native" and device_type != "cuda":
-        return (f"; saved={saved} has no effect under ops=native on {device_type}: its own autocast lists leave "
-                "the norms in their input dtype")
+        return (f"; saved={saved} has no effect under ops=native on {device_type} on the norms (its own autocast lists "
+                f"leave them in their input dtype); {lean}")
     words = ("; saved=compute: layer_norm and rms_norm compute in fp32 and save their input for backward in bf16 "
-             "(with fp32 row statistics)")
+             f"(with fp32 row statistics); {lean}")
     if saved == "rebuild":
         words = words.replace("saved=compute", "saved=rebuild") + (
-            "; weight copies and gelu/silu outputs are not kept for backward but rebuilt there (same bits)")
+            "; the other Linears' weight copies and gelu/silu outputs read by anything else are not kept for backward "
+            "but rebuilt there (same bits)")
     return words
