@@ -218,3 +218,57 @@ def test_hooks_on_the_activation_output_fire_with_the_plain_gradient_even_regist
     _unmarked(monkeypatch)
     plain = seen()
     assert all(torch.equal(a, b) for a, b in zip(lean, plain, strict=True))
+
+
+def test_a_discriminator_called_twice_in_one_block_sums_its_weight_gradients_in_fp32(monkeypatch):
+    """A weight read twice in one mp.autocast() (a GAN's discriminator on real and fake): the plain path sums the two
+    bf16 gradients at autocast's cached bf16 copy (one rounding to bf16: half an ulp, at most 2^-8 of the sum), the
+    lean one casts each and sums in fp32 (2^-24)."""
+
+    def grads() -> list[torch.Tensor]:
+        torch.manual_seed(0)
+        disc = nn.Sequential(nn.Linear(8, 32), nn.LayerNorm(32), nn.Linear(32, 32), nn.GELU(), nn.Linear(32, 1))
+        mp = mixprec.MixedPrecision(disc, None, "bf16-mixed", device="cpu")
+        g = torch.Generator().manual_seed(6)
+        real, fake = torch.randn(16, 8, generator=g), torch.randn(16, 8, generator=g)
+        with mp.autocast():
+            loss = F.softplus(-mp.model(real)).mean() + F.softplus(mp.model(fake)).mean()
+        return [t.clone() for t in torch.autograd.grad(loss.float(), list(disc.parameters()))]
+
+    lean = grads()
+    _unmarked(monkeypatch)
+    plain = grads()
+    for a, b in zip(lean, plain, strict=True):
+        assert torch.all((a - b).abs() <= 2.0 ** -8 * b.abs() + 2.0 ** -23 * a.abs())
+    assert not all(torch.equal(a, b) for a, b in zip(lean, plain))   # the sums do differ somewhere
+
+
+@pytest.mark.parametrize("policy", ["bf16-mixed", "fp32"])
+def test_a_step_between_two_backwards_of_one_forward_raises_as_fp32_training_does(policy):
+    """The lean Linear keeps the parameter itself, as fp32 training does: a step that changes it before a second
+    backward through the same graph is refused by torch's version check (the plain autocast path kept a bf16 copy)."""
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(8, 16), nn.GELU(), nn.Linear(16, 1))
+    mp = mixprec.MixedPrecision(model, torch.optim.SGD(model.parameters(), lr=0.1), policy)
+    with mp.autocast():
+        out = mp.model(torch.randn(4, 8)).float()
+    mp.backward(out.sum(), retain_graph=True)
+    mp.step()
+    with pytest.raises(RuntimeError, match="modified by an inplace operation"):
+        mp.backward(out.pow(2).sum())
+
+
+def test_forward_mode_ad_marks_nothing(monkeypatch):
+    import torch.autograd.forward_ad as fwAD
+
+    def tangent() -> torch.Tensor:
+        torch.manual_seed(0)
+        model = nn.Sequential(nn.Linear(8, 16), nn.GELU(), nn.Linear(16, 1))
+        mp = mixprec.MixedPrecision(model, None, "bf16-mixed", device="cpu")
+        x = torch.randn(4, 8, generator=torch.Generator().manual_seed(7))
+        with fwAD.dual_level(), mp.autocast():
+            return fwAD.unpack_dual(mp.model(fwAD.make_dual(x, torch.ones_like(x)))).tangent.clone()
+
+    lean = tangent()
+    _unmarked(monkeypatch)
+    assert torch.equal(lean, tangent())

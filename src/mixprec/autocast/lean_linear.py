@@ -1,5 +1,5 @@
 """A Linear that keeps less for backward: the activation's input instead of its output, the fp32 weight instead
-of its 16-bit copy. Hook-free; every gradient bit for bit as the unfused ops'.
+of its 16-bit copy. Hook-free; gradients bit for bit the unfused ops' where each weight is read once per block.
 
 Under bf16 autocast, ``fc2(gelu(fc1(x)))`` makes autograd keep, per MLP, GELU's input ``h`` (GELU's own backward
 needs it) and GELU's output ``g`` (``fc2``'s weight gradient needs it): two tensors of the hidden width, 4 MiB per
@@ -20,13 +20,27 @@ the weight again and runs the matrix products of torch's own ``addmm``/``mm`` ba
 ``grad_y.T @ x`` with ``x`` computed again from ``h``: same op, same input, the same bits) and the bias's row sum.
 The input's gradient goes to the marked tensor as in the plain graph: the activation's own node then runs torch's
 backward of it, and hooks on the output (``register_hook``, ``retain_grad``, FSDP2's pre-backward) fire as before.
-So every gradient equals the unfused ops' bit for bit (tests/test_lean_linear.py); the graph differs only in what
-the Linear's node keeps. An output used elsewhere as well (a residual, a second head) keeps its other uses' saved
-tensors as before.
+So every gradient equals the unfused ops' bit for bit (tests/test_lean_linear.py) where each weight is read once per
+autocast block; the graph differs only in what the Linear's node keeps. An output used elsewhere as well (a
+residual, a second head) keeps its other uses' saved tensors as before.
+
+Where they differ (tests/test_lean_linear.py; found by trying to break it):
+
+* **A weight read more than once in one autocast block** (shared layers as in ALBERT, a discriminator called on real
+  and fake in one ``mp.autocast()``, a weight read by a lean and a plain Linear): the plain path sums the uses'
+  bf16 gradients at autocast's one cached bf16 copy and casts the sum; here each use's gradient is cast to fp32 and
+  the sum is fp32. More exact, within half a bf16 ulp of the plain sum for each weight gradient (an optimizer then
+  carries such differences on, as any rounding difference).
+* **An optimizer step between two backward passes of one retained forward** (``retain_graph=True``, ``step()``,
+  ``backward()`` again) raises torch's "modified by an inplace operation", as it does in fp32 training: the Linear
+  keeps the parameter itself, which the step changed (the plain autocast path keeps a bf16 copy and computes the
+  second backward with the weights the forward used).
+* A ``.data`` write to the activation's output before the Linear reads it is invisible (as to torch's version
+  counters): the backward computes the output again from the input, unwritten. Write under ``torch.no_grad()``.
 
 Marked only where this is exact and invisible: grad enabled, the input requiring grad, a plain tensor, eager (not
 while torch.compile, a dispatch mode, ``torch.jit`` or a ``torch.func`` transform traces: the compiler's own
-partitioner recomputes such ops). Fused only when the marked tensor reaches ``F.linear`` as it came (not a view, not
+partitioner recomputes such ops; not under forward-mode AD). Fused only when the marked tensor reaches ``F.linear`` as it came (not a view, not
 written in place since: its version counter is checked) with plain weights; the first fusion releases the
 activation's input (a second consumer takes the plain path). Double backward (gradient penalties, second-order
 methods) works: the backward is built from differentiable ops on saved inputs (``h`` is an input of the function,
@@ -159,9 +173,13 @@ class _LeanLinear(torch.autograd.Function):
 
 
 def _traced() -> bool:
+    """Whether a transform or tracer is active that a custom autograd function would change: torch.compile, a
+    dispatch mode, ``torch.jit`` tracing, a ``torch.func`` transform, or forward-mode AD (a dual level open: the
+    function has no ``jvp``)."""
+    from torch.autograd import forward_ad
     from torch.utils._python_dispatch import is_in_torch_dispatch_mode
     return (torch.compiler.is_compiling() or is_in_torch_dispatch_mode() or torch.jit.is_tracing()
-            or torch._C._functorch.peek_interpreter_stack() is not None)
+            or torch._C._functorch.peek_interpreter_stack() is not None or forward_ad._current_level >= 0)
 
 
 def activation_kernel(name: str, device_type: str, is_on: Callable[[], bool]) -> Callable[..., Any]:
