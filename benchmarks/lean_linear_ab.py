@@ -2,19 +2,19 @@
 arms take turns in rotating order). `python benchmarks/lean_linear_ab.py [rounds]` prints the median step ms per arm
 and the median per-round ratio on/off with its p10-p90 (docs/policies.md)."""
 import statistics, sys, time, torch
-from mixprec.autocast import lean_linear, saved_dtype
+from mixprec.autocast import lean_linear
 from mixprec.programs.session import build_engine, train_step
 from mixprec.workloads import get_workload
 
 torch.set_num_threads(2)
 mark = lean_linear.mark
-arms = {"on": mark, "off": lambda out, x, op=None, op_kwargs=None: out}
+arms = {"on": mark, "off": lambda out, x, op, op_kwargs=None: out}
 wl = get_workload("gpt", config="mid")
 engines = {n: (build_engine(wl, "bf16-mixed", steps=400, seed=0, device="cpu"), wl.batches("train", 0)) for n in arms}
 
 
 def step(name):
-    lean_linear.mark = saved_dtype.mark = arms[name]
+    lean_linear.mark = arms[name]
     mp, batches = engines[name]
     t = time.perf_counter()
     train_step(mp, wl, next(batches))

@@ -78,10 +78,8 @@ def test_bf16_mixed_trains_bit_for_bit_as_before_and_saves_no_weight_copy(monkey
     on, off = _run(True, monkeypatch), _run(False, monkeypatch)
     assert all(torch.equal(a, b) for a, b in zip(on["losses"], off["losses"]))
     assert all(torch.equal(a, b) for a, b in zip(on["params"], off["params"]))
-    # only `up`'s copy (fed by the embedding): the Linears fed by GELU and the norm keep the fp32 weight under the
-    # default saved=compute already (mixprec.autocast.lean_linear)
-    assert off["saved"].total - on["saved"].total == 2 * 32 * 64
-    assert off["saved"].by_dtype["torch.bfloat16"] - on["saved"].by_dtype["torch.bfloat16"] == 2 * 32 * 64
+    assert off["saved"].total - on["saved"].total == on["weights"] == 2 * (32 * 64 + 64 * 32 + 50 * 32)
+    assert off["saved"].by_dtype["torch.bfloat16"] - on["saved"].by_dtype["torch.bfloat16"] == on["weights"]
 
 
 def test_policies_without_fp32_weights_or_with_saved_fp32_are_unchanged(monkeypatch):
@@ -190,7 +188,7 @@ def test_a_counter_opened_inside_mp_autocast_counts_what_training_keeps(monkeypa
         logits.float().sum().backward()   # the recast copies unpack through the counter's hooks
         counted[recast] = counter.result().total
         monkeypatch.undo()
-    assert counted[False] - counted[True] == 2 * 32 * 64   # `up`'s copy; the others' are not kept by saved=compute
+    assert counted[False] - counted[True] == _linear_weight_bytes(_TiedNet())
 
 
 def test_a_gelu_output_read_by_a_linear_is_kept_by_neither_path(monkeypatch):
@@ -205,8 +203,8 @@ def test_a_gelu_output_read_by_a_linear_is_kept_by_neither_path(monkeypatch):
         assert on["saved"] == off["saved"], policy
     fp32 = _run(True, monkeypatch, "bf16-mixed,saved=fp32", steps=1)["saved"]
     compute = _run(True, monkeypatch, "bf16-mixed", steps=1)["saved"]
-    # saved=fp32 (torch.autocast's): the GELU output, the norm's input in fp32 not bf16, the copies of down and head
-    assert fp32.total - compute.total == 2 * 4 * 16 * 64 + 2 * 4 * 16 * 32 + 2 * (64 * 32 + 50 * 32)
+    # saved=fp32 (torch.autocast's): the GELU output, and the norm's input in fp32 not bf16
+    assert fp32.total - compute.total == 2 * 4 * 16 * 64 + 2 * 4 * 16 * 32
 
 
 class _Mlps(nn.Module):

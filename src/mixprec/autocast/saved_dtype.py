@@ -32,12 +32,13 @@ from __future__ import annotations
 
 import threading
 import warnings
-from contextlib import AbstractContextManager
+from collections.abc import Iterator
+from contextlib import AbstractContextManager, contextmanager, nullcontext
 from typing import Any
 
 import torch
 
-from mixprec.autocast.lean_linear import ACTIVATIONS, activation_kernel, mark
+from mixprec.autocast.lean_linear import ACTIVATIONS, activation_kernel, cast_region
 from mixprec.autocast.switch import Switch
 
 __all__ = ["SAVED_OPS", "saved_in_compute", "saved_devices", "saved_as", "is_on", "run", "describe"]
@@ -151,10 +152,8 @@ def run(name: str, args: tuple, kwargs: dict, device_type: str) -> torch.Tensor:
     x_low = x if x.dtype == low else x_fp32.to(low)   # -pure: the bf16 input itself (exact, no new storage)
     shape = list(a["normalized_shape"])
     if name == "layer_norm":
-        out = _LayerNormSavedLow.apply(x_fp32, x_low, a["weight"], a["bias"], shape, a["eps"])
-    else:
-        out = _RMSNormSavedLow.apply(x_fp32, x_low, a["weight"], shape, a["eps"])
-    return mark(out, out)   # a Linear reading it keeps its fp32 weight, not a copy (mixprec.autocast.lean_linear)
+        return _LayerNormSavedLow.apply(x_fp32, x_low, a["weight"], a["bias"], shape, a["eps"])
+    return _RMSNormSavedLow.apply(x_fp32, x_low, a["weight"], shape, a["eps"])
 
 
 def _kernel(name: str, device_type: str) -> Any:
@@ -192,7 +191,13 @@ def saved_in_compute(device_type: str, *, enabled: bool = True) -> AbstractConte
     """Inside, :data:`SAVED_OPS` that autocast runs in fp32 on ``device_type`` save their input in bf16 (the
     autocast dtype; under fp16 autocast nothing changes), per thread; a no-op with ``enabled=False``. Restores
     the previous state on exit. No host sync."""
-    return _switch.turned_on(device_type, enabled=enabled)
+    return _in_compute(device_type, enabled)
+
+
+@contextmanager
+def _in_compute(device_type: str, enabled: bool) -> Iterator[None]:
+    with _switch.turned_on(device_type, enabled=enabled), (cast_region() if enabled else nullcontext()):
+        yield
 
 
 def saved_devices() -> tuple[str, ...]:
@@ -216,8 +221,7 @@ def describe(saved: str, device_type: str, *, compute_dtype: torch.dtype, ops: s
         return ""
     if saved == "fp32":
         return "; saved=fp32: norms computed in fp32 save their fp32 input for backward (as torch.autocast)"
-    lean = ("a Linear fed by gelu/silu keeps the activation's input for backward, not its output, and one fed by "
-            "gelu/silu or a norm its fp32 weight, not a bf16 copy (same bits)")
+    lean = "a Linear fed by gelu/silu keeps the activation's input for backward, not its output (same bits)"
     if ops == "native" and device_type != "cuda":
         return (f"; saved={saved} has no effect under ops=native on {device_type} on the norms (its own autocast lists "
                 f"leave them in their input dtype); {lean}")
@@ -225,6 +229,6 @@ def describe(saved: str, device_type: str, *, compute_dtype: torch.dtype, ops: s
              f"(with fp32 row statistics); {lean}")
     if saved == "rebuild":
         words = words.replace("saved=compute", "saved=rebuild") + (
-            "; the other Linears' weight copies and gelu/silu outputs read by anything else are not kept for backward "
-            "but rebuilt there (same bits)")
+            "; weight copies and gelu/silu outputs read by anything else are not kept for backward but rebuilt there "
+            "(same bits)")
     return words
