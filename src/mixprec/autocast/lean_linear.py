@@ -141,11 +141,12 @@ def cast_region() -> Iterator[None]:
 
 def _region_cast(t: torch.Tensor | None, dtype: torch.dtype | None, device_type: str) -> torch.Tensor | None:
     """:func:`_cast` of ``t``, differentiable, shared by every lean read of the same leaf tensor inside the current
-    :func:`cast_region` while its version counter stays (autocast's cache keeps leaves that require grad)."""
+    :func:`cast_region` while its version counter stays, as autocast's cache keeps leaves that require grad (and
+    nothing while ``torch.is_autocast_cache_enabled()`` is off)."""
     if not _eligible(t, dtype, device_type):
         return t
-    if not (t.is_leaf and t.requires_grad) or _region.depth == 0:
-        return t.to(dtype)
+    if not (t.is_leaf and t.requires_grad) or _region.depth == 0 or not torch.is_autocast_cache_enabled():
+        return t.to(dtype)   # as autocast: no cache for these, nor where its cache is off (a selective recompute)
     held = _region.casts.get(id(t))
     if held is not None and held[0] is t and held[1] == t._version and held[2] == dtype:
         return held[3]
