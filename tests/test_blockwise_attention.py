@@ -277,6 +277,41 @@ def test_the_plan_runs_blockwise_when_it_is_chosen(tmp_path, monkeypatch):
     op_plan.forget()
 
 
+@pytest.mark.filterwarnings("ignore:There is a performance drop")   # torch's: no batching rule for the flash kernel
+def test_under_torch_func_a_blockwise_choice_runs_fused(tmp_path, monkeypatch):
+    """torch.func.grad and vmap(grad) (per-sample gradients) through the plan where it chose blockwise: its autograd
+    function cannot run from the autocast key under a transform (torch raised NotImplementedError), so the call runs
+    fused, whose forward is blockwise's own kernel: the gradients equal fused's bit for bit."""
+    import json
+
+    from mixprec.machine.cache import machine_key
+    monkeypatch.setenv("MIXPREC_CACHE_DIR", str(tmp_path))
+    op_plan.forget()
+    shape = (1, 2, 8, 16)
+    q, k, v, _ = _data(shape, shape, 1.0)
+    q, k, v = q.float(), k.float(), v.float()
+    for grad in (True, False):   # a key per grad mode: torch.func.grad's inputs do not require grad
+        key = op_plan.plan_key(q, k, v, is_causal=True, dtype=torch.bfloat16, grad=grad)
+        cache = tmp_path / f"op-plan-{machine_key(torch.device('cpu'))}.json"
+        on_disk = json.loads(cache.read_text()) if cache.exists() else {}
+        on_disk[key] = {"chosen": "blockwise", "times_ms": {"fused": 2.0, "fused-fp32": 3.0, "matmul": 2.5,
+                                                           "blockwise": 1.0}, "note": "",
+                        "saved_bytes": {"fused": 100, "fused-fp32": 200, "matmul": 300, "blockwise": 100}}
+        cache.write_text(json.dumps(on_disk))
+
+    def loss(q):
+        return F.scaled_dot_product_attention(q, k, v, is_causal=True).float().pow(2).sum()
+    with torch.autocast("cpu", dtype=torch.bfloat16), op_plan.planned_kernels("cpu"):
+        got = torch.func.grad(loss)(q)
+        batched = torch.func.vmap(torch.func.grad(loss))(q.unsqueeze(0).expand(2, *q.shape))
+    assert {e.chosen for e in op_plan.entries("cpu")} == {"blockwise"}
+    leaf = q.clone().requires_grad_()
+    (want,) = torch.autograd.grad(CANDIDATES["fused"](leaf, k, v, None, 0.0, True, None, False,
+                                                      torch.bfloat16).float().pow(2).sum(), leaf)
+    assert torch.equal(got, want) and torch.equal(batched[1], want)
+    op_plan.forget()
+
+
 def test_a_compiled_call_with_a_mask_gives_eagers_gradients():
     """Under torch.compile (AOTAutograd traces the backward) the mask's row offsets take no data-dependent branch;
     the gradients equal eager's bit for bit."""

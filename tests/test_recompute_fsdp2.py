@@ -85,9 +85,19 @@ def _batches(workload: GPTWorkload) -> list:
     return list(mpd.shard_batches([b for _, b in zip(range(2 * STEPS), workload.batches("train", seed=0))]))
 
 
+def _agree_the_op_plan(workload: GPTWorkload, policy: str, batches: list) -> None:
+    """One throwaway step, so that every compared engine runs the ranks' agreed attention kernel from its first
+    step. The measured op plan is process state: under a strategy a key this process meets for the first time
+    runs ``fused`` until the ranks agree at the next boundary (:mod:`mixprec.autocast.plan_agreement`), and
+    later engines in the process find it agreed. Where the plan chooses another kernel (``blockwise`` where
+    fused's bf16 backward is slow), the first engine's first step would otherwise differ from the others'."""
+    _train(_engine(workload, policy, None), workload, batches[:1])
+
+
 def _plans_worker(rank: int, out: Path, policy: str) -> dict:
     workload = GPTWorkload("tiny")
     batches = _batches(workload)
+    _agree_the_op_plan(workload, policy, batches)
     result = {}
     for plan in PLANS:
         mp = _engine(workload, policy, plan)
@@ -155,6 +165,7 @@ NESTED = "bf16-lean,keep_fp32=blocks.0.ln_1"   # blocks.0.ln_1: an FSDP2 unit wi
 def _nested_worker(rank: int, out: Path) -> dict:
     workload = GPTWorkload("tiny")
     batches = _batches(workload)[:2]
+    _agree_the_op_plan(workload, NESTED, batches)
     result = {}
     for plan in PLANS[:3]:
         mp = _engine(workload, NESTED, plan)

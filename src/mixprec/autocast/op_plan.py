@@ -50,6 +50,10 @@ whatever thread autograd runs it in), so a ``torch.utils.checkpoint`` recompute 
 during a backward takes its key's last choice whatever the allowance there (an engine's own is per thread), or
 if none its grad-twin's (a reentrant checkpoint's forward ran under no_grad: ``fwd``; its recompute ``fwd+bwd``).
 
+Under a ``torch.func`` transform (``grad``, ``vmap``) a key whose choice is ``blockwise`` runs ``fused``: blockwise's
+autograd function cannot run from the autocast key there (torch raised), and its forward is fused's own kernel (the
+same output; the gradients are fused's backward's).
+
 Mechanism: a ``torch.library`` kernel for the op on the device's autocast key (``AutocastCPU``,
 ``AutocastCUDA``), replacing torch's C++ one (a lower-precision cast, checked to exist by the tests) the
 first time a ``kernels=measured`` engine enters autocast on that device. On MPS nothing is planned. Outside :func:`planned_kernels` it does what torch's kernel does (cast the
@@ -435,6 +439,8 @@ def _kernel(device_type: str) -> Callable:
         if _switch.is_on(device_type) and q.dtype in (dtype, torch.float32):
             grad = torch.is_grad_enabled() and any(isinstance(t, torch.Tensor) and t.requires_grad for t in args[:4])
             name = running(choose(*args, dtype=dtype, grad=grad)).chosen   # a pending key: fused (ranks agree)
+            if name == "blockwise" and torch._C._functorch.peek_interpreter_stack() is not None:
+                name = _DEFAULT   # its autograd function cannot run from this key under torch.func: fused (same forward)
         with torch.autocast(device_type, enabled=False):
             return CANDIDATES[name](*args, dtype)
     return kernel
