@@ -386,11 +386,19 @@ def test_block_timings_leave_pythons_and_numpys_streams():
 
 
 # ---------------------------------------------------------------------- Lightning's ModelParallelStrategy (FSDP2)
-class Flat(L.LightningModule):
-    """Blocks in a ModuleList (the engine's FSDP2 units), no BatchNorm, no dropout; SGD."""
+def _sgd_for(policy: str) -> type[torch.optim.Optimizer]:
+    """torch's SGD, or mixprec's where the policy rounds its updates (-kahan, -sr, -lean: torch's cannot)."""
+    import mixprec
 
-    def __init__(self) -> None:
+    return mixprec.optim.SGD if policy.split("-")[-1] in ("kahan", "sr", "lean") else torch.optim.SGD
+
+
+class Flat(L.LightningModule):
+    """Blocks in a ModuleList (the engine's FSDP2 units), no BatchNorm, no dropout; SGD (``sgd``: its class)."""
+
+    def __init__(self, sgd: type[torch.optim.Optimizer] = torch.optim.SGD) -> None:
         super().__init__()
+        self.sgd = sgd
         torch.manual_seed(0)
         self.inp, self.head = nn.Linear(8, 16), nn.Linear(16, 4)
         self.blocks = nn.ModuleList(nn.Sequential(nn.Linear(16, 16), nn.GELU()) for _ in range(2))
@@ -409,7 +417,7 @@ class Flat(L.LightningModule):
         pass
 
     def configure_optimizers(self):
-        return torch.optim.SGD(self.parameters(), lr=0.1)
+        return self.sgd(self.parameters(), lr=0.1)
 
 
 class Sharded(Flat):
@@ -432,7 +440,7 @@ def _full(model: nn.Module) -> dict[str, torch.Tensor]:
 def _lightning_fsdp2_rank(rank: int, out, steps: int, policy: str, accumulate: int) -> dict:
     from lightning.pytorch.strategies import ModelParallelStrategy
 
-    model = Flat()
+    model = Flat(_sgd_for(policy))
     trainer = L.Trainer(max_steps=steps, accelerator="cpu", devices=2, logger=False, enable_checkpointing=False,
                         enable_progress_bar=False, enable_model_summary=False, num_sanity_val_steps=0,
                         strategy=ModelParallelStrategy(data_parallel_size=2, tensor_parallel_size=1),
@@ -445,7 +453,7 @@ def _engine_fsdp2_rank(rank: int, out, steps: int, policy: str, accumulate: int)
     from mixprec import MixedPrecision
 
     model = Flat()
-    mp = MixedPrecision(model, torch.optim.SGD(model.parameters(), lr=0.1), policy, device="cpu",
+    mp = MixedPrecision(model, _sgd_for(policy)(model.parameters(), lr=0.1), policy, device="cpu",
                         strategy="fsdp2", accumulation_steps=accumulate)
     data = _samples(4 * 2 * accumulate * steps)
     # the sampler Lightning puts under a training DataLoader: shuffled, seeded by $PL_GLOBAL_SEED (0 unset), epoch 0
@@ -460,7 +468,8 @@ def _engine_fsdp2_rank(rank: int, out, steps: int, policy: str, accumulate: int)
     return {"params": _full(model)}
 
 
-@pytest.mark.parametrize("policy, accumulate", [("bf16-mixed", 2), ("bf16-pure", 1), ("fp16-mixed", 1)])
+@pytest.mark.parametrize("policy, accumulate", [("bf16-mixed", 2), ("bf16-pure", 1), ("fp16-mixed", 1),
+                                               ("bf16-kahan", 1), ("bf16-sr", 1), ("bf16-lean", 1)])
 def test_model_parallel_strategy_runs_the_engines_fsdp2_bit_for_bit(policy, accumulate):
     """Lightning's ModelParallelStrategy (2 gloo ranks, data parallel 2) with the plugin and an empty
     configure_model: the plugin builds the engine with strategy="fsdp2", which shards the module; 3 steps (of
@@ -485,13 +494,10 @@ def test_model_parallel_strategy_runs_the_engines_fsdp2_bit_for_bit(policy, accu
 @pytest.mark.parametrize("model, policy, words", [
     (Sharded, "bf16-mixed", r"configure_model sharded the model already .* Leave configure_model empty.*"
                             r"strategy='ddp'"),
-    (Flat, "bf16-lean", r"MixprecPrecision\('bf16-lean'\) under ModelParallelStrategy is not supported yet: it stores "
-                        r"16-bit params without fp32 masters.*strategy='fsdp2'"),
 ])
 def test_model_parallel_strategy_refusals_name_the_fix(model, policy, words):
     """ModelParallelStrategy calls configure_model before the plugin's convert_module: shards laid out there are
-    not the engine's (they failed inside the step on "mixed torch.Tensor and DTensor"). 16-bit params without
-    masters failed in Lightning's model_to_device ("Cannot swap t1 ..."). Both refused naming the fix."""
+    not the engine's (they failed inside the step on "mixed torch.Tensor and DTensor"): refused naming the fix."""
     from lightning.pytorch.strategies import ModelParallelStrategy
 
     environ = dict(os.environ)
@@ -503,6 +509,38 @@ def test_model_parallel_strategy_refusals_name_the_fix(model, policy, words):
             torch.distributed.destroy_process_group()
         os.environ.clear()
         os.environ.update(environ)
+
+
+def _model_parallel_accumulating_rank(rank: int, out, policy: str) -> str | None:
+    """accumulate_grad_batches=2 under ModelParallelStrategy: the ValueError's text on this rank (None: it trained)."""
+    from lightning.pytorch.strategies import ModelParallelStrategy
+
+    trainer = L.Trainer(max_steps=1, accelerator="cpu", devices=2, logger=False, enable_checkpointing=False,
+                        enable_progress_bar=False, enable_model_summary=False, num_sanity_val_steps=0,
+                        strategy=ModelParallelStrategy(data_parallel_size=2, tensor_parallel_size=1),
+                        accumulate_grad_batches=2, plugins=[MixprecPrecision(policy)])
+    try:
+        trainer.fit(Flat(_sgd_for(policy)), DataLoader(_samples(16), batch_size=4))
+    except ValueError as err:
+        return str(err)
+    return None
+
+
+def test_model_parallel_strategy_refuses_accumulation_into_16_bit_gradient_shards():
+    """bf16-sr under ModelParallelStrategy with accumulate_grad_batches=2 ran, and its weights differed from the
+    engine's own strategy="fsdp2" with accumulation_steps=2 by one bf16 ulp in a few elements: each micro-batch
+    was reduce-scattered and summed into the bf16 gradient shard (the engine sums the micro-batches in fp32 and
+    rounds once). Refused on every rank, naming the routes that work."""
+    import tempfile
+    from pathlib import Path
+
+    from ranks import run_ranks
+
+    with tempfile.TemporaryDirectory() as tmp:
+        errors = run_ranks(_model_parallel_accumulating_rank, Path(tmp), "bf16-sr")
+    for err in errors:
+        assert err is not None and "accumulate_grad_batches=2 on 2 processes under ModelParallelStrategy with bf16-sr" \
+            in err and "accumulate_grad_batches=1" in err and "accumulation_steps=2" in err, err
 
 
 def _model_parallel_resume_rank(rank: int, out, policy: str) -> str | None:

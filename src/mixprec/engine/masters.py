@@ -19,22 +19,31 @@ from torch import nn
 
 __all__ = ["MasterWeights", "claim", "release"]
 
-_holders: dict[int, tuple[Any, Any]] = {}   # id(param) -> (weakref to it, weakref to the engine storing it in 16 bits)
+_holders: dict[int, Any] = {}   # id(param) -> weakref to the engine storing it in 16 bits (none to the param)
+
+
+def _stores(engine: Any, p: nn.Parameter) -> bool:
+    """Whether ``engine`` (alive) still has ``p`` itself among its module's params: an id is reused once its
+    param is gone. The registry keeps no reference to a param, not even a weak one: ``nn.Module._apply`` swaps
+    the tensors of a DTensor (FSDP2) param and refuses one that has a weakref."""
+    return engine is not None and any(q is p for q in engine.module.parameters())
 
 
 def claim(owner: Any, named: list[tuple[str, nn.Parameter]], stored16: set[int]) -> None:
-    """Record that ``owner`` (an engine) stores the params ``stored16`` (ids) of ``named`` in 16 bits.
+    """Record that ``owner`` (an engine, with the params in ``owner.module``) stores the params ``stored16``
+    (ids) of ``named`` in 16 bits.
 
     Raises:
         ValueError: one is already stored in 16 bits by another live engine (two engines sharing a
             parameter would each keep their own fp32 master and overwrite each other's writes).
     """
-    for key in [k for k, (p_ref, o_ref) in _holders.items() if p_ref() is None or o_ref() is None]:
-        del _holders[key]   # dropped engines and params hold nothing
+    for key in [k for k, o_ref in _holders.items() if o_ref() is None]:
+        del _holders[key]   # dropped engines hold nothing
     shared = []
     for n, p in named:
         held = _holders.get(id(p))
-        if id(p) in stored16 and held is not None and held[0]() is p and held[1]() not in (None, owner):
+        other = None if held is None else held()
+        if id(p) in stored16 and other is not None and other is not owner and _stores(other, p):
             shared.append(n)
     if shared:
         raise ValueError(f"parameter(s) {shared[:4]} are already stored in 16 bits by another MixedPrecision "
@@ -45,13 +54,13 @@ def claim(owner: Any, named: list[tuple[str, nn.Parameter]], stored16: set[int])
     ref = weakref.ref(owner)
     for _, p in named:
         if id(p) in stored16:
-            _holders[id(p)] = (weakref.ref(p), ref)
+            _holders[id(p)] = ref
 
 
 def release(owner: Any) -> None:
-    """Forget what ``owner`` claimed (:meth:`mixprec.MixedPrecision.unwrap`), and entries of dead objects."""
-    for key, (p_ref, o_ref) in list(_holders.items()):
-        if o_ref() in (None, owner) or p_ref() is None:
+    """Forget what ``owner`` claimed (:meth:`mixprec.MixedPrecision.unwrap`), and entries of dropped engines."""
+    for key, o_ref in list(_holders.items()):
+        if o_ref() in (None, owner):
             del _holders[key]
 
 

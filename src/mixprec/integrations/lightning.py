@@ -51,7 +51,7 @@ from mixprec.engine.boundary import StepCheck, StepResult
 from mixprec.engine.clipping import clip_
 from mixprec.engine.mixed_precision import MixedPrecision
 from mixprec.engine.open_group import check_group
-from mixprec.integrations.lightning_strategies import (broadcast_from_rank0, check_fsdp2_policy, model_parallel,
+from mixprec.integrations.lightning_strategies import (broadcast_from_rank0, model_parallel,
                                                        profiler_hold, refuse_resume)
 from mixprec.integrations.replica_checks import (DEFAULT_EVERY, ReplicaChecks, check_accumulation, follow_accumulation,
                                                 gather_windows, own_window)
@@ -151,7 +151,7 @@ class MixprecPrecision(Precision):
     that differ; ValueError for several optimizers, an overridden ``LightningModule.backward`` or
     ``lr_scheduler_step`` beside a step-interval scheduler, accumulation with fp32 masters on several processes,
     and under ``ModelParallelStrategy`` (the engine's own ``strategy="fsdp2"``) a model sharded in
-    ``configure_model`` or 16-bit params without masters. Source: Lightning's ``MixedPrecision`` plugin (its hook
+    ``configure_model`` or accumulation with 16-bit params without masters. Source: Lightning's ``MixedPrecision`` plugin (its hook
     order)."""
 
     def __init__(self, policy: str | Policy = "auto", *, keep_inputs: tuple = (),
@@ -191,9 +191,7 @@ class MixprecPrecision(Precision):
                             "this strategy is not supported")
         self._trainer = module.trainer
         fsdp2 = model_parallel(self._trainer.strategy, module)   # the engine shards (it syncs rank 0's values)
-        if fsdp2:
-            check_fsdp2_policy(self.policy)
-        else:
+        if not fsdp2:
             broadcast_from_rank0(module)
         self.engine = MixedPrecision(module, None, self.policy, device=self._trainer.strategy.root_device,
                                      **({"strategy": "fsdp2"} if fsdp2 else {}), **self.engine_options)
@@ -213,7 +211,8 @@ class MixprecPrecision(Precision):
             if len(optimizers) != 1:
                 raise ValueError(_several_optimizers(len(optimizers), engine.module))
             module, trainer = engine.module, self._trainer
-            check_accumulation(trainer.accumulate_grad_batches, trainer.world_size, engine.policy)
+            check_accumulation(trainer.accumulate_grad_batches, trainer.world_size, engine.policy,
+                               sharded=engine.strategy == "fsdp2")
             if is_overridden("backward", module, LightningModule):
                 raise ValueError(f"{type(module).__name__}.backward is overridden, but MixprecPrecision backpropagates "
                                  "through the engine (loss scaling, fp32 master gradients); remove the override")

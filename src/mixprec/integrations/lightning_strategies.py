@@ -1,5 +1,5 @@
 """What the Lightning plugins need from Lightning's strategies and profiler: rank 0's values on every rank before the
-engine casts them, ``ModelParallelStrategy`` as the engine's own FSDP2 (and the policies it cannot run there yet),
+engine casts them, ``ModelParallelStrategy`` as the engine's own FSDP2,
 and the engine's memory measurement held while Lightning's ``PyTorchProfiler`` records.
 
 Source: Lightning 2.6's ``ModelParallelStrategy`` (it runs ``configure_model`` before the precision plugin's
@@ -15,9 +15,8 @@ import torch
 from torch import nn
 
 from mixprec.memory.live import held
-from mixprec.policy.policy import Policy
 
-__all__ = ["refuse_resume", "broadcast_from_rank0", "model_parallel", "check_fsdp2_policy", "profiler_hold"]
+__all__ = ["refuse_resume", "broadcast_from_rank0", "model_parallel", "profiler_hold"]
 
 
 def broadcast_from_rank0(module: nn.Module) -> None:
@@ -51,22 +50,6 @@ def model_parallel(strategy: Any, module: nn.Module) -> bool:
             "shards (strategy='fsdp2': fp32 masters, 16-bit storage and fp32 gradient reduction per policy). Leave "
             "configure_model empty (tensor parallelism is not supported), or use L.Trainer(strategy='ddp')")
     return True
-
-
-def check_fsdp2_policy(policy: str | Policy) -> None:
-    """Under ``ModelParallelStrategy``: 16-bit params without fp32 masters (``-kahan``, ``-sr``, ``-lean``) are
-    refused by name before the engine is built (Lightning's ``model_to_device`` then failed swapping the engine's
-    sharded 16-bit params: "Cannot swap t1 because it has weakref associated with it")."""
-    if isinstance(policy, str) and policy.strip().lower() == "auto":
-        return   # auto's candidates keep fp32 params
-    parsed = Policy.parse(policy)
-    if parsed.param_dtype != torch.float32 and not parsed.has_masters:
-        raise ValueError(
-            f"MixprecPrecision({str(policy)!r}) under ModelParallelStrategy is not supported yet: it stores 16-bit "
-            "params without fp32 masters, and Lightning's model_to_device fails on the engine's sharded 16-bit params "
-            "(\"Cannot swap t1 because it has weakref associated with it\"). Use fp32, a -mixed or a -pure policy "
-            f"there, or the engine's own loop: MixedPrecision(model, opt, {str(parsed)!r}, strategy='fsdp2') under "
-            "torchrun")
 
 
 def refuse_resume(path: Any) -> None:

@@ -15,7 +15,8 @@ integration holds one :class:`ReplicaChecks`:
   gradients of an open window are its own (the trainer's ``no_sync`` reduces them at the window's last
   micro-batch), so the checkpoint (written by rank 0) holds every rank's window, and each rank takes its own back.
 * :func:`check_accumulation`, at every micro-batch (Lightning: a ``GradientAccumulationScheduler`` changes the
-  count mid-run): fp32 masters need every micro-batch reduced, which a trainer's ``no_sync`` prevents.
+  count mid-run): fp32 masters need every micro-batch reduced, which a trainer's ``no_sync`` prevents; under the
+  engine's FSDP2, 16-bit params without masters need the micro-batches summed before the reduction.
 
 One process: nothing runs, no collective.
 """
@@ -111,20 +112,32 @@ class ReplicaChecks:
             raise
 
 
-def check_accumulation(count: int, ranks: int, policy: Policy, *, was: int | None = None, where: str = "") -> None:
+def check_accumulation(count: int, ranks: int, policy: Policy, *, was: int | None = None, where: str = "",
+                       sharded: bool = False) -> None:
     """ValueError when ``count`` micro-batches per step on ``ranks`` processes meet fp32 masters (``policy``): a
     trainer's ``no_sync`` reduces only the last micro-batch's gradients, while the masters take each one's, so every
-    rank would step its own. ``was``: the count before a change mid-run (a ``GradientAccumulationScheduler``),
+    rank would step its own. ``sharded`` (the engine's FSDP2 under the trainer): also 16-bit params without masters
+    (``-kahan``, ``-sr``, ``-lean``), whose every micro-batch would be reduce-scattered and rounded into the bf16
+    gradient shard, summed there in bf16 (the engine's own ``strategy="fsdp2"`` sums the unsharded micro-batches in
+    fp32 and rounds once). ``was``: the count before a change mid-run (a ``GradientAccumulationScheduler``),
     ``where``: when it changed (``"at epoch 1"``); both only for the message."""
-    if ranks < 2 or count < 2 or not policy.has_masters:
+    if ranks < 2 or count < 2:
         return
     changed = "" if was is None or was == count else \
         (f" (changed from {was} {where}: a GradientAccumulationScheduler or a callback setting "
          "trainer.accumulate_grad_batches)")
-    raise ValueError(f"accumulate_grad_batches={count} on {ranks} processes with {policy} (fp32 masters){changed}: "
-                     "Lightning's no_sync would reduce only the last micro-batch's gradients (the masters take each "
-                     "one's), and the ranks would drift; use accumulate_grad_batches=1 (a larger batch) or a -mixed "
-                     "policy")
+    if policy.has_masters:
+        raise ValueError(f"accumulate_grad_batches={count} on {ranks} processes with {policy} (fp32 masters){changed}: "
+                         "Lightning's no_sync would reduce only the last micro-batch's gradients (the masters take "
+                         "each one's), and the ranks would drift; use accumulate_grad_batches=1 (a larger batch) or a "
+                         "-mixed policy")
+    if sharded and policy.param_dtype != torch.float32:
+        raise ValueError(f"accumulate_grad_batches={count} on {ranks} processes under ModelParallelStrategy with "
+                         f"{policy} (16-bit params without fp32 masters){changed}: every micro-batch's gradients "
+                         "would be reduce-scattered and summed into the 16-bit gradient shard, rounding at each "
+                         "micro-batch (the engine's own strategy='fsdp2' sums them in fp32 and rounds once); use "
+                         "accumulate_grad_batches=1 (a larger batch), a -mixed policy, or MixedPrecision(..., "
+                         f"{str(policy)!r}, strategy='fsdp2', accumulation_steps={count}) under torchrun")
 
 
 def follow_accumulation(engine: MixedPrecision, count: int, ranks: int, *, was: int | None, where: str) -> int:
@@ -132,7 +145,7 @@ def follow_accumulation(engine: MixedPrecision, count: int, ranks: int, *, was: 
     ``where``: when, e.g. ``"at epoch 1"``): refused with fp32 masters on several processes
     (:func:`check_accumulation`), a change recorded as an ``"accumulation"`` event. Returns ``count`` (the next
     call's ``was``). No host sync, no collective."""
-    check_accumulation(count, ranks, engine.policy, was=was, where=where)
+    check_accumulation(count, ranks, engine.policy, was=was, where=where, sharded=engine.strategy == "fsdp2")
     if was is not None and was != count:
         engine.record(Event(step=engine.boundaries, kind="accumulation", cause="MixprecPrecision", module=None,
                             detail=f"Lightning's accumulate_grad_batches {was} -> {count} {where}: followed (each "
