@@ -51,8 +51,8 @@ from mixprec.engine.boundary import StepCheck, StepResult
 from mixprec.engine.clipping import clip_
 from mixprec.engine.mixed_precision import MixedPrecision
 from mixprec.engine.open_group import check_group
-from mixprec.integrations.lightning_strategies import (broadcast_from_rank0, model_parallel,
-                                                       profiler_hold, refuse_resume)
+from mixprec.integrations.lightning_strategies import (broadcast_from_rank0, model_parallel, profiler_hold,
+                                                       resumed_parts)
 from mixprec.integrations.replica_checks import (DEFAULT_EVERY, ReplicaChecks, check_accumulation, follow_accumulation,
                                                 gather_windows, own_window)
 from mixprec.policy.policy import Policy
@@ -359,9 +359,12 @@ class MixprecPrecision(Precision):
         adopt it: its fp32 weights and optimizer state converted to the policy as ``set_policy`` would
         (:func:`mixprec.checkpoint.adopt.adopt_fp32_run`: an ``"adopt-checkpoint"`` event), and Lightning's
         ``optimizer_states`` entry replaced by the converted state, which Lightning loads next. ValueError for
-        16-bit weights, several optimizers, or a resume under ``ModelParallelStrategy`` (not supported yet)."""
+        16-bit weights or several optimizers. Under ``ModelParallelStrategy``:
+        :func:`~mixprec.integrations.lightning_strategies.resumed_parts` (it refuses what it cannot resume)."""
         if self.engine is not None and self.engine.strategy == "fsdp2" and self._trainer.state.fn == "fit":
-            refuse_resume(self._trainer.ckpt_path)   # ModelParallelStrategy: not supported yet, said by name
+            # ModelParallelStrategy loaded the module and the optimizer into the engine's shards already
+            self._checkpoint_parts = resumed_parts(checkpoint, type(self).__qualname__, self._trainer, self._attach)
+            return
         optimizers = checkpoint.get("optimizer_states") or [None]
         self._checkpoint_parts = {"model": checkpoint.get("state_dict"), "optimizer": optimizers[0]}
         if (type(self).__qualname__ in checkpoint or self._trainer is None or self._trainer.state.fn != "fit"

@@ -8,15 +8,18 @@ Source: Lightning 2.6's ``ModelParallelStrategy`` (it runs ``configure_model`` b
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from contextlib import AbstractContextManager, nullcontext
+from pathlib import Path
 from typing import Any
 
 import torch
 from torch import nn
 
+from mixprec.engine.mixed_precision import MixedPrecision
 from mixprec.memory.live import held
 
-__all__ = ["refuse_resume", "broadcast_from_rank0", "model_parallel", "profiler_hold"]
+__all__ = ["resumed_parts", "reload_optimizer", "broadcast_from_rank0", "model_parallel", "profiler_hold"]
 
 
 def broadcast_from_rank0(module: nn.Module) -> None:
@@ -52,16 +55,43 @@ def model_parallel(strategy: Any, module: nn.Module) -> bool:
     return True
 
 
-def refuse_resume(path: Any) -> None:
-    """Under ``ModelParallelStrategy``: ``fit(ckpt_path=...)`` is refused by name (ValueError) when the checkpoint
-    reaches the plugin (Lightning's distributed checkpoint restores the module and optimizer states into the
-    strategy's layout, which is not the engine's FSDP2 state: masters, loss scale, 16-bit storage)."""
-    raise ValueError(
-        f"fit(ckpt_path={str(path)!r}) under ModelParallelStrategy with MixprecPrecision: resuming is not supported "
-        "yet (Lightning's distributed checkpoint loads the module and optimizer into its own layout, not the "
-        "engine's FSDP2 state of fp32 masters and loss scale). Resume under L.Trainer(strategy='ddp'), or train "
-        "with the engine's own loop, MixedPrecision(..., strategy='fsdp2') and mixprec.save_checkpoint / "
-        "load_checkpoint, under torchrun")
+def resumed_parts(checkpoint: dict[str, Any], owner: str, trainer: Any,
+                  attach: Callable[[], MixedPrecision]) -> dict[str, Any]:
+    """Resuming under ``ModelParallelStrategy``: the model and optimizer states for the plugin's load (``owner``:
+    its key in ``checkpoint``), after the engine has attached the optimizer (``attach``) on a cleared state and
+    the optimizer has been loaded again (:func:`reload_optimizer`). ValueError for a checkpoint written without
+    the plugin (adopting a run is not supported there yet) or a single-file one. Every rank calls it."""
+    if owner not in checkpoint:
+        raise ValueError(f"fit(ckpt_path={str(trainer.ckpt_path)!r}) under ModelParallelStrategy: the checkpoint was "
+                         "written without MixprecPrecision, and adopting a run (its weights and optimizer state "
+                         "converted to the policy) is not supported there yet; adopt it under "
+                         "L.Trainer(strategy='ddp') or one process, then continue under ModelParallelStrategy")
+    trainer.strategy.optimizers[0].state.clear()   # set_precision needs an empty state; reloaded below
+    engine = attach()
+    reload_optimizer(engine.module, engine.optimizer, trainer.ckpt_path)
+    return {"model": engine.module.state_dict(), "optimizer": engine.optimizer.state_dict()}
+
+
+def reload_optimizer(module: nn.Module, optimizer: torch.optim.Optimizer, path: Any) -> None:
+    """Load ``optimizer``'s state from the distributed checkpoint ``path`` that Lightning's
+    ``ModelParallelStrategy`` wrote (a directory: DCP shards under ``"optimizer_0"``), into the entries the
+    optimizer creates under its policy's precision. Lightning loads it before the engine has attached the optimizer,
+    into the entries torch's defaults create (fp32 moments, no Kahan compensation): an entry it lacks would not be
+    loaded. Every rank calls it (DCP reads collectively). ValueError for a single-file checkpoint
+    (``save_distributed_checkpoint=False``)."""
+    import torch.distributed.checkpoint as dcp
+    from torch.distributed.checkpoint.state_dict import get_optimizer_state_dict, set_optimizer_state_dict
+
+    if not Path(path).is_dir():
+        raise ValueError(
+            f"fit(ckpt_path={str(path)!r}) under ModelParallelStrategy with MixprecPrecision: a single-file checkpoint "
+            "(save_distributed_checkpoint=False) is not supported; save with ModelParallelStrategy's default "
+            "(save_distributed_checkpoint=True), or train with the engine's own loop, MixedPrecision(..., "
+            "strategy='fsdp2') and mixprec.save_checkpoint / load_checkpoint, under torchrun")
+    optimizer.state.clear()   # the entries come from one zero-lr step of the policy's optimizer (torch's DCP helper)
+    state = {"optimizer_0": get_optimizer_state_dict(module, optimizer)}
+    dcp.load(state, checkpoint_id=str(path))
+    set_optimizer_state_dict(module, optimizer, optim_state_dict=state["optimizer_0"])
 
 
 def profiler_hold(trainer: Any) -> AbstractContextManager[None]:
