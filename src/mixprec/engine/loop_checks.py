@@ -218,9 +218,10 @@ class LoopChecks:
         """Remember each gradient this engine's backward left: the tensor and its version counter."""
         self.marks = {id(t): (id(g), getattr(g, "_version", 0)) for t in self._tensors() if (g := t.grad) is not None}
 
-    def at_boundary(self) -> list[torch.Tensor]:
+    def at_boundary(self, close: Callable[[], Any] = lambda: None) -> list[torch.Tensor]:
         """The engine's gradients (``mp.gradients()``), after discarding foreign ones, raising if some it
-        produced were zeroed or changed since its last backward(), and naming (once) the trainable params
+        produced were zeroed or changed since its last backward(), then ``close`` (the window's fp32 sums
+        rounded into the 16-bit grads: :mod:`mixprec.engine.grad_sums`), and naming (once) the trainable params
         that have none."""
         mp = self.owner
         self.check_storage(training=True)
@@ -243,6 +244,7 @@ class LoopChecks:
                        "scale there), or another engine's backward() through this model added its gradients, "
                        "which this step now includes. Kept as they are; to keep another engine's backward off "
                        "these parameters, step this engine first or pass other_mp.backward(loss, inputs=...)")
+        close()
         grads = mp.gradients()
         missing = [t for g in mp.optimizer.param_groups for t in g["params"] if t.grad is None and t.requires_grad
                    and id(t) not in self.reported_missing]

@@ -1,9 +1,7 @@
-"""The training-step engine: ``MixedPrecision``, in phases (docs/engine.md).
-
-One object owns the whole step so no call comes twice or is forgotten (torch.amp.GradScaler's ``unscale_``/``update``
-misuse): prepare (:mod:`mixprec.engine.prepare`) → attach → per boundary unscale_and_check → apply_or_skip
-(:mod:`mixprec.engine.boundary`). Collaborators return what the engine assigns; call-backs take
-:class:`mixprec.engine.protocol.Engine`. docs/architecture.md draws the map."""
+"""The training-step engine: ``MixedPrecision``, in phases (docs/engine.md); one object owns the whole step so no
+call comes twice or is forgotten (GradScaler's ``unscale_``/``update`` misuse): prepare (:mod:`mixprec.engine.prepare`)
+→ attach → per boundary unscale_and_check → apply_or_skip (:mod:`mixprec.engine.boundary`). Collaborators return
+what the engine assigns; call-backs take :class:`mixprec.engine.protocol.Engine`. docs/architecture.md: the map."""
 
 from __future__ import annotations
 
@@ -27,6 +25,7 @@ from mixprec.engine.boundary import AccumulationGroup, BoundaryLosses, StepCheck
 from mixprec.engine.clipping import clip_ as _clip_
 from mixprec.engine.divergence import DivergenceError, StopWhenStuck
 from mixprec.engine.edits import ModelLayout, adopt_edited_params, adopt_model_edits, finish_model_edit
+from mixprec.engine.grad_sums import GradSums
 from mixprec.engine.kernel_agreement import KernelAgreement
 from mixprec.engine.loop_checks import LoopChecks
 from mixprec.engine.loss_scale import for_policy as loss_scale_for_policy, for_switch as loss_scale_for_switch, unscale_grads
@@ -115,7 +114,7 @@ class MixedPrecision:
         self.masters.record_versions()   # DDP's broadcast of rank 0's params is not a user edit
         # micro_step: backward() calls since the last boundary; boundaries: step() boundaries (applied + skipped)
         self.micro_step = self.applied_steps = self.skipped_total = self.boundaries = 0
-        self._losses, self._group = BoundaryLosses(), AccumulationGroup(accumulation_steps)
+        self._losses, self._group, self._sums = BoundaryLosses(), AccumulationGroup(accumulation_steps), GradSums(self)
         self._step_pending = False   # a backward() awaits its step()
         self._open_check: StepCheck | None = None   # unscale_and_check() ran, apply_or_skip() not yet
         self._layout = None if self._strategy.shards_params else ModelLayout(model)   # FSDP2 swaps params itself
@@ -188,6 +187,7 @@ class MixedPrecision:
         if new_micro_batch and self.micro_step == 0:
             self._adopt_model_edits()
         self._checks.before_backward(first=new_micro_batch and self.micro_step == 0)
+        self._sums.fold(first=new_micro_batch and self.micro_step == 0)   # 16-bit grads so far into fp32 sums
         self.micro_step += new_micro_batch
         self._losses.add(loss.detach(), first=new_micro_batch and self.micro_step == 1)
         if self.accumulation_steps > 1:
@@ -246,7 +246,7 @@ class MixedPrecision:
         self._step_pending = False
         adopt_edited_params(self)
         self._losses.close(self.micro_step)
-        grads = self._strategy.local(self._checks.at_boundary())
+        grads = self._strategy.local(self._checks.at_boundary(self._sums.close))   # fp32 sums rounded into grads
         found_inf = self._losses.unscale_(self.loss_scale, grads, self._group.factor(self.micro_step))
         self._open_check = check_grads(grads, found_inf, self._losses.finite, self.loss_scale, self._strategy,
                                        self.device)
@@ -437,7 +437,7 @@ class MixedPrecision:
             "loss_scale": self.loss_scale.state_dict(),
             "counters": dict(micro_step=self.micro_step, applied_steps=self.applied_steps,
                              skipped_total=self.skipped_total, boundaries=self.boundaries),
-            "open_group": capture_group(self, self._step_pending, self._group.end_next, self._losses)}
+            "open_group": capture_group(self, self._step_pending, self._group.end_next, self._losses, self._sums)}
 
     def load_state_dict(self, state: dict[str, Any], *, convert: bool = False, adopt_policy: bool = False) -> None:
         """Restore a :meth:`state_dict` exactly (its ``"events"``, as checkpoints carry, replace :attr:`events`).
@@ -470,7 +470,7 @@ class MixedPrecision:
             self._recompute.load({"events": events})   # a DCP checkpoint's recompute plan, as it was
             self._budget.load({"events": events})
         if open_group:   # saved mid-accumulation: the window goes on; its gradients are this engine's own
-            self.micro_step, self._step_pending, self._group.end_next = restore_group(self, open_group, self._losses)
+            self.micro_step, self._step_pending, self._group.end_next = restore_group(self, open_group, self._losses, self._sums)
             self._checks.after_backward()
 
     def record(self, event: Event | dict, *, decision: str | None = None) -> None:
@@ -485,7 +485,7 @@ class MixedPrecision:
 
     def _set_gradient_sync(self) -> None:
         self._strategy.set_gradient_sync(self.model, last_micro_batch=self._group.last_micro_batch(self.micro_step),
-                                         has_masters=bool(self.masters.pairs))
+                                         has_masters=bool(self.masters.pairs) or self._sums.reduces_each())
 
     def _adopt_model_edits(self) -> None:
         self._groups.refresh(self)   # params unfrozen or a group added mid-run (engine/param_groups.py)

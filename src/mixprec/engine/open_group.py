@@ -8,7 +8,8 @@ at a boundary):
 
 * ``grads``: each param's gradient so far, by name, as ``backward()`` left it (times the loss scale, in the
   param's dtype, summed by autograd); ``master_grads``: under ``-pure`` the fp32 masters' (the 16-bit ones were
-  added into them and freed);
+  added into them and freed); ``grad_sums``: under 16-bit params without masters, the fp32 sums of the earlier
+  micro-batches' gradients (:mod:`mixprec.engine.grad_sums`; absent in a state saved before them);
 * ``micro_step``; ``pending``: 1 when a ``backward()`` awaits its ``step()`` (a trainer's joined micro-batches),
   2 after ``backward(retain_graph=True)``, else 0; ``end_next``: ``mp.end_group_next()`` was called;
 * ``losses``: the window's loss tally (:meth:`~mixprec.engine.boundary.BoundaryLosses.state_dict`), so the
@@ -28,15 +29,17 @@ import torch
 
 from mixprec.engine.arguments import MID_ACCUMULATION, RETAINED
 from mixprec.engine.boundary import BoundaryLosses
+from mixprec.engine.grad_sums import GradSums
 from mixprec.engine.protocol import Engine
 
 __all__ = ["capture_group", "check_group", "restore_group"]
 
 
-def capture_group(mp: Engine, pending: Any, end_next: bool, losses: BoundaryLosses) -> dict[str, Any] | None:
+def capture_group(mp: Engine, pending: Any, end_next: bool, losses: BoundaryLosses,
+                  sums: GradSums) -> dict[str, Any] | None:
     """``state["open_group"]`` of ``mp`` (module docstring): None at a boundary, else the window's gradients
-    (copies), counts and loss tally; ``pending``/``end_next``/``losses``: the engine's. RuntimeError mid-window
-    under a strategy. No host sync."""
+    (copies), counts and loss tally; ``pending``/``end_next``/``losses``/``sums``: the engine's. RuntimeError
+    mid-window under a strategy. No host sync."""
     if mp.micro_step == 0 and not end_next:
         return None
     if mp.strategy is not None:
@@ -49,7 +52,7 @@ def capture_group(mp: Engine, pending: Any, end_next: bool, losses: BoundaryLoss
             "grads": {n: p.grad.detach().clone() for n, p in named if p.grad is not None},
             "master_grads": {name_of[id(p)]: m.grad.detach().clone() for p, m in mp.masters.pairs
                              if m.grad is not None},
-            "losses": losses.state_dict()}
+            "grad_sums": sums.captured(name_of), "losses": losses.state_dict()}
 
 
 def check_group(mp: Engine, saved: dict[str, Any] | None) -> None:
@@ -63,10 +66,11 @@ def check_group(mp: Engine, saved: dict[str, Any] | None) -> None:
                          "rank's window is its own: load a state saved at an optimizer-step boundary")
     named = dict(mp.module.named_parameters())
     with_master = {id(p) for p, _ in mp.masters.pairs}
-    wrong = [f"{n} ({_text(g)})" for key, fp32 in (("grads", False), ("master_grads", True))
-             for n, g in saved[key].items()
-             if n not in named or g.shape != named[n].shape or (fp32 and id(named[n]) not in with_master)
-             or g.dtype != (torch.float32 if fp32 else named[n].dtype)]
+    wrong = [f"{n} ({_text(g)})" for key, fp32 in (("grads", False), ("master_grads", True), ("grad_sums", True))
+             for n, g in saved.get(key, {}).items()
+             if n not in named or g.shape != named[n].shape or g.dtype != (torch.float32 if fp32 else named[n].dtype)
+             or (key == "master_grads" and id(named[n]) not in with_master)
+             or (key == "grad_sums" and named[n].dtype == torch.float32)]
     if wrong:
         raise ValueError(f"the state was saved mid-accumulation ({saved['micro_step']} micro-batch(es) of an open "
                          f"window) and its gradients {wrong[:4]} do not fit this model under {mp.policy} (another "
@@ -74,15 +78,17 @@ def check_group(mp: Engine, saved: dict[str, Any] | None) -> None:
                          "at an optimizer-step boundary")
 
 
-def restore_group(mp: Engine, saved: dict[str, Any], losses: BoundaryLosses) -> tuple[int, Any, bool]:
-    """Put the window's gradients of ``saved`` (checked by :func:`check_group`) back on ``mp``'s params and
-    masters (copies, on ``mp.device``) and its tally into ``losses``; returns ``(micro_step, pending, end_next)``
-    for the engine to assign. No host sync."""
+def restore_group(mp: Engine, saved: dict[str, Any], losses: BoundaryLosses,
+                  sums: GradSums) -> tuple[int, Any, bool]:
+    """Put the window's gradients of ``saved`` (checked by :func:`check_group`) back on ``mp``'s params, masters
+    and ``sums`` (copies, on ``mp.device``) and its tally into ``losses``; returns ``(micro_step, pending,
+    end_next)`` for the engine to assign. No host sync."""
     named = dict(mp.module.named_parameters())
     master_of = {id(p): m for p, m in mp.masters.pairs}
     for key, holder in (("grads", lambda p: p), ("master_grads", lambda p: master_of[id(p)])):
         for name, grad in saved[key].items():
             holder(named[name]).grad = grad.detach().to(mp.device, copy=True)
+    sums.restore(named, saved.get("grad_sums", {}))
     losses.load_state_dict(saved["losses"], mp.device)
     pending = RETAINED if saved["pending"] == 2 else bool(saved["pending"])
     return int(saved["micro_step"]), pending, bool(saved["end_next"])
