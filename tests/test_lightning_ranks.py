@@ -362,3 +362,24 @@ def test_a_window_saved_by_two_processes_is_refused_on_one_by_name():
                                          r"processes \(not 1\)"):
         own_window(state, "MixprecPrecision")
     assert own_window({"open_group": {"micro_step": 1}}, "MixprecPrecision") == {"open_group": {"micro_step": 1}}
+
+
+def _old_window_refusals(rank: int, out: Path) -> dict[str, str]:
+    """own_window on a checkpoint of one rank's window (saved before every rank's was gathered), on 2 ranks."""
+    from mixprec.integrations.replica_checks import own_window
+
+    words = {}
+    for owner in ("MixprecPrecision", "MixprecFabricPrecision"):
+        try:
+            own_window({"open_group": {"micro_step": 1}}, owner)
+        except ValueError as err:
+            words[owner] = str(err)
+    return words
+
+
+def test_an_old_window_checkpoint_is_refused_with_each_frameworks_route(tmp_path):
+    """The refusal named Lightning's ModelCheckpoint to Fabric users too; each framework gets its own route."""
+    for words in run_ranks(_old_window_refusals, tmp_path):
+        assert "ModelCheckpoint(every_n_train_steps=...)" in words["MixprecPrecision"]
+        assert "fabric.save after optimizer.step()" in words["MixprecFabricPrecision"]
+        assert "ModelCheckpoint" not in words["MixprecFabricPrecision"]

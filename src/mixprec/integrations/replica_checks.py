@@ -174,8 +174,10 @@ def own_window(state: dict[str, Any], owner: str) -> dict[str, Any]:
         if ranks > 1 and state.get("open_group"):
             raise ValueError(f"{owner}: this checkpoint was saved inside an accumulation window and holds one rank's "
                              f"gradients of it; on {ranks} processes each rank's window is its own and not yet "
-                             "reduced. Resume from a checkpoint taken at an optimizer step (ModelCheckpoint("
-                             "every_n_train_steps=...), or val_check_interval a multiple of accumulate_grad_batches)")
+                             "reduced. Resume from a checkpoint taken at an optimizer step (" + (
+                                 "fabric.save after optimizer.step()" if "Fabric" in owner else
+                                 "ModelCheckpoint(every_n_train_steps=...), or val_check_interval a multiple of "
+                                 "accumulate_grad_batches") + ")")
         return state
     if len(saved) != ranks:
         raise ValueError(f"{owner}: this checkpoint was saved inside an accumulation window by {len(saved)} "
