@@ -649,3 +649,37 @@ def test_model_parallel_strategy_refuses_to_adopt_a_run_written_without_the_plug
     for err in errors:
         assert err is not None and "the checkpoint was written without MixprecPrecision" in err \
             and "strategy='ddp'" in err, err
+
+
+def _model_parallel_window_save_rank(rank: int, out, policy: str) -> str | None:
+    """accumulate_grad_batches=2 and a callback saving after the first micro-batch of the first window."""
+    class SaveMidWindow(L.Callback):
+        def on_train_batch_end(self, trainer, module, outputs, batch, batch_idx):
+            if batch_idx == 0:
+                trainer.save_checkpoint(out / "window.ckpt")
+
+    from lightning.pytorch.strategies import ModelParallelStrategy
+
+    trainer = L.Trainer(max_steps=1, accelerator="cpu", devices=2, logger=False, enable_checkpointing=False,
+                        enable_progress_bar=False, enable_model_summary=False, num_sanity_val_steps=0,
+                        strategy=ModelParallelStrategy(data_parallel_size=2, tensor_parallel_size=1),
+                        accumulate_grad_batches=2, plugins=[MixprecPrecision(policy)], callbacks=[SaveMidWindow()])
+    try:
+        trainer.fit(Flat(), DataLoader(_samples(16), batch_size=4))
+    except RuntimeError as err:
+        return str(err)
+    return None
+
+
+def test_model_parallel_strategy_refuses_a_checkpoint_inside_a_window_with_the_trainers_routes():
+    """It failed with the hand loop's words ("call mp.step(end_group=True)"), which a trainer user cannot follow."""
+    import tempfile
+    from pathlib import Path
+
+    from ranks import run_ranks
+
+    with tempfile.TemporaryDirectory() as tmp:
+        errors = run_ranks(_model_parallel_window_save_rank, Path(tmp), "bf16-mixed")
+    for err in errors:
+        assert err is not None and "inside an accumulation window under ModelParallelStrategy" in err \
+            and "every_n_train_steps" in err and "end_group" not in err, err
