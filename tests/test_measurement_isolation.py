@@ -651,35 +651,52 @@ def test_model_parallel_strategy_refuses_to_adopt_a_run_written_without_the_plug
             and "strategy='ddp'" in err, err
 
 
-def _model_parallel_window_save_rank(rank: int, out, policy: str) -> str | None:
-    """accumulate_grad_batches=2 and a callback saving after the first micro-batch of the first window."""
-    class SaveMidWindow(L.Callback):
-        def on_train_batch_end(self, trainer, module, outputs, batch, batch_idx):
-            if batch_idx == 0:
-                trainer.save_checkpoint(out / "window.ckpt")
+class _SaveInsideWindow(L.Callback):
+    """``trainer.save_checkpoint`` (collective) after the first micro-batch of the second window."""
 
+    def __init__(self, path) -> None:
+        self.path = path
+
+    def on_train_batch_end(self, trainer, module, outputs, batch, batch_idx):
+        if batch_idx == 2:
+            trainer.save_checkpoint(self.path)
+
+
+def _model_parallel_window_rank(rank: int, out, policy: str) -> dict:
+    """3 steps of 2 micro-batches per rank: whole, saving inside the second window, resumed from that checkpoint."""
     from lightning.pytorch.strategies import ModelParallelStrategy
+    from test_integration_checkpoints_any_moment import Resumable
 
-    trainer = L.Trainer(max_steps=1, accelerator="cpu", devices=2, logger=False, enable_checkpointing=False,
-                        enable_progress_bar=False, enable_model_summary=False, num_sanity_val_steps=0,
-                        strategy=ModelParallelStrategy(data_parallel_size=2, tensor_parallel_size=1),
-                        accumulate_grad_batches=2, plugins=[MixprecPrecision(policy)], callbacks=[SaveMidWindow()])
-    try:
-        trainer.fit(Flat(), DataLoader(_samples(16), batch_size=4))
-    except RuntimeError as err:
-        return str(err)
-    return None
+    g = torch.Generator().manual_seed(5 + rank)
+    batches = [(torch.randn(4, 8, generator=g), torch.randint(0, 4, (4,), generator=g)) for _ in range(6)]
+    path, runs = out / "window.ckpt", {}
+    for name, callbacks, ckpt in (("whole", [], None), ("saving", [_SaveInsideWindow(path)], None),
+                                  ("resumed", [], path)):
+        model = Flat(torch.optim.AdamW)
+        trainer = L.Trainer(max_steps=3, accelerator="cpu", devices=2, logger=False, enable_checkpointing=False,
+                            enable_progress_bar=False, enable_model_summary=False, num_sanity_val_steps=0,
+                            strategy=ModelParallelStrategy(data_parallel_size=2, tensor_parallel_size=1),
+                            accumulate_grad_batches=2, plugins=[MixprecPrecision(policy)], callbacks=callbacks,
+                            use_distributed_sampler=False)
+        trainer.fit(model, Resumable(batches), ckpt_path=ckpt)
+        runs[name] = {"params": _full(model), "steps": trainer.global_step}
+    return runs
 
 
-def test_model_parallel_strategy_refuses_a_checkpoint_inside_a_window_with_the_trainers_routes():
-    """It failed with the hand loop's words ("call mp.step(end_group=True)"), which a trainer user cannot follow."""
+def test_model_parallel_strategy_checkpoint_inside_a_window_resumes_bit_for_bit():
+    """A checkpoint after the first micro-batch of a window under ModelParallelStrategy failed with the hand loop's
+    words ("call mp.step(end_group=True)"). The plugin runs Lightning's window as one micro-batch of the engine, so
+    FSDP2 reduce-scatters each micro-batch into the params' sharded .grad: the checkpoint holds every rank's shards
+    of the window, each rank takes its own back, and the resumed run equals the whole one bit for bit."""
     import tempfile
     from pathlib import Path
 
     from ranks import run_ranks
 
     with tempfile.TemporaryDirectory() as tmp:
-        errors = run_ranks(_model_parallel_window_save_rank, Path(tmp), "bf16-mixed")
-    for err in errors:
-        assert err is not None and "inside an accumulation window under ModelParallelStrategy" in err \
-            and "every_n_train_steps" in err and "end_group" not in err, err
+        ranks = run_ranks(_model_parallel_window_rank, Path(tmp), "bf16-mixed")
+    for rank, runs in enumerate(ranks):
+        assert runs["whole"]["steps"] == runs["saving"]["steps"] == runs["resumed"]["steps"] == 3
+        for name, value in runs["whole"]["params"].items():
+            assert torch.equal(runs["saving"]["params"][name], value), (rank, name)   # saving changes nothing
+            assert torch.equal(runs["resumed"]["params"][name], value), (rank, name)

@@ -18,7 +18,10 @@ at a boundary):
 The gradients are copies (the next ``backward()`` adds into the live ones in place). Not saved: a guard's
 kept micro-batches (``mp.step_batches``), so after a resume the guard's diagnosis of that window sees only
 those after the load. Under ``strategy=`` each rank's gradients of an open window are its own and not yet
-reduced: saving there is refused (RuntimeError), as before. No host sync.
+reduced: saving there is refused (RuntimeError), as before, but under FSDP2 with ``accumulation_steps=1`` (a
+trainer's joined micro-batches: Lightning's ``ModelParallelStrategy``), where every micro-batch is reduce-scattered
+into the params' sharded ``.grad``: then ``grads`` holds this rank's local shards (``"sharded": True``), the caller
+gathers every rank's, and each rank puts its own back as DTensors of its params' placements. No host sync.
 """
 
 from __future__ import annotations
@@ -26,6 +29,7 @@ from __future__ import annotations
 from typing import Any
 
 import torch
+from torch.distributed.tensor import DTensor
 
 from mixprec.engine.arguments import MID_ACCUMULATION, RETAINED
 from mixprec.engine.boundary import BoundaryLosses
@@ -42,14 +46,14 @@ def capture_group(mp: Engine, pending: Any, end_next: bool, losses: BoundaryLoss
     mid-window under a strategy. No host sync."""
     if mp.micro_step == 0 and not end_next:
         return None
-    if mp.strategy is not None:
+    if mp.strategy is not None and not _sharded_window(mp):
         raise RuntimeError(MID_ACCUMULATION.format(call="state_dict()", n=mp.micro_step, what=(
             f"under strategy={mp.strategy!r} each rank's gradients of the open window are its own; take it")))
     named = list(mp.module.named_parameters())
     name_of = {id(p): n for n, p in named}
     return {"micro_step": mp.micro_step, "pending": 2 if pending == RETAINED else int(bool(pending)),
-            "end_next": bool(end_next),
-            "grads": {n: p.grad.detach().clone() for n, p in named if p.grad is not None},
+            "end_next": bool(end_next), "sharded": mp.strategy is not None,
+            "grads": {n: _local(p.grad).detach().clone() for n, p in named if p.grad is not None},
             "master_grads": {name_of[id(p)]: m.grad.detach().clone() for p, m in mp.masters.pairs
                              if m.grad is not None},
             "grad_sums": sums.captured(name_of), "losses": losses.state_dict()}
@@ -61,10 +65,11 @@ def check_group(mp: Engine, saved: dict[str, Any] | None) -> None:
     ``mp`` runs one process."""
     if not saved:
         return
-    if mp.strategy is not None:
-        raise ValueError(f"the state was saved mid-accumulation by one process; under strategy={mp.strategy!r} each "
-                         "rank's window is its own: load a state saved at an optimizer-step boundary")
-    named = dict(mp.module.named_parameters())
+    if (mp.strategy is not None) != bool(saved.get("sharded")) or (mp.strategy and not _sharded_window(mp)):
+        raise ValueError(f"the state was saved mid-accumulation {'by FSDP2' if saved.get('sharded') else 'by one process'}"
+                         f"; under strategy={mp.strategy!r} with accumulation_steps={mp.accumulation_steps} it does not "
+                         "fit (each rank's window is its own): load a state saved at an optimizer-step boundary")
+    named = {n: _local(p) for n, p in mp.module.named_parameters()}
     with_master = {id(p) for p, _ in mp.masters.pairs}
     wrong = [f"{n} ({_text(g)})" for key, fp32 in (("grads", False), ("master_grads", True), ("grad_sums", True))
              for n, g in saved.get(key, {}).items()
@@ -87,11 +92,28 @@ def restore_group(mp: Engine, saved: dict[str, Any], losses: BoundaryLosses,
     master_of = {id(p): m for p, m in mp.masters.pairs}
     for key, holder in (("grads", lambda p: p), ("master_grads", lambda p: master_of[id(p)])):
         for name, grad in saved[key].items():
-            holder(named[name]).grad = grad.detach().to(mp.device, copy=True)
+            holder(named[name]).grad = _placed(grad.detach().to(mp.device, copy=True), named[name])
     sums.restore(named, saved.get("grad_sums", {}))
     losses.load_state_dict(saved["losses"], mp.device)
     pending = RETAINED if saved["pending"] == 2 else bool(saved["pending"])
     return int(saved["micro_step"]), pending, bool(saved["end_next"])
+
+
+def _sharded_window(mp: Engine) -> bool:
+    """FSDP2 reduce-scattering every micro-batch (``accumulation_steps=1``: a trainer joins its micro-batches)."""
+    return mp.strategy == "fsdp2" and mp.accumulation_steps == 1
+
+
+def _local(t: torch.Tensor) -> torch.Tensor:
+    """This rank's shard of a DTensor, a plain tensor as it is."""
+    return t.to_local() if isinstance(t, DTensor) else t
+
+
+def _placed(local: torch.Tensor, p: torch.Tensor) -> torch.Tensor:
+    """``local`` as ``p``'s gradient: a DTensor of ``p``'s mesh and placements where ``p`` is one."""
+    if not isinstance(p, DTensor):
+        return local
+    return DTensor.from_local(local, p.device_mesh, p.placements, run_check=False, shape=p.shape, stride=p.stride())
 
 
 def _text(t: torch.Tensor) -> str:

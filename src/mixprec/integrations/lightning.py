@@ -52,7 +52,7 @@ from mixprec.engine.clipping import clip_
 from mixprec.engine.mixed_precision import MixedPrecision
 from mixprec.engine.open_group import check_group
 from mixprec.integrations.lightning_strategies import (broadcast_from_rank0, model_parallel, profiler_hold,
-                                                       refuse_sharded_window, resumed_parts)
+                                                       resumed_parts)
 from mixprec.integrations.replica_checks import (DEFAULT_EVERY, ReplicaChecks, check_accumulation, follow_accumulation,
                                                 gather_windows, own_window)
 from mixprec.policy.policy import Policy
@@ -347,7 +347,6 @@ class MixprecPrecision(Precision):
         engine = self.engine
         if engine is None or engine.optimizer is None:
             return {}
-        refuse_sharded_window(engine)   # ModelParallelStrategy: a window's gradients are FSDP2's own
         state = {k: v for k, v in engine.state_dict().items() if k not in ("model", "optimizer")}
         state["events"] = [event.to_dict() for event in engine.events]
         tensors: dict[str, torch.Tensor] = {}

@@ -19,7 +19,7 @@ from torch import nn
 from mixprec.engine.mixed_precision import MixedPrecision
 from mixprec.memory.live import held
 
-__all__ = ["resumed_parts", "reload_optimizer", "refuse_sharded_window", "broadcast_from_rank0", "model_parallel", "profiler_hold"]
+__all__ = ["resumed_parts", "reload_optimizer", "broadcast_from_rank0", "model_parallel", "profiler_hold"]
 
 
 def broadcast_from_rank0(module: nn.Module) -> None:
@@ -92,18 +92,6 @@ def reload_optimizer(module: nn.Module, optimizer: torch.optim.Optimizer, path: 
     state = {"optimizer_0": get_optimizer_state_dict(module, optimizer)}
     dcp.load(state, checkpoint_id=str(path))
     set_optimizer_state_dict(module, optimizer, optim_state_dict=state["optimizer_0"])
-
-
-def refuse_sharded_window(engine: MixedPrecision) -> None:
-    """RuntimeError when Lightning checkpoints inside an accumulation window under ``ModelParallelStrategy``
-    (the engine's FSDP2 holds the window's unsharded gradients itself, outside the params' ``.grad``), with the
-    trainer's routes; nothing at an optimizer step or under another strategy."""
-    if engine.strategy == "fsdp2" and engine.micro_step != 0:
-        raise RuntimeError(
-            "a Lightning checkpoint inside an accumulation window under ModelParallelStrategy is not supported yet "
-            "(FSDP2 holds the window's gradients itself); checkpoint at optimizer steps: ModelCheckpoint("
-            "every_n_train_steps=...), or val_check_interval a multiple of accumulate_grad_batches, or "
-            "accumulate_grad_batches=1 with a larger batch")
 
 
 def profiler_hold(trainer: Any) -> AbstractContextManager[None]:
