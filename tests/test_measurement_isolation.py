@@ -620,35 +620,58 @@ def test_model_parallel_strategy_single_file_resume_is_refused_by_name():
             in err and "save_distributed_checkpoint=True" in err and "load_checkpoint" in err, err
 
 
-def _model_parallel_adopt_rank(rank: int, out, policy: str) -> str | None:
+def _model_parallel_adopt_rank(rank: int, out, policy: str) -> dict:
+    """1 epoch under precision="32-true" (no plugin) and its checkpoint; 1 more epoch adopted under ``policy``;
+    the same 2 epochs under the plugin from the start (its first epoch then equals 32-true's under bf16-mixed only
+    in the weights' fp32 values: compared on the adopted run's own terms below)."""
     from lightning.pytorch.strategies import ModelParallelStrategy
 
     first = L.Trainer(max_steps=-1, max_epochs=1, accelerator="cpu", devices=2, logger=False,
                       enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False,
-                      num_sanity_val_steps=0, strategy=ModelParallelStrategy(data_parallel_size=2, tensor_parallel_size=1))
-    first.fit(Flat(torch.optim.AdamW), DataLoader(_samples(16), batch_size=4))   # precision="32-true", no plugin
+                      num_sanity_val_steps=0, strategy=ModelParallelStrategy(data_parallel_size=2, tensor_parallel_size=1),
+                      use_distributed_sampler=False)
+    fp32 = Flat(_adamw_for(policy))   # the same optimizer class in both runs: Lightning loads its param groups as saved
+    # precision="32-true", no plugin: nothing shards or syncs the replicas, so both ranks train on the same batches
+    first.fit(fp32, DataLoader(_samples(16), batch_size=4))
     first.save_checkpoint(out / "fp32.ckpt")
+    saved = {n: p.detach().clone() for n, p in fp32.named_parameters()}   # plain params: nothing sharded them
+    start = {}
+
+    class Peek(L.Callback):
+        def on_train_batch_start(self, trainer, module, batch, batch_idx):
+            start.update(start or _full(module))
+
+    adopted, trainer = Flat(_adamw_for(policy)), _model_parallel_epochs(2, policy)
+    trainer.callbacks.append(Peek())
     try:
-        _model_parallel_epochs(2, policy).fit(Flat(torch.optim.AdamW), DataLoader(_samples(16), batch_size=4),
-                                              ckpt_path=out / "fp32.ckpt")
+        trainer.fit(adopted, DataLoader(_samples(16), batch_size=4), ckpt_path=out / "fp32.ckpt")
     except ValueError as err:
-        return str(err)
-    return None
+        return {"error": str(err)}
+    engine = trainer.precision_plugin.engine
+    return {"error": None, "events": [e.kind for e in engine.events], "applied": engine.applied_steps,
+            "steps": trainer.global_step, "moved": any(not torch.equal(saved[n], v) for n, v in _full(adopted).items()),
+            "loaded": all(torch.equal(saved[n], v) for n, v in start.items())}
 
 
-def test_model_parallel_strategy_refuses_to_adopt_a_run_written_without_the_plugin():
-    """Adopting a 32-true run (weights and optimizer state converted to the policy, an adopt-checkpoint event) works
-    under DDP and one process; under ModelParallelStrategy it would have loaded without the event: refused by name."""
+@pytest.mark.parametrize("policy", ["bf16-mixed", "bf16-sr"])
+def test_model_parallel_strategy_adopts_a_32_true_run_into_fp32_shards_and_refuses_16_bit_ones(policy):
+    """Adopting a 32-true run under ModelParallelStrategy was refused; where the engine's shards are fp32 (bf16-mixed)
+    Lightning loads them exactly and the engine takes the run's steps, with an adopt-checkpoint event; under 16-bit
+    storage (bf16-sr) it is refused by name (a load would round without the policy's conversion)."""
     import tempfile
     from pathlib import Path
 
     from ranks import run_ranks
 
     with tempfile.TemporaryDirectory() as tmp:
-        errors = run_ranks(_model_parallel_adopt_rank, Path(tmp), "bf16-mixed")
-    for err in errors:
-        assert err is not None and "the checkpoint was written without MixprecPrecision" in err \
-            and "strategy='ddp'" in err, err
+        runs = run_ranks(_model_parallel_adopt_rank, Path(tmp), policy)
+    for run in runs:
+        if policy == "bf16-sr":
+            assert "stores the shards in 16 bits" in run["error"] and "strategy='ddp'" in run["error"], run
+            continue
+        assert run["error"] is None and "adopt-checkpoint" in run["events"], run
+        assert run["steps"] == 6 and run["applied"] == 6 and run["moved"], run   # 4 adopted + 2 trained steps
+        assert run["loaded"], run   # the 32-true run's fp32 weights, exactly
 
 
 class _SaveInsideWindow(L.Callback):

@@ -17,6 +17,7 @@ import torch
 from torch import nn
 
 from mixprec.engine.mixed_precision import MixedPrecision
+from mixprec.engine.records import Event
 from mixprec.memory.live import held
 
 __all__ = ["resumed_parts", "reload_optimizer", "broadcast_from_rank0", "model_parallel", "profiler_hold"]
@@ -59,16 +60,30 @@ def resumed_parts(checkpoint: dict[str, Any], owner: str, trainer: Any,
                   attach: Callable[[], MixedPrecision]) -> dict[str, Any]:
     """Resuming under ``ModelParallelStrategy``: the model and optimizer states for the plugin's load (``owner``:
     its key in ``checkpoint``), after the engine has attached the optimizer (``attach``) on a cleared state and
-    the optimizer has been loaded again (:func:`reload_optimizer`). ValueError for a checkpoint written without
-    the plugin (adopting a run is not supported there yet) or a single-file one. Every rank calls it."""
-    if owner not in checkpoint:
-        raise ValueError(f"fit(ckpt_path={str(trainer.ckpt_path)!r}) under ModelParallelStrategy: the checkpoint was "
-                         "written without MixprecPrecision, and adopting a run (its weights and optimizer state "
-                         "converted to the policy) is not supported there yet; adopt it under "
-                         "L.Trainer(strategy='ddp') or one process, then continue under ModelParallelStrategy")
+    the optimizer has been loaded again (:func:`reload_optimizer`). A checkpoint written without the plugin (a
+    ``32-true`` or Lightning AMP run) is adopted where the engine's shards are fp32 (``-mixed``, ``-pure``: Lightning
+    loaded its fp32 weights into them exactly): its steps become the engine's counters, an ``"adopt-checkpoint"``
+    event says so. ValueError for one under 16-bit storage (``-kahan``, ``-sr``, ``-lean``) or a single-file
+    checkpoint. Every rank calls it."""
     trainer.strategy.optimizers[0].state.clear()   # set_precision needs an empty state; reloaded below
     engine = attach()
+    adopting = owner not in checkpoint
+    if adopting and engine.policy.param_dtype != torch.float32 and not engine.policy.has_masters:
+        raise ValueError(f"fit(ckpt_path={str(trainer.ckpt_path)!r}) under ModelParallelStrategy: the checkpoint was "
+                         f"written without MixprecPrecision, and {engine.policy} stores the shards in 16 bits, which "
+                         "Lightning's load would round without the policy's conversion (Kahan compensation, 8-bit "
+                         "state); adopt it under L.Trainer(strategy='ddp') or one process, or under a -mixed or -pure "
+                         "policy here, then continue under ModelParallelStrategy")
     reload_optimizer(engine.module, engine.optimizer, trainer.ckpt_path)
+    if adopting:
+        steps = int(checkpoint.get("global_step", 0))
+        engine.restore_progress({"applied_steps": steps, "skipped_total": 0, "boundaries": steps}, None)
+        detail = (f"Lightning checkpoint {str(trainer.ckpt_path)!r} (epoch {checkpoint.get('epoch')}, global_step "
+                  f"{steps}): a run without mixprec state adopted under ModelParallelStrategy, its fp32 weights and "
+                  f"{type(engine.optimizer).__name__} state loaded into the engine's fp32 shards as saved")
+        engine.record(Event(step=steps, kind="adopt-checkpoint", cause=str(trainer.ckpt_path), module=None,
+                            detail=detail, from_policy="fp32", to_policy=str(engine.policy)),
+                      decision=f"{engine.decision}; adopted a run without mixprec state (fp32 → {engine.policy})")
     return {"model": engine.module.state_dict(), "optimizer": engine.optimizer.state_dict()}
 
 
