@@ -471,3 +471,38 @@ def test_a_plain_hf_trainer_checkpoint_of_a_tied_model_is_adopted(tmp_path):
     assert adopted.engine.applied_steps == 3 and model.lm_head.weight is model.transformer.wte.weight
     assert torch.equal(seen["wte"], saved["transformer.wte.weight"])   # the fp32 master: the saved fp32 values
     assert [e.kind for e in adopted.engine.events].count("adopt-checkpoint") == 1
+
+
+class _SaveAfterFirstMicroBatch(L.Callback):
+    def __init__(self, path) -> None:
+        self.path = path
+
+    def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx):
+        if batch_idx == 0:
+            trainer.save_checkpoint(self.path)
+
+
+def test_resuming_under_another_policy_converts_or_is_refused_with_the_trainers_route(tmp_path):
+    """fit(ckpt_path=...) of a bf16-kahan checkpoint under MixprecPrecision("bf16-sr") was refused with the engine's
+    "pass convert=True ... or adopt_policy=True", which a Lightning user cannot pass. The plugin's policy is the
+    user's choice: the state is converted to it (a convert event) and training goes on in bf16; a window saved open
+    whose gradients do not fit the new policy (bf16 ones, fp32 params) is refused naming the policy that saved it."""
+    data = Fixed(batches(6))
+    first = trainer(MixprecPrecision("bf16-kahan"), max_steps=2)
+    first.fit(MLP(), data)
+    first.save_checkpoint(tmp_path / "kahan.ckpt")
+    plugin = MixprecPrecision("bf16-sr")
+    resumed = trainer(plugin, max_steps=4)
+    model = MLP(seed=7)
+    resumed.fit(model, data, ckpt_path=tmp_path / "kahan.ckpt")
+    kinds = [e.kind for e in plugin.engine.events]
+    assert "convert" in kinds and plugin.engine.applied_steps == 4 and str(plugin.engine.policy) == "bf16-sr"
+    assert {p.dtype for p in model.parameters()} == {torch.bfloat16}
+
+    window = trainer(MixprecPrecision("bf16-kahan"), max_steps=1, accumulate_grad_batches=2,
+                     callbacks=[_SaveAfterFirstMicroBatch(tmp_path / "window.ckpt")])
+    window.fit(MLP(), data)
+    with pytest.raises(ValueError, match=r"saved mid-accumulation .* do not fit this model under bf16-mixed .* the "
+                                         r"model and policy that saved it"):
+        trainer(MixprecPrecision("bf16-mixed"), max_steps=2, accumulate_grad_batches=2).fit(
+            MLP(), data, ckpt_path=tmp_path / "window.ckpt")

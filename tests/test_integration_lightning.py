@@ -603,3 +603,28 @@ def test_keep_inputs_keeps_float_targets_out_of_the_param_dtype():
         assert out[0].dtype == torch.bfloat16
     with pytest.raises(TypeError, match=r"keep_inputs='y'.*keep_inputs=\(1,\)"):
         MixprecPrecision("bf16-pure", keep_inputs="y")
+
+
+def test_fabric_load_of_an_open_window_under_another_policy_names_the_policy_to_resume_with(tmp_path):
+    """A window saved open under bf16-kahan cannot be converted to bf16-sr (its gradients are bf16-kahan's); the
+    refusal said "pass convert=True ... or adopt_policy=True" (load_state_dict's arguments, which fabric.load does
+    not take); it names the plugin and the saved policy to resume with."""
+    from mixprec.integrations.lightning import MixprecFabricPrecision
+
+    def setup(policy: str):
+        plugin = MixprecFabricPrecision(policy)
+        fabric = L.Fabric(accelerator="cpu", devices=1, plugins=[plugin])
+        model = TinyGPT()
+        fmodel, fopt = fabric.setup(model, model.configure_optimizers())
+        plugin.attach(fopt)
+        return plugin, fabric, fmodel
+
+    plugin, fabric, fmodel = setup("bf16-kahan")
+    idx, tgt = next(iter(loader(batches(1))))
+    fabric.backward(F.cross_entropy(fmodel(idx).float().flatten(0, 1), tgt.flatten()) / 2)   # no step: window open
+    fabric.save(tmp_path / "window.ckpt", {"mixprec": plugin})
+    plugin, fabric, _ = setup("bf16-sr")
+    with pytest.raises(ValueError, match=r"MixprecFabricPrecision\('bf16-sr'\) resuming a checkpoint saved under "
+                                         r"MixprecFabricPrecision\('bf16-kahan'\).*resume with "
+                                         r"MixprecFabricPrecision\('bf16-kahan'\)"):
+        fabric.load(tmp_path / "window.ckpt", {"mixprec": plugin})

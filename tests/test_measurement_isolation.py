@@ -723,3 +723,33 @@ def test_model_parallel_strategy_checkpoint_inside_a_window_resumes_bit_for_bit(
         for name, value in runs["whole"]["params"].items():
             assert torch.equal(runs["saving"]["params"][name], value), (rank, name)   # saving changes nothing
             assert torch.equal(runs["resumed"]["params"][name], value), (rank, name)
+
+
+def _model_parallel_policy_change_rank(rank: int, out, saved: str, resumed: str) -> str | None:
+    import mixprec
+
+    first = _model_parallel_epochs(1, saved)   # one optimizer class in both runs: Lightning's own load needs it
+    first.fit(Flat(mixprec.optim.AdamW), DataLoader(_samples(16), batch_size=4))
+    first.save_checkpoint(out / "saved.ckpt")
+    try:
+        _model_parallel_epochs(2, resumed).fit(Flat(mixprec.optim.AdamW), DataLoader(_samples(16), batch_size=4),
+                                               ckpt_path=out / "saved.ckpt")
+    except ValueError as err:
+        return str(err)
+    return None
+
+
+def test_model_parallel_strategy_refuses_a_policy_change_on_resume_by_name():
+    """A bf16-mixed checkpoint resumed under MixprecPrecision("bf16-kahan") killed both ranks inside torch's DCP
+    load (a CheckpointException, a BaseException: "Missing key ... kahan_comp"); refused before the load, naming the
+    saved policy to resume with."""
+    import tempfile
+    from pathlib import Path
+
+    from ranks import run_ranks
+
+    with tempfile.TemporaryDirectory() as tmp:
+        errors = run_ranks(_model_parallel_policy_change_rank, Path(tmp), "bf16-mixed", "bf16-kahan")
+    for err in errors:
+        assert err is not None and "saved under MixprecPrecision('bf16-mixed'), this plugin runs bf16-kahan" in err \
+            and "resume with MixprecPrecision('bf16-mixed')" in err, err

@@ -55,6 +55,7 @@ from mixprec.integrations.lightning_strategies import (broadcast_from_rank0, mod
                                                        resumed_parts)
 from mixprec.integrations.replica_checks import (DEFAULT_EVERY, ReplicaChecks, check_accumulation, follow_accumulation,
                                                 gather_windows, own_window)
+from mixprec.integrations.resume import load_resumed
 from mixprec.policy.policy import Policy
 
 __all__ = ["MixprecPrecision", "MixprecFabricPrecision"]
@@ -226,7 +227,7 @@ class MixprecPrecision(Precision):
             state, self._pending = self._pending, None
             rng, group = state.pop("rng", None), state.pop("open_group", None)
             check_group(engine, group)   # before anything changes
-            engine.load_state_dict(state)
+            load_resumed(engine, state, "MixprecPrecision")   # another policy's: converted (a convert event)
             # an open window goes back at the first training step: Lightning zeroes the module's gradients
             # between the checkpoint's load and the first batch (Trainer._run_stage)
             self._open_group = (state["counters"], group) if group else None
@@ -494,6 +495,6 @@ class MixprecFabricPrecision(FabricPrecision):
         window saved by another number of processes."""
         state = own_window(dict(state_dict), "MixprecFabricPrecision")
         rng = state.pop("rng", None)
-        self._engine("load_state_dict()").load_state_dict(state)
+        load_resumed(self._engine("load_state_dict()"), state, "MixprecFabricPrecision")
         if rng is not None:
             set_rng_state(rng["state"], rng["tensors"])

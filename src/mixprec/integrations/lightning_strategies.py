@@ -74,6 +74,12 @@ def resumed_parts(checkpoint: dict[str, Any], owner: str, trainer: Any,
                          "Lightning's load would round without the policy's conversion (Kahan compensation, 8-bit "
                          "state); adopt it under L.Trainer(strategy='ddp') or one process, or under a -mixed or -pure "
                          "policy here, then continue under ModelParallelStrategy")
+    saved = None if adopting else checkpoint[owner].get("policy")
+    if saved not in (None, str(engine.policy)):   # before the reload, whose entries would not match the saved ones
+        raise ValueError(f"fit(ckpt_path={str(trainer.ckpt_path)!r}) under ModelParallelStrategy: the checkpoint was "
+                         f"saved under {owner}({saved!r}), this plugin runs {engine.policy}; a policy change on resume "
+                         f"is not supported there (the shards' layout and optimizer state are the saved policy's): "
+                         f"resume with {owner}({saved!r}), or change the policy under L.Trainer(strategy='ddp')")
     reload_optimizer(engine.module, engine.optimizer, trainer.ckpt_path)
     if adopting:
         steps = int(checkpoint.get("global_step", 0))

@@ -1,0 +1,32 @@
+"""A trainer's resume into the engine: the plugin's saved state under the policy it was saved with, or another.
+
+A hand loop chooses ``mp.load_state_dict(state, convert=True)`` or ``adopt_policy=True`` when the policies differ;
+a trainer's ``fit(ckpt_path=...)`` passes neither, and the engine's refusal named those arguments, which a
+Lightning user cannot pass. Here the state of another policy is converted to the plugin's (as ``set_policy``
+would, a ``"convert"`` event: the user chose the plugin's policy), and what the conversion refuses is refused with
+the trainer's words: resume under the saved policy.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from mixprec.engine.mixed_precision import MixedPrecision
+
+__all__ = ["load_resumed"]
+
+
+def load_resumed(engine: MixedPrecision, state: dict[str, Any], owner: str) -> None:
+    """Load ``state`` (``owner``'s saved engine state) into ``engine``: exactly under the same policy, converted to
+    ``engine``'s otherwise. ValueError naming ``owner`` with the saved policy when the conversion is refused (a
+    window saved open, a strategy that cannot switch), nothing changed."""
+    saved = state.get("policy")
+    if saved is None or saved == str(engine.policy):
+        engine.load_state_dict(state)
+        return
+    try:
+        engine.load_state_dict(state, convert=True)
+    except ValueError as err:
+        raise ValueError(f"{owner}({str(engine.policy)!r}) resuming a checkpoint saved under {owner}({saved!r}): "
+                         f"converting it was refused ({err}); resume with {owner}({saved!r}), then change the policy "
+                         "at a later checkpoint saved at an optimizer step") from err
