@@ -108,3 +108,18 @@ def test_under_the_engines_ddp_each_micro_batch_is_reduced_then_summed_in_fp32(t
 
     want = ONCE.item() if policy == "bf16-kahan" else sum(MICRO) / 4
     assert run_ranks(_ddp_window_rank, tmp_path, policy) == [(want, reduces)] * 2
+
+
+
+def test_a_group_ended_early_is_the_mean_of_its_micro_batches_within_one_bf16_ulp():
+    """k=3 of N=4 micro-batches, mp.step(end_group=True), gradients 1 and two of 3*2^-10 (over 4: each 0.375 ulp of
+    the running bf16 sum 0.25, so bf16 sums drop both). The fp32 sum 0.25 + 0.75*2^-9 rounds to 129*2^-9, then the
+    N/k = 4/3 scale rounds again in bf16 (documented): 172*2^-9, within 1 ulp (2^-9 on [0.25, 0.5)) of the fp32
+    mean; bf16 sums gave 171*2^-9."""
+    micro = [1.0, 3 * 2.0 ** -10, 3 * 2.0 ** -10]
+    mp = _engine("bf16-kahan", len(MICRO))
+    _window(mp, micro, join=False)
+    (grad,) = mp.unscale_and_check(end_group=True).grads
+    mean = sum(micro) / 3
+    assert grad.dtype == torch.bfloat16 and grad.item() == 172 * 2.0 ** -9 and abs(grad.item() - mean) <= 2.0 ** -9
+    assert round(0.25 * 4 / 3 / 2.0 ** -9) == 171   # what autograd's bf16 sums gave

@@ -9,7 +9,8 @@ a window but its first, the 16-bit gradients so far are added into fp32 sums and
 next micro-batch's alone; at the boundary the last one is added and the sum rounded once, to nearest, into the
 16-bit ``.grad`` the optimizer reads (torch keeps a gradient in its param's dtype). A window of one micro-batch
 costs nothing; a longer one holds 4 bytes per 16-bit param until its boundary. Sparse gradients are left to
-autograd.
+autograd. A short group's N/k and an fp16 unscale multiply the rounded gradient (one more rounding, within 1 ulp);
+between backwards ``.grad`` holds the last micro-batch's gradient alone.
 
 Off under FSDP2 (its reduce-scatter sums the window's unsharded gradients in fp32 already) and under a trainer's own
 DDP (its ``no_sync`` reduces only the gradient it finds at the window's last micro-batch, so the earlier ones must
