@@ -29,7 +29,7 @@ import mixprec.optim
 from mixprec import MixedPrecision
 
 L = pytest.importorskip("lightning")
-from lightning.pytorch.callbacks import ModelCheckpoint   # noqa: E402
+from lightning.pytorch.callbacks import ModelCheckpoint, Timer   # noqa: E402
 
 from mixprec.integrations.lightning import MixprecPrecision   # noqa: E402
 
@@ -187,6 +187,42 @@ def test_lightning_checkpoint_on_an_exception_inside_a_window_resumes_exactly(wh
     resumed = MixprecPrecision(policy)
     t2 = trainer(resumed, max_steps=4, accumulate_grad_batches=2)
     t2.fit(MLP(seed=5), Resumable(data), ckpt_path=path)
+    assert t2.global_step == 4
+    assert_same_run(resumed.engine, plain.engine)
+
+
+class BatchClock(Timer):
+    """Lightning's Timer on a clock of one second per training batch (the stop it makes depends on where the time
+    runs out, not on how long a batch takes here): stops the fit after ``seconds`` batches."""
+
+    def __init__(self, seconds: int) -> None:
+        from datetime import timedelta
+
+        super().__init__(duration=timedelta(seconds=seconds), interval="step")
+        self.ticks = 0
+
+    def on_train_batch_end(self, trainer, *args, **kwargs) -> None:
+        self.ticks += 1
+        super().on_train_batch_end(trainer, *args, **kwargs)
+
+    def time_elapsed(self, stage=None) -> float:
+        return float(self.ticks)
+
+
+@pytest.mark.parametrize("policy", ["bf16-pure", "bf16-kahan"])
+def test_a_timers_stop_inside_a_window_then_save_checkpoint_resumes_exactly(policy, tmp_path):
+    """Lightning's Timer ends the fit after batch 2, the first micro-batch of the second window; the user's
+    trainer.save_checkpoint there holds the open window (under bf16-kahan its fp32 gradient sums), and the resumed
+    fit equals the run that never stopped."""
+    data = batches(8)
+    plain, _ = fit_mid_window(policy, data)
+    t = trainer(MixprecPrecision(policy), max_steps=4, accumulate_grad_batches=2, val_check_interval=3,
+                limit_val_batches=1, callbacks=[BatchClock(3)])
+    t.fit(MLP(), Resumable(data), val_dataloaders=Fixed([data[0]]))
+    t.save_checkpoint(tmp_path / "timer.ckpt")
+    assert t.global_step == 1
+    assert torch.load(tmp_path / "timer.ckpt", weights_only=False)["MixprecPrecision"]["open_group"]["micro_step"] == 1
+    resumed, t2 = fit_mid_window(policy, data, ckpt_path=tmp_path / "timer.ckpt")
     assert t2.global_step == 4
     assert_same_run(resumed.engine, plain.engine)
 
