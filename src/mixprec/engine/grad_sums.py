@@ -27,6 +27,7 @@ import torch
 from torch import nn
 
 from mixprec.distributed.process import world_size
+from mixprec.engine.feature import Feature
 from mixprec.engine.protocol import Engine
 from mixprec.engine.records import Event
 
@@ -35,7 +36,7 @@ __all__ = ["GradSums"]
 _16_BIT = (torch.bfloat16, torch.float16)
 
 
-class GradSums:
+class GradSums(Feature):
     """The window's fp32 sums (each shaped as its param) of the 16-bit gradients of the params ``mp``'s optimizer
     steps: on in one process and under ``strategy="ddp"`` (:attr:`enabled`), events recorded on ``mp``."""
 
@@ -55,7 +56,7 @@ class GradSums:
         policy = self._mp.policy
         return self.enabled and policy.param_dtype != torch.float32 and not policy.has_masters
 
-    def fold(self, *, first: bool) -> None:
+    def before_backward(self, first: bool) -> None:
         """Before a backward: unless it is the window's ``first``, add each 16-bit dense gradient into its fp32
         sum and free it."""
         optimizer = self._mp.optimizer

@@ -19,6 +19,7 @@ import torch
 
 from mixprec.autocast import op_plan, plan_agreement
 from mixprec.distributed.process import world_size
+from mixprec.engine.feature import Feature
 from mixprec.engine.protocol import Engine
 from mixprec.engine.records import Event
 
@@ -27,7 +28,7 @@ __all__ = ["KernelAgreement", "KIND"]
 KIND = "op-plan"
 
 
-class KernelAgreement:
+class KernelAgreement(Feature):
     """Built by the engine with its strategy (``name`` None: one process) and policy; ``note`` is the decision's
     clause ("" in one process or without ``kernels=measured``)."""
 

@@ -48,6 +48,7 @@ import torch
 from torch import nn
 
 from mixprec.engine.autocast_scope import AutocastScope
+from mixprec.engine.feature import Feature
 from mixprec.engine.foreign_loops import at_backward
 from mixprec.engine.outside import before_optimizer_step, stray_step_text, watch_autocast
 from mixprec.engine.protocol import Engine
@@ -108,7 +109,7 @@ class _StepHook(_Hook):
             checks.before_optimizer_step()
 
 
-class LoopChecks:
+class LoopChecks(Feature):
     """The checks of one engine (module docstring): ``owner``, the engine (its public face); ``on_forward``
     is called before each eager forward of ``owner.module`` (model-edit detection); ``scope``, the engine's
     :class:`~mixprec.engine.autocast_scope.AutocastScope`, refreshes the cast cache before each eager forward
@@ -126,7 +127,7 @@ class LoopChecks:
         self._tensors_key: tuple[int, ...] = ()
         self._tensors_list: list[torch.Tensor] = []
 
-    def install(self) -> None:
+    def install(self, mp: Engine) -> None:
         """The model's forward pre-hook and forward hook, unless the policy is plain fp32 (no hook on the model
         then: no autocast, and an edit is found at ``backward()``)."""
         policy = self.owner.policy
@@ -218,7 +219,7 @@ class LoopChecks:
         """Remember each gradient this engine's backward left: the tensor and its version counter."""
         self.marks = {id(t): (id(g), getattr(g, "_version", 0)) for t in self._tensors() if (g := t.grad) is not None}
 
-    def at_boundary(self, close: Callable[[], Any] = lambda: None) -> list[torch.Tensor]:
+    def boundary_grads(self, close: Callable[[], Any] = lambda: None) -> list[torch.Tensor]:
         """The engine's gradients (``mp.gradients()``), after discarding foreign ones, raising if some it
         produced were zeroed or changed since its last backward(), then ``close`` (the window's fp32 sums
         rounded into the 16-bit grads: :mod:`mixprec.engine.grad_sums`), and naming (once) the trainable params

@@ -48,6 +48,7 @@ import torch
 
 from mixprec.autocast.op_plan import entries, rechosen
 from mixprec.autocast.saved_allowance import CallCounter, mib_words, scoped_allowance
+from mixprec.engine.feature import Feature
 from mixprec.engine.protocol import Engine
 from mixprec.engine.records import Event
 from mixprec.memory.budget import parse_bytes
@@ -116,9 +117,11 @@ class BudgetDecision:
                 f"allowance {self.allowed_mib!r} MiB per call]")
 
 
-class MemoryBudget:
+class MemoryBudget(Feature):
     """The budget of one engine (module docstring): ``note`` is its decision clause ("" without a budget).
     :meth:`scope` is entered in ``mp.autocast()`` and ``mp.backward()``, :meth:`at_boundary` after each step."""
+
+    key = "memory_budget"
 
     def __init__(self, mp: Engine, option: Any) -> None:
         self._mp = mp
@@ -193,7 +196,7 @@ class MemoryBudget:
                         decision=_replace(self._mp.decision, before, self.note))
         log.info("mixprec: %s", self.note[2:])
 
-    def at_boundary(self) -> None:
+    def at_boundary(self, mp: Engine) -> None:
         """After a step: the measured step's decision (module docstring), recorded as an event and in the decision."""
         self._boundaries += 1
         self._step_began = False

@@ -1,16 +1,14 @@
-"""The training-step engine: ``MixedPrecision``, in phases (docs/engine.md); one object owns the whole step so no
-call comes twice or is forgotten (GradScaler's ``unscale_``/``update`` misuse): prepare (:mod:`mixprec.engine.prepare`)
-→ attach → per boundary unscale_and_check → apply_or_skip (:mod:`mixprec.engine.boundary`). Collaborators return
-what the engine assigns; call-backs take :class:`mixprec.engine.protocol.Engine`. docs/architecture.md: the map."""
+"""The training-step engine ``MixedPrecision``: one object owns the step, in phases (docs/engine.md), with its features
+behind one interface (:mod:`mixprec.engine.feature`); collaborators return what it assigns (docs/architecture.md)."""
 
 from __future__ import annotations
 
 import logging
 from collections import deque
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from dataclasses import replace
-from typing import Any
+from typing import Any, ClassVar
 
 import torch
 from torch import nn
@@ -25,6 +23,7 @@ from mixprec.engine.boundary import AccumulationGroup, BoundaryLosses, StepCheck
 from mixprec.engine.clipping import clip_ as _clip_
 from mixprec.engine.divergence import DivergenceError, StopWhenStuck
 from mixprec.engine.edits import ModelLayout, adopt_edited_params, adopt_model_edits, finish_model_edit
+from mixprec.engine.feature import Feature, entered
 from mixprec.engine.grad_sums import GradSums
 from mixprec.engine.kernel_agreement import KernelAgreement
 from mixprec.engine.loop_checks import LoopChecks
@@ -64,6 +63,9 @@ class MixedPrecision:
     ``masters``, ``loss_scale``, ``applied_steps``, ``skipped_total``, ``boundaries``, ``micro_step``. Errors:
     ValueError/TypeError for bad arguments (named, with the fix), RuntimeError for a call out of order."""
 
+    #: A subclass's own features: each ``make(mp)`` a :class:`~mixprec.engine.feature.Feature`, after the built-in ones.
+    feature_types: ClassVar[tuple[Callable[[Any], Feature], ...]] = ()
+
     def __init__(self, model: nn.Module, optimizer: torch.optim.Optimizer | None, policy: str | Policy = "auto", *,
                  device: str | torch.device | None = None, scheduler: Any = None,
                  max_grad_norm: float | None = None, accumulation_steps: int = 1, loss_scale: Any = None,
@@ -79,20 +81,17 @@ class MixedPrecision:
         resolution, self._auto = resolve_for_engine(
             policy, self._strategy.device(device), self._strategy, strategy_name=strategy,
             allow_fallback=allow_fallback, compiled_in_place=self._compile.compiled_in_place, loss_scale=loss_scale)
-        self.policy: Policy = resolution.policy
-        self.device: torch.device = resolution.device
+        self.policy, self.device = resolution.policy, resolution.device   # Policy, torch.device
         if optimizer is not None:   # before anything changes: every rank rounds with one stream
             self._strategy.check_attached(optimizer, self.policy, self.device)
         self.model = self.module = model
         self.strategy, self.guard = strategy, guard
-        self.optimizer: torch.optim.Optimizer | None = None   # mp.attach(...)
-        self.scheduler: Any = None
+        self.optimizer, self.scheduler = None, None   # an Optimizer and a scheduler: mp.attach(...)
         self.max_grad_norm = None if max_grad_norm is None else float(max_grad_norm)
         self.accumulation_steps, self.max_stuck_skips = accumulation_steps, max_stuck_skips
         self._stop_when_stuck = StopWhenStuck(max_stuck_skips)   # the guard while ``guard`` is None
         self.events: list[Event] = []
-        self._step_batches: deque = deque(maxlen=accumulation_steps)   # kept only for a guard
-        self._step_grads: list[torch.Tensor] = []
+        self._step_batches, self._step_grads = deque(maxlen=accumulation_steps), []   # kept only for a guard
         self._regions, self._unwrapped, self._groups = Regions(), False, GroupWatch()
         self.loss_scale = loss_scale_for_policy(self.policy, loss_scale, self.device)
         prepared = prepare(model, self.policy, self.device, self._strategy, optimizer=optimizer)
@@ -103,24 +102,27 @@ class MixedPrecision:
         self._checks = LoopChecks(self, self._adopt_model_edits, self._frozen, self._scope)
         state_note = "" if optimizer is None else self._attach(optimizer, scheduler)
         claim(self, list(model.named_parameters()), set(prepared.plan.half))
-        regions = self._regions.install(model, self.policy, self.device.type, prepared.keep, set(prepared.plan.frozen16))
+        regions = self._regions.wrap(model, self.policy, self.device.type, prepared.keep, set(prepared.plan.frozen16))
         self.decision = str(Decision(resolution.decision, (
             prepared.fp8_note, prepared.plan.note(), self._compile.note(self.policy), self.policy.scaling_note(),
             prepared.upcast_note, describe_kernels(self.policy, self.device.type), state_note, regions)))
         self._recompute = RecomputeSetup(self, recompute, self._strategy, self._scope.rebuilds)   # blocks recomputed
         self._kernels = KernelAgreement(self._strategy, self.policy)   # every rank: rank 0's measured kernels
-        self.decision += self._kernels.note + self._recompute.note + self._budget.note
+        self._sums = GradSums(self)   # 16-bit params without masters: a window's grads summed in fp32
+        self._features: tuple[Feature, ...] = (self._checks, self._sums, self._auto, self._recompute, self._budget,
+            self._kernels, self._regions, self._groups, *(make(self) for make in self.feature_types))   # in call order
+        self.decision += "".join(f.note for f in self._features)
         self.model = self._compile.apply(self._strategy.after_casts(model, self.policy, self.device))
         self.masters.record_versions()   # DDP's broadcast of rank 0's params is not a user edit
         # micro_step: backward() calls since the last boundary; boundaries: step() boundaries (applied + skipped)
         self.micro_step = self.applied_steps = self.skipped_total = self.boundaries = 0
-        self._losses, self._group, self._sums = BoundaryLosses(), AccumulationGroup(accumulation_steps), GradSums(self)
-        self._step_pending = False   # a backward() awaits its step()
-        self._open_check: StepCheck | None = None   # unscale_and_check() ran, apply_or_skip() not yet
+        self._losses, self._group = BoundaryLosses(), AccumulationGroup(accumulation_steps)
+        # a backward() awaits its step(); unscale_and_check() ran, apply_or_skip() not yet
+        self._step_pending, self._open_check = False, None
         self._layout = None if self._strategy.shards_params else ModelLayout(model)   # FSDP2 swaps params itself
-        self._checks.install()
         self._set_gradient_sync()
-        self._auto.install(self)
+        for feature in self._features:
+            feature.install(self)
         log.info("mixprec: %s", self.decision)
 
     def attach(self, optimizer: torch.optim.Optimizer, scheduler: Any = None) -> None:
@@ -142,7 +144,7 @@ class MixedPrecision:
         contract.check(optimizer, self.policy, {p.dtype for g in optimizer.param_groups for p in g["params"]
                                                 if id(p) not in stored16})
         state_note = contract.configure(optimizer, self.policy)   # how 8-bit state lays out ("" else)
-        state_note += self._groups.install(self, optimizer, list(self._kahan_from), self._frozen, self._regions)
+        state_note += self._groups.attach(self, optimizer, list(self._kahan_from), self._frozen, self._regions)
         self._kahan_from = ()
         self.optimizer, self.scheduler = optimizer, scheduler
         self._checks.watch(optimizer)
@@ -155,7 +157,7 @@ class MixedPrecision:
         (:mod:`mixprec.autocast`; held in every backward pass of its outputs) and eager dtypes for a compiled
         forward; traced by torch.compile with no graph break (:mod:`mixprec.engine.autocast_scope`)."""
         check_usable("mp.autocast()", self.optimizer, self._unwrapped)   # auto pending: may switch autocast on
-        with self._scope.autocast(self._auto.block() if self._auto.state == "pending" else None), self._budget.scope():
+        with self._scope.autocast(self._auto.block() if self._auto.state == "pending" else None), entered(self._features):
             yield
 
     def cast_inputs(self, batch: Any, *, keep: tuple[str, ...] = ()) -> Any:
@@ -180,23 +182,23 @@ class MixedPrecision:
         check_usable("mp.backward()", self.optimizer, self._unwrapped)
         check_no_open_check("mp.backward()", self._open_check)
         self._frozen.check_not_thawed()
-        self._auto.before_backward()
         new_micro_batch = self._step_pending != RETAINED and not (join and self._step_pending)   # same micro-batch
         if new_micro_batch and self.micro_step >= self.accumulation_steps:
             raise RuntimeError(TOO_MANY.format(n=self.micro_step + 1, a=self.accumulation_steps))
         if new_micro_batch and self.micro_step == 0:
             self._adopt_model_edits()
-        self._checks.before_backward(first=new_micro_batch and self.micro_step == 0)
-        self._sums.fold(first=new_micro_batch and self.micro_step == 0)   # 16-bit grads so far into fp32 sums
+        for feature in self._features:   # loop checks; 16-bit grads so far into fp32 sums; a pending auto
+            feature.before_backward(new_micro_batch and self.micro_step == 0)
         self.micro_step += new_micro_batch
         self._losses.add(loss.detach(), first=new_micro_batch and self.micro_step == 1)
         if self.accumulation_steps > 1:
             loss = loss / self.accumulation_steps
-        with self._scope.op_lists(), self._budget.scope():   # a checkpoint's recompute casts as the forward did
+        with self._scope.op_lists(), entered(self._features):   # a checkpoint's recompute casts as the forward did
             self._scope.hold(self.loss_scale.scale_loss(loss)).backward(retain_graph=retain_graph, inputs=inputs)
         self._step_pending = RETAINED if retain_graph else True
         self.masters.accumulate_grads()
-        self._checks.after_backward()
+        for feature in self._features:
+            feature.after_backward()
 
     def scale_loss(self, loss: torch.Tensor) -> torch.Tensor:
         """``loss`` times the current loss scale (differentiable), for ``torch.autograd.grad`` on a loss the engine
@@ -246,7 +248,7 @@ class MixedPrecision:
         self._step_pending = False
         adopt_edited_params(self)
         self._losses.close(self.micro_step)
-        grads = self._strategy.local(self._checks.at_boundary(self._sums.close))   # fp32 sums rounded into grads
+        grads = self._strategy.local(self._checks.boundary_grads(self._sums.close))   # fp32 sums rounded into grads
         found_inf = self._losses.unscale_(self.loss_scale, grads, self._group.factor(self.micro_step))
         self._open_check = check_grads(grads, found_inf, self._losses.finite, self.loss_scale, self._strategy,
                                        self.device)
@@ -272,10 +274,8 @@ class MixedPrecision:
                                scaling=self.loss_scale.enabled)
         self._step_grads = grads
         self.discard_gradients()
-        self._auto.at_boundary(self)
-        self._recompute.at_boundary()   # auto's plan completes: blocks that did not run stay unmeasured
-        self._budget.at_boundary()   # the measured step: its peak against memory_budget, recorded
-        self._kernels.at_boundary(self)   # under a strategy: the keys measured since, pinned to rank 0's choice
+        for feature in self._features:   # auto decided; recompute and budget measured; kernels agreed
+            feature.at_boundary(self)
         try:
             return (self.guard if self.guard is not None else self._stop_when_stuck).after_step(self, result)
         finally:
@@ -325,12 +325,12 @@ class MixedPrecision:
         old, self.policy, self.masters, self._kahan_from = self.policy, new, prepared.masters, prepared.kahan_from
         self._frozen.store(prepared.plan)
         self.loss_scale, scale_note = loss_scale_for_switch(old, new, loss_scale, self.loss_scale, self.device)
-        regions = self._regions.install(self.module, new, self.device.type, prepared.keep, set(prepared.plan.frozen16))
+        regions = self._regions.wrap(self.module, new, self.device.type, prepared.keep, set(prepared.plan.frozen16))
         self.model.zero_grad(set_to_none=True)
         self.decision = str(Decision(f"{new} on {self.device} ({new.summary()}; set_policy at boundary {self.boundaries}: "
                                      f"{cause}; was {old})", (self._compile.note(new), regions,
-                                                              contract.state_note(self.optimizer), self._recompute.note,
-                                                              self._budget.note)))
+                                                              contract.state_note(self.optimizer),
+                                                              "".join(f.note for f in self._features))))
         event = policy_event(self.boundaries, kind, cause, module, old, new, prepared.carried, scale_note + resharded)
         self.events.extend([event] if record else [])
         (log.warning if new != old else log.info)("mixprec: policy %s → %s at boundary %d (%s)", old, new,
@@ -387,8 +387,8 @@ class MixedPrecision:
                 raise RuntimeError("unwrap(to_fp32=True) mid-accumulation; call it after mp.step() returns a result")
             adopt_edited_params(self)
             self.masters.write_fp32(self._fp32_values())
-        for hooks in (self._regions, self._checks, self._auto, self._recompute, self._budget, self._groups):
-            hooks.remove()
+        for feature in self._features:
+            feature.remove()
         release(self)
         self._unwrapped = True
         return self.module
@@ -429,9 +429,8 @@ class MixedPrecision:
         adopt_edited_params(self)
         return {
             "policy": str(self.policy),
-            "frozen": self.frozen_names(), "recompute": self._recompute.state(), "memory_budget": self._budget.state(),
-            "model": self.module.state_dict(),
-            "masters": self.masters.named(self.module.named_parameters()),
+            "frozen": self.frozen_names(), **{f.key: f.state() for f in self._features if f.key is not None},
+            "model": self.module.state_dict(), "masters": self.masters.named(self.module.named_parameters()),
             "optimizer": self.optimizer.state_dict(),
             "scheduler": None if self.scheduler is None else self.scheduler.state_dict(),
             "loss_scale": self.loss_scale.state_dict(),
@@ -445,11 +444,11 @@ class MixedPrecision:
         (:func:`mixprec.engine.reprepare.load_engine_state`); ``auto`` still pending adopts a run that took its
         auto decision. ValueError, before anything changes, without either, for other masters or loss-scale type,
         an unmatched frozen set or unfit fp16 values."""
-        self._recompute.check(state)   # before anything changes
-        decision = load_engine_state(self, state, self._auto, convert=convert, adopt_policy=adopt_policy)
-        self.decision = decision or self.decision
-        self._recompute.load(state)   # the saved plan, as it was: never re-measured
-        self._budget.load(state)   # the saved budget decision, as it was
+        for feature in self._features:   # before anything changes
+            feature.check(state)
+        self.decision = load_engine_state(self, state, self._auto, convert=convert, adopt_policy=adopt_policy) or self.decision
+        for feature in self._features:   # the saved recompute plan, budget decision, as they were: not re-measured
+            feature.load(state)
 
     def discard_gradients(self) -> None:
         """Drop an unfinished accumulation: every gradient (params and masters) and the pending micro-batches;
@@ -467,8 +466,8 @@ class MixedPrecision:
         self.boundaries = counters["boundaries"]
         if events is not None:
             self.events[:] = [Event.of(e) for e in events]
-            self._recompute.load({"events": events})   # a DCP checkpoint's recompute plan, as it was
-            self._budget.load({"events": events})
+            for feature in self._features:   # a DCP checkpoint's recompute plan and budget decision, as they were
+                feature.load({"events": events})
         if open_group:   # saved mid-accumulation: the window goes on; its gradients are this engine's own
             self.micro_step, self._step_pending, self._group.end_next = restore_group(self, open_group, self._losses, self._sums)
             self._checks.after_backward()

@@ -50,6 +50,7 @@ import torch
 from torch import nn
 
 from mixprec.engine.masters import MasterWeights, claim
+from mixprec.engine.feature import Feature
 from mixprec.engine.protocol import Engine
 from mixprec.engine.records import Event
 from mixprec.engine.regions import Regions, keep_fp32_modules
@@ -220,7 +221,7 @@ class _AddParamGroup:
             self._original(param_group)
 
 
-class GroupWatch:
+class GroupWatch(Feature):
     """One engine's watch on its optimizer's param groups: ``optimizer.add_param_group`` routed to :meth:`add`
     (:meth:`install`, :meth:`remove`), the Kahan compensation waiting for params the optimizer lacks, and
     :meth:`rebind`."""
@@ -234,7 +235,7 @@ class GroupWatch:
         self._key: tuple = ()
         self._unheld: list[torch.Tensor] = []   # masters the optimizer does not step (rebind)
 
-    def install(self, mp: Engine, optimizer: torch.optim.Optimizer, kahan_from: list, frozen: FrozenParams,
+    def attach(self, mp: Engine, optimizer: torch.optim.Optimizer, kahan_from: list, frozen: FrozenParams,
                 regions: Regions) -> str:
         """At ``mp.attach``: route ``optimizer.add_param_group`` to :meth:`add` (``frozen``, ``regions``: the
         engine's), and start Kahan compensation from ``kahan_from`` ((param, fp32 value) pairs) for the params
@@ -292,7 +293,7 @@ class GroupWatch:
         plan = adopt_group(mp.module, mp.policy, mp.masters, self._frozen, keep, found)
         if plan is not None:
             self._regions.remove()
-            self._regions.install(mp.module, mp.policy, mp.device.type, keep, set(plan.frozen16))
+            self._regions.wrap(mp.module, mp.policy, mp.device.type, keep, set(plan.frozen16))
             claim(mp, list(mp.module.named_parameters()), {id(p) for p in found.thaw if id(p) in plan.half})
         kahan = [self._kahan_pending.pop(id(p)) for p in found.lacked if id(p) in self._kahan_pending]
         contract.start_compensation(optimizer, mp.policy, kahan)

@@ -55,6 +55,7 @@ from mixprec.policy.resolve import Resolution, auto_candidates, resolve
 from mixprec.autocast.op_plan import describe as describe_kernels
 from mixprec.autocast.op_plan import planned_kernels
 from mixprec.engine.records import Decision, Event
+from mixprec.engine.feature import Feature
 from mixprec.policy.policy import PRESETS, Policy
 from mixprec.autocast.portable import describe as describe_ops
 from mixprec.autocast.saved_dtype import describe as describe_saved
@@ -134,7 +135,7 @@ def resolve_for_engine(spec: Any, device: Any, strategy: Any, *, strategy_name: 
     return chosen, PendingAuto(candidates, resolution, loss_scale)   # auto timed at the first forward
 
 
-class PendingAuto:
+class PendingAuto(Feature):
     """The engine's pending ``auto`` (module docstring): ``state`` is ``"off"`` (nothing pending),
     ``"pending"``, ``"probe-at-boundary"`` (backward came first), ``"decided"`` or ``"cancelled"``.
     ``probe``: the matmul probe's resolution, the fallback. ``loss_scale``: the engine's override, if any.
@@ -204,7 +205,7 @@ class PendingAuto:
         choice = mp.agree_on(choice, self.candidates)
         self._decide(mp, choice, text, "auto: timed on this model at its first forward")
 
-    def before_backward(self) -> None:
+    def before_backward(self, first: bool) -> None:
         """Called by ``mp.backward()``: still pending means no training forward went through ``mp.model``;
         the probe's choice then applies from the next boundary (one warning)."""
         if self.state != "pending":

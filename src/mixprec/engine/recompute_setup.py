@@ -22,6 +22,7 @@ from contextlib import AbstractContextManager
 from typing import Any
 
 from mixprec.distributed.strategy import SingleProcess
+from mixprec.engine.feature import Feature
 from mixprec.engine.protocol import Engine
 from mixprec.engine.records import Event
 from mixprec.memory.recompute import (BlockPlan, RecomputedForwards, RecomputePlan, choose_modes, match_blocks,
@@ -33,10 +34,12 @@ _KIND = "recompute"
 _MOST_SAVING_FIRST = ("full", "selective", "none")
 
 
-class RecomputeSetup:
+class RecomputeSetup(Feature):
     """Holds the request, the plan and the installed wrappers of one engine. ``note``: the decision clause (""
     when off). ValueError/TypeError for a bad ``recompute=`` value (nothing changed); ValueError for ``"auto"``
     where ``strategy`` cannot measure the blocks."""
+
+    key = "recompute"
 
     def __init__(self, mp: Engine, option: Any, strategy: SingleProcess,
                  rebuilds: Callable[[], AbstractContextManager[None]] | None = None) -> None:
@@ -107,7 +110,7 @@ class RecomputeSetup:
                 f"this engine's recompute={asked}: a resume runs the plan it was saved with (bit-exact); to run "
                 "another plan, load a state without its \"recompute\" entry and \"recompute\" events")
 
-    def at_boundary(self) -> None:
+    def at_boundary(self, mp: Engine) -> None:
         """At a step boundary after ``"auto"``'s measuring started and before its plan: the plan is chosen for the
         blocks measured; the others (they did not run in training) run ``none``, unmeasured; recorded as when the
         last block is measured."""

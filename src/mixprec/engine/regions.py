@@ -32,6 +32,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from mixprec.engine.feature import Feature
 from mixprec.policy.policy import Policy, cast_floating
 
 __all__ = ["Fp32GradEmbedding", "Fp32Region", "OutputCast", "Regions", "keep_fp32_modules", "no_kernel_reason"]
@@ -258,13 +259,13 @@ def keep_fp32_modules(model: nn.Module, policy: Policy) -> dict[str, nn.Module]:
     return {n: m for n, m in found.items() if not any(n.startswith(o + ".") for o in found if o != n)}
 
 
-class Regions:
+class Regions(Feature):
     """The hooks of one policy on one model: :meth:`install`, then :meth:`remove` (before a new policy)."""
 
     def __init__(self) -> None:
         self._handles: list[Any] = []   # hook handles and Fp32Region forwards, each with .remove()
 
-    def install(self, model: nn.Module, policy: Policy, device_type: str, keep: dict[str, nn.Module],
+    def wrap(self, model: nn.Module, policy: Policy, device_type: str, keep: dict[str, nn.Module],
                 frozen16: set[int]) -> str:
         """Hook ``keep``'s modules as fp32 regions, the root's output cast, (under fp32 params) the fp32
         lookups of frozen embedding tables whose weight id is in ``frozen16``, and (under 16-bit params) the

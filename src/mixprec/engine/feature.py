@@ -1,0 +1,82 @@
+"""The interface every engine feature implements: the points of a training step at which it may act.
+
+A feature is one concern the engine runs beside its own step (the loop checks, the fp32 gradient sums, a pending
+``auto``, the recompute plan, the memory budget, the ranks' kernel agreement, the fp32 regions, the param-group
+watch). ``MixedPrecision`` holds its features in one tuple, in a fixed order (docs/architecture.md "Features"), and
+calls each at every point below in that order; a feature that does nothing at a point inherits the no-op. So a new
+feature is a subclass and one entry in the engine's tuple (or, for a developer's own, in
+``MixedPrecision.feature_types``: built as ``factory(mp)`` after the built-in ones); the engine's phases are
+untouched.
+
+The points, in a step's order: :meth:`install` (the engine is built), :meth:`scope` (around every forward inside
+``mp.autocast()`` and every ``mp.backward()``), :meth:`before_backward`, :meth:`after_backward`,
+:meth:`at_boundary` (after the optimizer step, the gradients zeroed: before the guard), then :meth:`state` /
+:meth:`check` / :meth:`load` (``mp.state_dict()`` under :attr:`key`, ``mp.load_state_dict()``,
+``mp.restore_progress()``) and :meth:`remove` (``mp.unwrap()``). A feature holds the engine it needs (weakly where
+a model may outlive it) and changes it only through its public methods (``mp.record``, ``mp.set_policy``).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator, Sequence
+from contextlib import AbstractContextManager, ExitStack, contextmanager, nullcontext
+from typing import Any
+
+from mixprec.engine.protocol import Engine
+
+__all__ = ["Feature", "entered"]
+
+
+class Feature:
+    """A feature of the engine (module docstring); every method here does nothing. ``key``: the entry of
+    ``mp.state_dict()`` that :meth:`state` fills (None: the feature saves nothing); ``note``: its clause of
+    ``mp.decision`` ("" for none), read once the engine is built."""
+
+    key: str | None = None
+    note: str = ""
+
+    def install(self, mp: Engine) -> None:
+        """The engine is built (model prepared, optimizer attached if given): register hooks here."""
+
+    def scope(self) -> AbstractContextManager[None]:
+        """Entered around each forward inside ``mp.autocast()`` and each ``mp.backward()``."""
+        return nullcontext()
+
+    def before_backward(self, first: bool) -> None:
+        """``mp.backward()`` starts a micro-batch's backward (``first``: the accumulation group's first)."""
+
+    def after_backward(self) -> None:
+        """``mp.backward()`` ended (gradients accumulated, masters' included)."""
+
+    def at_boundary(self, mp: Engine) -> None:
+        """A boundary ended (optimizer stepped or skipped, gradients zeroed), before the guard runs."""
+
+    def state(self) -> Any:
+        """What ``mp.state_dict()`` saves under :attr:`key` (references are fine: the caller copies)."""
+        return None
+
+    def check(self, state: dict[str, Any]) -> None:
+        """Before ``mp.load_state_dict(state)`` changes anything: ValueError for a ``state`` this feature cannot
+        continue."""
+
+    def load(self, state: dict[str, Any]) -> None:
+        """After the engine loaded ``state`` (a whole ``mp.state_dict()``, or ``{"events": [...]}`` from
+        ``mp.restore_progress``): take this feature's part back."""
+
+    def remove(self) -> None:
+        """``mp.unwrap()``: remove every hook this feature installed."""
+
+
+def entered(features: Sequence[Feature]) -> AbstractContextManager[None]:
+    """Each of ``features``' :meth:`~Feature.scope` that is not the no-op, entered in order (exited in reverse); one
+    such scope is returned as it is (torch.compile traces it without an ``ExitStack``)."""
+    scoped = [feature for feature in features if type(feature).scope is not Feature.scope]
+    return nullcontext() if not scoped else scoped[0].scope() if len(scoped) == 1 else _stacked(scoped)
+
+
+@contextmanager
+def _stacked(features: Sequence[Feature]) -> Iterator[None]:
+    with ExitStack() as stack:
+        for feature in features:
+            stack.enter_context(feature.scope())
+        yield
