@@ -252,6 +252,30 @@ def test_under_ddp_the_closing_micro_batch_syncs_and_an_undeclared_end_is_refuse
     assert mp.micro_step == 1 and mp.applied_steps == 2
 
 
+@pytest.mark.parametrize("policy", ["fp32", "bf16-mixed"])
+def test_under_ddp_a_backward_without_the_last_micro_batchs_step_is_refused(gloo_world_of_one, policy):
+    """The loop that calls mp.step() only every N micro-batches trains right in one process, but under
+    strategy="ddp" mp.step() sets whether the next backward reduces: on 2 ranks no micro-batch was ever reduced and
+    the replicas drifted apart (every weight differed, ~7e-2) without a word. The second backward is refused before
+    anything changes; one process keeps the loop."""
+    model = tiny()
+    mp = MixedPrecision(model, sgd(model.parameters()), policy, device="cpu", accumulation_steps=N, strategy="ddp")
+    (x, y), (x2, y2) = epochs()[0][:2]
+    mp.backward(loss_of(mp, x, y))
+    with pytest.raises(RuntimeError, match=r"mp.backward\(\) for a new micro-batch under strategy='ddp' while the "
+                                           r"last one's mp.step\(\) has not run.*drift apart.*Call mp.step\(\) after "
+                                           r"each micro-batch's backward\(\)"):
+        mp.backward(loss_of(mp, x2, y2))
+    assert mp.micro_step == 1
+    assert mp.step() is None   # the loop goes on once it steps
+    mp.backward(loss_of(mp, x2, y2))
+    assert mp.micro_step == 2
+    one = build(policy)   # one process: the loop that steps at the boundary only still runs
+    for x, y in epochs()[0][:N]:
+        one.backward(loss_of(one, x, y))
+    assert one.step() is not None and one.applied_steps == 1
+
+
 # ---------------------------------------------------------------- two ranks: the short group is reduced
 def stream12():
     return [pair for epoch in epochs() for pair in epoch][:12]

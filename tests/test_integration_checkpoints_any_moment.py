@@ -542,3 +542,63 @@ def test_resuming_under_another_policy_converts_or_is_refused_with_the_trainers_
                                          r"model and policy that saved it"):
         trainer(MixprecPrecision("bf16-mixed"), max_steps=2, accumulate_grad_batches=2).fit(
             MLP(), data, ckpt_path=tmp_path / "window.ckpt")
+
+
+@pytest.mark.parametrize("saved, resumed", [("fp16-mixed", "bf16-mixed"), ("bf16-mixed", "fp16-mixed"),
+                                            ("bf16-kahan", "bf16-pure")])
+def test_a_window_saved_open_under_another_policy_is_refused_even_where_its_gradients_fit(saved, resumed, tmp_path):
+    """fp16-mixed's window holds gradients times its loss scale (65536): resumed under bf16-mixed, whose scale is 1,
+    the first step's gradient norm came out ~6e4 times the true one, with a convert event and no error (and
+    bf16-mixed into fp16-mixed divided them by 65536). The dtypes fit, so the shape-and-dtype check let it through;
+    the window is refused by name instead."""
+    data = Fixed(batches(6))
+    window = trainer(MixprecPrecision(saved), max_steps=1, accumulate_grad_batches=2,
+                     callbacks=[_SaveAfterFirstMicroBatch(tmp_path / "window.ckpt")])
+    window.fit(MLP(), data)
+    with pytest.raises(ValueError, match=rf"saved inside an accumulation window under MixprecPrecision\('{saved}'\).* "
+                                         rf"resume with MixprecPrecision\('{saved}'\)"):
+        trainer(MixprecPrecision(resumed), max_steps=2, accumulate_grad_batches=2).fit(
+            MLP(), data, ckpt_path=tmp_path / "window.ckpt")
+
+
+class DropoutMLP(MLP):
+    """MLP with dropout, whose training_step can raise after its forward (a NaN check on the loss, say)."""
+
+    def __init__(self, seed: int = 0, fail_at: int | None = None) -> None:
+        super().__init__(seed=seed)
+        torch.manual_seed(seed)
+        self.net = nn.Sequential(nn.Linear(IN, 16), nn.GELU(), nn.Dropout(0.5), nn.Linear(16, OUT))
+        self.fail_at = fail_at
+
+    def training_step(self, batch, batch_idx):
+        loss = super().training_step(batch, batch_idx)
+        if batch_idx == self.fail_at:   # after the forward drew its dropout masks
+            raise Stop("after the forward")
+        return loss
+
+
+@pytest.mark.parametrize("policy", ["bf16-mixed", "fp16-mixed"])
+def test_an_exception_after_the_forward_resumes_with_the_replayed_batchs_dropout(policy, tmp_path):
+    """OnExceptionCheckpoint when training_step raises after its forward: Lightning replays that batch, and the
+    checkpoint's RNG state was taken after the failed forward's dropout draws, so the replay drew other masks
+    (weights off by ~1.6e-2). The plugin saves the RNG state from the start of a training step that raised."""
+    from lightning.pytorch.callbacks import OnExceptionCheckpoint
+
+    data = batches(8)
+
+    def fit(model, **kw):
+        plugin = MixprecPrecision(policy)
+        t = trainer(plugin, max_steps=4, accumulate_grad_batches=2, **kw)
+        return plugin, t, model
+
+    torch.manual_seed(123)
+    plain, t, model = fit(DropoutMLP())
+    t.fit(model, Resumable(data))
+    torch.manual_seed(123)
+    _, t, model = fit(DropoutMLP(fail_at=3), enable_checkpointing=True, callbacks=[OnExceptionCheckpoint(tmp_path)])
+    with pytest.raises(Stop):
+        t.fit(model, Resumable(data, behind=1))
+    resumed, t2, model = fit(DropoutMLP(seed=5))
+    t2.fit(model, Resumable(data), ckpt_path=tmp_path / "on_exception.ckpt")
+    assert t2.global_step == 4
+    assert_same_run(resumed.engine, plain.engine)

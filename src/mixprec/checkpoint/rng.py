@@ -52,3 +52,15 @@ def set_rng_state(rng: dict[str, Any], tensors: dict[str, torch.Tensor]) -> None
             np.random.set_state((n["bit_generator"], key, n["pos"], n["has_gauss"], n["cached_gaussian"]))
     py = rng["python"]
     random.setstate((py["version"], tuple(decode(py["state"], tensors, "rng").tolist()), py["gauss_next"]))
+
+
+def rng_snapshot(device: torch.device) -> dict[str, Any]:
+    """:func:`rng_state` with its tensors, as a trainer's checkpoint entry carries them: ``{"state", "tensors"}``."""
+    tensors: dict[str, torch.Tensor] = {}
+    return {"state": rng_state(device, tensors), "tensors": tensors}
+
+
+def restore_snapshot(snapshot: dict[str, Any] | None) -> None:
+    """Set the RNG states of an :func:`rng_snapshot` (None: nothing)."""
+    if snapshot is not None:
+        set_rng_state(snapshot["state"], snapshot["tensors"])

@@ -18,7 +18,7 @@ from mixprec.policy.policy import cast_floating
 from mixprec.policy.tree import field_names, map_fields, map_tensors
 
 __all__ = ["RETAINED", "TOO_MANY", "MID_ACCUMULATION", "NO_BACKWARD", "BEFORE_BOUNDARY", "UNSYNCED_END",
-           "END_NEXT_PENDING", "check_args", "check_no_open_check", "check_usable", "check_optimizer", "check_loss", "needs_closure", "as_tensors", "cast_batch"]
+           "END_NEXT_PENDING", "STEP_SKIPPED", "check_args", "check_no_open_check", "check_usable", "check_optimizer", "check_loss", "needs_closure", "as_tensors", "cast_batch"]
 
 
 RETAINED = 2   # the engine's ``_step_pending`` after a backward(retain_graph=True): a further backward() joins its micro-batch
@@ -36,6 +36,12 @@ UNSYNCED_END = ("{call} with end_group=True ends a short group under strategy={s
                 "backward did not reduce gradients across ranks (the wrapper decides that at the forward); call "
                 "mp.end_group_next() after the previous micro-batch's mp.step() and before the closing micro-batch's "
                 "forward (then mp.step() ends the group by itself)")
+STEP_SKIPPED = ("mp.backward() for a new micro-batch under strategy={strategy!r} while the last one's mp.step() has not "
+                "run: mp.step() sets whether the next micro-batch's backward reduces gradients across ranks (the "
+                "wrapper reads it at the forward), so without it the group's gradients would never be reduced and the "
+                "replicas would drift apart. Call mp.step() after each micro-batch's backward() (it returns None until "
+                "the boundary); two losses of one micro-batch: pass retain_graph=True to the first backward(), or "
+                "backpropagate their sum")
 END_NEXT_PENDING = ("end_group_next() called after a backward() whose mp.step() has not run; call it after that "
                     "mp.step() and before the forward of the micro-batch that ends the group")
 

@@ -12,7 +12,8 @@ from typing import Any
 
 import torch
 
-from mixprec.engine.arguments import BEFORE_BOUNDARY, END_NEXT_PENDING, NO_BACKWARD, UNSYNCED_END
+from mixprec.engine.arguments import (BEFORE_BOUNDARY, END_NEXT_PENDING, NO_BACKWARD, STEP_SKIPPED, TOO_MANY,
+                                      UNSYNCED_END)
 from mixprec.engine.clipping import global_norm_fp32
 from mixprec.engine.divergence import stuck_if_skipped
 
@@ -43,6 +44,15 @@ class AccumulationGroup:
         if end_group and short and strategy is not None and not self.end_next:
             raise RuntimeError(UNSYNCED_END.format(call=call, strategy=strategy))
         return not short or end_group or self.end_next
+
+    def check_new(self, pending: Any, micro_step: int, strategy: str | None) -> None:
+        """Before a new micro-batch's backward (the ``micro_step + 1``-th): RuntimeError past ``accumulation_steps``,
+        or under ``strategy`` while the last micro-batch's backward is ``pending`` (its ``mp.step()`` sets whether
+        this one reduces across ranks; in one process nothing depends on it)."""
+        if micro_step >= self.accumulation_steps:
+            raise RuntimeError(TOO_MANY.format(n=micro_step + 1, a=self.accumulation_steps))
+        if pending and strategy is not None:
+            raise RuntimeError(STEP_SKIPPED.format(strategy=strategy))
 
     def check_closes(self, pending: Any, micro_step: int, *, end_group: bool, strategy: str | None) -> None:
         """``mp.unscale_and_check()``'s check: RuntimeError unless the group ends here (:meth:`closes`)."""

@@ -16,7 +16,7 @@ from torch import nn
 from mixprec.autocast.compiled import compile_request
 from mixprec.autocast.op_plan import describe as describe_kernels
 from mixprec.distributed.strategy import make_strategy
-from mixprec.engine.arguments import (MID_ACCUMULATION, RETAINED, TOO_MANY, as_tensors, cast_batch, check_args,
+from mixprec.engine.arguments import (MID_ACCUMULATION, RETAINED, as_tensors, cast_batch, check_args,
                                       check_loss, check_no_open_check, check_optimizer, check_usable)
 from mixprec.engine.autocast_scope import AutocastScope
 from mixprec.engine.boundary import AccumulationGroup, BoundaryLosses, StepCheck, StepResult, check_grads
@@ -183,8 +183,8 @@ class MixedPrecision:
         check_no_open_check("mp.backward()", self._open_check)
         self._frozen.check_not_thawed()
         new_micro_batch = self._step_pending != RETAINED and not (join and self._step_pending)   # same micro-batch
-        if new_micro_batch and self.micro_step >= self.accumulation_steps:
-            raise RuntimeError(TOO_MANY.format(n=self.micro_step + 1, a=self.accumulation_steps))
+        if new_micro_batch:   # not past accumulation_steps; under a strategy, not without the last one's step()
+            self._group.check_new(self._step_pending, self.micro_step, self.strategy)
         if new_micro_batch and self.micro_step == 0:
             self._adopt_model_edits()
         for feature in self._features:   # loop checks; 16-bit grads so far into fp32 sums; a pending auto

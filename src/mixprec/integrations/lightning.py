@@ -46,7 +46,7 @@ from lightning.pytorch.utilities.model_helpers import is_overridden
 from torch import nn
 
 from mixprec.checkpoint.adopt import adopt_fp32_run
-from mixprec.checkpoint.rng import rng_state, set_rng_state
+from mixprec.checkpoint.rng import restore_snapshot, rng_snapshot
 from mixprec.engine.boundary import StepCheck, StepResult
 from mixprec.engine.clipping import clip_
 from mixprec.engine.mixed_precision import MixedPrecision
@@ -151,9 +151,8 @@ class MixprecPrecision(Precision):
     RuntimeError for a second model, a second ``fit`` with new optimizers, a step outside the order or replicas
     that differ; ValueError for several optimizers, an overridden ``LightningModule.backward`` or
     ``lr_scheduler_step`` beside a step-interval scheduler, accumulation with fp32 masters on several processes,
-    and under ``ModelParallelStrategy`` (the engine's own ``strategy="fsdp2"``) a model sharded in
-    ``configure_model`` or accumulation with 16-bit params without masters. Source: Lightning's ``MixedPrecision`` plugin (its hook
-    order)."""
+    and under ``ModelParallelStrategy`` (the engine's own ``strategy="fsdp2"``) a model sharded in ``configure_model``
+    or accumulation with 16-bit params without masters. Source: Lightning's ``MixedPrecision`` plugin (hook order)."""
 
     def __init__(self, policy: str | Policy = "auto", *, keep_inputs: tuple = (),
                  verify_replicas_every: int = DEFAULT_EVERY, **engine_options: Any) -> None:
@@ -164,12 +163,13 @@ class MixprecPrecision(Precision):
         self.replicas = ReplicaChecks(verify_replicas_every, "MixprecPrecision")
         self._accumulate: int | None = None   # Lightning's accumulate_grad_batches at the last micro-batch
         self.engine: MixedPrecision | None = None
-        self.step_check: StepCheck | None = None
+        self.step_check: StepCheck | None = None   # and last_result: the boundary's StepCheck and StepResult
         self.last_result: StepResult | None = None
         self._trainer: Any = None
         self._checkpoint_parts: dict[str, Any] = {}   # Lightning's own model and optimizer states, at a load
         self._pending: dict[str, Any] | None = None   # an engine state loaded before the optimizer was attached
         self._open_group: tuple | None = None   # a loaded open window (counters, group), for the first training step
+        self._replay_rng: dict[str, Any] | None = None   # RNG states at the start of a training step that raised
 
     @property
     def precision(self) -> str:   # type: ignore[override]
@@ -227,12 +227,11 @@ class MixprecPrecision(Precision):
             state, self._pending = self._pending, None
             rng, group = state.pop("rng", None), state.pop("open_group", None)
             check_group(engine, group)   # before anything changes
-            load_resumed(engine, state, "MixprecPrecision")   # another policy's: converted (a convert event)
+            load_resumed(engine, state, "MixprecPrecision", open_window=bool(group))   # another policy's: converted
             # an open window goes back at the first training step: Lightning zeroes the module's gradients
             # between the checkpoint's load and the first batch (Trainer._run_stage)
             self._open_group = (state["counters"], group) if group else None
-            if rng is not None:
-                set_rng_state(rng["state"], rng["tensors"])
+            restore_snapshot(rng)
             self.replicas.agree_seeds(engine, when="after the checkpoint load")
         return engine
 
@@ -271,8 +270,13 @@ class MixprecPrecision(Precision):
         if self._open_group is not None:
             (counters, group), self._open_group = self._open_group, None
             engine.restore_progress(counters, None, group)
-        with profiler_hold(self._trainer), self.forward_context():
-            yield
+        self._replay_rng, before = None, rng_snapshot(engine.device)   # a step that raises is replayed: saved then
+        try:
+            with profiler_hold(self._trainer), self.forward_context():
+                yield
+        except BaseException:
+            self._replay_rng = before
+            raise
 
     def convert_input(self, data: Any) -> Any:
         """``mp.cast_inputs(data, keep=keep_inputs)``: to the device, floating tensors in the param dtype but the
@@ -349,9 +353,7 @@ class MixprecPrecision(Precision):
         if engine is None or engine.optimizer is None:
             return {}
         state = {k: v for k, v in engine.state_dict().items() if k not in ("model", "optimizer")}
-        state["events"] = [event.to_dict() for event in engine.events]
-        tensors: dict[str, torch.Tensor] = {}
-        state["rng"] = {"state": rng_state(engine.device, tensors), "tensors": tensors}
+        state["events"], state["rng"] = [e.to_dict() for e in engine.events], self._replay_rng or rng_snapshot(engine.device)
         return gather_windows(state)   # several processes inside a window: every rank's (a collective)
 
     def on_load_checkpoint(self, checkpoint: dict[str, Any]) -> None:
@@ -418,7 +420,7 @@ class MixprecFabricPrecision(FabricPrecision):
         self.keep_inputs = _check_keep(keep_inputs, "MixprecFabricPrecision")
         self.replicas = ReplicaChecks(verify_replicas_every, "MixprecFabricPrecision")
         self.engine: MixedPrecision | None = None
-        self.step_check: StepCheck | None = None
+        self.step_check: StepCheck | None = None   # and last_result: the boundary's StepCheck and StepResult
         self.last_result: StepResult | None = None
 
     @property
@@ -486,9 +488,8 @@ class MixprecFabricPrecision(FabricPrecision):
         """The engine's whole :meth:`~MixedPrecision.state_dict` with its events and the RNG states; inside an
         accumulation window on several processes every rank's window (``fabric.save`` runs it on every rank)."""
         engine = self._engine("state_dict()")
-        tensors: dict[str, torch.Tensor] = {}
         return gather_windows({**engine.state_dict(), "events": [event.to_dict() for event in engine.events],
-                               "rng": {"state": rng_state(engine.device, tensors), "tensors": tensors}})
+                               "rng": rng_snapshot(engine.device)})
 
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
         """Restore :meth:`state_dict` exactly (after :meth:`attach`; each rank its own open window). ValueError for a
@@ -496,5 +497,4 @@ class MixprecFabricPrecision(FabricPrecision):
         state = own_window(dict(state_dict), "MixprecFabricPrecision")
         rng = state.pop("rng", None)
         load_resumed(self._engine("load_state_dict()"), state, "MixprecFabricPrecision")
-        if rng is not None:
-            set_rng_state(rng["state"], rng["tensors"])
+        restore_snapshot(rng)

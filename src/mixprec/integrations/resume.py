@@ -16,14 +16,20 @@ from mixprec.engine.mixed_precision import MixedPrecision
 __all__ = ["load_resumed"]
 
 
-def load_resumed(engine: MixedPrecision, state: dict[str, Any], owner: str) -> None:
+def load_resumed(engine: MixedPrecision, state: dict[str, Any], owner: str, *, open_window: bool = False) -> None:
     """Load ``state`` (``owner``'s saved engine state) into ``engine``: exactly under the same policy, converted to
     ``engine``'s otherwise. ValueError naming ``owner`` with the saved policy when the conversion is refused (a
-    window saved open, a strategy that cannot switch), nothing changed."""
+    window saved open, ``open_window`` when the caller took it out of ``state``; a strategy that cannot switch),
+    nothing changed."""
     saved = state.get("policy")
     if saved is None or saved == str(engine.policy):
         engine.load_state_dict(state)
         return
+    if open_window:   # its gradients carry the saved policy's loss scale and dtypes: not converted
+        raise ValueError(f"{owner}({str(engine.policy)!r}) resuming a checkpoint saved inside an accumulation window "
+                         f"under {owner}({saved!r}): the window's gradients are that policy's (its loss scale, its "
+                         f"dtypes) and are not converted; resume with {owner}({saved!r}), then change the policy at "
+                         "a later checkpoint saved at an optimizer step")
     try:
         engine.load_state_dict(state, convert=True)
     except ValueError as err:
