@@ -85,7 +85,7 @@ from mixprec.checkpoint.rng import rng_state, set_rng_state
 from mixprec.checkpoint.tree import STATE_FILE, canonical, decode, dtype_name, encode, write_file
 from mixprec.checkpoint.verify import (MASTERS_FILE, MODEL_FILE, Checkpoint, best_weights, check_fits,
                                        model_state, qualname, read, read_manifest, read_weights, stepped_names)
-from mixprec.engine.arguments import MID_ACCUMULATION
+from mixprec.engine.step_state import MID_ACCUMULATION
 from mixprec.engine.pending_auto import adopted_decision, pending_note
 
 if TYPE_CHECKING:

@@ -17,33 +17,7 @@ from mixprec.memory.recompute import match_blocks, parse_request
 from mixprec.policy.policy import cast_floating
 from mixprec.policy.tree import field_names, map_fields, map_tensors
 
-__all__ = ["RETAINED", "TOO_MANY", "MID_ACCUMULATION", "NO_BACKWARD", "BEFORE_BOUNDARY", "UNSYNCED_END",
-           "END_NEXT_PENDING", "STEP_SKIPPED", "check_args", "check_no_open_check", "check_usable", "check_optimizer", "check_loss", "needs_closure", "as_tensors", "cast_batch"]
-
-
-RETAINED = 2   # the engine's ``_step_pending`` after a backward(retain_graph=True): a further backward() joins its micro-batch
-TOO_MANY = ("backward() called for micro-batch {n} since the last step() with accumulation_steps={a}; call mp.step() "
-             "after each micro-batch's backward() (it returns None until the boundary). Two losses of one micro-batch: "
-             "pass retain_graph=True to the first backward(), or backpropagate their sum")
-MID_ACCUMULATION = ("{call} called after {n} micro-batch(es) of backward() without reaching the step boundary; "
-                     "{what} at an accumulation boundary (after mp.step() returns a result; to end a short group, "
-                     "the last one of an epoch, call mp.step(end_group=True) after its last backward())")
-NO_BACKWARD = "{call} called without backward() since the last step{note}; call mp.backward(loss) first"
-BEFORE_BOUNDARY = ("unscale_and_check() after micro-batch {k} of accumulation_steps={n}: it runs at the boundary "
-                   "only; call mp.step() after each earlier micro-batch (it returns None), or mp.step() for the "
-                   "whole step; to end a short group here (the last one of an epoch), pass end_group=True")
-UNSYNCED_END = ("{call} with end_group=True ends a short group under strategy={strategy!r}, but its last micro-batch's "
-                "backward did not reduce gradients across ranks (the wrapper decides that at the forward); call "
-                "mp.end_group_next() after the previous micro-batch's mp.step() and before the closing micro-batch's "
-                "forward (then mp.step() ends the group by itself)")
-STEP_SKIPPED = ("mp.backward() for a new micro-batch under strategy={strategy!r} while the last one's mp.step() has not "
-                "run: mp.step() sets whether the next micro-batch's backward reduces gradients across ranks (the "
-                "wrapper reads it at the forward), so without it the group's gradients would never be reduced and the "
-                "replicas would drift apart. Call mp.step() after each micro-batch's backward() (it returns None until "
-                "the boundary); two losses of one micro-batch: pass retain_graph=True to the first backward(), or "
-                "backpropagate their sum")
-END_NEXT_PENDING = ("end_group_next() called after a backward() whose mp.step() has not run; call it after that "
-                    "mp.step() and before the forward of the micro-batch that ends the group")
+__all__ = ["check_args", "check_optimizer", "check_loss", "needs_closure", "as_tensors", "cast_batch"]
 
 
 def check_args(model: Any, max_grad_norm: Any, accumulation_steps: Any, recompute: Any = None,
@@ -68,26 +42,6 @@ def check_args(model: Any, max_grad_norm: Any, accumulation_steps: Any, recomput
     if max_grad_norm is not None and not (float(max_grad_norm) > 0):
         raise ValueError(f"max_grad_norm={max_grad_norm!r} must be > 0 or None (no clipping)")
     return recompute
-
-
-def check_no_open_check(call: str, open_check: Any) -> None:
-    """RuntimeError for ``call`` between ``mp.unscale_and_check()`` and ``mp.apply_or_skip(check)`` (``open_check``:
-    the check not yet applied, else None)."""
-    if open_check is not None:
-        raise RuntimeError(f"{call} after mp.unscale_and_check() at this boundary; call mp.apply_or_skip(check) "
-                           "first to finish the step")
-
-
-def check_usable(call: str, optimizer: Any, unwrapped: bool) -> None:
-    """RuntimeError for ``call`` on an evaluation engine (``optimizer`` None: no backward or step) or after
-    ``mp.unwrap()`` (``unwrapped``)."""
-    if optimizer is None and call in ("mp.backward()", "mp.step()", "mp.unscale_and_check()"):
-        raise RuntimeError(f"{call} on an evaluation engine (built with optimizer=None): attach one first with "
-                           "mp.attach(optimizer, scheduler=None)")
-    if unwrapped:
-        raise RuntimeError(f"{call} after mp.unwrap(): the engine's hooks (output cast, keep_fp32 regions, fp32 "
-                           "embedding lookups) are gone, so it would train with other numerics; build a new "
-                           "MixedPrecision on the model to go on")
 
 
 def check_optimizer(model: nn.Module, optimizer: Any, scheduler: Any) -> None:

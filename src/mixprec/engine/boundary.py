@@ -12,8 +12,7 @@ from typing import Any
 
 import torch
 
-from mixprec.engine.arguments import (BEFORE_BOUNDARY, END_NEXT_PENDING, NO_BACKWARD, STEP_SKIPPED, TOO_MANY,
-                                      UNSYNCED_END)
+from mixprec.engine.step_state import BEFORE_BOUNDARY, NO_BACKWARD, STEP_SKIPPED, TOO_MANY, UNSYNCED_END
 from mixprec.engine.clipping import global_norm_fp32
 from mixprec.engine.divergence import stuck_if_skipped
 
@@ -59,10 +58,8 @@ class AccumulationGroup:
         if not self.closes("unscale_and_check()", pending, micro_step, end_group=end_group, strategy=strategy):
             raise RuntimeError(BEFORE_BOUNDARY.format(k=micro_step, n=self.accumulation_steps))
 
-    def end_after_next(self, pending: Any) -> None:
-        """Set :attr:`end_next` (``mp.end_group_next()``); RuntimeError while a ``backward()`` awaits its step."""
-        if pending:
-            raise RuntimeError(END_NEXT_PENDING)
+    def end_after_next(self) -> None:
+        """Set :attr:`end_next` (``mp.end_group_next()``, checked by :mod:`mixprec.engine.step_state`)."""
         self.end_next = True
 
     def last_micro_batch(self, micro_step: int) -> bool:

@@ -16,8 +16,7 @@ from torch import nn
 from mixprec.autocast.compiled import compile_request
 from mixprec.autocast.op_plan import describe as describe_kernels
 from mixprec.distributed.strategy import make_strategy
-from mixprec.engine.arguments import (MID_ACCUMULATION, RETAINED, as_tensors, cast_batch, check_args,
-                                      check_loss, check_no_open_check, check_optimizer, check_usable)
+from mixprec.engine.arguments import as_tensors, cast_batch, check_args, check_loss, check_optimizer
 from mixprec.engine.autocast_scope import AutocastScope
 from mixprec.engine.boundary import AccumulationGroup, BoundaryLosses, StepCheck, StepResult, check_grads
 from mixprec.engine.clipping import clip_ as _clip_
@@ -37,6 +36,7 @@ from mixprec.engine.prepare import prepare
 from mixprec.engine.recompute_setup import RecomputeSetup
 from mixprec.engine.records import Decision, Event, policy_event
 from mixprec.engine.regions import Regions
+from mixprec.engine.step_state import Phase, check_call
 from mixprec.engine.reprepare import check_fp8_unchanged, frozen_to_match, load_engine_state, unfreeze_params
 from mixprec.optim import contract
 from mixprec.policy.policy import Policy, cast_floating
@@ -118,7 +118,7 @@ class MixedPrecision:
         self.micro_step = self.applied_steps = self.skipped_total = self.boundaries = 0
         self._losses, self._group = BoundaryLosses(), AccumulationGroup(accumulation_steps)
         # a backward() awaits its step(); unscale_and_check() ran, apply_or_skip() not yet
-        self._step_pending, self._open_check = False, None
+        self._phase, self._open_check = Phase.IDLE, None   # and a backward() awaits its step()
         self._layout = None if self._strategy.shards_params else ModelLayout(model)   # FSDP2 swaps params itself
         self._set_gradient_sync()
         for feature in self._features:
@@ -156,7 +156,7 @@ class MixedPrecision:
         """``torch.autocast`` in the compute dtype (off for fp32), the ``ops`` and ``kernels`` the policy names
         (:mod:`mixprec.autocast`; held in every backward pass of its outputs) and eager dtypes for a compiled
         forward; traced by torch.compile with no graph break (:mod:`mixprec.engine.autocast_scope`)."""
-        check_usable("mp.autocast()", self.optimizer, self._unwrapped)   # auto pending: may switch autocast on
+        self._check("mp.autocast()")   # auto pending: may switch autocast on
         with self._scope.autocast(self._auto.block() if self._auto.state == "pending" else None), entered(self._features):
             yield
 
@@ -179,23 +179,23 @@ class MixedPrecision:
         inputs' ``.grad`` keep the scale (docs/loops.md). No host sync. ValueError for a loss not a scalar floating
         tensor requiring grad; RuntimeError: more micro-batches than ``accumulation_steps``, a frozen param thawed."""
         check_loss(loss)
-        check_usable("mp.backward()", self.optimizer, self._unwrapped)
-        check_no_open_check("mp.backward()", self._open_check)
+        self._check("mp.backward()")
         self._frozen.check_not_thawed()
-        new_micro_batch = self._step_pending != RETAINED and not (join and self._step_pending)   # same micro-batch
+        new_micro_batch = not (self._phase is Phase.RETAINED or join and self._phase is Phase.PENDING)
         if new_micro_batch:   # not past accumulation_steps; under a strategy, not without the last one's step()
-            self._group.check_new(self._step_pending, self.micro_step, self.strategy)
+            self._group.check_new(self._phase is Phase.PENDING, self.micro_step, self.strategy)
         if new_micro_batch and self.micro_step == 0:
             self._adopt_model_edits()
         for feature in self._features:   # loop checks; 16-bit grads so far into fp32 sums; a pending auto
             feature.before_backward(new_micro_batch and self.micro_step == 0)
-        self.micro_step += new_micro_batch
+        if new_micro_batch:
+            self.micro_step, self._phase = self.micro_step + 1, Phase.BETWEEN   # PENDING once backward returns
         self._losses.add(loss.detach(), first=new_micro_batch and self.micro_step == 1)
         if self.accumulation_steps > 1:
             loss = loss / self.accumulation_steps
         with self._scope.op_lists(), entered(self._features):   # a checkpoint's recompute casts as the forward did
             self._scope.hold(self.loss_scale.scale_loss(loss)).backward(retain_graph=retain_graph, inputs=inputs)
-        self._step_pending = RETAINED if retain_graph else True
+        self._phase = Phase.RETAINED if retain_graph else Phase.PENDING
         self.masters.accumulate_grads()
         for feature in self._features:
             feature.after_backward()
@@ -220,11 +220,10 @@ class MixedPrecision:
         ``end_group=True`` ends a short group here (an epoch's last; :class:`~mixprec.engine.boundary.
         AccumulationGroup`). Host syncs: one per boundary, one per param edited outside. Raises RuntimeError
         without a ``backward()``; the guard may raise :class:`DivergenceError`."""
-        check_usable("mp.step()", self.optimizer, self._unwrapped)
-        check_no_open_check("mp.step()", self._open_check)
-        if not self._group.closes("step()", self._step_pending, self.micro_step, end_group=end_group,
+        self._check("mp.step()")
+        if not self._group.closes("step()", self._phase.awaits_step, self.micro_step, end_group=end_group,
                                   strategy=self.strategy):
-            self._step_pending = False
+            self._phase = Phase.BETWEEN
             self._set_gradient_sync()
             return None
         return self.apply_or_skip(self.unscale_and_check(end_group=True))
@@ -233,7 +232,8 @@ class MixedPrecision:
         """The next micro-batch ends the accumulation group: call after the previous ``mp.step()``, before its
         forward (under ``strategy="ddp"``/``"fsdp2"`` its backward then reduces gradients); ``mp.step()`` after
         it returns the group's result. No host sync. RuntimeError while a ``backward()`` awaits its step."""
-        self._group.end_after_next(self._step_pending)
+        self._check("mp.end_group_next()")
+        self._group.end_after_next()
         self._set_gradient_sync()
 
     def unscale_and_check(self, *, end_group: bool = False) -> StepCheck:
@@ -242,16 +242,16 @@ class MixedPrecision:
         ended by ``end_group=True`` or :meth:`end_group_next`: their mean), their fp32 norm (by the scaled norm
         if it overflowed), the ranks' agreement, the one host read. Returns the :class:`StepCheck` for
         :meth:`apply_or_skip`. RuntimeError without ``backward()``, before the boundary or twice."""
-        check_usable("mp.unscale_and_check()", self.optimizer, self._unwrapped)
-        check_no_open_check("mp.unscale_and_check()", self._open_check)
-        self._group.check_closes(self._step_pending, self.micro_step, end_group=end_group, strategy=self.strategy)
-        self._step_pending = False
+        self._check("mp.unscale_and_check()")
+        self._group.check_closes(self._phase.awaits_step, self.micro_step, end_group=end_group, strategy=self.strategy)
+        self._phase = Phase.BETWEEN
         adopt_edited_params(self)
         self._losses.close(self.micro_step)
         grads = self._strategy.local(self._checks.boundary_grads(self._sums.close))   # fp32 sums rounded into grads
         found_inf = self._losses.unscale_(self.loss_scale, grads, self._group.factor(self.micro_step))
         self._open_check = check_grads(grads, found_inf, self._losses.finite, self.loss_scale, self._strategy,
                                        self.device)
+        self._phase = Phase.CHECKED
         return self._open_check
 
     def apply_or_skip(self, check: StepCheck) -> StepResult:
@@ -261,7 +261,7 @@ class MixedPrecision:
         if check is None or check is not self._open_check:
             raise RuntimeError("apply_or_skip(check) takes the StepCheck that mp.unscale_and_check() just returned at "
                                "this boundary; call mp.unscale_and_check() first, then mp.apply_or_skip(check) once")
-        self._open_check, grads, applied = None, list(check.grads), not check.skipped
+        self._open_check, self._phase, grads, applied = None, Phase.BETWEEN, list(check.grads), not check.skipped
         _clip_(grads, check.grad_norm_t, self.max_grad_norm)   # None: no clipping
         if applied:
             self._apply_update()
@@ -313,7 +313,7 @@ class MixedPrecision:
         name the same scaling). Returns the :class:`~mixprec.engine.records.Event` of ``kind`` (the guard's:
         ``"escalate"``), recorded when ``record``. No host sync. RuntimeError mid-accumulation; ValueError
         (nothing changed) when the device, optimizer or strategy cannot run ``policy``, or it changes fp8."""
-        self._check_boundary("set_policy()", "change the policy")
+        self._check("set_policy()")
         self._groups.refresh(self)   # params unfrozen or a group added since: adopted first
         new = resolve(policy, self.device).policy
         check_fp8_unchanged(self.policy, new)
@@ -344,7 +344,7 @@ class MixedPrecision:
         ``"unfreeze"`` event. ValueError (nothing changed: :mod:`mixprec.engine.storage`), RuntimeError mid-step."""
         if not patterns:
             raise ValueError("unfreeze() needs at least one parameter-name pattern, e.g. mp.unfreeze('encoder.layer.5.*')")
-        self._check_boundary("unfreeze()", "unfreeze")
+        self._check("unfreeze()")
         self._strategy.refuse("unfreeze")
         return unfreeze_params(self, self._frozen, patterns, group_options)
 
@@ -383,8 +383,7 @@ class MixedPrecision:
         ValueError under a strategy, RuntimeError mid-accumulation. No host sync but adoptions'."""
         if to_fp32:
             self._strategy.refuse("to_fp32")
-            if self.micro_step != 0:
-                raise RuntimeError("unwrap(to_fp32=True) mid-accumulation; call it after mp.step() returns a result")
+            self._check("unwrap(to_fp32=True)")
             adopt_edited_params(self)
             self.masters.write_fp32(self._fp32_values())
         for feature in self._features:
@@ -424,7 +423,7 @@ class MixedPrecision:
     def state_dict(self) -> dict[str, Any]:
         """Everything to continue bit-exactly: policy, frozen set, model, masters, optimizer, scheduler, loss scale,
         counters (references), the open window mid-accumulation (:mod:`mixprec.engine.open_group`). RuntimeError mid-step."""
-        check_no_open_check("mp.state_dict()", self._open_check)
+        self._check("mp.state_dict()")
         self._adopt_model_edits()
         adopt_edited_params(self)
         return {
@@ -436,7 +435,7 @@ class MixedPrecision:
             "loss_scale": self.loss_scale.state_dict(),
             "counters": dict(micro_step=self.micro_step, applied_steps=self.applied_steps,
                              skipped_total=self.skipped_total, boundaries=self.boundaries),
-            "open_group": capture_group(self, self._step_pending, self._group.end_next, self._losses, self._sums)}
+            "open_group": capture_group(self, self._phase, self._group.end_next, self._losses, self._sums)}
 
     def load_state_dict(self, state: dict[str, Any], *, convert: bool = False, adopt_policy: bool = False) -> None:
         """Restore a :meth:`state_dict` exactly (its ``"events"``, as checkpoints carry, replace :attr:`events`).
@@ -456,12 +455,13 @@ class MixedPrecision:
         if self.optimizer is not None:
             self.optimizer.zero_grad(set_to_none=True)
         self.module.zero_grad(set_to_none=True) if self._layout is None else self._layout.zero_grad()
-        self._step_pending, self.micro_step, self._losses.extra_inf, self._group.end_next = False, 0, None, False
+        self._phase, self.micro_step, self._losses.extra_inf, self._group.end_next = Phase.IDLE, 0, None, False
+        self._open_check = None   # a step checked and then discarded: apply_or_skip(check) refuses it
         self._set_gradient_sync()
 
     def restore_progress(self, counters: dict[str, int], events: list[dict] | None, open_group: Any = None) -> None:
         """Set a saved run's counters, event log (None: keep it) and open window (checked by ``check_group``)."""
-        self._check_boundary("restore_progress()", "restore")
+        self._check("restore_progress()")
         self.applied_steps, self.skipped_total = counters["applied_steps"], counters["skipped_total"]
         self.boundaries = counters["boundaries"]
         if events is not None:
@@ -469,7 +469,7 @@ class MixedPrecision:
             for feature in self._features:   # a DCP checkpoint's recompute plan and budget decision, as they were
                 feature.load({"events": events})
         if open_group:   # saved mid-accumulation: the window goes on; its gradients are this engine's own
-            self.micro_step, self._step_pending, self._group.end_next = restore_group(self, open_group, self._losses, self._sums)
+            self.micro_step, self._phase, self._group.end_next = restore_group(self, open_group, self._losses, self._sums)
             self._checks.after_backward()
 
     def record(self, event: Event | dict, *, decision: str | None = None) -> None:
@@ -494,6 +494,5 @@ class MixedPrecision:
             self.masters = adopted[1]
             finish_model_edit(self, adopted[0], self._layout)
 
-    def _check_boundary(self, call: str, what: str) -> None:
-        if self.micro_step != 0:
-            raise RuntimeError(MID_ACCUMULATION.format(call=call, n=self.micro_step, what=what))
+    def _check(self, call: str) -> None:   # the step's state table (engine/step_state.py): RuntimeError out of order
+        check_call(call, self._phase, self.micro_step, evaluation=self.optimizer is None, unwrapped=self._unwrapped)

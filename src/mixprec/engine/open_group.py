@@ -31,7 +31,7 @@ from typing import Any
 import torch
 from torch.distributed.tensor import DTensor
 
-from mixprec.engine.arguments import MID_ACCUMULATION, RETAINED
+from mixprec.engine.step_state import MID_ACCUMULATION, Phase
 from mixprec.engine.boundary import BoundaryLosses
 from mixprec.engine.grad_sums import GradSums
 from mixprec.engine.protocol import Engine
@@ -39,10 +39,10 @@ from mixprec.engine.protocol import Engine
 __all__ = ["capture_group", "check_group", "restore_group"]
 
 
-def capture_group(mp: Engine, pending: Any, end_next: bool, losses: BoundaryLosses,
+def capture_group(mp: Engine, phase: Phase, end_next: bool, losses: BoundaryLosses,
                   sums: GradSums) -> dict[str, Any] | None:
     """``state["open_group"]`` of ``mp`` (module docstring): None at a boundary, else the window's gradients
-    (copies), counts and loss tally; ``pending``/``end_next``/``losses``/``sums``: the engine's. RuntimeError
+    (copies), counts and loss tally; ``phase``/``end_next``/``losses``/``sums``: the engine's. RuntimeError
     mid-window under a strategy. No host sync."""
     if mp.micro_step == 0 and not end_next:
         return None
@@ -51,7 +51,7 @@ def capture_group(mp: Engine, pending: Any, end_next: bool, losses: BoundaryLoss
             f"under strategy={mp.strategy!r} each rank's gradients of the open window are its own; take it")))
     named = list(mp.module.named_parameters())
     name_of = {id(p): n for n, p in named}
-    return {"micro_step": mp.micro_step, "pending": 2 if pending == RETAINED else int(bool(pending)),
+    return {"micro_step": mp.micro_step, "pending": {Phase.RETAINED: 2, Phase.PENDING: 1}.get(phase, 0),
             "end_next": bool(end_next), "sharded": mp.strategy is not None,
             "grads": {n: _local(p.grad).detach().clone() for n, p in named if p.grad is not None},
             "master_grads": {name_of[id(p)]: m.grad.detach().clone() for p, m in mp.masters.pairs
@@ -84,9 +84,9 @@ def check_group(mp: Engine, saved: dict[str, Any] | None) -> None:
 
 
 def restore_group(mp: Engine, saved: dict[str, Any], losses: BoundaryLosses,
-                  sums: GradSums) -> tuple[int, Any, bool]:
+                  sums: GradSums) -> tuple[int, Phase, bool]:
     """Put the window's gradients of ``saved`` (checked by :func:`check_group`) back on ``mp``'s params, masters
-    and ``sums`` (copies, on ``mp.device``) and its tally into ``losses``; returns ``(micro_step, pending,
+    and ``sums`` (copies, on ``mp.device``) and its tally into ``losses``; returns ``(micro_step, phase,
     end_next)`` for the engine to assign. No host sync."""
     named = dict(mp.module.named_parameters())
     master_of = {id(p): m for p, m in mp.masters.pairs}
@@ -95,8 +95,9 @@ def restore_group(mp: Engine, saved: dict[str, Any], losses: BoundaryLosses,
             holder(named[name]).grad = _placed(grad.detach().to(mp.device, copy=True), named[name])
     sums.restore(named, saved.get("grad_sums", {}))
     losses.load_state_dict(saved["losses"], mp.device)
-    pending = RETAINED if saved["pending"] == 2 else bool(saved["pending"])
-    return int(saved["micro_step"]), pending, bool(saved["end_next"])
+    micro_step = int(saved["micro_step"])
+    phase = {2: Phase.RETAINED, 1: Phase.PENDING}.get(int(saved["pending"]), Phase.BETWEEN if micro_step else Phase.IDLE)
+    return micro_step, phase, bool(saved["end_next"])
 
 
 def _sharded_window(mp: Engine) -> bool:
