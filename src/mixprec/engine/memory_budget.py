@@ -51,7 +51,7 @@ from mixprec.autocast.saved_allowance import CallCounter, mib_words, scoped_allo
 from mixprec.engine.feature import Feature
 from mixprec.engine.protocol import Engine
 from mixprec.engine.records import Event
-from mixprec.memory.budget import parse_bytes
+from mixprec.memory.batch_budget import parse_bytes
 from mixprec.memory.live import LiveMeter, blocked, resident_tensors
 from mixprec.memory.recompute import RecomputePlan
 

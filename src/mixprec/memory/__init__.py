@@ -8,7 +8,7 @@ backward, peak live tensors, what a batch costs, and what to recompute (docs/mem
     _, live = peak_live_bytes(lambda: train_step(x, y), "cpu", resident=list(resident_tensors(model, opt)))
 """
 
-from mixprec.memory.budget import BatchBudget, fit_batch_budget, parse_bytes
+from mixprec.memory.batch_budget import BatchBudget, fit_batch_budget, parse_bytes
 from mixprec.memory.live import PeakLive, peak_live_bytes, resident_tensors
 from mixprec.memory.saved import SavedBytes, saved_bytes
 from mixprec.memory.state import StateBytes, state_bytes

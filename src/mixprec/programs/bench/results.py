@@ -42,7 +42,7 @@ class PolicyRun:
     first step and each step after an eval point left out). ``saved_activation_bytes`` (the parameters left out) and ``peak_live_bytes`` (the
     step's peak of live tensors, baseline included) come from one extra untimed step after the final eval
     (:mod:`mixprec.programs.bench.step_memory`), ``step_memory`` their detail (or ``{"error": ...}``);
-    ``memory_budget`` the largest batch in ``--memory-budget`` (:class:`mixprec.memory.budget.BatchBudget`'s dict).
+    ``memory_budget`` the largest batch in ``--memory-budget`` (:class:`mixprec.memory.batch_budget.BatchBudget`'s dict).
     ``recompute``, ``recompute_plan``, ``step_time_ratio_vs_no_recompute``: a ``<policy>+recompute`` row's
     (:mod:`mixprec.programs.bench.recompute_rows`), None on other rows. ``speedup_vs_peer`` (the ``torch-autocast``
     peer's median step time / this row's), ``saved_activation_ratio_vs_peer`` and ``peak_live_ratio_vs_peer`` (this

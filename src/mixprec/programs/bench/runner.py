@@ -59,7 +59,7 @@ from mixprec.machine.cache import cpu_name
 from mixprec.policy.resolve import resolve
 from mixprec.distributed.process import from_main_process, init_process_group_from_env, is_main_process, rank, world_size
 from mixprec.machine.matmul import cached_peaks, cpu_flags
-from mixprec.memory.budget import parse_bytes
+from mixprec.memory.batch_budget import parse_bytes
 from mixprec.policy.policy import Policy
 from mixprec.workloads import get_workload
 

@@ -7,7 +7,7 @@
   profiler cost time: these steps are never timed, and they run after everything else the row reports was read
   (they change the weights; nothing is measured after them).
 * :func:`measure_batch_budget`: the same peak at two or three batch sizes (the training batch halved, as is, and
-  doubled: rows from the next batches of the same stream), fitted by :mod:`mixprec.memory.budget`. The training
+  doubled: rows from the next batches of the same stream), fitted by :mod:`mixprec.memory.batch_budget`. The training
   batch's own point is the step measured above when given (same engine, same shapes: it is not stepped again);
   each new size is measured after one unmeasured step at that size (first calls at a new shape plan kernels,
   e.g. the attention plan's key, and allocate caches: that must not land in the measured peak; a forward alone
@@ -22,7 +22,7 @@ from typing import Any
 
 import torch
 
-from mixprec.memory.budget import BatchBudget, largest_batch, parse_bytes
+from mixprec.memory.batch_budget import BatchBudget, largest_batch, parse_bytes
 from mixprec.memory.live import PeakLive, peak_live_bytes, resident_tensors
 from mixprec.memory.saved import SavedBytes, SavedTensorCounter
 from mixprec.programs.session import StepCalls
@@ -89,7 +89,7 @@ def budget_batch_sizes(batch: int) -> tuple[int, ...]:
 def measure_batch_budget(mp: StepCalls, workload: Workload, budget: str | int, seed: int,
                          measured: tuple[int, int] | None = None) -> BatchBudget:
     """The largest batch whose predicted peak live bytes fit ``budget`` (bytes or ``"4GiB"``) for this engine
-    and workload: peaks at :func:`budget_batch_sizes` fitted to a line (:func:`mixprec.memory.budget.largest_batch`);
+    and workload: peaks at :func:`budget_batch_sizes` fitted to a line (:func:`mixprec.memory.batch_budget.largest_batch`);
     ``measured`` = ``(training batch rows, its peak live bytes)`` already measured on this engine (that size is not
     stepped again); each other size gets one unmeasured step, then one measured step, on batches of the training
     stream of ``seed``. Batch sizes are in rows of the workload's batch (samples or sequences, not tokens). Host

@@ -1,8 +1,8 @@
-"""mixprec.memory.budget: the largest batch in a memory budget from a least-squares line of measured peaks."""
+"""mixprec.memory.batch_budget: the largest batch in a memory budget from a least-squares line of measured peaks."""
 
 import pytest
 
-from mixprec.memory.budget import BatchBudget, fit_batch_budget, largest_batch, parse_bytes
+from mixprec.memory.batch_budget import BatchBudget, fit_batch_budget, largest_batch, parse_bytes
 
 
 @pytest.mark.parametrize("text, expected", [
