@@ -109,8 +109,8 @@ class MixedPrecision:
         self._recompute = RecomputeSetup(self, recompute, self._strategy, self._scope.rebuilds)   # blocks recomputed
         self._kernels = KernelAgreement(self._strategy, self.policy)   # every rank: rank 0's measured kernels
         self._sums = GradSums(self)   # 16-bit params without masters: a window's grads summed in fp32
-        self._features: tuple[Feature, ...] = (self._checks, self._sums, self._auto, self._recompute, self._budget,
-            self._kernels, self._regions, self._groups, *(make(self) for make in self.feature_types))   # in call order
+        self._features: tuple[Feature, ...] = (self._checks, self._sums, self._auto, self._kernels, self._recompute,
+            self._budget, self._regions, self._groups, *(make(self) for make in self.feature_types))   # in call order
         self.decision += "".join(f.note for f in self._features)
         self.model = self._compile.apply(self._strategy.after_casts(model, self.policy, self.device))
         self.masters.record_versions()   # DDP's broadcast of rank 0's params is not a user edit
@@ -274,7 +274,7 @@ class MixedPrecision:
                                scaling=self.loss_scale.enabled)
         self._step_grads = grads
         self.discard_gradients()
-        for feature in self._features:   # auto decided; recompute and budget measured; kernels agreed
+        for feature in self._features:   # auto decided; kernels agreed; recompute, budget measured
             feature.at_boundary(self)
         try:
             return (self.guard if self.guard is not None else self._stop_when_stuck).after_step(self, result)

@@ -9,7 +9,8 @@ import torch
 from mixprec.optim import quantized_adamw, sharded, sharded_blocks
 from mixprec.optim import quantized_state as qs
 from mixprec.optim.arguments import check_number, check_torch_options
-from mixprec.optim.precision_optimizer import PrecisionOptimizer, _as_fp32, grad_fp32
+from mixprec.optim.precision_optimizer import PrecisionOptimizer, grad_fp32
+from mixprec.optim.state_codec import as_fp32
 
 __all__ = ["AdamW", "adamw_update_"]
 
@@ -154,15 +155,15 @@ class AdamW(PrecisionOptimizer):
                     else:
                         self._step_8bit(p, state, hyper, lost_counts)
                     continue
-                shard, grad, local_state = self._local_view(p, state)   # FSDP2: this rank's shard
-                param_fp32 = _as_fp32(shard)
-                exp_avg_fp32 = self._load(local_state, "exp_avg")
-                exp_avg_sq_fp32 = self._load(local_state, "exp_avg_sq")
+                shard, grad, local_state = self.state_codec.local_view(p, state)   # FSDP2: this rank's shard
+                param_fp32 = as_fp32(shard)
+                exp_avg_fp32 = self.state_codec.load(local_state, "exp_avg")
+                exp_avg_sq_fp32 = self.state_codec.load(local_state, "exp_avg_sq")
                 adamw_update_(param_fp32, grad_fp32(shard, grad), exp_avg_fp32, exp_avg_sq_fp32, **hyper)
-                self._store(shard, local_state, "exp_avg", exp_avg_fp32)
-                self._store(shard, local_state, "exp_avg_sq", exp_avg_sq_fp32)
-                self._write_back(shard, param_fp32, local_state, lost_counts)
-        self._warn_if_updates_lost(lost_counts)
+                self.state_codec.store(shard, local_state, "exp_avg", exp_avg_fp32)
+                self.state_codec.store(shard, local_state, "exp_avg_sq", exp_avg_sq_fp32)
+                self.write_back.write(shard, param_fp32, local_state, lost_counts)
+        self.write_back.warn_if_updates_lost(lost_counts)
         return loss
 
     def _step_8bit(self, p: torch.Tensor, state: dict[str, Any], hyper: dict[str, float], lost_counts: list) -> None:
@@ -170,21 +171,21 @@ class AdamW(PrecisionOptimizer):
         reference (:mod:`mixprec.optim.quantized_adamw`; the same bits either way)."""
         m = (state["exp_avg"], state["exp_avg" + qs.ABSMAX_SUFFIX])
         v = (state["exp_avg_sq"], state["exp_avg_sq" + qs.ABSMAX_SUFFIX])
-        key = self._sr_key(p, state, "param")   # None: the legacy global-RNG stream (an old state dict)
-        if not self._checks_lost_updates(p, state) and quantized_adamw.fusable(p, p.grad, m[0], v[0], rounding=self.rounding):
+        key = self.stream_keys.key(p, state, "param")   # None: the legacy global-RNG stream (an old state dict)
+        if not self.write_back.checks_lost_updates(p, state) and quantized_adamw.fusable(p, p.grad, m[0], v[0], rounding=self.rounding):
             quantized_adamw.fused_step_(p, p.grad, m, v, rounding=self.rounding, state_rounding=self.state_rounding,
                                         generator=key, **hyper)
             return
-        param_fp32 = _as_fp32(p)
+        param_fp32 = as_fp32(p)
         quantized_adamw.reference_update_(param_fp32, grad_fp32(p), m, v, state_rounding=self.state_rounding,
                                           generator=key, **hyper)
-        self._write_back(p, param_fp32, state, lost_counts)
+        self.write_back.write(p, param_fp32, state, lost_counts)
 
     def state_note(self) -> str:
         """:meth:`PrecisionOptimizer.state_note`, plus how 8-bit-state steps run: the fused C kernel (CPU),
         or torch ops and why (builds and checks the kernel the first time it is asked)."""
         note = super().state_note()
-        quantized = [p for g in self.param_groups for p in g["params"] if self._quantized(p)]
+        quantized = [p for g in self.param_groups for p in g["params"] if self.state_codec.quantized(p)]
         if not quantized:
             return note
         if {p.device.type for p in quantized} != {"cpu"}:

@@ -7,7 +7,8 @@ from typing import Any
 import torch
 
 from mixprec.optim.arguments import check_number, check_torch_options
-from mixprec.optim.precision_optimizer import PrecisionOptimizer, _as_fp32, grad_fp32
+from mixprec.optim.precision_optimizer import PrecisionOptimizer, grad_fp32
+from mixprec.optim.state_codec import as_fp32
 
 __all__ = ["SGD", "sgd_update_"]
 
@@ -113,7 +114,7 @@ class SGD(PrecisionOptimizer):
         super().__init__(params, defaults, rounding=rounding, state_dtype=state_dtype, state_rounding=state_rounding,
                          sr_seed=sr_seed)
 
-    def _keeps_moments(self, group: dict[str, Any]) -> bool:
+    def keeps_moments(self, group: dict[str, Any]) -> bool:
         return group["momentum"] != 0   # no momentum_buffer without momentum
 
     def state_note(self) -> str:
@@ -138,18 +139,18 @@ class SGD(PrecisionOptimizer):
                     continue
                 state = self._state(p)
                 state["step"] += 1
-                shard, grad, local_state = self._local_view(p, state)   # FSDP2: this rank's shard
-                param_fp32 = _as_fp32(shard)
-                buffer_fp32 = self._load(local_state, "momentum_buffer") if "momentum_buffer" in local_state else None
+                shard, grad, local_state = self.state_codec.local_view(p, state)   # FSDP2: this rank's shard
+                param_fp32 = as_fp32(shard)
+                buffer_fp32 = self.state_codec.load(local_state, "momentum_buffer") if "momentum_buffer" in local_state else None
                 new_buffer_fp32 = sgd_update_(param_fp32, grad_fp32(shard, grad), buffer_fp32, lr=group["lr"],
                                               momentum=group["momentum"], dampening=group["dampening"],
                                               weight_decay=group["weight_decay"],
                                               nesterov=group["nesterov"])
                 if buffer_fp32 is not None:
-                    self._store(shard, local_state, "momentum_buffer", buffer_fp32)
+                    self.state_codec.store(shard, local_state, "momentum_buffer", buffer_fp32)
                 elif new_buffer_fp32 is not None:
-                    self._put(shard, local_state, "momentum_buffer", new_buffer_fp32)
-                    self._publish(p, state, local_state)
-                self._write_back(shard, param_fp32, local_state, lost_counts)
-        self._warn_if_updates_lost(lost_counts)
+                    self.state_codec.put(shard, local_state, "momentum_buffer", new_buffer_fp32)
+                    self.state_codec.publish(p, state, local_state)
+                self.write_back.write(shard, param_fp32, local_state, lost_counts)
+        self.write_back.warn_if_updates_lost(lost_counts)
         return loss

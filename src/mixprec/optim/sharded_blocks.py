@@ -37,7 +37,8 @@ import torch.distributed as dist
 from mixprec.optim import quantized_adamw
 from mixprec.optim import quantized_state as qs
 from mixprec.optim import sharded
-from mixprec.optim.precision_optimizer import PrecisionOptimizer, _as_fp32
+from mixprec.optim.precision_optimizer import PrecisionOptimizer
+from mixprec.optim.state_codec import as_fp32
 
 __all__ = ["Pieces", "pieces", "step_adamw_"]
 
@@ -105,7 +106,7 @@ def step_adamw_(opt: PrecisionOptimizer, p: torch.Tensor, state: dict[str, Any],
         RuntimeError: stochastic rounding with the legacy global-RNG stream (a state dict saved before
             ``sr_seed``): its bits depend on the sharding.
     """
-    shard, grad, local_state = opt._local_view(p, state)
+    shard, grad, local_state = opt.state_codec.local_view(p, state)
     cut = pieces(sharded.global_offset(p), shard.numel(), p.numel())
     comp = local_state.get("kahan_comp")
     views = _Views(shard.reshape(-1), grad.reshape(-1), local_state["exp_avg"].reshape(-1),
@@ -126,8 +127,8 @@ def step_adamw_(opt: PrecisionOptimizer, p: torch.Tensor, state: dict[str, Any],
 
 def _key(opt: PrecisionOptimizer, p: torch.Tensor, state: dict[str, Any], piece: torch.Tensor, offset: int, purpose: str):
     """The stream key of ``piece`` (a flat view of ``p``'s shard from global index ``offset``) for ``purpose``."""
-    opt._shards[id(piece)] = (piece, p, offset)
-    key = opt._sr_key(piece, state, purpose)
+    opt.stream_keys.add_piece(piece, p, offset)
+    key = opt.stream_keys.key(piece, state, purpose)
     if key is None and "stochastic" in (opt.rounding, opt.state_rounding):
         raise RuntimeError(f"{type(opt).__name__}: a param of shape {tuple(p.shape)} is sharded and rounds "
                            "stochastically with the legacy global-RNG stream (its state dict predates sr_seed), whose "
@@ -153,9 +154,9 @@ def _edge_update(opt: PrecisionOptimizer, p: torch.Tensor, state: dict[str, Any]
                                  qs.code_of(views.v_codes, nonnegative=True))
     piece = views.param[start:stop]
     _key(opt, p, state, piece, cut.offset + start, "param")   # registers the piece's global offset
-    param_fp32 = _as_fp32(piece)
-    quantized_adamw.update_fp32_(param_fp32, _as_fp32(views.grad[start:stop]), m_fp32, v_fp32, **hyper)
-    opt._write_back(piece, param_fp32, _piece_state(state, views, start, stop), lost_counts)
+    param_fp32 = as_fp32(piece)
+    quantized_adamw.update_fp32_(param_fp32, as_fp32(views.grad[start:stop]), m_fp32, v_fp32, **hyper)
+    opt.write_back.write(piece, param_fp32, _piece_state(state, views, start, stop), lost_counts)
     return span, m_fp32, v_fp32
 
 
@@ -172,15 +173,15 @@ def _interior_step(opt: PrecisionOptimizer, p: torch.Tensor, state: dict[str, An
     v = (views.v_codes[start:stop], scales[1][first:end])
     key = _key(opt, p, state, piece, cut.offset + start, "param")
     piece_state = _piece_state(state, views, start, stop)
-    if not opt._checks_lost_updates(piece, piece_state) and quantized_adamw.fusable(
+    if not opt.write_back.checks_lost_updates(piece, piece_state) and quantized_adamw.fusable(
             piece, grad, m[0], v[0], rounding=opt.rounding):
         quantized_adamw.fused_step_(piece, grad, m, v, rounding=opt.rounding, state_rounding=opt.state_rounding,
                                     generator=key, **hyper)
         return
-    param_fp32 = _as_fp32(piece)
-    quantized_adamw.reference_update_(param_fp32, _as_fp32(grad), m, v, state_rounding=opt.state_rounding,
+    param_fp32 = as_fp32(piece)
+    quantized_adamw.reference_update_(param_fp32, as_fp32(grad), m, v, state_rounding=opt.state_rounding,
                                       generator=key, **hyper)
-    opt._write_back(piece, param_fp32, piece_state, lost_counts)
+    opt.write_back.write(piece, param_fp32, piece_state, lost_counts)
 
 
 def _agree(p: torch.Tensor, cut: Pieces, scales: tuple[torch.Tensor, torch.Tensor],
