@@ -595,7 +595,7 @@ def test_train_under_torchrun_with_fsdp2_then_resume_in_one_process(tmp_path):
     """`mixprec train` under torchrun at 2 FSDP2 ranks writes a DCP checkpoint and a log per rank; one plain process
     resumes it (DCP reshards) and says the global batch changes (2 x 128 tokens of the tiny GPT to 1 x 128) with the
     reshard event's words; a later resume at the same world size says nothing of it (the words also asserted by
-    tests/test_trial_fixes.py::test_a_resume_at_another_world_size_says_the_global_batch_changes, slow)."""
+    tests/test_user_messages.py::test_a_resume_at_another_world_size_says_the_global_batch_changes, slow)."""
     import json
     import subprocess
     import sys

@@ -1,4 +1,4 @@
-"""The step's batched paths (issue 15) give bit for bit what the per-tensor code they replace gave.
+"""The step's batched paths give bit for bit what the per-tensor code they replace gave.
 
 ``MasterWeights.accumulate_grads`` adds 16-bit gradients into existing fp32 master gradients with one
 ``_foreach_add_``; ``LossScale.unscale_`` and ``clip_`` group gradients with

@@ -1,4 +1,4 @@
-"""What a new-user trial found in the bench, budget, checkpoint and policy messages (issues 27/28)."""
+"""The messages a new user meets in the bench, the memory budget, checkpoints and policy text: each names the value, what is allowed and the fix."""
 
 from __future__ import annotations
 
