@@ -2,7 +2,9 @@
 
 from __future__ import annotations
 
+import copy
 import io
+import pickle
 import math
 import warnings
 
@@ -510,3 +512,28 @@ def test_kahan_residual_survives_a_convert_from_fp32_and_a_guard_rollback(tmp_pa
     assert result.rolled_back
     after = mp.trainable_state_dict()
     assert all(torch.equal(after[n], good[n]) for n in good)   # the compensation came back with the params
+
+
+@pytest.mark.parametrize("make", [lambda ps: mixprec.optim.AdamW(ps, rounding="kahan", state_dtype=torch.int8, sr_seed=3),
+                                  lambda ps: mixprec.optim.SGD(ps, lr=0.1, momentum=0.9, rounding="stochastic",
+                                                               state_dtype=torch.bfloat16, sr_seed=3)],
+                         ids=["adamw-kahan-int8", "sgd-sr-bf16"])
+@pytest.mark.parametrize("copier", [copy.deepcopy, lambda x: pickle.loads(pickle.dumps(x))], ids=["deepcopy", "pickle"])
+def test_a_copied_optimizer_keeps_its_precision_and_steps_as_the_original(make, copier):
+    """torch's Optimizer.__getstate__ keeps defaults, state and param groups only: a deep copy (a teacher, an EMA's
+    copy of model and optimizer) or a pickle had no rounding / state_dtype and failed at its first step
+    (AttributeError). The copy steps bit for bit as the original."""
+    torch.manual_seed(0)
+    model = nn.Linear(64, 80).bfloat16()   # 5120 elements: int8 state quantizes the weight's moments
+    opt = make(model.parameters())
+    x = torch.randn(4, 64).bfloat16()
+    model(x).float().square().mean().backward()
+    opt.step()
+    model_copy, opt_copy = copier((model, opt))
+    assert (opt_copy.rounding, opt_copy.state_dtype, opt_copy.explicit_precision) == \
+        (opt.rounding, opt.state_dtype, opt.explicit_precision)
+    for m, o in ((model, opt), (model_copy, opt_copy)):
+        o.zero_grad()
+        m(x).float().square().mean().backward()
+        o.step()
+    assert all(torch.equal(p, q) for p, q in zip(model.parameters(), model_copy.parameters()))

@@ -90,3 +90,30 @@ def test_an_evaluation_engine_and_an_unwrapped_one_refuse_the_training_calls_by_
     with pytest.raises(RuntimeError, match=r"mp.autocast\(\) after mp.unwrap\(\)"):
         with mp.autocast():
             pass
+
+
+class _Fails(torch.autograd.Function):
+    """Identity forward whose backward raises (an anomaly check, an OOM the loop catches)."""
+
+    @staticmethod
+    def forward(ctx, x):
+        return x.clone()
+
+    @staticmethod
+    def backward(ctx, grad):
+        raise RuntimeError("backward failed on purpose")
+
+
+def test_a_backward_that_raises_keeps_the_earlier_micro_batchs_pending_step():
+    """accumulation_steps=3, the loop that backpropagates each micro-batch then steps once: the second backward
+    raising inside autograd left the engine as if no backward awaited its step (step() then raised "without
+    backward()"); the first micro-batch's backward still awaits it, as before the state table."""
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(4, 8), nn.ReLU(), nn.Linear(8, 2))
+    mp = mixprec.MixedPrecision(model, torch.optim.SGD(model.parameters(), lr=0.1), "bf16-mixed", accumulation_steps=3)
+    mp.backward(_loss(mp))
+    with pytest.raises(RuntimeError, match="on purpose"):
+        mp.backward(_Fails.apply(_loss(mp)))
+    assert mp.step() is None and mp.micro_step == 2
+    mp.backward(_loss(mp))
+    assert mp.step() is not None and mp.applied_steps == 1

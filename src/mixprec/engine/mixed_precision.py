@@ -188,8 +188,8 @@ class MixedPrecision:
             self._adopt_model_edits()
         for feature in self._features:   # loop checks; 16-bit grads so far into fp32 sums; a pending auto
             feature.before_backward(new_micro_batch and self.micro_step == 0)
-        if new_micro_batch:
-            self.micro_step, self._phase = self.micro_step + 1, Phase.BETWEEN   # PENDING once backward returns
+        self.micro_step += new_micro_batch   # a group's first: BETWEEN until the backward returns (then PENDING)
+        self._phase = Phase.BETWEEN if new_micro_batch and self._phase is Phase.IDLE else self._phase
         self._losses.add(loss.detach(), first=new_micro_batch and self.micro_step == 1)
         if self.accumulation_steps > 1:
             loss = loss / self.accumulation_steps

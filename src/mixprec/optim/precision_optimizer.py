@@ -24,6 +24,7 @@ from mixprec.optim.write_back import HALF_DTYPES, WriteBack
 
 __all__ = ["grad_fp32", "PrecisionOptimizer"]
 
+_SETTINGS = ("rounding", "state_dtype", "state_rounding", "_explicit", "_precision_explicit")   # kept by a pickle
 _PARAM_DTYPES = _FLOAT_DTYPES + (torch.complex64,)   # complex64: two fp32 values, stepped on its real view
 
 
@@ -84,6 +85,11 @@ class PrecisionOptimizer(torch.optim.Optimizer):
         written = {"rounding": rounding, "state_dtype": state_dtype, "state_rounding": state_rounding}
         self._explicit = {k: getattr(self, k) for k, v in written.items() if v is not None}
         super().__init__(params, defaults)
+
+    def __getstate__(self) -> dict[str, Any]:
+        """torch's state (defaults, state, param groups) and the precision settings, which torch's drops (a deep copy
+        or a pickle then had no ``rounding`` to step with)."""
+        return {**super().__getstate__(), **{k: self.__dict__[k] for k in _SETTINGS if k in self.__dict__}}
 
     def __setstate__(self, state: dict[str, Any]) -> None:
         """Unpickle (also an optimizer pickled before the stream existed: its groups have no ``sr_seed``, so it
