@@ -300,3 +300,27 @@ def test_case02_min_scale_below_one_lets_an_overflowing_step_apply_like_fp32():
         (1e5 * ref_model(x).sum()).backward()
         opt.step()
     torch.testing.assert_close(model.weight, ref_model.weight, rtol=0, atol=1e-6)
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16, torch.float32])
+@pytest.mark.parametrize("poison", [None, float("inf"), float("nan")])
+def test_the_foreach_unscale_is_torchs_fused_one_bit_for_bit(dtype, poison):
+    """torch's CUDA _amp_foreach_non_finite_check_and_unscale_ has no bf16 kernel: under bf16-kahan/-sr/-lean on an
+    H200 every step raised NotImplementedError (the first CUDA bench). There the engine runs the foreach path; on
+    this CPU both run, and they must agree bit for bit: values times 1/scale rounded once, the flag from the values
+    before the multiply."""
+    from mixprec.engine.loss_scale import _check_and_unscale_
+
+    gen = torch.Generator().manual_seed(0)
+    grads = [torch.randn(37, generator=gen).to(dtype) * 3, torch.randn(5, 7, generator=gen).to(dtype)]
+    if poison is not None:
+        grads[1][2, 3] = poison
+    inv_scale = torch.tensor(1.0 / 3.0)   # not a power of two: the product rounds
+    out = {}
+    for fused in (True, False):
+        copies, found = [g.clone() for g in grads], torch.zeros(())
+        _check_and_unscale_(copies, found, inv_scale, use_fused=fused)
+        out[fused] = (copies, found)
+    assert out[True][1].item() == out[False][1].item() == (0.0 if poison is None else 1.0)
+    assert all(torch.equal(a, b) or (torch.isnan(a) == torch.isnan(b)).all() and torch.equal(a.nan_to_num(), b.nan_to_num())
+               for a, b in zip(out[True][0], out[False][0]))

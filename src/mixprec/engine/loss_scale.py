@@ -245,10 +245,16 @@ class LossScale:
         return f"{type(self).__name__}({self.config})"
 
 
-def _check_and_unscale_(grads: list[torch.Tensor], found_inf: torch.Tensor, inv_scale: torch.Tensor) -> None:
-    """Torch's fused check-and-unscale, or a foreach equivalent where the op is missing."""
+def _check_and_unscale_(grads: list[torch.Tensor], found_inf: torch.Tensor, inv_scale: torch.Tensor, *,
+                        use_fused: bool | None = None) -> None:
+    """Torch's fused check-and-unscale (``grads``: one device and dtype), or a foreach equivalent (the same bits:
+    the check before the multiply, the product in fp32 rounded once) where the op is missing or lacks the dtype:
+    its CUDA kernel takes fp32 and fp16 only, so bf16 grads (16-bit params without masters: bf16-kahan, -sr,
+    -lean) failed there with NotImplementedError. ``use_fused``: force either path (tests)."""
     fused = getattr(torch, "_amp_foreach_non_finite_check_and_unscale_", None)
-    if fused is not None:
+    if use_fused is None:
+        use_fused = fused is not None and (grads[0].device.type == "cpu" or grads[0].dtype != torch.bfloat16)
+    if use_fused:
         fused(grads, found_inf, inv_scale)
         return
     finite = torch.stack([g.isfinite().all() for g in grads]).all()
