@@ -1,4 +1,4 @@
-"""A framework's loop habits around the engine, refused by name (:mod:`mixprec.engine.foreign_loops`):
+"""A framework's loop habits around the engine, refused by name (:mod:`mixprec.engine.misuse.foreign_loops`):
 Accelerate's gradient accumulation, ``accelerator.clip_grad_norm_`` on an engine's params, and a scheduler the
 engine steps stepped by the user as well. Each case also runs the right way and is checked against its
 reference (the engine's own accumulation bit for bit; accelerate's clip on a model no engine holds equal to

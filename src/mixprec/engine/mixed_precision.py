@@ -16,7 +16,7 @@ from torch import nn
 from mixprec.autocast.compiled import compile_request
 from mixprec.autocast.op_plan import describe as describe_kernels
 from mixprec.distributed.strategy import make_strategy
-from mixprec.engine.arguments import as_tensors, cast_batch, check_args, check_loss, check_optimizer
+from mixprec.engine.misuse.arguments import as_tensors, cast_batch, check_args, check_loss, check_optimizer
 from mixprec.engine.autocast_scope import AutocastScope
 from mixprec.engine.boundary import AccumulationGroup, BoundaryLosses, StepCheck, StepResult, check_grads
 from mixprec.engine.clipping import clip_ as _clip_
@@ -25,7 +25,7 @@ from mixprec.engine.edits import ModelLayout, adopt_edited_params, adopt_model_e
 from mixprec.engine.feature import Feature, entered
 from mixprec.engine.grad_sums import GradSums
 from mixprec.engine.kernel_agreement import KernelAgreement
-from mixprec.engine.loop_checks import LoopChecks
+from mixprec.engine.misuse.loop_checks import LoopChecks
 from mixprec.engine.loss_scale import for_policy as loss_scale_for_policy, for_switch as loss_scale_for_switch, unscale_grads
 from mixprec.engine.masters import claim, release
 from mixprec.engine.memory_budget import MemoryBudget

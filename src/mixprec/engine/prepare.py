@@ -22,7 +22,7 @@ import torch
 from torch import nn
 
 from mixprec.engine.masters import MasterWeights
-from mixprec.engine.outside import check_model_not_wrapped
+from mixprec.engine.misuse.outside import check_model_not_wrapped
 from mixprec.engine.regions import keep_fp32_modules
 from mixprec.engine.storage import FrozenParams, StoragePlan, dtype_text, plan_storage
 from mixprec.optim import contract

@@ -12,7 +12,7 @@ from typing import Any
 import torch
 from torch import nn
 
-from mixprec.engine.outside import check_not_wrapped
+from mixprec.engine.misuse.outside import check_not_wrapped
 from mixprec.memory.recompute import match_blocks, parse_request
 from mixprec.policy.policy import cast_floating
 from mixprec.policy.tree import field_names, map_fields, map_tensors

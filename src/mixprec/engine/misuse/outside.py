@@ -39,7 +39,7 @@ from typing import Any
 
 import torch
 
-from mixprec.engine.foreign_loops import before_engine_step
+from mixprec.engine.misuse.foreign_loops import before_engine_step
 from mixprec.engine.pending_auto import PENDING
 from mixprec.engine.protocol import Engine
 from mixprec.engine.records import Event
@@ -134,7 +134,7 @@ def before_optimizer_step(mp: Engine, *, engine_step: bool) -> None:
     if not engine_step:
         check_outside_step(mp)
         return
-    before_engine_step(mp)   # a scheduler.step() the engine did not make (engine/foreign_loops.py)
+    before_engine_step(mp)   # a scheduler.step() the engine did not make (engine/misuse/foreign_loops.py)
     forward = mp.module.__dict__.get("forward")
     if forward is None or _MARK in mp.decision or _CHECKED.get(mp) is forward:
         return

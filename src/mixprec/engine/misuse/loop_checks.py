@@ -49,8 +49,8 @@ from torch import nn
 
 from mixprec.engine.autocast_scope import AutocastScope
 from mixprec.engine.feature import Feature
-from mixprec.engine.foreign_loops import at_backward
-from mixprec.engine.outside import before_optimizer_step, stray_step_text, watch_autocast
+from mixprec.engine.misuse.foreign_loops import at_backward
+from mixprec.engine.misuse.outside import before_optimizer_step, stray_step_text, watch_autocast
 from mixprec.engine.protocol import Engine
 from mixprec.engine.records import Event
 from mixprec.engine.storage import FrozenParams
@@ -134,7 +134,7 @@ class LoopChecks(Feature):
         if policy.is_mixed or policy.param_dtype != torch.float32:
             self._add(self.owner.module.register_forward_pre_hook(_ForwardHook(self)))
             self._add(self.owner.module.register_forward_hook(_OutputHook(self)))
-            for handle in watch_autocast(self.owner):   # someone else's autocast (engine/outside.py)
+            for handle in watch_autocast(self.owner):   # someone else's autocast (engine/misuse/outside.py)
                 self._add(handle)
 
     def watch(self, optimizer: torch.optim.Optimizer) -> None:
@@ -189,8 +189,8 @@ class LoopChecks(Feature):
     def before_optimizer_step(self) -> None:
         mp = self.owner
         if not self.applying and mp.micro_step:
-            raise RuntimeError(stray_step_text(mp))   # what the gradients are under this policy (engine/outside.py)
-        before_optimizer_step(mp, engine_step=self.applying)   # someone else's loop or autocast (engine/outside.py)
+            raise RuntimeError(stray_step_text(mp))   # what the gradients are under this policy (engine/misuse/outside.py)
+        before_optimizer_step(mp, engine_step=self.applying)   # someone else's loop or autocast (engine/misuse/outside.py)
 
     # ---------------------------------------------------------------- the step
     def _tensors(self) -> list[torch.Tensor]:
@@ -208,7 +208,7 @@ class LoopChecks(Feature):
         gradient on its params (none is its own); later, discard gradients on params it left without one,
         and refuse gradients it produced that changed since (another engine's backward added to them), or a
         model cast since it was stored."""
-        at_backward(self.owner)   # a framework's accumulation, clipping or scheduler steps (engine/foreign_loops.py)
+        at_backward(self.owner)   # a framework's accumulation, clipping or scheduler steps (engine/misuse/foreign_loops.py)
         self.check_storage(training=True)
         foreign, changed = self._foreign(everything=first)
         self._discard(foreign)
