@@ -21,7 +21,7 @@ from mixprec.engine.autocast_scope import AutocastScope
 from mixprec.engine.boundary import AccumulationGroup, BoundaryLosses, StepCheck, StepResult, check_grads
 from mixprec.engine.clipping import clip_ as _clip_
 from mixprec.engine.divergence import DivergenceError, StopWhenStuck
-from mixprec.engine.edits import ModelLayout, adopt_edited_params, adopt_model_edits, finish_model_edit
+from mixprec.engine.preparation.edits import ModelLayout, adopt_edited_params, adopt_model_edits, finish_model_edit
 from mixprec.engine.feature import Feature, entered
 from mixprec.engine.grad_sums import GradSums
 from mixprec.engine.kernel_agreement import KernelAgreement
@@ -32,12 +32,12 @@ from mixprec.engine.memory_budget import MemoryBudget
 from mixprec.engine.open_group import capture_group, restore_group
 from mixprec.engine.param_groups import GroupWatch
 from mixprec.engine.pending_auto import resolve_for_engine
-from mixprec.engine.prepare import prepare
+from mixprec.engine.preparation.prepare import prepare
 from mixprec.engine.recompute_setup import RecomputeSetup
 from mixprec.engine.records import Decision, Event, policy_event
 from mixprec.engine.regions import Regions
 from mixprec.engine.step_state import Phase, check_call
-from mixprec.engine.reprepare import check_fp8_unchanged, frozen_to_match, load_engine_state, unfreeze_params
+from mixprec.engine.preparation.reprepare import check_fp8_unchanged, frozen_to_match, load_engine_state, unfreeze_params
 from mixprec.optim import contract
 from mixprec.policy.policy import Policy, cast_floating
 from mixprec.policy.resolve import resolve
@@ -308,7 +308,7 @@ class MixedPrecision:
     # ------------------------------------------------------------------ changing the policy or the frozen set
     def set_policy(self, policy: str | Policy, *, cause: str = "requested", module: str | None = None,
                    loss_scale: Any = None, record: bool = True, kind: str = "set_policy") -> Event:
-        """Re-prepare the model under ``policy`` at a boundary through :func:`~mixprec.engine.prepare.prepare`,
+        """Re-prepare the model under ``policy`` at a boundary through :func:`~mixprec.engine.preparation.prepare.prepare`,
         keeping the training state (the loss scale is ``loss_scale`` if given, else kept when both policies
         name the same scaling). Returns the :class:`~mixprec.engine.records.Event` of ``kind`` (the guard's:
         ``"escalate"``), recorded when ``record``. No host sync. RuntimeError mid-accumulation; ValueError
@@ -440,7 +440,7 @@ class MixedPrecision:
     def load_state_dict(self, state: dict[str, Any], *, convert: bool = False, adopt_policy: bool = False) -> None:
         """Restore a :meth:`state_dict` exactly (its ``"events"``, as checkpoints carry, replace :attr:`events`).
         Another policy's needs ``convert=True`` (to this policy, a ``"convert"`` event) or ``adopt_policy=True``
-        (:func:`mixprec.engine.reprepare.load_engine_state`); ``auto`` still pending adopts a run that took its
+        (:func:`mixprec.engine.preparation.reprepare.load_engine_state`); ``auto`` still pending adopts a run that took its
         auto decision. ValueError, before anything changes, without either, for other masters or loss-scale type,
         an unmatched frozen set or unfit fp16 values."""
         for feature in self._features:   # before anything changes

@@ -1,6 +1,6 @@
 """A run's state changed mid-way through the engine's public methods: loading a state (of this policy or
 another one) and unfreezing parameters. Each re-prepares the model through
-:meth:`mixprec.MixedPrecision.set_policy` (:mod:`mixprec.engine.prepare`); every check runs before
+:meth:`mixprec.MixedPrecision.set_policy` (:mod:`mixprec.engine.preparation.prepare`); every check runs before
 anything changes, and a refusal undoes what was done.
 """
 

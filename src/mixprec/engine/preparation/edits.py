@@ -6,7 +6,7 @@ and a parameter whose ``.data`` changed shape. :meth:`ModelLayout.rebind` points
 model's current parameters — a new parameter takes the optimizer slot (param group, no state) of the
 removed one of the same name; a new name joins the optimizer's only param group, or the one group the
 removed parameters shared — and returns masters for that layout, so the engine can re-prepare every
-parameter under its policy (:func:`mixprec.engine.prepare.prepare`: casts, fresh fp32 masters from the new
+parameter under its policy (:func:`mixprec.engine.preparation.prepare.prepare`: casts, fresh fp32 masters from the new
 values, regions for new modules). Without it, a 16-bit parameter with no master silently never trains,
 or a master of the old shape crashes the copy back.
 """
