@@ -1,4 +1,4 @@
-"""``auto`` decided on the model (mixprec.policy.auto, mixprec.engine.pending_auto): the trial picks the faster
+"""``auto`` decided on the model (mixprec.auto.trial, mixprec.auto.pending): the trial picks the faster
 candidate, leaves the model as found, caches by the right key; the engine decides at its first forward."""
 
 import json
@@ -12,9 +12,9 @@ import torch.nn.functional as F
 from torch import nn
 
 import mixprec
-from mixprec.policy import auto as auto_policy
+from mixprec.auto import trial as auto_policy
 from mixprec.autocast import op_plan
-from mixprec.policy.auto import cache_key, choose, preserved, time_candidates
+from mixprec.auto.trial import cache_key, choose, preserved, time_candidates
 from mixprec.machine.capability import Capability
 from mixprec.policy.resolve import auto_candidates, resolve
 
@@ -297,7 +297,7 @@ def test_an_explicit_set_policy_ends_the_pending_auto():
 
 @pytest.mark.usefixtures("fake_time")
 def test_auto_under_a_strategy_keeps_the_probe_rule():
-    from mixprec.engine.pending_auto import pending_resolution
+    from mixprec.auto.pending import pending_resolution
 
     probe = resolve("auto", "cpu")
     res, candidates = pending_resolution("auto", probe, strategy="ddp", compiled_in_place=False)

@@ -33,11 +33,11 @@ from torch import nn   # noqa: E402
 from torch.utils.data import DataLoader   # noqa: E402
 
 from mixprec.autocast import op_plan   # noqa: E402
-from mixprec.engine.pending_auto import PendingAuto   # noqa: E402
+from mixprec.auto.pending import PendingAuto   # noqa: E402
 from mixprec.integrations.lightning import MixprecPrecision   # noqa: E402
 from mixprec.memory.live import peak_live_bytes   # noqa: E402
 from mixprec.memory.recompute import measure_block   # noqa: E402
-from mixprec.policy import auto as auto_policy   # noqa: E402
+from mixprec.auto import trial as auto_policy   # noqa: E402
 
 STEPS = 4
 MEASURING = {"policy": "auto", "checkpoint": "auto", "memory_budget": "1GiB"}

@@ -27,7 +27,7 @@ from mixprec.checkpoint.layout import (MANIFEST, CheckpointError, PendingCheckpo
 from mixprec.checkpoint.manifest import DCP_FORMAT, LoadedExtra, Manifest, pin_op_plan
 from mixprec.distributed.process import from_main_process, is_main_process, world_size
 from mixprec.engine.step_state import MID_ACCUMULATION
-from mixprec.engine.pending_auto import pending_note
+from mixprec.auto.pending import pending_note
 from mixprec.engine.records import Event
 
 if TYPE_CHECKING:

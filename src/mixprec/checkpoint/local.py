@@ -86,7 +86,7 @@ from mixprec.checkpoint.tree import STATE_FILE, canonical, decode, dtype_name, e
 from mixprec.checkpoint.verify import (MASTERS_FILE, MODEL_FILE, Checkpoint, best_weights, check_fits,
                                        model_state, qualname, read, read_manifest, read_weights, stepped_names)
 from mixprec.engine.step_state import MID_ACCUMULATION
-from mixprec.engine.pending_auto import adopted_decision, pending_note
+from mixprec.auto.pending import adopted_decision, pending_note
 
 if TYPE_CHECKING:
     from mixprec.engine.mixed_precision import MixedPrecision

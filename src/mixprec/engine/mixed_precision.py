@@ -31,7 +31,7 @@ from mixprec.engine.masters import claim, release
 from mixprec.engine.memory_budget import MemoryBudget
 from mixprec.engine.open_group import capture_group, restore_group
 from mixprec.engine.param_groups import GroupWatch
-from mixprec.engine.pending_auto import resolve_for_engine
+from mixprec.auto.pending import resolve_for_engine
 from mixprec.engine.preparation.prepare import prepare
 from mixprec.engine.recompute_setup import RecomputeSetup
 from mixprec.engine.records import Decision, Event, policy_event
@@ -52,7 +52,7 @@ class MixedPrecision:
     masters, the optimizer-precision contract and the step lifecycle, in phases (docs/engine.md): prepare
     ``model`` (fp32 params, cast in place), :meth:`attach` ``optimizer`` (None: an evaluation engine) and
     ``scheduler`` (steps once per *applied* step), then per boundary :meth:`unscale_and_check` and
-    :meth:`apply_or_skip` (:meth:`step` does both). ``policy``: ``"auto"`` (:mod:`mixprec.engine.pending_auto`),
+    :meth:`apply_or_skip` (:meth:`step` does both). ``policy``: ``"auto"`` (:mod:`mixprec.auto.pending`),
     a preset, ``key=value`` text or a :class:`~mixprec.Policy`; ``max_grad_norm`` clips the unscaled fp32 norm;
     ``guard`` has ``after_step(mp, result)`` (:class:`mixprec.Guard`; default :class:`~mixprec.engine.divergence.
     StopWhenStuck`); ``strategy``: None, ``"ddp"``, ``"fsdp2"``; ``compile``: True or ``torch.compile`` kwargs;

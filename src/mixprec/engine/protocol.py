@@ -1,7 +1,7 @@
 """The engine as its collaborators see it: :class:`Engine`, the public face of :class:`mixprec.MixedPrecision`
 as a Protocol.
 
-The engine imports its collaborators (:mod:`mixprec.engine.preparation.edits`, :mod:`mixprec.engine.pending_auto`,
+The engine imports its collaborators (:mod:`mixprec.engine.preparation.edits`, :mod:`mixprec.auto.pending`,
 :mod:`mixprec.engine.preparation.reprepare`, :mod:`mixprec.engine.divergence`); those that must call back into it
 (re-prepare through ``set_policy``, record an event) take an :class:`Engine` and use only what it lists,
 without importing the engine (no import cycle). Nothing here runs.

@@ -110,7 +110,7 @@ def _key(fmt: str, table: dict[str, Any], what: str) -> str:
 @dataclass(frozen=True)
 class MeasuredSpeed:
     """How fast the model trains under each policy ``auto`` times on this device, as ``auto`` measured it
-    (:func:`mixprec.policy.auto.choose`, its cache included: :func:`mixprec.numerics.workload.measure_speed`):
+    (:func:`mixprec.auto.trial.choose`, its cache included: :func:`mixprec.numerics.workload.measure_speed`):
     ``choice`` the policy ``auto`` picks by its rule, ``ratios`` candidate -> fp32's median step time over its
     own (> 1: faster than fp32), ``decision`` auto's decision line (what it measured, in words)."""
 

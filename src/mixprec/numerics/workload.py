@@ -17,7 +17,7 @@ from mixprec.numerics.advice import Recommendation
 from mixprec.numerics.inspect import DEFAULT_FORMATS, inspect
 from mixprec.numerics.report import NumericsReport
 from mixprec.numerics.stats import MeasuredSpeed
-from mixprec.policy.auto import choose
+from mixprec.auto.trial import choose
 from mixprec.policy.policy import Policy
 from mixprec.policy.resolve import auto_candidates
 from mixprec.workloads import Workload, get_workload
@@ -61,7 +61,7 @@ def _forward_arguments(model: torch.nn.Module, call: Callable[[], Any]) -> tuple
 
 def measure_speed(workload: Workload | str, *, seed: int = 0, device: str | torch.device | None = None,
                   config: str | None = None, data: str | None = None, lora: str | None = None) -> MeasuredSpeed:
-    """The speed ``policy="auto"`` measures on ``workload``'s model: :func:`mixprec.policy.auto.choose` (and its
+    """The speed ``policy="auto"`` measures on ``workload``'s model: :func:`mixprec.auto.trial.choose` (and its
     in-process and disk cache) on the model as an engine's pending ``auto`` times it at its first training
     forward: built after ``torch.manual_seed(seed)`` in an fp32 engine, called as the workload's loss calls it on
     its first ``"train"`` batch (``mp.cast_inputs``), the candidates :func:`mixprec.policy.resolve.auto_candidates`

@@ -13,7 +13,7 @@ human-readable decision that :class:`mixprec.MixedPrecision` records. Rules:
   without native kernels.
 * With ``model=`` and ``example_batch=``, ``auto`` is decided on the model instead of the matmul
   probe: a few forward+backward steps of fp32 and of each 16-bit candidate the device runs
-  natively (:func:`auto_candidates`) are timed on it (:mod:`mixprec.policy.auto`), and a 16-bit
+  natively (:func:`auto_candidates`) are timed on it (:mod:`mixprec.auto.trial`), and a 16-bit
   policy is chosen only when it is measurably faster (3 %).
 * An explicit policy the device cannot run raises ``ValueError`` listing what it can run,
   unless ``allow_fallback=True``: then it falls back to what ``auto`` picks, and the decision
@@ -28,7 +28,7 @@ from typing import Any
 
 import torch
 
-from mixprec.policy.auto import choose, split_batch
+from mixprec.auto.trial import choose, split_batch
 from mixprec.machine.capability import Capability, normalize_device, probe
 from mixprec.policy.policy import PRESETS, Policy
 from mixprec.autocast.portable import describe as describe_ops
@@ -117,7 +117,7 @@ def resolve(spec: str | Policy, device: str | torch.device | None = None, *,
     ``auto`` gives on an sm_75 GPU); the device is then not checked for availability.
     ``model`` and ``example_batch`` (on the device; a tuple is the positional arguments, a dict the
     keyword arguments, anything else the one argument): ``auto`` (and a fallback) times the candidate
-    policies on the model (:func:`mixprec.policy.auto.choose`: 14 forward+backward steps for two
+    policies on the model (:func:`mixprec.auto.trial.choose`: 14 forward+backward steps for two
     candidates, the model left as found, the result cached) instead of the matmul probe; ``loss_fn``
     turns the output into the scalar backpropagated (default: the fp32 sum of its floating tensors).
     Ignored for an explicit policy. Host syncs: the probe's and the trial's (timing).

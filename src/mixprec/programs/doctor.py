@@ -107,7 +107,7 @@ def run_doctor(*, measure: bool = True) -> dict:
     (per dtype but fp32: ``{ratio, n, source}``, its speed over fp32's with both at size ``n``), ``auto_policy``,
     ``auto_reason`` (the matmul probe's rule, used without a model; ``auto_reason_brief`` the same with the probe's
     ratios left to ``matmul_vs_fp32``), ``auto_candidates`` (what ``auto``
-    times on a model: :mod:`mixprec.policy.auto`), ``peaks_cache``, plus ``threads``/``cpu_flags`` on the CPU),
+    times on a model: :mod:`mixprec.auto.trial`), ``peaks_cache``, plus ``threads``/``cpu_flags`` on the CPU),
     ``adamw_8bit_cpu`` (how 8-bit-state AdamW steps run on a CPU: :func:`mixprec.optim.quantized_adamw.kernel_status`,
     which builds and checks the C kernel if this machine has not yet), ``adamw_8bit_cpu_library`` (the cached
     kernel file it loaded, or None). With ``measure=False`` cached peaks

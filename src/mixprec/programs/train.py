@@ -43,7 +43,7 @@ import torch
 from mixprec.autocast import op_plan
 from mixprec.checkpoint import LATEST, load_checkpoint, read_manifest, resolve_checkpoint, save_checkpoint
 from mixprec.distributed.process import any_across_ranks, is_main_process, rank, shard_batches, world_size
-from mixprec.engine.pending_auto import PENDING
+from mixprec.auto.pending import PENDING
 from mixprec.engine.records import Event
 from mixprec.memory.recompute import RecomputePlan
 

@@ -40,7 +40,7 @@ from typing import Any
 import torch
 
 from mixprec.engine.misuse.foreign_loops import before_engine_step
-from mixprec.engine.pending_auto import PENDING
+from mixprec.auto.pending import PENDING
 from mixprec.engine.protocol import Engine
 from mixprec.engine.records import Event
 

@@ -16,14 +16,14 @@ from torch import nn
 from mixprec.engine.loss_scale import from_state_dict as loss_scale_from_state
 from mixprec.engine.masters import MasterWeights
 from mixprec.engine.open_group import check_group
-from mixprec.engine.pending_auto import pending_note
+from mixprec.auto.pending import pending_note
 from mixprec.engine.records import Event
 from mixprec.engine.storage import FrozenParams, check_held, check_new_group, dtype_text, held_by
 from mixprec.policy.policy import Policy
 from mixprec.engine.protocol import Engine
 
 if TYPE_CHECKING:
-    from mixprec.engine.pending_auto import PendingAuto
+    from mixprec.auto.pending import PendingAuto
 
 __all__ = ["check_fp8_unchanged", "load_engine_state", "load_across_policies", "load_state", "frozen_to_match",
            "unfreeze_params"]
@@ -43,7 +43,7 @@ def load_engine_state(mp: Engine, state: dict[str, Any], auto: PendingAuto, *, c
     """:meth:`mixprec.MixedPrecision.load_state_dict` for the engine ``mp`` and its pending ``auto``: ``state``
     of ``mp``'s policy loads exactly (:func:`load_state`), another policy's through :func:`load_across_policies`,
     adopted without ``adopt_policy`` where ``auto`` is still pending and the saved run took its auto decision
-    (:meth:`~mixprec.engine.pending_auto.PendingAuto.adopts`). Returns ``mp``'s new decision line, or None (keep it)."""
+    (:meth:`~mixprec.auto.pending.PendingAuto.adopts`). Returns ``mp``'s new decision line, or None (keep it)."""
     if state["policy"] == str(mp.policy):
         load_state(mp, state)
         return auto.after_load(mp.policy, state.get("events"))

@@ -7,7 +7,7 @@ fp32 params; only frozen params' storage differs, which ``set_policy`` re-prepar
 ``auto: pending — timed on this model at its first forward``. A forward pre-hook on ``mp.model`` then,
 at the first forward with grad enabled (not under ``torch.no_grad()``/``inference_mode``):
 
-1. times the candidates on that forward's own arguments (:func:`mixprec.policy.auto.choose`, on
+1. times the candidates on that forward's own arguments (:func:`mixprec.auto.trial.choose`, on
    ``mp.module``: eager, with the engine's hooks; the model is left as found, the result cached);
 2. when a 16-bit candidate wins, calls ``mp.set_policy(...)`` before that forward runs, so the first
    step already runs the chosen policy; an ``mp.autocast()`` block entered while pending turns autocast
@@ -48,7 +48,7 @@ from typing import Any
 
 import torch
 
-from mixprec.policy.auto import TrialFailed, choose
+from mixprec.auto.trial import TrialFailed, choose
 from mixprec.autocast.compiled import eager_dtypes
 from mixprec.machine.capability import probe
 from mixprec.policy.resolve import Resolution, auto_candidates, resolve
