@@ -25,24 +25,32 @@ from mixprec.workloads import get_workload
 from mixprec.workloads.base import move_batch
 
 
-def profile_variant(device: torch.device, config: str, variant: str, steps: int) -> str:
-    workload = get_workload("gpt", config=config)
-    torch.manual_seed(0)
-    model = copy.deepcopy(workload.build_model())
+def training_step(workload, base: torch.nn.Module, variant: str, device: torch.device, *, compiled: bool = False):
+    """One training step (bf16 autocast, fused AdamW) of a copy of ``base``, its linears in fp8 (tensorwise) unless
+    ``variant`` is ``"bf16"``; ``compiled``: the forward through ``torch.compile(model)``."""
+    model = copy.deepcopy(base)
     if variant != "bf16":
         convert_to_float8(model, recipe="tensorwise")
     model.to(device)
+    run = torch.compile(model) if compiled else model
     optimizer = torch.optim.AdamW(model.parameters(), lr=1e-4, fused=device.type == "cuda")
     batches = workload.batches("train", seed=0)
 
     def step() -> None:
         batch = move_batch(next(batches), device)
         with torch.autocast(device.type, dtype=torch.bfloat16):
-            loss = workload.loss(model, batch)
+            loss = workload.loss(run, batch)
         loss.backward()
         optimizer.step()
         optimizer.zero_grad(set_to_none=True)
 
+    return step
+
+
+def profile_variant(device: torch.device, config: str, variant: str, steps: int) -> str:
+    workload = get_workload("gpt", config=config)
+    torch.manual_seed(0)
+    step = training_step(workload, workload.build_model(), variant, device)
     for _ in range(3):
         step()
     if device.type == "cuda":
@@ -70,22 +78,7 @@ def timed_steps(device: torch.device, config: str, rounds: int) -> str:
     steps: dict[str, object] = {}
     for variant in ("bf16", "fp8-tensorwise"):
         for compiled in (False, True):
-            model = copy.deepcopy(base)
-            if variant != "bf16":
-                convert_to_float8(model, recipe="tensorwise")
-            model.to(device)
-            run = torch.compile(model) if compiled else model
-            optimizer = torch.optim.AdamW(model.parameters(), lr=1e-4, fused=device.type == "cuda")
-            batches = workload.batches("train", seed=0)
-
-            def step(run=run, optimizer=optimizer, batches=batches) -> None:
-                batch = move_batch(next(batches), device)
-                with torch.autocast(device.type, dtype=torch.bfloat16):
-                    loss = workload.loss(run, batch)
-                loss.backward()
-                optimizer.step()
-                optimizer.zero_grad(set_to_none=True)
-
+            step = training_step(workload, base, variant, device, compiled=compiled)
             start = time.perf_counter()
             for _ in range(3):
                 step()
