@@ -22,13 +22,13 @@ from typing import TYPE_CHECKING, Any
 import torch.distributed as dist
 from torch import nn
 
+from mixprec.auto.pending import pending_note
 from mixprec.checkpoint.layout import (MANIFEST, CheckpointError, PendingCheckpoint, abort_checkpoint,
                                        begin_checkpoint, commit_checkpoint)
 from mixprec.checkpoint.manifest import DCP_FORMAT, LoadedExtra, Manifest, pin_op_plan
 from mixprec.distributed.process import from_main_process, is_main_process, world_size
-from mixprec.engine.step_state import MID_ACCUMULATION
-from mixprec.auto.pending import pending_note
 from mixprec.engine.records import Event
+from mixprec.engine.step_state import MID_ACCUMULATION
 
 if TYPE_CHECKING:
     from mixprec.engine.mixed_precision import MixedPrecision

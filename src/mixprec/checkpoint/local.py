@@ -79,6 +79,7 @@ from typing import TYPE_CHECKING, Any
 import safetensors.torch
 import torch
 
+from mixprec.auto.pending import adopted_decision, pending_note
 from mixprec.checkpoint.layout import LATEST, MANIFEST, CheckpointError, new_checkpoint, resolve_checkpoint
 from mixprec.checkpoint.manifest import FORMAT, LoadedExtra, Manifest, pin_op_plan
 from mixprec.checkpoint.rng import rng_state, set_rng_state
@@ -86,7 +87,6 @@ from mixprec.checkpoint.tree import STATE_FILE, canonical, decode, dtype_name, e
 from mixprec.checkpoint.verify import (MASTERS_FILE, MODEL_FILE, Checkpoint, best_weights, check_fits,
                                        model_state, qualname, read, read_manifest, read_weights, stepped_names)
 from mixprec.engine.step_state import MID_ACCUMULATION
-from mixprec.auto.pending import adopted_decision, pending_note
 
 if TYPE_CHECKING:
     from mixprec.engine.mixed_precision import MixedPrecision

@@ -12,9 +12,9 @@ from typing import Any
 
 import torch
 
-from mixprec.engine.step_state import BEFORE_BOUNDARY, NO_BACKWARD, STEP_SKIPPED, TOO_MANY, UNSYNCED_END
 from mixprec.engine.clipping import global_norm_fp32
 from mixprec.engine.divergence import stuck_if_skipped
+from mixprec.engine.step_state import BEFORE_BOUNDARY, NO_BACKWARD, STEP_SKIPPED, TOO_MANY, UNSYNCED_END
 
 __all__ = ["AccumulationGroup", "BoundaryLosses", "StepCheck", "StepResult", "check_grads"]
 

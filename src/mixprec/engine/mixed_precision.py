@@ -13,31 +13,31 @@ from typing import Any, ClassVar
 import torch
 from torch import nn
 
+from mixprec.auto.pending import resolve_for_engine
 from mixprec.autocast.compiled import compile_request
 from mixprec.autocast.op_plan import describe as describe_kernels
 from mixprec.distributed.strategy import make_strategy
-from mixprec.engine.misuse.arguments import as_tensors, cast_batch, check_args, check_loss, check_optimizer
 from mixprec.engine.autocast_scope import AutocastScope
 from mixprec.engine.boundary import AccumulationGroup, BoundaryLosses, StepCheck, StepResult, check_grads
 from mixprec.engine.clipping import clip_ as _clip_
 from mixprec.engine.divergence import DivergenceError, StopWhenStuck
-from mixprec.engine.preparation.edits import ModelLayout, adopt_edited_params, adopt_model_edits, finish_model_edit
 from mixprec.engine.feature import Feature, entered
 from mixprec.engine.grad_sums import GradSums
 from mixprec.engine.kernel_agreement import KernelAgreement
-from mixprec.engine.misuse.loop_checks import LoopChecks
 from mixprec.engine.loss_scale import for_policy as loss_scale_for_policy, for_switch as loss_scale_for_switch, unscale_grads
 from mixprec.engine.masters import claim, release
 from mixprec.engine.memory_budget import MemoryBudget
+from mixprec.engine.misuse.arguments import as_tensors, cast_batch, check_args, check_loss, check_optimizer
+from mixprec.engine.misuse.loop_checks import LoopChecks
 from mixprec.engine.open_group import capture_group, restore_group
 from mixprec.engine.param_groups import GroupWatch
-from mixprec.auto.pending import resolve_for_engine
+from mixprec.engine.preparation.edits import ModelLayout, adopt_edited_params, adopt_model_edits, finish_model_edit
 from mixprec.engine.preparation.prepare import prepare
+from mixprec.engine.preparation.reprepare import check_fp8_unchanged, frozen_to_match, load_engine_state, unfreeze_params
 from mixprec.engine.recompute_setup import RecomputeSetup
 from mixprec.engine.records import Decision, Event, policy_event
 from mixprec.engine.regions import Regions
 from mixprec.engine.step_state import Phase, check_call
-from mixprec.engine.preparation.reprepare import check_fp8_unchanged, frozen_to_match, load_engine_state, unfreeze_params
 from mixprec.optim import contract
 from mixprec.policy.policy import Policy, cast_floating
 from mixprec.policy.resolve import resolve
@@ -117,8 +117,7 @@ class MixedPrecision:
         # micro_step: backward() calls since the last boundary; boundaries: step() boundaries (applied + skipped)
         self.micro_step = self.applied_steps = self.skipped_total = self.boundaries = 0
         self._losses, self._group = BoundaryLosses(), AccumulationGroup(accumulation_steps)
-        # a backward() awaits its step(); unscale_and_check() ran, apply_or_skip() not yet
-        self._phase, self._open_check = Phase.IDLE, None   # and a backward() awaits its step()
+        self._phase, self._open_check = Phase.IDLE, None   # engine/step_state.py; the StepCheck apply_or_skip() takes
         self._layout = None if self._strategy.shards_params else ModelLayout(model)   # FSDP2 swaps params itself
         self._set_gradient_sync()
         for feature in self._features:

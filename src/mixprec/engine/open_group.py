@@ -31,10 +31,10 @@ from typing import Any
 import torch
 from torch.distributed.tensor import DTensor
 
-from mixprec.engine.step_state import MID_ACCUMULATION, Phase
 from mixprec.engine.boundary import BoundaryLosses
 from mixprec.engine.grad_sums import GradSums
 from mixprec.engine.protocol import Engine
+from mixprec.engine.step_state import MID_ACCUMULATION, Phase
 
 __all__ = ["capture_group", "check_group", "restore_group"]
 
