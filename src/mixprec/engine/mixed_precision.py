@@ -7,7 +7,6 @@ import logging
 from collections import deque
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
-from dataclasses import replace
 from typing import Any, ClassVar
 
 import torch
