@@ -93,7 +93,7 @@ def _fwd_bwd(layer: nn.Module, x: torch.Tensor, grad_y: torch.Tensor, *, autocas
 
 
 def _bound(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
-    """fp32 summation-order bound for two evaluations of ``a @ b`` (see tests/test_fp8.py)."""
+    """fp32 summation-order bound for two evaluations of ``a @ b`` (see tests/fp8/test_fp8.py)."""
     return 2 * (a.shape[-1] + 2) * 2.0 ** -24 * (a.abs() @ b.abs())
 
 

@@ -41,6 +41,13 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
+def tests_on_path() -> dict[str, str]:
+    """``PYTHONPATH`` for a test file that torchrun starts as a script (its folder is on ``sys.path``, not tests/):
+    tests/ first (``ranks.py``, ``engine_loops.py``), then the caller's."""
+    here = str(Path(__file__).resolve().parent)
+    return {"PYTHONPATH": os.pathsep.join(p for p in (here, os.environ.get("PYTHONPATH")) if p)}
+
+
 def _entry(rank: int, world: int, port: int, out: str, fn, args: tuple, env: dict[str, str]) -> None:
     os.environ.clear()   # the test's environment when the ranks started, not the fork server's
     os.environ.update(env)

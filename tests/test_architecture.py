@@ -13,6 +13,7 @@
 * Imports point down the layers of docs/architecture.md; a program (``mixprec.programs.<name>``) imports
   the library, ``programs.session`` and nothing of another program (``cli`` dispatches to all).
 * The root package holds only the public entry points; no function over 60 lines, no module over 500.
+* tests/ mirrors src/mixprec (a folder per subpackage); no issue numbers in the source or the README.
 * The engine's state is the engine's: outside ``MixedPrecision`` no function takes an untyped engine
   (``mp`` unannotated or ``Any``) or assigns ``mp.<attribute>``.
 
@@ -22,6 +23,7 @@ from __future__ import annotations
 
 import ast
 import functools
+import re
 from pathlib import Path
 
 
@@ -371,6 +373,36 @@ def test_no_long_functions_or_modules():
                 long.append(f"{path.relative_to(SRC)}:{node.lineno} {node.name}: {_lines(node)} lines")
     assert not long, (f"over {MODULE_LINES_LIMIT} lines a module or {FUNCTION_LINES_LIMIT} a function:\n"
                       + "\n".join(long))
+
+
+TESTS = SRC.parent / "tests"
+ROOT_TESTS = {"test_api.py", "test_architecture.py", "test_readme.py"}   # the API as a whole, this file, the README
+
+
+def test_tests_mirror_the_subpackages():
+    """tests/ has a folder per subpackage of src/mixprec and no other (but ``data``); its root holds the tests of the
+    root modules (``test_<module>.py``) and of the package as a whole; test file names are unique (pytest imports
+    them by basename)."""
+    subpackages = {p.name for p in (SRC / PACKAGE).iterdir() if (p / "__init__.py").is_file()}
+    folders = {p.name for p in TESTS.iterdir() if p.is_dir() and p.name not in {"data", "__pycache__"}}
+    assert folders == subpackages, (f"tests/ folders without a subpackage: {sorted(folders - subpackages)}; "
+                                    f"subpackages without a tests/ folder: {sorted(subpackages - folders)}")
+    root_modules = {f"test_{m.rsplit('.', 1)[-1]}.py" for m in ROOT_MODULES - {PACKAGE, "mixprec.__main__"}}
+    at_root = {p.name for p in TESTS.glob("test_*.py")}
+    assert at_root <= root_modules | ROOT_TESTS, f"move into the folder of what they test: {sorted(at_root - root_modules - ROOT_TESTS)}"
+    names = [p.name for p in TESTS.rglob("test_*.py")]
+    assert len(names) == len(set(names)), sorted({n for n in names if names.count(n) > 1})
+
+
+def test_the_source_cites_no_issue_numbers():
+    """Docstrings and comments say the behaviour, not the ticket that asked for it (issue numbers mean nothing to a
+    reader of the package); the README too, as the package's long description."""
+    cited = [f"{path.relative_to(SRC)}:{i}" for path in sorted((SRC / PACKAGE).rglob("*.py"))
+             for i, line in enumerate(path.read_text(encoding="utf-8").splitlines(), 1)
+             if re.search(r"\bissues? [0-9]", line, re.IGNORECASE)]
+    cited += [f"README.md:{i}" for i, line in enumerate((SRC.parent / "README.md").read_text().splitlines(), 1)
+              if re.search(r"\bissues? [0-9]", line, re.IGNORECASE)]
+    assert not cited, "issue numbers cited in:\n" + "\n".join(cited)
 
 
 # ---------------------------------------------------------------------- (f) the engine's state is the engine's

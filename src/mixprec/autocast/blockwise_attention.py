@@ -25,7 +25,7 @@ v with their two columns (``2·B·H·S·(D+2)·itemsize``), and, with several bl
 (fewer key/value heads) is handled by expanding k and v inside the backward and summing their gradients per group. Not computed here:
 dropout (its mask would have to be replayed), fp16 (``X`` and ``Y`` could overflow at 65504), non-CPU devices
 (no CPU flash forward there; their fused backward is the fast one): :func:`offered_here` says so. The error
-bound of the gradients is derived in ``tests/test_blockwise_attention.py``. The backward is not differentiable
+bound of the gradients is derived in ``tests/autocast/test_blockwise_attention.py``. The backward is not differentiable
 again (``once_differentiable``, as torch's fused backward). Host syncs: none (one read of a CPU tensor when a
 mask is given).
 """

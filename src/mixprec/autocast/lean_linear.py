@@ -19,7 +19,7 @@ FSDP2's pre-backward) fire as before. The weight and bias are cast once per auto
 read (:func:`cast_region`, as autocast's cast cache shares one copy among plain reads): a weight read several times
 (shared layers, a discriminator on real and fake in one block, a double backward) has its bf16 gradients summed at
 that one copy and cast once, as in the plain path. So every gradient equals the unfused ops' bit for bit
-(tests/test_lean_linear.py); the graph differs only in what the Linear's node keeps. An output used elsewhere as well
+(tests/autocast/test_lean_linear.py); the graph differs only in what the Linear's node keeps. An output used elsewhere as well
 (a residual, a second head) keeps its other uses' saved tensors as before. Left as it was: a weight read by a lean
 and by a plain Linear in one block (two copies, its two gradients summed in fp32: within half a bf16 ulp of the plain
 bf16 sum), a ``.data`` write to the output before the Linear reads it (invisible to version counters: the backward

@@ -93,7 +93,7 @@ NOISY_SPREAD = 1.5                # a candidate's slowest round over its fastest
 _DEFAULT = "fused"
 _TRACED = "default (traced, not measured)"
 _NOISY = "measured (noisy: this process only, not cached)"
-_EXACTNESS = ("fused-fp32", "fused", "blockwise", "matmul")   # most exact first (tests/test_blockwise_attention.py)
+_EXACTNESS = ("fused-fp32", "fused", "blockwise", "matmul")   # most exact first (tests/autocast/test_blockwise_attention.py)
 # where torch's autocast has its own sdpa kernel (lower precision) for this one to replace; MPS: not planned
 _AUTOCAST_KEYS = {"cpu": "AutocastCPU", "cuda": "AutocastCUDA"}
 

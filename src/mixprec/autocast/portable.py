@@ -26,7 +26,7 @@ mapping from Python names to aten overloads would be hand-made.
 
 The lists. :data:`CUDA_OPS` names each aten overload that has an ``AutocastCUDA`` kernel in torch
 and its category. It is data in this repository because the category is not exposed at runtime;
-the set of ops is: ``tests/test_portable_autocast.py`` checks it against the dispatcher's
+the set of ops is: ``tests/autocast/test_portable_autocast.py`` checks it against the dispatcher's
 ``AutocastCUDA`` registrations in both directions (they exist on a CPU-only build), and against the
 ``AT_FORALL_*`` lists of the installed ``ATen/autocast_mode.h`` when the wheel ships headers, so a
 torch release that changes either fails the test. ``promote`` (``addcmul``, ``atan2``, ``dot`` ...) casts
@@ -59,7 +59,7 @@ from mixprec.autocast.switch import Switch
 __all__ = ["CUDA_OPS", "ported_ops", "portable_ops", "portable_devices", "portable_as", "op_table", "describe"]
 
 # CUDA's autocast categories (torch 2.13, ATen/autocast_mode.h AT_FORALL_* and the CUDA-only
-# registrations in autocast_mode.cpp); checked against torch by tests/test_portable_autocast.py.
+# registrations in autocast_mode.cpp); checked against torch by tests/autocast/test_portable_autocast.py.
 _LOWER = """_convolution _convolution.deprecated conv1d conv2d conv3d conv_tbc conv_transpose1d
 conv_transpose2d.input conv_transpose3d.input convolution prelu addmm addmv addr matmul einsum mm mv
 linalg_vecdot linear addbmm baddbmm bmm chain_matmul linalg_multi_dot _thnn_fused_lstm_cell

@@ -14,7 +14,7 @@ Numerics. Where the input is bf16 already (``-pure``, ``-sr``, ``-kahan``, ``-le
 gradients equal the fp32-saved op's bit for bit. Where it is fp32 (bf16-mixed's residual stream), the
 backward sees ``x (1 + d)``, ``|d| <= u = 2^-8``: the normalised input ``xhat`` moves by at most
 ``u (|xhat| + |mean| rstd)`` per element, and the gradient by that times the op's (bounded, linear) backward
-(the derivation and the check: ``tests/test_saved_activations.py``). fp16 is not offered: a norm's fp32
+(the derivation and the check: ``tests/autocast/test_saved_activations.py``). fp16 is not offered: a norm's fp32
 input can exceed fp16's range. Double backward (gradient penalties) works: the bf16 copy is made by a
 differentiable cast outside the function, so a graph built in backward reaches the input through it.
 

@@ -23,7 +23,7 @@ also holds trainable params outside the kept modules is refused, named (:func:`p
 or wrap the module as its own unit at build. A module is never moved out of fp32 mid-run.
 
 Source: torch 2.13 ``torch/distributed/fsdp/_fully_shard/_fsdp_param.py`` / ``_fsdp_param_group.py``. The
-torch-internal access is :func:`param_group` alone (tests/test_fsdp2_keep_fp32.py checks what it relies on).
+torch-internal access is :func:`param_group` alone (tests/distributed/test_fsdp2_keep_fp32.py checks what it relies on).
 """
 
 from __future__ import annotations

@@ -24,7 +24,7 @@ Measured on the device's own accounting, per device:
 The baseline is what is alive when the step starts: on CUDA and MPS the allocator's count (every tensor on the
 device), on CPU a census of the ``resident`` tensors the caller names (:func:`resident_tensors`: parameters,
 buffers, gradients, the optimizer's parameters and state), each storage once. Validated against a tensor
-census in tests/test_memory_live.py.
+census in tests/memory/test_memory_live.py.
 """
 
 from __future__ import annotations

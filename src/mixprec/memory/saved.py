@@ -4,7 +4,7 @@ Counted through ``torch.autograd.graph.saved_tensors_hooks`` (every tensor an au
 ``autograd.Function``\\ s included), once per storage (:class:`~mixprec.memory.storages.StorageCounter`: a view
 keeps its whole storage), leaving out the tensors a caller names (the model's parameters: memory the step does
 not add; an fp32 Linear saves its weight, which costs nothing extra, while autocast's bf16 copy of it does).
-Validated against a tensor census (tests/test_memory_saved.py). A non-reentrant
+Validated against a tensor census (tests/memory/test_memory_saved.py). A non-reentrant
 ``torch.utils.checkpoint`` region's inputs are seen (torch saves them through its own autograd Function); what the
 region keeps inside it (a selective-checkpoint policy's saved op outputs) is not (its own hooks replace ours there)
 — peak live tensor bytes (:mod:`mixprec.memory.live`) see those.

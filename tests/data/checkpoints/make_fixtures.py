@@ -1,4 +1,4 @@
-"""Write the old-checkpoint fixtures that tests/test_checkpoint_compat.py loads with the current code.
+"""Write the old-checkpoint fixtures that tests/checkpoint/test_checkpoint_compat.py loads with the current code.
 
 Run with the main of 2026-12-01 (fc21254, the flat package layout before issue 24), from a checkout of it::
 

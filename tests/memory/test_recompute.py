@@ -330,7 +330,7 @@ def test_compiled_model_with_a_plan_matches_eager_without_it(gpt, checkpoint, mo
             losses.append(loss.detach())
     assert [b.mode for b in _plan(compiled).blocks] == modes
     eager_losses, compiled_losses = torch.stack(losses[:2]), torch.stack(losses[2:])
-    # as tests/test_compile.py: inductor reorders fp32 reductions of at most 128 terms: 128 fp32 ulps
+    # as tests/engine/test_compile.py: inductor reorders fp32 reductions of at most 128 terms: 128 fp32 ulps
     tolerance = 128 * mixprec.get_format("fp32").ulp(eager_losses)
     assert ((compiled_losses - eager_losses).abs() <= tolerance).all()
 

@@ -2,7 +2,7 @@
 continues (:mod:`mixprec.distributed.sharded_switch`).
 
 2 gloo ranks, ``bf16-lean`` and ``bf16-kahan,state=int8`` (its compensation folded into the params by the
-switch) on tests/test_fsdp2_quantized.py's model (shard boundaries on and inside 256-element
+switch) on tests/distributed/test_fsdp2_quantized.py's model (shard boundaries on and inside 256-element
 blocks, an empty shard at W = 4), the same batch on every rank (the reduced gradient is one process's exactly).
 Rank 1's loss turns NaN at steps 1 and 2: every rank rolls back twice, and the second failure escalates (the
 ladder under FSDP2 goes to the state rung: ``fully_shard`` fixed how params are stored). After 2 more steps the

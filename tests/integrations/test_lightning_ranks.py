@@ -40,7 +40,7 @@ from torch.utils.data import DataLoader   # noqa: E402
 import mixprec.optim   # noqa: E402
 from mixprec.distributed import process as mpd   # noqa: E402
 from mixprec.integrations.lightning import MixprecFabricPrecision, MixprecPrecision   # noqa: E402
-from ranks import free_port, run_ranks   # noqa: E402
+from ranks import free_port, run_ranks, tests_on_path   # noqa: E402
 
 SEED, STEPS, WORLD = 1234, 4, 2
 
@@ -335,7 +335,7 @@ def test_one_process_runs_no_replica_check_and_the_interval_is_checked_by_name()
 def test_per_rank_seeds_under_torchrun_itself(tmp_path):
     launch = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2", "--master-addr", "127.0.0.1",
               "--master-port", str(free_port()), __file__, str(tmp_path)]
-    done = subprocess.run(launch, env={**os.environ, "OMP_NUM_THREADS": "1"}, capture_output=True, text=True,
+    done = subprocess.run(launch, env={**os.environ, "OMP_NUM_THREADS": "1", **tests_on_path()}, capture_output=True, text=True,
                           timeout=200)
     assert done.returncode == 0, done.stderr[-3000:]
     r0, r1 = (torch.load(tmp_path / f"rank{r}.pt", weights_only=False) for r in range(WORLD))
@@ -343,7 +343,7 @@ def test_per_rank_seeds_under_torchrun_itself(tmp_path):
     assert_equal_replicas(r0["weights"], r1["weights"])
 
 
-if __name__ == "__main__":   # torchrun --nproc-per-node 2 tests/test_lightning_ranks.py OUT_DIR
+if __name__ == "__main__":   # torchrun --nproc-per-node 2 tests/integrations/test_lightning_ranks.py OUT_DIR
     torch.set_num_threads(1)
     rank = int(os.environ["RANK"])
     mpd.init_process_group_from_env("cpu")

@@ -187,7 +187,7 @@ def test_ending_a_group_without_a_backward_names_the_call():
 
 def test_state_dict_mid_group_holds_the_open_window():
     """A state taken mid-group carries the window (issue 37: a trainer checkpoints when it likes); its resume is
-    tested bit for bit in tests/test_integration_checkpoints_any_moment.py."""
+    tested bit for bit in tests/integrations/test_integration_checkpoints_any_moment.py."""
     mp = build("fp32")
     x, y = epochs()[0][0]
     mp.backward(loss_of(mp, x, y))
@@ -304,7 +304,7 @@ def _short_group_worker(rank, out):
 @pytest.mark.timeout(240)
 def test_two_ranks_reduce_the_short_group_and_equal_one_process_on_the_global_batch(tmp_path):
     """Without the reduction on the closing micro-batch the ranks would step on their own gradients and the
-    replicas drift apart. Tolerance as tests/test_distributed.py's for fp32 (only the order of sums differs):
+    replicas drift apart. Tolerance as tests/distributed/test_distributed.py's for fp32 (only the order of sums differs):
     4 * 40 * eps_fp32 of the whole update, 2 updates here."""
     from mixprec import get_format
     from ranks import run_ranks

@@ -177,7 +177,7 @@ def test_a_dcp_checkpoint_into_another_policy_in_one_process_names_the_route_tha
 
 
 # ------------------------------------------------------------------------- a resume at another number of ranks
-@pytest.mark.slow   # default set: tests/test_distributed.py::test_train_under_torchrun_with_fsdp2_then_resume_in_one_process
+@pytest.mark.slow   # default set: tests/distributed/test_distributed.py::test_train_under_torchrun_with_fsdp2_then_resume_in_one_process
 # runs the same two commands (and a third resume) and asserts these words
 @pytest.mark.timeout(240)
 def test_a_resume_at_another_world_size_says_the_global_batch_changes(tmp_path):

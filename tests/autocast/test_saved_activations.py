@@ -243,7 +243,7 @@ def test_bf16_policies_save_at_most_0_52_of_fp32s_activations_and_saved_fp32_res
         # saved=fp32 is torch.autocast's: each norm's fp32 input (4 bytes an element) where saved=compute keeps 2,
         # and each GELU's bf16 output (saved=compute's lean Linear keeps its input only); under bf16 params the fp32
         # copies of the norms' weight and bias too; under fp32 params (bf16-mixed) autocast's bf16 weight copies are
-        # kept by both (saved=rebuild would not keep them: tests/test_saved_rebuilds.py)
+        # kept by both (saved=rebuild would not keep them: tests/autocast/test_saved_rebuilds.py)
         copies = 0 if name == "bf16-mixed" else norms * 2 * c * 4
         gelu_outputs = _WIDE.n_layer * b * t * 4 * c * 2
         assert as_fp32 - compute == norms * b * t * c * 2 + gelu_outputs + copies, name

@@ -61,7 +61,7 @@ def test_bench_fsdp2_reports_state_bytes_and_peak_live_bytes_per_rank(tmp_path):
     report = (out / "report.md").read_text()
     assert "## Per rank" in report and "bytes/param (rank 0)" in report and "peak live MiB (rank 0)" in report
     assert f"- bf16-lean: training state per rank {want[0]:.2f} (rank 0)" in report
-    # the bench under torchrun, whatever the strategy (tests/test_distributed.py's DDP run of it is slow): every row
+    # the bench under torchrun, whatever the strategy (tests/distributed/test_distributed.py's DDP run of it is slow): every row
     # has the report's keys, each rank trained in its own worker, and the throughput is summed over the ranks
     for name, e in results["policies"].items():
         assert set(POLICY_KEYS) <= set(e), name

@@ -13,7 +13,7 @@ compares what they saw with a one-process run in the pytest process (one thread,
   empty shard at W = 4).
 * (b) Different batches per rank vs one process on the concatenated global batch: only where gradients are
   rounded differs (each rank's bf16 gradient of its half, then the fp32 mean rounded to bf16, against one
-  bf16 gradient of the whole batch). As in tests/test_distributed.py (SGD, so Adam's normalisation does not
+  bf16 gradient of the whole batch). As in tests/distributed/test_distributed.py (SGD, so Adam's normalisation does not
   turn bf16 noise in near-zero gradients into full-size steps) a gradient goes through about 4 roundings to
   bf16, each within u = eps_bf16 / 2, so the two runs' total updates differ by at most ``2 * 4 * u = 4 *
   eps_bf16`` relative to the update. On top, the write-back into bf16 can land one ulp apart wherever the
@@ -49,7 +49,7 @@ BF16_EPS = get_format("bf16").eps
 
 
 # W = 2 runs in the default set (uneven shards: 3 + 2 rows); W = 4 (an empty shard) is slow: in the default set
-# tests/test_fsdp2_quantized.py::test_fsdp2_checkpoint_saved_at_2_ranks_continues_at_1_and_4_bit_for_bit loads
+# tests/distributed/test_fsdp2_quantized.py::test_fsdp2_checkpoint_saved_at_2_ranks_continues_at_1_and_4_bit_for_bit loads
 # bf16-sr and bf16-kahan,state=bf16 (16-bit storage) at 4 ranks, an empty shard among them, and steps them bit for
 # bit as one process does.
 WORLDS = [2, pytest.param(4, marks=pytest.mark.slow)]

@@ -11,10 +11,10 @@ their 256-element blocks:
 * ``7.weight`` (5, 900), 4500 elements: 3 + 2 rows (boundary at 2700, inside a block) at W = 2, and 2, 2, 1 rows
   and an empty shard at W = 4; its short last block (4500 = 17 x 256 + 148) ends on the last non-empty rank.
 
-The harness (W gloo processes, spawn) is tests/test_fsdp2_policies.py's.
+The harness (W gloo processes, spawn) is tests/distributed/test_fsdp2_policies.py's.
 
 * (a) **Bit-identical**: every rank gets the same batch, so the reduced gradient is one process's exactly
-  (tests/test_fsdp2_policies.py (a)); after 10 AdamW steps every param, every code and every scale equals one
+  (tests/distributed/test_fsdp2_policies.py (a)); after 10 AdamW steps every param, every code and every scale equals one
   process's with ``torch.equal`` at W = 2 and 4, for ``bf16-lean`` (stochastically rounded params, the fused
   kernel), ``bf16-lean,state_rounding=stochastic`` (the codes' random bits keyed by global index),
   ``bf16-kahan,state=int8`` (Kahan compensation: the torch-op path) and ``bf16-sr,state=fp8``.
@@ -255,7 +255,7 @@ FAULTS = (1, 2)
 def _guard_worker(rank: int, out: Path) -> dict:
     """Rank 1's loss turns NaN at steps 1 and 2: every rank rolls back its shards, codes and scales; the result
     equals the run without those two batches, bit for bit (escalate_after=3: two failures roll back only; the
-    escalation to fp32 state is tests/test_fsdp2_escalation.py's)."""
+    escalation to fp32 state is tests/distributed/test_fsdp2_escalation.py's)."""
     from mixprec import Guard
 
     mine = list(mpd.shard_batches(_batches(5 * 2)))

@@ -40,7 +40,7 @@ def _own_cache(tmp_path, monkeypatch):
 
 
 def _saved_per_call() -> dict[str, int]:
-    """Bytes each candidate keeps for bf16 q, k, v of (B, H, T, D), causal (tests/test_op_plan_memory.py's
+    """Bytes each candidate keeps for bf16 q, k, v of (B, H, T, D), causal (tests/autocast/test_op_plan_memory.py's
     arithmetic): fused q, k, v, out + fp32 logsumexp; fused-fp32 their fp32 copies; matmul q·scale, k, v, the
     bool causal mask, fp32 and bf16 probabilities."""
     n, rows, probs = B * H * T * D, B * H * T, B * H * T * T

@@ -3,7 +3,7 @@ added): the FSDP2 unit holding it is resharded in place (:mod:`mixprec.distribut
 
 2 gloo ranks, a model with three blocks (``blocks.N``: a ``Linear(64, 64)`` of 4096 elements, so 8-bit state
 quantizes it, and a GELU), each its own FSDP2 unit, between an input and a head layer owned by the root unit.
-Every rank gets the same batch, so the reduced gradient is one process's exactly (tests/test_fsdp2_quantized.py).
+Every rank gets the same batch, so the reduced gradient is one process's exactly (tests/distributed/test_fsdp2_quantized.py).
 
 * After one step, ``set_policy(policy + keep_fp32=blocks.1)``, three more steps: the params (dtypes and values)
   and every optimizer state tensor equal, bit for bit, one process that ran the same step, ``set_policy`` and

@@ -25,7 +25,7 @@ import torch
 
 import mixprec
 
-DATA = Path(__file__).parent / "data" / "checkpoints"
+DATA = Path(__file__).resolve().parents[1] / "data" / "checkpoints"
 _spec = importlib.util.spec_from_file_location("make_fixtures", DATA / "make_fixtures.py")
 fx = importlib.util.module_from_spec(_spec)
 _spec.loader.exec_module(fx)

@@ -168,7 +168,7 @@ def test_autocast_runs_what_the_plan_chose_and_leaves_the_callers_rng_alone(tmp_
     q, k, v = (t.float().requires_grad_() for t in _inputs((2, 2, 16, 8)))
     key = op_plan.plan_key(q, k, v, is_causal=True, dtype=torch.bfloat16, grad=True)
     # saved bytes of the two (N = 512 elements each of q, k, v, out; logsumexp 2·2·16 fp32): fused-fp32 saves more,
-    # so it runs only where the memory rule allows it (tests/test_op_plan_memory.py checks the rule itself)
+    # so it runs only where the memory rule allows it (tests/autocast/test_op_plan_memory.py checks the rule itself)
     saved = {"fused": 4 * 512 * 2 + 2 * 2 * 16 * 4, "fused-fp32": 4 * 512 * 4 + 2 * 2 * 16 * 4}
     (tmp_path / f"op-plan-{machine_key(torch.device('cpu'))}.json").write_text(
         json.dumps({key: {"chosen": "fused-fp32", "times_ms": {"fused": 2.0, "fused-fp32": 1.0}, "saved_bytes": saved}}))

@@ -38,7 +38,7 @@ pytest.importorskip("accelerate")
 import mixprec  # noqa: E402
 from mixprec.distributed import process as mpd  # noqa: E402
 from mixprec.integrations.transformers import MixprecTrainer  # noqa: E402
-from ranks import free_port, run_ranks  # noqa: E402
+from ranks import free_port, run_ranks, tests_on_path  # noqa: E402
 
 VOCAB, SEQ, BATCH, STEPS, ACC, LR, SEED, WORLD = 64, 8, 2, 4, 2, 1e-3, 123, 2
 CASES = (("bf16-sr", ACC), ("bf16-pure", ACC))
@@ -224,7 +224,7 @@ def test_verify_replicas_every_is_checked_by_name(tmp_path):
 def test_mixprec_trainer_under_torchrun_itself(tmp_path):
     launch = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2", "--master-addr", "127.0.0.1",
               "--master-port", str(free_port()), __file__, str(tmp_path)]
-    done = subprocess.run(launch, env={**os.environ, "OMP_NUM_THREADS": "1"}, capture_output=True, text=True,
+    done = subprocess.run(launch, env={**os.environ, "OMP_NUM_THREADS": "1", **tests_on_path()}, capture_output=True, text=True,
                           timeout=200)
     assert done.returncode == 0, done.stderr[-3000:]
     r0, r1 = (torch.load(tmp_path / f"rank{r}.pt", weights_only=False)["bf16-sr"] for r in range(WORLD))
@@ -235,7 +235,7 @@ def test_mixprec_trainer_under_torchrun_itself(tmp_path):
     assert_same(r0["trainer"], r1["trainer"], "rank 0 vs rank 1")
 
 
-if __name__ == "__main__":   # torchrun --nproc-per-node 2 tests/test_transformers_ranks.py OUT_DIR
+if __name__ == "__main__":   # torchrun --nproc-per-node 2 tests/integrations/test_transformers_ranks.py OUT_DIR
     torch.set_num_threads(1)
     rank = int(os.environ["RANK"])
     mpd.init_process_group_from_env("cpu")

@@ -17,7 +17,7 @@ import torch
 from mixprec import MixedPrecision
 from mixprec.workloads import get_workload
 
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[2]
 sys.path.insert(0, str(ROOT / "benchmarks"))
 import optimizer_peers  # noqa: E402
 

@@ -1030,7 +1030,7 @@ def test_cached_peaks_keep_when_and_by_whom_they_were_measured(tmp_path, monkeyp
     from mixprec.machine import matmul
     monkeypatch.setenv("MIXPREC_CACHE_DIR", str(tmp_path))
     # a 128³ product takes microseconds: its spread is noise whatever the load, so the measurement is marked quiet
-    # here (the noisy rule itself: tests/test_matmul_peaks.py)
+    # here (the noisy rule itself: tests/machine/test_matmul_peaks.py)
     monkeypatch.setattr(matmul, "measure_peaks",
                         lambda device: {"fp32": replace(matmul.measure_matmul("fp32", device, n=128), spread=1.0,
                                                         note="")})

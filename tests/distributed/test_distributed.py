@@ -443,7 +443,7 @@ def test_unknown_strategy_is_refused_naming_the_choices():
 
 @pytest.mark.parametrize("policy, match", [
     ("fp16-mixed", "computes in fp16 under FSDP2.*ORs the found-inf flag"),   # case 29: never silently underflow
-    # bf16-lean (8-bit state) runs under FSDP2 since issue 28: tests/test_fsdp2_quantized.py
+    # bf16-lean (8-bit state) runs under FSDP2 since issue 28: tests/distributed/test_fsdp2_quantized.py
 ])
 def test_fsdp2_refuses_what_it_cannot_run_safely(policy, match):
     with pytest.raises(ValueError, match=match):  # refused before any collective: no process group needed
@@ -506,7 +506,7 @@ def test_dcp_save_fsyncs_every_file_and_directory_before_the_rename_then_latest(
 # A kill -9 at each point of the commit, in a fresh process (forking pytest could deadlock in OpenMP).
 _KILLED_SAVE = """
 import os, signal, sys
-sys.path.insert(0, {tests!r})
+sys.path[:0] = {paths!r}   # this file's folder, and tests/ (ranks.py, engine_loops.py)
 import test_distributed as T
 point = {point!r}
 def die(*args, **kwargs):
@@ -533,7 +533,7 @@ def test_dcp_save_killed_mid_way_leaves_latest_naming_the_previous_loadable_chec
     root = tmp_path / "ck"
     before = _dcp_run(2)
     ckdcp.save(root, before, keep=1)
-    code = _KILLED_SAVE.format(tests=str(Path(__file__).parent), root=str(root), point=point)
+    code = _KILLED_SAVE.format(paths=[str(Path(__file__).parent), str(Path(__file__).parents[1])], root=str(root), point=point)
     done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
     assert done.returncode == -9, done.stderr[-2000:]
     left = sorted(p.name for p in root.iterdir())
@@ -595,7 +595,7 @@ def test_train_under_torchrun_with_fsdp2_then_resume_in_one_process(tmp_path):
     """`mixprec train` under torchrun at 2 FSDP2 ranks writes a DCP checkpoint and a log per rank; one plain process
     resumes it (DCP reshards) and says the global batch changes (2 x 128 tokens of the tiny GPT to 1 x 128) with the
     reshard event's words; a later resume at the same world size says nothing of it (the words also asserted by
-    tests/test_user_messages.py::test_a_resume_at_another_world_size_says_the_global_batch_changes, slow)."""
+    tests/engine/test_user_messages.py::test_a_resume_at_another_world_size_says_the_global_batch_changes, slow)."""
     import json
     import subprocess
     import sys
@@ -634,7 +634,7 @@ def test_train_under_torchrun_with_fsdp2_then_resume_in_one_process(tmp_path):
     assert "global batch" not in done.stderr
 
 
-@pytest.mark.slow   # default set: tests/test_bench_fsdp2.py runs the bench under torchrun at 2 ranks (--strategy fsdp2,
+@pytest.mark.slow   # default set: tests/programs/test_bench_fsdp2.py runs the bench under torchrun at 2 ranks (--strategy fsdp2,
 # the same runner and workers) and asserts these: the table on rank 0 alone, a worker per rank, throughput summed
 @pytest.mark.timeout(120)
 def test_bench_under_torchrun_writes_the_report_with_throughput_summed_over_ranks(tmp_path):

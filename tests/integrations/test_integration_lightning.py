@@ -453,7 +453,7 @@ def test_ddp_equals_one_process_on_the_global_batch(tmp_path):
     in different places: each gradient goes through about 4 bf16 roundings (forward output, its gradient,
     the input and weight gradients) and DDP's bf16 all-reduce adds 2 (the sum, the division), each within
     u = eps_bf16 / 2, so the two updates differ by at most 2 * 6 * u = 6 * eps_bf16 relative (the whole
-    update as one vector; the reasoning of tests/test_distributed.py; measured 4.5e-3 against 4.7e-2)."""
+    update as one vector; the reasoning of tests/distributed/test_distributed.py; measured 4.5e-3 against 4.7e-2)."""
     steps = 4
     ranks = run_ddp(tmp_path, "bf16-pure", sgd_steps=steps)
     assert not isinstance(ranks, str), f"a rank raised:\n{ranks}"
