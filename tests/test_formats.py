@@ -1,9 +1,11 @@
+import dataclasses
 import math
 
 import pytest
 import torch
 
-from mixprec.formats import FORMATS, get_format
+from mixprec.formats import (BLOCK_FORMATS, ELEMENT_FORMATS, FORMATS, BlockFormat, ElementFormat, get_block_format,
+                             get_format)
 
 FP8 = ["e4m3fn", "e4m3fnuz", "e5m2", "e5m2fnuz"]
 
@@ -78,3 +80,77 @@ def test_get_format_aliases_and_errors():
         get_format("fp12")
     with pytest.raises(ValueError, match="not supported"):
         get_format(torch.int8)
+
+
+# ---------------------------------------------------------------------- element and block formats
+# OCP Microscaling Formats (MX) v1.0, section 5.3 (the FP8/FP6/FP4 element formats): emax, max normal,
+# min normal, min subnormal, as the spec's tables state them
+MX_SPEC_TABLE = {
+    "e4m3": (8, 448.0, 2.0 ** -6, 2.0 ** -9),
+    "e5m2": (15, 57344.0, 2.0 ** -14, 2.0 ** -16),
+    "e3m2": (4, 28.0, 0.25, 0.0625),
+    "e2m3": (2, 7.5, 1.0, 0.125),
+    "e2m1": (2, 6.0, 1.0, 0.5),
+}
+
+
+@pytest.mark.parametrize("name", list(MX_SPEC_TABLE))
+def test_element_format_limits_are_the_specs(name):
+    fmt = ELEMENT_FORMATS[name]
+    assert (fmt.emax, fmt.max_normal, fmt.min_normal, fmt.min_subnormal) == MX_SPEC_TABLE[name]
+    assert fmt.bits == {"e4m3": 8, "e5m2": 8, "e3m2": 6, "e2m3": 6, "e2m1": 4}[name]
+    assert fmt.has_nan == (name in ("e4m3", "e5m2")) and fmt.has_inf == (name == "e5m2")
+
+
+@pytest.mark.parametrize("name", ["e4m3", "e5m2"])
+def test_fp8_element_formats_agree_with_torch(name):
+    fmt = ELEMENT_FORMATS[name]
+    finfo = torch.finfo(fmt.dtype)
+    assert (fmt.max_normal, fmt.min_normal) == (finfo.max, finfo.smallest_normal)
+    assert fmt.min_subnormal == get_format(fmt.dtype).smallest_subnormal
+
+
+def test_block_format_presets():
+    expected = {  # name: element, block size, scale format, scale rounding, tensor scale
+        "mxfp8_e4m3": ("e4m3", 32, "e8m0", "floor", False),
+        "mxfp8_e5m2": ("e5m2", 32, "e8m0", "floor", False),
+        "mxfp6_e2m3": ("e2m3", 32, "e8m0", "floor", False),
+        "mxfp6_e3m2": ("e3m2", 32, "e8m0", "floor", False),
+        "mxfp4_e2m1": ("e2m1", 32, "e8m0", "floor", False),
+        "nvfp4": ("e2m1", 16, "e4m3", "nearest", True),
+    }
+    got = {n: (f.element.name, f.block_size, f.scale_format, f.scale_rounding, f.tensor_scale)
+           for n, f in BLOCK_FORMATS.items()}
+    assert got == expected
+    assert all(f.saturate for f in BLOCK_FORMATS.values())
+    assert get_block_format("MXFP8") is BLOCK_FORMATS["mxfp8_e4m3"]
+    assert get_block_format("mxfp4-e2m1").name == "mxfp4_e2m1"
+    assert get_block_format(BLOCK_FORMATS["nvfp4"]) is BLOCK_FORMATS["nvfp4"]
+    with pytest.raises(dataclasses.FrozenInstanceError):
+        BLOCK_FORMATS["nvfp4"].block_size = 32
+
+
+def test_block_and_element_formats_refuse_bad_fields_by_name():
+    with pytest.raises(ValueError, match=r"'fp4'.*\['mxfp4_e2m1', 'mxfp6_e2m3'.*'nvfp4'\]"):
+        get_block_format("fp4")
+    with pytest.raises(TypeError, match="spec=32"):
+        get_block_format(32)
+    mx = BLOCK_FORMATS["mxfp8_e4m3"]
+    with pytest.raises(ValueError, match=r"scale_rounding='nearest'.*e8m0.*\('floor', 'rceil'\)"):
+        dataclasses.replace(mx, scale_rounding="nearest")
+    with pytest.raises(ValueError, match=r"scale_rounding='rceil'.*e4m3"):
+        dataclasses.replace(BLOCK_FORMATS["nvfp4"], scale_rounding="rceil")
+    with pytest.raises(ValueError, match="block_size=0"):
+        dataclasses.replace(mx, block_size=0)
+    with pytest.raises(ValueError, match="scale_format='ue8m0'"):
+        dataclasses.replace(mx, scale_format="ue8m0")
+    with pytest.raises(ValueError, match="tensor_scale=True"):
+        dataclasses.replace(mx, tensor_scale=True)
+    with pytest.raises(ValueError, match="saturate=False with e2m1"):
+        dataclasses.replace(BLOCK_FORMATS["mxfp4_e2m1"], saturate=False)
+    assert dataclasses.replace(mx, saturate=False, scale_rounding="rceil").scale_rounding == "rceil"
+    with pytest.raises(ValueError, match="specials='ieee'"):
+        ElementFormat("x", 2, 1, 1, "ieee")
+    with pytest.raises(ValueError, match="exponent_bits=6"):
+        ElementFormat("x", 6, 2, 31, "none")
+    assert isinstance(mx, BlockFormat) and str(mx) == "mxfp8_e4m3" and str(mx.element) == "e4m3"
