@@ -301,7 +301,8 @@ def test_the_graph_sees_every_kind_of_import():
 LAYERS = (
     ("data", ("mixprec.formats", "mixprec.machine", "mixprec.workloads")),
     ("the policy as data", ("mixprec.policy",)),
-    ("kernels and ops", ("mixprec.autocast", "mixprec.fp8", "mixprec.optim", "mixprec.ops", "mixprec.memory")),
+    ("kernels and ops", ("mixprec.autocast", "mixprec.fp8", "mixprec.blockscale", "mixprec.optim", "mixprec.ops",
+                         "mixprec.memory")),
     ("resolution", ("mixprec.policy.resolve", "mixprec.auto.trial")),
     ("processes", ("mixprec.distributed",)),
     ("engine", ("mixprec.engine", "mixprec.auto.pending")),
