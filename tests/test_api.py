@@ -42,7 +42,7 @@ def test_every_public_name_imports_and_has_a_docstring(name):
 
 
 def test_submodules_have_small_explicit_documented_apis():
-    assert mixprec.optim.__all__ == ["AdamW", "SGD"]
+    assert mixprec.optim.__all__ == ["AdamW", "SGD", "adopt_sr_seed"]
     assert all(not n.startswith("_") for n in mixprec.ops.__all__)
     for module in (mixprec.fp8, mixprec.ops, mixprec.optim):
         assert len(set(module.__all__)) == len(module.__all__)

@@ -29,7 +29,7 @@ def _seed():
 
 
 def test_public_api():
-    assert mo.__all__ == ["AdamW", "SGD"]
+    assert mo.__all__ == ["AdamW", "SGD", "adopt_sr_seed"]
     assert issubclass(mo.AdamW, torch.optim.Optimizer) and issubclass(mo.SGD, torch.optim.Optimizer)
 
 

@@ -3,7 +3,8 @@
 The random bits are a hash of (sr_seed, param index, step, purpose, global element index): torch's global RNG
 never moves, an optimizer's ``state_dict()`` alone resumes stochastic rounding bit for bit, the seed decides
 the run, the C kernel takes the same bits as the torch ops, and a slice of a parameter rounds exactly as those
-elements of the whole parameter.
+elements of the whole parameter. A state dict saved before ``sr_seed`` existed is refused by name where rounding
+is stochastic, and continues on the seeded stream under ``mixprec.optim.adopt_sr_seed``.
 """
 
 from __future__ import annotations
@@ -11,7 +12,6 @@ from __future__ import annotations
 import copy
 import itertools
 import math
-import warnings
 
 import pytest
 import torch
@@ -185,26 +185,106 @@ def test_the_same_seed_gives_the_same_run_another_seed_another():
     assert not torch.equal(_sr_run(2), a)
 
 
-def test_a_state_dict_without_sr_seed_continues_the_legacy_global_rng_stream():
-    def run(sd):
-        p = nn.Parameter(torch.full((256,), 1.0, dtype=torch.bfloat16))
-        opt = mixprec.optim.SGD([p], lr=1e-3, momentum=0.9, rounding="stochastic")
-        with warnings.catch_warnings(record=True) as caught:
-            warnings.simplefilter("always")
-            opt.load_state_dict(sd)
-        assert any("predates sr_seed" in str(w.message) for w in caught)
-        assert "legacy" in opt.sr_stream
+def _without_sr_seed(state_dict: dict) -> dict:
+    """``state_dict`` as saved before ``sr_seed`` existed: its param groups without it."""
+    return {**state_dict, "param_groups": [{k: v for k, v in g.items() if k != "sr_seed"}
+                                           for g in state_dict["param_groups"]]}
+
+
+def _stepped_sgd(sr_seed: int) -> tuple[nn.Parameter, mixprec.optim.SGD]:
+    """A bf16 param (and an SGD rounding it stochastically) after two steps: momentum state to load."""
+    p = nn.Parameter(torch.linspace(0.5, 1.5, 256).to(torch.bfloat16))
+    opt = mixprec.optim.SGD([p], lr=1e-3, momentum=0.9, rounding="stochastic", sr_seed=sr_seed)
+    for t in range(2):
+        p.grad = torch.cos(torch.arange(256.0) * (t + 1)).to(torch.bfloat16)
+        opt.step()
+    return p, opt
+
+
+def test_a_state_dict_without_sr_seed_is_refused_by_name_where_rounding_is_stochastic():
+    """The legacy global-RNG stream is gone: such a load names the groups, the missing sr_seed and the fix (and
+    that the run will not continue bit for bit), and loads nothing; so does one rounding only the state."""
+    _, saved = _stepped_sgd(3)
+    old = _without_sr_seed(copy.deepcopy(saved.state_dict()))
+    p = nn.Parameter(torch.ones(256, dtype=torch.bfloat16))
+    opt = mixprec.optim.SGD([p], lr=1e-3, momentum=0.9, rounding="stochastic", sr_seed=9)
+    with pytest.raises(ValueError) as err:
+        opt.load_state_dict(old)
+    for part in ("SGD.load_state_dict: saved param group 0 has no 'sr_seed'", "rounds stochastically "
+                 "(rounding='stochastic')", "it loaded nothing", "with mixprec.optim.adopt_sr_seed(optimizer, "
+                 "sr_seed=<int>): <the same load>", "not bit for bit with the old run's global-RNG draws"):
+        assert part in str(err.value), part
+    assert not opt.state and opt.param_groups[0]["sr_seed"] == 9 and opt.param_groups[0]["lr"] == 1e-3
+    two = mixprec.optim.AdamW([{"params": [nn.Parameter(torch.ones(4))]}, {"params": [nn.Parameter(torch.ones(4))]}],
+                              state_dtype="bf16")   # state_rounding: 'stochastic' (bf16 state's default)
+    with pytest.raises(ValueError, match=r"saved param groups 0, 1 have no 'sr_seed'.*\(state_rounding='stochastic'\)"):
+        two.load_state_dict(_without_sr_seed(two.state_dict()))
+
+
+def test_adopt_sr_seed_continues_an_old_state_dict_on_the_seeded_stream():
+    """Under adopt_sr_seed the old groups take the seed given, and the next step equals, bit for bit, a fresh
+    optimizer with that sr_seed given the same state; torch's RNG does not move; the block changes nothing
+    else: the state dict is not modified, groups that have a seed keep it, and a load after it is refused."""
+    _, saved = _stepped_sgd(3)
+    state = copy.deepcopy(saved.state_dict())
+    old = _without_sr_seed(state)
+
+    def step_after_load(sr_seed: int, load) -> torch.Tensor:
+        p = nn.Parameter(torch.linspace(0.5, 1.5, 256).to(torch.bfloat16))
+        opt = mixprec.optim.SGD([p], lr=1e-3, momentum=0.9, rounding="stochastic", sr_seed=sr_seed)
+        load(opt)
+        assert opt.param_groups[0]["sr_seed"] == 7 and opt.sr_stream == "counter-based stream, sr_seed=7"
         p.grad = torch.full_like(p, 0.3)
         opt.step()
         return p.detach().clone()
-    p = nn.Parameter(torch.full((256,), 1.0, dtype=torch.bfloat16))
-    sd = mixprec.optim.SGD([p], lr=1e-3, momentum=0.9, rounding="stochastic").state_dict()
-    old = {**sd, "param_groups": [{k: v for k, v in g.items() if k != "sr_seed"} for g in sd["param_groups"]]}
+
+    def adopted(opt):
+        with mixprec.optim.adopt_sr_seed(opt, sr_seed=7) as same:
+            assert same is opt
+            opt.load_state_dict(old)
+
     rng = torch.get_rng_state()
-    first = run(old)
-    assert not torch.equal(rng, torch.get_rng_state())          # the legacy stream draws from torch's RNG
-    torch.set_rng_state(rng)
-    assert torch.equal(run(old).view(torch.int16), first.view(torch.int16))   # and replays from its state
+    got = step_after_load(1, adopted)
+    assert torch.equal(rng, torch.get_rng_state())                  # the seeded stream draws nothing from torch
+    want = step_after_load(7, lambda opt: opt.load_state_dict({**state, "param_groups": [
+        {**g, "sr_seed": 7} for g in state["param_groups"]]}))
+    assert torch.equal(got.view(torch.int16), want.view(torch.int16))
+    assert all("sr_seed" not in g for g in old["param_groups"])      # the state dict itself is unchanged
+    opt = mixprec.optim.SGD([nn.Parameter(torch.ones(256, dtype=torch.bfloat16))], momentum=0.9, rounding="stochastic")
+    with mixprec.optim.adopt_sr_seed(opt, sr_seed=7):
+        opt.load_state_dict(state)                                   # a group with its seed keeps it
+    assert opt.param_groups[0]["sr_seed"] == 3
+    with pytest.raises(ValueError, match="has no 'sr_seed'"):
+        opt.load_state_dict(old)                                     # outside the block: refused again
+
+
+def test_a_state_dict_without_sr_seed_loads_where_nothing_rounds_stochastically():
+    """Nothing to continue: the old groups take this optimizer's own seeds, which a later switch to stochastic
+    rounding (the engine's move_state) draws from."""
+    _, saved = _stepped_sgd(3)
+    old = _without_sr_seed(copy.deepcopy(saved.state_dict()))
+    p = nn.Parameter(torch.linspace(0.5, 1.5, 256).to(torch.bfloat16))
+    opt = mixprec.optim.SGD([p], lr=1e-3, momentum=0.9, sr_seed=11)   # rounding='nearest'
+    opt.load_state_dict(old)
+    assert opt.param_groups[0]["sr_seed"] == 11 and torch.equal(opt.state[p]["momentum_buffer"],
+                                                                 saved.state[saved.param_groups[0]["params"][0]]["momentum_buffer"])
+    opt.move_state([(p, p)], rounding="stochastic", state_dtype=torch.float32)
+    assert opt.sr_stream == "counter-based stream, sr_seed=11"
+
+
+def test_adopt_sr_seed_refuses_what_has_no_stream_and_checks_the_seed():
+    with pytest.raises(TypeError, match="adopt_sr_seed takes a mixprec.optim optimizer"):
+        with mixprec.optim.adopt_sr_seed(torch.optim.SGD([nn.Parameter(torch.ones(2))], lr=0.1), sr_seed=1):
+            pass
+    opt = mixprec.optim.SGD([nn.Parameter(torch.ones(2))])
+    for bad in (-1, 2**64, 1.5, True):
+        with pytest.raises(ValueError, match="adopt_sr_seed sr_seed="):
+            with mixprec.optim.adopt_sr_seed(opt, sr_seed=bad):
+                pass
+    torch.manual_seed(21)
+    with mixprec.optim.adopt_sr_seed(opt):   # None: torch.initial_seed(), as the constructors' default
+        opt.load_state_dict(_without_sr_seed(opt.state_dict()))
+    assert opt.param_groups[0]["sr_seed"] == 21
 
 
 # ------------------------------------------------------------------------------------------ through the engine

@@ -77,7 +77,8 @@ class AdamW(PrecisionOptimizer):
         sr_seed: seed of stochastic rounding's counter-based stream (:mod:`mixprec.optim.sr_stream`; params and
             state): an int in ``[0, 2**64)``, else ``torch.initial_seed()`` (nothing is drawn). Kept in every
             param group (``param_groups[i]["sr_seed"]``), so ``state_dict()`` resumes the rounding bit for bit;
-            torch's global RNG is never used (but for a state dict saved before ``sr_seed``: the legacy stream).
+            torch's global RNG is never used. A state dict saved before ``sr_seed`` existed loads into an optimizer
+            that rounds stochastically only under :func:`mixprec.optim.adopt_sr_seed` (:mod:`mixprec.optim.sr_seed`).
 
     State: ``step`` (float32 scalar, CPU), ``exp_avg`` and ``exp_avg_sq`` in ``state_dtype`` (complex64
     for a complex64 param, as torch.optim)
@@ -171,7 +172,7 @@ class AdamW(PrecisionOptimizer):
         reference (:mod:`mixprec.optim.quantized_adamw`; the same bits either way)."""
         m = (state["exp_avg"], state["exp_avg" + qs.ABSMAX_SUFFIX])
         v = (state["exp_avg_sq"], state["exp_avg_sq" + qs.ABSMAX_SUFFIX])
-        key = self.stream_keys.key(p, state, "param")   # None: the legacy global-RNG stream (an old state dict)
+        key = self.stream_keys.key(p, state, "param")
         if not self.write_back.checks_lost_updates(p, state) and quantized_adamw.fusable(p, p.grad, m[0], v[0], rounding=self.rounding):
             quantized_adamw.fused_step_(p, p.grad, m, v, rounding=self.rounding, state_rounding=self.state_rounding,
                                         generator=key, **hyper)

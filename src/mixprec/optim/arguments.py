@@ -1,11 +1,14 @@
 """The checks of an optimizer's arguments: the precision settings (``rounding``, ``state_dtype``,
-``state_rounding``), numbers in range, and the ``torch.optim`` options accepted only where they change
-nothing. Errors name the optimizer, the argument, the value and the fix.
+``state_rounding``) and the param dtypes they can write, numbers in range, and the ``torch.optim`` options
+accepted only where they change nothing (as arguments, or in the param groups of a saved state dict). Errors name
+the optimizer, the argument, the value and the fix.
 """
 
 from __future__ import annotations
 
 import math
+from collections.abc import Callable, Iterable
+from itertools import chain
 from typing import Any
 
 import torch
@@ -13,10 +16,12 @@ import torch
 from mixprec.policy.choices import SR_STATE_DTYPES, default_state_rounding
 from mixprec.policy.policy import QUANTIZED_STATE_DTYPES, ROUNDINGS, STATE_FORMATS, STATE_ROUNDINGS
 
-__all__ = ["STATE_DTYPES", "check_torch_options", "check_number"]
+__all__ = ["STATE_DTYPES", "check_precision", "check_param_dtypes", "check_torch_options", "check_saved_options",
+           "check_number"]
 
 _FLOAT_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
 STATE_DTYPES = _FLOAT_DTYPES + QUANTIZED_STATE_DTYPES   # int8 / fp8: markers of the blockwise 8-bit formats
+_PARAM_DTYPES = _FLOAT_DTYPES + (torch.complex64,)   # complex64: two fp32 values, stepped on its real view
 
 
 def _check_rounding(owner: str, rounding: str | None) -> str:
@@ -56,6 +61,30 @@ def _check_state_rounding(owner: str, state_rounding: str | None, state_dtype: t
     return state_rounding
 
 
+def check_param_dtypes(owner: str, params: Iterable[torch.Tensor], rounding: str) -> None:
+    """Raise ValueError for a param of a dtype the optimizers here do not step, or an fp16 param under
+    ``rounding='stochastic'`` (bf16 only), naming its dtype, shape and the fix."""
+    for p in params:
+        if p.dtype not in _PARAM_DTYPES:
+            raise ValueError(f"{owner} got a param of dtype {p.dtype} (shape {tuple(p.shape)}); allowed param "
+                             f"dtypes are {[str(d).replace('torch.', '') for d in _PARAM_DTYPES]}; cast it to one "
+                             "of them (e.g. a complex128 or complex32 param to complex64), or use torch.optim")
+        if rounding == "stochastic" and p.dtype == torch.float16:
+            raise ValueError(f"{owner} rounding='stochastic' needs bf16 params, got param dtype "
+                             f"{p.dtype}; use rounding='kahan' (or cast the params to bf16)")
+
+
+def check_precision(owner: str, param_groups: Iterable[dict[str, Any]], rounding: str | None,
+                    state_dtype: torch.dtype | str | None, state_rounding: str | None) -> tuple[str, torch.dtype, str]:
+    """``(rounding, state_dtype, state_rounding)`` checked, None as each one's default (``'nearest'``, fp32, the
+    state format's rounding), and the params of ``param_groups`` (the optimizer's) checked for that ``rounding``
+    (:func:`check_param_dtypes`). Raises ValueError, naming the fix, for the first setting that is not allowed."""
+    rounding = _check_rounding(owner, rounding)
+    check_param_dtypes(owner, chain.from_iterable(g["params"] for g in param_groups), rounding)
+    state_dtype = _check_state_dtype(owner, state_dtype)
+    return rounding, state_dtype, _check_state_rounding(owner, state_rounding, state_dtype)
+
+
 _TORCH_ONLY = "; use torch.optim for it (CUDA graphs, a differentiable step)"
 _TORCH_OPTIONS = {   # torch.optim option: (values that change nothing here, the fix for another value)
     "foreach": ((None, False), "; drop it (each tensor is stepped in fp32; there is no multi-tensor kernel)"),
@@ -76,6 +105,17 @@ def check_torch_options(owner: str, options: dict[str, Any], known: tuple[str, .
         if value not in noops:
             raise TypeError(f"{owner} {name}={value!r} is a torch.optim option {owner} does not implement (it accepts "
                             f"{name}={' or '.join(map(repr, noops))}){fix}")
+
+
+def check_saved_options(owner: str, groups: list[dict[str, Any]], unimplemented: Callable[[dict], list[str]]) -> None:
+    """Raise ValueError when a saved param group (of a state dict to load) was made with ``torch.optim`` options
+    this optimizer does not implement (``unimplemented(group)``: them as ``name=value``), which would load and then
+    step differently."""
+    for i, group in enumerate(groups):
+        if found := unimplemented(group):
+            raise ValueError(f"{owner}.load_state_dict: saved param group {i} was made with {', '.join(found)}, "
+                             f"which {owner} does not implement (it would step differently); keep training it "
+                             "with the torch.optim optimizer that saved it, or save it without those options")
 
 
 def check_number(owner: str, name: str, value: Any, *, low: float, high: float = math.inf,

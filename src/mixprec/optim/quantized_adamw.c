@@ -5,8 +5,9 @@
  * rounded IEEE fp32 operation in the same order (built with -ffp-contract=off, no fast-math), and the codes
  * come from the same lookup arrays, so the result equals the torch ops bit for bit in every finite block
  * (a block holding a NaN or inf reads NaN in both). Random numbers: either passed in (drawn by Python from a
- * torch generator: the legacy stream), or computed here from the counter-based stream's key words
- * (mixprec.optim.sr_stream: the same hash, sr_bits below; a test and the load-time check pin them equal).
+ * torch generator, or from the stream where a run of indices crosses 2**32), or computed here from the
+ * counter-based stream's key words (mixprec.optim.sr_stream: the same hash, sr_bits below; a test and the
+ * load-time check pin them equal).
  * Built and loaded by mixprec.c_kernels; called by mixprec.optim.quantized_adamw.
  */
 #include <math.h>

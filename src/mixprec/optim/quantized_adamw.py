@@ -24,9 +24,10 @@ it where the kernel does not apply).
 or fp32 param and gradient, the codes and the scales once and writes them once, where the torch ops take
 about 15 passes over fp32 temporaries per moment. On first use in a process it is checked against the
 reference on random inputs, bit for bit, and refused (the reference used, the reason in
-:func:`kernel_status`) if they differ. Random numbers come from torch's RNG in the reference's order
-(state rounding's uniforms for ``m``, then ``v``, then the param's 16 bits per element), so restoring
-``torch.get_rng_state()`` reproduces either path, and they match each other.
+:func:`kernel_status`) if they differ. Random numbers come from the counter-based stream of the param's
+:class:`~mixprec.optim.sr_stream.SRKey` (what the optimizers pass; hashed in the kernel) or from a ``torch.Generator``
+in the reference's order (state rounding's uniforms for ``m``, then ``v``, then the param's 16 bits per element),
+so both paths take the same bits.
 """
 
 from __future__ import annotations
@@ -71,7 +72,8 @@ def reference_update_(param_fp32: torch.Tensor, grad_fp32: torch.Tensor, m: tupl
     the caller's. Under ``state_rounding="stochastic"`` takes ``2 * nblocks * 256`` uniforms: from the
     counter-based stream when ``generator`` is an :class:`mixprec.optim.sr_stream.SRKey` (the param's key:
     ``m`` draws under purpose ``"exp_avg"``, ``v`` under ``"exp_avg_sq"``; no RNG moves), else from
-    ``generator`` (None: torch's global RNG, the legacy stream); none otherwise. No host sync.
+    ``generator`` (a ``torch.Generator``, or None: torch's global RNG, for standalone use; the optimizers always pass
+    their stream's key); none otherwise. No host sync.
     """
     m_code = qs.code_of(m[0], nonnegative=False)
     v_code = qs.code_of(v[0], nonnegative=True)
@@ -253,7 +255,8 @@ def fused_step_(param: torch.Tensor, grad: torch.Tensor, m: tuple[torch.Tensor, 
     reference's random numbers: ``2 * nblocks * 256`` uniforms under stochastic state rounding, then
     ``param.numel()`` int32 under stochastic param rounding, from the counter-based stream when ``generator``
     is an ``SRKey`` (the param's key; its purpose ``"param"`` for the param's bits), else drawn from
-    ``generator`` in that order (None: torch's global RNG). No host sync (CPU only).
+    ``generator`` in that order (a ``torch.Generator``, or None: torch's global RNG, for standalone use; the
+    optimizers always pass their stream's key). No host sync (CPU only).
     """
     library = _kernel()
     if library is None:
@@ -263,7 +266,7 @@ def fused_step_(param: torch.Tensor, grad: torch.Tensor, m: tuple[torch.Tensor, 
     nblocks = m[1].numel()
     m_rand = v_rand = noise = None
     # the stream's bits are hashed in the kernel while the run of indices stays below 2**32 (its key words
-    # fold in the index's high word), else drawn here as the legacy stream's are
+    # fold in the index's high word), else drawn here and passed in, as a torch generator's are
     keyed = isinstance(generator, SRKey)
     in_kernel = keyed and (generator.offset >> 32) == ((generator.offset + nblocks * qs.BLOCK_SIZE - 1) >> 32)
     state_sr = state_rounding == "stochastic"

@@ -47,7 +47,8 @@ def stochastic_round_to_bf16(x_fp32: torch.Tensor, *, generator: torch.Generator
         generator: where the random bits come from: an :class:`mixprec.optim.sr_stream.SRKey` (the
             counter-based stream the optimizers use: element ``j`` of ``x_fp32``, row-major, takes the bits of
             global index ``key.offset + j``; no RNG moves), a ``torch.Generator``, or ``None``: torch's global
-            RNG (the legacy stream: restoring ``torch.get_rng_state()`` reproduces the result bitwise).
+            RNG (for standalone use: restoring ``torch.get_rng_state()`` reproduces the result bitwise; the
+            optimizers always pass their stream's key).
 
     Returns:
         bf16 tensor of the shape and device of ``x_fp32``. No host sync.
@@ -83,7 +84,8 @@ def write_back_(param: torch.Tensor, value_fp32: torch.Tensor, *, rounding: str,
         kahan_comp: compensation buffer in ``param.dtype``, updated in place; required for
             ``"kahan"`` on 16-bit params (start it at zeros).
         generator: the random bits of ``"stochastic"``: an ``SRKey`` (counter-based stream), a
-            ``torch.Generator``, or ``None``: torch's global RNG (:func:`stochastic_round_to_bf16`).
+            ``torch.Generator``, or ``None``: torch's global RNG, for standalone use
+            (:func:`stochastic_round_to_bf16`).
 
     No host sync.
 

@@ -71,7 +71,8 @@ class SGD(PrecisionOptimizer):
         sr_seed: seed of stochastic rounding's counter-based stream (:mod:`mixprec.optim.sr_stream`; params and
             state): an int in ``[0, 2**64)``, else ``torch.initial_seed()`` (nothing is drawn). Kept in every
             param group (``param_groups[i]["sr_seed"]``), so ``state_dict()`` resumes the rounding bit for bit;
-            torch's global RNG is never used (but for a state dict saved before ``sr_seed``: the legacy stream).
+            torch's global RNG is never used. A state dict saved before ``sr_seed`` existed loads into an optimizer
+            that rounds stochastically only under :func:`mixprec.optim.adopt_sr_seed` (:mod:`mixprec.optim.sr_seed`).
 
     State: ``step`` (float32 scalar, CPU; counts steps for the first-step check),
     ``momentum_buffer`` in ``state_dtype`` when ``momentum != 0`` (complex64 for a complex64 param,

@@ -39,6 +39,7 @@ from mixprec.optim import quantized_state as qs
 from mixprec.optim import sharded
 from mixprec.optim.precision_optimizer import PrecisionOptimizer
 from mixprec.optim.state_codec import as_fp32
+from mixprec.optim.sr_stream import SRKey
 
 __all__ = ["Pieces", "pieces", "step_adamw_"]
 
@@ -101,10 +102,6 @@ def step_adamw_(opt: PrecisionOptimizer, p: torch.Tensor, state: dict[str, Any],
     """One AdamW step of the sharded param ``p`` whose moments are 8-bit codes (module docstring): in place on
     its local shard, codes and the whole scales. Collective: one all-reduce on ``p``'s mesh (every rank calls
     it for the same params in the same order, as every rank steps every param FSDP2 gave a gradient).
-
-    Raises:
-        RuntimeError: stochastic rounding with the legacy global-RNG stream (a state dict saved before
-            ``sr_seed``): its bits depend on the sharding.
     """
     shard, grad, local_state = opt.state_codec.local_view(p, state)
     cut = pieces(sharded.global_offset(p), shard.numel(), p.numel())
@@ -125,16 +122,12 @@ def step_adamw_(opt: PrecisionOptimizer, p: torch.Tensor, state: dict[str, Any],
                                                       generator=_key(opt, p, state, piece, cut.offset + start, key)))
 
 
-def _key(opt: PrecisionOptimizer, p: torch.Tensor, state: dict[str, Any], piece: torch.Tensor, offset: int, purpose: str):
-    """The stream key of ``piece`` (a flat view of ``p``'s shard from global index ``offset``) for ``purpose``."""
+def _key(opt: PrecisionOptimizer, p: torch.Tensor, state: dict[str, Any], piece: torch.Tensor, offset: int,
+         purpose: str) -> SRKey:
+    """The stream key of ``piece`` (a flat view of ``p``'s shard from global index ``offset``) for ``purpose``: the
+    bits of the whole param's elements there, whatever the sharding."""
     opt.stream_keys.add_piece(piece, p, offset)
-    key = opt.stream_keys.key(piece, state, purpose)
-    if key is None and "stochastic" in (opt.rounding, opt.state_rounding):
-        raise RuntimeError(f"{type(opt).__name__}: a param of shape {tuple(p.shape)} is sharded and rounds "
-                           "stochastically with the legacy global-RNG stream (its state dict predates sr_seed), whose "
-                           "bits depend on the sharding; set param_groups[i]['sr_seed'] (any int) on every rank, or "
-                           "train this state in one process")
-    return key
+    return opt.stream_keys.key(piece, state, purpose)
 
 
 def _piece_state(state: dict[str, Any], views: _Views, start: int, stop: int) -> dict[str, Any]:

@@ -39,10 +39,10 @@ def as_fp32(t: torch.Tensor) -> torch.Tensor:
     return t if t.dtype == torch.float32 else t.float()
 
 
-def stochastic_round_into(out_bf16: torch.Tensor, value_fp32: torch.Tensor, key: SRKey | None) -> None:
-    """``out_bf16`` := ``value_fp32`` stochastically rounded (``key``'s stream; None: torch's global RNG, the legacy
-    stream): one C pass on a CPU where the kernel applies, else the torch ops (the same bits). No host sync."""
-    if key is None or not quantized_adamw.stochastic_round_into_(out_bf16, value_fp32, key):
+def stochastic_round_into(out_bf16: torch.Tensor, value_fp32: torch.Tensor, key: SRKey) -> None:
+    """``out_bf16`` := ``value_fp32`` stochastically rounded with the bits of ``key``'s stream: one C pass on a CPU
+    where the kernel applies, else the torch ops (the same bits). No host sync."""
+    if not quantized_adamw.stochastic_round_into_(out_bf16, value_fp32, key):
         out_bf16.copy_(stochastic_round_to_bf16(value_fp32, generator=key))
 
 
@@ -50,7 +50,16 @@ class StateCodec:
     """The state formats of ``optimizer`` (its ``state_dtype`` and ``state_rounding`` read when used: a policy may
     change them before the first step). ``nonnegative``: moments known to be >= 0 (the unsigned 8-bit code);
     ``shards_8bit``: whether the optimizer's step handles 8-bit state of FSDP2 shards; ``keys``: the stochastic
-    rounding streams."""
+    rounding streams.
+
+    State per param: ``step`` (float32 scalar on the CPU, as torch.optim), every moment (``exp_avg``,
+    ``momentum_buffer``...) in ``state_dtype``, and ``kahan_comp`` in the param dtype for 16-bit params under
+    ``rounding='kahan'`` (:mod:`mixprec.optim.write_back`). Under an 8-bit ``state_dtype`` (``torch.int8``,
+    ``torch.float8_e4m3fn``) a moment of a tensor :func:`mixprec.optim.quantized_state.quantizes` is two entries:
+    ``state[key]`` (codes, the param's shape, one byte each) and ``state[key + "_absmax"]`` (fp32, one per block of
+    256), both plain tensors, so ``state_dict()``, checkpoints and the bench's tensor census see them; other
+    tensors' moments stay fp32 (:meth:`layout` counts both kinds).
+    """
 
     def __init__(self, optimizer: Any, keys: StreamKeys, *, nonnegative: frozenset[str], shards_8bit: bool) -> None:
         self._opt, self._keys = optimizer, keys
@@ -67,6 +76,16 @@ class StateCodec:
         if self.quantized(p):
             return qs.code_for(self._opt.state_dtype, nonnegative=key in self._nonnegative).storage_dtype, True
         return (torch.float32 if self._opt.state_dtype in QUANTIZED_STATE_DTYPES else self._opt.state_dtype), False
+
+    def start(self, p: torch.Tensor, state: dict[str, Any], zeros: tuple[str, ...]) -> dict[str, Any]:
+        """``state`` (``p``'s, updated in place and returned) with ``step`` (a float32 0 on the CPU where it has none)
+        and each moment of ``zeros`` it lacks, zero in this format (:meth:`put`)."""
+        if "step" not in state:
+            state["step"] = torch.tensor(0.0, dtype=torch.float32)
+        for key in zeros:
+            if key not in state:
+                self.put(p, state, key, None)
+        return state
 
     def put(self, p: torch.Tensor, state: dict[str, Any], key: str, value_fp32: torch.Tensor | None) -> None:
         """Create moment ``key`` of ``p`` in this format from ``value_fp32`` (of :func:`as_fp32`'s shape; None:
@@ -157,6 +176,31 @@ class StateCodec:
             else:
                 self.put(p, out, key, self.load(saved, key))
         return out
+
+    def rekey(self, moves: list[tuple[torch.Tensor, torch.Tensor | None]]) -> None:
+        """Re-key the optimizer's state after the engine swapped the tensors it steps: ``moves`` holds ``(old,
+        new)`` per tensor, ``new=None`` dropping ``old``'s state. Moments keep their values: as they are where the
+        storage format is unchanged (8-bit codes and scales bit for bit), else through fp32 into this format (cast,
+        or quantized / dequantized: one rounding); Kahan compensation is dropped (the engine folded it into the
+        params first; the write-back restarts it at zero where ``rounding`` is still ``'kahan'``); ``step`` is
+        kept. No sync."""
+        state = self._opt.state
+        moved = [(new, state.pop(old, None)) for old, new in moves]   # all out first: old and new may alias
+        for new, saved in moved:
+            if saved and new is not None:
+                saved.pop("kahan_comp", None)
+                state[new] = self.restored(new, saved, copy=False)
+
+    def restored_states(self, state_dict: dict[str, Any]) -> dict[torch.Tensor, dict[str, Any]]:
+        """The saved states of a ``torch.optim`` state dict (``state`` by param id, ``param_groups`` in the
+        optimizer's param order) by the optimizer's params, each :meth:`restored` as copies, never aliases of
+        ``state_dict``: each moment as saved where its storage format is this one (8-bit codes and their absmax
+        scales bit for bit), else converted through fp32 into it (e.g. a ``torch.optim.AdamW`` state into 8-bit
+        codes); ``kahan_comp`` in the param dtype, ``step`` as saved. A param without saved state is left out."""
+        saved_ids = chain.from_iterable(g["params"] for g in state_dict["param_groups"])
+        params = chain.from_iterable(g["params"] for g in self._opt.param_groups)
+        return {p: self.restored(p, state_dict["state"][saved_id], copy=True)
+                for saved_id, p in zip(saved_ids, params) if saved_id in state_dict["state"]}
 
     def local_view(self, p: torch.Tensor, state: dict[str, Any]
                    ) -> tuple[torch.Tensor, torch.Tensor | None, dict[str, Any]]:

@@ -24,6 +24,7 @@ class StreamKeys:
         self._param_index: dict[int, int] = {}   # id(param) -> its index in the param order (the stream's key)
         self._flat_params: list[torch.Tensor] = []
         self._shards: dict[int, tuple[torch.Tensor, torch.Tensor, int]] = {}   # id(local shard) -> (it, param, offset)
+        self.adopted_seed: int | None = None   # within mixprec.optim.adopt_sr_seed: saved groups' missing sr_seed
 
     def stepping_shard(self, p_local: torch.Tensor, p: torch.Tensor, offset: int) -> None:
         """``p_local``, the local shard of the sharded ``p`` at global flat ``offset``, is the tensor stepped now: its
@@ -35,12 +36,12 @@ class StreamKeys:
         ``p``'s at that offset (:mod:`mixprec.optim.sharded_blocks`)."""
         self._shards[id(piece)] = (piece, p, offset)
 
-    def key(self, p: torch.Tensor, state: dict[str, Any], purpose: str) -> SRKey | None:
+    def key(self, p: torch.Tensor, state: dict[str, Any], purpose: str) -> SRKey:
         """Where stochastic rounding of ``p``'s ``purpose`` (``"param"`` or a state key) at this step draws its
-        bits: the counter-based stream of ``(group's sr_seed, p's index in the param order, state step,
-        purpose)`` (:mod:`mixprec.optim.sr_stream`), or None (torch's global RNG, the legacy stream) when
-        ``p``'s group has no ``sr_seed`` (a state dict saved before it). ``p`` a sharded param's local shard
-        (:meth:`stepping_shard`): the param's key at the shard's global offset."""
+        bits: the counter-based stream of ``(group's sr_seed, p's index in the optimizer's param order, state
+        step, purpose)`` (:mod:`mixprec.optim.sr_stream`). ``p`` a sharded param's local shard
+        (:meth:`stepping_shard`) or a piece of it (:meth:`add_piece`): the param's key at that global offset.
+        Every group has an ``sr_seed`` (:mod:`mixprec.optim.sr_seed`)."""
         offset = 0
         shard = self._shards.get(id(p))
         if shard is not None and shard[0] is p:
@@ -50,19 +51,12 @@ class StreamKeys:
             self._flat_params = [q for g in self._optimizer.param_groups for q in g["params"]]
             self._param_index = {id(q): i for i, q in enumerate(self._flat_params)}
             index = self._param_index[id(p)]
-        seed = self._group_of(index).get("sr_seed")
-        if seed is None:
-            return None
-        return SRKey(seed, index, int(state.get("step", 0)), purpose, offset)
+        return SRKey(self._group_of(index)["sr_seed"], index, int(state.get("step", 0)), purpose, offset)
 
     def words(self) -> str:
-        """Where stochastic rounding draws its bits, in words: the counter-based stream and its seed(s), or torch's
-        global RNG for groups loaded from a state dict saved before ``sr_seed`` existed (the legacy stream)."""
-        seeds = [g.get("sr_seed") for g in self._optimizer.param_groups]
-        if any(s is None for s in seeds):
-            return ("torch's global RNG (legacy: a state dict saved before sr_seed; it continues bit for bit only "
-                    "where torch's RNG state is restored too)")
-        return f"counter-based stream, sr_seed={sorted(set(seeds))[0] if len(set(seeds)) == 1 else sorted(set(seeds))}"
+        """Where stochastic rounding draws its bits, in words: the counter-based stream and its seed(s)."""
+        seeds = sorted({g["sr_seed"] for g in self._optimizer.param_groups})
+        return f"counter-based stream, sr_seed={seeds[0] if len(seeds) == 1 else seeds}"
 
     def _group_of(self, index: int) -> dict[str, Any]:
         for group in self._optimizer.param_groups:

@@ -3,8 +3,9 @@
 :mod:`mixprec.optim.state_codec`).
 
 The optimizer's ``rounding`` decides: ``"nearest"`` (a plain cast), ``"kahan"`` (the rounding error kept in the
-param's ``kahan_comp`` and added back next step) or ``"stochastic"`` (unbiased rounding into bf16 from the
-counter-based stream, :mod:`mixprec.optim.stream_keys`); :mod:`mixprec.optim.rounding` holds the arithmetic. Under
+param's ``kahan_comp`` and added back next step; this half creates that buffer, gives it to the engine and starts
+it where the engine casts a param) or ``"stochastic"`` (unbiased rounding into bf16 from the counter-based stream,
+:mod:`mixprec.optim.stream_keys`); :mod:`mixprec.optim.rounding` holds the arithmetic. Under
 ``"nearest"`` the lost-update check counts, at steps 1, 10, 100, ..., the updates rounded away and warns once when
 more than half were (one host sync on those steps).
 """
@@ -39,6 +40,22 @@ class WriteBack:
         self._opt, self._keys = optimizer, keys
         self._lost_warned, self._lost_step = False, 0
 
+    def prepare(self, p: torch.Tensor, state: dict[str, Any]) -> None:
+        """Give ``state`` (``p``'s) the Kahan compensation :meth:`write` needs: zeros in ``p``'s dtype and shape for a
+        16-bit ``p`` under ``rounding='kahan'``, where it has none yet."""
+        if self._opt.rounding == "kahan" and p.dtype in HALF_DTYPES and "kahan_comp" not in state:
+            state["kahan_comp"] = torch.zeros_like(p, memory_format=torch.preserve_format)
+
+    def compensation(self, p: torch.Tensor) -> torch.Tensor | None:
+        """The Kahan compensation buffer of ``p`` (param dtype, shape of ``p``), or None. No sync."""
+        return self._opt.state[p].get("kahan_comp") if p in self._opt.state else None
+
+    def start_compensation(self, residuals: list[tuple[torch.Tensor, torch.Tensor]]) -> None:
+        """Set the Kahan compensation of each 16-bit ``p`` to ``residual`` (fp32, what rounding ``p`` to its dtype
+        lost), stored in ``p``'s dtype (:func:`mixprec.optim.contract.start_compensation`). No sync."""
+        for p, residual in residuals:
+            self._opt.state[p]["kahan_comp"] = residual.to(p.dtype)
+
     def checks_lost_updates(self, p: torch.Tensor, state: dict[str, Any]) -> bool:
         """Whether :meth:`write` counts this step's lost updates of ``p`` (16-bit, ``'nearest'``, a check step, not
         warned yet): it needs the fp32 result beside the rounded param."""
@@ -54,11 +71,10 @@ class WriteBack:
         if self.checks_lost_updates(p, state):
             lost_counts.append(lost_update_counts(p, param_fp32))
             self._lost_step = step
-        key = self._keys.key(p, state, "param") if self._opt.rounding == "stochastic" else None
-        if key is not None and p.dtype == torch.bfloat16:
-            stochastic_round_into(p, param_fp32, key)
+        if self._opt.rounding == "stochastic" and p.dtype == torch.bfloat16:
+            stochastic_round_into(p, param_fp32, self._keys.key(p, state, "param"))
             return
-        write_back_(p, param_fp32, rounding=self._opt.rounding, kahan_comp=state.get("kahan_comp"), generator=key)
+        write_back_(p, param_fp32, rounding=self._opt.rounding, kahan_comp=state.get("kahan_comp"))
 
     def warn_if_updates_lost(self, lost_counts: list) -> None:
         """Warn (once) when > 50% of a check step's 16-bit updates were rounded away. Check steps are
