@@ -49,7 +49,8 @@ def check_whole_steps(dataloader: Any, args: TrainingArguments) -> None:
 
 
 def refuse_unsupported(args: TrainingArguments) -> None:
-    """ValueError for the arguments MixprecTrainer does not support yet (the :mod:`mixprec.integrations.transformers` docstring lists them)."""
+    """ValueError for the arguments MixprecTrainer does not support yet (listed in the
+    :mod:`mixprec.integrations.transformers` docstring)."""
     unsupported = [(name, why) for name, on, why in (
         ("bf16_full_eval", args.bf16_full_eval, "it casts the model to bf16 for evaluation"),
         ("fp16_full_eval", args.fp16_full_eval, "it casts the model to fp16 for evaluation"),
