@@ -1,6 +1,7 @@
-"""mixprec under Lightning Fabric: :class:`MixprecFabricPrecision` (``L.Fabric(plugins=[plugin])``; docs/integrations.md,
-"Lightning"). Importing this module imports Lightning (``pip install mixprec[lightning]``); the Trainer's plugin is
-:class:`mixprec.integrations.lightning.MixprecPrecision` (this class is importable from there too).
+"""mixprec under Lightning Fabric: :class:`MixprecFabricPrecision` (``L.Fabric(plugins=[plugin])``;
+docs/integrations.md, "Lightning"). Importing this module imports Lightning (``pip install mixprec[lightning]``);
+the Trainer's plugin is :class:`mixprec.integrations.lightning.MixprecPrecision` (this class is importable from
+there too).
 """
 
 from __future__ import annotations
