@@ -307,7 +307,7 @@ LAYERS = (
     ("processes", ("mixprec.distributed",)),
     ("engine", ("mixprec.engine", "mixprec.auto.pending")),
     ("around the engine", ("mixprec.checkpoint", "mixprec.guard", "mixprec.ema", "mixprec.numerics",
-                           "mixprec.integrations")),
+                           "mixprec.integrations", "mixprec.safety")),
     ("programs", ("mixprec.programs", "mixprec.__main__")),
     ("public API", ("mixprec",)),
 )

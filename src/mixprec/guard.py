@@ -10,18 +10,19 @@ names the cause, the step, the module and what was tried.
 The engine never imports this module: ``MixedPrecision(..., guard=Guard(...))`` hands the guard
 each :class:`~mixprec.engine.mixed_precision.StepResult` through ``guard.after_step(mp, result)``, and the
 guard acts through the engine's public surface (``state_dict``/``load_state_dict``,
-``set_policy``, ``boundary_loss``, ``step_batches``, ``events``).
+``set_policy``, ``boundary_loss``, ``step_batches``, ``events``). Its knobs and counts
+(:mod:`mixprec.safety.config`) and its escalation ladder (:mod:`mixprec.safety.escalation`) live in
+:mod:`mixprec.safety`; every public name is importable from here.
 """
 
 from __future__ import annotations
 
 import copy
 import dataclasses
-import fnmatch
 import logging
 import math
 import statistics
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, Callable
 
 import torch
@@ -32,7 +33,8 @@ from mixprec.engine.mixed_precision import StepResult
 from mixprec.engine.records import Event
 from mixprec.numerics.localise import NonFiniteReport, locate_nonfinite
 from mixprec.numerics.localise_sharded import locate_on_every_rank
-from mixprec.policy.policy import PRESETS, QUANTIZED_STATE_DTYPES, Policy
+from mixprec.safety.config import CAUSES, GuardConfig, GuardState
+from mixprec.safety.escalation import next_policy
 from mixprec.policy.tree import map_tensors
 
 if TYPE_CHECKING:
@@ -41,76 +43,6 @@ if TYPE_CHECKING:
 __all__ = ["Guard", "GuardConfig", "GuardState", "next_policy"]
 
 log = logging.getLogger("mixprec")
-
-CAUSES = ("nonfinite", "overflow", "spike", "skips")
-_KEEP_PATTERN_FORBIDDEN = ",=| []*?"   # a module name usable as an exact keep_fp32 pattern has none
-
-
-def _check(name: str, value: Any, ok: bool, allowed: str, fix: str) -> None:
-    if not ok:
-        raise ValueError(f"Guard {name}={value!r} is not allowed; it must be {allowed}; {fix}")
-
-
-def _is_int(x: Any) -> bool:
-    return isinstance(x, int) and not isinstance(x, bool)
-
-
-def _is_positive(x: Any) -> bool:
-    return isinstance(x, (int, float)) and not isinstance(x, bool) and math.isfinite(x) and x > 0
-
-
-@dataclass(frozen=True)
-class GuardConfig:
-    """The guard's knobs (frozen; see :class:`Guard` for their meaning)."""
-
-    snapshot_every: int = 50
-    check_every: int = 1
-    spike_factor: float | None = 3.0
-    spike_zscore: float | None = None
-    spike_window: int = 50
-    spike_warmup: int = 20
-    overflow_backoffs: int = 16
-    max_consecutive_skips: int = 20
-    escalate_after: int = 2
-    max_rollbacks: int = 8
-
-    def __post_init__(self) -> None:
-        for name, example in (("snapshot_every", 50), ("check_every", 1), ("spike_window", 50),
-                              ("overflow_backoffs", 16), ("max_consecutive_skips", 20), ("escalate_after", 2)):
-            value = getattr(self, name)
-            _check(name, value, _is_int(value) and value >= 1, "an int >= 1", f"e.g. {name}={example}")
-        _check("spike_warmup", self.spike_warmup, _is_int(self.spike_warmup) and self.spike_warmup >= 2,
-               "an int >= 2 (a running statistic needs two losses)", "e.g. spike_warmup=20")
-        _check("spike_warmup", self.spike_warmup, self.spike_warmup <= self.spike_window,
-               f"an int in [2, spike_window={self.spike_window}] (the window holds the warm-up losses)",
-               "lower spike_warmup or raise spike_window")
-        _check("max_rollbacks", self.max_rollbacks, _is_int(self.max_rollbacks) and self.max_rollbacks >= 0,
-               "an int >= 0 (0: raise at the first failure)", "e.g. max_rollbacks=8")
-        _check("spike_factor", self.spike_factor,
-               self.spike_factor is None or (_is_positive(self.spike_factor) and self.spike_factor > 1),
-               "None (off) or a finite number > 1", "e.g. spike_factor=3.0 (loss above 3x its running mean)")
-        _check("spike_zscore", self.spike_zscore, self.spike_zscore is None or _is_positive(self.spike_zscore),
-               "None (off) or a finite number > 0", "e.g. spike_zscore=6.0")
-
-
-@dataclass
-class GuardState:
-    """What the guard has counted and remembers, besides its snapshot (JSON-friendly).
-
-    ``counts``: detections per cause and actions taken (``rollback``, ``skip``, ``escalate``);
-    ``escalations``: what each escalation did (``"keep 'fc' in fp32"``, ``"bf16 → fp32"``) or why
-    none happened (``"none: ..."``; the events hold the full policies); ``losses``: the running window of applied,
-    healthy losses; ``failures_here``: failures since the snapshot was taken (the "place");
-    ``skip_streak`` / ``backoff_streak``: consecutive skipped steps / loss-scale back-offs.
-    """
-
-    counts: dict[str, int] = field(default_factory=lambda: {k: 0 for k in (*CAUSES, "rollback", "skip", "escalate")})
-    escalations: list[str] = field(default_factory=list)
-    losses: list[float] = field(default_factory=list)
-    failures_here: int = 0
-    skip_streak: int = 0
-    backoff_streak: int = 0
-
 
 @dataclass(frozen=True)
 class _Snapshot:
@@ -126,50 +58,6 @@ class _Snapshot:
 def _copy_to_cpu(tree: Any) -> Any:
     """Deep copy with every tensor cloned to the CPU (containers rebuilt, other leaves deep-copied)."""
     return map_tensors(tree, lambda t: t.detach().to("cpu", copy=True), leaf=copy.deepcopy)
-
-
-def next_policy(policy: Policy, module: str | None, *, bf16_ok: bool, sharded: bool = False
-                ) -> tuple[Policy | None, str]:
-    """The next rung of the escalation ladder from ``policy``, and why (None: nothing left).
-
-    ``sharded`` (FSDP2): rung 1 reshards the FSDP2 unit holding ``module`` in place
-    (:mod:`mixprec.distributed.sharded_units`) and rung 4 changes the optimizer state's precision
-    (:mod:`mixprec.distributed.sharded_switch`); rungs 2 and 3 would re-run ``fully_shard``: skipped, named.
-
-    1. ``module`` (the first non-finite module) runs in 16 bits and is not kept yet: keep it in
-       fp32 (``keep_fp32 += (module,)``);
-    2. any fp16 in the policy: fp16 → bf16 (fp32's exponent range, no loss scaling) where
-       ``bf16_ok``, else straight to fp32;
-    3. any bf16: → the ``fp32`` preset;
-    4. 8-bit optimizer state (``state=int8`` / ``fp8``) under fp32 params and compute: → fp32 state.
-    """
-    if sharded:
-        new, why = next_policy(policy, module, bf16_ok=bf16_ok)
-        if new is None or new == policy.replace(state_dtype=new.state_dtype, state_rounding=new.state_rounding,
-                                                keep_fp32=new.keep_fp32):
-            return new, why   # rung 1 (its FSDP2 unit resharded) or rung 4
-        skipped = f"'{why}' refused under strategy='fsdp2': it would re-run fully_shard (not done mid-run)"
-        if policy.state_dtype in QUANTIZED_STATE_DTYPES:
-            return (policy.replace(state_dtype=torch.float32, state_rounding="nearest"),
-                    f"8-bit optimizer state → fp32 state ({skipped})")
-        return None, skipped
-    fp16, bf16 = torch.float16, torch.bfloat16
-    dtypes = {policy.param_dtype, policy.compute_dtype, policy.output_dtype, policy.state_dtype}
-    if (module and dtypes & {fp16, bf16} and not any(c in module for c in _KEEP_PATTERN_FORBIDDEN)
-            and not any(fnmatch.fnmatchcase(module, pat) for pat in policy.keep_fp32)):
-        return policy.replace(keep_fp32=(*policy.keep_fp32, module)), f"keep {module!r} in fp32"
-    if fp16 in dtypes:
-        if not bf16_ok:
-            return PRESETS["fp32"], "fp16 → fp32 (this device cannot run bf16)"
-        swap = {name: bf16 if getattr(policy, name) == fp16 else getattr(policy, name)
-                for name in ("param_dtype", "compute_dtype", "output_dtype", "state_dtype")}
-        return policy.replace(**swap, loss_scale="none"), "fp16 → bf16 (fp32's exponent range, no loss scaling)"
-    if bf16 in dtypes:
-        return PRESETS["fp32"], "bf16 → fp32"
-    if policy.state_dtype in QUANTIZED_STATE_DTYPES:
-        return (policy.replace(state_dtype=torch.float32, state_rounding="nearest"),
-                "8-bit optimizer state → fp32 state")
-    return None, "the policy is fp32 already"
 
 
 class Guard:

@@ -21,17 +21,13 @@ function                          trap it removes
 
 from __future__ import annotations
 
-import contextlib
 from collections.abc import Callable, Sequence
 from typing import Any
 
 import torch
 import torch.nn.functional as F
-from torch.utils._pytree import tree_leaves
 
-from mixprec.autocast.op_plan import planned_as, planned_devices
-from mixprec.autocast.portable import portable_as, portable_devices
-from mixprec.autocast.saved_dtype import saved_as, saved_devices
+from mixprec.autocast.recompute_state import recompute_context_fn
 
 __all__ = [
     "mask_value",
@@ -206,88 +202,6 @@ def binary_cross_entropy(probs: torch.Tensor, target: torch.Tensor, weight: torc
 
 
 # ---------------------------------------------------------------------------- checkpoint
-_AutocastState = tuple[str, bool, torch.dtype, bool]  # (device_type, enabled, dtype, cache_enabled)
-
-
-def _autocast_state(device_type: str) -> _AutocastState:
-    return (device_type, torch.is_autocast_enabled(device_type), torch.get_autocast_dtype(device_type),
-            torch.is_autocast_cache_enabled())
-
-
-def _autocast_device_types(args: tuple, kwargs: dict) -> list[str]:
-    """``cpu``, the device types of the tensor arguments, and the current accelerator (if any)."""
-    types = ["cpu"]
-    for leaf in tree_leaves((args, kwargs)):
-        if isinstance(leaf, torch.Tensor) and leaf.device.type not in types:
-            types.append(leaf.device.type)
-    accelerator = torch.accelerator.current_accelerator() if hasattr(torch, "accelerator") else None
-    if accelerator is not None and accelerator.type not in types:
-        types.append(accelerator.type)
-    return [t for t in types if torch.amp.is_autocast_available(t)]
-
-
-class _RestoreAutocast:
-    """Re-enter the captured autocast states for the recompute, then check they took effect.
-
-    Entered innermost during recompute (torch's ``context_fn`` recompute context), so it wins over
-    whatever state the backward pass runs under.
-    """
-
-    def __init__(self, states: list[_AutocastState], planned: tuple[str, ...] = (),
-                 portable: tuple[str, ...] = (), saved: tuple[str, ...] = ()) -> None:
-        self.states, self.planned, self.portable, self.saved = states, planned, portable, saved
-        self._stack = contextlib.ExitStack()
-
-    def __enter__(self) -> None:
-        self._stack.enter_context(planned_as(self.planned))
-        self._stack.enter_context(portable_as(self.portable))
-        self._stack.enter_context(saved_as(self.saved))
-        for device_type, enabled, dtype, cache_enabled in self.states:
-            self._stack.enter_context(torch.autocast(device_type, dtype=dtype, enabled=enabled,
-                                                     cache_enabled=cache_enabled))
-        now = [_autocast_state(s[0]) for s in self.states]
-        if now != self.states:
-            self._stack.close()
-            raise RuntimeError(f"checkpoint recompute could not restore the forward's autocast state: forward "
-                               f"ran under {self.states}, recompute would run under {now} (device_type, enabled, "
-                               "dtype, cache_enabled); run backward where the forward's autocast device is available")
-
-    def __exit__(self, *exc: Any) -> None:
-        self._stack.__exit__(*exc)
-
-
-class _UncachedCasts:
-    """The forward's autocast states with the cast cache off (entered around the checkpointed forward)."""
-
-    def __init__(self, states: list[_AutocastState]) -> None:
-        self.states = states
-        self._stack = contextlib.ExitStack()
-
-    def __enter__(self) -> None:
-        for device_type, enabled, dtype, cache_enabled in self.states:
-            if enabled:
-                self._stack.enter_context(torch.autocast(device_type, dtype=dtype, cache_enabled=cache_enabled))
-
-    def __exit__(self, *exc: Any) -> None:
-        self._stack.__exit__(*exc)
-
-
-class _Both:
-    """``outer`` then ``inner``, entered each time the region runs (not when ``context_fn`` builds them): a double
-    backward recomputes the region twice, each time through a fresh context."""
-
-    def __init__(self, outer: Any, inner: Any) -> None:
-        self.outer, self.inner = outer, inner
-        self._stack = contextlib.ExitStack()
-
-    def __enter__(self) -> None:
-        self._stack.enter_context(self.outer)
-        self._stack.enter_context(self.inner)
-
-    def __exit__(self, *exc: Any) -> None:
-        self._stack.__exit__(*exc)
-
-
 def checkpoint(fn: Callable[..., Any], *args: Any, preserve_rng_state: bool = True,
                selective: Callable[..., Any] | None = None, **kwargs: Any) -> Any:
     """Activation checkpointing whose recompute runs under exactly the forward's autocast state.
@@ -295,9 +209,9 @@ def checkpoint(fn: Callable[..., Any], *args: Any, preserve_rng_state: bool = Tr
     ``fn(*args, **kwargs)`` runs now without saving its intermediate activations; backward runs it
     again to rebuild them. Wraps ``torch.utils.checkpoint.checkpoint(..., use_reentrant=False)``
     (torch's own check then raises ``CheckpointError`` if a recomputed saved tensor differs in
-    shape, dtype or device) and adds a recompute context that captures, at call time, the
-    autocast ``(device type, enabled, dtype, cache_enabled)`` for ``cpu``, for every device type of
-    the tensor arguments and for the current accelerator, and re-enters exactly those states
+    shape, dtype or device) and adds a recompute context (:mod:`mixprec.autocast.recompute_state`) that
+    captures, at call time, the autocast ``(device type, enabled, dtype, cache_enabled)`` for ``cpu``, for
+    every device type of the tensor arguments and for the current accelerator, and re-enters exactly those states
     (and which devices had :func:`mixprec.autocast.op_plan.planned_kernels` and
     :func:`mixprec.autocast.portable.portable_ops` on: the recompute makes its forward's kernel
     choices and casts) innermost during recompute, verifying that they took effect (``RuntimeError`` if not).
@@ -323,24 +237,7 @@ def checkpoint(fn: Callable[..., Any], *args: Any, preserve_rng_state: bool = Tr
     Returns:
         ``fn``'s output. Shapes and dtypes are ``fn``'s own. No host sync.
     """
-    states = [_autocast_state(t) for t in _autocast_device_types(args, kwargs)]
-    planned = planned_devices()   # kernels=measured: the recompute makes the forward's kernel choices
-    portable = portable_devices()   # ops=portable: and casts as the forward did
-    saved = saved_devices()   # saved=compute: and saves what the forward saved
-
-    if selective is not None:
-        # A selective region casts afresh in its forward and its recompute (autocast's cast cache off inside it): a
-        # cast the cache holds from an earlier forward in the same autocast region is skipped by the forward but
-        # done by the recompute, and selective checkpointing's per-op invocation counts then disagree.
-        states = [(device_type, enabled, dtype, False) for device_type, enabled, dtype, _ in states]
-
-    def context_fn() -> tuple[contextlib.AbstractContextManager, contextlib.AbstractContextManager]:
-        restore = _RestoreAutocast(states, planned, portable, saved)
-        if selective is None:
-            return contextlib.nullcontext(), restore
-        keep_fwd, keep_recompute = torch.utils.checkpoint.create_selective_checkpoint_contexts(selective)
-        return _Both(_UncachedCasts(states), keep_fwd), _Both(keep_recompute, restore)
-
+    context_fn = recompute_context_fn(args, kwargs, selective)   # the forward's autocast state, captured now
     return torch.utils.checkpoint.checkpoint(fn, *args, use_reentrant=False, preserve_rng_state=preserve_rng_state,
                                              context_fn=context_fn, **kwargs)
 

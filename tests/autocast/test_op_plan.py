@@ -12,7 +12,7 @@ import torch.nn.functional as F
 
 import mixprec
 import mixprec.autocast.portable
-from mixprec.autocast import op_plan
+from mixprec.autocast import kernel_timing, op_plan
 from mixprec.machine.cache import machine_key
 from mixprec.policy.policy import Policy
 
@@ -24,7 +24,7 @@ def _own_cache(tmp_path, monkeypatch):
     """Each test measures into its own cache directory and starts from an empty in-process plan; a busy test
     machine's noisy timings are cached all the same (test_noisy_timings_... checks the threshold itself)."""
     monkeypatch.setenv("MIXPREC_CACHE_DIR", str(tmp_path))
-    monkeypatch.setattr(op_plan, "NOISY_SPREAD", math.inf)
+    monkeypatch.setattr(kernel_timing, "NOISY_SPREAD", math.inf)
     op_plan.forget()
     yield
     op_plan.forget()
@@ -103,11 +103,11 @@ def test_every_candidate_backpropagates_like_fp64(candidate):
 
 def test_noisy_timings_are_flagged(monkeypatch):
     """A candidate whose rounds differ by more than NOISY_SPREAD (a busy machine): flagged, so not cached."""
-    monkeypatch.setattr(op_plan, "NOISY_SPREAD", 1.5)
+    monkeypatch.setattr(kernel_timing, "NOISY_SPREAD", 1.5)
     calls = iter([1, 1, 1, 60, 1, 1, 1, 1, 1, 1, 1, 1])        # sleep ms: one round of "b" hit by a busy machine
     timing = op_plan.time_candidates({"a": lambda: time.sleep(0.004), "b": lambda: time.sleep(next(calls) / 1e3)},
                                      default="a")
-    assert timing.spread > op_plan.NOISY_SPREAD and timing.noisy
+    assert timing.spread > kernel_timing.NOISY_SPREAD and timing.noisy
 
 
 def test_torch_has_the_autocast_kernels_the_plan_replaces():

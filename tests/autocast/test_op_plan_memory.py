@@ -11,7 +11,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from mixprec.autocast import op_plan
+from mixprec.autocast import kernel_timing, op_plan
 from mixprec.autocast.saved_allowance import ENV, mib_words
 from mixprec.machine.cache import machine_key
 from mixprec.policy.policy import Policy
@@ -24,7 +24,7 @@ MIB = 2**20
 def _own_cache(tmp_path, monkeypatch):
     monkeypatch.setenv("MIXPREC_CACHE_DIR", str(tmp_path))
     monkeypatch.delenv(ENV, raising=False)
-    monkeypatch.setattr(op_plan, "NOISY_SPREAD", math.inf)    # a busy machine's timings are cached all the same
+    monkeypatch.setattr(kernel_timing, "NOISY_SPREAD", math.inf)    # a busy machine's timings are cached all the same
     op_plan.forget()
     yield
     op_plan.forget()

@@ -14,7 +14,7 @@ from dataclasses import replace
 import pytest
 import torch
 
-from mixprec.autocast import op_plan
+from mixprec.autocast import kernel_timing, op_plan
 from mixprec.autocast.saved_allowance import ENV, CallCounter, mib_words, scoped_allowance
 from mixprec.engine.memory_budget import SHARE, size_words
 from mixprec.engine.mixed_precision import MixedPrecision
@@ -33,7 +33,7 @@ B, H, T, D = 2, CONFIG.n_head, CONFIG.block_size, CONFIG.n_embd // CONFIG.n_head
 def _own_cache(tmp_path, monkeypatch):
     monkeypatch.setenv("MIXPREC_CACHE_DIR", str(tmp_path))
     monkeypatch.delenv(ENV, raising=False)
-    monkeypatch.setattr(op_plan, "NOISY_SPREAD", math.inf)
+    monkeypatch.setattr(kernel_timing, "NOISY_SPREAD", math.inf)
     op_plan.forget()
     yield
     op_plan.forget()

@@ -26,9 +26,9 @@ saves unless the user says so. Each candidate's saved bytes are measured with it
 The key is the op, the shapes of q, k, v, the autocast dtype, ``is_causal``, the mask's dtype and shape,
 whether dropout is on, whether ``scale`` is given, ``enable_gqa``, and whether a backward will follow (grad
 mode and ``requires_grad``). At the first call with a new key, each candidate is timed on random tensors of
-those shapes (inside :func:`torch.random.fork_rng` with its own generator, so the caller's random stream is
+those shapes (:mod:`mixprec.autocast.plan_measurement`; inside :func:`torch.random.fork_rng` with its own generator, so the caller's random stream is
 untouched; under identity saved-tensor hooks, so a checkpoint or offload around the op sees none of its
-tensors) by :func:`time_candidates`: one warm-up each, then the best of :data:`REPEATS` interleaved
+tensors) by :func:`time_candidates` (:mod:`mixprec.autocast.kernel_timing`): one warm-up each, then the best of :data:`REPEATS` interleaved
 forward (+ backward) rounds. Host syncs: at measurement only (a device sync around each run:
 :func:`mixprec.machine.timing.time_call`). The plan is cached per process and on disk by machine
 (:func:`mixprec.machine.cache.machine_key`: device name, torch version, thread count) and key, so a second run of
@@ -63,33 +63,29 @@ floating inputs to the autocast dtype and run the op with autocast off).
 from __future__ import annotations
 
 import dataclasses
-import statistics
 import threading
 import warnings
 from collections.abc import Iterator
-from contextlib import AbstractContextManager, contextmanager, nullcontext
-from dataclasses import dataclass, field
+from contextlib import AbstractContextManager, contextmanager
 from typing import Any, Callable
 
 import torch
 
 from mixprec.autocast.plan_agreement import pending, running
 from mixprec.autocast.plan_entry import PlanEntry
-from mixprec.autocast.attention_kernels import CANDIDATES, MATMUL_SCORES_LIMIT, NOT_FP16, offered, saved_per_call
+from mixprec.autocast.attention_kernels import CANDIDATES, MATMUL_SCORES_LIMIT, NOT_FP16
+from mixprec.autocast.kernel_timing import MARGIN, NOISY_SPREAD, REPEATS, Timing, speed_choice, time_candidates
+from mixprec.autocast.plan_measurement import measure, outside_tracing, traced
 from mixprec.autocast.saved_allowance import (allow_extra_saved, count_call, extra_saved_allowed, memory_choice,
                                               mib_words)
 from mixprec.autocast.switch import Switch
 from mixprec.machine.cache import cache_dir, machine_key, read_json, write_json
-from mixprec.machine.timing import time_call
 
 __all__ = ["PlanEntry", "planned_kernels", "choose", "entries", "summary", "choices", "pin", "retarget", "measured_afresh",
            "cached", "forget", "time_candidates", "describe", "MARGIN",
            "REPEATS", "MATMUL_SCORES_LIMIT", "NOISY_SPREAD", "Timing", "CANDIDATES", "plan_key",
            "planned_devices", "planned_as", "allow_extra_saved", "extra_saved_allowed", "rechosen", "unagreed"]
 
-MARGIN = 0.05                     # another candidate replaces the default only when ≥ 5 % faster
-REPEATS = 5                       # timed runs per candidate after one warm-up (best of)
-NOISY_SPREAD = 1.5                # a candidate's slowest round over its fastest: above it, not cached
 _DEFAULT = "fused"
 _TRACED = "default (traced, not measured)"
 _NOISY = "measured (noisy: this process only, not cached)"
@@ -115,115 +111,22 @@ def plan_key(q, k, v, attn_mask=None, dropout_p=0.0, is_causal=False, scale=None
             f"gqa={enable_gqa} {'fwd+bwd' if grad else 'fwd'}")
 
 
-@dataclass(frozen=True)
-class Timing:
-    """What :func:`time_candidates` found: ``chosen``, each candidate's best time in ms (None: not offered), and
-    ``spread``: the largest ratio of a candidate's slowest to its fastest timed round (1.0 on a quiet machine).
-    The plan's measurement adds ``saved_bytes`` (candidate → bytes saved for backward per call) and ``memory``
-    (the memory rule's words), and its ``chosen`` is the memory rule's (module docstring)."""
-
-    chosen: str
-    times_ms: dict[str, float | None]
-    spread: float
-    saved_bytes: dict[str, int | None] = field(default_factory=dict)
-    memory: str = ""
-
-    @property
-    def noisy(self) -> bool:
-        """True when ``spread`` exceeds :data:`NOISY_SPREAD`: the machine was busy; the choice is not cached."""
-        return self.spread > NOISY_SPREAD
-
-
-def time_candidates(runs: dict[str, Callable[[], Any] | None], *, default: str,
-                    device: torch.device | str = "cpu", prefer: tuple[str, ...] = ()) -> Timing:
-    """Time each zero-argument callable of ``runs`` (None: not offered) and pick one: one warm-up call each, then
-    :data:`REPEATS` interleaved rounds (A B C A B C ...: drift hits every candidate alike), each candidate's best
-    call in ms. A candidate whose warm-up took over 3x the fastest warm-up has lost and is not repeated (its
-    warm-up time is reported). ``default`` is chosen unless another candidate is at least :data:`MARGIN`
-    faster; among the candidates within :data:`MARGIN` of the fastest, the first of ``prefer`` (most exact
-    first; else ``runs``' order) wins, so noise cannot trade exactness for nothing. ``spread`` is the median
-    over candidates of each one's slowest/fastest round. Raises ValueError when ``default`` is not offered. Host
-    syncs: a device sync around each call (:func:`mixprec.machine.timing.time_call`)."""
-    device = torch.device(device)
-    if runs.get(default) is None:
-        raise ValueError(f"time_candidates(default={default!r}): the default must be one of the offered "
-                         f"candidates {[n for n, r in runs.items() if r is not None]}")
-
-    def once(run: Callable[[], Any]) -> float:
-        return time_call(run, device) * 1e3
-    warm = {name: once(run) for name, run in runs.items() if run is not None}
-    live = [name for name in warm if warm[name] <= 3 * min(warm.values()) or name == default]
-    rounds: dict[str, list[float]] = {name: [] for name in live}
-    for _ in range(REPEATS):
-        for name in live:
-            rounds[name].append(once(runs[name]))
-    times = {name: None if run is None else round(min(rounds[name]) if name in rounds else warm[name], 3)
-             for name, run in runs.items()}
-    spread = statistics.median(max(r) / min(r) for r in rounds.values())   # one candidate's outlier is not load
-    return Timing(_speed_choice(times, default, prefer or tuple(runs)), times, round(spread, 3))
-
-
-def _speed_choice(times: dict[str, float | None], default: str, prefer: tuple[str, ...]) -> str:
-    """``default`` unless another candidate (time not None) is at least :data:`MARGIN` faster; then the first of
-    ``prefer`` within :data:`MARGIN` of the fastest."""
-    best = min(t for t in times.values() if t is not None)
-    if times[default] <= best / (1 - MARGIN):
-        return default
-    return next(n for n in prefer if times.get(n) is not None and times[n] <= best / (1 - MARGIN))
-
-
 def _rule(times: dict[str, float | None], saved: dict[str, int | None],
           allowed_mib: float | None) -> tuple[str, str]:
     """The plan's choice and its memory words: the speed rule among the candidates within the allowance."""
     return memory_choice(times, saved, default=_DEFAULT, allowed_mib=allowed_mib,
-                         pick=lambda t: _speed_choice(t, _DEFAULT, _EXACTNESS))
-
-
-def _own_saved_tensors() -> Any:
-    """Identity saved-tensor hooks; none where hooks are disabled (torch.func.grad: no caller's hooks either)."""
-    if torch._C._autograd._saved_tensors_hooks_get_disabled_error_message() is not None:
-        return nullcontext()
-    return torch.autograd.graph.saved_tensors_hooks(lambda t: t, lambda t: t)
+                         pick=lambda t: speed_choice(t, _DEFAULT, _EXACTNESS))
 
 
 def _measure(q, k, v, attn_mask, dropout_p, is_causal, scale, enable_gqa, dtype, grad,
              allowed_mib: float | None) -> tuple[Timing, str]:
-    device = q.device
-    why_not = offered(q, k, attn_mask, dtype, dropout_p=dropout_p, scale=scale)
-    # the innermost saved-tensor hooks are the only ones applied: identity ones keep the stand-ins' saved tensors
-    # out of the caller's (a non-reentrant checkpoint around the op counted them as its own: CheckpointError)
-    with torch.random.fork_rng(devices=[device] if device.type == "cuda" else []), \
-            torch.autocast(device.type, enabled=False), _own_saved_tensors():
-        gen = torch.Generator(device=device).manual_seed(0)
-
-        def like(t):   # a stand-in of the same shape, dtype and device (a traced tensor has no data)
-            return torch.randn(tuple(t.shape), dtype=t.dtype, device=device, generator=gen).requires_grad_(grad)
-        mask = None if attn_mask is None else (
-            torch.zeros if attn_mask.is_floating_point() else torch.ones)(tuple(attn_mask.shape), dtype=attn_mask.dtype,
-                                                                         device=device)
-        args = (like(q), like(k), like(v), mask, dropout_p, is_causal, scale, enable_gqa)
-
-        def runner(fn: Callable) -> Callable[[], None]:
-            def run() -> None:
-                with torch.enable_grad() if grad else torch.no_grad():
-                    out = fn(*args, dtype)
-                    if grad:
-                        torch.autograd.backward(out, torch.ones_like(out))
-            return run
-        timing = time_candidates({n: None if why_not[n] else runner(fn) for n, fn in CANDIDATES.items()},
-                                 default=_DEFAULT, device=device, prefer=_EXACTNESS)
-
-        def forward(fn: Callable) -> Callable[[], Any]:
-            return lambda: fn(*args, dtype)
-        saved = saved_per_call({n: None if why_not[n] else forward(fn) for n, fn in CANDIDATES.items()}) if grad \
-            else {n: None if why_not[n] else 0 for n in CANDIDATES}       # no backward follows: nothing is saved
-    chosen, memory = _rule(timing.times_ms, saved, allowed_mib)
-    timing = dataclasses.replace(timing, chosen=chosen, saved_bytes=saved, memory=memory)
-    notes = [f"{n} {w}" for n, w in why_not.items() if w]
-    if timing.noisy:
-        notes.append(f"timings noisy (a candidate's rounds spread {timing.spread:.2f}x): kept for this process, "
-                     "not cached")
-    return timing, "; ".join(notes)
+    """The key measured (:func:`mixprec.autocast.plan_measurement.measure`, outside any tracing) and chosen by the
+    rule under ``allowed_mib``; and the measurement's notes."""
+    with outside_tracing():
+        timing, note = measure(q, k, v, attn_mask, dropout_p, is_causal, scale, enable_gqa, dtype, grad,
+                               default=_DEFAULT, prefer=_EXACTNESS)
+    chosen, memory = _rule(timing.times_ms, timing.saved_bytes, allowed_mib)
+    return dataclasses.replace(timing, chosen=chosen, memory=memory), note
 
 
 def _cache_file(device: torch.device):
@@ -267,24 +170,6 @@ def rechosen(entry: PlanEntry, allowed_mib: float | None) -> PlanEntry:
     return dataclasses.replace(entry, chosen=chosen, memory=memory, extra_saved_allowed_mib=allowed_mib)
 
 
-def _traced(q: torch.Tensor) -> bool:
-    from torch.utils._python_dispatch import is_in_torch_dispatch_mode
-    return type(q) is not torch.Tensor or torch.compiler.is_compiling() or is_in_torch_dispatch_mode()
-
-
-@contextmanager
-def _outside_tracing() -> Iterator[None]:
-    """Real tensors while torch.compile / a dispatch mode traces (the measurement runs real kernels), and outside
-    torch.func transforms (grad, vjp, vmap: the stand-ins' requires_grad_, random draws and saved-tensor hooks
-    are refused inside them)."""
-    from torch._functorch.pyfunctorch import temporarily_clear_interpreter_stack
-    from torch._subclasses.fake_tensor import unset_fake_temporarily
-    from torch.utils._python_dispatch import _disable_current_modes
-    with temporarily_clear_interpreter_stack(), unset_fake_temporarily(), _disable_current_modes(), \
-            torch._C._DisablePythonDispatcher():
-        yield
-
-
 def choose(q, k, v, attn_mask=None, dropout_p=0.0, is_causal=False, scale=None, enable_gqa=False, *,
            dtype: torch.dtype, grad: bool) -> PlanEntry:
     """The plan's entry for this call of ``scaled_dot_product_attention`` (arguments as the op's; ``dtype``
@@ -297,7 +182,7 @@ def choose(q, k, v, attn_mask=None, dropout_p=0.0, is_causal=False, scale=None, 
     entry, allowed, in_backward = plan.get(key), extra_saved_allowed(), torch._C._current_graph_task_id() != -1
     if grad:
         count_call(key)   # the calls a step's budget is shared among (saved_allowance.CallCounter)
-    if entry is not None and (entry.source != _TRACED or _traced(q)):   # in a backward (a recompute): the forward's
+    if entry is not None and (entry.source != _TRACED or traced(q)):   # in a backward (a recompute): the forward's
         plan[key] = entry = entry if in_backward else rechosen(entry, allowed)        # choice, whatever the allowance
         return entry
     if entry is None and in_backward:
@@ -313,11 +198,10 @@ def choose(q, k, v, attn_mask=None, dropout_p=0.0, is_causal=False, scale=None, 
         cached = None if _afresh[0] else _disk[where].get(key)
     if _usable(cached, key):
         entry = _from_cache(cached, key, allowed)
-    elif _traced(q) and not all(isinstance(d, int) for t in (q, k, v) for d in t.shape):
+    elif traced(q) and not all(isinstance(d, int) for t in (q, k, v) for d in t.shape):
         entry = PlanEntry("scaled_dot_product_attention", key, _DEFAULT, {}, _TRACED, extra_saved_allowed_mib=allowed)
     else:
-        with _outside_tracing():
-            timing, note = _measure(q, k, v, attn_mask, dropout_p, is_causal, scale, enable_gqa, dtype, grad, allowed)
+        timing, note = _measure(q, k, v, attn_mask, dropout_p, is_causal, scale, enable_gqa, dtype, grad, allowed)
         older = _usable({**cached, "saved_bytes": {}}, key) if isinstance(cached, dict) else False
         entry = PlanEntry("scaled_dot_product_attention", key, timing.chosen, timing.times_ms,
                           _NOISY if timing.noisy else "measured", "; ".join(filter(None, [note, older * _OLD_CACHE])),

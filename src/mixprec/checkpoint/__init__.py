@@ -101,19 +101,11 @@ def load_checkpoint(path: str | Path, mp: MixedPrecision, *, guard: Any = None, 
     they were saved from (CUDA RNG states are skipped where there is no CUDA). Same device and
     policy: continuing is bit-exact with the uninterrupted run.
 
-    **Policy.** A checkpoint saved under another policy than ``mp.policy`` is refused unless:
-
-    * ``convert=True``: convert to ``mp``'s policy. The engine is switched to the saved policy
-      (:meth:`MixedPrecision.set_policy`), the state is loaded exactly, then ``set_policy`` goes back to
-      ``mp``'s policy, whose rules apply: each param's fp32 value (the master where one exists, else
-      the param plus any Kahan compensation) becomes the new param (cast) and the new master. So a
-      bf16-mixed run resumed as bf16-pure builds its masters from the fp32 params; a bf16-pure run
-      resumed as fp32 takes the masters as params; optimizer state moves with its tensor (moments
-      cast to the new ``state_dtype``; 8-bit codes dequantized into fp32 state, fp32 state quantized into
-      ``state=int8``/``fp8``, each a single rounding, the event's detail says which); the loss scale is kept when both policies name the same loss
-      scaling, else built fresh. A ``"convert"`` event is appended to ``mp.events``.
-    * ``adopt_policy=True``: switch ``mp`` to the saved policy and stay there (a run whose guard
-      escalated precision, resumed with the engine built under the run's original policy). Bit-exact.
+    **Policy.** A checkpoint saved under another policy than ``mp.policy`` is refused unless ``convert=True``
+    (convert to ``mp``'s policy: each param's fp32 value becomes the new param and master, optimizer state moves
+    with its tensor, a ``"convert"`` event; the rules: :func:`mixprec.checkpoint.local.load_checkpoint`) or
+    ``adopt_policy=True`` (switch ``mp`` to the saved policy and stay there: a run whose guard escalated
+    precision, resumed with the engine built under the run's original policy; bit-exact).
 
     ``weights_only=True`` loads the model and masters only (inference, fine-tuning): the optimizer,
     scheduler, loss scale, counters, RNG and guard of ``mp`` are left alone; with ``convert=True`` each
@@ -134,11 +126,7 @@ def load_checkpoint(path: str | Path, mp: MixedPrecision, *, guard: Any = None, 
     if not is_dcp(manifest):
         return local.load_checkpoint(directory, mp, guard=guard, convert=convert, adopt_policy=adopt_policy,
                                      weights_only=weights_only, restore_rng=restore_rng, ema=ema)
-    for name, value, default in (("convert", convert, False), ("weights_only", weights_only, False),
-                                 ("restore_rng", restore_rng, True), ("ema", ema, None)):
-        if value is not default:
-            raise ValueError(f"load_checkpoint {name}={value!r} does not apply to the DCP checkpoint "
-                             f"{str(directory)!r} (sharded state, no RNG or EMA); pass {name}={default!r}")
+    dcp.check_load_options(directory, convert=convert, weights_only=weights_only, restore_rng=restore_rng, ema=ema)
     return dcp.load(directory, manifest, mp, guard=guard)
 
 

@@ -33,7 +33,7 @@ from mixprec.engine.step_state import MID_ACCUMULATION
 if TYPE_CHECKING:
     from mixprec.engine.mixed_precision import MixedPrecision
 
-__all__ = ["save", "load", "load_model_weights", "on_main_process", "reshard_note", "check_fits"]
+__all__ = ["save", "load", "check_load_options", "load_model_weights", "on_main_process", "reshard_note", "check_fits"]
 
 
 def _state(mp: MixedPrecision) -> dict[str, Any]:
@@ -131,6 +131,16 @@ def check_boundary(mp: MixedPrecision, call: str) -> None:
     """Raise RuntimeError unless ``mp`` is at an accumulation boundary."""
     if mp.micro_step != 0:
         raise RuntimeError(MID_ACCUMULATION.format(call=call, n=mp.micro_step, what="save or load"))
+
+
+def check_load_options(directory: Path, *, convert: bool, weights_only: bool, restore_rng: bool, ema: Any) -> None:
+    """Raise ValueError for a :func:`mixprec.checkpoint.load_checkpoint` option that does not apply to the DCP
+    checkpoint in ``directory`` (sharded state, no RNG or EMA): each must keep its default."""
+    for name, value, default in (("convert", convert, False), ("weights_only", weights_only, False),
+                                 ("restore_rng", restore_rng, True), ("ema", ema, None)):
+        if value is not default:
+            raise ValueError(f"load_checkpoint {name}={value!r} does not apply to the DCP checkpoint "
+                             f"{str(directory)!r} (sharded state, no RNG or EMA); pass {name}={default!r}")
 
 
 def load(directory: Path, manifest: dict, mp: MixedPrecision, *, guard: Any = None) -> LoadedExtra:

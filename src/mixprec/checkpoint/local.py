@@ -181,7 +181,22 @@ def load_checkpoint(path: str | Path, mp: MixedPrecision, *, guard: Any = None, 
                     ema: Any = None) -> LoadedExtra:
     """Verify the one-process checkpoint at ``path`` and load it into ``mp``; returns the manifest's ``extra``
     with its ``data_position`` (:class:`~mixprec.checkpoint.manifest.LoadedExtra`).
-    Documented at :func:`mixprec.checkpoint.load_checkpoint`, which routes here."""
+    Documented at :func:`mixprec.checkpoint.load_checkpoint`, which routes here; its policy rules in full:
+
+    A checkpoint saved under another policy than ``mp.policy`` is refused unless:
+
+    * ``convert=True``: convert to ``mp``'s policy. The engine is switched to the saved policy
+      (:meth:`MixedPrecision.set_policy`), the state is loaded exactly, then ``set_policy`` goes back to
+      ``mp``'s policy, whose rules apply: each param's fp32 value (the master where one exists, else
+      the param plus any Kahan compensation) becomes the new param (cast) and the new master. So a
+      bf16-mixed run resumed as bf16-pure builds its masters from the fp32 params; a bf16-pure run
+      resumed as fp32 takes the masters as params; optimizer state moves with its tensor (moments
+      cast to the new ``state_dtype``; 8-bit codes dequantized into fp32 state, fp32 state quantized into
+      ``state=int8``/``fp8``, each a single rounding, the event's detail says which); the loss scale is kept when both policies name the same loss
+      scaling, else built fresh. A ``"convert"`` event is appended to ``mp.events``.
+    * ``adopt_policy=True``: switch ``mp`` to the saved policy and stay there (a run whose guard
+      escalated precision, resumed with the engine built under the run's original policy). Bit-exact.
+    """
     _check_load_args(mp, convert=convert, adopt_policy=adopt_policy, weights_only=weights_only, ema=ema)
     ck = read(path)
     ema_state = None if ema is None else _ema_state(ck, ema)

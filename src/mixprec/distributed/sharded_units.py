@@ -13,7 +13,7 @@ param of the newly kept modules, what ``fully_shard`` would have set at build fo
   compensation, folded in fp32 as one process's re-preparation does: :meth:`~mixprec.engine.masters.
   MasterWeights.fp32_values`), the same ``Parameter`` object (the ``DTensor``'s dtype, local shard and spec replaced, then FSDP2's
   ``reset_sharded_param``: optimizer state and the engine's records stay keyed by it), its compensation dropped (fp32 params carry none);
-* a unit that is kept whole loses its hidden-state cast (:class:`~mixprec.distributed.process.CastHiddenState`),
+* a unit that is kept whole loses its hidden-state cast (:class:`~mixprec.distributed.wrapping.CastHiddenState`),
   as a ``keep_fp32`` unit never had one.
 
 A unit is escalated whole: a module that is not its own unit shares its unit's all-gather dtype, so the other
@@ -36,7 +36,7 @@ from typing import Any
 import torch
 from torch import nn
 
-from mixprec.distributed.process import CastHiddenState
+from mixprec.distributed.wrapping import CastHiddenState
 from mixprec.optim import sharded
 from mixprec.policy.policy import Policy
 

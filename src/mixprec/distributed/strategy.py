@@ -3,7 +3,7 @@
 The engine calls the same methods whatever the strategy, so ``MixedPrecision.step`` has no branch on
 it. :class:`SingleProcess` does nothing (no collective, the model as given). :class:`DDP` and
 :class:`FSDP2` join the torchrun process group, start every rank from rank 0's weights and policy,
-wrap the model (:func:`mixprec.distributed.process.wrap_model`), reduce gradients in fp32, and OR the step's
+wrap the model (:func:`mixprec.distributed.wrapping.wrap_model`), reduce gradients in fp32, and OR the step's
 found-inf and non-finite-loss flags across ranks before the step's one host read, so every rank
 steps or skips together. Details: :mod:`mixprec.distributed.process`.
 """

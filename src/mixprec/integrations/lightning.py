@@ -1,6 +1,6 @@
 """mixprec under PyTorch Lightning: :class:`MixprecPrecision`, a precision plugin for ``L.Trainer``
 (``L.Trainer(plugins=[MixprecPrecision("bf16-lean")])``), and :class:`MixprecFabricPrecision` for Fabric
-(docs/integrations.md, "Lightning"). Importing this module imports Lightning (``pip install mixprec[lightning]``).
+(:mod:`mixprec.integrations.lightning_fabric`; docs/integrations.md, "Lightning"). Importing this module imports Lightning (``pip install mixprec[lightning]``).
 
 Lightning's hooks, mapped onto the engine's phases (docs/engine.md):
 
@@ -34,12 +34,11 @@ Source: Lightning's own ``MixedPrecision`` (AMP) plugin, whose hook order this f
 
 from __future__ import annotations
 
-from collections.abc import Callable, Iterator, Mapping
+from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from typing import Any
 
 import torch
-from lightning.fabric.plugins.precision import Precision as FabricPrecision
 from lightning.pytorch import LightningModule
 from lightning.pytorch.plugins.precision import Precision
 from lightning.pytorch.utilities.model_helpers import is_overridden
@@ -51,6 +50,8 @@ from mixprec.engine.boundary import StepCheck, StepResult
 from mixprec.engine.clipping import clip_
 from mixprec.engine.mixed_precision import MixedPrecision
 from mixprec.engine.open_group import check_group
+from mixprec.integrations.lightning_fabric import MixprecFabricPrecision
+from mixprec.integrations.lightning_inputs import cast_batch, check_keep, check_options
 from mixprec.integrations.lightning_strategies import (broadcast_from_rank0, model_parallel, profiler_hold,
                                                        resumed_parts)
 from mixprec.integrations.replica_checks import (DEFAULT_EVERY, ReplicaChecks, check_accumulation, follow_accumulation,
@@ -69,18 +70,6 @@ _TRAINER_OWNS = {
     "scheduler": "return it from configure_optimizers (interval 'step': the engine steps it on applied steps)",
     "compile": "torch.compile a submodule inside your LightningModule (Lightning calls its methods, not mp.model)",
 }
-_FABRIC_OWNS = {
-    "accumulation_steps": "fabric.backward(loss / N) for each micro-batch, then optimizer.step() once (they join)",
-    "scheduler": "plugin.attach(optimizer, scheduler): the engine steps it on applied steps",
-    "strategy": "L.Fabric(strategy='ddp', ...): the strategy wraps the module the plugin prepared",
-    "compile": "torch.compile the module Fabric returns (fabric.setup re-applies a compile)",
-}
-
-
-def _check_options(options: dict[str, Any], owner: dict[str, str], plugin: str) -> None:
-    for key in options:
-        if key in owner:
-            raise ValueError(f"{plugin}({key}={options[key]!r}): the trainer owns this; use {owner[key]}")
 
 
 def _several_optimizers(count: int, module: Any) -> str:
@@ -117,26 +106,6 @@ class _SteppedByEngine:
         return getattr(self._scheduler, name)
 
 
-def _check_keep(keep_inputs: Any, owner: str) -> tuple:
-    if not isinstance(keep_inputs, (tuple, list)) or not all(isinstance(k, (str, int)) for k in keep_inputs):
-        raise TypeError(f"{owner}(keep_inputs={keep_inputs!r}): pass a tuple of the batch's top-level keys, fields or "
-                        "indices whose floats are targets, kept as they come (e.g. keep_inputs=(1,) for (x, y) "
-                        "batches, keep_inputs=('labels',) for dicts)")
-    return tuple(keep_inputs)
-
-
-def _cast(mp: MixedPrecision, data: Any, keep_inputs: tuple) -> Any:
-    """``mp.cast_inputs(data, keep=...)`` with the ``keep_inputs`` entries this batch has (a predict batch
-    may carry no target)."""
-    if isinstance(data, Mapping):
-        keep = tuple(k for k in keep_inputs if k in data)
-    elif isinstance(data, (tuple, list)):
-        keep = tuple(k for k in keep_inputs if isinstance(k, int) and -len(data) <= k < len(data))
-    else:
-        keep = tuple(k for k in keep_inputs if isinstance(k, str) and hasattr(data, k))
-    return mp.cast_inputs(data, keep=keep)
-
-
 class MixprecPrecision(Precision):
     """A Lightning precision plugin running the mixprec engine (``L.Trainer(plugins=[MixprecPrecision(policy)])``):
     ``policy`` as :class:`mixprec.MixedPrecision` (``"auto"``, a preset, ``key=value`` text, a :class:`Policy`),
@@ -157,9 +126,9 @@ class MixprecPrecision(Precision):
     def __init__(self, policy: str | Policy = "auto", *, keep_inputs: tuple = (),
                  verify_replicas_every: int = DEFAULT_EVERY, **engine_options: Any) -> None:
         super().__init__()
-        _check_options(engine_options, _TRAINER_OWNS, "MixprecPrecision")
+        check_options(engine_options, _TRAINER_OWNS, "MixprecPrecision")
         self.policy, self.engine_options = policy, engine_options
-        self.keep_inputs = _check_keep(keep_inputs, "MixprecPrecision")
+        self.keep_inputs = check_keep(keep_inputs, "MixprecPrecision")
         self.replicas = ReplicaChecks(verify_replicas_every, "MixprecPrecision")
         self._accumulate: int | None = None   # Lightning's accumulate_grad_batches at the last micro-batch
         self.engine: MixedPrecision | None = None
@@ -281,7 +250,7 @@ class MixprecPrecision(Precision):
     def convert_input(self, data: Any) -> Any:
         """``mp.cast_inputs(data, keep=keep_inputs)``: to the device, floating tensors in the param dtype but the
         ``keep_inputs`` targets (as they come), token ids exact."""
-        return data if self.engine is None else _cast(self.engine, data, self.keep_inputs)
+        return data if self.engine is None else cast_batch(self.engine, data, self.keep_inputs)
 
     # ------------------------------------------------------------------ backward and step
     def backward(self, tensor: torch.Tensor, model: Any, optimizer: Any, *args: Any, **kwargs: Any) -> None:
@@ -396,105 +365,3 @@ class MixprecPrecision(Precision):
                              "optimizer_states); this one was saved with weights_only=True")
         self._pending = {**state_dict, **parts}
         self._attach()
-
-
-class MixprecFabricPrecision(FabricPrecision):
-    """The engine under Lightning Fabric (``L.Fabric(plugins=[plugin])``): ``fabric.setup(model, optimizer)``
-    prepares ``model`` before the strategy wraps it (``convert_module``), then one line the plugin cannot do
-    for you, as Fabric shows a precision plugin no optimizer before the first step: ``plugin.attach(optimizer,
-    scheduler=None)`` (the engine steps ``scheduler`` after applied steps only). The model's forward runs
-    under ``mp.autocast()`` with ``mp.cast_inputs``; ``fabric.backward(loss)`` is ``mp.backward(loss,
-    join=True)`` (divide by the micro-batch count yourself, as in Fabric); ``fabric.clip_gradients`` sees the
-    unscaled gradients; ``optimizer.step()`` is the boundary. ``policy``/``engine_options`` as
-    :class:`MixprecPrecision` (``device``: the engine's, default the current CUDA device else CPU, as Fabric's
-    default). ``fabric.save(path, {"mixprec": plugin})`` holds the engine's whole state and the RNG states;
-    ``fabric.load`` restores it exactly. Several processes: rank 0's stochastic-rounding seeds at ``attach``, the
-    replicas compared every ``verify_replicas_every`` steps (as :class:`MixprecPrecision`). Errors as
-    :class:`MixprecPrecision`."""
-
-    def __init__(self, policy: str | Policy = "auto", *, keep_inputs: tuple = (),
-                 verify_replicas_every: int = DEFAULT_EVERY, **engine_options: Any) -> None:
-        super().__init__()
-        _check_options(engine_options, _FABRIC_OWNS, "MixprecFabricPrecision")
-        self.policy, self.engine_options = policy, engine_options
-        self.keep_inputs = _check_keep(keep_inputs, "MixprecFabricPrecision")
-        self.replicas = ReplicaChecks(verify_replicas_every, "MixprecFabricPrecision")
-        self.engine: MixedPrecision | None = None
-        self.step_check: StepCheck | None = None   # and last_result: the boundary's StepCheck and StepResult
-        self.last_result: StepResult | None = None
-
-    @property
-    def precision(self) -> str:   # type: ignore[override]
-        """The policy's text (``fabric`` reports it): the engine's resolved policy once built."""
-        return str(self.engine.policy) if self.engine is not None else str(self.policy)
-
-    def convert_module(self, module: nn.Module) -> nn.Module:
-        """Build the engine on ``module`` (before the strategy wraps it) with ``optimizer=None``; rank 0's fp32
-        values first under several processes. RuntimeError for a second model."""
-        if self.engine is not None:
-            if module is not self.engine.module:
-                raise RuntimeError("MixprecFabricPrecision got a second model: use one plugin (and Fabric) per model")
-            return module
-        broadcast_from_rank0(module)
-        self.engine = MixedPrecision(module, None, self.policy, **self.engine_options)
-        return module
-
-    def attach(self, optimizer: Any, scheduler: Any = None) -> None:
-        """``mp.attach`` the optimizer ``fabric.setup`` returned (or the one it wraps) and ``scheduler``."""
-        engine = self._engine("plugin.attach(optimizer)")
-        device = next((p.device for p in engine.module.parameters()), engine.device)
-        if device.type != engine.device.type:
-            raise RuntimeError(f"Fabric moved the model to {device}, the engine runs on {engine.device}: pass "
-                               f"MixprecFabricPrecision(..., device='{device.type}')")
-        engine.attach(getattr(optimizer, "optimizer", optimizer), scheduler)
-        self.replicas.agree_seeds(engine)   # several processes: rank 0's sr_seed on every rank
-
-    def _engine(self, what: str) -> MixedPrecision:
-        if self.engine is None:
-            raise RuntimeError(f"MixprecFabricPrecision: {what} before fabric.setup(model, ...) built the engine")
-        return self.engine
-
-    def forward_context(self) -> Any:
-        """``mp.autocast()`` around the model's forward."""
-        return self._engine("a forward").autocast()
-
-    def convert_input(self, data: Any) -> Any:
-        """``mp.cast_inputs(data, keep=keep_inputs)`` (as :class:`MixprecPrecision`)."""
-        return _cast(self._engine("a forward"), data, self.keep_inputs)
-
-    def backward(self, tensor: torch.Tensor, model: Any, *args: Any, **kwargs: Any) -> None:
-        """``mp.backward(tensor, join=True)``: micro-batches until ``optimizer.step()`` form one step."""
-        if args:
-            raise TypeError(f"MixprecFabricPrecision.backward takes retain_graph=/inputs= by keyword, got {args!r}")
-        self._engine("fabric.backward").backward(tensor, join=True, **kwargs)
-
-    def unscale_gradients(self, optimizer: Any) -> None:
-        """The boundary's first phase (``fabric.clip_gradients`` calls it): ``mp.unscale_and_check()``, once."""
-        if self.step_check is None:
-            self.step_check = self._engine("fabric.clip_gradients").unscale_and_check()
-
-    def optimizer_step(self, optimizer: Any, **kwargs: Any) -> Any:
-        """The boundary: :meth:`unscale_gradients` unless done, then ``mp.apply_or_skip``; returns None."""
-        if kwargs:
-            raise TypeError(f"MixprecFabricPrecision.optimizer_step takes no optimizer.step() arguments, got {kwargs}")
-        self.unscale_gradients(optimizer)
-        check, self.step_check = self.step_check, None
-        engine = self._engine("optimizer.step()")
-        self.last_result = engine.apply_or_skip(check)
-        self.replicas.at_boundary(engine)
-        return None
-
-    def state_dict(self) -> dict[str, Any]:
-        """The engine's whole :meth:`~MixedPrecision.state_dict` with its events and the RNG states; inside an
-        accumulation window on several processes every rank's window (``fabric.save`` runs it on every rank)."""
-        engine = self._engine("state_dict()")
-        return gather_windows({**engine.state_dict(), "events": [event.to_dict() for event in engine.events],
-                               "rng": rng_snapshot(engine.device)})
-
-    def load_state_dict(self, state_dict: dict[str, Any]) -> None:
-        """Restore :meth:`state_dict` exactly (after :meth:`attach`; each rank its own open window). ValueError for a
-        window saved by another number of processes."""
-        state = own_window(dict(state_dict), "MixprecFabricPrecision")
-        rng = state.pop("rng", None)
-        load_resumed(self._engine("load_state_dict()"), state, "MixprecFabricPrecision")
-        restore_snapshot(rng)

@@ -1,0 +1,82 @@
+"""Candidate kernels timed against each other, and the speed rule that picks one.
+
+:func:`time_candidates` times zero-argument callables, interleaved, and picks by :func:`speed_choice`: the
+default unless another candidate is at least :data:`MARGIN` faster, ties within :data:`MARGIN` of the fastest
+going to the first of a preference order (the more exact). A measurement whose rounds spread over
+:data:`NOISY_SPREAD` is :attr:`Timing.noisy` (a busy machine: kept by the caller for this process only). The op
+plan (:mod:`mixprec.autocast.op_plan`) times its attention candidates with it. Host syncs: a device sync around
+each timed call (:func:`mixprec.machine.timing.time_call`).
+"""
+
+from __future__ import annotations
+
+import statistics
+from dataclasses import dataclass, field
+from typing import Any, Callable
+
+import torch
+
+from mixprec.machine.timing import time_call
+
+__all__ = ["MARGIN", "REPEATS", "NOISY_SPREAD", "Timing", "time_candidates", "speed_choice"]
+
+MARGIN = 0.05                     # another candidate replaces the default only when ≥ 5 % faster
+REPEATS = 5                       # timed runs per candidate after one warm-up (best of)
+NOISY_SPREAD = 1.5                # a candidate's slowest round over its fastest: above it, not cached
+
+
+@dataclass(frozen=True)
+class Timing:
+    """What :func:`time_candidates` found: ``chosen``, each candidate's best time in ms (None: not offered), and
+    ``spread``: the largest ratio of a candidate's slowest to its fastest timed round (1.0 on a quiet machine).
+    The plan's measurement adds ``saved_bytes`` (candidate → bytes saved for backward per call) and ``memory``
+    (the memory rule's words), and its ``chosen`` is the memory rule's (:mod:`mixprec.autocast.op_plan`)."""
+
+    chosen: str
+    times_ms: dict[str, float | None]
+    spread: float
+    saved_bytes: dict[str, int | None] = field(default_factory=dict)
+    memory: str = ""
+
+    @property
+    def noisy(self) -> bool:
+        """True when ``spread`` exceeds :data:`NOISY_SPREAD`: the machine was busy; the choice is not cached."""
+        return self.spread > NOISY_SPREAD
+
+
+def time_candidates(runs: dict[str, Callable[[], Any] | None], *, default: str,
+                    device: torch.device | str = "cpu", prefer: tuple[str, ...] = ()) -> Timing:
+    """Time each zero-argument callable of ``runs`` (None: not offered) and pick one: one warm-up call each, then
+    :data:`REPEATS` interleaved rounds (A B C A B C ...: drift hits every candidate alike), each candidate's best
+    call in ms. A candidate whose warm-up took over 3x the fastest warm-up has lost and is not repeated (its
+    warm-up time is reported). ``default`` is chosen unless another candidate is at least :data:`MARGIN`
+    faster; among the candidates within :data:`MARGIN` of the fastest, the first of ``prefer`` (most exact
+    first; else ``runs``' order) wins, so noise cannot trade exactness for nothing. ``spread`` is the median
+    over candidates of each one's slowest/fastest round. Raises ValueError when ``default`` is not offered. Host
+    syncs: a device sync around each call (:func:`mixprec.machine.timing.time_call`)."""
+    device = torch.device(device)
+    if runs.get(default) is None:
+        raise ValueError(f"time_candidates(default={default!r}): the default must be one of the offered "
+                         f"candidates {[n for n, r in runs.items() if r is not None]}")
+
+    def once(run: Callable[[], Any]) -> float:
+        return time_call(run, device) * 1e3
+    warm = {name: once(run) for name, run in runs.items() if run is not None}
+    live = [name for name in warm if warm[name] <= 3 * min(warm.values()) or name == default]
+    rounds: dict[str, list[float]] = {name: [] for name in live}
+    for _ in range(REPEATS):
+        for name in live:
+            rounds[name].append(once(runs[name]))
+    times = {name: None if run is None else round(min(rounds[name]) if name in rounds else warm[name], 3)
+             for name, run in runs.items()}
+    spread = statistics.median(max(r) / min(r) for r in rounds.values())   # one candidate's outlier is not load
+    return Timing(speed_choice(times, default, prefer or tuple(runs)), times, round(spread, 3))
+
+
+def speed_choice(times: dict[str, float | None], default: str, prefer: tuple[str, ...]) -> str:
+    """``default`` unless another candidate (time not None) is at least :data:`MARGIN` faster; then the first of
+    ``prefer`` within :data:`MARGIN` of the fastest."""
+    best = min(t for t in times.values() if t is not None)
+    if times[default] <= best / (1 - MARGIN):
+        return default
+    return next(n for n in prefer if times.get(n) is not None and times[n] <= best / (1 - MARGIN))
