@@ -11,17 +11,14 @@ from typing import Any, ClassVar
 import torch
 from torch import nn
 
-from mixprec.autocast.op_plan import describe as describe_kernels
 from mixprec.engine.autocast_scope import AutocastScope
 from mixprec.engine.boundary import AccumulationGroup, BoundaryLosses, StepCheck, StepResult, check_grads
 from mixprec.engine.clipping import clip_ as _clip_
-from mixprec.engine.construction import resolve_arguments
+from mixprec.engine.construction import built_in_features, first_decision, resolve_arguments
 from mixprec.engine.divergence import DivergenceError, Judging
 from mixprec.engine.feature import Feature, entered
-from mixprec.engine.grad_sums import GradSums
-from mixprec.engine.kernel_agreement import KernelAgreement
 from mixprec.engine.loss_scale import for_policy as loss_scale_for_policy, unscale_grads
-from mixprec.engine.masters import claim, release
+from mixprec.engine.masters import best_fp32_values, claim, release
 from mixprec.engine.misuse.arguments import as_tensors, cast_batch, check_args, check_loss
 from mixprec.engine.misuse.loop_checks import LoopChecks
 from mixprec.engine.open_group import restore_group
@@ -31,11 +28,10 @@ from mixprec.engine.preparation.edits import ModelLayout, adopt_edited_params, a
 from mixprec.engine.preparation.prepare import prepare
 from mixprec.engine.preparation.reprepare import frozen_to_match, load_engine_state, unfreeze_params
 from mixprec.engine.preparation.switch import switch_policy
-from mixprec.engine.recompute_setup import RecomputeSetup
-from mixprec.engine.records import Decision, Event
+from mixprec.engine.records import Event
 from mixprec.engine.regions import Regions
 from mixprec.engine.saved_state import engine_state, trainable_fp32
-from mixprec.engine.step_state import Phase, check_call, check_open
+from mixprec.engine.step_state import Phase, check_attach, check_call, check_open
 from mixprec.optim import contract
 from mixprec.policy.policy import Policy, cast_floating
 
@@ -70,7 +66,7 @@ class MixedPrecision:
                  strategy: str | None = None, compile: bool | dict[str, Any] = False, recompute: Any = None,
                  memory_budget: str | int | None = None, checkpoint: Any = None) -> None:
         recompute = check_args(model, max_grad_norm, accumulation_steps, recompute, checkpoint)
-        model, self._budget, self._compile, self._strategy, resolution, self._auto = resolve_arguments(
+        model, budget, self._compile, self._strategy, resolution, self._auto = resolve_arguments(
             self, model, optimizer, scheduler, policy, device=device, strategy=strategy, compile=compile,
             allow_fallback=allow_fallback, loss_scale=loss_scale, memory_budget=memory_budget)   # before any change
         self.policy, self.device = resolution.policy, resolution.device   # Policy, torch.device
@@ -92,14 +88,11 @@ class MixedPrecision:
         state_note = "" if optimizer is None else self._attach(optimizer, scheduler)
         claim(self, list(model.named_parameters()), set(prepared.plan.half))
         regions = self._regions.wrap(model, self.policy, self.device.type, prepared.keep, set(prepared.plan.frozen16))
-        self.decision = str(Decision(resolution.decision, (
-            prepared.fp8_note, prepared.plan.note(), self._compile.note(self.policy), self.policy.scaling_note(),
-            prepared.upcast_note, describe_kernels(self.policy, self.device.type), state_note, regions)))
-        self._recompute = RecomputeSetup(self, recompute, self._strategy, self._scope.rebuilds)   # blocks recomputed
-        self._kernels = KernelAgreement(self._strategy, self.policy)   # every rank: rank 0's measured kernels
-        self._sums = GradSums(self)   # 16-bit params without masters: a window's grads summed in fp32
-        self._features: tuple[Feature, ...] = (self._checks, self._sums, self._auto, self._kernels, self._recompute,
-            self._budget, self._regions, self._groups, *(make(self) for make in self.feature_types))   # in call order
+        self.decision = first_decision(resolution.decision, prepared, self._compile, self.policy, self.device.type,
+                                       state_note, regions)
+        self._sums, built_in = built_in_features(self, recompute, self._strategy, self._scope, self._checks,
+                                                 self._auto, budget, self._regions, self._groups)
+        self._features: tuple[Feature, ...] = (*built_in, *(make(self) for make in self.feature_types))   # call order
         self.decision += "".join(f.note for f in self._features)
         self.model = self._compile.apply(self._strategy.after_casts(model, self.policy, self.device))
         self.masters.record_versions()   # DDP's broadcast of rank 0's params is not a user edit
@@ -118,9 +111,7 @@ class MixedPrecision:
         masters under ``-pure``) and ``scheduler`` (steps once per applied step) to an engine built with
         ``optimizer=None`` (``MixedPrecision(model, optimizer)`` calls it); checks its precision contract, lays out
         its state. No host sync. TypeError/ValueError as the constructor; RuntimeError if one is attached."""
-        if self.optimizer is not None:
-            raise RuntimeError("mp.attach(...) on an engine that has an optimizer already (MixedPrecision(model, "
-                               "optimizer, ...) or an earlier mp.attach); build a new MixedPrecision for another one")
+        check_attach(self.optimizer)
         self.decision += self._attach(optimizer, scheduler)
 
     def _attach(self, optimizer: torch.optim.Optimizer, scheduler: Any) -> str:
@@ -344,7 +335,7 @@ class MixedPrecision:
             self._strategy.refuse("to_fp32")
             self._check("unwrap(to_fp32=True)")
             adopt_edited_params(self)
-            self.masters.write_fp32(self._fp32_values())
+            self.masters.write_fp32(best_fp32_values(self.masters, self.optimizer))
         for feature in self._features:
             feature.remove()
         release(self)
@@ -375,7 +366,7 @@ class MixedPrecision:
     def trainable_state_dict(self) -> dict[str, torch.Tensor]:
         """The trainable params by name as fp32 CPU copies of their best values (master, else param plus
         Kahan compensation): a LoRA run's small file, for ``model.load_state_dict(state, strict=False)``. Syncs."""
-        return trainable_fp32(self.module, self.masters, self._fp32_values())
+        return trainable_fp32(self.module, self.masters, self.optimizer)
 
     def state_dict(self) -> dict[str, Any]:
         """Everything to continue bit-exactly: policy, frozen set, model, masters, optimizer, scheduler, loss scale,
@@ -427,9 +418,6 @@ class MixedPrecision:
         self.decision = self.decision if decision is None else decision
 
     # ------------------------------------------------------------------ internals
-    def _fp32_values(self) -> list[torch.Tensor]:
-        return self.masters.fp32_values(lambda p: contract.compensation(self.optimizer, p))
-
     def _set_gradient_sync(self) -> None:
         self._strategy.set_gradient_sync(self.model, last_micro_batch=self._group.last_micro_batch(self.micro_step),
                                          has_masters=bool(self.masters.pairs) or self._sums.reduces_each())

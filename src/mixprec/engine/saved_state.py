@@ -23,7 +23,7 @@ from torch import nn
 from mixprec.engine.boundary import BoundaryLosses
 from mixprec.engine.feature import Feature
 from mixprec.engine.grad_sums import GradSums
-from mixprec.engine.masters import MasterWeights
+from mixprec.engine.masters import MasterWeights, best_fp32_values
 from mixprec.engine.open_group import capture_group
 from mixprec.engine.protocol import Engine
 from mixprec.engine.step_state import Phase
@@ -48,9 +48,10 @@ def engine_state(mp: Engine, features: Sequence[Feature], phase: Phase, end_next
         "open_group": capture_group(mp, phase, end_next, losses, sums)}
 
 
-def trainable_fp32(module: nn.Module, masters: MasterWeights, values_fp32: list[torch.Tensor]) -> dict[str, torch.Tensor]:
-    """``module``'s trainable params by name as fp32 CPU copies of ``values_fp32`` (each param's best value, in
-    ``masters.params`` order: :meth:`~mixprec.engine.masters.MasterWeights.fp32_values`). One copy (a sync) each."""
-    values = dict(zip(map(id, masters.params), values_fp32))
+def trainable_fp32(module: nn.Module, masters: MasterWeights,
+                   optimizer: torch.optim.Optimizer | None) -> dict[str, torch.Tensor]:
+    """``module``'s trainable params by name as fp32 CPU copies of their best values (``masters``' and
+    ``optimizer``'s Kahan compensation: :func:`~mixprec.engine.masters.best_fp32_values`). One copy (a sync) each."""
+    values = dict(zip(map(id, masters.params), best_fp32_values(masters, optimizer)))
     return {name: values[id(p)].to("cpu", copy=True).contiguous()
             for name, p in module.named_parameters() if p.requires_grad}

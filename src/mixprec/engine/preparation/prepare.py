@@ -21,7 +21,7 @@ from typing import Any
 import torch
 from torch import nn
 
-from mixprec.engine.masters import MasterWeights
+from mixprec.engine.masters import MasterWeights, best_fp32_values
 from mixprec.engine.misuse.outside import check_model_not_wrapped
 from mixprec.engine.regions import keep_fp32_modules
 from mixprec.engine.storage import FrozenParams, StoragePlan, dtype_text, plan_storage
@@ -115,7 +115,7 @@ def _fp32_start(params: list[nn.Parameter], plan: StoragePlan, policy: Policy, s
     if masters is None:
         values_fp32 = [strategy.fp32_value(p) if kahan and id(p) in plan.half else None for p in params]
         return values_fp32, MasterWeights(params, set(plan.half) if policy.has_masters else set())
-    values_fp32 = masters.fp32_values(lambda p: None if optimizer is None else contract.compensation(optimizer, p))
+    values_fp32 = best_fp32_values(masters, optimizer)
     with torch.no_grad():
         for p, value_fp32 in zip(params, values_fp32):
             if p.is_floating_point():
