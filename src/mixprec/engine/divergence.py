@@ -65,8 +65,8 @@ class StopWhenStuck:
 
 
 class Judging:
-    """The judging of one engine's boundaries: the guard's ``after_step(mp, result)``, :class:`StopWhenStuck`'s
-    (``max_stuck_skips``) while the engine has none, and what a guard is shown: ``batches``, the micro-batches
+    """An engine's judge at each boundary: its guard's ``after_step(mp, result)``, or :class:`StopWhenStuck`'s
+    (``max_stuck_skips``) while it has no guard; and what a guard is shown there: ``batches``, the micro-batches
     ``mp.cast_inputs`` cast since the last boundary (kept only while a guard is attached; at most
     ``accumulation_steps``: ``mp.step_batches``) and ``grads``, the boundary's unscaled gradients (set by the engine
     before its features' boundary; ``mp.step_gradients``). Both are dropped once the judge returns or raises.

@@ -281,7 +281,8 @@ class MixedPrecision:
                                strategy=self._strategy, frozen=self._frozen, auto=self._auto, regions=self._regions,
                                compiled=self._compile)
         self.policy, self.masters, self._kahan_from = switch.policy, switch.masters, switch.kahan_from
-        self.loss_scale, self.decision = switch.loss_scale, switch.decision + "".join(f.note for f in self._features)
+        self.loss_scale = switch.loss_scale
+        self.decision = switch.decision + "".join(f.note for f in self._features)   # the features' clauses now
         self.events.extend([switch.event] if record else [])
         (log.warning if switch.policy != switch.old else log.info)("mixprec: policy %s → %s at boundary %d (%s)",
                                                                    switch.old, switch.policy, self.boundaries, cause)
