@@ -57,8 +57,9 @@ def resolve_arguments(mp: Engine, model: nn.Module, optimizer: torch.optim.Optim
                       memory_budget: str | int | None) -> Resolved:
     """The constructor's arguments of the engine ``mp`` settled, in this order: ``memory_budget`` parsed, the
     ``optimizer`` and ``scheduler`` checked (when either is given), ``compile`` read, ``strategy`` built, ``policy``
-    resolved on ``device`` (``allow_fallback``; ``loss_scale``: the override auto's candidates keep) and, with an
-    ``optimizer``, its rounding stream checked on every rank. No host sync but auto's probe and the ranks' agreement.
+    resolved on ``device`` (``allow_fallback``; ``loss_scale``: the engine's override, which auto's decision keeps)
+    and, with an ``optimizer``, its rounding stream checked on every rank. No host sync but the probe's
+    (:func:`mixprec.auto.pending.resolve_for_engine`).
 
     Raises:
         ValueError, TypeError: a bad argument (named, with the fix); nothing has changed then.
