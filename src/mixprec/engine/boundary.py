@@ -14,7 +14,7 @@ import torch
 
 from mixprec.engine.clipping import global_norm_fp32
 from mixprec.engine.divergence import stuck_if_skipped
-from mixprec.engine.step_state import BEFORE_BOUNDARY, NO_BACKWARD, STEP_SKIPPED, TOO_MANY, UNSYNCED_END
+from mixprec.engine.step_state import BEFORE_BOUNDARY, NO_BACKWARD, STEP_SKIPPED, TOO_MANY, UNSYNCED_END, Phase
 
 __all__ = ["AccumulationGroup", "BoundaryLosses", "StepCheck", "StepResult", "check_grads"]
 
@@ -43,6 +43,18 @@ class AccumulationGroup:
         if end_group and short and strategy is not None and not self.end_next:
             raise RuntimeError(UNSYNCED_END.format(call=call, strategy=strategy))
         return not short or end_group or self.end_next
+
+    def opens(self, phase: Phase, micro_step: int, *, join: bool, strategy: str | None) -> bool:
+        """Whether a ``backward()`` in ``phase`` starts a new micro-batch: not after ``backward(retain_graph=True)``
+        (RETAINED), nor when it is to ``join`` the PENDING one; a new one is checked first (:meth:`check_new`)."""
+        new_micro_batch = not (phase is Phase.RETAINED or join and phase is Phase.PENDING)
+        if new_micro_batch:   # not past accumulation_steps; under a strategy, not without the last one's step()
+            self.check_new(phase is Phase.PENDING, micro_step, strategy)
+        return new_micro_batch
+
+    def per_micro_batch(self, loss: torch.Tensor) -> torch.Tensor:
+        """``loss`` divided by N, each micro-batch's share of the group's mean (``loss`` itself when N is 1)."""
+        return loss / self.accumulation_steps if self.accumulation_steps > 1 else loss
 
     def check_new(self, pending: Any, micro_step: int, strategy: str | None) -> None:
         """Before a new micro-batch's backward (the ``micro_step + 1``-th): RuntimeError past ``accumulation_steps``,

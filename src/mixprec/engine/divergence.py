@@ -6,18 +6,20 @@ Loss scaling fixes an fp16 overflow by backing off; it cannot fix a loss that is
 is attached: count such skipped steps and, at ``max_stuck_skips`` in a row, raise a
 :class:`DivergenceError` saying whether the gradients held inf or NaN and whether the loss was
 finite (DeepSpeed exits when its scale is at the minimum; torch's GradScaler halves it towards 0).
-A ``Guard`` replaces it (rollback, escalation, then its own ``DivergenceError``).
+A ``Guard`` replaces it (rollback, escalation, then its own ``DivergenceError``). :class:`Judging` is the
+engine's call of either at a boundary, with what a guard is shown there.
 """
 
 from __future__ import annotations
 
+from collections import deque
 from typing import Any
 
 import torch
 
 from mixprec.engine.protocol import Engine
 
-__all__ = ["DivergenceError", "StopWhenStuck", "stuck_if_skipped"]
+__all__ = ["DivergenceError", "Judging", "StopWhenStuck", "stuck_if_skipped"]
 
 
 def stuck_if_skipped(loss_scale: Any) -> torch.Tensor:
@@ -60,6 +62,37 @@ class StopWhenStuck:
         if result.applied or stuck < self.max_stuck_skips:
             return result
         raise DivergenceError(_message(stuck, result, mp, _grad_kinds(list(mp.step_gradients))))
+
+
+class Judging:
+    """An engine's judge at each boundary: its guard's ``after_step(mp, result)``, or :class:`StopWhenStuck`'s
+    (``max_stuck_skips``) while it has no guard; and what a guard is shown there: ``batches``, the micro-batches
+    ``mp.cast_inputs`` cast since the last boundary (kept only while a guard is attached; at most
+    ``accumulation_steps``: ``mp.step_batches``) and ``grads``, the boundary's unscaled gradients (set by the engine
+    before its features' boundary; ``mp.step_gradients``). Both are dropped once the judge returns or raises.
+
+    Raises:
+        ValueError: ``max_stuck_skips`` is not an int >= 1.
+    """
+
+    def __init__(self, accumulation_steps: int, max_stuck_skips: int) -> None:
+        self.stop_when_stuck = StopWhenStuck(max_stuck_skips)   # the guard while the engine's ``guard`` is None
+        self.batches: deque[Any] = deque(maxlen=accumulation_steps)
+        self.grads: list[torch.Tensor] = []
+
+    def keep(self, batch: Any, guard: Any) -> None:
+        """Keep ``batch`` for ``guard`` (nothing is kept without one)."""
+        if guard is not None:
+            self.batches.append(batch)
+
+    def judge(self, mp: Engine, guard: Any, result: Any) -> Any:
+        """What ``guard`` (None: :attr:`stop_when_stuck`) makes of the boundary's ``result`` on ``mp``; then the
+        kept batches and gradients are dropped. Raises what the guard raises (:class:`DivergenceError`)."""
+        try:
+            return (guard if guard is not None else self.stop_when_stuck).after_step(mp, result)
+        finally:
+            self.batches.clear()
+            self.grads = []
 
 
 def _grad_kinds(grads: list[torch.Tensor]) -> str:

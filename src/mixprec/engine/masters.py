@@ -17,7 +17,9 @@ from typing import Any
 import torch
 from torch import nn
 
-__all__ = ["MasterWeights", "claim", "release"]
+from mixprec.optim import contract
+
+__all__ = ["MasterWeights", "best_fp32_values", "claim", "release"]
 
 _holders: dict[int, Any] = {}   # id(param) -> weakref to the engine storing it in 16 bits (none to the param)
 
@@ -291,3 +293,10 @@ class MasterWeights:
         out.pairs = [(p, master_of[id(p)]) for p in params if id(p) in master_of]
         out.record_versions()
         return out
+
+
+def best_fp32_values(masters: MasterWeights, optimizer: torch.optim.Optimizer | None) -> list[torch.Tensor]:
+    """Each param's best fp32 value (:meth:`MasterWeights.fp32_values`): its master, else the param plus what
+    ``optimizer``'s Kahan rounding owes it (:func:`mixprec.optim.contract.compensation`; nothing without an
+    optimizer or outside a Kahan policy). New tensors; no host sync."""
+    return masters.fp32_values(lambda p: contract.compensation(optimizer, p))

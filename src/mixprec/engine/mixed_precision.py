@@ -4,7 +4,6 @@ behind one interface (:mod:`mixprec.engine.feature`); collaborators return what 
 from __future__ import annotations
 
 import logging
-from collections import deque
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from typing import Any, ClassVar
@@ -12,34 +11,29 @@ from typing import Any, ClassVar
 import torch
 from torch import nn
 
-from mixprec.auto.pending import resolve_for_engine
-from mixprec.autocast.compiled import compile_request
-from mixprec.autocast.op_plan import describe as describe_kernels
-from mixprec.distributed.strategy import make_strategy
 from mixprec.engine.autocast_scope import AutocastScope
 from mixprec.engine.boundary import AccumulationGroup, BoundaryLosses, StepCheck, StepResult, check_grads
 from mixprec.engine.clipping import clip_ as _clip_
-from mixprec.engine.divergence import DivergenceError, StopWhenStuck
+from mixprec.engine.construction import built_in_features, first_decision, resolve_arguments
+from mixprec.engine.divergence import DivergenceError, Judging
 from mixprec.engine.feature import Feature, entered
-from mixprec.engine.grad_sums import GradSums
-from mixprec.engine.kernel_agreement import KernelAgreement
-from mixprec.engine.loss_scale import for_policy as loss_scale_for_policy, for_switch as loss_scale_for_switch, unscale_grads
-from mixprec.engine.masters import claim, release
-from mixprec.engine.memory_budget import MemoryBudget
-from mixprec.engine.misuse.arguments import as_tensors, cast_batch, check_args, check_loss, check_optimizer
+from mixprec.engine.loss_scale import for_policy as loss_scale_for_policy, unscale_grads
+from mixprec.engine.masters import best_fp32_values, claim, release
+from mixprec.engine.misuse.arguments import as_tensors, cast_batch, check_args, check_loss
 from mixprec.engine.misuse.loop_checks import LoopChecks
-from mixprec.engine.open_group import capture_group, restore_group
+from mixprec.engine.open_group import restore_group
 from mixprec.engine.param_groups import GroupWatch
+from mixprec.engine.preparation.attach import bind_optimizer
 from mixprec.engine.preparation.edits import ModelLayout, adopt_edited_params, adopt_model_edits, finish_model_edit
 from mixprec.engine.preparation.prepare import prepare
-from mixprec.engine.preparation.reprepare import check_fp8_unchanged, frozen_to_match, load_engine_state, unfreeze_params
-from mixprec.engine.recompute_setup import RecomputeSetup
-from mixprec.engine.records import Decision, Event, policy_event
+from mixprec.engine.preparation.reprepare import frozen_to_match, load_engine_state, unfreeze_params
+from mixprec.engine.preparation.switch import switch_policy
+from mixprec.engine.records import Event
 from mixprec.engine.regions import Regions
-from mixprec.engine.step_state import Phase, check_call
+from mixprec.engine.saved_state import engine_state, trainable_fp32
+from mixprec.engine.step_state import Phase, check_attach, check_call, check_open
 from mixprec.optim import contract
 from mixprec.policy.policy import Policy, cast_floating
-from mixprec.policy.resolve import resolve
 
 __all__ = ["MixedPrecision", "StepCheck", "StepResult", "DivergenceError", "cast_floating"]
 
@@ -72,25 +66,17 @@ class MixedPrecision:
                  strategy: str | None = None, compile: bool | dict[str, Any] = False, recompute: Any = None,
                  memory_budget: str | int | None = None, checkpoint: Any = None) -> None:
         recompute = check_args(model, max_grad_norm, accumulation_steps, recompute, checkpoint)
-        self._budget = MemoryBudget(self, memory_budget)   # ValueError/TypeError before anything changes
-        if optimizer is not None or scheduler is not None:
-            check_optimizer(model, optimizer, scheduler)   # before anything changes
-        model, self._compile = compile_request(model, compile, strategy)
-        self._strategy = make_strategy(strategy)
-        resolution, self._auto = resolve_for_engine(
-            policy, self._strategy.device(device), self._strategy, strategy_name=strategy,
-            allow_fallback=allow_fallback, compiled_in_place=self._compile.compiled_in_place, loss_scale=loss_scale)
+        model, budget, self._compile, self._strategy, resolution, self._auto = resolve_arguments(
+            self, model, optimizer, scheduler, policy, device=device, strategy=strategy, compile=compile,
+            allow_fallback=allow_fallback, loss_scale=loss_scale, memory_budget=memory_budget)   # before any change
         self.policy, self.device = resolution.policy, resolution.device   # Policy, torch.device
-        if optimizer is not None:   # before anything changes: every rank rounds with one stream
-            self._strategy.check_attached(optimizer, self.policy, self.device)
         self.model = self.module = model
         self.strategy, self.guard = strategy, guard
         self.optimizer, self.scheduler = None, None   # an Optimizer and a scheduler: mp.attach(...)
         self.max_grad_norm = None if max_grad_norm is None else float(max_grad_norm)
         self.accumulation_steps, self.max_stuck_skips = accumulation_steps, max_stuck_skips
-        self._stop_when_stuck = StopWhenStuck(max_stuck_skips)   # the guard while ``guard`` is None
+        self._judging = Judging(accumulation_steps, max_stuck_skips)   # the guard's call, what it is shown
         self.events: list[Event] = []
-        self._step_batches, self._step_grads = deque(maxlen=accumulation_steps), []   # kept only for a guard
         self._regions, self._unwrapped, self._groups = Regions(), False, GroupWatch()
         self.loss_scale = loss_scale_for_policy(self.policy, loss_scale, self.device)
         prepared = prepare(model, self.policy, self.device, self._strategy, optimizer=optimizer)
@@ -102,14 +88,11 @@ class MixedPrecision:
         state_note = "" if optimizer is None else self._attach(optimizer, scheduler)
         claim(self, list(model.named_parameters()), set(prepared.plan.half))
         regions = self._regions.wrap(model, self.policy, self.device.type, prepared.keep, set(prepared.plan.frozen16))
-        self.decision = str(Decision(resolution.decision, (
-            prepared.fp8_note, prepared.plan.note(), self._compile.note(self.policy), self.policy.scaling_note(),
-            prepared.upcast_note, describe_kernels(self.policy, self.device.type), state_note, regions)))
-        self._recompute = RecomputeSetup(self, recompute, self._strategy, self._scope.rebuilds)   # blocks recomputed
-        self._kernels = KernelAgreement(self._strategy, self.policy)   # every rank: rank 0's measured kernels
-        self._sums = GradSums(self)   # 16-bit params without masters: a window's grads summed in fp32
-        self._features: tuple[Feature, ...] = (self._checks, self._sums, self._auto, self._kernels, self._recompute,
-            self._budget, self._regions, self._groups, *(make(self) for make in self.feature_types))   # in call order
+        self.decision = first_decision(resolution.decision, prepared, self._compile, self.policy, self.device.type,
+                                       state_note, regions)
+        self._sums, built_in = built_in_features(self, recompute, self._strategy, self._scope, self._checks,
+                                                 self._auto, budget, self._regions, self._groups)
+        self._features: tuple[Feature, ...] = (*built_in, *(make(self) for make in self.feature_types))   # call order
         self.decision += "".join(f.note for f in self._features)
         self.model = self._compile.apply(self._strategy.after_casts(model, self.policy, self.device))
         self.masters.record_versions()   # DDP's broadcast of rank 0's params is not a user edit
@@ -128,23 +111,14 @@ class MixedPrecision:
         masters under ``-pure``) and ``scheduler`` (steps once per applied step) to an engine built with
         ``optimizer=None`` (``MixedPrecision(model, optimizer)`` calls it); checks its precision contract, lays out
         its state. No host sync. TypeError/ValueError as the constructor; RuntimeError if one is attached."""
-        if self.optimizer is not None:
-            raise RuntimeError("mp.attach(...) on an engine that has an optimizer already (MixedPrecision(model, "
-                               "optimizer, ...) or an earlier mp.attach); build a new MixedPrecision for another one")
+        check_attach(self.optimizer)
         self.decision += self._attach(optimizer, scheduler)
 
     def _attach(self, optimizer: torch.optim.Optimizer, scheduler: Any) -> str:
-        check_optimizer(self.module, optimizer, scheduler)
-        self._strategy.check_attached(optimizer, self.policy, self.device)   # every rank: one rounding stream
-        stored16 = {id(p) for p in self._frozen.stored16}
-        if self.policy.has_masters:
-            self.masters.rebind(optimizer)
-        contract.check(optimizer, self.policy, {p.dtype for g in optimizer.param_groups for p in g["params"]
-                                                if id(p) not in stored16})
+        bind_optimizer(self, optimizer, scheduler, self._strategy, self._frozen)   # checked; rebound to the masters
         state_note = contract.configure(optimizer, self.policy)   # how 8-bit state lays out ("" else)
         state_note += self._groups.attach(self, optimizer, list(self._kahan_from), self._frozen, self._regions)
-        self._kahan_from = ()
-        self.optimizer, self.scheduler = optimizer, scheduler
+        self._kahan_from, self.optimizer, self.scheduler = (), optimizer, scheduler
         self._checks.watch(optimizer)
         return state_note
 
@@ -166,8 +140,7 @@ class MixedPrecision:
         batch = as_tensors(batch)
         self._checks.check_cast(batch, self.policy.param_dtype, keep)
         batch = cast_batch(batch, self.policy.param_dtype, self.device, keep)
-        if self.guard is not None:
-            self._step_batches.append(batch)
+        self._judging.keep(batch, self.guard)
         return batch
 
     def backward(self, loss: torch.Tensor, *, retain_graph: bool = False, inputs: Any = None, join: bool = False) -> None:
@@ -179,9 +152,7 @@ class MixedPrecision:
         check_loss(loss)
         self._check("mp.backward()")
         self._frozen.check_not_thawed()
-        new_micro_batch = not (self._phase is Phase.RETAINED or join and self._phase is Phase.PENDING)
-        if new_micro_batch:   # not past accumulation_steps; under a strategy, not without the last one's step()
-            self._group.check_new(self._phase is Phase.PENDING, self.micro_step, self.strategy)
+        new_micro_batch = self._group.opens(self._phase, self.micro_step, join=join, strategy=self.strategy)
         if new_micro_batch and self.micro_step == 0:
             self._adopt_model_edits()
         for feature in self._features:   # loop checks; 16-bit grads so far into fp32 sums; a pending auto
@@ -189,8 +160,7 @@ class MixedPrecision:
         self.micro_step += new_micro_batch   # a group's first: BETWEEN until the backward returns (then PENDING)
         self._phase = Phase.BETWEEN if new_micro_batch and self._phase is Phase.IDLE else self._phase
         self._losses.add(loss.detach(), first=new_micro_batch and self.micro_step == 1)
-        if self.accumulation_steps > 1:
-            loss = loss / self.accumulation_steps
+        loss = self._group.per_micro_batch(loss)
         with self._scope.op_lists(), entered(self._features):   # a checkpoint's recompute casts as the forward did
             self._scope.hold(self.loss_scale.scale_loss(loss)).backward(retain_graph=retain_graph, inputs=inputs)
         self._phase = Phase.RETAINED if retain_graph else Phase.PENDING
@@ -256,9 +226,7 @@ class MixedPrecision:
         """The second phase, on what :meth:`unscale_and_check` just returned: clip (``max_grad_norm``), step the
         optimizer and scheduler or skip, update the loss scale, masters into the params, grads zeroed, guard.
         No host sync (but the guard's). RuntimeError for any other ``check``."""
-        if check is None or check is not self._open_check:
-            raise RuntimeError("apply_or_skip(check) takes the StepCheck that mp.unscale_and_check() just returned at "
-                               "this boundary; call mp.unscale_and_check() first, then mp.apply_or_skip(check) once")
+        check_open(check, self._open_check)
         self._open_check, self._phase, grads, applied = None, Phase.BETWEEN, list(check.grads), not check.skipped
         _clip_(grads, check.grad_norm_t, self.max_grad_norm)   # None: no clipping
         if applied:
@@ -270,15 +238,11 @@ class MixedPrecision:
         self._set_gradient_sync()
         result = StepResult.of(check, step=self.applied_steps, skipped_total=self.skipped_total,
                                scaling=self.loss_scale.enabled)
-        self._step_grads = grads
+        self._judging.grads = grads
         self.discard_gradients()
         for feature in self._features:   # auto decided; kernels agreed; recompute, budget measured
             feature.at_boundary(self)
-        try:
-            return (self.guard if self.guard is not None else self._stop_when_stuck).after_step(self, result)
-        finally:
-            self._step_batches.clear()
-            self._step_grads = []
+        return self._judging.judge(self, self.guard, result)
 
     def _apply_update(self) -> None:
         with self._checks.stepping():
@@ -296,7 +260,7 @@ class MixedPrecision:
     @property
     def step_gradients(self) -> tuple[torch.Tensor, ...]:
         """Inside ``guard.after_step``: the boundary's unscaled gradients (this rank's shards); else empty."""
-        return tuple(self._step_grads)
+        return tuple(self._judging.grads)
 
     def agree_on(self, choice: str | None, choices: tuple[str, ...]) -> str | None:
         """The first of ``choices`` any rank chose (None if none; ValueError for another ``choice``): one process,
@@ -313,27 +277,16 @@ class MixedPrecision:
         (nothing changed) when the device, optimizer or strategy cannot run ``policy``, or it changes fp8."""
         self._check("set_policy()")
         self._groups.refresh(self)   # params unfrozen or a group added since: adopted first
-        new = resolve(policy, self.device).policy
-        check_fp8_unchanged(self.policy, new)
-        resharded = self._strategy.before_set_policy(self.policy, new, self.optimizer)
-        prepared = prepare(self.module, new, self.device, self._strategy, optimizer=self.optimizer,
-                           masters=self.masters, frozen=self._frozen)
-        self._auto.cancel(self.policy, new)   # another policy asked for while auto is pending: it wins
-        self._regions.remove()
-        old, self.policy, self.masters, self._kahan_from = self.policy, new, prepared.masters, prepared.kahan_from
-        self._frozen.store(prepared.plan)
-        self.loss_scale, scale_note = loss_scale_for_switch(old, new, loss_scale, self.loss_scale, self.device)
-        regions = self._regions.wrap(self.module, new, self.device.type, prepared.keep, set(prepared.plan.frozen16))
-        self.model.zero_grad(set_to_none=True)
-        self.decision = str(Decision(f"{new} on {self.device} ({new.summary()}; set_policy at boundary {self.boundaries}: "
-                                     f"{cause}; was {old})", (self._compile.note(new), regions,
-                                                              contract.state_note(self.optimizer),
-                                                              "".join(f.note for f in self._features))))
-        event = policy_event(self.boundaries, kind, cause, module, old, new, prepared.carried, scale_note + resharded)
-        self.events.extend([event] if record else [])
-        (log.warning if new != old else log.info)("mixprec: policy %s → %s at boundary %d (%s)", old, new,
-                                                   self.boundaries, cause)
-        return event
+        switch = switch_policy(self, policy, cause=cause, module=module, loss_scale=loss_scale, kind=kind,
+                               strategy=self._strategy, frozen=self._frozen, auto=self._auto, regions=self._regions,
+                               compiled=self._compile)
+        self.policy, self.masters, self._kahan_from = switch.policy, switch.masters, switch.kahan_from
+        self.loss_scale = switch.loss_scale
+        self.decision = switch.decision + "".join(f.note for f in self._features)   # the features' clauses now
+        self.events.extend([switch.event] if record else [])
+        (log.warning if switch.policy != switch.old else log.info)("mixprec: policy %s → %s at boundary %d (%s)",
+                                                                   switch.old, switch.policy, self.boundaries, cause)
+        return switch.event
 
     def unfreeze(self, *patterns: str, **group_options: Any) -> Event:
         """Train the frozen params whose names match a pattern (``fnmatch``) from this boundary on, stored as
@@ -383,7 +336,7 @@ class MixedPrecision:
             self._strategy.refuse("to_fp32")
             self._check("unwrap(to_fp32=True)")
             adopt_edited_params(self)
-            self.masters.write_fp32(self._fp32_values())
+            self.masters.write_fp32(best_fp32_values(self.masters, self.optimizer))
         for feature in self._features:
             feature.remove()
         release(self)
@@ -405,7 +358,7 @@ class MixedPrecision:
     @property
     def step_batches(self) -> tuple:
         """The micro-batches cast since the last boundary, kept only when a guard is attached."""
-        return tuple(self._step_batches)
+        return tuple(self._judging.batches)
 
     def master_parameters(self) -> Iterator[torch.Tensor]:
         """fp32 masters in ``model.parameters()`` order (the params themselves where no master exists)."""
@@ -414,9 +367,7 @@ class MixedPrecision:
     def trainable_state_dict(self) -> dict[str, torch.Tensor]:
         """The trainable params by name as fp32 CPU copies of their best values (master, else param plus
         Kahan compensation): a LoRA run's small file, for ``model.load_state_dict(state, strict=False)``. Syncs."""
-        values = dict(zip(map(id, self.masters.params), self._fp32_values()))
-        return {name: values[id(p)].to("cpu", copy=True).contiguous()
-                for name, p in self.module.named_parameters() if p.requires_grad}
+        return trainable_fp32(self.module, self.masters, self.optimizer)
 
     def state_dict(self) -> dict[str, Any]:
         """Everything to continue bit-exactly: policy, frozen set, model, masters, optimizer, scheduler, loss scale,
@@ -424,16 +375,7 @@ class MixedPrecision:
         self._check("mp.state_dict()")
         self._adopt_model_edits()
         adopt_edited_params(self)
-        return {
-            "policy": str(self.policy),
-            "frozen": self.frozen_names(), **{f.key: f.state() for f in self._features if f.key is not None},
-            "model": self.module.state_dict(), "masters": self.masters.named(self.module.named_parameters()),
-            "optimizer": self.optimizer.state_dict(),
-            "scheduler": None if self.scheduler is None else self.scheduler.state_dict(),
-            "loss_scale": self.loss_scale.state_dict(),
-            "counters": dict(micro_step=self.micro_step, applied_steps=self.applied_steps,
-                             skipped_total=self.skipped_total, boundaries=self.boundaries),
-            "open_group": capture_group(self, self._phase, self._group.end_next, self._losses, self._sums)}
+        return engine_state(self, self._features, self._phase, self._group.end_next, self._losses, self._sums)
 
     def load_state_dict(self, state: dict[str, Any], *, convert: bool = False, adopt_policy: bool = False) -> None:
         """Restore a :meth:`state_dict` exactly (its ``"events"``, as checkpoints carry, replace :attr:`events`).
@@ -477,9 +419,6 @@ class MixedPrecision:
         self.decision = self.decision if decision is None else decision
 
     # ------------------------------------------------------------------ internals
-    def _fp32_values(self) -> list[torch.Tensor]:
-        return self.masters.fp32_values(lambda p: contract.compensation(self.optimizer, p))
-
     def _set_gradient_sync(self) -> None:
         self._strategy.set_gradient_sync(self.model, last_micro_batch=self._group.last_micro_batch(self.micro_step),
                                          has_masters=bool(self.masters.pairs) or self._sums.reduces_each())

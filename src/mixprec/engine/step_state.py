@@ -10,7 +10,9 @@ An engine with an optimizer is always in one :class:`Phase` (``mp.phase``)::
 Beside the phase, the engine's mode: an evaluation engine (built with ``optimizer=None``) refuses the training
 calls until ``mp.attach``; after ``mp.unwrap()`` the calls that would train with other numerics are refused.
 :data:`CALLS` says, for each public call, the phases it runs in and the message otherwise; the engine checks
-every call there (:func:`check_call`) before it changes anything. Host values only; nothing here syncs.
+every call there (:func:`check_call`) before it changes anything; ``mp.apply_or_skip(check)`` takes only the check
+``mp.unscale_and_check()`` just returned (:func:`check_open`), ``mp.attach`` only on an engine without an optimizer
+(:func:`check_attach`). Host values only; nothing here syncs.
 The counted limits (micro-batches beyond ``accumulation_steps``, a boundary's end) stay with
 :class:`mixprec.engine.boundary.AccumulationGroup`, which raises the messages below.
 """
@@ -20,8 +22,8 @@ from __future__ import annotations
 from dataclasses import dataclass
 from enum import Enum
 
-__all__ = ["Phase", "CALLS", "check_call", "MID_ACCUMULATION", "TOO_MANY", "NO_BACKWARD", "BEFORE_BOUNDARY",
-           "UNSYNCED_END", "STEP_SKIPPED"]
+__all__ = ["Phase", "CALLS", "check_call", "check_open", "check_attach", "MID_ACCUMULATION", "TOO_MANY",
+           "NO_BACKWARD", "BEFORE_BOUNDARY", "UNSYNCED_END", "STEP_SKIPPED", "OTHER_CHECK", "ATTACHED"]
 
 
 class Phase(Enum):
@@ -68,6 +70,10 @@ EVALUATION = ("{call} on an evaluation engine (built with optimizer=None): attac
 UNWRAPPED = ("{call} after mp.unwrap(): the engine's hooks (output cast, keep_fp32 regions, fp32 embedding lookups) "
              "are gone, so it would train with other numerics; build a new MixedPrecision on the model to go on")
 UNWRAP_MID = "unwrap(to_fp32=True) mid-accumulation; call it after mp.step() returns a result"
+ATTACHED = ("mp.attach(...) on an engine that has an optimizer already (MixedPrecision(model, optimizer, ...) or an "
+            "earlier mp.attach); build a new MixedPrecision for another one")
+OTHER_CHECK = ("apply_or_skip(check) takes the StepCheck that mp.unscale_and_check() just returned at this boundary; "
+               "call mp.unscale_and_check() first, then mp.apply_or_skip(check) once")
 
 _ALL = frozenset(Phase)
 _STEPPING = frozenset({Phase.IDLE, Phase.BETWEEN, Phase.PENDING, Phase.RETAINED})
@@ -112,3 +118,16 @@ def check_call(call: str, phase: Phase, micro_step: int, *, evaluation: bool = F
         raise RuntimeError(UNWRAPPED.format(call=call))
     if phase not in rule.phases:
         raise RuntimeError(rule.refusal.format(call=call, n=micro_step, what=rule.what))
+
+
+def check_open(check: object, open_check: object) -> None:
+    """``mp.apply_or_skip(check)``'s rule: RuntimeError (:data:`OTHER_CHECK`) unless ``check`` is ``open_check``, the
+    StepCheck ``mp.unscale_and_check()`` returned at this boundary (None when none is open). Nothing changes."""
+    if check is None or check is not open_check:
+        raise RuntimeError(OTHER_CHECK)
+
+
+def check_attach(optimizer: object) -> None:
+    """``mp.attach``'s rule: RuntimeError (:data:`ATTACHED`) when the engine has an ``optimizer`` already."""
+    if optimizer is not None:
+        raise RuntimeError(ATTACHED)

@@ -36,7 +36,6 @@ is made, must not report to the engine of the original).
 
 from __future__ import annotations
 
-import collections
 import warnings
 import weakref
 from collections.abc import Callable, Iterator
@@ -48,19 +47,15 @@ import torch
 from torch import nn
 
 from mixprec.engine.autocast_scope import AutocastScope
+from mixprec.engine.misuse.cast_targets import TARGET_NAMES, suspected_targets
 from mixprec.engine.feature import Feature
 from mixprec.engine.misuse.foreign_loops import at_backward
 from mixprec.engine.misuse.outside import before_optimizer_step, stray_step_text, watch_autocast
 from mixprec.engine.protocol import Engine
 from mixprec.engine.records import Event
 from mixprec.engine.storage import FrozenParams
-from mixprec.policy.tree import field_names
 
 __all__ = ["LoopChecks", "TARGET_NAMES"]
-
-#: Field names taken for targets by the ``cast_inputs`` check (compared lower-case).
-TARGET_NAMES = frozenset({"y", "target", "targets", "label", "labels", "reward", "rewards", "return", "returns",
-                          "value", "values", "advantage", "advantages", "score", "scores"})
 
 
 class _Hook:
@@ -325,14 +320,11 @@ class LoopChecks(Feature):
                    "training forward, backward() or step() refuses them until they are cast back")
 
     def check_cast(self, batch: Any, dtype: torch.dtype, keep: tuple) -> None:
-        """Warn once when ``cast_inputs`` rounds a float field that may be a target to a 16-bit ``dtype``."""
+        """Warn once when ``cast_inputs`` rounds a float field that may be a target (:mod:`mixprec.engine.misuse.
+        cast_targets`) to a 16-bit ``dtype``."""
         if dtype == torch.float32 or "cast-target" in self.spoken:
             return
-        names = field_names(batch)
-        if names is None:
-            return
-        floats = [k for k in names if k not in keep and _is_float(_child(batch, k))]
-        suspects = [k for k in floats if str(k).lower() in TARGET_NAMES] or (floats[1:] if len(floats) > 1 else [])
+        suspects = suspected_targets(batch, keep)
         if suspects:
             self._once("cast-target", "cast-target",
                        f"cast_inputs rounded the floating field(s) {suspects} to {str(dtype)[6:]} with the inputs "
@@ -399,13 +391,3 @@ def _cast_text(names: list[str], recast: list[tuple[torch.Tensor, torch.dtype]],
 def _remove_all(handles: list[Any]) -> None:
     for handle in handles:
         handle.remove()
-
-
-def _child(batch: Any, key: Any) -> Any:
-    if isinstance(batch, (dict, collections.UserDict)) or (isinstance(batch, (list, tuple)) and isinstance(key, int)):
-        return batch[key]
-    return getattr(batch, key)
-
-
-def _is_float(value: Any) -> bool:
-    return isinstance(value, torch.Tensor) and value.is_floating_point()

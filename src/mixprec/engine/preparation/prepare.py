@@ -21,7 +21,7 @@ from typing import Any
 import torch
 from torch import nn
 
-from mixprec.engine.masters import MasterWeights
+from mixprec.engine.masters import MasterWeights, best_fp32_values
 from mixprec.engine.misuse.outside import check_model_not_wrapped
 from mixprec.engine.regions import keep_fp32_modules
 from mixprec.engine.storage import FrozenParams, StoragePlan, dtype_text, plan_storage
@@ -91,16 +91,7 @@ def prepare(model: nn.Module, policy: Policy, device: torch.device, strategy: An
         if optimizer is not None:
             _check_optimizer(model, optimizer, masters, frozen, plan, policy)
     kahan = not policy.has_masters and policy.rounding == "kahan"
-    if first:
-        values_fp32 = [strategy.fp32_value(p) if kahan and id(p) in plan.half else None for p in params]
-        new_masters = MasterWeights(params, set(plan.half) if policy.has_masters else set())
-    else:
-        values_fp32 = masters.fp32_values(lambda p: None if optimizer is None else contract.compensation(optimizer, p))
-        with torch.no_grad():
-            for p, value_fp32 in zip(params, values_fp32):
-                if p.is_floating_point():
-                    p.data = value_fp32
-            new_masters = MasterWeights(params, set(plan.half) if policy.has_masters else set())
+    values_fp32, new_masters = _fp32_start(params, plan, policy, strategy, masters, optimizer)
     kahan_from = tuple((p, v) for p, v in zip(params, values_fp32) if kahan and id(p) in plan.half)
     plan.apply(params)
     carried = 0
@@ -111,6 +102,25 @@ def prepare(model: nn.Module, policy: Policy, device: torch.device, strategy: An
     new_masters.record_versions()
     return Prepared(plan=plan, masters=new_masters, keep=keep, frozen=frozen, kahan_from=kahan_from,
                     fp8_report=fp8_report, fp8_note=fp8_note, upcast_note=upcast, carried=carried)
+
+
+def _fp32_start(params: list[nn.Parameter], plan: StoragePlan, policy: Policy, strategy: Any,
+                masters: MasterWeights | None, optimizer: torch.optim.Optimizer | None
+                ) -> tuple[list[torch.Tensor | None], MasterWeights]:
+    """Each param's fp32 value its new storage starts from, and the new masters (built before the params are
+    cast). First build (``masters`` None): the params are their own values; only a Kahan policy's 16-bit ones
+    get theirs (``strategy.fp32_value``), the start of their compensation (None for the others). Mid-run: each
+    param's best fp32 value (master, else param plus ``optimizer``'s Kahan compensation) becomes the param."""
+    kahan = not policy.has_masters and policy.rounding == "kahan"
+    if masters is None:
+        values_fp32 = [strategy.fp32_value(p) if kahan and id(p) in plan.half else None for p in params]
+        return values_fp32, MasterWeights(params, set(plan.half) if policy.has_masters else set())
+    values_fp32 = best_fp32_values(masters, optimizer)
+    with torch.no_grad():
+        for p, value_fp32 in zip(params, values_fp32):
+            if p.is_floating_point():
+                p.data = value_fp32
+        return values_fp32, MasterWeights(params, set(plan.half) if policy.has_masters else set())
 
 
 def _check_optimizer(model: nn.Module, optimizer: torch.optim.Optimizer, masters: MasterWeights, frozen: FrozenParams,

@@ -19,23 +19,13 @@ from mixprec.engine.open_group import check_group
 from mixprec.auto.pending import pending_note
 from mixprec.engine.records import Event
 from mixprec.engine.storage import FrozenParams, check_held, check_new_group, dtype_text, held_by
-from mixprec.policy.policy import Policy
 from mixprec.engine.protocol import Engine
 
 if TYPE_CHECKING:
     from mixprec.auto.pending import PendingAuto
 
-__all__ = ["check_fp8_unchanged", "load_engine_state", "load_across_policies", "load_state", "frozen_to_match",
+__all__ = ["load_engine_state", "load_across_policies", "load_state", "frozen_to_match",
            "unfreeze_params"]
-
-
-def check_fp8_unchanged(old: Policy, new: Policy) -> None:
-    """Raise ValueError if ``new`` changes the fp8 linears (they cannot be swapped mid-run)."""
-    if (new.fp8, new.fp8_format, new.fp8_keep_ends) != (old.fp8, old.fp8_format, old.fp8_keep_ends):
-        raise ValueError(f"set_policy: {old} → {new} changes the fp8 linears (fp8={new.fp8!r}, fp8_format="
-                         f"{new.fp8_format!r}, fp8_ends={'keep' if new.fp8_keep_ends else 'fp8'!r}), which cannot "
-                         "be swapped mid-run; keep fp8/fp8_format/fp8_ends as they are, or build a new "
-                         "MixedPrecision from a checkpoint")
 
 
 def load_engine_state(mp: Engine, state: dict[str, Any], auto: PendingAuto, *, convert: bool,
