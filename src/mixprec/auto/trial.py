@@ -47,7 +47,7 @@ from mixprec.machine.cache import cache_dir, machine_key, read_json, write_json
 from mixprec.machine.random_streams import forked_streams
 from mixprec.machine.timing import time_calls
 from mixprec.autocast.op_plan import planned_kernels
-from mixprec.policy.policy import PRESETS
+from mixprec.policy.policy import PRESETS, Policy
 from mixprec.autocast.portable import portable_ops
 from mixprec.policy.tree import map_tensors, tensors
 
@@ -191,6 +191,18 @@ def _scalar(output: Any, loss_fn: Callable | None) -> torch.Tensor:
     return torch.stack(floats).sum()
 
 
+def _candidate_policies(candidates: tuple[str, ...]) -> dict[str, Policy]:
+    """Each candidate's preset. ValueError for one that is not fp32 or a ``-mixed`` preset (fp32 params, no fp8)."""
+    policies = {}
+    for name in candidates:
+        policy = PRESETS.get(name)
+        if policy is None or policy.param_dtype != torch.float32 or policy.fp8 is not None:
+            raise ValueError(f"auto trial candidate {name!r} must be 'fp32' or a '-mixed' preset "
+                             f"({[n for n, p in PRESETS.items() if p.is_mixed and p.fp8 is None]})")
+        policies[name] = policy
+    return policies
+
+
 def time_candidates(model: nn.Module, args: tuple, kwargs: dict, device: torch.device, candidates: tuple[str, ...], *,
                     loss_fn: Callable | None = None, timer: Callable[[], float] = time.perf_counter,
                     warmup: int = WARMUP, blocks: int = BLOCKS, steps: int = STEPS) -> dict[str, list[float]]:
@@ -207,13 +219,7 @@ def time_candidates(model: nn.Module, args: tuple, kwargs: dict, device: torch.d
             backpropagate (pass ``loss_fn``).
         TrialFailed: the model's forward or backward raised (any exception type) under a candidate.
     """
-    policies = {}
-    for name in candidates:
-        policy = PRESETS.get(name)
-        if policy is None or policy.param_dtype != torch.float32 or policy.fp8 is not None:
-            raise ValueError(f"auto trial candidate {name!r} must be 'fp32' or a '-mixed' preset "
-                             f"({[n for n, p in PRESETS.items() if p.is_mixed and p.fp8 is None]})")
-        policies[name] = policy
+    policies = _candidate_policies(candidates)
     trainable = [p for p in model.parameters() if p.requires_grad]
     args, kwargs = map_tensors((args, kwargs), lambda t: t.detach())   # never backpropagate into the caller's graph
 

@@ -9,6 +9,7 @@ from __future__ import annotations
 import importlib
 import inspect
 import re
+from collections.abc import Callable
 
 from mixprec.workloads.base import OptimizerConfig, Workload, move_batch
 from mixprec.workloads.corpus import Corpus, load_corpus
@@ -60,6 +61,27 @@ def _builtin(name: str, config: str | None, data: str | None, lora: LoraSpec | s
     return DigitsWorkload(config=config or "default")
 
 
+def _import_factory(spec: str) -> Callable[..., Workload]:
+    """The function ``"package.module:function"`` names, imported. ImportError (naming ``spec``) when the module
+    does not import; ValueError when it has no such callable."""
+    module_name, func_name = spec.split(":")
+    try:
+        module = importlib.import_module(module_name)
+    except ImportError as err:
+        raise type(err)(
+            f"get_workload: cannot import module {module_name!r} of {spec=}: {err}. Make sure it "
+            "is importable (run from its directory or add it to PYTHONPATH).",
+            name=err.name,
+        ) from err
+    factory = getattr(module, func_name, None)
+    if not callable(factory):
+        raise ValueError(
+            f"get_workload: module {module_name!r} has no callable {func_name!r}; expected "
+            "'package.module:function' naming a function that returns a Workload."
+        )
+    return factory
+
+
 def get_workload(spec: str, config: str | None = None, data: str | None = None,
                  lora: LoraSpec | str | None = None) -> Workload:
     """Build the workload named by ``spec`` with an optional config name, data path and LoRA spec.
@@ -82,21 +104,7 @@ def get_workload(spec: str, config: str | None = None, data: str | None = None,
             f"get_workload: {spec=} is malformed; expected 'package.module:function', e.g. "
             "'my_project.workloads:make_workload'."
         )
-    module_name, func_name = spec.split(":")
-    try:
-        module = importlib.import_module(module_name)
-    except ImportError as err:
-        raise type(err)(
-            f"get_workload: cannot import module {module_name!r} of {spec=}: {err}. Make sure it "
-            "is importable (run from its directory or add it to PYTHONPATH).",
-            name=err.name,
-        ) from err
-    factory = getattr(module, func_name, None)
-    if not callable(factory):
-        raise ValueError(
-            f"get_workload: module {module_name!r} has no callable {func_name!r}; expected "
-            "'package.module:function' naming a function that returns a Workload."
-        )
+    factory = _import_factory(spec)
     kwargs = {k: v for k, v in (("config", config), ("data", data), ("lora", lora)) if v is not None}
     params = inspect.signature(factory).parameters
     takes_any = any(p.kind is inspect.Parameter.VAR_KEYWORD for p in params.values())

@@ -83,25 +83,7 @@ class LoraSpec:
             raise ValueError(
                 f"--lora {text!r} is empty; give 'key=value,...' with keys {LORA_KEYS}, e.g. {_EXAMPLE!r}."
             )
-        values: dict[str, list[str]] = {}
-        key = None
-        for token in (t.strip() for t in text.split(",")):
-            if "=" in token:
-                key, _, value = (s.strip() for s in token.partition("="))
-                if key not in LORA_KEYS:
-                    raise ValueError(
-                        f"--lora {text!r}: unknown key {key!r}; allowed keys are {LORA_KEYS}, e.g. {_EXAMPLE!r}."
-                    )
-                if key in values:
-                    raise ValueError(f"--lora {text!r}: key {key!r} is given twice; give each key once.")
-                values[key] = [value]
-            elif key == "targets":
-                values[key].append(token)
-            else:
-                raise ValueError(
-                    f"--lora {text!r}: token {token!r} has no '='; only targets takes a list "
-                    f"(targets=query,value), every other token is key=value, e.g. {_EXAMPLE!r}."
-                )
+        values = _key_values(text)
         missing = [k for k in ("r", "alpha", "targets") if k not in values]
         if missing:
             raise ValueError(f"--lora {text!r}: missing {missing}; give r, alpha and targets, e.g. {_EXAMPLE!r}.")
@@ -126,6 +108,31 @@ class LoraSpec:
         return text + (f",dropout={_number_text(self.dropout)}" if self.dropout else "")
 
 
+def _key_values(text: str) -> dict[str, list[str]]:
+    """``--lora`` text as key -> its values (one each; ``targets`` a list: a token without ``=`` continues it).
+    ValueError for an unknown or repeated key, or a token without ``=`` that does not follow ``targets``."""
+    values: dict[str, list[str]] = {}
+    key = None
+    for token in (t.strip() for t in text.split(",")):
+        if "=" in token:
+            key, _, value = (s.strip() for s in token.partition("="))
+            if key not in LORA_KEYS:
+                raise ValueError(
+                    f"--lora {text!r}: unknown key {key!r}; allowed keys are {LORA_KEYS}, e.g. {_EXAMPLE!r}."
+                )
+            if key in values:
+                raise ValueError(f"--lora {text!r}: key {key!r} is given twice; give each key once.")
+            values[key] = [value]
+        elif key == "targets":
+            values[key].append(token)
+        else:
+            raise ValueError(
+                f"--lora {text!r}: token {token!r} has no '='; only targets takes a list "
+                f"(targets=query,value), every other token is key=value, e.g. {_EXAMPLE!r}."
+            )
+    return values
+
+
 def _number_text(x: float) -> str:
     """``16.0 -> "16"``, ``0.1 -> "0.1"``; ``float(text) == x`` exactly."""
     return str(int(x)) if float(x).is_integer() else repr(float(x))
@@ -134,6 +141,33 @@ def _number_text(x: float) -> str:
 def _matches(module_name: str, target: str) -> bool:
     """peft's rule for a target given in a list: the whole name, or its last dotted parts."""
     return module_name == target or module_name.endswith("." + target)
+
+
+def _check_targets(model: nn.Module, spec: LoraSpec) -> None:
+    """ValueError (listing some leaf module names) when a target of ``spec`` matches no module of ``model``."""
+    module_names = [name for name, _ in model.named_modules() if name]
+    unmatched = [t for t in spec.targets if not any(_matches(name, t) for name in module_names)]
+    if unmatched:
+        leaves = sorted({name.rsplit(".", 1)[-1] for name, m in model.named_modules()
+                         if name and not list(m.children())})
+        raise ValueError(
+            f"--lora targets {unmatched} match no module of {type(model).__name__}; a target names a module "
+            f"(or the last parts of its dotted name). Leaf module names here: {leaves[:20]}."
+        )
+
+
+def _trainable_ids(model: nn.Module, trainable: tuple[str, ...]) -> set[int]:
+    """The ids of the parameters ``trainable`` names (a parameter's qualified name, or a module's: every parameter
+    under it). ValueError (listing some parameter names) for a name that matches none."""
+    param_names = [name for name, _ in model.named_parameters()]
+    missing = [t for t in trainable if not any(n == t or n.startswith(t + ".") for n in param_names)]
+    extra_ids = {id(p) for n, p in model.named_parameters() if any(n == t or n.startswith(t + ".") for t in trainable)}
+    if missing:
+        raise ValueError(
+            f"apply_lora: trainable={missing} name no parameter or module of {type(model).__name__}; "
+            f"parameter names look like {param_names[:6]} ... {param_names[-4:]}."
+        )
+    return extra_ids
 
 
 def apply_lora(model: nn.Module, spec: LoraSpec | str, trainable: Iterable[str] = ()) -> nn.Module:
@@ -153,24 +187,8 @@ def apply_lora(model: nn.Module, spec: LoraSpec | str, trainable: Iterable[str] 
             parameter (both list some names of the model).
     """
     spec = LoraSpec.parse(spec)
-    trainable = tuple(trainable)
-    module_names = [name for name, _ in model.named_modules() if name]
-    unmatched = [t for t in spec.targets if not any(_matches(name, t) for name in module_names)]
-    if unmatched:
-        leaves = sorted({name.rsplit(".", 1)[-1] for name, m in model.named_modules()
-                         if name and not list(m.children())})
-        raise ValueError(
-            f"--lora targets {unmatched} match no module of {type(model).__name__}; a target names a module "
-            f"(or the last parts of its dotted name). Leaf module names here: {leaves[:20]}."
-        )
-    param_names = [name for name, _ in model.named_parameters()]
-    missing = [t for t in trainable if not any(n == t or n.startswith(t + ".") for n in param_names)]
-    extra_ids = {id(p) for n, p in model.named_parameters() if any(n == t or n.startswith(t + ".") for t in trainable)}
-    if missing:
-        raise ValueError(
-            f"apply_lora: trainable={missing} name no parameter or module of {type(model).__name__}; "
-            f"parameter names look like {param_names[:6]} ... {param_names[-4:]}."
-        )
+    _check_targets(model, spec)
+    extra_ids = _trainable_ids(model, tuple(trainable))
     try:
         import peft
     except ImportError as err:

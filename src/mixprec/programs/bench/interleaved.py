@@ -45,11 +45,11 @@ __all__ = ["RETIMES", "TIMING_MALLOC_ENV", "time_interleaved", "serve", "stop_wo
 
 RETIMES = 1           # extra sets of rounds tried while a policy is noisy
 # The interleaved timing workers' glibc malloc thresholds (unless the environment sets them): a long-lived
-# process keeps its heap, so the step time is compute, not page faults. With glibc's adaptive defaults a lone
-# gpt/mid bf16-mixed worker returned ~40 MB to the OS and faulted it back every step (10.9k minor faults per
-# step, measured with getrusage): bf16-mixed 99 ms instead of 89, fp32 192 instead of 182 (2026-12-01, this
-# 2-core Xeon), which turned a 2.0x speedup into 1.77x. Export the same two variables to get the timed speed
-# in your own runs. Ignored by other C libraries (macOS, musl).
+# process keeps its heap, so the step time is compute, not page faults. With glibc's adaptive defaults a worker
+# returns part of its heap to the OS after a step and faults it back in during the next, a fixed cost per step
+# that weighs most on the fastest policies and understates their speedup (docs/bench.md, "Page faults, not
+# compute", has the measurement). Export the same two variables to get the timed speed in your own runs.
+# Ignored by other C libraries (macOS, musl).
 TIMING_MALLOC_ENV = {"MALLOC_MMAP_THRESHOLD_": str(256 * 2**20), "MALLOC_TRIM_THRESHOLD_": str(2**30)}
 
 
@@ -131,13 +131,8 @@ def time_interleaved(specs: dict[str, RunSpec], workdir: Path, env: dict[str, st
     try:
         for name, spec in specs.items():
             procs[name] = _start(name, spec, workdir, env)
-        for name, proc in list(procs.items()):
-            ready = json.loads(proc.stdout.readline() or '{"ready": false, "error": "no reply"}')
-            if not ready.get("ready"):
-                errors[name] = ready.get("error", "the timing worker did not start")
-                continue
-            _ask(proc, {"steps": warmup_steps})
-            times[name] = []
+        errors.update(_warm(procs, warmup_steps))
+        times.update({name: [] for name in procs if name not in errors})
         live = list(times)
         retimed = 0
         for attempt in range(1 + RETIMES):
@@ -165,6 +160,19 @@ def time_interleaved(specs: dict[str, RunSpec], workdir: Path, env: dict[str, st
             "spread": spread, "retimed": retimed, "noisy": noise.is_noisy(spread),
             "spread_limit": noise.SPREAD_LIMIT, "errors": errors, "malloc_env": {k: env[k] for k in TIMING_MALLOC_ENV},
             "op_plan": plans, "step_profile": profiles}
+
+
+def _warm(procs: dict[str, subprocess.Popen], warmup_steps: int) -> dict[str, str]:
+    """Each worker's ready line read and, when it is ready, its ``warmup_steps`` untimed steps run, in start order:
+    row -> why its worker did not start (the rows it leaves out are ready and warm)."""
+    errors = {}
+    for name, proc in procs.items():
+        ready = json.loads(proc.stdout.readline() or '{"ready": false, "error": "no reply"}')
+        if not ready.get("ready"):
+            errors[name] = ready.get("error", "the timing worker did not start")
+            continue
+        _ask(proc, {"steps": warmup_steps})
+    return errors
 
 
 def stop_workers(procs: Iterable[subprocess.Popen]) -> None:

@@ -70,7 +70,7 @@ def check_recompute_rows(text: str | None, policies: tuple[str, ...]) -> None:
 
 
 def check_plan_fits(config: Any) -> None:
-    """ValueError unless the named blocks of a :class:`~mixprec.programs.bench.runner.BenchConfig`'s ``recompute``
+    """ValueError unless the named blocks of a :class:`~mixprec.programs.bench.config.BenchConfig`'s ``recompute``
     (None or ``"auto..."`` fit any model) match modules of its workload's model (built on the meta device: nothing
     allocated, the RNG untouched), as ``MixedPrecision(recompute=...)`` would match them at build."""
     text = config.recompute or DEFAULT_RECOMPUTE

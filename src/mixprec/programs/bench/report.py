@@ -1,5 +1,10 @@
 """Bench outputs: ``results.json``, ``report.md``, ``loss_curves.png``, ``loss_wallclock.png``, ``speed_memory.png``.
 
+:func:`write_outputs` writes them; :func:`report_markdown` assembles report.md from its sections, each from the
+module of its concept (the table: :mod:`~mixprec.programs.bench.table`; the timing and the attention plan:
+:mod:`~mixprec.programs.bench.timing_report`, :mod:`~mixprec.programs.bench.op_plan_report`; the peer, memory, per-rank
+and recompute sections: their ``*_report``/row modules); the plots are :mod:`~mixprec.programs.bench.figures`'.
+
 ``results.json`` (strict JSON: non-finite numbers are written as null)::
 
     {"mixprec_bench": 1, "created": ISO time, "command": "mixprec bench ...",
@@ -56,22 +61,21 @@ from pathlib import Path
 from typing import Any
 
 from mixprec.programs.bench.memory_report import memory_lines
+from mixprec.programs.bench.op_plan_report import op_plan_lines, op_plan_markdown, plan_deviations
 from mixprec.programs.bench.peer import label
 from mixprec.programs.bench.peer_report import peer_markdown
 from mixprec.programs.bench.per_rank import per_rank_markdown, rank0_tag
-from mixprec.programs.bench.pinned_plan import SOURCE as PINNED_SOURCE
-from mixprec.programs.bench.pinned_plan import entry_words, rule_words
-from mixprec.programs.bench.recompute_rows import recompute_markdown, split_row
-from mixprec.programs.bench.results import POLICY_KEYS
+from mixprec.programs.bench.recompute_rows import recompute_markdown
+from mixprec.programs.bench.results import COMPILED_SUFFIX, POLICY_KEYS
 from mixprec.programs.bench.figures import (eval_curve_of, fmt, loss_unit, plot_loss_curves, plot_loss_wallclock,
                                             plot_speed_memory, ran_rows, seed_band)
 from mixprec.programs.bench.step_profile import step_profile_markdown
 from mixprec.programs.bench.table import cells, columns, format_table, has_compiled
+from mixprec.programs.bench.timing_report import timing_lines
 
 __all__ = ["POLICY_KEYS", "COMPILED_SUFFIX", "write_outputs", "format_table", "auto_lines", "op_plan_lines", "plan_deviations", "timing_lines", "seed_noise_lines", "eval_curve_lines", "report_markdown",
            "plot_loss_curves", "plot_loss_wallclock", "plot_speed_memory", "peaks_line"]
 
-COMPILED_SUFFIX = "+compiled"   # the row of a policy run under bench --compile
 _HOW_TO_READ = """\
 ## How to read a verdict
 
@@ -172,66 +176,6 @@ def auto_lines(results: dict) -> list[str]:
             if str(e.get("requested") or name).lower() == "auto" and e.get("decision")]
 
 
-def _malloc_text(malloc_env: dict | None) -> str:
-    """How the timing workers' malloc was set (their step time is compute, not page faults: interleaved.TIMING_MALLOC_ENV)."""
-    if not malloc_env:
-        return ""
-    return "; malloc: " + " ".join(f"{k}={v}" for k, v in malloc_env.items())
-
-
-def _spread_text(t: dict) -> str:
-    """The p90/p10 spread of each row's table step time (results.json's ``timing.spread``, decided once by
-    :func:`mixprec.programs.bench.noise.settle_noise`); a row the interleaved timing could not time is marked."""
-    errors = t.get("errors") or {}
-    spread = ", ".join(f"{n} {v:.2f}" + (" (quality run)" if n in errors else "")
-                       for n, v in (t.get("spread") or {}).items())
-    if t.get("drift_corrected"):
-        raw = ", ".join(f"{n} {v:.2f}" for n, v in (t.get("spread_raw") or {}).items())
-        return (f"p90/p10 spread, the drift common to every row divided out round by round: {spread} (noisy above "
-                f"{t.get('spread_limit', 1.5)}; raw: {raw})")
-    return f"p90/p10 spread: {spread or 'not measured'} (noisy above {t.get('spread_limit', 1.5)})"
-
-
-def timing_lines(results: dict) -> list[str]:
-    """How the table's step times were measured, their spread, and whether they carry a speed verdict: the
-    console and report.md print these lines, and only these, about the timing; "noisy" is ``timing.noisy``."""
-    t = results.get("timing") or {}
-    if t.get("method") == "interleaved" and t.get("one_pass"):
-        timed = [r.get("timed_steps") for r in (results.get("policies") or {}).values() if r.get("timed_steps")]
-        count = f"{min(timed)}-{max(timed)}" if timed and min(timed) != max(timed) else f"{timed[0] if timed else 0}"
-        retimed = (f"; the pass was noisy, so every row was timed again after its quality run ({t['retime_rounds']} "
-                   f"rounds of {t['retime_block_steps']} steps, each after one untimed step)" if t.get("retimed") else
-                   "; the pass was noisy, and a smoke test (--quick) does not time again" if t.get("retime_skipped")
-                   else "")
-        how = (f"timing: interleaved in one pass ({t['blocks']} rounds of {t['block_steps']} steps per row, each row in "
-               f"its own resident worker, taking turns; the timed steps are the quality steps, leaving out the "
-               f"warm-up, each turn's first step and the step after each eval{_malloc_text(t.get('malloc_env'))}"
-               f"{retimed}): step time is the median of each row's {count} timed steps")
-    elif t.get("method") == "interleaved":
-        retimed = f", re-timed {t['retimed']}x" if t.get("retimed") else ""
-        how = (f"timing: interleaved ({t['blocks']} rounds of {t['block_steps']} steps per policy in resident "
-               f"workers, each block after one untimed step{retimed}{_malloc_text(t.get('malloc_env'))}): step time "
-               f"is the median of each policy's {t['blocks'] * t['block_steps']} timed steps")
-    else:
-        warmup = (results.get("settings") or {}).get("warmup_steps")
-        how = f"timing: sequential (each policy's quality run): step time is the median after {warmup} warm-up steps"
-    lines = [f"{how}; {_spread_text(t)}"]
-    if t.get("noisy"):
-        lines.append(f"TIMINGS NOISY: a policy's p90/p10 spread stayed above {t.get('spread_limit', 1.5)} — the "
-                     "machine was busy; the speedups are unreliable and no speed verdict is given")
-    lines += [f"timing: {n} not timed interleaved ({err}): its step time is its quality run's"
-              for n, err in (t.get("errors") or {}).items()]
-    if t.get("phases_s") and results.get("wall_s") is not None:
-        lines.append(f"wall time {results['wall_s']:.0f} s: " + ", ".join(
-            f"{_PHASE_WORDS.get(k, k)} {v:.0f} s" for k, v in t["phases_s"].items() if v >= 0.5))
-    return lines
-
-
-_PHASE_WORDS = {"plan": "workload and attention plan", "build": "building the workers", "turns": "the rows' steps",
-                "finish": "final evals and memory steps", "retime": "timing again", "profile": "step profiles",
-                "seed_band": "seed band", "stop": "stopping the workers"}
-
-
 def seed_noise_lines(results: dict) -> list[str]:
     """The seed-noise band: fp32's final eval loss at each seed and their relative spread."""
     noise = results.get("seed_noise")
@@ -242,40 +186,6 @@ def seed_noise_lines(results: dict) -> list[str]:
         return [f"seed noise: not measured ({noise.get('error')}); {losses}"]
     return [f"seed noise: fp32 eval loss {losses}; band ±{noise['relative_spread']:.2%} (a delta inside it is "
             "indistinguishable from another seed)"]
-
-
-def plan_deviations(results: dict) -> list[str]:
-    """One line per key where a row's worker (its quality run, or its interleaved timing worker) did not run the
-    bench's one attention plan (results.json ``op_plan``): a key it planned itself, or another choice. Empty: every
-    worker ran the pinned plan."""
-    pinned = {n: p.get("pinned") or {} for n, p in ((results.get("op_plan") or {}).get("policies") or {}).items()}
-    ran = [(row, "", e.get("op_plan") or []) for row, e in results["policies"].items()]
-    ran += [(row, " (its timing worker)", found)
-            for row, found in ((results.get("timing") or {}).get("op_plan") or {}).items()]
-    return [f"{row}{where} did not run the bench's plan at `{e['shape']}`: {e['chosen']} ({e['source']})"
-            for row, where, found in ran for e in found
-            if e["source"] != PINNED_SOURCE or pinned.get(split_row(row.removesuffix(COMPILED_SUFFIX))[0], {}).get(e["shape"])
-            != e["chosen"]]
-
-
-def op_plan_lines(results: dict) -> list[str]:
-    """The bench's one attention plan (results.json ``op_plan``), as the console and report.md say it: where and
-    under which policy it was measured, each key's choice with every candidate's time, the policies it was pinned
-    for, what a policy computing in another dtype cannot use, and :func:`plan_deviations`."""
-    plan = results.get("op_plan")
-    if not plan:
-        return []
-    if plan.get("error"):
-        return [f"attention plan: not measured once ({plan['error']})"]
-    lines = [f"attention plan: measured once under {plan['measured_with']} by the bench (pid {plan['pid']}) before "
-             f"the timed runs, pinned for every policy that plans ({', '.join(plan['policies'])})"
-             + "".join(f"; {w}" for w in [rule_words(plan)] if w) + ("" if plan["entries"] else ": no planned op ran")]
-    lines += [f"  {e['shape']} -> {e['chosen']} ({entry_words(e)})" for e in plan["entries"]]
-    lines += [f"  {name} at {key.split(' causal=')[0]}: {why}" for name, p in plan["policies"].items()
-              for key, why in (p.get("not_offered") or {}).items()]
-    ran = ["  every worker ran this plan (checked in each row's worker's engine)"]
-    deviations = [f"  {line}" for line in plan_deviations(results)]
-    return lines + (deviations or (ran if plan["entries"] else []))
 
 
 def _portable_lines(results: dict) -> list[str]:
@@ -289,38 +199,6 @@ def _portable_lines(results: dict) -> list[str]:
             f"{cost['native_step_ms_median']:.1f} ms/step with `ops=native` (torch's own lists), ratio {ratio:.3f} "
             f"(median of {cost['timed_steps_each']} steps each, interleaved in one process; target <= 1.03"
             f"{'' if ratio <= 1.03 else ': above it here'})."]
-
-
-def _op_plan_lines(results: dict) -> list[str]:
-    """report.md's op plan (``kernels=measured``): the bench's one plan as a table (key, choice, source, each
-    candidate's time) and :func:`op_plan_lines`' words; without one (measured by no policy, or failed), each
-    policy's own entries."""
-    plan = results.get("op_plan") or {}
-    one = bool(plan.get("entries"))
-    rows = [("", e) for e in plan["entries"]] if one else \
-        [(name, e) for name, entry in results["policies"].items() for e in entry.get("op_plan") or []]
-    if not rows:
-        return ["", *(f"{line.strip()}." for line in op_plan_lines(results))] if plan else []
-    candidates = sorted({c for _, e in rows for c in e["times_ms"]})
-    saving = [c for c in candidates if any((e.get("saved_bytes") or {}).get(c) for _, e in rows)]
-    first = "" if one else "policy | "
-    lines = ["", "## Op plan (`kernels=measured`: the kernel measured fastest on this device at each shape)", "",
-             *(f"- {line.strip()}" for line in op_plan_lines(results)), "",
-             f"| {first}op | key | chosen | source | " + " | ".join(f"{c} (ms)" for c in candidates)
-             + "".join(f" | {c} saved (MiB)" for c in saving) + " |",
-             f"|{'---|' if first else ''}---|---|---|---|" + "---:|" * (len(candidates) + len(saving))]
-    for name, e in rows:
-        saved = [(e.get("saved_bytes") or {}).get(c) for c in saving]
-        times = [fmt(e["times_ms"].get(c), ".2f") for c in candidates] + [fmt(b and b / 2**20, ".3g") for b in saved]
-        lines.append(f"| {name + ' | ' if first else ''}{e['op']} | `{e['shape']}` | **{e['chosen']}** | {e['source']} | "
-                     + " | ".join(times) + " |")
-    lines.append("")
-    lines.append("Times: best of interleaved forward (+backward for `fwd+bwd` keys) runs on random inputs of the "
-                 "key's shapes (`mixprec.autocast.op_plan`); the default (`fused`, torch.autocast's kernel) is replaced only "
-                 "by a candidate at least 5 % faster, among those saving for backward (one forward's saved tensors, "
-                 "per call) no more than `fused` plus the allowance above; `cache`: measured by an earlier run on "
-                 "this machine.")
-    return lines + [""]
 
 
 def eval_curve_lines(results: dict) -> list[str]:
@@ -403,7 +281,7 @@ def report_markdown(results: dict) -> str:
         "|" + "|".join("---" if i < 2 else "---:" for i in range(len(headers))) + "|",
         *("| " + " | ".join(cells(name, e)[k] for k in keys) + " |" for name, e in results["policies"].items()),
         "",
-        *_op_plan_lines(results),
+        *op_plan_markdown(results),
         *eval_curve_lines(results),
         *peer_markdown(results),
         *step_profile_markdown(results),

@@ -8,7 +8,9 @@ from __future__ import annotations
 from dataclasses import dataclass, field, fields
 from typing import Any
 
-__all__ = ["POLICY_KEYS", "RUN_KEYS", "PER_RANK_KEYS", "PolicyRun", "BenchResults"]
+__all__ = ["POLICY_KEYS", "RUN_KEYS", "PER_RANK_KEYS", "COMPILED_SUFFIX", "PolicyRun", "BenchResults"]
+
+COMPILED_SUFFIX = "+compiled"   # the row of a policy run under bench --compile
 
 POLICY_KEYS = (
     "requested", "policy", "decision", "compute_dtype", "device", "pid", "optimizer", "steps",

@@ -42,6 +42,7 @@ from mixprec.programs.bench.spec import RunSpec
 
 if TYPE_CHECKING:
     from mixprec.programs.bench.peer import Trainee
+    from mixprec.programs.bench.worker import Training
 
 __all__ = ["RETIME_BLOCK", "Progress", "Turns", "serve_training", "with_step_times"]
 
@@ -82,24 +83,30 @@ def serve_training(spec: RunSpec, out_path: Path) -> int:
         if command.get("quit"):
             break
         try:
-            if "train" in command:
-                seen = len(training.record.eval_curve)
-                times = training.advance(int(command["train"]), untimed_first=True)
-                reply = {"step": training.step, "times_ms": times, "evals": training.record.eval_curve[seen:]}
-            elif command.get("finish"):
-                tmp = out_path.with_suffix(".tmp")
-                tmp.write_text(json.dumps(training.finish().to_json(), default=str))
-                tmp.replace(out_path)
-                reply = {"finished": True}
-            elif command.get("profile"):
-                reply = {"step_profile": _profile(step, training.mp, spec)}
-            else:
-                time_steps(step, training.mp.device, int(command.get("untimed", 0)))
-                reply = {"times_ms": time_steps(step, training.mp.device, int(command["steps"]))}
+            reply = _answer(command, training, step, spec, out_path)
         except Exception as err:
             return fail(err, "train", "error")
         print(json.dumps(reply), flush=True)
     return 0
+
+
+def _answer(command: dict[str, Any], training: Training, step: Callable[[], Any], spec: RunSpec, out_path: Path
+            ) -> dict[str, Any]:
+    """The reply to one command of :func:`serve_training` (``train``, ``finish``, ``profile``, else timing-only
+    steps); ``step`` trains one step outside the row."""
+    if "train" in command:
+        seen = len(training.record.eval_curve)
+        times = training.advance(int(command["train"]), untimed_first=True)
+        return {"step": training.step, "times_ms": times, "evals": training.record.eval_curve[seen:]}
+    if command.get("finish"):
+        tmp = out_path.with_suffix(".tmp")
+        tmp.write_text(json.dumps(training.finish().to_json(), default=str))
+        tmp.replace(out_path)
+        return {"finished": True}
+    if command.get("profile"):
+        return {"step_profile": _profile(step, training.mp, spec)}
+    time_steps(step, training.mp.device, int(command.get("untimed", 0)))
+    return {"times_ms": time_steps(step, training.mp.device, int(command["steps"]))}
 
 
 def _profile(step: Callable[[], Any], mp: Trainee, spec: RunSpec) -> dict[str, Any]:

@@ -1,0 +1,96 @@
+"""Which rows a bench runs: the policies asked for (``advised`` replaced by the advisor's), checked, and why the
+device refuses each one it cannot run (SKIPPED).
+
+fp32 always runs, first, as the reference. Each other policy is resolved for the device with the measured
+capability (:func:`mixprec.policy.resolve.resolve`); a policy the device refuses, and fp16 on a CPU whose probe
+says fp16 is not native, is SKIPPED with the measured reason unless ``force=True``. A policy name that does not
+parse is an error, not a SKIPPED row: only the device may refuse. Under a strategy every rank follows rank 0's plan.
+
+Testing hook, read ONLY here: ``MIXPREC_BENCH_CAPABILITY`` (:data:`CAPABILITY_ENV`) holds a JSON object of
+:class:`mixprec.machine.capability.Capability` fields that replaces the measured probe when planning
+(``{"device": "cpu", "bf16": true, "fp16": true, "bf16_fast": true, "fp16_native": false, "detail":
+"..."}`` makes fp16 SKIPPED on any CPU); the workers still run with the real device.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import sys
+from typing import TYPE_CHECKING
+
+import torch
+
+from mixprec.distributed.process import from_main_process, init_process_group_from_env, is_main_process
+from mixprec.machine.capability import Capability, probe
+from mixprec.policy.policy import Policy
+from mixprec.policy.resolve import resolve
+from mixprec.programs.bench.config import REFERENCE, BenchConfig
+from mixprec.programs.bench.recompute_rows import check_plan_fits, split_row
+
+if TYPE_CHECKING:
+    from mixprec.numerics.advice import Recommendation
+
+__all__ = ["ADVISED", "CAPABILITY_ENV", "capability_for", "plan_policy", "plan_rows"]
+
+ADVISED = "advised"  # --policies advised: run what `mixprec inspect` recommends for this workload
+CAPABILITY_ENV = "MIXPREC_BENCH_CAPABILITY"
+
+
+def capability_for(device: torch.device, capability: Capability | None) -> Capability:
+    """``capability`` when given (tests), else the one :data:`CAPABILITY_ENV` holds, else the device's measured probe.
+
+    Raises:
+        ValueError: :data:`CAPABILITY_ENV` set to something other than a JSON object of Capability fields.
+    """
+    if capability is not None:
+        return capability
+    text = os.environ.get(CAPABILITY_ENV)
+    if text:
+        try:
+            return Capability(**json.loads(text))
+        except (ValueError, TypeError) as err:
+            raise ValueError(f"{CAPABILITY_ENV}={text!r} is not a JSON object of Capability fields "
+                             f"({list(Capability.__dataclass_fields__)}): {err}") from None
+    return probe(device)
+
+
+def plan_policy(spec: str, device: torch.device, capability: Capability, *, force: bool) -> str | None:
+    """Why ``spec`` is SKIPPED on ``device`` (None: it runs). ``force`` runs non-native fp16."""
+    try:
+        policy = resolve(spec, device, capability=capability).policy
+    except ValueError as err:
+        return str(err)
+    fp16 = torch.float16 in (policy.param_dtype, policy.compute_dtype)
+    if fp16 and device.type == "cpu" and not capability.fp16_native and not force:
+        return (f"fp16 is not native on this CPU ({capability.detail or 'measured: fp16 matmul far slower than fp32'}); "
+                "it would run emulated and slowly: pass --force to run it anyway")
+    return None
+
+
+def plan_rows(config: BenchConfig, device: torch.device, cap: Capability, progress: bool
+              ) -> tuple[list[str], dict[str, str | None], Recommendation | None]:
+    """The rows' policy names (fp32 first, ``advised`` replaced by the advisor's policy), why each is SKIPPED
+    (None: it runs; rank 0's plan under a strategy) and the advice (None unless asked for)."""
+    names = list(dict.fromkeys([REFERENCE, *(p.strip() for p in config.policies)]))
+    advice = None
+    if ADVISED in names:  # the numerics advisor's policy, measured like any other
+        from mixprec.numerics.workload import advised_policy
+
+        advised, advice = advised_policy(config.workload, config=config.config_name, data=config.data,
+                                         device=device, lora=config.lora)
+        names = list(dict.fromkeys(str(advised) if n == ADVISED else n for n in names))
+        if progress and is_main_process():
+            print(f"advised policy: {advised}\n  " + "\n  ".join(advice.reasons), file=sys.stderr)
+    for name in names:  # a typo is an error, not a SKIPPED policy: only the device may refuse
+        if split_row(name)[0].lower() != "auto":
+            Policy.parse(split_row(name)[0])
+    if any(split_row(n)[1] for n in names):   # named blocks the model lacks: bad input, not a SKIPPED row
+        check_plan_fits(config)
+    skip = {name: plan_policy(split_row(name)[0], device, cap, force=config.force) for name in names}
+    if config.strategy is not None:
+        init_process_group_from_env("cpu")   # the runners' own group: plans and ports, never tensors
+        skip = from_main_process(skip)       # every rank runs the same policies in the same order
+    if skip[REFERENCE] is not None:
+        raise ValueError(f"the fp32 reference cannot run on {device}: {skip[REFERENCE]}")
+    return names, skip, advice
