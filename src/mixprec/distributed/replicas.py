@@ -3,7 +3,7 @@
 Under DDP every rank steps its own replica; averaged gradients keep them equal only if each rank rounds the same
 way. :func:`check_same_sr_seeds` compares the optimizers' ``sr_seed`` (the counter-based stream of
 :mod:`mixprec.optim.sr_stream`), :func:`check_same_rng` torch's global RNG state for an optimizer that still draws
-from it (a torch optimizer, or state from before the stream). Each is a broadcast and an all-reduce, and every
+from it (a torch optimizer: it has no ``sr_seed``). Each is a broadcast and an all-reduce, and every
 rank raises together, so none waits in a later collective. :func:`agree_sr_seeds` instead gives every rank rank
 0's seeds (what the trainer integrations do: a trainer seeds per rank on purpose, ``seed_everything(seed + rank)``).
 
@@ -74,7 +74,7 @@ class SeedAgreement:
 def agree_sr_seeds(optimizer: torch.optim.Optimizer) -> SeedAgreement | None:
     """Set every param group's ``sr_seed`` on every rank to rank 0's, so stochastic rounding draws one stream on
     every replica (:mod:`mixprec.optim.sr_stream`); returns what changed. None, with nothing changed, when the
-    optimizer has no ``sr_seed`` on some rank (a torch optimizer, or state saved before the stream: torch's global
+    optimizer has no ``sr_seed`` on some rank (a torch optimizer: torch's global
     RNG, see :func:`check_same_rng`) or the ranks' optimizers have different numbers of param groups. One
     ``all_gather_object`` every rank calls at the same point (every rank then decides alike); no collective and
     nothing changed with one process."""

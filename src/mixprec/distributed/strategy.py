@@ -129,7 +129,7 @@ class _MultiProcess(SingleProcess):
             return
         what = f"strategy={self.name!r} with policy {policy} ({' and '.join(stochastic)})"
         seeds = [group.get("sr_seed") for group in optimizer.param_groups]
-        if None in seeds:   # a torch optimizer, or state from before the counter-based stream: torch's global RNG
+        if None in seeds:   # a torch optimizer (no counter-based stream): torch's global RNG
             replicas.check_same_rng(torch.device(device), what)
         else:
             replicas.check_same_sr_seeds([int(s) for s in seeds], torch.device(device), what)
