@@ -206,3 +206,12 @@ def test_torch_compile_gives_the_same_bits(name, fullgraph):
         expected = _run(eager, x, dy)
         got = _run(compiled, x, dy)
         assert all(_bits_equal(a, b) for a, b in zip(expected, got)), f"step {step}"
+
+
+@pytest.mark.parametrize("name", ["mxfp8", "nvfp4"])
+def test_an_empty_batch_gives_empty_outputs_and_zero_weight_gradients(name):
+    module = BlockScaledLinear(32, 32, recipe=name)
+    x = torch.randn(0, 5, 32, requires_grad=True)
+    y = module(x)
+    y.sum().backward()
+    assert y.shape == (0, 5, 32) and x.grad.shape == x.shape and torch.equal(module.weight.grad, torch.zeros(32, 32))
