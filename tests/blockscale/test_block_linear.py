@@ -179,7 +179,7 @@ def test_extra_state_from_another_device_type_warns_and_keeps_the_stream():
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")
         module.load_state_dict(state)
-    assert any("continues from the seed" in str(w.message) for w in caught)
+    assert any("keeps its own stream" in str(w.message) for w in caught)
     with pytest.raises(ValueError, match="extra state"):
         module.set_extra_state([1, 2])
 

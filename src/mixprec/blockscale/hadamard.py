@@ -19,9 +19,9 @@ kernel's summation order would be. Error bounds (``u = 2**-24``, ``k = log2(n)``
 * ``||fl(T a) - T a||_2 <= ((1 + u)**k - 1) ||a||_2`` (``~ k u ||a||``: ``2**-22`` for ``n = 16``), and so
   ``|fl(T a)^T fl(T b) - a^T b| <= (2 e + e**2) ||a||_2 ||b||_2`` with ``e = (1 + u)**k - 1``, the dot product
   itself taken exactly;
-* :func:`hadamard_matrix` (the transform of the identity's columns) is exact: its entries are ``±1/sqrt(n)`` (a power of 2), and
-  ``T T^T`` in fp32 is exactly ``I`` whatever the summation order, its products being ``±1/n`` and every partial
-  sum a multiple of ``1/n`` of magnitude at most 1.
+* :func:`hadamard_matrix` (the transform of the identity's columns) is exact: its entries are ``±1/sqrt(n)``, a
+  power of 2, and ``T T^T`` in fp32 is exactly ``I`` whatever the summation order, its products being ``±1/n``
+  and every partial sum a multiple of ``1/n`` of magnitude at most 1.
 
 All fp32 tensor arithmetic; no host sync.
 """

@@ -8,9 +8,9 @@ For ``x (M, K)`` and ``W (N, K)`` the GEMMs of :mod:`mixprec.blockscale.recipe` 
     wgrad    dW = GEMM(q(RHT(dy^T); SR), q(RHT(x^T)))     A = dy^T (N, M),  B = x^T (K, M)
 
 ``q`` pads the contraction to a multiple of the block size, quantizes in the recipe's format (``dy`` in its
-``grad_format``), and dequantizes. With ``weight_blocks="2d"``, ``q(W)`` is :func:`~mixprec.blockscale.gemm.
-weight_tiles` (``b x b`` tiles) in forward and its transpose in dgrad (recomputed in backward from the same
-``W``: the same bits, weights rounding to nearest). ``SR`` (``stochastic_rounding``) rounds ``dy`` stochastically,
+``grad_format``), and dequantizes. With ``weight_blocks="2d"``, ``q(W)`` is
+:func:`~mixprec.blockscale.gemm.weight_tiles` (``b x b`` tiles) in forward and its transpose in dgrad (recomputed
+in backward from the same ``W``: the same bits, weights rounding to nearest). ``SR`` (``stochastic_rounding``) rounds ``dy`` stochastically,
 its bits drawn from this module's ``torch.Generator``: first for dgrad's ``dy``, then for wgrad's ``dy^T`` (only
 the GEMMs whose gradient autograd asks for draw). ``RHT`` (``hadamard``) transforms both wgrad operands along
 ``M`` with this module's ``hadamard_signs``. A GEMM left out of ``recipe.quantized_gemms`` is an fp32 GEMM of the
@@ -27,7 +27,9 @@ random ±1 from ``recipe.seed``, the same in every linear and on every rank; and
 rounding generator's state (seeded ``recipe.seed + index``). The generator lives on the weight's device; moving
 the module to another device starts a new generator there from the seed (CPU and CUDA generators have different
 streams and states), and a state saved on one device type is not loaded into a generator of another (a warning;
-the stream then continues from the seed). No host sync in forward or backward.
+the module keeps its own stream). No host sync in forward or backward. Under ``torch.compile`` a recipe without
+stochastic rounding traces whole (``fullgraph=True``); with it, dynamo cannot take the ``torch.Generator`` argument
+(torch 2.13) and breaks the graph at the linear, which then runs eagerly with the same bits.
 """
 
 from __future__ import annotations
@@ -226,7 +228,7 @@ class BlockScaledLinear(nn.Linear):
         if state["generator_device"] != generator.device.type:
             warnings.warn(f"BlockScaledLinear: the stochastic rounding state was saved from a "
                           f"{state['generator_device']} generator; this module's is on {generator.device.type}: "
-                          f"the stream continues from the seed instead", stacklevel=2)
+                          f"it keeps its own stream (seeded {self.sr_seed})", stacklevel=2)
             return
         generator.set_state(saved)
 
