@@ -9,8 +9,10 @@ each operand is quantized along the dim its GEMM contracts (:data:`GEMMS`)::
     dgrad    dx = dy @ W      contracts N    dy along N, W along N
     wgrad    dW = dy^T @ x    contracts M    dy along M, x along M   (M: the tokens)
 
-``x``, ``W`` and ``dy`` are each quantized twice, once per GEMM that reads them, from high precision (never a
-quantized tensor requantized; Transformer Engine's NVFP4 recipe states the same). A :class:`BlockRecipe` says:
+``x``, ``W`` and ``dy`` are each quantized twice, once per GEMM that reads them (``W`` once with 2D blocks),
+always from high precision, never a quantized tensor requantized (Transformer Engine's NVFP4 recipe states the
+same: the rowwise and columnwise copies are both computed from the high-precision input). A :class:`BlockRecipe`
+says:
 
 * ``format`` (``x``, ``W``) and ``grad_format`` (``dy``; None: the same), block format names for
   :func:`~mixprec.formats.get_block_format`, and ``scale_rounding``, an override of the formats' E8M0 rounding;
@@ -19,14 +21,16 @@ quantized tensor requantized; Transformer Engine's NVFP4 recipe states the same)
   valid along K and along N and serves forward and dgrad);
 * ``hadamard``: a random Hadamard transform (:mod:`mixprec.blockscale.hadamard`) of the wgrad GEMM's two inputs
   along M, in blocks of ``hadamard_size``, with the same random signs on both so ``dy^T x`` is unchanged in exact
-  arithmetic while outliers are spread over 16 tokens before they are quantized;
+  arithmetic while an outlier is spread over ``hadamard_size`` tokens before they are quantized;
 * ``stochastic_rounding``: ``dy`` rounded stochastically (elements; the scales as always) in dgrad and wgrad;
 * ``bf16_tail_fraction``: the last ``ceil(n * fraction)`` of the model's ``n`` blocks stay in the compute dtype;
   ``keep_first_last``: so do the network's first and last ``nn.Linear``
   (:func:`~mixprec.blockscale.convert.convert_to_block_scaled` applies both);
 * ``quantized_gemms``: the GEMMs that run block-scaled (the others are fp32 GEMMs of the unquantized operands);
 * ``seed``: the random Hadamard signs come from it, each linear's stochastic-rounding stream from
-  ``seed + index`` (its position among the converted linears).
+  ``seed + index`` (its position among the converted linears). The signs are the same in every linear and on
+  every rank, as Transformer Engine's one fixed wgrad sign vector and torchtitan's hardcoded one are (under
+  tensor parallelism both operands' shards must use the same signs); here they are drawn from the seed.
 
 Presets (:data:`BLOCK_RECIPES`, by :func:`get_block_recipe`), and where each default comes from:
 
@@ -37,8 +41,8 @@ Presets (:data:`BLOCK_RECIPES`, by :func:`get_block_recipe`), and where each def
     ``in_elem_dtype = w_elem_dtype = grad_elem_dtype = torch.float8_e4m3fn`` with ``block_size = 32``, and its
     ``MXFP8TrainingRecipe.MXFP8_RCEIL`` (moe_training/config.py; ``MXFP8Linear``'s default) computes scales by
     ``ScaleCalculationMode.RCEIL``, whose docstring calls the OCP spec's ``floor`` "bad for gradient
-    quantization" (it saturates the block's largest elements). E5M2 gradients (OCP MX's suggestion, and fp8's
-    ``hybrid``) are one override away: ``grad_format="mxfp8_e5m2"``. First and last linears kept, mixprec's fp8
+    quantization" (it saturates the block's largest elements). E5M2 gradients (as fp8's ``hybrid``) are one
+    override away: ``grad_format="mxfp8_e5m2"``. First and last linears kept, mixprec's fp8
     default (torchtitan's float8 docs keep the ``output`` head the same way, ``filter_fqns=["output"]``).
 ``"nvfp4"``
     Transformer Engine's ``NVFP4BlockScaling`` recipe (transformer_engine/common/recipe/__init__.py): NVFP4
