@@ -1,4 +1,5 @@
-"""Block-scaled formats: MXFP8 / MXFP6 / MXFP4 (OCP Microscaling v1.0) and NVFP4, quantized bit for bit.
+"""Block-scaled formats: MXFP8 / MXFP6 / MXFP4 (OCP Microscaling v1.0) and NVFP4, quantized bit for bit, and
+linears that train in them by emulation.
 
 The formats are data in :mod:`mixprec.formats` (:class:`~mixprec.formats.BlockFormat`, presets
 ``mxfp8_e4m3``, ``mxfp8_e5m2``, ``mxfp6_e2m3``, ``mxfp6_e3m2``, ``mxfp4_e2m1``, ``nvfp4``). Here:
@@ -7,11 +8,27 @@ block scale codes, NVFP4's tensor scale), whose :meth:`~BlockQuantized.dequantiz
 fp32 back; :func:`round_to_element` rounds fp32 values onto an element format's grid (nearest-even or
 stochastic), :func:`encode` / :func:`decode` convert element values and codes. The algorithms and the
 conventions chosen where the specs are silent are stated in :mod:`mixprec.blockscale.quantize` and
-:mod:`mixprec.blockscale.scales`. Everything is fp32 tensor arithmetic: any device, no host sync,
-``torch.compile``-able; no hardware block-scaled GEMM is used here.
+:mod:`mixprec.blockscale.scales`.
+
+Training: a :class:`BlockRecipe` (presets ``"mxfp8"``, ``"nvfp4"``, ``"nvfp4-plain"`` by
+:func:`get_block_recipe`; :mod:`mixprec.blockscale.recipe` cites where each default comes from) says which
+format each GEMM operand takes along which dim, 1D or 2D weight blocks, the random Hadamard transform of the
+wgrad GEMM's inputs (:func:`hadamard_transform`), stochastic rounding of gradients, and which layers stay in the
+compute dtype. :class:`BlockScaledLinear` runs a linear's three GEMMs that way (quantize, dequantize, fp32 GEMM:
+:mod:`mixprec.blockscale.gemm`), and :func:`convert_to_block_scaled` swaps a model's linears, reporting what it
+kept and why. Everything is fp32 tensor arithmetic: any device, no host sync, ``torch.compile``-able; no hardware
+block-scaled GEMM is used here (CPU speed is emulation speed).
 """
 
+from mixprec.blockscale.convert import BlockConversionReport, convert_to_block_scaled, find_blocks
 from mixprec.blockscale.elements import decode, encode, round_to_element
+from mixprec.blockscale.hadamard import (hadamard_matrix, hadamard_transform, inverse_hadamard_transform,
+                                         random_signs, sylvester)
+from mixprec.blockscale.linear import BlockScaledLinear, shape_problems
 from mixprec.blockscale.quantize import BlockQuantized, dequantize, quantize
+from mixprec.blockscale.recipe import BLOCK_RECIPES, GEMMS, BlockRecipe, get_block_recipe
 
-__all__ = ["BlockQuantized", "decode", "dequantize", "encode", "quantize", "round_to_element"]
+__all__ = ["BLOCK_RECIPES", "GEMMS", "BlockConversionReport", "BlockQuantized", "BlockRecipe", "BlockScaledLinear",
+           "convert_to_block_scaled", "decode", "dequantize", "encode", "find_blocks", "get_block_recipe",
+           "hadamard_matrix", "hadamard_transform", "inverse_hadamard_transform", "quantize", "random_signs",
+           "round_to_element", "shape_problems", "sylvester"]

@@ -1,0 +1,162 @@
+"""Swap a model's eligible ``nn.Linear`` modules for :class:`~mixprec.blockscale.linear.BlockScaledLinear`, in place.
+
+A linear is converted when it is a plain ``nn.Linear`` (subclasses are used through their weights, not their
+forward), not the root, not kept by the recipe, accepted by the filter, and of dimensions the recipe can scale
+(:func:`~mixprec.blockscale.linear.shape_problems`). The recipe keeps, in the compute dtype:
+
+* the network's first and last ``nn.Linear`` in registration order (``keep_first_last``): the first sees raw
+  inputs, the last produces the logits;
+* every linear inside the last ``ceil(n * bf16_tail_fraction)`` of the model's ``n`` blocks (torchtitan's NVFP4
+  recipe keeps the last 15 % of transformer blocks). The blocks are the entries of the ``nn.ModuleList`` (or
+  ``nn.Sequential``) named by ``blocks=``, by default the ``nn.ModuleList`` whose entries hold the most
+  ``nn.Linear`` (a transformer's ``layers`` / ``h`` / ``blocks``); a model without one counts each linear as its
+  own block, in registration order.
+
+Everything kept is named in the :class:`BlockConversionReport` with every reason that applies. Converted
+linears reuse the original ``weight``/``bias`` Parameter objects, so an optimizer built before conversion keeps
+working; they are numbered ``index = 0, 1, ...`` in registration order (their stochastic rounding streams are
+seeded ``recipe.seed + index``). Forward hooks of a swapped module are not carried over: convert first.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass
+
+from torch import nn
+
+from mixprec.blockscale.linear import BlockScaledLinear, shape_problems
+from mixprec.blockscale.recipe import BlockRecipe, get_block_recipe
+
+__all__ = ["BlockConversionReport", "convert_to_block_scaled", "find_blocks"]
+
+ModuleFilter = Callable[[nn.Module, str], bool]
+
+
+@dataclass(frozen=True)
+class BlockConversionReport:
+    """What :func:`convert_to_block_scaled` did.
+
+    Attributes:
+        recipe: the recipe every converted linear uses.
+        converted: qualified names of the linears now :class:`BlockScaledLinear`, in index order.
+        kept: ``(qualified name, reasons)`` of every ``nn.Linear`` left as it was.
+        blocks: the qualified name of the container whose entries are the blocks (None when each linear
+            counted as its own block).
+        tail: the blocks (or linears) kept by ``bf16_tail_fraction``.
+    """
+
+    recipe: BlockRecipe
+    converted: tuple[str, ...]
+    kept: tuple[tuple[str, str], ...]
+    blocks: str | None
+    tail: tuple[str, ...]
+
+    def __str__(self) -> str:
+        lines = [f"block-scaled conversion ({self.recipe}): {len(self.converted)} converted, {len(self.kept)} kept"]
+        lines += [f"  {self.recipe.format:<11} {name}" for name in self.converted]
+        lines += [f"  kept        {name}: {reason}" for name, reason in self.kept]
+        return "\n".join(lines)
+
+
+def find_blocks(model: nn.Module) -> str | None:
+    """The qualified name of ``model``'s ``nn.ModuleList`` whose entries hold the most ``nn.Linear`` in all (ties:
+    the first registered), or None if no ModuleList holds one."""
+    best, best_count = None, 0
+    for name, module in model.named_modules():
+        if isinstance(module, nn.ModuleList):
+            count = sum(isinstance(m, nn.Linear) for entry in module for m in entry.modules())
+            if count > best_count:
+                best, best_count = name, count
+    return best
+
+
+def _in_block(name: str, block: str) -> bool:
+    return name == block or name.startswith(block + ".")
+
+
+def _tail_reasons(model: nn.Module, linear_names: list[str], recipe: BlockRecipe,
+                  blocks: str | None) -> tuple[str | None, dict[str, str], tuple[str, ...]]:
+    """``(container, {linear name: tail reason}, tail block names)``; container None: each linear is a block."""
+    container = blocks if blocks is not None else find_blocks(model)
+    if container is None:
+        entries = list(linear_names)
+        what = "linears (no nn.ModuleList of blocks found)"
+    else:
+        holder = model.get_submodule(container)
+        if not isinstance(holder, (nn.ModuleList, nn.Sequential)):
+            raise ValueError(f"convert_to_block_scaled: blocks={container!r} is a {type(holder).__name__}, not an "
+                             f"nn.ModuleList or nn.Sequential")
+        prefix = f"{container}." if container else ""
+        entries = [f"{prefix}{key}" for key, _ in holder.named_children()]
+        what = f"blocks of {container!r}"
+    n_tail = recipe.tail_blocks(len(entries))
+    tail = tuple(entries[len(entries) - n_tail:])
+    reason = (f"in the bf16 tail: the last {n_tail} of {len(entries)} {what} stay in the compute dtype "
+              f"(bf16_tail_fraction={recipe.bf16_tail_fraction:g})")
+    reasons = {name: reason for name in linear_names if any(_in_block(name, block) for block in tail)}
+    return container, reasons, tail
+
+
+def _first_last_reasons(linear_names: list[str]) -> dict[str, str]:
+    if not linear_names:
+        return {}
+    hint = "kept in the compute dtype by the recipe's keep_first_last"
+    reasons = {linear_names[0]: f"first Linear of the network ({hint})"}
+    reasons.setdefault(linear_names[-1], f"last Linear of the network ({hint})")
+    return reasons
+
+
+def _skip_reasons(name: str, module: nn.Module, recipe: BlockRecipe, kept_by_recipe: list[dict[str, str]],
+                  module_filter: ModuleFilter | None) -> list[str]:
+    reasons = []
+    if type(module) is not nn.Linear:
+        reasons.append(f"{type(module).__name__} is a subclass of nn.Linear; only plain nn.Linear is swapped")
+    if not name:
+        reasons.append("the root module cannot be replaced in place; wrap it in a container")
+    reasons += [table[name] for table in kept_by_recipe if name in table]
+    if module_filter is not None and not module_filter(module, name):
+        reasons.append("rejected by module_filter")
+    reasons += [f"shape: {p}" for p in shape_problems(module.in_features, module.out_features, recipe)]
+    return reasons
+
+
+def convert_to_block_scaled(model: nn.Module, recipe: str | BlockRecipe = "mxfp8",
+                            module_filter: ModuleFilter | None = None, *,
+                            blocks: str | None = None) -> BlockConversionReport:
+    """Replace eligible ``nn.Linear`` modules of ``model`` by :class:`BlockScaledLinear`, in place (module
+    docstring for which).
+
+    Args:
+        model: the model; its Parameter objects are kept (optimizers stay valid).
+        recipe: ``"mxfp8"``, ``"nvfp4"``, ``"nvfp4-plain"`` or a :class:`BlockRecipe`.
+        module_filter: ``(module, qualified_name) -> bool``, False to keep a linear as it is; applied on top of
+            the recipe's first/last and tail rules.
+        blocks: the qualified name of the ``nn.ModuleList`` / ``nn.Sequential`` of blocks the tail counts
+            (default: :func:`find_blocks`).
+
+    Returns:
+        A :class:`BlockConversionReport` naming every converted linear and every kept one with its reasons.
+
+    Raises:
+        ValueError: ``blocks`` names a module that is not a ModuleList or Sequential.
+    """
+    resolved = get_block_recipe(recipe)
+    linears = [(name, m) for name, m in model.named_modules() if isinstance(m, nn.Linear)]
+    names = [name for name, _ in linears]
+    container, tail_reasons, tail = _tail_reasons(model, names, resolved, blocks)
+    kept_by_recipe = [_first_last_reasons(names) if resolved.keep_first_last else {}, tail_reasons]
+    replacements: dict[nn.Module, BlockScaledLinear] = {}
+    converted, kept = [], []
+    for name, module in linears:
+        reasons = _skip_reasons(name, module, resolved, kept_by_recipe, module_filter)
+        if reasons:
+            kept.append((name, "; ".join(reasons)))
+            continue
+        replacements[module] = BlockScaledLinear.from_linear(module, recipe=resolved, index=len(converted))
+        converted.append(name)
+    for parent in list(model.modules()):  # swap under every parent holding a converted module (shared ones too)
+        for child_name, child in list(parent.named_children()):
+            if child in replacements:
+                setattr(parent, child_name, replacements[child])
+    return BlockConversionReport(resolved, tuple(converted), tuple(kept), container, tail)

@@ -1,0 +1,77 @@
+"""One block-scaled GEMM by emulation: its operands quantized along the contraction, dequantized, an fp32 matmul.
+
+Every GEMM of :class:`~mixprec.blockscale.linear.BlockScaledLinear` is ``A @ B^T`` for ``A (R, C)`` and
+``B (S, C)``, both laid out with the contraction ``C`` last, which is the dim the block formats scale along
+(:func:`~mixprec.blockscale.quantize` cuts the last dim into blocks). Each operand goes through
+:func:`gemm_operand`:
+
+1. ``C`` is padded with zeros to ``C'``, a multiple of the block size (only the token dim ``M`` of the wgrad
+   GEMM, and ``N`` of dgrad with 1D weight blocks, can need it; zeros change no block's amax, no NVFP4 tensor
+   amax, and add nothing to the product);
+2. with random Hadamard signs, the transform along ``C`` in blocks of ``len(signs)``
+   (:func:`~mixprec.blockscale.hadamard.hadamard_transform`), the same signs on both operands;
+3. :func:`~mixprec.blockscale.quantize` along ``C``: round to nearest even, or stochastically from a
+   ``torch.Generator`` (which draws ``randint(0, 2**32, (R, C'), dtype=int64)``, one draw per quantized operand);
+4. dequantized to fp32 (exact for MX; NVFP4's fp32 products as :mod:`mixprec.blockscale.quantize` states).
+
+Then :func:`block_gemm`: ``torch.matmul(A, B.t())`` in fp32 with autocast off (the values are the format's, so
+an fp32 GEMM accumulates them as the hardware's fp32 accumulators do, in another order), rounded once to the
+output dtype. :func:`weight_tiles` is the 2D variant for weights: one scale per ``b x b`` tile of ``W (N, K)``,
+so the same dequantized ``W`` is valid along K (forward) and along N (dgrad).
+
+On CUDA the fp32 matmul must run in fp32 (``torch.backends.cuda.matmul.allow_tf32 = False``, the default) for the
+emulation to mean what it says. No host sync.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+
+from mixprec.blockscale.hadamard import hadamard_transform
+from mixprec.blockscale.quantize import quantize
+from mixprec.formats import BlockFormat
+
+__all__ = ["gemm_operand", "weight_tiles", "block_gemm", "plain_gemm"]
+
+
+def gemm_operand(t: torch.Tensor, fmt: BlockFormat, *, rounding: str = "nearest",
+                 generator: torch.Generator | None = None, signs: torch.Tensor | None = None) -> torch.Tensor:
+    """``t (R, C)`` as a GEMM contracting ``C`` reads it: padded, transformed (with ``signs``), quantized in
+    ``fmt`` along ``C`` (stochastically from ``generator`` if ``rounding="stochastic"``) and dequantized: fp32
+    ``(R, C')`` (module docstring)."""
+    pad = -t.shape[-1] % fmt.block_size
+    if pad:
+        t = F.pad(t, (0, pad))
+    if signs is not None:
+        t = hadamard_transform(t, signs, dim=-1)
+    return quantize(t, fmt, rounding=rounding, generator=generator).dequantize()
+
+
+def weight_tiles(w: torch.Tensor, tile_fmt: BlockFormat, side: int) -> torch.Tensor:
+    """``W (N, K)`` quantized with one scale per ``side x side`` tile and dequantized: fp32 ``(N, K)``.
+
+    ``tile_fmt`` is the weight's block format with ``block_size = side**2``
+    (:meth:`~mixprec.blockscale.recipe.BlockRecipe.weight_tile_format`): each tile's elements, flattened, are one
+    block, so the tile's amax sets its scale (NVFP4: the tensor scale is all of ``W``'s, as for 1D blocks).
+    Round to nearest even. ``N`` and ``K`` must be multiples of ``side``.
+    """
+    n, k = w.shape
+    if n % side or k % side:
+        raise ValueError(f"weight_tiles: W has shape {(n, k)}; 2D blocks of {side}x{side} need both dims "
+                         f"multiples of {side}")
+    tiles = w.reshape(n // side, side, k // side, side).transpose(1, 2).reshape(n // side, k // side, side * side)
+    values = quantize(tiles, tile_fmt).dequantize()
+    return values.reshape(n // side, k // side, side, side).transpose(1, 2).reshape(n, k)
+
+
+def block_gemm(a: torch.Tensor, b: torch.Tensor, out_dtype: torch.dtype) -> torch.Tensor:
+    """``a (R, C) @ b (S, C)^T``: fp32 operands, an fp32 matmul with autocast off, the result rounded once to
+    ``out_dtype``: ``(R, S)``."""
+    with torch.autocast(a.device.type, enabled=False):
+        return torch.matmul(a, b.t()).to(out_dtype)
+
+
+def plain_gemm(a: torch.Tensor, b: torch.Tensor, out_dtype: torch.dtype) -> torch.Tensor:
+    """A GEMM the recipe leaves unquantized: :func:`block_gemm` of the operands cast to fp32, unpadded."""
+    return block_gemm(a.to(torch.float32), b.to(torch.float32), out_dtype)

@@ -1,0 +1,247 @@
+"""``BlockScaledLinear``: a drop-in ``nn.Linear`` whose three GEMMs run in a block format, by emulation.
+
+For ``x (M, K)`` and ``W (N, K)`` the GEMMs of :mod:`mixprec.blockscale.recipe` (``GEMMS``), each an
+``A @ B^T`` of :mod:`mixprec.blockscale.gemm` with both operands quantized along the contraction::
+
+    forward  y  = GEMM(q(x),           q(W))              A = x (M, K),     B = W (N, K)
+    dgrad    dx = GEMM(q(dy; SR),      q(W^T))            A = dy (M, N),    B = W^T (K, N)
+    wgrad    dW = GEMM(q(RHT(dy^T); SR), q(RHT(x^T)))     A = dy^T (N, M),  B = x^T (K, M)
+
+``q`` pads the contraction to a multiple of the block size, quantizes in the recipe's format (``dy`` in its
+``grad_format``), and dequantizes. With ``weight_blocks="2d"``, ``q(W)`` is
+:func:`~mixprec.blockscale.gemm.weight_tiles` (``b x b`` tiles) in forward and its transpose in dgrad (recomputed
+in backward from the same ``W``: the same bits, weights rounding to nearest). ``SR`` (``stochastic_rounding``) rounds ``dy`` stochastically,
+its bits drawn from this module's ``torch.Generator``: first for dgrad's ``dy``, then for wgrad's ``dy^T`` (only
+the GEMMs whose gradient autograd asks for draw). ``RHT`` (``hadamard``) transforms both wgrad operands along
+``M`` with this module's ``hadamard_signs``. A GEMM left out of ``recipe.quantized_gemms`` is an fp32 GEMM of the
+unquantized operands.
+
+Dtypes, as :class:`~mixprec.fp8.linear.Float8Linear`'s: each GEMM accumulates in fp32 and rounds its output once
+to the compute dtype (the autocast dtype when autocast is on, else the input's); ``dx`` and ``dW`` are then cast to
+the input's and the weight's dtypes (fp32 master weights get a bf16-rounded gradient under bf16 autocast, as an
+autocast ``nn.Linear`` gives them). The input is quantized from its own dtype (an fp32 input under autocast is
+not rounded to bf16 first). The bias is added outside the GEMM, in the compute dtype.
+
+State (in ``state_dict``, so a resumed run continues bitwise): ``hadamard_signs`` (a buffer, with ``hadamard``),
+random ±1 from ``recipe.seed``, the same in every linear and on every rank; and ``_extra_state``, the stochastic
+rounding generator's state (seeded ``recipe.seed + index``). The generator lives on the weight's device; moving
+the module to another device starts a new generator there from the seed (CPU and CUDA generators have different
+streams and states), and a state saved on one device type is not loaded into a generator of another (a warning;
+the module keeps its own stream). No host sync in forward or backward. Under ``torch.compile`` a recipe without
+stochastic rounding traces whole (``fullgraph=True``); with it, dynamo cannot take the ``torch.Generator`` argument
+(torch 2.13) and breaks the graph at the linear, which then runs eagerly with the same bits.
+"""
+
+from __future__ import annotations
+
+import warnings
+
+import torch
+from torch import nn
+
+from mixprec.blockscale.gemm import block_gemm, gemm_operand, plain_gemm, weight_tiles
+from mixprec.blockscale.hadamard import random_signs
+from mixprec.blockscale.recipe import BlockRecipe, get_block_recipe
+
+__all__ = ["BlockScaledLinear", "shape_problems"]
+
+_INPUT_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
+
+
+def shape_problems(in_features: int, out_features: int, recipe: BlockRecipe) -> list[str]:
+    """Why a linear of these dimensions cannot be block-scaled under ``recipe`` (empty: it can): ``in_features``
+    must be a multiple of the block size (forward contracts K in whole blocks), and with 2D weight blocks
+    ``out_features`` too (the tiles cover ``W``). ``out_features`` with 1D blocks and the token count are padded."""
+    size = recipe.block_size
+    fmt = recipe.format
+    problems = []
+    if in_features % size:
+        problems.append(f"in_features={in_features} not a multiple of {fmt}'s block size {size}")
+    if recipe.weight_blocks == "2d" and out_features % size:
+        problems.append(f"out_features={out_features} not a multiple of {size} ({size}x{size} 2D weight blocks)")
+    return problems
+
+
+def _weight_along_k(weight: torch.Tensor, recipe: BlockRecipe) -> torch.Tensor:
+    """``q(W)``, ``(N, K)``, valid along K: 1D blocks along K, or the 2D tiles."""
+    if recipe.weight_blocks == "2d":
+        return weight_tiles(weight, recipe.weight_tile_format(), recipe.block_size)
+    return gemm_operand(weight, recipe.operand_format("W"))
+
+
+def _weight_along_n(weight: torch.Tensor, recipe: BlockRecipe) -> torch.Tensor:
+    """``q(W^T)``, ``(K, N')``, valid along N: 1D blocks along N, or the 2D tiles transposed."""
+    if recipe.weight_blocks == "2d":
+        return weight_tiles(weight, recipe.weight_tile_format(), recipe.block_size).t()
+    return gemm_operand(weight.t(), recipe.operand_format("W"))
+
+
+def _dgrad(dy: torch.Tensor, weight: torch.Tensor, recipe: BlockRecipe, generator: torch.Generator | None,
+           out_dtype: torch.dtype) -> torch.Tensor:
+    """``dx = dy @ W``, ``(M, K)`` in ``out_dtype``."""
+    if "dgrad" not in recipe.quantized_gemms:
+        return plain_gemm(dy, weight.t(), out_dtype)
+    a = gemm_operand(dy, recipe.operand_format("dy"), rounding=recipe.rounding("dy"), generator=generator)
+    return block_gemm(a, _weight_along_n(weight, recipe), out_dtype)
+
+
+def _wgrad(dy: torch.Tensor, x: torch.Tensor, recipe: BlockRecipe, signs: torch.Tensor | None,
+           generator: torch.Generator | None, out_dtype: torch.dtype) -> torch.Tensor:
+    """``dW = dy^T @ x``, ``(N, K)`` in ``out_dtype``."""
+    if "wgrad" not in recipe.quantized_gemms:
+        return plain_gemm(dy.t(), x.t(), out_dtype)
+    a = gemm_operand(dy.t(), recipe.operand_format("dy"), rounding=recipe.rounding("dy"), generator=generator,
+                     signs=signs)
+    b = gemm_operand(x.t(), recipe.operand_format("x"), signs=signs)
+    return block_gemm(a, b, out_dtype)
+
+
+class _BlockScaledMatmul(torch.autograd.Function):
+    """``y = x @ W^T`` with the three GEMMs block-scaled per the recipe (module docstring)."""
+
+    @staticmethod
+    def forward(ctx, x: torch.Tensor, weight: torch.Tensor, recipe: BlockRecipe, signs: torch.Tensor | None,
+                generator: torch.Generator | None, out_dtype: torch.dtype) -> torch.Tensor:
+        if "forward" in recipe.quantized_gemms:
+            a = gemm_operand(x, recipe.operand_format("x"))
+            y = block_gemm(a, _weight_along_k(weight, recipe), out_dtype)  # (M, N)
+        else:
+            y = plain_gemm(x, weight, out_dtype)
+        ctx.save_for_backward(x, weight, signs)
+        ctx.recipe, ctx.generator, ctx.out_dtype = recipe, generator, out_dtype
+        return y
+
+    @staticmethod
+    def backward(ctx, dy: torch.Tensor):  # dy: (M, N)
+        x, weight, signs = ctx.saved_tensors
+        recipe, generator, out_dtype = ctx.recipe, ctx.generator, ctx.out_dtype
+        dx = dw = None
+        if ctx.needs_input_grad[0]:
+            dx = _dgrad(dy, weight, recipe, generator, out_dtype).to(x.dtype)
+        if ctx.needs_input_grad[1]:
+            dw = _wgrad(dy, x, recipe, signs, generator, out_dtype).to(weight.dtype)
+        return dx, dw, None, None, None, None
+
+
+def _compute_dtype(x: torch.Tensor) -> torch.dtype:
+    """The autocast dtype when autocast is on for ``x``'s device, else ``x``'s dtype."""
+    if torch.is_autocast_enabled(x.device.type):
+        return torch.get_autocast_dtype(x.device.type)
+    return x.dtype
+
+
+def _same_device(generator: torch.Generator, device: torch.device) -> bool:
+    index = device.index if device.index is not None else (torch.cuda.current_device() if device.type == "cuda"
+                                                           else None)
+    return generator.device.type == device.type and generator.device.index == index
+
+
+class BlockScaledLinear(nn.Linear):
+    """``nn.Linear`` whose forward and backward GEMMs run in a block format (module docstring).
+
+    Args:
+        in_features, out_features, bias, device, dtype: as for ``nn.Linear``.
+        recipe: ``"mxfp8"``, ``"nvfp4"``, ``"nvfp4-plain"`` or a :class:`~mixprec.blockscale.recipe.BlockRecipe`.
+        index: this linear's position among a model's block-scaled linears; its stochastic rounding stream is
+            seeded with ``recipe.seed + index`` (:func:`~mixprec.blockscale.convert.convert_to_block_scaled`
+            numbers them in registration order).
+
+    Build from an existing linear, sharing its ``Parameter`` objects (optimizers and checkpoints keep working),
+    with :meth:`from_linear`.
+
+    Raises:
+        ValueError: dimensions the recipe cannot scale (:func:`shape_problems`), a negative ``index``.
+    """
+
+    def __init__(self, in_features: int, out_features: int, bias: bool = True, device=None, dtype=None, *,
+                 recipe: str | BlockRecipe = "mxfp8", index: int = 0) -> None:
+        super().__init__(in_features, out_features, bias=bias, device=device, dtype=dtype)
+        self.recipe = get_block_recipe(recipe)
+        problems = shape_problems(in_features, out_features, self.recipe)
+        if problems:
+            raise ValueError(f"BlockScaledLinear({in_features}, {out_features}) under {self.recipe.name}: "
+                             + "; ".join(problems))
+        if isinstance(index, bool) or not isinstance(index, int) or index < 0:
+            raise ValueError(f"BlockScaledLinear index={index!r} must be an int >= 0")
+        self.index = index
+        signs = random_signs(self.recipe.hadamard_size, self.recipe.seed, device=self.weight.device)
+        self.register_buffer("hadamard_signs", signs if self.recipe.hadamard else None)
+        self._generator: torch.Generator | None = None
+        self._sync_generator()
+
+    @classmethod
+    def from_linear(cls, linear: nn.Linear, *, recipe: str | BlockRecipe = "mxfp8",
+                    index: int = 0) -> "BlockScaledLinear":
+        """A BlockScaledLinear holding ``linear``'s own ``weight``/``bias`` Parameter objects (no copy); signs and
+        generator on the weight's device."""
+        new = cls(linear.in_features, linear.out_features, bias=linear.bias is not None, device="meta",
+                  recipe=recipe, index=index)
+        new.weight = linear.weight
+        new.bias = linear.bias
+        if new.hadamard_signs is not None:
+            new.hadamard_signs = random_signs(new.recipe.hadamard_size, new.recipe.seed, device=linear.weight.device)
+        new._sync_generator()
+        new.train(linear.training)
+        return new
+
+    @property
+    def sr_seed(self) -> int:
+        """The seed of this linear's stochastic rounding stream: ``recipe.seed + index``."""
+        return self.recipe.seed + self.index
+
+    def _sync_generator(self) -> None:
+        """A generator on the weight's device, seeded ``sr_seed``, if the recipe rounds stochastically (kept as
+        it is while the device stays the same)."""
+        device = self.weight.device
+        if not self.recipe.stochastic_rounding or device.type == "meta":
+            self._generator = None
+        elif self._generator is None or not _same_device(self._generator, device):
+            self._generator = torch.Generator(device=device).manual_seed(self.sr_seed)
+
+    def _apply(self, fn, recurse: bool = True):
+        """``.to()`` / ``.cuda()`` / ``to_empty()``: the generator follows the weight's device; signs that were
+        on the meta device (or left uninitialized by ``to_empty``) are drawn again from the seed."""
+        signs_were_meta = self.hadamard_signs is not None and self.hadamard_signs.is_meta
+        out = super()._apply(fn, recurse)
+        if signs_were_meta and not self.hadamard_signs.is_meta:
+            fresh = random_signs(self.recipe.hadamard_size, self.recipe.seed, device=self.hadamard_signs.device)
+            self.hadamard_signs = fresh.to(self.hadamard_signs.dtype)
+        self._sync_generator()
+        return out
+
+    def get_extra_state(self) -> dict:
+        """The stochastic rounding stream: ``{"sr_seed", "generator_device", "generator_state"}`` (the last two
+        None without stochastic rounding)."""
+        generator = self._generator
+        return {"sr_seed": self.sr_seed,
+                "generator_device": None if generator is None else generator.device.type,
+                "generator_state": None if generator is None else generator.get_state()}
+
+    def set_extra_state(self, state: dict) -> None:
+        """Continue the saved stochastic rounding stream (module docstring for the cross-device case)."""
+        if not isinstance(state, dict) or "generator_state" not in state:
+            raise ValueError(f"BlockScaledLinear: extra state {type(state).__name__} is not this module's "
+                             f"(a dict with sr_seed, generator_device, generator_state)")
+        saved, generator = state["generator_state"], self._generator
+        if saved is None or generator is None:
+            return
+        if state["generator_device"] != generator.device.type:
+            warnings.warn(f"BlockScaledLinear: the stochastic rounding state was saved from a "
+                          f"{state['generator_device']} generator; this module's is on {generator.device.type}: "
+                          f"it keeps its own stream (seeded {self.sr_seed})", stacklevel=2)
+            return
+        generator.set_state(saved)
+
+    def forward(self, input: torch.Tensor) -> torch.Tensor:
+        if input.dtype not in _INPUT_DTYPES:
+            raise TypeError(f"BlockScaledLinear: input dtype {input.dtype}; allowed: {_INPUT_DTYPES}")
+        out_dtype = _compute_dtype(input)
+        x = input.reshape(-1, self.in_features)  # (M, K)
+        y = _BlockScaledMatmul.apply(x, self.weight, self.recipe, self.hadamard_signs, self._generator, out_dtype)
+        y = y.reshape(*input.shape[:-1], self.out_features)  # (..., N)
+        if self.bias is not None:
+            y = y + self.bias.to(out_dtype)
+        return y
+
+    def extra_repr(self) -> str:
+        return f"{super().extra_repr()}, recipe={self.recipe}, index={self.index}"

@@ -1,0 +1,228 @@
+"""Block-scaled training recipes: which GEMM operands go to which block format, and the tricks that make them train.
+
+A linear ``y = x @ W^T`` with ``x (M, K)`` (``M`` tokens, ``K = in_features``), ``W (N, K)`` (``N =
+out_features``) and the output gradient ``dy (M, N)`` runs three GEMMs. A block format scales blocks of
+consecutive elements along one dim, and a GEMM can only use scales that are constant along its contraction, so
+each operand is quantized along the dim its GEMM contracts (:data:`GEMMS`)::
+
+    forward  y  = x  @ W^T    contracts K    x along K,  W along K
+    dgrad    dx = dy @ W      contracts N    dy along N, W along N
+    wgrad    dW = dy^T @ x    contracts M    dy along M, x along M   (M: the tokens)
+
+``x``, ``W`` and ``dy`` are each quantized twice, once per GEMM that reads them (``W`` once with 2D blocks),
+always from high precision, never a quantized tensor requantized (Transformer Engine's NVFP4 recipe states the
+same: the rowwise and columnwise copies are both computed from the high-precision input). A :class:`BlockRecipe`
+says:
+
+* ``format`` (``x``, ``W``) and ``grad_format`` (``dy``; None: the same), block format names for
+  :func:`~mixprec.formats.get_block_format`, and ``scale_rounding``, an override of the formats' E8M0 rounding;
+* ``weight_blocks``: ``"1d"`` (blocks along the contraction, so ``W`` is quantized once along K and once along N)
+  or ``"2d"`` (square ``block_size x block_size`` tiles of ``W`` share one scale, so a single quantized ``W`` is
+  valid along K and along N and serves forward and dgrad);
+* ``hadamard``: a random Hadamard transform (:mod:`mixprec.blockscale.hadamard`) of the wgrad GEMM's two inputs
+  along M, in blocks of ``hadamard_size``, with the same random signs on both so ``dy^T x`` is unchanged in exact
+  arithmetic while an outlier is spread over ``hadamard_size`` tokens before they are quantized;
+* ``stochastic_rounding``: ``dy`` rounded stochastically (elements; the scales as always) in dgrad and wgrad;
+* ``bf16_tail_fraction``: the last ``ceil(n * fraction)`` of the model's ``n`` blocks stay in the compute dtype;
+  ``keep_first_last``: so do the network's first and last ``nn.Linear``
+  (:func:`~mixprec.blockscale.convert.convert_to_block_scaled` applies both);
+* ``quantized_gemms``: the GEMMs that run block-scaled (the others are fp32 GEMMs of the unquantized operands);
+* ``seed``: the random Hadamard signs come from it, each linear's stochastic-rounding stream from
+  ``seed + index`` (its position among the converted linears). The signs are the same in every linear and on
+  every rank, as Transformer Engine's one fixed wgrad sign vector and torchtitan's hardcoded one are (under
+  tensor parallelism both operands' shards must use the same signs); here they are drawn from the seed.
+
+Presets (:data:`BLOCK_RECIPES`, by :func:`get_block_recipe`), and where each default comes from:
+
+``"mxfp8"``
+    MXFP8 with E4M3 elements for ``x``, ``W`` *and* ``dy``, blocks of 32 along the contraction, E8M0 scales by
+    ``rceil`` (round ``amax / 448`` up to a power of two), no transform, no SR, no tail. This is what torchao
+    trains with and torchtitan's MXFP8 converter runs: torchao/prototype/moe_training/mxfp8_linear.py sets
+    ``in_elem_dtype = w_elem_dtype = grad_elem_dtype = torch.float8_e4m3fn`` with ``block_size = 32``, and its
+    ``MXFP8TrainingRecipe.MXFP8_RCEIL`` (moe_training/config.py; ``MXFP8Linear``'s default) computes scales by
+    ``ScaleCalculationMode.RCEIL``, whose docstring calls the OCP spec's ``floor`` "bad for gradient
+    quantization" (it saturates the block's largest elements). E5M2 gradients (as fp8's ``hybrid``) are one
+    override away: ``grad_format="mxfp8_e5m2"``. First and last linears kept, mixprec's fp8
+    default (torchtitan's float8 docs keep the ``output`` head the same way, ``filter_fqns=["output"]``).
+``"nvfp4"``
+    Transformer Engine's ``NVFP4BlockScaling`` recipe (transformer_engine/common/recipe/__init__.py): NVFP4
+    everywhere; 16x16 2D scales for weights (``fp4_quant_fwd_weight``: ``fp4_2d_quantization``); a random
+    Hadamard transform of size 16 on the inputs of the wgrad GEMM only ("RHT is currently only applied to
+    column-wise usage so that it can be used for wgrad GEMM"; ``fp4_quant_fwd_inp`` and ``fp4_quant_bwd_grad``
+    carry ``random_hadamard_transform``); stochastic rounding of gradients only (``fp4_quant_bwd_grad``), in both
+    backward GEMMs. The last 15 % of blocks in bf16 is torchtitan's NVFP4 setting
+    (torchtitan/models/llama3/config_registry.py ``_NVFP4_BF16_TAIL_FRACTION = 0.15``, counted as
+    ``ceil(n_layers * fraction)`` in components/quantization/nvfp4.py ``nvfp4_bf16_tail_fqns``), which also keeps
+    the LM head in bf16; first and last linears kept.
+``"nvfp4-plain"``
+    The same NVFP4 format and 2D weight scales without the transform, without SR and without the tail: the
+    ablation that shows what those three buy (``weight_blocks="1d"`` drops the 2D scales too).
+
+Frozen: variants are ``dataclasses.replace(get_block_recipe("nvfp4"), stochastic_rounding=False)``.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+from dataclasses import dataclass
+
+from mixprec.formats import BlockFormat, get_block_format
+
+__all__ = ["GEMMS", "OPERANDS", "BlockRecipe", "BLOCK_RECIPES", "get_block_recipe"]
+
+# GEMM -> (operand, dim it is quantized along) for its two inputs; the output is the GEMM's name
+GEMMS: dict[str, tuple[tuple[str, str], tuple[str, str]]] = {
+    "forward": (("x", "K"), ("W", "K")),
+    "dgrad": (("dy", "N"), ("W", "N")),
+    "wgrad": (("dy", "M"), ("x", "M")),
+}
+OPERANDS = ("x", "W", "dy")
+WEIGHT_BLOCKS = ("1d", "2d")
+SCALE_ROUNDINGS = (None, "floor", "rceil")
+
+
+@dataclass(frozen=True)
+class BlockRecipe:
+    """How block-scaled linears quantize their GEMMs (module docstring for the fields and the presets).
+
+    Raises:
+        ValueError: a field outside its allowed set, naming the field, the value and the choices: an unknown
+            format, formats of different block sizes, ``scale_rounding`` for a format without E8M0 scales, a
+            Hadamard size that is not a power of 4 dividing the block size, a fraction outside ``[0, 1)``, an
+            unknown GEMM, a negative seed.
+    """
+
+    name: str = "custom"
+    format: str = "mxfp8_e4m3"
+    grad_format: str | None = None
+    scale_rounding: str | None = None
+    weight_blocks: str = "1d"
+    hadamard: bool = False
+    hadamard_size: int = 16
+    stochastic_rounding: bool = False
+    bf16_tail_fraction: float = 0.0
+    keep_first_last: bool = True
+    quantized_gemms: tuple[str, ...] = tuple(GEMMS)
+    seed: int = 0
+
+    def __post_init__(self) -> None:
+        fmt = self._checked_formats()
+        if self.weight_blocks not in WEIGHT_BLOCKS:
+            raise ValueError(f"BlockRecipe weight_blocks={self.weight_blocks!r} is not one of {WEIGHT_BLOCKS}")
+        size = self.hadamard_size
+        power_of_4 = isinstance(size, int) and size >= 4 and not size & (size - 1) and size.bit_length() % 2 == 1
+        if isinstance(size, bool) or not power_of_4:
+            raise ValueError(f"BlockRecipe hadamard_size={size!r} must be a power of 4 (4, 16, 64, ...): its "
+                             f"1/sqrt(size) normalization is then exact in fp32")
+        if self.hadamard and fmt.block_size % size:
+            raise ValueError(f"BlockRecipe hadamard_size={size} does not divide {fmt.name}'s block size "
+                             f"{fmt.block_size}: the transformed blocks must tile the quantized ones")
+        fraction = self.bf16_tail_fraction
+        if isinstance(fraction, bool) or not isinstance(fraction, (int, float)) or not 0 <= fraction < 1:
+            raise ValueError(f"BlockRecipe bf16_tail_fraction={fraction!r} must be a number in [0, 1)")
+        unknown = [g for g in self.quantized_gemms if g not in GEMMS]
+        if unknown or not isinstance(self.quantized_gemms, tuple):
+            raise ValueError(f"BlockRecipe quantized_gemms={self.quantized_gemms!r}: a tuple of {tuple(GEMMS)}")
+        if isinstance(self.seed, bool) or not isinstance(self.seed, int) or self.seed < 0:
+            raise ValueError(f"BlockRecipe seed={self.seed!r} must be an int >= 0")
+        for flag in ("hadamard", "stochastic_rounding", "keep_first_last"):
+            if not isinstance(getattr(self, flag), bool):
+                raise ValueError(f"BlockRecipe {flag}={getattr(self, flag)!r} must be True or False")
+
+    def _checked_formats(self) -> BlockFormat:
+        """``format`` resolved, after checking ``grad_format`` and ``scale_rounding`` against it."""
+        fmt = self._resolve("format", self.format)
+        grad = fmt if self.grad_format is None else self._resolve("grad_format", self.grad_format)
+        if grad.block_size != fmt.block_size:
+            raise ValueError(f"BlockRecipe grad_format={grad.name!r} has blocks of {grad.block_size}, format="
+                             f"{fmt.name!r} of {fmt.block_size}: dgrad contracts dy with W, whose blocks must match")
+        if self.scale_rounding not in SCALE_ROUNDINGS:
+            raise ValueError(f"BlockRecipe scale_rounding={self.scale_rounding!r} is not one of {SCALE_ROUNDINGS}")
+        if self.scale_rounding is not None and not (fmt.is_mx and grad.is_mx):
+            other = grad if fmt.is_mx else fmt
+            raise ValueError(f"BlockRecipe scale_rounding={self.scale_rounding!r} is for E8M0 scales (MX formats); "
+                             f"{other.name} has {other.scale_format} scales")
+        return fmt
+
+    @staticmethod
+    def _resolve(field: str, name: str) -> BlockFormat:
+        try:
+            return get_block_format(name)
+        except (TypeError, ValueError) as err:
+            raise ValueError(f"BlockRecipe {field}={name!r}: {err}") from None
+
+    def _with_rounding(self, fmt: BlockFormat) -> BlockFormat:
+        if self.scale_rounding is None or self.scale_rounding == fmt.scale_rounding:
+            return fmt
+        return dataclasses.replace(fmt, name=f"{fmt.name}_{self.scale_rounding}", scale_rounding=self.scale_rounding)
+
+    def operand_format(self, operand: str) -> BlockFormat:
+        """The block format of ``"x"``, ``"W"`` or ``"dy"`` (with ``scale_rounding`` applied)."""
+        if operand not in OPERANDS:
+            raise ValueError(f"operand={operand!r} is not one of {OPERANDS}")
+        name = self.grad_format if operand == "dy" and self.grad_format is not None else self.format
+        return self._with_rounding(get_block_format(name))
+
+    @property
+    def block_size(self) -> int:
+        """Elements per block along the contraction (the same for every operand)."""
+        return get_block_format(self.format).block_size
+
+    def weight_tile_format(self) -> BlockFormat:
+        """``W``'s format with one scale per ``block_size x block_size`` tile (``weight_blocks="2d"``): the tile's
+        elements flattened into one block of ``block_size**2``, so the tile shares its amax, its scale and, for
+        NVFP4, the tensor scale of all of ``W``."""
+        fmt = self.operand_format("W")
+        side = fmt.block_size
+        return dataclasses.replace(fmt, name=f"{fmt.name}_{side}x{side}", block_size=side * side)
+
+    def rounding(self, operand: str) -> str:
+        """``"stochastic"`` for ``dy`` under ``stochastic_rounding``, else ``"nearest"``."""
+        return "stochastic" if operand == "dy" and self.stochastic_rounding else "nearest"
+
+    def tail_blocks(self, n_blocks: int) -> int:
+        """How many of ``n_blocks`` blocks, the last ones, stay in the compute dtype: ``ceil(n * fraction)`` (as
+        torchtitan counts, but of the product rounded to 9 decimals, so ``100 * 0.15`` is 15, not 16)."""
+        return math.ceil(round(n_blocks * self.bf16_tail_fraction, 9))
+
+    def __str__(self) -> str:
+        parts = [self.format + (f"/{self.grad_format}" if self.grad_format else "")]
+        parts += [f"scales={self.scale_rounding}"] if self.scale_rounding else []
+        parts += [f"W={self.weight_blocks}"]
+        parts += [f"rht{self.hadamard_size}(wgrad)"] if self.hadamard else []
+        parts += ["sr(dy)"] if self.stochastic_rounding else []
+        parts += [f"bf16_tail={self.bf16_tail_fraction:g}"] if self.bf16_tail_fraction else []
+        parts += ["first/last kept"] if self.keep_first_last else []
+        parts += [f"gemms={'+'.join(self.quantized_gemms)}"] if self.quantized_gemms != tuple(GEMMS) else []
+        return f"{self.name}({', '.join(parts)})"
+
+
+BLOCK_RECIPES: dict[str, BlockRecipe] = {
+    r.name: r
+    for r in (
+        BlockRecipe("mxfp8", format="mxfp8_e4m3", scale_rounding="rceil"),
+        BlockRecipe("nvfp4", format="nvfp4", weight_blocks="2d", hadamard=True, hadamard_size=16,
+                    stochastic_rounding=True, bf16_tail_fraction=0.15),
+        BlockRecipe("nvfp4-plain", format="nvfp4", weight_blocks="2d"),
+    )
+}
+
+
+def get_block_recipe(spec: str | BlockRecipe) -> BlockRecipe:
+    """A recipe by name (``"mxfp8"``, ``"nvfp4"``, ``"nvfp4-plain"``; ``_`` for ``-`` accepted) or the
+    :class:`BlockRecipe` itself.
+
+    Raises:
+        ValueError: an unknown name; the message lists the known ones.
+        TypeError: ``spec`` neither a string nor a BlockRecipe.
+    """
+    if isinstance(spec, BlockRecipe):
+        return spec
+    if not isinstance(spec, str):
+        raise TypeError(f"get_block_recipe: spec={spec!r} must be a recipe name or a BlockRecipe")
+    key = spec.strip().lower().replace("_", "-")
+    if key not in BLOCK_RECIPES:
+        raise ValueError(f"block recipe {spec!r} is not known; choose one of {sorted(BLOCK_RECIPES)} "
+                         f"(or build a BlockRecipe)")
+    return BLOCK_RECIPES[key]
