@@ -65,7 +65,10 @@ def test_one_process_checkpoint_of_the_old_main_loads_and_continues_bit_for_bit(
             mixprec.load_checkpoint(root, mp)
         assert "AdamW.load_state_dict: saved param group 0 has no 'sr_seed'" in str(refused.value)
         assert "mixprec.optim.adopt_sr_seed(optimizer, sr_seed=<int>)" in str(refused.value)
-        mp = fx.one_process_engine(policy)   # a fresh engine: the refused load had put the weights in already
+        fresh = fx.one_process_engine(policy)   # the refused load changed nothing: weights, optimizer, counters
+        for (name, got), want in zip(mp.module.state_dict().items(), fresh.module.state_dict().values()):
+            assert torch.equal(got, want), name
+        assert mp.boundaries == 0 and not mp.optimizer.state
         with mixprec.optim.adopt_sr_seed(mp.optimizer, sr_seed=0):
             assert mixprec.load_checkpoint(root, mp) == {"fixture": policy}
         assert [g["sr_seed"] for g in mp.optimizer.param_groups] == [0]

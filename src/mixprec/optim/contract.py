@@ -21,9 +21,12 @@ from typing import Protocol, runtime_checkable
 
 import torch
 
+from mixprec.optim.arguments import check_saved_options
+from mixprec.optim.precision_optimizer import PrecisionOptimizer
+from mixprec.optim.sr_seed import seeded_groups
 from mixprec.policy.policy import Policy, state_name
 
-__all__ = ["PrecisionAware", "check", "configure", "compensation", "move_state", "start_compensation", "state_note"]
+__all__ = ["PrecisionAware", "check", "check_loadable", "configure", "compensation", "move_state", "start_compensation", "state_note"]
 
 # stepped tensors a stock optimizer handles as it would in an fp32 run: complex64 is two fp32 numbers
 # (torch.optim steps it on its fp32 real view), complex128 more; complex32 is 16-bit and is not here
@@ -87,6 +90,17 @@ def check(opt: torch.optim.Optimizer, policy: Policy, stepped_dtypes: set[torch.
         raise ValueError(f"{name} would keep its state in {half} under policy {policy} (16-bit params, no master "
                          "weights): small moments round away. Fix: use mixprec.optim.AdamW (fp32 state and math), "
                          "or master=fp32 (e.g. bf16-pure)")
+
+
+def check_loadable(opt: torch.optim.Optimizer, state_dict: dict) -> None:
+    """Raise now what ``opt.load_state_dict(state_dict)`` would refuse, loading nothing: for a :mod:`mixprec.optim`
+    optimizer a saved group made with an option its math lacks, or without ``sr_seed`` while it rounds
+    stochastically (:func:`mixprec.optim.sr_seed.seeded_groups`); a stock optimizer's own load checks only group
+    sizes, which it raises before changing anything. The engine calls this before it loads weights or masters, so a
+    refused checkpoint leaves the engine as it was. ValueError as :meth:`PrecisionOptimizer.load_state_dict`."""
+    if isinstance(opt, PrecisionOptimizer):
+        check_saved_options(type(opt).__name__, state_dict["param_groups"], opt._unimplemented_options)
+        seeded_groups(opt, state_dict["param_groups"])
 
 
 def configure(opt: torch.optim.Optimizer, policy: Policy) -> str:

@@ -16,6 +16,7 @@ from torch import nn
 from mixprec.engine.loss_scale import from_state_dict as loss_scale_from_state
 from mixprec.engine.masters import MasterWeights
 from mixprec.engine.open_group import check_group
+from mixprec.optim import contract
 from mixprec.auto.pending import pending_note
 from mixprec.engine.records import Event
 from mixprec.engine.storage import FrozenParams, check_held, check_new_group, dtype_text, held_by
@@ -80,7 +81,8 @@ def load_state(mp: Engine, state: dict[str, Any]) -> None:
 
     Raises:
         ValueError: another loss-scale type, a frozen set that cannot be matched, unfit fp16 values,
-            masters other than this policy's, an open window's gradients that do not fit. Nothing has changed then.
+            masters other than this policy's, an open window's gradients that do not fit, an optimizer state
+            the optimizer would refuse (:func:`mixprec.optim.contract.check_loadable`). Nothing has changed then.
     """
     if state["loss_scale"].get("type") != type(mp.loss_scale).__name__:
         raise ValueError(f"the run used {state['loss_scale'].get('type')}, the engine has "
@@ -89,6 +91,7 @@ def load_state(mp: Engine, state: dict[str, Any]) -> None:
         mp.match_frozen(state["frozen"], check_only=True)
     mp.check_frozen_values(dict(state["model"]))
     check_group(mp, state.get("open_group"))
+    contract.check_loadable(mp.optimizer, state["optimizer"])   # before any weight moves
     if state.get("frozen") is not None:
         mp.match_frozen(state["frozen"])
     masters = mp.masters.by_name(state["masters"], dict(mp.module.named_parameters()))
