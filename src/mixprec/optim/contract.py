@@ -22,6 +22,7 @@ from typing import Protocol, runtime_checkable
 import torch
 
 from mixprec.policy.policy import Policy, state_name
+from mixprec.messages.location import user_stacklevel
 
 __all__ = ["PrecisionAware", "check", "configure", "compensation", "move_state", "start_compensation", "state_note"]
 
@@ -101,7 +102,7 @@ def configure(opt: torch.optim.Optimizer, policy: Policy) -> str:
     if policy.state_dtype == torch.float16:
         warnings.warn(f"policy {policy} keeps optimizer state in fp16: Adam's second moment (grad**2) "
                       "underflows fp16 below 6e-8, i.e. for gradients under ~2e-4, and the update then "
-                      "blows up; prefer state=bf16 (fp32's range) or fp32", stacklevel=3)
+                      "blows up; prefer state=bf16 (fp32's range) or fp32", stacklevel=user_stacklevel())
     return state_note(opt)
 
 

@@ -46,6 +46,7 @@ from mixprec.distributed.process import any_across_ranks, is_main_process, rank,
 from mixprec.auto.pending import PENDING
 from mixprec.engine.records import Event
 from mixprec.memory.recompute import RecomputePlan
+from mixprec.messages.location import user_stacklevel
 
 if TYPE_CHECKING:
     from mixprec.engine.mixed_precision import MixedPrecision
@@ -152,7 +153,7 @@ def _check_same_run(manifest: dict, workload: Any, seed: int, where: Path, steps
         warnings.warn(f"--resume with --steps {steps}, but the run's learning-rate schedule was built for "
                       f"{saved_steps} steps and resumes as it was (the scheduler's state is restored): steps past "
                       f"{saved_steps} run at the schedule's final rate. For a schedule over {steps} steps, start a "
-                      "new run", stacklevel=3)
+                      "new run", stacklevel=user_stacklevel())
     position = manifest.get("data_position", {})
     if position.get("seed") != seed or "batches" not in position:
         raise ValueError(f"--resume: the checkpoint {str(where)!r} was trained with --seed {position.get('seed')}, "
