@@ -299,6 +299,7 @@ def test_the_graph_sees_every_kind_of_import():
 # Dependencies point one way, from data toward programs (docs/architecture.md). A module belongs to the
 # layer of its longest matching prefix and imports only from its own layer or lower ones.
 LAYERS = (
+    ("where messages point", ("mixprec.messages",)),
     ("data", ("mixprec.formats", "mixprec.machine", "mixprec.workloads")),
     ("the policy as data", ("mixprec.policy",)),
     ("kernels and ops", ("mixprec.autocast", "mixprec.fp8", "mixprec.blockscale", "mixprec.optim", "mixprec.ops",

@@ -25,6 +25,7 @@ from typing import Any
 import torch
 
 from mixprec.engine.mixed_precision import MixedPrecision
+from mixprec.messages.location import user_stacklevel
 from mixprec.optim import contract
 
 __all__ = ["EMA"]
@@ -133,7 +134,7 @@ class EMA:
             warnings.warn(f"EMA: the engine went back from applied step {self.engine_step} to {mp.applied_steps} "
                           "(a guard rollback, or mp.load_state_dict / load_checkpoint without ema=); the shadow "
                           "is not rewound and keeps the average of the undone steps. To rewind it too, load a "
-                          "checkpoint with load_checkpoint(..., ema=ema)", stacklevel=2)
+                          "checkpoint with load_checkpoint(..., ema=ema)", stacklevel=user_stacklevel())
         self.engine_step = mp.applied_steps + 1   # the engine counts this step right after optimizer.step()
         self.steps_seen += 1
         if self.steps_seen % self.every == 0:
@@ -160,7 +161,7 @@ class EMA:
             self._shadow[n] = sources[n].detach().to(_value_dtype(sources[n]), copy=True)
         warnings.warn(f"EMA: the trainable params changed (unfreeze, a model edit or a new policy's layout): "
                       f"{len(new)} ({', '.join(new[:5])}) start from their current value, {len(gone)} "
-                      f"({', '.join(gone[:5])}) are no longer averaged", stacklevel=4)
+                      f"({', '.join(gone[:5])}) are no longer averaged", stacklevel=user_stacklevel())
 
     # ------------------------------------------------------------------ evaluation
     @contextmanager

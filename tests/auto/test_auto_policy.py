@@ -2,6 +2,7 @@
 candidate, leaves the model as found, caches by the right key; the engine decides at its first forward."""
 
 import json
+import sys
 import time
 import types
 import warnings
@@ -282,6 +283,21 @@ def test_engine_auto_without_a_forward_through_mp_model_falls_back_to_the_probe(
         with mp.autocast():
             loss = mp.model(torch.randn(2, 8)).float().mean()
         mp.backward(loss)
+
+
+@pytest.mark.usefixtures("fake_time")
+def test_the_pending_auto_warning_raised_inside_mp_backward_points_at_the_users_line():
+    """The warning comes from a feature's ``before_backward``, several mixprec frames below ``mp.backward``: it
+    names the line of this file that called ``mp.backward``, not the library."""
+    model = SleepNet()
+    mp = mixprec.MixedPrecision(model, torch.optim.SGD(model.parameters(), lr=0.1), device="cpu")
+    loss = SleepNet.forward(mp.module, torch.randn(2, 8)).pow(2).mean()   # around mp.model's hooks: still pending
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        line = sys._getframe().f_lineno + 1
+        mp.backward(loss)
+    pending = [w for w in caught if "still pending at mp.backward" in str(w.message)]
+    assert [(w.filename, w.lineno) for w in pending] == [(__file__, line)]
 
 
 @pytest.mark.usefixtures("fake_time")

@@ -62,6 +62,7 @@ from mixprec.autocast.saved_dtype import describe as describe_saved
 from mixprec.autocast.saved_dtype import saved_in_compute
 from mixprec.autocast.portable import portable_ops
 from mixprec.engine.protocol import Engine
+from mixprec.messages.location import user_stacklevel
 
 __all__ = ["resolve_for_engine", "PENDING", "PendingAuto", "pending_resolution", "adopted_decision", "pending_note"]
 
@@ -215,7 +216,7 @@ class PendingAuto(Feature):
         warnings.warn(f"mixprec: policy='auto' was still pending at mp.backward(): no training forward went through "
                       f"mp.model, whose first one times the candidates on the model. This boundary trains in fp32; "
                       f"from the next one the matmul probe's choice applies ({self.probe.policy}). Call the model as "
-                      "mp.model(...) for auto to decide on it", stacklevel=3)
+                      "mp.model(...) for auto to decide on it", stacklevel=user_stacklevel())
 
     def at_boundary(self, mp: Engine) -> None:
         """Called at the end of each step boundary: applies the probe's choice after :meth:`before_backward`."""

@@ -42,6 +42,7 @@ from torch import nn
 from mixprec.blockscale.gemm import block_gemm, gemm_operand, plain_gemm, weight_tiles
 from mixprec.blockscale.hadamard import random_signs
 from mixprec.blockscale.recipe import BlockRecipe, get_block_recipe
+from mixprec.messages.location import user_stacklevel
 
 __all__ = ["BlockScaledLinear", "shape_problems"]
 
@@ -228,7 +229,7 @@ class BlockScaledLinear(nn.Linear):
         if state["generator_device"] != generator.device.type:
             warnings.warn(f"BlockScaledLinear: the stochastic rounding state was saved from a "
                           f"{state['generator_device']} generator; this module's is on {generator.device.type}: "
-                          f"it keeps its own stream (seeded {self.sr_seed})", stacklevel=2)
+                          f"it keeps its own stream (seeded {self.sr_seed})", stacklevel=user_stacklevel())
             return
         generator.set_state(saved)
 

@@ -10,6 +10,7 @@ decision line the build reads out, :func:`built_in_features` the engine's featur
 
 from __future__ import annotations
 
+from collections.abc import Callable, Sequence
 from typing import Any, NamedTuple
 
 import torch
@@ -20,7 +21,7 @@ from mixprec.autocast.compiled import CompileRequest, compile_request
 from mixprec.autocast.op_plan import describe as describe_kernels
 from mixprec.distributed.strategy import make_strategy
 from mixprec.engine.autocast_scope import AutocastScope
-from mixprec.engine.feature import Feature
+from mixprec.engine.feature import Feature, Features
 from mixprec.engine.grad_sums import GradSums
 from mixprec.engine.kernel_agreement import KernelAgreement
 from mixprec.engine.memory_budget import MemoryBudget
@@ -88,14 +89,16 @@ def first_decision(head: str, prepared: Prepared, compiled: CompileRequest, poli
 
 
 def built_in_features(mp: Engine, recompute: Any, strategy: Any, scope: AutocastScope, checks: LoopChecks,
-                      auto: PendingAuto, budget: MemoryBudget, regions: Regions,
-                      groups: GroupWatch) -> tuple[GradSums, tuple[Feature, ...]]:
-    """The engine ``mp``'s fp32 gradient sums and its built-in features in call order (docs/architecture.md
-    "Features"): loop checks, gradient sums, pending ``auto``, kernel agreement, recompute, memory budget, fp32
-    regions, param-group watch. Three are built here, in this order: the ``recompute`` plan (with ``scope``'s
-    saved rebuilds; a named plan's event recorded at boundary 0), the ranks' kernel agreement and the sums.
+                      auto: PendingAuto, budget: MemoryBudget, regions: Regions, groups: GroupWatch,
+                      own: Sequence[Callable[[Engine], Feature]] = ()) -> tuple[GradSums, Features]:
+    """The engine ``mp``'s fp32 gradient sums and its features in call order (docs/architecture.md "Features"):
+    loop checks, gradient sums, pending ``auto``, kernel agreement, recompute, memory budget, fp32 regions,
+    param-group watch, then one per factory of ``own`` (``MixedPrecision.feature_types``, each built as
+    ``factory(mp)``). Three are built here first, in this order: the ``recompute`` plan (with ``scope``'s saved
+    rebuilds; a named plan's event recorded at boundary 0), the ranks' kernel agreement and the sums.
     ValueError/TypeError for a bad ``recompute``, or ``"auto"`` where ``strategy`` cannot measure the blocks."""
     recomputed = RecomputeSetup(mp, recompute, strategy, scope.rebuilds)   # blocks recomputed in backward
     kernels = KernelAgreement(strategy, mp.policy)   # every rank: rank 0's measured kernels
     sums = GradSums(mp)   # 16-bit params without masters: a window's grads summed in fp32
-    return sums, (checks, sums, auto, kernels, recomputed, budget, regions, groups)
+    built_in = (checks, sums, auto, kernels, recomputed, budget, regions, groups)
+    return sums, Features((*built_in, *(make(mp) for make in own)))

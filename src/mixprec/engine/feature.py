@@ -2,11 +2,12 @@
 
 A feature is one concern the engine runs beside its own step (the loop checks, the fp32 gradient sums, a pending
 ``auto``, the recompute plan, the memory budget, the ranks' kernel agreement, the fp32 regions, the param-group
-watch). ``MixedPrecision`` holds its features in one tuple, in a fixed order (docs/architecture.md "Features"), and
-calls each at every point below in that order; a feature that does nothing at a point inherits the no-op. So a new
-feature is a subclass and one entry in the engine's tuple (or, for a developer's own, in
-``MixedPrecision.feature_types``: built as ``factory(mp)`` after the built-in ones); the engine's phases are
-untouched.
+watch). ``MixedPrecision`` holds its features in one :class:`Features`, in a fixed order (docs/architecture.md
+"Features"), which calls each at every point below in that order; a feature that does nothing at a point inherits
+the no-op. So a new feature is a subclass and one entry in the built-in tuple (:mod:`mixprec.engine.construction`;
+or, for a developer's own, in ``MixedPrecision.feature_types``: built as ``factory(mp)`` after the built-in ones);
+the engine's phases are untouched. A warning a feature raises at any point points at the user's call into the
+engine, however deep the feature raises it (:mod:`mixprec.messages.location`).
 
 The points, in a step's order: :meth:`install` (the engine is built), :meth:`scope` (around every forward inside
 ``mp.autocast()`` and every ``mp.backward()``), :meth:`before_backward`, :meth:`after_backward`,
@@ -20,11 +21,12 @@ from __future__ import annotations
 
 from collections.abc import Iterator, Sequence
 from contextlib import AbstractContextManager, ExitStack, contextmanager, nullcontext
+from dataclasses import dataclass
 from typing import Any
 
 from mixprec.engine.protocol import Engine
 
-__all__ = ["Feature", "entered"]
+__all__ = ["Feature", "Features", "entered"]
 
 
 class Feature:
@@ -65,6 +67,53 @@ class Feature:
 
     def remove(self) -> None:
         """``mp.unwrap()``: remove every hook this feature installed."""
+
+
+@dataclass(frozen=True)
+class Features:
+    """An engine's features, ``members``, in their call order: each method runs that point of the step on every
+    member in turn (:meth:`scope`: their scopes entered in order). :attr:`note`: their clauses of ``mp.decision``."""
+
+    members: tuple[Feature, ...]
+
+    @property
+    def note(self) -> str:
+        return "".join(feature.note for feature in self.members)
+
+    def install(self, mp: Engine) -> None:
+        for feature in self.members:
+            feature.install(mp)
+
+    def scope(self) -> AbstractContextManager[None]:
+        return entered(self.members)
+
+    def before_backward(self, first: bool) -> None:
+        for feature in self.members:
+            feature.before_backward(first)
+
+    def after_backward(self) -> None:
+        for feature in self.members:
+            feature.after_backward()
+
+    def at_boundary(self, mp: Engine) -> None:
+        for feature in self.members:
+            feature.at_boundary(mp)
+
+    def states(self) -> dict[str, Any]:
+        """Each member's :meth:`~Feature.state` under its :attr:`~Feature.key` (those with one)."""
+        return {feature.key: feature.state() for feature in self.members if feature.key is not None}
+
+    def check(self, state: dict[str, Any]) -> None:
+        for feature in self.members:
+            feature.check(state)
+
+    def load(self, state: dict[str, Any]) -> None:
+        for feature in self.members:
+            feature.load(state)
+
+    def remove(self) -> None:
+        for feature in self.members:
+            feature.remove()
 
 
 def entered(features: Sequence[Feature]) -> AbstractContextManager[None]:

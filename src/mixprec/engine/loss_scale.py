@@ -33,6 +33,7 @@ import torch
 
 from mixprec.engine.gradients import grouped_values, summed_values
 from mixprec.engine.loss_scale_config import DynamicConfig, NoConfig, StaticConfig, _is_number
+from mixprec.messages.location import user_stacklevel
 
 __all__ = ["LossScale", "NoLossScale", "StaticLossScale", "DynamicLossScale", "from_spec", "from_state_dict", "for_policy", "for_switch",
            "unscale_grads"]
@@ -341,7 +342,8 @@ def for_policy(policy: Any, override: Any, device: torch.device) -> LossScale:
     ls = spec if hasattr(spec, "unscale_") else from_spec(spec)
     if ls.enabled and policy.compute_dtype == torch.bfloat16 and policy.param_dtype != torch.float16:
         warnings.warn(f"loss scaling is on ({type(ls).__name__}) under a bf16 policy ({policy}): bf16 has "
-                      "fp32's exponent range, so scaling does nothing useful; drop loss_scale=...", stacklevel=3)
+                      "fp32's exponent range, so scaling does nothing useful; drop loss_scale=...",
+                      stacklevel=user_stacklevel())
     return ls.to(device)
 
 

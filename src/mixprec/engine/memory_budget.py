@@ -54,6 +54,7 @@ from mixprec.engine.records import Event
 from mixprec.memory.batch_budget import parse_bytes
 from mixprec.memory.live import LiveMeter, blocked, resident_tensors
 from mixprec.memory.recompute import RecomputePlan
+from mixprec.messages.location import user_stacklevel
 
 __all__ = ["BudgetDecision", "MemoryBudget", "SHARE", "parse_budget", "size_words"]
 
@@ -220,7 +221,7 @@ class MemoryBudget(Feature):
         detail = (f"{self.note[2:]}; measured: {live.source}; per key: {self._key_words()} "
                   f"{self.decided.numbers()}")
         if over:
-            warnings.warn(f"mixprec: {self.note[2:]}", RuntimeWarning, stacklevel=4)
+            warnings.warn(f"mixprec: {self.note[2:]}", RuntimeWarning, stacklevel=user_stacklevel())
         self._mp.record(Event(self._mp.boundaries, _KIND, "over" if over else "measured", None, detail),
                         decision=_replace(self._mp.decision, before, self.note))
         log.info("mixprec: %s", detail)

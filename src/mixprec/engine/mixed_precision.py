@@ -16,7 +16,7 @@ from mixprec.engine.boundary import AccumulationGroup, BoundaryLosses, StepCheck
 from mixprec.engine.clipping import clip_ as _clip_
 from mixprec.engine.construction import built_in_features, first_decision, resolve_arguments
 from mixprec.engine.divergence import DivergenceError, Judging
-from mixprec.engine.feature import Feature, entered
+from mixprec.engine.feature import Feature
 from mixprec.engine.loss_scale import for_policy as loss_scale_for_policy, unscale_grads
 from mixprec.engine.masters import best_fp32_values, claim, release
 from mixprec.engine.misuse.arguments import as_tensors, cast_batch, check_args, check_loss
@@ -90,10 +90,10 @@ class MixedPrecision:
         regions = self._regions.wrap(model, self.policy, self.device.type, prepared.keep, set(prepared.plan.frozen16))
         self.decision = first_decision(resolution.decision, prepared, self._compile, self.policy, self.device.type,
                                        state_note, regions)
-        self._sums, built_in = built_in_features(self, recompute, self._strategy, self._scope, self._checks,
-                                                 self._auto, budget, self._regions, self._groups)
-        self._features: tuple[Feature, ...] = (*built_in, *(make(self) for make in self.feature_types))   # call order
-        self.decision += "".join(f.note for f in self._features)
+        self._sums, self._features = built_in_features(self, recompute, self._strategy, self._scope, self._checks,
+                                                       self._auto, budget, self._regions, self._groups,
+                                                       self.feature_types)
+        self.decision += self._features.note
         self.model = self._compile.apply(self._strategy.after_casts(model, self.policy, self.device))
         self.masters.record_versions()   # DDP's broadcast of rank 0's params is not a user edit
         # micro_step: backward() calls since the last boundary; boundaries: step() boundaries (applied + skipped)
@@ -102,8 +102,7 @@ class MixedPrecision:
         self._phase, self._open_check = Phase.IDLE, None   # engine/step_state.py; the StepCheck apply_or_skip() takes
         self._layout = None if self._strategy.shards_params else ModelLayout(model)   # FSDP2 swaps params itself
         self._set_gradient_sync()
-        for feature in self._features:
-            feature.install(self)
+        self._features.install(self)
         log.info("mixprec: %s", self.decision)
 
     def attach(self, optimizer: torch.optim.Optimizer, scheduler: Any = None) -> None:
@@ -129,7 +128,8 @@ class MixedPrecision:
         (:mod:`mixprec.autocast`; held in every backward pass of its outputs) and eager dtypes for a compiled
         forward; traced by torch.compile with no graph break (:mod:`mixprec.engine.autocast_scope`)."""
         self._check("mp.autocast()")   # auto pending: may switch autocast on
-        with self._scope.autocast(self._auto.block() if self._auto.state == "pending" else None), entered(self._features):
+        block = self._auto.block() if self._auto.state == "pending" else None   # auto's first training forward
+        with self._scope.autocast(block), self._features.scope():
             yield
 
     def cast_inputs(self, batch: Any, *, keep: tuple[str, ...] = ()) -> Any:
@@ -153,20 +153,19 @@ class MixedPrecision:
         self._check("mp.backward()")
         self._frozen.check_not_thawed()
         new_micro_batch = self._group.opens(self._phase, self.micro_step, join=join, strategy=self.strategy)
-        if new_micro_batch and self.micro_step == 0:
+        first = new_micro_batch and self.micro_step == 0   # the accumulation group's first micro-batch
+        if first:
             self._adopt_model_edits()
-        for feature in self._features:   # loop checks; 16-bit grads so far into fp32 sums; a pending auto
-            feature.before_backward(new_micro_batch and self.micro_step == 0)
+        self._features.before_backward(first)   # loop checks; 16-bit grads so far into fp32 sums; a pending auto
         self.micro_step += new_micro_batch   # a group's first: BETWEEN until the backward returns (then PENDING)
         self._phase = Phase.BETWEEN if new_micro_batch and self._phase is Phase.IDLE else self._phase
-        self._losses.add(loss.detach(), first=new_micro_batch and self.micro_step == 1)
+        self._losses.add(loss.detach(), first=first)
         loss = self._group.per_micro_batch(loss)
-        with self._scope.op_lists(), entered(self._features):   # a checkpoint's recompute casts as the forward did
+        with self._scope.op_lists(), self._features.scope():   # a checkpoint's recompute casts as the forward did
             self._scope.hold(self.loss_scale.scale_loss(loss)).backward(retain_graph=retain_graph, inputs=inputs)
         self._phase = Phase.RETAINED if retain_graph else Phase.PENDING
         self.masters.accumulate_grads()
-        for feature in self._features:
-            feature.after_backward()
+        self._features.after_backward()
 
     def scale_loss(self, loss: torch.Tensor) -> torch.Tensor:
         """``loss`` times the current loss scale (differentiable), for ``torch.autograd.grad`` on a loss the engine
@@ -240,8 +239,7 @@ class MixedPrecision:
                                scaling=self.loss_scale.enabled)
         self._judging.grads = grads
         self.discard_gradients()
-        for feature in self._features:   # auto decided; kernels agreed; recompute, budget measured
-            feature.at_boundary(self)
+        self._features.at_boundary(self)   # auto decided; kernels agreed; recompute, budget measured
         return self._judging.judge(self, self.guard, result)
 
     def _apply_update(self) -> None:
@@ -282,7 +280,7 @@ class MixedPrecision:
                                compiled=self._compile)
         self.policy, self.masters, self._kahan_from = switch.policy, switch.masters, switch.kahan_from
         self.loss_scale = switch.loss_scale
-        self.decision = switch.decision + "".join(f.note for f in self._features)   # the features' clauses now
+        self.decision = switch.decision + self._features.note   # the features' clauses now
         self.events.extend([switch.event] if record else [])
         (log.warning if switch.policy != switch.old else log.info)("mixprec: policy %s → %s at boundary %d (%s)",
                                                                    switch.old, switch.policy, self.boundaries, cause)
@@ -337,8 +335,7 @@ class MixedPrecision:
             self._check("unwrap(to_fp32=True)")
             adopt_edited_params(self)
             self.masters.write_fp32(best_fp32_values(self.masters, self.optimizer))
-        for feature in self._features:
-            feature.remove()
+        self._features.remove()
         release(self)
         self._unwrapped = True
         return self.module
@@ -383,11 +380,9 @@ class MixedPrecision:
         (:func:`mixprec.engine.preparation.reprepare.load_engine_state`); ``auto`` still pending adopts a run that took its
         auto decision. ValueError, before anything changes, without either, for other masters or loss-scale type,
         an unmatched frozen set or unfit fp16 values."""
-        for feature in self._features:   # before anything changes
-            feature.check(state)
+        self._features.check(state)   # before anything changes
         self.decision = load_engine_state(self, state, self._auto, convert=convert, adopt_policy=adopt_policy) or self.decision
-        for feature in self._features:   # the saved recompute plan, budget decision, as they were: not re-measured
-            feature.load(state)
+        self._features.load(state)   # the saved recompute plan, budget decision, as they were: not re-measured
 
     def discard_gradients(self) -> None:
         """Drop an unfinished accumulation: every gradient (params and masters) and the pending micro-batches;
@@ -404,10 +399,9 @@ class MixedPrecision:
         self._check("restore_progress()")
         self.applied_steps, self.skipped_total = counters["applied_steps"], counters["skipped_total"]
         self.boundaries = counters["boundaries"]
-        if events is not None:
+        if events is not None:   # with a DCP checkpoint's recompute plan and budget decision, as they were
             self.events[:] = [Event.of(e) for e in events]
-            for feature in self._features:   # a DCP checkpoint's recompute plan and budget decision, as they were
-                feature.load({"events": events})
+            self._features.load({"events": events})
         if open_group:   # saved mid-accumulation: the window goes on; its gradients are this engine's own
             self.micro_step, self._phase, self._group.end_next = restore_group(self, open_group, self._losses, self._sums)
             self._checks.after_backward()

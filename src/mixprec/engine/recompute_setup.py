@@ -21,6 +21,7 @@ from collections.abc import Callable
 from contextlib import AbstractContextManager
 from typing import Any
 
+from mixprec.messages.location import user_stacklevel
 from mixprec.distributed.strategy import SingleProcess
 from mixprec.engine.feature import Feature
 from mixprec.engine.protocol import Engine
@@ -93,7 +94,7 @@ class RecomputeSetup(Feature):
         replaced = self._replaced(plan)
         self._install(plan)
         if replaced:   # its own event kind: a "recompute" event's detail is the plan's text, parsed back on load
-            warnings.warn(f"mixprec: {replaced}", stacklevel=3)
+            warnings.warn(f"mixprec: {replaced}", stacklevel=user_stacklevel())
             self._mp.record(Event(self._mp.boundaries, "recompute-replaced", "loaded", None, replaced))
         self._mp.record(Event(self._mp.boundaries, _KIND, "loaded", None, plan.text()),
                         decision=_replace(self._mp.decision, before, self.note))

@@ -14,14 +14,13 @@ name), ``"optimizer"``, ``"scheduler"`` (None without one), ``"loss_scale"``
 
 from __future__ import annotations
 
-from collections.abc import Sequence
 from typing import Any
 
 import torch
 from torch import nn
 
 from mixprec.engine.boundary import BoundaryLosses
-from mixprec.engine.feature import Feature
+from mixprec.engine.feature import Features
 from mixprec.engine.grad_sums import GradSums
 from mixprec.engine.masters import MasterWeights, best_fp32_values
 from mixprec.engine.open_group import capture_group
@@ -31,14 +30,14 @@ from mixprec.engine.step_state import Phase
 __all__ = ["engine_state", "trainable_fp32"]
 
 
-def engine_state(mp: Engine, features: Sequence[Feature], phase: Phase, end_next: bool, losses: BoundaryLosses,
+def engine_state(mp: Engine, features: Features, phase: Phase, end_next: bool, losses: BoundaryLosses,
                  sums: GradSums) -> dict[str, Any]:
     """``mp.state_dict()`` (module docstring) of the engine ``mp`` with its ``features``; ``phase``, ``end_next``,
     ``losses`` and ``sums`` (the engine's) give the open window. RuntimeError mid-window under a strategy
     (:func:`~mixprec.engine.open_group.capture_group`)."""
     return {
         "policy": str(mp.policy),
-        "frozen": mp.frozen_names(), **{f.key: f.state() for f in features if f.key is not None},
+        "frozen": mp.frozen_names(), **features.states(),
         "model": mp.module.state_dict(), "masters": mp.masters.named(mp.module.named_parameters()),
         "optimizer": mp.optimizer.state_dict(),
         "scheduler": None if mp.scheduler is None else mp.scheduler.state_dict(),

@@ -25,6 +25,7 @@ from mixprec.optim.arguments import check_saved_options
 from mixprec.optim.precision_optimizer import PrecisionOptimizer
 from mixprec.optim.sr_seed import seeded_groups
 from mixprec.policy.policy import Policy, state_name
+from mixprec.messages.location import user_stacklevel
 
 __all__ = ["PrecisionAware", "check", "check_loadable", "configure", "compensation", "move_state", "start_compensation", "state_note"]
 
@@ -115,7 +116,7 @@ def configure(opt: torch.optim.Optimizer, policy: Policy) -> str:
     if policy.state_dtype == torch.float16:
         warnings.warn(f"policy {policy} keeps optimizer state in fp16: Adam's second moment (grad**2) "
                       "underflows fp16 below 6e-8, i.e. for gradients under ~2e-4, and the update then "
-                      "blows up; prefer state=bf16 (fp32's range) or fp32", stacklevel=3)
+                      "blows up; prefer state=bf16 (fp32's range) or fp32", stacklevel=user_stacklevel())
     return state_note(opt)
 
 

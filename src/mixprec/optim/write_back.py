@@ -17,6 +17,7 @@ from typing import Any
 
 import torch
 
+from mixprec.messages.location import user_stacklevel
 from mixprec.optim.rounding import lost_update_counts, write_back_
 from mixprec.optim.state_codec import stochastic_round_into
 from mixprec.optim.stream_keys import StreamKeys
@@ -91,4 +92,4 @@ class WriteBack:
                 "16-bit params are smaller than half an ulp of the param and were rounded away "
                 "(rounding='nearest'), so those weights do not train. Fix: keep fp32 master weights "
                 "(policy 'bf16-pure'), or use rounding='kahan' or rounding='stochastic'.",
-                UserWarning, stacklevel=5)  # here < step < no_grad < torch's step hooks < caller
+                UserWarning, stacklevel=user_stacklevel())

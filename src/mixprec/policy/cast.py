@@ -7,6 +7,7 @@ from typing import Any
 
 import torch
 
+from mixprec.messages.location import user_stacklevel
 from mixprec.policy.tree import map_tensors
 
 __all__ = ["cast_floating"]
@@ -56,6 +57,6 @@ def _cast_distribution(dist: Any, cast: Any) -> Any:
             _uncastable_warned.add(name)
             warnings.warn(f"mixprec: a {name} distribution in the model's output holds 16-bit parameters that "
                           "mixprec cannot rebuild in fp32; build it from fp32 tensors (e.g. logits.float()) "
-                          "(said once)", stacklevel=4)
+                          "(said once)", stacklevel=user_stacklevel())
         return dist
 

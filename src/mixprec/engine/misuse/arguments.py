@@ -14,6 +14,7 @@ from torch import nn
 
 from mixprec.engine.misuse.outside import check_not_wrapped
 from mixprec.memory.recompute import match_blocks, parse_request
+from mixprec.messages.location import user_stacklevel
 from mixprec.policy.policy import cast_floating
 from mixprec.policy.tree import field_names, map_fields, map_tensors
 
@@ -32,7 +33,7 @@ def check_args(model: Any, max_grad_norm: Any, accumulation_steps: Any, recomput
                             "the old name of recompute=; pass recompute= alone")
         warnings.warn("MixedPrecision(checkpoint=...) is now recompute=... (activation recompute, not saving: "
                       "mixprec.save_checkpoint saves); checkpoint= still works in this release", DeprecationWarning,
-                      stacklevel=3)
+                      stacklevel=user_stacklevel())
         recompute = checkpoint
     request = parse_request(recompute)   # before anything changes: a bad recompute= names itself
     if request.kind == "named":

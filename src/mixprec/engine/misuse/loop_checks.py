@@ -54,6 +54,7 @@ from mixprec.engine.misuse.outside import before_optimizer_step, stray_step_text
 from mixprec.engine.protocol import Engine
 from mixprec.engine.records import Event
 from mixprec.engine.storage import FrozenParams
+from mixprec.messages.location import user_stacklevel
 
 __all__ = ["LoopChecks", "TARGET_NAMES"]
 
@@ -257,7 +258,7 @@ class LoopChecks(Feature):
                   "activation checkpointing whose inputs do not require grad (use_reentrant=False fixes that). "
                   "Freeze them (requires_grad_(False) before building) if that is intended")
         self._event("missing-gradients", detail)
-        warnings.warn(f"mixprec: {detail}", stacklevel=4)
+        warnings.warn(f"mixprec: {detail}", stacklevel=user_stacklevel())
         return grads
 
     def _foreign(self, *, everything: bool) -> tuple[list[torch.Tensor], list[torch.Tensor]]:
@@ -350,7 +351,7 @@ class LoopChecks(Feature):
             return
         self.spoken.add(key)
         self._event(kind, detail)
-        warnings.warn(f"mixprec: {detail} (said once)", stacklevel=5)
+        warnings.warn(f"mixprec: {detail} (said once)", stacklevel=user_stacklevel())
 
 
 def _float_input_not_in(args: tuple, dtype: torch.dtype) -> torch.dtype | None:

@@ -43,6 +43,7 @@ from mixprec.engine.misuse.foreign_loops import before_engine_step
 from mixprec.auto.pending import PENDING
 from mixprec.engine.protocol import Engine
 from mixprec.engine.records import Event
+from mixprec.messages.location import user_stacklevel
 
 __all__ = ["watch_autocast", "before_optimizer_step", "check_outside_step", "check_not_wrapped", "wrapped_autocast",
            "check_model_not_wrapped", "stray_step_text", "INTEGRATIONS"]
@@ -123,7 +124,7 @@ def _report(mp: Engine, dtype: torch.dtype, where: str) -> None:
                     detail=detail), decision=mp.decision + clause)
     if mp not in _WARNED:
         _WARNED.add(mp)
-        warnings.warn(f"mixprec: {detail} (said once)", stacklevel=4)
+        warnings.warn(f"mixprec: {detail} (said once)", stacklevel=user_stacklevel())
 
 
 def before_optimizer_step(mp: Engine, *, engine_step: bool) -> None:

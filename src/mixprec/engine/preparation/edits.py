@@ -25,6 +25,7 @@ from mixprec.engine.storage import FrozenParams
 from mixprec.policy.policy import Policy
 from mixprec.engine.protocol import Engine
 from mixprec.engine.records import Event
+from mixprec.messages.location import user_stacklevel
 
 __all__ = ["ModelEdit", "ModelLayout", "adopt_edited_params", "adopt_model_edits", "finish_model_edit",
            "edited_params_event"]
@@ -201,14 +202,15 @@ def finish_model_edit(mp: Engine, edit: ModelEdit, layout: ModelLayout) -> None:
         mp.guard.take_snapshot(mp)   # the old snapshot holds the old layout: no rollback into it
     masters = ", with fresh fp32 masters from their values" if mp.policy.has_masters else ""
     warnings.warn(f"mixprec: the model was edited after MixedPrecision was built ({edit.text()}); adopted: new "
-                  f"parameters are stored as {mp.policy} says{masters}, without optimizer state", stacklevel=5)
+                  f"parameters are stored as {mp.policy} says{masters}, without optimizer state",
+                  stacklevel=user_stacklevel())
 
 
 def edited_params_event(step: int, detail: str) -> Event:
     """The ``adopt`` event of params written outside the engine whose masters adopted the new values
     (``detail``: :meth:`mixprec.engine.masters.MasterWeights.adopt_edits`' words), with its one warning."""
     warnings.warn(f"{detail}. To keep full fp32 precision, load weights before building MixedPrecision, "
-                  "or with mixprec.load_checkpoint / mp.load_state_dict", stacklevel=4)
+                  "or with mixprec.load_checkpoint / mp.load_state_dict", stacklevel=user_stacklevel())
     return Event(step=step, kind="adopt", cause="params edited outside the optimizer", module=None, detail=detail)
 
 

@@ -15,6 +15,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from mixprec.checkpoint import LATEST, load_checkpoint, read_manifest, resolve_checkpoint
+from mixprec.messages.location import user_stacklevel
 from mixprec.distributed.process import is_main_process, world_size
 from mixprec.programs.train.config import AUTO, TrainConfig
 
@@ -107,7 +108,7 @@ def _check_same_run(manifest: dict, workload: Any, seed: int, where: Path, steps
         warnings.warn(f"--resume with --steps {steps}, but the run's learning-rate schedule was built for "
                       f"{saved_steps} steps and resumes as it was (the scheduler's state is restored): steps past "
                       f"{saved_steps} run at the schedule's final rate. For a schedule over {steps} steps, start a "
-                      "new run", stacklevel=3)
+                      "new run", stacklevel=user_stacklevel())
     position = manifest.get("data_position", {})
     if position.get("seed") != seed or "batches" not in position:
         raise ValueError(f"--resume: the checkpoint {str(where)!r} was trained with --seed {position.get('seed')}, "
