@@ -9,10 +9,12 @@
   (``mixprec.numerics``, with everything under it) or a top-level module (``mixprec.checkpoint.local``
   is one file). Both ``from mixprec.x import _name`` and ``x._name`` on an imported mixprec module
   count.
-* The engine's step stays readable: ``MixedPrecision`` at most 450 lines, its ``step`` at most 45.
+* The engine's step stays readable: ``MixedPrecision`` at most 390 lines, its ``step`` at most 45; ``PrecisionOptimizer``
+  at most 150 (a shell over its state codec and write-back).
 * Imports point down the layers of docs/architecture.md; a program (``mixprec.programs.<name>``) imports
   the library, ``programs.session`` and nothing of another program (``cli`` dispatches to all).
-* The root package holds only the public entry points; no function over 60 lines, no module over 500.
+* The root package holds only the public entry points; no function over 50 lines, no module over 400
+  (``engine/mixed_precision.py``: 430).
 * tests/ mirrors src/mixprec (a folder per subpackage); no issue numbers in the source or the README.
 * The engine's state is the engine's: outside ``MixedPrecision`` no function takes an untyped engine
   (``mp`` unannotated or ``Any``) or assigns ``mp.<attribute>``.
@@ -30,7 +32,10 @@ from pathlib import Path
 SRC = Path(__file__).resolve().parent.parent / "src"
 PACKAGE = "mixprec"
 
-CLASS_LINES_LIMIT = 450
+# The engine's public surface (37 methods, their signatures and docstrings) takes ~190 lines before any body;
+# the bodies left are the engine's own state assignments in their side-effect order. A collaborator returns typed
+# values and the engine assigns them, so the class cannot reach 300 without turning state into properties.
+CLASS_LINES_LIMIT = 390
 STEP_LINES_LIMIT = 45
 
 
@@ -276,6 +281,13 @@ def test_mixed_precision_class_is_short():
         f"more than {CLASS_LINES_LIMIT}: move what it needs into collaborators")
 
 
+def test_precision_optimizer_is_a_thin_shell():
+    tree = _tree("mixprec.optim.precision_optimizer")
+    cls = next(n for n in tree.body if isinstance(n, ast.ClassDef) and n.name == "PrecisionOptimizer")
+    assert _lines(cls) <= 150, (f"PrecisionOptimizer spans {_lines(cls)} lines: storage belongs in optim/state_codec.py, "
+                                "rounding in optim/write_back.py")
+
+
 def test_mixed_precision_step_is_short():
     cls = _mixed_precision()
     step = next((n for n in cls.body if isinstance(n, ast.FunctionDef) and n.name == "step"), None)
@@ -351,8 +363,9 @@ def test_programs_never_import_each_others_internals():
 
 # ---------------------------------------------------------------------- (e) the root and the sizes
 ROOT_MODULES = {"mixprec", "mixprec.__main__", "mixprec.formats", "mixprec.ops", "mixprec.guard", "mixprec.ema"}
-FUNCTION_LINES_LIMIT = 60
-MODULE_LINES_LIMIT = 500
+FUNCTION_LINES_LIMIT = 50
+MODULE_LINES_LIMIT = 400
+LONGER_MODULES = {"engine/mixed_precision.py": 430}   # the class above and its imports
 
 
 def test_the_root_holds_only_public_entry_points():
@@ -368,7 +381,7 @@ def test_no_long_functions_or_modules():
     long = []
     for module, path in _modules().items():
         text = path.read_text(encoding="utf-8")
-        if text.count("\n") > MODULE_LINES_LIMIT:
+        if text.count("\n") > LONGER_MODULES.get(path.relative_to(SRC / PACKAGE).as_posix(), MODULE_LINES_LIMIT):
             long.append(f"{path.relative_to(SRC)}: {text.count(chr(10))} lines")
         for node in ast.walk(_tree(module)):
             if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef)) and _lines(node) > FUNCTION_LINES_LIMIT:
