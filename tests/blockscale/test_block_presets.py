@@ -211,3 +211,27 @@ def test_auto_never_times_a_block_policy():
     with pytest.raises(ValueError, match=r"candidate 'mxfp8-mixed' must be 'fp32' or a '-mixed' preset \(\['bf16-mixed', "
                                          r"'fp16-mixed'\]\)"):
         time_candidates(nn.Linear(32, 32), (torch.randn(2, 32),), {}, torch.device("cpu"), ("fp32", "mxfp8-mixed"))
+
+
+def test_the_guard_escalates_a_failing_block_run_to_bf16_mixed():
+    """A loss that turns non-finite at the same place again and again: rolled back, then escalated; the first
+    rung drops the recipe, the linears go back to nn.Linear and the run goes on under bf16-mixed."""
+    torch.manual_seed(0)
+    model = Net()
+    mp = MixedPrecision(model, torch.optim.AdamW(model.parameters(), lr=3e-3), policy="mxfp8-mixed", device="cpu",
+                        guard=mixprec.Guard(snapshot_every=1, escalate_after=2))
+    poisoned = True
+    for i in range(12):
+        x, y = _batch(i % 4)
+        with mp.autocast():
+            loss = nn.functional.cross_entropy(mp.model(x).float(), y)
+        if i >= 3 and poisoned:
+            loss = loss * float("inf")
+        mp.backward(loss)
+        mp.step()
+        poisoned = poisoned and str(mp.policy) == "mxfp8-mixed"
+    escalations = [e for e in mp.events if e["kind"] == "escalate"]
+    assert len(escalations) == 1 and "block-scaled linears (mxfp8) → bf16" in escalations[0]["detail"]
+    assert str(mp.policy) == "bf16-mixed" and not _block_linears(model)
+    assert "block-scaled linears: 8 back to nn.Linear" in mp.decision
+    assert torch.isfinite(torch.tensor(_step(mp, 12)))
