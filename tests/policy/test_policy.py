@@ -3,7 +3,7 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from mixprec.policy.policy import FP8_FORMATS, FP8_RECIPES, PRESETS, Policy
+from mixprec.policy.policy import BLOCK_RECIPE_NAMES, FP8_FORMATS, FP8_RECIPES, PRESETS, Policy
 
 DTYPES = [torch.float32, torch.bfloat16, torch.float16]
 
@@ -27,7 +27,7 @@ def test_presets_table():
         assert p.state_dtype == (torch.int8 if name == "bf16-lean" else fp32) and p.output_dtype == fp32
         assert p.state_rounding == "nearest" and p.quantized_state == (name == "bf16-lean")
         assert p.bytes_per_param() == nbytes, name
-    assert set(expected) | {"fp8-mixed"} == set(PRESETS)   # a new preset gets a row here
+    assert set(expected) | {"fp8-mixed", "mxfp8-mixed", "nvfp4-mixed"} == set(PRESETS)   # a new preset gets a row here
 
 
 def test_8bit_state_policies_parse_round_trip_and_count_their_bytes():
@@ -122,13 +122,14 @@ def policies(draw):
     fp8 = draw(st.sampled_from((None,) + FP8_RECIPES)) if compute != torch.float32 else None
     fp8_format = draw(st.sampled_from(FP8_FORMATS)) if fp8 else "hybrid"
     keep_ends = draw(st.booleans()) if fp8 else True
+    block = draw(st.sampled_from((None,) + BLOCK_RECIPE_NAMES)) if compute == torch.bfloat16 and not fp8 else None
     state = draw(st.sampled_from(DTYPES + [torch.int8, torch.float8_e4m3fn]))
     state_rounding = draw(st.sampled_from(["nearest", "stochastic"])) if state in (torch.int8, torch.float8_e4m3fn) \
         else "nearest"
     return Policy(param_dtype=params, compute_dtype=compute,
                   output_dtype=draw(st.sampled_from(DTYPES)), master_dtype=master, rounding=rounding,
                   state_dtype=state, state_rounding=state_rounding, loss_scale=scale, keep_fp32=keep,
-                  fp8=fp8, fp8_format=fp8_format, fp8_keep_ends=keep_ends)
+                  fp8=fp8, fp8_format=fp8_format, fp8_keep_ends=keep_ends, block=block)
 
 
 @settings(max_examples=300, deadline=None)

@@ -191,14 +191,20 @@ def _scalar(output: Any, loss_fn: Callable | None) -> torch.Tensor:
     return torch.stack(floats).sum()
 
 
+def _plain_mixed(policy: Policy) -> bool:
+    """fp32 params under 16-bit autocast, linears in the compute dtype: what ``auto`` may time."""
+    return policy.is_mixed and policy.param_dtype == torch.float32 and policy.fp8 is None and policy.block is None
+
+
 def _candidate_policies(candidates: tuple[str, ...]) -> dict[str, Policy]:
-    """Each candidate's preset. ValueError for one that is not fp32 or a ``-mixed`` preset (fp32 params, no fp8)."""
+    """Each candidate's preset. ValueError for one that is not fp32 or a ``-mixed`` preset (fp32 params, no fp8 or
+    block-scaled linears: their emulated speed says nothing of a native run)."""
     policies = {}
     for name in candidates:
         policy = PRESETS.get(name)
-        if policy is None or policy.param_dtype != torch.float32 or policy.fp8 is not None:
+        if policy is None or not (name == "fp32" or _plain_mixed(policy)):
             raise ValueError(f"auto trial candidate {name!r} must be 'fp32' or a '-mixed' preset "
-                             f"({[n for n, p in PRESETS.items() if p.is_mixed and p.fp8 is None]})")
+                             f"({[n for n, p in PRESETS.items() if _plain_mixed(p)]})")
         policies[name] = policy
     return policies
 

@@ -16,6 +16,7 @@ Everything kept is named in the :class:`BlockConversionReport` with every reason
 linears reuse the original ``weight``/``bias`` Parameter objects, so an optimizer built before conversion keeps
 working; they are numbered ``index = 0, 1, ...`` in registration order (their stochastic rounding streams are
 seeded ``recipe.seed + index``). Forward hooks of a swapped module are not carried over: convert first.
+:func:`revert_block_scaled` swaps them back to plain ``nn.Linear`` (the same Parameter objects again).
 """
 
 from __future__ import annotations
@@ -28,7 +29,7 @@ from torch import nn
 from mixprec.blockscale.linear import BlockScaledLinear, shape_problems
 from mixprec.blockscale.recipe import BlockRecipe, get_block_recipe
 
-__all__ = ["BlockConversionReport", "convert_to_block_scaled", "find_blocks"]
+__all__ = ["BlockConversionReport", "block_state_keys", "convert_to_block_scaled", "find_blocks", "revert_block_scaled"]
 
 ModuleFilter = Callable[[nn.Module, str], bool]
 
@@ -155,8 +156,38 @@ def convert_to_block_scaled(model: nn.Module, recipe: str | BlockRecipe = "mxfp8
             continue
         replacements[module] = BlockScaledLinear.from_linear(module, recipe=resolved, index=len(converted))
         converted.append(name)
-    for parent in list(model.modules()):  # swap under every parent holding a converted module (shared ones too)
+    _swap(model, replacements)   # under every parent holding a converted module (shared ones too)
+    return BlockConversionReport(resolved, tuple(converted), tuple(kept), container, tail)
+
+
+def _swap(model: nn.Module, replacements: dict[nn.Module, nn.Module]) -> None:
+    """Put each replacement under every parent holding the module it replaces (shared modules too)."""
+    for parent in list(model.modules()):
         for child_name, child in list(parent.named_children()):
             if child in replacements:
                 setattr(parent, child_name, replacements[child])
-    return BlockConversionReport(resolved, tuple(converted), tuple(kept), container, tail)
+
+
+def revert_block_scaled(model: nn.Module) -> dict[str, BlockScaledLinear]:
+    """Replace every :class:`BlockScaledLinear` of ``model`` by a plain ``nn.Linear`` holding the same ``weight``
+    and ``bias`` Parameter objects, in place (its training mode kept; hooks not carried over). Returns the
+    replaced modules by qualified name (their recipe, index and stochastic rounding state, e.g. to continue a
+    stream after converting again). No tensor is copied; no host sync."""
+    found = {name: m for name, m in model.named_modules() if isinstance(m, BlockScaledLinear) and name}
+    replacements: dict[nn.Module, nn.Module] = {}
+    for module in found.values():
+        if module in replacements:
+            continue
+        linear = nn.Linear(module.in_features, module.out_features, bias=module.bias is not None, device="meta")
+        linear.weight, linear.bias = module.weight, module.bias
+        replacements[module] = linear.train(module.training)
+    _swap(model, replacements)
+    return found
+
+
+def block_state_keys(model: nn.Module) -> set[str]:
+    """The ``model.state_dict()`` keys that block-scaled linears hold besides their parameters: each
+    :class:`BlockScaledLinear`'s ``hadamard_signs`` (with the transform) and ``_extra_state`` (its stochastic rounding
+    stream), e.g. ``{"blocks.0.fc1._extra_state", ...}``; a checkpoint of another policy lacks or adds just these."""
+    return {f"{name}.{key}" for name, module in model.named_modules() if isinstance(module, BlockScaledLinear)
+            for key in module.state_dict(keep_vars=True) if key not in ("weight", "bias")}

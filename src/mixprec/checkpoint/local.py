@@ -42,7 +42,10 @@ Each ``step-N/`` directory::
                           python {version, state, gauss_next} (long states as tensor references)
     data_position         {"boundaries": mp.boundaries, ...what the caller passed}: e.g. mixprec
                           train stores {"split", "seed", "batches"} (batches drawn from the stream)
-    model                 {"aliases": {name: stored name}, "masters": [param names], "frozen": [param names]}
+    model                 {"aliases": {name: stored name}, "masters": [param names], "frozen": [param names],
+                          "extra_state": the model state dict's entries that are not tensors (a block-scaled
+                          linear's SR stream; tensors referenced), "block_state": the keys block-scaled linears
+                          hold besides their params (a checkpoint of another policy may lack them)}
     tensors               {file: {tensor name: {"dtype", "shape"}}} for every safetensors file
     files                 {file: {"bytes", "sha256"}}
     extra                 the caller's JSON (mixprec train: workload, vocabulary, command, ...)
@@ -84,8 +87,10 @@ from mixprec.checkpoint.layout import LATEST, MANIFEST, CheckpointError, new_che
 from mixprec.checkpoint.manifest import FORMAT, LoadedExtra, Manifest, pin_op_plan
 from mixprec.checkpoint.rng import rng_state, set_rng_state
 from mixprec.checkpoint.tree import STATE_FILE, canonical, decode, dtype_name, encode, write_file
+from mixprec.blockscale import block_state_keys
 from mixprec.checkpoint.verify import (MASTERS_FILE, MODEL_FILE, Checkpoint, best_weights, check_fits,
-                                       model_state, qualname, read, read_manifest, read_weights, stepped_names)
+                                       model_extra_state, model_state, qualname, read, read_manifest, read_weights,
+                                       stepped_names)
 from mixprec.engine.step_state import MID_ACCUMULATION
 
 if TYPE_CHECKING:
@@ -146,9 +151,11 @@ def _contents(mp: MixedPrecision, guard: Any, ema: Any, extra: dict | None,
               data_position: dict | None) -> tuple[Manifest, dict[str, dict[str, torch.Tensor]]]:
     """The manifest (unnamed, without ``tensors``/``files``) and the tensors of each safetensors file."""
     sd = mp.state_dict()   # first: it raises mid-accumulation, and masters adopt params edited outside
-    model_tensors, aliases = _unique_tensors(mp.module.state_dict())
+    model_sd = mp.module.state_dict()
+    model_tensors, aliases = _unique_tensors({k: v for k, v in model_sd.items() if torch.is_tensor(v)})
     masters = {name: m.to("cpu", copy=True).contiguous() for name, m in sd["masters"].items()}
     state: dict[str, torch.Tensor] = {}
+    extra_state = encode({k: v for k, v in model_sd.items() if not torch.is_tensor(v)}, "model_extra", state)
     own = {
         "loss_scale": encode(sd["loss_scale"], "loss_scale", state),
         "optimizer": {"class": qualname(mp.optimizer), "state": encode(sd["optimizer"], "optimizer", state),
@@ -157,7 +164,8 @@ def _contents(mp: MixedPrecision, guard: Any, ema: Any, extra: dict | None,
         {"class": qualname(mp.scheduler), "state": encode(sd["scheduler"], "scheduler", state)},
         "ema": None if ema is None else encode(ema.state_dict(), "ema", state),
         "rng": rng_state(mp.device, state),
-        "model": {"aliases": aliases, "masters": list(masters), "frozen": sd.get("frozen")},
+        "model": {"aliases": aliases, "masters": list(masters), "frozen": sd.get("frozen"),
+                  "extra_state": extra_state, "block_state": sorted(block_state_keys(mp.module))},
     }
     manifest = Manifest.of(mp, format=FORMAT, counters=sd["counters"],
                            guard=None if guard is None else encode(guard.state_dict(), "guard", state),
@@ -172,8 +180,11 @@ def _contents(mp: MixedPrecision, guard: Any, ema: Any, extra: dict | None,
 
 # ---------------------------------------------------------------------------------------------- loading
 def _load_weights(ck: Checkpoint, mp: MixedPrecision) -> None:
-    """Model tensors and masters only; fp32 values (saved master, else saved param) feed any policy."""
-    mp.masters.load_weights(mp.module, model_state(ck), ck.files.get(MASTERS_FILE, {}))
+    """Model tensors and masters only; fp32 values (saved master, else saved param) feed any policy. Block-scaled
+    linears' own state is the checkpoint's where both hold it, else the engine's (check_fits matched the rest)."""
+    own, saved = mp.module.state_dict(), {**model_state(ck), **model_extra_state(ck)}
+    fitted = {k: saved.get(k, v) for k, v in own.items()}
+    mp.masters.load_weights(mp.module, fitted, ck.files.get(MASTERS_FILE, {}))
 
 
 def load_checkpoint(path: str | Path, mp: MixedPrecision, *, guard: Any = None, convert: bool = False,
@@ -284,7 +295,7 @@ def _load_state(ck: Checkpoint, mp: MixedPrecision, *, guard: Any, convert: bool
     state = {
         "policy": m["policy"],
         "frozen": None,   # matched by load_checkpoint before
-        "model": model_state(ck),
+        "model": {**model_state(ck), **model_extra_state(ck)},
         "masters": ck.files.get(MASTERS_FILE, {}),
         "optimizer": decode(m["optimizer"]["state"], tensors, where),
         "scheduler": None if m["scheduler"] is None else decode(m["scheduler"]["state"], tensors, where),

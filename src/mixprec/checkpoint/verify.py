@@ -13,6 +13,7 @@ from typing import TYPE_CHECKING, Any
 import safetensors.torch
 import torch
 
+from mixprec.blockscale import block_state_keys
 from mixprec.checkpoint.layout import MANIFEST, CheckpointError, read_manifest_json
 from mixprec.checkpoint.manifest import FORMAT, VERSION
 from mixprec.checkpoint.tree import STATE_FILE, canonical, decode, dtype_name
@@ -132,14 +133,17 @@ def check_fits(ck: Checkpoint, mp: MixedPrecision, *, weights_only: bool) -> Non
     model_saved = ck.files[MODEL_FILE]
     aliases = m["model"]["aliases"]
     own = mp.module.state_dict()
-    saved_keys = set(model_saved) | set(aliases)
-    if saved_keys != set(own):
-        missing, unexpected = sorted(set(own) - saved_keys), sorted(saved_keys - set(own))
+    # block-scaled linears' own state (signs, SR streams) comes and goes with the policy: set_policy swaps it
+    saved_keys = (set(model_saved) | set(aliases) | set(m["model"].get("extra_state") or {})) - set(
+        m["model"].get("block_state") or ())
+    own_keys = set(own) - block_state_keys(mp.module)
+    if saved_keys != own_keys:
+        missing, unexpected = sorted(own_keys - saved_keys), sorted(saved_keys - own_keys)
         raise CheckpointError(f"{where}: {MODEL_FILE} does not fit the model: missing {missing[:5]}, unexpected "
                               f"{unexpected[:5]}; build the same model (workload and config) before loading")
     for key, tensor in own.items():
-        saved = model_saved[aliases.get(key, key)]
-        if saved.shape != tensor.shape:
+        saved = model_saved.get(aliases.get(key, key))
+        if saved is not None and torch.is_tensor(tensor) and saved.shape != tensor.shape:
             raise CheckpointError(f"{where}: {MODEL_FILE} tensor {key!r} has shape {list(saved.shape)}, the model's "
                                   f"is {list(tensor.shape)}; build the same model before loading")
     params = dict(mp.module.named_parameters())
@@ -182,8 +186,15 @@ def check_state_shapes(where: str, state: dict, shape_of: dict) -> None:
                                       f"the engine's param has {list(shape_of.get(i, ()))} (so {want} for this key)")
 
 
+def model_extra_state(ck: Checkpoint) -> dict[str, Any]:
+    """The saved model state dict's entries that are not tensors (a module's ``get_extra_state()``: a block-scaled
+    linear's stochastic rounding stream), by key; {} for a checkpoint without any."""
+    return decode(ck.manifest["model"].get("extra_state") or {}, ck.files[STATE_FILE], f"checkpoint {str(ck.path)!r}")
+
+
 def model_state(ck: Checkpoint) -> dict[str, torch.Tensor]:
-    """The saved model state dict, tied weights (stored once) filled in under every name."""
+    """The saved model state dict's tensors, tied weights (stored once) filled in under every name (the entries
+    that are not tensors: :func:`model_extra_state`)."""
     state = dict(ck.files[MODEL_FILE])
     for key, target in ck.manifest["model"]["aliases"].items():
         state[key] = state[target]

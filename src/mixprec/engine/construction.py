@@ -81,10 +81,10 @@ def resolve_arguments(mp: Engine, model: nn.Module, optimizer: torch.optim.Optim
 def first_decision(head: str, prepared: Prepared, compiled: CompileRequest, policy: Policy, device_type: str,
                    state_note: str, regions: str) -> str:
     """The decision line at build, before the features' clauses: ``head`` (the resolution's words), then in
-    reading order the fp8 linears, the storage plan, the ``compiled`` request, loss scaling, the params upcast,
+    reading order the fp8 or block-scaled linears, the storage plan, the ``compiled`` request, loss scaling, the params upcast,
     the kernels on ``device_type``, the optimizer's state (``state_note``; "" without one) and the fp32 regions'
     words (``regions``)."""
-    return str(Decision(head, (prepared.fp8_note, prepared.plan.note(), compiled.note(policy), policy.scaling_note(),
+    return str(Decision(head, (prepared.fp8_note + prepared.block_note, prepared.plan.note(), compiled.note(policy), policy.scaling_note(),
                                prepared.upcast_note, describe_kernels(policy, device_type), state_note, regions)))
 
 

@@ -363,7 +363,9 @@ def _storage_advice(report: NumericsStats, policy: Policy) -> tuple[Policy, list
 def recommend(report: NumericsStats) -> Recommendation:
     """The advised policy for ``report`` (module docstring for the rules)."""
     policy, why = _choose_base(report)
-    reasons = [why]
+    reasons = [why] + ([f"block={policy.block}: its block-scaled linears are not judged here (the report has no "
+                        "block-format rows); the bench's quality gate against bf16 is their evidence"]
+                       if policy.block is not None else [])
     if report.losses and not all(math.isfinite(x) for x in report.losses):
         reasons.append("the fp32 reference loss was non-finite: fix the model or data first, precision cannot")
     if not policy.is_mixed and policy.param_dtype == torch.float32:

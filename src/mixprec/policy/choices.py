@@ -2,7 +2,9 @@
 
 ``STATE_FORMATS`` maps the text names of optimizer-state formats to dtypes; :func:`state_name` reads it
 back. The other tuples are the allowed strings of ``rounding``, ``state_rounding``, ``fp8``, ``fp8_format``,
-``ops``, ``kernels`` and ``saved``.
+``block``, ``ops``, ``kernels`` and ``saved``. ``BLOCK_RECIPE_NAMES`` are the names of
+:data:`mixprec.blockscale.BLOCK_RECIPES` (the policy layer does not import the layer it describes;
+tests/policy checks the two agree).
 """
 
 from __future__ import annotations
@@ -14,8 +16,8 @@ import torch
 from mixprec.formats import get_format
 
 __all__ = ["ROUNDINGS", "STATE_FORMATS", "QUANTIZED_STATE_DTYPES", "STATE_ROUNDINGS", "FP8_RECIPES", "FP8_FORMATS",
-           "OPS_MODES", "KERNEL_MODES", "SAVED_MODES", "LossScaleSpec", "state_name",
-           "default_state_rounding", "SR_STATE_DTYPES", "default_saved"]
+           "BLOCK_RECIPE_NAMES", "BLOCK_COMPUTE_DTYPES", "OPS_MODES", "KERNEL_MODES", "SAVED_MODES", "LossScaleSpec",
+           "state_name", "default_state_rounding", "SR_STATE_DTYPES", "default_saved"]
 
 ROUNDINGS = ("nearest", "kahan", "stochastic")
 # optimizer-state formats by text name. int8 and fp8 are markers for the blockwise 8-bit formats of
@@ -28,6 +30,8 @@ STATE_ROUNDINGS = ("nearest", "stochastic")   # how 8-bit and bf16 state is roun
 SR_STATE_DTYPES = QUANTIZED_STATE_DTYPES + (torch.bfloat16,)   # the state formats state_rounding applies to
 FP8_RECIPES = ("tensorwise", "rowwise", "delayed")
 FP8_FORMATS = ("hybrid", "e4m3")
+BLOCK_RECIPE_NAMES = ("mxfp8", "nvfp4", "nvfp4-plain")   # mixprec.blockscale.BLOCK_RECIPES' keys
+BLOCK_COMPUTE_DTYPES = (torch.bfloat16,)   # block-scaled linears train under bf16 compute (the recipes' own)
 OPS_MODES = ("portable", "native")     # mixprec.autocast.portable: which autocast op lists mp.autocast() uses
 KERNEL_MODES = ("measured", "native")  # mixprec.autocast.op_plan: whether mp.autocast() runs the measured op plan
 SAVED_MODES = ("compute", "rebuild", "fp32")   # mixprec.autocast.saved_dtype (+ saved_rebuilds for "rebuild")

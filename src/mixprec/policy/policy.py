@@ -21,6 +21,8 @@ preset          params  compute  master  rounding    state  loss scale  bytes/pa
 ``bf16-sr``     bf16    bf16     --      stochastic  fp32   none        12 (2 + 2 + 8)
 ``bf16-lean``   bf16    bf16     --      stochastic  int8   none        6.03 (2 + 2 + 2 x (1 + 4/256))
 ``fp8-mixed``   fp32    bf16 + fp8 linears  --  nearest  fp32  none     16
+``mxfp8-mixed`` fp32    bf16 + MXFP8 linears (block=mxfp8)  --  nearest  fp32  none  16
+``nvfp4-mixed`` fp32    bf16 + NVFP4 linears (block=nvfp4)  --  nearest  fp32  none  16
 ``auto``        resolved per device by :func:`mixprec.resolve_policy`
 ==============  ======  =======  ======  ==========  =====  ==========  ===========
 
@@ -44,7 +46,12 @@ first and last linears stay in the compute dtype, the default; ``fp8``: convert 
 see :mod:`mixprec.autocast.portable`), ``kernels`` (``measured``, the default: ops with several kernels run in
 the one measured fastest on the device at their shape; ``native``: torch.autocast's; see :mod:`mixprec.autocast.op_plan`),
 ``saved`` (``compute``, the default under bf16 compute: norms computed in fp32 save their input for backward in
-bf16; ``fp32``: as torch.autocast, the fp32 input; see :mod:`mixprec.autocast.saved_dtype`).
+bf16; ``fp32``: as torch.autocast, the fp32 input; see :mod:`mixprec.autocast.saved_dtype`), ``block`` (a
+block-scaled recipe of :data:`mixprec.blockscale.BLOCK_RECIPES`, or ``none``, the default: ``mxfp8``, ``nvfp4``
+(Hadamard transform of wgrad, stochastic rounding of gradients, 2D weight scales, the last 15 % of blocks and the
+first/last linears in bf16), ``nvfp4-plain`` (NVFP4 without the transform, the SR and the tail: the ablation,
+``"nvfp4-mixed,block=nvfp4-plain"``); needs bf16 compute, excludes ``fp8``; emulated on every device, so its
+speed is not representative; see docs/policies.md).
 """
 
 from __future__ import annotations
@@ -57,14 +64,15 @@ from typing import Any
 import torch
 
 from mixprec.policy.cast import cast_floating
-from mixprec.policy.choices import (_COMPUTE_DTYPES, _HALF_DTYPES, FP8_FORMATS, FP8_RECIPES, KERNEL_MODES, OPS_MODES,
-                                    QUANTIZED_STATE_DTYPES, ROUNDINGS, SAVED_MODES, SR_STATE_DTYPES, STATE_FORMATS,
-                                    STATE_ROUNDINGS, LossScaleSpec, _dtype_name, default_saved, default_state_rounding,
-                                    state_name)
+from mixprec.policy.choices import (_COMPUTE_DTYPES, _HALF_DTYPES, BLOCK_RECIPE_NAMES, FP8_FORMATS, FP8_RECIPES,
+                                    KERNEL_MODES, OPS_MODES, QUANTIZED_STATE_DTYPES, ROUNDINGS, SAVED_MODES,
+                                    SR_STATE_DTYPES, STATE_FORMATS, STATE_ROUNDINGS, LossScaleSpec, _dtype_name,
+                                    default_saved, default_state_rounding, state_name)
+from mixprec.policy.linears import check_linear_fields, check_linear_needs
 from mixprec.policy.text import canonical_text, parse_parts
 
 __all__ = ["Policy", "PRESETS", "ROUNDINGS", "STATE_FORMATS", "QUANTIZED_STATE_DTYPES", "STATE_ROUNDINGS",
-           "FP8_RECIPES", "FP8_FORMATS", "cast_floating", "state_name"]
+           "FP8_RECIPES", "FP8_FORMATS", "BLOCK_RECIPE_NAMES", "cast_floating", "state_name"]
 
 
 @dataclass(frozen=True)
@@ -104,6 +112,11 @@ class Policy:
         fp8_keep_ends: keep the first and the last linear (registration order: usually the input
             projection and the LM head, the most quantisation-sensitive GEMMs) out of fp8, as
             torchao's float8 guidance advises (default True; text key ``fp8_ends=keep|fp8``).
+        block: ``None`` or a block-scaled recipe name (``"mxfp8"``, ``"nvfp4"``, ``"nvfp4-plain"``: the keys of
+            :data:`mixprec.blockscale.BLOCK_RECIPES`, which say the formats, the Hadamard transform, stochastic
+            rounding and the layers kept in bf16): eligible linears become
+            :class:`~mixprec.blockscale.BlockScaledLinear`, emulated (exact dequantize + fp32 GEMM) on every device
+            today. Needs bf16 compute (params fp32 or bf16); excludes ``fp8``.
         ops: ``"portable"`` (default): inside ``mp.autocast()`` every device runs CUDA's autocast op
             lists (``exp``, ``cumsum``, ``softmax``, norms, losses in fp32); ``"native"``: the device's own
             lists (:mod:`mixprec.autocast.portable`).
@@ -137,6 +150,7 @@ class Policy:
     fp8: str | None = None
     fp8_format: str = "hybrid"
     fp8_keep_ends: bool = True
+    block: str | None = None
     ops: str = "portable"
     kernels: str = "measured"
     saved: str = "auto"
@@ -153,9 +167,9 @@ class Policy:
         self._check_rounding()
         self._check_loss_scale()
         self._check_keep_fp32()
-        self._check_fp8_fields()
+        check_linear_fields(self)
         self._check_modes()
-        self._check_fp8_needs()
+        check_linear_needs(self)
 
     # ------------------------------------------------------------------ validation (in this order)
     def _check_dtypes(self) -> None:
@@ -211,15 +225,6 @@ class Policy:
             if any(c in pattern for c in ",=| "):
                 raise ValueError(f"Policy keep_fp32 pattern {pattern!r} may not contain ',', '=', '|' or spaces")
 
-    def _check_fp8_fields(self) -> None:
-        if self.fp8 is not None and self.fp8 not in FP8_RECIPES:
-            raise ValueError(f"Policy fp8={self.fp8!r} is not allowed; choose None or one of {FP8_RECIPES}")
-        if self.fp8_format not in FP8_FORMATS:
-            raise ValueError(f"Policy fp8_format={self.fp8_format!r} is not allowed; choose one of {FP8_FORMATS}")
-        if not isinstance(self.fp8_keep_ends, bool):
-            raise TypeError(f"Policy fp8_keep_ends={self.fp8_keep_ends!r} must be a bool: True keeps the first and "
-                            "last linears out of fp8 (text key fp8_ends=keep), False converts them (fp8_ends=fp8)")
-
     def _check_modes(self) -> None:
         if self.ops not in OPS_MODES:
             raise ValueError(f"Policy ops={self.ops!r} is not allowed; choose one of {OPS_MODES}")
@@ -231,17 +236,6 @@ class Policy:
             raise ValueError(f"Policy saved={self.saved!r} with compute={_dtype_name(self.compute_dtype)}: saving norm inputs "
                              "in the compute dtype is offered under bf16 compute only (fp16's range, 65504, cannot hold "
                              "every fp32 norm input; fp32 has nothing lower to save); set saved=fp32 or compute=bf16")
-
-    def _check_fp8_needs(self) -> None:
-        if self.fp8 is None and not self.fp8_keep_ends:
-            raise ValueError("Policy fp8_ends=fp8 (fp8_keep_ends=False) needs fp8 linears; set fp8=tensorwise "
-                             "(or use the fp8-mixed preset)")
-        if self.fp8 is None and self.fp8_format != "hybrid":
-            raise ValueError(f"Policy fp8_format={self.fp8_format!r} needs fp8 linears; set fp8=tensorwise "
-                             "(or use the fp8-mixed preset)")
-        if self.fp8 is not None and self.compute_dtype == torch.float32:
-            raise ValueError(f"Policy fp8={self.fp8!r} with compute=fp32: fp8 linears output in the 16-bit compute "
-                             "dtype; set compute=bf16 (or use the fp8-mixed preset)")
 
     def _check_state(self) -> None:
         if self.state_dtype not in STATE_FORMATS.values():
@@ -315,6 +309,8 @@ class Policy:
                  f"compute {_dtype_name(self.compute_dtype)}" + (" (autocast)" if self.is_mixed and not half else "")]
         if self.fp8 is not None:
             parts[-1] += f", eligible linears fp8 ({self.fp8}, {self.fp8_format})"
+        if self.block is not None:
+            parts[-1] += f", eligible linears block-scaled ({self.block} recipe, emulated)"
         if half:
             how = {"stochastic": "stochastically rounded", "kahan": "Kahan-compensated",
                    "nearest": "rounded to nearest"}[self.rounding]
@@ -370,5 +366,7 @@ PRESETS: dict[str, Policy] = {
     "bf16-sr": Policy(param_dtype=_bf16, compute_dtype=_bf16, rounding="stochastic"),
     "bf16-lean": Policy(param_dtype=_bf16, compute_dtype=_bf16, rounding="stochastic", state_dtype=torch.int8),
     "fp8-mixed": Policy(compute_dtype=_bf16, fp8="tensorwise"),
+    "mxfp8-mixed": Policy(compute_dtype=_bf16, block="mxfp8"),
+    "nvfp4-mixed": Policy(compute_dtype=_bf16, block="nvfp4"),
 }
 

@@ -147,7 +147,7 @@ def resolve(spec: str | Policy, device: str | torch.device | None = None, *,
                     "it runs as asked but slowly")
         note += _op_words(policy, dev.type)
         return Resolution(policy, dev, f"{policy} on {dev} as asked ({policy.summary()}){note}")
-    runnable = [n for n, p in PRESETS.items() if _can_run(p, cap) is None and p.fp8 is None]
+    runnable = [n for n, p in PRESETS.items() if _can_run(p, cap) is None and p.fp8 is None and p.block is None]
     if not allow_fallback:
         raise ValueError(f"policy {str(policy)!r} cannot run on {dev}: {reason}. Policies this device "
                          f"can run: {runnable}; or pass allow_fallback=True to fall back explicitly")

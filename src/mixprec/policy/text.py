@@ -13,7 +13,7 @@ from typing import Any, Mapping
 import torch
 
 from mixprec.formats import get_format
-from mixprec.policy.choices import (_COMPUTE_DTYPES, FP8_FORMATS, FP8_RECIPES, KERNEL_MODES, OPS_MODES, ROUNDINGS,
+from mixprec.policy.choices import (_COMPUTE_DTYPES, BLOCK_RECIPE_NAMES, FP8_FORMATS, FP8_RECIPES, KERNEL_MODES, OPS_MODES, ROUNDINGS,
                                     SAVED_MODES, STATE_FORMATS, STATE_ROUNDINGS, LossScaleSpec, _dtype_name, default_saved,
                                     default_state_rounding, state_name)
 
@@ -124,6 +124,16 @@ def _parse_fp8(key: str, text: str) -> str | None:
     return low
 
 
+def _parse_block(key: str, text: str) -> str | None:
+    low = text.strip().lower().replace("_", "-")
+    if low in ("none", ""):
+        return None
+    if low not in BLOCK_RECIPE_NAMES:
+        raise ValueError(f"policy key {key}={text!r} is not allowed{_did_you_mean(low, BLOCK_RECIPE_NAMES)}; choose "
+                         f"one of {BLOCK_RECIPE_NAMES} (block-scaled recipes, mixprec.blockscale) or none")
+    return low
+
+
 _KEYS = {
     "params": ("param_dtype", lambda k, v: _parse_dtype(k, v, _COMPUTE_DTYPES)),
     "compute": ("compute_dtype", lambda k, v: _parse_dtype(k, v, _COMPUTE_DTYPES)),
@@ -138,6 +148,7 @@ _KEYS = {
     "recipe": ("fp8", _parse_fp8),
     "fp8_format": ("fp8_format", _parse_fp8_format),
     "fp8_ends": ("fp8_keep_ends", _parse_fp8_ends),
+    "block": ("block", _parse_block),
     "ops": ("ops", _parse_ops),
     "kernels": ("kernels", _parse_kernels),
     "saved": ("saved", _parse_saved),
@@ -210,18 +221,29 @@ def _preset(text: str, name: str, overrides: list[str], presets: Mapping[str, An
 
 def canonical_text(policy: Any, presets: Mapping[str, Any]) -> str:
     """``str(policy)``: a preset's name, else the closest preset plus the keys that differ (when that text
-    parses back to ``policy``, e.g. ``"bf16-mixed,kernels=native"``), else every key."""
+    parses back to ``policy``, e.g. ``"bf16-mixed,kernels=native"``), else every key. Of presets equally close,
+    one whose linears are of the policy's kind (fp8, the block recipe's family or neither) is preferred:
+    ``"nvfp4-mixed,block=nvfp4-plain"``, ``"fp8-mixed,fp8=delayed"``."""
     for name, preset in presets.items():
         if preset == policy:
             return name
     mine = dict(text_items(policy))
-    for name, preset in sorted(presets.items(), key=lambda kv: sum(v != mine.get(k) for k, v in text_items(kv[1]))):
+
+    def distance(item: tuple[str, Any]) -> tuple[int, bool]:
+        preset = item[1]
+        return (sum(v != mine.get(k) for k, v in text_items(preset)), _linear_kind(preset) != _linear_kind(policy))
+    for name, preset in sorted(presets.items(), key=distance):
         diffs = [f"{k}={v}" for k, v in text_items(policy) if dict(text_items(preset)).get(k) != v]
         text = ",".join([name, *diffs])
         if len(diffs) <= 3 and type(policy).parse(text) == policy:
             return text
         break
     return ",".join(f"{k}={v}" for k, v in text_items(policy))
+
+
+def _linear_kind(policy: Any) -> str:
+    """``"fp8"``, the block recipe's family (``"nvfp4"`` for ``nvfp4-plain``) or ``"compute"``."""
+    return "fp8" if policy.fp8 is not None else policy.block.split("-")[0] if policy.block is not None else "compute"
 
 
 def text_items(policy: Any) -> list[tuple[str, str]]:
@@ -236,6 +258,7 @@ def text_items(policy: Any) -> list[tuple[str, str]]:
         ("loss_scale", _loss_scale_text(policy.loss_scale)),
         ("keep_fp32", "|".join(policy.keep_fp32)),
         ("fp8", policy.fp8 or "none"),
+        ("block", policy.block or "none"),
     ]
     if policy.fp8 is not None:
         items.append(("fp8_format", policy.fp8_format))

@@ -234,11 +234,15 @@ def check_model_not_wrapped(model: Any, policy: Any, strategy: str | None) -> No
     engine was built, where that cannot stay right: under ``strategy=`` (the engine wraps it itself), or a
     policy that stores params in another dtype than fp32 (DDP built its buckets, and FSDP its flat params, for
     the fp32 ones: the engine's casts would make the ranks reduce 16-bit gradients, or drift apart, silently).
-    fp32 params under an fp32 or ``-mixed`` policy are left as they are: the wrapper reduces fp32 gradients."""
+    fp32 params under an fp32 or ``-mixed`` policy are left as they are: the wrapper reduces fp32 gradients; not
+    under fp8 or block-scaled linears (the engine swaps modules inside the wrapper: untested, refused)."""
     kind = _wrapper_name(model)
-    if kind is None or (strategy is None and policy.param_dtype == torch.float32 and not policy.fp8):
+    swaps = policy.fp8 is not None or policy.block is not None
+    if kind is None or (strategy is None and policy.param_dtype == torch.float32 and not swaps):
         return
     why = (f"strategy={strategy!r} wraps the model itself" if strategy is not None else
+           f"policy {policy} swaps linears for {'fp8' if policy.fp8 else 'block-scaled'} modules inside the {kind} "
+           "(not tested: the wrapper was built for the modules it saw)" if swaps else
            f"policy {policy} stores params in {str(policy.param_dtype).replace('torch.', '')}, and {kind} was built "
            "for the fp32 ones (its gradient reduction and the ranks' copies would no longer match, silently)")
     raise ValueError(

@@ -170,16 +170,18 @@ def adopt_model_edits(layout: ModelLayout | None, policy: Policy, strategy: str 
     or without a ``layout`` (FSDP2, which swaps sharded and unsharded params around every forward).
 
     Raises:
-        RuntimeError: the edit came mid-accumulation, under a multi-process strategy or an fp8 policy.
+        RuntimeError: the edit came mid-accumulation, under a multi-process strategy or an fp8 or block-scaled
+            policy.
         ValueError: new parameter names and several param groups (:meth:`ModelLayout.rebind`).
     """
     if layout is None or not layout.changed():
         return None
     edit = layout.edit()
-    if policy.fp8 is not None:
-        raise RuntimeError(f"the model was edited after MixedPrecision was built ({edit.text()}) under an fp8 policy "
-                           f"({policy}): its linears were converted to fp8 at build and a new layer would run in "
-                           f"{str(policy.compute_dtype)[6:]} while the fp8 report says otherwise; edit the model "
+    if policy.fp8 is not None or policy.block is not None:
+        kind = "an fp8" if policy.fp8 is not None else f"a block-scaled ({policy.block})"
+        raise RuntimeError(f"the model was edited after MixedPrecision was built ({edit.text()}) under {kind} "
+                           f"policy ({policy}): its linears were converted at build and a new layer would run in "
+                           f"{str(policy.compute_dtype)[6:]} while the decision says otherwise; edit the model "
                            "before building MixedPrecision")
     if strategy is not None or micro_step != 0:
         raise RuntimeError(f"the model was edited after MixedPrecision was built ({edit.text()}) "

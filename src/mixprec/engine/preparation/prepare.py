@@ -3,14 +3,15 @@
 :func:`prepare` decides which dtype each parameter is stored in (:mod:`mixprec.engine.storage`), which
 modules stay fp32 (:mod:`mixprec.engine.regions`), builds the fp32 masters (:mod:`mixprec.engine.masters`)
 and casts the params in place. At the first build it also checks the model's dtypes, moves it to the
-device, swaps fp8 linears and lets the strategy prepare (FSDP2 shards here); mid-run
+device, swaps fp8 or block-scaled linears and lets the strategy prepare (FSDP2 shards here); mid-run
 (:meth:`mixprec.MixedPrecision.set_policy`) it starts from each param's best fp32 value and moves the
 attached optimizer's state to the tensors it steps now. What carries over mid-run, per parameter: its best
 fp32 value (:meth:`mixprec.engine.masters.MasterWeights.fp32_values`) becomes the param, stored as the
 new plan says, and the new master where the new policy has masters (moving to a wider format loses
 nothing, moving down rounds once to nearest); optimizer state moves from the tensor the optimizer stepped
-to the one it steps now (:func:`mixprec.optim.contract.move_state`), and frozen params keep none. Every
-check runs before anything changes. The engine assigns what :class:`Prepared` holds.
+to the one it steps now (:func:`mixprec.optim.contract.move_state`), and frozen params keep none; block-scaled
+linears are swapped as a build under the new policy would have them (:func:`switch_block_linears`, called by
+:mod:`mixprec.engine.preparation.switch` once every check passed). Every check runs before anything changes. The engine assigns what :class:`Prepared` holds.
 """
 
 from __future__ import annotations
@@ -38,8 +39,9 @@ class Prepared:
     """The outcome of :func:`prepare`: the storage ``plan``, the fp32 ``masters``, the fp32 regions
     ``keep`` (name → module), the ``frozen`` set (the engine's, or a new one at the first build),
     ``kahan_from`` ((param, fp32 value before its cast) pairs a Kahan policy's compensation starts
-    from; empty otherwise), the fp8 report and the decision's fp8 and upcast clauses (first build only,
-    "" else) and how many optimizer-state entries were carried over (mid-run)."""
+    from; empty otherwise), the fp8 report and the decision's fp8 and upcast clauses, the block-scaled conversion's
+    report and clause (:func:`convert_block`; first build only, "" else) and how many optimizer-state entries were
+    carried over (mid-run)."""
 
     plan: StoragePlan
     masters: MasterWeights
@@ -49,6 +51,8 @@ class Prepared:
     fp8_report: Any = None
     fp8_note: str = ""
     upcast_note: str = ""
+    block_report: Any = None
+    block_note: str = ""
     carried: int = 0
 
 
@@ -57,7 +61,7 @@ def prepare(model: nn.Module, policy: Policy, device: torch.device, strategy: An
             frozen: FrozenParams | None = None) -> Prepared:
     """Prepare ``model`` (fp32 params at the first build) under ``policy``, casting params in place.
 
-    First build (``masters`` None): check dtypes, move to ``device``, fp8 swaps, the strategy's
+    First build (``masters`` None): check dtypes, move to ``device``, fp8 or block-scaled swaps, the strategy's
     ``before_casts`` (``optimizer``: the one to rebind when FSDP2 swaps params; None without one).
     Mid-run (``masters``: the current ones, ``frozen``: the engine's set): start from the best fp32
     values and move ``optimizer``'s state (None: an evaluation engine, nothing to move). The caller
@@ -71,14 +75,14 @@ def prepare(model: nn.Module, policy: Policy, device: torch.device, strategy: An
             nothing has changed then.
     """
     first = masters is None
-    fp8_report, fp8_note, upcast = None, "", ""
+    swapped, upcast = {}, ""
     if first:
         check_model_not_wrapped(model, policy, strategy.name)
         check_param_dtypes(model, policy)
         model.to(device)
     keep = keep_fp32_modules(model, policy)
     if first:
-        fp8_report, fp8_note = convert_fp8(model, policy, device, keep)
+        swapped = convert_linears(model, policy, device, keep)
         strategy.before_casts(model, policy, device, keep, optimizer)
         frozen, params = FrozenParams(model, watch_casts=not strategy.shards_params), list(model.parameters())
         upcast = upcast_note(model, policy)
@@ -101,7 +105,7 @@ def prepare(model: nn.Module, policy: Policy, device: torch.device, strategy: An
         contract.start_compensation(optimizer, policy, [(p, v) for p, v in kahan_from if id(p) in held])
     new_masters.record_versions()
     return Prepared(plan=plan, masters=new_masters, keep=keep, frozen=frozen, kahan_from=kahan_from,
-                    fp8_report=fp8_report, fp8_note=fp8_note, upcast_note=upcast, carried=carried)
+                    upcast_note=upcast, carried=carried, **swapped)
 
 
 def _fp32_start(params: list[nn.Parameter], plan: StoragePlan, policy: Policy, strategy: Any,
@@ -202,6 +206,16 @@ def upcast_note(model: nn.Module, policy: Policy) -> str:
             f"({', '.join(names[:3])}{', ...' if len(names) > 3 else ''})")
 
 
+def convert_linears(model: nn.Module, policy: Policy, device: torch.device, keep: dict[str, nn.Module]
+                    ) -> dict[str, Any]:
+    """The first build's swaps of linears (fp8: :func:`convert_fp8`; block-scaled: :func:`convert_block`; fp32
+    regions ``keep`` never), as :class:`Prepared`'s fields ``fp8_report``, ``fp8_note``, ``block_report``,
+    ``block_note``."""
+    fp8_report, fp8_note = convert_fp8(model, policy, device, keep)
+    block_report, block_note = convert_block(model, policy, device, keep)
+    return {"fp8_report": fp8_report, "fp8_note": fp8_note, "block_report": block_report, "block_note": block_note}
+
+
 def convert_fp8(model: nn.Module, policy: Policy, device: torch.device, keep: dict[str, nn.Module]
                 ) -> tuple[Any, str]:
     """Swap eligible linears for :class:`mixprec.fp8.Float8Linear` (the same Parameter objects); fp32
@@ -212,8 +226,75 @@ def convert_fp8(model: nn.Module, policy: Policy, device: torch.device, keep: di
 
     report = convert_to_float8(
         model, recipe=policy.fp8, fp8_format=policy.fp8_format, keep_first_last=policy.fp8_keep_ends,
-        module_filter=lambda module, name: not any(name == k or name.startswith(k + ".") for k in keep))
+        module_filter=outside_regions(keep))
     fast, why = fp8_available(device)
     return report, (f"; fp8 linears ({policy.fp8}, {policy.fp8_format}): {len(report.converted)} converted, "
                     f"{len(report.skipped)} kept in {str(policy.compute_dtype)[6:]}; "
                     + ("torch._scaled_mm" if fast else "emulated: " + why))
+
+
+def outside_regions(keep: dict[str, nn.Module]):
+    """A conversion's ``module_filter``: False for a module in an fp32 region (``keep``'s names or under them)."""
+    return lambda module, name: not any(name == k or name.startswith(k + ".") for k in keep)
+
+
+def _kept_words(report: Any) -> str:
+    """The kept linears grouped by reason, e.g. ``"first Linear: fc_in; last Linear: head; bf16 tail, the last 1 of
+    4 blocks of 'blocks': blocks.3.fc1, blocks.3.fc2"`` (at most 4 names per reason)."""
+    groups: dict[str, list[str]] = {}
+    for name, reasons in report.kept:
+        for reason in reasons.split("; "):
+            tag = ("fp32 region (keep_fp32)" if reason == "rejected by module_filter" else
+                   reason.split(" (")[0] if reason.startswith(("first Linear", "last Linear")) else
+                   reason.split(" stay in")[0].replace("in the bf16 tail: the", "bf16 tail, the")
+                   if reason.startswith("in the bf16 tail") else reason)
+            groups.setdefault(tag, []).append(name)
+    return "; ".join(f"{tag}: {', '.join(names[:4])}" + (f" and {len(names) - 4} more" if len(names) > 4 else "")
+                     for tag, names in groups.items())
+
+
+def emulation_words(device: torch.device) -> str:
+    """How block-scaled GEMMs run on ``device``: emulated everywhere today (no native block-scaled matmul is used)."""
+    return (f"emulated on {device.type} (each GEMM: exact dequantize of the block-scaled operands + an fp32 GEMM; "
+            "no native block-scaled matmul is used), so its speed is not representative of a native GEMM")
+
+
+def convert_block(model: nn.Module, policy: Policy, device: torch.device, keep: dict[str, nn.Module]
+                  ) -> tuple[Any, str]:
+    """Swap eligible linears for :class:`mixprec.blockscale.BlockScaledLinear` under ``policy.block``'s recipe (the
+    same Parameter objects; :func:`mixprec.blockscale.convert_to_block_scaled`); fp32 regions (``keep``) are never
+    converted. Returns the :class:`~mixprec.blockscale.BlockConversionReport` and the decision's clause: the recipe,
+    how many linears converted, which kept and why, and that the GEMMs are emulated (None, "" without ``block``).
+    No host sync."""
+    if policy.block is None:
+        return None, ""
+    from mixprec.blockscale import convert_to_block_scaled
+
+    report = convert_to_block_scaled(model, policy.block, module_filter=outside_regions(keep))
+    kept = f" ({_kept_words(report)})" if report.kept else ""
+    compute = _SHORT.get(dtype_text(policy.compute_dtype), dtype_text(policy.compute_dtype))
+    return report, (f"; block-scaled linears {report.recipe}: {len(report.converted)} converted, {len(report.kept)} "
+                    f"kept in {compute}{kept}; {emulation_words(device)}")
+
+
+def switch_block_linears(model: nn.Module, old: Policy, new: Policy, device: torch.device,
+                         keep: dict[str, nn.Module]) -> str:
+    """Mid-run (:meth:`mixprec.MixedPrecision.set_policy`), after every check: make ``model``'s block-scaled linears
+    those a build under ``new`` converts (``keep``: ``new``'s fp32 regions). Nothing changes, and "" is returned,
+    when ``block`` and ``keep_fp32`` are ``old``'s; else every block-scaled linear is swapped back to ``nn.Linear``
+    and, under a ``new.block``, the model converted as at a build, each linear converted again under the same recipe
+    and index continuing its stochastic rounding stream. Returns the decision's clause. No host sync."""
+    if (old.block, old.keep_fp32) == (new.block, new.keep_fp32):
+        return ""
+    from mixprec.blockscale import revert_block_scaled
+
+    before = revert_block_scaled(model)
+    report, note = convert_block(model, new, device, keep)
+    named = dict(model.named_modules())
+    for name in () if report is None else report.converted:
+        was, now = before.get(name), named[name]
+        if was is not None and (was.recipe, was.index) == (now.recipe, now.index):
+            now.set_extra_state(was.get_extra_state())
+    if note or not before:
+        return note
+    return f"; block-scaled linears: {len(before)} back to nn.Linear, in the compute dtype as bf16-mixed runs them"

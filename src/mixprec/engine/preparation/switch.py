@@ -15,7 +15,7 @@ from mixprec.auto.pending import PendingAuto
 from mixprec.autocast.compiled import CompileRequest
 from mixprec.engine.loss_scale import LossScale, for_switch as loss_scale_for_switch
 from mixprec.engine.masters import MasterWeights
-from mixprec.engine.preparation.prepare import prepare
+from mixprec.engine.preparation.prepare import prepare, switch_block_linears
 from mixprec.engine.protocol import Engine
 from mixprec.engine.records import Decision, Event, policy_event
 from mixprec.engine.regions import Regions
@@ -24,7 +24,7 @@ from mixprec.optim import contract
 from mixprec.policy.policy import Policy
 from mixprec.policy.resolve import resolve
 
-__all__ = ["PolicySwitch", "switch_policy", "check_fp8_unchanged"]
+__all__ = ["PolicySwitch", "switch_policy", "check_fp8_unchanged", "check_block_switch"]
 
 
 @dataclass(frozen=True)
@@ -54,12 +54,15 @@ def switch_policy(mp: Engine, policy: str | Policy, *, cause: str, module: str |
     event's (:func:`~mixprec.engine.records.policy_event`). No host sync.
 
     Raises:
-        ValueError: (nothing changed) the device, optimizer or strategy cannot run ``policy``, or it changes fp8.
+        ValueError: (nothing changed) the device, optimizer or strategy cannot run ``policy``, it changes fp8, or
+            it changes the block-scaled linears under a strategy that shards params.
     """
     new = resolve(policy, mp.device).policy
     check_fp8_unchanged(mp.policy, new)
+    check_block_switch(mp.policy, new, strategy)
     resharded = strategy.before_set_policy(mp.policy, new, mp.optimizer)
     prepared = prepare(mp.module, new, mp.device, strategy, optimizer=mp.optimizer, masters=mp.masters, frozen=frozen)
+    block_note = switch_block_linears(mp.module, mp.policy, new, mp.device, prepared.keep)   # cannot fail
     auto.cancel(mp.policy, new)   # another policy asked for while auto is pending: it wins
     regions.remove()
     old = mp.policy
@@ -68,7 +71,7 @@ def switch_policy(mp: Engine, policy: str | Policy, *, cause: str, module: str |
     wrapped = regions.wrap(mp.module, new, mp.device.type, prepared.keep, set(prepared.plan.frozen16))
     mp.model.zero_grad(set_to_none=True)
     decision = Decision(f"{new} on {mp.device} ({new.summary()}; set_policy at boundary {mp.boundaries}: {cause}; "
-                        f"was {old})", (compiled.note(new), wrapped, contract.state_note(mp.optimizer)))
+                        f"was {old})", (block_note, compiled.note(new), wrapped, contract.state_note(mp.optimizer)))
     event = policy_event(mp.boundaries, kind, cause, module, old, new, prepared.carried, scale_note + resharded)
     return PolicySwitch(old, new, prepared.masters, prepared.kahan_from, scale, str(decision), event)
 
@@ -80,3 +83,15 @@ def check_fp8_unchanged(old: Policy, new: Policy) -> None:
                          f"{new.fp8_format!r}, fp8_ends={'keep' if new.fp8_keep_ends else 'fp8'!r}), which cannot "
                          "be swapped mid-run; keep fp8/fp8_format/fp8_ends as they are, or build a new "
                          "MixedPrecision from a checkpoint")
+
+
+def check_block_switch(old: Policy, new: Policy, strategy: Any) -> None:
+    """Raise ValueError if ``new`` changes which linears are block-scaled (``block`` or, under a block policy,
+    ``keep_fp32``) under a ``strategy`` that shards params: FSDP2 holds the modules it sharded, which a swap would
+    leave behind. Elsewhere the swap is a build's conversion (mixprec.engine.preparation.prepare)."""
+    changes = old.block != new.block or (old.keep_fp32 != new.keep_fp32 and None not in (old.block, new.block))
+    if changes and strategy.shards_params:
+        raise ValueError(f"set_policy: {old} → {new} changes the block-scaled linears (block={old.block or 'none'} → "
+                         f"{new.block or 'none'}, keep_fp32={'|'.join(new.keep_fp32) or 'none'}), which cannot be "
+                         f"swapped under strategy={strategy.name!r} (it sharded the modules); keep block and keep_fp32 "
+                         "as they are, or build a new MixedPrecision from a checkpoint")

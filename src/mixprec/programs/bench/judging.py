@@ -1,12 +1,13 @@
 """Each row against the fp32 reference: its deltas (speedup, memory ratios, relative eval-loss delta) and its
 verdict (:func:`mixprec.programs.bench.verdict.judge`), read against the seed-noise band, the peer's own gate and a
-smoke test's limits."""
+smoke test's limits. A row of block-scaled linears (``mxfp8-mixed``, ``nvfp4-mixed``) says its GEMMs were emulated."""
 
 from __future__ import annotations
 
 import math
 from dataclasses import replace
 
+from mixprec.policy.policy import Policy
 from mixprec.programs.bench.config import REFERENCE
 from mixprec.programs.bench.peer import peer_targets
 from mixprec.programs.bench.results import PolicyRun
@@ -42,7 +43,7 @@ def judge_policies(entries: dict[str, PolicyRun], targets: Targets, *, noisy: bo
                         speedup=None if noisy else e.speedup_vs_fp32, memory_ratio=e.memory_ratio_vs_fp32,
                         reference=name == REFERENCE, skipped_reason=e.skipped_reason, error=error)
         note = ("" if e.skipped_reason else peer_note) + \
-            ("; timings noisy: no speed verdict" if noisy and e.speedup_vs_fp32 is not None else "")
+            ("; timings noisy: no speed verdict" if noisy and e.speedup_vs_fp32 is not None else "") + _emulated(e)
         delta, band = e.eval_loss_delta_vs_fp32, (seed_noise or {}).get("relative_spread")
         if band is not None and delta is not None and math.isfinite(delta):
             note += f"; {'within' if abs(delta) <= band else 'outside'} seed noise (±{band:.2%})"
@@ -51,3 +52,13 @@ def judge_policies(entries: dict[str, PolicyRun], targets: Targets, *, noisy: bo
             verdict, reason = replace(verdict, verdict="SMOKE"), f"{smoke}; {reason}"
         judged[name] = replace(e, verdict=verdict.verdict, reason=reason)
     return judged
+
+
+def _emulated(e: PolicyRun) -> str:
+    """The reason's words for a row whose policy ran block-scaled linears: they were emulated ("" else)."""
+    try:
+        block = Policy.parse(e.policy).block if e.policy and e.step_time_ms_median is not None else None
+    except ValueError:   # a row that never resolved its policy
+        return ""
+    return (f"; {block} linears emulated (exact dequantize + fp32 GEMM, no native block-scaled matmul): its speed "
+            "is not representative" if block else "")

@@ -1,0 +1,237 @@
+"""The presets ``mxfp8-mixed`` and ``nvfp4-mixed`` through the public API: ``MixedPrecision`` converts the eligible
+linears (keeping the Parameter objects the optimizer holds), says what it converted, kept and that the GEMMs are
+emulated; trains; ``set_policy`` swaps the linears as a build would; a checkpoint resumes bit for bit; the guard's
+first rung drops the recipe. The policy text is tests/policy/test_block_policy.py's."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from torch import nn
+
+import mixprec
+from mixprec import MixedPrecision
+from mixprec.blockscale import BlockScaledLinear
+from mixprec.safety.escalation import next_policy
+
+
+class Block(nn.Module):
+    def __init__(self, d: int) -> None:
+        super().__init__()
+        self.ln, self.fc1, self.fc2 = nn.LayerNorm(d), nn.Linear(d, 2 * d), nn.Linear(2 * d, d)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return x + self.fc2(nn.functional.gelu(self.fc1(self.ln(x))))
+
+
+class Net(nn.Module):
+    """A transformer-ish MLP stack: an input projection, 4 residual blocks in a ModuleList, a head of 8 classes
+    (8 outputs: not a multiple of NVFP4's 16x16 weight tiles)."""
+
+    def __init__(self, d: int = 64, n: int = 4) -> None:
+        super().__init__()
+        self.inp = nn.Linear(16, d)
+        self.blocks = nn.ModuleList(Block(d) for _ in range(n))
+        self.head = nn.Linear(d, 8)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        h = self.inp(x)
+        for block in self.blocks:
+            h = block(h)
+        return self.head(h)
+
+
+def _engine(policy: str, **kwargs) -> tuple[Net, torch.optim.Optimizer, MixedPrecision]:
+    torch.manual_seed(0)
+    model = Net()
+    opt = torch.optim.AdamW(model.parameters(), lr=3e-3)
+    return model, opt, MixedPrecision(model, opt, policy=policy, device="cpu", **kwargs)
+
+
+def _batch(step: int) -> tuple[torch.Tensor, torch.Tensor]:
+    g = torch.Generator().manual_seed(1000 + step)
+    return torch.randn(64, 16, generator=g), torch.randint(0, 8, (64,), generator=g)
+
+
+def _step(mp: MixedPrecision, step: int) -> float:
+    x, y = _batch(step % 4)   # 4 batches over and over: the loss must fall
+    with mp.autocast():
+        loss = nn.functional.cross_entropy(mp.model(x).float(), y)
+    mp.backward(loss)
+    mp.step()
+    return loss.item()
+
+
+def _block_linears(model: nn.Module) -> dict[str, BlockScaledLinear]:
+    return {n: m for n, m in model.named_modules() if isinstance(m, BlockScaledLinear)}
+
+
+def test_mxfp8_mixed_trains_with_block_scaled_linears_holding_the_optimizers_params():
+    model, opt, mp = _engine("mxfp8-mixed")
+    linears = _block_linears(model)
+    assert sorted(linears) == [f"blocks.{i}.fc{j}" for i in range(4) for j in (1, 2)]   # first/last kept
+    held = {id(p) for g in opt.param_groups for p in g["params"]}
+    assert all(id(m.weight) in held and id(m.bias) in held for m in linears.values())
+    assert type(model.inp) is nn.Linear and type(model.head) is nn.Linear
+    losses = [_step(mp, i) for i in range(20)]
+    assert all(torch.isfinite(torch.tensor(losses))) and mp.applied_steps == 20
+    assert sum(losses[-4:]) < 0.7 * sum(losses[:4]), losses   # the same 4 batches, over and over: learnt
+    _, _, bf16 = _engine("bf16-mixed")
+    reference = [_step(bf16, i) for i in range(20)]
+    assert abs(sum(losses[-4:]) / sum(reference[-4:]) - 1) < 0.1, (losses, reference)   # MXFP8 tracks bf16
+
+
+def test_the_decision_names_the_recipe_the_counts_the_kept_linears_and_emulation():
+    _, _, mp = _engine("mxfp8-mixed")
+    assert "mxfp8-mixed on cpu as asked" in mp.decision
+    clause = mp.decision[mp.decision.index("block-scaled linears mxfp8("):]
+    assert "8 converted, 2 kept in bf16" in clause
+    assert "first Linear of the network: inp" in clause and "last Linear of the network: head" in clause
+    assert "emulated on cpu" in clause and "exact dequantize" in clause and "not representative" in clause
+
+
+def test_nvfp4_mixed_keeps_the_bf16_tail_and_says_why():
+    model, _, mp = _engine("nvfp4-mixed")
+    assert sorted(_block_linears(model)) == [f"blocks.{i}.fc{j}" for i in range(3) for j in (1, 2)]
+    assert type(model.blocks[3].fc1) is nn.Linear   # ceil(4 * 0.15) = 1 block kept
+    assert "6 converted, 4 kept in bf16" in mp.decision
+    assert "bf16 tail, the last 1 of 4 blocks of 'blocks': blocks.3.fc1, blocks.3.fc2" in mp.decision
+    assert "shape: out_features=8 not a multiple of 16" in mp.decision   # the head, also last
+    losses = [_step(mp, i) for i in range(12)]
+    assert all(torch.isfinite(torch.tensor(losses))) and losses[-1] < losses[0]
+
+
+def test_the_ablation_override_converts_every_block():
+    model, _, mp = _engine("nvfp4-mixed,block=nvfp4-plain")
+    assert len(_block_linears(model)) == 8 and "nvfp4-plain(" in mp.decision
+    assert all(m.recipe.name == "nvfp4-plain" and not m.recipe.hadamard for m in _block_linears(model).values())
+
+
+def test_fp32_regions_are_never_converted():
+    model, _, mp = _engine("mxfp8-mixed,keep_fp32=blocks.1")
+    assert "blocks.1.fc1" not in _block_linears(model) and "blocks.2.fc1" in _block_linears(model)
+    assert "fp32 region (keep_fp32): blocks.1.fc1, blocks.1.fc2" in mp.decision
+
+
+def test_set_policy_swaps_the_linears_back_and_forth_keeping_the_params():
+    model, opt, mp = _engine("nvfp4-mixed")
+    params = [id(p) for p in model.parameters()]
+    for i in range(3):
+        _step(mp, i)
+    mp.set_policy("bf16-mixed")
+    assert not _block_linears(model) and [id(p) for p in model.parameters()] == params
+    assert "block-scaled linears: 6 back to nn.Linear" in mp.decision
+    _step(mp, 3)
+    mp.set_policy("nvfp4-mixed")
+    assert len(_block_linears(model)) == 6 and "emulated on cpu" in mp.decision
+    assert [id(p) for p in model.parameters()] == params
+    mp.set_policy("nvfp4-mixed,keep_fp32=blocks.0")   # a new fp32 region: its linears go back to nn.Linear
+    assert sorted(_block_linears(model)) == [f"blocks.{i}.fc{j}" for i in (1, 2) for j in (1, 2)]
+    assert torch.isfinite(torch.tensor(_step(mp, 4)))
+
+
+def test_set_policy_to_the_same_block_policy_keeps_the_modules_and_their_streams():
+    model, _, mp = _engine("nvfp4-mixed")
+    _step(mp, 0)
+    before = _block_linears(model)
+    states = {n: m.get_extra_state()["generator_state"].clone() for n, m in before.items()}
+    mp.set_policy("nvfp4-mixed,kernels=native")
+    after = _block_linears(model)
+    assert all(after[n] is before[n] for n in before)
+    assert all(torch.equal(after[n].get_extra_state()["generator_state"], s) for n, s in states.items())
+
+
+def _trained(mp: MixedPrecision, steps: range) -> list[float]:
+    return [_step(mp, i) for i in steps]
+
+
+def test_a_checkpoint_of_nvfp4_mixed_resumes_bit_for_bit(tmp_path):
+    model, _, mp = _engine("nvfp4-mixed")
+    _trained(mp, range(3))
+    path = mixprec.save_checkpoint(tmp_path, mp)
+    straight = _trained(mp, range(3, 6))
+    model2, _, mp2 = _engine("nvfp4-mixed")
+    _trained(mp2, range(2))   # another place in training, other SR streams: the load must restore them
+    mixprec.load_checkpoint(path, mp2)
+    resumed = _trained(mp2, range(3, 6))
+    assert resumed == straight
+    assert all(torch.equal(a, b) for a, b in zip(model.state_dict().values(), model2.state_dict().values())
+               if torch.is_tensor(a))
+    s1, s2 = _block_linears(model), _block_linears(model2)
+    assert all(torch.equal(s1[n].get_extra_state()["generator_state"], s2[n].get_extra_state()["generator_state"])
+               for n in s1)
+
+
+def test_a_run_escalated_to_bf16_mixed_resumes_into_an_nvfp4_engine_by_adopting_its_policy(tmp_path):
+    model, _, mp = _engine("nvfp4-mixed")
+    _trained(mp, range(2))
+    mp.set_policy(next_policy(mp.policy, None, bf16_ok=True)[0])   # the guard's first rung
+    path = mixprec.save_checkpoint(tmp_path, mp)
+    straight = _trained(mp, range(2, 4))
+    model2, _, mp2 = _engine("nvfp4-mixed")
+    with pytest.raises(mixprec.CheckpointError, match="saved under policy 'bf16-mixed'"):
+        mixprec.load_checkpoint(path, mp2)
+    mixprec.load_checkpoint(path, mp2, adopt_policy=True)
+    assert str(mp2.policy) == "bf16-mixed" and not _block_linears(model2)
+    assert _trained(mp2, range(2, 4)) == straight
+
+
+@pytest.mark.parametrize("weights_only", [True, False])
+def test_an_nvfp4_checkpoint_converts_into_a_bf16_mixed_engine(tmp_path, weights_only):
+    model, _, mp = _engine("nvfp4-mixed")
+    _trained(mp, range(2))
+    path = mixprec.save_checkpoint(tmp_path, mp)
+    model2, _, mp2 = _engine("bf16-mixed")
+    mixprec.load_checkpoint(path, mp2, convert=True, weights_only=weights_only)
+    assert str(mp2.policy) == "bf16-mixed" and not _block_linears(model2)
+    assert all(torch.equal(p, q) for p, q in zip(model.parameters(), model2.parameters()))
+    assert torch.isfinite(torch.tensor(_step(mp2, 2)))
+
+
+def test_the_escalation_ladder_drops_the_block_recipe_first():
+    for name in ("mxfp8-mixed", "nvfp4-mixed", "nvfp4-mixed,block=nvfp4-plain"):
+        new, why = next_policy(mixprec.Policy.parse(name), "blocks.0.fc1", bf16_ok=True)
+        assert new == mixprec.Policy.parse("bf16-mixed") and "block-scaled linears" in why and "→ bf16" in why
+    new, _ = next_policy(mixprec.Policy.parse("nvfp4-mixed,keep_fp32=head"), None, bf16_ok=True)
+    assert str(new) == "bf16-mixed,keep_fp32=head"
+    new, why = next_policy(mixprec.Policy.parse("nvfp4-mixed"), None, bf16_ok=True, sharded=True)
+    assert new is None and "swap the modules fully_shard sharded" in why
+
+
+def test_a_model_edited_after_build_is_refused_under_a_block_policy():
+    model, _, mp = _engine("mxfp8-mixed")
+    _step(mp, 0)
+    model.head = nn.Linear(64, 8)
+    with pytest.raises(RuntimeError, match=r"under a block-scaled \(mxfp8\) policy \(mxfp8-mixed\)"):
+        _step(mp, 1)
+
+
+def test_auto_never_times_a_block_policy():
+    from mixprec.auto.trial import time_candidates
+    with pytest.raises(ValueError, match=r"candidate 'mxfp8-mixed' must be 'fp32' or a '-mixed' preset \(\['bf16-mixed', "
+                                         r"'fp16-mixed'\]\)"):
+        time_candidates(nn.Linear(32, 32), (torch.randn(2, 32),), {}, torch.device("cpu"), ("fp32", "mxfp8-mixed"))
+
+
+def test_the_guard_escalates_a_failing_block_run_to_bf16_mixed():
+    """A loss that turns non-finite at the same place again and again: rolled back, then escalated; the first
+    rung drops the recipe, the linears go back to nn.Linear and the run goes on under bf16-mixed."""
+    torch.manual_seed(0)
+    model = Net()
+    mp = MixedPrecision(model, torch.optim.AdamW(model.parameters(), lr=3e-3), policy="mxfp8-mixed", device="cpu",
+                        guard=mixprec.Guard(snapshot_every=1, escalate_after=2))
+    poisoned = True
+    for i in range(12):
+        x, y = _batch(i % 4)
+        with mp.autocast():
+            loss = nn.functional.cross_entropy(mp.model(x).float(), y)
+        if i >= 3 and poisoned:
+            loss = loss * float("inf")
+        mp.backward(loss)
+        mp.step()
+        poisoned = poisoned and str(mp.policy) == "mxfp8-mixed"
+    escalations = [e for e in mp.events if e["kind"] == "escalate"]
+    assert len(escalations) == 1 and "block-scaled linears (mxfp8) → bf16" in escalations[0]["detail"]
+    assert str(mp.policy) == "bf16-mixed" and not _block_linears(model)
+    assert "block-scaled linears: 8 back to nn.Linear" in mp.decision
+    assert torch.isfinite(torch.tensor(_step(mp, 12)))

@@ -1,0 +1,72 @@
+"""Block-scaled policies as data: the ``block`` field, the presets ``mxfp8-mixed`` / ``nvfp4-mixed``, the ablation
+override, the canonical text and the refusals. The engine running them is tests/blockscale/test_block_presets.py's."""
+
+import pytest
+import torch
+
+from mixprec import blockscale
+from mixprec.policy.choices import BLOCK_RECIPE_NAMES
+from mixprec.policy.policy import PRESETS, Policy
+from mixprec.policy.text import text_items
+
+
+def test_the_policy_layers_recipe_names_are_blockscales_recipes():
+    assert BLOCK_RECIPE_NAMES == tuple(blockscale.BLOCK_RECIPES)
+
+
+@pytest.mark.parametrize("name,block", [("mxfp8-mixed", "mxfp8"), ("nvfp4-mixed", "nvfp4")])
+def test_block_presets_are_bf16_mixed_plus_the_recipe(name, block):
+    preset = PRESETS[name]
+    assert preset == PRESETS["bf16-mixed"].replace(block=block)
+    assert preset.block == block and preset.fp8 is None and preset.bytes_per_param() == 16
+    assert str(preset) == name and Policy.parse(name) == preset
+    assert f"eligible linears block-scaled ({block} recipe, emulated)" in preset.summary()
+
+
+@pytest.mark.parametrize("text,block,canonical", [
+    ("nvfp4-mixed,block=nvfp4-plain", "nvfp4-plain", "nvfp4-mixed,block=nvfp4-plain"),   # the ablation
+    ("nvfp4-mixed,block=NVFP4_plain", "nvfp4-plain", "nvfp4-mixed,block=nvfp4-plain"),
+    ("bf16-mixed,block=mxfp8", "mxfp8", "mxfp8-mixed"),
+    ("nvfp4-mixed,block=none", None, "bf16-mixed"),
+    ("mxfp8-mixed,keep_fp32=head", "mxfp8", "mxfp8-mixed,keep_fp32=head"),
+    ("bf16-sr,block=nvfp4", "nvfp4", "bf16-sr,block=nvfp4"),               # bf16 params compute in bf16: allowed
+    ("bf16-pure,block=mxfp8", "mxfp8", "bf16-pure,block=mxfp8"),
+    ("params=fp32,compute=bf16,block=nvfp4", "nvfp4", "nvfp4-mixed"),
+])
+def test_block_text_parses_and_prints_back(text, block, canonical):
+    policy = Policy.parse(text)
+    assert policy.block == block
+    assert str(policy) == canonical and Policy.parse(str(policy)) == policy
+
+
+def test_the_long_form_names_the_block_recipe():
+    long_form = ",".join(f"{k}={v}" for k, v in text_items(PRESETS["nvfp4-mixed"]))
+    assert "block=nvfp4" in long_form and Policy.parse(long_form) == PRESETS["nvfp4-mixed"]
+    assert ("block", "none") in text_items(PRESETS["bf16-mixed"])
+
+
+@pytest.mark.parametrize("text,match", [
+    ("bf16-mixed,block=nvfp5", r"policy key block='nvfp5' is not allowed \(did you mean 'nvfp4'\?\); choose one of "
+                               r"\('mxfp8', 'nvfp4', 'nvfp4-plain'\) .* or none"),
+    ("bf16-mixed,block=mxfp6", r"block='mxfp6' is not allowed"),
+    ("nvfp4-mixed,fp8=tensorwise", r"Policy block='nvfp4' with fp8='tensorwise': a linear runs block-scaled or in "
+                                   r"fp8, not both; set fp8=none \(e.g. 'nvfp4-mixed'\) or block=none"),
+    ("fp8-mixed,block=mxfp8", r"block='mxfp8' with fp8='tensorwise'.*set fp8=none \(e.g. 'mxfp8-mixed'\)"),
+    ("fp32,block=mxfp8", r"Policy block='mxfp8' with compute=fp32: block-scaled linears are offered under bf16 "
+                         r"compute only.*set compute=bf16 \(e.g. 'mxfp8-mixed'\)"),
+    ("fp16-mixed,block=nvfp4-plain", r"block='nvfp4-plain' with compute=fp16.*'nvfp4-mixed,block=nvfp4-plain'"),
+    ("nvfp4-mixed,compute=fp16", r"block='nvfp4' with compute=fp16"),
+    ("nvfp4-mixed,block=mxfp8,block=nvfp4", r"sets block twice"),
+])
+def test_block_refusals_name_the_argument_the_value_and_the_fix(text, match):
+    with pytest.raises(ValueError, match=match):
+        Policy.parse(text)
+
+
+def test_block_refusals_in_python_too():
+    with pytest.raises(ValueError, match=r"Policy block='mxfp4' is not allowed; choose None \(text block=none\) or "
+                                         r"one of \('mxfp8', 'nvfp4', 'nvfp4-plain'\)"):
+        Policy(compute_dtype=torch.bfloat16, block="mxfp4")
+    with pytest.raises(ValueError, match="compute=fp32"):
+        PRESETS["nvfp4-mixed"].replace(compute_dtype=torch.float32)
+    assert PRESETS["nvfp4-mixed"].replace(block=None) == PRESETS["bf16-mixed"]
