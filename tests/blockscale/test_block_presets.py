@@ -235,3 +235,14 @@ def test_the_guard_escalates_a_failing_block_run_to_bf16_mixed():
     assert str(mp.policy) == "bf16-mixed" and not _block_linears(model)
     assert "block-scaled linears: 8 back to nn.Linear" in mp.decision
     assert torch.isfinite(torch.tensor(_step(mp, 12)))
+
+
+def test_the_engine_exposes_the_build_s_block_report():
+    """``mp.block_report``: the conversion report of the build (every converted linear, every kept one with its
+    reason), as ``mp.fp8_report`` is fp8's; None without a block recipe."""
+    model = torch.nn.Sequential(*(torch.nn.Linear(32, 32) for _ in range(4)))
+    mp = mixprec.MixedPrecision(model, torch.optim.AdamW(model.parameters()), policy="mxfp8-mixed")
+    assert mp.block_report is not None and set(mp.block_report.converted) == {"1", "2"}
+    assert {name for name, _ in mp.block_report.kept} == {"0", "3"}   # the first and the last linear stay in bf16
+    plain = torch.nn.Sequential(torch.nn.Linear(32, 32))
+    assert mixprec.MixedPrecision(plain, torch.optim.AdamW(plain.parameters()), policy="bf16-mixed").block_report is None

@@ -80,7 +80,8 @@ class MixedPrecision:
         self._regions, self._unwrapped, self._groups = Regions(), False, GroupWatch()
         self.loss_scale = loss_scale_for_policy(self.policy, loss_scale, self.device)
         prepared = prepare(model, self.policy, self.device, self._strategy, optimizer=optimizer)
-        self.fp8_report, self._frozen, self.masters = prepared.fp8_report, prepared.frozen, prepared.masters
+        self.fp8_report, self.block_report = prepared.fp8_report, prepared.block_report   # the linears swapped at build
+        self._frozen, self.masters = prepared.frozen, prepared.masters
         self._frozen.store(prepared.plan)
         self._kahan_from = prepared.kahan_from   # for attach()
         self._scope = AutocastScope(self)   # mp.autocast()'s settings in backward passes and traced graphs
