@@ -9,15 +9,15 @@
   (``mixprec.numerics``, with everything under it) or a top-level module (``mixprec.checkpoint.local``
   is one file). Both ``from mixprec.x import _name`` and ``x._name`` on an imported mixprec module
   count.
-* The engine's step stays readable: ``MixedPrecision`` at most 390 lines, its ``step`` at most 45; ``PrecisionOptimizer``
+* The engine's step stays readable: ``MixedPrecision`` at most 300 lines, its ``step`` at most 45; ``PrecisionOptimizer``
   at most 150 (a shell over its state codec and write-back).
 * Imports point down the layers of docs/architecture.md; a program (``mixprec.programs.<name>``) imports
   the library, ``programs.session`` and nothing of another program (``cli`` dispatches to all).
-* The root package holds only the public entry points; no function over 50 lines, no module over 400
-  (``engine/mixed_precision.py``: 430).
+* The root package holds only the public entry points; no function over 50 lines, no module over 400.
 * tests/ mirrors src/mixprec (a folder per subpackage); no issue numbers in the source or the README.
 * The engine's state is the engine's: outside ``MixedPrecision`` no function takes an untyped engine
-  (``mp`` unannotated or ``Any``) or assigns ``mp.<attribute>``.
+  (``mp`` unannotated or ``Any``) or assigns ``mp.<attribute>``; its base classes (the public methods that
+  assign nothing: views, the frozen set's, the gradient-penalty pair) assign no ``self.<attribute>``.
 
 """
 
@@ -32,10 +32,10 @@ from pathlib import Path
 SRC = Path(__file__).resolve().parent.parent / "src"
 PACKAGE = "mixprec"
 
-# The engine's public surface (37 methods, their signatures and docstrings) takes ~190 lines before any body;
-# the bodies left are the engine's own state assignments in their side-effect order. A collaborator returns typed
-# values and the engine assigns them, so the class cannot reach 300 without turning state into properties.
-CLASS_LINES_LIMIT = 390
+# The class holds the methods that assign the engine's state, in their side-effect order (a collaborator returns
+# typed values and the engine assigns them); the public methods that assign nothing live in its base classes by
+# concept (engine/views.py, engine/frozen_control.py, engine/penalty.py), checked below to assign nothing.
+CLASS_LINES_LIMIT = 300
 STEP_LINES_LIMIT = 45
 
 
@@ -364,8 +364,7 @@ def test_programs_never_import_each_others_internals():
 # ---------------------------------------------------------------------- (e) the root and the sizes
 ROOT_MODULES = {"mixprec", "mixprec.__main__", "mixprec.formats", "mixprec.ops", "mixprec.guard", "mixprec.ema"}
 FUNCTION_LINES_LIMIT = 50
-MODULE_LINES_LIMIT = 400
-LONGER_MODULES = {"engine/mixed_precision.py": 430}   # the class above and its imports
+MODULE_LINES_LIMIT = 400   # every module, the engine's included: no exceptions
 
 
 def test_the_root_holds_only_public_entry_points():
@@ -381,7 +380,7 @@ def test_no_long_functions_or_modules():
     long = []
     for module, path in _modules().items():
         text = path.read_text(encoding="utf-8")
-        if text.count("\n") > LONGER_MODULES.get(path.relative_to(SRC / PACKAGE).as_posix(), MODULE_LINES_LIMIT):
+        if text.count("\n") > MODULE_LINES_LIMIT:
             long.append(f"{path.relative_to(SRC)}: {text.count(chr(10))} lines")
         for node in ast.walk(_tree(module)):
             if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef)) and _lines(node) > FUNCTION_LINES_LIMIT:
@@ -421,9 +420,43 @@ def test_the_source_cites_no_issue_numbers():
 
 
 # ---------------------------------------------------------------------- (f) the engine's state is the engine's
+def _assigned(node: ast.AST, owner: str) -> list[str]:
+    """The attributes of the name ``owner`` that ``node`` assigns: ``owner.x = ...`` (also inside a tuple or list
+    target, augmented or annotated) or ``setattr(owner, ...)``."""
+    if isinstance(node, ast.Call) and isinstance(node.func, ast.Name) and node.func.id == "setattr":
+        first = node.args[0] if node.args else None
+        return ["<setattr>"] if isinstance(first, ast.Name) and first.id == owner else []
+    targets = list(node.targets) if isinstance(node, ast.Assign) else (
+        [node.target] if isinstance(node, (ast.AugAssign, ast.AnnAssign)) else [])   # a copy: the tree is cached
+    out = []
+    while targets:
+        target = targets.pop()
+        if isinstance(target, (ast.Tuple, ast.List)):
+            targets.extend(target.elts)
+        elif isinstance(target, ast.Starred):
+            targets.append(target.value)
+        elif isinstance(target, ast.Attribute) and isinstance(target.value, ast.Name) and target.value.id == owner:
+            out.append(target.attr)
+    return out
+
+
+def _engine_bases() -> list[tuple[str, ast.ClassDef]]:
+    """(module, class) for each base class of ``MixedPrecision``, found through mixed_precision.py's imports."""
+    tree = _tree("mixprec.engine.mixed_precision")
+    imported = {alias.asname or alias.name: _absolute("mixprec.engine.mixed_precision", node)
+                for node in tree.body if isinstance(node, ast.ImportFrom) for alias in node.names}
+    out = []
+    for base in _mixed_precision().bases:
+        module = imported.get(base.id) if isinstance(base, ast.Name) else None
+        assert module in _modules(), f"MixedPrecision's base {ast.unparse(base)} is no class of {PACKAGE}: check it here"
+        out.append((module, next(n for n in _tree(module).body if isinstance(n, ast.ClassDef) and n.name == base.id)))
+    return out
+
+
 def _engine_reach_ins() -> list[str]:
-    """Functions outside ``MixedPrecision`` taking an untyped engine (``mp`` unannotated or ``Any``), and
-    assignments to an engine attribute (``mp.x = ...``) outside it."""
+    """Functions outside ``MixedPrecision`` taking an untyped engine (``mp`` unannotated or ``Any``), assignments
+    to an engine attribute (``mp.x = ...``) outside it, and to ``self.x`` in its base classes (their methods are
+    the engine's, and assign nothing)."""
     found = []
     for module, path in _modules().items():
         tree = _tree(module)
@@ -437,14 +470,22 @@ def _engine_reach_ins() -> list[str]:
                 for arg in node.args.posonlyargs + node.args.args + node.args.kwonlyargs:
                     if arg.arg == "mp" and (arg.annotation is None or ast.unparse(arg.annotation) in ("Any", "typing.Any")):
                         found.append(f"{path.relative_to(SRC)}:{node.lineno} {node.name}(mp) is untyped")
-            targets = node.targets if isinstance(node, ast.Assign) else (
-                [node.target] if isinstance(node, (ast.AugAssign, ast.AnnAssign)) else [])
-            for target in targets:
-                if isinstance(target, ast.Attribute) and isinstance(target.value, ast.Name) and target.value.id == "mp":
-                    found.append(f"{path.relative_to(SRC)}:{node.lineno} assigns mp.{target.attr}")
+            found += [f"{path.relative_to(SRC)}:{node.lineno} assigns mp.{attr}" for attr in _assigned(node, "mp")]
+    for module, cls in _engine_bases():
+        path = _modules()[module].relative_to(SRC)
+        found += [f"{path}:{node.lineno} {cls.name}, a base of MixedPrecision, assigns self.{attr}"
+                  for node in ast.walk(cls) for attr in _assigned(node, "self")]
     return found
 
 
 def test_only_the_engine_assigns_its_state():
     found = _engine_reach_ins()
     assert not found, "collaborators reaching into the engine:\n" + "\n".join(sorted(found))
+
+
+def test_the_state_checker_sees_the_engines_bases():
+    """Guards the check above against reading nothing: the engine's base classes are found, and an assignment
+    of each kind it looks for is seen."""
+    assert {cls.name for _, cls in _engine_bases()} >= {"EngineViews", "FrozenControl", "PenaltyGradients"}
+    code = ast.parse("self.a = 1\nself.b, (self.c, *self.d) = x\nself.e += 1\nself.f: int = 1\nsetattr(self, 'g', 1)")
+    assert sorted(a for node in ast.walk(code) for a in _assigned(node, "self")) == ["<setattr>", *"abcdef"]

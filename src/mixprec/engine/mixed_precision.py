@@ -1,5 +1,7 @@
 """The training-step engine ``MixedPrecision``: one object owns the step, in phases (docs/engine.md), with its features
-behind one interface (:mod:`mixprec.engine.feature`); collaborators return what it assigns (docs/architecture.md)."""
+behind one interface (:mod:`mixprec.engine.feature`); collaborators return what it assigns (docs/architecture.md).
+Its base classes hold the public methods that assign nothing: the read-only views (:mod:`mixprec.engine.views`),
+the frozen set's (:mod:`mixprec.engine.frozen_control`), the gradient-penalty pair (:mod:`mixprec.engine.penalty`)."""
 
 from __future__ import annotations
 
@@ -17,21 +19,24 @@ from mixprec.engine.clipping import clip_ as _clip_
 from mixprec.engine.construction import built_in_features, first_decision, resolve_arguments
 from mixprec.engine.divergence import DivergenceError, Judging
 from mixprec.engine.feature import Feature
-from mixprec.engine.loss_scale import for_policy as loss_scale_for_policy, unscale_grads
+from mixprec.engine.frozen_control import FrozenControl
+from mixprec.engine.loss_scale import for_policy as loss_scale_for_policy
 from mixprec.engine.masters import best_fp32_values, claim, release
 from mixprec.engine.misuse.arguments import as_tensors, cast_batch, check_args, check_loss
 from mixprec.engine.misuse.loop_checks import LoopChecks
 from mixprec.engine.open_group import restore_group
 from mixprec.engine.param_groups import GroupWatch
+from mixprec.engine.penalty import PenaltyGradients
 from mixprec.engine.preparation.attach import bind_optimizer
 from mixprec.engine.preparation.edits import ModelLayout, adopt_edited_params, adopt_model_edits, finish_model_edit
 from mixprec.engine.preparation.prepare import prepare
-from mixprec.engine.preparation.reprepare import frozen_to_match, load_engine_state, unfreeze_params
+from mixprec.engine.preparation.reprepare import load_engine_state
 from mixprec.engine.preparation.switch import switch_policy
 from mixprec.engine.records import Event
 from mixprec.engine.regions import Regions
-from mixprec.engine.saved_state import engine_state, trainable_fp32
+from mixprec.engine.saved_state import engine_state
 from mixprec.engine.step_state import Phase, check_attach, check_call, check_open
+from mixprec.engine.views import EngineViews
 from mixprec.optim import contract
 from mixprec.policy.policy import Policy, cast_floating
 
@@ -40,7 +45,7 @@ __all__ = ["MixedPrecision", "StepCheck", "StepResult", "DivergenceError", "cast
 log = logging.getLogger("mixprec")
 
 
-class MixedPrecision:
+class MixedPrecision(EngineViews, FrozenControl, PenaltyGradients):
     """Train ``model`` with ``optimizer`` under a precision policy: one object owns autocast, loss scaling, fp32
     masters, the optimizer-precision contract and the step lifecycle, in phases (docs/engine.md): prepare
     ``model`` (fp32 params, cast in place), :meth:`attach` ``optimizer`` (None: an evaluation engine) and
@@ -168,21 +173,6 @@ class MixedPrecision:
         self.masters.accumulate_grads()
         self._features.after_backward()
 
-    def scale_loss(self, loss: torch.Tensor) -> torch.Tensor:
-        """``loss`` times the current loss scale (differentiable), for ``torch.autograd.grad`` on a loss the engine
-        does not backpropagate (a gradient penalty; its checkpoint recomputes keep the policy's op lists); pair
-        with :meth:`unscale` (docs/loops.md recipe). No host sync."""
-        return self._scope.hold(self.loss_scale.scale_loss(loss))
-
-    def unscale(self, grads: Any) -> list[torch.Tensor | None]:
-        """The true gradients of ``grads`` (``torch.autograd.grad`` of :meth:`scale_loss`; None stays None) as
-        fp32 ``g.float() * (1/scale)``, differentiable (a penalty built from them trains); a non-finite one is an
-        overflow at this boundary, as for the params' grads. No host sync (torch.amp's penalty recipe)."""
-        out, found = unscale_grads(grads, self.loss_scale.scale)
-        if found is not None:
-            self._losses.add_overflow(found)
-        return out
-
     def step(self, *, end_group: bool = False) -> StepResult | None:
         """Finish a micro-batch: None between boundaries, at one ``apply_or_skip(unscale_and_check())``;
         ``end_group=True`` ends a short group here (an epoch's last; :class:`~mixprec.engine.boundary.
@@ -252,21 +242,12 @@ class MixedPrecision:
         self.masters.copy_to_params()
         torch.clear_autocast_cache()   # else a later forward in the same autocast region uses stale casts
 
-    def gradients(self) -> list[torch.Tensor]:
-        """The gradients the optimizer steps (fp32 master grads under ``-pure`` policies), in group order."""
-        return [p.grad for group in self.optimizer.param_groups for p in group["params"] if p.grad is not None]
-
-    @property
-    def step_gradients(self) -> tuple[torch.Tensor, ...]:
-        """Inside ``guard.after_step``: the boundary's unscaled gradients (this rank's shards); else empty."""
-        return tuple(self._judging.grads)
-
     def agree_on(self, choice: str | None, choices: tuple[str, ...]) -> str | None:
         """The first of ``choices`` any rank chose (None if none; ValueError for another ``choice``): one process,
         ``choice``; else one all-reduce every rank calls at the same point, one sync (the guard's, each boundary)."""
         return self._strategy.agree_on(choice, choices, self.device)
 
-    # ------------------------------------------------------------------ changing the policy or the frozen set
+    # ------------------------------------------------------------ changing the policy (the frozen set: frozen_control.py)
     def set_policy(self, policy: str | Policy, *, cause: str = "requested", module: str | None = None,
                    loss_scale: Any = None, record: bool = True, kind: str = "set_policy") -> Event:
         """Re-prepare the model under ``policy`` at a boundary through :func:`~mixprec.engine.preparation.prepare.prepare`,
@@ -287,45 +268,6 @@ class MixedPrecision:
                                                                    switch.old, switch.policy, self.boundaries, cause)
         return switch.event
 
-    def unfreeze(self, *patterns: str, **group_options: Any) -> Event:
-        """Train the frozen params whose names match a pattern (``fnmatch``) from this boundary on, stored as
-        the policy stores trainable ones, masters **from the stored 16-bit values**; those the optimizer lacks
-        get a new group with ``group_options`` (e.g. ``lr=1e-5``; refused under a scheduler). Returns the
-        ``"unfreeze"`` event. ValueError (nothing changed: :mod:`mixprec.engine.storage`), RuntimeError mid-step."""
-        if not patterns:
-            raise ValueError("unfreeze() needs at least one parameter-name pattern, e.g. mp.unfreeze('encoder.layer.5.*')")
-        self._check("unfreeze()")
-        self._strategy.refuse("unfreeze")
-        return unfreeze_params(self, self._frozen, patterns, group_options)
-
-    def refreeze(self, names: list[str]) -> None:
-        """Undo an :meth:`unfreeze` of ``names`` that added no param group (a refused load), exactly when
-        no step ran in between; the events of both are removed."""
-        if not names:
-            return
-        named = dict(self.module.named_parameters())
-        self._frozen.refreeze([named[n] for n in names])
-        self.set_policy(self.policy, cause="refreeze after a refused load", record=False)
-        if self.events and self.events[-1].get("kind") == "unfreeze":
-            self.events.pop()
-
-    def match_frozen(self, saved: list[str], *, check_only: bool = False) -> None:
-        """Make the frozen set equal ``saved`` (a run's :meth:`frozen_names`) before its state is loaded, by
-        :meth:`unfreeze`. ValueError when ``saved`` keeps frozen a param trained here, names an unknown one, or
-        unfroze one into a param group this optimizer lacks; ``check_only``: raise, change nothing."""
-        patterns = frozen_to_match(self._frozen, saved, self.module, self.optimizer, self.masters)
-        if patterns and not check_only:
-            self.unfreeze(*patterns)
-
-    def frozen_names(self) -> list[str]:
-        """Names of the frozen parameters (``requires_grad=False`` at build and not unfrozen since), in order."""
-        return self._frozen.names()
-
-    def check_frozen_values(self, values: dict[str, torch.Tensor]) -> None:
-        """Raise ValueError if a value about to be loaded into a frozen param stored in fp16 does not fit
-        fp16 (``values``: name → tensor; others ignored). One sync per checked tensor."""
-        self._frozen.check_values(values)
-
     def unwrap(self, *, to_fp32: bool = False) -> nn.Module:
         """Remove the engine's hooks and return the user's model; the engine is finished (autocast,
         backward and step raise RuntimeError). ``to_fp32=True``: every floating param becomes fp32 in
@@ -341,32 +283,7 @@ class MixedPrecision:
         self._unwrapped = True
         return self.module
 
-    # ------------------------------------------------------------------ views and state
-    @property
-    def boundary_loss(self) -> torch.Tensor | None:
-        """Mean fp32 loss over the last boundary's micro-batches (a device tensor; None before the first
-        boundary; non-finite if any micro-batch loss was). Reading its value syncs."""
-        return self._losses.mean
-
-    @property
-    def last_loss(self) -> torch.Tensor | None:
-        """The loss of the last ``backward()`` (detached, unscaled, on the device). Reading it syncs."""
-        return self._losses.last
-
-    @property
-    def step_batches(self) -> tuple:
-        """The micro-batches cast since the last boundary, kept only when a guard is attached."""
-        return tuple(self._judging.batches)
-
-    def master_parameters(self) -> Iterator[torch.Tensor]:
-        """fp32 masters in ``model.parameters()`` order (the params themselves where no master exists)."""
-        yield from self.masters.masters
-
-    def trainable_state_dict(self) -> dict[str, torch.Tensor]:
-        """The trainable params by name as fp32 CPU copies of their best values (master, else param plus
-        Kahan compensation): a LoRA run's small file, for ``model.load_state_dict(state, strict=False)``. Syncs."""
-        return trainable_fp32(self.module, self.masters, self.optimizer)
-
+    # ------------------------------------------------------------ state (the read-only views: views.py)
     def state_dict(self) -> dict[str, Any]:
         """Everything to continue bit-exactly: policy, frozen set, model, masters, optimizer, scheduler, loss scale,
         counters (references), the open window mid-accumulation (:mod:`mixprec.engine.open_group`). RuntimeError mid-step."""
