@@ -6,7 +6,6 @@ from __future__ import annotations
 import copy
 import dataclasses
 import io
-import warnings
 
 import pytest
 import torch
@@ -14,6 +13,7 @@ from torch import nn
 
 from block_emulation import emulate
 from mixprec.blockscale import BlockRecipe, BlockScaledLinear, get_block_recipe
+from mixprec.blockscale.streams import stream_key
 
 NVFP4 = get_block_recipe("nvfp4")
 MXFP8 = get_block_recipe("mxfp8")
@@ -73,7 +73,7 @@ def test_each_gemm_equals_the_independent_emulation_bit_for_bit(name, m):
     x, w, dy = _inputs(m, 64, n, seed=m)
     module = _module(recipe, w, index=3)
     y, dx, dw = _run(module, x, dy)
-    generator = torch.Generator().manual_seed(recipe.seed + 3)
+    generator = torch.Generator().manual_seed(stream_key(recipe.seed + 3, 0))   # its stream's first call
     ey, edx, edw = emulate(recipe, x, w, dy, torch.float32, signs=module.hadamard_signs, generator=generator)
     assert _bits_equal(y, ey), "forward"
     assert _bits_equal(dx, edx), "dgrad"
@@ -87,7 +87,7 @@ def test_under_bf16_autocast_outputs_are_bf16_and_gradients_in_the_inputs_dtypes
     module = _module(recipe, w)
     y, dx, dw = _run(module, x, dy.bfloat16(), autocast=True)
     assert (y.dtype, dx.dtype, dw.dtype) == (torch.bfloat16, torch.float32, torch.float32)
-    generator = torch.Generator().manual_seed(recipe.seed)
+    generator = torch.Generator().manual_seed(stream_key(recipe.seed, 0))
     ey, edx, edw = emulate(recipe, x, w, dy.bfloat16(), torch.bfloat16, signs=module.hadamard_signs,
                            generator=generator)
     assert _bits_equal(y, ey) and _bits_equal(dx, edx) and _bits_equal(dw, edw)
@@ -136,20 +136,22 @@ def _train_steps(module: BlockScaledLinear, opt: torch.optim.Optimizer, steps: i
 
 
 def test_a_state_dict_round_trip_resumes_bitwise():
-    """Three steps, save (state_dict through torch.save), three more; a fresh module with a different seed loaded
-    from the save repeats the last three bit for bit: the SR generator's state and the signs travel."""
-    module = BlockScaledLinear(64, 32, recipe="nvfp4")
+    """Three steps, save (state_dict through torch.save), three more; a fresh module of the same recipe and index
+    (its stream at call 0, its signs zeroed here) loaded from the save repeats the last three bit for bit: the
+    stream's count and the signs travel."""
+    module = BlockScaledLinear(64, 32, recipe="nvfp4", index=5)
     opt = torch.optim.SGD(module.parameters(), lr=0.1)
     _train_steps(module, opt, 3, seed=0)
     buffer = io.BytesIO()
     torch.save({"model": module.state_dict(), "opt": opt.state_dict()}, buffer)
     continued = _train_steps(module, opt, 3, seed=1)
+    assert module.get_extra_state().tolist() == [NVFP4.seed + 5, 6]   # one call per backward
 
-    other = dataclasses.replace(NVFP4, seed=99)
-    resumed = BlockScaledLinear(64, 32, recipe=other, index=5)
-    assert not torch.equal(resumed.hadamard_signs, module.hadamard_signs)
+    resumed = BlockScaledLinear(64, 32, recipe="nvfp4", index=5)
+    resumed.hadamard_signs.zero_()
     buffer.seek(0)
-    saved = torch.load(buffer, weights_only=False)
+    saved = torch.load(buffer, weights_only=True)   # tensors only: no pickled objects in the state
+    assert saved["model"]["_extra_state"].tolist() == [NVFP4.seed + 5, 3]
     resumed.load_state_dict(saved["model"])
     resumed_opt = torch.optim.SGD(resumed.parameters(), lr=0.1)
     resumed_opt.load_state_dict(saved["opt"])
@@ -158,39 +160,46 @@ def test_a_state_dict_round_trip_resumes_bitwise():
     assert all(torch.equal(a, b) for a, b in zip(continued, again))
 
 
-def test_reloading_replays_the_same_rounding_and_another_generator_state_does_not():
+def test_reloading_replays_the_same_rounding_and_another_call_count_does_not():
     """The round trip above is not vacuous: a step replayed from a reloaded state repeats its bits, the same step
-    from the same weights with another generator state gives other bits."""
+    from the same weights at another call of the stream gives other bits."""
     module = BlockScaledLinear(64, 32, recipe="nvfp4")
     state = copy.deepcopy(module.state_dict())
     opt = torch.optim.SGD(module.parameters(), lr=0.1)
     first = _train_steps(module, opt, 1, seed=0)[0]
     module.load_state_dict(state)
     assert torch.equal(_train_steps(module, opt, 1, seed=0)[0], first)
-    state["_extra_state"]["generator_state"] = torch.Generator().manual_seed(1).get_state()
+    state["_extra_state"] = torch.tensor([NVFP4.seed, 1])
     module.load_state_dict(state)
     assert not torch.equal(_train_steps(module, opt, 1, seed=0)[0], first)
 
 
-def test_extra_state_from_another_device_type_warns_and_keeps_the_stream():
-    module = BlockScaledLinear(32, 32, recipe="nvfp4")
-    state = module.state_dict()
-    state["_extra_state"] = {**state["_extra_state"], "generator_device": "cuda"}
-    with warnings.catch_warnings(record=True) as caught:
-        warnings.simplefilter("always")
-        module.load_state_dict(state)
-    assert any("keeps its own stream" in str(w.message) for w in caught)
+def test_a_stream_saved_by_another_linear_or_in_another_form_is_refused():
+    module = BlockScaledLinear(32, 32, recipe="nvfp4", index=2)
+    with pytest.raises(ValueError, match=r"saved stochastic-rounding stream is \[7, 4\], but this module's sr_seed is 2"):
+        module.set_extra_state(torch.tensor([7, 4]))
+    with pytest.raises(ValueError, match=r"extra state dict is not this module's stochastic-rounding stream"):
+        module.set_extra_state({"sr_seed": 2, "generator_state": torch.Generator().get_state()})
     with pytest.raises(ValueError, match="extra state"):
-        module.set_extra_state([1, 2])
+        module.set_extra_state(torch.tensor([2.0, 1.0]))
+    BlockScaledLinear(32, 32, recipe="mxfp8", index=2).set_extra_state(torch.tensor([2, 0]))   # no SR: checked alike
+    with pytest.raises(ValueError, match="sr_seed is 2"):
+        BlockScaledLinear(32, 32, recipe="mxfp8", index=2).set_extra_state(torch.tensor([3, 0]))
 
 
-def test_meta_init_then_to_empty_draws_the_signs_and_the_generator():
+def test_meta_init_then_to_empty_draws_the_signs_and_keeps_the_stream():
     module = BlockScaledLinear(32, 32, recipe="nvfp4", device="meta")
-    assert module.hadamard_signs.is_meta and module.get_extra_state()["generator_state"] is None
+    assert module.hadamard_signs.is_meta and module.get_extra_state().tolist() == [0, 0]
     module.to_empty(device="cpu")
     reference = BlockScaledLinear(32, 32, recipe="nvfp4")
     assert torch.equal(module.hadamard_signs, reference.hadamard_signs)
-    assert torch.equal(module.get_extra_state()["generator_state"], reference.get_extra_state()["generator_state"])
+    x, w, dy = _inputs(32, 32, 32, seed=4)
+    with torch.no_grad():
+        module.weight.copy_(w)
+        reference.weight.copy_(w)
+        module.bias.zero_()
+        reference.bias.zero_()
+    assert all(_bits_equal(a, b) for a, b in zip(_run(module, x, dy), _run(reference, x, dy)))
 
 
 @pytest.mark.parametrize("name, fullgraph", [("mxfp8", True), ("nvfp4-plain", True), ("nvfp4", False)])

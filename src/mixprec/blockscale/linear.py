@@ -11,8 +11,9 @@ For ``x (M, K)`` and ``W (N, K)`` the GEMMs of :mod:`mixprec.blockscale.recipe` 
 ``grad_format``), and dequantizes. With ``weight_blocks="2d"``, ``q(W)`` is
 :func:`~mixprec.blockscale.gemm.weight_tiles` (``b x b`` tiles) in forward and its transpose in dgrad (recomputed
 in backward from the same ``W``: the same bits, weights rounding to nearest). ``SR`` (``stochastic_rounding``) rounds ``dy`` stochastically,
-its bits drawn from this module's ``torch.Generator``: first for dgrad's ``dy``, then for wgrad's ``dy^T`` (only
-the GEMMs whose gradient autograd asks for draw). ``RHT`` (``hadamard``) transforms both wgrad operands along
+its bits drawn from this module's :class:`~mixprec.blockscale.streams.RoundingStream`, whose generator each backward
+call seeds afresh from ``(sr_seed, calls)``: first for dgrad's ``dy``, then for wgrad's ``dy^T`` (only the GEMMs
+whose gradient autograd asks for draw). ``RHT`` (``hadamard``) transforms both wgrad operands along
 ``M`` with this module's ``hadamard_signs``. A GEMM left out of ``recipe.quantized_gemms`` is an fp32 GEMM of the
 unquantized operands.
 
@@ -22,19 +23,19 @@ the input's and the weight's dtypes (fp32 master weights get a bf16-rounded grad
 autocast ``nn.Linear`` gives them). The input is quantized from its own dtype (an fp32 input under autocast is
 not rounded to bf16 first). The bias is added outside the GEMM, in the compute dtype.
 
-State (in ``state_dict``, so a resumed run continues bitwise): ``hadamard_signs`` (a buffer, with ``hadamard``),
-random ±1 from ``recipe.seed``, the same in every linear and on every rank; and ``_extra_state``, the stochastic
-rounding generator's state (seeded ``recipe.seed + index``). The generator lives on the weight's device; moving
-the module to another device starts a new generator there from the seed (CPU and CUDA generators have different
-streams and states), and a state saved on one device type is not loaded into a generator of another (a warning;
-the module keeps its own stream). No host sync in forward or backward. Under ``torch.compile`` a recipe without
-stochastic rounding traces whole (``fullgraph=True``); with it, dynamo cannot take the ``torch.Generator`` argument
-(torch 2.13) and breaks the graph at the linear, which then runs eagerly with the same bits.
+State (in ``state_dict``, so a resumed run continues bitwise; tensors only, so DCP and FSDP2 state dicts hold it
+as they hold a buffer): ``hadamard_signs`` (a buffer, with ``hadamard``), random ±1 from ``recipe.seed``, the same in
+every linear and on every rank; and ``_extra_state``, the stochastic-rounding stream ``[sr_seed, calls]`` (int64,
+``sr_seed = recipe.seed + index``; ``calls`` stays 0 without stochastic rounding). The stream is the same on every
+rank of a data-parallel run, and its state does not depend on the device (:mod:`mixprec.blockscale.streams`: why,
+and what that costs). The block scales are not state: every GEMM computes them from its operands (the weight's from
+the whole weight, the fp32 master under FSDP2 too: :mod:`mixprec.distributed.wrapping`). No host sync in forward
+or backward. Under ``torch.compile`` a recipe without stochastic rounding traces whole (``fullgraph=True``); with
+it, dynamo cannot take the ``torch.Generator`` argument (torch 2.13) and breaks the graph at the linear, which then
+runs eagerly with the same bits.
 """
 
 from __future__ import annotations
-
-import warnings
 
 import torch
 from torch import nn
@@ -42,7 +43,7 @@ from torch import nn
 from mixprec.blockscale.gemm import block_gemm, gemm_operand, plain_gemm, weight_tiles
 from mixprec.blockscale.hadamard import random_signs
 from mixprec.blockscale.recipe import BlockRecipe, get_block_recipe
-from mixprec.messages.location import user_stacklevel
+from mixprec.blockscale.streams import RoundingStream
 
 __all__ = ["BlockScaledLinear", "shape_problems"]
 
@@ -102,26 +103,29 @@ class _BlockScaledMatmul(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx, x: torch.Tensor, weight: torch.Tensor, recipe: BlockRecipe, signs: torch.Tensor | None,
-                generator: torch.Generator | None, out_dtype: torch.dtype) -> torch.Tensor:
+                generator: torch.Generator | None, stream: RoundingStream | None,
+                out_dtype: torch.dtype) -> torch.Tensor:
         if "forward" in recipe.quantized_gemms:
             a = gemm_operand(x, recipe.operand_format("x"))
             y = block_gemm(a, _weight_along_k(weight, recipe), out_dtype)  # (M, N)
         else:
             y = plain_gemm(x, weight, out_dtype)
         ctx.save_for_backward(x, weight, signs)
-        ctx.recipe, ctx.generator, ctx.out_dtype = recipe, generator, out_dtype
+        ctx.recipe, ctx.generator, ctx.stream, ctx.out_dtype = recipe, generator, stream, out_dtype
         return y
 
     @staticmethod
     def backward(ctx, dy: torch.Tensor):  # dy: (M, N)
         x, weight, signs = ctx.saved_tensors
         recipe, generator, out_dtype = ctx.recipe, ctx.generator, ctx.out_dtype
+        if generator is not None:   # this call's bits: the stream's next key
+            generator = ctx.stream.serve(generator)
         dx = dw = None
         if ctx.needs_input_grad[0]:
             dx = _dgrad(dy, weight, recipe, generator, out_dtype).to(x.dtype)
         if ctx.needs_input_grad[1]:
             dw = _wgrad(dy, x, recipe, signs, generator, out_dtype).to(weight.dtype)
-        return dx, dw, None, None, None, None
+        return dx, dw, None, None, None, None, None
 
 
 def _compute_dtype(x: torch.Tensor) -> torch.dtype:
@@ -129,12 +133,6 @@ def _compute_dtype(x: torch.Tensor) -> torch.dtype:
     if torch.is_autocast_enabled(x.device.type):
         return torch.get_autocast_dtype(x.device.type)
     return x.dtype
-
-
-def _same_device(generator: torch.Generator, device: torch.device) -> bool:
-    index = device.index if device.index is not None else (torch.cuda.current_device() if device.type == "cuda"
-                                                           else None)
-    return generator.device.type == device.type and generator.device.index == index
 
 
 class BlockScaledLinear(nn.Linear):
@@ -167,21 +165,19 @@ class BlockScaledLinear(nn.Linear):
         self.index = index
         signs = random_signs(self.recipe.hadamard_size, self.recipe.seed, device=self.weight.device)
         self.register_buffer("hadamard_signs", signs if self.recipe.hadamard else None)
-        self._generator: torch.Generator | None = None
-        self._sync_generator()
+        self._stream = RoundingStream(self.sr_seed) if self.recipe.stochastic_rounding else None
 
     @classmethod
     def from_linear(cls, linear: nn.Linear, *, recipe: str | BlockRecipe = "mxfp8",
                     index: int = 0) -> "BlockScaledLinear":
-        """A BlockScaledLinear holding ``linear``'s own ``weight``/``bias`` Parameter objects (no copy); signs and
-        generator on the weight's device."""
+        """A BlockScaledLinear holding ``linear``'s own ``weight``/``bias`` Parameter objects (no copy); signs on the
+        weight's device."""
         new = cls(linear.in_features, linear.out_features, bias=linear.bias is not None, device="meta",
                   recipe=recipe, index=index)
         new.weight = linear.weight
         new.bias = linear.bias
         if new.hadamard_signs is not None:
             new.hadamard_signs = random_signs(new.recipe.hadamard_size, new.recipe.seed, device=linear.weight.device)
-        new._sync_generator()
         new.train(linear.training)
         return new
 
@@ -190,55 +186,44 @@ class BlockScaledLinear(nn.Linear):
         """The seed of this linear's stochastic rounding stream: ``recipe.seed + index``."""
         return self.recipe.seed + self.index
 
-    def _sync_generator(self) -> None:
-        """A generator on the weight's device, seeded ``sr_seed``, if the recipe rounds stochastically (kept as
-        it is while the device stays the same)."""
-        device = self.weight.device
-        if not self.recipe.stochastic_rounding or device.type == "meta":
-            self._generator = None
-        elif self._generator is None or not _same_device(self._generator, device):
-            self._generator = torch.Generator(device=device).manual_seed(self.sr_seed)
-
     def _apply(self, fn, recurse: bool = True):
-        """``.to()`` / ``.cuda()`` / ``to_empty()``: the generator follows the weight's device; signs that were
-        on the meta device (or left uninitialized by ``to_empty``) are drawn again from the seed."""
+        """``.to()`` / ``.cuda()`` / ``to_empty()``: signs that were on the meta device (or left uninitialized by
+        ``to_empty``) are drawn again from the seed (the stream keeps a generator per device the weight is on)."""
         signs_were_meta = self.hadamard_signs is not None and self.hadamard_signs.is_meta
         out = super()._apply(fn, recurse)
         if signs_were_meta and not self.hadamard_signs.is_meta:
             fresh = random_signs(self.recipe.hadamard_size, self.recipe.seed, device=self.hadamard_signs.device)
             self.hadamard_signs = fresh.to(self.hadamard_signs.dtype)
-        self._sync_generator()
         return out
 
-    def get_extra_state(self) -> dict:
-        """The stochastic rounding stream: ``{"sr_seed", "generator_device", "generator_state"}`` (the last two
-        None without stochastic rounding)."""
-        generator = self._generator
-        return {"sr_seed": self.sr_seed,
-                "generator_device": None if generator is None else generator.device.type,
-                "generator_state": None if generator is None else generator.get_state()}
+    def get_extra_state(self) -> torch.Tensor:
+        """The stochastic-rounding stream: ``[sr_seed, calls]``, int64 on the CPU (``calls`` 0 without stochastic
+        rounding; :meth:`~mixprec.blockscale.streams.RoundingStream.state`)."""
+        if self._stream is None:
+            return torch.tensor([self.sr_seed, 0], dtype=torch.int64)
+        return self._stream.state()
 
-    def set_extra_state(self, state: dict) -> None:
-        """Continue the saved stochastic rounding stream (module docstring for the cross-device case)."""
-        if not isinstance(state, dict) or "generator_state" not in state:
-            raise ValueError(f"BlockScaledLinear: extra state {type(state).__name__} is not this module's "
-                             f"(a dict with sr_seed, generator_device, generator_state)")
-        saved, generator = state["generator_state"], self._generator
-        if saved is None or generator is None:
-            return
-        if state["generator_device"] != generator.device.type:
-            warnings.warn(f"BlockScaledLinear: the stochastic rounding state was saved from a "
-                          f"{state['generator_device']} generator; this module's is on {generator.device.type}: "
-                          f"it keeps its own stream (seeded {self.sr_seed})", stacklevel=user_stacklevel())
-            return
-        generator.set_state(saved)
+    def set_extra_state(self, state: torch.Tensor) -> None:
+        """Continue the saved stochastic-rounding stream (a load: one host read).
+
+        Raises:
+            ValueError: ``state`` is not an int64 ``[sr_seed, calls]``, or was saved by a linear of another
+                ``sr_seed`` (another recipe seed or index).
+        """
+        owner = f"BlockScaledLinear(index={self.index}, {self.recipe.name})"
+        if self._stream is None:
+            RoundingStream(self.sr_seed).load(state, owner)   # checked all the same
+        else:
+            self._stream.load(state, owner)
 
     def forward(self, input: torch.Tensor) -> torch.Tensor:
         if input.dtype not in _INPUT_DTYPES:
             raise TypeError(f"BlockScaledLinear: input dtype {input.dtype}; allowed: {_INPUT_DTYPES}")
         out_dtype = _compute_dtype(input)
         x = input.reshape(-1, self.in_features)  # (M, K)
-        y = _BlockScaledMatmul.apply(x, self.weight, self.recipe, self.hadamard_signs, self._generator, out_dtype)
+        stream = self._stream
+        generator = None if stream is None or self.weight.is_meta else stream.generator(self.weight.device)
+        y = _BlockScaledMatmul.apply(x, self.weight, self.recipe, self.hadamard_signs, generator, stream, out_dtype)
         y = y.reshape(*input.shape[:-1], self.out_features)  # (..., N)
         if self.bias is not None:
             y = y + self.bias.to(out_dtype)

@@ -8,6 +8,7 @@ directory layout (:mod:`mixprec.checkpoint.layout`: ``step-N`` directories, fsyn
 
 from __future__ import annotations
 
+import warnings
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
@@ -18,6 +19,9 @@ from mixprec.checkpoint.layout import LATEST, MANIFEST, CheckpointError, read_ma
 from mixprec.checkpoint.manifest import LoadedExtra, is_dcp
 from mixprec.checkpoint.verify import read_weights
 from mixprec.distributed.process import world_size
+from mixprec.distributed.replicas import block_stream_mismatch
+from mixprec.engine.records import Event
+from mixprec.messages.location import user_stacklevel
 
 if TYPE_CHECKING:
     from mixprec.engine.mixed_precision import MixedPrecision
@@ -45,7 +49,10 @@ def save_checkpoint(path: str | Path, mp: MixedPrecision, extra: dict | None = N
     The format follows ``mp.strategy``: None, the one-process format (:mod:`mixprec.checkpoint.local`);
     ``"ddp"``, the same, written by rank 0 alone (replicas are identical), ``extra`` getting
     ``{"distributed": {"strategy", "world_size"}}`` and ``data_position`` ``world_size``; ``"fsdp2"``,
-    DCP shards from every rank (:mod:`mixprec.checkpoint.dcp`; no ``ema``). Call it on every rank.
+    DCP shards from every rank (:mod:`mixprec.checkpoint.dcp`; no ``ema``). Call it on every rank. Under either
+    strategy block-scaled linears keep one stochastic-rounding stream per linear, the same on every rank: where the
+    ranks' streams differ (some rank ran backward through a linear another number of times), a warning and a
+    ``"block-streams"`` event (saved with it) say so before the save (one ``all_gather_object``).
 
     Crash-safe (see :mod:`mixprec.checkpoint.local`): a process killed at any moment leaves ``latest`` naming a
     complete checkpoint. Host syncs: copies every tensor to the CPU.
@@ -62,6 +69,7 @@ def save_checkpoint(path: str | Path, mp: MixedPrecision, extra: dict | None = N
     if ema is not None:
         raise ValueError(f"save_checkpoint ema= under strategy={mp.strategy!r} is not supported (the distributed "
                          "checkpoints do not carry an EMA yet); pass ema=None")
+    _note_block_streams(mp)
     if mp.strategy != "ddp":
         return dcp.save(path, mp, extra, guard=guard, keep=keep, data_position=data_position)
     dcp.check_boundary(mp, "save_checkpoint")
@@ -71,6 +79,15 @@ def save_checkpoint(path: str | Path, mp: MixedPrecision, extra: dict | None = N
         path, mp, extra={**(extra or {}), "distributed": info}, guard=guard, keep=keep, data_position=position)),
         "save_checkpoint")
     return Path(saved)
+
+
+def _note_block_streams(mp: MixedPrecision) -> None:
+    """Warn and record a ``"block-streams"`` event when the ranks' block-scaled stochastic-rounding streams differ
+    (:func:`mixprec.distributed.replicas.block_stream_mismatch`; every rank calls it)."""
+    why = block_stream_mismatch(mp.module)
+    if why is not None:
+        warnings.warn(f"mixprec: save_checkpoint under strategy={mp.strategy!r}: {why}", stacklevel=user_stacklevel())
+        mp.record(Event(mp.boundaries, "block-streams", None, None, why))
 
 
 def _check_path_and_engine(call: str, path: Any, mp: MixedPrecision) -> None:

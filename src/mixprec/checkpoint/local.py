@@ -43,8 +43,8 @@ Each ``step-N/`` directory::
     data_position         {"boundaries": mp.boundaries, ...what the caller passed}: e.g. mixprec
                           train stores {"split", "seed", "batches"} (batches drawn from the stream)
     model                 {"aliases": {name: stored name}, "masters": [param names], "frozen": [param names],
-                          "extra_state": the model state dict's entries that are not tensors (a block-scaled
-                          linear's SR stream; tensors referenced), "block_state": the keys block-scaled linears
+                          "extra_state": the model state dict's entries that are not tensors (a module's
+                          get_extra_state(); tensors referenced), "block_state": the keys block-scaled linears
                           hold besides their params (a checkpoint of another policy may lack them)}
     tensors               {file: {tensor name: {"dtype", "shape"}}} for every safetensors file
     files                 {file: {"bytes", "sha256"}}

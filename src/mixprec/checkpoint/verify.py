@@ -187,8 +187,8 @@ def check_state_shapes(where: str, state: dict, shape_of: dict) -> None:
 
 
 def model_extra_state(ck: Checkpoint) -> dict[str, Any]:
-    """The saved model state dict's entries that are not tensors (a module's ``get_extra_state()``: a block-scaled
-    linear's stochastic rounding stream), by key; {} for a checkpoint without any."""
+    """The saved model state dict's entries that are not tensors (a module's ``get_extra_state()`` other than a
+    tensor; a block-scaled linear's stream is a tensor, in the model file), by key; {} for a checkpoint without any."""
     return decode(ck.manifest["model"].get("extra_state") or {}, ck.files[STATE_FILE], f"checkpoint {str(ck.path)!r}")
 
 

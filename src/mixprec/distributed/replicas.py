@@ -10,6 +10,11 @@ rank raises together, so none waits in a later collective. :func:`agree_sr_seeds
 :func:`check_replicas_equal` verifies the replicas bit for bit after the fact: one int64 fingerprint per tensor
 (:func:`fingerprints`, exact integer arithmetic, so it does not depend on a reduction order), one all-gather, and
 every rank raises together naming the first rank and tensor that differ from rank 0's.
+
+Block-scaled linears round ``dy`` with one stochastic-rounding stream per linear, the same on every rank
+(:mod:`mixprec.blockscale.streams`), whose state is the count of backward calls it served: equal on every rank as
+long as every rank runs backward through the linear as often. A checkpoint holds one count per linear;
+:func:`block_stream_mismatch` says (before a save) when the ranks' counts differ.
 """
 
 from __future__ import annotations
@@ -19,10 +24,12 @@ from dataclasses import dataclass
 import torch
 import torch.distributed as dist
 
+from torch import nn
+
 from mixprec.distributed.process import any_across_ranks, from_main_process, gather_from_ranks, world_size
 
 __all__ = ["check_same_rng", "check_same_sr_seeds", "SeedAgreement", "agree_sr_seeds", "fingerprints",
-           "check_replicas_equal"]
+           "check_replicas_equal", "block_stream_mismatch"]
 
 _BITS = {1: torch.uint8, 2: torch.int16, 4: torch.int32, 8: torch.int64}   # element size -> same-size int dtype
 _CHUNK = 1 << 22   # elements fingerprinted at once: bounds the int64 temporaries (32 MiB each)
@@ -132,3 +139,26 @@ def check_replicas_equal(named: list[tuple[str, torch.Tensor]], *, step: int, wh
                        "or hook that edits params or gradients on one rank, a rank-local gradient step, or rounding "
                        "noise seeded per rank; training on would average gradients over replicas that no longer "
                        "agree. Find what runs on that rank only; lower verify_replicas_every to find the step")
+
+
+def block_stream_mismatch(model: nn.Module) -> str | None:
+    """None when every rank's block-scaled linears of ``model`` (the unwrapped module) have served as many backward
+    calls as rank 0's (module docstring); else the words naming the first linear and rank that differ, and what a
+    checkpoint then holds. One ``all_gather_object`` every rank calls at the same point (none with one process or
+    without block-scaled linears, the same on every rank); no host sync (the counts are host ints)."""
+    from mixprec.blockscale import BlockScaledLinear
+
+    mine = {name: int(m.get_extra_state()[1]) for name, m in model.named_modules() if isinstance(m, BlockScaledLinear)}
+    if world_size() == 1 or not mine:
+        return None
+    every = gather_from_ranks(mine)
+    for rank, counts in enumerate(every):
+        differ = [name for name in every[0] if counts.get(name) != every[0][name]]
+        if differ:
+            name = differ[0]
+            return (f"the stochastic-rounding streams of the block-scaled linears differ between ranks: rank {rank}'s "
+                    f"{name!r} has served {counts.get(name)} backward call(s), rank 0's {every[0][name]} ({len(differ)} "
+                    "linear(s) differ): a rank ran backward through them another number of times (a branch or layer "
+                    "skipped on some ranks). A checkpoint holds one count per linear, so a resume continues every "
+                    "rank from one rank's: valid stochastic rounding, not bit for bit on the ranks that differed")
+    return None

@@ -47,6 +47,11 @@ class SingleProcess:
         """Called when ``optimizer`` is attached: what the ranks must agree on before a step (the seeds of
         stochastic rounding's stream). One process: nothing."""
 
+    def block_note(self, policy: Policy) -> str:
+        """The decision's words on block-scaled linears (``policy.block``) under this strategy ("" when there are
+        none to say). One process: none."""
+        return ""
+
     def after_casts(self, model: nn.Module, policy: Policy, device: torch.device) -> nn.Module:
         """Called after the params were cast; returns what users call (``mp.model``)."""
         return model
@@ -103,6 +108,10 @@ class SingleProcess:
     def check_restore(self, old: dict[int, torch.dtype], new: dict[int, torch.dtype], policy: Policy) -> None:
         """Raise ValueError if re-preparing from stored dtypes ``old`` to ``new`` cannot run here."""
 
+    def after_swap(self, model: nn.Module) -> None:
+        """Called by ``set_policy`` after modules of the wrapped ``model`` (``mp.model``) were swapped for others
+        holding the same parameters (block-scaled linears in or out). One process: nothing."""
+
     def fp32_value(self, p: torch.Tensor) -> torch.Tensor:
         """``p``'s fp32 value before the policy's cast, a new tensor placed as ``p`` (where Kahan compensation
         starts): ``p`` upcast, but under FSDP2 with 16-bit storage, where ``p`` was cast before sharding."""
@@ -137,6 +146,19 @@ class _MultiProcess(SingleProcess):
     def set_gradient_sync(self, model, *, last_micro_batch, has_masters):
         distributed.set_gradient_sync(model, self.name, last_micro_batch)
 
+    def block_note(self, policy):
+        if policy.block is None:
+            return ""
+        stored = "bf16" if sharded_storage.stores_16bit(policy) else "fp32"   # block policies compute in bf16
+        gathered = (f"; {self.name.upper()} all-gathers the params as stored ({stored}), so each block-scaled "
+                    "linear quantizes its whole weight, as one process" if self.shards_params else "")
+        from mixprec.blockscale import get_block_recipe   # the recipe's fields; the policy names it
+
+        if not get_block_recipe(policy.block).stochastic_rounding:
+            return gathered
+        return (f"{gathered}; every rank rounds dy with the same stochastic-rounding stream per linear (one count "
+                "per backward call, whatever the rank's tokens)")
+
     def agree_flags(self, flags):
         return distributed.any_across_ranks(flags)
 
@@ -167,6 +189,15 @@ class DDP(_MultiProcess):
     def set_gradient_sync(self, model, *, last_micro_batch, has_masters):
         # fp32 master grads accumulate outside DDP's view: reduce every micro-batch then
         distributed.set_gradient_sync(model, self.name, last_micro_batch or has_masters)
+
+    def after_swap(self, model):
+        """DDP lists the module's buffers when it wraps it and re-lists them at each forward only once it found the
+        old list non-empty: a swap that removes every buffer (block-scaled linears back to ``nn.Linear``, their
+        Hadamard signs with them) would reach torch's buffer broadcast with none (an internal assert in torch
+        2.13). DDP's own re-listing, run now (the same on every rank: every rank swaps alike)."""
+        relist = getattr(model, "_assign_modules_buffers", None)   # torch's DistributedDataParallel method
+        if relist is not None:
+            relist()
 
     def check_restore(self, old, new, policy):
         if old != new:

@@ -41,8 +41,21 @@ data shards and the agreed decisions are :mod:`mixprec.distributed.process`'s (w
   ``state=bf16`` / ``fp16``     as above           moments of the shard's shape
   ``state=int8`` / ``fp8``      as above           codes of the shard's shape, blocks by global
   (``bf16-lean``)                                  index (:mod:`~mixprec.optim.sharded_blocks`)
+  ``block=`` (``mxfp8-mixed``,  None (fp32; the    every unit all-gathers the stored params:
+  ``nvfp4-mixed``)              stored 16 bits     block-scaled linears quantize the whole
+                                without masters)   weight, as one process does (below)
   keep_fp32 modules             None (fp32)        their own ``fully_shard`` group
   ============================  =================  ======================================
+
+  Under a block policy (``block=``) FSDP2 all-gathers the params as stored (fp32 under ``mxfp8-mixed`` and
+  ``nvfp4-mixed``) and autocast alone picks each op's dtype, as in one process: a
+  :class:`~mixprec.blockscale.BlockScaledLinear` then quantizes the whole fp32 weight after the all-gather, so its
+  block scales (MX's E8M0 exponents, NVFP4's E4M3 block scales over 16 elements or 16x16 tiles and its fp32 tensor
+  scale, the amax of the whole weight) are one process's at any world size: sharding-invariant by construction,
+  with nothing of them kept between steps or sharded. A bf16 all-gather would quantize bf16-rounded weights (two
+  roundings, another NVFP4 tensor amax) and run the model's other ops on bf16 params, unlike one process. The cost
+  is an fp32 all-gather (twice bf16's bytes); a native path would all-gather the quantized weight instead (not done:
+  every GEMM here is emulated). The gradients are the linear's bf16-rounded ``dW`` in fp32, reduce-scattered in fp32.
 
   Under 16-bit storage FSDP2 reduce-scatters the gradients in fp32 and rounds the reduced shard into the
   parameter's bf16 (in ``foreach_reduce``), so the optimizer sees a bf16 gradient shard, as one process sees
@@ -163,7 +176,9 @@ def _fsdp_param_dtype(policy: Policy, *, sharded_found_inf: bool) -> torch.dtype
                          "gradients, so a local overflow check lets other ranks step on inf/NaN or underflow "
                          "silently. Use MixedPrecision(..., strategy='fsdp2'), which ORs the found-inf "
                          "flag across ranks, or pass sharded_found_inf=True if your loop does that itself")
-    return None if stores_16bit(policy) else half   # 16-bit storage: FSDP2 all-gathers the stored dtype
+    if stores_16bit(policy) or policy.block is not None:   # 16-bit storage: the stored dtype; block: fp32
+        return None
+    return half
 
 
 def check_fsdp_policy(policy: Policy, *, sharded_found_inf: bool = True) -> None:

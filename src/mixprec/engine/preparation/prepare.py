@@ -82,7 +82,7 @@ def prepare(model: nn.Module, policy: Policy, device: torch.device, strategy: An
         model.to(device)
     keep = keep_fp32_modules(model, policy)
     if first:
-        swapped = convert_linears(model, policy, device, keep)
+        swapped = convert_linears(model, policy, device, keep, strategy)
         strategy.before_casts(model, policy, device, keep, optimizer)
         frozen, params = FrozenParams(model, watch_casts=not strategy.shards_params), list(model.parameters())
         upcast = upcast_note(model, policy)
@@ -206,13 +206,14 @@ def upcast_note(model: nn.Module, policy: Policy) -> str:
             f"({', '.join(names[:3])}{', ...' if len(names) > 3 else ''})")
 
 
-def convert_linears(model: nn.Module, policy: Policy, device: torch.device, keep: dict[str, nn.Module]
-                    ) -> dict[str, Any]:
-    """The first build's swaps of linears (fp8: :func:`convert_fp8`; block-scaled: :func:`convert_block`; fp32
-    regions ``keep`` never), as :class:`Prepared`'s fields ``fp8_report``, ``fp8_note``, ``block_report``,
-    ``block_note``."""
+def convert_linears(model: nn.Module, policy: Policy, device: torch.device, keep: dict[str, nn.Module],
+                    strategy: Any) -> dict[str, Any]:
+    """The first build's swaps of linears (fp8: :func:`convert_fp8`; block-scaled: :func:`convert_block`, with the
+    ``strategy``'s words on them; fp32 regions ``keep`` never), as :class:`Prepared`'s fields ``fp8_report``,
+    ``fp8_note``, ``block_report``, ``block_note``."""
     fp8_report, fp8_note = convert_fp8(model, policy, device, keep)
     block_report, block_note = convert_block(model, policy, device, keep)
+    block_note += strategy.block_note(policy) if block_note else ""
     return {"fp8_report": fp8_report, "fp8_note": fp8_note, "block_report": block_report, "block_note": block_note}
 
 

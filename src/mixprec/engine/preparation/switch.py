@@ -63,6 +63,7 @@ def switch_policy(mp: Engine, policy: str | Policy, *, cause: str, module: str |
     resharded = strategy.before_set_policy(mp.policy, new, mp.optimizer)
     prepared = prepare(mp.module, new, mp.device, strategy, optimizer=mp.optimizer, masters=mp.masters, frozen=frozen)
     block_note = switch_block_linears(mp.module, mp.policy, new, mp.device, prepared.keep)   # cannot fail
+    strategy.after_swap(mp.model)
     auto.cancel(mp.policy, new)   # another policy asked for while auto is pending: it wins
     regions.remove()
     old = mp.policy
