@@ -8,7 +8,8 @@ import pytest
 import torch
 from torch import nn
 
-from mixprec.blockscale import BlockScaledLinear, convert_to_block_scaled, find_blocks, get_block_recipe
+from mixprec.blockscale import (BlockScaledLinear, convert_to_block_scaled, find_blocks, get_block_recipe,
+                                plan_block_conversion)
 
 
 class Block(nn.Module):
@@ -120,3 +121,32 @@ def test_a_converted_model_trains_a_step():
         h = block(h)
     model.head(h).logsumexp(-1).mean().backward()
     assert all(p.grad is not None and torch.isfinite(p.grad).all() for p in model.layers.parameters())
+
+
+def test_keep_patterns_keep_the_linears_they_name_or_hold_and_say_which_pattern():
+    model = Tiny()
+    report = convert_to_block_scaled(model, "mxfp8", keep=("layers.1.*", "layers.3"))
+    kept = _kept(report)
+    assert kept["layers.1.up"] == ("kept by block_keep pattern 'layers.1.*' (the policy's list of linears to keep in "
+                                   "the compute dtype)")
+    assert kept["layers.3.down"].startswith("kept by block_keep pattern 'layers.3' ")   # a module holding it
+    assert type(model.layers[1].up) is nn.Linear and type(model.layers[3].down) is nn.Linear
+    assert isinstance(model.layers[2].up, BlockScaledLinear) and "layers.2.up" in report.converted
+
+
+def test_a_keep_pattern_that_matches_no_linear_is_refused_before_any_swap():
+    model = Tiny()
+    with pytest.raises(ValueError, match=r"block_keep pattern\(s\) \['layers\.9\.\*'\] match no nn.Linear of the "
+                                         r"model nor a module holding one; its linears are \['embed', 'layers.0.up', "):
+        convert_to_block_scaled(model, "mxfp8", keep=("layers.1.up", "layers.9.*"))
+    assert not any(isinstance(m, BlockScaledLinear) for m in model.modules())
+    with pytest.raises(TypeError, match=r"keep='layers.1' must be a tuple of non-empty glob patterns"):
+        convert_to_block_scaled(model, "mxfp8", keep="layers.1")
+
+
+def test_the_plan_is_the_conversions_report_and_swaps_nothing():
+    model = Tiny()
+    plan = plan_block_conversion(model, "nvfp4", keep=("layers.0",))
+    assert not any(isinstance(m, BlockScaledLinear) for m in model.modules())
+    assert convert_to_block_scaled(model, "nvfp4", keep=("layers.0",)) == plan
+    assert "layers.0.up" not in plan.converted and "layers.1.up" in plan.converted

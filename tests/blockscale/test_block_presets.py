@@ -130,6 +130,32 @@ def test_set_policy_swaps_the_linears_back_and_forth_keeping_the_params():
     assert torch.isfinite(torch.tensor(_step(mp, 4)))
 
 
+def test_block_keep_keeps_the_linears_it_names_in_bf16_and_the_decision_says_so():
+    model, _, mp = _engine("nvfp4-mixed,block_keep=blocks.0.fc2|blocks.1")
+    assert sorted(_block_linears(model)) == ["blocks.0.fc1", "blocks.2.fc1", "blocks.2.fc2"]
+    assert "block_keep: blocks.0.fc2, blocks.1.fc1, blocks.1.fc2" in mp.decision
+    assert "(nvfp4 recipe, emulated; block_keep blocks.0.fc2|blocks.1)" in mp.decision
+    assert dict(mp.block_report.kept)["blocks.1.fc1"].startswith("kept by block_keep pattern 'blocks.1'")
+    seen = []
+    model.blocks[1].fc1.register_forward_hook(lambda m, a, out: seen.append(out.dtype))
+    losses = [_step(mp, i) for i in range(8)]
+    assert all(torch.isfinite(torch.tensor(losses))) and losses[-1] < losses[0]
+    assert seen and set(seen) == {torch.bfloat16}   # a kept linear runs as autocast runs nn.Linear
+
+
+def test_a_block_keep_pattern_matching_no_linear_is_refused_at_build_and_at_set_policy():
+    with pytest.raises(ValueError, match=r"block_keep pattern\(s\) \['blocks.9'\] match no nn.Linear of the model"):
+        _engine("nvfp4-mixed,block_keep=blocks.9")
+    model, _, mp = _engine("nvfp4-mixed")
+    before = _block_linears(model)
+    with pytest.raises(ValueError, match=r"block_keep pattern\(s\) \['nope'\] match no nn.Linear"):
+        mp.set_policy("nvfp4-mixed,block_keep=nope")
+    assert _block_linears(model) == before and str(mp.policy) == "nvfp4-mixed"   # nothing changed
+    mp.set_policy("nvfp4-mixed,block_keep=blocks.0")
+    assert sorted(_block_linears(model)) == [f"blocks.{i}.fc{j}" for i in (1, 2) for j in (1, 2)]
+    assert torch.isfinite(torch.tensor(_step(mp, 0)))
+
+
 def test_set_policy_to_the_same_block_policy_keeps_the_modules_and_their_streams():
     model, _, mp = _engine("nvfp4-mixed")
     _step(mp, 0)
@@ -194,6 +220,8 @@ def test_the_escalation_ladder_drops_the_block_recipe_first():
         assert new == mixprec.Policy.parse("bf16-mixed") and "block-scaled linears" in why and "→ bf16" in why
     new, _ = next_policy(mixprec.Policy.parse("nvfp4-mixed,keep_fp32=head"), None, bf16_ok=True)
     assert str(new) == "bf16-mixed,keep_fp32=head"
+    new, _ = next_policy(mixprec.Policy.parse("nvfp4-mixed,block_keep=blocks.0"), None, bf16_ok=True)
+    assert new == mixprec.Policy.parse("bf16-mixed")   # no block recipe, nothing to keep out of it
     new, why = next_policy(mixprec.Policy.parse("nvfp4-mixed"), None, bf16_ok=True, sharded=True)
     assert new is None and "swap the modules fully_shard sharded" in why
 

@@ -70,3 +70,30 @@ def test_block_refusals_in_python_too():
     with pytest.raises(ValueError, match="compute=fp32"):
         PRESETS["nvfp4-mixed"].replace(compute_dtype=torch.float32)
     assert PRESETS["nvfp4-mixed"].replace(block=None) == PRESETS["bf16-mixed"]
+
+
+def test_block_keep_names_linears_kept_in_bf16_and_round_trips():
+    policy = Policy.parse("nvfp4-mixed,block_keep=blocks.*.fc|head")
+    assert policy.block_keep == ("blocks.*.fc", "head") and policy.block == "nvfp4"
+    assert str(policy) == "nvfp4-mixed,block_keep=blocks.*.fc|head" and Policy.parse(str(policy)) == policy
+    assert "eligible linears block-scaled (nvfp4 recipe, emulated; block_keep blocks.*.fc|head)" in policy.summary()
+    long_form = ",".join(f"{k}={v}" for k, v in text_items(policy))
+    assert "block_keep=blocks.*.fc|head" in long_form and Policy.parse(long_form) == policy
+    assert "block_keep" not in dict(text_items(PRESETS["nvfp4-mixed"]))   # the presets' text is unchanged
+
+
+@pytest.mark.parametrize("text,error,match", [
+    ("bf16-mixed,block_keep=head", ValueError, r"Policy block_keep='head' keeps linears out of block scaling, but "
+                                               r"block=none: set block \(e.g. 'nvfp4-mixed,block_keep=...'\)"),
+    ("nvfp4-mixed,block=none,block_keep=head", ValueError, r"but block=none"),
+])
+def test_block_keep_needs_a_block_recipe(text, error, match):
+    with pytest.raises(error, match=match):
+        Policy.parse(text)
+
+
+def test_block_keep_refusals_in_python():
+    with pytest.raises(TypeError, match=r"Policy block_keep='head' must be a tuple of non-empty glob strings"):
+        PRESETS["nvfp4-mixed"].replace(block_keep="head")
+    with pytest.raises(ValueError, match=r"Policy block_keep pattern 'a b' may not contain"):
+        PRESETS["nvfp4-mixed"].replace(block_keep=("a b",))

@@ -2,6 +2,8 @@
 
 import json
 
+import pytest
+
 from mixprec.programs.cli import main
 
 
@@ -42,3 +44,27 @@ def test_bench_report_says_when_the_advised_policy_equals_a_named_one(tmp_path):
     assert list(results["policies"]).count(str(advised)) == 1
     report = (out / "report.md").read_text()
     assert f"Advised policy (`mixprec inspect`): `{advised}`; its row is `{advised}` (also asked for by name" in report
+
+
+def test_inspect_with_a_block_format_prints_the_linears_kept_in_bf16_and_the_advised_block_policy(tmp_path, capsys):
+    out = tmp_path / "inspect"
+    assert main(["inspect", "--workload", "gpt", "--config", "tiny", "--steps", "1", "--formats", "bf16,nvfp4",
+                 "--device", "cpu", "--out", str(out)]) == 0
+    printed = capsys.readouterr().out
+    # gpt/tiny: 2 blocks, so nvfp4's bf16 tail is blocks.1; the first linear and the head (103 outputs) are kept too
+    assert ("nvfp4: keep in bf16: blocks.0.attn.qkv (first Linear), blocks.1.attn.qkv (bf16 tail), "
+            "blocks.1.attn.proj (bf16 tail), blocks.1.fc (bf16 tail), blocks.1.proj (bf16 tail), "
+            "lm_head (last Linear+shape)") in printed
+    assert "\nnvfp4: advised policy: nvfp4-mixed" in printed
+    data = json.loads((out / "numerics.json").read_text())
+    assert [b["format"] for b in data["block"]] == ["nvfp4"] and "## Block formats" in (out / "numerics.md").read_text()
+
+
+@pytest.mark.slow   # 25 s on a busy 2-core machine: a bench of one emulated NVFP4 row
+def test_bench_runs_an_advised_block_policy_and_its_decision_names_the_kept_linears(tmp_path):
+    out = tmp_path / "bench"
+    policy = "nvfp4-mixed,block_keep=blocks.0.fc"   # what the advice prints for a linear below its floor
+    assert main(["bench", "--config", "tiny", "--policies", policy, "--steps", "5", "--quick", "--out", str(out),
+                 "--device", "cpu", "--seeds", "1", "--eval-every", "0", "--no-peer"]) == 0
+    row = json.loads((out / "results.json").read_text())["policies"][policy]
+    assert row["final_eval_loss"] is not None and "block_keep: blocks.0.fc" in row["decision"]

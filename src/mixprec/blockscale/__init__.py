@@ -16,11 +16,13 @@ format each GEMM operand takes along which dim, 1D or 2D weight blocks, the rand
 wgrad GEMM's inputs (:func:`hadamard_transform`), stochastic rounding of gradients, and which layers stay in the
 compute dtype. :class:`BlockScaledLinear` runs a linear's three GEMMs that way (quantize, dequantize, fp32 GEMM:
 :mod:`mixprec.blockscale.gemm`), and :func:`convert_to_block_scaled` swaps a model's linears, reporting what it
-kept and why (:func:`revert_block_scaled` swaps them back). Everything is fp32 tensor arithmetic: any device,
-no host sync, ``torch.compile``-able; no hardware block-scaled GEMM is used here (CPU speed is emulation speed).
+kept and why (:func:`plan_block_conversion`: the same report, nothing swapped; :func:`revert_block_scaled` swaps
+them back). Everything is fp32 tensor arithmetic: any device, no host sync, ``torch.compile``-able; no hardware
+block-scaled GEMM is used here (CPU speed is emulation speed).
 """
 
-from mixprec.blockscale.convert import (BlockConversionReport, block_state_keys, convert_to_block_scaled, find_blocks,
+from mixprec.blockscale.convert import (BlockConversionReport, block_state_keys, check_keep_patterns,
+                                        convert_to_block_scaled, find_blocks, plan_block_conversion,
                                         revert_block_scaled)
 from mixprec.blockscale.elements import decode, encode, round_to_element
 from mixprec.blockscale.hadamard import (hadamard_matrix, hadamard_transform, inverse_hadamard_transform,
@@ -30,6 +32,7 @@ from mixprec.blockscale.quantize import BlockQuantized, dequantize, quantize
 from mixprec.blockscale.recipe import BLOCK_RECIPES, GEMMS, BlockRecipe, get_block_recipe
 
 __all__ = ["BLOCK_RECIPES", "GEMMS", "BlockConversionReport", "BlockQuantized", "BlockRecipe", "BlockScaledLinear",
-           "block_state_keys", "convert_to_block_scaled", "decode", "dequantize", "encode", "find_blocks", "get_block_recipe",
-           "hadamard_matrix", "hadamard_transform", "inverse_hadamard_transform", "quantize", "random_signs",
-           "revert_block_scaled", "round_to_element", "shape_problems", "sylvester"]
+           "block_state_keys", "check_keep_patterns", "convert_to_block_scaled", "decode", "dequantize", "encode",
+           "find_blocks", "get_block_recipe", "hadamard_matrix", "hadamard_transform", "inverse_hadamard_transform",
+           "plan_block_conversion", "quantize", "random_signs", "revert_block_scaled", "round_to_element",
+           "shape_problems", "sylvester"]

@@ -6,6 +6,9 @@ forward), not the root, not kept by the recipe, accepted by the filter, and of d
 
 * the network's first and last ``nn.Linear`` in registration order (``keep_first_last``): the first sees raw
   inputs, the last produces the logits;
+* every linear matched by a ``keep`` pattern (a policy's ``block_keep``): ``fnmatch`` glob patterns on the
+  linear's qualified name or the name of a module holding it (``"blocks.*.attn.proj"``, ``"blocks.3"``), e.g. the
+  linears :mod:`mixprec.numerics` advises to keep; a pattern that matches nothing is a ValueError, never ignored;
 * every linear inside the last ``ceil(n * bf16_tail_fraction)`` of the model's ``n`` blocks (torchtitan's NVFP4
   recipe keeps the last 15 % of transformer blocks). The blocks are the entries of the ``nn.ModuleList`` (or
   ``nn.Sequential``) named by ``blocks=``, by default the ``nn.ModuleList`` whose entries hold the most
@@ -21,6 +24,7 @@ seeded ``recipe.seed + index``). Forward hooks of a swapped module are not carri
 
 from __future__ import annotations
 
+import fnmatch
 from collections.abc import Callable
 from dataclasses import dataclass
 
@@ -29,7 +33,8 @@ from torch import nn
 from mixprec.blockscale.linear import BlockScaledLinear, shape_problems
 from mixprec.blockscale.recipe import BlockRecipe, get_block_recipe
 
-__all__ = ["BlockConversionReport", "block_state_keys", "convert_to_block_scaled", "find_blocks", "revert_block_scaled"]
+__all__ = ["BlockConversionReport", "block_state_keys", "check_keep_patterns", "convert_to_block_scaled", "find_blocks",
+           "plan_block_conversion", "revert_block_scaled"]
 
 ModuleFilter = Callable[[nn.Module, str], bool]
 
@@ -108,6 +113,38 @@ def _first_last_reasons(linear_names: list[str]) -> dict[str, str]:
     return reasons
 
 
+def _holders(name: str) -> list[str]:
+    """``name`` and the qualified names of the modules holding it: ``"a.b.c"`` -> ``["a.b.c", "a.b", "a"]``."""
+    parts = name.split(".")
+    return [".".join(parts[:i]) for i in range(len(parts), 0, -1)]
+
+
+def _keep_reasons(linear_names: list[str], keep: tuple[str, ...]) -> dict[str, str]:
+    """``{linear name: reason}`` for the linears a ``keep`` pattern matches (module docstring)."""
+    reasons = {}
+    for name in linear_names:
+        hits = [pat for pat in keep if any(fnmatch.fnmatchcase(h, pat) for h in _holders(name))]
+        if hits:
+            reasons[name] = (f"kept by block_keep pattern {hits[0]!r} (the policy's list of linears to keep in the "
+                             "compute dtype)")
+    return reasons
+
+
+def check_keep_patterns(model: nn.Module, keep: tuple[str, ...]) -> None:
+    """Raise ValueError, naming them and the model's linears, for ``keep`` patterns (a policy's ``block_keep``) that
+    match no ``nn.Linear`` of ``model`` (block-scaled ones included) nor a module holding one; a tuple of non-empty
+    strings is expected (TypeError otherwise). Changes nothing; no host sync."""
+    if not isinstance(keep, tuple) or not all(isinstance(p, str) and p for p in keep):
+        raise TypeError(f"keep={keep!r} must be a tuple of non-empty glob patterns, e.g. ('blocks.*.attn.proj',)")
+    names = [name for name, m in model.named_modules() if isinstance(m, nn.Linear)]
+    holders = {h for name in names for h in _holders(name)}
+    unmatched = [pat for pat in keep if not any(fnmatch.fnmatchcase(h, pat) for h in holders)]
+    if unmatched:
+        raise ValueError(f"block_keep pattern(s) {unmatched} match no nn.Linear of the model nor a module holding "
+                         f"one; its linears are {names[:8]}{' ...' if len(names) > 8 else ''}: fix or drop the "
+                         "pattern")
+
+
 def _skip_reasons(name: str, module: nn.Module, recipe: BlockRecipe, kept_by_recipe: list[dict[str, str]],
                   module_filter: ModuleFilter | None) -> list[str]:
     reasons = []
@@ -122,9 +159,32 @@ def _skip_reasons(name: str, module: nn.Module, recipe: BlockRecipe, kept_by_rec
     return reasons
 
 
+def plan_block_conversion(model: nn.Module, recipe: str | BlockRecipe = "mxfp8",
+                          module_filter: ModuleFilter | None = None, *, blocks: str | None = None,
+                          keep: tuple[str, ...] = ()) -> BlockConversionReport:
+    """What :func:`convert_to_block_scaled` would convert and keep, with the same arguments, changing nothing (e.g.
+    to tell which linears a recipe runs in a block format before converting). Raises as it does."""
+    resolved = get_block_recipe(recipe)
+    check_keep_patterns(model, keep)
+    names = [name for name, m in model.named_modules() if isinstance(m, nn.Linear)]
+    container, tail_reasons, tail = _tail_reasons(model, names, resolved, blocks)
+    kept_by_recipe = [_first_last_reasons(names) if resolved.keep_first_last else {}, _keep_reasons(names, keep),
+                      tail_reasons]
+    converted, kept = [], []
+    for name, module in model.named_modules():
+        if not isinstance(module, nn.Linear):
+            continue
+        reasons = _skip_reasons(name, module, resolved, kept_by_recipe, module_filter)
+        if reasons:
+            kept.append((name, "; ".join(reasons)))
+        else:
+            converted.append(name)
+    return BlockConversionReport(resolved, tuple(converted), tuple(kept), container, tail)
+
+
 def convert_to_block_scaled(model: nn.Module, recipe: str | BlockRecipe = "mxfp8",
-                            module_filter: ModuleFilter | None = None, *,
-                            blocks: str | None = None) -> BlockConversionReport:
+                            module_filter: ModuleFilter | None = None, *, blocks: str | None = None,
+                            keep: tuple[str, ...] = ()) -> BlockConversionReport:
     """Replace eligible ``nn.Linear`` modules of ``model`` by :class:`BlockScaledLinear`, in place (module
     docstring for which).
 
@@ -135,29 +195,23 @@ def convert_to_block_scaled(model: nn.Module, recipe: str | BlockRecipe = "mxfp8
             the recipe's first/last and tail rules.
         blocks: the qualified name of the ``nn.ModuleList`` / ``nn.Sequential`` of blocks the tail counts
             (default: :func:`find_blocks`).
+        keep: glob patterns of linears (or of modules holding them) kept in the compute dtype (a policy's
+            ``block_keep``); each must match one.
 
     Returns:
         A :class:`BlockConversionReport` naming every converted linear and every kept one with its reasons.
 
     Raises:
-        ValueError: ``blocks`` names a module that is not a ModuleList or Sequential.
+        ValueError: ``blocks`` names a module that is not a ModuleList or Sequential; a ``keep`` pattern matches
+            no linear (nothing is converted then).
     """
-    resolved = get_block_recipe(recipe)
-    linears = [(name, m) for name, m in model.named_modules() if isinstance(m, nn.Linear)]
-    names = [name for name, _ in linears]
-    container, tail_reasons, tail = _tail_reasons(model, names, resolved, blocks)
-    kept_by_recipe = [_first_last_reasons(names) if resolved.keep_first_last else {}, tail_reasons]
+    report = plan_block_conversion(model, recipe, module_filter, blocks=blocks, keep=keep)
+    named = dict(model.named_modules())
     replacements: dict[nn.Module, BlockScaledLinear] = {}
-    converted, kept = [], []
-    for name, module in linears:
-        reasons = _skip_reasons(name, module, resolved, kept_by_recipe, module_filter)
-        if reasons:
-            kept.append((name, "; ".join(reasons)))
-            continue
-        replacements[module] = BlockScaledLinear.from_linear(module, recipe=resolved, index=len(converted))
-        converted.append(name)
+    for index, name in enumerate(report.converted):
+        replacements[named[name]] = BlockScaledLinear.from_linear(named[name], recipe=report.recipe, index=index)
     _swap(model, replacements)   # under every parent holding a converted module (shared ones too)
-    return BlockConversionReport(resolved, tuple(converted), tuple(kept), container, tail)
+    return report
 
 
 def _swap(model: nn.Module, replacements: dict[nn.Module, nn.Module]) -> None:

@@ -32,7 +32,19 @@ from mixprec.blockscale.hadamard import hadamard_transform
 from mixprec.blockscale.quantize import quantize
 from mixprec.formats import BlockFormat
 
-__all__ = ["gemm_operand", "weight_tiles", "block_gemm", "plain_gemm"]
+__all__ = ["operand_blocks", "gemm_operand", "tile_blocks", "untile", "weight_tiles", "block_gemm", "plain_gemm"]
+
+
+def operand_blocks(t: torch.Tensor, block_size: int, signs: torch.Tensor | None = None) -> torch.Tensor:
+    """``t (R, C)`` as the quantizer of a GEMM contracting ``C`` sees it (steps 1 and 2 of the module docstring):
+    padded with zeros to ``C'``, a multiple of ``block_size``, and transformed with ``signs`` if given: ``(R, C')``
+    in ``t``'s dtype (fp32 after a transform)."""
+    pad = -t.shape[-1] % block_size
+    if pad:
+        t = F.pad(t, (0, pad))
+    if signs is not None:
+        t = hadamard_transform(t, signs, dim=-1)
+    return t
 
 
 def gemm_operand(t: torch.Tensor, fmt: BlockFormat, *, rounding: str = "nearest",
@@ -40,12 +52,24 @@ def gemm_operand(t: torch.Tensor, fmt: BlockFormat, *, rounding: str = "nearest"
     """``t (R, C)`` as a GEMM contracting ``C`` reads it: padded, transformed (with ``signs``), quantized in
     ``fmt`` along ``C`` (stochastically from ``generator`` if ``rounding="stochastic"``) and dequantized: fp32
     ``(R, C')`` (module docstring)."""
-    pad = -t.shape[-1] % fmt.block_size
-    if pad:
-        t = F.pad(t, (0, pad))
-    if signs is not None:
-        t = hadamard_transform(t, signs, dim=-1)
-    return quantize(t, fmt, rounding=rounding, generator=generator).dequantize()
+    blocks = operand_blocks(t, fmt.block_size, signs)
+    return quantize(blocks, fmt, rounding=rounding, generator=generator).dequantize()
+
+
+def tile_blocks(w: torch.Tensor, side: int) -> torch.Tensor:
+    """``W (N, K)`` cut into ``side x side`` tiles, each flattened into one block: ``(N // side, K // side,
+    side * side)`` (a copy). ``N`` and ``K`` must be multiples of ``side`` (ValueError naming the shape)."""
+    n, k = w.shape
+    if n % side or k % side:
+        raise ValueError(f"weight_tiles: W has shape {(n, k)}; 2D blocks of {side}x{side} need both dims "
+                         f"multiples of {side}")
+    return w.reshape(n // side, side, k // side, side).transpose(1, 2).reshape(n // side, k // side, side * side)
+
+
+def untile(tiles: torch.Tensor, side: int) -> torch.Tensor:
+    """The inverse of :func:`tile_blocks`: ``(N // side, K // side, side * side)`` back to ``(N, K)``."""
+    rows, cols, _ = tiles.shape
+    return tiles.reshape(rows, cols, side, side).transpose(1, 2).reshape(rows * side, cols * side)
 
 
 def weight_tiles(w: torch.Tensor, tile_fmt: BlockFormat, side: int) -> torch.Tensor:
@@ -56,13 +80,7 @@ def weight_tiles(w: torch.Tensor, tile_fmt: BlockFormat, side: int) -> torch.Ten
     block, so the tile's amax sets its scale (NVFP4: the tensor scale is all of ``W``'s, as for 1D blocks).
     Round to nearest even. ``N`` and ``K`` must be multiples of ``side``.
     """
-    n, k = w.shape
-    if n % side or k % side:
-        raise ValueError(f"weight_tiles: W has shape {(n, k)}; 2D blocks of {side}x{side} need both dims "
-                         f"multiples of {side}")
-    tiles = w.reshape(n // side, side, k // side, side).transpose(1, 2).reshape(n // side, k // side, side * side)
-    values = quantize(tiles, tile_fmt).dequantize()
-    return values.reshape(n // side, k // side, side, side).transpose(1, 2).reshape(n, k)
+    return untile(quantize(tile_blocks(w, side), tile_fmt).dequantize(), side)
 
 
 def block_gemm(a: torch.Tensor, b: torch.Tensor, out_dtype: torch.dtype) -> torch.Tensor:

@@ -3,7 +3,8 @@
 :func:`locate_nonfinite` names the first module whose output went non-finite (the one place
 that does; :class:`mixprec.Guard` and the inspector call it). :func:`inspect` measures every
 module and parameter against each format and :meth:`NumericsReport.recommend` turns the
-measurements into a :class:`Recommendation`.
+measurements into a :class:`Recommendation`; block formats (``formats=("nvfp4",)``) are measured per linear and
+GEMM operand, and the recommendation names the linears to keep in bf16 under each (``Recommendation.block``).
 """
 
 from mixprec.numerics.advice import Flag, Recommendation

@@ -33,18 +33,23 @@ Rules (thresholds are the module constants below; formats come from :mod:`mixpre
   master weights when more than :data:`LOST_UPDATE_LIMIT` of all updates, or more than
   :data:`PARAM_LOST_UPDATE_LIMIT` of one parameter's, would be lost in the parameters' 16-bit
   format (or use Kahan / stochastic rounding).
+
+* **Block formats** (:mod:`mixprec.numerics.block_advice`): per inspected block format, the linears to keep in
+  bf16 and the block policy with their ``block_keep`` (``Recommendation.block``); a block policy under study
+  gets its ``block_keep`` extended the same way.
 """
 
 from __future__ import annotations
 
-import fnmatch
 import math
 from dataclasses import dataclass
 
 import torch
 
 from mixprec.formats import Format, get_format
+from mixprec.numerics.block_advice import BlockAdvice, advise_block, judge_block_policy
 from mixprec.numerics.figures import count, num, pct, pow2
+from mixprec.numerics.patterns import covering_patterns
 from mixprec.numerics.stats import ModuleStats, NumericsStats, RangeStats
 from mixprec.policy.policy import PRESETS, Policy
 
@@ -80,15 +85,18 @@ class Flag:
 class Recommendation:
     """The advised policy (concrete, with ``keep_fp32`` patterns for unsafe modules), the initial
     loss scale for fp16 (``None`` without loss scaling; pass it as
-    ``DynamicLossScale(init_scale=...)``) and the reasons in plain words."""
+    ``DynamicLossScale(init_scale=...)``), the reasons in plain words, and ``block``: per inspected block
+    format, which linears to keep in bf16 and the block policy that does
+    (:class:`~mixprec.numerics.block_advice.BlockAdvice`)."""
 
     policy: Policy
     initial_loss_scale: float | None
     reasons: tuple[str, ...]
+    block: tuple[BlockAdvice, ...] = ()
 
     def __str__(self) -> str:
         scale = "" if self.initial_loss_scale is None else f" (initial loss scale {pow2(self.initial_loss_scale)})"
-        return f"{self.policy}{scale}\n" + "\n".join(f"- {r}" for r in self.reasons)
+        return "\n".join([f"{self.policy}{scale}", *(f"- {r}" for r in self.reasons), *map(str, self.block)])
 
 
 # ---------------------------------------------------------------------- thresholds
@@ -213,27 +221,9 @@ def risk(report: NumericsStats, module: str, fmt: str, *, loss_scale: float | No
 
 # ---------------------------------------------------------------------- recommendation
 def keep_fp32_patterns(flagged: list[str], module_names: tuple[str, ...]) -> tuple[str, ...]:
-    """Glob patterns covering exactly the ``flagged`` modules.
-
-    A name whose numeric path parts (``blocks.3.fc``) can be replaced by ``*`` is generalised
-    when every module the pattern matches (as the engine matches: ``fnmatchcase`` over all
-    ``module_names``) is flagged; otherwise the exact name is kept.
-    """
-    wanted = set(flagged)
-    patterns: list[str] = []
-    covered: set[str] = set()
-    for name in flagged:
-        if name in covered:
-            continue
-        general = ".".join("*" if part.isdigit() else part for part in name.split("."))
-        matches = {n for n in module_names if n and fnmatch.fnmatchcase(n, general)}
-        if general != name and matches <= wanted:
-            patterns.append(general)
-            covered |= matches
-        else:
-            patterns.append(name)
-            covered.add(name)
-    return tuple(patterns)
+    """Glob patterns covering exactly the ``flagged`` modules (:func:`~mixprec.numerics.patterns.covering_patterns`:
+    ``blocks.3.fc`` generalised to ``blocks.*.fc`` when every module that matches is flagged)."""
+    return covering_patterns(flagged, module_names)
 
 
 _BF16_RANGE = "bf16 keeps fp32's exponent range, so activations cannot overflow and no loss scaling is needed"
@@ -363,13 +353,13 @@ def _storage_advice(report: NumericsStats, policy: Policy) -> tuple[Policy, list
 def recommend(report: NumericsStats) -> Recommendation:
     """The advised policy for ``report`` (module docstring for the rules)."""
     policy, why = _choose_base(report)
-    reasons = [why] + ([f"block={policy.block}: its block-scaled linears are not judged here (the report has no "
-                        "block-format rows); the bench's quality gate against bf16 is their evidence"]
-                       if policy.block is not None else [])
+    policy, block_reasons = judge_block_policy(report, policy)
+    reasons = [why] + block_reasons
+    per_format = tuple(advise_block(report, fmt) for fmt in report.block_formats)
     if report.losses and not all(math.isfinite(x) for x in report.losses):
         reasons.append("the fp32 reference loss was non-finite: fix the model or data first, precision cannot")
     if not policy.is_mixed and policy.param_dtype == torch.float32:
-        return Recommendation(policy, None, tuple(reasons))
+        return Recommendation(policy, None, tuple(reasons), per_format)
     if policy.compute_dtype == torch.bfloat16 and policy == PRESETS["bf16-mixed"]:
         compare = _compare_fp16(report)
         if compare:
@@ -386,7 +376,7 @@ def recommend(report: NumericsStats) -> Recommendation:
         unsafe += [f.module for f in found if f.module not in unsafe]
     if "" in unsafe:
         return Recommendation(PRESETS["fp32"], None, tuple(
-            reasons + ["the model has no submodules and is itself unsafe: train it in fp32"]))
+            reasons + ["the model has no submodules and is itself unsafe: train it in fp32"]), per_format)
     policy, scale, loss_reasons = _loss_scale_advice(report, policy)
     if unsafe:
         bad = [n for n in unsafe if any(c in n for c in ",=| ")]
@@ -397,4 +387,4 @@ def recommend(report: NumericsStats) -> Recommendation:
         if bad:
             reasons.append(f"cannot name {bad} in keep_fp32 (',', '=', '|' or spaces); rename them or train in fp32")
     policy, storage_reasons = _storage_advice(report, policy)
-    return Recommendation(policy, scale, tuple(reasons + loss_reasons + storage_reasons))
+    return Recommendation(policy, scale, tuple(reasons + loss_reasons + storage_reasons), per_format)

@@ -26,6 +26,10 @@ module are not rounded. Buffers (BatchNorm statistics) are swapped for copies an
 state of the original call is replayed (dropout draws the same mask), so the re-run changes
 nothing and compares like with like.
 
+Block formats (``"nvfp4"``, ``"mxfp8"``, ...): every ``nn.Linear``'s input, weight and output gradient are quantized
+as the recipe's three GEMMs read them, on every step (:mod:`mixprec.numerics.block_measure`; what is counted:
+:mod:`mixprec.numerics.block_stats`).
+
 Host syncs: one per step (is the reference loss finite, and are its gradients?) and the
 reading of all statistics after the last step.
 """
@@ -33,6 +37,7 @@ reading of all statistics after the last step.
 from __future__ import annotations
 
 import copy
+import dataclasses
 import math
 from collections.abc import Callable, Iterable
 from typing import Any
@@ -40,9 +45,10 @@ from typing import Any
 import torch
 from torch import nn
 
-from mixprec.formats import Format, get_format
+from mixprec.formats import BLOCK_FORMATS, FORMATS, BlockFormat, Format, get_block_format, get_format
 from mixprec.engine.loss_scale import DynamicConfig
 from mixprec.numerics.advice import LOSS_SCALE_MARGIN, safe_loss_scale
+from mixprec.numerics.block_measure import BlockRecorder
 from mixprec.numerics.counts import _HostCounts
 from mixprec.numerics.localise import locate_nonfinite
 from mixprec.numerics.recorder import _map_floating, _Recorder
@@ -100,13 +106,27 @@ def _check_args(model: nn.Module, steps: int, lr: float | None) -> None:
                          "Inspect the model before MixedPrecision casts it, or pass a fp32 copy")
 
 
-def _resolve_formats(formats: Iterable[str | Format]) -> list[Format]:
-    if isinstance(formats, (str, Format)):
+def _resolve_formats(formats: Iterable[str | Format | BlockFormat]) -> tuple[list[Format], list[BlockFormat]]:
+    """The elementwise and the block formats named in ``formats`` (each once, in order)."""
+    if isinstance(formats, (str, Format, BlockFormat)):
         formats = (formats,)
-    resolved = list(dict.fromkeys(get_format(f) for f in formats))
-    if not resolved:
+    elementwise: list[Format] = []
+    block: list[BlockFormat] = []
+    for spec in formats:
+        if isinstance(spec, BlockFormat):
+            block.append(spec)
+            continue
+        try:
+            elementwise.append(get_format(spec))
+        except ValueError:
+            try:
+                block.append(get_block_format(spec))
+            except (TypeError, ValueError):
+                raise ValueError(f"inspect formats: {spec!r} is neither a format ({sorted(FORMATS)}) nor a block "
+                                 f"format ({sorted(BLOCK_FORMATS)})") from None
+    if not elementwise and not block:
         raise ValueError(f"inspect formats={formats!r} is empty; e.g. formats={DEFAULT_FORMATS}")
-    return resolved
+    return list(dict.fromkeys(elementwise)), list(dict.fromkeys(block))
 
 
 def _loss_of(loss_fn: Callable, model: nn.Module, batch: Any) -> torch.Tensor:
@@ -119,8 +139,8 @@ def _loss_of(loss_fn: Callable, model: nn.Module, batch: Any) -> torch.Tensor:
 
 
 def inspect(model: nn.Module, batches: Iterable[Any], loss_fn: Callable[[nn.Module, Any], torch.Tensor], *,
-            policy: str | Policy = "fp32", formats: Iterable[str | Format] = DEFAULT_FORMATS, steps: int = 4,
-            lr: float | None = None, optimizer: Any = None,
+            policy: str | Policy = "fp32", formats: Iterable[str | Format | BlockFormat] = DEFAULT_FORMATS,
+            steps: int = 4, lr: float | None = None, optimizer: Any = None,
             device: str | torch.device | None = None) -> NumericsReport:
     """Train a copy of ``model`` for ``steps`` fp32 steps and measure its numerics in ``formats``.
 
@@ -133,7 +153,9 @@ def inspect(model: nn.Module, batches: Iterable[Any], loss_fn: Callable[[nn.Modu
         policy: the policy under study (text or :class:`~mixprec.Policy`): it sets the loss scale
             gradients are also judged at, and the advice starts from it (``"fp32"``: no preference).
         formats: formats to measure (names or :class:`~mixprec.Format`; ``"e4m3"`` is reported as
-            ``"e4m3fn"``).
+            ``"e4m3fn"``), and block formats (names such as ``"nvfp4"``, ``"mxfp8"``, or
+            :class:`~mixprec.formats.BlockFormat`): every ``nn.Linear`` measured in them under the recipe of
+            :func:`mixprec.numerics.block_measure.recipe_for_format` (the report's ``block``).
         steps: training steps (the error measurement runs on the last one).
         lr: learning rate of every parameter group (``None``: the optimizer's own, or 1e-3).
         optimizer: ``None`` (``torch.optim.AdamW``), an optimizer over ``model``'s parameters (copied
@@ -152,7 +174,7 @@ def inspect(model: nn.Module, batches: Iterable[Any], loss_fn: Callable[[nn.Modu
     """
     _check_args(model, steps, lr)
     policy = Policy.parse(policy)
-    fmts = _resolve_formats(formats)
+    fmts, block_fmts = _resolve_formats(formats)
     first = next(model.parameters(), None)
     device = torch.device(device) if device is not None else (first.device if first is not None else torch.device("cpu"))
     ref_model, opt = _reference_copy(model, optimizer, lr)
@@ -161,17 +183,19 @@ def inspect(model: nn.Module, batches: Iterable[Any], loss_fn: Callable[[nn.Modu
     ladder = [2.0 ** k for k in range(math.ceil(math.log2(cfg.min_scale)), math.floor(math.log2(cfg.max_scale)) + 1)]
     policy_scale = _policy_loss_scale(policy)
     recorder = _Recorder(ref_model, fmts, sorted({1.0, policy_scale, *ladder}))
-    losses = _train(recorder, ref_model, opt, batches, loss_fn, steps, device)
-    return _build_report(recorder, policy, fmts, steps, opt, losses, policy_scale, cfg)
+    blocks = BlockRecorder(ref_model, block_fmts, policy)
+    losses = _train(recorder, blocks, ref_model, opt, batches, loss_fn, steps, device)
+    report = _build_report(recorder, policy, fmts, steps, opt, losses, policy_scale, cfg)
+    return dataclasses.replace(report, block=blocks.to_stats())
 
 
-def _train(recorder: _Recorder, model: nn.Module, opt: torch.optim.Optimizer, batches: Iterable[Any],
-           loss_fn: Callable, steps: int, device: torch.device) -> list[torch.Tensor]:
-    """The ``steps`` fp32 reference steps with ``recorder``'s hooks installed (removed whatever happens); the
-    losses as 0-d device tensors. One host sync per step (:func:`_check_finite`)."""
+def _train(recorder: _Recorder, blocks: BlockRecorder, model: nn.Module, opt: torch.optim.Optimizer,
+           batches: Iterable[Any], loss_fn: Callable, steps: int, device: torch.device) -> list[torch.Tensor]:
+    """The ``steps`` fp32 reference steps with ``recorder``'s and ``blocks``' hooks installed (removed whatever
+    happens); the losses as 0-d device tensors. One host sync per step (:func:`_check_finite`)."""
     losses: list[torch.Tensor] = []
     iterator = iter(batches)
-    handles = recorder.install()
+    handles = recorder.install() + blocks.install()
     try:
         with torch.autocast(device.type, enabled=False):
             for step in range(steps):

@@ -34,6 +34,8 @@ Conventions (the one place they are stated):
 * **error**: SQNR ``10 log10(sum ref**2 / sum (ref - out)**2)`` in dB and relative error
   ``||ref - out|| / ||ref||`` of the module's output in a format against fp32 (see
   :mod:`mixprec.numerics.inspect` for how a module is run in a format).
+* **block formats** (saturated blocks, underflow and SQNR of each linear's operands): stated in
+  :mod:`mixprec.numerics.block_stats`.
 
 JSON: non-finite floats are written as the strings ``"inf"``, ``"-inf"`` and ``"nan"`` (strict
 JSON has no infinities) and the policy as its text form; :meth:`NumericsReport.from_json`
@@ -53,6 +55,8 @@ from typing import Any, Union
 
 from mixprec.formats import get_format
 from mixprec.numerics import advice
+from mixprec.numerics.block_advice import BLOCK_SQNR_SLACK_DB, BlockAdvice, advise_block, block_risk
+from mixprec.numerics.block_report import block_markdown
 from mixprec.numerics.figures import count, num, pct, pow2
 from mixprec.numerics.stats import ModuleError, ModuleStats, NumericsStats, ParamStats, RangeStats
 from mixprec.policy.policy import Policy
@@ -85,6 +89,8 @@ class NumericsReport(NumericsStats):
         speed: how fast the model trains under each policy ``auto`` times, as ``auto`` measured it
             (:class:`~mixprec.numerics.stats.MeasuredSpeed`; None: not measured, e.g. :func:`mixprec.numerics.inspect`
             called directly). The advice follows auto's rule on it (:func:`mixprec.numerics.advice.recommend`).
+        block: per inspected block format, every linear's operands in it
+            (:class:`~mixprec.numerics.block_stats.BlockFormatStats`); :attr:`block_formats` names them.
     """
 
     # ------------------------------------------------------------------ advice
@@ -99,6 +105,12 @@ class NumericsReport(NumericsStats):
     def recommend(self) -> advice.Recommendation:
         """The advised policy, initial loss scale and reasons (:func:`mixprec.numerics.advice.recommend`)."""
         return advice.recommend(self)
+
+    def block_advice(self, fmt: str, *, slack_db: float = BLOCK_SQNR_SLACK_DB) -> BlockAdvice:
+        """The linears to keep in bf16 under block format ``fmt`` and the policy that does
+        (:func:`mixprec.numerics.block_advice.advise_block`; ``slack_db``: how far below the format's reference
+        SQNR an operand may fall)."""
+        return advise_block(self, fmt, slack_db=slack_db)
 
     # ------------------------------------------------------------------ serialisation
     def to_json(self, indent: int | None = 1) -> str:
@@ -144,7 +156,7 @@ class NumericsReport(NumericsStats):
                 lines.append("No module flagged.")
             lines.append("")
         lines += self._loss_scale_section() + self._activation_table() + self._error_table()
-        lines += self._gradient_table() + self._lost_update_table()
+        lines += self._gradient_table() + self._lost_update_table() + block_markdown(self)
         return "\n".join(lines) + "\n"
 
     def _loss_scale_section(self) -> list[str]:
@@ -165,6 +177,8 @@ class NumericsReport(NumericsStats):
         return lines + [""]
 
     def _activation_table(self) -> list[str]:
+        if not self.formats:   # block formats only: their section has the linears
+            return []
         head = ["module", "type", "amax"]
         for fmt in self.formats:
             head += [f"{fmt} ovf", f"{fmt} sub", f"{fmt} flush"] if fmt not in _fp8(self) else [
@@ -180,6 +194,8 @@ class NumericsReport(NumericsStats):
         return ["## Activations (forward outputs)", "", *_table(head, rows), ""]
 
     def _error_table(self) -> list[str]:
+        if not self.formats:
+            return []
         head = ["module", *(f"{fmt} SQNR dB" for fmt in self.formats), *(f"{fmt} rel err" for fmt in self.formats)]
         rows = [[m.name, *(_db(m.error[f].sqnr_db) for f in self.formats),
                  *(num(m.error[f].rel_error) for f in self.formats)] for m in self.modules.values()]
@@ -208,7 +224,8 @@ class NumericsReport(NumericsStats):
     def heatmap(self, path: str | Path) -> Path:
         """Write a PNG: leaf modules (rows) x formats (columns), colour = worst risk.
 
-        Risk per cell (:func:`mixprec.numerics.advice.risk`): 0 fine, 1 marginal, 2 flagged; the
+        Risk per cell (:func:`mixprec.numerics.advice.risk`; block formats:
+        :func:`mixprec.numerics.block_advice.block_risk`, linears only): 0 fine, 1 marginal, 2 flagged; the
         cell text names the worst flag kind or the SQNR. fp16 gradients are judged at the
         recommended loss scale, and in an extra column at loss scale 1. Uses matplotlib's Agg
         canvas directly (no pyplot, no global backend change). Returns the path.
@@ -221,13 +238,15 @@ class NumericsReport(NumericsStats):
         columns = [(fmt, fmt, None) for fmt in self.formats]
         if "fp16" in self.formats and self.recommended_loss_scale != 1.0:
             columns.insert(self.formats.index("fp16") + 1, ("fp16\nloss scale 1", "fp16", 1.0))
-        cells = [[advice.risk(self, name, fmt, loss_scale=scale) for _, fmt, scale in columns] for name in names]
-        values = [[level for level, _ in row] for row in cells]
+        cells = [[advice.risk(self, name, fmt, loss_scale=scale) for _, fmt, scale in columns]
+                 + [block_risk(self, name, fmt) for fmt in self.block_formats] for name in names]
+        columns += [(fmt, fmt, None) for fmt in self.block_formats]
+        values = [[level for level, _ in row] for row in cells]   # -1: a block-format cell of no linear (grey)
         fig = Figure(figsize=(2.0 + 1.3 * len(columns), 1.2 + 0.28 * max(1, len(names))))
         FigureCanvasAgg(fig)
         ax = fig.add_subplot()
-        cmap = ListedColormap(["#9ed9a0", "#f5d36b", "#e0675f"])
-        ax.imshow(values or [[0] * len(columns)], cmap=cmap, vmin=0, vmax=2, aspect="auto")
+        cmap = ListedColormap(["#e4e4e4", "#9ed9a0", "#f5d36b", "#e0675f"])
+        ax.imshow(values or [[0] * len(columns)], cmap=cmap, vmin=-1, vmax=2, aspect="auto")
         ax.set_xticks(range(len(columns)), labels=[label for label, _, _ in columns])
         ax.set_yticks(range(len(names)), labels=names, fontsize=7)
         ax.xaxis.tick_top()
@@ -236,7 +255,9 @@ class NumericsReport(NumericsStats):
                 ax.text(j, i, text, ha="center", va="center", fontsize=6)
         fig.suptitle("worst risk per module and format: green fine, yellow marginal, red flagged\n"
                      "cells: the flag, or the output's SQNR vs fp32 in dB; fp16 gradients at the recommended "
-                     f"loss scale {pow2(self.recommended_loss_scale)} unless noted", fontsize=8, wrap=True)
+                     f"loss scale {pow2(self.recommended_loss_scale)} unless noted"
+                     + ("; block formats: linears' worst operand SQNR, grey: no linear" if self.block else ""),
+                     fontsize=8, wrap=True)
         fig.tight_layout()
         out = Path(path)
         fig.savefig(out, dpi=110)

@@ -6,6 +6,9 @@ the error of running the module in each format (:class:`ModuleError`) and the lo
 of each parameter, with the two queries the advice reads (:meth:`NumericsStats.scale_index`,
 :meth:`NumericsStats.lost_update`). Everything is a Python number: no tensors, no device.
 
+Block formats (:attr:`NumericsStats.block`, one :class:`~mixprec.numerics.block_stats.BlockFormatStats` each) are
+measured per linear and per GEMM operand; their conventions are :mod:`mixprec.numerics.block_stats`'s.
+
 :class:`mixprec.numerics.NumericsReport` is these statistics with their views (flags,
 recommendation, markdown, JSON, heatmap). The conventions (scale, overflow, subnormal, flushed,
 lost update, error) are stated once, in :mod:`mixprec.numerics.report`.
@@ -16,7 +19,8 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any
 
-from mixprec.formats import get_format
+from mixprec.formats import get_block_format, get_format
+from mixprec.numerics.block_stats import BlockFormatStats
 from mixprec.policy.policy import Policy
 
 __all__ = ["RangeStats", "ModuleError", "ModuleStats", "ParamStats", "MeasuredSpeed", "NumericsStats"]
@@ -141,6 +145,25 @@ class NumericsStats:
     modules: dict[str, ModuleStats]
     params: dict[str, ParamStats]
     speed: MeasuredSpeed | None = None
+    block: tuple[BlockFormatStats, ...] = ()
+
+    @property
+    def block_formats(self) -> tuple[str, ...]:
+        """The names of the inspected block formats (those of :attr:`block`, in order)."""
+        return tuple(b.format for b in self.block)
+
+    def block_stats(self, fmt: str) -> BlockFormatStats:
+        """The statistics of block format ``fmt`` (a name :func:`mixprec.formats.get_block_format` knows).
+
+        Raises:
+            ValueError: ``fmt`` was not inspected (the message lists those that were).
+        """
+        name = get_block_format(fmt).name
+        for stats in self.block:
+            if stats.format == name:
+                return stats
+        raise ValueError(f"block format {fmt!r} was not inspected; this report holds {list(self.block_formats)} "
+                         "(pass it in inspect(..., formats=...))")
 
     # ------------------------------------------------------------------ queries
     def scale_index(self, loss_scale: float) -> int:

@@ -1,5 +1,5 @@
 """The checks of a :class:`~mixprec.policy.policy.Policy`'s linear-precision fields: ``fp8``, ``fp8_format``,
-``fp8_keep_ends`` and ``block``.
+``fp8_keep_ends``, ``block`` and ``block_keep``.
 
 A policy's linears run in the compute dtype, or in fp8 (``fp8``: :mod:`mixprec.fp8`), or block-scaled (``block``:
 a recipe of :mod:`mixprec.blockscale`), never two of them. :func:`check_linear_fields` checks each field's value,
@@ -39,6 +39,13 @@ def check_linear_fields(policy: Any) -> None:
         raise ValueError(f"Policy block={policy.block!r} is not allowed; choose None (text block=none) or one of "
                          f"{BLOCK_RECIPE_NAMES}, the recipes of mixprec.blockscale.BLOCK_RECIPES (presets: "
                          "mxfp8-mixed, nvfp4-mixed)")
+    keep = policy.block_keep
+    if not isinstance(keep, tuple) or not all(isinstance(p, str) and p for p in keep):
+        raise TypeError(f"Policy block_keep={keep!r} must be a tuple of non-empty glob strings naming linears, e.g. "
+                        "('blocks.*.attn.proj', 'blocks.3')")
+    for pattern in keep:
+        if any(c in pattern for c in ",=| "):
+            raise ValueError(f"Policy block_keep pattern {pattern!r} may not contain ',', '=', '|' or spaces")
 
 
 def check_linear_needs(policy: Any) -> None:
@@ -54,6 +61,9 @@ def check_linear_needs(policy: Any) -> None:
         raise ValueError(f"Policy fp8={policy.fp8!r} with compute=fp32: fp8 linears output in the 16-bit compute "
                          "dtype; set compute=bf16 (or use the fp8-mixed preset)")
     if policy.block is None:
+        if policy.block_keep:
+            raise ValueError(f"Policy block_keep={'|'.join(policy.block_keep)!r} keeps linears out of block scaling, "
+                             "but block=none: set block (e.g. 'nvfp4-mixed,block_keep=...') or drop block_keep")
         return
     if policy.fp8 is not None:
         raise ValueError(f"Policy block={policy.block!r} with fp8={policy.fp8!r}: a linear runs block-scaled or in "

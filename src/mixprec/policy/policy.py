@@ -51,7 +51,9 @@ block-scaled recipe of :data:`mixprec.blockscale.BLOCK_RECIPES`, or ``none``, th
 (Hadamard transform of wgrad, stochastic rounding of gradients, 2D weight scales, the last 15 % of blocks and the
 first/last linears in bf16), ``nvfp4-plain`` (NVFP4 without the transform, the SR and the tail: the ablation,
 ``"nvfp4-mixed,block=nvfp4-plain"``); needs bf16 compute, excludes ``fp8``; emulated on every device, so its
-speed is not representative; see docs/policies.md).
+speed is not representative; see docs/policies.md), ``block_keep`` (glob patterns joined by ``|`` of linears, or
+modules holding them, that stay in the compute dtype under ``block``, e.g. ``"nvfp4-mixed,block_keep=blocks.*.fc2"``:
+what ``mixprec inspect --formats nvfp4`` advises).
 """
 
 from __future__ import annotations
@@ -117,6 +119,10 @@ class Policy:
             rounding and the layers kept in bf16): eligible linears become
             :class:`~mixprec.blockscale.BlockScaledLinear`, emulated (exact dequantize + fp32 GEMM) on every device
             today. Needs bf16 compute (params fp32 or bf16); excludes ``fp8``.
+        block_keep: glob patterns (``fnmatch``) of linears, or of modules holding them, that stay ``nn.Linear`` in
+            the compute dtype under ``block`` on top of the recipe's own keeps
+            (:func:`mixprec.blockscale.convert_to_block_scaled`'s ``keep``); needs ``block``. Each pattern must
+            match a linear of the model (the build raises otherwise); the decision names what each kept.
         ops: ``"portable"`` (default): inside ``mp.autocast()`` every device runs CUDA's autocast op
             lists (``exp``, ``cumsum``, ``softmax``, norms, losses in fp32); ``"native"``: the device's own
             lists (:mod:`mixprec.autocast.portable`).
@@ -151,6 +157,7 @@ class Policy:
     fp8_format: str = "hybrid"
     fp8_keep_ends: bool = True
     block: str | None = None
+    block_keep: tuple[str, ...] = ()
     ops: str = "portable"
     kernels: str = "measured"
     saved: str = "auto"
@@ -310,7 +317,8 @@ class Policy:
         if self.fp8 is not None:
             parts[-1] += f", eligible linears fp8 ({self.fp8}, {self.fp8_format})"
         if self.block is not None:
-            parts[-1] += f", eligible linears block-scaled ({self.block} recipe, emulated)"
+            keep = f"; block_keep {'|'.join(self.block_keep)}" if self.block_keep else ""
+            parts[-1] += f", eligible linears block-scaled ({self.block} recipe, emulated{keep})"
         if half:
             how = {"stochastic": "stochastically rounded", "kahan": "Kahan-compensated",
                    "nearest": "rounded to nearest"}[self.rounding]

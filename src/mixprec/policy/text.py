@@ -149,6 +149,7 @@ _KEYS = {
     "fp8_format": ("fp8_format", _parse_fp8_format),
     "fp8_ends": ("fp8_keep_ends", _parse_fp8_ends),
     "block": ("block", _parse_block),
+    "block_keep": ("block_keep", _parse_keep),
     "ops": ("ops", _parse_ops),
     "kernels": ("kernels", _parse_kernels),
     "saved": ("saved", _parse_saved),
@@ -260,6 +261,8 @@ def text_items(policy: Any) -> list[tuple[str, str]]:
         ("fp8", policy.fp8 or "none"),
         ("block", policy.block or "none"),
     ]
+    if policy.block_keep:
+        items.append(("block_keep", "|".join(policy.block_keep)))
     if policy.fp8 is not None:
         items.append(("fp8_format", policy.fp8_format))
         items.append(("fp8_ends", "keep" if policy.fp8_keep_ends else "fp8"))

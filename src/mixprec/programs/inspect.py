@@ -1,5 +1,6 @@
 """``mixprec inspect``: inspect a workload's numerics and write the report, and the advised policy
-for ``mixprec bench --policies advised``.
+for ``mixprec bench --policies advised`` (and, per block format asked for, the linears to keep in bf16 and the block
+policy that keeps them).
 
 ``mixprec inspect --workload gpt --config baby [--data PATH] [--steps K] [--device D] --out DIR``
 writes ``DIR/numerics.md``, ``DIR/numerics.json`` and ``DIR/numerics.png`` and prints the
@@ -16,6 +17,7 @@ import argparse
 import time
 from pathlib import Path
 
+from mixprec.numerics.block_report import block_console
 from mixprec.numerics.inspect import DEFAULT_FORMATS
 from mixprec.numerics.report import NumericsReport
 from mixprec.numerics.workload import INSPECT_STEPS, advised_policy, inspect_workload
@@ -29,7 +31,10 @@ Trains a copy of the workload's model for a few fp32 steps (its own AdamW recipe
 learning rate, no scheduler) and measures, per leaf module and format: activation and gradient
 range (overflow, subnormal, flushed to zero; fp8 also at the best per-tensor scale), the error
 of running the module in the format (SQNR), the largest safe fp16 loss scale and the share of
-optimizer updates lost without fp32 master weights. The advised precision follows what
+optimizer updates lost without fp32 master weights. Block formats (--formats nvfp4,mxfp8):
+per linear, its input, weight and output gradient as the recipe's GEMMs read them (saturated
+blocks, underflow, SQNR against what the format gives normal data), the linears to keep in bf16
+and the block policy that keeps them (block_keep=...). The advised precision follows what
 policy=auto measures on this model (fp32 where 16-bit is not faster here). Writes numerics.md, numerics.json (read it
 back with mixprec.numerics.NumericsReport.from_json) and numerics.png (modules x formats).
 """
@@ -61,7 +66,9 @@ def add_inspect_parser(subparsers: argparse._SubParsersAction) -> argparse.Argum
     p.add_argument("--policy", default="fp32", help="the policy you intend to train with; the advice starts from "
                    "it (default: fp32 = no preference: bf16-mixed unless unsafe)")
     p.add_argument("--formats", default=",".join(DEFAULT_FORMATS),
-                   help=f"comma-separated formats to measure (default: {','.join(DEFAULT_FORMATS)})")
+                   help=f"comma-separated formats to measure (default: {','.join(DEFAULT_FORMATS)}); block formats "
+                   "too (nvfp4, mxfp8, mxfp8_e5m2, mxfp6_e2m3, mxfp6_e3m2, mxfp4): every linear's operands in them "
+                   "and the linears to keep in bf16")
     p.add_argument("--lr", type=float, default=None, help="learning rate (default: the workload's peak rate)")
     p.add_argument("--out", default=None, help="output directory (default: runs/inspect-<timestamp>)")
     return p
@@ -100,5 +107,7 @@ def run_inspect(args: argparse.Namespace) -> int:
         flagged = sorted({f.module for f in report.flagged(fmt)})
         print(f"{fmt}: {len(flagged)} modules flagged" + (f" ({', '.join(flagged[:5])}"
                                                           f"{', ...' if len(flagged) > 5 else ''})" if flagged else ""))
+    for line in block_console(report):   # per block format: the linears kept in bf16, the advised block policy
+        print(line)
     print(f"wrote {', '.join(str(p) for p in paths)} ({time.perf_counter() - start:.1f} s)")
     return 0

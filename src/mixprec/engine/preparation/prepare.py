@@ -246,6 +246,7 @@ def _kept_words(report: Any) -> str:
     for name, reasons in report.kept:
         for reason in reasons.split("; "):
             tag = ("fp32 region (keep_fp32)" if reason == "rejected by module_filter" else
+                   "block_keep" if reason.startswith("kept by block_keep") else
                    reason.split(" (")[0] if reason.startswith(("first Linear", "last Linear")) else
                    reason.split(" stay in")[0].replace("in the bf16 tail: the", "bf16 tail, the")
                    if reason.startswith("in the bf16 tail") else reason)
@@ -264,14 +265,15 @@ def convert_block(model: nn.Module, policy: Policy, device: torch.device, keep: 
                   ) -> tuple[Any, str]:
     """Swap eligible linears for :class:`mixprec.blockscale.BlockScaledLinear` under ``policy.block``'s recipe (the
     same Parameter objects; :func:`mixprec.blockscale.convert_to_block_scaled`); fp32 regions (``keep``) are never
-    converted. Returns the :class:`~mixprec.blockscale.BlockConversionReport` and the decision's clause: the recipe,
+    converted, nor are the linears ``policy.block_keep`` names (ValueError for a pattern that matches none, before any
+    swap). Returns the :class:`~mixprec.blockscale.BlockConversionReport` and the decision's clause: the recipe,
     how many linears converted, which kept and why, and that the GEMMs are emulated (None, "" without ``block``).
     No host sync."""
     if policy.block is None:
         return None, ""
     from mixprec.blockscale import convert_to_block_scaled
 
-    report = convert_to_block_scaled(model, policy.block, module_filter=outside_regions(keep))
+    report = convert_to_block_scaled(model, policy.block, module_filter=outside_regions(keep), keep=policy.block_keep)
     kept = f" ({_kept_words(report)})" if report.kept else ""
     compute = _SHORT.get(dtype_text(policy.compute_dtype), dtype_text(policy.compute_dtype))
     return report, (f"; block-scaled linears {report.recipe}: {len(report.converted)} converted, {len(report.kept)} "
@@ -282,10 +284,10 @@ def switch_block_linears(model: nn.Module, old: Policy, new: Policy, device: tor
                          keep: dict[str, nn.Module]) -> str:
     """Mid-run (:meth:`mixprec.MixedPrecision.set_policy`), after every check: make ``model``'s block-scaled linears
     those a build under ``new`` converts (``keep``: ``new``'s fp32 regions). Nothing changes, and "" is returned,
-    when ``block`` and ``keep_fp32`` are ``old``'s; else every block-scaled linear is swapped back to ``nn.Linear``
-    and, under a ``new.block``, the model converted as at a build, each linear converted again under the same recipe
-    and index continuing its stochastic rounding stream. Returns the decision's clause. No host sync."""
-    if (old.block, old.keep_fp32) == (new.block, new.keep_fp32):
+    when ``block``, ``block_keep`` and ``keep_fp32`` are ``old``'s; else every block-scaled linear is swapped back to
+    ``nn.Linear`` and, under a ``new.block``, the model converted as at a build, each linear converted again under
+    the same recipe and index continuing its stochastic rounding stream. Returns the decision's clause. No host sync."""
+    if (old.block, old.block_keep, old.keep_fp32) == (new.block, new.block_keep, new.keep_fp32):
         return ""
     from mixprec.blockscale import revert_block_scaled
 

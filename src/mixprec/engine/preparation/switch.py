@@ -54,12 +54,13 @@ def switch_policy(mp: Engine, policy: str | Policy, *, cause: str, module: str |
     event's (:func:`~mixprec.engine.records.policy_event`). No host sync.
 
     Raises:
-        ValueError: (nothing changed) the device, optimizer or strategy cannot run ``policy``, it changes fp8, or
-            it changes the block-scaled linears under a strategy that shards params.
+        ValueError: (nothing changed) the device, optimizer or strategy cannot run ``policy``, it changes fp8,
+            it changes the block-scaled linears under a strategy that shards params, or its ``block_keep`` names no
+            linear.
     """
     new = resolve(policy, mp.device).policy
     check_fp8_unchanged(mp.policy, new)
-    check_block_switch(mp.policy, new, strategy)
+    check_block_switch(mp.policy, new, strategy, mp.module)
     resharded = strategy.before_set_policy(mp.policy, new, mp.optimizer)
     prepared = prepare(mp.module, new, mp.device, strategy, optimizer=mp.optimizer, masters=mp.masters, frozen=frozen)
     block_note = switch_block_linears(mp.module, mp.policy, new, mp.device, prepared.keep)   # cannot fail
@@ -86,13 +87,20 @@ def check_fp8_unchanged(old: Policy, new: Policy) -> None:
                          "MixedPrecision from a checkpoint")
 
 
-def check_block_switch(old: Policy, new: Policy, strategy: Any) -> None:
+def check_block_switch(old: Policy, new: Policy, strategy: Any, model: torch.nn.Module) -> None:
     """Raise ValueError if ``new`` changes which linears are block-scaled (``block`` or, under a block policy,
-    ``keep_fp32``) under a ``strategy`` that shards params: FSDP2 holds the modules it sharded, which a swap would
-    leave behind. Elsewhere the swap is a build's conversion (mixprec.engine.preparation.prepare)."""
-    changes = old.block != new.block or (old.keep_fp32 != new.keep_fp32 and None not in (old.block, new.block))
+    ``keep_fp32`` or ``block_keep``) under a ``strategy`` that shards params: FSDP2 holds the modules it sharded,
+    which a swap would leave behind; or if a ``new.block_keep`` pattern matches no linear of ``model``. Elsewhere the
+    swap is a build's conversion (mixprec.engine.preparation.prepare)."""
+    if new.block is not None and new.block_keep:
+        from mixprec.blockscale import check_keep_patterns
+
+        check_keep_patterns(model, new.block_keep)
+    changes = old.block != new.block or ((old.keep_fp32, old.block_keep) != (new.keep_fp32, new.block_keep)
+                                         and None not in (old.block, new.block))
     if changes and strategy.shards_params:
         raise ValueError(f"set_policy: {old} → {new} changes the block-scaled linears (block={old.block or 'none'} → "
-                         f"{new.block or 'none'}, keep_fp32={'|'.join(new.keep_fp32) or 'none'}), which cannot be "
-                         f"swapped under strategy={strategy.name!r} (it sharded the modules); keep block and keep_fp32 "
-                         "as they are, or build a new MixedPrecision from a checkpoint")
+                         f"{new.block or 'none'}, keep_fp32={'|'.join(new.keep_fp32) or 'none'}, block_keep="
+                         f"{'|'.join(new.block_keep) or 'none'}), which cannot be swapped under strategy="
+                         f"{strategy.name!r} (it sharded the modules); keep block, block_keep and keep_fp32 as they "
+                         "are, or build a new MixedPrecision from a checkpoint")
