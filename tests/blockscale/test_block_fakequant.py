@@ -206,3 +206,21 @@ def test_overflowing_fp8_variants_match_through_quantize(name):
     for rounding in ROUNDINGS:
         out = check(mx_adversarial(fmt), fmt, rounding)
         assert not math.isfinite(out[12].abs().max().item())   # the saturation block overflows instead
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("name", ["mxfp8_e4m3", "nvfp4"])
+def test_inductor_compiles_the_fast_path_to_the_same_bits(name):
+    """A model compiled with inductor runs fake_quantize in generated C++ (Triton on CUDA), built with
+    -fno-signed-zeros: the magic-number rounding, the signed zeros and the NaN blocks must survive it. Slow:
+    ~20 s of compilation per format on a small CPU."""
+    torch._dynamo.reset()
+    fmt = get_block_format(name)
+    x = torch.cat([torch.randn(2, 32) * 100, mx_adversarial(get_block_format("mxfp8_e4m3"))[:12]])
+    bits = torch.randint(0, 2 ** 32, x.shape, dtype=torch.int64)
+
+    def both(x, bits):
+        return fake_quantize(x, fmt), fake_quantize(x, fmt, rounding="stochastic", random_bits=bits)
+
+    for eager, compiled in zip(both(x, bits), torch.compile(both, backend="inductor")(x, bits)):
+        assert_same(compiled, eager, name)

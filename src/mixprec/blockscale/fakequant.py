@@ -27,12 +27,12 @@ A NaN/inf block comes out all NaN. Formats that overflow instead of saturating (
 ``(..., K)`` out; no host sync. :func:`fake_quantize_blocks` is the same on blocks laid out any way (down the
 columns of a transposed GEMM operand, 2D weight tiles), so no operand is copied to put its blocks last.
 
-Why this arithmetic (measured on a 2-core EPYC, torch 2.13, docs/results-history.md): torch's own FP8 cast is
-round-to-nearest-even, but its CPU conversion back from ``float8_e4m3fn`` to fp32 is scalar (about 10 ms per 2M
-elements, 20x an fp32 pass), so the magic number, one rounding for every element format, is cheaper; CPU
-``torch.where`` costs about 20 passes' time, so there is none on a full tensor here. ``torch.compile`` (inductor)
-of these passes saves about a fifth on round-to-nearest and is slower on stochastic rounding (its int64 compare),
-for 3-5 s of compilation per shape: eager is the path.
+Why this arithmetic (measured on a 2-core EPYC, torch 2.13, 2 threads; docs/results-history.md): torch's own
+FP8 cast rounds to nearest even, but its CPU conversion back from ``float8_e4m3fn`` to fp32 costs some 20 fp32
+passes' time (3 ms per 2M elements), so the magic number, one rounding for every element format, is cheaper; a
+CPU ``torch.where`` costs some 25 passes' time, so there is none on a full tensor here. ``torch.compile``
+(inductor) of these passes saves 10-20 % on round-to-nearest and is slower on stochastic rounding (its int64
+compare), for 2-3 s of compilation per shape: eager is the path.
 """
 
 from __future__ import annotations
