@@ -106,3 +106,24 @@ def mx_adversarial(fmt) -> torch.Tensor:
         block([math.ldexp(element.max_normal, 0)] + [math.ldexp(g, -1) for g in map(float, grid)]),  # exact values
     ]
     return torch.tensor(blocks, dtype=torch.float32)
+
+
+def nvfp4_adversarial() -> torch.Tensor:
+    """NVFP4's corner cases, one block of 16 per row: the tensor amax 6 * 448 (tensor scale exactly 1), E2M1's ties
+    under block scales 1, 2**-9 and 1.125 * 2**-6, blocks whose scale rounds to 0, zeros of both signs, NaN and
+    inf blocks, fp32 subnormals."""
+    ties = [0.25, 0.75, 1.25, 1.75, 2.5, 3.5, 5.0, -0.25, -0.75, -2.5, -5.0, 6.0, 0.0, -0.0, 0.5, 1.0]
+    rows = [
+        [2688.0] + [1.0] * 15,                                  # tensor amax 6 * 448: tensor scale exactly 1
+        ties,                                                   # block scale 1: ties to even in E2M1
+        [x * 2 ** -9 for x in ties],                            # block scale 2**-9 (E4M3's smallest subnormal)
+        [x * 2 ** -6 * 1.125 for x in ties],                    # block scale 1.125 * 2**-6, E4M3's normals
+        [1e-3, -1e-3] + [0.0] * 14,                             # far below the tensor's amax: scale rounds to 0
+        [0.0] * 16,                                             # all zeros
+        [-0.0] * 16,                                            # negative zeros
+        [float("nan")] + [1.0] * 15,                            # NaN block
+        [float("inf")] + [1.0] * 15,                            # inf block
+        [1.0] * 15 + [-float("inf")],                           # -inf block
+        [FP32_TINY, 1e-40] + [0.0] * 14,                        # fp32 subnormals
+    ]
+    return torch.tensor(rows, dtype=torch.float32)

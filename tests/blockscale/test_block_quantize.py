@@ -14,7 +14,7 @@ import torch
 
 import blockscale_reference as ref
 from blockscale_checks import (ELEMENTS, FP32_MAX, FP32_TINY, MX, assert_bits_equal, check_mx, check_nvfp4,
-                               magnitudes, mx_adversarial)
+                               magnitudes, mx_adversarial, nvfp4_adversarial)
 from mixprec.blockscale import decode, dequantize, encode, quantize, round_to_element
 from mixprec.formats import BLOCK_FORMATS, ELEMENT_FORMATS, get_block_format
 
@@ -139,21 +139,7 @@ def test_nvfp4_random_tensors_match_the_reference():
 
 
 def test_nvfp4_adversarial_tensor_matches_the_reference():
-    ties = [0.25, 0.75, 1.25, 1.75, 2.5, 3.5, 5.0, -0.25, -0.75, -2.5, -5.0, 6.0, 0.0, -0.0, 0.5, 1.0]
-    rows = [
-        [2688.0] + [1.0] * 15,                                  # tensor amax 6 * 448: tensor scale exactly 1
-        ties,                                                   # block scale 1: ties to even in E2M1
-        [x * 2 ** -9 for x in ties],                            # block scale 2**-9 (E4M3's smallest subnormal)
-        [x * 2 ** -6 * 1.125 for x in ties],                    # block scale 1.125 * 2**-6, E4M3's normals
-        [1e-3, -1e-3] + [0.0] * 14,                             # far below the tensor's amax: scale rounds to 0
-        [0.0] * 16,                                             # all zeros
-        [-0.0] * 16,                                            # negative zeros
-        [float("nan")] + [1.0] * 15,                            # NaN block
-        [float("inf")] + [1.0] * 15,                            # inf block
-        [1.0] * 15 + [-float("inf")],                           # -inf block
-        [FP32_TINY, 1e-40] + [0.0] * 14,                        # fp32 subnormals
-    ]
-    q = check_nvfp4(torch.tensor(rows, dtype=torch.float32))
+    q = check_nvfp4(nvfp4_adversarial())
     assert q.tensor_scale.item() == 1.0 and q.scale_codes[1:3].flatten().tolist() == [0x38, 0x01]
     assert (q.scale_codes[7:10] == 0x7F).all() and torch.isnan(q.dequantize()[7:10]).all()
     assert (q.scale_codes[4:7] == 0).all() and (q.codes[4:7] & 0x7 == 0).all()

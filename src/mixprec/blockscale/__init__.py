@@ -6,7 +6,8 @@ The formats are data in :mod:`mixprec.formats` (:class:`~mixprec.formats.BlockFo
 :func:`quantize` cuts a tensor's last dim into blocks and returns a :class:`BlockQuantized` (element codes,
 block scale codes, NVFP4's tensor scale), whose :meth:`~BlockQuantized.dequantize` (or :func:`dequantize`) gives
 fp32 back; :func:`round_to_element` rounds fp32 values onto an element format's grid (nearest-even or
-stochastic), :func:`encode` / :func:`decode` convert element values and codes. The algorithms and the
+stochastic), :func:`encode` / :func:`decode` convert element values and codes; :func:`fake_quantize` gives
+``quantize(...).dequantize()``'s values bit for bit without the codes, in a few passes (the GEMMs' path). The algorithms and the
 conventions chosen where the specs are silent are stated in :mod:`mixprec.blockscale.quantize` and
 :mod:`mixprec.blockscale.scales`.
 
@@ -25,6 +26,7 @@ from mixprec.blockscale.convert import (BlockConversionReport, block_state_keys,
                                         convert_to_block_scaled, find_blocks, plan_block_conversion,
                                         revert_block_scaled)
 from mixprec.blockscale.elements import decode, encode, round_to_element
+from mixprec.blockscale.fakequant import fake_quantize
 from mixprec.blockscale.hadamard import (hadamard_matrix, hadamard_transform, inverse_hadamard_transform,
                                          random_signs, sylvester)
 from mixprec.blockscale.linear import BlockScaledLinear, shape_problems
@@ -33,6 +35,6 @@ from mixprec.blockscale.recipe import BLOCK_RECIPES, GEMMS, BlockRecipe, get_blo
 
 __all__ = ["BLOCK_RECIPES", "GEMMS", "BlockConversionReport", "BlockQuantized", "BlockRecipe", "BlockScaledLinear",
            "block_state_keys", "check_keep_patterns", "convert_to_block_scaled", "decode", "dequantize", "encode",
-           "find_blocks", "get_block_recipe", "hadamard_matrix", "hadamard_transform", "inverse_hadamard_transform",
+           "fake_quantize",            "find_blocks", "get_block_recipe", "hadamard_matrix", "hadamard_transform", "inverse_hadamard_transform",
            "plan_block_conversion", "quantize", "random_signs", "revert_block_scaled", "round_to_element",
            "shape_problems", "sylvester"]

@@ -14,6 +14,10 @@ Every GEMM of :class:`~mixprec.blockscale.linear.BlockScaledLinear` is ``A @ B^T
    ``torch.Generator`` (which draws ``randint(0, 2**32, (R, C'), dtype=int64)``, one draw per quantized operand);
 4. dequantized to fp32 (exact for MX; NVFP4's fp32 products as :mod:`mixprec.blockscale.quantize` states).
 
+Steps 3 and 4 run as one, :func:`~mixprec.blockscale.fakequant.fake_quantize`: the same values bit for bit and
+the same random draws as ``quantize(...).dequantize()``, without the codes (13 to 22 operations on full-size
+tensors where the path through the codes runs over 100, 15 of them ``torch.where``).
+
 Then :func:`block_gemm`: ``torch.matmul(A, B.t())`` in fp32 with autocast off (the values are the format's, so
 an fp32 GEMM accumulates them as the hardware's fp32 accumulators do, in another order), rounded once to the
 output dtype. :func:`weight_tiles` is the 2D variant for weights: one scale per ``b x b`` tile of ``W (N, K)``,
@@ -28,8 +32,8 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
+from mixprec.blockscale.fakequant import fake_quantize, fake_quantize_blocks
 from mixprec.blockscale.hadamard import hadamard_transform
-from mixprec.blockscale.quantize import quantize
 from mixprec.formats import BlockFormat
 
 __all__ = ["operand_blocks", "gemm_operand", "tile_blocks", "untile", "weight_tiles", "block_gemm", "plain_gemm"]
@@ -47,13 +51,30 @@ def operand_blocks(t: torch.Tensor, block_size: int, signs: torch.Tensor | None 
     return t
 
 
+def _transposed(t: torch.Tensor) -> bool:
+    """True for a 2-D view of a contiguous tensor's transpose (``W.t()``, ``dy.t()``, ``x.t()``)."""
+    return t.dim() == 2 and t.stride(-1) != 1 and t.t().is_contiguous()
+
+
 def gemm_operand(t: torch.Tensor, fmt: BlockFormat, *, rounding: str = "nearest",
                  generator: torch.Generator | None = None, signs: torch.Tensor | None = None) -> torch.Tensor:
     """``t (R, C)`` as a GEMM contracting ``C`` reads it: padded, transformed (with ``signs``), quantized in
     ``fmt`` along ``C`` (stochastically from ``generator`` if ``rounding="stochastic"``) and dequantized: fp32
-    ``(R, C')`` (module docstring)."""
-    blocks = operand_blocks(t, fmt.block_size, signs)
-    return quantize(blocks, fmt, rounding=rounding, generator=generator).dequantize()
+    ``(R, C')`` (module docstring), by :func:`~mixprec.blockscale.fakequant.fake_quantize`.
+
+    A ``t`` stored transposed stays so through every step (no transposing copy; the GEMM reads either layout),
+    except with stochastic rounding, whose bits are drawn in ``(R, C')`` order: then ``t`` is made contiguous
+    first, so the bits and the values line up element for element in memory.
+    """
+    transposed = _transposed(t)
+    if transposed and rounding == "stochastic":
+        t, transposed = t.contiguous(), False
+    pad = -t.shape[-1] % fmt.block_size
+    if pad:
+        t = F.pad(t.t(), (0, 0, 0, pad)).t() if transposed else F.pad(t, (0, pad))
+    if signs is not None:
+        t = hadamard_transform(t, signs, dim=-1)
+    return fake_quantize(t, fmt, rounding=rounding, generator=generator)
 
 
 def tile_blocks(w: torch.Tensor, side: int) -> torch.Tensor:
@@ -78,9 +99,17 @@ def weight_tiles(w: torch.Tensor, tile_fmt: BlockFormat, side: int) -> torch.Ten
     ``tile_fmt`` is the weight's block format with ``block_size = side**2``
     (:meth:`~mixprec.blockscale.recipe.BlockRecipe.weight_tile_format`): each tile's elements, flattened, are one
     block, so the tile's amax sets its scale (NVFP4: the tensor scale is all of ``W``'s, as for 1D blocks).
-    Round to nearest even. ``N`` and ``K`` must be multiples of ``side``.
+    Round to nearest even. ``N`` and ``K`` must be multiples of ``side``. The tiles are a view of ``W``
+    (:func:`~mixprec.blockscale.fakequant.fake_quantize_blocks` over its dims 1 and 3): no copy.
     """
-    return untile(quantize(tile_blocks(w, side), tile_fmt).dequantize(), side)
+    if not tile_fmt.saturate:   # the overflowing variants go through quantize() itself
+        return untile(fake_quantize(tile_blocks(w, side), tile_fmt), side)
+    n, k = w.shape
+    if n % side or k % side:
+        raise ValueError(f"weight_tiles: W has shape {(n, k)}; 2D blocks of {side}x{side} need both dims "
+                         f"multiples of {side}")
+    tiles = w.unflatten(0, (n // side, side)).unflatten(-1, (k // side, side))   # (N/s, s, K/s, s)
+    return fake_quantize_blocks(tiles, tile_fmt, (1, 3)).reshape(n, k)
 
 
 def block_gemm(a: torch.Tensor, b: torch.Tensor, out_dtype: torch.dtype) -> torch.Tensor:

@@ -63,42 +63,60 @@ def sylvester(n: int) -> torch.Tensor:
     return h
 
 
-def _butterflies(blocks: torch.Tensor) -> torch.Tensor:
-    """``H_n`` times each row of ``blocks (..., n)``, by the fast Walsh-Hadamard transform (module docstring)."""
-    n = blocks.shape[-1]
-    h = 1
+def _butterflies(blocks: torch.Tensor, axis: int) -> torch.Tensor:
+    """``H_n`` along ``axis`` (size ``n``) of ``blocks``, by the fast Walsh-Hadamard transform (module docstring):
+    a new tensor in ``blocks``' layout (stage by stage into two scratch buffers, ``blocks`` left as it is; for
+    ``n = 1``, ``blocks`` itself)."""
+    n = blocks.shape[axis]
+    if n == 1:
+        return blocks
+    source, targets = blocks, (torch.empty_like(blocks), torch.empty_like(blocks))
+    h, stage = 1, 0
     while h < n:
-        pairs = blocks.unflatten(-1, (n // (2 * h), 2, h))  # (..., groups, [first half, second half], h)
-        first, second = pairs.select(-2, 0), pairs.select(-2, 1)
-        blocks = torch.stack([first + second, first - second], dim=-2).flatten(-3)
-        h *= 2
-    return blocks
+        pairs = source.unflatten(axis, (n // (2 * h), 2, h))  # (..., groups, [first half, second half], h, ...)
+        out = targets[stage % 2].unflatten(axis, (n // (2 * h), 2, h))
+        first, second = pairs.select(axis + 1, 0), pairs.select(axis + 1, 1)
+        torch.add(first, second, out=out.select(axis + 1, 0))
+        torch.sub(first, second, out=out.select(axis + 1, 1))
+        source = targets[stage % 2]
+        h, stage = 2 * h, stage + 1
+    return source
 
 
-def _blockwise(x: torch.Tensor, n: int, dim: int) -> torch.Tensor:
-    """``x`` in fp32 with ``dim`` moved last and cut into blocks of ``n``: ``(..., L // n, n)``."""
+def _blockwise(x: torch.Tensor, n: int, dim: int) -> tuple[torch.Tensor, int]:
+    """``x`` in fp32 with ``dim`` cut into blocks of ``n`` in place (no copy for fp32 ``x``): ``(blocks, axis)``,
+    the blocks' elements along ``axis``."""
     if x.dim() == 0 or x.shape[dim] % n:
         raise ValueError(f"hadamard_transform: x has shape {tuple(x.shape)}; dim {dim} must be a multiple of the "
                          f"Hadamard size {n} (pad it with zeros first)")
-    return x.to(torch.float32).movedim(dim, -1).unflatten(-1, (-1, n))
+    dim = dim % x.dim()
+    return x.to(torch.float32).unflatten(dim, (-1, n)), dim + 1
+
+
+def _along(signs: torch.Tensor, blocks: torch.Tensor, axis: int) -> torch.Tensor:
+    """``signs`` in fp32 on ``blocks``' device, shaped to broadcast along ``axis``."""
+    shape = [1] * blocks.dim()
+    shape[axis] = signs.numel()
+    return signs.to(device=blocks.device, dtype=torch.float32).reshape(shape)
 
 
 def hadamard_transform(x: torch.Tensor, signs: torch.Tensor, dim: int = -1) -> torch.Tensor:
     """``T = H_n diag(signs) / sqrt(n)`` applied to every block of ``n = len(signs)`` consecutive elements of
-    ``x`` along ``dim`` (whose size must be a multiple of ``n``). Returns fp32, ``x``'s shape. Module docstring
-    for the algorithm and its error bound."""
+    ``x`` along ``dim`` (whose size must be a multiple of ``n``). Returns fp32, ``x``'s shape and layout. Module
+    docstring for the algorithm and its error bound."""
     n = _check_signs(signs)
-    blocks = _blockwise(x, n, dim) * signs.to(device=x.device, dtype=torch.float32)
-    out = _butterflies(blocks) * (1.0 / n ** 0.5)
-    return out.flatten(-2).movedim(-1, dim)
+    blocks, axis = _blockwise(x, n, dim)
+    out = _butterflies(blocks * _along(signs, blocks, axis), axis).mul_(1.0 / n ** 0.5)
+    return out.flatten(axis - 1, axis)
 
 
 def inverse_hadamard_transform(y: torch.Tensor, signs: torch.Tensor, dim: int = -1) -> torch.Tensor:
     """``T^{-1} = diag(signs) H_n / sqrt(n)`` along ``dim`` in blocks of ``len(signs)``: undoes
     :func:`hadamard_transform` (to its rounding). fp32, ``y``'s shape."""
     n = _check_signs(signs)
-    out = _butterflies(_blockwise(y, n, dim)) * (1.0 / n ** 0.5) * signs.to(device=y.device, dtype=torch.float32)
-    return out.flatten(-2).movedim(-1, dim)
+    blocks, axis = _blockwise(y, n, dim)
+    out = _butterflies(blocks, axis) * (1.0 / n ** 0.5) * _along(signs, blocks, axis)
+    return out.flatten(axis - 1, axis)
 
 
 def hadamard_matrix(signs: torch.Tensor) -> torch.Tensor:
