@@ -7,7 +7,7 @@ takes over the replaced module's hook dicts themselves (the same dict objects, n
 (with and without kwargs, ``always_call`` included), full backward and backward-pre hooks, and the state-dict
 save/load hooks, so a hook registered before the swap fires after it and its ``RemovableHandle`` still removes it
 (the handle holds a reference to the dict). This depends on ``torch.nn.Module``'s private attributes
-(:data:`HOOK_DICTS` and ``_is_full_backward_hook``, present since torch 2.0); an attribute a torch version lacks is
+(:data:`HOOK_DICTS`, ``_is_full_backward_hook`` and ``_modules``, present since torch 2.0); an attribute a torch version lacks is
 skipped. The replacements are built by their classes' ``from_linear`` and register no hook of their own (a
 replacement holding one is a ValueError, so nothing is silently dropped). Parameter hooks
 (``weight.register_hook``) need nothing: the replacements hold the same Parameter objects.
@@ -45,6 +45,6 @@ def replace_modules(model: nn.Module, replacements: dict[nn.Module, nn.Module]) 
     for old, new in replacements.items():
         carry_hooks(old, new)
     for parent in list(model.modules()):
-        for child_name, child in list(parent.named_children()):
-            if child in replacements:
+        for child_name, child in list(parent._modules.items()):   # not named_children(): it skips a repeated child
+            if child is not None and child in replacements:
                 setattr(parent, child_name, replacements[child])

@@ -69,11 +69,22 @@ def zero_converted_note(policy: Policy, what: str, reasons: Iterable[str], as_bu
     ``reasons`` (each ``"; "``-joined, as the reports give them; ``as_built`` of them left as built); returns the
     decision's words on it."""
     plain = dataclasses.replace(policy, block=None, block_keep=(), fp8=None)
-    why = sorted({r.split(" (")[0] for joined in reasons for r in joined.split("; ")}) or ["the model has no nn.Linear"]
+    why = sorted({r.split(" (")[0] for joined in reasons for r in _top_level(joined)}) or ["the model has no nn.Linear"]
     but = f", but for the {as_built} linear(s) left as built" if as_built else ""
     note = f"{policy} converted 0 linears to {what} ({'; '.join(why[:5])}); the run is {plain}{but}"
     warnings.warn(f"mixprec: {note}", stacklevel=user_stacklevel())
     return f"; {note}"
+
+
+def _top_level(joined: str) -> list[str]:
+    """``joined`` split at its ``"; "`` outside parentheses: ``"a (x; y); b"`` -> ``["a (x; y)", "b"]``."""
+    parts, depth, start = [], 0, 0
+    for i, ch in enumerate(joined):
+        depth += (ch == "(") - (ch == ")")
+        if depth == 0 and joined.startswith("; ", i):
+            parts.append(joined[start:i])
+            start = i + 2
+    return parts + [joined[start:]]
 
 
 def revert_engine_swaps(model: nn.Module, *, sharded: bool = False) -> int:
