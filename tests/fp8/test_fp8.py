@@ -37,7 +37,7 @@ def _sqnr_db(reference, approx):
 def test_public_names_are_the_reviewed_list():
     assert sorted(fp8.__all__) == sorted([
         "AMAX_FLOOR", "ConversionReport", "Float8Linear", "Float8Recipe", "ScaledFloat8", "amax", "clamped_scales",
-        "convert_to_float8", "fp8_available", "from_fp8", "scale_from_amax", "to_fp8"])
+        "convert_to_float8", "fp8_available", "from_fp8", "revert_float8", "scale_from_amax", "to_fp8"])
 
 
 # --------------------------------------------------------------------------- exact casts

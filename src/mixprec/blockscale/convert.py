@@ -18,8 +18,11 @@ forward), not the root, not kept by the recipe, accepted by the filter, and of d
 Everything kept is named in the :class:`BlockConversionReport` with every reason that applies. Converted
 linears reuse the original ``weight``/``bias`` Parameter objects, so an optimizer built before conversion keeps
 working; they are numbered ``index = 0, 1, ...`` in registration order (their stochastic rounding streams are
-seeded ``recipe.seed + index``). Forward hooks of a swapped module are not carried over: convert first.
-:func:`revert_block_scaled` swaps them back to plain ``nn.Linear`` (the same Parameter objects again).
+seeded ``recipe.seed + index``). A swapped module's hooks are carried over to its replacement
+(:func:`mixprec.blockscale.swap.replace_modules`). A linear that already runs its own GEMMs (a
+:class:`BlockScaledLinear` or a :class:`mixprec.fp8.Float8Linear`, told by their ``linear_kind``) is left as built
+and named in the report's ``as_built``, never among the kept. :func:`revert_block_scaled` swaps block-scaled
+linears back to plain ``nn.Linear`` (the same Parameter objects again).
 """
 
 from __future__ import annotations
@@ -32,6 +35,7 @@ from torch import nn
 
 from mixprec.blockscale.linear import BlockScaledLinear, shape_problems
 from mixprec.blockscale.recipe import BlockRecipe, get_block_recipe
+from mixprec.blockscale.swap import replace_modules
 
 __all__ = ["BlockConversionReport", "block_state_keys", "check_keep_patterns", "convert_to_block_scaled", "find_blocks",
            "plan_block_conversion", "revert_block_scaled"]
@@ -50,6 +54,8 @@ class BlockConversionReport:
         blocks: the qualified name of the container whose entries are the blocks (None when each linear
             counted as its own block).
         tail: the blocks (or linears) kept by ``bf16_tail_fraction``.
+        as_built: ``(qualified name, what)`` of every linear that already ran its own GEMMs (block-scaled or fp8)
+            and was left as it was built, e.g. ``("2", "already block-scaled (recipe nvfp4), left as built")``.
     """
 
     recipe: BlockRecipe
@@ -57,11 +63,15 @@ class BlockConversionReport:
     kept: tuple[tuple[str, str], ...]
     blocks: str | None
     tail: tuple[str, ...]
+    as_built: tuple[tuple[str, str], ...] = ()
 
     def __str__(self) -> str:
-        lines = [f"block-scaled conversion ({self.recipe}): {len(self.converted)} converted, {len(self.kept)} kept"]
+        built = f", {len(self.as_built)} left as built" if self.as_built else ""
+        lines = [f"block-scaled conversion ({self.recipe}): {len(self.converted)} converted, {len(self.kept)} kept"
+                 + built]
         lines += [f"  {self.recipe.format:<11} {name}" for name in self.converted]
         lines += [f"  kept        {name}: {reason}" for name, reason in self.kept]
+        lines += [f"  as built    {name}: {what}" for name, what in self.as_built]
         return "\n".join(lines)
 
 
@@ -170,16 +180,20 @@ def plan_block_conversion(model: nn.Module, recipe: str | BlockRecipe = "mxfp8",
     container, tail_reasons, tail = _tail_reasons(model, names, resolved, blocks)
     kept_by_recipe = [_first_last_reasons(names) if resolved.keep_first_last else {}, _keep_reasons(names, keep),
                       tail_reasons]
-    converted, kept = [], []
+    converted, kept, as_built = [], [], []
     for name, module in model.named_modules():
         if not isinstance(module, nn.Linear):
+            continue
+        kind = getattr(module, "linear_kind", None)
+        if type(module) is not nn.Linear and isinstance(kind, str):
+            as_built.append((name, f"already {kind}, left as built"))
             continue
         reasons = _skip_reasons(name, module, resolved, kept_by_recipe, module_filter)
         if reasons:
             kept.append((name, "; ".join(reasons)))
         else:
             converted.append(name)
-    return BlockConversionReport(resolved, tuple(converted), tuple(kept), container, tail)
+    return BlockConversionReport(resolved, tuple(converted), tuple(kept), container, tail, tuple(as_built))
 
 
 def convert_to_block_scaled(model: nn.Module, recipe: str | BlockRecipe = "mxfp8",
@@ -210,24 +224,18 @@ def convert_to_block_scaled(model: nn.Module, recipe: str | BlockRecipe = "mxfp8
     replacements: dict[nn.Module, BlockScaledLinear] = {}
     for index, name in enumerate(report.converted):
         replacements[named[name]] = BlockScaledLinear.from_linear(named[name], recipe=report.recipe, index=index)
-    _swap(model, replacements)   # under every parent holding a converted module (shared ones too)
+    replace_modules(model, replacements)   # under every parent holding a converted module (shared ones too)
     return report
 
 
-def _swap(model: nn.Module, replacements: dict[nn.Module, nn.Module]) -> None:
-    """Put each replacement under every parent holding the module it replaces (shared modules too)."""
-    for parent in list(model.modules()):
-        for child_name, child in list(parent.named_children()):
-            if child in replacements:
-                setattr(parent, child_name, replacements[child])
-
-
-def revert_block_scaled(model: nn.Module) -> dict[str, BlockScaledLinear]:
-    """Replace every :class:`BlockScaledLinear` of ``model`` by a plain ``nn.Linear`` holding the same ``weight``
-    and ``bias`` Parameter objects, in place (its training mode kept; hooks not carried over). Returns the
-    replaced modules by qualified name (their recipe, index and stochastic rounding state, e.g. to continue a
-    stream after converting again). No tensor is copied; no host sync."""
-    found = {name: m for name, m in model.named_modules() if isinstance(m, BlockScaledLinear) and name}
+def revert_block_scaled(model: nn.Module, module_filter: ModuleFilter | None = None) -> dict[str, BlockScaledLinear]:
+    """Replace every :class:`BlockScaledLinear` of ``model`` (``module_filter(module, name)`` True, if given) by a
+    plain ``nn.Linear`` holding the same ``weight`` and ``bias`` Parameter objects, in place (its training mode and
+    hooks kept: :func:`~mixprec.blockscale.swap.replace_modules`). Returns the replaced modules by qualified name
+    (their recipe, index and stochastic rounding state, e.g. to continue a stream after converting again). No
+    tensor is copied; no host sync."""
+    found = {name: m for name, m in model.named_modules() if isinstance(m, BlockScaledLinear) and name
+             and (module_filter is None or module_filter(m, name))}
     replacements: dict[nn.Module, nn.Module] = {}
     for module in found.values():
         if module in replacements:
@@ -235,7 +243,7 @@ def revert_block_scaled(model: nn.Module) -> dict[str, BlockScaledLinear]:
         linear = nn.Linear(module.in_features, module.out_features, bias=module.bias is not None, device="meta")
         linear.weight, linear.bias = module.weight, module.bias
         replacements[module] = linear.train(module.training)
-    _swap(model, replacements)
+    replace_modules(model, replacements)
     return found
 
 

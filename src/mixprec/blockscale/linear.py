@@ -146,11 +146,14 @@ class BlockScaledLinear(nn.Linear):
             numbers them in registration order).
 
     Build from an existing linear, sharing its ``Parameter`` objects (optimizers and checkpoints keep working),
-    with :meth:`from_linear`.
+    with :meth:`from_linear`. ``built_by``: the policy text of the ``MixedPrecision`` engine that swapped this
+    linear in (its ``unwrap()`` swaps it back), None for one built by the caller (an engine runs it as built).
 
     Raises:
         ValueError: dimensions the recipe cannot scale (:func:`shape_problems`), a negative ``index``.
     """
+
+    built_by: str | None = None
 
     def __init__(self, in_features: int, out_features: int, bias: bool = True, device=None, dtype=None, *,
                  recipe: str | BlockRecipe = "mxfp8", index: int = 0) -> None:
@@ -180,6 +183,11 @@ class BlockScaledLinear(nn.Linear):
             new.hadamard_signs = random_signs(new.recipe.hadamard_size, new.recipe.seed, device=linear.weight.device)
         new.train(linear.training)
         return new
+
+    @property
+    def linear_kind(self) -> str:
+        """What runs this linear's GEMMs, in words: ``"block-scaled (recipe nvfp4)"``."""
+        return f"block-scaled (recipe {self.recipe.name})"
 
     @property
     def sr_seed(self) -> int:

@@ -30,6 +30,7 @@ from mixprec.engine.penalty import PenaltyGradients
 from mixprec.engine.preparation.attach import bind_optimizer
 from mixprec.engine.preparation.edits import ModelLayout, adopt_edited_params, adopt_model_edits, finish_model_edit
 from mixprec.engine.preparation.prepare import prepare
+from mixprec.engine.preparation.swaps import revert_engine_swaps
 from mixprec.engine.preparation.reprepare import load_engine_state
 from mixprec.engine.preparation.switch import switch_policy
 from mixprec.engine.records import Event
@@ -269,16 +270,16 @@ class MixedPrecision(EngineViews, FrozenControl, PenaltyGradients):
         return switch.event
 
     def unwrap(self, *, to_fp32: bool = False) -> nn.Module:
-        """Remove the engine's hooks and return the user's model; the engine is finished (autocast,
-        backward and step raise RuntimeError). ``to_fp32=True``: every floating param becomes fp32 in
-        place with its best value (master, else param plus Kahan compensation), for inference or export;
-        ValueError under a strategy, RuntimeError mid-accumulation. No host sync but adoptions'."""
+        """Remove the engine's hooks and swaps (:func:`revert_engine_swaps`), return the user's model; the engine is finished.
+        ``to_fp32=True``: each floating param becomes fp32 in place with its best value (master, else param + Kahan sum), for
+        fp32 inference or export; ValueError under a strategy, RuntimeError mid-accumulation. No host sync but adoptions'."""
         if to_fp32:
             self._strategy.refuse("to_fp32")
             self._check("unwrap(to_fp32=True)")
             adopt_edited_params(self)
             self.masters.write_fp32(best_fp32_values(self.masters, self.optimizer))
         self._features.remove()
+        revert_engine_swaps(self.module, sharded=self._strategy.shards_params)
         release(self)
         self._unwrapped = True
         return self.module

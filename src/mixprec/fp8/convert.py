@@ -7,8 +7,11 @@ GEMM's alignment). By default (``keep_first_last=True``) the network's first and
 ``nn.Linear`` (in registration order) stay in high precision, the usual fp8 practice: the
 first sees raw inputs, the last produces logits. Everything left alone is listed in the report with its
 reasons. The converted modules reuse the original ``weight``/``bias`` Parameter objects, so an
-optimizer (or a ``MixedPrecision`` engine) built before conversion keeps working; forward
-hooks of a swapped module are not carried over, so convert before installing hooks.
+optimizer (or a ``MixedPrecision`` engine) built before conversion keeps working; a swapped
+module's hooks are carried over (:func:`mixprec.blockscale.swap.replace_modules`, the one swap
+block-scaled linears use too). A linear already running its own GEMMs (a ``Float8Linear`` or a
+block-scaled one, told by ``linear_kind``) is kept as built, its reason saying so.
+:func:`revert_float8` swaps fp8 linears back to plain ``nn.Linear`` (the same Parameter objects).
 """
 
 from __future__ import annotations
@@ -18,10 +21,11 @@ from dataclasses import dataclass
 
 from torch import nn
 
+from mixprec.blockscale.swap import replace_modules
 from mixprec.fp8.linear import Float8Linear
 from mixprec.fp8.recipes import Float8Recipe
 
-__all__ = ["ConversionReport", "convert_to_float8"]
+__all__ = ["ConversionReport", "convert_to_float8", "revert_float8"]
 
 _DIM_MULTIPLE = 16
 
@@ -62,6 +66,9 @@ def _first_last_reasons(linear_names: list[str]) -> dict[str, str]:
 
 def _skip_reasons(name: str, module: nn.Module, first_last: dict[str, str],
                   module_filter: ModuleFilter | None) -> list[str]:
+    kind = getattr(module, "linear_kind", None)
+    if type(module) is not nn.Linear and isinstance(kind, str):
+        return [f"already {kind}, left as built"]
     reasons = []
     if type(module) is not nn.Linear:
         reasons.append(f"{type(module).__name__} is a subclass of nn.Linear; only plain nn.Linear is swapped")
@@ -108,9 +115,22 @@ def convert_to_float8(model: nn.Module, recipe: str | Float8Recipe = "tensorwise
             continue
         replacements[module] = Float8Linear.from_linear(module, recipe=resolved, use_scaled_mm=use_scaled_mm)
         converted.append(name)
-    # swap under every parent that holds a converted module (a shared module has several)
-    for parent in list(model.modules()):
-        for child_name, child in list(parent.named_children()):
-            if child in replacements:
-                setattr(parent, child_name, replacements[child])
+    replace_modules(model, replacements)   # under every parent holding a converted module (shared ones too)
     return ConversionReport(recipe=resolved, converted=tuple(converted), skipped=tuple(skipped))
+
+
+def revert_float8(model: nn.Module, module_filter: ModuleFilter | None = None) -> dict[str, Float8Linear]:
+    """Replace every :class:`Float8Linear` of ``model`` (``module_filter(module, name)`` True, if given) by a plain
+    ``nn.Linear`` holding the same ``weight`` and ``bias`` Parameter objects, in place (training mode and hooks
+    kept; the scaling state, e.g. delayed scaling's amax history, is dropped with the module). Returns the replaced
+    modules by qualified name. No tensor is copied; no host sync."""
+    found = {name: m for name, m in model.named_modules() if isinstance(m, Float8Linear) and name
+             and (module_filter is None or module_filter(m, name))}
+    replacements: dict[nn.Module, nn.Module] = {}
+    for module in found.values():
+        if module not in replacements:
+            linear = nn.Linear(module.in_features, module.out_features, bias=module.bias is not None, device="meta")
+            linear.weight, linear.bias = module.weight, module.bias
+            replacements[module] = linear.train(module.training)
+    replace_modules(model, replacements)
+    return found

@@ -235,8 +235,12 @@ class Float8Linear(nn.Linear):
 
     The scaling state (``delayed``: amax histories and scales) lives in the ``scaling``
     submodule's buffers and so in ``state_dict()``. Build from an existing linear, sharing its
-    ``Parameter`` objects, with :meth:`from_linear`.
+    ``Parameter`` objects, with :meth:`from_linear`. ``built_by``: the policy text of the
+    ``MixedPrecision`` engine that swapped this linear in (its ``unwrap()`` swaps it back), None
+    for one built by the caller (an engine runs it as built).
     """
+
+    built_by: str | None = None
 
     def __init__(self, in_features: int, out_features: int, bias: bool = True, device=None, dtype=None, *,
                  recipe: str | Float8Recipe = "tensorwise", fp8_format: str | None = None,
@@ -261,6 +265,11 @@ class Float8Linear(nn.Linear):
         new.scaling = new.recipe.make_scaling(device=linear.weight.device)
         new.train(linear.training)
         return new
+
+    @property
+    def linear_kind(self) -> str:
+        """What runs this linear's GEMMs, in words: ``"fp8 (recipe tensorwise(format=hybrid,margin=0))"``."""
+        return f"fp8 (recipe {self.recipe})"
 
     def forward(self, input: torch.Tensor) -> torch.Tensor:
         out_dtype = _compute_dtype(input)

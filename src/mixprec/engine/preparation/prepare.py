@@ -24,6 +24,7 @@ from torch import nn
 
 from mixprec.engine.masters import MasterWeights, best_fp32_values
 from mixprec.engine.misuse.outside import check_model_not_wrapped
+from mixprec.engine.preparation.swaps import check_prebuilt_linears, tag_swapped, zero_converted_note
 from mixprec.engine.regions import keep_fp32_modules
 from mixprec.engine.storage import FrozenParams, StoragePlan, dtype_text, plan_storage
 from mixprec.optim import contract
@@ -61,28 +62,28 @@ def prepare(model: nn.Module, policy: Policy, device: torch.device, strategy: An
             frozen: FrozenParams | None = None) -> Prepared:
     """Prepare ``model`` (fp32 params at the first build) under ``policy``, casting params in place.
 
-    First build (``masters`` None): check dtypes, move to ``device``, fp8 or block-scaled swaps, the strategy's
-    ``before_casts`` (``optimizer``: the one to rebind when FSDP2 swaps params; None without one).
-    Mid-run (``masters``: the current ones, ``frozen``: the engine's set): start from the best fp32
-    values and move ``optimizer``'s state (None: an evaluation engine, nothing to move). The caller
-    removes its hooks before and installs the new regions after. No host sync (one per frozen param
-    checked against fp16).
+    First build (``masters`` None): check dtypes and the linears already swapped, move to ``device``, fp8 or
+    block-scaled swaps, the strategy's ``before_casts`` (``optimizer``: the one to rebind when FSDP2 swaps params;
+    None without one). Mid-run (``masters``: the current ones, ``frozen``: the engine's set): start from the best
+    fp32 values and move ``optimizer``'s state (None: an evaluation engine, nothing to move). The caller removes
+    its hooks before and installs the new regions after. No host sync (one per frozen param checked against fp16).
 
     Raises:
-        ValueError: a param in a dtype the policy does not store; ``policy``'s keep_fp32 patterns match
-            no module; a frozen value does not fit a pure fp16 policy; the strategy cannot re-cast;
-            unfrozen params the optimizer does not hold; the optimizer cannot run ``policy``. Mid-run,
-            nothing has changed then.
+        ValueError: a param in a dtype the policy does not store; linears another engine swapped in under a
+            policy that swaps linears; ``policy``'s keep_fp32 patterns match no module; a frozen value does not
+            fit a pure fp16 policy; the strategy cannot re-cast; unfrozen params the optimizer does not hold; the
+            optimizer cannot run ``policy``. Mid-run, nothing has changed then.
     """
     first = masters is None
     swapped, upcast = {}, ""
     if first:
         check_model_not_wrapped(model, policy, strategy.name)
         check_param_dtypes(model, policy)
+        prebuilt = check_prebuilt_linears(model, policy)   # fp8 / block-scaled linears found: run as built
         model.to(device)
     keep = keep_fp32_modules(model, policy)
     if first:
-        swapped = convert_linears(model, policy, device, keep, strategy)
+        swapped = convert_linears(model, policy, device, keep, strategy, prebuilt)
         strategy.before_casts(model, policy, device, keep, optimizer)
         frozen, params = FrozenParams(model, watch_casts=not strategy.shards_params), list(model.parameters())
         upcast = upcast_note(model, policy)
@@ -188,11 +189,12 @@ def check_param_dtypes(model: nn.Module, policy: Policy) -> None:
         names = ", ".join(f"{n} ({dtype_text(d)})" for n, d in wrong[:5])
         more = f" and {len(wrong) - 5} more" if len(wrong) > 5 else ""
         other = sorted({dtype_text(d) for _, d in wrong})
+        own = (f", or pick the policy of the model's own format ({_SHORT[other[0]]}-pure for a model held in "
+               f"{other[0]})" if other[0] in _SHORT else f"; no policy stores {other[0]} (policy 'fp32' trains the "
+               "model all in fp32 after model.float())")
         raise ValueError(f"policy {policy} stores parameters in {dtype_text(policy.param_dtype)} and casts them "
                          f"itself, but the model holds {names}{more} in {', '.join(other)}. Fix: call model.float() "
-                         "before building MixedPrecision (the policy then stores each tensor as it says), or pick "
-                         f"the policy of the model's own format (e.g. {_SHORT.get(other[0], 'fp32')}-pure for a model held "
-                         f"in {other[0]})")
+                         f"before building MixedPrecision (the policy then stores each tensor as it says){own}")
 
 
 def upcast_note(model: nn.Module, policy: Policy) -> str:
@@ -207,11 +209,13 @@ def upcast_note(model: nn.Module, policy: Policy) -> str:
 
 
 def convert_linears(model: nn.Module, policy: Policy, device: torch.device, keep: dict[str, nn.Module],
-                    strategy: Any) -> dict[str, Any]:
+                    strategy: Any, prebuilt: str = "") -> dict[str, Any]:
     """The first build's swaps of linears (fp8: :func:`convert_fp8`; block-scaled: :func:`convert_block`, with the
     ``strategy``'s words on them; fp32 regions ``keep`` never), as :class:`Prepared`'s fields ``fp8_report``,
-    ``fp8_note``, ``block_report``, ``block_note``."""
+    ``fp8_note`` (after ``prebuilt``: the words on the fp8 and block-scaled linears found, run as built),
+    ``block_report``, ``block_note``."""
     fp8_report, fp8_note = convert_fp8(model, policy, device, keep)
+    fp8_note = prebuilt + fp8_note
     block_report, block_note = convert_block(model, policy, device, keep)
     block_note += strategy.block_note(policy) if block_note else ""
     return {"fp8_report": fp8_report, "fp8_note": fp8_note, "block_report": block_report, "block_note": block_note}
@@ -228,10 +232,15 @@ def convert_fp8(model: nn.Module, policy: Policy, device: torch.device, keep: di
     report = convert_to_float8(
         model, recipe=policy.fp8, fp8_format=policy.fp8_format, keep_first_last=policy.fp8_keep_ends,
         module_filter=outside_regions(keep))
+    tag_swapped(model, report.converted, policy)
     fast, why = fp8_available(device)
-    return report, (f"; fp8 linears ({policy.fp8}, {policy.fp8_format}): {len(report.converted)} converted, "
-                    f"{len(report.skipped)} kept in {str(policy.compute_dtype)[6:]}; "
-                    + ("torch._scaled_mm" if fast else "emulated: " + why))
+    built = sum(r.endswith("left as built") for _, r in report.skipped)   # named by check_prebuilt_linears
+    zero = "" if report.converted else zero_converted_note(policy, f"fp8 ({policy.fp8})",
+                                                           (r for _, r in report.skipped), built)
+    return report, zero + (f"; fp8 linears ({policy.fp8}, {policy.fp8_format}): {len(report.converted)} converted, "
+                           f"{len(report.skipped) - built} kept in {str(policy.compute_dtype)[6:]}"
+                           + (f", {built} left as built; " if built else "; ")
+                           + ("torch._scaled_mm" if fast else "emulated: " + why))
 
 
 def outside_regions(keep: dict[str, nn.Module]):
@@ -274,10 +283,16 @@ def convert_block(model: nn.Module, policy: Policy, device: torch.device, keep: 
     from mixprec.blockscale import convert_to_block_scaled
 
     report = convert_to_block_scaled(model, policy.block, module_filter=outside_regions(keep), keep=policy.block_keep)
+    tag_swapped(model, report.converted, policy)
     kept = f" ({_kept_words(report)})" if report.kept else ""
+    built = f", {len(report.as_built)} left as built ({', '.join(n for n, _ in report.as_built[:4])})" \
+        if report.as_built else ""
+    zero = "" if report.converted else zero_converted_note(
+        policy, f"block-scaled {report.recipe.name}", (r for _, r in report.kept + report.as_built),
+        len(report.as_built))
     compute = _SHORT.get(dtype_text(policy.compute_dtype), dtype_text(policy.compute_dtype))
-    return report, (f"; block-scaled linears {report.recipe}: {len(report.converted)} converted, {len(report.kept)} "
-                    f"kept in {compute}{kept}; {emulation_words(device)}")
+    return report, zero + (f"; block-scaled linears {report.recipe}: {len(report.converted)} converted, "
+                           f"{len(report.kept)} kept in {compute}{kept}{built}; {emulation_words(device)}")
 
 
 def switch_block_linears(model: nn.Module, old: Policy, new: Policy, device: torch.device,
@@ -291,7 +306,7 @@ def switch_block_linears(model: nn.Module, old: Policy, new: Policy, device: tor
         return ""
     from mixprec.blockscale import revert_block_scaled
 
-    before = revert_block_scaled(model)
+    before = revert_block_scaled(model, lambda module, name: module.built_by is not None)   # the caller's stay
     report, note = convert_block(model, new, device, keep)
     named = dict(model.named_modules())
     for name in () if report is None else report.converted:
