@@ -54,7 +54,7 @@ def test_without_vmhwm_the_floored_ru_maxrss_is_said_in_the_source_and_in_the_re
     own = "process peak RSS (VmHWM of /proc/self/status: this process's own)"
     floored = peak_source_lines({"policies": {"fp32": {"memory_source": RU_MAXRSS_SOURCE},
                                               "bf16-mixed": {"memory_source": RU_MAXRSS_SOURCE}}})
-    assert floored[0].startswith("**Peak memory is floored**") and f"{RU_MAXRSS_SOURCE} (fp32, bf16-mixed)" in floored[0]
+    assert floored[1].startswith("**Peak memory is floored**") and f"{RU_MAXRSS_SOURCE} (fp32, bf16-mixed)" in floored[1]
     fine = peak_source_lines({"policies": {"fp32": {"memory_source": own}, "bf16-mixed": {"memory_source": own}}})
-    assert fine == [f"Peak memory source: {own} (fp32, bf16-mixed).", ""]
-    assert peak_source_lines({"policies": {"fp32": {"memory_source": None}}}) == []
+    assert fine == ["", f"Peak memory source: {own} (fp32, bf16-mixed).", ""]
+    assert peak_source_lines({"policies": {"fp32": {"memory_source": None}}}) == [""]

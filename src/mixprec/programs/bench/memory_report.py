@@ -66,16 +66,16 @@ def budget_lines(results: dict) -> list[str]:
 def peak_source_lines(results: dict) -> list[str]:
     """report.md's line on where the peak-memory column was read (each row's ``memory_source``), with a warning
     when a row could read only a peak floored at its launcher's (``ru_maxrss``: its ratio to fp32's is then no
-    evidence). Empty when no row says."""
+    evidence), between blank lines; a blank line alone when no row says."""
     by_source: dict[str, list[str]] = {}
     for name, e in results["policies"].items():
         if e.get("memory_source"):
             by_source.setdefault(e["memory_source"], []).append(label(name))
     if not by_source:
-        return []
+        return [""]
     text = "; ".join(f"{source} ({', '.join(names)})" for source, names in by_source.items())
     floored = any("floored" in source for source in by_source)
-    return [("**Peak memory is floored** (no per-process peak on this system; a ratio near 1.00x says nothing): "
+    return ["", ("**Peak memory is floored** (no per-process peak on this system; a ratio near 1.00x says nothing): "
              if floored else "Peak memory source: ") + text + ".", ""]
 
 

@@ -280,7 +280,6 @@ def report_markdown(results: dict) -> str:
         "| " + " | ".join(headers) + " |",
         "|" + "|".join("---" if i < 2 else "---:" for i in range(len(headers))) + "|",
         *("| " + " | ".join(cells(name, e)[k] for k in keys) + " |" for name, e in results["policies"].items()),
-        "",
         *peak_source_lines(results),
         *op_plan_markdown(results),
         *eval_curve_lines(results),
