@@ -161,13 +161,18 @@ def test_the_advice_keeps_the_planted_linear_in_bf16_and_that_policy_trains_with
     report = inspect(model, workload.batches("train", 0), workload.loss, formats=("bf16", "nvfp4"), steps=1,
                      optimizer=workload.make_optimizer)
     advice = report.block_advice("nvfp4")
-    assert advice.keep == ("blocks.0.fc",) and [v.operand for v in advice.failing] == ["W"]
+    # fc's weight fails by SQNR; its output, one large row in 16, reaches proj's input as one large element per
+    # 16-element block among small ones, which flush (proj's x: the underflow criterion, test_block_underflow.py)
+    assert advice.keep == ("blocks.0.fc", "blocks.0.proj")
+    assert [(v.operand, v.criterion) for v in advice.failing] == [("W", "sqnr"), ("x", "underflow")]
     floor = report.block_stats("nvfp4").reference_sqnr_db["W"] - BLOCK_SQNR_SLACK_DB
     assert advice.failing[0].floor_db == floor and advice.failing[0].sqnr_db < 8 < floor
+    assert advice.failing[1].underflow > advice.failing[1].underflow_bound
     assert "blocks.0.fc" in advice.kept_in_bf16() and "lm_head" in advice.kept_in_bf16()   # the recipe's own too
     policy = advice.policy
     assert policy.block == "nvfp4" and Policy.parse(str(policy)) == policy
-    assert str(policy) in ("nvfp4-mixed,block_keep=blocks.0.fc", "nvfp4-mixed,block_keep=blocks.*.fc")
+    assert str(policy) in ("nvfp4-mixed,block_keep=blocks.0.fc|blocks.0.proj",
+                           "nvfp4-mixed,block_keep=blocks.*.fc|blocks.0.proj")
     assert report.recommend().block == (advice,)
     under_study = inspect(model, workload.batches("train", 0), workload.loss, formats=("bf16", "nvfp4"), steps=1,
                           optimizer=workload.make_optimizer, policy="nvfp4-mixed").recommend()
@@ -176,7 +181,7 @@ def test_the_advice_keeps_the_planted_linear_in_bf16_and_that_policy_trains_with
     mp = MixedPrecision(model, workload.make_optimizer(model), policy=policy, device="cpu")
     kept = dict(mp.block_report.kept)
     assert kept["blocks.0.fc"].startswith("kept by block_keep pattern") and "block_keep: blocks.0.fc" in mp.decision
-    assert type(model.blocks[0].fc) is nn.Linear and isinstance(model.blocks[0].proj, BlockScaledLinear)
+    assert type(model.blocks[0].fc) is nn.Linear and isinstance(model.blocks[0].attn.proj, BlockScaledLinear)
     seen = []
     model.blocks[0].fc.register_forward_hook(lambda m, a, out: seen.append((a[0].dtype, m.weight.dtype, out.dtype)))
     losses = []
@@ -199,9 +204,25 @@ def test_a_linear_the_recipe_keeps_is_reported_below_its_floor_but_not_added():
     report = inspect(model, workload.batches("train", 0), workload.loss, formats=("nvfp4",), steps=1,
                      optimizer=workload.make_optimizer)
     advice = report.block_advice("nvfp4")
-    assert advice.keep == () and [v.linear for v in advice.failing] == ["blocks.1.fc"]
+    assert advice.keep == () and [v.linear for v in advice.failing] == ["blocks.1.fc", "blocks.1.proj"]
     assert advice.failing[0].kept.startswith("in the bf16 tail") and advice.policy == Policy.parse("nvfp4-mixed")
     assert any("kept by the recipe already: blocks.1.fc" in r for r in advice.reasons)
     assert report.block_advice("nvfp4", slack_db=-100.0).keep   # a target no linear meets keeps every converted one
     with pytest.raises(ValueError, match=r"slack_db=nan must be a finite number of dB"):
         report.block_advice("nvfp4", slack_db=float("nan"))
+
+
+def test_a_policy_under_study_whose_compute_format_is_not_inspected_is_refused_before_any_step():
+    """nvfp4-mixed computes its unconverted layers in bf16, which its advice reads: formats=("nvfp4",) alone is
+    refused up front (the batches are never drawn), naming the argument, the value and the fix."""
+    def batches():
+        raise AssertionError("a batch was drawn: the check came after a training step")
+        yield
+
+    with pytest.raises(ValueError, match=r"^inspect formats=nvfp4: the policy under study, nvfp4-mixed, computes in "
+                                         r"bf16, .*add it: formats=nvfp4,bf16 \(mixprec inspect --formats nvfp4,bf16\)"):
+        inspect(Three(), batches(), _mse, policy="nvfp4-mixed", formats=("nvfp4",), steps=1)
+    with pytest.raises(ValueError, match=r"formats=fp16,mxfp8_e4m3: the policy under study, mxfp8-mixed, computes in bf16"):
+        inspect(Three(), batches(), _mse, policy="mxfp8-mixed", formats=("fp16", "mxfp8"), steps=1)
+    report = inspect(Three(), _regression(1), _mse, policy="nvfp4-mixed", formats=("bf16", "nvfp4"), steps=1)
+    assert report.formats == ("bf16",) and report.block_formats == ("nvfp4",) and report.recommend().policy.block

@@ -360,7 +360,7 @@ def test_inspect_command_writes_the_three_files(tmp_path, capsys):
     report = NumericsReport.from_json((tmp_path / "numerics.json").read_text())
     # bf16-mixed where auto's measurement on this model finds it faster, else fp32 (issue 25): numerics.json keeps it
     assert report.speed is not None and report.recommend().policy.compute_dtype == PRESETS[report.speed.choice].compute_dtype
-    assert f"advised policy: {report.recommend().policy}" in capsys.readouterr().out
+    assert f"advised policy on this device (as it trains here now): {report.recommend().policy}" in capsys.readouterr().out
     assert report.steps == 2 and report.formats == ("fp16", "bf16", "e4m3fn", "e5m2")
 
 

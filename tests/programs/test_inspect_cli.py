@@ -55,7 +55,9 @@ def test_inspect_with_a_block_format_prints_the_linears_kept_in_bf16_and_the_adv
     assert ("nvfp4: keep in bf16: blocks.0.attn.qkv (first Linear), blocks.1.attn.qkv (bf16 tail), "
             "blocks.1.attn.proj (bf16 tail), blocks.1.fc (bf16 tail), blocks.1.proj (bf16 tail), "
             "lm_head (last Linear+shape)") in printed
-    assert "\nnvfp4: advised policy: nvfp4-mixed" in printed
+    assert printed.startswith("advised policy on this device (as it trains here now): ")
+    assert "\nnvfp4: for an nvfp4 run (native block-scaled GEMMs: NVIDIA Blackwell, e.g. B200; emulated, and slower " \
+           "than bf16, elsewhere): nvfp4-mixed\n" in printed and printed.count("advised policy") == 1
     data = json.loads((out / "numerics.json").read_text())
     assert [b["format"] for b in data["block"]] == ["nvfp4"] and "## Block formats" in (out / "numerics.md").read_text()
 
@@ -68,3 +70,14 @@ def test_bench_runs_an_advised_block_policy_and_its_decision_names_the_kept_line
                  "--device", "cpu", "--seeds", "1", "--eval-every", "0", "--no-peer"]) == 0
     row = json.loads((out / "results.json").read_text())["policies"][policy]
     assert row["final_eval_loss"] is not None and "block_keep: blocks.0.fc" in row["decision"]
+
+
+def test_inspect_refuses_a_policy_whose_compute_format_is_missing_before_training(tmp_path, capsys):
+    """`--formats nvfp4 --policy nvfp4-mixed` used to run the whole inspection, then fail and write nothing."""
+    out = tmp_path / "inspect"
+    assert main(["inspect", "--workload", "gpt", "--config", "tiny", "--steps", "1", "--formats", "nvfp4",
+                 "--policy", "nvfp4-mixed", "--device", "cpu", "--out", str(out)]) == 2
+    err = capsys.readouterr().err
+    assert ("inspect formats=nvfp4: the policy under study, nvfp4-mixed, computes in bf16, which its advice reads; "
+            "add it: formats=nvfp4,bf16 (mixprec inspect --formats nvfp4,bf16)") in err
+    assert not out.exists()

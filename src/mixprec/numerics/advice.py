@@ -42,6 +42,7 @@ Rules (thresholds are the module constants below; formats come from :mod:`mixpre
 from __future__ import annotations
 
 import math
+from collections.abc import Iterable
 from dataclasses import dataclass
 
 import torch
@@ -56,7 +57,7 @@ from mixprec.policy.policy import PRESETS, Policy
 __all__ = ["Flag", "Recommendation", "FLUSH_LIMIT", "FLUSH_ENERGY_LIMIT", "LOST_UPDATE_LIMIT",
            "PARAM_LOST_UPDATE_LIMIT", "LOSS_SCALE_MARGIN", "SQNR_SLACK_DB",
            "sqnr_limit_db", "safe_loss_scale", "module_flags", "flags", "risk", "keep_fp32_patterns",
-           "recommend"]
+           "check_policy_formats", "recommend"]
 
 FLUSH_LIMIT = 0.01          # a module is flagged when > 1 % of its non-zero values round to zero
 FLUSH_ENERGY_LIMIT = 1e-6   # ... and they carry > 1e-6 of the squared norm (0.1 % of the norm)
@@ -350,6 +351,17 @@ def _storage_advice(report: NumericsStats, policy: Policy) -> tuple[Policy, list
     return policy.replace(master_dtype=torch.float32), [f"{detail} → keep master weights (master=fp32), {alternatives}"]
 
 
+def check_policy_formats(policy: Policy, formats: Iterable[str]) -> None:
+    """Raise ValueError (naming ``formats``, the missing names and the fix) unless ``formats`` (names) hold every
+    format ``policy`` computes or stores in, which its advice reads; :func:`mixprec.numerics.inspect` checks first."""
+    formats = tuple(formats)
+    missing = tuple(f.name for f in _compute_formats(policy) if f.name not in formats)
+    if missing:
+        raise ValueError(f"inspect formats={','.join(formats)}: the policy under study, {policy}, computes in "
+                         f"{','.join(missing)}, which its advice reads; add it: formats={','.join(formats + missing)} "
+                         f"(mixprec inspect --formats {','.join(formats + missing)})")
+
+
 def recommend(report: NumericsStats) -> Recommendation:
     """The advised policy for ``report`` (module docstring for the rules)."""
     policy, why = _choose_base(report)
@@ -364,10 +376,7 @@ def recommend(report: NumericsStats) -> Recommendation:
         compare = _compare_fp16(report)
         if compare:
             reasons[0] += f" (fp16 instead: {compare})"
-    missing = [f.name for f in _compute_formats(policy) if f.name not in report.formats]
-    if missing:
-        raise ValueError(f"policy {policy} computes in {missing}, which the report did not inspect; "
-                         f"inspect with formats including {missing}")
+    check_policy_formats(policy, report.formats)
     unsafe: list[str] = []
     for fmt in _compute_formats(policy):
         found = flags(report, fmt)

@@ -2,7 +2,9 @@
 
 **The rule.** A linear fails a block format when one of its GEMM operands (``x``, ``W``, ``dy``, measured as the
 recipe's GEMMs read them: :mod:`mixprec.numerics.block_stats`) has an SQNR more than ``slack_db``
-(:data:`BLOCK_SQNR_SLACK_DB`, 3 dB) below the operand's *reference* SQNR, the one the same format and recipe give
+(:data:`BLOCK_SQNR_SLACK_DB`, 3 dB) below the operand's *reference* SQNR, or flushes to zero a share of its
+non-zero elements above the operand's *underflow bound* (:func:`underflow_bound`: twice the reference's share
+and at least :data:`BLOCK_UNDERFLOW_MARGIN`, 10 percentage points, above it), the one the same format and recipe give
 i.i.d. normal data (``BlockFormatStats.reference_sqnr_db``: NVFP4 with its recipe about 20 / 19 / 17 dB for
 ``x`` / ``W`` (16x16 tiles) / ``dy`` (stochastically rounded), MXFP8 about 31.5 dB). A failing linear that the
 recipe converts is named in the advised policy's ``block_keep`` (it stays ``nn.Linear`` in bf16); one the recipe
@@ -19,9 +21,21 @@ publish their loss deltas (MXFP8 at parity with bf16, NVFP4 within a few percent
 through that layer. Keeping it in bf16 removes its share. The reference is computed, not tabulated, so every
 format and recipe gets its own target; 3 dB is ten times the spread of the measured SQNRs of normal-like
 operands (about ±0.3 dB), so a well-behaved layer is not kept by chance. ``slack_db`` is the knob: a smaller
-slack is a tighter loss-delta target. What this proxy does not see: a layer whose few flushed blocks carry
-little of its norm keeps a good SQNR (the underflow column shows them); the bench's quality gate is the
-evidence that the advised policy trains.
+slack is a tighter loss-delta target.
+
+**Why an underflow bound too.** SQNR weighs each element by its power, so an operand whose blocks hold a few
+large elements among many small ones keeps a good SQNR while the small ones are flushed: a weight of 0.01s with
+one 3.0 per 16x16 tile loses 99.6 % of its elements in NVFP4 at an SQNR far above the floor, because the large
+elements carry the signal power. A GEMM reads each flushed element as zero; what the small elements add up to
+over a contraction (a bias, a direction the large ones do not span) is gone, which the additive-noise model
+behind the SQNR rule does not see. So the flushed share is judged on its own, against the same reference: normal
+data flushes what the format's block scale implies (NVFP4 about 7 % of ``x`` and ``dy`` and 10 % of ``W``,
+MXFP8 about none). The bound mirrors the 3 dB slack (twice the error power): twice the reference's share, twice
+the elements a well-behaved operand loses; and at least 10 points above it, so that a format whose reference
+flushes nearly nothing (MXFP8) does not flag an operand for a few tiny elements. Measured operands of gpt/tiny
+lie within 4 points of the reference (NVFP4: 6.3-10.6 % against 6.7-10.2 %), far from either bound. What
+neither criterion sees: a layer whose few flushed elements matter more than their share; the bench's quality
+gate is the evidence that the advised policy trains.
 """
 
 from __future__ import annotations
@@ -30,30 +44,43 @@ import math
 from dataclasses import dataclass
 
 from mixprec.numerics.block_stats import BlockFormatStats, LinearBlockStats
-from mixprec.numerics.figures import num
+from mixprec.numerics.figures import num, pct
 from mixprec.numerics.patterns import covering_patterns
 from mixprec.numerics.stats import NumericsStats
 from mixprec.policy.choices import BLOCK_RECIPE_NAMES
 from mixprec.policy.linears import block_preset_text
 from mixprec.policy.policy import Policy
 
-__all__ = ["BLOCK_SQNR_SLACK_DB", "BlockVerdict", "BlockAdvice", "block_verdicts", "advise_block", "block_risk",
-           "judge_block_policy"]
+__all__ = ["BLOCK_SQNR_SLACK_DB", "BLOCK_UNDERFLOW_MARGIN", "underflow_bound", "BlockVerdict", "BlockAdvice",
+           "block_run", "block_verdicts", "advise_block", "block_risk", "judge_block_policy"]
 
 BLOCK_SQNR_SLACK_DB = 3.0   # fail: an operand's SQNR this far below the format's reference (twice its error power)
+BLOCK_UNDERFLOW_MARGIN = 0.10   # fail: a flushed share at least this far above the reference's (and twice it)
 _MARGINAL_DB = 1.5          # heatmap "marginal": within this of failing
 
 
 @dataclass(frozen=True)
 class BlockVerdict:
-    """One failing linear: its worst ``operand`` below its floor (``sqnr_db`` < ``floor_db``) and ``kept``, the
-    recipe's reason for keeping it anyway (``""``: the recipe converts it, so the advice keeps it)."""
+    """One failing linear: the ``operand`` that fails and ``kept``, the recipe's reason for keeping it anyway
+    (``""``: the recipe converts it, so the advice keeps it). ``criterion`` ``"sqnr"``: the operand furthest below
+    its floor (``sqnr_db`` < ``floor_db``); ``"underflow"`` (no operand below its SQNR floor): the operand furthest
+    above its underflow bound (``underflow`` > ``underflow_bound``, shares of its non-zero elements). Every field
+    is filled for the failing operand whichever the criterion."""
 
     linear: str
     operand: str
     sqnr_db: float
     floor_db: float
     kept: str
+    criterion: str = "sqnr"
+    underflow: float = 0.0
+    underflow_bound: float = 1.0
+
+    def why(self) -> str:
+        """The failure in words, e.g. ``"W SQNR 7.6 dB < 16.1"`` or ``"W underflow 99.6% > 20.4%"``."""
+        if self.criterion == "underflow":
+            return f"{self.operand} underflow {pct(self.underflow)} > {pct(self.underflow_bound)}"
+        return f"{self.operand} SQNR {num(self.sqnr_db, 3)} dB < {self.floor_db:.1f}"
 
 
 @dataclass(frozen=True)
@@ -79,21 +106,43 @@ class BlockAdvice:
     def __str__(self) -> str:
         policy = "none (no block policy runs this recipe)" if self.policy is None else str(self.policy)
         return (f"{self.format}: keep in bf16: {', '.join(self.kept_in_bf16()) or 'nothing'}\n"
-                f"{self.format}: advised policy: {policy}\n" + "\n".join(f"- {r}" for r in self.reasons))
+                f"{self.format}: {block_run(self.format)}: {policy}\n" + "\n".join(f"- {r}" for r in self.reasons))
+
+
+def block_run(fmt: str) -> str:
+    """Whose advice a block format's policy is, in words: ``"for an nvfp4 run (native block-scaled GEMMs: NVIDIA
+    Blackwell, e.g. B200; emulated, and slower than bf16, elsewhere)"``, so it does not read as a rival of the
+    elementwise advice, which is for the device the inspector ran on."""
+    article = "an" if fmt[:1] in "aeimnosx" else "a"
+    return (f"for {article} {fmt} run (native block-scaled GEMMs: NVIDIA Blackwell, e.g. B200; emulated, and slower "
+            "than bf16, elsewhere)")
 
 
 def _floor(stats: BlockFormatStats, operand: str, slack_db: float) -> float:
     return stats.reference_sqnr_db[operand] - slack_db
 
 
+def underflow_bound(reference_underflow: float) -> float:
+    """The largest flushed share (0..1) of an operand's non-zero elements that passes, given the share the
+    reference (normal data) flushes: ``max(2 * reference, reference + BLOCK_UNDERFLOW_MARGIN)`` (module
+    docstring), e.g. 0.204 for NVFP4's ``W`` (reference 0.102), 0.10 for a reference of 0."""
+    return max(2 * reference_underflow, reference_underflow + BLOCK_UNDERFLOW_MARGIN)
+
+
 def _verdict(stats: BlockFormatStats, linear: LinearBlockStats, slack_db: float) -> BlockVerdict | None:
-    """The linear's worst operand relative to its floor, if below it (NaN counts as failing)."""
-    worst: BlockVerdict | None = None
+    """The linear's worst operand below its SQNR floor (NaN counts as failing), else its worst above its underflow
+    bound, else None."""
+    found: list[tuple[int, float, BlockVerdict]] = []
     for operand, s in linear.operands.items():
-        floor = _floor(stats, operand, slack_db)
-        if not s.sqnr_db >= floor and (worst is None or s.sqnr_db - floor < worst.sqnr_db - worst.floor_db):
-            worst = BlockVerdict(linear.name, operand, s.sqnr_db, floor, linear.kept)
-    return worst
+        floor, bound = _floor(stats, operand, slack_db), underflow_bound(stats.reference[operand].underflow)
+        fields = (linear.name, operand, s.sqnr_db, floor, linear.kept)
+        if not s.sqnr_db >= floor:
+            found.append((0, s.sqnr_db - floor, BlockVerdict(*fields, "sqnr", s.underflow, bound)))
+        elif s.underflow > bound:
+            found.append((1, bound - s.underflow, BlockVerdict(*fields, "underflow", s.underflow, bound)))
+    if not found:
+        return None
+    return min(found, key=lambda f: (f[0], -math.inf if math.isnan(f[1]) else f[1]))[2]   # SQNR first, then worst
 
 
 def block_verdicts(stats: BlockFormatStats, slack_db: float = BLOCK_SQNR_SLACK_DB) -> list[BlockVerdict]:
@@ -113,7 +162,7 @@ def _base(stats: BlockFormatStats, base: Policy | None) -> Policy | None:
 
 
 def _words(verdicts: list[BlockVerdict] | tuple[BlockVerdict, ...], limit: int = 4) -> str:
-    items = [f"{v.linear} ({v.operand} {num(v.sqnr_db, 3)} dB < {v.floor_db:.1f})" for v in verdicts[:limit]]
+    items = [f"{v.linear} ({v.why()})" for v in verdicts[:limit]]
     return ", ".join(items) + (f" and {len(verdicts) - limit} more" if len(verdicts) > limit else "")
 
 
@@ -129,15 +178,18 @@ def advise_block(report: NumericsStats, fmt: str, *, base: Policy | None = None,
     verdicts = block_verdicts(stats, slack_db)
     keep = tuple(v.linear for v in verdicts if not v.kept)
     recipe_keeps = tuple((n, s.kept) for n, s in stats.linears.items() if s.kept)
+    ref, bound = stats.reference, {op: underflow_bound(s.underflow) for op, s in stats.reference.items()}
     reasons = [f"{stats.format} under {stats.recipe}: a linear is kept in bf16 when an operand's SQNR is more than "
-               f"{slack_db:g} dB below what the recipe gives normal data (x {stats.reference_sqnr_db['x']:.1f}, "
-               f"W {stats.reference_sqnr_db['W']:.1f}, dy {stats.reference_sqnr_db['dy']:.1f} dB)"]
+               f"{slack_db:g} dB below what the recipe gives normal data (x {ref['x'].sqnr_db:.1f}, "
+               f"W {ref['W'].sqnr_db:.1f}, dy {ref['dy'].sqnr_db:.1f} dB) or it flushes more of its non-zero "
+               f"elements than twice normal data's share and {100 * BLOCK_UNDERFLOW_MARGIN:g} points above it (x "
+               f"{pct(bound['x'])}, W {pct(bound['W'])}, dy {pct(bound['dy'])})"]
     if keep:
         reasons.append(f"block_keep: {_words([v for v in verdicts if not v.kept])}")
     else:
-        reasons.append("no linear the recipe converts is below its floor: nothing to add to the recipe's own keeps")
+        reasons.append("no linear the recipe converts fails either criterion: nothing to add to the recipe's own keeps")
     if any(v.kept for v in verdicts):
-        reasons.append(f"below the floor but kept by the recipe already: {_words([v for v in verdicts if v.kept])}")
+        reasons.append(f"failing but kept by the recipe already: {_words([v for v in verdicts if v.kept])}")
     policy = _base(stats, base)
     if policy is None:
         reasons.append(f"no policy runs {stats.format} linears (the block recipes: {', '.join(BLOCK_RECIPE_NAMES)}); "
@@ -154,8 +206,8 @@ def advise_block(report: NumericsStats, fmt: str, *, base: Policy | None = None,
 
 
 def block_risk(report: NumericsStats, module: str, fmt: str) -> tuple[int, str]:
-    """(level, short text) of one heatmap cell: 2 failing (text: the operand and its SQNR), 1 within
-    ``_MARGINAL_DB`` of the floor, 0 fine (text: the worst SQNR); ``(-1, "")`` for a module that is no measured
+    """(level, short text) of one heatmap cell: 2 failing (text: the operand and its SQNR, or its flushed share), 1
+    within ``_MARGINAL_DB`` of the floor, 0 fine (text: the worst SQNR); ``(-1, "")`` for a module that is no measured
     linear. A linear the recipe keeps gets the text ``kept``."""
     stats = report.block_stats(fmt)
     linear = stats.linears.get(module)
@@ -164,6 +216,8 @@ def block_risk(report: NumericsStats, module: str, fmt: str) -> tuple[int, str]:
         return (-1, "kept" if linear is not None and linear.kept else "")
     verdict = _verdict(stats, linear, BLOCK_SQNR_SLACK_DB)
     suffix = " (kept)" if linear.kept else ""
+    if verdict is not None and verdict.criterion == "underflow":
+        return 2, f"{verdict.operand} flushed {verdict.underflow:.0%}{suffix}"
     if verdict is not None:
         return 2, f"{verdict.operand} {verdict.sqnr_db:.0f} dB{suffix}"
     margin = min(s.sqnr_db - _floor(stats, op, BLOCK_SQNR_SLACK_DB) for op, s in linear.operands.items())

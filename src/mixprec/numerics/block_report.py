@@ -7,7 +7,8 @@ from __future__ import annotations
 import math
 
 from mixprec.blockscale.recipe import OPERANDS
-from mixprec.numerics.block_advice import BLOCK_SQNR_SLACK_DB, BlockAdvice, advise_block, block_verdicts
+from mixprec.numerics.block_advice import (BLOCK_SQNR_SLACK_DB, BLOCK_UNDERFLOW_MARGIN, BlockAdvice, advise_block,
+                                           block_run, block_verdicts)
 from mixprec.numerics.block_stats import BlockFormatStats, BlockStats
 from mixprec.numerics.figures import pct
 from mixprec.numerics.stats import NumericsStats
@@ -46,11 +47,12 @@ def _table(stats: BlockFormatStats) -> list[str]:
             "verdict"]
     failing = {v.linear: v for v in block_verdicts(stats)}
     rows = [["normal data (reference)", "256x256", *_cells(stats.reference),
-             f"floor: reference - {BLOCK_SQNR_SLACK_DB:g} dB"]]
+             f"floor: reference - {BLOCK_SQNR_SLACK_DB:g} dB; underflow bound: max(2 x reference, reference + "
+             f"{100 * BLOCK_UNDERFLOW_MARGIN:g} points)"]]
     for linear in stats.linears.values():
         verdict = failing.get(linear.name)
         words = ("not measured" if not linear.operands else
-                 f"{verdict.operand} below floor {verdict.floor_db:.1f}" if verdict is not None else "ok")
+                 verdict.why() if verdict is not None else "ok")
         if linear.kept:
             words += f"; kept by the recipe ({kept_tag(linear.kept)})"
         elif verdict is not None:
@@ -63,7 +65,7 @@ def _advice_lines(advice: BlockAdvice) -> list[str]:
     policy = "none (no block policy runs this recipe)" if advice.policy is None else f"`{advice.policy}`"
     recipe = ", ".join(f"{name} ({kept_tag(reason)})" for name, reason in advice.recipe_keeps) or "none"
     return [f"Keep in bf16: {', '.join(advice.keep) or 'nothing beyond the recipe'}; the recipe keeps {recipe}.",
-            "", f"Advised policy: {policy}", "", *(f"- {r}" for r in advice.reasons), ""]
+            "", f"Advised policy {block_run(advice.format)}: {policy}", "", *(f"- {r}" for r in advice.reasons), ""]
 
 
 def block_markdown(report: NumericsStats) -> list[str]:
@@ -87,9 +89,8 @@ def block_console(report: NumericsStats) -> list[str]:
     for stats in report.block:
         advice = advise_block(report, stats.format)
         recipe = [f"{name} ({kept_tag(reason)})" for name, reason in advice.recipe_keeps]
-        advised = [f"{v.linear} ({v.operand} SQNR {_db(v.sqnr_db)} dB < {v.floor_db:.1f})"
-                   for v in advice.failing if not v.kept]
+        advised = [f"{v.linear} ({v.why()})" for v in advice.failing if not v.kept]
         lines.append(f"{stats.format}: keep in bf16: {', '.join(recipe + advised) or 'nothing'}")
         policy = "none (no block policy runs this recipe)" if advice.policy is None else str(advice.policy)
-        lines.append(f"{stats.format}: advised policy: {policy}")
+        lines.append(f"{stats.format}: {block_run(stats.format)}: {policy}")
     return lines

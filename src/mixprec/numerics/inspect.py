@@ -47,7 +47,7 @@ from torch import nn
 
 from mixprec.formats import BLOCK_FORMATS, FORMATS, BlockFormat, Format, get_block_format, get_format
 from mixprec.engine.loss_scale import DynamicConfig
-from mixprec.numerics.advice import LOSS_SCALE_MARGIN, safe_loss_scale
+from mixprec.numerics.advice import LOSS_SCALE_MARGIN, check_policy_formats, safe_loss_scale
 from mixprec.numerics.block_measure import BlockRecorder
 from mixprec.numerics.counts import _HostCounts
 from mixprec.numerics.localise import locate_nonfinite
@@ -106,8 +106,10 @@ def _check_args(model: nn.Module, steps: int, lr: float | None) -> None:
                          "Inspect the model before MixedPrecision casts it, or pass a fp32 copy")
 
 
-def _resolve_formats(formats: Iterable[str | Format | BlockFormat]) -> tuple[list[Format], list[BlockFormat]]:
-    """The elementwise and the block formats named in ``formats`` (each once, in order)."""
+def _resolve_formats(formats: Iterable[str | Format | BlockFormat],
+                     policy: Policy) -> tuple[list[Format], list[BlockFormat]]:
+    """The elementwise and the block formats named in ``formats`` (each once, in order), checked to hold what
+    ``policy`` computes in (:func:`~mixprec.numerics.advice.check_policy_formats`: before any training step)."""
     if isinstance(formats, (str, Format, BlockFormat)):
         formats = (formats,)
     elementwise: list[Format] = []
@@ -126,7 +128,9 @@ def _resolve_formats(formats: Iterable[str | Format | BlockFormat]) -> tuple[lis
                                  f"format ({sorted(BLOCK_FORMATS)})") from None
     if not elementwise and not block:
         raise ValueError(f"inspect formats={formats!r} is empty; e.g. formats={DEFAULT_FORMATS}")
-    return list(dict.fromkeys(elementwise)), list(dict.fromkeys(block))
+    elementwise, block = list(dict.fromkeys(elementwise)), list(dict.fromkeys(block))
+    check_policy_formats(policy, [f.name for f in elementwise] + [b.name for b in block])
+    return elementwise, block
 
 
 def _loss_of(loss_fn: Callable, model: nn.Module, batch: Any) -> torch.Tensor:
@@ -156,8 +160,8 @@ def inspect(model: nn.Module, batches: Iterable[Any], loss_fn: Callable[[nn.Modu
             ``"e4m3fn"``), and block formats (names such as ``"nvfp4"``, ``"mxfp8"``, or
             :class:`~mixprec.formats.BlockFormat`): every ``nn.Linear`` measured in them under the recipe of
             :func:`mixprec.numerics.block_measure.recipe_for_format` (the report's ``block``).
-        steps: training steps (the error measurement runs on the last one).
-        lr: learning rate of every parameter group (``None``: the optimizer's own, or 1e-3).
+        steps: training steps (the error measurement runs on the last one). lr: learning rate of every parameter
+            group (``None``: the optimizer's own, or 1e-3).
         optimizer: ``None`` (``torch.optim.AdamW``), an optimizer over ``model``'s parameters (copied
             with the model, state included), or a factory ``model -> Optimizer`` such as
             ``workload.make_optimizer``.
@@ -168,13 +172,14 @@ def inspect(model: nn.Module, batches: Iterable[Any], loss_fn: Callable[[nn.Modu
         scheduler): lost updates are measured at the given, peak, rate.
 
     Raises:
-        ValueError / TypeError: bad arguments; fewer than ``steps`` batches; a non-fp32 model; or
+        ValueError / TypeError: bad arguments (``formats`` without ``policy``'s compute format, checked before any
+            step: e.g. ``bf16`` for ``nvfp4-mixed``); fewer than ``steps`` batches; a non-fp32 model; or
             a reference step that went non-finite in fp32 (the message names where, via
             :func:`mixprec.numerics.locate_nonfinite`).
     """
     _check_args(model, steps, lr)
     policy = Policy.parse(policy)
-    fmts, block_fmts = _resolve_formats(formats)
+    fmts, block_fmts = _resolve_formats(formats, policy)
     first = next(model.parameters(), None)
     device = torch.device(device) if device is not None else (first.device if first is not None else torch.device("cpu"))
     ref_model, opt = _reference_copy(model, optimizer, lr)

@@ -135,7 +135,7 @@ class NumericsReport(NumericsStats):
             "",
             "## Recommendation",
             "",
-            f"Policy: `{rec.policy}`" + (f"; initial loss scale {pow2(rec.initial_loss_scale)}"
+            f"Policy on this device (as it trains here now): `{rec.policy}`" + (f"; initial loss scale {pow2(rec.initial_loss_scale)}"
                                          if rec.initial_loss_scale is not None else ""),
             "",
             *(f"- {r}" for r in rec.reasons),

@@ -97,8 +97,8 @@ def run_inspect(args: argparse.Namespace) -> int:
                               lora=getattr(args, "lora", None))
     paths = write_report(report, args.out or Path("runs") / f"inspect-{time.strftime('%Y%m%d-%H%M%S')}")
     rec = report.recommend()
-    print(f"advised policy: {rec.policy}" + (f" (initial loss scale {rec.initial_loss_scale:g})"
-                                             if rec.initial_loss_scale is not None else ""))
+    scale = f" (initial loss scale {rec.initial_loss_scale:g})" if rec.initial_loss_scale is not None else ""
+    print(f"advised policy on this device (as it trains here now): {rec.policy}{scale}")
     for reason in rec.reasons:
         print(f"- {reason}")
     if report.speed is not None:   # the evidence the choice of precision read: auto's own measurement
@@ -107,7 +107,7 @@ def run_inspect(args: argparse.Namespace) -> int:
         flagged = sorted({f.module for f in report.flagged(fmt)})
         print(f"{fmt}: {len(flagged)} modules flagged" + (f" ({', '.join(flagged[:5])}"
                                                           f"{', ...' if len(flagged) > 5 else ''})" if flagged else ""))
-    for line in block_console(report):   # per block format: the linears kept in bf16, the advised block policy
+    for line in block_console(report):   # per block format: the linears kept in bf16, the policy for such a run
         print(line)
     print(f"wrote {', '.join(str(p) for p in paths)} ({time.perf_counter() - start:.1f} s)")
     return 0

@@ -5,9 +5,12 @@
   the bench reports the median over the steps after a warm-up (first calls initialise kernels
   and allocators and are much slower; under ``--compile`` the first step compiles the model: that
   time is reported apart, :func:`warmup_excess_s`).
-* **Peak memory** (MiB): on CPU the process's peak resident set size (``resource.getrusage``
-  ``ru_maxrss``; psutil's ``peak_wset`` on Windows), so it includes the interpreter and torch's
-  libraries (a few hundred MiB); on CUDA ``torch.cuda.max_memory_allocated``; on MPS the maximum
+* **Peak memory** (MiB): on CPU the process's own peak resident set size, so it includes the interpreter
+  and torch's libraries (a few hundred MiB): ``VmHWM`` of ``/proc/self/status`` on Linux (per address space,
+  reset by ``exec``: a worker's own peak), psutil's ``peak_wset`` on Windows, else ``resource.getrusage``'s
+  ``ru_maxrss``, which Linux and other systems carry across fork+exec: a worker launched by the bench would read
+  its parent's peak as a floor, so that source says so (:attr:`MemoryMeter.source`, each row's
+  ``memory_source`` in results.json, and report.md); on CUDA ``torch.cuda.max_memory_allocated``; on MPS the maximum
   of ``torch.mps.driver_allocated_memory`` sampled after every step.
 * **Training-state bytes** (:func:`state_bytes`, re-exported from :mod:`mixprec.memory.state`, the
   one count ``mixprec train`` reports per rank too): read from the actual tensors, never from the
@@ -73,7 +76,7 @@ class MemoryMeter:
         elif self.device.type == "mps":
             self.source = "max of torch.mps.driver_allocated_memory"
         else:
-            self.source = "process peak RSS"
+            self.source = _peak_rss()[1]
 
     def sample(self) -> None:
         if self.device.type == "mps":
@@ -85,15 +88,37 @@ class MemoryMeter:
         if self.device.type == "mps":
             self.sample()
             return self._mps_peak_bytes / 2**20
-        return _peak_rss_bytes() / 2**20
+        return _peak_rss()[0] / 2**20
 
 
-def _peak_rss_bytes() -> int:
+PROC_SELF_STATUS = "/proc/self/status"   # Linux: VmHWM, this address space's peak RSS (reset by exec)
+RU_MAXRSS_SOURCE = ("process peak RSS (getrusage ru_maxrss: no VmHWM here; floored at the peak of the process "
+                    "that launched this one, which Linux and other systems carry across fork+exec)")
+
+
+def _vm_hwm_bytes() -> int | None:
+    """``VmHWM`` of :data:`PROC_SELF_STATUS` in bytes; None where the file or the line is missing."""
+    try:
+        with open(PROC_SELF_STATUS, encoding="ascii") as f:
+            for line in f:
+                if line.startswith("VmHWM:"):
+                    value, unit = line.split()[1:3]
+                    return int(value) * {"kB": 1024}[unit]
+    except (OSError, ValueError, KeyError):
+        return None
+    return None
+
+
+def _peak_rss() -> tuple[int, str]:
+    """(this process's peak RSS in bytes, where it was read): the module docstring's order of sources."""
+    hwm = _vm_hwm_bytes()
+    if hwm is not None:
+        return hwm, "process peak RSS (VmHWM of /proc/self/status: this process's own)"
     try:
         import resource
     except ImportError:  # Windows
         import psutil
 
-        return int(psutil.Process().memory_info().peak_wset)
+        return int(psutil.Process().memory_info().peak_wset), "process peak RSS (psutil peak_wset: this process's own)"
     max_rss = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
-    return max_rss if sys.platform == "darwin" else max_rss * 1024  # bytes on macOS, KiB elsewhere
+    return (max_rss if sys.platform == "darwin" else max_rss * 1024), RU_MAXRSS_SOURCE   # bytes on macOS, else KiB

@@ -7,7 +7,7 @@ from __future__ import annotations
 from mixprec.programs.bench.figures import fmt
 from mixprec.programs.bench.peer import label
 
-__all__ = ["memory_lines", "budget_lines"]
+__all__ = ["memory_lines", "budget_lines", "peak_source_lines"]
 
 _WHAT = ("Measured on one extra training step per policy after its final eval (never timed: the hooks and the "
          "profiler cost time), on the workload's first training batch. *saved*: bytes the forward saved for "
@@ -61,6 +61,22 @@ def budget_lines(results: dict) -> list[str]:
         lines.append(f"  {label(name)}: {largest}; fixed {_mib(fit['fixed_bytes'])} + {_mib(fit['per_sample_bytes'])} "
                      f"per row; measured {points}; largest residual {worst:,.0f} B")
     return lines
+
+
+def peak_source_lines(results: dict) -> list[str]:
+    """report.md's line on where the peak-memory column was read (each row's ``memory_source``), with a warning
+    when a row could read only a peak floored at its launcher's (``ru_maxrss``: its ratio to fp32's is then no
+    evidence), between blank lines; a blank line alone when no row says."""
+    by_source: dict[str, list[str]] = {}
+    for name, e in results["policies"].items():
+        if e.get("memory_source"):
+            by_source.setdefault(e["memory_source"], []).append(label(name))
+    if not by_source:
+        return [""]
+    text = "; ".join(f"{source} ({', '.join(names)})" for source, names in by_source.items())
+    floored = any("floored" in source for source in by_source)
+    return ["", ("**Peak memory is floored** (no per-process peak on this system; a ratio near 1.00x says nothing): "
+             if floored else "Peak memory source: ") + text + ".", ""]
 
 
 def memory_lines(results: dict) -> list[str]:

@@ -60,7 +60,7 @@ import math
 from pathlib import Path
 from typing import Any
 
-from mixprec.programs.bench.memory_report import memory_lines
+from mixprec.programs.bench.memory_report import memory_lines, peak_source_lines
 from mixprec.programs.bench.op_plan_report import op_plan_lines, op_plan_markdown, plan_deviations
 from mixprec.programs.bench.peer import label
 from mixprec.programs.bench.peer_report import peer_markdown
@@ -88,8 +88,8 @@ and its peak-memory ratio to fp32 is at most `--max-memory-ratio`. FAIL lists ev
 missed (or the crash); SKIPPED gives the measured reason the device cannot run the policy
 natively (`--force` runs it anyway). *bytes/param* is the training state read from the
 actual tensors (params, grads, fp32 masters, optimizer state, compensation buffers). On a
-CPU, peak memory is the process's peak RSS, which includes a few hundred MiB of interpreter
-and torch libraries, so its ratio understates state savings; bytes/param shows them. It also
+CPU, peak memory is the process's own peak RSS (the line below the table names its source),
+which includes a few hundred MiB of interpreter and torch libraries, so its ratio understates state savings; bytes/param shows them. It also
 includes glibc heap fragmentation, which grows with varying tensor sizes (e.g. a masked-LM's
 varying number of masked tokens) and can make a 16-bit policy's peak RSS *exceed* fp32's;
 `MALLOC_MMAP_THRESHOLD_=131072` in the environment removes most of it. That is the opposite of
@@ -280,7 +280,7 @@ def report_markdown(results: dict) -> str:
         "| " + " | ".join(headers) + " |",
         "|" + "|".join("---" if i < 2 else "---:" for i in range(len(headers))) + "|",
         *("| " + " | ".join(cells(name, e)[k] for k in keys) + " |" for name, e in results["policies"].items()),
-        "",
+        *peak_source_lines(results),
         *op_plan_markdown(results),
         *eval_curve_lines(results),
         *peer_markdown(results),
