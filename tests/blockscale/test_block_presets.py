@@ -107,6 +107,42 @@ def test_the_ablation_override_converts_every_block():
     assert all(m.recipe.name == "nvfp4-plain" and not m.recipe.hadamard for m in _block_linears(model).values())
 
 
+def test_disabling_transform_rounding_and_tail_trains_bit_for_bit_as_the_plain_recipe():
+    model, _, mp = _engine("nvfp4-mixed,block_disable=hadamard|sr|tail")
+    plain_model, _, plain = _engine("nvfp4-mixed,block=nvfp4-plain")
+    assert sorted(_block_linears(model)) == sorted(_block_linears(plain_model))   # 8: the tail is converted too
+    assert "block-scaled linears nvfp4 without hadamard+sr+tail(nvfp4, W=2d, first/last kept): 8 converted" \
+        in mp.decision
+    assert [_step(mp, i) for i in range(6)] == [_step(plain, i) for i in range(6)]
+    assert all(torch.equal(p, q) for p, q in zip(model.parameters(), plain_model.parameters()))
+
+
+@pytest.mark.parametrize("part,converted,check", [
+    ("sr", 6, lambda m: not m.recipe.stochastic_rounding and m.recipe.hadamard),
+    ("2d", 6, lambda m: m.recipe.weight_blocks == "1d" and m.recipe.stochastic_rounding),
+    ("ends", 7, lambda m: not m.recipe.keep_first_last),   # inp converts; head's 8 outputs are not 16x16 tiles
+])
+def test_one_recipe_part_off_changes_that_part_and_the_run_says_so(part, converted, check):
+    model, _, mp = _engine(f"nvfp4-mixed,block_disable={part}")
+    linears = _block_linears(model)
+    assert len(linears) == converted and all(check(m) for m in linears.values())
+    assert all(m.recipe.name == f"nvfp4 without {part}" for m in linears.values())
+    assert f"nvfp4 recipe without {part}, emulated" in mp.decision and f"{converted} converted" in mp.decision
+    assert ("inp" in linears) == (part == "ends")
+    losses = [_step(mp, i) for i in range(8)]
+    assert all(torch.isfinite(torch.tensor(losses))) and losses[-1] < losses[0]
+
+
+def test_set_policy_turns_a_recipe_part_off_mid_run_and_the_guard_drops_it():
+    model, _, mp = _engine("nvfp4-mixed")
+    _step(mp, 0)
+    mp.set_policy("nvfp4-mixed,block_disable=sr")
+    assert all(m.recipe.name == "nvfp4 without sr" for m in _block_linears(model).values())
+    assert torch.isfinite(torch.tensor(_step(mp, 1)))
+    new, why = next_policy(mp.policy, None, bf16_ok=True)
+    assert new == mixprec.Policy.parse("bf16-mixed") and "→ bf16" in why
+
+
 def test_fp32_regions_are_never_converted():
     model, _, mp = _engine("mxfp8-mixed,keep_fp32=blocks.1")
     assert "blocks.1.fc1" not in _block_linears(model) and "blocks.2.fc1" in _block_linears(model)

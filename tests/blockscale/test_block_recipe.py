@@ -6,7 +6,8 @@ import dataclasses
 
 import pytest
 
-from mixprec.blockscale import BLOCK_RECIPES, GEMMS, BlockRecipe, get_block_recipe
+from mixprec.blockscale import BLOCK_RECIPES, GEMMS, RECIPE_PARTS, BlockRecipe, get_block_recipe
+from mixprec.blockscale.recipe import recipe_parts
 from mixprec.formats import get_block_format
 
 
@@ -88,3 +89,35 @@ def test_str_names_every_nondefault_choice():
     assert str(get_block_recipe("nvfp4")) == \
         "nvfp4(nvfp4, W=2d, rht16(wgrad), sr(dy), bf16_tail=0.15, first/last kept)"
     assert "gemms=forward+dgrad" in str(BlockRecipe(quantized_gemms=("forward", "dgrad")))
+
+
+@pytest.mark.parametrize("part,field,value", [
+    ("hadamard", "hadamard", False), ("sr", "stochastic_rounding", False), ("2d", "weight_blocks", "1d"),
+    ("tail", "bf16_tail_fraction", 0.0), ("ends", "keep_first_last", False)])
+def test_disable_turns_off_exactly_one_part_of_the_recipe_and_names_it(part, field, value):
+    full = get_block_recipe("nvfp4")
+    off = get_block_recipe("nvfp4", disable=(part,))
+    differing = {f.name for f in dataclasses.fields(BlockRecipe) if getattr(full, f.name) != getattr(off, f.name)}
+    assert differing == {"name", field} and getattr(off, field) == value
+    assert off.name == f"nvfp4 without {part}" and part not in recipe_parts(off)
+    assert recipe_parts(full) == tuple(RECIPE_PARTS)
+
+
+def test_disabling_the_transform_the_rounding_and_the_tail_is_the_plain_recipe_under_another_name():
+    off = get_block_recipe("nvfp4", disable=("tail", "sr", "hadamard"))
+    assert off.name == "nvfp4 without hadamard+sr+tail"   # canonical order, whatever the order asked
+    assert dataclasses.replace(off, name="nvfp4-plain") == BLOCK_RECIPES["nvfp4-plain"]
+    assert get_block_recipe("mxfp8", disable=()) is BLOCK_RECIPES["mxfp8"]
+
+
+@pytest.mark.parametrize("recipe,disable,error,match", [
+    ("mxfp8", ("sr",), ValueError, r"block recipe disable part 'sr' is not on in recipe 'mxfp8'; recipe 'mxfp8' "
+                                   r"has ends to disable"),
+    ("nvfp4", ("rht",), ValueError, r"part 'rht' is not a recipe part; recipe 'nvfp4' has hadamard, sr, 2d, tail, "
+                                    r"ends to disable"),
+    ("nvfp4", ("sr", "sr"), ValueError, r"part 'sr' is repeated"),
+    ("nvfp4", "sr", TypeError, r"disable='sr' must be a tuple of part names"),
+])
+def test_disable_refuses_what_the_recipe_does_not_have(recipe, disable, error, match):
+    with pytest.raises(error, match=match):
+        get_block_recipe(recipe, disable=disable)

@@ -5,7 +5,8 @@ import pytest
 import torch
 
 from mixprec import blockscale
-from mixprec.policy.choices import BLOCK_RECIPE_NAMES
+from mixprec.blockscale.recipe import recipe_parts
+from mixprec.policy.choices import BLOCK_RECIPE_NAMES, BLOCK_RECIPE_PARTS
 from mixprec.policy.policy import PRESETS, Policy
 from mixprec.policy.text import text_items
 
@@ -97,3 +98,40 @@ def test_block_keep_refusals_in_python():
         PRESETS["nvfp4-mixed"].replace(block_keep="head")
     with pytest.raises(ValueError, match=r"Policy block_keep pattern 'a b' may not contain"):
         PRESETS["nvfp4-mixed"].replace(block_keep=("a b",))
+
+
+def test_the_policy_layers_recipe_parts_are_what_each_recipe_has_on():
+    assert BLOCK_RECIPE_PARTS == {name: recipe_parts(r) for name, r in blockscale.BLOCK_RECIPES.items()}
+
+
+def test_block_disable_turns_recipe_parts_off_and_round_trips():
+    policy = Policy.parse("nvfp4-mixed,block_disable=sr|Hadamard")
+    assert policy.block_disable == ("sr", "hadamard") and policy.block == "nvfp4"
+    assert str(policy) == "nvfp4-mixed,block_disable=sr|hadamard" and Policy.parse(str(policy)) == policy
+    assert "block-scaled (nvfp4 recipe without sr+hadamard, emulated)" in policy.summary()
+    long_form = ",".join(f"{k}={v}" for k, v in text_items(policy))
+    assert "block_disable=sr|hadamard" in long_form and Policy.parse(long_form) == policy
+    assert "block_disable" not in dict(text_items(PRESETS["nvfp4-mixed"]))
+    assert Policy.parse("mxfp8-mixed,block_disable=ends").block_disable == ("ends",)
+
+
+@pytest.mark.parametrize("text,match", [
+    ("bf16-mixed,block_disable=sr", r"Policy block_disable='sr' turns parts of a block recipe off, but block=none: "
+                                    r"set block \(e.g. 'nvfp4-mixed,block_disable=sr'\) or drop it"),
+    ("mxfp8-mixed,block_disable=sr", r"Policy block_disable part 'sr' is not a part of recipe block='mxfp8'; "
+                                     r"block='mxfp8' has ends to turn off \(e.g. 'mxfp8-mixed,block_disable=ends'\)"),
+    ("nvfp4-mixed,block=nvfp4-plain,block_disable=hadamard", r"'hadamard' is not a part of recipe "
+                                                             r"block='nvfp4-plain'; block='nvfp4-plain' has 2d\|ends"),
+    ("nvfp4-mixed,block_disable=sr|sr", r"part 'sr' is named twice"),
+    ("nvfp4-mixed,block_disable=rht", r"part 'rht' is not a part of recipe block='nvfp4'; block='nvfp4' has "
+                                      r"hadamard\|sr\|2d\|tail\|ends"),
+])
+def test_block_disable_refusals_name_the_part_the_recipe_and_the_fix(text, match):
+    with pytest.raises(ValueError, match=match):
+        Policy.parse(text)
+
+
+def test_block_disable_refusals_in_python():
+    with pytest.raises(TypeError, match=r"Policy block_disable='sr' must be a tuple of recipe parts"):
+        PRESETS["nvfp4-mixed"].replace(block_disable="sr")
+    assert PRESETS["nvfp4-mixed"].replace(block_disable=("tail",)).block_disable == ("tail",)

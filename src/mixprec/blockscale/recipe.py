@@ -58,7 +58,11 @@ Presets (:data:`BLOCK_RECIPES`, by :func:`get_block_recipe`), and where each def
     The same NVFP4 format and 2D weight scales without the transform, without SR and without the tail: the
     ablation that shows what those three buy (``weight_blocks="1d"`` drops the 2D scales too).
 
-Frozen: variants are ``dataclasses.replace(get_block_recipe("nvfp4"), stochastic_rounding=False)``.
+Parts of a recipe can be turned off one at a time (:data:`RECIPE_PARTS`, Transformer Engine's
+``NVFP4BlockScaling(disable_rht=..., disable_stochastic_rounding=..., disable_2d_quantization=...)`` in the same
+spirit): ``get_block_recipe("nvfp4", disable=("sr",))`` is ``nvfp4`` with round-to-nearest ``dy``; a policy says it
+as ``"nvfp4-mixed,block_disable=sr"``. Frozen: other variants are ``dataclasses.replace(get_block_recipe("nvfp4"),
+hadamard_size=4)``.
 """
 
 from __future__ import annotations
@@ -69,7 +73,7 @@ from dataclasses import dataclass
 
 from mixprec.formats import BlockFormat, get_block_format
 
-__all__ = ["GEMMS", "OPERANDS", "BlockRecipe", "BLOCK_RECIPES", "get_block_recipe"]
+__all__ = ["GEMMS", "OPERANDS", "RECIPE_PARTS", "BlockRecipe", "BLOCK_RECIPES", "get_block_recipe", "recipe_parts"]
 
 # GEMM -> (operand, dim it is quantized along) for its two inputs; the output is the GEMM's name
 GEMMS: dict[str, tuple[tuple[str, str], tuple[str, str]]] = {
@@ -80,6 +84,14 @@ GEMMS: dict[str, tuple[tuple[str, str], tuple[str, str]]] = {
 OPERANDS = ("x", "W", "dy")
 WEIGHT_BLOCKS = ("1d", "2d")
 SCALE_ROUNDINGS = (None, "floor", "rceil")
+# a recipe's parts that ``disable`` turns off: part -> (field, the value without it)
+RECIPE_PARTS: dict[str, tuple[str, object]] = {
+    "hadamard": ("hadamard", False),               # the random Hadamard transform of wgrad's inputs
+    "sr": ("stochastic_rounding", False),          # stochastic rounding of dy: round-to-nearest instead
+    "2d": ("weight_blocks", "1d"),                 # 16x16 weight tiles: 1D blocks along each contraction instead
+    "tail": ("bf16_tail_fraction", 0.0),           # the last blocks in bf16: block-scaled too
+    "ends": ("keep_first_last", False),            # the first and last linears in bf16: block-scaled too
+}
 
 
 @dataclass(frozen=True)
@@ -209,20 +221,43 @@ BLOCK_RECIPES: dict[str, BlockRecipe] = {
 }
 
 
-def get_block_recipe(spec: str | BlockRecipe) -> BlockRecipe:
+def recipe_parts(recipe: BlockRecipe) -> tuple[str, ...]:
+    """The :data:`RECIPE_PARTS` that ``recipe`` has on, in that order (``nvfp4``: all five; ``mxfp8``: ``ends``)."""
+    return tuple(part for part, (field, off) in RECIPE_PARTS.items() if getattr(recipe, field) != off)
+
+
+def get_block_recipe(spec: str | BlockRecipe, disable: tuple[str, ...] = ()) -> BlockRecipe:
     """A recipe by name (``"mxfp8"``, ``"nvfp4"``, ``"nvfp4-plain"``; ``_`` for ``-`` accepted) or the
-    :class:`BlockRecipe` itself.
+    :class:`BlockRecipe` itself, with the parts named in ``disable`` (keys of :data:`RECIPE_PARTS`) turned off; the
+    result is named for it, e.g. ``"nvfp4 without sr"``, so the decision and the linears say what ran.
 
     Raises:
-        ValueError: an unknown name; the message lists the known ones.
-        TypeError: ``spec`` neither a string nor a BlockRecipe.
+        ValueError: an unknown name (the message lists the known ones); a part of ``disable`` that is unknown,
+            repeated, or not on in the recipe (the message lists the parts it has).
+        TypeError: ``spec`` neither a string nor a BlockRecipe; ``disable`` not a tuple of strings.
     """
     if isinstance(spec, BlockRecipe):
-        return spec
-    if not isinstance(spec, str):
+        recipe = spec
+    elif not isinstance(spec, str):
         raise TypeError(f"get_block_recipe: spec={spec!r} must be a recipe name or a BlockRecipe")
-    key = spec.strip().lower().replace("_", "-")
-    if key not in BLOCK_RECIPES:
-        raise ValueError(f"block recipe {spec!r} is not known; choose one of {sorted(BLOCK_RECIPES)} "
-                         f"(or build a BlockRecipe)")
-    return BLOCK_RECIPES[key]
+    else:
+        key = spec.strip().lower().replace("_", "-")
+        if key not in BLOCK_RECIPES:
+            raise ValueError(f"block recipe {spec!r} is not known; choose one of {sorted(BLOCK_RECIPES)} "
+                             f"(or build a BlockRecipe)")
+        recipe = BLOCK_RECIPES[key]
+    if not isinstance(disable, tuple) or not all(isinstance(part, str) for part in disable):
+        raise TypeError(f"get_block_recipe: disable={disable!r} must be a tuple of part names from "
+                        f"{tuple(RECIPE_PARTS)}")
+    if not disable:
+        return recipe
+    has = recipe_parts(recipe)
+    for i, part in enumerate(disable):
+        if part not in has or part in disable[:i]:
+            why = "is repeated" if part in disable[:i] else (
+                "is not a recipe part" if part not in RECIPE_PARTS else f"is not on in recipe {recipe.name!r}")
+            raise ValueError(f"block recipe disable part {part!r} {why}; recipe {recipe.name!r} has "
+                             f"{', '.join(has) or 'no parts'} to disable (parts: {', '.join(RECIPE_PARTS)})")
+    changes = {RECIPE_PARTS[part][0]: RECIPE_PARTS[part][1] for part in disable}
+    ordered = [part for part in RECIPE_PARTS if part in disable]
+    return dataclasses.replace(recipe, name=f"{recipe.name} without {'+'.join(ordered)}", **changes)

@@ -154,7 +154,7 @@ class _MultiProcess(SingleProcess):
                     "linear quantizes its whole weight, as one process" if self.shards_params else "")
         from mixprec.blockscale import get_block_recipe   # the recipe's fields; the policy names it
 
-        if not get_block_recipe(policy.block).stochastic_rounding:
+        if not get_block_recipe(policy.block, disable=policy.block_disable).stochastic_rounding:
             return gathered
         return (f"{gathered}; every rank rounds dy with the same stochastic-rounding stream per linear (one count "
                 "per backward call, whatever the rank's tokens)")

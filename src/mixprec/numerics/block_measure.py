@@ -21,7 +21,7 @@ from mixprec.blockscale.gemm import operand_blocks, tile_blocks
 from mixprec.blockscale.hadamard import random_signs
 from mixprec.blockscale.linear import shape_problems
 from mixprec.blockscale.quantize import BlockQuantized, quantize
-from mixprec.blockscale.recipe import BLOCK_RECIPES, OPERANDS, BlockRecipe
+from mixprec.blockscale.recipe import BLOCK_RECIPES, OPERANDS, BlockRecipe, get_block_recipe
 from mixprec.formats import BlockFormat, get_block_format
 from mixprec.numerics.block_stats import BlockFormatStats, BlockStats, LinearBlockStats
 from mixprec.policy.policy import Policy
@@ -38,14 +38,13 @@ _FIELDS = 6   # blocks, saturated blocks, non-zero elements, flushed elements, s
 
 
 def recipe_for_format(fmt: BlockFormat | str, policy: Policy) -> BlockRecipe:
-    """The recipe ``fmt`` is inspected under: ``policy``'s own block recipe when it quantizes in ``fmt``, else the
+    """The recipe ``fmt`` is inspected under: ``policy``'s own block recipe (its ``block_disable`` applied) when it quantizes in ``fmt``, else the
     first preset of :data:`~mixprec.blockscale.BLOCK_RECIPES` that does (``mxfp8`` for ``mxfp8_e4m3``, ``nvfp4``
     for ``nvfp4``), else ``BlockRecipe(name=fmt.name, format=fmt.name)`` (1D blocks, no transform, no stochastic
     rounding, first and last linears kept)."""
     fmt = get_block_format(fmt)
-    names = ([policy.block] if policy.block is not None else []) + list(BLOCK_RECIPES)
-    for name in names:
-        recipe = BLOCK_RECIPES[name]
+    own = [get_block_recipe(policy.block, disable=policy.block_disable)] if policy.block is not None else []
+    for recipe in own + list(BLOCK_RECIPES.values()):
         if get_block_format(recipe.format).name == fmt.name and recipe.grad_format is None:
             return recipe
     return BlockRecipe(name=fmt.name, format=fmt.name)

@@ -1,5 +1,5 @@
 """The checks of a :class:`~mixprec.policy.policy.Policy`'s linear-precision fields: ``fp8``, ``fp8_format``,
-``fp8_keep_ends``, ``block`` and ``block_keep``.
+``fp8_keep_ends``, ``block``, ``block_keep`` and ``block_disable``.
 
 A policy's linears run in the compute dtype, or in fp8 (``fp8``: :mod:`mixprec.fp8`), or block-scaled (``block``:
 a recipe of :mod:`mixprec.blockscale`), never two of them. :func:`check_linear_fields` checks each field's value,
@@ -13,7 +13,7 @@ from typing import Any
 
 import torch
 
-from mixprec.policy.choices import BLOCK_COMPUTE_DTYPES, BLOCK_RECIPE_NAMES, FP8_FORMATS, FP8_RECIPES, _dtype_name
+from mixprec.policy.choices import BLOCK_COMPUTE_DTYPES, BLOCK_RECIPE_NAMES, BLOCK_RECIPE_PARTS, FP8_FORMATS, FP8_RECIPES, _dtype_name
 
 __all__ = ["BLOCK_PRESETS", "check_linear_fields", "check_linear_needs", "block_preset_text"]
 
@@ -46,6 +46,9 @@ def check_linear_fields(policy: Any) -> None:
     for pattern in keep:
         if any(c in pattern for c in ",=| "):
             raise ValueError(f"Policy block_keep pattern {pattern!r} may not contain ',', '=', '|' or spaces")
+    off = policy.block_disable
+    if not isinstance(off, tuple) or not all(isinstance(p, str) for p in off):
+        raise TypeError(f"Policy block_disable={off!r} must be a tuple of recipe parts, e.g. ('sr', 'hadamard')")
 
 
 def check_linear_needs(policy: Any) -> None:
@@ -64,7 +67,17 @@ def check_linear_needs(policy: Any) -> None:
         if policy.block_keep:
             raise ValueError(f"Policy block_keep={'|'.join(policy.block_keep)!r} keeps linears out of block scaling, "
                              "but block=none: set block (e.g. 'nvfp4-mixed,block_keep=...') or drop block_keep")
+        if policy.block_disable:
+            raise ValueError(f"Policy block_disable={'|'.join(policy.block_disable)!r} turns parts of a block recipe "
+                             "off, but block=none: set block (e.g. 'nvfp4-mixed,block_disable=sr') or drop it")
         return
+    has = BLOCK_RECIPE_PARTS[policy.block]
+    for i, part in enumerate(policy.block_disable):
+        if part not in has or part in policy.block_disable[:i]:
+            what = "is named twice" if part in has else f"is not a part of recipe block={policy.block!r}"
+            raise ValueError(f"Policy block_disable part {part!r} {what}; block={policy.block!r} has "
+                             f"{'|'.join(has)} to turn off (e.g. '{block_preset_text(policy.block)},block_disable="
+                             f"{has[0]}')")
     if policy.fp8 is not None:
         raise ValueError(f"Policy block={policy.block!r} with fp8={policy.fp8!r}: a linear runs block-scaled or in "
                          f"fp8, not both; set fp8=none (e.g. {block_preset_text(policy.block)!r}) or block=none "

@@ -123,6 +123,9 @@ class Policy:
             the compute dtype under ``block`` on top of the recipe's own keeps
             (:func:`mixprec.blockscale.convert_to_block_scaled`'s ``keep``); needs ``block``. Each pattern must
             match a linear of the model (the build raises otherwise); the decision names what each kept.
+        block_disable: parts of the ``block`` recipe turned off, each a documented override of its default
+            (:data:`mixprec.blockscale.recipe.RECIPE_PARTS`: ``"hadamard"``, ``"sr"``, ``"2d"``, ``"tail"``,
+            ``"ends"``; text ``block_disable=sr|hadamard``); each must be on in the recipe. Recorded in the decision.
         ops: ``"portable"`` (default): inside ``mp.autocast()`` every device runs CUDA's autocast op
             lists (``exp``, ``cumsum``, ``softmax``, norms, losses in fp32); ``"native"``: the device's own
             lists (:mod:`mixprec.autocast.portable`).
@@ -158,6 +161,7 @@ class Policy:
     fp8_keep_ends: bool = True
     block: str | None = None
     block_keep: tuple[str, ...] = ()
+    block_disable: tuple[str, ...] = ()
     ops: str = "portable"
     kernels: str = "measured"
     saved: str = "auto"
@@ -318,7 +322,8 @@ class Policy:
             parts[-1] += f", eligible linears fp8 ({self.fp8}, {self.fp8_format})"
         if self.block is not None:
             keep = f"; block_keep {'|'.join(self.block_keep)}" if self.block_keep else ""
-            parts[-1] += f", eligible linears block-scaled ({self.block} recipe, emulated{keep})"
+            off = f" without {'+'.join(self.block_disable)}" if self.block_disable else ""
+            parts[-1] += f", eligible linears block-scaled ({self.block} recipe{off}, emulated{keep})"
         if half:
             how = {"stochastic": "stochastically rounded", "kahan": "Kahan-compensated",
                    "nearest": "rounded to nearest"}[self.rounding]

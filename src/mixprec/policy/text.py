@@ -150,6 +150,7 @@ _KEYS = {
     "fp8_ends": ("fp8_keep_ends", _parse_fp8_ends),
     "block": ("block", _parse_block),
     "block_keep": ("block_keep", _parse_keep),
+    "block_disable": ("block_disable", lambda k, v: tuple(p.strip().lower() for p in v.split("|") if p.strip())),
     "ops": ("ops", _parse_ops),
     "kernels": ("kernels", _parse_kernels),
     "saved": ("saved", _parse_saved),
@@ -263,6 +264,8 @@ def text_items(policy: Any) -> list[tuple[str, str]]:
     ]
     if policy.block_keep:
         items.append(("block_keep", "|".join(policy.block_keep)))
+    if policy.block_disable:
+        items.append(("block_disable", "|".join(policy.block_disable)))
     if policy.fp8 is not None:
         items.append(("fp8_format", policy.fp8_format))
         items.append(("fp8_ends", "keep" if policy.fp8_keep_ends else "fp8"))

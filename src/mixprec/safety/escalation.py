@@ -51,7 +51,8 @@ def next_policy(policy: Policy, module: str | None, *, bf16_ok: bool, sharded: b
                     f"8-bit optimizer state → fp32 state ({skipped})")
         return None, skipped
     if policy.block is not None:
-        return policy.replace(block=None, block_keep=()), f"block-scaled linears ({policy.block}) → bf16 (block=none)"
+        return (policy.replace(block=None, block_keep=(), block_disable=()),
+                f"block-scaled linears ({policy.block}) → bf16 (block=none)")
     fp16, bf16 = torch.float16, torch.bfloat16
     dtypes = {policy.param_dtype, policy.compute_dtype, policy.output_dtype, policy.state_dtype}
     if (module and dtypes & {fp16, bf16} and not any(c in module for c in _KEEP_PATTERN_FORBIDDEN)

@@ -280,9 +280,10 @@ def convert_block(model: nn.Module, policy: Policy, device: torch.device, keep: 
     No host sync."""
     if policy.block is None:
         return None, ""
-    from mixprec.blockscale import convert_to_block_scaled
+    from mixprec.blockscale import convert_to_block_scaled, get_block_recipe
 
-    report = convert_to_block_scaled(model, policy.block, module_filter=outside_regions(keep), keep=policy.block_keep)
+    recipe = get_block_recipe(policy.block, disable=policy.block_disable)
+    report = convert_to_block_scaled(model, recipe, module_filter=outside_regions(keep), keep=policy.block_keep)
     tag_swapped(model, report.converted, policy)
     kept = f" ({_kept_words(report)})" if report.kept else ""
     built = f", {len(report.as_built)} left as built ({', '.join(n for n, _ in report.as_built[:4])})" \
@@ -299,10 +300,11 @@ def switch_block_linears(model: nn.Module, old: Policy, new: Policy, device: tor
                          keep: dict[str, nn.Module]) -> str:
     """Mid-run (:meth:`mixprec.MixedPrecision.set_policy`), after every check: make ``model``'s block-scaled linears
     those a build under ``new`` converts (``keep``: ``new``'s fp32 regions). Nothing changes, and "" is returned,
-    when ``block``, ``block_keep`` and ``keep_fp32`` are ``old``'s; else every block-scaled linear is swapped back to
+    when ``block``, ``block_keep``, ``block_disable`` and ``keep_fp32`` are ``old``'s; else every block-scaled linear is swapped back to
     ``nn.Linear`` and, under a ``new.block``, the model converted as at a build, each linear converted again under
     the same recipe and index continuing its stochastic rounding stream. Returns the decision's clause. No host sync."""
-    if (old.block, old.block_keep, old.keep_fp32) == (new.block, new.block_keep, new.keep_fp32):
+    fields = ("block", "block_keep", "block_disable", "keep_fp32")
+    if all(getattr(old, f) == getattr(new, f) for f in fields):
         return ""
     from mixprec.blockscale import revert_block_scaled
 

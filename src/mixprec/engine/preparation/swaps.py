@@ -68,7 +68,7 @@ def zero_converted_note(policy: Policy, what: str, reasons: Iterable[str], as_bu
     """Warn that ``policy``'s ``what`` (e.g. ``"block-scaled nvfp4"``) converted no linear, with the kept linears'
     ``reasons`` (each ``"; "``-joined, as the reports give them; ``as_built`` of them left as built); returns the
     decision's words on it."""
-    plain = dataclasses.replace(policy, block=None, block_keep=(), fp8=None)
+    plain = dataclasses.replace(policy, block=None, block_keep=(), block_disable=(), fp8=None)
     why = sorted({r.split(" (")[0] for joined in reasons for r in _top_level(joined)}) or ["the model has no nn.Linear"]
     but = f", but for the {as_built} linear(s) left as built" if as_built else ""
     note = f"{policy} converted 0 linears to {what} ({'; '.join(why[:5])}); the run is {plain}{but}"

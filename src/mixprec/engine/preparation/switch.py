@@ -88,19 +88,19 @@ def check_fp8_unchanged(old: Policy, new: Policy) -> None:
 
 
 def check_block_switch(old: Policy, new: Policy, strategy: Any, model: torch.nn.Module) -> None:
-    """Raise ValueError if ``new`` changes which linears are block-scaled (``block`` or, under a block policy,
-    ``keep_fp32`` or ``block_keep``) under a ``strategy`` that shards params: FSDP2 holds the modules it sharded,
+    """Raise ValueError if ``new`` changes which linears are block-scaled or how (``block``, ``block_disable`` or,
+    under a block policy, ``keep_fp32`` or ``block_keep``) under a ``strategy`` that shards params: FSDP2 holds the modules it sharded,
     which a swap would leave behind; or if a ``new.block_keep`` pattern matches no linear of ``model``. Elsewhere the
     swap is a build's conversion (mixprec.engine.preparation.prepare)."""
     if new.block is not None and new.block_keep:
         from mixprec.blockscale import check_keep_patterns
 
         check_keep_patterns(model, new.block_keep)
-    changes = old.block != new.block or ((old.keep_fp32, old.block_keep) != (new.keep_fp32, new.block_keep)
-                                         and None not in (old.block, new.block))
+    changes = (old.block, old.block_disable) != (new.block, new.block_disable) or (
+        (old.keep_fp32, old.block_keep) != (new.keep_fp32, new.block_keep) and None not in (old.block, new.block))
     if changes and strategy.shards_params:
         raise ValueError(f"set_policy: {old} → {new} changes the block-scaled linears (block={old.block or 'none'} → "
-                         f"{new.block or 'none'}, keep_fp32={'|'.join(new.keep_fp32) or 'none'}, block_keep="
+                         f"{new.block or 'none'}, block_disable={'|'.join(new.block_disable) or 'none'}, keep_fp32={'|'.join(new.keep_fp32) or 'none'}, block_keep="
                          f"{'|'.join(new.block_keep) or 'none'}), which cannot be swapped under strategy="
-                         f"{strategy.name!r} (it sharded the modules); keep block, block_keep and keep_fp32 as they "
-                         "are, or build a new MixedPrecision from a checkpoint")
+                         f"{strategy.name!r} (it sharded the modules); keep block, block_disable, block_keep and keep_fp32 as "
+                         "they are, or build a new MixedPrecision from a checkpoint")
