@@ -42,10 +42,10 @@ __all__ = ["operand_blocks", "gemm_operand", "tile_blocks", "untile", "weight_ti
 def operand_blocks(t: torch.Tensor, block_size: int, signs: torch.Tensor | None = None) -> torch.Tensor:
     """``t (R, C)`` as the quantizer of a GEMM contracting ``C`` sees it (steps 1 and 2 of the module docstring):
     padded with zeros to ``C'``, a multiple of ``block_size``, and transformed with ``signs`` if given: ``(R, C')``
-    in ``t``'s dtype (fp32 after a transform)."""
+    in ``t``'s dtype (fp32 after a transform). A ``t`` stored transposed (``W.t()``) stays so: no transposing copy."""
     pad = -t.shape[-1] % block_size
     if pad:
-        t = F.pad(t, (0, pad))
+        t = F.pad(t.t(), (0, 0, 0, pad)).t() if _transposed(t) else F.pad(t, (0, pad))
     if signs is not None:
         t = hadamard_transform(t, signs, dim=-1)
     return t
@@ -60,21 +60,16 @@ def gemm_operand(t: torch.Tensor, fmt: BlockFormat, *, rounding: str = "nearest"
                  generator: torch.Generator | None = None, signs: torch.Tensor | None = None) -> torch.Tensor:
     """``t (R, C)`` as a GEMM contracting ``C`` reads it: padded, transformed (with ``signs``), quantized in
     ``fmt`` along ``C`` (stochastically from ``generator`` if ``rounding="stochastic"``) and dequantized: fp32
-    ``(R, C')`` (module docstring), by :func:`~mixprec.blockscale.fakequant.fake_quantize`.
+    ``(R, C')`` (module docstring), by :func:`operand_blocks` and
+    :func:`~mixprec.blockscale.fakequant.fake_quantize`.
 
     A ``t`` stored transposed stays so through every step (no transposing copy; the GEMM reads either layout),
     except with stochastic rounding, whose bits are drawn in ``(R, C')`` order: then ``t`` is made contiguous
     first, so the bits and the values line up element for element in memory.
     """
-    transposed = _transposed(t)
-    if transposed and rounding == "stochastic":
-        t, transposed = t.contiguous(), False
-    pad = -t.shape[-1] % fmt.block_size
-    if pad:
-        t = F.pad(t.t(), (0, 0, 0, pad)).t() if transposed else F.pad(t, (0, pad))
-    if signs is not None:
-        t = hadamard_transform(t, signs, dim=-1)
-    return fake_quantize(t, fmt, rounding=rounding, generator=generator)
+    if rounding == "stochastic" and _transposed(t):
+        t = t.contiguous()
+    return fake_quantize(operand_blocks(t, fmt.block_size, signs), fmt, rounding=rounding, generator=generator)
 
 
 def tile_blocks(w: torch.Tensor, side: int) -> torch.Tensor:
