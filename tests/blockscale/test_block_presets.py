@@ -14,31 +14,7 @@ from mixprec import MixedPrecision
 from mixprec.blockscale import BlockScaledLinear
 from mixprec.safety.escalation import next_policy
 
-
-class Block(nn.Module):
-    def __init__(self, d: int) -> None:
-        super().__init__()
-        self.ln, self.fc1, self.fc2 = nn.LayerNorm(d), nn.Linear(d, 2 * d), nn.Linear(2 * d, d)
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return x + self.fc2(nn.functional.gelu(self.fc1(self.ln(x))))
-
-
-class Net(nn.Module):
-    """A transformer-ish MLP stack: an input projection, 4 residual blocks in a ModuleList, a head of 8 classes
-    (8 outputs: not a multiple of NVFP4's 16x16 weight tiles)."""
-
-    def __init__(self, d: int = 64, n: int = 4) -> None:
-        super().__init__()
-        self.inp = nn.Linear(16, d)
-        self.blocks = nn.ModuleList(Block(d) for _ in range(n))
-        self.head = nn.Linear(d, 8)
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        h = self.inp(x)
-        for block in self.blocks:
-            h = block(h)
-        return self.head(h)
+from block_nets import Net
 
 
 def _engine(policy: str, **kwargs) -> tuple[Net, torch.optim.Optimizer, MixedPrecision]:

@@ -46,38 +46,13 @@ from mixprec.blockscale import BlockScaledLinear
 from mixprec.distributed import process as mpd
 from mixprec.policy.policy import Policy
 from mixprec.safety.escalation import next_policy
+from block_nets import Net
 from ranks import run_ranks
 
 WORLD, STEPS, ROWS = 2, 4, 32          # ROWS per rank: one MX block of tokens (wgrad's M) per shard
 SAME = ("mxfp8-mixed", "nvfp4-mixed")
 NEAREST = ("mxfp8-mixed", "nvfp4-mixed,block=nvfp4-plain")
 SR = "nvfp4-mixed"
-
-
-class Block(nn.Module):
-    def __init__(self, d: int) -> None:
-        super().__init__()
-        self.ln, self.fc1, self.fc2 = nn.LayerNorm(d), nn.Linear(d, 2 * d), nn.Linear(2 * d, d)
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return x + self.fc2(nn.functional.gelu(self.fc1(self.ln(x))))
-
-
-class Net(nn.Module):
-    """An input projection, 4 residual blocks (each its own FSDP2 unit), a head: 8 linears converted under MXFP8,
-    6 under NVFP4 (the last block is its bf16 tail), the first and last kept."""
-
-    def __init__(self, d: int = 64) -> None:
-        super().__init__()
-        self.inp = nn.Linear(16, d)
-        self.blocks = nn.ModuleList(Block(d) for _ in range(4))
-        self.head = nn.Linear(d, 8)
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        h = self.inp(x)
-        for block in self.blocks:
-            h = block(h)
-        return self.head(h)
 
 
 def _global_batch(step: int) -> tuple[torch.Tensor, torch.Tensor]:
