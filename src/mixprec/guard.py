@@ -22,6 +22,7 @@ import dataclasses
 import logging
 import math
 import statistics
+import weakref
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, Callable
 
@@ -152,7 +153,7 @@ class Guard:
         self.state = GuardState()
         self.snapshot: _Snapshot | None = None
         self.last_report: NonFiniteReport | None = None
-        self._engine: Any = None
+        self._engine: weakref.ref | None = None   # weakly: the engine holds its guard
 
     @property
     def counts(self) -> dict[str, int]:
@@ -168,8 +169,8 @@ class Guard:
             DivergenceError: past ``max_rollbacks`` failures at one place.
         """
         if self._engine is None:
-            self._engine = mp
-        elif self._engine is not mp:
+            self._engine = weakref.ref(mp)
+        elif self._engine() is not mp:
             raise RuntimeError("this Guard already watches another MixedPrecision engine; give each engine its own "
                                "Guard (it holds that engine's snapshot)")
         cause, detail, loss = self._detect(mp, result)

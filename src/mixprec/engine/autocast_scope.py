@@ -52,6 +52,7 @@ from mixprec.autocast.portable import portable_as, portable_ops
 from mixprec.autocast.saved_dtype import saved_as, saved_in_compute
 from mixprec.autocast.switch import SwitchState, captured, hold_in_backward, traced_annotation
 from mixprec.autocast.saved_rebuilds import rebuild_saved
+from mixprec.engine.feature import HeldEngine
 from mixprec.engine.protocol import Engine
 from mixprec.engine.records import Event
 
@@ -64,6 +65,8 @@ class AutocastScope:
     """The autocast scope of ``owner`` (the engine; module docstring). Builds the policy's op-list state once
     per (ops, kernels, device type), eagerly: entering them installs their kernels, so a graph traced before
     any eager ``mp.autocast()`` has them."""
+
+    owner = HeldEngine()   # weakly: the engine owns this
 
     def __init__(self, owner: Engine) -> None:
         self.owner = owner

@@ -13,20 +13,56 @@ The points, in a step's order: :meth:`install` (the engine is built), :meth:`sco
 ``mp.autocast()`` and every ``mp.backward()``), :meth:`before_backward`, :meth:`after_backward`,
 :meth:`at_boundary` (after the optimizer step, the gradients zeroed: before the guard), then :meth:`state` /
 :meth:`check` / :meth:`load` (``mp.state_dict()`` under :attr:`key`, ``mp.load_state_dict()``,
-``mp.restore_progress()``) and :meth:`remove` (``mp.unwrap()``). A feature holds the engine it needs (weakly where
-a model may outlive it) and changes it only through its public methods (``mp.record``, ``mp.set_policy``).
+``mp.restore_progress()``) and :meth:`remove` (``mp.unwrap()``). A feature holds the engine it needs weakly
+(:class:`HeldEngine`) and changes it only through its public methods (``mp.record``, ``mp.set_policy``).
 """
 
 from __future__ import annotations
 
-from collections.abc import Iterator, Sequence
+import weakref
+from collections.abc import Callable, Iterator, Sequence
 from contextlib import AbstractContextManager, ExitStack, contextmanager, nullcontext
 from dataclasses import dataclass
 from typing import Any
 
 from mixprec.engine.protocol import Engine
 
-__all__ = ["Feature", "Features", "entered"]
+__all__ = ["Feature", "Features", "HeldEngine", "entered", "held_method"]
+
+
+class HeldEngine:
+    """A class attribute holding the engine of a collaborator the engine owns, weakly: ``self._mp = mp`` stores a
+    ``weakref.ref``, ``self._mp`` returns the engine itself (ReferenceError once it is gone). A strong
+    back-reference would put the engine in a reference cycle, so ``del mp`` would free nothing (the model, a DDP
+    module and its reducer) until the cyclic garbage collector ran: on an accelerator its memory stays taken, and
+    under DDP ``del mp`` before ``destroy_process_group()`` would not free the DDP module before the group (torch
+    aborts an exit now and then when a DDP module outlives its gloo group: docs/distributed.md)."""
+
+    def __set_name__(self, owner: type, name: str) -> None:
+        self._slot = f"_held_{name}"
+
+    def __get__(self, obj: Any, objtype: type | None = None) -> Any:
+        if obj is None:
+            return self
+        engine = obj.__dict__[self._slot]()
+        if engine is None:
+            raise ReferenceError(f"{type(obj).__name__}: its MixedPrecision engine was deleted")
+        return engine
+
+    def __set__(self, obj: Any, engine: Engine) -> None:
+        obj.__dict__[self._slot] = weakref.ref(engine)
+
+
+def held_method(method: Callable[[], None]) -> Callable[[], None]:
+    """A bound method of the engine as :class:`HeldEngine` holds the engine: calling it calls the method while the engine
+    lives, and does nothing after."""
+    ref = weakref.WeakMethod(method)
+
+    def call() -> None:
+        bound = ref()
+        if bound is not None:
+            bound()
+    return call
 
 
 class Feature:

@@ -27,7 +27,7 @@ import torch
 from torch import nn
 
 from mixprec.distributed.process import world_size
-from mixprec.engine.feature import Feature
+from mixprec.engine.feature import Feature, HeldEngine
 from mixprec.engine.protocol import Engine
 from mixprec.engine.records import Event
 
@@ -39,6 +39,8 @@ _16_BIT = (torch.bfloat16, torch.float16)
 class GradSums(Feature):
     """The window's fp32 sums (each shaped as its param) of the 16-bit gradients of the params ``mp``'s optimizer
     steps: on in one process and under ``strategy="ddp"`` (:attr:`enabled`), events recorded on ``mp``."""
+
+    _mp = HeldEngine()   # weakly: the engine owns this
 
     def __init__(self, mp: Engine) -> None:
         self._mp, self._said = mp, False

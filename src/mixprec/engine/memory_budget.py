@@ -48,7 +48,7 @@ import torch
 
 from mixprec.autocast.op_plan import entries, rechosen
 from mixprec.autocast.saved_allowance import CallCounter, mib_words, scoped_allowance
-from mixprec.engine.feature import Feature
+from mixprec.engine.feature import Feature, HeldEngine
 from mixprec.engine.protocol import Engine
 from mixprec.engine.records import Event
 from mixprec.memory.batch_budget import parse_bytes
@@ -121,6 +121,8 @@ class BudgetDecision:
 class MemoryBudget(Feature):
     """The budget of one engine (module docstring): ``note`` is its decision clause ("" without a budget).
     :meth:`scope` is entered in ``mp.autocast()`` and ``mp.backward()``, :meth:`at_boundary` after each step."""
+
+    _mp = HeldEngine()   # weakly: the engine owns this
 
     key = "memory_budget"
 

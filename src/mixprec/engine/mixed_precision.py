@@ -71,7 +71,7 @@ class MixedPrecision(EngineViews, FrozenControl, PenaltyGradients):
                  allow_fallback: bool = False, max_stuck_skips: int = 20, guard: Any = None,
                  strategy: str | None = None, compile: bool | dict[str, Any] = False, recompute: Any = None,
                  memory_budget: str | int | None = None, checkpoint: Any = None) -> None:
-        recompute = check_args(model, max_grad_norm, accumulation_steps, recompute, checkpoint)
+        recompute = check_args(model, max_grad_norm, accumulation_steps, recompute, checkpoint, guard)
         model, budget, self._compile, self._strategy, resolution, self._auto = resolve_arguments(
             self, model, optimizer, scheduler, policy, device=device, strategy=strategy, compile=compile,
             allow_fallback=allow_fallback, loss_scale=loss_scale, memory_budget=memory_budget)   # before any change

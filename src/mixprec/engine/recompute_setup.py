@@ -23,7 +23,7 @@ from typing import Any
 
 from mixprec.messages.location import user_stacklevel
 from mixprec.distributed.strategy import SingleProcess
-from mixprec.engine.feature import Feature
+from mixprec.engine.feature import Feature, HeldEngine
 from mixprec.engine.protocol import Engine
 from mixprec.engine.records import Event
 from mixprec.memory.recompute import (BlockPlan, RecomputedForwards, RecomputePlan, choose_modes, match_blocks,
@@ -39,6 +39,8 @@ class RecomputeSetup(Feature):
     """Holds the request, the plan and the installed wrappers of one engine. ``note``: the decision clause (""
     when off). ValueError/TypeError for a bad ``recompute=`` value (nothing changed); ValueError for ``"auto"``
     where ``strategy`` cannot measure the blocks."""
+
+    _mp = HeldEngine()   # weakly: the engine owns this
 
     key = "recompute"
 

@@ -22,9 +22,12 @@ __all__ = ["check_args", "check_optimizer", "check_loss", "needs_closure", "as_t
 
 
 def check_args(model: Any, max_grad_norm: Any, accumulation_steps: Any, recompute: Any = None,
-               checkpoint: Any = None) -> Any:
+               checkpoint: Any = None, guard: Any = None) -> Any:
     """The constructor's argument checks, before anything changes; returns the recompute option (``checkpoint=``,
-    its old name, taken with a DeprecationWarning; TypeError for both)."""
+    its old name, taken with a DeprecationWarning; TypeError for both, and for a ``guard`` without ``after_step``)."""
+    if guard is not None and not callable(getattr(guard, "after_step", None)):
+        raise TypeError(f"guard={guard!r} has no after_step(mp, result): pass a mixprec.Guard (e.g. "
+                        "guard=mixprec.Guard()) or None (the default: a stuck loss scale is still refused)")
     if not isinstance(model, nn.Module):
         raise TypeError(f"model must be a torch.nn.Module, got {type(model).__name__}")
     if checkpoint is not None:

@@ -48,7 +48,7 @@ from torch import nn
 
 from mixprec.engine.autocast_scope import AutocastScope
 from mixprec.engine.misuse.cast_targets import TARGET_NAMES, suspected_targets
-from mixprec.engine.feature import Feature
+from mixprec.engine.feature import Feature, HeldEngine, held_method
 from mixprec.engine.misuse.foreign_loops import at_backward
 from mixprec.engine.misuse.outside import before_optimizer_step, stray_step_text, watch_autocast
 from mixprec.engine.protocol import Engine
@@ -111,9 +111,12 @@ class LoopChecks(Feature):
     :class:`~mixprec.engine.autocast_scope.AutocastScope`, refreshes the cast cache before each eager forward
     and holds the op lists in the outputs' backward passes after it."""
 
+    owner = HeldEngine()   # weakly: the engine owns this
+
     def __init__(self, owner: Engine, on_forward: Callable[[], None], frozen: FrozenParams,
                  scope: AutocastScope | None = None) -> None:
-        self.owner, self.on_forward, self.frozen = owner, on_forward, frozen   # frozen: the stored dtypes too
+        self.owner, self.on_forward = owner, held_method(on_forward)
+        self.frozen = frozen   # the stored dtypes too
         self.scope = scope
         self.applying = False          # True while the engine itself steps the optimizer
         self.marks: dict[int, tuple[int, int]] = {}
@@ -130,7 +133,7 @@ class LoopChecks(Feature):
         if policy.is_mixed or policy.param_dtype != torch.float32:
             self._add(self.owner.module.register_forward_pre_hook(_ForwardHook(self)))
             self._add(self.owner.module.register_forward_hook(_OutputHook(self)))
-            for handle in watch_autocast(self.owner):   # someone else's autocast (engine/misuse/outside.py)
+            for handle in watch_autocast(mp):   # someone else's autocast (engine/misuse/outside.py)
                 self._add(handle)
 
     def watch(self, optimizer: torch.optim.Optimizer) -> None:
