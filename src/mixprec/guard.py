@@ -171,8 +171,9 @@ class Guard:
         if self._engine is None:
             self._engine = weakref.ref(mp)
         elif self._engine() is not mp:
-            raise RuntimeError("this Guard already watches another MixedPrecision engine; give each engine its own "
-                               "Guard (it holds that engine's snapshot)")
+            gone = " (since deleted)" if self._engine() is None else ""
+            raise RuntimeError(f"this Guard already watched another MixedPrecision engine{gone}; give each engine its "
+                               "own Guard (it holds that engine's snapshot and counts)")
         cause, detail, loss = self._detect(mp, result)
         agree_on = getattr(mp, "agree_on", None)
         if agree_on is not None:  # a distributed engine: the first cause any rank saw, on every rank

@@ -112,6 +112,8 @@ def test_one_recipe_part_off_changes_that_part_and_the_run_says_so(part, convert
 def test_set_policy_turns_a_recipe_part_off_mid_run_and_the_guard_drops_it():
     model, _, mp = _engine("nvfp4-mixed")
     _step(mp, 0)
+    mp.set_policy("nvfp4-mixed,block_disable=2d")   # the linears keep their stochastic-rounding streams
+    assert [m.get_extra_state().tolist() for m in _block_linears(model).values()] == [[i, 1] for i in range(6)]
     mp.set_policy("nvfp4-mixed,block_disable=sr")
     assert all(m.recipe.name == "nvfp4 without sr" for m in _block_linears(model).values())
     assert torch.isfinite(torch.tensor(_step(mp, 1)))

@@ -100,10 +100,43 @@ def test_a_model_that_outlives_its_engine_still_runs_forward(no_collector):
     assert out.dtype == torch.float32 and expected.shape == out.shape
 
 
-def test_a_guard_without_after_step_is_refused_at_the_build():
+def test_a_recompute_plan_left_pending_by_a_deleted_engine_gives_the_blocks_their_forward_back(no_collector):
+    model = _net()
+    mp = MixedPrecision(model, mixprec.optim.AdamW(model.parameters()), policy="bf16-mixed", device="cpu",
+                        recompute="auto")   # the plan is chosen at the first training forward: never here
+    del mp
+    x = torch.randn(4, 32)
+    out = model(x)
+    out.sum().backward()
+    assert "forward" not in vars(model[1]) and torch.equal(out, model(x))
+    model.zero_grad(set_to_none=True)
+    mp = MixedPrecision(model, mixprec.optim.AdamW(model.parameters()), policy="bf16-mixed", device="cpu",
+                        recompute="auto")   # a second engine on the same model plans and trains
+    with mp.autocast():
+        loss = mp.model(x).float().pow(2).mean()
+    mp.backward(loss)
+    assert mp.step().applied and "recompute" in mp.decision
+
+
+def test_a_guard_without_after_step_or_a_guard_class_is_refused_at_the_build():
     model = _net()
     with pytest.raises(TypeError, match=r"guard=True has no after_step\(mp, result\): pass a mixprec.Guard"):
         MixedPrecision(model, torch.optim.AdamW(model.parameters()), policy="bf16-mixed", guard=True)
+    with pytest.raises(TypeError, match=r"guard=Guard is a class: pass an instance, e.g. guard=Guard\(\)"):
+        MixedPrecision(model, torch.optim.AdamW(model.parameters()), policy="bf16-mixed", guard=mixprec.Guard)
+
+
+def test_a_guard_of_a_deleted_engine_is_refused_by_the_next_one_saying_so():
+    guard = mixprec.Guard()
+    engine, _ = _trained_then_dropped("bf16-mixed", steps=1, guard=guard)
+    assert engine() is None
+    model = _net()
+    mp = MixedPrecision(model, torch.optim.AdamW(model.parameters()), policy="bf16-mixed", guard=guard)
+    with mp.autocast():
+        loss = mp.model(torch.randn(8, 32)).float().pow(2).mean()
+    mp.backward(loss)
+    with pytest.raises(RuntimeError, match=r"already watched another MixedPrecision engine \(since deleted\)"):
+        mp.step()
 
 
 def _ddp_engine_freed_before_the_group_goes(rank: int, out, policy: str) -> bool:

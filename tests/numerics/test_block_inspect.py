@@ -17,7 +17,7 @@ from mixprec import MixedPrecision, Policy
 from mixprec.blockscale import BlockRecipe, BlockScaledLinear, get_block_recipe, quantize
 from mixprec.formats import get_block_format
 from mixprec.numerics import NumericsReport, inspect
-from mixprec.numerics.block_advice import BLOCK_SQNR_SLACK_DB
+from mixprec.numerics.block_advice import BLOCK_SQNR_SLACK_DB, judge_block_policy
 from mixprec.numerics.block_measure import operand_counts, recipe_for_format
 from mixprec.workloads import get_workload
 
@@ -226,3 +226,15 @@ def test_a_policy_under_study_whose_compute_format_is_not_inspected_is_refused_b
         inspect(Three(), batches(), _mse, policy="mxfp8-mixed", formats=("fp16", "mxfp8"), steps=1)
     report = inspect(Three(), _regression(1), _mse, policy="nvfp4-mixed", formats=("bf16", "nvfp4"), steps=1)
     assert report.formats == ("bf16",) and report.block_formats == ("nvfp4",) and report.recommend().policy.block
+
+
+def test_a_policy_turning_recipe_parts_off_is_inspected_and_advised_under_its_own_recipe():
+    policy = Policy.parse("nvfp4-mixed,block_disable=sr")
+    assert recipe_for_format("nvfp4", policy).name == "nvfp4 without sr"
+    report = inspect(Three(), _regression(1), _mse, policy=policy, formats=("bf16", "nvfp4"), steps=1)
+    (stats,) = report.block
+    assert stats.recipe_name == "nvfp4" and "nvfp4 without sr(" in stats.recipe   # the preset its policy names
+    judged, reasons = judge_block_policy(report, policy)
+    assert judged.block == "nvfp4" and judged.block_disable == ("sr",)
+    assert not any("not judged here" in r for r in reasons)
+    assert report.recommend().policy.block_disable == ("sr",)

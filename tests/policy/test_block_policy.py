@@ -106,11 +106,13 @@ def test_the_policy_layers_recipe_parts_are_what_each_recipe_has_on():
 
 def test_block_disable_turns_recipe_parts_off_and_round_trips():
     policy = Policy.parse("nvfp4-mixed,block_disable=sr|Hadamard")
-    assert policy.block_disable == ("sr", "hadamard") and policy.block == "nvfp4"
-    assert str(policy) == "nvfp4-mixed,block_disable=sr|hadamard" and Policy.parse(str(policy)) == policy
-    assert "block-scaled (nvfp4 recipe without sr+hadamard, emulated)" in policy.summary()
+    assert policy.block_disable == ("hadamard", "sr") and policy.block == "nvfp4"   # the recipes' order
+    assert policy == Policy.parse("nvfp4-mixed,block_disable=hadamard|sr")          # one order, one policy
+    assert str(policy) == "nvfp4-mixed,block_disable=hadamard|sr" and Policy.parse(str(policy)) == policy
+    assert "block-scaled (nvfp4 recipe without hadamard+sr, emulated)" in policy.summary()
     long_form = ",".join(f"{k}={v}" for k, v in text_items(policy))
-    assert "block_disable=sr|hadamard" in long_form and Policy.parse(long_form) == policy
+    assert "block_disable=hadamard|sr" in long_form and Policy.parse(long_form) == policy
+    assert Policy.parse("nvfp4-mixed,block_disable=none") == PRESETS["nvfp4-mixed"]
     assert "block_disable" not in dict(text_items(PRESETS["nvfp4-mixed"]))
     assert Policy.parse("mxfp8-mixed,block_disable=ends").block_disable == ("ends",)
 
@@ -119,11 +121,11 @@ def test_block_disable_turns_recipe_parts_off_and_round_trips():
     ("bf16-mixed,block_disable=sr", r"Policy block_disable='sr' turns parts of a block recipe off, but block=none: "
                                     r"set block \(e.g. 'nvfp4-mixed,block_disable=sr'\) or drop it"),
     ("mxfp8-mixed,block_disable=sr", r"Policy block_disable part 'sr' is not a part of recipe block='mxfp8'; "
-                                     r"block='mxfp8' has ends to turn off \(e.g. 'mxfp8-mixed,block_disable=ends'\)"),
+                                     r"it has ends to turn off \(e.g. block_disable=ends\)"),
     ("nvfp4-mixed,block=nvfp4-plain,block_disable=hadamard", r"'hadamard' is not a part of recipe "
-                                                             r"block='nvfp4-plain'; block='nvfp4-plain' has 2d\|ends"),
-    ("nvfp4-mixed,block_disable=sr|sr", r"part 'sr' is named twice"),
-    ("nvfp4-mixed,block_disable=rht", r"part 'rht' is not a part of recipe block='nvfp4'; block='nvfp4' has "
+                                                             r"block='nvfp4-plain'; it has 2d\|ends"),
+    ("nvfp4-mixed,block_disable=sr|sr", r"part 'sr' is named twice; name each part once"),
+    ("nvfp4-mixed,block_disable=rht", r"part 'rht' is not a part of recipe block='nvfp4'; it has "
                                       r"hadamard\|sr\|2d\|tail\|ends"),
 ])
 def test_block_disable_refusals_name_the_part_the_recipe_and_the_fix(text, match):

@@ -131,7 +131,13 @@ class RecomputeSetup(Feature):
         self._forwards = RecomputedForwards(self._mp.module, plan.modes())
 
     def _measure(self, name: str, forward: Any, args: tuple, kwargs: dict) -> str:
-        """The mode block ``name`` runs in now: ``"full"`` until the last block is measured, then the plan's."""
+        """The mode block ``name`` runs in now: ``"full"`` until the last block is measured, then the plan's; with
+        the engine deleted before the plan was chosen, ``"none"``, the blocks' own forwards back."""
+        try:
+            self._mp
+        except ReferenceError:
+            self.remove()
+            return "none"
         if name not in self._measured:
             self._measured[name] = measure_block(forward, list(self._mp.module.parameters()), args, kwargs,
                                                  self._mp.device, saved_hooks=self._rebuilds)

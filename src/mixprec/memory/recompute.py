@@ -235,20 +235,23 @@ class RecomputedForwards:
         self._on_pending = on_pending
         self._blocks = {n: m for n, m in model.named_modules() if n in self.modes}
         self._own = {n: block.forward for n, block in self._blocks.items()}
+        self._installed: dict[str, Callable[..., Any]] = {}
         for name, block in self._blocks.items():
-            block.forward = self._wrap(name, block.forward)
+            block.forward = self._installed[name] = self._wrap(name, block.forward)
 
     def _wrap(self, name: str, forward: Callable[..., Any]) -> Callable[..., Any]:
         if self.modes[name] != "pending":
             return _settled(forward, self.modes[name], self._blocks[name], name)
 
+        block = self._blocks[name]
+
         @torch.compiler.disable   # eager until settled: no traced frame per block (dynamo's recompile limit)
         def pending(*args: Any, **kwargs: Any) -> Any:
-            if not (torch.is_grad_enabled() and self._blocks[name].training):
+            if not (torch.is_grad_enabled() and block.training):
                 return forward(*args, **kwargs)
-            with scratch_buffers(self._blocks[name]):   # measuring forwards leave every buffer as it was
+            with scratch_buffers(block):   # measuring forwards leave every buffer as it was
                 mode = self._on_pending(name, forward, args, kwargs)
-            return _run(forward, mode, args, kwargs, self._blocks[name], name)
+            return _run(forward, mode, args, kwargs, block, name)
         pending.__wrapped__ = forward   # type: ignore[attr-defined]
         return pending
 
@@ -256,10 +259,13 @@ class RecomputedForwards:
         """Each block of ``modes`` runs its mode from its next call on (traced inline under compile)."""
         for name, mode in modes.items():
             self.modes[name] = mode
-            self._blocks[name].forward = _settled(self._own[name], mode, self._blocks[name], name)
+            wrapper = _settled(self._own[name], mode, self._blocks[name], name)
+            self._blocks[name].forward = self._installed[name] = wrapper
 
     def remove(self) -> None:
-        for block in self._blocks.values():
-            if "forward" in vars(block):
+        """Each block's own ``forward`` back, where the block still runs this plan's wrapper (not one installed
+        over it since)."""
+        for name, block in self._blocks.items():
+            if vars(block).get("forward") is self._installed.get(name):
                 del block.forward
-        self._blocks = {}
+        self._blocks, self._installed = {}, {}

@@ -173,6 +173,7 @@ class BlockRecorder:
                                               {op: _stats(host[(fmt, name, op)]) for op in OPERANDS
                                                if (fmt, name, op) in host}, kept.get(name, ""))
                        for name, m in self.linears.items()}
-            out.append(BlockFormatStats(fmt, str(recipe), recipe.name if recipe.name in BLOCK_RECIPES else "",
+            preset = recipe.name.split(" without ")[0]   # a policy's block_disable names it "nvfp4 without sr"
+            out.append(BlockFormatStats(fmt, str(recipe), preset if preset in BLOCK_RECIPES else "",
                                         reference_stats(recipe), linears))
         return tuple(out)

@@ -15,7 +15,7 @@ import torch
 
 from mixprec.policy.choices import BLOCK_COMPUTE_DTYPES, BLOCK_RECIPE_NAMES, BLOCK_RECIPE_PARTS, FP8_FORMATS, FP8_RECIPES, _dtype_name
 
-__all__ = ["BLOCK_PRESETS", "check_linear_fields", "check_linear_needs", "block_preset_text"]
+__all__ = ["BLOCK_PRESETS", "check_linear_fields", "check_linear_needs", "block_preset_text", "canonical_disable"]
 
 # the preset (or preset + override) that runs each block recipe: the fix a refusal names
 BLOCK_PRESETS = {"mxfp8": "mxfp8-mixed", "nvfp4": "nvfp4-mixed", "nvfp4-plain": "nvfp4-mixed,block=nvfp4-plain"}
@@ -24,6 +24,13 @@ BLOCK_PRESETS = {"mxfp8": "mxfp8-mixed", "nvfp4": "nvfp4-mixed", "nvfp4-plain": 
 def block_preset_text(block: str) -> str:
     """The policy text that runs block recipe ``block`` under bf16-mixed, e.g. ``"nvfp4-mixed"``."""
     return BLOCK_PRESETS.get(block, f"bf16-mixed,block={block}")
+
+
+def canonical_disable(parts: tuple[str, ...]) -> tuple[str, ...]:
+    """``block_disable``'s parts in the recipes' order (``hadamard``, ``sr``, ``2d``, ``tail``, ``ends``), so two
+    orders of the same parts are one policy; call after the checks."""
+    order = BLOCK_RECIPE_PARTS["nvfp4"]
+    return tuple(p for p in order if p in parts)
 
 
 def check_linear_fields(policy: Any) -> None:
@@ -74,10 +81,10 @@ def check_linear_needs(policy: Any) -> None:
     has = BLOCK_RECIPE_PARTS[policy.block]
     for i, part in enumerate(policy.block_disable):
         if part not in has or part in policy.block_disable[:i]:
-            what = "is named twice" if part in has else f"is not a part of recipe block={policy.block!r}"
-            raise ValueError(f"Policy block_disable part {part!r} {what}; block={policy.block!r} has "
-                             f"{'|'.join(has)} to turn off (e.g. '{block_preset_text(policy.block)},block_disable="
-                             f"{has[0]}')")
+            if part in has:
+                raise ValueError(f"Policy block_disable part {part!r} is named twice; name each part once")
+            raise ValueError(f"Policy block_disable part {part!r} is not a part of recipe block={policy.block!r}; it "
+                             f"has {'|'.join(has)} to turn off (e.g. block_disable={has[0]})")
     if policy.fp8 is not None:
         raise ValueError(f"Policy block={policy.block!r} with fp8={policy.fp8!r}: a linear runs block-scaled or in "
                          f"fp8, not both; set fp8=none (e.g. {block_preset_text(policy.block)!r}) or block=none "

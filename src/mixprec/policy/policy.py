@@ -53,7 +53,8 @@ first/last linears in bf16), ``nvfp4-plain`` (NVFP4 without the transform, the S
 ``"nvfp4-mixed,block=nvfp4-plain"``); needs bf16 compute, excludes ``fp8``; emulated on every device, so its
 speed is not representative; see docs/policies.md), ``block_keep`` (glob patterns joined by ``|`` of linears, or
 modules holding them, that stay in the compute dtype under ``block``, e.g. ``"nvfp4-mixed,block_keep=blocks.*.fc2"``:
-what ``mixprec inspect --formats nvfp4`` advises).
+what ``mixprec inspect --formats nvfp4`` advises), ``block_disable`` (parts of the ``block`` recipe turned off,
+joined by ``|``: ``hadamard``, ``sr``, ``2d``, ``tail``, ``ends``, e.g. ``"nvfp4-mixed,block_disable=sr"``).
 """
 
 from __future__ import annotations
@@ -70,7 +71,7 @@ from mixprec.policy.choices import (_COMPUTE_DTYPES, _HALF_DTYPES, BLOCK_RECIPE_
                                     KERNEL_MODES, OPS_MODES, QUANTIZED_STATE_DTYPES, ROUNDINGS, SAVED_MODES,
                                     SR_STATE_DTYPES, STATE_FORMATS, STATE_ROUNDINGS, LossScaleSpec, _dtype_name,
                                     default_saved, default_state_rounding, state_name)
-from mixprec.policy.linears import check_linear_fields, check_linear_needs
+from mixprec.policy.linears import canonical_disable, check_linear_fields, check_linear_needs
 from mixprec.policy.text import canonical_text, parse_parts
 
 __all__ = ["Policy", "PRESETS", "ROUNDINGS", "STATE_FORMATS", "QUANTIZED_STATE_DTYPES", "STATE_ROUNDINGS",
@@ -181,6 +182,7 @@ class Policy:
         check_linear_fields(self)
         self._check_modes()
         check_linear_needs(self)
+        object.__setattr__(self, "block_disable", canonical_disable(self.block_disable))   # one order, one policy
 
     # ------------------------------------------------------------------ validation (in this order)
     def _check_dtypes(self) -> None:

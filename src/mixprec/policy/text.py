@@ -150,7 +150,8 @@ _KEYS = {
     "fp8_ends": ("fp8_keep_ends", _parse_fp8_ends),
     "block": ("block", _parse_block),
     "block_keep": ("block_keep", _parse_keep),
-    "block_disable": ("block_disable", lambda k, v: tuple(p.strip().lower() for p in v.split("|") if p.strip())),
+    "block_disable": ("block_disable", lambda k, v: tuple(p.strip().lower() for p in v.split("|")
+                                                          if p.strip() and p.strip().lower() != "none")),
     "ops": ("ops", _parse_ops),
     "kernels": ("kernels", _parse_kernels),
     "saved": ("saved", _parse_saved),

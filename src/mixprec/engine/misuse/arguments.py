@@ -25,6 +25,8 @@ def check_args(model: Any, max_grad_norm: Any, accumulation_steps: Any, recomput
                checkpoint: Any = None, guard: Any = None) -> Any:
     """The constructor's argument checks, before anything changes; returns the recompute option (``checkpoint=``,
     its old name, taken with a DeprecationWarning; TypeError for both, and for a ``guard`` without ``after_step``)."""
+    if isinstance(guard, type):
+        raise TypeError(f"guard={guard.__name__} is a class: pass an instance, e.g. guard={guard.__name__}()")
     if guard is not None and not callable(getattr(guard, "after_step", None)):
         raise TypeError(f"guard={guard!r} has no after_step(mp, result): pass a mixprec.Guard (e.g. "
                         "guard=mixprec.Guard()) or None (the default: a stuck loss scale is still refused)")

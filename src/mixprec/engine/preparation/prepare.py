@@ -300,9 +300,10 @@ def switch_block_linears(model: nn.Module, old: Policy, new: Policy, device: tor
                          keep: dict[str, nn.Module]) -> str:
     """Mid-run (:meth:`mixprec.MixedPrecision.set_policy`), after every check: make ``model``'s block-scaled linears
     those a build under ``new`` converts (``keep``: ``new``'s fp32 regions). Nothing changes, and "" is returned,
-    when ``block``, ``block_keep``, ``block_disable`` and ``keep_fp32`` are ``old``'s; else every block-scaled linear is swapped back to
-    ``nn.Linear`` and, under a ``new.block``, the model converted as at a build, each linear converted again under
-    the same recipe and index continuing its stochastic rounding stream. Returns the decision's clause. No host sync."""
+    when ``block``, ``block_keep``, ``block_disable`` and ``keep_fp32`` are ``old``'s; else every block-scaled
+    linear is swapped back to ``nn.Linear`` and, under a ``new.block``, the model converted as at a build, each
+    linear converted again under the same stream (recipe seed and index: a ``block_disable`` change keeps it)
+    continuing its stochastic rounding. Returns the decision's clause. No host sync."""
     fields = ("block", "block_keep", "block_disable", "keep_fp32")
     if all(getattr(old, f) == getattr(new, f) for f in fields):
         return ""
@@ -313,7 +314,7 @@ def switch_block_linears(model: nn.Module, old: Policy, new: Policy, device: tor
     named = dict(model.named_modules())
     for name in () if report is None else report.converted:
         was, now = before.get(name), named[name]
-        if was is not None and (was.recipe, was.index) == (now.recipe, now.index):
+        if was is not None and was.sr_seed == now.sr_seed:   # the same stream (recipe seed + index), parts aside
             now.set_extra_state(was.get_extra_state())
     if note or not before:
         return note
