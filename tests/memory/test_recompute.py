@@ -535,3 +535,29 @@ def test_checkpoint_is_the_old_name_of_recompute_kept_with_a_deprecation_warning
     assert old.state_dict()["recompute"] == new.state_dict()["recompute"] == {"text": _plan_text("blocks.*", "full")}
     with pytest.raises(TypeError, match=r"recompute='blocks\.\*' and checkpoint='auto': checkpoint= is the old name"):
         MixedPrecision(model, None, "fp32", device="cpu", recompute="blocks.*", checkpoint="auto")
+
+
+@pytest.mark.parametrize("checkpoint", ["blocks.*", "auto"])
+def test_a_deep_copy_of_a_planned_model_runs_its_own_weights_and_pickles(gpt, checkpoint, tmp_path):
+    """An EMA or a teacher is a ``copy.deepcopy`` of the model: its blocks must run the copy's weights (a block's
+    wrapped forward once closed over the original's, so the copy silently ran the student). Before the plan is
+    chosen (``auto``, no training forward yet) and after; ``torch.save`` of the model too."""
+    workload, batches = gpt
+    mp = _engine(workload, "bf16-mixed", checkpoint)
+    for settled in (False, True):
+        if settled:
+            _train(mp, workload, batches[:1])
+        teacher = copy.deepcopy(mp.module)
+        with torch.no_grad():
+            for p in teacher.blocks.parameters():
+                p.zero_()
+        x = batches[0]["idx"]
+        with torch.no_grad():
+            got, student = teacher(x), mp.module(x)
+            for block in teacher.blocks:    # the zeroed blocks are the identity on the residual stream
+                assert block.forward.__wrapped__.__self__ is block
+        assert not torch.equal(got, student)
+        torch.save(mp.module, tmp_path / f"model-{settled}.pt")
+        loaded = torch.load(tmp_path / f"model-{settled}.pt", weights_only=False)
+        with torch.no_grad():
+            assert torch.equal(loaded(x), mp.module(x))

@@ -29,6 +29,7 @@ name is importable from here).
 from __future__ import annotations
 
 import contextlib
+import copy
 import fnmatch
 import functools
 import statistics
@@ -215,13 +216,44 @@ def _uncached_casts(device: torch.device) -> contextlib.ExitStack:
     return stack
 
 
-def _settled(forward: Callable[..., Any], mode: str, block: nn.Module, name: str) -> Callable[..., Any]:
-    """``forward`` run in ``mode``: one code object for every block, no per-block value looked up (a traced model
-    inlines each block's call, one graph for all)."""
-    def recomputed(*args: Any, **kwargs: Any) -> Any:
-        return _run(forward, mode, args, kwargs, block, name)
-    recomputed.__wrapped__ = forward   # type: ignore[attr-defined]
-    return recomputed
+class _Recomputed:
+    """A block's ``forward`` run in ``mode``: one code for every block, its values attributes of this object (a traced
+    model inlines each block's call, one graph for all). An object, not a closure, so a deep copy of the model (an
+    EMA, a teacher) runs the copy's own block: ``copy.deepcopy`` copies the block and its bound ``forward`` with it
+    (a closure would be shared, and the copy would run the original's weights); it pickles with the model."""
+
+    def __init__(self, forward: Callable[..., Any], mode: str, block: nn.Module, name: str) -> None:
+        self.forward, self.mode, self.block, self.name = forward, mode, block, name
+        self.__wrapped__ = forward
+
+    def __call__(self, *args: Any, **kwargs: Any) -> Any:
+        return _run(self.forward, self.mode, args, kwargs, self.block, self.name)
+
+
+class _Pending:
+    """A block's ``forward`` until ``"auto"`` settles its mode (:class:`RecomputedForwards`): eager, never traced
+    (no traced frame per block: dynamo's recompile limit); at each training call it runs in the mode ``on_pending``
+    returns. A deep copy or a pickle of it is the copied block's own forward, unplanned (``"none"``): the plan is
+    measured and chosen by the engine of the original."""
+
+    def __init__(self, forward: Callable[..., Any], block: nn.Module, name: str,
+                 on_pending: Callable[[str, Callable[..., Any], tuple, dict], str]) -> None:
+        self.forward, self.block, self.name, self.on_pending = forward, block, name, on_pending
+        self.__wrapped__ = forward
+
+    @torch.compiler.disable
+    def __call__(self, *args: Any, **kwargs: Any) -> Any:
+        if not (torch.is_grad_enabled() and self.block.training):
+            return self.forward(*args, **kwargs)
+        with scratch_buffers(self.block):   # measuring forwards leave every buffer as it was
+            mode = self.on_pending(self.name, self.forward, args, kwargs)
+        return _run(self.forward, mode, args, kwargs, self.block, self.name)
+
+    def __deepcopy__(self, memo: dict) -> _Recomputed:
+        return _Recomputed(copy.deepcopy(self.forward, memo), "none", copy.deepcopy(self.block, memo), self.name)
+
+    def __reduce__(self) -> tuple:
+        return _Recomputed, (self.forward, "none", self.block, self.name)
 
 
 class RecomputedForwards:
@@ -241,25 +273,14 @@ class RecomputedForwards:
 
     def _wrap(self, name: str, forward: Callable[..., Any]) -> Callable[..., Any]:
         if self.modes[name] != "pending":
-            return _settled(forward, self.modes[name], self._blocks[name], name)
-
-        block = self._blocks[name]
-
-        @torch.compiler.disable   # eager until settled: no traced frame per block (dynamo's recompile limit)
-        def pending(*args: Any, **kwargs: Any) -> Any:
-            if not (torch.is_grad_enabled() and block.training):
-                return forward(*args, **kwargs)
-            with scratch_buffers(block):   # measuring forwards leave every buffer as it was
-                mode = self._on_pending(name, forward, args, kwargs)
-            return _run(forward, mode, args, kwargs, block, name)
-        pending.__wrapped__ = forward   # type: ignore[attr-defined]
-        return pending
+            return _Recomputed(forward, self.modes[name], self._blocks[name], name)
+        return _Pending(forward, self._blocks[name], name, self._on_pending)
 
     def settle(self, modes: dict[str, str]) -> None:
         """Each block of ``modes`` runs its mode from its next call on (traced inline under compile)."""
         for name, mode in modes.items():
             self.modes[name] = mode
-            wrapper = _settled(self._own[name], mode, self._blocks[name], name)
+            wrapper = _Recomputed(self._own[name], mode, self._blocks[name], name)
             self._blocks[name].forward = self._installed[name] = wrapper
 
     def remove(self) -> None:
