@@ -156,3 +156,24 @@ def _ddp_engine_freed_before_the_group_goes(rank: int, out, policy: str) -> bool
 @pytest.mark.parametrize("policy", ["bf16-mixed", "nvfp4-mixed"])
 def test_ddp_engines_free_their_ddp_module_on_del(tmp_path, policy):
     assert run_ranks(_ddp_engine_freed_before_the_group_goes, tmp_path, policy) == [True, True]
+
+
+@pytest.mark.parametrize("optimizer", [torch.optim.SGD, torch.optim.AdamW])
+def test_del_frees_a_torch_optimizer_its_params_and_state_and_an_ema(no_collector, optimizer):
+    """With a torch optimizer nothing of the run outlives ``del``: the engine's ``add_param_group`` route holds the
+    optimizer weakly, an EMA's step hook holds the EMA weakly. (mixprec's own optimizers keep themselves in a
+    reference cycle, freed by the collector.)"""
+    model = _net()
+    opt = optimizer(model.parameters(), lr=1e-3)
+    mp = MixedPrecision(model, opt, policy="bf16-mixed", device="cpu")
+    ema = mixprec.EMA(mp, decay=0.9)
+    for _ in range(2):
+        with mp.autocast():
+            loss = mp.model(torch.randn(8, 32)).float().pow(2).mean()
+        mp.backward(loss)
+        mp.step()
+    assert ema.updates == 2
+    refs = [weakref.ref(x) for x in (mp, model, opt, ema, model[0].weight)]
+    refs += [weakref.ref(t) for t in opt.state[model[0].weight].values() if isinstance(t, torch.Tensor)]
+    del mp, model, opt, ema, loss
+    assert all(r() is None for r in refs)

@@ -210,15 +210,23 @@ class _AddParamGroup:
     weakly (a dropped engine leaves torch's own ``original``); a copied or pickled one holds neither."""
 
     def __init__(self, watch: GroupWatch, original: Any) -> None:
-        self._watch, self._original = weakref.ref(watch), original
+        self._watch = weakref.ref(watch)
+        # torch's bound add_param_group held as its function and a weak optimizer: this object is an attribute of
+        # the optimizer, so the bound method would keep the optimizer in a reference cycle
+        bound = getattr(original, "__self__", None) is not None
+        self._original = original.__func__ if bound else original
+        self._optimizer = weakref.ref(original.__self__) if bound else None
 
     def __getstate__(self) -> dict:
-        return {"_watch": None, "_original": None}
+        return {"_watch": None, "_original": None, "_optimizer": None}
 
     def __call__(self, param_group: dict[str, Any]) -> None:
         watch = None if self._watch is None else self._watch()
         if watch is None or not watch.add(param_group):
-            self._original(param_group)
+            if self._optimizer is None:
+                self._original(param_group)
+            else:
+                self._original(self._optimizer(), param_group)
 
 
 class GroupWatch(Feature):
