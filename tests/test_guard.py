@@ -306,7 +306,7 @@ def test_one_guard_watches_one_engine():
     guard = Guard()
     a, b = build(guard=guard), build(guard=guard)
     train(a, batches(1))
-    with pytest.raises(RuntimeError, match="already watches another MixedPrecision engine"):
+    with pytest.raises(RuntimeError, match="already watched another MixedPrecision engine"):
         train(b, batches(1))
 
 
