@@ -33,7 +33,8 @@ from mixprec.blockscale.linear import BlockScaledLinear, shape_problems
 from mixprec.blockscale.quantize import BlockQuantized, dequantize, quantize
 from mixprec.blockscale.recipe import BLOCK_RECIPES, GEMMS, RECIPE_PARTS, BlockRecipe, get_block_recipe
 
-__all__ = ["BLOCK_RECIPES", "GEMMS", "RECIPE_PARTS", "BlockConversionReport", "BlockQuantized", "BlockRecipe", "BlockScaledLinear",
+__all__ = ["BLOCK_RECIPES", "GEMMS", "RECIPE_PARTS",
+           "BlockConversionReport", "BlockQuantized", "BlockRecipe", "BlockScaledLinear",
            "block_state_keys", "check_keep_patterns", "convert_to_block_scaled", "decode", "dequantize", "encode",
            "fake_quantize",            "find_blocks", "get_block_recipe", "hadamard_matrix", "hadamard_transform", "inverse_hadamard_transform",
            "plan_block_conversion", "quantize", "random_signs", "revert_block_scaled", "round_to_element",

@@ -54,8 +54,8 @@ class HeldEngine:
 
 
 def held_method(method: Callable[[], None]) -> Callable[[], None]:
-    """A bound method of the engine as :class:`HeldEngine` holds the engine: calling it calls the method while the engine
-    lives, and does nothing after."""
+    """A bound method of the engine as :class:`HeldEngine` holds the engine: calling it calls the method while
+    the engine lives, and does nothing after."""
     ref = weakref.WeakMethod(method)
 
     def call() -> None:

@@ -38,10 +38,10 @@ _FIELDS = 6   # blocks, saturated blocks, non-zero elements, flushed elements, s
 
 
 def recipe_for_format(fmt: BlockFormat | str, policy: Policy) -> BlockRecipe:
-    """The recipe ``fmt`` is inspected under: ``policy``'s own block recipe (its ``block_disable`` applied) when it quantizes in ``fmt``, else the
-    first preset of :data:`~mixprec.blockscale.BLOCK_RECIPES` that does (``mxfp8`` for ``mxfp8_e4m3``, ``nvfp4``
-    for ``nvfp4``), else ``BlockRecipe(name=fmt.name, format=fmt.name)`` (1D blocks, no transform, no stochastic
-    rounding, first and last linears kept)."""
+    """The recipe ``fmt`` is inspected under: ``policy``'s own block recipe (its ``block_disable`` applied) when
+    it quantizes in ``fmt``, else the first preset of :data:`~mixprec.blockscale.BLOCK_RECIPES` that does
+    (``mxfp8`` for ``mxfp8_e4m3``, ``nvfp4`` for ``nvfp4``), else ``BlockRecipe(name=fmt.name, format=fmt.name)``
+    (1D blocks, no transform, no stochastic rounding, first and last linears kept)."""
     fmt = get_block_format(fmt)
     own = [get_block_recipe(policy.block, disable=policy.block_disable)] if policy.block is not None else []
     for recipe in own + list(BLOCK_RECIPES.values()):

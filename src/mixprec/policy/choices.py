@@ -16,7 +16,8 @@ import torch
 from mixprec.formats import get_format
 
 __all__ = ["ROUNDINGS", "STATE_FORMATS", "QUANTIZED_STATE_DTYPES", "STATE_ROUNDINGS", "FP8_RECIPES", "FP8_FORMATS",
-           "BLOCK_RECIPE_NAMES", "BLOCK_RECIPE_PARTS", "BLOCK_COMPUTE_DTYPES", "OPS_MODES", "KERNEL_MODES", "SAVED_MODES", "LossScaleSpec",
+           "BLOCK_RECIPE_NAMES", "BLOCK_RECIPE_PARTS", "BLOCK_COMPUTE_DTYPES",
+           "OPS_MODES", "KERNEL_MODES", "SAVED_MODES", "LossScaleSpec",
            "state_name", "default_state_rounding", "SR_STATE_DTYPES", "default_saved"]
 
 ROUNDINGS = ("nearest", "kahan", "stochastic")
@@ -32,7 +33,8 @@ FP8_RECIPES = ("tensorwise", "rowwise", "delayed")
 FP8_FORMATS = ("hybrid", "e4m3")
 BLOCK_RECIPE_NAMES = ("mxfp8", "nvfp4", "nvfp4-plain")   # mixprec.blockscale.BLOCK_RECIPES' keys
 # the parts each recipe has on, which block_disable may turn off (mixprec.blockscale.recipe.RECIPE_PARTS' keys)
-BLOCK_RECIPE_PARTS = {"mxfp8": ("ends",), "nvfp4": ("hadamard", "sr", "2d", "tail", "ends"), "nvfp4-plain": ("2d", "ends")}
+BLOCK_RECIPE_PARTS = {"mxfp8": ("ends",), "nvfp4": ("hadamard", "sr", "2d", "tail", "ends"),
+                      "nvfp4-plain": ("2d", "ends")}
 BLOCK_COMPUTE_DTYPES = (torch.bfloat16,)   # block-scaled linears train under bf16 compute (the recipes' own)
 OPS_MODES = ("portable", "native")     # mixprec.autocast.portable: which autocast op lists mp.autocast() uses
 KERNEL_MODES = ("measured", "native")  # mixprec.autocast.op_plan: whether mp.autocast() runs the measured op plan

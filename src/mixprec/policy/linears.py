@@ -13,7 +13,8 @@ from typing import Any
 
 import torch
 
-from mixprec.policy.choices import BLOCK_COMPUTE_DTYPES, BLOCK_RECIPE_NAMES, BLOCK_RECIPE_PARTS, FP8_FORMATS, FP8_RECIPES, _dtype_name
+from mixprec.policy.choices import (BLOCK_COMPUTE_DTYPES, BLOCK_RECIPE_NAMES, BLOCK_RECIPE_PARTS, FP8_FORMATS,
+                                    FP8_RECIPES, _dtype_name)
 
 __all__ = ["BLOCK_PRESETS", "check_linear_fields", "check_linear_needs", "block_preset_text", "canonical_disable"]
 

@@ -89,9 +89,9 @@ def check_fp8_unchanged(old: Policy, new: Policy) -> None:
 
 def check_block_switch(old: Policy, new: Policy, strategy: Any, model: torch.nn.Module) -> None:
     """Raise ValueError if ``new`` changes which linears are block-scaled or how (``block``, ``block_disable`` or,
-    under a block policy, ``keep_fp32`` or ``block_keep``) under a ``strategy`` that shards params: FSDP2 holds the modules it sharded,
-    which a swap would leave behind; or if a ``new.block_keep`` pattern matches no linear of ``model``. Elsewhere the
-    swap is a build's conversion (mixprec.engine.preparation.prepare)."""
+    under a block policy, ``keep_fp32`` or ``block_keep``) under a ``strategy`` that shards params: FSDP2 holds the
+    modules it sharded, which a swap would leave behind; or if a ``new.block_keep`` pattern matches no linear of
+    ``model``. Elsewhere the swap is a build's conversion (mixprec.engine.preparation.prepare)."""
     if new.block is not None and new.block_keep:
         from mixprec.blockscale import check_keep_patterns
 
@@ -100,7 +100,8 @@ def check_block_switch(old: Policy, new: Policy, strategy: Any, model: torch.nn.
         (old.keep_fp32, old.block_keep) != (new.keep_fp32, new.block_keep) and None not in (old.block, new.block))
     if changes and strategy.shards_params:
         raise ValueError(f"set_policy: {old} → {new} changes the block-scaled linears (block={old.block or 'none'} → "
-                         f"{new.block or 'none'}, block_disable={'|'.join(new.block_disable) or 'none'}, keep_fp32={'|'.join(new.keep_fp32) or 'none'}, block_keep="
-                         f"{'|'.join(new.block_keep) or 'none'}), which cannot be swapped under strategy="
-                         f"{strategy.name!r} (it sharded the modules); keep block, block_disable, block_keep and keep_fp32 as "
-                         "they are, or build a new MixedPrecision from a checkpoint")
+                         f"{new.block or 'none'}, block_disable={'|'.join(new.block_disable) or 'none'}, keep_fp32="
+                         f"{'|'.join(new.keep_fp32) or 'none'}, block_keep={'|'.join(new.block_keep) or 'none'}), "
+                         f"which cannot be swapped under strategy={strategy.name!r} (it sharded the modules); keep "
+                         "block, block_disable, block_keep and keep_fp32 as they are, or build a new MixedPrecision "
+                         "from a checkpoint")
