@@ -18,13 +18,13 @@ from __future__ import annotations
 
 import math
 import warnings
-import weakref
 from collections.abc import Iterator
 from contextlib import contextmanager
 from typing import Any
 
 import torch
 
+from mixprec.engine.feature import held_method
 from mixprec.engine.mixed_precision import MixedPrecision
 from mixprec.messages.location import user_stacklevel
 from mixprec.optim import contract
@@ -54,17 +54,6 @@ def _value_dtype(p: torch.Tensor) -> torch.dtype:
     return torch.complex64 if p.is_complex() else torch.float32
 
 
-
-def _weak_hook(method: Any) -> Any:
-    """An optimizer step hook calling the EMA's bound ``method`` while the EMA lives (the optimizer holds its hooks:
-    a strong one would keep engine, optimizer and EMA in a reference cycle, freed only by the garbage collector)."""
-    ref = weakref.WeakMethod(method)
-
-    def hook(optimizer: Any, args: Any, kwargs: Any) -> None:
-        bound = ref()
-        if bound is not None:
-            bound(optimizer, args, kwargs)
-    return hook
 
 class EMA:
     """An fp32 exponential moving average ("shadow") of ``mp``'s trainable params, updated after each
@@ -114,7 +103,7 @@ class EMA:
         self._active_swap = False
         self._shadow: dict[str, torch.Tensor] = {name: value.detach().to(_value_dtype(value), copy=True)
                                                  for name, value in self._sources().items()}
-        self._hook = mp.optimizer.register_step_post_hook(_weak_hook(self._after_optimizer_step))
+        self._hook = mp.optimizer.register_step_post_hook(held_method(self._after_optimizer_step))   # weakly: no cycle
 
     # ------------------------------------------------------------------ the update
     @property

@@ -73,7 +73,7 @@ from dataclasses import dataclass
 
 from mixprec.formats import BlockFormat, get_block_format
 
-__all__ = ["GEMMS", "OPERANDS", "RECIPE_PARTS", "BlockRecipe", "BLOCK_RECIPES", "get_block_recipe", "recipe_parts"]
+__all__ = ["GEMMS", "OPERANDS", "RECIPE_PARTS", "BlockRecipe", "BLOCK_RECIPES", "get_block_recipe", "preset_name", "recipe_parts"]
 
 # GEMM -> (operand, dim it is quantized along) for its two inputs; the output is the GEMM's name
 GEMMS: dict[str, tuple[tuple[str, str], tuple[str, str]]] = {
@@ -224,6 +224,13 @@ BLOCK_RECIPES: dict[str, BlockRecipe] = {
 def recipe_parts(recipe: BlockRecipe) -> tuple[str, ...]:
     """The :data:`RECIPE_PARTS` that ``recipe`` has on, in that order (``nvfp4``: all five; ``mxfp8``: ``ends``)."""
     return tuple(part for part, (field, off) in RECIPE_PARTS.items() if getattr(recipe, field) != off)
+
+
+def preset_name(recipe: BlockRecipe) -> str:
+    """The :data:`BLOCK_RECIPES` key ``recipe`` comes from (``"nvfp4"`` for ``get_block_recipe("nvfp4",
+    disable=("sr",))``, named ``"nvfp4 without sr"``), or ``""`` for a recipe built otherwise."""
+    base = recipe.name.split(" without ")[0]
+    return base if base in BLOCK_RECIPES else ""
 
 
 def get_block_recipe(spec: str | BlockRecipe, disable: tuple[str, ...] = ()) -> BlockRecipe:

@@ -53,15 +53,16 @@ class HeldEngine:
         obj.__dict__[self._slot] = weakref.ref(engine)
 
 
-def held_method(method: Callable[[], None]) -> Callable[[], None]:
-    """A bound method of the engine as :class:`HeldEngine` holds the engine: calling it calls the method while
-    the engine lives, and does nothing after."""
+def held_method(method: Callable[..., None]) -> Callable[..., None]:
+    """A bound method held as :class:`HeldEngine` holds the engine (weakly): calling it calls the method, with the
+    same arguments, while its object lives, and does nothing after (e.g. a hook the object's own collaborator
+    holds)."""
     ref = weakref.WeakMethod(method)
 
-    def call() -> None:
+    def call(*args: Any, **kwargs: Any) -> None:
         bound = ref()
         if bound is not None:
-            bound()
+            bound(*args, **kwargs)
     return call
 
 

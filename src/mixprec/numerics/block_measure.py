@@ -21,7 +21,7 @@ from mixprec.blockscale.gemm import operand_blocks, tile_blocks
 from mixprec.blockscale.hadamard import random_signs
 from mixprec.blockscale.linear import shape_problems
 from mixprec.blockscale.quantize import BlockQuantized, quantize
-from mixprec.blockscale.recipe import BLOCK_RECIPES, OPERANDS, BlockRecipe, get_block_recipe
+from mixprec.blockscale.recipe import BLOCK_RECIPES, OPERANDS, BlockRecipe, get_block_recipe, preset_name
 from mixprec.formats import BlockFormat, get_block_format
 from mixprec.numerics.block_stats import BlockFormatStats, BlockStats, LinearBlockStats
 from mixprec.policy.policy import Policy
@@ -173,7 +173,5 @@ class BlockRecorder:
                                               {op: _stats(host[(fmt, name, op)]) for op in OPERANDS
                                                if (fmt, name, op) in host}, kept.get(name, ""))
                        for name, m in self.linears.items()}
-            preset = recipe.name.split(" without ")[0]   # a policy's block_disable names it "nvfp4 without sr"
-            out.append(BlockFormatStats(fmt, str(recipe), preset if preset in BLOCK_RECIPES else "",
-                                        reference_stats(recipe), linears))
+            out.append(BlockFormatStats(fmt, str(recipe), preset_name(recipe), reference_stats(recipe), linears))
         return tuple(out)
