@@ -110,17 +110,30 @@ def _event_lines(policies: dict) -> list[str]:
     return lines + skipped or ["- none: every step of every policy applied"]
 
 
-def _advice_lines(results: dict) -> list[str]:
-    """``--policies advised``: what the numerics advisor chose and why, and which row it is (when it
-    equals a policy also asked for by name, that policy runs once)."""
-    advice = results.get("advice")
-    if not advice:
-        return []
-    chosen = advice["policy"]
+def _row_words(results: dict, chosen: str) -> str:
+    """Which row an advised policy is (when it equals a policy also asked for by name, that policy runs once)."""
     row = f"its row is `{chosen}`" if chosen in results["policies"] else "it did not run"
     if chosen in results["settings"].get("requested_policies", ()):
         row += " (also asked for by name: it ran once)"
-    return [f"Advised policy (`mixprec inspect`): `{chosen}`; {row}. Why: " + "; ".join(advice["reasons"]), ""]
+    return row
+
+
+def _advice_lines(results: dict) -> list[str]:
+    """``--policies advised`` / ``advised:<format>``: what the numerics advisor chose and why, and which row it is."""
+    advice = results.get("advice")
+    if not advice:
+        return []
+    lines = []
+    if advice.get("policy"):
+        chosen = advice["policy"]
+        lines.append(f"Advised policy (`mixprec inspect`): `{chosen}`; {_row_words(results, chosen)}. Why: "
+                     + "; ".join(advice["reasons"]))
+    for block in advice.get("block", []):
+        chosen, kept = block["policy"], ", ".join(block["kept_in_bf16"]) or "nothing"
+        lines.append(f"Advised {block['format']} policy (`{block['request']}`, as `{block['inspected_as']}` "
+                     f"advises): `{chosen}`; {_row_words(results, chosen)}; linears kept in bf16: {kept}. "
+                     "Why: " + "; ".join(block["reasons"]))
+    return lines + [""]
 
 
 def _state_lines(policies: dict) -> list[str]:

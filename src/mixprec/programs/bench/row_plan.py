@@ -1,5 +1,6 @@
-"""Which rows a bench runs: the policies asked for (``advised`` replaced by the advisor's), checked, and why the
-device refuses each one it cannot run (SKIPPED).
+"""Which rows a bench runs: the policies asked for (``advised`` and ``advised:<block format>`` replaced by the
+policies the inspection advises: :mod:`mixprec.programs.bench.advised_rows`), checked, and why the device refuses
+each one it cannot run (SKIPPED).
 
 fp32 always runs, first, as the reference. Each other policy is resolved for the device with the measured
 capability (:func:`mixprec.policy.resolve.resolve`); a policy the device refuses, and fp16 on a CPU whose probe
@@ -17,7 +18,6 @@ from __future__ import annotations
 import json
 import os
 import sys
-from typing import TYPE_CHECKING
 
 import torch
 
@@ -25,15 +25,12 @@ from mixprec.distributed.process import from_main_process, init_process_group_fr
 from mixprec.machine.capability import Capability, probe
 from mixprec.policy.policy import Policy
 from mixprec.policy.resolve import resolve
+from mixprec.programs.bench.advised_rows import advise_rows, is_advised
 from mixprec.programs.bench.config import REFERENCE, BenchConfig
 from mixprec.programs.bench.recompute_rows import check_plan_fits, split_row
 
-if TYPE_CHECKING:
-    from mixprec.numerics.advice import Recommendation
+__all__ = ["CAPABILITY_ENV", "capability_for", "plan_policy", "plan_rows"]
 
-__all__ = ["ADVISED", "CAPABILITY_ENV", "capability_for", "plan_policy", "plan_rows"]
-
-ADVISED = "advised"  # --policies advised: run what `mixprec inspect` recommends for this workload
 CAPABILITY_ENV = "MIXPREC_BENCH_CAPABILITY"
 
 
@@ -69,19 +66,23 @@ def plan_policy(spec: str, device: torch.device, capability: Capability, *, forc
 
 
 def plan_rows(config: BenchConfig, device: torch.device, cap: Capability, progress: bool
-              ) -> tuple[list[str], dict[str, str | None], Recommendation | None]:
-    """The rows' policy names (fp32 first, ``advised`` replaced by the advisor's policy), why each is SKIPPED
-    (None: it runs; rank 0's plan under a strategy) and the advice (None unless asked for)."""
+              ) -> tuple[list[str], dict[str, str | None], dict | None]:
+    """The rows' policy names (fp32 first, each advised request replaced by its advised policy), why each is
+    SKIPPED (None: it runs; rank 0's plan under a strategy) and results.json's ``advice`` (None unless asked)."""
     names = list(dict.fromkeys([REFERENCE, *(p.strip() for p in config.policies)]))
     advice = None
-    if ADVISED in names:  # the numerics advisor's policy, measured like any other
-        from mixprec.numerics.workload import advised_policy
+    asked = [n for n in names if is_advised(n)]
+    if asked:   # the numerics advisor's policies, measured like any other
+        from mixprec.numerics.workload import inspect_workload
 
-        advised, advice = advised_policy(config.workload, config=config.config_name, data=config.data,
-                                         device=device, lora=config.lora)
-        names = list(dict.fromkeys(str(advised) if n == ADVISED else n for n in names))
+        rows = advise_rows(asked, inspect_workload, workload=config.workload, config=config.config_name,
+                           data=config.data, device=device, lora=config.lora)
+        names, advice = list(dict.fromkeys(rows.names.get(n, n) for n in names)), rows.record
         if progress and is_main_process():
-            print(f"advised policy: {advised}\n  " + "\n  ".join(advice.reasons), file=sys.stderr)
+            reasons = {**{b["request"]: b["reasons"] for b in advice.get("block", [])},
+                       **{n: advice.get("reasons", []) for n in rows.names if n.strip().lower() == "advised"}}
+            for request, policy in rows.names.items():
+                print(f"{request}: {policy}\n  " + "\n  ".join(reasons[request]), file=sys.stderr)
     for name in names:  # a typo is an error, not a SKIPPED policy: only the device may refuse
         if split_row(name)[0].lower() != "auto":
             Policy.parse(split_row(name)[0])

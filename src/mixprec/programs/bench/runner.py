@@ -91,8 +91,7 @@ def run_bench(config: BenchConfig, *, capability: Capability | None = None, prog
         created=time.strftime("%Y-%m-%dT%H:%M:%S%z"), command=config.command,
         settings=_settings(run, names), workload=description,
         environment=_environment(device, cap, peaks, config.command), reference=REFERENCE,
-        advice=None if advice is None else {"policy": str(advice.policy), "reasons": list(advice.reasons),
-                                            "initial_loss_scale": advice.initial_loss_scale},
+        advice=advice,
         policies=entries, timing=timing, seed_noise=seed_noise, mfu_peak=mfu_peak, portable_ops=portable,
         parent_pid=os.getpid(), wall_s=time.perf_counter() - start, op_plan=plan,
         peer=None if peer is None else peer.as_json())

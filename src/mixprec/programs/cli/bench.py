@@ -31,7 +31,9 @@ def add_parser(sub: argparse._SubParsersAction, presets: str) -> None:
                       "minilm has tiny, default; digits has default")
     bench.add_argument("--policies", default=",".join(DEFAULT_POLICIES), type=split_policies,
                        help=f"comma-separated policies: presets ({presets}) or key=value text such as "
-                       f"bf16-kahan,state=int8; fp32 is always added first (default: {','.join(DEFAULT_POLICIES)})")
+                       "bf16-kahan,state=int8; 'advised' runs the numerics advisor's policy, 'advised:nvfp4' (or "
+                       "mxfp8) the block policy it advises, overrides allowed after it; fp32 is always added first "
+                       f"(default: {','.join(DEFAULT_POLICIES)})")
     bench.add_argument("--steps", type=positive_int, default=None,
                        help=f"optimizer steps per policy, >= 5 (default: the workload's: {DEFAULT_STEPS} for gpt)")
     bench.add_argument("--out", default=None, help="output directory (default: runs/bench-<timestamp>)")
