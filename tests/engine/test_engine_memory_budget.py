@@ -227,3 +227,21 @@ def test_the_call_counter_counts_planned_training_lookups():
     counter.stop()
     op_plan.choose(q, q, q, is_causal=True, dtype=torch.bfloat16, grad=True)
     assert dict(counter.counts) == {entry.shape: 3}
+
+
+def test_an_engine_dropped_inside_its_measured_step_stops_the_profiler_and_the_next_engine_measures(tmp_path):
+    """`del mp` between the measured step's forward and its boundary left the CPU profiler recording: every later
+    budget in the process read "deferred ... a profiler session was recording"."""
+    _plant(tmp_path, FUSED_FASTEST)
+    mp, workload = _engine("8GiB")
+    _steps(mp, workload, 1)
+    batch = mp.cast_inputs(next(workload.batches("train", 1)))
+    with mp.autocast():   # the second training step's first scope: the measured window opens
+        loss = workload.loss(mp.model, batch)
+    assert torch.autograd._profiler_enabled()   # the meter's own session
+    del mp, loss
+    assert not torch.autograd._profiler_enabled()
+    again, workload = _engine("8GiB")
+    _steps(again, workload, 2)
+    (event,) = _budget_events(again)
+    assert event.cause == "measured" and again.state_dict()["memory_budget"]["peak_bytes"] > 0

@@ -40,6 +40,7 @@ from __future__ import annotations
 import logging
 import re
 import warnings
+import weakref
 from contextlib import AbstractContextManager, nullcontext
 from dataclasses import dataclass, field
 from typing import Any
@@ -137,6 +138,7 @@ class MemoryBudget(Feature):
         self._decided_note = ""   # the clause once decided, kept as written (the decision's text is replaced by it)
         self._deferred = ""   # why the measured step waits (a user's profiler session), from the boundary it began
         self._step_began = False   # the measured step is started (or deferred) at a step's first scope only
+        self._abandoned: weakref.finalize | None = None   # stops the meter if this is collected inside the window
 
     @property
     def on(self) -> bool:
@@ -186,6 +188,8 @@ class MemoryBudget(Feature):
                                     model=self._mp.module)
             self._counter.start()
             self._meter.start()
+            # an engine dropped inside the window (an exception, a `del mp`) must not leave the profiler recording
+            self._abandoned = weakref.finalize(self, _stop_meter, self._meter, self._counter)
         return scoped_allowance(self.allowed_mib)
 
     def _defer(self, why: str) -> None:
@@ -206,6 +210,7 @@ class MemoryBudget(Feature):
         if self._meter is None:
             return
         meter, counter, self._meter, self._counter = self._meter, self._counter, None, None
+        self._abandoned.detach()
         counter.stop()
         try:
             live = meter.stop()
@@ -254,13 +259,9 @@ class MemoryBudget(Feature):
 
     def _stop(self) -> None:
         if self._meter is not None:
-            meter, self._meter = self._meter, None
-            self._counter.stop()
-            self._counter = None
-            try:
-                meter.stop()
-            except RuntimeError:   # its session was ended from outside: nothing of the meter's is left running
-                pass
+            self._abandoned.detach()
+            meter, counter, self._meter, self._counter = self._meter, self._counter, None, None
+            _stop_meter(meter, counter)
 
     def _rechosen(self, allowed_mib: float) -> list[tuple[str, str, int | None]]:
         """(key, kernel now, extra bytes per call over fused) for each training key of the engine's plan."""
@@ -291,6 +292,16 @@ class MemoryBudget(Feature):
             words.append(f"{key} -> {chosen} ({mib_words(extra, signed=True)} per call x {n} calls = "
                          f"{mib_words(step, signed=True)} per step)")
         return "; ".join(words) + f"; in all {mib_words(total, signed=True)} per step" if words else "no training key"
+
+
+def _stop_meter(meter: LiveMeter, counter: CallCounter) -> None:
+    """Stop a measured step's meter and counter, its result unread (``remove()``, or the engine collected inside
+    the window: the finalizer holds these two, not the engine)."""
+    counter.stop()
+    try:
+        meter.stop()
+    except RuntimeError:   # its session was ended from outside: nothing of the meter's is left running
+        pass
 
 
 def _fixes(events: list) -> str:
