@@ -7,6 +7,7 @@ of the block-scaled tests (``tests/block_nets.py``: 16 inputs, 2 residual blocks
 
 from __future__ import annotations
 
+import os
 import sys
 from pathlib import Path
 
@@ -167,3 +168,52 @@ def test_fabric_resume_under_nvfp4_equals_an_uninterrupted_run(tmp_path):
     assert_same_state(resumed.engine.module, whole.engine.module)
     assert all(torch.equal(a, b) for a, b in zip(resumed_model.losses, whole_model.losses[2:]))
     assert {int(v[1]) for v in streams(resumed.engine.module).values()} == {4}
+
+
+# ---------------------------------------------------------------------- the Hugging Face Trainer
+class _HFClassifier(torch.nn.Module):
+    _keys_to_ignore_on_save = None   # the Trainer reads it when it reports missing keys (a PreTrainedModel's)
+
+    def __init__(self) -> None:
+        super().__init__()
+        torch.manual_seed(0)
+        self.net = Net(d=64, n=2)
+
+    def forward(self, x, labels=None):
+        out = self.net(x).float()
+        return {"loss": F.cross_entropy(out, labels), "logits": out}
+
+
+def hf_trainer(out, policy: str, **overrides):
+    os.environ.setdefault("HF_HUB_OFFLINE", "1")
+    transformers = pytest.importorskip("transformers")
+    pytest.importorskip("accelerate")
+    from mixprec.integrations.transformers import MixprecTrainer
+    data = [{"x": x[i], "labels": y[i]} for x, y in batches(4) for i in range(8)]
+    args = transformers.TrainingArguments(**{**dict(
+        output_dir=str(out), per_device_train_batch_size=8, max_steps=4, learning_rate=1e-2, save_strategy="no",
+        report_to="none", use_cpu=True, disable_tqdm=True, train_sampling_strategy="sequential", seed=0,
+        logging_steps=100), **overrides})
+    return MixprecTrainer(_HFClassifier(), args, train_dataset=data, policy=policy)
+
+
+def test_hf_trainer_resume_under_nvfp4_equals_an_uninterrupted_run(tmp_path):
+    whole = hf_trainer(tmp_path / "a", "nvfp4-mixed", save_strategy="steps", save_steps=2)
+    whole.train()
+    resumed = hf_trainer(tmp_path / "b", "nvfp4-mixed")
+    resumed.train(resume_from_checkpoint=str(tmp_path / "a" / "checkpoint-2"))
+    assert_same_state(resumed.engine.module, whole.engine.module)
+    assert {int(v[1]) for v in streams(resumed.engine.module).values()} == {4}
+
+
+@pytest.mark.parametrize("saved_policy, policy", [("bf16-mixed", "nvfp4-mixed"), ("nvfp4-mixed", "bf16-mixed")])
+def test_hf_trainer_resume_under_another_policy_converts_with_an_event(saved_policy, policy, tmp_path):
+    hf_trainer(tmp_path / "a", saved_policy, max_steps=2, save_strategy="steps", save_steps=2).train()
+    fresh = hf_trainer(tmp_path / "f", policy, max_steps=2)
+    fresh.train()
+    resumed = hf_trainer(tmp_path / "b", policy)
+    resumed.train(resume_from_checkpoint=str(tmp_path / "a" / "checkpoint-2"))
+    events = [e for e in resumed.engine.events if e.kind == "convert"]
+    assert len(events) == 1 and (events[0].from_policy, events[0].to_policy) == (saved_policy, policy)
+    assert {k: int(v[1]) for k, v in streams(resumed.engine.module).items()} == \
+        {k: int(v[1]) for k, v in streams(fresh.engine.module).items()}
