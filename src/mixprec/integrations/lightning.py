@@ -25,9 +25,11 @@ Lightning's hooks, mapped onto the engine's phases (docs/engine.md):
   clipping by norm is the engine's fp32 clip), then ``mp.apply_or_skip(check)``.
 * ``state_dict``/``load_state_dict``: the engine's state less what Lightning's checkpoint holds already
   (model, optimizer): masters, loss scale, scheduler, counters, events, and the global RNG states (Lightning
-  saves none; stochastic rounding draws from them); ``fit(ckpt_path=...)`` resumes bit for bit. A checkpoint
-  Lightning takes inside an accumulation window holds the open window too (:mod:`mixprec.engine.open_group`),
-  and one written without this plugin (``precision="32-true"``) is adopted (:meth:`MixprecPrecision.on_load_checkpoint`).
+  saves none; stochastic rounding draws from them), and the block-scaled linears' streams, moved out of Lightning's
+  ``state_dict`` (:meth:`MixprecPrecision.on_save_checkpoint`); ``fit(ckpt_path=...)`` resumes bit for bit. A
+  checkpoint Lightning takes inside an accumulation window holds the open window too (:mod:`mixprec.engine.open_group`),
+  and one written without this plugin (``precision="32-true"``) is adopted
+  (:meth:`MixprecPrecision.on_load_checkpoint`).
 
 Source: Lightning's own ``MixedPrecision`` (AMP) plugin, whose hook order this follows.
 """
@@ -50,6 +52,7 @@ from mixprec.engine.boundary import StepCheck, StepResult
 from mixprec.engine.clipping import clip_
 from mixprec.engine.mixed_precision import MixedPrecision
 from mixprec.engine.open_group import check_group
+from mixprec.integrations.block_state import allow_absent_block_state, split_block_state, with_block_state
 from mixprec.integrations.lightning_fabric import MixprecFabricPrecision
 from mixprec.integrations.lightning_inputs import cast_batch, check_keep, check_options
 from mixprec.integrations.lightning_strategies import (broadcast_from_rank0, model_parallel, profiler_hold,
@@ -165,6 +168,7 @@ class MixprecPrecision(Precision):
             broadcast_from_rank0(module)
         self.engine = MixedPrecision(module, None, self.policy, device=self._trainer.strategy.root_device,
                                      **({"strategy": "fsdp2"} if fsdp2 else {}), **self.engine_options)
+        allow_absent_block_state(module)   # a later restore (test(ckpt_path=...)): the block state travels apart
         return module
 
     def _built(self, what: str) -> MixedPrecision:
@@ -325,6 +329,18 @@ class MixprecPrecision(Precision):
         state["events"], state["rng"] = [e.to_dict() for e in engine.events], self._replay_rng or rng_snapshot(engine.device)
         return gather_windows(state)   # several processes inside a window: every rank's (a collective)
 
+    def on_save_checkpoint(self, checkpoint: dict[str, Any]) -> None:
+        """Move the block-scaled linears' signs and stochastic-rounding streams out of ``checkpoint["state_dict"]``
+        into this plugin's entry (``"block_state"``): Lightning restores ``state_dict`` into the module before
+        ``convert_module`` swaps its linears (:mod:`mixprec.integrations.block_state`); ``load_from_checkpoint``
+        then loads the weights without the plugin too. Kept where the strategy restores after its setup
+        (``ModelParallelStrategy``: the module is converted by then)."""
+        if self.engine is None or self._trainer.strategy.restore_checkpoint_after_setup:
+            return
+        block_state = split_block_state(self.engine.module, checkpoint.get("state_dict") or {})
+        if block_state:
+            checkpoint.setdefault(type(self).__qualname__, {})["block_state"] = block_state
+
     def on_load_checkpoint(self, checkpoint: dict[str, Any]) -> None:
         """Keep Lightning's model and optimizer states of ``checkpoint`` for :meth:`load_state_dict`. When fitting
         from a checkpoint without this plugin's state (a run under ``precision="32-true"``, or Lightning's AMP),
@@ -338,7 +354,10 @@ class MixprecPrecision(Precision):
             self._checkpoint_parts = resumed_parts(checkpoint, type(self).__qualname__, self._trainer, self._attach)
             return
         optimizers = checkpoint.get("optimizer_states") or [None]
-        self._checkpoint_parts = {"model": checkpoint.get("state_dict"), "optimizer": optimizers[0]}
+        block_state = (checkpoint.get(type(self).__qualname__) or {}).get("block_state") or {}
+        model = checkpoint.get("state_dict")
+        self._checkpoint_parts = {"model": None if model is None else with_block_state(model, block_state),
+                                  "optimizer": optimizers[0]}
         if (type(self).__qualname__ in checkpoint or self._trainer is None or self._trainer.state.fn != "fit"
                 or optimizers[0] is None or not optimizers[0].get("state")):   # no optimizer step: nothing to adopt
             return
@@ -356,6 +375,7 @@ class MixprecPrecision(Precision):
         (:meth:`MixedPrecision.load_state_dict`), when fitting; outside ``fit`` Lightning restores the weights
         only and the engine's state is left (several processes: each rank its own open window). ValueError for a
         checkpoint without optimizer states, or saved inside a window by another number of processes."""
+        state_dict = {k: v for k, v in state_dict.items() if k != "block_state"}   # in the model's, on_load_checkpoint
         if not state_dict or self._trainer is None or self._trainer.state.fn != "fit":
             return
         state_dict = own_window(state_dict, type(self).__name__)   # several processes: this rank's open window

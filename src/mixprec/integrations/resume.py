@@ -12,17 +12,21 @@ from __future__ import annotations
 from typing import Any
 
 from mixprec.engine.mixed_precision import MixedPrecision
+from mixprec.integrations.block_state import check_model_keys
 
 __all__ = ["load_resumed"]
 
 
 def load_resumed(engine: MixedPrecision, state: dict[str, Any], owner: str, *, open_window: bool = False) -> None:
     """Load ``state`` (``owner``'s saved engine state) into ``engine``: exactly under the same policy, converted to
-    ``engine``'s otherwise. ValueError naming ``owner`` with the saved policy when the conversion is refused (a
-    window saved open, ``open_window`` when the caller took it out of ``state``; a strategy that cannot switch),
-    nothing changed."""
+    ``engine``'s otherwise (the block-scaled linears the policy adds start their stochastic-rounding streams fresh).
+    ValueError naming ``owner``, nothing changed: under the same policy, a model state whose keys are not the
+    module's (:func:`~mixprec.integrations.block_state.check_model_keys`: a block-scaled linear's stream missing is
+    refused, never restarted); with the saved policy, a conversion refused (a window saved open, ``open_window``
+    when the caller took it out of ``state``; a strategy that cannot switch)."""
     saved = state.get("policy")
     if saved is None or saved == str(engine.policy):
+        check_model_keys(engine, state["model"], owner)
         engine.load_state_dict(state)
         return
     if open_window:   # its gradients carry the saved policy's loss scale and dtypes: not converted

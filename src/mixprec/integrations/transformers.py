@@ -57,7 +57,9 @@ from mixprec.checkpoint.adopt import adopt_fp32_run
 from mixprec.engine.boundary import StepCheck
 from mixprec.engine.mixed_precision import MixedPrecision
 from mixprec.engine.records import Event
+from mixprec.integrations.block_state import split_block_state, with_block_state
 from mixprec.integrations.replica_checks import DEFAULT_EVERY, ReplicaChecks
+from mixprec.integrations.resume import load_resumed
 from mixprec.integrations.transformers_arguments import (FLAG_POLICY, check_flag, check_whole_steps, engine_arguments,
                                                          record_adopted_flag, refuse_unsupported)
 from mixprec.optim.adamw import AdamW
@@ -311,21 +313,25 @@ class MixprecTrainer(Trainer):
         return super().train(resume_from_checkpoint, *args, **kwargs)
 
     def save_precision_state(self, folder: str) -> str:
-        """Write the engine's state minus what the Trainer saves (model, optimizer, scheduler) with its events to
-        ``folder/``:data:`PRECISION_STATE_NAME`; returns the path. RuntimeError if ``folder`` does not exist."""
+        """Write the engine's state minus what the Trainer saves (model, optimizer, scheduler) with its events and
+        ``"block_state"`` (block-scaled linears' signs and SR streams: the Trainer's load of the model is not strict)
+        to ``folder/``:data:`PRECISION_STATE_NAME`; returns the path. RuntimeError if ``folder`` does not exist."""
         if not os.path.isdir(folder):
             raise RuntimeError(f"the Trainer's checkpoint folder {folder} does not exist (hyperparameter search "
                                "runs save elsewhere): MixprecTrainer saves its precision state next to it")
-        state = {k: v for k, v in self.engine.state_dict().items() if k not in _SAVED_BY_HF}
+        engine_state = self.engine.state_dict()
+        state = {k: v for k, v in engine_state.items() if k not in _SAVED_BY_HF}
         state["events"] = [e.to_dict() for e in self.engine.events]
+        state["block_state"] = split_block_state(self.engine.module, engine_state["model"])
         path = os.path.join(folder, PRECISION_STATE_NAME)
         torch.save(state, path)
         return path
 
     def load_precision_state(self) -> None:
         """When ``train`` resumes: the saved precision state with the model, optimizer and scheduler the Trainer
-        loaded, into the engine (:meth:`mixprec.MixedPrecision.load_state_dict`). A checkpoint without it (a plain
-        ``transformers.Trainer``'s) is adopted: :func:`adopt_plain_checkpoint`."""
+        loaded and the saved ``"block_state"``, into the engine (:func:`~mixprec.integrations.resume.load_resumed`:
+        exactly, or converted from another policy with a ``"convert"`` event; ValueError as it). A checkpoint
+        without it (a plain ``transformers.Trainer``'s) is adopted: :func:`adopt_plain_checkpoint`."""
         if self.resume_dir is None:
             return
         path = os.path.join(self.resume_dir, PRECISION_STATE_NAME)
@@ -335,9 +341,11 @@ class MixprecTrainer(Trainer):
             return
         device = self.engine.device   # under DDP on CPUs accelerate names it cpu:0, which torch.load cannot map to
         saved = torch.load(path, map_location="cpu" if device.type == "cpu" else device, weights_only=True)
-        mp = self.engine
-        mp.load_state_dict({**saved, "model": mp.module.state_dict(), "optimizer": mp.optimizer.state_dict(),
-                            "scheduler": None if mp.scheduler is None else mp.scheduler.state_dict()})
+        mp, block_state = self.engine, saved.pop("block_state", None)   # None: a file saved without it
+        own = mp.module.state_dict()   # the weights the Trainer loaded; the saved streams replace the module's
+        model = own if block_state is None else with_block_state(own, block_state, module=mp.module)
+        load_resumed(mp, {**saved, "model": model, "optimizer": mp.optimizer.state_dict(),
+                          "scheduler": None if mp.scheduler is None else mp.scheduler.state_dict()}, "MixprecTrainer")
         self.resume_dir = None
 
 
