@@ -17,6 +17,17 @@ whose gradient autograd asks for draw). ``RHT`` (``hadamard``) transforms both w
 ``M`` with this module's ``hadamard_signs``. A GEMM left out of ``recipe.quantized_gemms`` is an fp32 GEMM of the
 unquantized operands.
 
+What backward keeps (``ctx.save_for_backward``): ``W`` and the signs by reference (no copy), and of ``x`` only what
+wgrad reads. With a quantized wgrad GEMM that is ``q(RHT(x^T))``, computed in forward (round to nearest, no random
+draw: the bits backward computed from ``x`` before) and kept packed in its format's bytes
+(:mod:`mixprec.blockscale.packing`): NVFP4 E2M1 codes two a byte, an E4M3 byte per 16 and a 4-byte tensor scale,
+``0.5 + 1/16`` bytes per element of ``x`` (tokens padded to whole blocks); MXFP8 E4M3 codes a byte each and an E8M0
+byte per 32, ``1 + 1/32``; where ``x`` itself took 4 bytes an element (fp32, a LayerNorm's output under bf16
+autocast) or 2 (bf16), and bf16 autocast's ``nn.Linear`` keeps 2 (its bf16 copy of ``x``) and a bf16 copy of ``W``.
+Backward unpacks and multiplies as :func:`~mixprec.blockscale.fakequant.fake_quantize` does, so ``dW`` is bit for
+bit the same. Nothing of ``x`` is kept when the weight needs no gradient (a frozen base weight) or grad mode is off;
+``x`` itself with an fp32 wgrad (``quantized_gemms`` without it) or a format that overflows instead of saturating.
+
 Dtypes, as :class:`~mixprec.fp8.linear.Float8Linear`'s: each GEMM accumulates in fp32 and rounds its output once
 to the compute dtype (the autocast dtype when autocast is on, else the input's); ``dx`` and ``dW`` are then cast to
 the input's and the weight's dtypes (fp32 master weights get a bf16-rounded gradient under bf16 autocast, as an
