@@ -17,11 +17,12 @@ Bytes per element of the operand (padded to whole blocks): MXFP8 ``1 + 1/32``, M
 ``1/2 + 1/32``, NVFP4 ``1/2 + 1/16`` (and 4 bytes a tensor), where the unquantized input takes 4 (fp32) or 2
 (bf16).
 
-Codes, exactly: an element value ``v`` of a format with exponent bias ``b`` and ``m`` mantissa bits, times
-``2**(b - 127)``, has the element's exponent field in fp32's (the element's subnormals land on fp32 subnormals),
-so the fp32 bits of ``|v| * 2**(b - 127)`` shifted right by ``23 - m`` are ``v``'s magnitude code; unpacking shifts
-the code back and multiplies by ``2**(127 - b)``. Both products are by powers of two and exact (fp32 subnormals
-must not be flushed: torch's default, as :mod:`mixprec.blockscale.fakequant`'s ``2**-127`` scales need). An
+Codes, exactly: FP8 packs by torch's own cast (the same bits for values on the grid); otherwise an element value
+``v`` of a format with exponent bias ``b`` and ``m`` mantissa bits, times ``2**(b - 127)``, has the element's exponent
+field in fp32's (the element's subnormals land on fp32 subnormals), so the fp32 bits of ``|v| * 2**(b - 127)``
+shifted right by ``23 - m`` are ``v``'s magnitude code. Unpacking (every format: torch's CPU cast from FP8 is slow)
+shifts the code back and multiplies by ``2**(127 - b)``. Both products are by powers of two and exact (fp32
+subnormals must not be flushed: torch's default, as :mod:`mixprec.blockscale.fakequant`'s ``2**-127`` scales need). An
 element of a block holding a NaN or inf (its elements 0 or NaN) gets an arbitrary code, and its block scale is NaN
 (E8M0 code 255, E4M3 NaN): the block unpacks all NaN, as it fake-quantizes.
 
@@ -104,8 +105,10 @@ def _memory_order(t: torch.Tensor) -> tuple[int, ...]:
 
 def pack_elements(elements_fp32: torch.Tensor, element: ElementFormat) -> torch.Tensor:
     """Element values (fp32 on ``element``'s grid, ``-0.0`` kept; NaN only where the block scale is NaN) as codes
-    (module docstring): FP8 viewed as ``element.dtype``, FP4 two a byte (flat, in ``elements_fp32``'s memory order
-    when contiguous, else its row-major order), FP6 one a byte. No host sync."""
+    (module docstring): FP8 by torch's cast to ``element.dtype`` (exact on the grid), FP4 two a byte (flat, in
+    ``elements_fp32``'s row-major order), FP6 one a byte. No host sync."""
+    if element.dtype is not None:
+        return elements_fp32.to(element.dtype)
     m, top = element.mantissa_bits, element.bits - 1
     magnitude = elements_fp32.abs().mul_(2.0 ** (element.bias - 127)).view(torch.int32)
     magnitude = magnitude.bitwise_right_shift_(23 - m).bitwise_and_((1 << top) - 1)   # a NaN's code: any
@@ -115,7 +118,7 @@ def pack_elements(elements_fp32: torch.Tensor, element: ElementFormat) -> torch.
         flat = codes_u8.reshape(-1)
         flat = F.pad(flat, (0, 1)) if flat.numel() % 2 else flat
         return flat[0::2].bitwise_or(flat[1::2].bitwise_left_shift(4))
-    return codes_u8.view(element.dtype) if element.dtype is not None else codes_u8
+    return codes_u8
 
 
 def unpack_elements(codes: torch.Tensor, element: ElementFormat, shape: tuple[int, ...]) -> torch.Tensor:
