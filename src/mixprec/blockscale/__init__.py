@@ -16,7 +16,8 @@ Training: a :class:`BlockRecipe` (presets ``"mxfp8"``, ``"nvfp4"``, ``"nvfp4-pla
 format each GEMM operand takes along which dim, 1D or 2D weight blocks, the random Hadamard transform of the
 wgrad GEMM's inputs (:func:`hadamard_transform`), stochastic rounding of gradients, and which layers stay in the
 compute dtype. :class:`BlockScaledLinear` runs a linear's three GEMMs that way (quantize, dequantize, fp32 GEMM:
-:mod:`mixprec.blockscale.gemm`), and :func:`convert_to_block_scaled` swaps a model's linears, reporting what it
+:mod:`mixprec.blockscale.gemm`; between forward and backward it keeps ``x``'s wgrad operand packed in the format's
+bytes, :mod:`mixprec.blockscale.packing`), and :func:`convert_to_block_scaled` swaps a model's linears, reporting what it
 kept and why (:func:`plan_block_conversion`: the same report, nothing swapped; :func:`revert_block_scaled` swaps
 them back). Everything is fp32 tensor arithmetic: any device, no host sync, ``torch.compile``-able; no hardware
 block-scaled GEMM is used here (CPU speed is emulation speed).

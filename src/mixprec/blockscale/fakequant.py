@@ -25,7 +25,10 @@ only the arithmetic that reaches the same values, each step exact or the same fp
 A NaN/inf block comes out all NaN. Formats that overflow instead of saturating (``saturate=False``) go through
 ``quantize(...).dequantize()`` itself. Same arguments and errors as :func:`~mixprec.blockscale.quantize`; fp32
 ``(..., K)`` out; no host sync. :func:`fake_quantize_blocks` is the same on blocks laid out any way (down the
-columns of a transposed GEMM operand, 2D weight tiles), so no operand is copied to put its blocks last.
+columns of a transposed GEMM operand, 2D weight tiles), so no operand is copied to put its blocks last. It is
+:func:`block_parts` (the signed elements, the block scales, NVFP4's tensor scale) then :func:`scale_elements_`
+(the two products), so a caller can keep the parts, packed (:mod:`mixprec.blockscale.packing`), and compute the
+same values from them later; :class:`BlockView` is the blocks' layout :func:`fake_quantize` works in.
 
 Why this arithmetic (measured on a 2-core EPYC, torch 2.13, 2 threads; docs/results-history.md): torch's own
 FP8 cast rounds to nearest even, but its CPU conversion back from ``float8_e4m3fn`` to fp32 costs some 20 fp32
@@ -37,6 +40,8 @@ compare), for 2-3 s of compilation per shape: eager is the path.
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+
 import torch
 
 from mixprec.blockscale.elements import _unsigned_bits
@@ -44,7 +49,7 @@ from mixprec.blockscale.quantize import _check, _random_bits, quantize
 from mixprec.blockscale.scales import E4M3, _divide, nvfp4_tensor_scale
 from mixprec.formats import BlockFormat, ElementFormat, get_block_format
 
-__all__ = ["fake_quantize", "fake_quantize_blocks"]
+__all__ = ["BlockView", "block_parts", "fake_quantize", "fake_quantize_blocks", "scale_elements_"]
 
 _EXPONENT_MASK = 0x7F800000
 _TWO_POW_32 = 2.0 ** 32
@@ -104,16 +109,16 @@ def _finite_amax(a: torch.Tensor, block_amax: torch.Tensor) -> torch.Tensor:
     return torch.nan_to_num(a, nan=0.0, posinf=0.0).amax()
 
 
-def fake_quantize_blocks(blocks: torch.Tensor, fmt: BlockFormat, dims: tuple[int, ...], *,
-                         bits: torch.Tensor | None = None, tensor_amax: torch.Tensor | None = None) -> torch.Tensor:
-    """The fake-quantized values of ``blocks``, a view of any layout whose dims ``dims`` hold one block's elements
-    (``(..., K // b, b)`` with ``dims=(-1,)``; ``(C // b, b, R)`` with ``(1,)`` for blocks down the columns;
-    ``(N // s, s, K // s, s)`` with ``(1, 3)`` for 2D tiles): fp32 of ``blocks``' shape, in its layout.
+def block_parts(blocks: torch.Tensor, fmt: BlockFormat, dims: tuple[int, ...], *, bits: torch.Tensor | None = None,
+                tensor_amax: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
+    """The parts of :func:`fake_quantize_blocks`'s values before its two products: ``(elements_fp32,
+    block_scale_fp32, tensor_scale_fp32)``, which :func:`scale_elements_` turns into those values.
 
-    ``bits`` (int64 in ``[0, 2**32)``, broadcastable to ``blocks``) rounds stochastically; ``tensor_amax`` as in
-    :func:`fake_quantize`. No argument checks (callers check, as :func:`fake_quantize` does); ``fmt.saturate``
-    must be True. Working on the caller's layout saves the transposing copies a last-dim-only quantizer needs
-    for a GEMM operand stored the other way round; the values are the same, element by element.
+    ``elements_fp32``: the signed element values (on ``fmt.element``'s grid, ``-0.0`` kept), a new fp32 tensor of
+    ``blocks``' shape (dense); in a block holding a NaN or inf they are 0 or NaN and its scale is not finite.
+    ``block_scale_fp32``: one per block, ``blocks``' shape with ``dims`` of size 1: MX ``2**e`` (``inf`` for a
+    NaN/inf block), NVFP4 the E4M3 value (NaN for a NaN/inf block). ``tensor_scale_fp32``: NVFP4's ``()``, None
+    for MX. Arguments as :func:`fake_quantize_blocks`; no host sync.
     """
     x_fp32 = blocks.detach().to(torch.float32)
     a = x_fp32.abs()
@@ -133,8 +138,64 @@ def fake_quantize_blocks(blocks: torch.Tensor, fmt: BlockFormat, dims: tuple[int
     if fmt.scale_rounding != "rceil":   # rceil's 2**e >= amax / max_normal: no element can pass max_normal
         a = a.clamp_max_(fmt.element.max_normal)
     values = _round_nearest_(a, fmt.element) if bits is None else _round_stochastic(a, fmt.element, bits)
-    values = values.copysign_(x_fp32).mul_(scale)
-    return values if tensor_scale is None else values.mul_(tensor_scale)
+    return values.copysign_(x_fp32), scale, tensor_scale
+
+
+def scale_elements_(elements_fp32: torch.Tensor, block_scale_fp32: torch.Tensor,
+                    tensor_scale_fp32: torch.Tensor | None) -> torch.Tensor:
+    """The dequantization's fp32 products, ``(element * block_scale) * tensor_scale`` (the second only with a
+    tensor scale), written into ``elements_fp32`` and returned; ``block_scale_fp32`` broadcasts against it. The
+    one arithmetic of :func:`fake_quantize_blocks` and of a packed operand's unpacking
+    (:mod:`mixprec.blockscale.packing`). No host sync."""
+    values = elements_fp32.mul_(block_scale_fp32)
+    return values if tensor_scale_fp32 is None else values.mul_(tensor_scale_fp32)
+
+
+def fake_quantize_blocks(blocks: torch.Tensor, fmt: BlockFormat, dims: tuple[int, ...], *,
+                         bits: torch.Tensor | None = None, tensor_amax: torch.Tensor | None = None) -> torch.Tensor:
+    """The fake-quantized values of ``blocks``, a view of any layout whose dims ``dims`` hold one block's elements
+    (``(..., K // b, b)`` with ``dims=(-1,)``; ``(C // b, b, R)`` with ``(1,)`` for blocks down the columns;
+    ``(N // s, s, K // s, s)`` with ``(1, 3)`` for 2D tiles): fp32 of ``blocks``' shape, in its layout.
+
+    ``bits`` (int64 in ``[0, 2**32)``, broadcastable to ``blocks``) rounds stochastically; ``tensor_amax`` as in
+    :func:`fake_quantize`. No argument checks (callers check, as :func:`fake_quantize` does); ``fmt.saturate``
+    must be True. Working on the caller's layout saves the transposing copies a last-dim-only quantizer needs
+    for a GEMM operand stored the other way round; the values are the same, element by element.
+    :func:`block_parts` then :func:`scale_elements_`.
+    """
+    return scale_elements_(*block_parts(blocks, fmt, dims, bits=bits, tensor_amax=tensor_amax))
+
+
+@dataclass(frozen=True)
+class BlockView:
+    """How :func:`fake_quantize` views a tensor ``x (..., C)`` as blocks of ``size`` along ``C``, without a copy.
+
+    ``columns=False``: ``x``'s last dim cut, ``(..., C // size, size)``, block dims ``(-1,)``. ``columns=True``, for
+    a 2-D ``x`` stored transposed (``x.t()`` contiguous, as ``W.t()``, ``dy.t()`` or ``x.t()`` of a GEMM): the
+    blocks down the columns of ``x.t()``, ``(C // size, size, R)``, block dim ``(1,)``. :meth:`of` picks one;
+    :meth:`restore` maps values computed on the blocks back to ``x``'s shape and layout.
+    """
+
+    size: int
+    columns: bool
+
+    @classmethod
+    def of(cls, x: torch.Tensor, size: int) -> "BlockView":
+        """The view :func:`fake_quantize` works on for ``x``: columns for a 2-D ``x`` stored transposed."""
+        return cls(size, x.dim() == 2 and x.stride(-1) != 1 and x.t().is_contiguous())
+
+    @property
+    def dims(self) -> tuple[int, ...]:
+        """The dims of :meth:`blocks` that hold one block's elements."""
+        return (1,) if self.columns else (-1,)
+
+    def blocks(self, x: torch.Tensor) -> torch.Tensor:
+        """``x (..., C)`` (or bits of its shape) as blocks: a view."""
+        return x.t().unflatten(0, (-1, self.size)) if self.columns else x.unflatten(-1, (-1, self.size))
+
+    def restore(self, blocks: torch.Tensor) -> torch.Tensor:
+        """Values of :meth:`blocks`' shape back in ``x``'s shape (``x.t()``'s layout for columns)."""
+        return blocks.flatten(0, 1).t() if self.columns else blocks.flatten(-2)
 
 
 @torch.no_grad()
@@ -154,13 +215,7 @@ def fake_quantize(x: torch.Tensor, fmt: BlockFormat | str, *, rounding: str = "n
         raise ValueError(f"quantize: tensor_amax is for formats with a tensor scale (nvfp4), not {fmt.name}")
     if not fmt.saturate:
         return quantize(x, fmt, rounding=rounding, random_bits=bits, tensor_amax=tensor_amax).dequantize()
-    size = fmt.block_size
-    bits = None if bits is None else _unsigned_bits(bits)
-    if x.dim() == 2 and x.stride(-1) != 1 and x.t().is_contiguous():
-        columns = x.t().unflatten(0, (-1, size))
-        column_bits = None if bits is None else bits.t().unflatten(0, (-1, size))
-        out = fake_quantize_blocks(columns, fmt, (1,), bits=column_bits, tensor_amax=tensor_amax)
-        return out.flatten(0, 1).t()
-    rows_bits = None if bits is None else bits.unflatten(-1, (-1, size))
-    return fake_quantize_blocks(x.unflatten(-1, (-1, size)), fmt, (-1,), bits=rows_bits,
-                                tensor_amax=tensor_amax).flatten(-2)
+    view = BlockView.of(x, fmt.block_size)
+    block_bits = None if bits is None else view.blocks(_unsigned_bits(bits))
+    values = fake_quantize_blocks(view.blocks(x), fmt, view.dims, bits=block_bits, tensor_amax=tensor_amax)
+    return view.restore(values)

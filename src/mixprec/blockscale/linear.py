@@ -17,6 +17,17 @@ whose gradient autograd asks for draw). ``RHT`` (``hadamard``) transforms both w
 ``M`` with this module's ``hadamard_signs``. A GEMM left out of ``recipe.quantized_gemms`` is an fp32 GEMM of the
 unquantized operands.
 
+What backward keeps (``ctx.save_for_backward``): ``W`` and the signs by reference (no copy), and of ``x`` only what
+wgrad reads. With a quantized wgrad GEMM that is ``q(RHT(x^T))``, computed in forward (round to nearest, no random
+draw: the bits backward computed from ``x`` before) and kept packed in its format's bytes
+(:mod:`mixprec.blockscale.packing`): NVFP4 E2M1 codes two a byte, an E4M3 byte per 16 and a 4-byte tensor scale,
+``0.5 + 1/16`` bytes per element of ``x`` (tokens padded to whole blocks); MXFP8 E4M3 codes a byte each and an E8M0
+byte per 32, ``1 + 1/32``; where ``x`` itself took 4 bytes an element (fp32, a LayerNorm's output under bf16
+autocast) or 2 (bf16), and bf16 autocast's ``nn.Linear`` keeps 2 (its bf16 copy of ``x``) and a bf16 copy of ``W``.
+Backward unpacks and multiplies as :func:`~mixprec.blockscale.fakequant.fake_quantize` does, so ``dW`` is bit for
+bit the same. Nothing of ``x`` is kept when the weight needs no gradient (a frozen base weight) or grad mode is off;
+``x`` itself with an fp32 wgrad (``quantized_gemms`` without it) or a format that overflows instead of saturating.
+
 Dtypes, as :class:`~mixprec.fp8.linear.Float8Linear`'s: each GEMM accumulates in fp32 and rounds its output once
 to the compute dtype (the autocast dtype when autocast is on, else the input's); ``dx`` and ``dW`` are then cast to
 the input's and the weight's dtypes (fp32 master weights get a bf16-rounded gradient under bf16 autocast, as an
@@ -42,6 +53,7 @@ from torch import nn
 
 from mixprec.blockscale.gemm import block_gemm, gemm_operand, plain_gemm, weight_tiles
 from mixprec.blockscale.hadamard import random_signs
+from mixprec.blockscale.packing import PackedOperand, pack_operand, unpack_operand
 from mixprec.blockscale.recipe import BlockRecipe, get_block_recipe
 from mixprec.blockscale.streams import RoundingStream
 
@@ -87,15 +99,29 @@ def _dgrad(dy: torch.Tensor, weight: torch.Tensor, recipe: BlockRecipe, generato
     return block_gemm(a, _weight_along_n(weight, recipe), out_dtype)
 
 
-def _wgrad(dy: torch.Tensor, x: torch.Tensor, recipe: BlockRecipe, signs: torch.Tensor | None,
+def _wgrad(dy: torch.Tensor, x_kept: torch.Tensor | PackedOperand, recipe: BlockRecipe, signs: torch.Tensor | None,
            generator: torch.Generator | None, out_dtype: torch.dtype) -> torch.Tensor:
-    """``dW = dy^T @ x``, ``(N, K)`` in ``out_dtype``."""
+    """``dW = dy^T @ x``, ``(N, K)`` in ``out_dtype``, from what forward kept of ``x`` (:func:`_kept_input`)."""
     if "wgrad" not in recipe.quantized_gemms:
-        return plain_gemm(dy.t(), x.t(), out_dtype)
+        return plain_gemm(dy.t(), x_kept.t(), out_dtype)
     a = gemm_operand(dy.t(), recipe.operand_format("dy"), rounding=recipe.rounding("dy"), generator=generator,
                      signs=signs)
-    b = gemm_operand(x.t(), recipe.operand_format("x"), signs=signs)
-    return block_gemm(a, b, out_dtype)
+    if isinstance(x_kept, PackedOperand):
+        return block_gemm(a, unpack_operand(x_kept), out_dtype)
+    return block_gemm(a, gemm_operand(x_kept.t(), recipe.operand_format("x"), signs=signs), out_dtype)
+
+
+def _kept_input(x: torch.Tensor, recipe: BlockRecipe, signs: torch.Tensor | None,
+                wgrad_runs: bool) -> torch.Tensor | PackedOperand | None:
+    """What backward keeps of ``x (M, K)``: nothing when wgrad will not run; wgrad's operand packed
+    (:func:`~mixprec.blockscale.packing.pack_operand` of ``x^T``, the value backward would compute: round to
+    nearest, no random draw) when wgrad is quantized in a saturating format; else ``x`` itself."""
+    if not wgrad_runs:
+        return None
+    fmt = recipe.operand_format("x")
+    if "wgrad" in recipe.quantized_gemms and fmt.saturate:
+        return pack_operand(x.t(), fmt, signs=signs)
+    return x
 
 
 class _BlockScaledMatmul(torch.autograd.Function):
@@ -103,29 +129,34 @@ class _BlockScaledMatmul(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx, x: torch.Tensor, weight: torch.Tensor, recipe: BlockRecipe, signs: torch.Tensor | None,
-                generator: torch.Generator | None, stream: RoundingStream | None,
-                out_dtype: torch.dtype) -> torch.Tensor:
+                generator: torch.Generator | None, stream: RoundingStream | None, out_dtype: torch.dtype,
+                grad_enabled: bool) -> torch.Tensor:
         if "forward" in recipe.quantized_gemms:
             a = gemm_operand(x, recipe.operand_format("x"))
             y = block_gemm(a, _weight_along_k(weight, recipe), out_dtype)  # (M, N)
         else:
             y = plain_gemm(x, weight, out_dtype)
-        ctx.save_for_backward(x, weight, signs)
+        kept = _kept_input(x, recipe, signs, wgrad_runs=grad_enabled and ctx.needs_input_grad[1])
+        packed = isinstance(kept, PackedOperand)
+        ctx.save_for_backward(None if packed else kept, weight, signs, *(kept.tensors() if packed else ()))
+        ctx.x_layout = kept.layout if packed else None
         ctx.recipe, ctx.generator, ctx.stream, ctx.out_dtype = recipe, generator, stream, out_dtype
+        ctx.x_dtype = x.dtype
         return y
 
     @staticmethod
     def backward(ctx, dy: torch.Tensor):  # dy: (M, N)
-        x, weight, signs = ctx.saved_tensors
+        x, weight, signs, *packed = ctx.saved_tensors
         recipe, generator, out_dtype = ctx.recipe, ctx.generator, ctx.out_dtype
         if generator is not None:   # this call's bits: the stream's next key
             generator = ctx.stream.serve(generator)
         dx = dw = None
         if ctx.needs_input_grad[0]:
-            dx = _dgrad(dy, weight, recipe, generator, out_dtype).to(x.dtype)
+            dx = _dgrad(dy, weight, recipe, generator, out_dtype).to(ctx.x_dtype)
         if ctx.needs_input_grad[1]:
-            dw = _wgrad(dy, x, recipe, signs, generator, out_dtype).to(weight.dtype)
-        return dx, dw, None, None, None, None, None
+            x_kept = x if ctx.x_layout is None else PackedOperand(ctx.x_layout, *packed)
+            dw = _wgrad(dy, x_kept, recipe, signs, generator, out_dtype).to(weight.dtype)
+        return dx, dw, None, None, None, None, None, None
 
 
 def _compute_dtype(x: torch.Tensor) -> torch.dtype:
@@ -231,7 +262,8 @@ class BlockScaledLinear(nn.Linear):
         x = input.reshape(-1, self.in_features)  # (M, K)
         stream = self._stream
         generator = None if stream is None or self.weight.is_meta else stream.generator(self.weight.device)
-        y = _BlockScaledMatmul.apply(x, self.weight, self.recipe, self.hadamard_signs, generator, stream, out_dtype)
+        y = _BlockScaledMatmul.apply(x, self.weight, self.recipe, self.hadamard_signs, generator, stream, out_dtype,
+                                     torch.is_grad_enabled())
         y = y.reshape(*input.shape[:-1], self.out_features)  # (..., N)
         if self.bias is not None:
             y = y + self.bias.to(out_dtype)
