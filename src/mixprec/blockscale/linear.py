@@ -51,6 +51,7 @@ from __future__ import annotations
 import torch
 from torch import nn
 
+from mixprec.autocast.first_order import first_order_backward
 from mixprec.blockscale.gemm import block_gemm, gemm_operand, plain_gemm, weight_tiles
 from mixprec.blockscale.hadamard import random_signs
 from mixprec.blockscale.packing import PackedOperand, pack_operand, unpack_operand
@@ -145,8 +146,14 @@ class _BlockScaledMatmul(torch.autograd.Function):
         return y
 
     @staticmethod
-    def backward(ctx, dy: torch.Tensor):  # dy: (M, N)
-        x, weight, signs, *packed = ctx.saved_tensors
+    def backward(ctx, dy: torch.Tensor):  # dy: (M, N); first order only (mixprec.autocast.first_order)
+        saved = ctx.saved_tensors
+        what = f"a block-scaled linear ({ctx.recipe.name})"
+        return first_order_backward(what, lambda: _BlockScaledMatmul._grads(ctx, dy, *saved),
+                                    (dy, saved[1], saved[0])) + (None,) * 6
+
+    @staticmethod
+    def _grads(ctx, dy: torch.Tensor, x, weight, signs, *packed) -> tuple[torch.Tensor | None, torch.Tensor | None]:
         recipe, generator, out_dtype = ctx.recipe, ctx.generator, ctx.out_dtype
         if generator is not None:   # this call's bits: the stream's next key
             generator = ctx.stream.serve(generator)
@@ -156,7 +163,7 @@ class _BlockScaledMatmul(torch.autograd.Function):
         if ctx.needs_input_grad[1]:
             x_kept = x if ctx.x_layout is None else PackedOperand(ctx.x_layout, *packed)
             dw = _wgrad(dy, x_kept, recipe, signs, generator, out_dtype).to(weight.dtype)
-        return dx, dw, None, None, None, None, None, None
+        return dx, dw
 
 
 def _compute_dtype(x: torch.Tensor) -> torch.dtype:

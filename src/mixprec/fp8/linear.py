@@ -33,6 +33,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from mixprec.autocast.first_order import first_order_backward
 from mixprec.fp8.recipes import ROLES, CurrentScaling, DelayedScaling, Float8Recipe
 from mixprec.fp8.scaling import ScaledFloat8
 
@@ -195,8 +196,14 @@ class _Float8Matmul(torch.autograd.Function):
         return y
 
     @staticmethod
-    def backward(ctx, grad_y_hp: torch.Tensor):  # grad_y_hp: (M, N)
-        x_data, x_scale, weight_data, weight_scale = ctx.saved_tensors
+    def backward(ctx, grad_y_hp: torch.Tensor):  # grad_y_hp: (M, N); first order only (mixprec.autocast.first_order)
+        saved = ctx.saved_tensors
+        return first_order_backward("an fp8 linear", lambda: _Float8Matmul._grads(ctx, grad_y_hp, *saved),
+                                    (grad_y_hp, *saved)) + (None,) * 3
+
+    @staticmethod
+    def _grads(ctx, grad_y_hp: torch.Tensor, x_data, x_scale, weight_data, weight_scale
+               ) -> tuple[torch.Tensor | None, torch.Tensor | None]:
         x_kept, weight_kept = _unpack(x_data, x_scale), _unpack(weight_data, weight_scale)
         scaling, use_scaled_mm, out_dtype = ctx.scaling, ctx.use_scaled_mm, ctx.out_dtype
         grad_y_fp8 = _maybe_cast(grad_y_hp, scaling, role="grad_output", axis=-1)  # (M, N), scale () or (M, 1)
@@ -211,7 +218,7 @@ class _Float8Matmul(torch.autograd.Function):
             x_fp8 = _maybe_cast(x_kept, scaling, role="input", axis=0)  # (M, K), scale () or (1, K)
             grad_weight = _mm(grad_y_t_fp8, x_fp8, out_dtype=out_dtype, use_scaled_mm=use_scaled_mm)  # (N, K)
             grad_weight = grad_weight.to(ctx.weight_dtype)
-        return grad_x, grad_weight, None, None, None
+        return grad_x, grad_weight
 
 
 def _compute_dtype(x: torch.Tensor) -> torch.dtype:
