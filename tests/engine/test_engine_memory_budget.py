@@ -245,3 +245,23 @@ def test_an_engine_dropped_inside_its_measured_step_stops_the_profiler_and_the_n
     _steps(again, workload, 2)
     (event,) = _budget_events(again)
     assert event.cause == "measured" and again.state_dict()["memory_budget"]["peak_bytes"] > 0
+
+
+def test_a_measured_step_that_raises_ends_its_window_and_the_next_step_is_measured(tmp_path):
+    """The exception kept by the caller (a retry loop's last error) holds the engine: the finalizer cannot run, so
+    the window must end where the exception leaves the engine's scope."""
+    _plant(tmp_path, FUSED_FASTEST)
+    mp, workload = _engine("8GiB")
+    _steps(mp, workload, 1)
+    batch = mp.cast_inputs(next(workload.batches("train", 1)))
+    kept = None
+    try:
+        with mp.autocast():
+            workload.loss(mp.model, batch)
+            raise ValueError("a bad batch")
+    except ValueError as err:
+        kept = err
+    assert kept is not None and not torch.autograd._profiler_enabled() and not _budget_events(mp)
+    _steps(mp, workload, 1)   # the next step is the measured one
+    (event,) = _budget_events(mp)
+    assert event.cause == "measured" and event.step == 3

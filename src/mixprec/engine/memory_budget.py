@@ -41,7 +41,7 @@ import logging
 import re
 import warnings
 import weakref
-from contextlib import AbstractContextManager, nullcontext
+from contextlib import AbstractContextManager, contextmanager, nullcontext
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -190,7 +190,21 @@ class MemoryBudget(Feature):
             self._meter.start()
             # an engine dropped inside the window (an exception, a `del mp`) must not leave the profiler recording
             self._abandoned = weakref.finalize(self, _stop_meter, self._meter, self._counter)
-        return scoped_allowance(self.allowed_mib)
+        return self._window(scoped_allowance(self.allowed_mib)) if self._meter is not None else \
+            scoped_allowance(self.allowed_mib)
+
+    @contextmanager
+    def _window(self, allowance: AbstractContextManager[None]):
+        """``allowance`` inside the measured window: an exception leaving it ends the window unread (the step is
+        measured again at the next one), so a failed step kept alive by its traceback cannot leave the profiler
+        recording for the rest of the process."""
+        try:
+            with allowance:
+                yield
+        except BaseException:
+            self._stop()
+            self._step_began = False
+            raise
 
     def _defer(self, why: str) -> None:
         """The measured step waits: recorded once (a ``"memory-budget"`` event, cause ``deferred``, and the pending
