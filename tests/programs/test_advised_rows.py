@@ -96,7 +96,7 @@ def test_the_advised_block_policy_keeps_a_planted_linear(tmp_path, monkeypatch):
     spec = _planted(tmp_path, monkeypatch)
     rows = advise_rows(["advised:nvfp4"], _Counted(), workload=spec, device="cpu")
     (block,) = rows.record["block"]
-    assert tuple(block["block_keep"]) == PLANTED_KEEP and "policy" not in rows.record
+    assert tuple(block["block_keep_added"]) == PLANTED_KEEP and "policy" not in rows.record
     policy = Policy.parse(rows.names["advised:nvfp4"])
     assert policy.block == "nvfp4" and set(policy.block_keep) in ({"blocks.0.fc", "blocks.0.proj"},
                                                                   {"blocks.*.fc", "blocks.0.proj"})
@@ -136,3 +136,20 @@ def test_the_planted_workload_is_gpt_tiny_with_one_linear_changed():
     torch.manual_seed(0)
     planted = namespace["make_workload"]().build_model().state_dict()
     assert [k for k in plain if not torch.equal(plain[k], planted[k])] == ["blocks.0.fc.weight"]
+
+
+def test_advised_rows_take_the_recompute_suffix_and_a_trailing_comma_changes_nothing(monkeypatch):
+    """``advised:nvfp4+recompute`` was parsed as the format 'nvfp4+recompute' (the bench's own --recompute hint
+    suggested it); ``advised:nvfp4,`` was inspected under the preset as if it carried overrides."""
+    from mixprec.programs.bench import row_plan
+    from mixprec.programs.bench.config import BenchConfig
+
+    counted = _Counted()
+    monkeypatch.setattr(row_plan, "advise_rows", lambda asked, _, **kw: advise_rows(asked, counted, **kw))
+    config = BenchConfig(out="unused", workload="gpt", config="tiny", policies=("advised:nvfp4,",), device="cpu")
+    names, record = row_plan._advised(config, ["fp32", "advised:nvfp4", "advised:nvfp4+recompute"],
+                                      torch.device("cpu"), progress=False)
+    assert names == ["fp32", "nvfp4-mixed", "nvfp4-mixed+recompute"] and counted.studied == ["fp32"]
+    assert record["block"][0]["request"] == "advised:nvfp4"
+    assert advise_rows(["advised:nvfp4,"], counted, workload="gpt", config="tiny", device="cpu").names == {
+        "advised:nvfp4,": "nvfp4-mixed"} and counted.studied == ["fp32", "fp32"]

@@ -9,7 +9,9 @@ then run and judged like any other row.
 before the inspection, which then judges under that recipe: ``advised:nvfp4,block_disable=sr`` inspects and
 runs NVFP4 without stochastic rounding. Requests that need the same inspection share one (``advised`` and every
 override-free ``advised:<format>`` inspect once, under fp32). The bench's gate on the row is the evidence that the
-advice trains.
+advice trains. ``advised+recompute`` and ``advised:nvfp4+recompute`` are the advised policy's ``+recompute`` rows
+(the bench maps the suffix; requests here come without it). Under a strategy rank 0 inspects and every rank runs
+its rows.
 
 Bad requests raise ``ValueError`` before anything trains: an unknown block format, an elementwise one
 (``advised:bf16``: the 16-bit advice is ``advised``), a format no recipe runs (``mxfp4``), overrides that leave
@@ -26,7 +28,7 @@ from mixprec.formats import get_block_format
 from mixprec.policy.linears import block_preset_text
 from mixprec.policy.policy import Policy
 
-__all__ = ["ADVISED", "ADVISED_BLOCK", "AdvisedRows", "is_advised", "advise_rows"]
+__all__ = ["ADVISED", "ADVISED_BLOCK", "AdvisedRows", "is_advised", "check_requests", "advise_rows"]
 
 ADVISED = "advised"          # --policies advised: run what `mixprec inspect` recommends for this device
 ADVISED_BLOCK = "advised:"   # --policies advised:nvfp4[,overrides]: the block policy it advises for that format
@@ -41,6 +43,12 @@ class AdvisedRows:
 
     names: dict[str, str]
     record: dict[str, Any] | None
+
+    def reasons(self, request: str) -> list[str]:
+        """The advice's reasons for ``request`` (one of :attr:`names`)."""
+        if request.strip().lower() == ADVISED:
+            return list((self.record or {}).get("reasons", []))
+        return next(b["reasons"] for b in (self.record or {}).get("block", []) if b["request"] == request)
 
 
 def is_advised(name: str) -> bool:
@@ -82,9 +90,14 @@ def _groups(requests: list[str]) -> dict[str, list[tuple[str, str | None]]]:
             groups.setdefault(_UNDER_STUDY, []).append((name, None))
             continue
         fmt, base = _block_request(name)
-        plain = "," not in name
+        plain = not name.partition(",")[2].strip()
         groups.setdefault(_UNDER_STUDY if plain else str(base), []).append((name, fmt))
     return groups
+
+
+def check_requests(requests: list[str]) -> None:
+    """Raise ValueError for the first bad advised request (module docstring); nothing is inspected."""
+    _groups(requests)
 
 
 def advise_rows(requests: list[str], inspect_workload, **workload: Any) -> AdvisedRows:
@@ -122,6 +135,6 @@ def advise_rows(requests: list[str], inspect_workload, **workload: Any) -> Advis
             record.setdefault("block", []).append({
                 "request": name, "format": advice.format, "recipe": advice.recipe, "policy": str(advice.policy),
                 "inspected_as": command,
-                "kept_in_bf16": list(advice.kept_in_bf16()), "block_keep": list(advice.keep),
+                "kept_in_bf16": list(advice.kept_in_bf16()), "block_keep_added": list(advice.keep),
                 "reasons": list(advice.reasons)})
     return AdvisedRows(names, record or None)

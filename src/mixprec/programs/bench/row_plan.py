@@ -25,9 +25,9 @@ from mixprec.distributed.process import from_main_process, init_process_group_fr
 from mixprec.machine.capability import Capability, probe
 from mixprec.policy.policy import Policy
 from mixprec.policy.resolve import resolve
-from mixprec.programs.bench.advised_rows import advise_rows, is_advised
+from mixprec.programs.bench.advised_rows import AdvisedRows, advise_rows, check_requests, is_advised
 from mixprec.programs.bench.config import REFERENCE, BenchConfig
-from mixprec.programs.bench.recompute_rows import check_plan_fits, split_row
+from mixprec.programs.bench.recompute_rows import RECOMPUTE_SUFFIX, check_plan_fits, split_row
 
 __all__ = ["CAPABILITY_ENV", "capability_for", "plan_policy", "plan_rows"]
 
@@ -65,24 +65,41 @@ def plan_policy(spec: str, device: torch.device, capability: Capability, *, forc
     return None
 
 
+def _advised(config: BenchConfig, names: list[str], device: torch.device, progress: bool
+             ) -> tuple[list[str], dict | None]:
+    """``names`` with each advised request (``advised``, ``advised:<format>``, either with ``+recompute``) replaced
+    by its advised policy, and the advice's record; rank 0 inspects and every rank follows it under a strategy."""
+    asked = list(dict.fromkeys(split_row(n)[0] for n in names if is_advised(split_row(n)[0])))
+    if not asked:
+        return names, None
+    check_requests(asked)   # every rank: a bad request fails everywhere before anything runs
+    rows: AdvisedRows | str | None = None
+    if is_main_process():
+        from mixprec.numerics.workload import inspect_workload
+        try:
+            rows = advise_rows(asked, inspect_workload, workload=config.workload, config=config.config_name,
+                               data=config.data, device=device, lora=config.lora)
+        except (ValueError, TypeError, ImportError) as err:
+            rows = f"{type(err).__name__}: {err}"
+    rows = from_main_process(rows)
+    if isinstance(rows, str):
+        raise ValueError(f"--policies {','.join(asked)}: rank 0's inspection failed: {rows}")
+    if progress and is_main_process():
+        for request, policy in rows.names.items():
+            print(f"{request}: {policy}\n  " + "\n  ".join(rows.reasons(request)), file=sys.stderr)
+    row = {n: rows.names[split_row(n)[0]] + (RECOMPUTE_SUFFIX if split_row(n)[1] else "")
+           for n in names if split_row(n)[0] in rows.names}
+    return list(dict.fromkeys(row.get(n, n) for n in names)), rows.record
+
+
 def plan_rows(config: BenchConfig, device: torch.device, cap: Capability, progress: bool
               ) -> tuple[list[str], dict[str, str | None], dict | None]:
     """The rows' policy names (fp32 first, each advised request replaced by its advised policy), why each is
     SKIPPED (None: it runs; rank 0's plan under a strategy) and results.json's ``advice`` (None unless asked)."""
+    if config.strategy is not None:
+        init_process_group_from_env("cpu")   # the runners' own group: plans and ports, never tensors
     names = list(dict.fromkeys([REFERENCE, *(p.strip() for p in config.policies)]))
-    advice = None
-    asked = [n for n in names if is_advised(n)]
-    if asked:   # the numerics advisor's policies, measured like any other
-        from mixprec.numerics.workload import inspect_workload
-
-        rows = advise_rows(asked, inspect_workload, workload=config.workload, config=config.config_name,
-                           data=config.data, device=device, lora=config.lora)
-        names, advice = list(dict.fromkeys(rows.names.get(n, n) for n in names)), rows.record
-        if progress and is_main_process():
-            reasons = {**{b["request"]: b["reasons"] for b in advice.get("block", [])},
-                       **{n: advice.get("reasons", []) for n in rows.names if n.strip().lower() == "advised"}}
-            for request, policy in rows.names.items():
-                print(f"{request}: {policy}\n  " + "\n  ".join(reasons[request]), file=sys.stderr)
+    names, advice = _advised(config, names, device, progress)
     for name in names:  # a typo is an error, not a SKIPPED policy: only the device may refuse
         if split_row(name)[0].lower() != "auto":
             Policy.parse(split_row(name)[0])
@@ -90,7 +107,6 @@ def plan_rows(config: BenchConfig, device: torch.device, cap: Capability, progre
         check_plan_fits(config)
     skip = {name: plan_policy(split_row(name)[0], device, cap, force=config.force) for name in names}
     if config.strategy is not None:
-        init_process_group_from_env("cpu")   # the runners' own group: plans and ports, never tensors
         skip = from_main_process(skip)       # every rank runs the same policies in the same order
     if skip[REFERENCE] is not None:
         raise ValueError(f"the fp32 reference cannot run on {device}: {skip[REFERENCE]}")
