@@ -187,6 +187,17 @@ def test_a_stream_saved_by_another_linear_or_in_another_form_is_refused():
         BlockScaledLinear(32, 32, recipe="mxfp8", index=2).set_extra_state(torch.tensor([3, 0]))
 
 
+def test_a_negative_call_count_and_damaged_signs_are_refused_by_name():
+    module = BlockScaledLinear(32, 32, recipe="nvfp4", index=2)
+    with pytest.raises(ValueError, match=r"stream is \[2, -3\]: a negative call count is no stream's state"):
+        module.set_extra_state(torch.tensor([2, -3]))
+    state = module.state_dict()
+    for damaged in (torch.zeros_like(state["hadamard_signs"]), -state["hadamard_signs"]):
+        with pytest.raises(RuntimeError, match="hadamard_signs: not the random Hadamard signs of recipe nvfp4"):
+            module.load_state_dict({**state, "hadamard_signs": damaged})
+    module.load_state_dict(state)   # its own signs load
+
+
 def test_meta_init_then_to_empty_draws_the_signs_and_keeps_the_stream():
     module = BlockScaledLinear(32, 32, recipe="nvfp4", device="meta")
     assert module.hadamard_signs.is_meta and module.get_extra_state().tolist() == [0, 0]

@@ -242,6 +242,24 @@ class BlockScaledLinear(nn.Linear):
             self.hadamard_signs = fresh.to(self.hadamard_signs.dtype)
         return out
 
+    def _load_from_state_dict(self, state_dict, prefix, local_metadata, strict, missing_keys, unexpected_keys,
+                              error_msgs) -> None:
+        """As ``nn.Linear``'s, and a loaded ``hadamard_signs`` must be the recipe's (drawn from ``recipe.seed``): other
+        values (a damaged or foreign checkpoint; zeros would silently zero the weight gradient) are a load error,
+        which ``load_state_dict`` raises, the module keeping its own signs. One host read (a load)."""
+        super()._load_from_state_dict(state_dict, prefix, local_metadata, strict, missing_keys, unexpected_keys,
+                                      error_msgs)
+        signs, key = self.hadamard_signs, prefix + "hadamard_signs"
+        if signs is None or signs.is_meta or key not in state_dict:
+            return
+        own = random_signs(self.recipe.hadamard_size, self.recipe.seed, device=signs.device).to(signs.dtype)
+        if signs.shape != own.shape or not torch.equal(signs, own):
+            with torch.no_grad():
+                signs.copy_(own)   # the module keeps its own signs
+            error_msgs.append(f"{key}: not the random Hadamard signs of recipe {self.recipe.name} (seed "
+                              f"{self.recipe.seed}); a damaged checkpoint or another recipe's: load the checkpoint "
+                              "the run wrote, under the policy it ran")
+
     def get_extra_state(self) -> torch.Tensor:
         """The stochastic-rounding stream: ``[sr_seed, calls]``, int64 on the CPU (``calls`` 0 without stochastic
         rounding; :meth:`~mixprec.blockscale.streams.RoundingStream.state`)."""

@@ -64,7 +64,10 @@ def _check_state(state: object, seed: int, owner: str) -> int:
         raise ValueError(f"{owner}: extra state {type(state).__name__} is not this module's stochastic-rounding "
                          "stream (an int64 tensor [sr_seed, calls], from a checkpoint of this version of mixprec)")
     saved_seed, calls = (int(v) for v in state.tolist())   # syncs (a load)
-    if saved_seed != seed or calls < 0:
+    if calls < 0:
+        raise ValueError(f"{owner}: the saved stochastic-rounding stream is [{saved_seed}, {calls}]: a negative call "
+                         "count is no stream's state (a damaged checkpoint); load the checkpoint the run wrote")
+    if saved_seed != seed:
         raise ValueError(f"{owner}: the saved stochastic-rounding stream is [{saved_seed}, {calls}], but this module's "
                          f"sr_seed is {seed} (recipe seed + index): it was saved from another linear or recipe; "
                          "convert the model as the run did (same policy, same linears in the same order)")
