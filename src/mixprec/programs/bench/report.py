@@ -113,8 +113,9 @@ def _event_lines(policies: dict) -> list[str]:
 def _row_words(results: dict, chosen: str) -> str:
     """Which row an advised policy is (when it equals a policy also asked for by name, that policy runs once)."""
     if chosen == results.get("reference"):
-        return f"its row is the `{chosen}` reference row"
-    row = f"its row is `{chosen}`" if chosen in results["policies"] else "it did not run"
+        row = f"its row is the `{chosen}` reference row"
+    else:
+        row = f"its row is `{chosen}`" if chosen in results["policies"] else "it did not run"
     if chosen in results["settings"].get("requested_policies", ()):
         row += " (also asked for by name: it ran once)"
     return row
