@@ -49,7 +49,8 @@ from mixprec.blockscale.quantize import _check, _random_bits, quantize
 from mixprec.blockscale.scales import E4M3, _divide, nvfp4_tensor_scale
 from mixprec.formats import BlockFormat, ElementFormat, get_block_format
 
-__all__ = ["BlockView", "block_parts", "fake_quantize", "fake_quantize_blocks", "scale_elements_"]
+__all__ = ["BlockView", "block_parts", "fake_quantize", "fake_quantize_blocks", "scale_elements_",
+           "stored_transposed"]
 
 _EXPONENT_MASK = 0x7F800000
 _TWO_POW_32 = 2.0 ** 32
@@ -166,6 +167,11 @@ def fake_quantize_blocks(blocks: torch.Tensor, fmt: BlockFormat, dims: tuple[int
     return scale_elements_(*block_parts(blocks, fmt, dims, bits=bits, tensor_amax=tensor_amax))
 
 
+def stored_transposed(t: torch.Tensor) -> bool:
+    """True for a 2-D view of a contiguous tensor's transpose (``W.t()``, ``dy.t()``, ``x.t()``)."""
+    return t.dim() == 2 and t.stride(-1) != 1 and t.t().is_contiguous()
+
+
 @dataclass(frozen=True)
 class BlockView:
     """How :func:`fake_quantize` views a tensor ``x (..., C)`` as blocks of ``size`` along ``C``, without a copy.
@@ -182,7 +188,7 @@ class BlockView:
     @classmethod
     def of(cls, x: torch.Tensor, size: int) -> "BlockView":
         """The view :func:`fake_quantize` works on for ``x``: columns for a 2-D ``x`` stored transposed."""
-        return cls(size, x.dim() == 2 and x.stride(-1) != 1 and x.t().is_contiguous())
+        return cls(size, stored_transposed(x))
 
     @property
     def dims(self) -> tuple[int, ...]:

@@ -32,7 +32,7 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-from mixprec.blockscale.fakequant import fake_quantize, fake_quantize_blocks
+from mixprec.blockscale.fakequant import fake_quantize, fake_quantize_blocks, stored_transposed
 from mixprec.blockscale.hadamard import hadamard_transform
 from mixprec.formats import BlockFormat
 
@@ -45,15 +45,10 @@ def operand_blocks(t: torch.Tensor, block_size: int, signs: torch.Tensor | None 
     in ``t``'s dtype (fp32 after a transform). A ``t`` stored transposed (``W.t()``) stays so: no transposing copy."""
     pad = -t.shape[-1] % block_size
     if pad:
-        t = F.pad(t.t(), (0, 0, 0, pad)).t() if _transposed(t) else F.pad(t, (0, pad))
+        t = F.pad(t.t(), (0, 0, 0, pad)).t() if stored_transposed(t) else F.pad(t, (0, pad))
     if signs is not None:
         t = hadamard_transform(t, signs, dim=-1)
     return t
-
-
-def _transposed(t: torch.Tensor) -> bool:
-    """True for a 2-D view of a contiguous tensor's transpose (``W.t()``, ``dy.t()``, ``x.t()``)."""
-    return t.dim() == 2 and t.stride(-1) != 1 and t.t().is_contiguous()
 
 
 def gemm_operand(t: torch.Tensor, fmt: BlockFormat, *, rounding: str = "nearest",
@@ -67,7 +62,7 @@ def gemm_operand(t: torch.Tensor, fmt: BlockFormat, *, rounding: str = "nearest"
     except with stochastic rounding, whose bits are drawn in ``(R, C')`` order: then ``t`` is made contiguous
     first, so the bits and the values line up element for element in memory.
     """
-    if rounding == "stochastic" and _transposed(t):
+    if rounding == "stochastic" and stored_transposed(t):
         t = t.contiguous()
     return fake_quantize(operand_blocks(t, fmt.block_size, signs), fmt, rounding=rounding, generator=generator)
 

@@ -61,8 +61,11 @@ def _block_request(name: str) -> tuple[str, Policy]:
     """``advised:<format>[,overrides]`` → (the block format's name, the base policy the inspection studies)."""
     head, _, overrides = name.strip().partition(",")
     spec = head[len(ADVISED_BLOCK):].strip()
-    recipes = sorted({get_block_format(r.format).name for r in BLOCK_RECIPES.values() if r.grad_format is None})
-    hint = f"e.g. advised:nvfp4 (block formats a recipe runs: {', '.join(recipes)})"
+    presets: dict[str, str] = {}   # block format -> the first preset recipe quantizing every operand in it
+    for r in BLOCK_RECIPES.values():
+        if r.grad_format is None:
+            presets.setdefault(get_block_format(r.format).name, r.name)
+    hint = f"e.g. advised:nvfp4 (block formats a recipe runs: {', '.join(sorted(presets))})"
     if not spec:
         raise ValueError(f"--policies {name!r}: name a block format after 'advised:', {hint}")
     try:
@@ -70,8 +73,7 @@ def _block_request(name: str) -> tuple[str, Policy]:
     except ValueError:
         raise ValueError(f"--policies {name!r}: {spec!r} is not a block format; {hint}; for the 16-bit "
                          "advice on this device use 'advised'") from None
-    preset = next((r.name for r in BLOCK_RECIPES.values() if get_block_format(r.format).name == fmt
-                   and r.grad_format is None), None)
+    preset = presets.get(fmt)
     if preset is None:
         raise ValueError(f"--policies {name!r}: no policy runs {fmt} linears ({hint}); `mixprec inspect --formats "
                          f"{spec}` measures the linears in it without a policy to run")
