@@ -1,8 +1,9 @@
-"""The GPU checks for a lent H100/H200, one command: ``gpu_fp8.py`` then ``gpu_speed.py``, each in its own
-process (a crash in one keeps the other's results), writing into one output directory.
+"""The GPU checks for a lent H100/H200/B200, one command: ``gpu_fp8.py``, ``gpu_speed.py`` then ``gpu_block.py``,
+each in its own process (a crash in one keeps the others' results), writing into one output directory.
 
-    python benchmarks/gpu_all.py OUT_DIR                 # both, ~5 minutes each on an H200
-    python benchmarks/gpu_all.py OUT_DIR --only speed    # or --only fp8
+    python benchmarks/gpu_all.py OUT_DIR                 # all three, ~5 minutes each on an H200 (block: seconds
+                                                         # there, where it records why the GEMMs are emulated)
+    python benchmarks/gpu_all.py OUT_DIR --only speed    # or --only fp8, --only block
     python benchmarks/gpu_all.py OUT_DIR --dry-run       # both on the CPU at tiny sizes (checks the scripts)
 
 Exit status: the first non-zero status of the scripts run (0 when all passed).
@@ -21,13 +22,15 @@ HERE = Path(__file__).resolve().parent
 def commands(out: Path, dry_run: bool, budget_s: float) -> dict[str, list[str]]:
     fp8 = [sys.executable, str(HERE / "gpu_fp8.py"), "--out", str(out / "gpu_fp8.json"), "--budget-s", str(budget_s)]
     speed = [sys.executable, str(HERE / "gpu_speed.py"), str(out), "--budget-s", str(budget_s)]
-    return {"fp8": fp8 + (["--cpu"] if dry_run else []), "speed": speed + (["--dry-run"] if dry_run else [])}
+    block = [sys.executable, str(HERE / "gpu_block.py"), str(out / "gpu_block.json")]
+    return {"fp8": fp8 + (["--cpu"] if dry_run else []), "speed": speed + (["--dry-run"] if dry_run else []),
+            "block": block + (["--dry-run"] if dry_run else [])}
 
 
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("out")
-    parser.add_argument("--only", choices=["fp8", "speed"], default=None)
+    parser.add_argument("--only", choices=["fp8", "speed", "block"], default=None)
     parser.add_argument("--dry-run", action="store_true")
     parser.add_argument("--budget-s", type=float, default=270.0, help="each script's own time budget")
     args = parser.parse_args(argv)

@@ -21,7 +21,7 @@ def test_block_presets_are_bf16_mixed_plus_the_recipe(name, block):
     assert preset == PRESETS["bf16-mixed"].replace(block=block)
     assert preset.block == block and preset.fp8 is None and preset.bytes_per_param() == 16
     assert str(preset) == name and Policy.parse(name) == preset
-    assert f"eligible linears block-scaled ({block} recipe, emulated)" in preset.summary()
+    assert f"eligible linears block-scaled ({block} recipe)" in preset.summary()
 
 
 @pytest.mark.parametrize("text,block,canonical", [
@@ -77,7 +77,7 @@ def test_block_keep_names_linears_kept_in_bf16_and_round_trips():
     policy = Policy.parse("nvfp4-mixed,block_keep=blocks.*.fc|head")
     assert policy.block_keep == ("blocks.*.fc", "head") and policy.block == "nvfp4"
     assert str(policy) == "nvfp4-mixed,block_keep=blocks.*.fc|head" and Policy.parse(str(policy)) == policy
-    assert "eligible linears block-scaled (nvfp4 recipe, emulated; block_keep blocks.*.fc|head)" in policy.summary()
+    assert "eligible linears block-scaled (nvfp4 recipe; block_keep blocks.*.fc|head)" in policy.summary()
     long_form = ",".join(f"{k}={v}" for k, v in text_items(policy))
     assert "block_keep=blocks.*.fc|head" in long_form and Policy.parse(long_form) == policy
     assert "block_keep" not in dict(text_items(PRESETS["nvfp4-mixed"]))   # the presets' text is unchanged
@@ -109,7 +109,7 @@ def test_block_disable_turns_recipe_parts_off_and_round_trips():
     assert policy.block_disable == ("hadamard", "sr") and policy.block == "nvfp4"   # the recipes' order
     assert policy == Policy.parse("nvfp4-mixed,block_disable=hadamard|sr")          # one order, one policy
     assert str(policy) == "nvfp4-mixed,block_disable=hadamard|sr" and Policy.parse(str(policy)) == policy
-    assert "block-scaled (nvfp4 recipe without hadamard+sr, emulated)" in policy.summary()
+    assert "block-scaled (nvfp4 recipe without hadamard+sr)" in policy.summary()
     long_form = ",".join(f"{k}={v}" for k, v in text_items(policy))
     assert "block_disable=hadamard|sr" in long_form and Policy.parse(long_form) == policy
     assert Policy.parse("nvfp4-mixed,block_disable=none") == PRESETS["nvfp4-mixed"]

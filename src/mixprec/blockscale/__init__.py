@@ -1,5 +1,5 @@
 """Block-scaled formats: MXFP8 / MXFP6 / MXFP4 (OCP Microscaling v1.0) and NVFP4, quantized bit for bit, and
-linears that train in them by emulation.
+linears that train in them: by emulation, and natively on NVIDIA Blackwell.
 
 The formats are data in :mod:`mixprec.formats` (:class:`~mixprec.formats.BlockFormat`, presets
 ``mxfp8_e4m3``, ``mxfp8_e5m2``, ``mxfp6_e2m3``, ``mxfp6_e3m2``, ``mxfp4_e2m1``, ``nvfp4``). Here:
@@ -19,8 +19,10 @@ compute dtype. :class:`BlockScaledLinear` runs a linear's three GEMMs that way (
 :mod:`mixprec.blockscale.gemm`; between forward and backward it keeps ``x``'s wgrad operand packed in the format's
 bytes, :mod:`mixprec.blockscale.packing`), and :func:`convert_to_block_scaled` swaps a model's linears, reporting what it
 kept and why (:func:`plan_block_conversion`: the same report, nothing swapped; :func:`revert_block_scaled` swaps
-them back). Everything is fp32 tensor arithmetic: any device, no host sync, ``torch.compile``-able; no hardware
-block-scaled GEMM is used here (CPU speed is emulation speed).
+them back). The emulation is fp32 tensor arithmetic: any device, no host sync,
+``torch.compile``-able (CPU speed is emulation speed). On a device whose ``torch.nn.functional.scaled_mm`` runs
+the formats (CUDA capability 10.0+) the same quantized operands go to it instead, once a probe GEMM matched the
+emulation (:mod:`mixprec.blockscale.native`; ``BlockRecipe.gemm`` chooses).
 """
 
 from mixprec.blockscale.convert import (BlockConversionReport, block_state_keys, check_keep_patterns,

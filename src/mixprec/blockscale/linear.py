@@ -1,4 +1,4 @@
-"""``BlockScaledLinear``: a drop-in ``nn.Linear`` whose three GEMMs run in a block format, by emulation.
+"""``BlockScaledLinear``: a drop-in ``nn.Linear`` whose three GEMMs run in a block format, emulated or native.
 
 For ``x (M, K)`` and ``W (N, K)`` the GEMMs of :mod:`mixprec.blockscale.recipe` (``GEMMS``), each an
 ``A @ B^T`` of :mod:`mixprec.blockscale.gemm` with both operands quantized along the contraction::
@@ -28,6 +28,15 @@ Backward unpacks and multiplies as :func:`~mixprec.blockscale.fakequant.fake_qua
 bit the same. Nothing of ``x`` is kept when the weight needs no gradient (a frozen base weight) or grad mode is off;
 ``x`` itself with an fp32 wgrad (``quantized_gemms`` without it) or a format that overflows instead of saturating.
 
+Native GEMMs (``recipe.gemm``, "auto" by default): on a device where
+:func:`~mixprec.blockscale.native.recipe_support` finds every quantized GEMM's formats native (CUDA capability 10.0+,
+probed once per device and output dtype, cached on the module), each operand is quantized to the same values with the
+same random bits (:func:`~mixprec.blockscale.native.native_operand`, 2D tiles by
+:func:`~mixprec.blockscale.native.native_weight_tiles`) and the GEMM is ``torch.nn.functional.scaled_mm``; forward
+keeps ``q(RHT(x^T))`` as that operand (the format's bytes plus the scale tiles' padding). Results differ from the
+emulation's only by the order of the fp32 accumulation. ``gemm="native"`` raises (RuntimeError, at the first call)
+where the GEMMs cannot run natively, naming why.
+
 Dtypes, as :class:`~mixprec.fp8.linear.Float8Linear`'s: each GEMM accumulates in fp32 and rounds its output once
 to the compute dtype (the autocast dtype when autocast is on, else the input's); ``dx`` and ``dW`` are then cast to
 the input's and the weight's dtypes (fp32 master weights get a bf16-rounded gradient under bf16 autocast, as an
@@ -48,12 +57,15 @@ runs eagerly with the same bits.
 
 from __future__ import annotations
 
+import dataclasses
+
 import torch
 from torch import nn
 
 from mixprec.autocast.first_order import first_order_backward
 from mixprec.blockscale.gemm import block_gemm, gemm_operand, plain_gemm, weight_tiles
 from mixprec.blockscale.hadamard import random_signs
+from mixprec.blockscale.native import NativeOperand, native_gemm, native_operand, native_weight_tiles, recipe_support
 from mixprec.blockscale.packing import PackedOperand, pack_operand, unpack_operand
 from mixprec.blockscale.recipe import BlockRecipe, get_block_recipe
 from mixprec.blockscale.streams import RoundingStream
@@ -77,52 +89,90 @@ def shape_problems(in_features: int, out_features: int, recipe: BlockRecipe) -> 
     return problems
 
 
-def _weight_along_k(weight: torch.Tensor, recipe: BlockRecipe) -> torch.Tensor:
+def _operand(t: torch.Tensor, fmt, native: bool, **kw) -> torch.Tensor | NativeOperand:
+    """``t``'s GEMM operand: :func:`~mixprec.blockscale.native.native_operand` (native) or ``gemm_operand``."""
+    return native_operand(t, fmt, **kw) if native else gemm_operand(t, fmt, **kw)
+
+
+def _gemm(a: torch.Tensor | NativeOperand, b: torch.Tensor | NativeOperand, out_dtype: torch.dtype) -> torch.Tensor:
+    """``a @ b^T`` on the device's block-scaled GEMM (native operands) or by emulation."""
+    return native_gemm(a, b, out_dtype) if isinstance(a, NativeOperand) else block_gemm(a, b, out_dtype)
+
+
+def _weight_along_k(weight: torch.Tensor, recipe: BlockRecipe, native: bool) -> torch.Tensor | NativeOperand:
     """``q(W)``, ``(N, K)``, valid along K: 1D blocks along K, or the 2D tiles."""
     if recipe.weight_blocks == "2d":
+        if native:
+            return native_weight_tiles(weight, recipe.weight_tile_format(), recipe.block_size, transposed=False)
         return weight_tiles(weight, recipe.weight_tile_format(), recipe.block_size)
-    return gemm_operand(weight, recipe.operand_format("W"))
+    return _operand(weight, recipe.operand_format("W"), native)
 
 
-def _weight_along_n(weight: torch.Tensor, recipe: BlockRecipe) -> torch.Tensor:
+def _weight_along_n(weight: torch.Tensor, recipe: BlockRecipe, native: bool) -> torch.Tensor | NativeOperand:
     """``q(W^T)``, ``(K, N')``, valid along N: 1D blocks along N, or the 2D tiles transposed."""
     if recipe.weight_blocks == "2d":
+        if native:
+            return native_weight_tiles(weight, recipe.weight_tile_format(), recipe.block_size, transposed=True)
         return weight_tiles(weight, recipe.weight_tile_format(), recipe.block_size).t()
-    return gemm_operand(weight.t(), recipe.operand_format("W"))
+    return _operand(weight.t(), recipe.operand_format("W"), native)
 
 
 def _dgrad(dy: torch.Tensor, weight: torch.Tensor, recipe: BlockRecipe, generator: torch.Generator | None,
-           out_dtype: torch.dtype) -> torch.Tensor:
+           out_dtype: torch.dtype, native: bool) -> torch.Tensor:
     """``dx = dy @ W``, ``(M, K)`` in ``out_dtype``."""
     if "dgrad" not in recipe.quantized_gemms:
         return plain_gemm(dy, weight.t(), out_dtype)
-    a = gemm_operand(dy, recipe.operand_format("dy"), rounding=recipe.rounding("dy"), generator=generator)
-    return block_gemm(a, _weight_along_n(weight, recipe), out_dtype)
+    a = _operand(dy, recipe.operand_format("dy"), native, rounding=recipe.rounding("dy"), generator=generator)
+    return _gemm(a, _weight_along_n(weight, recipe, native), out_dtype)
 
 
-def _wgrad(dy: torch.Tensor, x_kept: torch.Tensor | PackedOperand, recipe: BlockRecipe, signs: torch.Tensor | None,
-           generator: torch.Generator | None, out_dtype: torch.dtype) -> torch.Tensor:
+def _wgrad(dy: torch.Tensor, x_kept: torch.Tensor | PackedOperand | NativeOperand, recipe: BlockRecipe,
+           signs: torch.Tensor | None, generator: torch.Generator | None, out_dtype: torch.dtype) -> torch.Tensor:
     """``dW = dy^T @ x``, ``(N, K)`` in ``out_dtype``, from what forward kept of ``x`` (:func:`_kept_input`)."""
     if "wgrad" not in recipe.quantized_gemms:
         return plain_gemm(dy.t(), x_kept.t(), out_dtype)
-    a = gemm_operand(dy.t(), recipe.operand_format("dy"), rounding=recipe.rounding("dy"), generator=generator,
-                     signs=signs)
+    native = isinstance(x_kept, NativeOperand)
+    a = _operand(dy.t(), recipe.operand_format("dy"), native, rounding=recipe.rounding("dy"), generator=generator,
+                 signs=signs)
+    if native:
+        return native_gemm(a, x_kept, out_dtype)
     if isinstance(x_kept, PackedOperand):
         return block_gemm(a, unpack_operand(x_kept), out_dtype)
     return block_gemm(a, gemm_operand(x_kept.t(), recipe.operand_format("x"), signs=signs), out_dtype)
 
 
-def _kept_input(x: torch.Tensor, recipe: BlockRecipe, signs: torch.Tensor | None,
-                wgrad_runs: bool) -> torch.Tensor | PackedOperand | None:
-    """What backward keeps of ``x (M, K)``: nothing when wgrad will not run; wgrad's operand packed
-    (:func:`~mixprec.blockscale.packing.pack_operand` of ``x^T``, the value backward would compute: round to
-    nearest, no random draw) when wgrad is quantized in a saturating format; else ``x`` itself."""
+def _kept_input(x: torch.Tensor, recipe: BlockRecipe, signs: torch.Tensor | None, wgrad_runs: bool,
+                native: bool) -> torch.Tensor | PackedOperand | NativeOperand | None:
+    """What backward keeps of ``x (M, K)``: nothing when wgrad will not run; wgrad's operand quantized (round to
+    nearest, no random draw: the value backward would compute) when wgrad is quantized, as the native GEMM takes
+    it or packed (:func:`~mixprec.blockscale.packing.pack_operand` of ``x^T``, in a saturating format); else
+    ``x`` itself."""
     if not wgrad_runs:
         return None
     fmt = recipe.operand_format("x")
+    if "wgrad" in recipe.quantized_gemms and native:
+        return native_operand(x.t(), fmt, signs=signs)
     if "wgrad" in recipe.quantized_gemms and fmt.saturate:
         return pack_operand(x.t(), fmt, signs=signs)
     return x
+
+
+def _save_kept(ctx, kept, weight: torch.Tensor, signs: torch.Tensor | None) -> None:
+    """``ctx.save_for_backward`` of ``x`` (or None), ``W``, the signs, and a quantized ``x``'s tensors; the
+    quantized operand's description on ``ctx.x_kept`` (None for ``x`` itself)."""
+    quantized = isinstance(kept, (PackedOperand, NativeOperand))
+    ctx.save_for_backward(None if quantized else kept, weight, signs, *(kept.tensors() if quantized else ()))
+    ctx.x_kept = (kept.layout if isinstance(kept, PackedOperand) else
+                  dataclasses.replace(kept, data=None, scales=None, tensor_scale=None) if quantized else None)
+
+
+def _restore_kept(ctx, x: torch.Tensor | None, tensors: tuple) -> torch.Tensor | PackedOperand | NativeOperand:
+    """What :func:`_save_kept` kept of ``x``, from the saved tensors."""
+    if ctx.x_kept is None:
+        return x
+    if isinstance(ctx.x_kept, NativeOperand):
+        return dataclasses.replace(ctx.x_kept, data=tensors[0], scales=tensors[1], tensor_scale=tensors[2])
+    return PackedOperand(ctx.x_kept, *tensors)
 
 
 class _BlockScaledMatmul(torch.autograd.Function):
@@ -131,18 +181,16 @@ class _BlockScaledMatmul(torch.autograd.Function):
     @staticmethod
     def forward(ctx, x: torch.Tensor, weight: torch.Tensor, recipe: BlockRecipe, signs: torch.Tensor | None,
                 generator: torch.Generator | None, stream: RoundingStream | None, out_dtype: torch.dtype,
-                grad_enabled: bool) -> torch.Tensor:
+                grad_enabled: bool, native: bool) -> torch.Tensor:
         if "forward" in recipe.quantized_gemms:
-            a = gemm_operand(x, recipe.operand_format("x"))
-            y = block_gemm(a, _weight_along_k(weight, recipe), out_dtype)  # (M, N)
+            a = _operand(x, recipe.operand_format("x"), native)
+            y = _gemm(a, _weight_along_k(weight, recipe, native), out_dtype)  # (M, N)
         else:
             y = plain_gemm(x, weight, out_dtype)
-        kept = _kept_input(x, recipe, signs, wgrad_runs=grad_enabled and ctx.needs_input_grad[1])
-        packed = isinstance(kept, PackedOperand)
-        ctx.save_for_backward(None if packed else kept, weight, signs, *(kept.tensors() if packed else ()))
-        ctx.x_layout = kept.layout if packed else None
+        kept = _kept_input(x, recipe, signs, grad_enabled and ctx.needs_input_grad[1], native)
+        _save_kept(ctx, kept, weight, signs)
         ctx.recipe, ctx.generator, ctx.stream, ctx.out_dtype = recipe, generator, stream, out_dtype
-        ctx.x_dtype = x.dtype
+        ctx.x_dtype, ctx.native = x.dtype, native
         return y
 
     @staticmethod
@@ -150,19 +198,18 @@ class _BlockScaledMatmul(torch.autograd.Function):
         saved = ctx.saved_tensors
         what = f"a block-scaled linear ({ctx.recipe.name})"
         return first_order_backward(what, lambda: _BlockScaledMatmul._grads(ctx, dy, *saved),
-                                    (dy, saved[1], saved[0])) + (None,) * 6
+                                    (dy, saved[1], saved[0])) + (None,) * 7
 
     @staticmethod
-    def _grads(ctx, dy: torch.Tensor, x, weight, signs, *packed) -> tuple[torch.Tensor | None, torch.Tensor | None]:
+    def _grads(ctx, dy: torch.Tensor, x, weight, signs, *kept) -> tuple[torch.Tensor | None, torch.Tensor | None]:
         recipe, generator, out_dtype = ctx.recipe, ctx.generator, ctx.out_dtype
         if generator is not None:   # this call's bits: the stream's next key
             generator = ctx.stream.serve(generator)
         dx = dw = None
         if ctx.needs_input_grad[0]:
-            dx = _dgrad(dy, weight, recipe, generator, out_dtype).to(ctx.x_dtype)
+            dx = _dgrad(dy, weight, recipe, generator, out_dtype, ctx.native).to(ctx.x_dtype)
         if ctx.needs_input_grad[1]:
-            x_kept = x if ctx.x_layout is None else PackedOperand(ctx.x_layout, *packed)
-            dw = _wgrad(dy, x_kept, recipe, signs, generator, out_dtype).to(weight.dtype)
+            dw = _wgrad(dy, _restore_kept(ctx, x, kept), recipe, signs, generator, out_dtype).to(weight.dtype)
         return dx, dw
 
 
@@ -288,11 +335,25 @@ class BlockScaledLinear(nn.Linear):
         stream = self._stream
         generator = None if stream is None or self.weight.is_meta else stream.generator(self.weight.device)
         y = _BlockScaledMatmul.apply(x, self.weight, self.recipe, self.hadamard_signs, generator, stream, out_dtype,
-                                     torch.is_grad_enabled())
+                                     torch.is_grad_enabled(), self._native(x.device, out_dtype))
         y = y.reshape(*input.shape[:-1], self.out_features)  # (..., N)
         if self.bias is not None:
             y = y + self.bias.to(out_dtype)
         return y
+
+    def _native(self, device: torch.device, out_dtype: torch.dtype) -> bool:
+        """Whether this call's GEMMs run natively (``recipe.gemm``; :func:`~mixprec.blockscale.native.recipe_support`,
+        cached: its probe runs once per device). RuntimeError for ``gemm="native"`` where they cannot, naming why."""
+        if self.recipe.gemm == "emulated" or (device.type != "cuda" and self.recipe.gemm == "auto"):
+            return False
+        cache = self.__dict__.setdefault("_native_by", {})   # (device, out dtype) -> NativeSupport
+        support = cache.get((device, out_dtype))
+        if support is None:
+            support = cache[(device, out_dtype)] = recipe_support(device, self.recipe, out_dtype)
+        if self.recipe.gemm == "native" and not support.available:
+            raise RuntimeError(f"BlockScaledLinear(index={self.index}, {self.recipe.name}) asks for native GEMMs "
+                               f"(recipe gemm='native'), and {support.reason}; use gemm='auto' to emulate them there")
+        return support.available
 
     def extra_repr(self) -> str:
         return f"{super().extra_repr()}, recipe={self.recipe}, index={self.index}"

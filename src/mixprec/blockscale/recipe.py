@@ -27,6 +27,10 @@ says:
   ``keep_first_last``: so do the network's first and last ``nn.Linear``
   (:func:`~mixprec.blockscale.convert.convert_to_block_scaled` applies both);
 * ``quantized_gemms``: the GEMMs that run block-scaled (the others are fp32 GEMMs of the unquantized operands);
+* ``gemm``: how the quantized GEMMs run: ``"auto"`` natively where the device runs the formats' GEMMs
+  (:func:`~mixprec.blockscale.native.recipe_support`: NVIDIA Blackwell through torch's ``scaled_mm``, after a
+  probe against the emulation), emulated elsewhere; ``"emulated"`` always emulated (exact dequantize + fp32 GEMM:
+  the same values on every device); ``"native"`` native or a RuntimeError naming why not;
 * ``seed``: the random Hadamard signs come from it, each linear's stochastic-rounding stream from
   ``seed + index`` (its position among the converted linears). The signs are the same in every linear and on
   every rank, as Transformer Engine's one fixed wgrad sign vector and torchtitan's hardcoded one are (under
@@ -84,6 +88,7 @@ GEMMS: dict[str, tuple[tuple[str, str], tuple[str, str]]] = {
 OPERANDS = ("x", "W", "dy")
 WEIGHT_BLOCKS = ("1d", "2d")
 SCALE_ROUNDINGS = (None, "floor", "rceil")
+GEMM_BACKENDS = ("auto", "emulated", "native")
 # a recipe's parts that ``disable`` turns off: part -> (field, the value without it)
 RECIPE_PARTS: dict[str, tuple[str, object]] = {
     "hadamard": ("hadamard", False),               # the random Hadamard transform of wgrad's inputs
@@ -117,6 +122,7 @@ class BlockRecipe:
     keep_first_last: bool = True
     quantized_gemms: tuple[str, ...] = tuple(GEMMS)
     seed: int = 0
+    gemm: str = "auto"
 
     def __post_init__(self) -> None:
         fmt = self._checked_formats()
@@ -138,6 +144,8 @@ class BlockRecipe:
             raise ValueError(f"BlockRecipe quantized_gemms={self.quantized_gemms!r}: a tuple of {tuple(GEMMS)}")
         if isinstance(self.seed, bool) or not isinstance(self.seed, int) or self.seed < 0:
             raise ValueError(f"BlockRecipe seed={self.seed!r} must be an int >= 0")
+        if self.gemm not in GEMM_BACKENDS:
+            raise ValueError(f"BlockRecipe gemm={self.gemm!r} is not one of {GEMM_BACKENDS}")
         for flag in ("hadamard", "stochastic_rounding", "keep_first_last"):
             if not isinstance(getattr(self, flag), bool):
                 raise ValueError(f"BlockRecipe {flag}={getattr(self, flag)!r} must be True or False")
@@ -207,6 +215,7 @@ class BlockRecipe:
         parts += [f"bf16_tail={self.bf16_tail_fraction:g}"] if self.bf16_tail_fraction else []
         parts += ["first/last kept"] if self.keep_first_last else []
         parts += [f"gemms={'+'.join(self.quantized_gemms)}"] if self.quantized_gemms != tuple(GEMMS) else []
+        parts += [f"gemm={self.gemm}"] if self.gemm != "auto" else []
         return f"{self.name}({', '.join(parts)})"
 
 

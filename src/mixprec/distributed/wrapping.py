@@ -54,8 +54,8 @@ data shards and the agreed decisions are :mod:`mixprec.distributed.process`'s (w
   scale, the amax of the whole weight) are one process's at any world size: sharding-invariant by construction,
   with nothing of them kept between steps or sharded. A bf16 all-gather would quantize bf16-rounded weights (two
   roundings, another NVFP4 tensor amax) and run the model's other ops on bf16 params, unlike one process. The cost
-  is an fp32 all-gather (twice bf16's bytes); a native path would all-gather the quantized weight instead (not done:
-  every GEMM here is emulated). The gradients are the linear's bf16-rounded ``dW`` in fp32, reduce-scattered in fp32.
+  is an fp32 all-gather (twice bf16's bytes); a native path could all-gather the quantized weight instead (not done:
+  the native GEMMs quantize the all-gathered fp32 weight as the emulation does). The gradients are the linear's bf16-rounded ``dW`` in fp32, reduce-scattered in fp32.
 
   Under 16-bit storage FSDP2 reduce-scatters the gradients in fp32 and rounds the reduced shard into the
   parameter's bf16 (in ``foreach_reduce``), so the optimizer sees a bf16 gradient shard, as one process sees

@@ -50,8 +50,8 @@ bf16; ``fp32``: as torch.autocast, the fp32 input; see :mod:`mixprec.autocast.sa
 block-scaled recipe of :data:`mixprec.blockscale.BLOCK_RECIPES`, or ``none``, the default: ``mxfp8``, ``nvfp4``
 (Hadamard transform of wgrad, stochastic rounding of gradients, 2D weight scales, the last 15 % of blocks and the
 first/last linears in bf16), ``nvfp4-plain`` (NVFP4 without the transform, the SR and the tail: the ablation,
-``"nvfp4-mixed,block=nvfp4-plain"``); needs bf16 compute, excludes ``fp8``; emulated on every device, so its
-speed is not representative; see docs/policies.md), ``block_keep`` (glob patterns joined by ``|`` of linears, or
+``"nvfp4-mixed,block=nvfp4-plain"``); needs bf16 compute, excludes ``fp8``; native GEMMs on NVIDIA Blackwell, emulated
+elsewhere, where its speed is not representative; see docs/policies.md), ``block_keep`` (glob patterns joined by ``|`` of linears, or
 modules holding them, that stay in the compute dtype under ``block``, e.g. ``"nvfp4-mixed,block_keep=blocks.*.fc2"``:
 what ``mixprec inspect --formats nvfp4`` advises), ``block_disable`` (parts of the ``block`` recipe turned off,
 joined by ``|``: ``hadamard``, ``sr``, ``2d``, ``tail``, ``ends``, e.g. ``"nvfp4-mixed,block_disable=sr"``).
@@ -118,8 +118,8 @@ class Policy:
         block: ``None`` or a block-scaled recipe name (``"mxfp8"``, ``"nvfp4"``, ``"nvfp4-plain"``: the keys of
             :data:`mixprec.blockscale.BLOCK_RECIPES`, which say the formats, the Hadamard transform, stochastic
             rounding and the layers kept in bf16): eligible linears become
-            :class:`~mixprec.blockscale.BlockScaledLinear`, emulated (exact dequantize + fp32 GEMM) on every device
-            today. Needs bf16 compute (params fp32 or bf16); excludes ``fp8``.
+            :class:`~mixprec.blockscale.BlockScaledLinear`: native block-scaled GEMMs where the device runs
+            them (NVIDIA Blackwell, probed), emulated (exact dequantize + fp32 GEMM) elsewhere. Needs bf16 compute (params fp32 or bf16); excludes ``fp8``.
         block_keep: glob patterns (``fnmatch``) of linears, or of modules holding them, that stay ``nn.Linear`` in
             the compute dtype under ``block`` on top of the recipe's own keeps
             (:func:`mixprec.blockscale.convert_to_block_scaled`'s ``keep``); needs ``block``. Each pattern must
@@ -325,7 +325,7 @@ class Policy:
         if self.block is not None:
             keep = f"; block_keep {'|'.join(self.block_keep)}" if self.block_keep else ""
             off = f" without {'+'.join(self.block_disable)}" if self.block_disable else ""
-            parts[-1] += f", eligible linears block-scaled ({self.block} recipe{off}, emulated{keep})"
+            parts[-1] += f", eligible linears block-scaled ({self.block} recipe{off}{keep})"
         if half:
             how = {"stochastic": "stochastically rounded", "kahan": "Kahan-compensated",
                    "nearest": "rounded to nearest"}[self.rounding]

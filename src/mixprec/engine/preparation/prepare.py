@@ -264,10 +264,16 @@ def _kept_words(report: Any) -> str:
                      for tag, names in groups.items())
 
 
-def emulation_words(device: torch.device) -> str:
-    """How block-scaled GEMMs run on ``device``: emulated everywhere today (no native block-scaled matmul is used)."""
+def emulation_words(device: torch.device, recipe: Any, compute_dtype: torch.dtype) -> str:
+    """How ``recipe``'s block-scaled GEMMs run on ``device`` (:func:`mixprec.blockscale.native.recipe_support`: on
+    CUDA its probe runs here, once): natively, or emulated and why."""
+    from mixprec.blockscale.native import recipe_support
+
+    support = recipe_support(device, recipe, compute_dtype)
+    if support.available:
+        return support.reason
     return (f"emulated on {device.type} (each GEMM: exact dequantize of the block-scaled operands + an fp32 GEMM; "
-            "no native block-scaled matmul is used), so its speed is not representative of a native GEMM")
+            f"{support.reason}), so its speed is not representative of a native GEMM")
 
 
 def convert_block(model: nn.Module, policy: Policy, device: torch.device, keep: dict[str, nn.Module]
@@ -276,7 +282,8 @@ def convert_block(model: nn.Module, policy: Policy, device: torch.device, keep: 
     same Parameter objects; :func:`mixprec.blockscale.convert_to_block_scaled`); fp32 regions (``keep``) are never
     converted, nor are the linears ``policy.block_keep`` names (ValueError for a pattern that matches none, before any
     swap). Returns the :class:`~mixprec.blockscale.BlockConversionReport` and the decision's clause: the recipe,
-    how many linears converted, which kept and why, and that the GEMMs are emulated (None, "" without ``block``).
+    how many linears converted, which kept and why, and how the GEMMs run (natively or emulated, and why; None, ""
+    without ``block``).
     No host sync."""
     if policy.block is None:
         return None, ""
@@ -293,7 +300,8 @@ def convert_block(model: nn.Module, policy: Policy, device: torch.device, keep: 
         len(report.as_built))
     compute = _SHORT.get(dtype_text(policy.compute_dtype), dtype_text(policy.compute_dtype))
     return report, zero + (f"; block-scaled linears {report.recipe}: {len(report.converted)} converted, "
-                           f"{len(report.kept)} kept in {compute}{kept}{built}; {emulation_words(device)}")
+                           f"{len(report.kept)} kept in {compute}{kept}{built}; "
+                           f"{emulation_words(device, report.recipe, policy.compute_dtype)}")
 
 
 def switch_block_linears(model: nn.Module, old: Policy, new: Policy, device: torch.device,

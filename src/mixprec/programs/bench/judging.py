@@ -1,6 +1,6 @@
 """Each row against the fp32 reference: its deltas (speedup, memory ratios, relative eval-loss delta) and its
 verdict (:func:`mixprec.programs.bench.verdict.judge`), read against the seed-noise band, the peer's own gate and a
-smoke test's limits. A row of block-scaled linears (``mxfp8-mixed``, ``nvfp4-mixed``) says its GEMMs were emulated."""
+smoke test's limits. A row of block-scaled linears (``mxfp8-mixed``, ``nvfp4-mixed``) says when its GEMMs were emulated."""
 
 from __future__ import annotations
 
@@ -55,10 +55,13 @@ def judge_policies(entries: dict[str, PolicyRun], targets: Targets, *, noisy: bo
 
 
 def _emulated(e: PolicyRun) -> str:
-    """The reason's words for a row whose policy ran block-scaled linears: they were emulated ("" else)."""
+    """The reason's words for a row whose policy ran block-scaled linears emulated (its decision says how they ran;
+    "" for native GEMMs and other rows)."""
+    if e.decision and "block-scaled linears" in e.decision and "emulated on" not in e.decision:
+        return ""
     try:
         block = Policy.parse(e.policy).block if e.policy and e.step_time_ms_median is not None else None
     except ValueError:   # a row that never resolved its policy
         return ""
-    return (f"; {block} linears emulated (exact dequantize + fp32 GEMM, no native block-scaled matmul): its speed "
+    return (f"; {block} linears emulated (exact dequantize + fp32 GEMM, no native block-scaled matmul on this device): its speed "
             "is not representative" if block else "")
