@@ -21,10 +21,11 @@ from mixprec.engine.divergence import DivergenceError, Judging
 from mixprec.engine.feature import Feature
 from mixprec.engine.frozen_control import FrozenControl
 from mixprec.engine.loss_scale import for_policy as loss_scale_for_policy
-from mixprec.engine.masters import best_fp32_values, claim, release
+from mixprec.engine.masters import best_fp32_values
 from mixprec.engine.misuse.arguments import as_tensors, cast_batch, check_args, check_loss
 from mixprec.engine.misuse.loop_checks import LoopChecks
 from mixprec.engine.open_group import restore_group
+from mixprec.engine.ownership import disown, own
 from mixprec.engine.param_groups import GroupWatch
 from mixprec.engine.penalty import PenaltyGradients
 from mixprec.engine.preparation.attach import bind_optimizer
@@ -93,7 +94,7 @@ class MixedPrecision(EngineViews, FrozenControl, PenaltyGradients):
         self._scope = AutocastScope(self)   # mp.autocast()'s settings in backward passes and traced graphs
         self._checks = LoopChecks(self, self._adopt_model_edits, self._frozen, self._scope)
         state_note = "" if optimizer is None else self._attach(optimizer, scheduler)
-        claim(self, list(model.named_parameters()), set(prepared.plan.half))
+        own(self, model, set(prepared.plan.half))   # one live engine per model (engine/ownership.py)
         regions = self._regions.wrap(model, self.policy, self.device.type, prepared.keep, set(prepared.plan.frozen16))
         self.decision = first_decision(resolution.decision, prepared, self._compile, self.policy, self.device.type,
                                        state_note, regions)
@@ -280,7 +281,7 @@ class MixedPrecision(EngineViews, FrozenControl, PenaltyGradients):
             self.masters.write_fp32(best_fp32_values(self.masters, self.optimizer))
         self._features.remove()
         revert_engine_swaps(self.module, sharded=self._strategy.shards_params)
-        release(self)
+        disown(self)
         self._unwrapped = True
         return self.module
 

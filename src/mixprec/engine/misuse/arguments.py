@@ -13,6 +13,7 @@ import torch
 from torch import nn
 
 from mixprec.engine.misuse.outside import check_not_wrapped
+from mixprec.engine.ownership import check_unowned
 from mixprec.memory.recompute import match_blocks, parse_request
 from mixprec.messages.location import user_stacklevel
 from mixprec.policy.policy import cast_floating
@@ -32,6 +33,7 @@ def check_args(model: Any, max_grad_norm: Any, accumulation_steps: Any, recomput
                         "guard=mixprec.Guard()) or None (the default: a stuck loss scale is still refused)")
     if not isinstance(model, nn.Module):
         raise TypeError(f"model must be a torch.nn.Module, got {type(model).__name__}")
+    check_unowned(model)   # a model another live engine prepared
     if checkpoint is not None:
         if recompute is not None:
             raise TypeError(f"MixedPrecision got recompute={recompute!r} and checkpoint={checkpoint!r}: checkpoint= is "
