@@ -55,9 +55,16 @@ def _penalty_step(policy: str) -> tuple[MixedPrecision, torch.Tensor]:
 
 
 def test_a_gradient_penalty_under_a_block_policy_fails_at_its_backward_and_block_keep_makes_it_train():
-    with pytest.raises(RuntimeError, match=r"block-scaled linear \(mxfp8\).*block_keep=<their names>"):
+    with pytest.raises(RuntimeError, match=r"block-scaled linear \(mxfp8\).*block_keep=<their names>.*"
+                                           r"\(this one: 2\)"):
         _penalty_step("mxfp8-mixed")   # the middle linear is converted (first and last kept by the recipe)
     with pytest.warns(UserWarning, match="converted 0 linears"):   # every linear kept: said, not silent
         mp, grad = _penalty_step("mxfp8-mixed,block_keep=2")
     _, reference = _penalty_step("bf16-mixed")
     assert type(mp.model[2]) is nn.Linear and torch.equal(grad, reference)   # the penalty reached the weight
+
+
+def test_the_refusal_names_the_fp8_linear_it_passed_through():
+    with pytest.raises(RuntimeError, match=r"through an fp8 linear .*keep_fp32=<their names> or fp8=none.*"
+                                           r"\(this one: 2\)"):
+        _penalty_step("fp8-mixed")   # the middle linear is fp8 (first and last kept)

@@ -32,27 +32,29 @@ class _Refused(torch.autograd.Function):
     """The gradient ``g`` as it is, tied to ``inputs``; differentiating it raises (module docstring)."""
 
     @staticmethod
-    def forward(ctx: Any, what: str, g: torch.Tensor, *inputs: torch.Tensor) -> torch.Tensor:
-        ctx.what = what
+    def forward(ctx: Any, what: str, name: str | None, g: torch.Tensor, *inputs: torch.Tensor) -> torch.Tensor:
+        ctx.what, ctx.name = what, name
         return g.clone()
 
     @staticmethod
     def backward(ctx: Any, *grads: Any) -> Any:
+        this = f" (this one: {ctx.name})" if ctx.name else ""
         raise RuntimeError(f"mixprec: a second derivative through {ctx.what} (a gradient taken with "
                            "create_graph=True, e.g. a gradient penalty, then differentiated): its quantized backward "
-                           f"is first-order only and would give a wrong gradient; {SECOND_ORDER_FIX}")
+                           f"is first-order only and would give a wrong gradient; {SECOND_ORDER_FIX}{this}")
 
 
 def first_order_backward(what: str, backward: Callable[[], tuple[torch.Tensor | None, ...]],
-                         inputs: tuple[torch.Tensor, ...]) -> tuple[torch.Tensor | None, ...]:
+                         inputs: tuple[torch.Tensor, ...], name: str | None = None) -> tuple[torch.Tensor | None, ...]:
     """``backward()``'s gradients, computed without recording; when grad mode is on (a ``create_graph=True``
     backward), each gradient tensor comes back tied to ``inputs`` (the incoming gradient and the saved tensors
     autograd would differentiate through) by a node that raises on differentiation (module docstring).
-    ``what``: the module in words, for the message. No host sync; shapes, dtypes and values unchanged."""
+    ``what``: the module in words, and ``name`` its qualified name in the model where known, for the message. No
+    host sync; shapes, dtypes and values unchanged."""
     recording = torch.is_grad_enabled()
     with torch.no_grad():
         grads = backward()
     live = tuple(t for t in inputs if isinstance(t, torch.Tensor) and t.requires_grad)
     if not recording or not live:
         return grads
-    return tuple(g if g is None else _Refused.apply(what, g, *live) for g in grads)
+    return tuple(g if g is None else _Refused.apply(what, name, g, *live) for g in grads)

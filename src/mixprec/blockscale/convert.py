@@ -224,6 +224,7 @@ def convert_to_block_scaled(model: nn.Module, recipe: str | BlockRecipe = "mxfp8
     replacements: dict[nn.Module, BlockScaledLinear] = {}
     for index, name in enumerate(report.converted):
         replacements[named[name]] = BlockScaledLinear.from_linear(named[name], recipe=report.recipe, index=index)
+        replacements[named[name]].qualified_name = name
     replace_modules(model, replacements)   # under every parent holding a converted module (shared ones too)
     return report
 

@@ -181,7 +181,7 @@ class _BlockScaledMatmul(torch.autograd.Function):
     @staticmethod
     def forward(ctx, x: torch.Tensor, weight: torch.Tensor, recipe: BlockRecipe, signs: torch.Tensor | None,
                 generator: torch.Generator | None, stream: RoundingStream | None, out_dtype: torch.dtype,
-                grad_enabled: bool, native: bool) -> torch.Tensor:
+                grad_enabled: bool, native: bool, name: str | None) -> torch.Tensor:
         if "forward" in recipe.quantized_gemms:
             a = _operand(x, recipe.operand_format("x"), native)
             y = _gemm(a, _weight_along_k(weight, recipe, native), out_dtype)  # (M, N)
@@ -190,7 +190,7 @@ class _BlockScaledMatmul(torch.autograd.Function):
         kept = _kept_input(x, recipe, signs, grad_enabled and ctx.needs_input_grad[1], native)
         _save_kept(ctx, kept, weight, signs)
         ctx.recipe, ctx.generator, ctx.stream, ctx.out_dtype = recipe, generator, stream, out_dtype
-        ctx.x_dtype, ctx.native = x.dtype, native
+        ctx.x_dtype, ctx.native, ctx.name = x.dtype, native, name
         return y
 
     @staticmethod
@@ -198,7 +198,7 @@ class _BlockScaledMatmul(torch.autograd.Function):
         saved = ctx.saved_tensors
         what = f"a block-scaled linear ({ctx.recipe.name})"
         return first_order_backward(what, lambda: _BlockScaledMatmul._grads(ctx, dy, *saved),
-                                    (dy, saved[1], saved[0])) + (None,) * 7
+                                    (dy, saved[1], saved[0]), ctx.name) + (None,) * 8
 
     @staticmethod
     def _grads(ctx, dy: torch.Tensor, x, weight, signs, *kept) -> tuple[torch.Tensor | None, torch.Tensor | None]:
@@ -233,12 +233,15 @@ class BlockScaledLinear(nn.Linear):
     Build from an existing linear, sharing its ``Parameter`` objects (optimizers and checkpoints keep working),
     with :meth:`from_linear`. ``built_by``: the policy text of the ``MixedPrecision`` engine that swapped this
     linear in (its ``unwrap()`` swaps it back), None for one built by the caller (an engine runs it as built).
+    ``qualified_name``: its name in the model it was converted in (:func:`~mixprec.blockscale.convert_to_block_scaled`
+    sets it; None otherwise), for messages.
 
     Raises:
         ValueError: dimensions the recipe cannot scale (:func:`shape_problems`), a negative ``index``.
     """
 
     built_by: str | None = None
+    qualified_name: str | None = None
 
     def __init__(self, in_features: int, out_features: int, bias: bool = True, device=None, dtype=None, *,
                  recipe: str | BlockRecipe = "mxfp8", index: int = 0) -> None:
@@ -335,7 +338,7 @@ class BlockScaledLinear(nn.Linear):
         stream = self._stream
         generator = None if stream is None or self.weight.is_meta else stream.generator(self.weight.device)
         y = _BlockScaledMatmul.apply(x, self.weight, self.recipe, self.hadamard_signs, generator, stream, out_dtype,
-                                     torch.is_grad_enabled(), self._native(x.device, out_dtype))
+                                     torch.is_grad_enabled(), self._native(x.device, out_dtype), self.qualified_name)
         y = y.reshape(*input.shape[:-1], self.out_features)  # (..., N)
         if self.bias is not None:
             y = y + self.bias.to(out_dtype)

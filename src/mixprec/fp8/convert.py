@@ -114,6 +114,7 @@ def convert_to_float8(model: nn.Module, recipe: str | Float8Recipe = "tensorwise
             skipped.append((name, "; ".join(reasons)))
             continue
         replacements[module] = Float8Linear.from_linear(module, recipe=resolved, use_scaled_mm=use_scaled_mm)
+        replacements[module].qualified_name = name
         converted.append(name)
     replace_modules(model, replacements)   # under every parent holding a converted module (shared ones too)
     return ConversionReport(recipe=resolved, converted=tuple(converted), skipped=tuple(skipped))

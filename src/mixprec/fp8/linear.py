@@ -185,21 +185,21 @@ class _Float8Matmul(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx, x_hp: torch.Tensor, weight_hp: torch.Tensor, scaling: Scaling,
-                out_dtype: torch.dtype, use_scaled_mm: bool | None) -> torch.Tensor:
+                out_dtype: torch.dtype, use_scaled_mm: bool | None, name: str | None = None) -> torch.Tensor:
         x_fp8 = _maybe_cast(x_hp, scaling, role="input", axis=-1)            # (M, K), scale () or (M, 1)
         weight_fp8 = _maybe_cast(weight_hp, scaling, role="weight", axis=-1)  # (N, K), scale () or (N, 1)
         y = _mm(x_fp8, weight_fp8.t(), out_dtype=out_dtype, use_scaled_mm=use_scaled_mm)  # (M, N)
         x_kept, weight_kept = _keep(x_hp, x_fp8), _keep(weight_hp, weight_fp8)
         ctx.save_for_backward(*_pack(x_kept), *_pack(weight_kept))
         ctx.scaling, ctx.use_scaled_mm, ctx.out_dtype = scaling, use_scaled_mm, out_dtype
-        ctx.x_dtype, ctx.weight_dtype = x_hp.dtype, weight_hp.dtype
+        ctx.x_dtype, ctx.weight_dtype, ctx.name = x_hp.dtype, weight_hp.dtype, name
         return y
 
     @staticmethod
     def backward(ctx, grad_y_hp: torch.Tensor):  # grad_y_hp: (M, N); first order only (mixprec.autocast.first_order)
         saved = ctx.saved_tensors
         return first_order_backward("an fp8 linear", lambda: _Float8Matmul._grads(ctx, grad_y_hp, *saved),
-                                    (grad_y_hp, *saved)) + (None,) * 3
+                                    (grad_y_hp, *saved), ctx.name) + (None,) * 4
 
     @staticmethod
     def _grads(ctx, grad_y_hp: torch.Tensor, x_data, x_scale, weight_data, weight_scale
@@ -244,10 +244,12 @@ class Float8Linear(nn.Linear):
     submodule's buffers and so in ``state_dict()``. Build from an existing linear, sharing its
     ``Parameter`` objects, with :meth:`from_linear`. ``built_by``: the policy text of the
     ``MixedPrecision`` engine that swapped this linear in (its ``unwrap()`` swaps it back), None
-    for one built by the caller (an engine runs it as built).
+    for one built by the caller (an engine runs it as built). ``qualified_name``: its name in the
+    model :func:`~mixprec.fp8.convert_to_float8` converted it in (None otherwise), for messages.
     """
 
     built_by: str | None = None
+    qualified_name: str | None = None
 
     def __init__(self, in_features: int, out_features: int, bias: bool = True, device=None, dtype=None, *,
                  recipe: str | Float8Recipe = "tensorwise", fp8_format: str | None = None,
@@ -281,7 +283,8 @@ class Float8Linear(nn.Linear):
     def forward(self, input: torch.Tensor) -> torch.Tensor:
         out_dtype = _compute_dtype(input)
         x_hp = input.reshape(-1, self.in_features)  # (M, K)
-        y = _Float8Matmul.apply(x_hp, self.weight, self.scaling, out_dtype, self.use_scaled_mm)  # (M, N)
+        y = _Float8Matmul.apply(x_hp, self.weight, self.scaling, out_dtype, self.use_scaled_mm,
+                                self.qualified_name)  # (M, N)
         y = y.reshape(*input.shape[:-1], self.out_features)  # (..., N)
         if self.bias is not None:
             y = y + self.bias.to(out_dtype)
