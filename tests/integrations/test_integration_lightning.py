@@ -628,3 +628,22 @@ def test_fabric_load_of_an_open_window_under_another_policy_names_the_policy_to_
                                          r"MixprecFabricPrecision\('bf16-kahan'\).*resume with "
                                          r"MixprecFabricPrecision\('bf16-kahan'\)"):
         fabric.load(tmp_path / "window.ckpt", {"mixprec": plugin})
+
+
+def test_a_new_trainer_on_a_fitted_model_takes_over_the_earlier_engine():
+    """Another Trainer's test() after fit (a new plugin, the earlier engine out of reach): the earlier engine is
+    unwrapped, its fp32 values restored from the masters, and the new run records the hand-over; the test loss
+    is the trained model's."""
+    data, held_out = batches(6), batches(3, seed=5)
+    plugin, _, model = fit("bf16-pure", data, 6)
+    masters = {n: m.clone() for n, m in plugin.engine.masters.named(model.named_parameters()).items()}
+    second = MixprecPrecision("bf16-mixed")
+    with pytest.warns(UserWarning, match=r"MixprecPrecision: this model was still prepared by an earlier "
+                                         r"MixedPrecision engine \(policy bf16-pure.*fp32 values restored"):
+        tested = trainer(second).test(model, loader(held_out), verbose=False)[0]["val_loss"]
+    named = dict(model.named_parameters())
+    assert masters and all(named[n].dtype == torch.float32 and torch.equal(named[n], m) for n, m in masters.items())
+    assert [e.kind for e in second.engine.events] == ["handover"]
+    with torch.no_grad(), second.engine.autocast():
+        losses = [model.loss(second.engine.cast_inputs(b)) for b in held_out]
+    assert tested == pytest.approx(float(torch.stack(losses).mean()), rel=4 * torch.finfo(torch.float32).eps)

@@ -305,3 +305,17 @@ def test_float_labels_are_never_rounded_to_the_param_dtype(tmp_path):
     trainer.evaluate()
     assert model.label_dtypes and set(model.label_dtypes) == {torch.float32}
     assert {p.dtype for p in model.parameters()} == {torch.bfloat16}
+
+
+def test_a_second_trainer_on_the_same_model_takes_over_the_earlier_engine(tmp_path):
+    """A new MixprecTrainer on a model an earlier one trained: the earlier engine is unwrapped (fp32 values from
+    its masters), said in a warning and a "handover" event, and the new trainer trains."""
+    first = _trainer(tmp_path, "bf16-pure", max_steps=2)
+    first.train()
+    masters = {n: m.clone() for n, m in first.engine.masters.named(first.model.named_parameters()).items()}
+    with pytest.warns(UserWarning, match=r"MixprecTrainer: this model was still prepared by an earlier"):
+        second = MixprecTrainer(first.model, _args(tmp_path, max_steps=2), train_dataset=_data(), policy="bf16-mixed")
+    named = dict(first.model.named_parameters())
+    assert masters and all(torch.equal(named[n], m) for n, m in masters.items())
+    assert [e.kind for e in second.engine.events] == ["handover"]
+    assert second.train().global_step == 2

@@ -8,19 +8,27 @@ a module inside it or a module holding it, and names the way out: ``mp.set_polic
 ``mp.unwrap()`` to release the model, or a fresh model and optimizer. An engine owns its model from its build to
 its ``unwrap()``; the registry holds it weakly (an engine nothing refers to owns nothing; its hooks refer to it, so
 one whose model still carries them stays alive, as it should: it is still changing the model).
+
+The trainer integrations build their engine from a plugin or a Trainer object the user makes anew for each run
+(``L.Trainer(plugins=[MixprecPrecision(...)]).test(model)`` after another Trainer's ``fit``): the earlier engine is
+out of the user's reach there, so :func:`hand_over` unwraps it first (its fp32 values restored where it stored
+16-bit params), with a warning, and returns the note the new engine records.
 """
 
 from __future__ import annotations
 
 import gc
+import warnings
 import weakref
 from typing import Any
 
+import torch
 from torch import nn
 
 from mixprec.engine.masters import claim, release
+from mixprec.engine.records import Event
 
-__all__ = ["check_unowned", "own", "disown"]
+__all__ = ["check_unowned", "own", "disown", "hand_over", "record_hand_over"]
 
 _owners: list[weakref.ref] = []   # engines from build to unwrap()
 
@@ -69,3 +77,36 @@ def disown(owner: Any) -> None:
     """Forget ``owner``'s model and params (:meth:`mixprec.MixedPrecision.unwrap`)."""
     release(owner)
     _owners[:] = [ref for ref in _owners if ref() not in (None, owner)]
+
+
+def hand_over(model: nn.Module, who: str) -> str | None:
+    """Unwrap the live engine that prepared ``model`` itself (an earlier trainer's), restoring its params' fp32
+    values where it stored them in 16 bits (``unwrap(to_fp32=True)``; where that is refused, under a strategy or
+    mid-accumulation, a plain ``unwrap()``, said in the note); warn and return the note (None: no such engine).
+    ``who``: the integration, for the words. An engine on a module inside or around ``model`` is left to
+    :func:`check_unowned`'s refusal."""
+    gc.collect()
+    previous = next((e for e in _live() if e.module is model), None)
+    if previous is None:
+        return None
+    restored = previous.policy.param_dtype != torch.float32
+    try:
+        previous.unwrap(to_fp32=restored)
+    except (ValueError, RuntimeError) as why:
+        previous.unwrap()
+        restored, kept = False, f" (its 16-bit params kept as they are: {why})"
+    else:
+        kept = " (its fp32 values restored from the masters)" if restored else ""
+    note = (f"{who}: this model was still prepared by an earlier MixedPrecision engine (policy {previous.policy}, "
+            f"an earlier run's); it was unwrapped{kept} before this run's engine was built")
+    warnings.warn(note, stacklevel=3)
+    return note
+
+
+def record_hand_over(engine: Any, note: str | None) -> Any:
+    """Record :func:`hand_over`'s note as a ``"handover"`` event of the new ``engine`` (nothing for None); returns
+    ``engine``."""
+    if note:
+        engine.record(Event(step=engine.boundaries, kind="handover", cause="an earlier engine on this model",
+                            module=None, detail=note))
+    return engine

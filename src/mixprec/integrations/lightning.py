@@ -52,6 +52,7 @@ from mixprec.engine.boundary import StepCheck, StepResult
 from mixprec.engine.clipping import clip_
 from mixprec.engine.mixed_precision import MixedPrecision
 from mixprec.engine.open_group import check_group
+from mixprec.engine.ownership import hand_over, record_hand_over
 from mixprec.integrations.block_state import allow_absent_block_state, split_block_state, with_block_state
 from mixprec.integrations.lightning_fabric import MixprecFabricPrecision
 from mixprec.integrations.lightning_inputs import cast_batch, check_keep, check_options
@@ -166,8 +167,10 @@ class MixprecPrecision(Precision):
         fsdp2 = model_parallel(self._trainer.strategy, module)   # the engine shards (it syncs rank 0's values)
         if not fsdp2:
             broadcast_from_rank0(module)
+        note = hand_over(module, "MixprecPrecision")   # an earlier Trainer's engine on this module: unwrapped
         self.engine = MixedPrecision(module, None, self.policy, device=self._trainer.strategy.root_device,
                                      **({"strategy": "fsdp2"} if fsdp2 else {}), **self.engine_options)
+        record_hand_over(self.engine, note)
         allow_absent_block_state(module)   # a later restore (test(ckpt_path=...)): the block state travels apart
         return module
 

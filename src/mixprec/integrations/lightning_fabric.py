@@ -15,6 +15,7 @@ from torch import nn
 from mixprec.checkpoint.rng import restore_snapshot, rng_snapshot
 from mixprec.engine.boundary import StepCheck, StepResult
 from mixprec.engine.mixed_precision import MixedPrecision
+from mixprec.engine.ownership import hand_over, record_hand_over
 from mixprec.integrations.lightning_inputs import cast_batch, check_keep, check_options
 from mixprec.integrations.lightning_strategies import broadcast_from_rank0
 from mixprec.integrations.replica_checks import DEFAULT_EVERY, ReplicaChecks, gather_windows, own_window
@@ -70,7 +71,9 @@ class MixprecFabricPrecision(FabricPrecision):
                 raise RuntimeError("MixprecFabricPrecision got a second model: use one plugin (and Fabric) per model")
             return module
         broadcast_from_rank0(module)
+        note = hand_over(module, "MixprecFabricPrecision")   # an earlier Fabric's engine on this module: unwrapped
         self.engine = MixedPrecision(module, None, self.policy, **self.engine_options)
+        record_hand_over(self.engine, note)
         return module
 
     def attach(self, optimizer: Any, scheduler: Any = None) -> None:

@@ -34,10 +34,10 @@ engine: ``evaluate``/``predict`` work before ``train``), it gets its optimizer a
   ``strategy="ddp"`` loop on the same global batches.
 
 Not supported yet (ValueError naming it): FSDP and DeepSpeed through the Trainer, DataParallel, ``model_init``,
-``torch_compile``, ``bf16_full_eval``/``fp16_full_eval`` (they cast the model). Source: transformers 5.24
-``Trainer`` (public hooks ``training_step``, ``compute_loss_context_manager``, ``prediction_step``,
-``create_optimizer``, ``create_scheduler``, callbacks ``on_train_begin``/``on_save``; one private hook,
-``_get_grad_norm``, isolated in :meth:`MixprecTrainer._get_grad_norm`).
+``torch_compile``, ``bf16_full_eval``/``fp16_full_eval`` (they cast the model). Source: transformers 5.24 ``Trainer``
+(public hooks ``training_step``, ``compute_loss_context_manager``, ``prediction_step``, ``create_optimizer``,
+``create_scheduler``, callbacks ``on_train_begin``/``on_save``; one private hook, ``_get_grad_norm``, isolated in
+:meth:`MixprecTrainer._get_grad_norm`).
 """
 
 from __future__ import annotations
@@ -56,6 +56,7 @@ from transformers.trainer_utils import PREFIX_CHECKPOINT_DIR
 from mixprec.checkpoint.adopt import adopt_fp32_run
 from mixprec.engine.boundary import StepCheck
 from mixprec.engine.mixed_precision import MixedPrecision
+from mixprec.engine.ownership import hand_over, record_hand_over
 from mixprec.engine.records import Event
 from mixprec.integrations.block_state import split_block_state, with_block_state
 from mixprec.integrations.replica_checks import DEFAULT_EVERY, ReplicaChecks
@@ -71,7 +72,6 @@ __all__ = ["MixprecTrainer", "EngineOptimizer", "EngineScheduler", "PRECISION_ST
 #: The file next to the Trainer's own in each ``checkpoint-N`` folder: the engine's state minus model,
 #: optimizer and scheduler (which the Trainer saves itself).
 PRECISION_STATE_NAME = "mixprec_precision.pt"
-
 _SAVED_BY_HF = ("model", "optimizer", "scheduler")
 
 
@@ -169,11 +169,11 @@ class MixprecTrainer(Trainer):
         check_flag(flag, policy, args.device)   # before anything changes the model
         strategy = "ddp" if args.world_size > 1 else None
         super().__init__(model, engine_arguments(args, strategy), *trainer_args, **trainer_kwargs)
-        self.engine = MixedPrecision(self.model, None, policy, device=self.args.device,
-                                     max_grad_norm=args.max_grad_norm if args.max_grad_norm > 0 else None,
-                                     accumulation_steps=args.gradient_accumulation_steps, loss_scale=loss_scale,
-                                     guard=guard, allow_fallback=allow_fallback, max_stuck_skips=max_stuck_skips,
-                                     strategy=strategy)
+        note = hand_over(self.model, "MixprecTrainer")   # an earlier MixprecTrainer's engine on it: unwrapped
+        self.engine = record_hand_over(MixedPrecision(
+            self.model, None, policy, device=self.args.device, strategy=strategy, loss_scale=loss_scale, guard=guard,
+            max_grad_norm=args.max_grad_norm if args.max_grad_norm > 0 else None, max_stuck_skips=max_stuck_skips,
+            accumulation_steps=args.gradient_accumulation_steps, allow_fallback=allow_fallback), note)
         self.replicas = replicas
         self.model_wrapped = self.engine.model   # under DDP the engine's wrapper: the Trainer wraps nothing again
         if flag is not None:
