@@ -12,7 +12,7 @@ import torch.nn.functional as F
 
 import mixprec
 import mixprec.autocast.portable
-from mixprec.autocast import kernel_timing, op_plan
+from mixprec.autocast import kernel_timing, op_plan, plan_verdict
 from mixprec.machine.cache import machine_key
 from mixprec.policy.policy import Policy
 
@@ -22,9 +22,11 @@ BF16_U = 2.0 ** -8   # bf16 unit roundoff (8 significand bits incl. the implicit
 @pytest.fixture(autouse=True)
 def _own_cache(tmp_path, monkeypatch):
     """Each test measures into its own cache directory and starts from an empty in-process plan; a busy test
-    machine's noisy timings are cached all the same (test_noisy_timings_... checks the threshold itself)."""
+    machine's noisy timings are cached all the same (test_noisy_timings_... and tests/autocast/test_plan_verdict.py
+    check the rules themselves)."""
     monkeypatch.setenv("MIXPREC_CACHE_DIR", str(tmp_path))
     monkeypatch.setattr(kernel_timing, "NOISY_SPREAD", math.inf)
+    monkeypatch.setattr(plan_verdict, "AGREEMENT", 0.0)   # and rounds that disagree
     op_plan.forget()
     yield
     op_plan.forget()
@@ -433,6 +435,28 @@ def test_measured_afresh_measures_again_whatever_the_process_and_the_cache_hold(
     assert op_plan.entries("cpu") == [entry]                                    # and this process's plan after it
     op_plan.forget()
     assert op_plan.choose(q, q, q, is_causal=True, dtype=torch.bfloat16, grad=False).source == "cache"
+
+
+def test_a_bench_on_a_busier_machine_keeps_the_cached_choice(tmp_path, monkeypatch):
+    """``mixprec bench`` measures its plan afresh; on a busy machine that measurement cached ``fused`` over the
+    ``blockwise`` an earlier quiet run had cached, and every later run ran ``fused``. The entry planted here was
+    measured on a machine a million times faster than any (fused 1e-4 ms), so whatever this machine's load, the
+    new measurement is from a busier one: the cache file stays as it was and this process runs its choice."""
+    monkeypatch.setattr(kernel_timing, "NOISY_SPREAD", 1.5)      # the rules as shipped
+    monkeypatch.setattr(plan_verdict, "AGREEMENT", 1.0)
+    q = torch.randn(1, 2, 16, 8)
+    key = op_plan.plan_key(q, q, q, is_causal=True, dtype=torch.bfloat16, grad=False)
+    cache = tmp_path / f"op-plan-{machine_key(torch.device('cpu'))}.json"
+    planted = {key: {"chosen": "fused-fp32", "times_ms": {"fused": 2e-4, "fused-fp32": 1e-4, "matmul": 4e-4,
+                                                          "blockwise": 3e-4}, "note": "",
+                     "saved_bytes": {c: 0 for c in op_plan.CANDIDATES}}}
+    cache.write_text(json.dumps(planted))
+    with op_plan.measured_afresh():
+        entry = op_plan.choose(q, q, q, is_causal=True, dtype=torch.bfloat16, grad=False)
+    assert json.loads(cache.read_text()) == planted                       # not overwritten
+    assert (entry.source, entry.chosen, entry.times_ms) == ("cache", "fused-fp32", planted[key]["times_ms"])
+    assert "measured again, not cached (" in entry.note and "the cached fused-fp32 kept" in entry.note
+    assert "the machine is busier than when fused-fp32 was cached (fused " in entry.note
 
 
 def test_a_plan_moves_to_another_dtype_and_says_what_it_cannot_use_there():

@@ -11,7 +11,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from mixprec.autocast import kernel_timing, op_plan
+from mixprec.autocast import kernel_timing, op_plan, plan_verdict
 from mixprec.autocast.saved_allowance import ENV, mib_words
 from mixprec.machine.cache import machine_key
 from mixprec.policy.policy import Policy
@@ -25,6 +25,7 @@ def _own_cache(tmp_path, monkeypatch):
     monkeypatch.setenv("MIXPREC_CACHE_DIR", str(tmp_path))
     monkeypatch.delenv(ENV, raising=False)
     monkeypatch.setattr(kernel_timing, "NOISY_SPREAD", math.inf)    # a busy machine's timings are cached all the same
+    monkeypatch.setattr(plan_verdict, "AGREEMENT", 0.0)   # and rounds that disagree
     op_plan.forget()
     yield
     op_plan.forget()

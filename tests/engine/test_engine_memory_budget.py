@@ -14,7 +14,7 @@ from dataclasses import replace
 import pytest
 import torch
 
-from mixprec.autocast import kernel_timing, op_plan
+from mixprec.autocast import kernel_timing, op_plan, plan_verdict
 from mixprec.autocast.saved_allowance import ENV, CallCounter, mib_words, scoped_allowance
 from mixprec.engine.memory_budget import SHARE, size_words
 from mixprec.engine.mixed_precision import MixedPrecision
@@ -34,6 +34,7 @@ def _own_cache(tmp_path, monkeypatch):
     monkeypatch.setenv("MIXPREC_CACHE_DIR", str(tmp_path))
     monkeypatch.delenv(ENV, raising=False)
     monkeypatch.setattr(kernel_timing, "NOISY_SPREAD", math.inf)
+    monkeypatch.setattr(plan_verdict, "AGREEMENT", 0.0)   # and rounds that disagree
     op_plan.forget()
     yield
     op_plan.forget()

@@ -490,7 +490,9 @@ def test_tiny_bench_results_schema(tiny_bench):
     for e in plan.values():
         assert e["op"] == "scaled_dot_product_attention" and e["chosen"] in CANDIDATES
         assert e["source"] == "bench" and e["chosen"] == measured[e["shape"]]["chosen"]
-        assert measured[e["shape"]]["source"].startswith("measured")   # noisy: measured (noisy: ...)
+        # measured afresh (noisy: "measured (noisy: ...)"), or the cache file's entry kept where the new measurement
+        # could not replace it (tests/autocast/test_plan_verdict.py), its note saying why
+        assert measured[e["shape"]]["source"].startswith(("measured", "cache"))
         assert measured[e["shape"]]["times_ms"][e["chosen"]] > 0
 
 

@@ -3,9 +3,12 @@
 :func:`time_candidates` times zero-argument callables, interleaved, and picks by :func:`speed_choice`: the
 default unless another candidate is at least :data:`MARGIN` faster, ties within :data:`MARGIN` of the fastest
 going to the first of a preference order (the more exact). A measurement whose rounds spread over
-:data:`NOISY_SPREAD` is :attr:`Timing.noisy` (a busy machine: kept by the caller for this process only). The op
-plan (:mod:`mixprec.autocast.op_plan`) times its attention candidates with it. Host syncs: a device sync around
-each timed call (:func:`mixprec.machine.timing.time_call`).
+:data:`NOISY_SPREAD` is :attr:`Timing.noisy` (a busy machine). :attr:`Timing.rounds_ms` keeps every interleaved
+round, so a caller can ask whether the rounds, each a comparison of its own, agree on the choice
+(:func:`round_times`; the op plan's cache verdict: :mod:`mixprec.autocast.plan_verdict`); :func:`from_rounds`
+is the arithmetic after the clock, on samples given. The op plan (:mod:`mixprec.autocast.op_plan`) times its
+attention candidates with it. Host syncs: a device sync around each timed call
+(:func:`mixprec.machine.timing.time_call`).
 """
 
 from __future__ import annotations
@@ -18,7 +21,8 @@ import torch
 
 from mixprec.machine.timing import time_call
 
-__all__ = ["MARGIN", "REPEATS", "NOISY_SPREAD", "Timing", "time_candidates", "speed_choice"]
+__all__ = ["MARGIN", "REPEATS", "NOISY_SPREAD", "Timing", "time_candidates", "from_rounds", "round_times",
+           "speed_choice"]
 
 MARGIN = 0.05                     # another candidate replaces the default only when ≥ 5 % faster
 REPEATS = 5                       # timed runs per candidate after one warm-up (best of)
@@ -28,15 +32,18 @@ NOISY_SPREAD = 1.5                # a candidate's slowest round over its fastest
 @dataclass(frozen=True)
 class Timing:
     """What :func:`time_candidates` found: ``chosen``, each candidate's best time in ms (None: not offered), and
-    ``spread``: the largest ratio of a candidate's slowest to its fastest timed round (1.0 on a quiet machine).
-    The plan's measurement adds ``saved_bytes`` (candidate → bytes saved for backward per call) and ``memory``
-    (the memory rule's words), and its ``chosen`` is the memory rule's (:mod:`mixprec.autocast.op_plan`)."""
+    ``spread``: the median over candidates of each one's slowest over its fastest timed round (1.0 on a quiet
+    machine); ``rounds_ms``: each repeated candidate's timed rounds in order (round ``r`` of every candidate ran
+    back to back; a candidate dropped after its warm-up has none). The plan's measurement adds ``saved_bytes``
+    (candidate → bytes saved for backward per call) and ``memory`` (the memory rule's words), and its ``chosen``
+    is the memory rule's (:mod:`mixprec.autocast.op_plan`)."""
 
     chosen: str
     times_ms: dict[str, float | None]
     spread: float
     saved_bytes: dict[str, int | None] = field(default_factory=dict)
     memory: str = ""
+    rounds_ms: dict[str, list[float]] = field(default_factory=dict)
 
     @property
     def noisy(self) -> bool:
@@ -67,10 +74,29 @@ def time_candidates(runs: dict[str, Callable[[], Any] | None], *, default: str,
     for _ in range(REPEATS):
         for name in live:
             rounds[name].append(once(runs[name]))
-    times = {name: None if run is None else round(min(rounds[name]) if name in rounds else warm[name], 3)
-             for name, run in runs.items()}
-    spread = statistics.median(max(r) / min(r) for r in rounds.values())   # one candidate's outlier is not load
-    return Timing(speed_choice(times, default, prefer or tuple(runs)), times, round(spread, 3))
+    return from_rounds(rounds, {name: warm.get(name) for name in runs}, default=default, prefer=prefer)
+
+
+def from_rounds(rounds_ms: dict[str, list[float]], warm_ms: dict[str, float | None], *, default: str,
+                prefer: tuple[str, ...] = ()) -> Timing:
+    """The :class:`Timing` of :func:`time_candidates` from its samples: ``rounds_ms`` (each repeated candidate's
+    interleaved rounds, ms) and ``warm_ms`` (every candidate's warm-up in ms, in the candidates' order; None:
+    not offered). Times: each candidate's best round, its warm-up where it has no rounds; ``spread``: the median
+    over candidates of slowest/fastest round; ``chosen``: :func:`speed_choice`. No clock is read."""
+    times = {name: None if w is None else round(min(rounds_ms[name]) if rounds_ms.get(name) else w, 3)
+             for name, w in warm_ms.items()}
+    ratios = [max(r) / min(r) for r in rounds_ms.values() if r]
+    spread = statistics.median(ratios) if ratios else 1.0   # one candidate's outlier is not load
+    return Timing(speed_choice(times, default, prefer or tuple(warm_ms)), times, round(spread, 3),
+                  rounds_ms={name: list(r) for name, r in rounds_ms.items()})
+
+
+def round_times(timing: Timing) -> list[dict[str, float | None]]:
+    """Each interleaved round of ``timing`` as the times a rule reads (candidate → ms): the round's own time for a
+    repeated candidate, its reported time (warm-up, or None: not offered) for one without rounds."""
+    count = min((len(r) for r in timing.rounds_ms.values()), default=0)
+    return [{name: timing.rounds_ms[name][i] if timing.rounds_ms.get(name) else t
+             for name, t in timing.times_ms.items()} for i in range(count)]
 
 
 def speed_choice(times: dict[str, float | None], default: str, prefer: tuple[str, ...]) -> str:

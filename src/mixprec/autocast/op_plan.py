@@ -32,8 +32,8 @@ tensors) by :func:`time_candidates` (:mod:`mixprec.autocast.kernel_timing`): one
 forward (+ backward) rounds. Host syncs: at measurement only (a device sync around each run:
 :func:`mixprec.machine.timing.time_call`). The plan is cached per process and on disk by machine
 (:func:`mixprec.machine.cache.machine_key`: device name, torch version, thread count) and key, so a second run of
-the same model measures nothing and chooses the same; a measurement whose rounds spread over
-:data:`NOISY_SPREAD` (a busy machine) is used in this process only. While torch.compile, a FakeTensor or
+the same model measures nothing and chooses the same. A measurement noise could have decided (the verdict of
+:mod:`mixprec.autocast.plan_verdict`) is not cached: used in this process only, or the cached entry kept. While torch.compile, a FakeTensor or
 another dispatch mode traces the op, the measurement runs on real stand-ins of the traced shapes (outside
 the modes) and the graph keeps the chosen kernel; with symbolic shapes nothing is measured (``fused``, and
 the entry says so). :func:`entries` lists what was chosen in this process (op, shape, choice, every candidate's
@@ -76,6 +76,7 @@ from mixprec.autocast.plan_entry import PlanEntry
 from mixprec.autocast.attention_kernels import CANDIDATES, MATMUL_SCORES_LIMIT, NOT_FP16
 from mixprec.autocast.kernel_timing import MARGIN, NOISY_SPREAD, REPEATS, Timing, speed_choice, time_candidates
 from mixprec.autocast.plan_measurement import measure, outside_tracing, traced
+from mixprec.autocast.plan_verdict import verdict
 from mixprec.autocast.saved_allowance import (allow_extra_saved, count_call, extra_saved_allowed, memory_choice,
                                               mib_words)
 from mixprec.autocast.switch import Switch
@@ -160,6 +161,31 @@ def _from_cache(cached: dict, key: str, allowed_mib: float | None) -> PlanEntry:
                      saved, memory, allowed_mib)
 
 
+def _settled(key: str, device: torch.device, where: tuple[str, int], timing: Timing, note: str,
+             allowed_mib: float | None) -> PlanEntry:
+    """``key``'s new measurement, judged by :func:`mixprec.autocast.plan_verdict.verdict` against the cache file's
+    entry: written there when the verdict allows (the entry "measured"); else this process runs the cached
+    entry where the file holds a usable one (its note saying why), or the measurement, not cached."""
+    with _lock:
+        on_disk = read_json(_cache_file(device))
+        old = on_disk.get(key)
+        usable = old if _usable(old, key) else None
+        found = verdict(timing, lambda t: _rule(t, timing.saved_bytes, allowed_mib)[0], usable, default=_DEFAULT)
+        if found.cache:
+            on_disk[key] = {"chosen": timing.chosen, "times_ms": timing.times_ms, "note": note,
+                            "saved_bytes": timing.saved_bytes}
+            write_json(_cache_file(device), on_disk)
+        _disk[where] = on_disk
+    if found.keep_cached:
+        kept = _from_cache(usable, key, allowed_mib)
+        return dataclasses.replace(kept, note="; ".join(filter(None, [kept.note, found.why])))
+    older = usable is None and isinstance(old, dict) and _usable({**old, "saved_bytes": {}}, key)
+    return PlanEntry("scaled_dot_product_attention", key, timing.chosen, timing.times_ms,
+                     "measured" if found.cache else _NOISY,
+                     "; ".join(filter(None, [note, older * _OLD_CACHE, found.why])), timing.saved_bytes,
+                     timing.memory, allowed_mib)
+
+
 def rechosen(entry: PlanEntry, allowed_mib: float | None) -> PlanEntry:
     """``entry`` chosen again from its measurement (its times and saved bytes, nothing measured) under
     ``allowed_mib`` (MiB per call over ``fused``; None: no limit) when that differs from its own (a pin or a
@@ -195,24 +221,14 @@ def choose(q, k, v, attn_mask=None, dropout_p=0.0, is_causal=False, scale=None, 
     with _lock:
         if where not in _disk:
             _disk[where] = read_json(_cache_file(device))
-        cached = None if _afresh[0] else _disk[where].get(key)
-    if _usable(cached, key):
+        cached = _disk[where].get(key)
+    if not _afresh[0] and _usable(cached, key):
         entry = _from_cache(cached, key, allowed)
     elif traced(q) and not all(isinstance(d, int) for t in (q, k, v) for d in t.shape):
         entry = PlanEntry("scaled_dot_product_attention", key, _DEFAULT, {}, _TRACED, extra_saved_allowed_mib=allowed)
     else:
         timing, note = _measure(q, k, v, attn_mask, dropout_p, is_causal, scale, enable_gqa, dtype, grad, allowed)
-        older = _usable({**cached, "saved_bytes": {}}, key) if isinstance(cached, dict) else False
-        entry = PlanEntry("scaled_dot_product_attention", key, timing.chosen, timing.times_ms,
-                          _NOISY if timing.noisy else "measured", "; ".join(filter(None, [note, older * _OLD_CACHE])),
-                          timing.saved_bytes, timing.memory, allowed)
-        if not timing.noisy:
-            with _lock:
-                on_disk = read_json(_cache_file(device))
-                on_disk[key] = {"chosen": timing.chosen, "times_ms": timing.times_ms, "note": note,
-                                "saved_bytes": timing.saved_bytes}
-                write_json(_cache_file(device), on_disk)
-                _disk[where] = on_disk
+        entry = _settled(key, device, where, timing, note, allowed)
     plan[key] = entry
     return entry
 
@@ -288,7 +304,9 @@ def retarget(saved: dict[str, str], dtype: torch.dtype) -> tuple[dict[str, str],
 @contextmanager
 def measured_afresh() -> Iterator[None]:
     """Inside, each key is measured again, whatever this process or the cache file holds: the process's plan is
-    dropped on entry (:func:`forget`) and the cache file is not read (a quiet measurement is still written to it).
+    dropped on entry (:func:`forget`) and the cache file's choice is not used unless the new measurement may not
+    replace it (:mod:`mixprec.autocast.plan_verdict`: noisy, not separating its candidates, or on a busier
+    machine; the entry's note says so); a measurement that may is written to it.
     What was measured stays this process's plan after the block. Process-wide, not per thread. No host sync of
     its own (the measurements': :func:`choose`)."""
     forget()

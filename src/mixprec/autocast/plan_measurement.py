@@ -37,7 +37,7 @@ def measure(q, k, v, attn_mask, dropout_p, is_causal, scale, enable_gqa, dtype, 
     the autocast dtype; ``grad`` whether a backward follows) timed, with ``saved_bytes`` (candidate → bytes saved
     for backward per call; 0 without a backward, None where not offered) and ``chosen`` the speed rule's
     (``default``, ``prefer``: :func:`mixprec.autocast.kernel_timing.time_candidates`); and the notes: why a
-    candidate is not offered, whether the timings were noisy."""
+    candidate is not offered (whether it may be cached: :mod:`mixprec.autocast.plan_verdict`)."""
     device = q.device
     why_not = offered(q, k, attn_mask, dtype, dropout_p=dropout_p, scale=scale)
     # the innermost saved-tensor hooks are the only ones applied: identity ones keep the stand-ins' saved tensors
@@ -68,11 +68,7 @@ def measure(q, k, v, attn_mask, dropout_p, is_causal, scale, enable_gqa, dtype, 
         saved = saved_per_call({n: None if why_not[n] else forward(fn) for n, fn in CANDIDATES.items()}) if grad \
             else {n: None if why_not[n] else 0 for n in CANDIDATES}       # no backward follows: nothing is saved
     timing = dataclasses.replace(timing, saved_bytes=saved)
-    notes = [f"{n} {w}" for n, w in why_not.items() if w]
-    if timing.noisy:
-        notes.append(f"timings noisy (a candidate's rounds spread {timing.spread:.2f}x): kept for this process, "
-                     "not cached")
-    return timing, "; ".join(notes)
+    return timing, "; ".join(f"{n} {w}" for n, w in why_not.items() if w)
 
 
 def traced(q: torch.Tensor) -> bool:

@@ -9,7 +9,8 @@ Now the runner measures the plan once, in its own process, before any worker sta
 for the cores): it builds the workload under the first runnable policy that plans (a bf16 one where one runs:
 every candidate is offered in bf16), runs one training step and the evaluation (the keys every worker meets),
 each key measured afresh (:func:`mixprec.autocast.op_plan.measured_afresh`: interleaved rounds, each candidate's
-best time). Every worker (quality run, seed runs, interleaved timing) pins those choices before it builds its
+best time; where noise could have decided the measurement and the cache file holds the key, the cached choice:
+:mod:`mixprec.autocast.plan_verdict`). Every worker (quality run, seed runs, interleaved timing) pins those choices before it builds its
 engine (:func:`pin_in_worker`: :func:`mixprec.autocast.op_plan.pin`, source :data:`SOURCE`). A policy computing in
 another dtype gets the same choices at its own keys (:func:`mixprec.autocast.op_plan.retarget`); where a choice is
 not offered there (``matmul`` under fp16) it runs ``fused`` and the plan says so. Under a strategy rank 0 measures
