@@ -25,7 +25,7 @@ from mixprec.distributed.process import from_main_process, init_process_group_fr
 from mixprec.machine.capability import Capability, probe
 from mixprec.policy.policy import Policy
 from mixprec.policy.resolve import resolve
-from mixprec.programs.bench.advised_rows import AdvisedRows, advise_rows, check_requests, is_advised
+from mixprec.programs.bench.advised_rows import AdvisedRows, advise_rows, check_requests, is_advised, merged_rows
 from mixprec.programs.bench.config import REFERENCE, BenchConfig
 from mixprec.programs.bench.recompute_rows import RECOMPUTE_SUFFIX, check_plan_fits, split_row
 
@@ -89,7 +89,8 @@ def _advised(config: BenchConfig, names: list[str], device: torch.device, progre
             print(f"{request}: {policy}\n  " + "\n  ".join(rows.reasons(request)), file=sys.stderr)
     row = {n: rows.names[split_row(n)[0]] + (RECOMPUTE_SUFFIX if split_row(n)[1] else "")
            for n in names if split_row(n)[0] in rows.names}
-    return list(dict.fromkeys(row.get(n, n) for n in names)), rows.record
+    merged = merged_rows(names, row)   # an advised policy some other request also names runs once
+    return list(dict.fromkeys(row.get(n, n) for n in names)), {**rows.record, **({"merged": merged} if merged else {})}
 
 
 def plan_rows(config: BenchConfig, device: torch.device, cap: Capability, progress: bool
