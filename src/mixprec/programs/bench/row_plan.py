@@ -5,7 +5,8 @@ each one it cannot run (SKIPPED).
 fp32 always runs, first, as the reference. Each other policy is resolved for the device with the measured
 capability (:func:`mixprec.policy.resolve.resolve`); a policy the device refuses, and fp16 on a CPU whose probe
 says fp16 is not native, is SKIPPED with the measured reason unless ``force=True``. A policy name that does not
-parse is an error, not a SKIPPED row: only the device may refuse. Under a strategy every rank follows rank 0's plan.
+parse is an error, not a SKIPPED row: only the device may refuse; so is a plan whose every policy besides fp32 is
+SKIPPED (nothing would be compared). Under a strategy every rank follows rank 0's plan.
 
 Testing hook, read ONLY here: ``MIXPREC_BENCH_CAPABILITY`` (:data:`CAPABILITY_ENV`) holds a JSON object of
 :class:`mixprec.machine.capability.Capability` fields that replaces the measured probe when planning
@@ -111,4 +112,15 @@ def plan_rows(config: BenchConfig, device: torch.device, cap: Capability, progre
         skip = from_main_process(skip)       # every rank runs the same policies in the same order
     if skip[REFERENCE] is not None:
         raise ValueError(f"the fp32 reference cannot run on {device}: {skip[REFERENCE]}")
+    _check_a_row_runs(names, skip, device)
     return names, skip, advice
+
+
+def _check_a_row_runs(names: list[str], skip: dict[str, str | None], device: torch.device) -> None:
+    """ValueError when every policy asked for besides the reference is SKIPPED: the bench would compare nothing
+    with fp32 (the peer is not asked for by name); an fp32-only bench is fine."""
+    asked = [n for n in names if n != REFERENCE]
+    if asked and all(skip[n] is not None for n in asked):
+        raise ValueError(f"--policies {','.join(asked)}: every policy asked for would be SKIPPED on {device}, so "
+                         "nothing would be compared with fp32: " + "; ".join(f"{n}: {skip[n]}" for n in asked)
+                         + "; ask for a policy this device runs, or pass --force where the reason allows it")
