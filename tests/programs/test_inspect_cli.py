@@ -82,3 +82,18 @@ def test_inspect_refuses_a_policy_whose_compute_format_is_missing_before_trainin
     assert ("inspect formats=nvfp4: the policy under study, nvfp4-mixed, computes in bf16, which its advice reads; "
             "add it: formats=nvfp4,bf16 (mixprec inspect --formats nvfp4,bf16)") in err
     assert not out.exists()
+
+
+def test_a_bad_format_is_refused_with_the_spellings_help_uses(tmp_path, capsys):
+    """The error listed e4m3fn, mxfp8_e4m3, mxfp4_e2m1 where --help says e4m3, mxfp8, mxfp4 (both work)."""
+    out = tmp_path / "inspect"
+    assert main(["inspect", "--config", "tiny", "--formats", "bf16,nvfp5", "--device", "cpu", "--out", str(out)]) == 2
+    err = capsys.readouterr().err
+    formats, _, block = err.partition("nor a block format")
+    assert "'e4m3'," in formats and "e4m3fn'" not in formats and not out.exists()
+    listed = block.split("([")[1].split("])")[0].replace("'", "").split(", ")
+    assert listed == ["mxfp4", "mxfp6_e2m3", "mxfp6_e3m2", "mxfp8", "mxfp8_e5m2", "nvfp4"]
+    with pytest.raises(SystemExit):
+        main(["inspect", "--help"])
+    helped = " ".join(capsys.readouterr().out.split())
+    assert all(name in helped.split("block formats too (")[1].split(")")[0].split(", ") for name in listed)
