@@ -31,8 +31,9 @@ def test_bench_runs_the_advised_policy_next_to_fp32(tmp_path):
     assert status in (0, 1)
 
 
-def test_bench_report_says_when_the_advised_policy_equals_a_named_one(tmp_path):
-    """`--policies advised,<same policy>` runs it once, and report.md says so instead of a silent dedupe."""
+def test_bench_report_says_when_the_advised_policy_equals_a_named_one(tmp_path, capsys):
+    """`--policies advised,<same policy>` runs it once, and report.md, results.json and the console say so instead
+    of a silent dedupe."""
     from mixprec.programs.inspect import advised_policy
 
     advised, _ = advised_policy("gpt", config="tiny", device="cpu")  # what bench asks (same defaults)
@@ -45,6 +46,8 @@ def test_bench_report_says_when_the_advised_policy_equals_a_named_one(tmp_path):
     report = (out / "report.md").read_text()
     row = "the `fp32` reference row" if str(advised) == "fp32" else f"`{advised}`"   # auto's measurement decides
     assert f"Advised policy (`mixprec inspect`): `{advised}`; its row is {row} (also asked for by name" in report
+    assert results["advice"]["merged"] == [{"request": "advised", "row": str(advised), "also_asked_as": [str(advised)]}]
+    assert f"\nadvised resolved to {advised} and runs as that row (" in capsys.readouterr().out
 
 
 def test_inspect_with_a_block_format_prints_the_linears_kept_in_bf16_and_the_advised_block_policy(tmp_path, capsys):
