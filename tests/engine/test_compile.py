@@ -76,6 +76,7 @@ def test_user_compiled_cnn_with_batchnorm_regions_matches_eager_under_bf16_pure(
     tolerance = 2 * BF16.ulp(eager_losses)
     assert ((compiled_losses - eager_losses).abs() <= tolerance).all(), (compiled_losses, eager_losses)
     assert compiled_losses[-1] < compiled_losses[0]   # it trains
+    assert "compiled" not in mp.decision   # a compile after the build is the user's: docs/engine.md says so
     # the regions still pickle, deep-copy and come off without a trace
     x = mp.cast_inputs(batches[0])["x"]
     with mp.autocast():

@@ -208,10 +208,14 @@ def test_cast_inputs_casts_floats_only_through_nested_structures():
 
 
 def test_output_dtype_and_fp32_policy_adds_nothing():
+    """The model's outputs come back in fp32 under every preset (docs/engine.md says so); output=bf16 changes it."""
+    from mixprec.policy.policy import PRESETS
+
     x = token_batches(1)[0]
-    mp = MixedPrecision(*with_opt(tiny_lm(), torch.optim.AdamW), policy="bf16-mixed", device="cpu")
-    with mp.autocast():
-        assert mp.model(x).dtype == torch.float32
+    for name in PRESETS:
+        mp = MixedPrecision(*with_opt(tiny_lm(), mixprec.optim.AdamW), policy=name, device="cpu")
+        with mp.autocast():
+            assert mp.model(x).dtype == torch.float32 and str(mp.policy) == name, name
     mp16 = MixedPrecision(*with_opt(tiny_lm(), torch.optim.AdamW), device="cpu",
                           policy="bf16-mixed,output=bf16")
     with mp16.autocast():

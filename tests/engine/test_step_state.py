@@ -117,3 +117,14 @@ def test_a_backward_that_raises_keeps_the_earlier_micro_batchs_pending_step():
     assert mp.step() is None and mp.micro_step == 2
     mp.backward(_loss(mp))
     assert mp.step() is not None and mp.applied_steps == 1
+
+
+def test_a_plain_loss_backward_is_named_as_bypassing_the_engine():
+    """``loss.backward()`` then ``mp.step()``: the refusal says the plain backward bypassed the engine and what to
+    call instead (it said only 'without backward()', which the user had just called)."""
+    mp = _engine()
+    _loss(mp).backward()
+    with pytest.raises(RuntimeError, match=r"step\(\) called without backward\(\) since the last step; call "
+                                           r"mp\.backward\(loss\) first: a plain loss\.backward\(\) bypasses the "
+                                           r"engine .* call mp\.backward\(loss\) instead of loss\.backward\(\)"):
+        mp.step()

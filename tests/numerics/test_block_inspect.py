@@ -120,15 +120,16 @@ def test_inspect_counts_a_planted_weight_exactly_and_round_trips_through_json(tm
     assert NumericsReport.from_json(report.to_json()) == report
     markdown = report.to_markdown()
     assert "### mxfp8_e5m2 under `mxfp8_e5m2(" in markdown and "| mid | 32x32 |" in markdown
+    assert "Formats: bf16, mxfp8_e5m2." in markdown   # the header lists the block formats too
     assert report.heatmap(tmp_path / "numerics.png").stat().st_size > 1000
 
 
 def test_block_formats_alone_and_unknown_names():
     report = inspect(Three(), _regression(1), _mse, formats=("nvfp4",), steps=1)
     assert report.formats == () and report.block_formats == ("nvfp4",) and report.modules
-    assert "## Block formats" in report.to_markdown()
+    assert "## Block formats" in report.to_markdown() and "Formats: nvfp4." in report.to_markdown()
     with pytest.raises(ValueError, match=r"inspect formats: 'nvfp5' is neither a format .* nor a block format "
-                                         r"\(\['mxfp4_e2m1', .*'nvfp4'\]\)"):
+                                         r"\(\['mxfp4', 'mxfp6_e2m3', 'mxfp6_e3m2', 'mxfp8', 'mxfp8_e5m2', 'nvfp4'\]\)"):
         inspect(Three(), _regression(1), _mse, formats=("nvfp5",), steps=1)
     with pytest.raises(ValueError, match=r"block format 'mxfp8' was not inspected; this report holds \['nvfp4'\]"):
         report.block_advice("mxfp8")

@@ -306,7 +306,8 @@ def test_a_non_finite_fp32_reference_is_reported_with_the_module():
     ({"steps": 0}, r"steps=0 must be an int >= 1"),
     ({"steps": 5}, r"steps=5 but batches ran out after 2"),
     ({"lr": -1.0}, r"lr=-1\.0 must be a finite number > 0"),
-    ({"formats": ("fp17",)}, r"inspect formats: 'fp17' is neither a format \(\['bf16', .*\]\) nor a block format"),
+    ({"formats": ("fp17",)}, r"inspect formats: 'fp17' is neither a format \(\['bf16', 'e4m3', 'e4m3fnuz', 'e5m2', "
+                          r"'e5m2fnuz', 'fp16', 'fp32'\]\) nor a block format"),
     ({"optimizer": 3}, r"optimizer=3 must be None"),
 ])
 def test_bad_arguments_say_what_and_how_to_fix(kwargs, match):

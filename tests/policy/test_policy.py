@@ -66,6 +66,11 @@ def test_parse_preset_with_overrides():
     ("bf17-mixed", r"preset 'bf17-mixed' is not known \(did you mean 'bf16-mixed'\?\); choose one of .*bf16-mixed"),
     ("bf16_lean", r"preset 'bf16_lean' is not known \(did you mean 'bf16-lean'\?\)"),
     ("qwerty", r"preset 'qwerty' is not known; choose one of"),          # nothing close: no guess
+    ("bf16", r"preset 'bf16' is not known \(did you mean 'bf16-mixed'\?\)"),   # a bare dtype: its -mixed preset
+    ("fp16", r"preset 'fp16' is not known \(did you mean 'fp16-mixed'\?\)"),
+    ("fp8", r"preset 'fp8' is not known \(did you mean 'fp8-mixed'\?\)"),
+    ("mxfp8", r"preset 'mxfp8' is not known \(did you mean 'mxfp8-mixed'\?\)"),
+    ("nvfp4", r"preset 'nvfp4' is not known \(did you mean 'nvfp4-mixed'\?\)"),
     ("bf16-mixed,colour=red", r"key 'colour' .* is not known; choose from .*compute"),
     ("bf16-lean,stat=int8", r"key 'stat' .* is not known \(did you mean 'state'\?\)"),
     ("bf16-lean,state_roundin=stochastic", r"key 'state_roundin' .* \(did you mean 'state_rounding'\?\)"),

@@ -153,3 +153,28 @@ def test_advised_rows_take_the_recompute_suffix_and_a_trailing_comma_changes_not
     assert record["block"][0]["request"] == "advised:nvfp4"
     assert advise_rows(["advised:nvfp4,"], counted, workload="gpt", config="tiny", device="cpu").names == {
         "advised:nvfp4,": "nvfp4-mixed"} and counted.studied == ["fp32", "fp32"]
+
+
+def test_an_advised_request_merged_into_another_row_is_recorded_and_said_on_the_console(monkeypatch):
+    """``--policies nvfp4-mixed,advised:nvfp4``: one row, and results.json and the console say which requests it
+    answers (only report.md said so)."""
+    from mixprec.programs.bench import row_plan
+    from mixprec.programs.bench.advised_rows import AdvisedRows, merged_lines
+    from mixprec.programs.bench.config import BenchConfig
+
+    advised = AdvisedRows({"advised:nvfp4": "nvfp4-mixed", "advised": "fp32", "advised:mxfp8": "mxfp8-mixed"},
+                          {"policy": "fp32", "reasons": ["r"], "block": []})
+    monkeypatch.setattr(row_plan, "advise_rows", lambda asked, _, **kw: advised)
+    config = BenchConfig(out="unused", workload="gpt", config="tiny", device="cpu",
+                         policies=("nvfp4-mixed", "advised:nvfp4", "advised", "advised:mxfp8"))
+    names, record = row_plan._advised(config, ["fp32", "nvfp4-mixed", "advised:nvfp4", "advised", "advised:mxfp8"],
+                                      torch.device("cpu"), progress=False)
+    assert names == ["fp32", "nvfp4-mixed", "mxfp8-mixed"]
+    assert record["merged"] == [
+        {"request": "advised:nvfp4", "row": "nvfp4-mixed", "also_asked_as": ["nvfp4-mixed"]},
+        {"request": "advised", "row": "fp32", "also_asked_as": ["fp32"]}]
+    assert merged_lines({"reference": "fp32", "advice": record}) == [
+        "advised:nvfp4 resolved to nvfp4-mixed and runs as that row (also asked for as nvfp4-mixed: it ran once)",
+        "advised resolved to fp32 and runs as that row (the fp32 reference: it ran once)"]
+    names, record = row_plan._advised(config, ["fp32", "advised:nvfp4"], torch.device("cpu"), progress=False)
+    assert names == ["fp32", "nvfp4-mixed"] and "merged" not in record and merged_lines({"advice": record}) == []

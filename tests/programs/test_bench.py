@@ -266,6 +266,29 @@ def test_policy_the_device_refuses_is_skipped_with_its_reason():
     assert "cannot run bf16" in reason
 
 
+def test_a_bench_whose_every_asked_policy_is_skipped_is_refused_before_its_output_exists(tmp_path, monkeypatch,
+                                                                                          capsys):
+    """``--policies fp16-mixed`` on a CPU without native fp16: the only row asked for would be SKIPPED; the command
+    exited 0 and wrote a run directory comparing nothing. Now exit 2 with the reason and the fix; one runnable row
+    (bf16-mixed), or fp32 alone, still plans."""
+    from mixprec.programs.bench.row_plan import plan_rows
+
+    cpu = torch.device("cpu")
+    with pytest.raises(ValueError, match=r"--policies fp16-mixed: every policy asked for would be SKIPPED on cpu"):
+        plan_rows(BenchConfig(out="x", config="tiny", policies=("fp16-mixed",)), cpu, NO_FP16_CPU, False)
+    names, skip, _ = plan_rows(BenchConfig(out="x", config="tiny", policies=("fp16-mixed", "bf16-mixed")), cpu,
+                               NO_FP16_CPU, False)
+    assert names == ["fp32", "fp16-mixed", "bf16-mixed"] and skip["fp16-mixed"] and skip["bf16-mixed"] is None
+    assert plan_rows(BenchConfig(out="x", config="tiny", policies=("fp32",)), cpu, NO_FP16_CPU, False)[0] == ["fp32"]
+    monkeypatch.setenv(CAPABILITY_ENV, json.dumps(asdict(NO_FP16_CPU)))
+    out = tmp_path / "out"
+    assert main(["bench", "--config", "tiny", "--steps", "5", "--policies", "fp16-mixed", "--out", str(out),
+                 "--device", "cpu"]) == 2
+    err = capsys.readouterr().err
+    assert "fp16-mixed: fp16 is not native on this CPU" in err and "pass --force to run it anyway" in err
+    assert not out.exists()
+
+
 def test_bench_config_validates_steps():
     with pytest.raises(ValueError, match="steps=3"):
         BenchConfig(out="x", steps=3)

@@ -31,8 +31,9 @@ def test_bench_runs_the_advised_policy_next_to_fp32(tmp_path):
     assert status in (0, 1)
 
 
-def test_bench_report_says_when_the_advised_policy_equals_a_named_one(tmp_path):
-    """`--policies advised,<same policy>` runs it once, and report.md says so instead of a silent dedupe."""
+def test_bench_report_says_when_the_advised_policy_equals_a_named_one(tmp_path, capsys):
+    """`--policies advised,<same policy>` runs it once, and report.md, results.json and the console say so instead
+    of a silent dedupe."""
     from mixprec.programs.inspect import advised_policy
 
     advised, _ = advised_policy("gpt", config="tiny", device="cpu")  # what bench asks (same defaults)
@@ -45,6 +46,8 @@ def test_bench_report_says_when_the_advised_policy_equals_a_named_one(tmp_path):
     report = (out / "report.md").read_text()
     row = "the `fp32` reference row" if str(advised) == "fp32" else f"`{advised}`"   # auto's measurement decides
     assert f"Advised policy (`mixprec inspect`): `{advised}`; its row is {row} (also asked for by name" in report
+    assert results["advice"]["merged"] == [{"request": "advised", "row": str(advised), "also_asked_as": [str(advised)]}]
+    assert f"\nadvised resolved to {advised} and runs as that row (" in capsys.readouterr().out
 
 
 def test_inspect_with_a_block_format_prints_the_linears_kept_in_bf16_and_the_advised_block_policy(tmp_path, capsys):
@@ -82,3 +85,18 @@ def test_inspect_refuses_a_policy_whose_compute_format_is_missing_before_trainin
     assert ("inspect formats=nvfp4: the policy under study, nvfp4-mixed, computes in bf16, which its advice reads; "
             "add it: formats=nvfp4,bf16 (mixprec inspect --formats nvfp4,bf16)") in err
     assert not out.exists()
+
+
+def test_a_bad_format_is_refused_with_the_spellings_help_uses(tmp_path, capsys):
+    """The error listed e4m3fn, mxfp8_e4m3, mxfp4_e2m1 where --help says e4m3, mxfp8, mxfp4 (both work)."""
+    out = tmp_path / "inspect"
+    assert main(["inspect", "--config", "tiny", "--formats", "bf16,nvfp5", "--device", "cpu", "--out", str(out)]) == 2
+    err = capsys.readouterr().err
+    formats, _, block = err.partition("nor a block format")
+    assert "'e4m3'," in formats and "e4m3fn'" not in formats and not out.exists()
+    listed = block.split("([")[1].split("])")[0].replace("'", "").split(", ")
+    assert listed == ["mxfp4", "mxfp6_e2m3", "mxfp6_e3m2", "mxfp8", "mxfp8_e5m2", "nvfp4"]
+    with pytest.raises(SystemExit):
+        main(["inspect", "--help"])
+    helped = " ".join(capsys.readouterr().out.split())
+    assert all(name in helped.split("block formats too (")[1].split(")")[0].split(", ") for name in listed)

@@ -375,7 +375,12 @@ def test_get_workload_errors():
         get_workload("a.b:c:d")
     with pytest.raises(ImportError, match="no_such_module_xyz"):
         get_workload("no_such_module_xyz:make")
-    with pytest.raises(ValueError, match=r"config='huge'.*baby"):
+    with pytest.raises(ValueError, match=r"config='huge' is unknown; choose one of \['baby', 'long', 'mid', "
+                                         r"'small', 'tiny'\]$"):   # a name, as --config gives: no GPTConfig
         get_workload("gpt", "huge")
+    with pytest.raises(ValueError, match=r"minilm workload: config='big' is unknown; choose one of \['default', "):
+        get_workload("minilm", "big")
+    with pytest.raises(ValueError, match=r"or pass a GPTConfig"):   # the class itself still names it
+        GPTWorkload(config="huge")
     with pytest.raises(ValueError, match="--data"):
         get_workload("digits", data="file.txt")

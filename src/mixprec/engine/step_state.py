@@ -47,7 +47,9 @@ TOO_MANY = ("backward() called for micro-batch {n} since the last step() with ac
 MID_ACCUMULATION = ("{call} called after {n} micro-batch(es) of backward() without reaching the step boundary; "
                      "{what} at an accumulation boundary (after mp.step() returns a result; to end a short group, "
                      "the last one of an epoch, call mp.step(end_group=True) after its last backward())")
-NO_BACKWARD = "{call} called without backward() since the last step{note}; call mp.backward(loss) first"
+NO_BACKWARD = ("{call} called without backward() since the last step{note}; call mp.backward(loss) first: a plain "
+               "loss.backward() bypasses the engine (its loss scaling, accumulation division and micro-batch "
+               "count), so call mp.backward(loss) instead of loss.backward()")
 BEFORE_BOUNDARY = ("unscale_and_check() after micro-batch {k} of accumulation_steps={n}: it runs at the boundary "
                    "only; call mp.step() after each earlier micro-batch (it returns None), or mp.step() for the "
                    "whole step; to end a short group here (the last one of an epoch), pass end_group=True")

@@ -106,6 +106,15 @@ def _check_args(model: nn.Module, steps: int, lr: float | None) -> None:
                          "Inspect the model before MixedPrecision casts it, or pass a fp32 copy")
 
 
+_SPELLED = {"e4m3fn": "e4m3", "mxfp8_e4m3": "mxfp8", "mxfp4_e2m1": "mxfp4"}   # as DEFAULT_FORMATS and --help write them
+
+
+def _spelled(names: Iterable[str]) -> list[str]:
+    """Format names as ``mixprec inspect --help`` writes them (``e4m3``, ``mxfp8``, ``mxfp4``; the long names are
+    accepted too), sorted."""
+    return sorted(_SPELLED.get(n, n) for n in names)
+
+
 def _resolve_formats(formats: Iterable[str | Format | BlockFormat],
                      policy: Policy) -> tuple[list[Format], list[BlockFormat]]:
     """The elementwise and the block formats named in ``formats`` (each once, in order), checked to hold what
@@ -124,8 +133,8 @@ def _resolve_formats(formats: Iterable[str | Format | BlockFormat],
             try:
                 block.append(get_block_format(spec))
             except (TypeError, ValueError):
-                raise ValueError(f"inspect formats: {spec!r} is neither a format ({sorted(FORMATS)}) nor a block "
-                                 f"format ({sorted(BLOCK_FORMATS)})") from None
+                raise ValueError(f"inspect formats: {spec!r} is neither a format ({_spelled(FORMATS)}) nor a block "
+                                 f"format ({_spelled(BLOCK_FORMATS)})") from None
     if not elementwise and not block:
         raise ValueError(f"inspect formats={formats!r} is empty; e.g. formats={DEFAULT_FORMATS}")
     elementwise, block = list(dict.fromkeys(elementwise)), list(dict.fromkeys(block))

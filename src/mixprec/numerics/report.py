@@ -131,7 +131,7 @@ class NumericsReport(NumericsStats):
             "# mixprec numerics report",
             "",
             f"Reference: {self.steps} fp32 training steps ({self.optimizer}, lr {num(self.lr)}), loss {loss_text}. "
-            f"Policy under study: `{self.policy}`. Formats: {', '.join(self.formats)}.",
+            f"Policy under study: `{self.policy}`. Formats: {', '.join(self.formats + self.block_formats)}.",
             "",
             "## Recommendation",
             "",

@@ -216,8 +216,9 @@ def _preset(text: str, name: str, overrides: list[str], presets: Mapping[str, An
     if name == "auto":
         raise ValueError("policy 'auto' depends on the device; resolve it with "
                          "mixprec.resolve_policy('auto', device)")
-    if name not in presets:
-        raise ValueError(f"policy preset {name!r} is not known{_did_you_mean(name, presets)}; choose one of "
+    if name not in presets:   # a bare dtype name (bf16, nvfp4) means its -mixed preset, not the closest spelling
+        hint = f" (did you mean {name + '-mixed'!r}?)" if name + "-mixed" in presets else _did_you_mean(name, presets)
+        raise ValueError(f"policy preset {name!r} is not known{hint}; choose one of "
                          f"{sorted(presets) + ['auto']} or give 'key=value,...'")
     return presets[name]
 

@@ -13,10 +13,10 @@ from collections.abc import Callable
 
 from mixprec.workloads.base import OptimizerConfig, Workload, move_batch
 from mixprec.workloads.corpus import Corpus, load_corpus
-from mixprec.workloads.digits import DigitsConfig, DigitsWorkload
-from mixprec.workloads.gpt import GPT, GPTConfig, GPTWorkload, generate
+from mixprec.workloads.digits import DIGITS_CONFIGS, DigitsConfig, DigitsWorkload
+from mixprec.workloads.gpt import GPT, GPT_CONFIGS, GPTConfig, GPTWorkload, generate
 from mixprec.workloads.lora import LoraSpec, apply_lora
-from mixprec.workloads.minilm import MiniLMConfig, MiniLMWorkload
+from mixprec.workloads.minilm import MINILM_CONFIGS, MiniLMConfig, MiniLMWorkload
 
 __all__ = [
     "BUILTIN_WORKLOADS",
@@ -44,6 +44,9 @@ _SPEC_RE = re.compile(r"^[A-Za-z_][\w]*(\.[A-Za-z_]\w*)*:[A-Za-z_]\w*$")
 
 
 def _builtin(name: str, config: str | None, data: str | None, lora: LoraSpec | str | None) -> Workload:
+    configs = {"gpt": GPT_CONFIGS, "digits": DIGITS_CONFIGS, "minilm": MINILM_CONFIGS}[name]
+    if isinstance(config, str) and config not in configs:   # a name (--config): the names only, no config class
+        raise ValueError(f"{name} workload: config={config!r} is unknown; choose one of {sorted(configs)}")
     if lora is not None and name not in LORA_WORKLOADS:
         raise ValueError(
             f"--lora {str(lora)!r} needs a transformers workload ({', '.join(LORA_WORKLOADS)}); the {name} "

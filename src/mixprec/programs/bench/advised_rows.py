@@ -28,7 +28,8 @@ from mixprec.formats import get_block_format
 from mixprec.policy.linears import block_preset_text
 from mixprec.policy.policy import Policy
 
-__all__ = ["ADVISED", "ADVISED_BLOCK", "AdvisedRows", "is_advised", "check_requests", "advise_rows"]
+__all__ = ["ADVISED", "ADVISED_BLOCK", "AdvisedRows", "is_advised", "check_requests", "advise_rows", "merged_rows",
+           "merged_lines"]
 
 ADVISED = "advised"          # --policies advised: run what `mixprec inspect` recommends for this device
 ADVISED_BLOCK = "advised:"   # --policies advised:nvfp4[,overrides]: the block policy it advises for that format
@@ -39,7 +40,8 @@ _UNDER_STUDY = "fp32"        # the policy an override-free inspection studies (m
 class AdvisedRows:
     """What the advised requests became: ``names`` maps each request (as given in ``--policies``) to the policy
     text of its row; ``record`` is results.json's ``advice`` (``policy``, ``reasons``, ``initial_loss_scale`` for
-    ``advised``; ``block``: one entry per ``advised:<format>`` request) or None when none was asked."""
+    ``advised``; ``block``: one entry per ``advised:<format>`` request; ``merged``: :func:`merged_rows`, when an
+    advised policy is a row another request also names) or None when none was asked."""
 
     names: dict[str, str]
     record: dict[str, Any] | None
@@ -140,3 +142,23 @@ def advise_rows(requests: list[str], inspect_workload, **workload: Any) -> Advis
                 "kept_in_bf16": list(advice.kept_in_bf16()), "block_keep_added": list(advice.keep),
                 "reasons": list(advice.reasons)})
     return AdvisedRows(names, record or None)
+
+
+def merged_rows(names: list[str], rows: dict[str, str]) -> list[dict[str, Any]]:
+    """The advised requests that share their row: ``names`` are the rows asked for (the reference and the
+    advised requests included), ``rows`` maps each advised request to its row's name. One entry per advised
+    request whose row another of ``names`` also names: ``{request, row, also_asked_as}`` (results.json's
+    ``advice.merged``: that row runs once and answers every one of them)."""
+    return [{"request": n, "row": row, "also_asked_as": others} for n, row in rows.items()
+            if (others := [m for m in names if m != n and rows.get(m, m) == row])]
+
+
+def merged_lines(results: dict) -> list[str]:
+    """The console's line per merged advised request (:func:`merged_rows`): the policy it resolved to and the one
+    row that runs for it."""
+    lines = []
+    for m in (results.get("advice") or {}).get("merged", []):
+        also = ("the fp32 reference" if m["row"] == results.get("reference") else
+                "also asked for as " + ", ".join(m["also_asked_as"]))
+        lines.append(f"{m['request']} resolved to {m['row']} and runs as that row ({also}: it ran once)")
+    return lines

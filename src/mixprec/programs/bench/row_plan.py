@@ -5,7 +5,8 @@ each one it cannot run (SKIPPED).
 fp32 always runs, first, as the reference. Each other policy is resolved for the device with the measured
 capability (:func:`mixprec.policy.resolve.resolve`); a policy the device refuses, and fp16 on a CPU whose probe
 says fp16 is not native, is SKIPPED with the measured reason unless ``force=True``. A policy name that does not
-parse is an error, not a SKIPPED row: only the device may refuse. Under a strategy every rank follows rank 0's plan.
+parse is an error, not a SKIPPED row: only the device may refuse; so is a plan whose every policy besides fp32 is
+SKIPPED (nothing would be compared). Under a strategy every rank follows rank 0's plan.
 
 Testing hook, read ONLY here: ``MIXPREC_BENCH_CAPABILITY`` (:data:`CAPABILITY_ENV`) holds a JSON object of
 :class:`mixprec.machine.capability.Capability` fields that replaces the measured probe when planning
@@ -25,7 +26,7 @@ from mixprec.distributed.process import from_main_process, init_process_group_fr
 from mixprec.machine.capability import Capability, probe
 from mixprec.policy.policy import Policy
 from mixprec.policy.resolve import resolve
-from mixprec.programs.bench.advised_rows import AdvisedRows, advise_rows, check_requests, is_advised
+from mixprec.programs.bench.advised_rows import AdvisedRows, advise_rows, check_requests, is_advised, merged_rows
 from mixprec.programs.bench.config import REFERENCE, BenchConfig
 from mixprec.programs.bench.recompute_rows import RECOMPUTE_SUFFIX, check_plan_fits, split_row
 
@@ -89,7 +90,8 @@ def _advised(config: BenchConfig, names: list[str], device: torch.device, progre
             print(f"{request}: {policy}\n  " + "\n  ".join(rows.reasons(request)), file=sys.stderr)
     row = {n: rows.names[split_row(n)[0]] + (RECOMPUTE_SUFFIX if split_row(n)[1] else "")
            for n in names if split_row(n)[0] in rows.names}
-    return list(dict.fromkeys(row.get(n, n) for n in names)), rows.record
+    merged = merged_rows(names, row)   # an advised policy some other request also names runs once
+    return list(dict.fromkeys(row.get(n, n) for n in names)), {**rows.record, **({"merged": merged} if merged else {})}
 
 
 def plan_rows(config: BenchConfig, device: torch.device, cap: Capability, progress: bool
@@ -110,4 +112,15 @@ def plan_rows(config: BenchConfig, device: torch.device, cap: Capability, progre
         skip = from_main_process(skip)       # every rank runs the same policies in the same order
     if skip[REFERENCE] is not None:
         raise ValueError(f"the fp32 reference cannot run on {device}: {skip[REFERENCE]}")
+    _check_a_row_runs(names, skip, device)
     return names, skip, advice
+
+
+def _check_a_row_runs(names: list[str], skip: dict[str, str | None], device: torch.device) -> None:
+    """ValueError when every policy asked for besides the reference is SKIPPED: the bench would compare nothing
+    with fp32 (the peer is not asked for by name); an fp32-only bench is fine."""
+    asked = [n for n in names if n != REFERENCE]
+    if asked and all(skip[n] is not None for n in asked):
+        raise ValueError(f"--policies {','.join(asked)}: every policy asked for would be SKIPPED on {device}, so "
+                         "nothing would be compared with fp32: " + "; ".join(f"{n}: {skip[n]}" for n in asked)
+                         + "; ask for a policy this device runs, or pass --force where the reason allows it")

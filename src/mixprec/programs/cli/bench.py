@@ -91,6 +91,7 @@ def _add_run_args(bench: argparse.ArgumentParser) -> None:
 
 def run(args: argparse.Namespace, command: str) -> int:
     """Run the bench ``args`` describe, print its table and lines; 1 when a row FAILs, else 0."""
+    from mixprec.programs.bench.advised_rows import merged_lines
     from mixprec.programs.bench.memory_report import budget_lines
     from mixprec.programs.bench.peer_report import peer_lines
     from mixprec.programs.bench.per_rank import per_rank_lines
@@ -119,7 +120,7 @@ def run(args: argparse.Namespace, command: str) -> int:
     print(format_table(results))
     for line in (timing_lines(results) + seed_noise_lines(results) + auto_lines(results) + op_plan_lines(results)
                  + budget_lines(results) + per_rank_lines(results) + recompute_lines(results) + peer_lines(results)
-                 + step_profile_lines(results)):
+                 + step_profile_lines(results) + merged_lines(results)):
         print(line)
     for name, entry in results["policies"].items():
         if entry["verdict"] in ("FAIL", "SKIPPED", "SMOKE"):
