@@ -85,7 +85,9 @@ def hand_over(model: nn.Module, who: str) -> str | None:
     mid-accumulation, a plain ``unwrap()``, said in the note); warn and return the note (None: no such engine).
     ``who``: the integration, for the words. An engine on a module inside or around ``model`` is left to
     :func:`check_unowned`'s refusal."""
-    gc.collect()
+    if not any(e.module is model for e in _live()):
+        return None
+    gc.collect()   # an engine dropped in a reference cycle does not count
     previous = next((e for e in _live() if e.module is model), None)
     if previous is None:
         return None
