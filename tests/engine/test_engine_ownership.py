@@ -65,3 +65,104 @@ def test_an_engine_nothing_refers_to_owns_nothing():
     del mp
     again = mixprec.MixedPrecision(model, torch.optim.SGD(model.parameters(), lr=0.1), "fp32")
     assert _train_step(again)
+
+
+class _BrokenFeature:
+    """A developer's own feature (``MixedPrecision.feature_types``) whose construction fails: the last step of a
+    build, after the casts, masters, hooks and the optimizer's rebinding."""
+
+    def __init__(self, mp):
+        raise RuntimeError("feature failed to build")
+
+
+class _EngineWithBrokenFeature(mixprec.MixedPrecision):
+    feature_types = (_BrokenFeature,)
+
+
+@pytest.mark.parametrize("policy", ["bf16-pure", "bf16-mixed", "fp8-mixed"])
+def test_a_build_failing_late_leaves_model_and_optimizer_as_they_were(policy):
+    """The build undoes itself: the model keeps its fp32 values bit for bit (the masters' exact copies), no hook
+    and no swapped linear stays, the optimizer steps the model's params, and a new engine builds and trains."""
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(32, 32), nn.ReLU(), nn.Linear(32, 32), nn.ReLU(), nn.Linear(32, 1))
+    before = [p.detach().clone() for p in model.parameters()]
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    with pytest.raises(RuntimeError, match="feature failed to build"):
+        _EngineWithBrokenFeature(model, opt, policy)
+    params = list(model.parameters())
+    assert all(p.dtype == torch.float32 and torch.equal(p, b) for p, b in zip(params, before))
+    assert not any(m._forward_hooks or m._forward_pre_hooks for m in model.modules())
+    assert all(type(m) in (nn.Sequential, nn.Linear, nn.ReLU) for m in model.modules())
+    assert [id(p) for g in opt.param_groups for p in g["params"]] == [id(p) for p in params]
+    mp = mixprec.MixedPrecision(model, opt, policy)
+    with mp.autocast():
+        loss = mp.model(torch.randn(4, 32)).float().pow(2).mean()
+    mp.backward(loss)
+    assert mp.step().applied
+
+
+def test_torch_compile_options_it_refuses_are_refused_before_any_change():
+    model = _model()
+    before = [p.detach().clone() for p in model.parameters()]
+    with pytest.raises(ValueError, match=r"compile=\{'backend': 'no_such_backend'\}: torch.compile refuses it"):
+        mixprec.MixedPrecision(model, torch.optim.SGD(model.parameters(), lr=0.1), "bf16-kahan",
+                               compile={"backend": "no_such_backend"})
+    assert all(p.dtype == torch.float32 and torch.equal(p, b) for p, b in zip(model.parameters(), before))
+
+
+def test_a_stock_optimizer_a_policy_cannot_run_is_refused_before_any_cast():
+    model = _model()
+    before = [p.detach().clone() for p in model.parameters()]
+    with pytest.raises(ValueError, match=r"policy bf16-sr writes updates with rounding=.stochastic., which AdamW cannot do"):
+        mixprec.MixedPrecision(model, torch.optim.AdamW(model.parameters()), "bf16-sr")
+    assert all(p.dtype == torch.float32 and torch.equal(p, b) for p, b in zip(model.parameters(), before))
+
+
+def test_unwrap_gives_the_optimizer_back_the_params():
+    """Under -pure the optimizer steps fp32 masters; after unwrap(to_fp32=True) it steps the model again, with
+    its state (was: it kept stepping the orphaned masters, a silent no-op on the model)."""
+    model = _model()
+    opt = torch.optim.AdamW(model.parameters(), lr=0.1)
+    mp = mixprec.MixedPrecision(model, opt, "bf16-pure")
+    assert _train_step(mp)
+    mp.unwrap(to_fp32=True)
+    params = list(model.parameters())
+    assert [id(p) for g in opt.param_groups for p in g["params"]] == [id(p) for p in params]
+    assert all(opt.state[p]["step"] == 1 for p in params)
+    before = [p.detach().clone() for p in params]
+    model(torch.randn(4, 8)).pow(2).mean().backward()
+    opt.step()
+    assert all(not torch.equal(p, b) for p, b in zip(params, before))
+
+
+def test_two_models_sharing_a_module_under_pure_policies_are_refused_before_the_second_changes_anything():
+    torch.manual_seed(0)
+    shared = nn.Linear(8, 8)
+    g, d = nn.Sequential(nn.Linear(4, 8), shared), nn.Sequential(shared, nn.Linear(8, 1))
+    mp_g = mixprec.MixedPrecision(g, torch.optim.SGD(g.parameters(), lr=0.1), "bf16-pure")
+    opt_d = torch.optim.SGD(d.parameters(), lr=0.1)
+    head = d[1].weight.detach().clone()
+    with pytest.raises(ValueError, match=r"parameter\(s\) \['0.weight', '0.bias'\] are already stored in 16 bits"):
+        mixprec.MixedPrecision(d, opt_d, "bf16-pure")
+    assert d[1].weight.dtype == torch.float32 and torch.equal(d[1].weight, head)
+    assert [id(p) for g_ in opt_d.param_groups for p in g_["params"]] == [id(p) for p in d.parameters()]
+    assert mp_g.module is g
+
+
+def test_hand_over_mid_accumulation_restores_the_masters_values():
+    """An earlier run stopped inside an accumulation window (a trainer that raised): the hand-over drops the
+    window and still gives the model its fp32 masters' values, not their bf16 roundings."""
+    from mixprec.engine.ownership import hand_over
+
+    model = _model()
+    mp = mixprec.MixedPrecision(model, torch.optim.AdamW(model.parameters()), "bf16-pure", accumulation_steps=2)
+    for _ in range(3):   # one applied step, then half a window
+        with mp.autocast():
+            loss = mp.model(mp.cast_inputs(torch.randn(4, 8))).float().pow(2).mean()
+        mp.backward(loss)
+        mp.step()
+    masters = [m.detach().clone() for m in mp.masters.masters]
+    with pytest.warns(UserWarning, match="open accumulation window dropped, its fp32 values restored"):
+        assert "restored" in hand_over(model, "a trainer")
+    assert all(p.dtype == torch.float32 and torch.equal(p, m) for p, m in zip(model.parameters(), masters))
+    assert _train_step(mixprec.MixedPrecision(model, torch.optim.AdamW(model.parameters()), "bf16-mixed"))

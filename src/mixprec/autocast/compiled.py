@@ -119,13 +119,24 @@ class CompileRequest:
         return text + ")"
 
 
+def _check_options(kwargs: dict[str, Any]) -> None:
+    """ValueError for ``torch.compile`` options it refuses (an unknown backend or mode, ``mode`` with
+    ``options``): ``torch.compile`` of a stand-in module checks them when called, compiling nothing until a
+    forward, so a bad option is refused before the engine changes the model."""
+    try:
+        torch.compile(nn.Identity(), **kwargs)
+    except Exception as error:   # noqa: BLE001 - torch raises its own types (InvalidBackend, RuntimeError)
+        raise ValueError(f"compile={kwargs!r}: torch.compile refuses it ({type(error).__name__}: {error}); e.g. "
+                         "compile={'backend': 'inductor', 'mode': 'max-autotune'}") from error
+
+
 def compile_request(model: nn.Module, compile: Any, strategy: str | None) -> tuple[nn.Module, CompileRequest]:
     """Read ``MixedPrecision``'s ``compile`` argument for ``model``; returns the module to prepare (the
     user's module, ``_orig_mod`` of a compiled one) and the :class:`CompileRequest`.
 
     Raises:
         TypeError: ``compile`` is not a bool or a dict.
-        ValueError: a dict key that ``torch.compile`` does not take; a compiled model with
+        ValueError: a dict key that ``torch.compile`` does not take, or a value it refuses; a compiled model with
             ``compile=`` set (it would compile twice); compiling under a ``strategy`` (not supported).
     """
     if isinstance(compile, bool):
@@ -137,6 +148,7 @@ def compile_request(model: nn.Module, compile: Any, strategy: str | None) -> tup
             raise ValueError(f"compile={compile!r}: {unknown} are not torch.compile arguments; it takes {list(allowed)}, "
                              "e.g. compile={'backend': 'inductor', 'mode': 'max-autotune'}")
         kwargs = dict(compile)
+        _check_options(kwargs)
     else:
         raise TypeError(f"compile={compile!r} ({type(compile).__name__}) must be False, True or a dict of "
                         "torch.compile keyword arguments, e.g. compile={'mode': 'reduce-overhead'}")

@@ -24,6 +24,7 @@ from mixprec.engine.autocast_scope import AutocastScope
 from mixprec.engine.feature import Feature, Features
 from mixprec.engine.grad_sums import GradSums
 from mixprec.engine.kernel_agreement import KernelAgreement
+from mixprec.engine.masters import check_claim
 from mixprec.engine.memory_budget import MemoryBudget
 from mixprec.engine.misuse.arguments import check_optimizer
 from mixprec.engine.misuse.loop_checks import LoopChecks
@@ -33,6 +34,7 @@ from mixprec.engine.protocol import Engine
 from mixprec.engine.recompute_setup import RecomputeSetup
 from mixprec.engine.records import Decision
 from mixprec.engine.regions import Regions
+from mixprec.optim import contract
 from mixprec.policy.policy import Policy
 from mixprec.policy.resolve import Resolution
 
@@ -59,7 +61,8 @@ def resolve_arguments(mp: Engine, model: nn.Module, optimizer: torch.optim.Optim
     """The constructor's arguments of the engine ``mp`` settled, in this order: ``memory_budget`` parsed, the
     ``optimizer`` and ``scheduler`` checked (when either is given), ``compile`` read, ``strategy`` built, ``policy``
     resolved on ``device`` (``allow_fallback``; ``loss_scale``: the engine's override, which auto's decision keeps)
-    and, with an ``optimizer``, its rounding stream checked on every rank. No host sync but the probe's
+    and, with an ``optimizer``, its rounding stream checked on every rank and its precision contract
+    (:func:`mixprec.optim.contract.check`, on the dtypes it will step). No host sync but the probe's
     (:func:`mixprec.auto.pending.resolve_for_engine`).
 
     Raises:
@@ -73,8 +76,12 @@ def resolve_arguments(mp: Engine, model: nn.Module, optimizer: torch.optim.Optim
     resolution, auto = resolve_for_engine(policy, built.device(device), built, strategy_name=strategy,
                                           allow_fallback=allow_fallback, compiled_in_place=request.compiled_in_place,
                                           loss_scale=loss_scale)
-    if optimizer is not None:   # every rank rounds with one stream
+    if optimizer is not None:   # every rank rounds with one stream; the optimizer can run the policy
         built.check_attached(optimizer, resolution.policy, resolution.device)
+        stepped = resolution.policy.param_dtype if not resolution.policy.has_masters else torch.float32
+        contract.check(optimizer, resolution.policy, {stepped})   # before the casts (attach checks it again after)
+    if resolution.policy.param_dtype != torch.float32:   # a param another engine stores in 16 bits: refused now
+        check_claim(mp, list(model.named_parameters()), {id(p) for p in model.parameters()})
     return Resolved(model, budget, request, built, resolution, auto)
 
 

@@ -19,7 +19,7 @@ from torch import nn
 
 from mixprec.optim import contract
 
-__all__ = ["MasterWeights", "best_fp32_values", "claim", "release"]
+__all__ = ["MasterWeights", "best_fp32_values", "check_claim", "claim", "release"]
 
 _holders: dict[int, Any] = {}   # id(param) -> weakref to the engine storing it in 16 bits (none to the param)
 
@@ -31,14 +31,9 @@ def _stores(engine: Any, p: nn.Parameter) -> bool:
     return engine is not None and any(q is p for q in engine.module.parameters())
 
 
-def claim(owner: Any, named: list[tuple[str, nn.Parameter]], stored16: set[int]) -> None:
-    """Record that ``owner`` (an engine, with the params in ``owner.module``) stores the params ``stored16``
-    (ids) of ``named`` in 16 bits.
-
-    Raises:
-        ValueError: one is already stored in 16 bits by another live engine (two engines sharing a
-            parameter would each keep their own fp32 master and overwrite each other's writes).
-    """
+def check_claim(owner: Any, named: list[tuple[str, nn.Parameter]], stored16: set[int]) -> None:
+    """:func:`claim`'s ValueError, recording nothing: a build calls it before any cast with every param that
+    its policy may store in 16 bits."""
     for key in [k for k, o_ref in _holders.items() if o_ref() is None]:
         del _holders[key]   # dropped engines hold nothing
     shared = []
@@ -53,6 +48,17 @@ def claim(owner: Any, named: list[tuple[str, nn.Parameter]], stored16: set[int])
                          "compensation) and overwrite each other's writes. Build one engine over one optimizer "
                          "holding both models' params (param groups for different settings), use a '-mixed' "
                          "policy (fp32 params, nothing to keep apart), or call other_mp.unwrap() first")
+
+
+def claim(owner: Any, named: list[tuple[str, nn.Parameter]], stored16: set[int]) -> None:
+    """Record that ``owner`` (an engine, with the params in ``owner.module``) stores the params ``stored16``
+    (ids) of ``named`` in 16 bits.
+
+    Raises:
+        ValueError: one is already stored in 16 bits by another live engine (two engines sharing a
+            parameter would each keep their own fp32 master and overwrite each other's writes).
+    """
+    check_claim(owner, named, stored16)
     ref = weakref.ref(owner)
     for _, p in named:
         if id(p) in stored16:
@@ -111,6 +117,16 @@ class MasterWeights:
             if p in optimizer.state:
                 optimizer.state[m] = {k: v.to(torch.float32) if torch.is_tensor(v) and v.is_floating_point()
                                       and v.shape == m.shape else v for k, v in optimizer.state.pop(p).items()}
+
+    def unbind(self, optimizer: torch.optim.Optimizer) -> None:
+        """Point ``optimizer`` back at the params, each master's state (fp32) moved to its param: the reverse of
+        :meth:`rebind`, when the engine lets the model go (``unwrap``), so the optimizer steps the model again."""
+        swap = {id(m): p for p, m in self.pairs}
+        for group in optimizer.param_groups:
+            group["params"] = [swap.get(id(t), t) for t in group["params"]]
+        for p, m in self.pairs:
+            if m in optimizer.state:
+                optimizer.state[p] = optimizer.state.pop(m)
 
     def accumulate_grads(self) -> None:
         """Add each 16-bit gradient into its master's fp32 gradient and free the 16-bit one.

@@ -32,6 +32,7 @@ from mixprec.engine.preparation.attach import bind_optimizer
 from mixprec.engine.preparation.edits import ModelLayout, adopt_edited_params, adopt_model_edits, finish_model_edit
 from mixprec.engine.preparation.prepare import prepare
 from mixprec.engine.preparation.swaps import revert_engine_swaps
+from mixprec.engine.preparation.undo import undone_on_failure
 from mixprec.engine.preparation.reprepare import load_engine_state
 from mixprec.engine.preparation.switch import switch_policy
 from mixprec.engine.records import Event
@@ -78,39 +79,39 @@ class MixedPrecision(EngineViews, FrozenControl, PenaltyGradients):
             allow_fallback=allow_fallback, loss_scale=loss_scale, memory_budget=memory_budget)   # before any change
         self.policy, self.device = resolution.policy, resolution.device   # Policy, torch.device
         self.model = self.module = model
-        self.strategy, self.guard = strategy, guard
-        self.optimizer, self.scheduler = None, None   # an Optimizer and a scheduler: mp.attach(...)
+        self.strategy, self.guard, self.optimizer, self.scheduler = strategy, guard, None, None   # attach(): the last two
         self.max_grad_norm = None if max_grad_norm is None else float(max_grad_norm)
         self.accumulation_steps, self.max_stuck_skips = accumulation_steps, max_stuck_skips
         self._judging = Judging(accumulation_steps, max_stuck_skips)   # the guard's call, what it is shown
         self.events: list[Event] = []
         self._regions, self._unwrapped, self._groups = Regions(), False, GroupWatch()
         self.loss_scale = loss_scale_for_policy(self.policy, loss_scale, self.device)
-        prepared = prepare(model, self.policy, self.device, self._strategy, optimizer=optimizer)
-        self.fp8_report, self.block_report = prepared.fp8_report, prepared.block_report   # the linears swapped at build
-        self._frozen, self.masters = prepared.frozen, prepared.masters
-        self._frozen.store(prepared.plan)
-        self._kahan_from = prepared.kahan_from   # for attach()
-        self._scope = AutocastScope(self)   # mp.autocast()'s settings in backward passes and traced graphs
-        self._checks = LoopChecks(self, self._adopt_model_edits, self._frozen, self._scope)
-        state_note = "" if optimizer is None else self._attach(optimizer, scheduler)
-        own(self, model, set(prepared.plan.half))   # one live engine per model (engine/ownership.py)
-        regions = self._regions.wrap(model, self.policy, self.device.type, prepared.keep, set(prepared.plan.frozen16))
-        self.decision = first_decision(resolution.decision, prepared, self._compile, self.policy, self.device.type,
-                                       state_note, regions)
-        self._sums, self._features = built_in_features(self, recompute, self._strategy, self._scope, self._checks,
-                                                       self._auto, budget, self._regions, self._groups,
-                                                       self.feature_types)
-        self.decision += self._features.note
-        self.model = self._compile.apply(self._strategy.after_casts(model, self.policy, self.device))
-        self.masters.record_versions()   # DDP's broadcast of rank 0's params is not a user edit
-        # micro_step: backward() calls since the last boundary; boundaries: step() boundaries (applied + skipped)
-        self.micro_step = self.applied_steps = self.skipped_total = self.boundaries = 0
-        self._losses, self._group = BoundaryLosses(), AccumulationGroup(accumulation_steps)
-        self._phase, self._open_check = Phase.IDLE, None   # engine/step_state.py; the StepCheck apply_or_skip() takes
-        self._layout = None if self._strategy.shards_params else ModelLayout(model)   # FSDP2 swaps params itself
-        self._set_gradient_sync()
-        self._features.install(self)
+        with undone_on_failure(self, model, optimizer):   # a failed build leaves model and optimizer as they were
+            prepared = prepare(model, self.policy, self.device, self._strategy, optimizer=optimizer)
+            self.fp8_report, self.block_report = prepared.fp8_report, prepared.block_report   # the linears swapped at build
+            self._frozen, self.masters = prepared.frozen, prepared.masters
+            self._frozen.store(prepared.plan)
+            self._kahan_from = prepared.kahan_from   # for attach()
+            self._scope = AutocastScope(self)   # mp.autocast()'s settings in backward passes and traced graphs
+            self._checks = LoopChecks(self, self._adopt_model_edits, self._frozen, self._scope)
+            state_note = "" if optimizer is None else self._attach(optimizer, scheduler)
+            own(self, model, set(prepared.plan.half))   # one live engine per model (engine/ownership.py)
+            regions = self._regions.wrap(model, self.policy, self.device.type, prepared.keep, set(prepared.plan.frozen16))
+            self.decision = first_decision(resolution.decision, prepared, self._compile, self.policy, self.device.type,
+                                           state_note, regions)
+            self._sums, self._features = built_in_features(self, recompute, self._strategy, self._scope, self._checks,
+                                                           self._auto, budget, self._regions, self._groups,
+                                                           self.feature_types)
+            self.decision += self._features.note
+            self.model = self._compile.apply(self._strategy.after_casts(model, self.policy, self.device))
+            self.masters.record_versions()   # DDP's broadcast of rank 0's params is not a user edit
+            # micro_step: backward() calls since the last boundary; boundaries: step() boundaries (applied + skipped)
+            self.micro_step = self.applied_steps = self.skipped_total = self.boundaries = 0
+            self._losses, self._group = BoundaryLosses(), AccumulationGroup(accumulation_steps)
+            self._phase, self._open_check = Phase.IDLE, None   # engine/step_state.py; the StepCheck apply_or_skip() takes
+            self._layout = None if self._strategy.shards_params else ModelLayout(model)   # FSDP2 swaps params itself
+            self._set_gradient_sync()
+            self._features.install(self)
         log.info("mixprec: %s", self.decision)
 
     def attach(self, optimizer: torch.optim.Optimizer, scheduler: Any = None) -> None:

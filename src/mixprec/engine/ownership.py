@@ -6,8 +6,10 @@ masters under ``-pure`` policies); a second engine built on top would see the fi
 both engines' hooks would run. So the build checks, before anything changes, that no live engine owns the model,
 a module inside it or a module holding it, and names the way out: ``mp.set_policy(...)`` to change the policy,
 ``mp.unwrap()`` to release the model, or a fresh model and optimizer. An engine owns its model from its build to
-its ``unwrap()``; the registry holds it weakly (an engine nothing refers to owns nothing; its hooks refer to it, so
-one whose model still carries them stays alive, as it should: it is still changing the model).
+its ``unwrap()``; the registry holds it weakly, so an engine dropped without ``unwrap()`` owns nothing once it is
+collected, and what it left on the model (its 16-bit params, an output-cast hook) stays there: call ``unwrap()``
+before dropping an engine whose model lives on. A ``copy.deepcopy`` of a prepared model copies those changes
+too; build on a copy of the plain model instead.
 
 The trainer integrations build their engine from a plugin or a Trainer object the user makes anew for each run
 (``L.Trainer(plugins=[MixprecPrecision(...)]).test(model)`` after another Trainer's ``fit``): the earlier engine is
@@ -25,7 +27,7 @@ from typing import Any
 import torch
 from torch import nn
 
-from mixprec.engine.masters import claim, release
+from mixprec.engine.masters import best_fp32_values, claim, release
 from mixprec.engine.records import Event
 
 __all__ = ["check_unowned", "own", "disown", "hand_over", "record_hand_over"]
@@ -74,15 +76,20 @@ def own(owner: Any, model: nn.Module, stored16: set[int]) -> None:
 
 
 def disown(owner: Any) -> None:
-    """Forget ``owner``'s model and params (:meth:`mixprec.MixedPrecision.unwrap`)."""
+    """Forget ``owner``'s model and params, and give its optimizer back the params it rebound to fp32 masters
+    (:meth:`mixprec.engine.masters.MasterWeights.unbind`; :meth:`mixprec.MixedPrecision.unwrap`)."""
+    masters, optimizer = getattr(owner, "masters", None), getattr(owner, "optimizer", None)
+    if masters is not None and optimizer is not None:
+        masters.unbind(optimizer)
     release(owner)
     _owners[:] = [ref for ref in _owners if ref() not in (None, owner)]
 
 
 def hand_over(model: nn.Module, who: str) -> str | None:
     """Unwrap the live engine that prepared ``model`` itself (an earlier trainer's), restoring its params' fp32
-    values where it stored them in 16 bits (``unwrap(to_fp32=True)``; where that is refused, under a strategy or
-    mid-accumulation, a plain ``unwrap()``, said in the note); warn and return the note (None: no such engine).
+    values where it stored them in 16 bits (``unwrap(to_fp32=True)``; stopped mid-accumulation, its open window
+    is dropped and the values restored all the same; under a strategy a plain ``unwrap()``, said in the note);
+    warn and return the note (None: no such engine).
     ``who``: the integration, for the words. An engine on a module inside or around ``model`` is left to
     :func:`check_unowned`'s refusal."""
     if not any(e.module is model for e in _live()):
@@ -94,7 +101,11 @@ def hand_over(model: nn.Module, who: str) -> str | None:
     restored = previous.policy.param_dtype != torch.float32
     try:
         previous.unwrap(to_fp32=restored)
-    except (ValueError, RuntimeError) as why:
+    except RuntimeError:   # stopped inside an accumulation window: the window is the earlier run's, dropped
+        previous.masters.write_fp32(best_fp32_values(previous.masters, previous.optimizer))
+        previous.unwrap()
+        kept = " (its open accumulation window dropped, its fp32 values restored from the masters)"
+    except ValueError as why:   # under a strategy: the params stay as the strategy holds them
         previous.unwrap()
         restored, kept = False, f" (its 16-bit params kept as they are: {why})"
     else:

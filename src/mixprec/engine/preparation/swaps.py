@@ -87,17 +87,18 @@ def _top_level(joined: str) -> list[str]:
     return parts + [joined[start:]]
 
 
-def revert_engine_swaps(model: nn.Module, *, sharded: bool = False) -> int:
+def revert_engine_swaps(model: nn.Module, *, sharded: bool = False, spare: set[int] = frozenset()) -> int:
     """Swap every fp8 and block-scaled linear of ``model`` an engine swapped in (``built_by`` set) back to a plain
     ``nn.Linear`` holding the same Parameters and hooks (:meth:`mixprec.MixedPrecision.unwrap`); those the caller built
     stay, and all stay when ``sharded`` (FSDP2 holds the modules it sharded, which a swap would leave behind). The
-    returned model's ``state_dict`` then loads strictly into the plain model. Returns how many. No host sync."""
+    returned model's ``state_dict`` then loads strictly into the plain model. ``spare``: ids of modules left as they
+    are (a failed build's undo spares what an earlier engine left). Returns how many. No host sync."""
     if sharded:
         return 0
     from mixprec.blockscale import revert_block_scaled
     from mixprec.fp8 import revert_float8
 
     def engine_made(module: nn.Module, name: str) -> bool:
-        return getattr(module, "built_by", None) is not None
+        return getattr(module, "built_by", None) is not None and id(module) not in spare
 
     return len(revert_block_scaled(model, engine_made)) + len(revert_float8(model, engine_made))
