@@ -5,13 +5,17 @@ these tests check everything up to the call: each :class:`NativeOperand` is deco
 written from the layout's text (cuBLAS's "1D block scaling factors layout": 128 x 4 scale tiles, scale ``(r, c)``
 of a tile at ``(r % 32) * 16 + (r // 32) * 4 + c``; E2M1 two a byte, the first element in the low nibble; element
 values from the spec reference's code tables), and must equal the emulation's operand bit for bit, padding zero.
-On a Blackwell GPU :func:`native_support`'s probe compares the GEMM itself against the emulation.
+On a Blackwell GPU :func:`native_support`'s probe compares the GEMM itself against the emulation; here the probe
+(:func:`probe_gemm`, called directly) runs on the documented stand-in kernel, which it must accept, and on subtly
+wrong variants of it, which it must reject.
 """
 
 from __future__ import annotations
 
 import dataclasses
 import math
+import subprocess
+import sys
 from pathlib import Path
 
 import pytest
@@ -24,7 +28,7 @@ from mixprec.blockscale import BlockScaledLinear, get_block_recipe
 from mixprec.blockscale.gemm import gemm_operand, weight_tiles
 from mixprec.blockscale.hadamard import random_signs
 from mixprec.blockscale.native import NativeOperand, NativeSupport, native_operand, native_support, \
-    native_weight_tiles, swizzle_scales
+    native_weight_tiles, probe_gemm, swizzle_scales
 from mixprec.formats import get_block_format
 
 NATIVE_FORMATS = ["mxfp8_e4m3", "mxfp8_e5m2", "mxfp4_e2m1", "nvfp4"]
@@ -213,3 +217,112 @@ def test_the_gpu_script_bounds_accept_what_the_documented_kernel_computes(monkey
     for recipe in ("mxfp8", "nvfp4"):
         worst = gpu_block.agreement(recipe, 64, torch.device("cpu"))
         assert len(worst) == 3 and max(worst) <= 1.0, worst
+
+
+# ---------------------------------------------------------------------- the probe, on the documented stand-in
+
+def _swap_nibbles(mat: torch.Tensor) -> torch.Tensor:
+    """FP4 codes read high nibble first: a kernel that unpacks E2M1 in the wrong order."""
+    if mat.dtype != torch.float4_e2m1fn_x2:
+        return mat
+    raw = mat.view(torch.uint8)
+    return (raw.bitwise_right_shift(4) | raw.bitwise_left_shift(4)).view(mat.dtype)
+
+
+def _tiles_column_major(scales: list, rows: int) -> list:
+    """Block scales read with the 128 x 4 tiles of a column consecutive (tile ``(i, j)`` at ``(j * bands + i) *
+    512``), not those of a row band: the same bytes in the documented order as such a kernel would read them."""
+    flat, bands = scales[0], -(-rows // 128)
+    tiles = flat.numel() // 512 // bands
+    moved = flat.view(torch.uint8).view(tiles, bands, 512).transpose(0, 1).reshape(-1).view(flat.dtype)
+    return [moved, *scales[1:]]
+
+
+def _kernel(nibbles_swapped: bool = False, tiles_column_major: bool = False):
+    """:func:`_documented_scaled_mm`, or a subtly wrong kernel: ``A``'s FP4 nibbles read swapped (swapped in both
+    operands alike they only permute the contraction within a block, which no GEMM result shows), or every
+    operand's scale tiles ordered by column (the documented order while an operand fits one 128-row band)."""
+    def kernel(mat_a, mat_b, scale_a, recipe_a, scale_b, recipe_b, **kwargs):
+        if nibbles_swapped:
+            mat_a = _swap_nibbles(mat_a)
+        if tiles_column_major:
+            scale_a = _tiles_column_major(scale_a, mat_a.shape[0])
+            scale_b = _tiles_column_major(scale_b, mat_b.shape[1])
+        return _documented_scaled_mm(mat_a, mat_b, scale_a, recipe_a, scale_b, recipe_b, **kwargs)
+    return kernel
+
+
+PROBED = ["mxfp8_e4m3", "mxfp4_e2m1", "nvfp4"]
+
+
+@pytest.mark.parametrize("out_dtype", [torch.float32, torch.bfloat16, torch.float16])
+@pytest.mark.parametrize("name", PROBED)
+def test_the_probe_accepts_the_documented_kernel_in_every_output_dtype(name, out_dtype, monkeypatch):
+    """Called directly (no CUDA gate), the probe GEMM through the stand-in kernel agrees with the exact product of the
+    emulation's operands within its bound, fp16 outputs included (the probe's values stay far below fp16's 65504),
+    whatever float32 matmul precision the user set (the reference runs in fp64)."""
+    monkeypatch.setattr(F, "scaled_mm", _documented_scaled_mm)
+    previous = torch.get_float32_matmul_precision()
+    torch.set_float32_matmul_precision("high")
+    try:
+        worst = probe_gemm("cpu", name, name, out_dtype)
+    finally:
+        torch.set_float32_matmul_precision(previous)
+    assert worst <= 1.0, worst
+
+
+@pytest.mark.parametrize("wrong, names", [({"nibbles_swapped": True}, ["mxfp4_e2m1", "nvfp4"]),
+                                          ({"tiles_column_major": True}, PROBED)], ids=["nibbles", "tile_order"])
+def test_the_probe_rejects_a_subtly_wrong_kernel(wrong, names, monkeypatch):
+    """The probe's job: a kernel that reads the operands otherwise than this module lays them out fails it. The
+    tile order only shows with operands of more than one 128-row band (the probe's have two)."""
+    monkeypatch.setattr(F, "scaled_mm", _kernel(**wrong))
+    for name in names:
+        assert probe_gemm("cpu", name, name, torch.bfloat16) > 1.0, name
+
+
+# ---------------------------------------------------------------------- the decision under torch.compile
+
+def _gemms_run_natively(linear: BlockScaledLinear):
+    """A function of ``x`` that asks ``linear`` how its GEMMs run on cuda:0 in bf16, as its forward does."""
+    return lambda x: x + 1 if linear._native(torch.device("cuda", 0), torch.bfloat16) else x - 1
+
+
+def test_a_compiled_forward_reads_the_cached_decision_and_never_traces_the_probe():
+    """After gemm_support (what the engine calls at build) a fullgraph compile reads the cached answer; without it
+    the support check, which runs the probe eagerly, stops a fullgraph compile with an error naming the fix, and
+    breaks the graph once otherwise (then cached). No CUDA is touched but through torch.cuda's queries."""
+    cached = BlockScaledLinear(32, 32, recipe="mxfp8")
+    support = cached.gemm_support("cuda:0", torch.bfloat16)
+    assert cached.__dict__["_native_by"] == {(torch.device("cuda", 0), torch.bfloat16): support}
+    x = torch.zeros(2)
+    want = x + 1 if support.available else x - 1
+    assert torch.equal(torch.compile(_gemms_run_natively(cached), backend="eager", fullgraph=True)(x), want)
+    fresh = BlockScaledLinear(32, 32, recipe="mxfp8")
+    with pytest.raises(Exception, match=r"gemm_support\(device, compute_dtype\) on each BlockScaledLinear before"):
+        torch.compile(_gemms_run_natively(fresh), backend="eager", fullgraph=True)(x)
+    assert torch.equal(torch.compile(_gemms_run_natively(fresh), backend="eager")(x), want)
+    assert fresh.__dict__["_native_by"] == cached.__dict__["_native_by"]
+
+
+def test_tf32_matmuls_are_named_in_the_decision_of_an_emulated_nvfp4_recipe_on_cuda(monkeypatch):
+    """The emulation is exact only with fp32 matmuls in fp32; NVFP4's operands are not exact in TF32 (MX's are)."""
+    import mixprec.blockscale.gemm as gemm
+    from mixprec.engine.preparation.prepare import emulation_words
+
+    monkeypatch.setattr(gemm, "tf32_matmuls", lambda: True)
+    cuda = torch.device("cuda", 0)
+    words = emulation_words(cuda, get_block_recipe("nvfp4"), torch.bfloat16)
+    if "emulated" in words:   # no Blackwell GPU here
+        assert "fp32 matmuls run in TF32 here" in words and "set_float32_matmul_precision('highest')" in words
+    assert "TF32" not in emulation_words(cuda, get_block_recipe("mxfp8"), torch.bfloat16)
+    assert "TF32" not in emulation_words(torch.device("cpu"), get_block_recipe("nvfp4"), torch.bfloat16)
+
+
+def test_tf32_matmuls_follows_either_precision_api():
+    script = ("import torch; from mixprec.blockscale.gemm import tf32_matmuls as on; a = on(); "
+              "torch.set_float32_matmul_precision('high'); b = on(); "
+              "torch.backends.cuda.matmul.fp32_precision = 'ieee'; c = on(); "
+              "torch.backends.cuda.matmul.fp32_precision = 'tf32'; print(a, b, c, on())")
+    out = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, check=True)
+    assert out.stdout.split() == ["False", "True", "False", "True"]

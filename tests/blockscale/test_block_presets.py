@@ -288,3 +288,23 @@ def test_the_engine_exposes_the_build_s_block_report():
     assert {name for name, _ in mp.block_report.kept} == {"0", "3"}   # the first and the last linear stay in bf16
     plain = torch.nn.Sequential(torch.nn.Linear(32, 32))
     assert mixprec.MixedPrecision(plain, torch.optim.AdamW(plain.parameters()), policy="bf16-mixed").block_report is None
+
+
+def test_the_build_caches_each_linear_s_gemm_decision_and_a_fullgraph_compile_runs_as_eager():
+    """The engine asks every linear it converts (at build and at set_policy) how its GEMMs run on its device in the
+    compute dtype (BlockScaledLinear.gemm_support), so a compiled forward reads the answer and never traces the
+    probe (on a Blackwell GPU fullgraph could not); on the CPU: emulated."""
+    model, _, mp = _engine("mxfp8-mixed")
+    for linear in _block_linears(model).values():
+        support = linear.__dict__["_native_by"][(torch.device("cpu"), torch.bfloat16)]
+        assert not support.available and "no native block-scaled GEMM on cpu" in support.reason
+    x, _ = _batch(0)
+    compiled = torch.compile(mp.model, backend="eager", fullgraph=True)
+    with mp.autocast():
+        got, want = compiled(x), mp.model(x)
+    assert torch.equal(got, want)
+    got.float().sum().backward()
+    assert all(m.weight.grad is not None for m in _block_linears(model).values())
+    mp.set_policy("nvfp4-mixed")
+    cpu_bf16 = (torch.device("cpu"), torch.bfloat16)
+    assert all(cpu_bf16 in m.__dict__["_native_by"] for m in _block_linears(model).values())

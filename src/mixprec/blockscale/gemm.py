@@ -23,8 +23,13 @@ an fp32 GEMM accumulates them as the hardware's fp32 accumulators do, in another
 output dtype. :func:`weight_tiles` is the 2D variant for weights: one scale per ``b x b`` tile of ``W (N, K)``,
 so the same dequantized ``W`` is valid along K (forward) and along N (dgrad).
 
-On CUDA the fp32 matmul must run in fp32 (``torch.backends.cuda.matmul.allow_tf32 = False``, the default) for the
-emulation to mean what it says. No host sync.
+On CUDA the fp32 matmul must run in fp32 for the emulation to mean what it says: torch's default, which
+``torch.set_float32_matmul_precision("high")`` (or ``torch.backends.cuda.matmul.allow_tf32 = True``, or
+``fp32_precision = "tf32"``) changes to TF32, rounding each operand to 10 mantissa bits. MX operands (at most 4
+significant bits times a power of two) pass through TF32 unchanged; NVFP4's (an E2M1 value times an E4M3 scale
+times an fp32 tensor scale) do not, and their emulated GEMMs are then off by up to ``2**-11`` of each product. Nothing
+here changes the user's setting; :func:`tf32_matmuls` tells whether it is on, and ``MixedPrecision``'s decision says so
+for an emulated NVFP4 recipe on CUDA. No host sync.
 """
 
 from __future__ import annotations
@@ -36,7 +41,8 @@ from mixprec.blockscale.fakequant import fake_quantize, fake_quantize_blocks, st
 from mixprec.blockscale.hadamard import hadamard_transform
 from mixprec.formats import BlockFormat
 
-__all__ = ["operand_blocks", "gemm_operand", "tile_blocks", "untile", "weight_tiles", "block_gemm", "plain_gemm"]
+__all__ = ["operand_blocks", "gemm_operand", "tile_blocks", "untile", "weight_tiles", "block_gemm", "plain_gemm",
+           "tf32_matmuls"]
 
 
 def operand_blocks(t: torch.Tensor, block_size: int, signs: torch.Tensor | None = None) -> torch.Tensor:
@@ -112,3 +118,12 @@ def block_gemm(a: torch.Tensor, b: torch.Tensor, out_dtype: torch.dtype) -> torc
 def plain_gemm(a: torch.Tensor, b: torch.Tensor, out_dtype: torch.dtype) -> torch.Tensor:
     """A GEMM the recipe leaves unquantized: :func:`block_gemm` of the operands cast to fp32, unpadded."""
     return block_gemm(a.to(torch.float32), b.to(torch.float32), out_dtype)
+
+
+def tf32_matmuls() -> bool:
+    """Whether fp32 matmuls on CUDA may run in TF32 now (torch's float32 matmul precision, set by either of its APIs),
+    which makes :func:`block_gemm` of NVFP4 operands inexact (module docstring)."""
+    precision = getattr(torch.backends.cuda.matmul, "fp32_precision", None)   # torch 2.9+: "none", "ieee", "tf32"
+    if precision is not None:
+        return precision == "tf32"
+    return torch.get_float32_matmul_precision() != "highest"

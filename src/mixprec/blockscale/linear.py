@@ -30,12 +30,12 @@ bit the same. Nothing of ``x`` is kept when the weight needs no gradient (a froz
 
 Native GEMMs (``recipe.gemm``, "auto" by default): on a device where
 :func:`~mixprec.blockscale.native.recipe_support` finds every quantized GEMM's formats native (CUDA capability 10.0+,
-probed once per device and output dtype, cached on the module), each operand is quantized to the same values with the
-same random bits (:func:`~mixprec.blockscale.native.native_operand`, 2D tiles by
-:func:`~mixprec.blockscale.native.native_weight_tiles`) and the GEMM is ``torch.nn.functional.scaled_mm``; forward
-keeps ``q(RHT(x^T))`` as that operand (the format's bytes plus the scale tiles' padding). Results differ from the
-emulation's only by the order of the fp32 accumulation. ``gemm="native"`` raises (RuntimeError, at the first call)
-where the GEMMs cannot run natively, naming why.
+probed once per device and output dtype, cached on the module by :meth:`BlockScaledLinear.gemm_support`), each operand
+is quantized to the same values with the same random bits (:func:`~mixprec.blockscale.native.native_operand`, 2D
+tiles by :func:`~mixprec.blockscale.native.native_weight_tiles`) and the GEMM is ``torch.nn.functional.scaled_mm``;
+forward keeps ``q(RHT(x^T))`` as that operand (the format's bytes plus the scale tiles' padding). Results differ from
+the emulation's only by the order of the fp32 accumulation. ``gemm="native"`` raises (RuntimeError, at the first
+call) where the GEMMs cannot run natively, naming why.
 
 Dtypes, as :class:`~mixprec.fp8.linear.Float8Linear`'s: each GEMM accumulates in fp32 and rounds its output once
 to the compute dtype (the autocast dtype when autocast is on, else the input's); ``dx`` and ``dW`` are then cast to
@@ -52,7 +52,9 @@ and what that costs). The block scales are not state: every GEMM computes them f
 the whole weight, the fp32 master under FSDP2 too: :mod:`mixprec.distributed.wrapping`). No host sync in forward
 or backward. Under ``torch.compile`` a recipe without stochastic rounding traces whole (``fullgraph=True``); with
 it, dynamo cannot take the ``torch.Generator`` argument (torch 2.13) and breaks the graph at the linear, which then
-runs eagerly with the same bits.
+runs eagerly with the same bits. On CUDA the compiled forward reads the native-GEMM decision cached on the module;
+where none is cached the probe, which runs eagerly, breaks the graph (an error under ``fullgraph=True``): call
+:meth:`BlockScaledLinear.gemm_support` before compiling (``MixedPrecision`` does it at build).
 """
 
 from __future__ import annotations
@@ -65,7 +67,8 @@ from torch import nn
 from mixprec.autocast.first_order import first_order_backward
 from mixprec.blockscale.gemm import block_gemm, gemm_operand, plain_gemm, weight_tiles
 from mixprec.blockscale.hadamard import random_signs
-from mixprec.blockscale.native import NativeOperand, native_gemm, native_operand, native_weight_tiles, recipe_support
+from mixprec.blockscale.native import NativeOperand, NativeSupport, native_gemm, native_operand, \
+    native_weight_tiles, recipe_support
 from mixprec.blockscale.packing import PackedOperand, pack_operand, unpack_operand
 from mixprec.blockscale.recipe import BlockRecipe, get_block_recipe
 from mixprec.blockscale.streams import RoundingStream
@@ -344,15 +347,29 @@ class BlockScaledLinear(nn.Linear):
             y = y + self.bias.to(out_dtype)
         return y
 
+    def gemm_support(self, device: torch.device | str, out_dtype: torch.dtype) -> NativeSupport:
+        """Whether this linear's GEMMs run natively on ``device`` with ``out_dtype`` outputs, and why
+        (:func:`~mixprec.blockscale.native.recipe_support`: on CUDA a probe GEMM, once per process), cached on the
+        module, where its forward reads it. Call it before ``torch.compile(..., fullgraph=True)`` on CUDA, with the
+        device and the compute dtype the forward runs in (the probe runs eagerly, outside any graph);
+        ``MixedPrecision`` does it for the linears it converts."""
+        device = torch.device(device)
+        if device.type == "cuda" and device.index is None:
+            device = torch.device("cuda", torch.cuda.current_device())
+        cache = self.__dict__.setdefault("_native_by", {})   # (device, out dtype) -> NativeSupport
+        if (device, out_dtype) not in cache:
+            cache[(device, out_dtype)] = recipe_support(device, self.recipe, out_dtype)
+        return cache[(device, out_dtype)]
+
     def _native(self, device: torch.device, out_dtype: torch.dtype) -> bool:
-        """Whether this call's GEMMs run natively (``recipe.gemm``; :func:`~mixprec.blockscale.native.recipe_support`,
-        cached: its probe runs once per device). RuntimeError for ``gemm="native"`` where they cannot, naming why."""
+        """Whether this call's GEMMs run natively (``recipe.gemm``; :meth:`gemm_support`, cached: under
+        ``torch.compile`` the cached answer is read, or the probe breaks the graph). RuntimeError for
+        ``gemm="native"`` where they cannot, naming why."""
         if self.recipe.gemm == "emulated" or (device.type != "cuda" and self.recipe.gemm == "auto"):
             return False
-        cache = self.__dict__.setdefault("_native_by", {})   # (device, out dtype) -> NativeSupport
-        support = cache.get((device, out_dtype))
+        support = self.__dict__.get("_native_by", {}).get((device, out_dtype))
         if support is None:
-            support = cache[(device, out_dtype)] = recipe_support(device, self.recipe, out_dtype)
+            support = self.gemm_support(device, out_dtype)
         if self.recipe.gemm == "native" and not support.available:
             raise RuntimeError(f"BlockScaledLinear(index={self.index}, {self.recipe.name}) asks for native GEMMs "
                                f"(recipe gemm='native'), and {support.reason}; use gemm='auto' to emulate them there")

@@ -22,11 +22,17 @@ fp32 accumulation (and, for NVFP4, the tensor scales applied to the sum rather t
 
 :func:`native_support` says whether a device runs a pair of formats natively, and why not: CUDA only (torch's
 CPU ``scaled_mm`` takes tensorwise and rowwise float8 scales, no block scales), capability 10.0+, a torch with
-the block scaling types; then, once per device, format pair and output dtype, a probe GEMM run both ways whose
-native result must equal the emulation's within the fp32 accumulation bound (a layout this module got wrong, or a
-kernel that rounds otherwise, is then never used: the GEMMs are emulated and the reason says why). The probe reads
-its result on the host once (at first use); nothing else here syncs. Sources: cuBLAS's documentation ("1D Block
-Scaling Factors Layout"), torch's ``test_scaled_matmul_cuda.py`` and torchao's MX/NVFP4 GEMM calls.
+the block scaling types; then, once per device, format pair and output dtype, a probe GEMM (:func:`probe_gemm`)
+whose native result must equal the exact product of the emulation's operands within the fp32 accumulation bound
+(a layout this module got wrong, or a kernel that rounds otherwise, is then never used: the GEMMs are emulated and
+the reason says why). The probe's reference GEMM runs in fp64, so torch's float32 matmul precision (TF32) cannot
+make it inexact; the emulation itself (:func:`~mixprec.blockscale.gemm.block_gemm`) is exact only with fp32
+matmuls in fp32 (:func:`~mixprec.blockscale.gemm.tf32_matmuls`). The probe reads its result on the host once (at
+first use) and runs eagerly, outside ``torch.compile``'s tracing (``torch.compiler.disable``): under
+``fullgraph=True`` ask for the support before compiling
+(:meth:`~mixprec.blockscale.linear.BlockScaledLinear.gemm_support`; the engine does it at build). Nothing else
+here syncs. Sources: cuBLAS's documentation ("1D Block Scaling Factors Layout"), torch's
+``test_scaled_matmul_cuda.py`` and torchao's MX/NVFP4 GEMM calls.
 """
 
 from __future__ import annotations
@@ -38,12 +44,12 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 
-from mixprec.blockscale.gemm import block_gemm, gemm_operand, operand_blocks, tile_blocks, untile
+from mixprec.blockscale.gemm import gemm_operand, operand_blocks, tile_blocks, untile
 from mixprec.blockscale.quantize import BlockQuantized, quantize
 from mixprec.formats import BlockFormat, get_block_format
 
 __all__ = ["NativeOperand", "NativeSupport", "native_operand", "native_weight_tiles", "native_gemm",
-           "native_support", "recipe_support", "swizzle_scales", "MIN_CAPABILITY"]
+           "native_support", "probe_gemm", "recipe_support", "swizzle_scales", "MIN_CAPABILITY"]
 
 MIN_CAPABILITY = (10, 0)
 ROW_ALIGN = 16
@@ -175,6 +181,10 @@ class NativeSupport:
     available: bool
     reason: str
 
+_NOT_TRACED = ("mixprec probes a device's native block-scaled GEMMs once, eagerly (a GEMM and a host read); under "
+               "torch.compile(fullgraph=True) call gemm_support(device, compute_dtype) on each BlockScaledLinear "
+               "before compiling (MixedPrecision does it at build), or run one forward eagerly first")
+
 
 def native_support(device: torch.device | str, fmt_a: BlockFormat | str, fmt_b: BlockFormat | str | None = None,
                    out_dtype: torch.dtype = torch.bfloat16) -> NativeSupport:
@@ -188,12 +198,12 @@ def native_support(device: torch.device | str, fmt_a: BlockFormat | str, fmt_b: 
         return NativeSupport(False, f"no native block-scaled GEMM on {device.type}: torch's scaled_mm takes block "
                                     "scales on CUDA only (capability 10.0+, NVIDIA Blackwell)")
     index = torch.cuda.current_device() if device.index is None else device.index
-    return _cuda_support(index, fmt_a.name, fmt_b.name, out_dtype)
+    return _cuda_support(index, fmt_a, fmt_b, out_dtype)   # the formats themselves: variants share a name
 
 
+@torch.compiler.disable(reason=_NOT_TRACED)
 @functools.lru_cache(maxsize=None)
-def _cuda_support(index: int, name_a: str, name_b: str, out_dtype: torch.dtype) -> NativeSupport:
-    fmt_a, fmt_b = get_block_format(name_a), get_block_format(name_b)
+def _cuda_support(index: int, fmt_a: BlockFormat, fmt_b: BlockFormat, out_dtype: torch.dtype) -> NativeSupport:
     device = torch.device("cuda", index)
     if not torch.cuda.is_available():
         return NativeSupport(False, f"{device}: CUDA is not available in this process")
@@ -224,30 +234,56 @@ def _format_problem(fmt: BlockFormat) -> list[str]:
 
 def _probe(device: torch.device, where: str, fmt_a: BlockFormat, fmt_b: BlockFormat,
            out_dtype: torch.dtype) -> NativeSupport:
-    """One GEMM of awkward shape (rows and contraction not multiples of the tiles, blocks of very different
-    magnitudes) both ways: native must equal the emulation within ``2 C u`` of ``|A| @ |B|^T`` plus one rounding
-    to ``out_dtype`` (``u = 2**-24``), or it is not used."""
-    g = torch.Generator(device="cpu").manual_seed(0)
-    rows_a, rows_b, width = 72, 40, 3 * fmt_a.block_size * _TILE_COLS // 2
-    a = torch.randn(rows_a, width, generator=g) * torch.exp2(torch.randint(-8, 9, (rows_a, 1), generator=g))
-    b = torch.randn(rows_b, width, generator=g) * torch.exp2(torch.randint(-8, 9, (1, width), generator=g))
-    a, b = a.to(device), b.to(device)
+    """:func:`probe_gemm` on ``device``, in words; not native where it fails or torch refuses it."""
     try:
-        got = native_gemm(native_operand(a, fmt_a), native_operand(b, fmt_b), out_dtype).float()
+        worst = probe_gemm(device, fmt_a, fmt_b, out_dtype)
     except Exception as error:   # noqa: BLE001 - whatever torch raises, the GEMMs are then emulated
         return NativeSupport(False, f"{where}: torch's scaled_mm refused a probe GEMM "
                                     f"({type(error).__name__}: {str(error)[:200]})")
-    qa, qb = gemm_operand(a, fmt_a), gemm_operand(b, fmt_b)
-    with torch.autocast(device.type, enabled=False):
-        want = block_gemm(qa, qb, torch.float32)
-        bound = 2 * width * 2.0 ** -24 * (qa.abs() @ qb.abs().t()) + _ulp(want, out_dtype) + 2.0 ** -126
-    worst = ((got - want).abs() / bound).max().item()   # the probe's one host read
     if not worst <= 1.0:
         return NativeSupport(False, f"{where}: a probe GEMM through torch's scaled_mm differed from the exact "
                                     f"emulation by {worst:.3g}x the fp32 accumulation bound; emulating instead")
     recipe = "+".join(s.name for s in _recipe(fmt_a))
     return NativeSupport(True, f"{where}: native block-scaled GEMMs (torch.nn.functional.scaled_mm, {recipe} "
                                f"scales; a probe GEMM matched the exact emulation within fp32 accumulation)")
+
+
+def _probe_operand(rows: int, width: int, block: int, g: torch.Generator) -> torch.Tensor:
+    """``(rows, width)`` uniform in ``[-1, 1]`` times ``2**e`` per block (``e`` in ``-8..0``, drawn per row and
+    block): every block scale of a tile its own, so a scale read from another place changes the product."""
+    blocks = -(-width // block)
+    magnitude = torch.exp2(torch.randint(-8, 1, (rows, blocks), generator=g).float())
+    return (torch.rand(rows, width, generator=g) * 2 - 1) * magnitude.repeat_interleave(block, 1)[:, :width]
+
+
+@torch.no_grad()
+def probe_gemm(device: torch.device | str, fmt_a: BlockFormat | str, fmt_b: BlockFormat | str,
+               out_dtype: torch.dtype) -> float:
+    """One GEMM of awkward shape through torch's ``scaled_mm`` (:func:`native_gemm`) on ``device``, against the exact
+    product of the emulation's operands: the worst ``|native - exact|`` over ``2 C u |A| @ |B|^T`` (the fp32
+    accumulation bound, ``u = 2**-24``) plus one unit of ``out_dtype`` in the last place; at most 1 where the
+    kernel computes what the emulation computes. Raises what torch raises. One host read.
+
+    Shapes: 200 and 136 rows (two 128-row scale bands each, the second ragged) and a contraction of 9.5 blocks
+    (three 4-scale tiles, the last ragged, and a ragged block), so a misplaced tile, band, scale or element
+    changes the result. Magnitudes: every input is at most 1 and each quantized value at most twice its block's
+    largest input (the formats round at most to the next representable value or saturate), so every product is at
+    most 4 and a sum of ``C <= 304`` of them at most ~1.2e3, well inside fp16's 65504 (bf16's and fp32's range
+    is wider): no output dtype overflows. The reference runs in fp64, which no float32 matmul precision (TF32)
+    touches."""
+    device = torch.device(device)
+    fmt_a, fmt_b = get_block_format(fmt_a), get_block_format(fmt_b)
+    g = torch.Generator(device="cpu").manual_seed(0)
+    block = fmt_a.block_size
+    width = 9 * block + block // 2
+    a = _probe_operand(200, width, block, g).to(device)
+    b = _probe_operand(136, width, block, g).to(device)
+    got = native_gemm(native_operand(a, fmt_a), native_operand(b, fmt_b), out_dtype).double()
+    qa, qb = gemm_operand(a, fmt_a).double(), gemm_operand(b, fmt_b).double()
+    with torch.autocast(device.type, enabled=False):
+        want = qa @ qb.t()
+        bound = 2 * width * 2.0 ** -24 * (qa.abs() @ qb.abs().t()) + _ulp(want, out_dtype) + 2.0 ** -126
+    return ((got - want).abs() / bound).max().item()   # the probe's one host read
 
 
 def recipe_support(device: torch.device | str, recipe, out_dtype: torch.dtype = torch.bfloat16) -> NativeSupport:
@@ -266,7 +302,9 @@ def recipe_support(device: torch.device | str, recipe, out_dtype: torch.dtype = 
     return support
 
 
-def _ulp(t_fp32: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
-    """One unit in the last place of ``dtype`` at each of ``t``'s magnitudes (fp32)."""
+def _ulp(t: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """One unit in the last place of ``dtype`` at each of ``t``'s magnitudes (``t``'s dtype); below ``dtype``'s
+    smallest normal, its subnormals' spacing."""
     mantissa = {torch.float32: 23, torch.bfloat16: 7, torch.float16: 10}.get(dtype, 23)
-    return torch.exp2(torch.floor(torch.log2(t_fp32.abs().clamp_min(2.0 ** -126))) - mantissa)
+    tiny = torch.finfo(dtype if dtype in (torch.float32, torch.bfloat16, torch.float16) else torch.float32).tiny
+    return torch.exp2(torch.floor(torch.log2(t.abs().clamp_min(tiny))) - mantissa)

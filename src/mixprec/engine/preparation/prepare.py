@@ -266,14 +266,22 @@ def _kept_words(report: Any) -> str:
 
 def emulation_words(device: torch.device, recipe: Any, compute_dtype: torch.dtype) -> str:
     """How ``recipe``'s block-scaled GEMMs run on ``device`` (:func:`mixprec.blockscale.native.recipe_support`: on
-    CUDA its probe runs here, once): natively, or emulated and why."""
+    CUDA its probe runs here, once): natively, or emulated and why; and, emulated on CUDA with NVFP4 operands while
+    fp32 matmuls run in TF32 (:func:`mixprec.blockscale.gemm.tf32_matmuls`), that the emulation is then inexact."""
+    from mixprec.blockscale.gemm import tf32_matmuls
     from mixprec.blockscale.native import recipe_support
 
     support = recipe_support(device, recipe, compute_dtype)
     if support.available:
         return support.reason
+    tf32 = ""
+    if device.type == "cuda" and any(recipe.operand_format(o).tensor_scale for o in ("x", "W", "dy")) \
+            and tf32_matmuls():
+        tf32 = ("; fp32 matmuls run in TF32 here (torch's float32 matmul precision), which rounds the emulated NVFP4 "
+                "operands to 10 mantissa bits: set torch.set_float32_matmul_precision('highest') (or "
+                "torch.backends.cuda.matmul.fp32_precision = 'ieee') for the exact emulation")
     return (f"emulated on {device.type} (each GEMM: exact dequantize of the block-scaled operands + an fp32 GEMM; "
-            f"{support.reason}), so its speed is not representative of a native GEMM")
+            f"{support.reason}), so its speed is not representative of a native GEMM{tf32}")
 
 
 def convert_block(model: nn.Module, policy: Policy, device: torch.device, keep: dict[str, nn.Module]
@@ -283,8 +291,9 @@ def convert_block(model: nn.Module, policy: Policy, device: torch.device, keep: 
     converted, nor are the linears ``policy.block_keep`` names (ValueError for a pattern that matches none, before any
     swap). Returns the :class:`~mixprec.blockscale.BlockConversionReport` and the decision's clause: the recipe,
     how many linears converted, which kept and why, and how the GEMMs run (natively or emulated, and why; None, ""
-    without ``block``).
-    No host sync."""
+    without ``block``). Each converted (or found block-scaled) linear caches whether its GEMMs run natively on
+    ``device`` in the compute dtype (:meth:`~mixprec.blockscale.BlockScaledLinear.gemm_support`), so a compiled
+    forward reads it instead of probing. No host sync (on CUDA, the probe's one read, once per process)."""
     if policy.block is None:
         return None, ""
     from mixprec.blockscale import convert_to_block_scaled, get_block_recipe
@@ -292,6 +301,10 @@ def convert_block(model: nn.Module, policy: Policy, device: torch.device, keep: 
     recipe = get_block_recipe(policy.block, disable=policy.block_disable)
     report = convert_to_block_scaled(model, recipe, module_filter=outside_regions(keep), keep=policy.block_keep)
     tag_swapped(model, report.converted, policy)
+    named = dict(model.named_modules())
+    for name in (*report.converted, *(n for n, _ in report.as_built)):   # the forward reads it, compiled too
+        if hasattr(named[name], "gemm_support"):
+            named[name].gemm_support(device, policy.compute_dtype)
     kept = f" ({_kept_words(report)})" if report.kept else ""
     built = f", {len(report.as_built)} left as built ({', '.join(n for n, _ in report.as_built[:4])})" \
         if report.as_built else ""
