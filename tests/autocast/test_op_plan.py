@@ -12,7 +12,7 @@ import torch.nn.functional as F
 
 import mixprec
 import mixprec.autocast.portable
-from mixprec.autocast import kernel_timing, op_plan, plan_verdict
+from mixprec.autocast import kernel_timing, op_plan, plan_measurement, plan_verdict
 from mixprec.machine.cache import machine_key
 from mixprec.policy.policy import Policy
 
@@ -473,3 +473,102 @@ def test_a_plan_moves_to_another_dtype_and_says_what_it_cannot_use_there():
         assert op_plan.retarget({key[torch.bfloat16]: chosen}, torch.float16) == ({key[torch.float16]: chosen}, {})
     assert op_plan.retarget({key[torch.float16]: "fused-fp32"}, torch.bfloat16) == (
         {key[torch.bfloat16]: "fused-fp32"}, {})
+
+
+# ---------------------------------------------------------------------- a fake clock: what noise can fake
+def _fake_clock(monkeypatch, samples):
+    """Every timed call of a measurement reads ``samples`` (candidate → ms of its successive calls, the last
+    repeated) instead of the clock, and runs nothing. Returns ``timed``: time_candidates on this clock
+    (the plan's measurements call it too), and ``calls``: candidate → calls timed in the last measurement."""
+    calls: dict[str, int] = {}
+    names: dict[int, str] = {}
+
+    def fake_time_call(run, device):
+        name = names[id(run)]
+        calls[name] = calls.get(name, 0) + 1
+        return samples[name][min(calls[name], len(samples[name])) - 1] / 1e3
+
+    def timed(runs, **kwargs):
+        calls.clear()
+        names.update({id(r): n for n, r in runs.items() if r is not None})
+        return kernel_timing.time_candidates(runs, **kwargs)
+    monkeypatch.setattr(kernel_timing, "time_call", fake_time_call)
+    monkeypatch.setattr(plan_measurement, "time_candidates", timed)
+    return timed, calls
+
+
+def test_one_slow_warm_up_does_not_drop_a_candidate_two_do_and_the_kept_one_never(monkeypatch):
+    """A warm-up over 3x the fastest (one load spike) is warmed up again beside the fastest: within 3x there, the
+    candidate is timed in every round and wins; over 3x twice it is dropped after two calls (the speed benefit);
+    a candidate the caller keeps (the plan's cached choice) is timed in every round whatever its warm-ups."""
+    timed, calls = _fake_clock(monkeypatch, {"fused": [10.0], "blockwise": [40.0, 5.0], "matmul": [50.0]})
+    runs = {n: (lambda: None) for n in ("fused", "blockwise", "matmul")}
+    timing = timed(runs, default="fused")
+    assert timing.chosen == "blockwise" and timing.times_ms["blockwise"] == 5.0
+    assert len(timing.rounds_ms["blockwise"]) == kernel_timing.REPEATS and "matmul" not in timing.rounds_ms
+    assert calls == {"fused": 2 + kernel_timing.REPEATS, "blockwise": 2 + kernel_timing.REPEATS, "matmul": 2}
+    timed, calls = _fake_clock(monkeypatch, {"fused": [10.0], "blockwise": [40.0, 40.0, 5.0]})
+    runs = {n: (lambda: None) for n in ("fused", "blockwise")}
+    assert timed(runs, default="fused").chosen == "fused" and calls["blockwise"] == 2   # two slow warm-ups: dropped
+    kept = timed(runs, default="fused", keep=("blockwise",))
+    assert kept.chosen == "blockwise" and len(kept.rounds_ms["blockwise"]) == kernel_timing.REPEATS
+
+
+@pytest.mark.parametrize("afresh", [False, True])
+def test_a_warm_up_spike_on_the_best_kernel_neither_caches_nor_replaces_the_default(tmp_path, monkeypatch, afresh):
+    """blockwise truly 2x faster than fused; load spikes slow its warm-ups 8x. On a fresh cache one spike used to
+    drop it and cache fused; under measured_afresh (the bench) it replaced the cached blockwise for every later
+    process. Now a single spike is warmed up again, and the cached choice is timed in every round whatever."""
+    monkeypatch.setattr(kernel_timing, "NOISY_SPREAD", 1.5)      # the rules as shipped
+    monkeypatch.setattr(plan_verdict, "AGREEMENT", 1.0)
+    true = {"fused": [10.0], "fused-fp32": [12.0], "matmul": [30.0], "blockwise": [5.0]}
+    q = torch.randn(2, 2, 32, 16, requires_grad=True)
+
+    def choose():
+        return op_plan.choose(q, q, q, is_causal=True, dtype=torch.bfloat16, grad=True)
+    if afresh:
+        _fake_clock(monkeypatch, true)
+        assert (choose().chosen, choose().source) == ("blockwise", "measured")     # a quiet run cached it
+        _fake_clock(monkeypatch, {**true, "blockwise": [40.0, 40.0, 5.0]})   # two spikes: timed all the same
+        with op_plan.measured_afresh():
+            entry = choose()
+        # its first round (40 ms) chose fused: the rounds disagree, so the cached blockwise is kept as it was
+        assert (entry.chosen, entry.source) == ("blockwise", "cache") and "the cached blockwise kept" in entry.note
+    else:
+        _fake_clock(monkeypatch, {**true, "blockwise": [40.0, 5.0]})
+        entry = choose()
+        assert (entry.chosen, entry.source) == ("blockwise", "measured")
+    assert "replaces" not in entry.note
+    assert [e["chosen"] for e in op_plan.cached("cpu")[1].values()] == ["blockwise"]
+
+
+def test_a_cached_entry_re_chosen_under_another_allowance_runs_only_what_its_rounds_agree_on(monkeypatch):
+    """Measured under +0 MiB: fused cached (matmul saves more). Under no limit matmul is fastest by its best round,
+    its rounds split 3 matmul / 2 fused: a later process reading the cache, and this one re-choosing, run fused
+    (the measured choice), the memory words saying why; rounds that agree on matmul run it."""
+    monkeypatch.setattr(kernel_timing, "NOISY_SPREAD", 1.5)
+    monkeypatch.setattr(plan_verdict, "AGREEMENT", 1.0)
+    split = {"fused": [10.0], "fused-fp32": [12.0], "blockwise": [20.0], "matmul": [7.0, 7.0, 13.0, 7.0, 13.0, 7.0]}
+    _fake_clock(monkeypatch, split)
+    q = torch.randn(2, 2, 32, 16, requires_grad=True)
+
+    def choose():
+        return op_plan.choose(q, q, q, is_causal=True, dtype=torch.bfloat16, grad=True)
+    first = choose()
+    assert (first.chosen, first.source) == ("fused", "measured") and first.memory.startswith("matmul skipped")
+    assert list(op_plan.cached("cpu")[1].values())[0]["rounds_ms"]["matmul"] == [7.0, 13.0, 7.0, 13.0, 7.0]
+    for later_process in (False, True):
+        if later_process:
+            op_plan.forget()
+        with op_plan.allow_extra_saved(None):
+            entry = choose()
+        assert entry.chosen == "fused" and entry.source == ("cache" if later_process else "measured")
+        assert "not matmul under this allowance (the interleaved rounds do not separate the candidates: 3 of 5 " \
+               "chose matmul (fused 2)): fused, the measured choice" in entry.memory
+    op_plan.forget()
+    path = op_plan.cached("cpu")[0]
+    on_disk = json.loads(open(path).read())
+    next(iter(on_disk.values()))["rounds_ms"]["matmul"] = [7.0] * 5                # rounds that agree
+    open(path, "w").write(json.dumps(on_disk))
+    with op_plan.allow_extra_saved(None):
+        assert (choose().chosen, choose().source) == ("matmul", "cache")

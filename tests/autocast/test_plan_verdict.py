@@ -110,3 +110,57 @@ def test_agreement_is_a_share_of_the_rounds(monkeypatch):
     monkeypatch.setattr(plan_verdict, "AGREEMENT", 0.0)
     assert verdict(timing, rule, CACHED_BLOCKWISE, default="fused") == \
         plan_verdict.Verdict(True, False, "replaces the cached blockwise")
+
+
+def test_a_measurement_that_dropped_the_cached_choice_after_its_warm_ups_does_not_replace_it():
+    """The cached blockwise, dropped after its warm-ups (a load spike over 3x the fastest) and never timed in the
+    rounds: the rounds "agree" on fused without having compared blockwise, the spread is clean, fused is no slower
+    than cached. Untested, blockwise cannot be overturned: the cached choice is kept."""
+    rounds = {"fused": [21.8, 21.9, 22.0, 21.8, 21.9]}
+    warm = {"fused-fp32": 70.0, "fused": 22.0, "blockwise": 160.0, "matmul": 66.0}   # all three dropped
+    timing = from_rounds(rounds, warm, default="fused", prefer=PREFER)
+    assert timing.chosen == "fused" and not timing.noisy and plan_verdict.round_choices(timing, rule) == ["fused"] * 5
+    found = verdict(timing, rule, CACHED_BLOCKWISE, default="fused")
+    assert not found.cache and found.keep_cached
+    assert "the cached blockwise was dropped after its warm-ups (160.00 ms), not timed in the rounds" in found.why
+    # a dropped candidate that is not the cached choice changes nothing; nor does one with nothing cached
+    cached_fused = {"chosen": "fused", "times_ms": {"fused": 22.0, "blockwise": 24.0}}
+    assert verdict(timing, rule, cached_fused, default="fused") == plan_verdict.Verdict(True, False, "")
+    assert verdict(timing, rule, None, default="fused").cache
+
+
+def _within(allowed):
+    """A rule under an allowance: the speed rule among ``allowed`` candidates (and fused, never left out)."""
+    return lambda times: rule({n: t if n in allowed or n == "fused" else None for n, t in times.items()})
+
+
+def test_a_re_choice_under_another_allowance_reads_every_time_only_where_the_rounds_agree():
+    """Measured (and cached) under +0 MiB: fused, matmul left out for its bytes. Under no limit matmul is fastest
+    by its best round, but its rounds split 3 matmul / 2 fused: the re-choice reads fused's and the measured
+    choice's times alone (fused), and says why; rounds that agree give matmul its every time."""
+    split = {"fused": [10.0] * 5, "fused-fp32": [12.0] * 5, "matmul": [7.0, 13.0, 7.0, 13.0, 7.0]}
+    warm = {"fused-fp32": 12.0, "fused": 10.0, "blockwise": 20.0, "matmul": 7.0}
+    timing = from_rounds(split, warm, default="fused", prefer=PREFER)
+    assert _within(("fused-fp32", "blockwise"))(timing.times_ms) == "fused"     # the allowance measured under
+    unlimited = _within(PREFER)
+    assert unlimited(timing.times_ms) == "matmul"                              # best of: 7 ms against 10
+    times, why = plan_verdict.agreed_times(timing, unlimited, "fused", default="fused")
+    assert unlimited(times) == "fused" and times["matmul"] is None and times["fused"] == 10.0
+    assert why == ("not matmul under this allowance (the interleaved rounds do not separate the candidates: 3 of 5 "
+                   "chose matmul (fused 2)): fused, the measured choice")
+    clean = from_rounds({**split, "matmul": [7.0] * 5}, warm, default="fused", prefer=PREFER)
+    assert plan_verdict.agreed_times(clean, unlimited, "fused", default="fused") == (clean.times_ms, "")
+
+
+def test_a_re_choice_falls_back_to_the_measured_choice_where_it_is_allowed():
+    """Measured blockwise (it saves what fused saves, so every allowance admits it); under no limit the rounds
+    split between matmul and blockwise: blockwise runs, not fused."""
+    rounds = {"fused": [20.0] * 5, "blockwise": [15.0] * 5, "matmul": [12.0, 16.0, 12.0, 16.0, 12.0]}
+    timing = from_rounds(rounds, {"fused": 20.0, "blockwise": 15.0, "matmul": 12.0}, default="fused",
+                         prefer=PREFER)
+    times, why = plan_verdict.agreed_times(timing, _within(PREFER), "blockwise", default="fused")
+    assert rule(times) == "blockwise" and why.endswith("): blockwise, the measured choice")
+    # measured under no limit (matmul), re-chosen under +0 MiB where matmul is not allowed: the rule's own
+    # choice there, checked against the rounds like any other
+    no_matmul = _within(("blockwise",))
+    assert plan_verdict.agreed_times(timing, no_matmul, "matmul", default="fused") == (timing.times_ms, "")

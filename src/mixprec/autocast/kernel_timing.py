@@ -21,12 +21,13 @@ import torch
 
 from mixprec.machine.timing import time_call
 
-__all__ = ["MARGIN", "REPEATS", "NOISY_SPREAD", "Timing", "time_candidates", "from_rounds", "round_times",
+__all__ = ["MARGIN", "REPEATS", "NOISY_SPREAD", "HOPELESS", "Timing", "time_candidates", "from_rounds", "round_times",
            "speed_choice"]
 
 MARGIN = 0.05                     # another candidate replaces the default only when ≥ 5 % faster
 REPEATS = 5                       # timed runs per candidate after one warm-up (best of)
 NOISY_SPREAD = 1.5                # a candidate's slowest round over its fastest: above it, not cached
+HOPELESS = 3.0                    # a warm-up over 3x the fastest one's, in two passes: not repeated
 
 
 @dataclass(frozen=True)
@@ -34,7 +35,7 @@ class Timing:
     """What :func:`time_candidates` found: ``chosen``, each candidate's best time in ms (None: not offered), and
     ``spread``: the median over candidates of each one's slowest over its fastest timed round (1.0 on a quiet
     machine); ``rounds_ms``: each repeated candidate's timed rounds in order (round ``r`` of every candidate ran
-    back to back; a candidate dropped after its warm-up has none). The plan's measurement adds ``saved_bytes``
+    back to back; a candidate dropped after its warm-ups has none). The plan's measurement adds ``saved_bytes``
     (candidate → bytes saved for backward per call) and ``memory`` (the memory rule's words), and its ``chosen``
     is the memory rule's (:mod:`mixprec.autocast.op_plan`)."""
 
@@ -52,15 +53,19 @@ class Timing:
 
 
 def time_candidates(runs: dict[str, Callable[[], Any] | None], *, default: str,
-                    device: torch.device | str = "cpu", prefer: tuple[str, ...] = ()) -> Timing:
+                    device: torch.device | str = "cpu", prefer: tuple[str, ...] = (),
+                    keep: tuple[str, ...] = ()) -> Timing:
     """Time each zero-argument callable of ``runs`` (None: not offered) and pick one: one warm-up call each, then
     :data:`REPEATS` interleaved rounds (A B C A B C ...: drift hits every candidate alike), each candidate's best
-    call in ms. A candidate whose warm-up took over 3x the fastest warm-up has lost and is not repeated (its
-    warm-up time is reported). ``default`` is chosen unless another candidate is at least :data:`MARGIN`
-    faster; among the candidates within :data:`MARGIN` of the fastest, the first of ``prefer`` (most exact
-    first; else ``runs``' order) wins, so noise cannot trade exactness for nothing. ``spread`` is the median
-    over candidates of each one's slowest/fastest round. Raises ValueError when ``default`` is not offered. Host
-    syncs: a device sync around each call (:func:`mixprec.machine.timing.time_call`)."""
+    call in ms. A candidate whose warm-up took over :data:`HOPELESS` times the fastest warm-up is warmed up again,
+    beside the fastest one (interleaved, a comparison of its own), and has lost only when over :data:`HOPELESS`
+    times there too: it is not repeated (its better warm-up is reported), so one slow sample (a load spike) drops
+    nothing. ``default`` and ``keep`` (the op plan's cached choice) are never dropped. ``default`` is chosen
+    unless another candidate is at least :data:`MARGIN` faster; among the candidates within :data:`MARGIN` of
+    the fastest, the first of ``prefer`` (most exact first; else ``runs``' order) wins, so noise cannot trade
+    exactness for nothing. ``spread`` is the median over candidates of each one's slowest/fastest round. Raises
+    ValueError when ``default`` is not offered. Host syncs: a device sync around each call
+    (:func:`mixprec.machine.timing.time_call`)."""
     device = torch.device(device)
     if runs.get(default) is None:
         raise ValueError(f"time_candidates(default={default!r}): the default must be one of the offered "
@@ -69,12 +74,26 @@ def time_candidates(runs: dict[str, Callable[[], Any] | None], *, default: str,
     def once(run: Callable[[], Any]) -> float:
         return time_call(run, device) * 1e3
     warm = {name: once(run) for name, run in runs.items() if run is not None}
-    live = [name for name in warm if warm[name] <= 3 * min(warm.values()) or name == default]
+    doubtful = _hopeless(warm, spared=(default, *keep))
+    dropped: set[str] = set()
+    if doubtful:   # a second warm-up of each, with the fastest's again: dropped when over HOPELESS there too
+        fastest = min(warm, key=lambda name: warm[name])
+        again = {name: once(runs[name]) for name in warm if name in doubtful or name == fastest}
+        dropped = doubtful & _hopeless(again, spared=(default, *keep))
+        warm.update({name: min(warm[name], t) for name, t in again.items()})
+    live = [name for name in warm if name not in dropped]
     rounds: dict[str, list[float]] = {name: [] for name in live}
     for _ in range(REPEATS):
         for name in live:
             rounds[name].append(once(runs[name]))
     return from_rounds(rounds, {name: warm.get(name) for name in runs}, default=default, prefer=prefer)
+
+
+def _hopeless(warm: dict[str, float], *, spared: tuple[str, ...]) -> set[str]:
+    """The candidates of ``warm`` (one pass of warm-ups, ms) over :data:`HOPELESS` times its fastest, but
+    ``spared``."""
+    fastest = min(warm.values())
+    return {name for name, t in warm.items() if t > HOPELESS * fastest and name not in spared}
 
 
 def from_rounds(rounds_ms: dict[str, list[float]], warm_ms: dict[str, float | None], *, default: str,

@@ -29,11 +29,12 @@ mode and ``requires_grad``). At the first call with a new key, each candidate is
 those shapes (:mod:`mixprec.autocast.plan_measurement`; inside :func:`torch.random.fork_rng` with its own generator, so the caller's random stream is
 untouched; under identity saved-tensor hooks, so a checkpoint or offload around the op sees none of its
 tensors) by :func:`time_candidates` (:mod:`mixprec.autocast.kernel_timing`): one warm-up each, then the best of :data:`REPEATS` interleaved
-forward (+ backward) rounds. Host syncs: at measurement only (a device sync around each run:
+forward (+ backward) rounds (a candidate over 3x the fastest in two warm-ups is dropped; never the cached choice). Host syncs: at measurement only (a device sync around each run:
 :func:`mixprec.machine.timing.time_call`). The plan is cached per process and on disk by machine
 (:func:`mixprec.machine.cache.machine_key`: device name, torch version, thread count) and key, so a second run of
 the same model measures nothing and chooses the same. A measurement noise could have decided (the verdict of
-:mod:`mixprec.autocast.plan_verdict`) is not cached: used in this process only, or the cached entry kept. While torch.compile, a FakeTensor or
+:mod:`mixprec.autocast.plan_verdict`) is not cached: used in this process only, or the cached entry kept. An entry keeps its
+rounds: re-chosen under another allowance, it runs what they agree on, else its measured choice or ``fused``. While torch.compile, a FakeTensor or
 another dispatch mode traces the op, the measurement runs on real stand-ins of the traced shapes (outside
 the modes) and the graph keeps the chosen kernel; with symbolic shapes nothing is measured (``fused``, and
 the entry says so). :func:`entries` lists what was chosen in this process (op, shape, choice, every candidate's
@@ -72,11 +73,11 @@ from typing import Any, Callable
 import torch
 
 from mixprec.autocast.plan_agreement import pending, running
-from mixprec.autocast.plan_entry import PlanEntry
+from mixprec.autocast.plan_entry import PlanEntry, usable_cached
 from mixprec.autocast.attention_kernels import CANDIDATES, MATMUL_SCORES_LIMIT, NOT_FP16
 from mixprec.autocast.kernel_timing import MARGIN, NOISY_SPREAD, REPEATS, Timing, speed_choice, time_candidates
 from mixprec.autocast.plan_measurement import measure, outside_tracing, traced
-from mixprec.autocast.plan_verdict import verdict
+from mixprec.autocast.plan_verdict import agreed_times, verdict
 from mixprec.autocast.saved_allowance import (allow_extra_saved, count_call, extra_saved_allowed, memory_choice,
                                               mib_words)
 from mixprec.autocast.switch import Switch
@@ -120,12 +121,12 @@ def _rule(times: dict[str, float | None], saved: dict[str, int | None],
 
 
 def _measure(q, k, v, attn_mask, dropout_p, is_causal, scale, enable_gqa, dtype, grad,
-             allowed_mib: float | None) -> tuple[Timing, str]:
-    """The key measured (:func:`mixprec.autocast.plan_measurement.measure`, outside any tracing) and chosen by the
-    rule under ``allowed_mib``; and the measurement's notes."""
+             allowed_mib: float | None, keep: tuple[str, ...]) -> tuple[Timing, str]:
+    """The key measured (:func:`mixprec.autocast.plan_measurement.measure`, outside any tracing; ``keep``, the cached
+    choice, timed in every round) and chosen by the rule under ``allowed_mib``; and the measurement's notes."""
     with outside_tracing():
         timing, note = measure(q, k, v, attn_mask, dropout_p, is_causal, scale, enable_gqa, dtype, grad,
-                               default=_DEFAULT, prefer=_EXACTNESS)
+                               default=_DEFAULT, prefer=_EXACTNESS, keep=keep)
     chosen, memory = _rule(timing.times_ms, timing.saved_bytes, allowed_mib)
     return dataclasses.replace(timing, chosen=chosen, memory=memory), note
 
@@ -137,28 +138,23 @@ def _cache_file(device: torch.device):
 _OLD_CACHE = "measured again: its cache entry (an older mixprec's) had no saved bytes for the memory rule"
 
 
-def _numbers(values: Any, kind: type | tuple[type, ...]) -> bool:
-    return isinstance(values, dict) and all(v is None or (isinstance(v, kind) and not isinstance(v, bool))
-                                            for v in values.values())
-
-
-def _usable(cached: Any, key: str) -> bool:
-    """Whether a cache file's entry is one :func:`choose` wrote (another shape, an edited or foreign file: measure).
-    An older version's entry (no ``saved_bytes``) is usable for a ``fwd`` key only (nothing is saved there)."""
-    if not isinstance(cached, dict) or not isinstance(cached.get("chosen"), str) or cached["chosen"] not in CANDIDATES:
-        return False
-    if "saved_bytes" not in cached and key.endswith(" fwd+bwd"):
-        return False
-    return _numbers(cached.get("times_ms") or {}, (int, float)) and _numbers(cached.get("saved_bytes") or {}, int)
+def _chosen_again(times: dict, saved: dict, rounds: dict, allowed_mib: float | None, anchor: str) -> tuple[str, str]:
+    """The rule's choice and memory words under ``allowed_mib`` from a measurement (``anchor``: its own choice), where
+    its rounds agree on it; else anchor or fused (:func:`mixprec.autocast.plan_verdict.agreed_times`, words added)."""
+    usable, why = agreed_times(Timing(anchor, times, 1.0, rounds_ms=rounds),
+                               lambda t: _rule(t, saved, allowed_mib)[0], anchor, default=_DEFAULT)
+    chosen, memory = _rule(usable, saved, allowed_mib)
+    return chosen, "; ".join(filter(None, [memory, why]))
 
 
 def _from_cache(cached: dict, key: str, allowed_mib: float | None) -> PlanEntry:
-    """A usable cache entry, chosen again under the allowance in force (its times and saved bytes)."""
+    """A usable cache entry, chosen again under the allowance in force (its times, saved bytes and rounds)."""
     times, saved = dict(cached.get("times_ms") or {}), dict(cached.get("saved_bytes") or {})
-    chosen, memory = (_rule(times, saved, allowed_mib) if saved and times.get(_DEFAULT) is not None
-                      else (cached["chosen"], ""))
+    rounds = dict(cached.get("rounds_ms") or {})
+    chosen, memory = (_chosen_again(times, saved, rounds, allowed_mib, cached["chosen"])
+                      if saved and times.get(_DEFAULT) is not None else (cached["chosen"], ""))
     return PlanEntry("scaled_dot_product_attention", key, chosen, times, "cache", str(cached.get("note", "")),
-                     saved, memory, allowed_mib)
+                     saved, memory, allowed_mib, rounds, cached["chosen"])
 
 
 def _settled(key: str, device: torch.device, where: tuple[str, int], timing: Timing, note: str,
@@ -169,30 +165,32 @@ def _settled(key: str, device: torch.device, where: tuple[str, int], timing: Tim
     with _lock:
         on_disk = read_json(_cache_file(device))
         old = on_disk.get(key)
-        usable = old if _usable(old, key) else None
+        usable = old if usable_cached(old, key) else None
         found = verdict(timing, lambda t: _rule(t, timing.saved_bytes, allowed_mib)[0], usable, default=_DEFAULT)
         if found.cache:
             on_disk[key] = {"chosen": timing.chosen, "times_ms": timing.times_ms, "note": note,
-                            "saved_bytes": timing.saved_bytes}
+                            "saved_bytes": timing.saved_bytes, "rounds_ms": timing.rounds_ms}
             write_json(_cache_file(device), on_disk)
         _disk[where] = on_disk
     if found.keep_cached:
         kept = _from_cache(usable, key, allowed_mib)
         return dataclasses.replace(kept, note="; ".join(filter(None, [kept.note, found.why])))
-    older = usable is None and isinstance(old, dict) and _usable({**old, "saved_bytes": {}}, key)
+    older = usable is None and isinstance(old, dict) and usable_cached({**old, "saved_bytes": {}}, key)
     return PlanEntry("scaled_dot_product_attention", key, timing.chosen, timing.times_ms,
                      "measured" if found.cache else _NOISY,
                      "; ".join(filter(None, [note, older * _OLD_CACHE, found.why])), timing.saved_bytes,
-                     timing.memory, allowed_mib)
+                     timing.memory, allowed_mib, timing.rounds_ms, timing.chosen)
 
 
 def rechosen(entry: PlanEntry, allowed_mib: float | None) -> PlanEntry:
     """``entry`` chosen again from its measurement (its times and saved bytes, nothing measured) under
     ``allowed_mib`` (MiB per call over ``fused``; None: no limit) when that differs from its own (a pin or a
-    default: as it is). No host sync."""
+    default: as it is); what its rounds do not agree on runs its measured choice or ``fused`` instead, said in its
+    ``memory`` (:func:`mixprec.autocast.plan_verdict.agreed_times`). No host sync."""
     if entry.extra_saved_allowed_mib == allowed_mib or not entry.saved_bytes or entry.times_ms.get(_DEFAULT) is None:
         return entry
-    chosen, memory = _rule(entry.times_ms, entry.saved_bytes, allowed_mib)
+    chosen, memory = _chosen_again(entry.times_ms, entry.saved_bytes, entry.rounds_ms, allowed_mib,
+                                   entry.measured_choice or entry.chosen)
     return dataclasses.replace(entry, chosen=chosen, memory=memory, extra_saved_allowed_mib=allowed_mib)
 
 
@@ -222,12 +220,14 @@ def choose(q, k, v, attn_mask=None, dropout_p=0.0, is_causal=False, scale=None, 
         if where not in _disk:
             _disk[where] = read_json(_cache_file(device))
         cached = _disk[where].get(key)
-    if not _afresh[0] and _usable(cached, key):
+    usable = usable_cached(cached, key)
+    if not _afresh[0] and usable:
         entry = _from_cache(cached, key, allowed)
     elif traced(q) and not all(isinstance(d, int) for t in (q, k, v) for d in t.shape):
         entry = PlanEntry("scaled_dot_product_attention", key, _DEFAULT, {}, _TRACED, extra_saved_allowed_mib=allowed)
     else:
-        timing, note = _measure(q, k, v, attn_mask, dropout_p, is_causal, scale, enable_gqa, dtype, grad, allowed)
+        timing, note = _measure(q, k, v, attn_mask, dropout_p, is_causal, scale, enable_gqa, dtype, grad, allowed,
+                                (cached["chosen"],) if usable else ())
         entry = _settled(key, device, where, timing, note, allowed)
     plan[key] = entry
     return entry

@@ -32,11 +32,11 @@ def _own_saved_tensors() -> Any:
 
 
 def measure(q, k, v, attn_mask, dropout_p, is_causal, scale, enable_gqa, dtype, grad, *, default: str,
-            prefer: tuple[str, ...]) -> tuple[Timing, str]:
+            prefer: tuple[str, ...], keep: tuple[str, ...] = ()) -> tuple[Timing, str]:
     """Every candidate offered for this call of ``scaled_dot_product_attention`` (arguments as the op's; ``dtype``
     the autocast dtype; ``grad`` whether a backward follows) timed, with ``saved_bytes`` (candidate → bytes saved
     for backward per call; 0 without a backward, None where not offered) and ``chosen`` the speed rule's
-    (``default``, ``prefer``: :func:`mixprec.autocast.kernel_timing.time_candidates`); and the notes: why a
+    (``default``, ``prefer``, ``keep``: :func:`mixprec.autocast.kernel_timing.time_candidates`); and the notes: why a
     candidate is not offered (whether it may be cached: :mod:`mixprec.autocast.plan_verdict`)."""
     device = q.device
     why_not = offered(q, k, attn_mask, dtype, dropout_p=dropout_p, scale=scale)
@@ -61,7 +61,7 @@ def measure(q, k, v, attn_mask, dropout_p, is_causal, scale, enable_gqa, dtype, 
                         torch.autograd.backward(out, torch.ones_like(out))
             return run
         timing = time_candidates({n: None if why_not[n] else runner(fn) for n, fn in CANDIDATES.items()},
-                                 default=default, device=device, prefer=prefer)
+                                 default=default, device=device, prefer=prefer, keep=keep)
 
         def forward(fn: Callable) -> Callable[[], Any]:
             return lambda: fn(*args, dtype)

@@ -13,11 +13,20 @@ against the entry it would replace:
   to the round divides out) is a comparison of its own, and the plan's rule applied to each round alone chooses
   what the measurement chose in at least :data:`AGREEMENT` of the rounds;
 * where the cache holds an entry for the key, the machine is not busier than when that entry was measured: the
-  default's time is at most :data:`NOISY_SPREAD` times the cached one's (the same kernel, key and machine key).
+  default's time is at most :data:`NOISY_SPREAD` times the cached one's (the same kernel, key and machine key);
+  and the entry's choice was timed in every round: a candidate dropped after its warm-ups
+  (:func:`mixprec.autocast.kernel_timing.time_candidates`, which the plan tells never to drop the cached choice)
+  was not compared in the rounds, so its warm-ups, which one load spike can slow, cannot overturn a cached choice.
 
 A measurement passing all three is cached (and replaces a cached entry, saying so when its choice differs);
 otherwise it is not written, and where the cache holds an entry the process keeps that entry's choice. The words
-say which test failed, with the numbers. Pure: no clock, no file; tests feed it samples.
+say which test failed, with the numbers.
+
+The rounds are checked under the allowance in force at measurement. A cache entry keeps them (``rounds_ms``), so
+a later re-choice under another allowance (:func:`mixprec.autocast.op_plan.rechosen`, or the entry read from the
+cache under another one) asks the same of its own choice: :func:`agreed_times` gives the rule all the times
+where the rounds agree on what it chooses from them, else only the measured (cached) choice's and the
+default's. Pure: no clock, no file; tests feed it samples.
 """
 
 from __future__ import annotations
@@ -30,7 +39,7 @@ from typing import Any, Callable
 from mixprec.autocast import kernel_timing
 from mixprec.autocast.kernel_timing import Timing, round_times
 
-__all__ = ["AGREEMENT", "Verdict", "verdict", "round_choices"]
+__all__ = ["AGREEMENT", "Verdict", "verdict", "round_choices", "agreed_times"]
 
 AGREEMENT = 1.0   # the share of interleaved rounds that must choose as the measurement did for it to be cached
 
@@ -72,13 +81,39 @@ def _busier(timing: Timing, cached: dict[str, Any] | None, default: str) -> str:
             f"{was:.2f} ms, {now / was:.1f}x)")
 
 
+def _untimed(timing: Timing, cached: dict[str, Any] | None) -> str:
+    """Words when ``cached``'s choice was offered but dropped after its warm-ups, not timed in the rounds."""
+    name = (cached or {}).get("chosen")
+    if name is None or name == timing.chosen or timing.times_ms.get(name) is None or timing.rounds_ms.get(name):
+        return ""
+    return (f"the cached {name} was dropped after its warm-ups ({timing.times_ms[name]:.2f} ms), not timed in "
+            "the rounds")
+
+
+def agreed_times(timing: Timing, rule: Callable[[dict[str, float | None]], str], anchor: str, *,
+                 default: str) -> tuple[dict[str, float | None], str]:
+    """The times a re-choice by ``rule`` (another allowance's) reads, and words: ``timing``'s own where what
+    ``rule`` chooses from them is ``anchor`` (the choice the measurement made: the cached one) or is what its
+    interleaved rounds choose (:data:`AGREEMENT`, as :func:`verdict` asks); else only ``anchor``'s and
+    ``default``'s (anchor where it is allowed and faster by the margin: the rule decides), the words saying why.
+    A timing without rounds (an older cache entry) reads its own."""
+    chosen = rule(timing.times_ms)
+    why = "" if chosen == anchor else _disagreement(timing, chosen, rule)
+    if not why:
+        return dict(timing.times_ms), ""
+    times = {name: t if name in (anchor, default) else None for name, t in timing.times_ms.items()}
+    fallback = rule(times)
+    return times, (f"not {chosen} under this allowance ({why}): {fallback}, "
+                   f"{'the measured choice' if fallback == anchor else 'the default'}")
+
+
 def verdict(timing: Timing, rule: Callable[[dict[str, float | None]], str], cached: dict[str, Any] | None, *,
             default: str) -> Verdict:
     """Whether ``timing`` (one key measured; ``timing.chosen`` the plan's choice) may be cached, ``rule`` being
     the plan's rule over one set of times (candidate → ms, None: not offered) and ``cached`` the usable cache
     entry it would replace (``chosen``, ``times_ms``) or None. See the module docstring."""
     reasons = [f"its rounds spread {timing.spread:.2f}x (a busy machine)" if timing.noisy else "",
-               _disagreement(timing, timing.chosen, rule), _busier(timing, cached, default)]
+               _disagreement(timing, timing.chosen, rule), _busier(timing, cached, default), _untimed(timing, cached)]
     reasons = [r for r in reasons if r]
     if not reasons:
         replaced = cached is not None and cached.get("chosen") != timing.chosen
