@@ -609,8 +609,10 @@ def test_every_worker_of_a_bench_runs_the_one_attention_plan_measured_once(tmp_p
     assert plan["measured_with"] == "bf16-mixed" and plan["dtype"] == "bfloat16" and plan["pid"] == os.getpid()
     chosen = {e["shape"]: e["chosen"] for e in plan["entries"]}
     assert {key.split()[-1] for key in chosen} == {"fwd+bwd", "fwd"}      # the training and the eval key
-    for e in plan["entries"]:   # measured in this run (not read from a cache), every candidate timed
-        assert e["source"].startswith("measured") and all(e["times_ms"][c] > 0 for c in ("fused", "fused-fp32"))
+    for e in plan["entries"]:
+        # measured in this run; on a busy machine the measurement may not replace the cached choice, which then
+        # runs (source "cache", docs/op-plan.md): either way every candidate has a time
+        assert e["source"].startswith(("measured", "cache")) and all(e["times_ms"][c] > 0 for c in ("fused", "fused-fp32"))
     for name in ("bf16-mixed", "bf16-sr"):
         assert plan["policies"][name] == {"dtype": "bfloat16", "pinned": chosen, "not_offered": {}}
         ran = results["policies"][name]["op_plan"]   # the row's one worker (quality and timing): the pinned plan
@@ -1136,8 +1138,10 @@ def test_a_recompute_row_is_its_own_row_with_its_plan_and_its_step_time_against_
     plan = results["op_plan"]
     chosen = {e["shape"]: e["chosen"] for e in plan["entries"]}
     assert plan["pid"] == os.getpid() and {key.split()[-1] for key in chosen} == {"fwd+bwd", "fwd"}
-    for e in plan["entries"]:   # measured in this run (not read from a cache), every candidate timed
-        assert e["source"].startswith("measured") and all(e["times_ms"][c] > 0 for c in ("fused", "fused-fp32"))
+    for e in plan["entries"]:
+        # measured in this run; on a busy machine the measurement may not replace the cached choice, which then
+        # runs (source "cache", docs/op-plan.md): either way every candidate has a time
+        assert e["source"].startswith(("measured", "cache")) and all(e["times_ms"][c] > 0 for c in ("fused", "fused-fp32"))
     assert plan["policies"]["bf16-lean"] == {"dtype": "bfloat16", "pinned": chosen, "not_offered": {}}
     for name in ("bf16-lean", "bf16-lean+recompute"):   # each row's one worker (its quality steps are its timed ones)
         ran = rows[name]["op_plan"]

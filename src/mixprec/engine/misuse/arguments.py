@@ -33,7 +33,6 @@ def check_args(model: Any, max_grad_norm: Any, accumulation_steps: Any, recomput
                         "guard=mixprec.Guard()) or None (the default: a stuck loss scale is still refused)")
     if not isinstance(model, nn.Module):
         raise TypeError(f"model must be a torch.nn.Module, got {type(model).__name__}")
-    check_unowned(model)   # a model another live engine prepared
     if checkpoint is not None:
         if recompute is not None:
             raise TypeError(f"MixedPrecision got recompute={recompute!r} and checkpoint={checkpoint!r}: checkpoint= is "
@@ -49,6 +48,7 @@ def check_args(model: Any, max_grad_norm: Any, accumulation_steps: Any, recomput
         raise ValueError(f"accumulation_steps={accumulation_steps!r} must be an int >= 1")
     if max_grad_norm is not None and not (float(max_grad_norm) > 0):
         raise ValueError(f"max_grad_norm={max_grad_norm!r} must be > 0 or None (no clipping)")
+    check_unowned(model)   # a model another live engine prepared (after the arguments' own errors)
     return recompute
 
 
