@@ -166,3 +166,35 @@ def test_hand_over_mid_accumulation_restores_the_masters_values():
         assert "restored" in hand_over(model, "a trainer")
     assert all(p.dtype == torch.float32 and torch.equal(p, m) for p, m in zip(model.parameters(), masters))
     assert _train_step(mixprec.MixedPrecision(model, torch.optim.AdamW(model.parameters()), "bf16-mixed"))
+
+
+def test_an_engine_handed_over_says_who_took_its_model():
+    from mixprec.engine.ownership import hand_over
+
+    model = _model()
+    mp = mixprec.MixedPrecision(model, torch.optim.AdamW(model.parameters()), "bf16-mixed")
+    with pytest.warns(UserWarning, match="earlier MixedPrecision engine"):
+        hand_over(model, "MixprecPrecision")
+    with pytest.raises(RuntimeError, match=r"mp.autocast\(\) on an engine whose model a newer MixprecPrecision took "
+                                           r"over .*go on with that one"):
+        with mp.autocast():
+            pass
+
+
+def test_hooks_a_dropped_engine_left_are_removed_with_a_warning():
+    """An engine dropped without unwrap() leaves its output cast on the model; the next build removes it (said),
+    so one cast runs, and keeps the user's own hooks."""
+    import gc
+
+    model = _model()
+    mine = model.register_forward_hook(lambda m, a, out: None)
+    mp = mixprec.MixedPrecision(model, torch.optim.AdamW(model.parameters()), "bf16-mixed")
+    assert sum(type(h).__name__ == "OutputCast" for h in model._forward_hooks.values()) == 1
+    del mp
+    gc.collect()
+    with pytest.warns(UserWarning, match=r"removed [12] hook\(s\) that an earlier engine, dropped without mp.unwrap\(\)"
+                                         r", left on this model; its params are as that engine left them \(float32\)"):
+        again = mixprec.MixedPrecision(model, torch.optim.AdamW(model.parameters()), "bf16-mixed")
+    casts = [h for h in model._forward_hooks.values() if type(h).__name__ == "OutputCast"]
+    assert len(casts) == 1 and mine.id in model._forward_hooks
+    assert _train_step(again)

@@ -25,7 +25,7 @@ from mixprec.engine.masters import best_fp32_values
 from mixprec.engine.misuse.arguments import as_tensors, cast_batch, check_args, check_loss
 from mixprec.engine.misuse.loop_checks import LoopChecks
 from mixprec.engine.open_group import restore_group
-from mixprec.engine.ownership import disown, own
+from mixprec.engine.ownership import disown, handed_over, own
 from mixprec.engine.param_groups import GroupWatch
 from mixprec.engine.penalty import PenaltyGradients
 from mixprec.engine.preparation.attach import bind_optimizer
@@ -347,4 +347,4 @@ class MixedPrecision(EngineViews, FrozenControl, PenaltyGradients):
             finish_model_edit(self, adopted[0], self._layout)
 
     def _check(self, call: str) -> None:   # the step's state table (engine/step_state.py): RuntimeError out of order
-        check_call(call, self._phase, self.micro_step, evaluation=self.optimizer is None, unwrapped=self._unwrapped)
+        check_call(call, self._phase, self.micro_step, evaluation=self.optimizer is None, unwrapped=handed_over(self, self._unwrapped))

@@ -20,6 +20,7 @@ out of the user's reach there, so :func:`hand_over` unwraps it first (its fp32 v
 from __future__ import annotations
 
 import gc
+import types
 import warnings
 import weakref
 from typing import Any
@@ -27,12 +28,14 @@ from typing import Any
 import torch
 from torch import nn
 
+from mixprec.blockscale.swap import HOOK_DICTS
 from mixprec.engine.masters import best_fp32_values, claim, release
 from mixprec.engine.records import Event
 
-__all__ = ["check_unowned", "own", "disown", "hand_over", "record_hand_over"]
+__all__ = ["check_unowned", "own", "disown", "hand_over", "handed_over", "record_hand_over"]
 
 _owners: list[weakref.ref] = []   # engines from build to unwrap()
+_handed: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()   # engine unwrapped by hand_over -> who took it
 
 
 def _live() -> list[Any]:
@@ -55,6 +58,7 @@ def check_unowned(model: nn.Module) -> None:
         gc.collect()
         owners = _overlapping(model)
     if not owners:
+        _clear_leftovers(model)
         return
     other = owners[0]
     where = ("this model" if other.module is model else
@@ -65,6 +69,36 @@ def check_unowned(model: nn.Module) -> None:
                      f"{other.policy}), whose casts, hooks and optimizer rebinding are on it; a second engine would "
                      f"take them for yours. To change the policy call mp.set_policy(...) on that engine; to start "
                      f"over call mp.unwrap() on it first (or build on a fresh model and optimizer)")
+
+
+def _clear_leftovers(model: nn.Module) -> None:
+    """Remove, with a warning, the hooks an engine dropped without ``unwrap()`` left on ``model`` (callables from
+    the engine's modules on a model no live engine owns: an output cast, fp32 regions), which a new engine would
+    otherwise run beside its own; the params stay as that engine left them (the warning says their dtypes)."""
+    removed = 0
+    for m in model.modules():
+        for attr in HOOK_DICTS:
+            hooks = m.__dict__.get(attr)
+            for key in [k for k, h in (hooks or {}).items() if _from_mixprec(h)]:
+                del hooks[key]
+                removed += 1
+    if removed:
+        dtypes = sorted({str(p.dtype).replace("torch.", "") for p in model.parameters() if p.is_floating_point()})
+        warnings.warn(f"MixedPrecision: removed {removed} hook(s) that an earlier engine, dropped without "
+                      f"mp.unwrap(), left on this model; its params are as that engine left them ({', '.join(dtypes)}"
+                      "). Call mp.unwrap() (to_fp32=True for the fp32 values) before dropping an engine whose model "
+                      "lives on", stacklevel=4)
+
+
+_ENGINE_HOOKS = ("mixprec.engine.", "mixprec.auto.", "mixprec.distributed.")   # where an engine's hooks come from
+
+
+def _from_mixprec(hook: Any) -> bool:
+    """Whether a hook callable is one an engine installs: its function's module (a function or a bound method) or
+    its class's module (a callable object) is one of :data:`_ENGINE_HOOKS` (not a trainer integration's own)."""
+    function = getattr(hook, "__func__", hook)
+    module = function.__module__ if isinstance(function, types.FunctionType) else type(function).__module__
+    return str(module).startswith(_ENGINE_HOOKS)
 
 
 def own(owner: Any, model: nn.Module, stored16: set[int]) -> None:
@@ -112,8 +146,14 @@ def hand_over(model: nn.Module, who: str) -> str | None:
         kept = " (its fp32 values restored from the masters)" if restored else ""
     note = (f"{who}: this model was still prepared by an earlier MixedPrecision engine (policy {previous.policy}, "
             f"an earlier run's); it was unwrapped{kept} before this run's engine was built")
+    _handed[previous] = who
     warnings.warn(note, stacklevel=3)
     return note
+
+
+def handed_over(engine: Any, unwrapped: bool) -> bool | str:
+    """``unwrapped``, or the integration's name when :func:`hand_over` unwrapped ``engine`` (for its refusals)."""
+    return (_handed.get(engine) or True) if unwrapped else False
 
 
 def record_hand_over(engine: Any, note: str | None) -> Any:

@@ -71,6 +71,8 @@ EVALUATION = ("{call} on an evaluation engine (built with optimizer=None): attac
               "mp.attach(optimizer, scheduler=None)")
 UNWRAPPED = ("{call} after mp.unwrap(): the engine's hooks (output cast, keep_fp32 regions, fp32 embedding lookups) "
              "are gone, so it would train with other numerics; build a new MixedPrecision on the model to go on")
+HANDED_OVER = ("{call} on an engine whose model a newer {who} took over (it unwrapped this one: one live engine per "
+               "model); go on with that one (the new trainer), or build a new MixedPrecision on the model")
 UNWRAP_MID = "unwrap(to_fp32=True) mid-accumulation; call it after mp.step() returns a result"
 ATTACHED = ("mp.attach(...) on an engine that has an optimizer already (MixedPrecision(model, optimizer, ...) or an "
             "earlier mp.attach); build a new MixedPrecision for another one")
@@ -110,14 +112,17 @@ CALLS: dict[str, Call] = {
 }
 
 
-def check_call(call: str, phase: Phase, micro_step: int, *, evaluation: bool = False, unwrapped: bool = False) -> None:
+def check_call(call: str, phase: Phase, micro_step: int, *, evaluation: bool = False,
+               unwrapped: bool | str = False) -> None:
     """RuntimeError, naming ``call`` and what to do, when :data:`CALLS` refuses it in ``phase`` (``micro_step``
-    micro-batches since the boundary), on an ``evaluation`` engine or an ``unwrapped`` one. Nothing changes."""
+    micro-batches since the boundary), on an ``evaluation`` engine or an ``unwrapped`` one (a string: the trainer
+    integration that took its model over, :func:`mixprec.engine.ownership.hand_over`). Nothing changes."""
     rule = CALLS[call]
     if evaluation and rule.trains:
         raise RuntimeError(EVALUATION.format(call=call))
     if unwrapped and rule.unwrapped_refused:
-        raise RuntimeError(UNWRAPPED.format(call=call))
+        raise RuntimeError(HANDED_OVER.format(call=call, who=unwrapped) if isinstance(unwrapped, str) else
+                           UNWRAPPED.format(call=call))
     if phase not in rule.phases:
         raise RuntimeError(rule.refusal.format(call=call, n=micro_step, what=rule.what))
 
