@@ -46,6 +46,7 @@ import torch.nn.functional as F
 
 from mixprec.blockscale.gemm import gemm_operand, operand_blocks, tile_blocks, untile
 from mixprec.blockscale.quantize import BlockQuantized, quantize
+from mixprec.blockscale.recipe import GEMMS
 from mixprec.formats import BlockFormat, get_block_format
 
 __all__ = ["NativeOperand", "NativeSupport", "native_operand", "native_weight_tiles", "native_gemm",
@@ -292,10 +293,9 @@ def recipe_support(device: torch.device | str, recipe, out_dtype: torch.dtype = 
     dgrad ``dy, W``, wgrad ``dy, x``); the first pair that does not says why. ``recipe.gemm="emulated"``: never."""
     if recipe.gemm == "emulated":
         return NativeSupport(False, "emulated as the recipe asks (gemm='emulated')")
-    pairs = {"forward": ("x", "W"), "dgrad": ("dy", "W"), "wgrad": ("dy", "x")}
     support = NativeSupport(False, "no GEMM of the recipe is quantized")
     for gemm in recipe.quantized_gemms:
-        a, b = (recipe.operand_format(operand) for operand in pairs[gemm])
+        a, b = (recipe.operand_format(operand) for operand, _ in GEMMS[gemm])
         support = native_support(device, a, b, out_dtype)
         if not support.available:
             return support

@@ -7,9 +7,9 @@ both engines' hooks would run. So the build checks, before anything changes, tha
 a module inside it or a module holding it, and names the way out: ``mp.set_policy(...)`` to change the policy,
 ``mp.unwrap()`` to release the model, or a fresh model and optimizer. An engine owns its model from its build to
 its ``unwrap()``; the registry holds it weakly, so an engine dropped without ``unwrap()`` owns nothing once it is
-collected, and what it left on the model (its 16-bit params, an output-cast hook) stays there: call ``unwrap()``
-before dropping an engine whose model lives on. A ``copy.deepcopy`` of a prepared model copies those changes
-too; build on a copy of the plain model instead.
+collected: the next build removes the hooks it left (with a warning), but its params stay as it left them (16-bit
+under ``-pure``): call ``unwrap()`` before dropping an engine whose model lives on. A ``copy.deepcopy`` of a
+prepared model copies those changes too; build on a copy of the plain model instead.
 
 The trainer integrations build their engine from a plugin or a Trainer object the user makes anew for each run
 (``L.Trainer(plugins=[MixprecPrecision(...)]).test(model)`` after another Trainer's ``fit``): the earlier engine is
