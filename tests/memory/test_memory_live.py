@@ -44,10 +44,18 @@ def test_cpu_peak_of_a_training_step_matches_its_census_and_the_baseline_counts_
     assert live.total == live.baseline + live.bytes
 
 
-def test_running_peak_orders_by_time_and_measures_above_the_start():
+def test_running_peak_interleaves_threads_by_time_and_measures_above_the_start():
     # a free of something allocated before the window lowers the level below the start: peak stays >= 0
-    assert running_peak([(3, 100), (1, -50), (2, 30)]) == 80
-    assert running_peak([(1, -10)]) == 0
+    assert running_peak([[(1, -50), (3, 100)], [(2, 30)]]) == 80
+    assert running_peak([[(1, -10)]]) == 0
+
+
+def test_running_peak_keeps_a_threads_recorded_order_when_the_clock_steps_back():
+    # The profiler stamps events with CLOCK_REALTIME; an NTP step mid-window stamps the free of the 100 bytes
+    # before their allocation. Recorded order: +100 (peak 100), -100, +50. Sorted by stamp it read 50.
+    assert running_peak([[(5.0, 100), (1.0, -100), (6.0, 50)]]) == 100
+    # another thread's events still fall in by time: 7 bytes before the step, alive at the peak
+    assert running_peak([[(5.0, 100), (1.0, -100), (6.0, 50)], [(0.5, 7)]]) == 107
 
 
 def test_resident_tensors_census_of_model_and_optimizer():

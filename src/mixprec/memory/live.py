@@ -29,6 +29,7 @@ census in tests/memory/test_memory_live.py.
 
 from __future__ import annotations
 
+import heapq
 from collections.abc import Callable, Iterable, Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass
@@ -208,22 +209,27 @@ class _CpuAllocations:
                                                torch._C._profiler._ExperimentalConfig())   # memory events only
         torch.autograd._enable_profiler_legacy(config)
 
-    def stop(self) -> list[tuple[float, int]]:
-        """``(time µs, signed bytes)`` of each allocation (+) and free (-), in recorded order. RuntimeError when the
-        session is no longer the meter's (another profiler ended it or took the thread's slot: the events are not
-        the window's)."""
+    def stop(self) -> list[list[tuple[float, int]]]:
+        """Per recording thread, ``(time µs, signed bytes)`` of each allocation (+) and free (-) in recorded order.
+        RuntimeError when the session is no longer the meter's (another profiler ended it or took the thread's
+        slot: the events are not the window's)."""
         if torch._C._autograd._profiler_type() != torch._C._profiler.ActiveProfilerType.LEGACY:
             raise RuntimeError("the CPU measurement's profiler session was ended from outside during the window (a "
                                "profiler session opened inside it); its memory events are not the window's")
-        events = [e for thread in torch.autograd._disable_profiler_legacy() for e in thread]
-        return [(events[0].cpu_elapsed_us(e), e.cpu_memory_usage()) for e in events if e.kind() == "memory_alloc"]
+        threads = [list(thread) for thread in torch.autograd._disable_profiler_legacy()]
+        start = next((thread[0] for thread in threads if thread), None)
+        return [[(start.cpu_elapsed_us(e), e.cpu_memory_usage()) for e in thread if e.kind() == "memory_alloc"]
+                for thread in threads]
 
 
-def running_peak(events: Iterable[tuple[int, int]]) -> int:
-    """The maximum of the running sum of ``(time, signed bytes)`` events taken in time order (ties in the given
-    order) above the level at the start: 0 if nothing was allocated beyond what was freed."""
+def running_peak(threads: Iterable[Iterable[tuple[float, int]]]) -> int:
+    """The maximum of the running sum of signed byte counts above the level at the start (0 if nothing was
+    allocated beyond what was freed). ``threads``: per recording thread, ``(time, signed bytes)`` events in recorded
+    order; threads are interleaved by time (``heapq.merge``), a thread's own events never reordered: the profiler
+    stamps them with the wall clock (``CLOCK_REALTIME``), which a clock step (NTP) moves backwards mid-window, and
+    a sort by stamp would then move frees before the allocations they free."""
     level = peak = 0
-    for _, nbytes in sorted(events, key=lambda e: e[0]):
+    for _, nbytes in heapq.merge(*threads, key=lambda e: e[0]):
         level += nbytes
         peak = max(peak, level)
     return peak
