@@ -101,6 +101,33 @@ def test_a_build_failing_late_leaves_model_and_optimizer_as_they_were(policy):
     assert mp.step().applied
 
 
+def test_a_kahan_build_failing_late_gives_back_the_fp32_values_bit_for_bit():
+    """bf16-kahan keeps no masters, but its build holds each param's fp32 value to start the compensation: the
+    undo restores from those, exactly (it restored from the bf16 values, silently, before)."""
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(32, 32), nn.ReLU(), nn.Linear(32, 1))
+    before = [p.detach().clone() for p in model.parameters()]
+    with pytest.raises(RuntimeError, match="feature failed to build") as caught:
+        _EngineWithBrokenFeature(model, mixprec.optim.AdamW(model.parameters(), lr=1e-3), "bf16-kahan")
+    assert all(p.dtype == torch.float32 and torch.equal(p, b) for p, b in zip(model.parameters(), before))
+    assert not getattr(caught.value, "__notes__", None)
+
+
+def test_an_sr_build_failing_late_says_which_params_came_back_from_bf16():
+    """bf16-sr holds no fp32 copy (a second one would cost the memory the policy saves): the params come back in
+    fp32 from their bf16 rounding, and the re-raised error's note names each one (said, not silent)."""
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(32, 32), nn.ReLU(), nn.Linear(32, 1))
+    before = [p.detach().clone() for p in model.parameters()]
+    with pytest.raises(RuntimeError, match="feature failed to build") as caught:
+        _EngineWithBrokenFeature(model, mixprec.optim.AdamW(model.parameters(), lr=1e-3), "bf16-sr")
+    for p, b in zip(model.parameters(), before):
+        assert p.dtype == torch.float32 and torch.equal(p, b.bfloat16().float())
+    assert not all(torch.equal(p, b) for p, b in zip(model.parameters(), before))   # low bits really went
+    (note,) = caught.value.__notes__
+    assert "4 tensor(s)" in note and all(n in note for n in ("0.weight", "0.bias", "2.weight", "2.bias"))
+
+
 def test_torch_compile_options_it_refuses_are_refused_before_any_change():
     model = _model()
     before = [p.detach().clone() for p in model.parameters()]

@@ -86,8 +86,8 @@ class MixedPrecision(EngineViews, FrozenControl, PenaltyGradients):
         self.events: list[Event] = []
         self._regions, self._unwrapped, self._groups = Regions(), False, GroupWatch()
         self.loss_scale = loss_scale_for_policy(self.policy, loss_scale, self.device)
-        with undone_on_failure(self, model, optimizer):   # a failed build leaves model and optimizer as they were
-            prepared = prepare(model, self.policy, self.device, self._strategy, optimizer=optimizer)
+        with undone_on_failure(self, model, optimizer) as undo:   # a failed build leaves model, optimizer as they were
+            prepared = undo.track(prepare(model, self.policy, self.device, self._strategy, optimizer=optimizer))
             self.fp8_report, self.block_report = prepared.fp8_report, prepared.block_report   # the linears swapped at build
             self._frozen, self.masters = prepared.frozen, prepared.masters
             self._frozen.store(prepared.plan)
