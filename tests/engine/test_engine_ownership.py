@@ -219,9 +219,38 @@ def test_hooks_a_dropped_engine_left_are_removed_with_a_warning():
     assert sum(type(h).__name__ == "OutputCast" for h in model._forward_hooks.values()) == 1
     del mp
     gc.collect()
-    with pytest.warns(UserWarning, match=r"removed [12] hook\(s\) that an earlier engine, dropped without mp.unwrap\(\)"
-                                         r", left on this model; its params are as that engine left them \(float32\)"):
+    with pytest.warns(UserWarning, match=r"removed [12] hook\(s\) left on this model by an engine that no longer runs it \(one dropped without mp.unwrap\(\)"
+                                         r".*; its params are as that engine left them \(float32\)"):
         again = mixprec.MixedPrecision(model, torch.optim.AdamW(model.parameters()), "bf16-mixed")
     casts = [h for h in model._forward_hooks.values() if type(h).__name__ == "OutputCast"]
     assert len(casts) == 1 and mine.id in model._forward_hooks
     assert _train_step(again)
+
+
+def test_an_engine_on_a_deep_copy_of_a_prepared_model_runs_alone_and_says_the_copys_hooks_went():
+    """An EMA or teacher made with copy.deepcopy(mp.module) carries the engine's hooks, inert; an engine built on
+    the copy removes them (the warning names copies) and runs its own hooks only: the copy's forward and hook
+    count equal those of an engine built on an equal fresh model."""
+    import copy
+
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(8, 32), nn.ReLU(), nn.Linear(32, 1))
+    mp = mixprec.MixedPrecision(model, mixprec.optim.AdamW(model.parameters(), lr=1e-3), "bf16-mixed")
+    assert _train_step(mp)
+    teacher = copy.deepcopy(mp.module)
+    fresh = nn.Sequential(nn.Linear(8, 32), nn.ReLU(), nn.Linear(32, 1))
+    fresh.load_state_dict(teacher.state_dict())
+    with pytest.warns(UserWarning, match="copy.deepcopy and pickle carry its hooks, inert"):
+        on_copy = mixprec.MixedPrecision(teacher, mixprec.optim.AdamW(teacher.parameters(), lr=1e-3), "bf16-mixed")
+    on_fresh = mixprec.MixedPrecision(fresh, mixprec.optim.AdamW(fresh.parameters(), lr=1e-3), "bf16-mixed")
+
+    def hooks(m):
+        return sum(len(getattr(x, a)) for x in m.modules() for a in ("_forward_hooks", "_forward_pre_hooks"))
+
+    assert hooks(teacher) == hooks(fresh) > 0
+    x = torch.randn(4, 8)
+    with on_copy.autocast():
+        y_copy = on_copy.model(x)
+    with on_fresh.autocast():
+        y_fresh = on_fresh.model(x)
+    assert torch.equal(y_copy, y_fresh)

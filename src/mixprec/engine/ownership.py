@@ -84,10 +84,11 @@ def _clear_leftovers(model: nn.Module) -> None:
                 removed += 1
     if removed:
         dtypes = sorted({str(p.dtype).replace("torch.", "") for p in model.parameters() if p.is_floating_point()})
-        warnings.warn(f"MixedPrecision: removed {removed} hook(s) that an earlier engine, dropped without "
-                      f"mp.unwrap(), left on this model; its params are as that engine left them ({', '.join(dtypes)}"
-                      "). Call mp.unwrap() (to_fp32=True for the fp32 values) before dropping an engine whose model "
-                      "lives on", stacklevel=4)
+        warnings.warn(f"MixedPrecision: removed {removed} hook(s) left on this model by an engine that no longer "
+                      "runs it (one dropped without mp.unwrap(), or the engine of a model this one is a copy of: "
+                      "copy.deepcopy and pickle carry its hooks, inert); its params are as that engine left them ("
+                      f"{', '.join(dtypes)}). Call mp.unwrap() (to_fp32=True for the fp32 values) before dropping an "
+                      "engine whose model lives on; a copy needs nothing", stacklevel=4)
 
 
 _ENGINE_HOOKS = ("mixprec.engine.", "mixprec.auto.", "mixprec.distributed.")   # where an engine's hooks come from
