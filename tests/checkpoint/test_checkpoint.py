@@ -408,3 +408,28 @@ def test_checkpoint_calls_with_path_and_engine_swapped_are_refused_by_name(tmp_p
     for call in (mixprec.save_checkpoint, mixprec.load_checkpoint):
         with pytest.raises(TypeError, match=r"takes the checkpoint directory first.*mp=PosixPath"):
             call(mp, tmp_path / "ck")
+
+
+def test_a_save_behind_the_root_s_newest_sets_the_abandoned_future_aside_and_keeps_the_resumed_lineage(tmp_path):
+    """Saves at steps 2, 4, 6 with keep=2 leave step-4 and step-6; the run resumes from step-4 (step-6 diverged),
+    trains 1 step and saves step-5: step-6 is a future the run left. Pruning by step kept it and deleted step-4;
+    now it moves to superseded/ (said), step-4 and step-5 stay, and the new lineage's step-6 gets the plain name.
+    The set-aside checkpoint still loads, bit for bit what it was."""
+    root = tmp_path / "ck"
+    mp = build("fp32")
+    for k in range(3):
+        train(mp, 2 * k, 2 * k + 2)
+        save_checkpoint(root, mp, keep=2)
+    assert [d.name for d in sorted(root.glob("step-*"))] == ["step-4", "step-6"]
+    diverged = _tensors(root / "step-6")
+    load_checkpoint(root / "step-4", mp)
+    train(mp, 4, 5)
+    with pytest.warns(UserWarning, match=r"step-5 saved .* behind 1 checkpoint\(s\).*step-6 -> superseded/step-6"):
+        save_checkpoint(root, mp, keep=2)
+    assert [d.name for d in sorted(root.glob("step-*"))] == ["step-4", "step-5"]
+    assert resolve_checkpoint(root).name == "step-5"
+    assert all(torch.equal(_bits(t), _bits(diverged[k])) for k, t in _tensors(root / "superseded" / "step-6").items())
+    train(mp, 5, 6)
+    assert save_checkpoint(root, mp, keep=2).name == "step-6"
+    assert [d.name for d in sorted(root.glob("step-*"))] == ["step-5", "step-6"]
+    assert [d.name for d in (root / "superseded").iterdir()] == ["step-6"]   # never pruned

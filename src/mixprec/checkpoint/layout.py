@@ -8,6 +8,9 @@ and the pruning; only what goes inside a ``step-N`` directory differs::
       latest                  "step-120\\n": the newest complete checkpoint (replaced atomically)
       step-100/  step-120/    complete checkpoints, each with a manifest.json; a second save at the
                               same N is named step-N.1, step-N.2, ...
+      superseded/step-140/    a checkpoint ahead of a later save's step: the run went back (a resume
+                              from an earlier checkpoint, a rollback) and this is the future it left;
+                              moved here, said, never pruned nor loaded from the root
       .tmp-step-140-PID-XXXX  a save in progress (or one killed mid-way: never loaded, removed by
                               the next save once process PID is gone)
       .trash-... .latest-...  a pruned checkpoint being deleted, a pointer being written (same rule)
@@ -16,8 +19,10 @@ and the pruning; only what goes inside a ``step-N`` directory differs::
 checkpoint and makes its temporary directory; the caller writes any files (any tree) into
 ``pending.tmp``; :func:`commit_checkpoint` fsyncs every file and directory in it, renames it to
 ``step-N`` (atomic), fsyncs the root, and only then replaces ``latest`` (written to a temporary
-name, fsynced, ``os.replace``'d, root fsynced); last it prunes to ``keep`` checkpoints, each renamed
-to ``.trash-...`` (atomic) before being deleted. :func:`abort_checkpoint` deletes the temporary
+name, fsynced, ``os.replace``'d, root fsynced); then it moves each checkpoint of a step above the new one into
+``superseded/`` (a warning names them: the run went back, so they are a future it abandoned, and
+pruning by step would have kept them over the checkpoint it resumed from); last it prunes to
+``keep`` checkpoints, each renamed to ``.trash-...`` (atomic) before being deleted. :func:`abort_checkpoint` deletes the temporary
 directory of a save that failed. :func:`new_checkpoint` is the three as a context manager, for one
 writing process. A process killed at any moment therefore leaves ``latest`` naming a complete
 checkpoint: the previous one, or the new one. One writer per root (under torch.distributed: rank 0
@@ -36,15 +41,19 @@ import os
 import re
 import secrets
 import shutil
+import warnings
 from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-__all__ = ["CheckpointError", "LATEST", "MANIFEST", "PendingCheckpoint", "begin_checkpoint", "commit_checkpoint",
+from mixprec.messages.location import user_stacklevel
+
+__all__ = ["CheckpointError", "LATEST", "MANIFEST", "SUPERSEDED", "PendingCheckpoint", "begin_checkpoint", "commit_checkpoint",
            "abort_checkpoint", "new_checkpoint", "resolve_checkpoint", "read_manifest_json", "step_dirs"]
 
 LATEST = "latest"
+SUPERSEDED = "superseded"
 MANIFEST = "manifest.json"
 _STEP_RE = re.compile(r"^step-(\d+)(?:\.(\d+))?$")
 _WORK_RE = re.compile(r"^\.(?:tmp|trash|latest)-.*?-(\d+)-[0-9a-f]{8}$")  # .<kind>-<what>-<pid>-<token>
@@ -174,8 +183,9 @@ def commit_checkpoint(pending: PendingCheckpoint) -> Path:
 
     fsync every file and directory in ``pending.tmp``, rename it to ``step-N`` (atomic), fsync
     the root, replace ``latest`` (temporary name, fsync, ``os.replace``, fsync the root), then
-    prune: keep the new checkpoint and the newest ``keep - 1`` others, so exactly ``keep``. A
-    failure before the rename deletes ``pending.tmp`` and leaves the root as it was.
+    move the checkpoints of a step above N into ``superseded/`` (warning), then prune: keep the
+    new checkpoint and the newest ``keep - 1`` others, so exactly ``keep``. A failure before the
+    rename deletes ``pending.tmp`` and leaves the root as it was.
     """
     root, name = pending.root, pending.name
     try:
@@ -192,6 +202,7 @@ def commit_checkpoint(pending: PendingCheckpoint) -> Path:
         os.fsync(f.fileno())
     os.replace(pointer, root / LATEST)  # atomic: latest names the old or the new complete checkpoint
     _fsync_dir(root)
+    _set_aside_future(root, _step_of(name))
     if pending.keep is not None:
         others = [d for d in step_dirs(root) if d.name != name]
         for old in others[:max(0, len(others) - (pending.keep - 1))]:
@@ -199,6 +210,31 @@ def commit_checkpoint(pending: PendingCheckpoint) -> Path:
             os.rename(old, trash)     # atomic: never a half-deleted step-N
             shutil.rmtree(trash, ignore_errors=True)
     return root / name
+
+
+def _step_of(name: str) -> int:
+    return int(_STEP_RE.match(name).group(1))
+
+
+def _set_aside_future(root: Path, step: int) -> None:
+    """Move the complete checkpoints of a step above ``step`` into ``root/superseded/`` (atomic renames within the
+    root), with a warning naming them."""
+    ahead = [d for d in step_dirs(root) if _step_of(d.name) > step]
+    if not ahead:
+        return
+    aside = root / SUPERSEDED
+    aside.mkdir(exist_ok=True)
+    moved = []
+    for d in ahead:
+        target = aside / _next_name(aside, _step_of(d.name))
+        os.rename(d, target)
+        moved.append(f"{d.name} -> {SUPERSEDED}/{target.name}")
+    _fsync_dir(aside)
+    _fsync_dir(root)
+    warnings.warn(f"mixprec: checkpoint step-{step} saved under {str(root)!r}, behind {len(moved)} checkpoint(s) "
+                  f"there: the run went back (a resume from an earlier checkpoint, or a rollback), so they are a "
+                  f"future it left. Moved aside, not pruned by keep and not loaded from the root: {', '.join(moved)}; "
+                  f"delete {str(aside)!r} when you no longer need them", stacklevel=user_stacklevel())
 
 
 def abort_checkpoint(pending: PendingCheckpoint) -> None:
