@@ -519,6 +519,14 @@ def test_lifecycle_misuse_is_named():
         MixedPrecision(m, o, policy="fp32", device="cpu", scheduler=torch.optim.lr_scheduler.ReduceLROnPlateau(o))
     with pytest.raises(ValueError, match="optimizer holds none of the model's parameters"):
         MixedPrecision(tiny_lm(), torch.optim.SGD(tiny_lm().parameters(), lr=0.1), policy="fp32", device="cpu")
+    m = tiny_lm()   # a GAN's two schedulers swapped: the passed optimizer's lr would never change
+    o, other = torch.optim.SGD(m.parameters(), lr=0.1), torch.optim.SGD(tiny_lm().parameters(), lr=0.1)
+    with pytest.raises(ValueError, match="scheduler=LambdaLR was built on another optimizer"):
+        MixedPrecision(m, o, policy="fp32", device="cpu", scheduler=torch.optim.lr_scheduler.LambdaLR(other, lambda s: 0.0))
+    mp = MixedPrecision(m, None, policy="fp32", device="cpu")
+    with pytest.raises(ValueError, match="scheduler=LambdaLR was built on another optimizer"):
+        mp.attach(o, torch.optim.lr_scheduler.LambdaLR(other, lambda s: 0.0))
+    assert mp.optimizer is None   # refused before anything was bound
     with pytest.warns(UserWarning, match="underflows fp16"):
         m = tiny_lm()
         MixedPrecision(m, mixprec.optim.AdamW(m.parameters()), policy="fp16-pure,state=fp16", device="cpu")

@@ -68,6 +68,13 @@ def check_optimizer(model: nn.Module, optimizer: Any, scheduler: Any) -> None:
         raise TypeError("scheduler=ReduceLROnPlateau needs a metric at each step, which the engine does not "
                         "have; pass scheduler=None and call it yourself: `if result and result.applied: "
                         "plateau.step(val_loss)`")
+    stepped = getattr(scheduler, "optimizer", None)   # torch's schedulers (SequentialLR checks its children's)
+    if isinstance(stepped, torch.optim.Optimizer) and stepped is not optimizer:
+        raise ValueError(f"scheduler={type(scheduler).__name__} was built on another optimizer "
+                         f"({type(stepped).__name__} at {id(stepped):#x}) than optimizer={type(optimizer).__name__} "
+                         f"(at {id(optimizer):#x}): the engine would step it after each applied step and this "
+                         "optimizer's learning rate would never change. Build the scheduler on the optimizer you "
+                         "pass (with two engines, as in a GAN, give each its own pair)")
     model_params = {id(p) for p in model.parameters()}
     if model_params and not any(id(p) in model_params for g in optimizer.param_groups for p in g["params"]):
         raise ValueError("optimizer holds none of the model's parameters; build it on model.parameters() "
