@@ -99,27 +99,45 @@ def nan_in_x(at):
 
 
 # ---------------------------------------------------------------- rollback + skip (case 1, bf16)
-def test_nan_batch_at_step_k_is_rolled_back_and_the_run_ends_near_a_clean_run():
+def test_nan_batch_at_step_k_is_dropped_without_a_rollback_and_the_run_ends_near_a_clean_run():
+    # The engine skips the NaN step: nothing is applied, so the guard drops the batch and keeps the state (a
+    # rollback to the snapshot of applied step 61 threw away 8 healthy updates for one bad batch).
     k = 70
     clean = build()
     train(clean, batches(120))
     mp = build(guard=Guard(snapshot_every=20, loss_fn=loss_fn))
-    results = train(mp, batches(120), before_step=nan_in_x(k))
+    seen = {}
+
+    def corrupt_and_keep(i, batch):
+        nan_in_x(k)(i, batch)
+        if i == k:
+            seen["before"] = [p.detach().clone() for p in mp.module.parameters()]
+    results = train(mp, batches(k), before_step=corrupt_and_keep)
+    assert all(torch.equal(a, b) for a, b in zip(seen["before"], mp.module.parameters()))   # state as it was
 
     bad = results[k - 1]
-    assert bad.rolled_back and not bad.applied and bad.skipped_reason == "nonfinite"
-    assert bad.step == 61                       # snapshots after applied steps 1, 21, 41, 61
+    assert not bad.rolled_back and not bad.applied and bad.skipped_reason == "nonfinite" and bad.step == k - 1
     (event,) = mp.events
-    assert (event["step"], event["kind"], event["cause"], event["module"]) == (k, "rollback", "nonfinite", "inp")
+    assert (event["step"], event["kind"], event["cause"], event["module"]) == (k, "skip", "nonfinite", "inp")
     assert "the batch itself holds nan (first read by 'inp' (Linear))" in event["detail"]
-    assert "rolled back to applied step 61" in event["detail"]
-    # the data position never moves back; the 9 undone updates (62..69 and k) count as skipped
-    assert (mp.boundaries, mp.applied_steps, mp.skipped_total) == (120, 111, 9)
+    assert "dropped; nothing was applied, so no rollback" in event["detail"]
+    results += train(mp, batches(120)[k:])
+    assert (mp.boundaries, mp.applied_steps, mp.skipped_total) == (120, 119, 1)
     assert all(r.applied for r in results[k:])  # training continues
-    # stated tolerance: losing 9 of 120 updates moves the validation loss by under 10 %
+    # stated tolerance: losing 1 of 120 updates moves the validation loss by under 10 %
     clean_loss, guarded_loss = val_loss(clean), val_loss(mp)
     assert math.isfinite(guarded_loss)
     assert abs(guarded_loss - clean_loss) / clean_loss < 0.10
+
+
+def test_a_second_nan_step_in_a_row_rolls_back_even_without_a_loss_fn():
+    # Without loss_fn the guard cannot tell data from state: the first non-finite step is dropped, the second in
+    # a row suggests the state and rolls back to the snapshot.
+    mp = build(guard=Guard(snapshot_every=20))
+    results = train(mp, batches(45), before_step=lambda i, batch: (nan_in_x(i)(i, batch) if i in (41, 42) else None))
+    assert [(e["step"], e["kind"], e.get("to_step")) for e in mp.events] == [(41, "skip", None), (42, "rollback", 21)]
+    assert not results[40].rolled_back and results[41].rolled_back
+    assert (mp.boundaries, mp.applied_steps) == (45, 24)   # 21 restored, then steps 43-45
 
 
 # ---------------------------------------------------------------- a layer that overflows fp16 later (case 11)
@@ -145,16 +163,17 @@ def test_layer_that_outgrows_fp16_is_localised_and_kept_in_fp32_and_the_run_fini
     mp, grow_guarded = run(guard)
     results = train(mp, batches(80), before_step=grow_guarded)
     kinds = [(e["step"], e["kind"], e["module"]) for e in mp.events]
-    assert kinds == [(k, "rollback", "hot"), (k + 1, "rollback", "hot"), (k + 1, "escalate", "hot")]
+    assert kinds == [(k, "skip", "hot"), (k + 1, "rollback", "hot"), (k + 2, "rollback", "hot"),
+                     (k + 2, "escalate", "hot")]   # the first non-finite step in a row only drops its batch
     first = mp.events[0]["detail"]
     assert "'hot' (Growing) produced inf in fp16 from finite inputs" in first
     assert "above fp16's max 65504: an overflow" in first
     assert mp.policy.keep_fp32 == ("hot",) and mp.policy.compute_dtype == torch.float16  # only 'hot' left fp16
-    assert mp.events[2]["from"] == "fp16-mixed" and "keep_fp32=hot" in mp.events[2]["to"]
-    assert results[k].escalated and results[k].rolled_back
-    assert all(r.applied for r in results[k + 1:])       # the run finishes, every later step applies
+    assert mp.events[3]["from"] == "fp16-mixed" and "keep_fp32=hot" in mp.events[3]["to"]
+    assert results[k + 1].escalated and results[k + 1].rolled_back
+    assert all(r.applied for r in results[k + 2:])       # the run finishes, every later step applies
     assert math.isfinite(float(mp.last_loss)) and float(mp.last_loss) < 0.1
-    assert guard.counts["nonfinite"] == 2 and guard.counts["escalate"] == 1
+    assert guard.counts["nonfinite"] == 3 and guard.counts["escalate"] == 1
 
 
 # ---------------------------------------------------------------- persistent NaN: the ladder ends in an error
@@ -163,11 +182,11 @@ def test_nan_in_every_batch_raises_after_max_rollbacks_naming_the_module():
     with pytest.raises(DivergenceError) as err:
         train(mp, batches(40), before_step=nan_in_x(range(11, 40)))
     msg = str(err.value)
-    assert msg.startswith("mixprec.Guard gave up at step 14 (6 applied): nonfinite")
+    assert msg.startswith("mixprec.Guard gave up at step 15 (6 applied): nonfinite")
     assert "the batch itself holds nan (first read by 'inp' (Linear))" in msg
     assert "Tried: 3 rollback(s) to the snapshot of applied step 6" in msg
     assert "escalations: none: the batch itself holds non-finite values" in msg    # data: no precision change
-    assert [e["kind"] for e in mp.events] == ["rollback"] * 3 + ["diverged"]
+    assert [e["kind"] for e in mp.events] == ["skip"] + ["rollback"] * 3 + ["diverged"]   # step 11: dropped
     assert str(mp.policy) == "bf16-mixed"
 
 
@@ -394,5 +413,5 @@ def test_case01_guard_names_the_bad_batch_and_does_not_escalate_for_it():
     with pytest.raises(DivergenceError, match=r"first non-finite: the batch itself holds nan"):
         for _ in range(50):
             _one_step(mp, x)
-    assert [e["kind"] for e in mp.events] == ["skip", "skip", "diverged"]
+    assert [e["kind"] for e in mp.events] == ["skip", "skip", "skip", "diverged"]   # the first: dropped
     assert mp.guard.state.escalations[-1] == "none: the batch itself holds non-finite values"

@@ -35,6 +35,7 @@ from mixprec.engine.records import Event
 from mixprec.numerics.localise import NonFiniteReport, locate_nonfinite
 from mixprec.numerics.localise_sharded import locate_on_every_rank
 from mixprec.safety.config import CAUSES, GuardConfig, GuardState
+from mixprec.safety.dropping import drop_reason
 from mixprec.safety.escalation import next_policy
 from mixprec.policy.tree import map_tensors
 
@@ -82,7 +83,9 @@ class Guard:
 
     Acts by a ladder; a failure is counted against the current snapshot (the "place"):
 
-    1. **roll back**: restore the last snapshot (params, masters, optimizer, loss scale,
+    1. **drop** the batch of the first non-finite step in a row that the engine skipped (nothing applied, the
+       state as it was): a ``"skip"`` event, no rollback, not counted against the place (:mod:`mixprec.safety.
+       dropping`); otherwise **roll back**: restore the last snapshot (params, masters, optimizer, loss scale,
        scheduler, applied-step counter) with ``mp.load_state_dict``. The offending batch is
        dropped: the caller's next batch continues. The data position (``mp.boundaries``) never
        moves back, and the applied steps undone count as skipped (``skipped_total``), so
@@ -201,6 +204,7 @@ class Guard:
         if not result.applied:
             s.skip_streak += 1
             if result.skipped_reason == "nonfinite":
+                s.nonfinite_streak += 1
                 why = ("the loss itself is non-finite" if mp.loss_scale.enabled else
                        "the loss or gradients are non-finite and no loss scaling is in play")
                 return "nonfinite", why, None
@@ -216,7 +220,7 @@ class Guard:
             if s.skip_streak >= c.max_consecutive_skips:
                 return "skips", f"{s.skip_streak} consecutive skipped steps (loss scale {after:g})", None
             return None, "", None
-        s.skip_streak = s.backoff_streak = 0
+        s.skip_streak = s.backoff_streak = s.nonfinite_streak = 0
         if mp.boundaries % c.check_every != 0 and not self._snapshot_due(mp):
             return None, "", None
         loss = float(mp.boundary_loss)  # the guard's one sync per check
@@ -246,25 +250,28 @@ class Guard:
     def _fail(self, mp: MixedPrecision, result: StepResult, cause: str, detail: str) -> StepResult:
         c, s = self.config, self.state
         s.counts[cause] += 1
-        s.failures_here += 1
         # a re-run of one rank's batch would run collectives on that rank only: under FSDP2 every rank re-runs
         local = getattr(mp, "strategy", None) in (None, "fsdp2")
         report = self._localise(mp, result) if cause != "spike" and local else None
         self.last_report = report
         module = None if report is None else report.module
+        dropped = drop_reason(result, cause, report, s.nonfinite_streak)
+        if not dropped:
+            s.failures_here += 1
         if s.failures_here > c.max_rollbacks:
             self._give_up(mp, cause, detail, report)
-        rolled_back, to_step = self._roll_back(mp)
+        rolled_back, to_step = (False, None) if dropped else self._roll_back(mp)
         kind = "rollback" if rolled_back else "skip"
         s.counts[kind] += 1
         where = f"; {report}" if report is not None else ""
-        back = (f"rolled back to applied step {to_step}" if rolled_back else
+        back = (f"rolled back to applied step {to_step}" if rolled_back else dropped or
                 "no snapshot yet: the skipped step left the state as it was")
         mp.record(Event(step=mp.boundaries, kind=kind, cause=cause, module=module,
-                        detail=f"{detail}{where}; {back}; failure {s.failures_here} here", to_step=to_step))
+                        detail=f"{detail}{where}; {back}" + ("" if dropped else f"; failure {s.failures_here} here"),
+                        to_step=to_step))
         log.warning("mixprec guard: step %d: %s (%s)%s; %s", mp.boundaries, cause, detail, where, back)
         escalated = False
-        if s.failures_here % c.escalate_after == 0:
+        if not dropped and s.failures_here % c.escalate_after == 0:
             escalated = self._escalate(mp, cause, report)
         s.skip_streak = s.backoff_streak = 0
         if not rolled_back:

@@ -72,7 +72,8 @@ class GuardState:
     ``escalations``: what each escalation did (``"keep 'fc' in fp32"``, ``"bf16 → fp32"``) or why
     none happened (``"none: ..."``; the events hold the full policies); ``losses``: the running window of applied,
     healthy losses; ``failures_here``: failures since the snapshot was taken (the "place");
-    ``skip_streak`` / ``backoff_streak``: consecutive skipped steps / loss-scale back-offs.
+    ``skip_streak`` / ``backoff_streak``: consecutive skipped steps / loss-scale back-offs; ``nonfinite_streak``:
+    consecutive steps skipped as non-finite since the last applied one.
     """
 
     counts: dict[str, int] = field(default_factory=lambda: {k: 0 for k in (*CAUSES, "rollback", "skip", "escalate")})
@@ -81,3 +82,4 @@ class GuardState:
     failures_here: int = 0
     skip_streak: int = 0
     backoff_streak: int = 0
+    nonfinite_streak: int = 0
