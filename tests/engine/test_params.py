@@ -388,3 +388,22 @@ def test_parametrization_keeps_the_other_params_16_bit_under_pure():
     _train(model, "bf16-pure", [])
     assert model[0].bias.dtype == model[2].weight.dtype == torch.bfloat16
     assert model[0].parametrizations.weight.original.dtype == torch.float32
+
+
+@pytest.mark.parametrize("policy", ["bf16-mixed", "bf16-pure"])
+def test_frozen_params_stored_in_bf16_are_named_in_the_decision_with_what_is_lost(policy):
+    """Frozen linears are stored in the compute dtype (autocast casts them anyway): the forward is unchanged, the
+    fp32 low bits are gone. The decision said "params fp32" and nothing of them; it names them now, and a module
+    kept in fp32 keeps its exact values."""
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(8, 8), nn.ReLU(), nn.Linear(8, 8))
+    model[0].requires_grad_(False)
+    w_fp32 = model[0].weight.detach().clone()
+    mp = MixedPrecision(model, mixprec.optim.AdamW(model[2].parameters()), policy, device="cpu")
+    assert model[0].weight.dtype == torch.bfloat16 and torch.equal(model[0].weight.float(), w_fp32.bfloat16().float())
+    assert "2 frozen param(s) stored in bfloat16, their fp32 low bits dropped (0.weight, 0.bias)" in mp.decision
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(8, 8), nn.ReLU(), nn.Linear(8, 8))
+    model[0].requires_grad_(False)
+    mp = MixedPrecision(model, mixprec.optim.AdamW(model[2].parameters()), f"{policy},keep_fp32=0", device="cpu")
+    assert torch.equal(model[0].weight, w_fp32) and "frozen param(s) stored in" not in mp.decision

@@ -85,19 +85,27 @@ def fits(p: torch.Tensor, dtype: torch.dtype) -> bool:
 @dataclass(frozen=True)
 class StoragePlan:
     """Parameter ids stored in the 16-bit ``param_dtype`` (``half``: trainable) and in the compute
-    dtype (``frozen16``: frozen); every other floating param is fp32. ``unfit``: names of frozen
-    params kept in fp32 because their values do not fit fp16."""
+    dtype (``frozen16``: frozen; ``frozen16_names`` their names); every other floating param is fp32.
+    ``unfit``: names of frozen params kept in fp32 because their values do not fit fp16."""
 
     policy: Policy
     half: frozenset[int]
     frozen16: frozenset[int]
     unfit: tuple[str, ...] = ()
     special: tuple[str, ...] = ()   # the decision's notes on complex, parametrized and sparse-gradient params
+    frozen16_names: tuple[str, ...] = ()   # the frozen16 params' qualified names, for the decision
 
     def note(self) -> str:
-        """The decision's notes: frozen params kept in fp32 (logs a warning then) and params that are not
-        plain dense tensors (complex, parametrized, sparse gradients); "" when there are none."""
+        """The decision's notes: frozen params stored in 16 bits, frozen params kept in fp32 (logs a warning
+        then) and params that are not plain dense tensors (complex, parametrized, sparse gradients); "" when
+        there are none."""
         notes = "".join(f"; {n}" for n in self.special)
+        if self.frozen16:
+            compute = dtype_text(self.policy.compute_dtype)
+            notes = (f"; {len(self.frozen16)} frozen param(s) stored in {compute}, their fp32 low bits dropped ("
+                     f"{_listed(list(self.frozen16_names))}): the forward computes them in {compute} anyway, so it is unchanged and "
+                     f"their bytes halve, but an export or a later unfreeze starts from the rounded values; "
+                     f"keep_fp32=<module> keeps a module's in fp32" + notes)
         if not self.unfit:
             return notes
         log.warning("mixprec: frozen parameter(s) %s kept in fp32: their values do not fit %s",
@@ -209,7 +217,8 @@ def plan_storage(model: nn.Module, policy: Policy, params: list[nn.Parameter], k
                          f"parameter(s) {list(unfit[:3])} hold values that do not fit it (beyond its range, or "
                          "mostly flushed to zero); use a bf16 policy, or keep their modules in fp32 (policy "
                          "keep_fp32=<module>)")
-    return StoragePlan(policy, frozenset(half), frozenset(frozen16), unfit, special)
+    return StoragePlan(policy, frozenset(half), frozenset(frozen16), unfit, special,
+                       tuple(names.get(id(p), "?") for p in candidates if id(p) in frozen16))
 
 
 class FrozenParams:
