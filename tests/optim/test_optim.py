@@ -538,3 +538,19 @@ def test_a_copied_optimizer_keeps_its_precision_and_steps_as_the_original(make, 
         m(x).float().square().mean().backward()
         o.step()
     assert all(torch.equal(p, q) for p, q in zip(model.parameters(), model_copy.parameters()))
+
+
+@pytest.mark.parametrize("make, fix", [
+    (lambda ps: torch.optim.AdamW(ps, weight_decay=0.1), r"use mixprec.optim.AdamW \(the same hyperparameters"),
+    (lambda ps: torch.optim.SGD(ps, lr=0.1, momentum=0.9), r"use mixprec.optim.SGD \(the same hyperparameters"),
+    (lambda ps: torch.optim.Adam(ps), r"use mixprec.optim.AdamW\(\.\.\., weight_decay=0\): Adam without weight decay"),
+    (lambda ps: torch.optim.Adam(ps, weight_decay=1e-4), r"no Adam with coupled \(L2\) weight decay: .*decoupled"),
+    (lambda ps: torch.optim.Adagrad(ps), r"AdamW and SGD only, nothing with Adagrad's update rule"),
+], ids=["adamw", "sgd", "adam", "adam-l2", "adagrad"])
+def test_a_refused_stock_optimizer_is_told_the_replacement_for_its_own_update_rule(make, fix):
+    """mixprec.optim.AdamW was offered for every optimizer: for Adam with weight decay it silently changes the
+    regularisation (coupled L2 -> decoupled; and its default decay 0.01 where Adam's is 0), and for Adagrad it
+    is another method."""
+    model = nn.Linear(4, 4)
+    with pytest.raises(ValueError, match=fix):
+        MixedPrecision(model, make(model.parameters()), policy="bf16-sr", device="cpu")

@@ -84,13 +84,28 @@ def check(opt: torch.optim.Optimizer, policy: Policy, stepped_dtypes: set[torch.
     lacks = ([f"writes updates with rounding={policy.rounding!r}"] if policy.rounding != "nearest" else []) + (
         [f"asks for state={state_name(policy.state_dtype)}"] if policy.state_dtype != torch.float32 else [])
     if lacks:   # every missing capability at once, so one fix covers them
-        raise ValueError(f"policy {policy} {' and '.join(lacks)}, which {name} cannot do; use mixprec.optim.AdamW / "
-                         "mixprec.optim.SGD (the same hyperparameters; they do both)")
+        raise ValueError(f"policy {policy} {' and '.join(lacks)}, which {name} cannot do; {_replacement(opt)}")
     half = sorted(str(d).replace("torch.", "") for d in stepped_dtypes - _FULL_PRECISION)
     if half:
         raise ValueError(f"{name} would keep its state in {half} under policy {policy} (16-bit params, no master "
                          "weights): small moments round away. Fix: use mixprec.optim.AdamW (fp32 state and math), "
                          "or master=fp32 (e.g. bf16-pure)")
+
+
+def _replacement(opt: torch.optim.Optimizer) -> str:
+    """What to use instead of the stock ``opt`` under a policy it cannot run, for its own update rule."""
+    name = type(opt).__name__
+    if isinstance(opt, (torch.optim.AdamW, torch.optim.SGD)):
+        return f"use mixprec.optim.{name} (the same hyperparameters; it does both)"
+    if type(opt) is torch.optim.Adam:
+        if all(not g.get("weight_decay") for g in opt.param_groups):
+            return ("use mixprec.optim.AdamW(..., weight_decay=0): Adam without weight decay is AdamW with "
+                    "weight_decay=0 (mixprec's AdamW defaults to 0.01, as torch's)")
+        return ("mixprec.optim has no Adam with coupled (L2) weight decay: mixprec.optim.AdamW decays decoupled, a "
+                "different regularisation (retune weight_decay), or keep Adam under a policy with fp32 masters or "
+                "params (bf16-pure, bf16-mixed)")
+    return (f"mixprec.optim has AdamW and SGD only, nothing with {name}'s update rule: switch to one of them, or "
+            f"keep {name} under a policy with fp32 masters or params (bf16-pure, bf16-mixed)")
 
 
 def check_loadable(opt: torch.optim.Optimizer, state_dict: dict) -> None:
