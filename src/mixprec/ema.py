@@ -45,6 +45,9 @@ def _check_args(mp: MixedPrecision, decay: Any, every: Any) -> None:
     if isinstance(every, bool) or not isinstance(every, int) or every < 1:
         raise ValueError(f"EMA {every=!r} is not allowed; it must be an int >= 1 (update the shadow every that "
                          "many applied steps), e.g. every=1")
+    if mp.optimizer is None:
+        raise RuntimeError("EMA(mp): the engine has no optimizer yet (built with optimizer=None), and the EMA updates "
+                           "after each optimizer step; attach it first: mp.attach(optimizer), then EMA(mp)")
     if mp.strategy == "fsdp2":
         raise ValueError("EMA under strategy='fsdp2' is not supported: the params are shards (DTensors) that the "
                          "swap and the checkpoints do not handle; use strategy=None or 'ddp'")

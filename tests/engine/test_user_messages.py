@@ -260,3 +260,47 @@ def test_bench_recompute_plan_check_passes_blocks_the_model_has():
         check_plan_fits(config(text))
     with pytest.raises(ValueError, match=r"'blocks\.7' matches no module"):   # tiny has 2 blocks
         check_plan_fits(config("blocks.0,blocks.7"))
+
+
+def _linear_engine(optimizer: bool = True, policy: str = "bf16-mixed"):
+    import mixprec
+
+    model = torch.nn.Linear(4, 2)
+    opt = torch.optim.SGD(model.parameters(), lr=0.1) if optimizer else None
+    return mixprec.MixedPrecision(model, opt, policy, device="cpu")
+
+
+def test_load_state_dict_of_something_else_is_refused_naming_what_loads_it():
+    mp = _linear_engine()
+    with pytest.raises(TypeError, match=r"state is a NoneType, not a dict; pass what mp.state_dict\(\) returned"):
+        mp.load_state_dict(None)
+    with pytest.raises(ValueError, match=r"state lacks \['policy', 'loss_scale', 'counters'\].*mp.module.load_state_dict"):
+        mp.load_state_dict({"model": mp.module.state_dict()})   # was KeyError: 'policy'
+    mp.load_state_dict(mp.state_dict())   # the real thing still loads
+
+
+def test_cast_inputs_keep_takes_one_field_name_alone_and_says_each_new_rounded_field():
+    mp = _linear_engine(policy="bf16-pure")   # inputs cast to the 16-bit params' dtype
+    batch = {"x": torch.randn(2, 4), "label": torch.randn(2), "target": torch.randn(2)}
+    out = mp.cast_inputs(batch, keep="label")   # was: ['l', 'a', 'b', 'e', 'l'] not found
+    assert out["label"].dtype == torch.float32 and torch.equal(out["label"], batch["label"])
+    assert out["x"].dtype == torch.bfloat16
+    with pytest.raises(TypeError, match=r"keep=1.5\): keep is a float; pass a key"):
+        mp.cast_inputs(batch, keep=1.5)
+    mp = _linear_engine(policy="bf16-pure")
+    with pytest.warns(UserWarning, match=r"rounded the floating field\(s\) \['label'\]"):
+        mp.cast_inputs({"x": torch.randn(2, 4), "label": torch.randn(2)})
+    with pytest.warns(UserWarning, match=r"rounded the floating field\(s\) \['target'\]"):   # was silent
+        mp.cast_inputs({"x": torch.randn(2, 4), "target": torch.randn(2)})
+
+
+def test_ema_of_an_engine_without_optimizer_and_a_checkpoint_into_a_file_are_refused_with_the_fix(tmp_path):
+    import mixprec
+
+    with pytest.raises(RuntimeError, match=r"no optimizer yet .* mp.attach\(optimizer\), then EMA\(mp\)"):
+        mixprec.EMA(_linear_engine(optimizer=False))
+    afile = tmp_path / "model.pt"
+    afile.write_bytes(b"x")
+    with pytest.raises(ValueError, match=r"save_checkpoint: path .*model.pt' is a file, not a directory"):
+        mixprec.save_checkpoint(afile, _linear_engine())
+    assert afile.read_bytes() == b"x"

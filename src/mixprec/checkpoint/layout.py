@@ -166,10 +166,13 @@ def begin_checkpoint(root: str | Path, step: int, *, keep: int | None = None,
     creates the empty temporary directory ``pending.tmp``.
 
     Raises:
-        ValueError: ``keep`` is not a positive int or None (``caller`` names the function).
+        ValueError: ``keep`` is not a positive int or None, or ``root`` is a file (``caller`` names the function).
     """
     _check_keep(keep, caller)
     root = Path(root)
+    if root.exists() and not root.is_dir():
+        raise ValueError(f"{caller}: path {str(root)!r} is a file, not a directory; pass a directory (the checkpoint "
+                         "root: created if needed, each save a step-N directory in it)")
     root.mkdir(parents=True, exist_ok=True)
     _remove_stale(root)
     name = _next_name(root, step)

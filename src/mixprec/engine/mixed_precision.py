@@ -37,7 +37,7 @@ from mixprec.engine.preparation.reprepare import load_engine_state
 from mixprec.engine.preparation.switch import switch_policy
 from mixprec.engine.records import Event
 from mixprec.engine.regions import Regions
-from mixprec.engine.saved_state import engine_state
+from mixprec.engine.saved_state import check_engine_state, engine_state
 from mixprec.engine.step_state import Phase, check_attach, check_call, check_open
 from mixprec.engine.views import EngineViews
 from mixprec.optim import contract
@@ -301,7 +301,7 @@ class MixedPrecision(EngineViews, FrozenControl, PenaltyGradients):
         (:func:`mixprec.engine.preparation.reprepare.load_engine_state`); ``auto`` still pending adopts a run that took its
         auto decision. ValueError, before anything changes, without either, for other masters or loss-scale type,
         an unmatched frozen set or unfit fp16 values."""
-        self._features.check(state)   # before anything changes
+        self._features.check(check_engine_state(state))   # before anything changes
         self.decision = load_engine_state(self, state, self._auto, convert=convert, adopt_policy=adopt_policy) or self.decision
         self._features.load(state)   # the saved recompute plan, budget decision, as they were: not re-measured
 

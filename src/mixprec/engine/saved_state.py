@@ -27,7 +27,23 @@ from mixprec.engine.open_group import capture_group
 from mixprec.engine.protocol import Engine
 from mixprec.engine.step_state import Phase
 
-__all__ = ["engine_state", "trainable_fp32"]
+__all__ = ["check_engine_state", "engine_state", "trainable_fp32"]
+
+_REQUIRED = ("policy", "model", "loss_scale", "counters")
+
+
+def check_engine_state(state: Any) -> dict[str, Any]:
+    """``state`` itself when it has the shape of an ``mp.state_dict()`` (a dict with the module docstring's keys);
+    TypeError / ValueError naming what it is and what loads it instead. No host sync."""
+    fix = ("pass what mp.state_dict() returned; a model's own state_dict loads with mp.module.load_state_dict(...), "
+           "a checkpoint directory with mixprec.load_checkpoint(path, mp)")
+    if not isinstance(state, dict):
+        raise TypeError(f"mp.load_state_dict(state): state is a {type(state).__name__}, not a dict; {fix}")
+    missing = [k for k in _REQUIRED if k not in state]
+    if missing:
+        raise ValueError(f"mp.load_state_dict(state): state lacks {missing} (it holds {sorted(state)[:8]}), so it is "
+                         f"not an engine's state; {fix}")
+    return state
 
 
 def engine_state(mp: Engine, features: Features, phase: Phase, end_next: bool, losses: BoundaryLosses,

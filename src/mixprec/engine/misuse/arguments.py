@@ -12,6 +12,7 @@ from typing import Any
 import torch
 from torch import nn
 
+from mixprec.engine.misuse.cast_targets import keep_fields
 from mixprec.engine.misuse.outside import check_not_wrapped
 from mixprec.engine.ownership import check_unowned
 from mixprec.memory.recompute import match_blocks, parse_request
@@ -112,7 +113,10 @@ def as_tensors(batch: Any) -> Any:
 
 def cast_batch(batch: Any, dtype: torch.dtype, device: torch.device, keep: tuple[str, ...]) -> Any:
     """``batch`` on ``device``, its floating tensors cast to ``dtype`` but those under the top-level keys,
-    fields or indices ``keep`` (moved only). Raises ValueError for a ``keep`` entry the batch lacks."""
+    fields or indices ``keep`` (moved only; one key or index alone counts as one: :func:`~mixprec.engine.misuse.
+    cast_targets.keep_fields`). Raises ValueError for a ``keep`` entry the batch lacks, TypeError for a ``keep``
+    that names no field."""
+    keep = keep_fields(keep)
     if not keep:
         return cast_floating(batch, dtype, device)
     names = field_names(batch) or []

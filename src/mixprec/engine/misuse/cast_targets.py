@@ -12,11 +12,24 @@ import torch
 
 from mixprec.policy.tree import field_names
 
-__all__ = ["TARGET_NAMES", "suspected_targets"]
+__all__ = ["TARGET_NAMES", "keep_fields", "suspected_targets"]
 
 #: Field names taken for targets by the ``cast_inputs`` check (compared lower-case).
 TARGET_NAMES = frozenset({"y", "target", "targets", "label", "labels", "reward", "rewards", "return", "returns",
                           "value", "values", "advantage", "advantages", "score", "scores"})
+
+
+def keep_fields(keep: Any) -> tuple:
+    """``cast_inputs``' ``keep`` as a tuple of fields: one key or index (a str, an int) is a field of its own
+    (``keep="label"`` keeps the field ``"label"``, not its characters). TypeError for anything else."""
+    if isinstance(keep, (str, int)) and not isinstance(keep, bool):
+        return (keep,)
+    if keep is None:
+        return ()
+    if isinstance(keep, (tuple, list, set, frozenset)):
+        return tuple(keep)
+    raise TypeError(f"cast_inputs(keep={keep!r}): keep is a {type(keep).__name__}; pass a key, a field name or an "
+                    "index, or a tuple of them, e.g. keep=('y',) or keep=(1,)")
 
 
 def suspected_targets(batch: Any, keep: tuple) -> list[Any]:

@@ -47,7 +47,7 @@ import torch
 from torch import nn
 
 from mixprec.engine.autocast_scope import AutocastScope
-from mixprec.engine.misuse.cast_targets import TARGET_NAMES, suspected_targets
+from mixprec.engine.misuse.cast_targets import TARGET_NAMES, keep_fields, suspected_targets
 from mixprec.engine.feature import Feature, HeldEngine, held_method
 from mixprec.engine.misuse.foreign_loops import at_backward
 from mixprec.engine.misuse.outside import before_optimizer_step, stray_step_text, watch_autocast
@@ -326,11 +326,12 @@ class LoopChecks(Feature):
     def check_cast(self, batch: Any, dtype: torch.dtype, keep: tuple) -> None:
         """Warn once when ``cast_inputs`` rounds a float field that may be a target (:mod:`mixprec.engine.misuse.
         cast_targets`) to a 16-bit ``dtype``."""
-        if dtype == torch.float32 or "cast-target" in self.spoken:
+        if dtype == torch.float32:
             return
-        suspects = suspected_targets(batch, keep)
-        if suspects:
-            self._once("cast-target", "cast-target",
+        suspects = suspected_targets(batch, keep_fields(keep))
+        said = f"cast-target:{suspects!r}"   # once per set of fields: another field rounded later is said too
+        if suspects and said not in self.spoken:
+            self._once(said, "cast-target",
                        f"cast_inputs rounded the floating field(s) {suspects} to {str(dtype)[6:]} with the inputs "
                        f"(policy {self.owner.policy} stores parameters in 16 bits). If one is a target or a label "
                        f"that the loss compares in fp32, keep it: mp.cast_inputs(batch, keep={tuple(suspects)!r})")
