@@ -407,3 +407,20 @@ def test_frozen_params_stored_in_bf16_are_named_in_the_decision_with_what_is_los
     model[0].requires_grad_(False)
     mp = MixedPrecision(model, mixprec.optim.AdamW(model[2].parameters()), f"{policy},keep_fp32=0", device="cpu")
     assert torch.equal(model[0].weight, w_fp32) and "frozen param(s) stored in" not in mp.decision
+
+
+def test_an_evaluation_outside_autocast_meeting_frozen_bf16_weights_is_told_why_it_fails_before_it_does():
+    """bf16-mixed stores frozen linears in bf16; a plain no-grad evaluation outside mp.autocast() then fails in
+    torch's matmul ("mat1 and mat2 must have the same dtype"), which names neither cause nor fix. A warning
+    names both first; inside mp.autocast() the same evaluation runs."""
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(8, 8), nn.ReLU(), nn.Linear(8, 1))
+    model[0].requires_grad_(False)
+    mp = MixedPrecision(model, mixprec.optim.AdamW(model[2].parameters()), "bf16-mixed", device="cpu")
+    x = torch.randn(4, 8)
+    with pytest.warns(UserWarning, match=r"float32 input outside mp.autocast\(\) while its 2 frozen parameter\(s\) "
+                                         r"are stored in bfloat16 .*keep_fp32=<module>"):
+        with pytest.raises(RuntimeError, match="same dtype"), torch.no_grad():
+            model(x)
+    with torch.no_grad(), mp.autocast():
+        assert model(x).shape == (4, 1)

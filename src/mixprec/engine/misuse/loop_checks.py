@@ -51,6 +51,7 @@ from mixprec.engine.misuse.cast_targets import TARGET_NAMES, keep_fields, suspec
 from mixprec.engine.feature import Feature, HeldEngine, held_method
 from mixprec.engine.misuse.foreign_loops import at_backward
 from mixprec.engine.misuse.outside import before_optimizer_step, stray_step_text, watch_autocast
+from mixprec.engine.misuse.outside_autocast import outside_autocast
 from mixprec.engine.protocol import Engine
 from mixprec.engine.records import Event
 from mixprec.engine.storage import FrozenParams
@@ -169,21 +170,9 @@ class LoopChecks(Feature):
         mp = self.owner
         if torch.is_autocast_enabled(mp.device.type):
             return
-        mixed = mp.policy.is_mixed and mp.policy.param_dtype == torch.float32
-        if mixed and torch.is_grad_enabled():
-            self._once("outside-autocast", "forward", f"the model ran a training forward outside mp.autocast() under "
-                       f"{mp.policy}: it computed in fp32 (parameters are fp32 under '-mixed' policies; only "
-                       "autocast computes in 16 bits). Wrap the forward and the loss: `with mp.autocast(): loss = "
-                       "...`")
-        elif mp.policy.param_dtype != torch.float32 and "outside-autocast-dtype" not in self.spoken:
-            found = _float_input_not_in(args, mp.policy.param_dtype)
-            if found is not None:
-                dtype = str(mp.policy.param_dtype).removeprefix("torch.")
-                self._once("outside-autocast-dtype", "forward", f"the model got a {str(found).removeprefix('torch.')} "
-                           f"input outside mp.autocast() while its parameters are {dtype} under {mp.policy}: "
-                           "unless the model casts it, its first matmul fails with a dtype error ('mat1 and mat2 "
-                           "must have the same dtype'). Run every forward, evaluation included, inside `with "
-                           "mp.autocast():`, or pass the batch through mp.cast_inputs()")
+        said = outside_autocast(mp.policy, len(self.frozen.stored16), args, torch.is_grad_enabled())
+        if said is not None:
+            self._once(*said)
 
     def before_optimizer_step(self) -> None:
         mp = self.owner
@@ -356,17 +345,6 @@ class LoopChecks(Feature):
         self.spoken.add(key)
         self._event(kind, detail)
         warnings.warn(f"mixprec: {detail} (said once)", stacklevel=user_stacklevel())
-
-
-def _float_input_not_in(args: tuple, dtype: torch.dtype) -> torch.dtype | None:
-    """The dtype of the first floating tensor among ``args`` (and one level of list/tuple/dict inside them)
-    that is not ``dtype``; None when there is none."""
-    for arg in args:
-        items = arg.values() if isinstance(arg, dict) else arg if isinstance(arg, (list, tuple)) else (arg,)
-        for t in items:
-            if isinstance(t, torch.Tensor) and t.is_floating_point() and t.dtype != dtype:
-                return t.dtype
-    return None
 
 
 def _dtype(dtype: torch.dtype) -> str:
