@@ -424,3 +424,26 @@ def test_an_evaluation_outside_autocast_meeting_frozen_bf16_weights_is_told_why_
             model(x)
     with torch.no_grad(), mp.autocast():
         assert model(x).shape == (4, 1)
+
+
+def test_trainable_state_dict_takes_params_written_outside_the_engine_since_its_last_step():
+    """A weight average or a best checkpoint written into the model after the last step (SWA, the HF Trainer's
+    load_best_model_at_end) under bf16-pure: trainable_state_dict() returned the stale masters, the last step's
+    weights, while state_dict() and unwrap() adopted the write. Now all three give the written values."""
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(8, 8), nn.ReLU(), nn.Linear(8, 1))
+    mp = MixedPrecision(model, mixprec.optim.AdamW(model.parameters(), lr=1e-2), "bf16-pure", device="cpu")
+    x = torch.randn(4, 8)
+    for _ in range(2):
+        with mp.autocast():
+            loss = mp.model(mp.cast_inputs(x)).float().pow(2).mean()
+        mp.backward(loss)
+        mp.step()
+    written = {n: torch.randn_like(p, dtype=torch.float32) for n, p in model.named_parameters()}
+    with torch.no_grad():
+        for n, p in model.named_parameters():
+            p.copy_(written[n])
+    with pytest.warns(UserWarning):   # the adoption is said
+        exported = mp.trainable_state_dict()
+    for n, w in written.items():
+        assert torch.equal(exported[n], w.bfloat16().float()), n

@@ -17,6 +17,7 @@ from torch import nn
 from mixprec.engine.boundary import BoundaryLosses
 from mixprec.engine.divergence import Judging
 from mixprec.engine.masters import MasterWeights
+from mixprec.engine.preparation.edits import adopt_edited_params
 from mixprec.engine.saved_state import trainable_fp32
 
 __all__ = ["EngineViews"]
@@ -63,5 +64,8 @@ class EngineViews:
 
     def trainable_state_dict(self) -> dict[str, torch.Tensor]:
         """The trainable params by name as fp32 CPU copies of their best values (master, else param plus
-        Kahan compensation): a LoRA run's small file, for ``model.load_state_dict(state, strict=False)``. Syncs."""
+        Kahan compensation): a LoRA run's small file, for ``model.load_state_dict(state, strict=False)``. Params
+        written outside the engine since its last step (a weight average, a best checkpoint loaded into the model)
+        are adopted by their masters first, as :meth:`state_dict` does. Syncs."""
+        adopt_edited_params(self)
         return trainable_fp32(self.module, self.masters, self.optimizer)
