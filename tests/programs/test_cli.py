@@ -237,3 +237,14 @@ def test_doctor_prints_one_bf16_ratio_at_one_size(monkeypatch, capsys):
     assert bf16_row.split()[-2:] == ["4.22", "512³"]
     assert "policy auto without a model: bf16-mixed (auto → bf16-mixed: this CPU's bf16 and fp16 matmul speed vs " \
            "fp32 as in x fp32 above (matmul probe)" in text
+
+
+@pytest.mark.parametrize("command", ["bench", "train", "inspect"])
+def test_an_out_that_is_a_file_is_refused_before_any_work_with_exit_2(command, tmp_path, capsys):
+    """Was a FileExistsError / NotADirectoryError traceback and exit 1, after the run's work."""
+    afile = tmp_path / "results.txt"
+    afile.write_text("mine")
+    with pytest.raises(SystemExit) as done:
+        main([command, "--out", str(afile)])
+    assert done.value.code == 2
+    assert "argument --out: " in capsys.readouterr().err and afile.read_text() == "mine"

@@ -5,9 +5,10 @@ from __future__ import annotations
 
 import argparse
 import difflib
+import os
 import time
 
-__all__ = ["SubcommandParser", "add_workload_args", "count", "positive_int", "split_policies", "timestamp"]
+__all__ = ["SubcommandParser", "add_workload_args", "count", "out_dir", "positive_int", "split_policies", "timestamp"]
 
 
 def timestamp() -> str:
@@ -46,6 +47,15 @@ def positive_int(text: str) -> int:
     if value < 1:
         raise argparse.ArgumentTypeError(f"{value} is not a positive integer")
     return value
+
+
+def out_dir(text: str) -> str:
+    """An output directory (argparse type): refused when a file of that name exists (the run would fail after
+    its work, when it writes). Created later, by the run."""
+    if os.path.exists(text) and not os.path.isdir(text):
+        raise argparse.ArgumentTypeError(f"{text!r} is a file, not a directory; pass a directory (created if "
+                                         "needed) for the run's outputs")
+    return text
 
 
 class SubcommandParser(argparse.ArgumentParser):
