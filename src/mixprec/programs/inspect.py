@@ -21,7 +21,6 @@ from mixprec.numerics.block_report import block_console
 from mixprec.numerics.inspect import DEFAULT_FORMATS
 from mixprec.numerics.report import NumericsReport
 from mixprec.numerics.workload import INSPECT_STEPS, advised_policy, inspect_workload
-from mixprec.programs.cli.arguments import out_dir
 
 __all__ = ["add_inspect_parser", "run_inspect", "inspect_workload", "advised_policy", "DEFAULT_STEPS"]
 
@@ -71,7 +70,7 @@ def add_inspect_parser(subparsers: argparse._SubParsersAction) -> argparse.Argum
                    "too (nvfp4, mxfp8, mxfp8_e5m2, mxfp6_e2m3, mxfp6_e3m2, mxfp4): every linear's operands in them "
                    "and the linears to keep in bf16")
     p.add_argument("--lr", type=float, default=None, help="learning rate (default: the workload's peak rate)")
-    p.add_argument("--out", default=None, type=out_dir, help="output directory (default: runs/inspect-<timestamp>)")
+    p.add_argument("--out", default=None, help="output directory (default: runs/inspect-<timestamp>)")
     return p
 
 

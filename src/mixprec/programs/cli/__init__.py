@@ -23,7 +23,7 @@ import sys
 import warnings
 
 from mixprec.programs.cli import bench, sample, train
-from mixprec.programs.cli.arguments import SubcommandParser
+from mixprec.programs.cli.arguments import SubcommandParser, check_out
 
 __all__ = ["main", "build_parser"]
 
@@ -104,6 +104,7 @@ def _whole_lines_under_torchrun() -> None:
 
 
 def _run_command(args: argparse.Namespace, command: str) -> int:
+    check_out(getattr(args, "out", None))   # before any work
     if args.command == "bench":
         return bench.run(args, command)
     if args.command == "train":

@@ -8,7 +8,7 @@ import difflib
 import os
 import time
 
-__all__ = ["SubcommandParser", "add_workload_args", "count", "out_dir", "positive_int", "split_policies", "timestamp"]
+__all__ = ["SubcommandParser", "add_workload_args", "check_out", "count", "positive_int", "split_policies", "timestamp"]
 
 
 def timestamp() -> str:
@@ -49,13 +49,12 @@ def positive_int(text: str) -> int:
     return value
 
 
-def out_dir(text: str) -> str:
-    """An output directory (argparse type): refused when a file of that name exists (the run would fail after
-    its work, when it writes). Created later, by the run."""
-    if os.path.exists(text) and not os.path.isdir(text):
-        raise argparse.ArgumentTypeError(f"{text!r} is a file, not a directory; pass a directory (created if "
-                                         "needed) for the run's outputs")
-    return text
+def check_out(out: str | None) -> None:
+    """ValueError when ``--out`` names an existing file: the run would fail after its work, when it writes (the
+    directory itself is created later, by the run)."""
+    if out is not None and os.path.exists(out) and not os.path.isdir(out):
+        raise ValueError(f"--out {out!r} is a file, not a directory; pass a directory (created if needed) for the "
+                         "run's outputs")
 
 
 class SubcommandParser(argparse.ArgumentParser):

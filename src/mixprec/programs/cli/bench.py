@@ -5,8 +5,7 @@ from __future__ import annotations
 import argparse
 from pathlib import Path
 
-from mixprec.programs.cli.arguments import (add_workload_args, count, out_dir, positive_int, split_policies,
-                                             timestamp)
+from mixprec.programs.cli.arguments import add_workload_args, count, positive_int, split_policies, timestamp
 
 __all__ = ["add_parser", "run"]
 
@@ -37,7 +36,7 @@ def add_parser(sub: argparse._SubParsersAction, presets: str) -> None:
                        f"(default: {','.join(DEFAULT_POLICIES)})")
     bench.add_argument("--steps", type=positive_int, default=None,
                        help=f"optimizer steps per policy, >= 5 (default: the workload's: {DEFAULT_STEPS} for gpt)")
-    bench.add_argument("--out", default=None, type=out_dir, help="output directory (default: runs/bench-<timestamp>)")
+    bench.add_argument("--out", default=None, help="output directory (default: runs/bench-<timestamp>)")
     bench.add_argument("--max-loss-delta", type=float, default=0.02,
                        help="largest allowed relative increase of the final eval loss vs fp32 (default: 0.02)")
     bench.add_argument("--min-speedup", type=float, default=None, help="smallest allowed speedup vs fp32 (default: none)")
