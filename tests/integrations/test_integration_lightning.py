@@ -286,6 +286,21 @@ def test_resume_through_ckpt_path_equals_an_uninterrupted_run(policy, tmp_path):
         assert whole.engine.skipped_total == 4
 
 
+def test_a_pure_checkpoint_holds_the_fp32_masters_so_a_plain_load_gets_the_trained_weights(tmp_path):
+    """Under bf16-pure Lightning's ``state_dict`` held the params' bf16 rounding (up to one bf16 ulp off the
+    trained fp32 weights) for ``load_from_checkpoint`` without the plugin; it holds the masters now (the resume
+    through the plugin stays bit-exact: test above)."""
+    first, t1, _ = fit("bf16-pure", batches(4), -1, trainer_kw={"max_epochs": 1})
+    path = tmp_path / "pure.ckpt"
+    t1.save_checkpoint(path)
+    plain = TinyGPT()   # fp32, no plugin
+    plain.load_state_dict(torch.load(path, weights_only=False)["state_dict"])
+    trained = first.engine.trainable_state_dict()
+    for name, p in plain.named_parameters():
+        assert p.dtype == torch.float32 and torch.equal(p.detach(), trained[name]), name
+    assert any(not torch.equal(trained[n], p.float()) for n, p in first.engine.module.named_parameters())   # bf16 != fp32
+
+
 # ---------------------------------------------------------------------- manual optimization
 class ManualGPT(TinyGPT):
     def __init__(self) -> None:

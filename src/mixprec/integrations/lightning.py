@@ -336,13 +336,21 @@ class MixprecPrecision(Precision):
         """Move the block-scaled linears' signs and stochastic-rounding streams out of ``checkpoint["state_dict"]``
         into this plugin's entry (``"block_state"``): Lightning restores ``state_dict`` into the module before
         ``convert_module`` swaps its linears (:mod:`mixprec.integrations.block_state`); ``load_from_checkpoint``
-        then loads the weights without the plugin too. Kept where the strategy restores after its setup
-        (``ModelParallelStrategy``: the module is converted by then)."""
+        then loads the weights without the plugin too; and under a policy with fp32 masters (``-pure``) write the
+        masters' fp32 values over the 16-bit params there, so ``load_from_checkpoint`` without the plugin gets
+        the trained fp32 weights (a resume with it rounds them back to the same stored bits). Kept where the
+        strategy restores after its setup (``ModelParallelStrategy``: the module is converted by then)."""
         if self.engine is None or self._trainer.strategy.restore_checkpoint_after_setup:
             return
-        block_state = split_block_state(self.engine.module, checkpoint.get("state_dict") or {})
+        weights = checkpoint.get("state_dict") or {}
+        block_state = split_block_state(self.engine.module, weights)
         if block_state:
             checkpoint.setdefault(type(self).__qualname__, {})["block_state"] = block_state
+        masters, copies = {p.data_ptr(): m for p, m in self.engine.masters.pairs}, {}   # by storage: tied names
+        for name, value in list(weights.items()):                                   # (wte, lm_head): one param
+            master = masters.get(value.data_ptr()) if isinstance(value, torch.Tensor) and value.numel() else None
+            if master is not None and master.shape == value.shape:   # fp32, not the 16-bit rounding
+                weights[name] = copies.setdefault(value.data_ptr(), master.detach().clone())
 
     def on_load_checkpoint(self, checkpoint: dict[str, Any]) -> None:
         """Keep Lightning's model and optimizer states of ``checkpoint`` for :meth:`load_state_dict`. When fitting
