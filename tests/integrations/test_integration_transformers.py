@@ -319,3 +319,37 @@ def test_a_second_trainer_on_the_same_model_takes_over_the_earlier_engine(tmp_pa
     assert masters and all(torch.equal(named[n], m) for n, m in masters.items())
     assert [e.kind for e in second.engine.events] == ["handover"]
     assert second.train().global_step == 2
+
+
+def test_reduce_lr_on_plateau_is_stepped_by_the_trainer_on_each_evaluation(tmp_path):
+    """lr_scheduler_type="reduce_lr_on_plateau" was accepted by __init__ and refused at train() with a fix only a
+    hand loop can apply. The Trainer steps it on each evaluation's metric, as a plain Trainer does; the engine
+    never steps it (it is not a per-step schedule)."""
+    trainer = MixprecTrainer(_gpt2(), _args(tmp_path, lr_scheduler_type="reduce_lr_on_plateau", max_steps=8,
+                                            eval_strategy="steps", eval_steps=2, weight_decay=0.0,
+                                            lr_scheduler_kwargs={"patience": 0, "factor": 0.5, "threshold": 10.0}),
+                             train_dataset=_data(), eval_dataset=_data(4), policy="bf16-kahan")
+    trainer.train()
+    plateau = trainer.lr_scheduler
+    assert isinstance(plateau, torch.optim.lr_scheduler.ReduceLROnPlateau) and trainer.engine.scheduler is None
+    evals = sum("eval_loss" in e for e in trainer.state.log_history)
+    assert evals == 4 and plateau.last_epoch == evals
+    # threshold 10 (relative, mode min): no evaluation counts as an improvement, so each one halves the lr
+    assert trainer.engine.optimizer.param_groups[0]["lr"] == pytest.approx(LR * 0.5 ** evals, rel=1e-12)
+
+
+def test_optim_sgd_becomes_mixprec_sgd_and_in_fp32_steps_as_the_plain_trainer(tmp_path):
+    """optim="sgd" under a rounding policy was refused ("use mixprec.optim.SGD") with no Trainer route; it is
+    swapped for mixprec.optim.SGD as adamw_torch is for AdamW (an event says so). Under fp32 the weights equal a
+    plain Trainer's with torch's SGD bit for bit (no clipping: the norm's summation order is another matter)."""
+    options = dict(optim="sgd", max_grad_norm=0.0, max_steps=6)
+    kahan = MixprecTrainer(_gpt2(), _args(tmp_path / "k", **options), train_dataset=_data(), policy="bf16-kahan")
+    kahan.train()
+    assert type(kahan.engine.optimizer) is mixprec.optim.SGD
+    assert any(e.kind == "hf-optimizer" and "mixprec.optim.SGD" in e.detail for e in kahan.engine.events)
+    ours = MixprecTrainer(_gpt2(), _args(tmp_path / "o", **options), train_dataset=_data(), policy="fp32")
+    ours.train()
+    plain = transformers.Trainer(_gpt2(), _args(tmp_path / "p", **options), train_dataset=_data())
+    plain.train()
+    for (name, p), q in zip(ours.engine.module.named_parameters(), plain.model.parameters()):
+        assert torch.equal(p, q), name

@@ -62,8 +62,7 @@ from mixprec.integrations.block_state import split_block_state, with_block_state
 from mixprec.integrations.replica_checks import DEFAULT_EVERY, ReplicaChecks
 from mixprec.integrations.resume import load_resumed
 from mixprec.integrations.transformers_arguments import (FLAG_POLICY, check_flag, check_whole_steps, engine_arguments,
-                                                         record_adopted_flag, refuse_unsupported)
-from mixprec.optim.adamw import AdamW
+                                                         own_optimizer, record_adopted_flag, refuse_unsupported)
 from mixprec.policy.policy import Policy
 
 __all__ = ["MixprecTrainer", "EngineOptimizer", "EngineScheduler", "PRECISION_STATE_NAME", "fp32_state_dict",
@@ -147,8 +146,9 @@ class MixprecTrainer(Trainer):
     as :attr:`engine`. ``policy``: a preset, ``key=value`` text, a :class:`~mixprec.Policy` or ``"auto"``; None
     takes ``bf16-mixed``/``fp16-mixed`` from ``args.bf16``/``args.fp16``, else ``"auto"``. ``loss_scale``,
     ``guard``, ``allow_fallback``, ``max_stuck_skips``: as :class:`~mixprec.MixedPrecision`; ``max_grad_norm`` and
-    ``accumulation_steps`` come from ``args``. The default optimizer (``optim="adamw_torch*"``) is
-    :class:`mixprec.optim.AdamW` with the Trainer's groups and hyperparameters (an event says so). Under torchrun
+    ``accumulation_steps`` come from ``args``. ``optim="adamw_torch*"`` (the default) and ``"sgd"`` build
+    :mod:`mixprec.optim`'s AdamW / SGD with the Trainer's groups and hyperparameters (an event says so); a
+    ``ReduceLROnPlateau`` (``lr_scheduler_type="reduce_lr_on_plateau"``) the Trainer steps on evaluations. Under torchrun
     the engine runs ``strategy="ddp"`` (module docstring); ``verify_replicas_every``: the steps between two
     fingerprint checks that the replicas are equal (0: off). Errors: ValueError for ``args`` that contradict the
     policy or that it does not support yet (named, with the fix); RuntimeError for a second ``train()`` on one
@@ -186,19 +186,17 @@ class MixprecTrainer(Trainer):
 
     # ------------------------------------------------------------------ optimizer and scheduler
     def create_optimizer(self, model: Any = None) -> EngineOptimizer:
-        """The Trainer's optimizer (``optimizers=`` or built from ``args``; ``adamw_torch*`` becomes
-        :class:`mixprec.optim.AdamW`), returned as the :class:`EngineOptimizer` view the Trainer steps."""
+        """The Trainer's optimizer (``optimizers=`` or built from ``args``; ``adamw_torch*`` / ``sgd`` become
+        :class:`mixprec.optim.AdamW` / ``SGD``), returned as the :class:`EngineOptimizer` view the Trainer steps."""
         if isinstance(self.optimizer, EngineOptimizer):
             return self.optimizer
         if self.optimizer is None and self.optimizer_cls_and_kwargs is None:
-            cls, kwargs = self.get_optimizer_cls_and_kwargs(self.args, model if model is not None else self.model)
-            if cls is torch.optim.AdamW:
-                kwargs = {k: v for k, v in kwargs.items() if k not in ("fused", "foreach")}
-                self.optimizer_cls_and_kwargs = (AdamW, kwargs)
+            own = own_optimizer(*self.get_optimizer_cls_and_kwargs(self.args, model if model is not None else
+                                                                   self.model), self.args.optim)
+            if own is not None:   # torch's AdamW / SGD -> mixprec.optim's (their policy's state and rounding)
+                self.optimizer_cls_and_kwargs = own[:2]
                 self.engine.record(Event(step=self.engine.boundaries, kind="hf-optimizer", cause="MixprecTrainer",
-                                         module=None, detail=f"args.optim={self.args.optim}: mixprec.optim.AdamW "
-                                         f"with the Trainer's parameter groups and {sorted(kwargs)} (torch.optim.AdamW "
-                                         "bit for bit in fp32; the policy's state format and rounding otherwise)"))
+                                         module=None, detail=own[2]))
         self.engine_optimizer = super().create_optimizer(model)
         self.optimizer = EngineOptimizer(self, self.engine_optimizer)
         return self.optimizer
@@ -214,8 +212,9 @@ class MixprecTrainer(Trainer):
             self.create_optimizer()
         scheduler = super().create_scheduler(num_training_steps, optimizer=self.engine_optimizer)
         self.replicas.agree_seeds(self.engine, self.engine_optimizer)   # under torchrun: rank 0's sr_seed everywhere
-        self.engine.attach(self.engine_optimizer, scheduler)
-        self.lr_scheduler = EngineScheduler(scheduler)
+        plateau = isinstance(scheduler, torch.optim.lr_scheduler.ReduceLROnPlateau)   # the Trainer steps it on evals
+        self.engine.attach(self.engine_optimizer, None if plateau else scheduler)
+        self.lr_scheduler = scheduler if plateau else EngineScheduler(scheduler)
         return self.lr_scheduler
 
     # ------------------------------------------------------------------ the step

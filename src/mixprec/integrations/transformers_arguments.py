@@ -17,10 +17,12 @@ from transformers import TrainingArguments
 
 from mixprec.engine.mixed_precision import MixedPrecision
 from mixprec.engine.records import Event
+from mixprec.optim.adamw import AdamW
+from mixprec.optim.sgd import SGD
 from mixprec.policy.policy import Policy
 from mixprec.policy.resolve import resolve
 
-__all__ = ["FLAG_POLICY", "refuse_unsupported", "check_flag", "check_whole_steps", "engine_arguments",
+__all__ = ["FLAG_POLICY", "own_optimizer", "refuse_unsupported", "check_flag", "check_whole_steps", "engine_arguments",
            "record_adopted_flag"]
 
 #: The policy ``policy=None`` takes from ``TrainingArguments(bf16=True)`` / ``(fp16=True)``.
@@ -105,3 +107,18 @@ def record_adopted_flag(mp: MixedPrecision, flag: str, max_grad_norm: float) -> 
               f"autocast is off (one autocast: the engine's), max_grad_norm={max_grad_norm} clips in the engine")
     mp.record(Event(step=mp.boundaries, kind="hf-flag", cause="MixprecTrainer", module=None, detail=detail),
               decision=f"{mp.decision}; TrainingArguments({flag}=True) adopted (Trainer autocast off)")
+
+
+def own_optimizer(cls: type, kwargs: dict[str, Any], optim: str) -> tuple[type, dict[str, Any], str] | None:
+    """The :mod:`mixprec.optim` class for the Trainer's torch ``cls`` built from ``args.optim`` (``optim``):
+    ``torch.optim.AdamW`` -> :class:`~mixprec.optim.AdamW`, ``torch.optim.SGD`` -> :class:`~mixprec.optim.SGD`,
+    with ``kwargs`` less ``fused``/``foreach`` (torch's kernels, not an option of the math) and the words of the
+    event that says so; None for any other class (the Trainer's own is kept; a policy it cannot run refuses it)."""
+    own = {torch.optim.AdamW: AdamW, torch.optim.SGD: SGD}.get(cls)
+    if own is None:
+        return None
+    kwargs = {k: v for k, v in kwargs.items() if k not in ("fused", "foreach")}
+    return own, kwargs, (f"args.optim={optim}: mixprec.optim.{own.__name__} with the Trainer's parameter groups and "
+                         f"{sorted(kwargs)} (the same math as torch.optim.{cls.__name__} in fp32, up to the order of "
+                         "fp32 operations, which a fused kernel changes; the policy's state format and rounding "
+                         "otherwise)")
