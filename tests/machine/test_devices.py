@@ -114,5 +114,41 @@ def test_the_matmul_probe_draws_nothing_from_the_callers_rng():
     from mixprec.machine import capability as devices
     torch.manual_seed(3)
     before = torch.get_rng_state()
-    devices._best_matmul_s(torch.float32, 16, torch.device("cpu"), reps=1)
+    devices._best_matmul_s((torch.float32, torch.float16), 16, torch.device("cpu"), reps=1)
     assert torch.equal(before, torch.get_rng_state())
+
+
+def test_fp16_counts_as_native_on_x86_only_with_fp16_matmul_instructions():
+    """A loaded 2-core EPYC timed its 2-thread fp32 256^3 product ~50x slow and called fp16 (no native kernel,
+    ~100x slower than fp32) 1.5x faster: the cached verdict then ran fp16-mixed rows. The flags decide on x86."""
+    import platform
+
+    from mixprec.machine.capability import reprobe
+    from mixprec.machine.matmul import cpu_flags
+
+    c = reprobe("cpu")
+    if platform.machine().lower() in ("x86_64", "amd64") and cpu_flags():
+        has = bool({"avx512_fp16", "amx_fp16"} & set(cpu_flags()))
+        assert c.fp16_native == (has and c.fp16_speed_ratio >= 0.5)
+        assert ("not native" in c.detail) == (not has)
+
+
+def test_a_probe_whose_fp32_times_disagree_is_noisy_and_not_cached(tmp_path, monkeypatch):
+    """fp32 per flop over 4x slower at 256^3 than at 512^3 is load: this process keeps the verdict, the cache file
+    is not written (the next process measures again); an undisturbed probe is cached."""
+    from mixprec.machine import capability as devices
+
+    monkeypatch.setenv("MIXPREC_CACHE_DIR", str(tmp_path))
+    times = {512: [8e-3, 2e-3], 256: [20e-3, 10e-3]}   # fp32 256^3 at 20 ms: 20x its 512^3 rate
+    monkeypatch.setattr(devices, "_best_matmul_s", lambda dtypes, n, device: times[n])
+    devices._probe_cached.cache_clear()
+    try:
+        c = devices.probe("cpu")
+        assert "noisy" in c.detail and not list(tmp_path.rglob("cpu-probe-*.json"))
+        times[256] = [1e-3, 2e-3]
+        devices._probe_cached.cache_clear()
+        c = devices.probe("cpu")
+        assert "noisy" not in c.detail and len(list(tmp_path.rglob("cpu-probe-*.json"))) == 1
+        assert c.bf16_speed_ratio == 4.0 and c.bf16_fast
+    finally:
+        devices._probe_cached.cache_clear()

@@ -4,8 +4,10 @@ and on disk) or read from the device (CUDA's compute capability, MPS's bf16 supp
 * CUDA: bf16 where torch says so; "fast" bf16 from compute capability 8.0.
 * MPS: bf16 where the installed torch/macOS can create bf16 tensors and autocast to bf16 on MPS.
 * CPU: bf16 counts as fast only where this CPU's bf16 matmul is measured at least 10 % faster than fp32 (512^3,
-  the best of 5 after 2 warm-ups); fp16 is measured too (256^3), and is typically hundreds of times slower than
-  fp32 without native kernels. Cached in ``$MIXPREC_CACHE_DIR`` (default ``~/.cache/mixprec``).
+  the best of 5 after 2 warm-ups, the dtypes taking turns); fp16 is measured too (256^3), and is typically
+  hundreds of times slower than fp32 without native kernels: on x86 it counts as native only with avx512_fp16 or
+  amx_fp16 in the CPU's flags, whatever a timing says. Cached in ``$MIXPREC_CACHE_DIR`` (default
+  ``~/.cache/mixprec``), unless the probe's own fp32 times disagree (a busy machine: then this process only).
 
 Which policy runs on a capability is :mod:`mixprec.policy.resolve`'s question, not this module's.
 """
@@ -21,7 +23,7 @@ from pathlib import Path
 
 import torch
 
-from mixprec.machine.cache import cache_dir
+from mixprec.machine.cache import cache_dir, cpu_flags
 from mixprec.machine.timing import time_calls
 
 __all__ = ["Capability", "normalize_device", "probe", "reprobe"]
@@ -75,14 +77,33 @@ def normalize_device(device: str | torch.device | None) -> torch.device:
     return dev
 
 
-def _best_matmul_s(dtype: torch.dtype, n: int, device: torch.device, reps: int = 5) -> float:
+def _best_matmul_s(dtypes: tuple[torch.dtype, ...], n: int, device: torch.device, reps: int = 5) -> list[float]:
+    """The fastest of ``reps`` timed ``n``-cube matmuls per dtype, the dtypes taking turns (load that comes and goes
+    hits each alike; other load only ever slows a run down, so the fastest is the least disturbed)."""
     gen = torch.Generator(device=device).manual_seed(0)   # its own: probing draws nothing from the caller's RNG
-    a = torch.randn(n, n, device=device, generator=gen).to(dtype)
-    b = torch.randn(n, n, device=device, generator=gen).to(dtype)
-    for _ in range(2):  # warm-up: the first calls initialise kernels and are much slower
-        a @ b
-    # the fastest run: other load on the machine only ever slows a run down
-    return min(time_calls(lambda: a @ b, device, reps))
+    operands = []
+    for dtype in dtypes:
+        a = torch.randn(n, n, device=device, generator=gen).to(dtype)
+        operands.append((a, torch.randn(n, n, device=device, generator=gen).to(dtype)))
+    for a, b in operands:
+        for _ in range(2):  # warm-up: the first calls initialise kernels and are much slower
+            a @ b
+    best = [float("inf")] * len(dtypes)
+    for _ in range(reps):
+        for i, (a, b) in enumerate(operands):
+            best[i] = min(best[i], time_calls(lambda: a @ b, device, 1)[0])
+    return best
+
+
+def _fp16_hardware() -> tuple[bool | None, str]:
+    """Whether this CPU has fp16 matmul instructions, from its flags: on x86 avx512_fp16 or amx_fp16 (without
+    them torch's fp16 matmul has no native kernel: ~100x slower than fp32 on an AMD EPYC, whatever a timing on a
+    busy machine says); None where the flags do not tell (another architecture, no /proc/cpuinfo)."""
+    flags = set(cpu_flags())
+    if platform.machine().lower() not in ("x86_64", "amd64") or not flags:
+        return None, ""
+    native = bool(flags & {"avx512_fp16", "amx_fp16"})
+    return native, "" if native else "; no avx512_fp16/amx_fp16 in this CPU's flags: fp16 matmuls are not native"
 
 
 def _cache_path() -> Path:
@@ -97,20 +118,26 @@ def _probe_cpu() -> Capability:
         return Capability(**json.loads(path.read_text()))
     except (OSError, ValueError, TypeError):
         pass
+    cpu = torch.device("cpu")
     # bf16: big enough that the matmul, not the call, dominates (~10 ms in fp32 on 2 cores).
-    t32 = _best_matmul_s(torch.float32, 512, torch.device("cpu"))
-    t_bf16 = _best_matmul_s(torch.bfloat16, 512, torch.device("cpu"))
+    t32, t_bf16 = _best_matmul_s((torch.float32, torch.bfloat16), 512, cpu)
     # fp16: small, because without native kernels it can be ~500x slower than fp32.
-    t32_small = _best_matmul_s(torch.float32, 256, torch.device("cpu"))
-    t_fp16 = _best_matmul_s(torch.float16, 256, torch.device("cpu"))
+    t32_small, t_fp16 = _best_matmul_s((torch.float32, torch.float16), 256, cpu)
     bf16_ratio, fp16_ratio = t32 / t_bf16, t32_small / t_fp16
+    # fp32 per flop over 4x slower at 256^3 than at 512^3 is the machine's load, not the CPU (a loaded 2-core
+    # machine slowed a 2-thread 256^3 product ~50x): the ratios are not cached
+    disturbed = t32_small / 256**3 > 4 * t32 / 512**3
+    fp16_hw, hw_note = _fp16_hardware()
     cap = Capability(
         device="cpu", bf16=True, fp16=True,
-        bf16_fast=bf16_ratio >= _FAST_RATIO, fp16_native=fp16_ratio >= 0.5,
+        bf16_fast=bf16_ratio >= _FAST_RATIO, fp16_native=fp16_ratio >= 0.5 and fp16_hw is not False,
         bf16_speed_ratio=round(bf16_ratio, 3), fp16_speed_ratio=round(fp16_ratio, 5),
-        detail=(f"measured matmul speed vs fp32: bf16 {bf16_ratio:.2f}x (512^3), "
-                f"fp16 {fp16_ratio:.4f}x (256^3)"),
+        detail=(f"measured matmul speed vs fp32: bf16 {bf16_ratio:.2f}x (512^3), fp16 {fp16_ratio:.4f}x (256^3)"
+                + hw_note + ("; noisy: fp32 ran over 4x slower per flop at 256^3 than at 512^3 (a busy machine), "
+                             "not cached" if disturbed else "")),
     )
+    if disturbed:
+        return cap
     try:
         path.parent.mkdir(parents=True, exist_ok=True)
         path.write_text(json.dumps(asdict(cap)))
