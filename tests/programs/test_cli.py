@@ -247,3 +247,10 @@ def test_an_out_that_is_a_file_is_refused_before_any_work_with_exit_2(command, t
     assert main([command, "--out", str(afile)]) == 2
     err = capsys.readouterr().err
     assert f"mixprec {command}: error: --out '{afile}' is a file, not a directory" in err and afile.read_text() == "mine"
+
+
+def test_a_memory_budget_without_a_unit_is_refused_before_the_bench_starts(capsys):
+    """`--memory-budget 4` meant 4 GiB and ran a whole bench against 4 bytes."""
+    with pytest.raises(SystemExit) as done:
+        main(["bench", "--memory-budget", "4"])
+    assert done.value.code == 2 and "'4' has no unit; write one: B, KiB, MiB, GiB" in capsys.readouterr().err

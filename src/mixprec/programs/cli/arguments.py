@@ -8,7 +8,7 @@ import difflib
 import os
 import time
 
-__all__ = ["SubcommandParser", "add_workload_args", "check_out", "count", "positive_int", "split_policies", "timestamp"]
+__all__ = ["SubcommandParser", "add_workload_args", "check_out", "count", "size_with_unit", "positive_int", "split_policies", "timestamp"]
 
 
 def timestamp() -> str:
@@ -55,6 +55,15 @@ def check_out(out: str | None) -> None:
     if out is not None and os.path.exists(out) and not os.path.isdir(out):
         raise ValueError(f"--out {out!r} is a file, not a directory; pass a directory (created if needed) for the "
                          "run's outputs")
+
+
+def size_with_unit(text: str) -> str:
+    """A memory size with its unit (argparse type): ``4GiB``, ``512MiB``, ``2.5GB``. A bare number is refused on
+    the command line (``--memory-budget 4`` meant 4 GiB, not 4 bytes); the API's int stays bytes."""
+    if text.strip().replace(".", "", 1).isdigit():
+        raise argparse.ArgumentTypeError(f"{text!r} has no unit; write one: B, KiB, MiB, GiB, TiB (powers of 2) or "
+                                         f"kB, MB, GB, TB (powers of 10), e.g. {text.strip()}GiB")
+    return text
 
 
 class SubcommandParser(argparse.ArgumentParser):

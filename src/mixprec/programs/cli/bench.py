@@ -3,9 +3,11 @@
 from __future__ import annotations
 
 import argparse
+import sys
 from pathlib import Path
 
-from mixprec.programs.cli.arguments import add_workload_args, count, positive_int, split_policies, timestamp
+from mixprec.programs.cli.arguments import (add_workload_args, count, positive_int, size_with_unit, split_policies,
+                                             timestamp)
 
 __all__ = ["add_parser", "run"]
 
@@ -47,7 +49,7 @@ def add_parser(sub: argparse._SubParsersAction, presets: str) -> None:
 
 def _add_run_args(bench: argparse.ArgumentParser) -> None:
     """``mixprec bench``'s arguments on how the rows run and what else is measured beside them."""
-    bench.add_argument("--memory-budget", default=None, metavar="SIZE",
+    bench.add_argument("--memory-budget", default=None, metavar="SIZE", type=size_with_unit,
                        help="also report, per policy, the largest batch whose peak live tensor bytes fit SIZE "
                        "(e.g. 4GiB, 512MiB, 2.5GB): peaks measured at half, once and twice the batch, fitted to a line")
     bench.add_argument("--force", action="store_true",
@@ -106,6 +108,9 @@ def run(args: argparse.Namespace, command: str) -> int:
     if args.strategy and args.out is None:
         raise ValueError("--strategy needs --out: every rank writes into the same directory")
     out = Path(args.out or Path("runs") / f"bench-{timestamp()}")
+    if (out / "results.json").is_file() and _main_process():   # said before the hours of work, not after
+        print(f"mixprec bench: {out} holds an earlier bench's results.json; this run replaces its files (pass "
+              "another --out to keep them)", file=sys.stderr)
     config = BenchConfig(out=out, workload=args.workload, config=args.config, policies=args.policies,
                          steps=args.steps, seed=args.seed, data=args.data, device=args.device, force=args.force,
                          targets=targets, command=command, strategy=args.strategy, lora=args.lora,
