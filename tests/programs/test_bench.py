@@ -16,6 +16,7 @@ from mixprec.autocast.attention_kernels import CANDIDATES
 from mixprec.programs.bench import Targets, judge
 from mixprec.programs.bench.measure import median_step_ms, state_bytes, warmup_excess_s
 from mixprec.programs.bench.results import PolicyRun
+from mixprec.programs.bench.figures import plot_loss_wallclock
 from mixprec.programs.bench.report import POLICY_KEYS, eval_curve_lines, plot_loss_curves, plot_speed_memory
 from mixprec.programs.bench.runner import CAPABILITY_ENV, BenchConfig, judge_policies, plan_policy
 from mixprec.programs.bench.schedule import eval_every_for, warmup_steps_for
@@ -413,6 +414,8 @@ def test_noisy_is_one_decision_that_console_report_and_plot_read(noisy, tmp_path
     console, report = "\n".join(timing_lines(results)), report_markdown(results)
     title = plot_speed_memory(results, tmp_path / "s.png").axes[0].get_title()
     assert ("TIMINGS NOISY" in console) is ("TIMINGS NOISY" in report) is ("TIMINGS NOISY" in title) is noisy
+    wallclock = plot_loss_wallclock(results, tmp_path / "w.png").axes[0].get_title()   # its order read as a ranking
+    assert ("TIMINGS NOISY" in wallclock) is noisy
     assert "timings are noisy" not in report.lower()          # no second decision
 
 

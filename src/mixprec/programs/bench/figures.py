@@ -180,9 +180,11 @@ def plot_loss_wallclock(results: dict, path: Path) -> Any:
                     marker=_MARKERS[index % len(_MARKERS)], ms=4, mfc="none", color=f"C{index}",
                     label=f"{name} ({fmt(curve[-1][0], '.1f')} s, final {fmt(curve[-1][1], '.4f')})")
     s = results["settings"]
+    noisy = ("\nTIMINGS NOISY: the seconds are unreliable and their order is no ranking (no speed verdict)"
+             if (results.get("timing") or {}).get("noisy") else "")
     ax.set(xlabel="cumulative training seconds (the quality run's measured step times; eval excluded)",
            ylabel=f"eval loss ({loss_unit(results)})",
-           title=f"eval loss vs training time: {s['workload']}/{s['config'] or 'default'}, {s['device']}")
+           title=f"eval loss vs training time: {s['workload']}/{s['config'] or 'default'}, {s['device']}{noisy}")
     ax.title.set_fontsize(10)
     ax.legend(fontsize=7)
     ax.grid(alpha=0.3)

@@ -25,7 +25,8 @@ def _comparisons(results: dict) -> list[tuple[str, str]]:
             continue
         figures = [e.get("speedup_vs_peer"), e.get("saved_activation_ratio_vs_peer"), e.get("peak_live_ratio_vs_peer")]
         if any(f is not None for f in figures):
-            out.append((label(name), f"speed {fmt(figures[0], '.2f', 'x')}, saved {fmt(figures[1], '.2f', 'x')}, "
+            noisy = " (TIMINGS NOISY: unreliable)" if (results.get("timing") or {}).get("noisy") and figures[0] else ""
+            out.append((label(name), f"speed {fmt(figures[0], '.2f', 'x')}{noisy}, saved {fmt(figures[1], '.2f', 'x')}, "
                                      f"peak live {fmt(figures[2], '.2f', 'x')}"))
     return out
 
