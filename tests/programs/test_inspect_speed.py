@@ -51,3 +51,14 @@ def test_the_advisors_speed_is_the_measurement_autos_engine_decides_on(tmp_path,
     assert speed.decision == decided.detail and speed.choice == decided.to_policy == str(mp.policy)
     advised, recommendation = advised_policy("gpt", config="tiny", steps=1, device="cpu")
     assert advised.compute_dtype == mp.policy.compute_dtype and speed.decision in recommendation.reasons[0]
+
+
+def test_advice_from_a_noisy_measurement_says_so_instead_of_stating_it_as_fact():
+    """inspect said "no 16-bit policy trains this model faster" from a 1.02x auto itself had marked noisy; a later
+    auto on a quieter moment chose bf16-mixed. The words now say it was auto's rule on a noisy measurement."""
+    noisy = MeasuredSpeed("fp32", {"bf16-mixed": 1.02}, "auto → fp32: bf16-mixed 1.02x fp32 (needs >= 1.03x, noisy)",
+                          noisy=True)
+    report = inspect_workload("gpt", config="tiny", steps=1, device="cpu", speed=noisy)
+    reason = report.recommend().reasons[0]
+    assert "NOISY measurement" in reason and "trains this model faster" not in reason and noisy.decision in reason
+    assert NumericsReport.from_json(report.to_json()).speed == noisy

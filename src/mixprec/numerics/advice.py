@@ -238,8 +238,12 @@ def _speed_base(report: NumericsStats) -> tuple[Policy, str] | None:
         return None
     policy = PRESETS[speed.choice]
     measured = f"as auto measured it on this model ({speed.decision})"
+    if speed.noisy:   # a busy machine's timing: auto's rule applied, no measured fact
+        measured = (f"by auto's rule on a NOISY measurement (a busy machine: the ratios are unreliable; inspect "
+                    f"again on a quiet machine) ({speed.decision})")
     if not policy.is_mixed:
-        return policy, f"{speed.choice}: no 16-bit policy trains this model faster than fp32 here, {measured}"
+        return policy, (f"{speed.choice}: no 16-bit policy measured faster than fp32 here, {measured}" if speed.noisy
+                        else f"{speed.choice}: no 16-bit policy trains this model faster than fp32 here, {measured}")
     if get_format(policy.compute_dtype).name not in report.formats:
         return None
     bf16 = f"; {_BF16_RANGE}" if policy.compute_dtype == torch.bfloat16 else ""

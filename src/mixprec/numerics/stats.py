@@ -116,11 +116,13 @@ class MeasuredSpeed:
     """How fast the model trains under each policy ``auto`` times on this device, as ``auto`` measured it
     (:func:`mixprec.auto.trial.choose`, its cache included: :func:`mixprec.numerics.workload.measure_speed`):
     ``choice`` the policy ``auto`` picks by its rule, ``ratios`` candidate -> fp32's median step time over its
-    own (> 1: faster than fp32), ``decision`` auto's decision line (what it measured, in words)."""
+    own (> 1: faster than fp32), ``decision`` auto's decision line (what it measured, in words), ``noisy`` its
+    timing spread over auto's limit (a busy machine: the choice holds for this process only)."""
 
     choice: str
     ratios: dict[str, float]
     decision: str
+    noisy: bool = False
 
 
 @dataclass(frozen=True)

@@ -78,7 +78,7 @@ def measure_speed(workload: Workload | str, *, seed: int = 0, device: str | torc
     batch = mp.cast_inputs(next(wl.batches("train", seed)), keep=wl.keep_fp32_inputs)
     args, kwargs = _forward_arguments(mp.model, lambda: wl.loss(mp.model, batch))
     trial = choose(mp.module, args, kwargs, mp.device, candidates)
-    return MeasuredSpeed(trial.choice, trial.ratios, trial.decision(mp.device.type))
+    return MeasuredSpeed(trial.choice, trial.ratios, trial.decision(mp.device.type), noisy=trial.noisy)
 
 
 def inspect_workload(workload: Workload | str, *, config: str | None = None, data: str | None = None,

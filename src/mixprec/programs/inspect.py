@@ -64,7 +64,8 @@ def add_inspect_parser(subparsers: argparse._SubParsersAction) -> argparse.Argum
     p.add_argument("--steps", type=_positive_int, default=DEFAULT_STEPS,
                    help=f"fp32 training steps to inspect (default: {DEFAULT_STEPS})")
     p.add_argument("--policy", default="fp32", help="the policy you intend to train with; the advice starts from "
-                   "it (default: fp32 = no preference: bf16-mixed unless unsafe)")
+                   "it (default: fp32 = no preference: the policy auto measures fastest on this model, bf16-mixed where "
+                   "speed was not measured; then what the numerics found unsafe is kept in fp32)")
     p.add_argument("--formats", default=",".join(DEFAULT_FORMATS),
                    help=f"comma-separated formats to measure (default: {','.join(DEFAULT_FORMATS)}); block formats "
                    "too (nvfp4, mxfp8, mxfp8_e5m2, mxfp6_e2m3, mxfp6_e3m2, mxfp4): every linear's operands in them "
