@@ -51,6 +51,7 @@ from mixprec.formats import Format, get_format
 from mixprec.numerics.block_advice import BlockAdvice, advise_block, judge_block_policy
 from mixprec.numerics.figures import count, num, pct, pow2
 from mixprec.numerics.patterns import covering_patterns
+from mixprec.numerics.starting_policy import starting_policy
 from mixprec.numerics.stats import ModuleStats, NumericsStats, RangeStats
 from mixprec.policy.policy import PRESETS, Policy
 
@@ -227,44 +228,6 @@ def keep_fp32_patterns(flagged: list[str], module_names: tuple[str, ...]) -> tup
     return covering_patterns(flagged, module_names)
 
 
-_BF16_RANGE = "bf16 keeps fp32's exponent range, so activations cannot overflow and no loss scaling is needed"
-
-
-def _speed_base(report: NumericsStats) -> tuple[Policy, str] | None:
-    """The base policy by auto's rule on ``report.speed`` (None: not measured, or its choice computes in a format
-    that was not inspected): fp32 where no 16-bit candidate was faster by auto's margin, else auto's choice."""
-    speed = report.speed
-    if speed is None or speed.choice not in PRESETS:
-        return None
-    policy = PRESETS[speed.choice]
-    measured = f"as auto measured it on this model ({speed.decision})"
-    if speed.noisy:   # a busy machine's timing: auto's rule applied, no measured fact
-        measured = (f"by auto's rule on a NOISY measurement (a busy machine: the ratios are unreliable; inspect "
-                    f"again on a quiet machine) ({speed.decision})")
-    if not policy.is_mixed:
-        return policy, (f"{speed.choice}: no 16-bit policy measured faster than fp32 here, {measured}" if speed.noisy
-                        else f"{speed.choice}: no 16-bit policy trains this model faster than fp32 here, {measured}")
-    if get_format(policy.compute_dtype).name not in report.formats:
-        return None
-    bf16 = f"; {_BF16_RANGE}" if policy.compute_dtype == torch.bfloat16 else ""
-    return policy, f"{speed.choice}: faster than fp32 on this model, {measured}{bf16}"
-
-
-def _choose_base(report: NumericsStats) -> tuple[Policy, str]:
-    policy = report.policy
-    if policy.is_mixed or policy.param_dtype != torch.float32:
-        speed = "" if report.speed is None else f" (auto measured on this model: {report.speed.decision})"
-        return policy, f"starting from the policy under study, {policy}{speed}"
-    by_speed = _speed_base(report)
-    if by_speed is not None:
-        return by_speed
-    if "bf16" in report.formats:
-        return PRESETS["bf16-mixed"], f"bf16-mixed: {_BF16_RANGE}"
-    if "fp16" in report.formats:
-        return PRESETS["fp16-mixed"], "fp16-mixed: bf16 was not inspected"
-    return policy, "fp32: neither bf16 nor fp16 was inspected"
-
-
 def _compute_formats(policy: Policy) -> list[Format]:
     fmts = [get_format(policy.compute_dtype)] if policy.is_mixed else []
     if policy.param_dtype != torch.float32 and get_format(policy.param_dtype) not in fmts:
@@ -368,7 +331,7 @@ def check_policy_formats(policy: Policy, formats: Iterable[str]) -> None:
 
 def recommend(report: NumericsStats) -> Recommendation:
     """The advised policy for ``report`` (module docstring for the rules)."""
-    policy, why = _choose_base(report)
+    policy, why = starting_policy(report)
     policy, block_reasons = judge_block_policy(report, policy)
     reasons = [why] + block_reasons
     per_format = tuple(advise_block(report, fmt) for fmt in report.block_formats)
