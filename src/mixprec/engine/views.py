@@ -34,8 +34,12 @@ class EngineViews:
     _judging: Judging
 
     def gradients(self) -> list[torch.Tensor]:
-        """The gradients the optimizer steps (fp32 master grads under ``-pure`` policies), in group order."""
-        return [p.grad for group in self.optimizer.param_groups for p in group["params"] if p.grad is not None]
+        """The gradients the optimizer steps (fp32 master grads under ``-pure`` policies), in ``model.parameters()``
+        order (tensors the model does not hold after, in group order): the global norm then sums as
+        ``clip_grad_norm_(model.parameters())`` does, bit for bit in fp32 whatever the param groups' order."""
+        stepped = [p for group in self.optimizer.param_groups for p in group["params"] if p.grad is not None]
+        rank = {id(t): i for i, t in enumerate(self.master_parameters())}
+        return [p.grad for p in sorted(stepped, key=lambda p: rank.get(id(p), len(rank)))]
 
     @property
     def step_gradients(self) -> tuple[torch.Tensor, ...]:
