@@ -1018,3 +1018,31 @@ def test_a_step_results_repr_shows_its_loss_scale_and_grad_norm():
     shown = repr(result)
     assert f"loss_scale={result.loss_scale!r}" in shown and f"grad_norm={result.grad_norm!r}" in shown
     assert shown.startswith("StepResult(applied=True, skipped_reason=None, step=1,") and "_t=" not in shown
+
+
+def test_the_global_norm_sums_in_model_order_whatever_the_param_groups_order():
+    """Two param groups in the reverse of the model's order (as the HF Trainer's decay / no-decay groups): the
+    engine summed the norm in group order, one fp32 ulp off clip_grad_norm_(model.parameters()), and so clipped
+    to other weights. In fp32 it now equals torch's norm and clip bit for bit."""
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(64, 64), nn.GELU(), nn.Linear(64, 64), nn.GELU(), nn.Linear(64, 1))
+    ref = copy.deepcopy(model)
+    x = torch.randn(32, 64)
+
+    def groups(m):
+        params = list(m.parameters())
+        return [{"params": params[3:]}, {"params": params[:3], "weight_decay": 0.0}]   # reversed, uneven
+
+    mp = MixedPrecision(model, torch.optim.AdamW(groups(model), lr=1e-2), policy="fp32", device="cpu",
+                        max_grad_norm=0.5)
+    opt = torch.optim.AdamW(groups(ref), lr=1e-2)
+    for _ in range(3):
+        mp.backward(mp.model(x).pow(2).mean())
+        norm = mp.step().grad_norm_t
+        ref(x).pow(2).mean().backward()
+        torch_norm = torch.nn.utils.clip_grad_norm_(ref.parameters(), 0.5)
+        opt.step()
+        opt.zero_grad()
+        assert torch.equal(norm, torch_norm)
+    for p, q in zip(model.parameters(), ref.parameters()):
+        assert torch.equal(p, q)
