@@ -353,3 +353,27 @@ def test_optim_sgd_becomes_mixprec_sgd_and_in_fp32_steps_as_the_plain_trainer(tm
     plain.train()
     for (name, p), q in zip(ours.engine.module.named_parameters(), plain.model.parameters()):
         assert torch.equal(p, q), name
+
+
+@pytest.mark.parametrize("policy", ["bf16-pure", "bf16-sr"])
+def test_a_peft_lora_run_resumes_bit_exactly_under_16_bit_params(tmp_path, policy):
+    """The Trainer's resume of a peft model (load_adapter) builds new LoRA Parameters after the engine was built on
+    the old ones: bf16-pure died with a bare KeyError, bf16-sr blamed the user ("the model gained parameters").
+    The engine's Parameters are put back with the loaded values; the resumed run equals the uninterrupted one."""
+    peft = pytest.importorskip("peft")
+
+    def lora():
+        config = peft.LoraConfig(r=4, lora_alpha=8, target_modules=["c_attn"], fan_in_fan_out=True,
+                                 init_lora_weights=False)
+        return peft.get_peft_model(_gpt2(), config)
+
+    def run(out, resume=None):
+        trainer = MixprecTrainer(lora(), _args(out, max_steps=6, save_strategy="steps", save_steps=3),
+                                 train_dataset=_data(), policy=policy)
+        trainer.train(resume_from_checkpoint=resume)
+        return trainer
+
+    whole = run(tmp_path / "a")
+    resumed = run(tmp_path / "b", str(tmp_path / "a" / "checkpoint-3"))
+    assert resumed.engine.applied_steps == whole.engine.applied_steps == 6
+    _same_weights(whole.engine, resumed.engine)

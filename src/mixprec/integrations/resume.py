@@ -5,16 +5,24 @@ a trainer's ``fit(ckpt_path=...)`` passes neither, and the engine's refusal name
 Lightning user cannot pass. Here the state of another policy is converted to the plugin's (as ``set_policy``
 would, a ``"convert"`` event: the user chose the plugin's policy), and what the conversion refuses is refused with
 the trainer's words: resume under the saved policy.
+
+A trainer's resume may also replace Parameter objects the engine holds: the Hugging Face Trainer resuming a peft
+model calls ``load_adapter``, which builds new LoRA Parameters (fp32) after the engine was built on the old ones
+(its masters, its optimizer contract). :func:`restore_replaced_params` puts the engine's Parameters back with the
+loaded values, before the optimizer is built.
 """
 
 from __future__ import annotations
 
 from typing import Any
 
+import torch
+from torch import nn
+
 from mixprec.engine.mixed_precision import MixedPrecision
 from mixprec.integrations.block_state import check_model_keys
 
-__all__ = ["load_resumed"]
+__all__ = ["load_resumed", "restore_replaced_params"]
 
 
 def load_resumed(engine: MixedPrecision, state: dict[str, Any], owner: str, *, open_window: bool = False) -> None:
@@ -40,3 +48,20 @@ def load_resumed(engine: MixedPrecision, state: dict[str, Any], owner: str, *, o
         raise ValueError(f"{owner}({str(engine.policy)!r}) resuming a checkpoint saved under {owner}({saved!r}): "
                          f"converting it was refused ({err}); resume with {owner}({saved!r}), then change the policy "
                          "at a later checkpoint saved at an optimizer step") from err
+
+
+def restore_replaced_params(model: nn.Module, before: dict[str, nn.Parameter]) -> list[str]:
+    """Where ``model`` now holds, under a name of ``before`` (name -> the Parameter the engine was built on),
+    another Parameter of the same shape: copy its values into the old one (rounded to the old one's dtype, as a
+    load into the model would) and set the old one back on its module. Returns the names restored. No host sync."""
+    restored = []
+    for name, new in list(model.named_parameters()):
+        old = before.get(name)
+        if old is None or old is new or old.shape != new.shape:
+            continue
+        with torch.no_grad():
+            old.copy_(new.detach())
+        owner, _, leaf = name.rpartition(".")
+        setattr(model.get_submodule(owner) if owner else model, leaf, old)
+        restored.append(name)
+    return restored

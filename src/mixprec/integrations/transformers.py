@@ -36,8 +36,7 @@ engine: ``evaluate``/``predict`` work before ``train``), it gets its optimizer a
 Not supported yet (ValueError naming it): FSDP and DeepSpeed through the Trainer, DataParallel, ``model_init``,
 ``torch_compile``, ``bf16_full_eval``/``fp16_full_eval`` (they cast the model). Source: transformers 5.24 ``Trainer``
 (public hooks ``training_step``, ``compute_loss_context_manager``, ``prediction_step``, ``create_optimizer``,
-``create_scheduler``, callbacks ``on_train_begin``/``on_save``; one private hook, ``_get_grad_norm``, isolated in
-:meth:`MixprecTrainer._get_grad_norm`).
+``create_scheduler``, callbacks ``on_train_begin``/``on_save``; one private: :meth:`MixprecTrainer._get_grad_norm`).
 """
 
 from __future__ import annotations
@@ -60,7 +59,7 @@ from mixprec.engine.ownership import hand_over, record_hand_over
 from mixprec.engine.records import Event
 from mixprec.integrations.block_state import split_block_state, with_block_state
 from mixprec.integrations.replica_checks import DEFAULT_EVERY, ReplicaChecks
-from mixprec.integrations.resume import load_resumed
+from mixprec.integrations.resume import load_resumed, restore_replaced_params
 from mixprec.integrations.transformers_arguments import (FLAG_POLICY, check_flag, check_whole_steps, engine_arguments,
                                                          own_optimizer, record_adopted_flag, refuse_unsupported)
 from mixprec.policy.policy import Policy
@@ -148,7 +147,7 @@ class MixprecTrainer(Trainer):
     ``guard``, ``allow_fallback``, ``max_stuck_skips``: as :class:`~mixprec.MixedPrecision`; ``max_grad_norm`` and
     ``accumulation_steps`` come from ``args``. ``optim="adamw_torch*"`` (the default) and ``"sgd"`` build
     :mod:`mixprec.optim`'s AdamW / SGD with the Trainer's groups and hyperparameters (an event says so); a
-    ``ReduceLROnPlateau`` (``lr_scheduler_type="reduce_lr_on_plateau"``) the Trainer steps on evaluations. Under torchrun
+    ``ReduceLROnPlateau`` (``lr_scheduler_type="reduce_lr_on_plateau"``) the Trainer steps on evals. Under torchrun
     the engine runs ``strategy="ddp"`` (module docstring); ``verify_replicas_every``: the steps between two
     fingerprint checks that the replicas are equal (0: off). Errors: ValueError for ``args`` that contradict the
     policy or that it does not support yet (named, with the fix); RuntimeError for a second ``train()`` on one
@@ -190,9 +189,10 @@ class MixprecTrainer(Trainer):
         :class:`mixprec.optim.AdamW` / ``SGD``), returned as the :class:`EngineOptimizer` view the Trainer steps."""
         if isinstance(self.optimizer, EngineOptimizer):
             return self.optimizer
+        restore_replaced_params(self.engine.module, getattr(self, "engine_params", None) or {})   # a resume's load
         if self.optimizer is None and self.optimizer_cls_and_kwargs is None:
-            own = own_optimizer(*self.get_optimizer_cls_and_kwargs(self.args, model if model is not None else
-                                                                   self.model), self.args.optim)
+            own = own_optimizer(*self.get_optimizer_cls_and_kwargs(self.args, self.model if model is None else model),
+                                self.args.optim)
             if own is not None:   # torch's AdamW / SGD -> mixprec.optim's (their policy's state and rounding)
                 self.optimizer_cls_and_kwargs = own[:2]
                 self.engine.record(Event(step=self.engine.boundaries, kind="hf-optimizer", cause="MixprecTrainer",
@@ -309,6 +309,7 @@ class MixprecTrainer(Trainer):
             from transformers.trainer_utils import get_last_checkpoint
             resume_from_checkpoint = get_last_checkpoint(self.args.output_dir)
         self.resume_dir = resume_from_checkpoint or None
+        self.engine_params = dict(self.engine.module.named_parameters()) if self.resume_dir else None   # peft swaps
         return super().train(resume_from_checkpoint, *args, **kwargs)
 
     def save_precision_state(self, folder: str) -> str:
