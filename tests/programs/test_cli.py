@@ -254,3 +254,17 @@ def test_a_memory_budget_without_a_unit_is_refused_before_the_bench_starts(capsy
     with pytest.raises(SystemExit) as done:
         main(["bench", "--memory-budget", "4"])
     assert done.value.code == 2 and "'4' has no unit; write one: B, KiB, MiB, GiB" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize("argv, says", [
+    (["train", "--checkpoint-every", "-1"], "argument --checkpoint-every: -1 is negative"),
+    (["bench", "--steps", "3"], "argument --steps: 3 is below 5; bench needs >= 5 steps"),
+    (["bench", "--max-loss-delta", "-0.1"], "argument --max-loss-delta: -0.1 must be a finite number > 0"),
+    (["bench", "--min-speedup", "nan"], "argument --min-speedup: nan must be a finite number > 0"),
+])
+def test_numeric_flags_are_refused_by_the_flag_the_user_typed(argv, says, capsys):
+    """They named internal fields (run_training checkpoint_every=-1, Targets max_loss_delta, bench steps=3), and
+    `--steps 0` said "not a positive integer" where the rule is >= 5."""
+    with pytest.raises(SystemExit) as done:
+        main(argv)
+    assert done.value.code == 2 and says in capsys.readouterr().err

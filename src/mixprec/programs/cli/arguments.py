@@ -8,7 +8,7 @@ import difflib
 import os
 import time
 
-__all__ = ["SubcommandParser", "add_workload_args", "check_out", "count", "size_with_unit", "positive_int", "split_policies", "timestamp"]
+__all__ = ["SubcommandParser", "add_workload_args", "bench_steps", "check_out", "count", "positive_float", "size_with_unit", "positive_int", "split_policies", "timestamp"]
 
 
 def timestamp() -> str:
@@ -38,6 +38,26 @@ def count(text: str) -> int:
         raise argparse.ArgumentTypeError(f"{text!r} is not an integer; give a whole number >= 0") from None
     if value < 0:
         raise argparse.ArgumentTypeError(f"{value} is negative; give a whole number >= 0")
+    return value
+
+
+def bench_steps(text: str) -> int:
+    """An int >= 5 (argparse type: bench's ``--steps``; its warm-up steps are not timed)."""
+    value = count(text)
+    if value < 5:
+        raise argparse.ArgumentTypeError(f"{value} is below 5; bench needs >= 5 steps per policy (its warm-up steps "
+                                         "are not timed)")
+    return value
+
+
+def positive_float(text: str) -> float:
+    """A finite float > 0 (argparse type)."""
+    try:
+        value = float(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{text!r} is not a number") from None
+    if not 0 < value < float("inf"):
+        raise argparse.ArgumentTypeError(f"{value} must be a finite number > 0")
     return value
 
 

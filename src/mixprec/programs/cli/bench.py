@@ -6,8 +6,8 @@ import argparse
 import sys
 from pathlib import Path
 
-from mixprec.programs.cli.arguments import (add_workload_args, count, positive_int, size_with_unit, split_policies,
-                                             timestamp)
+from mixprec.programs.cli.arguments import (add_workload_args, bench_steps, count, positive_float, positive_int,
+                                             size_with_unit, split_policies, timestamp)
 
 __all__ = ["add_parser", "run"]
 
@@ -36,13 +36,13 @@ def add_parser(sub: argparse._SubParsersAction, presets: str) -> None:
                        "bf16-kahan,state=int8; 'advised' runs the numerics advisor's policy, 'advised:nvfp4' (or "
                        "mxfp8) the block policy it advises, overrides allowed after it; fp32 is always added first "
                        f"(default: {','.join(DEFAULT_POLICIES)})")
-    bench.add_argument("--steps", type=positive_int, default=None,
+    bench.add_argument("--steps", type=bench_steps, default=None,
                        help=f"optimizer steps per policy, >= 5 (default: the workload's: {DEFAULT_STEPS} for gpt)")
     bench.add_argument("--out", default=None, help="output directory (default: runs/bench-<timestamp>)")
-    bench.add_argument("--max-loss-delta", type=float, default=0.02,
+    bench.add_argument("--max-loss-delta", type=positive_float, default=0.02,
                        help="largest allowed relative increase of the final eval loss vs fp32 (default: 0.02)")
-    bench.add_argument("--min-speedup", type=float, default=None, help="smallest allowed speedup vs fp32 (default: none)")
-    bench.add_argument("--max-memory-ratio", type=float, default=None,
+    bench.add_argument("--min-speedup", type=positive_float, default=None, help="smallest allowed speedup vs fp32 (default: none)")
+    bench.add_argument("--max-memory-ratio", type=positive_float, default=None,
                        help="largest allowed process peak RSS over fp32's (RSS MiB, not tensor bytes; default: none)")
     _add_run_args(bench)
 

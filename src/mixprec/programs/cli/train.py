@@ -5,7 +5,7 @@ from __future__ import annotations
 import argparse
 from pathlib import Path
 
-from mixprec.programs.cli.arguments import add_workload_args, positive_int, timestamp
+from mixprec.programs.cli.arguments import add_workload_args, count, positive_int, timestamp
 
 __all__ = ["add_parser", "run"]
 
@@ -21,7 +21,7 @@ def add_parser(sub: argparse._SubParsersAction, presets: str) -> None:
     train.add_argument("--steps", type=positive_int, default=200, help="optimizer steps (default: 200)")
     train.add_argument("--eval-every", type=int, default=0, help="evaluate every K steps (default: 0 = at the end only)")
     train.add_argument("--out", default=None, help="output directory (default: runs/train-<timestamp>)")
-    train.add_argument("--checkpoint-every", type=int, default=0, metavar="N",
+    train.add_argument("--checkpoint-every", type=count, default=0, metavar="N",
                        help="save a checkpoint to OUT/checkpoints every N steps (default: 0 = at the end and on "
                        "SIGTERM/SIGINT only)")
     train.add_argument("--keep", type=positive_int, default=None, metavar="K",
