@@ -65,8 +65,9 @@ def test_bench_defaults_and_policy_list_parsing():
 
 
 def test_bench_rejects_too_few_steps(tmp_path, capsys):
-    assert main(["bench", "--config", "tiny", "--steps", "3", "--out", str(tmp_path)]) == 2
-    assert "steps=3" in capsys.readouterr().err
+    with pytest.raises(SystemExit) as done:
+        main(["bench", "--config", "tiny", "--steps", "3", "--out", str(tmp_path)])
+    assert done.value.code == 2 and "argument --steps: 3 is below 5" in capsys.readouterr().err
 
 
 def test_train_then_sample(tmp_path, capsys):
@@ -205,7 +206,7 @@ def test_cli_warnings_are_one_line_without_the_source_echo(capsys):
     assert text == "UserWarning: the LR schedule was saved for 10 steps\n"
     before = warnings.formatwarning
     from mixprec.programs.cli import main
-    assert main(["bench", "--steps", "2"]) == 2   # a bad argument: the error path
+    assert main(["bench", "--memory-budget", "4XB"]) == 2   # a bad argument: the error path
     assert warnings.formatwarning is before       # restored after the command
 
 
