@@ -1165,3 +1165,14 @@ def test_bench_recompute_is_validated_naming_it(value, words, tmp_path, capsys):
         BenchConfig(out=tmp_path, recompute=value)
     status = main(["bench", "--config", "tiny", "--steps", "5", "--out", str(tmp_path), "--recompute", value])
     assert status == 2 and words in capsys.readouterr().err
+
+
+def test_report_header_takes_the_batch_size_from_the_rows_when_describe_leaves_it_out():
+    """A custom workload's describe() returned {}: the header read "? items per step" although every row had
+    recorded items_per_batch=64 and used it for samples/s."""
+    from mixprec.programs.bench.report import report_markdown
+
+    results = _report_results(_INTERLEAVED)
+    for e in results["policies"].values():
+        e.update(items_per_batch=64, item_unit="samples")
+    assert "; 64 samples per step; data:" in report_markdown(results)

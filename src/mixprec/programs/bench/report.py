@@ -261,7 +261,8 @@ def _header_lines(results: dict) -> list[str]:
         f"Targets: {', '.join(targets)}. Device: {s['device']} ({hardware}); torch {env['torch']}, "
         f"python {env['python']}. {peaks_line(results)}",
         f"Workload: {w.get('workload', s['workload'])}, {json.dumps(w.get('model', {}))}; "
-        f"{w.get('items_per_batch', '?')} {w.get('item_unit', 'items')} per step; data: "
+        f"{w.get('items_per_batch', _row_value(results, 'items_per_batch', '?'))} "
+        f"{w.get('item_unit', _row_value(results, 'item_unit', 'items'))} per step; data: "
         f"{(w.get('data') or {}).get('source', 'workload-defined')}.",
     ]
 
@@ -279,6 +280,12 @@ def peaks_line(results: dict) -> str:
     if mfu and mfu.get("unreliable"):
         against += f" **No MFU**: {mfu['unreliable']}."
     return f"Matmul peaks (GFLOP/s, `mixprec doctor`; `mixprec doctor` re-measures them): {peaks}.{against}"
+
+
+def _row_value(results: dict, key: str, default: Any) -> Any:
+    """``key`` as the rows recorded it (``items_per_batch``, ``item_unit``: a workload whose ``describe()`` leaves
+    them out), else ``default``."""
+    return next((e[key] for e in results["policies"].values() if e.get(key)), default)
 
 
 def report_markdown(results: dict) -> str:
