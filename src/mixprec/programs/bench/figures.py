@@ -140,7 +140,8 @@ def _plot_eval_delta(ax: Any, results: dict) -> None:
            title="eval-loss delta vs fp32, axis scaled to the deltas" +
                  (f"; the gate (+{limit_pct:g}%) lies {outside}" if outside else ""))
     ax.title.set_fontsize(9)
-    ax.legend(fontsize=7, ncol=3)
+    longest = max((len(text) for text in ax.get_legend_handles_labels()[1]), default=0)
+    ax.legend(fontsize=7, ncol=1 if longest > 32 else 3)   # three long labels side by side ran off the axes
     ax.grid(alpha=0.3)
 
 
