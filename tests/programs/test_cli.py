@@ -6,6 +6,7 @@ import json
 from pathlib import Path
 import subprocess
 import sys
+import warnings
 
 import pytest
 import torch
@@ -269,3 +270,15 @@ def test_numeric_flags_are_refused_by_the_flag_the_user_typed(argv, says, capsys
     with pytest.raises(SystemExit) as done:
         main(argv)
     assert done.value.code == 2 and says in capsys.readouterr().err
+
+
+def test_a_resume_with_fewer_steps_than_the_checkpoint_is_refused_before_the_schedule_warning(tmp_path, capsys):
+    """It warned 'For a schedule over 4 steps, start a new run' (advice), then refused the run."""
+    out = str(tmp_path / "run")
+    assert main(["train", "--config", "tiny", "--steps", "6", "--checkpoint-every", "3", "--out", out,
+                 "--policy", "fp32"]) == 0
+    capsys.readouterr()
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")   # no schedule warning on the way to the refusal
+        assert main(["train", "--config", "tiny", "--steps", "4", "--resume", "--out", out, "--policy", "fp32"]) == 2
+    assert "is at step 6, past --steps 4; pass --steps >= 6" in capsys.readouterr().err

@@ -103,6 +103,10 @@ def _check_same_run(manifest: dict, workload: Any, seed: int, where: Path, steps
             raise ValueError(f"--resume: the checkpoint {str(where)!r} is from workload {saved.get('workload')!r} "
                              f"config {saved.get('config')!r}, this run is {now.get('workload')!r} config "
                              f"{now.get('config')!r} ({key} differs); pass the run's --workload/--config or another --out")
+    at = manifest.get("step")
+    if isinstance(at, int) and at > steps:   # refused before the schedule's warning, which would read as advice
+        raise ValueError(f"--resume: the checkpoint {str(where)!r} is at step {at}, past --steps {steps}; pass "
+                         f"--steps >= {at}")
     saved_steps = extra.get("schedule_steps", extra.get("steps"))   # what the LR schedule was built for
     if saved_steps is not None and saved_steps != steps:
         warnings.warn(f"--resume with --steps {steps}, but the run's learning-rate schedule was built for "
