@@ -45,6 +45,7 @@ if TYPE_CHECKING:
 __all__ = ["Guard", "GuardConfig", "GuardState", "next_policy"]
 
 log = logging.getLogger("mixprec")
+_ADDED_SINCE = frozenset({"nonfinite_streak"})   # GuardState fields an older run's saved state lacks (their defaults)
 
 @dataclass(frozen=True)
 class _Snapshot:
@@ -84,8 +85,8 @@ class Guard:
     Acts by a ladder; a failure is counted against the current snapshot (the "place"):
 
     1. **drop** the batch of the first non-finite step in a row that the engine skipped (nothing applied, the
-       state as it was): a ``"skip"`` event, no rollback, not counted against the place (:mod:`mixprec.safety.
-       dropping`); otherwise **roll back**: restore the last snapshot (params, masters, optimizer, loss scale,
+       state as it was): a ``"skip"`` event, no rollback, counted against the place like any failure, so the
+       rungs below still come (:mod:`mixprec.safety.dropping`); otherwise **roll back**: restore the last snapshot (params, masters, optimizer, loss scale,
        scheduler, applied-step counter) with ``mp.load_state_dict``. The offending batch is
        dropped: the caller's next batch continues. The data position (``mp.boundaries``) never
        moves back, and the applied steps undone count as skipped (``skipped_total``), so
@@ -256,8 +257,7 @@ class Guard:
         self.last_report = report
         module = None if report is None else report.module
         dropped = drop_reason(result, cause, report, s.nonfinite_streak)
-        if not dropped:
-            s.failures_here += 1
+        s.failures_here += 1   # a drop counts too: failures that come and go still escalate and end in the diagnosis
         if s.failures_here > c.max_rollbacks:
             self._give_up(mp, cause, detail, report)
         rolled_back, to_step = (False, None) if dropped else self._roll_back(mp)
@@ -267,11 +267,10 @@ class Guard:
         back = (f"rolled back to applied step {to_step}" if rolled_back else dropped or
                 "no snapshot yet: the skipped step left the state as it was")
         mp.record(Event(step=mp.boundaries, kind=kind, cause=cause, module=module,
-                        detail=f"{detail}{where}; {back}" + ("" if dropped else f"; failure {s.failures_here} here"),
-                        to_step=to_step))
+                        detail=f"{detail}{where}; {back}; failure {s.failures_here} here", to_step=to_step))
         log.warning("mixprec guard: step %d: %s (%s)%s; %s", mp.boundaries, cause, detail, where, back)
         escalated = False
-        if not dropped and s.failures_here % c.escalate_after == 0:
+        if s.failures_here % c.escalate_after == 0:
             escalated = self._escalate(mp, cause, report)
         s.skip_streak = s.backoff_streak = 0
         if not rolled_back:
@@ -346,8 +345,8 @@ class Guard:
         first = (f"first non-finite: {report}" if report is not None else
                  "first non-finite module: unknown (give Guard(loss_fn=...) and pass batches through "
                  "mp.cast_inputs to localise it)" if cause != "spike" else "no module to blame for a spike")
-        place = (f"rollback(s) to the snapshot of applied step {snap.applied_steps}" if snap is not None else
-                 "skipped step(s), no snapshot yet")
+        place = (f"rollback(s) or dropped batch(es) at the snapshot of applied step {snap.applied_steps}" if snap
+                 is not None else "skipped step(s), no snapshot yet")
         tried = "; ".join(s.escalations) if s.escalations else "no precision escalation"
         fix = {"spike": "lower the learning rate, clip gradients, or raise spike_factor",
                "nonfinite": "check the data at this position and the module named above",
@@ -376,16 +375,23 @@ class Guard:
         """Restore :meth:`state_dict` output (config validated again; the snapshot is cleared).
 
         Raises:
-            ValueError: unknown or missing keys.
+            ValueError: unknown or missing keys (a key added since, such as ``nonfinite_streak``, may be missing
+            from an older run's state: it starts at its default).
         """
-        want = {f.name for f in dataclasses.fields(GuardState)}
-        got = set(state_dict.get("state", {}))
-        if want != got:
-            raise ValueError(f"Guard.load_state_dict: state keys {sorted(got)} do not match {sorted(want)}; "
-                             "pass the output of Guard.state_dict()")
-        self.config = GuardConfig(**state_dict["config"])
+        self.config = self.check_state_dict(state_dict)
         self.state = GuardState(**copy.deepcopy(state_dict["state"]))
         self.snapshot = None
+
+    @staticmethod
+    def check_state_dict(state_dict: dict[str, Any]) -> GuardConfig:
+        """The config of a :meth:`state_dict` output, after checking its keys (what :meth:`load_state_dict` refuses,
+        refused here without loading: a checkpoint load calls it before anything of the engine changes)."""
+        want = {f.name for f in dataclasses.fields(GuardState)}
+        got = set(state_dict.get("state", {}))
+        if not got <= want or want - got - _ADDED_SINCE:
+            raise ValueError(f"Guard.load_state_dict: state keys {sorted(got)} do not match {sorted(want)}; "
+                             "pass the output of Guard.state_dict()")
+        return GuardConfig(**state_dict["config"])
 
     def __repr__(self) -> str:
         return f"Guard({self.config})"

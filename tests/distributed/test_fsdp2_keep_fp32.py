@@ -243,7 +243,7 @@ def test_the_fsdp2_internals_sharded_units_relies_on_are_still_there(tmp_path):
 
 
 # ---------------------------------------------------------------------- the guard's rung 1 under FSDP2
-FAULTS, GUARD_STEPS = (1, 2, 3), 6
+FAULTS, GUARD_STEPS = (1, 2), 5
 FLAKY = "blocks.1.0"
 
 
@@ -288,8 +288,8 @@ def _one_process_escalated(policy: str) -> dict:
 
 @pytest.mark.timeout(300)
 def test_fsdp2_guard_keeps_the_failing_module_in_fp32_and_continues_like_one_process(tmp_path):
-    """Rank 1's ``blocks.1.0`` outputs inf at steps 1 to 3: every rank drops step 1's batch (the first non-finite
-    step in a row: nothing was applied) and rolls back at steps 2 and 3; at the second failure
+    """Rank 1's ``blocks.1.0`` outputs inf at steps 1 and 2: every rank drops step 1's batch (the first non-finite
+    step in a row: nothing was applied) and rolls back at step 2; at that second failure
     every rank re-runs its batch forward only, they agree on ``blocks.1.0`` (found on rank 1 alone) and keep it
     in fp32 (its unit ``blocks.1`` resharded); two more steps equal one process that ran step 0, the same
     ``set_policy`` and two steps, bit for bit."""
@@ -303,8 +303,8 @@ def test_fsdp2_guard_keeps_the_failing_module_in_fp32_and_continues_like_one_pro
     for policy, ref in refs.items():
         for r, got in enumerate(ranks):
             g = got[policy]
-            assert g["outcomes"] == [(True, False, False), (False, False, False), (False, True, False),
-                                     (False, True, True), (True, False, False), (True, False, False)], (policy, r)
+            assert g["outcomes"] == [(True, False, False), (False, False, False), (False, True, True),
+                                     (True, False, False), (True, False, False)], (policy, r)
             assert g["policy"] == _kept(policy, FLAKY), (policy, r)
             assert g["escalations"] == ranks[0][policy]["escalations"] and len(g["escalations"]) == 1, (policy, r)
             step, module, detail = g["escalations"][0]

@@ -367,7 +367,7 @@ def test_resume_after_unfreeze_unfreezes_again_and_is_bit_exact(policy, tmp_path
 
 def test_guard_rollback_after_unfreeze_restores_the_unfrozen_layout():
     model = _two_layer()
-    guard = mixprec.Guard(snapshot_every=1, spike_warmup=2)
+    guard = mixprec.Guard(snapshot_every=1, spike_warmup=2, escalate_after=3)   # the rollback alone, no escalation
     mp = mixprec.MixedPrecision(model, torch.optim.AdamW(model.parameters(), lr=1e-2), policy="bf16-pure",
                                 device="cpu", guard=guard)
     _run(mp, 3)

@@ -163,6 +163,9 @@ def load(directory: Path, manifest: dict, mp: MixedPrecision, *, guard: Any = No
     if manifest["policy"] != str(mp.policy):
         raise ValueError(_policy_words(directory, manifest, mp))
     check_fits(directory, mp)
+    checked = getattr(mp, "guard", None) if guard is None else guard
+    if checked is not None and manifest.get("guard") is not None:
+        checked.check_state_dict(manifest["guard"])   # refused before anything of the engine loads
     if mp.optimizer is not None:
         # DCP loads the keys the target state holds, and torch creates the moments only for an empty state: an
         # engine that started Kahan compensation at build holds that alone, so its moments would not be loaded.

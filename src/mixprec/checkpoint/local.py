@@ -303,14 +303,17 @@ def _load_state(ck: Checkpoint, mp: MixedPrecision, *, guard: Any, convert: bool
         "counters": m["counters"],
         "events": m["events"],
     }
+    guard = mp.guard if guard is None else guard
+    guard_state = None if guard is None or m["guard"] is None else decode(m["guard"], tensors, where)
     try:
+        if guard_state is not None:
+            guard.check_state_dict(guard_state)   # refused before anything of the engine loads
         mp.load_state_dict(state, convert=convert and m["policy"] != str(mp.policy),
                            adopt_policy=adopt_policy and m["policy"] != str(mp.policy))
     except ValueError as err:
         raise CheckpointError(f"{where}: {err}") from None
-    guard = mp.guard if guard is None else guard
-    if guard is not None and m["guard"] is not None:
-        guard.load_state_dict(decode(m["guard"], tensors, where))
+    if guard_state is not None:
+        guard.load_state_dict(guard_state)
     if restore_rng:
         set_rng_state(m["rng"], tensors)
     pin_op_plan(m, mp.device.type)

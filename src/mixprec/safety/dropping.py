@@ -4,8 +4,9 @@ A step the engine skipped as non-finite applied nothing: params, masters, optimi
 the last healthy step left them. Rolling back to the snapshot (up to ``snapshot_every`` applied steps earlier)
 then throws away healthy updates for a fault that may sit in one batch. The guard drops the batch instead when
 the skip is the first non-finite one in a row (the words say whether :func:`mixprec.locate_nonfinite` found the
-batch itself at fault); a second in a row, data or state, goes up the ladder: it rolls back, escalates and in
-the end raises with the diagnosis, so a stream of bad batches still ends in an error naming them.
+batch itself at fault); a second in a row, data or state, rolls back. A drop is still a failure at the place:
+it counts towards escalation (a layer that overflows on every other batch is kept in fp32) and towards the
+diagnosis that ends the run (a stream of bad batches, in a row or not, ends in an error naming them).
 """
 
 from __future__ import annotations
