@@ -11,6 +11,7 @@ import signal
 import subprocess
 import sys
 import time
+import warnings
 from pathlib import Path
 
 import pytest
@@ -424,7 +425,8 @@ def test_a_save_behind_the_root_s_newest_sets_the_abandoned_future_aside_and_kee
     diverged = _tensors(root / "step-6")
     load_checkpoint(root / "step-4", mp)
     train(mp, 4, 5)
-    with pytest.warns(UserWarning, match=r"step-5 saved .* behind 1 checkpoint\(s\).*step-6 -> superseded/step-6"):
+    with pytest.warns(UserWarning, match=r"step-5 saved .* at or behind the step of 1 checkpoint\(s\).*step-6 -> "
+                                         r"superseded/step-6"):
         save_checkpoint(root, mp, keep=2)
     assert [d.name for d in sorted(root.glob("step-*"))] == ["step-4", "step-5"]
     assert resolve_checkpoint(root).name == "step-5"
@@ -433,3 +435,23 @@ def test_a_save_behind_the_root_s_newest_sets_the_abandoned_future_aside_and_kee
     assert save_checkpoint(root, mp, keep=2).name == "step-6"
     assert [d.name for d in sorted(root.glob("step-*"))] == ["step-5", "step-6"]
     assert [d.name for d in (root / "superseded").iterdir()] == ["step-6"]   # never pruned
+
+
+def test_a_resumed_run_reaching_a_step_the_abandoned_run_saved_sets_that_one_aside_too(tmp_path):
+    """Saves every 2 steps with keep=2 leave step-4 and step-6; the run resumes from step-4 and saves at 6 again:
+    the abandoned run's step-6 is superseded (it stayed, named above the new step-6.1, and keep=2 deleted step-4).
+    A second save at the same step by the same run keeps the first (it descends from it)."""
+    root = tmp_path / "ck"
+    mp = build("fp32")
+    for k in range(3):
+        train(mp, 2 * k, 2 * k + 2)
+        save_checkpoint(root, mp, keep=2)
+    load_checkpoint(root / "step-4", mp)
+    train(mp, 4, 6)
+    with pytest.warns(UserWarning, match=r"step-6 -> superseded/step-6"):
+        assert save_checkpoint(root, mp, keep=2).name == "step-6.1"
+    assert [d.name for d in sorted(root.glob("step-*"))] == ["step-4", "step-6.1"]
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")   # nothing set aside: the run's own step-6.1 is its parent
+        assert save_checkpoint(root, mp, keep=2).name == "step-6.2"
+    assert [d.name for d in sorted(root.glob("step-*"))] == ["step-6.1", "step-6.2"]

@@ -546,8 +546,10 @@ def test_dcp_save_killed_mid_way_leaves_latest_naming_the_previous_loadable_chec
     for (name, p), q in zip(fresh.module.named_parameters(), before.module.parameters()):
         assert torch.equal(p, q), name
     ckdcp.save(root, fresh, keep=1)   # the next save clears what the killed one left
-    # a step-5 renamed before the kill is ahead of the resumed run's step-2: a future it left, set aside
+    # a step-5 renamed before the kill is ahead of the resumed run's step-2: a future it left, set aside; the
+    # step-2 it resumed from is its parent (kept as the run's own, then pruned by keep=1)
     assert sorted(p.name for p in root.iterdir()) == ["latest", "step-2.1"] + ["superseded"] * (point == "replace")
+    assert not (root / "superseded" / "step-2").exists()
 
 
 def test_dcp_save_that_raises_after_writing_removes_its_temporary_directory(tmp_path, monkeypatch):
@@ -582,7 +584,7 @@ def test_both_formats_keep_exactly_k_checkpoints_the_new_one_and_the_newest_othe
         _mse_step(mp, batch)
         save_fn(root, mp, keep=2)
     assert [d.name for d in step_dirs(root)] == ["step-3", "step-4"]
-    with pytest.warns(UserWarning, match="behind 2 checkpoint"):   # a run restarted from scratch: the old
+    with pytest.warns(UserWarning, match="step of 2 checkpoint"):   # a run restarted from scratch: the old
         save_fn(root, _mlp_engine("fp32"), keep=2)                   # run's later ones are set aside, kept
     assert [d.name for d in step_dirs(root)] == ["step-0"]
     assert [d.name for d in step_dirs(root / "superseded")] == ["step-3", "step-4"]

@@ -24,7 +24,7 @@ from torch import nn
 
 from mixprec.auto.pending import pending_note
 from mixprec.checkpoint.layout import (MANIFEST, CheckpointError, PendingCheckpoint, abort_checkpoint,
-                                       begin_checkpoint, commit_checkpoint)
+                                       begin_checkpoint, commit_checkpoint, note_loaded)
 from mixprec.checkpoint.manifest import DCP_FORMAT, LoadedExtra, Manifest, pin_op_plan
 from mixprec.distributed.process import from_main_process, is_main_process, world_size
 from mixprec.engine.records import Event
@@ -186,6 +186,7 @@ def load(directory: Path, manifest: dict, mp: MixedPrecision, *, guard: Any = No
     if guard is not None and saved.guard is not None:
         guard.load_state_dict(saved.guard)
     pin_op_plan(manifest, mp.device.type)
+    note_loaded(directory)   # the run's next save under that root descends from it (checkpoint/layout.py)
     return LoadedExtra(saved.extra, saved.data_position)
 
 

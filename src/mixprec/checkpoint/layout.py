@@ -8,9 +8,9 @@ and the pruning; only what goes inside a ``step-N`` directory differs::
       latest                  "step-120\\n": the newest complete checkpoint (replaced atomically)
       step-100/  step-120/    complete checkpoints, each with a manifest.json; a second save at the
                               same N is named step-N.1, step-N.2, ...
-      superseded/step-140/    a checkpoint ahead of a later save's step: the run went back (a resume
-                              from an earlier checkpoint, a rollback) and this is the future it left;
-                              moved here, said, never pruned nor loaded from the root
+      superseded/step-140/    a checkpoint at or ahead of a later save's step: the run went back (a
+                              resume from an earlier checkpoint, a rollback) and this is the future it
+                              left; moved here, said, never pruned nor loaded from the root
       .tmp-step-140-PID-XXXX  a save in progress (or one killed mid-way: never loaded, removed by
                               the next save once process PID is gone)
       .trash-... .latest-...  a pruned checkpoint being deleted, a pointer being written (same rule)
@@ -19,8 +19,8 @@ and the pruning; only what goes inside a ``step-N`` directory differs::
 checkpoint and makes its temporary directory; the caller writes any files (any tree) into
 ``pending.tmp``; :func:`commit_checkpoint` fsyncs every file and directory in it, renames it to
 ``step-N`` (atomic), fsyncs the root, and only then replaces ``latest`` (written to a temporary
-name, fsynced, ``os.replace``'d, root fsynced); then it moves each checkpoint of a step above the new one into
-``superseded/`` (a warning names them: the run went back, so they are a future it abandoned, and
+name, fsynced, ``os.replace``'d, root fsynced); then it moves each other checkpoint of the new one's step or above
+into ``superseded/`` (a warning names them: the run went back, so they are a future it abandoned, and
 pruning by step would have kept them over the checkpoint it resumed from); last it prunes to
 ``keep`` checkpoints, each renamed to ``.trash-...`` (atomic) before being deleted. :func:`abort_checkpoint` deletes the temporary
 directory of a save that failed. :func:`new_checkpoint` is the three as a context manager, for one
@@ -50,7 +50,7 @@ from typing import Any
 from mixprec.messages.location import user_stacklevel
 
 __all__ = ["CheckpointError", "LATEST", "MANIFEST", "SUPERSEDED", "PendingCheckpoint", "begin_checkpoint", "commit_checkpoint",
-           "abort_checkpoint", "new_checkpoint", "resolve_checkpoint", "read_manifest_json", "step_dirs"]
+           "abort_checkpoint", "new_checkpoint", "note_loaded", "resolve_checkpoint", "read_manifest_json", "step_dirs"]
 
 LATEST = "latest"
 SUPERSEDED = "superseded"
@@ -129,11 +129,10 @@ def step_dirs(root: str | Path) -> list[Path]:
 
 
 def _next_name(root: Path, step: int) -> str:
-    name, k = f"step-{step}", 0
-    while (root / name).exists():
-        k += 1
-        name = f"step-{step}.{k}"
-    return name
+    """``step-N``, or past the highest suffix of that step's names here (``step-N.k``, k counting up: a later save
+    sorts after an earlier one even when the earlier plain ``step-N`` was moved away)."""
+    taken = [int(m.group(2) or 0) for e in root.iterdir() if (m := _STEP_RE.match(e.name)) and int(m.group(1)) == step]
+    return f"step-{step}" if not taken else f"step-{step}.{max(taken) + 1}"
 
 
 def _check_keep(keep: int | None, caller: str) -> None:
@@ -186,7 +185,7 @@ def commit_checkpoint(pending: PendingCheckpoint) -> Path:
 
     fsync every file and directory in ``pending.tmp``, rename it to ``step-N`` (atomic), fsync
     the root, replace ``latest`` (temporary name, fsync, ``os.replace``, fsync the root), then
-    move the checkpoints of a step above N into ``superseded/`` (warning), then prune: keep the
+    move the other checkpoints of step N or above into ``superseded/`` (warning), then prune: keep the
     new checkpoint and the newest ``keep - 1`` others, so exactly ``keep``. A failure before the
     rename deletes ``pending.tmp`` and leaves the root as it was.
     """
@@ -205,7 +204,8 @@ def commit_checkpoint(pending: PendingCheckpoint) -> Path:
         os.fsync(f.fileno())
     os.replace(pointer, root / LATEST)  # atomic: latest names the old or the new complete checkpoint
     _fsync_dir(root)
-    _set_aside_future(root, _step_of(name))
+    _set_aside_future(root, name)
+    _PARENT[root.resolve()] = (root / name).resolve()
     if pending.keep is not None:
         others = [d for d in step_dirs(root) if d.name != name]
         for old in others[:max(0, len(others) - (pending.keep - 1))]:
@@ -219,10 +219,25 @@ def _step_of(name: str) -> int:
     return int(_STEP_RE.match(name).group(1))
 
 
-def _set_aside_future(root: Path, step: int) -> None:
-    """Move the complete checkpoints of a step above ``step`` into ``root/superseded/`` (atomic renames within the
-    root), with a warning naming them."""
-    ahead = [d for d in step_dirs(root) if _step_of(d.name) > step]
+_PARENT: dict[Path, Path] = {}   # root -> the step-N directory this process last loaded from or saved there
+
+
+def note_loaded(directory: str | Path) -> None:
+    """Record that this process loaded the checkpoint ``directory`` (a ``step-N`` of its root): a later save under
+    that root descends from it, so the set-aside below keeps it."""
+    directory = Path(directory).resolve()
+    _PARENT[directory.parent] = directory
+
+
+def _set_aside_future(root: Path, name: str) -> None:
+    """Move into ``root/superseded/`` (atomic renames within the root), with a warning naming them, the complete
+    checkpoints of a step above ``name``'s, and those of its step other than the one this run descends from (the
+    checkpoint it last loaded or saved there: :func:`note_loaded`): a run that went back and reached the step again
+    (resumed from step-10, saving at 15 as the abandoned run did) supersedes that step's earlier checkpoint too,
+    while a second save at the same step, or a resume from it, keeps it."""
+    step, parent = _step_of(name), _PARENT.get(root.resolve())
+    ahead = [d for d in step_dirs(root) if d.name != name and (_step_of(d.name) > step or (
+        _step_of(d.name) == step and d.resolve() != parent))]
     if not ahead:
         return
     aside = root / SUPERSEDED
@@ -234,10 +249,11 @@ def _set_aside_future(root: Path, step: int) -> None:
         moved.append(f"{d.name} -> {SUPERSEDED}/{target.name}")
     _fsync_dir(aside)
     _fsync_dir(root)
-    warnings.warn(f"mixprec: checkpoint step-{step} saved under {str(root)!r}, behind {len(moved)} checkpoint(s) "
-                  f"there: the run went back (a resume from an earlier checkpoint, or a rollback), so they are a "
-                  f"future it left. Moved aside, not pruned by keep and not loaded from the root: {', '.join(moved)}; "
-                  f"delete {str(aside)!r} when you no longer need them", stacklevel=user_stacklevel())
+    warnings.warn(f"mixprec: checkpoint {name} saved under {str(root)!r}, at or behind the step of {len(moved)} "
+                  f"checkpoint(s) there: the run went back (a resume from an earlier checkpoint, or a rollback), so "
+                  f"they are a future it left (or an earlier save at this step). Moved aside, not pruned by keep and "
+                  f"not loaded from the root: {', '.join(moved)}; delete {str(aside)!r} when you no longer need them",
+                  stacklevel=user_stacklevel())
 
 
 def abort_checkpoint(pending: PendingCheckpoint) -> None:

@@ -83,7 +83,8 @@ import safetensors.torch
 import torch
 
 from mixprec.auto.pending import adopted_decision, pending_note
-from mixprec.checkpoint.layout import LATEST, MANIFEST, CheckpointError, new_checkpoint, resolve_checkpoint
+from mixprec.checkpoint.layout import (LATEST, MANIFEST, CheckpointError, new_checkpoint, note_loaded,
+                                      resolve_checkpoint)
 from mixprec.checkpoint.manifest import FORMAT, LoadedExtra, Manifest, pin_op_plan
 from mixprec.checkpoint.rng import rng_state, set_rng_state
 from mixprec.checkpoint.tree import STATE_FILE, canonical, decode, dtype_name, encode, write_file
@@ -314,6 +315,7 @@ def _load_state(ck: Checkpoint, mp: MixedPrecision, *, guard: Any, convert: bool
         raise CheckpointError(f"{where}: {err}") from None
     if guard_state is not None:
         guard.load_state_dict(guard_state)
+    note_loaded(ck.path)   # the run's next save under that root descends from it (checkpoint/layout.py)
     if restore_rng:
         set_rng_state(m["rng"], tensors)
     pin_op_plan(m, mp.device.type)
