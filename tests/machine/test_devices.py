@@ -152,3 +152,26 @@ def test_a_probe_whose_fp32_times_disagree_is_noisy_and_not_cached(tmp_path, mon
         assert c.bf16_speed_ratio == 4.0 and c.bf16_fast
     finally:
         devices._probe_cached.cache_clear()
+
+
+def test_a_cached_probe_that_calls_fp16_native_on_a_cpu_without_fp16_instructions_is_corrected(tmp_path, monkeypatch):
+    """A cache file written before the flags decided (a busy machine's timing) said fp16_native=True on an x86 CPU
+    without avx512_fp16/amx_fp16; it was read as it was."""
+    import dataclasses
+    import json
+
+    from mixprec.machine import capability as devices
+
+    monkeypatch.setenv("MIXPREC_CACHE_DIR", str(tmp_path))
+    monkeypatch.setattr(devices, "_fp16_hardware", lambda: (False, "; no avx512_fp16/amx_fp16"))
+    stale = Capability(device="cpu", bf16=True, fp16=True, bf16_fast=True, fp16_native=True, bf16_speed_ratio=4.0,
+                       fp16_speed_ratio=1.5, detail="measured")
+    path = devices._cache_path()
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text(json.dumps(dataclasses.asdict(stale)))
+    devices._probe_cached.cache_clear()
+    try:
+        c = devices.probe("cpu")
+        assert not c.fp16_native and c.bf16_fast and "no avx512_fp16" in c.detail
+    finally:
+        devices._probe_cached.cache_clear()

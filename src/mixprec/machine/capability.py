@@ -18,7 +18,7 @@ import functools
 import json
 import logging
 import platform
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, replace
 from pathlib import Path
 
 import torch
@@ -115,7 +115,11 @@ def _cache_path() -> Path:
 def _probe_cpu() -> Capability:
     path = _cache_path()
     try:
-        return Capability(**json.loads(path.read_text()))
+        cached = Capability(**json.loads(path.read_text()))
+        fp16_hw, hw_note = _fp16_hardware()   # a file written before the flags decided (or on a busy machine)
+        if cached.fp16_native and fp16_hw is False:
+            cached = replace(cached, fp16_native=False, detail=cached.detail + hw_note)
+        return cached
     except (OSError, ValueError, TypeError):
         pass
     cpu = torch.device("cpu")
