@@ -377,3 +377,29 @@ def test_a_peft_lora_run_resumes_bit_exactly_under_16_bit_params(tmp_path, polic
     resumed = run(tmp_path / "b", str(tmp_path / "a" / "checkpoint-3"))
     assert resumed.engine.applied_steps == whole.engine.applied_steps == 6
     _same_weights(whole.engine, resumed.engine)
+
+
+def test_load_best_model_at_end_under_pure_gives_the_masters_the_best_checkpoints_fp32_weights(tmp_path):
+    """The Trainer loads the best checkpoint's model.safetensors (the masters' fp32 values) into the bf16 params;
+    the masters adopted only the rounding (and kept the last step's values where the rounding did not change), so
+    save_model() wrote neither the best nor the last weights. Now it writes the best checkpoint's bit for bit."""
+    from safetensors.torch import load_file
+
+    scores = []
+
+    def score(_):   # the first evaluation is the best
+        scores.append(1)
+        return {"score": -float(len(scores))}
+
+    trainer = MixprecTrainer(_gpt2(), _args(tmp_path, max_steps=8, eval_strategy="steps", eval_steps=2,
+                                            save_strategy="steps", save_steps=2, learning_rate=1e-2,
+                                            load_best_model_at_end=True, metric_for_best_model="score",
+                                            greater_is_better=True),
+                             train_dataset=_data(), eval_dataset=_data(4), policy="bf16-pure", compute_metrics=score)
+    trainer.train()
+    assert trainer.state.best_model_checkpoint.endswith("checkpoint-2")
+    best = load_file(os.path.join(trainer.state.best_model_checkpoint, "model.safetensors"))
+    trainer.save_model(str(tmp_path / "final"))
+    final = load_file(tmp_path / "final" / "model.safetensors")
+    assert final.keys() == best.keys()
+    assert all(torch.equal(final[k], best[k]) for k in best)

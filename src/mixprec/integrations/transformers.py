@@ -48,11 +48,9 @@ from collections.abc import Mapping
 from typing import Any
 
 import torch
-from safetensors.torch import load_file
 from transformers import Trainer, TrainerCallback, TrainingArguments
 from transformers.trainer_utils import PREFIX_CHECKPOINT_DIR
 
-from mixprec.checkpoint.adopt import adopt_fp32_run
 from mixprec.engine.boundary import StepCheck
 from mixprec.engine.mixed_precision import MixedPrecision
 from mixprec.engine.ownership import hand_over, record_hand_over
@@ -60,6 +58,7 @@ from mixprec.engine.records import Event
 from mixprec.integrations.block_state import split_block_state, with_block_state
 from mixprec.integrations.replica_checks import DEFAULT_EVERY, ReplicaChecks
 from mixprec.integrations.resume import load_resumed, restore_replaced_params
+from mixprec.integrations.transformers_files import PRECISION_STATE_NAME, adopt_plain_checkpoint, load_best_fp32
 from mixprec.integrations.transformers_arguments import (FLAG_POLICY, check_flag, check_whole_steps, engine_arguments,
                                                          own_optimizer, record_adopted_flag, refuse_unsupported)
 from mixprec.policy.policy import Policy
@@ -69,7 +68,6 @@ __all__ = ["MixprecTrainer", "EngineOptimizer", "EngineScheduler", "PRECISION_ST
 
 #: The file next to the Trainer's own in each ``checkpoint-N`` folder: the engine's state minus model,
 #: optimizer and scheduler (which the Trainer saves itself).
-PRECISION_STATE_NAME = "mixprec_precision.pt"
 _SAVED_BY_HF = ("model", "optimizer", "scheduler")
 
 
@@ -132,6 +130,11 @@ class _PrecisionState(TrainerCallback):
         trainer = self._trainer()
         if trainer is not None:
             trainer.load_precision_state()
+
+    def on_train_end(self, args: TrainingArguments, state: Any, control: Any, **kwargs: Any) -> None:
+        trainer = self._trainer()   # after the Trainer's load_best_model_at_end: its fp32 values into the masters
+        if trainer is not None and args.load_best_model_at_end and state.best_model_checkpoint:
+            load_best_fp32(trainer.engine, state.best_model_checkpoint)
 
     def on_save(self, args: TrainingArguments, state: Any, control: Any, **kwargs: Any) -> None:
         trainer = self._trainer()
@@ -349,41 +352,6 @@ class MixprecTrainer(Trainer):
         self.resume_dir = None
 
 
-def adopt_plain_checkpoint(mp: MixedPrecision, folder: str, *, steps: int) -> None:
-    """Adopt the ``checkpoint-N`` ``folder`` of a plain ``transformers.Trainer`` (fp32 weights in
-    ``model.safetensors`` or ``pytorch_model.bin``, ``optimizer.pt``; ``steps``: its optimizer steps) into ``mp``,
-    converted to its policy as ``set_policy`` would (:func:`mixprec.checkpoint.adopt.adopt_fp32_run`: an
-    ``"adopt-checkpoint"`` event); tied weights saved once take their twin's value. The Trainer loaded the
-    scheduler and RNG states itself. ValueError for a folder without those files, or 16-bit weights."""
-    names = [n for n in ("model.safetensors", "pytorch_model.bin", "optimizer.pt")
-             if os.path.isfile(os.path.join(folder, n))]
-    if "optimizer.pt" not in names or len(names) < 2:
-        raise ValueError(f"resume_from_checkpoint={folder!r} has no {PRECISION_STATE_NAME} and not a plain Trainer's "
-                         f"model weights and optimizer.pt (found {names}): MixprecTrainer resumes its own checkpoints "
-                         "and adopts a transformers.Trainer's")
-    path = os.path.join(folder, names[0])
-    if names[0].endswith(".safetensors"):
-        weights = load_file(path, device=str(mp.device))
-    else:
-        weights = torch.load(path, map_location=mp.device, weights_only=True)
-    optimizer_state = torch.load(os.path.join(folder, "optimizer.pt"), map_location=mp.device, weights_only=True)
-    adopt_fp32_run(mp, _with_tied(mp.module, weights), optimizer_state, steps=steps,
-                   source=f"transformers.Trainer checkpoint {os.path.basename(os.path.normpath(folder))}")
-
-
-def _with_tied(module: torch.nn.Module, saved: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
-    """``saved`` with each name it left out that shares its tensor with a saved name (tied weights, which
-    ``save_pretrained`` writes once) given that name's value; other missing names stay missing (the load names them)."""
-    own = module.state_dict(keep_vars=True)
-    twins: dict[int, list[str]] = {}
-    for name, tensor in own.items():
-        twins.setdefault(id(tensor), []).append(name)
-    out = dict(saved)
-    for name, tensor in own.items():
-        twin = next((n for n in twins[id(tensor)] if n in saved), None) if name not in saved else None
-        if twin is not None:
-            out[name] = saved[twin]
-    return out
 
 
 def fp32_state_dict(mp: MixedPrecision) -> dict[str, torch.Tensor]:
