@@ -19,12 +19,12 @@ and the pruning; only what goes inside a ``step-N`` directory differs::
 checkpoint and makes its temporary directory; the caller writes any files (any tree) into
 ``pending.tmp``; :func:`commit_checkpoint` fsyncs every file and directory in it, renames it to
 ``step-N`` (atomic), fsyncs the root, and only then replaces ``latest`` (written to a temporary
-name, fsynced, ``os.replace``'d, root fsynced); then it moves each other checkpoint of the new one's step or above
-into ``superseded/`` (a warning names them: the run went back, so they are a future it abandoned, and
-pruning by step would have kept them over the checkpoint it resumed from); last it prunes to
-``keep`` checkpoints, each renamed to ``.trash-...`` (atomic) before being deleted. :func:`abort_checkpoint` deletes the temporary
-directory of a save that failed. :func:`new_checkpoint` is the three as a context manager, for one
-writing process. A process killed at any moment therefore leaves ``latest`` naming a complete
+name, fsynced, ``os.replace``'d, root fsynced); then it moves each other checkpoint of the new
+one's step or above into ``superseded/`` (a warning names them: the run went back, so they are a
+future it abandoned, and pruning by step would have kept them over the checkpoint it resumed from);
+last it prunes to ``keep`` checkpoints, each renamed to ``.trash-...`` (atomic) before being
+deleted. :func:`abort_checkpoint` deletes the temporary directory of a save that failed.
+:func:`new_checkpoint` is the three as a context manager, for one writing process. A process killed at any moment therefore leaves ``latest`` naming a complete
 checkpoint: the previous one, or the new one. One writer per root (under torch.distributed: rank 0
 begins and commits, every rank writes into ``pending.tmp``).
 
@@ -49,8 +49,9 @@ from typing import Any
 
 from mixprec.messages.location import user_stacklevel
 
-__all__ = ["CheckpointError", "LATEST", "MANIFEST", "SUPERSEDED", "PendingCheckpoint", "begin_checkpoint", "commit_checkpoint",
-           "abort_checkpoint", "new_checkpoint", "note_loaded", "resolve_checkpoint", "read_manifest_json", "step_dirs"]
+__all__ = ["CheckpointError", "LATEST", "MANIFEST", "SUPERSEDED", "PendingCheckpoint", "begin_checkpoint",
+           "commit_checkpoint", "abort_checkpoint", "new_checkpoint", "note_loaded", "resolve_checkpoint",
+           "read_manifest_json", "step_dirs"]
 
 LATEST = "latest"
 SUPERSEDED = "superseded"
