@@ -24,9 +24,10 @@ one's step or above into ``superseded/`` (a warning names them: the run went bac
 future it abandoned, and pruning by step would have kept them over the checkpoint it resumed from);
 last it prunes to ``keep`` checkpoints, each renamed to ``.trash-...`` (atomic) before being
 deleted. :func:`abort_checkpoint` deletes the temporary directory of a save that failed.
-:func:`new_checkpoint` is the three as a context manager, for one writing process. A process killed at any moment therefore leaves ``latest`` naming a complete
-checkpoint: the previous one, or the new one. One writer per root (under torch.distributed: rank 0
-begins and commits, every rank writes into ``pending.tmp``).
+:func:`new_checkpoint` is the three as a context manager, for one writing process. A process
+killed at any moment therefore leaves ``latest`` naming a complete checkpoint: the previous one, or
+the new one. One writer per root (under torch.distributed: rank 0 begins and commits, every rank
+writes into ``pending.tmp``).
 
 **Reading.** :func:`resolve_checkpoint` turns a root (following ``latest``) or a ``step-N`` path
 into the checkpoint directory; :func:`read_manifest_json` also parses its ``manifest.json`` (the
