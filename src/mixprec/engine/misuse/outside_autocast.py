@@ -9,8 +9,6 @@ cause nor the fix: said once, before it fails, with the fix. Pure: no host sync.
 
 from __future__ import annotations
 
-from typing import Any
-
 import torch
 
 from mixprec.policy.policy import Policy
